@@ -1,0 +1,159 @@
+"""Allocator configuration and the rules that make one valid.
+
+A configuration is the allocator's view of a hybrid model: its KV-cache groups
+(full attention, sliding-window attention, Mamba), their block sizes, the hash
+and scheduler block sizes, the retention interval, Eagle/MTP, caching and the
+pinned tier of #40676 (an option of ours; vLLM never merged it).
+
+Validation follows vLLM 0.33.0 (`kv_cache_coordinator.py`,
+`_validate_prefix_cache_retention_interval`) and the seeds (#43447, #45845):
+the retention interval is None (dense), 0 (latest replayable prompt boundary
+only) or a positive multiple of the scheduler block size, and a model with no
+sliding-window or Mamba group accepts only None or 0.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+from functools import reduce
+from typing import Literal
+
+GroupKind = Literal["full", "swa", "mamba"]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the field and the rule."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One KV-cache group: its kind, block size (tokens) and kind-specific fields."""
+
+    kind: GroupKind
+    block_size: int
+    sliding_window: int | None = None
+    mamba_cache_mode: Literal["align", "none"] = "align"
+
+
+@dataclass(frozen=True)
+class Config:
+    """An allocator configuration.
+
+    `hash_block_size` and `scheduler_block_size` default to the gcd and lcm of
+    the group block sizes, as vLLM's `resolve_kv_cache_block_sizes` does.
+    `retention_interval`: None = dense, 0 = only the latest replayable prompt
+    boundary, k > 0 = one SWA tail / Mamba state per k-token segment plus it.
+    `pin_swa_on_drop` / `pin_min_drop_blocks`: the #40676 pinned tier.
+    """
+
+    groups: tuple[GroupSpec, ...]
+    num_blocks: int
+    retention_interval: int | None = None
+    eagle: bool = False
+    enable_caching: bool = True
+    pin_swa_on_drop: bool = False
+    pin_min_drop_blocks: int = 1
+    hash_block_size: int = 0
+    scheduler_block_size: int = 0
+    max_model_len: int = 1 << 20
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        sizes = [g.block_size for g in self.groups if g.block_size > 0]
+        if sizes and self.hash_block_size == 0:
+            object.__setattr__(self, "hash_block_size", reduce(math.gcd, sizes))
+        if sizes and self.scheduler_block_size == 0:
+            object.__setattr__(self, "scheduler_block_size", reduce(_lcm, sizes))
+
+    @property
+    def has_retention_group(self) -> bool:
+        return any(g.kind in ("swa", "mamba") for g in self.groups)
+
+    @property
+    def has_mamba(self) -> bool:
+        return any(g.kind == "mamba" for g in self.groups)
+
+    @property
+    def effective_retention(self) -> int | None:
+        """The interval in force: None (dense) when caching is off."""
+        return self.retention_interval if self.enable_caching else None
+
+    def with_(self, **changes: object) -> Config:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+def validate(cfg: Config) -> Config:
+    """Return `cfg` if valid, else raise ConfigError naming the field and rule.
+
+    Rules (vLLM 0.33.0 texts where vLLM has the rule):
+    - at least one group; block sizes positive; windows >= 1 for SWA groups;
+    - the hash block size divides every group block size, and every group
+      block size divides the scheduler block size;
+    - num_blocks >= 2 (block 0 is the null block);
+    - retention on a model with no SWA/Mamba group: only None or 0;
+    - otherwise retention is None or a non-negative multiple of the scheduler
+      block size;
+    - Mamba prefix caching needs mamba_cache_mode 'align';
+    - retention with caching disabled is ignored with a warning.
+    """
+    if not cfg.groups:
+        raise ConfigError("groups: a configuration needs at least one KV-cache group")
+    for i, g in enumerate(cfg.groups):
+        if g.kind not in ("full", "swa", "mamba"):
+            raise ConfigError(f"groups[{i}].kind: must be 'full', 'swa' or 'mamba', got {g.kind!r}")
+        if not isinstance(g.block_size, int) or g.block_size <= 0:
+            raise ConfigError(f"groups[{i}].block_size: must be a positive integer, got {g.block_size!r}")
+        if g.kind == "swa" and (g.sliding_window is None or g.sliding_window < 1):
+            raise ConfigError(f"groups[{i}].sliding_window: an 'swa' group needs a window >= 1")
+        if g.kind != "swa" and g.sliding_window is not None:
+            raise ConfigError(f"groups[{i}].sliding_window: only 'swa' groups have a window")
+        if g.kind == "mamba" and g.mamba_cache_mode not in ("align", "none"):
+            raise ConfigError(f"groups[{i}].mamba_cache_mode: must be 'align' or 'none'")
+        if g.kind == "mamba" and cfg.enable_caching and g.mamba_cache_mode != "align":
+            raise ConfigError(
+                f"groups[{i}].mamba_cache_mode: Mamba prefix caching requires mamba_cache_mode='align'"
+            )
+    hbs, sbs = cfg.hash_block_size, cfg.scheduler_block_size
+    for i, g in enumerate(cfg.groups):
+        if g.block_size % hbs:
+            raise ConfigError(
+                f"hash_block_size ({hbs}): must divide every group block size "
+                f"(groups[{i}].block_size = {g.block_size})"
+            )
+        if sbs % g.block_size:
+            raise ConfigError(
+                f"scheduler_block_size ({sbs}): must be a multiple of every group block size "
+                f"(groups[{i}].block_size = {g.block_size})"
+            )
+    if cfg.num_blocks < 2:
+        raise ConfigError(f"num_blocks: must be >= 2 (block 0 is the null block), got {cfg.num_blocks}")
+    if cfg.pin_min_drop_blocks < 0:
+        raise ConfigError("pin_min_drop_blocks: must be non-negative")
+    r = cfg.retention_interval
+    if r is not None:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise ConfigError(f"retention_interval: must be None or an integer, got {r!r}")
+        if not cfg.has_retention_group:
+            if r != 0:
+                raise ConfigError(
+                    "prefix_cache_retention_interval is set but this model has no "
+                    "sliding-window or Mamba KV cache group, so retention has no effect. "
+                    "Set it to 0 (it only applies to sliding-window and Mamba attention)."
+                )
+        elif r < 0 or r % sbs != 0:
+            raise ConfigError(
+                f"prefix_cache_retention_interval ({r}) must be non-negative and a "
+                f"multiple of scheduler_block_size ({sbs})."
+            )
+        if not cfg.enable_caching and r not in (None, 0):
+            warnings.warn(
+                "retention_interval is ignored because prefix caching is disabled",
+                stacklevel=2,
+            )
+    return cfg

@@ -1,0 +1,157 @@
+"""The observable state of an allocator: what a differential check compares.
+
+A hash is named by its content, never by its bytes: `BlockKey(group, tokens)`
+stands for "the hash of the prefix `tokens` in KV-cache group `group`". Two
+allocators agree on a hash exactly when they agree on the prefix it covers, so
+targets that hash differently (sha256 in vLLM, anything in the model) compare
+without sharing a hash function.
+
+Block ids are compared exactly: vLLM hands them out deterministically (null
+block 0, a fresh free queue in id order), so the model predicts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+Tokens = tuple[int, ...]
+BlockIds = tuple[int, ...]
+
+
+@dataclass(frozen=True, order=True)
+class BlockKey:
+    """The hash of the token prefix `tokens` in group `group` (vLLM's BlockHashWithGroupId)."""
+
+    group: int
+    tokens: Tokens
+
+    def short(self) -> str:
+        return f"g{self.group}:{len(self.tokens)}t"
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks entered the hash map. `block_hashes` are the keys' prefixes, in block order."""
+
+    group: int
+    block_hashes: tuple[Tokens, ...]
+    parent: Tokens | None
+    token_ids: Tokens
+    block_size: int
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """One key left the hash map."""
+
+    group: int
+    block_hash: Tokens
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    """Outcome of one `Schedule` step.
+
+    `scheduled` is the number of new tokens the step computed (0 when the
+    request was not scheduled: allocation failed or the chunk rounded to 0).
+    Admission fields (`hit`, `shared_prefix_boundary`, `hit_blocks`) are None
+    for a request that was already running. `new_blocks` is the per-group list
+    `allocate_slots` returned (null padding included), None when it failed.
+    """
+
+    scheduled: int
+    admitted: bool
+    hit: int | None = None
+    shared_prefix_boundary: int | None = None
+    hit_blocks: tuple[BlockIds, ...] | None = None
+    new_blocks: tuple[BlockIds, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    hit: int
+    shared_prefix_boundary: int
+    hit_blocks: tuple[BlockIds, ...]
+
+
+@dataclass(frozen=True)
+class ResetResult:
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Done:
+    """Operations with no return value (add, finish, preempt, evict)."""
+
+
+Observation = Union[ScheduleResult, ProbeResult, ResetResult, Done]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything observable about an allocator between two operations.
+
+    - `free_queue`: the regular free queue, head (reused first) to tail.
+    - `pinned_queue`: the pinned tier (#40676), oldest first; empty when off.
+    - `ref_cnt[i]`: ref count of block i (block 0 is the null block: 0).
+    - `pinned`: ids of blocks whose pinned flag is set.
+    - `cached`: hash map, key -> block ids in insertion order.
+    - `block_hash`: each hashed block's primary key.
+    - `tables`: per request id, per group, the block table (null = 0).
+    - `events`: KV events emitted since the previous snapshot.
+    """
+
+    free_queue: BlockIds
+    pinned_queue: BlockIds
+    ref_cnt: tuple[int, ...]
+    pinned: frozenset[int]
+    cached: dict[BlockKey, BlockIds]
+    block_hash: dict[int, BlockKey]
+    tables: dict[str, tuple[BlockIds, ...]]
+    events: tuple[Event, ...] = field(default=())
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.ref_cnt)
+
+
+def diff_snapshots(expected: Snapshot, actual: Snapshot) -> list[str]:
+    """Human-readable differences, one line per differing field (empty when equal)."""
+    lines: list[str] = []
+    for name in ("free_queue", "pinned_queue", "pinned", "events"):
+        a, b = getattr(expected, name), getattr(actual, name)
+        if a != b:
+            lines.append(f"{name}: expected {_fmt(a)}, got {_fmt(b)}")
+    if expected.ref_cnt != actual.ref_cnt:
+        bad = [
+            f"block {i}: {x} != {y}"
+            for i, (x, y) in enumerate(zip(expected.ref_cnt, actual.ref_cnt))
+            if x != y
+        ]
+        if len(expected.ref_cnt) != len(actual.ref_cnt):
+            bad.append(f"num blocks {len(expected.ref_cnt)} != {len(actual.ref_cnt)}")
+        lines.append("ref_cnt: " + "; ".join(bad))
+    for name in ("cached", "block_hash", "tables"):
+        a, b = getattr(expected, name), getattr(actual, name)
+        if a != b:
+            keys = sorted(set(a) | set(b), key=repr)
+            for k in keys:
+                if a.get(k) != b.get(k):
+                    label = k.short() if isinstance(k, BlockKey) else k
+                    va, vb = a.get(k), b.get(k)
+                    lines.append(f"{name}[{label}]: expected {_fmt(va)}, got {_fmt(vb)}")
+    return lines
+
+
+def _fmt(value: object, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

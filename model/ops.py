@@ -1,0 +1,126 @@
+"""The operation vocabulary: what a scheduler asks of a KV-cache allocator.
+
+Every target (the model, `reference_impl`, vLLM) is driven by the same
+operations, and a trace is a list of them. Each operation is one scheduler
+step: the allocator sees `new_step_starts()` before it.
+
+Contract of each operation (see `docs/semantics.md` for the full text):
+
+- `AddRequest(rid, prompt)`: a request arrives and waits. No allocator effect.
+- `Schedule(rid, budget)`: one step for one request, at most `budget` new
+  tokens. A waiting (new or preempted) request is admitted: prefix-cache
+  lookup, then `allocate_slots` for the hit plus the first chunk. A running
+  request gets its next prefill chunk or one decode token.
+- `Sample(rid, token)`: the step computed every known token of `rid`, and the
+  model sampled `token` (vLLM's `update_from_output`): it is appended to the
+  request. Valid only for a running request with no uncomputed token.
+- `Finish(rid)`: the request ends; all its blocks are freed.
+- `Preempt(rid)`: a running request loses its blocks and waits again with its
+  tokens (prompt and outputs) kept, to be re-admitted by a later `Schedule`.
+- `Probe(tokens)`: a pure lookup for a request with these tokens (no effect).
+- `ResetPrefixCache()`: drop every cached hash if no block is in use.
+- `EvictBlocks(block_ids)`: drop the hashes of the given blocks (KV offload /
+  corruption recovery path); ref counts and queue positions are untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    rid: str
+    prompt: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    rid: str
+    budget: int
+
+
+@dataclass(frozen=True)
+class Sample:
+    rid: str
+    token: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    rid: str
+
+
+@dataclass(frozen=True)
+class Preempt:
+    rid: str
+
+
+@dataclass(frozen=True)
+class Probe:
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    pass
+
+
+@dataclass(frozen=True)
+class EvictBlocks:
+    block_ids: tuple[int, ...]
+
+
+Op = Union[AddRequest, Schedule, Sample, Finish, Preempt, Probe, ResetPrefixCache, EvictBlocks]
+
+OP_TYPES: dict[str, type] = {
+    "add": AddRequest,
+    "schedule": Schedule,
+    "sample": Sample,
+    "finish": Finish,
+    "preempt": Preempt,
+    "probe": Probe,
+    "reset": ResetPrefixCache,
+    "evict": EvictBlocks,
+}
+_OP_NAMES = {cls: name for name, cls in OP_TYPES.items()}
+
+
+def op_to_json(op: Op) -> dict[str, Any]:
+    """A JSON-ready dict: {"op": name, **fields}; tuples become lists."""
+    out: dict[str, Any] = {"op": _OP_NAMES[type(op)]}
+    for key, value in vars(op).items():
+        out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def op_from_json(data: Any) -> Op:
+    """Inverse of `op_to_json`; raises ValueError naming what is malformed."""
+    if not isinstance(data, dict) or "op" not in data:
+        raise ValueError(f"operation must be an object with an 'op' field, got {data!r}")
+    name = data["op"]
+    cls = OP_TYPES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown operation {name!r} (expected one of {sorted(OP_TYPES)})")
+    fields = {k: v for k, v in data.items() if k != "op"}
+    expected = set(cls.__dataclass_fields__)
+    if set(fields) != expected:
+        raise ValueError(f"operation {name!r} needs fields {sorted(expected)}, got {sorted(fields)}")
+    for key in ("prompt", "tokens", "block_ids"):
+        if key in fields:
+            value = fields[key]
+            if not isinstance(value, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in value
+            ):
+                raise ValueError(f"operation {name!r}: field {key!r} must be a list of integers")
+            fields[key] = tuple(value)
+    for key in ("budget", "token"):
+        if key in fields and (not isinstance(fields[key], int) or isinstance(fields[key], bool)):
+            raise ValueError(f"operation {name!r}: field {key!r} must be an integer")
+    if "budget" in fields and fields["budget"] < 1:
+        raise ValueError(f"operation {name!r}: field 'budget' must be >= 1")
+    if "rid" in fields and not isinstance(fields["rid"], str):
+        raise ValueError(f"operation {name!r}: field 'rid' must be a string")
+    op: Op = cls(**fields)
+    return op
