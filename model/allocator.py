@@ -1,0 +1,478 @@
+"""AllocatorModel: the executable specification of a hybrid prefix-caching allocator.
+
+It applies the operations of `model.ops` and predicts, exactly, what vLLM
+0.33.0's `KVCacheManager` does for the configurations kvretain generates
+(docs/semantics.md): block ids per group, hit lengths and the shared-prefix
+junction, ref counts, the hash map, the free-queue order per tier, allocation
+failures and KV events. Speed is not a goal: lists, sets and brute force.
+
+Per-group state mirrors vLLM's single-type managers: the block table (null =
+0), how many leading blocks have been through caching, and for Mamba the index
+of the previous state block and how many leading blocks were retired.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.config import Config, GroupSpec, validate
+from model.lookup import Layout, full_hit, mamba_hit, swa_hit
+from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks, swa_tail_blocks
+from model.observation import (
+    BlockKey,
+    Done,
+    Observation,
+    ProbeResult,
+    ResetResult,
+    ScheduleResult,
+    Snapshot,
+    Tokens,
+)
+from model.ops import (
+    AddRequest,
+    EvictBlocks,
+    Finish,
+    Op,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    Sample,
+    Schedule,
+)
+from model.pool import Pool
+from model.scheduling import mamba_checkpoint_position, mamba_chunk
+
+
+@dataclass
+class RequestState:
+    rid: str
+    prompt: Tokens
+    outputs: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    running: bool = False
+    shared_prefix_boundary: int = 0
+
+    @property
+    def tokens(self) -> Tokens:
+        return self.prompt + tuple(self.outputs)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.outputs)
+
+
+@dataclass
+class GroupState:
+    gid: int
+    spec: GroupSpec
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    num_cached: dict[str, int] = field(default_factory=dict)
+    last_state: dict[str, int] = field(default_factory=dict)
+    retired: dict[str, int] = field(default_factory=dict)
+    allocated: set[str] = field(default_factory=set)
+    cached_this_step: set[BlockKey] = field(default_factory=set)
+
+    @property
+    def bs(self) -> int:
+        return self.spec.block_size
+
+    def table(self, rid: str) -> list[int]:
+        return self.tables.setdefault(rid, [])
+
+
+class AllocatorModel:
+    def __init__(self, config: Config, events: str = "seed") -> None:
+        self.cfg = validate(config)
+        self.pool = Pool(config.num_blocks, config.hash_block_size, config.enable_caching, events)
+        self.groups = [GroupState(i, g) for i, g in enumerate(config.groups)]
+        self.requests: dict[str, RequestState] = {}
+        self.hybrid = len(config.groups) > 1
+        self.alignment = config.scheduler_block_size
+
+    # ------------------------------------------------------------------ ops
+    def apply(self, op: Op) -> Observation:
+        if isinstance(op, AddRequest):
+            assert op.rid not in self.requests, f"request {op.rid} already exists"
+            self.requests[op.rid] = RequestState(op.rid, op.prompt)
+            return Done()
+        if isinstance(op, Schedule):
+            self._new_step()
+            return self._schedule(self.requests[op.rid], op.budget)
+        if isinstance(op, Sample):
+            req = self.requests[op.rid]
+            assert req.running and req.num_computed == req.num_tokens, f"{op.rid} is not waiting for a sample"
+            req.outputs.append(op.token)
+            return Done()
+        if isinstance(op, Finish):
+            self._free(op.rid)
+            del self.requests[op.rid]
+            return Done()
+        if isinstance(op, Preempt):
+            req = self.requests[op.rid]
+            assert req.running, f"preempting {op.rid}, which is not running"
+            self._free(op.rid)
+            req.running, req.num_computed = False, 0
+            return Done()
+        if isinstance(op, Probe):
+            layouts, hit, spb = self._find_hit(op.tokens)
+            return ProbeResult(hit, spb, self._hit_blocks(op.tokens, layouts))
+        if isinstance(op, ResetPrefixCache):
+            return ResetResult(self.pool.reset_prefix_cache())
+        if isinstance(op, EvictBlocks):
+            self.pool.evict_blocks(op.block_ids)
+            return Done()
+        raise TypeError(f"unknown operation {op!r}")
+
+    def snapshot(self) -> Snapshot:
+        events = tuple(self.pool.events)
+        self.pool.events.clear()
+        tables: dict[str, tuple[tuple[int, ...], ...]] = {}
+        for rid in sorted({r for g in self.groups for r, t in g.tables.items() if t}):
+            tables[rid] = tuple(tuple(g.tables.get(rid, ())) for g in self.groups)
+        return Snapshot(
+            free_queue=tuple(self.pool.queue.blocks),
+            pinned_queue=tuple(self.pool.pinned_tier.blocks),
+            ref_cnt=tuple(self.pool.ref),
+            pinned=frozenset(self.pool.pinned),
+            cached={k: tuple(v) for k, v in self.pool.cached.items()},
+            block_hash=dict(self.pool.primary),
+            tables=tables,
+            events=events,
+        )
+
+    # ----------------------------------------------------------- scheduling
+    def _new_step(self) -> None:
+        for g in self.groups:
+            g.cached_this_step.clear()
+
+    def _schedule(self, req: RequestState, budget: int) -> ScheduleResult:
+        if req.running:
+            n = self._chunk(req, req.num_computed, min(req.num_tokens - req.num_computed, budget), budget)
+            if n <= 0:
+                return ScheduleResult(scheduled=0, admitted=False)
+            new = self._allocate_slots(req, n, 0, None)
+            if new is None:
+                return ScheduleResult(scheduled=0, admitted=False)
+            req.num_computed += n
+            return ScheduleResult(scheduled=n, admitted=False, new_blocks=new)
+        layouts, hit, spb = self._find_hit(req.tokens, req.num_tokens - 1)
+        hit_blocks = self._hit_blocks(req.tokens, layouts)
+        req.shared_prefix_boundary = spb
+        n = self._chunk(req, hit, min(req.num_tokens - hit, budget), budget)
+        result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
+        if n <= 0:
+            return result
+        new = self._allocate_slots(req, n, hit, hit_blocks)
+        if new is None:
+            return result
+        req.running, req.num_computed = True, hit + n
+        return ScheduleResult(n, True, hit, spb, hit_blocks, new)
+
+    def _chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:
+        if not self.cfg.has_mamba:
+            return n
+        return mamba_chunk(
+            start=start,
+            num_new=n,
+            budget=budget,
+            num_prompt_tokens=len(req.prompt),
+            num_tokens=req.num_tokens,
+            shared_prefix_boundary=req.shared_prefix_boundary,
+            block_size=self.cfg.scheduler_block_size,
+            eagle=self.cfg.eagle,
+        )
+
+    # --------------------------------------------------------------- lookup
+    def _cached_fn(self, tokens: Tokens, gids: list[int], bs: int):  # type: ignore[no-untyped-def]
+        return lambda j: all(BlockKey(g, tokens[: (j + 1) * bs]) in self.pool.cached for g in gids)
+
+    def _finder(self, tokens: Tokens, spec: GroupSpec, gids: list[int], max_len: int, drop: bool, a: int) -> Layout:
+        cached = self._cached_fn(tokens, gids, spec.block_size)
+        if spec.kind == "full":
+            return full_hit(cached, max_len, spec.block_size, a, drop)
+        if spec.kind == "swa":
+            assert spec.sliding_window is not None
+            need = swa_tail_blocks(spec.sliding_window, spec.block_size, drop)
+            return swa_hit(cached, max_len, spec.block_size, a, need, drop)
+        return mamba_hit(cached, max_len, spec.block_size, a)
+
+    def _find_hit(self, tokens: Tokens, max_len: int | None = None) -> tuple[dict[int, Layout], int, int]:
+        """Per-group hit layouts, the reconciled hit and the shared-prefix boundary."""
+        if max_len is None:
+            max_len = len(tokens) - 1
+        if not self.cfg.enable_caching or max_len <= 0:
+            return {g.gid: [] for g in self.groups}, 0, 0
+        if not self.hybrid:
+            g = self.groups[0]
+            layout = self._finder(tokens, g.spec, [0], max_len, self.cfg.eagle, g.bs)
+            return {0: layout}, len(layout) * g.bs, 0
+        hashed = len(tokens) // self.cfg.hash_block_size * self.cfg.hash_block_size
+        spec_groups: dict[tuple[object, ...], list[int]] = {}
+        for g in self.groups:
+            spec_groups.setdefault((g.spec.kind, g.spec.block_size, g.spec.sliding_window), []).append(g.gid)
+        ordered = sorted(spec_groups.values(), key=lambda gids: self.groups[gids[0]].spec.kind != "full")
+        simple = len(ordered) == 2 and self.groups[ordered[0][0]].spec.kind == "full"
+        layouts: dict[int, Layout] = {}
+        hit_by_group: dict[int, int] = {}
+        hit, longest = max_len, 0
+        verified: set[int] = set()
+        while True:
+            cur = hit
+            for idx, gids in enumerate(ordered):
+                spec = self.groups[gids[0]].spec
+                if spec.kind == "full" and gids[0] in layouts:
+                    cur = min(cur, hit_by_group[gids[0]])
+                    continue
+                drop = self.cfg.eagle and idx not in verified
+                limit = min(cur + spec.block_size, hashed) if drop and spec.kind != "mamba" else cur
+                layout = self._finder(tokens, spec, gids, limit, drop, self.alignment)
+                h = len(layout) * spec.block_size
+                if drop:
+                    verified.add(idx)
+                elif h < cur:
+                    verified.clear()
+                cur = h
+                for gid in gids:
+                    layouts[gid], hit_by_group[gid] = layout, h
+                longest = max(longest, cur)
+            if cur >= hit:
+                break
+            hit = cur
+            if simple:
+                break
+        for g in self.groups:
+            if g.spec.kind == "full":
+                layouts[g.gid] = layouts[g.gid][: cdiv(hit, g.bs)]
+        uncached = longest - hit
+        return layouts, hit, (hit + uncached if uncached else 0)
+
+    def _hit_blocks(self, tokens: Tokens, layouts: dict[int, Layout]) -> tuple[tuple[int, ...], ...]:
+        out = []
+        for g in self.groups:
+            blocks = []
+            for j in layouts[g.gid]:
+                b = None if j is None else self.pool.lookup(BlockKey(g.gid, tokens[: (j + 1) * g.bs]))
+                blocks.append(b or 0)
+            out.append(tuple(blocks))
+        return tuple(out)
+
+    # ----------------------------------------------------------- allocation
+    def _allocate_slots(
+        self, req: RequestState, n: int, hit: int, hit_blocks: tuple[tuple[int, ...], ...] | None
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """vLLM `KVCacheManager.allocate_slots` (order of effects matters)."""
+        rid = req.rid
+        hits = hit_blocks if hit_blocks is not None and any(hit_blocks) else None
+        local = req.num_computed + hit
+        total = min(local, self.cfg.max_model_len)
+        main = total + n
+        need_slot = min(main, self.cfg.max_model_len)
+        for g in self.groups:
+            self._remove_skipped(g, rid, total)
+        need = sum(
+            self._blocks_to_allocate(g, rid, need_slot, hits[g.gid] if hits else (), local, main)
+            for g in self.groups
+        )
+        if need > self.pool.num_free():
+            return None
+        if hits is not None and not any(rid in g.num_cached for g in self.groups):
+            for g in self.groups:
+                self._add_hit_blocks(g, rid, hits[g.gid], local)
+        new = tuple(tuple(self._allocate_new(g, rid, need_slot, main)) for g in self.groups)
+        if self.cfg.enable_caching:
+            self._cache_blocks(req, min(total + n, req.num_tokens))
+        return new
+
+    def _skipped_tokens(self, g: GroupState, computed: int) -> int:
+        if g.spec.kind == "swa":
+            assert g.spec.sliding_window is not None
+            return max(0, computed - g.spec.sliding_window + 1)
+        if g.spec.kind == "mamba":
+            return computed - 1
+        return 0
+
+    def _remove_skipped(self, g: GroupState, rid: str, computed: int) -> None:
+        """Free blocks no future token of `rid` reads (out of window / stale state)."""
+        skipped = self._skipped_tokens(g, computed)
+        if g.spec.kind == "mamba":
+            table = g.table(rid)
+            if skipped > 0:
+                first = g.retired.get(rid, 0)
+                last = min(skipped // g.bs, len(table))
+                if first < last:
+                    freed = [table[i] for i in range(last - 1, first - 1, -1) if table[i]]
+                    for i in range(first, last):
+                        table[i] = 0
+                    if freed:
+                        self.pool.free(freed)
+                    g.retired[rid] = last
+            prev = g.last_state.get(rid)
+            if prev is not None and prev < cdiv(computed, g.bs) - 1 and table[prev]:
+                self.pool.free([table[prev]])
+                table[prev] = 0
+            return
+        if skipped <= 0:
+            return
+        table = g.table(rid)
+        freed = []
+        for i in range(min(skipped // g.bs, len(table)) - 1, -1, -1):
+            if table[i] == 0:
+                break
+            freed.append(table[i])
+            table[i] = 0
+        if not freed:
+            return
+        if g.spec.kind == "swa" and self.cfg.pin_swa_on_drop and len(freed) >= self.cfg.pin_min_drop_blocks:
+            assert g.spec.sliding_window is not None
+            self.pool.pin(freed[: swa_tail_blocks(g.spec.sliding_window, g.bs, self.cfg.eagle)])
+        self.pool.free(freed)
+
+    def _blocks_to_allocate(
+        self, g: GroupState, rid: str, num_tokens: int, hits: tuple[int, ...], local: int, main: int
+    ) -> int:
+        evictable = sum(1 for b in hits if b and self.pool.ref[b] == 0)
+        if g.spec.kind == "mamba":
+            if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
+                return self.cfg.num_blocks + 1
+            new = cdiv(main, g.bs) - len(hits) - len(g.tables.get(rid, ()))
+            return (min(new, 1) if new > 0 else new) + evictable
+        required = cdiv(num_tokens, g.bs)
+        have = len(g.tables.get(rid, ()))
+        if rid in g.num_cached:
+            return max(required - have, 0)
+        skipped_blocks = self._skipped_tokens(g, local) // g.bs
+        new = max(required - max(skipped_blocks, len(hits) + have), 0)
+        skip_hits = max(0, skipped_blocks - have)
+        return new + sum(1 for b in hits[skip_hits:] if b and self.pool.ref[b] == 0)
+
+    def _add_hit_blocks(self, g: GroupState, rid: str, hits: tuple[int, ...], local: int) -> None:
+        table = g.table(rid)
+        assert not table
+        skipped = self._skipped_tokens(g, local) // g.bs
+        kept = list(hits[skipped:]) if skipped > 0 else list(hits)
+        if self.cfg.enable_caching:
+            self.pool.touch(kept)
+        table.extend([0] * max(skipped, 0) + kept)
+        g.num_cached[rid] = len(table)
+
+    def _allocate_new(self, g: GroupState, rid: str, num_tokens: int, main: int) -> list[int]:
+        table = g.table(rid)
+        if g.spec.kind != "mamba":
+            new = cdiv(num_tokens, g.bs) - len(table)
+            if new <= 0:
+                return []
+            blocks = self.pool.get_new_blocks(new)
+            table.extend(blocks)
+            return blocks
+        # Mamba align: one state block at the position of the chunk's last token.
+        required = cdiv(main, g.bs)
+        if required <= len(table):
+            g.allocated.add(rid)
+            return []
+        prev = len(table)
+        if prev > 0:
+            g.last_state[rid] = prev - 1
+        if prev < required - 1:
+            table.extend([0] * (required - 1 - prev))
+        blocks = self.pool.get_new_blocks(max(required - len(table), 0))
+        returned = table[prev:] + blocks
+        table.extend(blocks)
+        g.allocated.add(rid)
+        return returned
+
+    # -------------------------------------------------------------- caching
+    def _cacheable_tokens(self, g: GroupState, n: int) -> int:
+        if not self.hybrid:
+            return n
+        sbs = self.cfg.scheduler_block_size
+        aligned = n // sbs * sbs
+        if self.cfg.eagle and aligned > 0:
+            return min(n, aligned + g.bs)
+        return aligned
+
+    def _cache_blocks(self, req: RequestState, num_tokens: int) -> None:
+        cfg = self.cfg
+        boundaries = list(replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle))
+        tokens = req.tokens
+        hashed = req.num_tokens // cfg.hash_block_size * cfg.hash_block_size
+        for g in self.groups:
+            n = self._cacheable_tokens(g, num_tokens)
+            before = g.num_cached.get(req.rid, 0)
+            num_full = min(n, hashed) // g.bs
+            if before < num_full:
+                reach = list(boundaries)
+                if req.shared_prefix_boundary:
+                    reach.append(req.shared_prefix_boundary)
+                    if cfg.eagle:
+                        reach.append(req.shared_prefix_boundary - g.bs)
+                kept = self._kept(g, before, num_full, reach)
+                self.pool.cache_full_blocks(tokens, g.table(req.rid), before, num_full, g.bs, g.gid, kept)
+                g.num_cached[req.rid] = num_full
+            if g.spec.kind == "full" and g.bs != cfg.hash_block_size:
+                self._cache_full_partial_tail(g, req, n)
+            if g.spec.kind == "mamba":
+                key = self._cache_mamba_partial_tail(g, req, n)
+                if key is not None:
+                    g.cached_this_step.add(key)
+                table = g.table(req.rid)
+                for i in range(before, g.num_cached.get(req.rid, 0)):
+                    if table[i] and table[i] in self.pool.primary:
+                        g.cached_this_step.add(self.pool.primary[table[i]])
+
+    def _kept(self, g: GroupState, start: int, end: int, boundaries: list[int]) -> set[int] | None:
+        r = self.cfg.retention_interval
+        if g.spec.kind == "swa":
+            assert g.spec.sliding_window is not None
+            return swa_kept_blocks(
+                start,
+                end,
+                block_size=g.bs,
+                window=g.spec.sliding_window,
+                alignment=self.alignment,
+                eagle=self.cfg.eagle,
+                retention=r,
+                boundaries=boundaries,
+            )
+        if g.spec.kind == "mamba":
+            return mamba_kept_blocks(
+                start, end, block_size=g.bs, alignment=self.alignment, retention=r, boundaries=boundaries
+            )
+        return None
+
+    def _cache_full_partial_tail(self, g: GroupState, req: RequestState, num_tokens: int) -> None:
+        """Full attention with bs != hbs keys the prompt's last hash boundary inside its block."""
+        hbs = self.cfg.hash_block_size
+        limit = len(req.prompt) if self.cfg.eagle else len(req.prompt) - 1
+        boundary = min(limit // hbs, req.num_tokens // hbs) * hbs
+        if boundary == 0 or boundary > num_tokens or boundary % g.bs == 0:
+            return
+        table = g.table(req.rid)
+        if boundary // g.bs < len(table):
+            self.pool.cache_partial_block(req.tokens, table[boundary // g.bs], boundary, g.gid)
+
+    def _cache_mamba_partial_tail(self, g: GroupState, req: RequestState, num_tokens: int) -> BlockKey | None:
+        """Key the state at the prompt's reusable checkpoint (vLLM `_cache_partial_tail_block`)."""
+        hbs = self.cfg.hash_block_size
+        if num_tokens <= 0 or num_tokens % hbs:
+            return None
+        if num_tokens != mamba_checkpoint_position(len(req.prompt), hbs, self.cfg.eagle):
+            return None
+        idx = cdiv(num_tokens, g.bs) - 1
+        table = g.table(req.rid)
+        if idx >= len(table) or table[idx] == 0:
+            return None
+        block = table[idx]
+        if self.pool.primary_tokens.get(block) == num_tokens:
+            return None
+        return self.pool.cache_partial_block(req.tokens, block, num_tokens, g.gid)
+
+    # ----------------------------------------------------------------- free
+    def _free(self, rid: str) -> None:
+        for g in self.groups:
+            table = g.tables.pop(rid, [])
+            for d in (g.num_cached, g.last_state, g.retired):
+                d.pop(rid, None)
+            g.allocated.discard(rid)
+            while table and table[0] == 0:
+                table.pop(0)
+            self.pool.free(reversed(table))

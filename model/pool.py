@@ -1,0 +1,220 @@
+"""The block pool: ref counts, the hash map, the free queue(s) and KV events.
+
+Invariants this module maintains (and `invariants/` checks on every target):
+- every block other than the null block 0 is in exactly one of: active
+  (ref > 0), the regular free queue, the pinned tier;
+- a block in a free queue has ref 0; no ref count is negative;
+- `cached[key]` lists exactly the blocks carrying `key` (primary or
+  secondary), in insertion order; a block's keys are dropped when it is reused;
+- freed blocks are routed: pinned -> pinned tier; uncached (or caching off) ->
+  head of the regular queue; cached -> tail (vLLM `BlockPool.free_blocks`).
+
+Events follow a named profile: "seed" (what the #42258 review asked for: one
+BlockStored per contiguous run of stored blocks, token ids exactly those
+blocks') or "vllm-0.33.0" (one BlockStored per caching call over the whole
+token range, masked blocks included: `block_pool.py` `cache_full_blocks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from model.free_queue import FreeQueue, demote_n
+from model.observation import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, Event, Tokens
+
+EVENT_PROFILES = ("seed", "vllm-0.33.0")
+
+
+class Pool:
+    def __init__(self, num_blocks: int, hash_block_size: int, enable_caching: bool, events: str = "seed") -> None:
+        assert events in EVENT_PROFILES
+        self.num_blocks = num_blocks
+        self.hbs = hash_block_size
+        self.enable_caching = enable_caching
+        self.event_profile = events
+        self.ref = [0] * num_blocks
+        self.primary: dict[int, BlockKey] = {}
+        self.primary_tokens: dict[int, int] = {}
+        self.secondary: dict[int, list[BlockKey]] = {}
+        self.cached: dict[BlockKey, list[int]] = {}
+        self.queue = FreeQueue(range(1, num_blocks))
+        self.pinned_tier = FreeQueue()
+        self.pinned: set[int] = set()
+        self.events: list[Event] = []
+
+    # -- counts -------------------------------------------------------------
+    def num_free(self) -> int:
+        return len(self.queue) + len(self.pinned_tier)
+
+    # -- hash map -----------------------------------------------------------
+    def keys_of(self, block: int) -> list[BlockKey]:
+        first = [self.primary[block]] if block in self.primary else []
+        return first + self.secondary.get(block, [])
+
+    def lookup(self, key: BlockKey) -> int | None:
+        blocks = self.cached.get(key)
+        return blocks[0] if blocks else None
+
+    def _insert(self, key: BlockKey, block: int) -> None:
+        if self.primary.get(block) == key or block in self.cached.get(key, []):
+            return
+        if block not in self.primary:
+            self.primary[block] = key
+            self.primary_tokens[block] = len(key.tokens)
+        else:
+            self.secondary.setdefault(block, []).append(key)
+        self.cached.setdefault(key, []).append(block)
+
+    def drop_keys(self, block: int) -> None:
+        """Remove every key of `block` from the map (one BlockRemoved per key)."""
+        for key in self.keys_of(block):
+            holders = self.cached.get(key, [])
+            if block in holders:
+                holders.remove(block)
+                if not holders:
+                    del self.cached[key]
+                self.events.append(BlockRemoved(key.group, key.tokens))
+        self.primary.pop(block, None)
+        self.primary_tokens.pop(block, None)
+        self.secondary.pop(block, None)
+
+    # -- allocation ---------------------------------------------------------
+    def get_new_blocks(self, n: int) -> list[int]:
+        if n > self.num_free():
+            raise ValueError(f"Cannot get {n} free blocks from the pool")
+        if n > len(self.queue):
+            for b in demote_n(self.pinned_tier, self.queue, n - len(self.queue)):
+                self.pinned.discard(b)
+        taken = self.queue.popleft_n(n)
+        for b in taken:
+            if self.enable_caching:
+                self.drop_keys(b)
+            assert self.ref[b] == 0
+            self.ref[b] = 1
+        return taken
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if b == 0:
+                continue
+            if self.ref[b] == 0:
+                (self.pinned_tier if b in self.pinned_tier else self.queue).remove(b)
+            self.ref[b] += 1
+
+    def free(self, ordered: Iterable[int]) -> None:
+        to_head: list[int] = []
+        to_tail: list[int] = []
+        to_pinned: list[int] = []
+        for b in ordered:
+            if b == 0:
+                continue
+            self.ref[b] -= 1
+            assert self.ref[b] >= 0, f"negative ref count on block {b}"
+            if self.ref[b] == 0:
+                if b in self.pinned:
+                    to_pinned.append(b)
+                elif b not in self.primary or not self.enable_caching:
+                    to_head.append(b)
+                else:
+                    to_tail.append(b)
+        self.queue.prepend_n(to_head)
+        self.queue.append_n(to_tail)
+        self.pinned_tier.append_n(to_pinned)
+
+    def pin(self, blocks: Iterable[int]) -> None:
+        """Mark hashed blocks as pinned: when freed they go to the pinned tier."""
+        self.pinned |= {b for b in blocks if b in self.primary}
+
+    # -- caching ------------------------------------------------------------
+    def cache_full_blocks(
+        self,
+        tokens: Tokens,
+        table: Sequence[int],
+        num_cached: int,
+        num_full: int,
+        block_size: int,
+        group: int,
+        kept: set[int] | None,
+    ) -> None:
+        if num_cached >= num_full:
+            return
+        stored: list[int] = []
+        for i in range(num_cached, num_full):
+            b = table[i]
+            if b == 0 or (kept is not None and i not in kept):
+                continue
+            n_tok = (i + 1) * block_size
+            if b in self.primary:
+                assert self.primary_tokens[b] < n_tok, "re-caching a block with a longer key"
+                self.drop_keys(b)
+            self._insert(BlockKey(group, tokens[:n_tok]), b)
+            stored.append(i)
+        if self.event_profile == "vllm-0.33.0":
+            self.events.append(
+                BlockStored(
+                    group,
+                    tuple(tokens[: (i + 1) * block_size] for i in stored),
+                    tokens[: num_cached * block_size] if num_cached else None,
+                    tokens[num_cached * block_size : num_full * block_size],
+                    block_size,
+                )
+            )
+            return
+        for run in _runs(stored):
+            lo, hi = run[0], run[-1] + 1
+            self.events.append(
+                BlockStored(
+                    group,
+                    tuple(tokens[: (i + 1) * block_size] for i in run),
+                    tokens[: lo * block_size] if lo else None,
+                    tokens[lo * block_size : hi * block_size],
+                    block_size,
+                )
+            )
+
+    def cache_partial_block(self, tokens: Tokens, block: int, num_tokens: int, group: int) -> BlockKey | None:
+        """Key `block` also by the prefix of `num_tokens` (a multiple of hbs)."""
+        if block == 0:
+            return None
+        key = BlockKey(group, tokens[:num_tokens])
+        already = self.primary.get(block) == key or block in self.cached.get(key, [])
+        if not already and block in self.primary and self.primary_tokens[block] < num_tokens:
+            self.drop_keys(block)
+        self._insert(key, block)
+        if not already:
+            lo = num_tokens - self.hbs
+            self.events.append(
+                BlockStored(group, (key.tokens,), tokens[:lo] if lo else None, tokens[lo:num_tokens], self.hbs)
+            )
+        return key
+
+    # -- maintenance --------------------------------------------------------
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        for b in set(block_ids):
+            self.drop_keys(b)
+            if b in self.pinned_tier:
+                self.pinned_tier.remove(b)
+                self.queue.prepend_n([b])
+            self.pinned.discard(b)
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free() != self.num_blocks - 1:
+            return False
+        self.cached.clear()
+        self.primary.clear()
+        self.primary_tokens.clear()
+        self.secondary.clear()
+        demote_n(self.pinned_tier, self.queue, len(self.pinned_tier))
+        self.pinned.clear()
+        self.events.append(AllBlocksCleared())
+        return True
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

@@ -1,0 +1,54 @@
+"""How many tokens a scheduler step computes for one request.
+
+The allocator only sees chunk sizes, but Mamba state exists only where a chunk
+ends, so the hit a later request can get depends on the scheduler's split
+(vLLM `Scheduler._mamba_block_aligned_split`). Modeled without fine-grained
+(sub-block) hits and without internal prefill checkpoints.
+"""
+
+from __future__ import annotations
+
+
+def mamba_checkpoint_position(num_tokens: int, block_size: int, eagle: bool) -> int:
+    """The last block-aligned position whose state a replay can reuse."""
+    limit = num_tokens if eagle else num_tokens - 1
+    position = limit // block_size * block_size
+    if eagle:
+        position -= block_size
+    return max(position, 0)
+
+
+def mamba_chunk(
+    *,
+    start: int,
+    num_new: int,
+    budget: int,
+    num_prompt_tokens: int,
+    num_tokens: int,
+    shared_prefix_boundary: int,
+    block_size: int,
+    eagle: bool,
+) -> int:
+    """Clip a prefill chunk so it ends where a Mamba state must be cached.
+
+    Non-final prefill chunks end on a block boundary (unless a block is wider
+    than the budget); a chunk never runs past the last cacheable boundary, past
+    the next boundary when it starts mid-block, or past the block-floored
+    shared-prefix junction.
+    """
+    prefill_end = max(num_prompt_tokens, num_tokens - 1)
+    if start >= prefill_end:
+        return num_new
+    end = start + num_new
+    if end < prefill_end:
+        aligned_end = end // block_size * block_size
+        if aligned_end > start or block_size <= budget:
+            end = aligned_end
+    junction = shared_prefix_boundary
+    stops = (
+        (start // block_size + 1) * block_size if start % block_size else 0,
+        mamba_checkpoint_position(num_tokens, block_size, eagle),
+        start + (junction - start) // block_size * block_size if start < junction < end else 0,
+    )
+    end = min((s for s in stops if start < s < end), default=end)
+    return max(end - start, 0)
