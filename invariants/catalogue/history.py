@@ -1,0 +1,63 @@
+"""Keeping the History up to date from what the target reported."""
+
+from __future__ import annotations
+
+from model.observation import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, Event, Observation, ScheduleResult, Snapshot
+from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Sample
+
+from invariants.catalogue.context import History, RequestHistory
+
+
+def replay_events(shadow: dict[BlockKey, int], events: tuple[Event, ...]) -> list[str]:
+    """Apply KV events to an event consumer's view of the hash map; return anomalies."""
+    problems: list[str] = []
+    for ev in events:
+        if isinstance(ev, AllBlocksCleared):
+            shadow.clear()
+        elif isinstance(ev, BlockStored):
+            for h in ev.block_hashes:
+                key = BlockKey(ev.group, h)
+                shadow[key] = shadow.get(key, 0) + 1
+        elif isinstance(ev, BlockRemoved):
+            key = BlockKey(ev.group, ev.block_hash)
+            if shadow.get(key, 0) <= 0:
+                problems.append(f"BlockRemoved for {key.short()}, which no BlockStored announced")
+                continue
+            shadow[key] -= 1
+            if not shadow[key]:
+                del shadow[key]
+    return problems
+
+
+def update_history(history: History, op: Op, obs: Observation, before: Snapshot, after: Snapshot) -> list[str]:
+    """Advance the history past `op`; returns event anomalies found on the way."""
+    history.tick += 1
+    was_free = set(before.free_queue)
+    for b in after.free_queue:
+        if b not in was_free:
+            history.free_tick[b] = history.tick
+    if isinstance(op, EvictBlocks):
+        history.evicted_in_place |= {b for b in op.block_ids if b in set(after.free_queue)}
+    history.evicted_in_place &= set(after.free_queue)
+    history.ever_cached |= set(after.cached)
+    problems = replay_events(history.shadow, after.events)
+
+    if isinstance(op, AddRequest):
+        history.requests[op.rid] = RequestHistory(op.prompt)
+    elif isinstance(op, Sample):
+        history.requests[op.rid].outputs.append(op.token)
+    elif isinstance(op, Preempt):
+        r = history.requests[op.rid]
+        r.running, r.num_computed, r.ever_preempted = False, 0, True
+    elif isinstance(op, Finish):
+        history.finished[op.rid] = history.requests.pop(op.rid)
+    elif isinstance(obs, ScheduleResult):
+        r = history.requests[op.rid]  # type: ignore[union-attr]
+        if obs.hit is not None:
+            if obs.shared_prefix_boundary:
+                r.boundaries.add(obs.shared_prefix_boundary)
+            if obs.admitted:
+                r.running, r.num_computed = True, obs.hit + obs.scheduled
+        elif obs.scheduled:
+            r.num_computed += obs.scheduled
+    return problems

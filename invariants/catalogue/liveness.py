@@ -1,0 +1,35 @@
+"""Liveness: nothing the pool can hold is refused."""
+
+from __future__ import annotations
+
+from model.masks import cdiv
+from model.observation import ScheduleResult
+from model.ops import Schedule
+from model.scheduling import mamba_chunk
+
+from invariants.catalogue.context import CheckContext
+
+
+def fitting_request_admitted(ctx: CheckContext) -> list[str]:
+    """A request that fits an empty pool is always admitted: when no block is
+    in use, an admission needing at most N-1 blocks never fails (no stall from
+    pinned blocks or retained scratch; #40676 admission demotion)."""
+    obs, op, cfg = ctx.obs, ctx.op, ctx.config
+    if not (isinstance(op, Schedule) and isinstance(obs, ScheduleResult)) or obs.hit is None or obs.admitted:
+        return []
+    if any(r > 0 for r in ctx.before.ref_cnt):
+        return []
+    req = ctx.history.requests[op.rid]
+    n = min(len(req.tokens) - obs.hit, op.budget)
+    if cfg.has_mamba:
+        n = mamba_chunk(
+            start=obs.hit, num_new=n, budget=op.budget, num_prompt_tokens=len(req.prompt),
+            num_tokens=len(req.tokens), shared_prefix_boundary=obs.shared_prefix_boundary or 0,
+            block_size=cfg.scheduler_block_size, eagle=cfg.eagle,
+        )
+    if n <= 0:
+        return []
+    need = sum(1 if g.kind == "mamba" else cdiv(obs.hit + n, g.block_size) for g in cfg.groups)
+    if need <= cfg.num_blocks - 1:
+        return [f"admission of {op.rid} ({need} blocks) refused by an idle pool of {cfg.num_blocks - 1}"]
+    return []

@@ -1,0 +1,110 @@
+"""Promises: the hits retention says it keeps are kept."""
+
+from __future__ import annotations
+
+from model.masks import swa_tail_blocks
+from model.observation import BlockKey
+from model.ops import Finish, Schedule
+
+from invariants.catalogue.context import CheckContext
+
+
+def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
+    """The replay hit a finished request promises, and the keys serving it.
+
+    Non-Eagle: the aligned boundary at or below P-1. Eagle: one scheduler block
+    lower, plus the SWA peek block above it. Keys map to a role label.
+    """
+    cfg, req = ctx.config, ctx.finished_request
+    assert req is not None
+    sbs = cfg.scheduler_block_size
+    align = sbs if len(cfg.groups) > 1 else cfg.groups[0].block_size
+    e = (len(req.prompt) - 1) // align * align
+    if cfg.eagle:
+        e = max(e - sbs, 0)
+    keys: dict[BlockKey, str] = {}
+    if e == 0:
+        return 0, keys
+    tokens = req.tokens
+    for g, spec in enumerate(cfg.groups):
+        bs = spec.block_size
+        top = e // bs
+        if spec.kind == "full":
+            idx = range(top)
+        elif spec.kind == "swa":
+            assert spec.sliding_window is not None
+            need = swa_tail_blocks(spec.sliding_window, bs, cfg.eagle)
+            idx = range(max(0, top + int(cfg.eagle) - need), top + int(cfg.eagle))
+        else:
+            idx = range(top - 1, top)
+        for j in idx:
+            role = "Eagle peek block" if cfg.eagle and spec.kind == "swa" and j == top else f"{spec.kind} block {j}"
+            keys[BlockKey(g, tokens[: (j + 1) * bs])] = role
+    return e, keys
+
+
+def _applies(ctx: CheckContext) -> bool:
+    req = ctx.finished_request
+    return (
+        isinstance(ctx.op, Finish)
+        and req is not None
+        and ctx.config.enable_caching
+        and not req.ever_preempted
+        and req.num_computed >= len(req.prompt)
+    )
+
+
+def promise_kept(ctx: CheckContext) -> list[str]:
+    """Right after a request finishes, replaying its prompt hits at the latest
+    retained boundary, unless blocks were reused since (#43447, #45845): every
+    key the replay needs was cached at some point, and if all are still
+    cached the probe hit reaches the promised boundary."""
+    if not _applies(ctx):
+        return []
+    e, keys = promised_replay(ctx)
+    if e == 0:
+        return []
+    never = [f"{role} ({k.short()})" for k, role in keys.items() if k not in ctx.history.ever_cached]
+    if never:
+        return [f"replay boundary {e}: {', '.join(never)} never cached (promised hit lost)"]
+    if all(k in ctx.after.cached for k in keys) and ctx.probe is not None:
+        assert ctx.finished_request is not None
+        hit = ctx.probe(ctx.finished_request.prompt).hit
+        if hit < e:
+            return [f"replay hit {hit} < promised {e} although every needed block is cached"]
+    return []
+
+
+def eagle_extra_block_kept(ctx: CheckContext) -> list[str]:
+    """With Eagle/MTP the SWA peek block above the replay boundary is cached,
+    so the 0% hit-rate class (vLLM #42784, #44082, #51771) cannot occur."""
+    if not ctx.config.eagle or not _applies(ctx):
+        return []
+    _, keys = promised_replay(ctx)
+    return [
+        f"Eagle peek block {k.short()} never cached"
+        for k, role in keys.items()
+        if role == "Eagle peek block" and k not in ctx.history.ever_cached
+    ]
+
+
+def scratch_never_flushes_cache(ctx: CheckContext) -> list[str]:
+    """A step never reuses a cached free block while an uncached free block is
+    left over (concurrent SWA scratch must not flush cached prefixes; #43447)."""
+    if not isinstance(ctx.op, Schedule):
+        return []
+    b4, now = ctx.before, ctx.after
+    flushed = [
+        b for b in b4.free_queue
+        if b in b4.block_hash and now.ref_cnt[b] > 0 and now.block_hash.get(b) != b4.block_hash[b]
+    ]
+    if not flushed:
+        return []
+    now_free = set(now.free_queue)
+    spared = [
+        b for b in b4.free_queue
+        if b not in b4.block_hash and b in now_free and b not in ctx.history.evicted_in_place
+    ]
+    if spared:
+        return [f"cached blocks {flushed[:5]} reused while uncached blocks {spared[:5]} stayed free"]
+    return []

@@ -1,0 +1,116 @@
+"""Mask and hit invariants: what is cached is needed, what is hit is cached."""
+
+from __future__ import annotations
+
+from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
+from model.observation import BlockKey, ProbeResult, ScheduleResult, Tokens
+from model.ops import Probe, Schedule
+from model.scheduling import mamba_checkpoint_position
+
+from invariants.catalogue.context import CheckContext, RequestHistory
+
+
+def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> bool:
+    cfg = ctx.config
+    spec = cfg.groups[key.group]
+    bs, n = spec.block_size, len(key.tokens)
+    if req.tokens[:n] != key.tokens:
+        return False
+    if spec.kind == "mamba" and n == mamba_checkpoint_position(len(req.prompt), cfg.hash_block_size, cfg.eagle):
+        return True  # the prompt's checkpoint state (vLLM `_cache_partial_tail_block`)
+    if n % bs:
+        return False
+    j = n // bs - 1
+    boundaries = list(replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle))
+    for spb in req.boundaries:
+        boundaries.append(spb)
+        if cfg.eagle:
+            boundaries.append(spb - bs)
+    align = cfg.scheduler_block_size if len(cfg.groups) > 1 else bs
+    if spec.kind == "swa":
+        assert spec.sliding_window is not None
+        kept = swa_kept_blocks(
+            j, j + 1, block_size=bs, window=spec.sliding_window, alignment=align,
+            eagle=cfg.eagle, retention=cfg.retention_interval, boundaries=boundaries,
+        )
+    else:
+        kept = mamba_kept_blocks(
+            j, j + 1, block_size=bs, alignment=align, retention=cfg.retention_interval, boundaries=boundaries
+        )
+    return kept is None or j in kept
+
+
+def no_waste(ctx: CheckContext) -> list[str]:
+    """Every newly cached SWA / Mamba block lies in the tail (SWA) or is the
+    state (Mamba) that some retained boundary of a request needs (#42258,
+    #45845): a block no lookup can use is never cached."""
+    out = []
+    for key in set(ctx.after.cached) - set(ctx.before.cached):
+        if ctx.config.groups[key.group].kind == "full":
+            continue
+        if not any(_kept_by_request(ctx, key, r) for r in ctx.history.all_requests()):
+            out.append(f"{key.short()} cached but no retained boundary of any request needs it")
+    return out
+
+
+def _lookup_of(ctx: CheckContext) -> tuple[Tokens, int, tuple[tuple[int, ...], ...]] | None:
+    obs, op = ctx.obs, ctx.op
+    if isinstance(op, Probe) and isinstance(obs, ProbeResult):
+        return op.tokens, obs.hit, obs.hit_blocks
+    if isinstance(op, Schedule) and isinstance(obs, ScheduleResult) and obs.hit is not None:
+        req = ctx.history.requests[op.rid]
+        assert obs.hit_blocks is not None
+        return req.tokens, obs.hit, obs.hit_blocks
+    return None
+
+
+def hit_backed_by_cache(ctx: CheckContext) -> list[str]:
+    """A hit of h tokens is served only by cached state: every full-attention
+    block below h, the SWA blocks holding the window of token h, and the Mamba
+    state at h are in the hash map. So a sparse hit never exceeds what a dense
+    cache could serve, and no token is read from a block that does not hold it."""
+    found = _lookup_of(ctx)
+    if found is None:
+        return []
+    tokens, hit, _ = found
+    cfg, cached = ctx.config, ctx.before.cached
+    if hit == 0:
+        return []
+    out = []
+    if hit >= len(tokens):
+        out.append(f"hit {hit} covers the whole {len(tokens)}-token request (its last token must be recomputed)")
+    for g, spec in enumerate(cfg.groups):
+        bs = spec.block_size
+        if hit % bs:
+            out.append(f"hit {hit} is not a multiple of group {g}'s block size {bs}")
+            continue
+        if spec.kind == "full":
+            need = range(hit // bs)
+        elif spec.kind == "swa":
+            assert spec.sliding_window is not None
+            need = range(max(0, hit - spec.sliding_window + 1) // bs, hit // bs)
+        else:
+            need = range(hit // bs - 1, hit // bs)
+        missing = [j for j in need if BlockKey(g, tokens[: (j + 1) * bs]) not in cached]
+        if missing:
+            out.append(f"hit {hit} but group {g} ({spec.kind}) blocks {missing} are not cached")
+    return out
+
+
+def hit_blocks_hold_their_prefix(ctx: CheckContext) -> list[str]:
+    """Each block a hit hands out carries the hash of exactly the prefix it
+    stands for in the request (a reused block whose old hash survived would
+    hand out someone else's KV: a corrupted output)."""
+    found = _lookup_of(ctx)
+    if found is None:
+        return []
+    tokens, hit, hit_blocks = found
+    out = []
+    for g, blocks in enumerate(hit_blocks):
+        bs = ctx.config.groups[g].block_size
+        if ctx.config.groups[g].kind == "full" and len(blocks) != cdiv(hit, bs):
+            out.append(f"group {g}: {len(blocks)} hit blocks for a hit of {hit} tokens")
+        for j, b in enumerate(blocks):
+            if b and b not in ctx.before.cached.get(BlockKey(g, tokens[: (j + 1) * bs]), ()):
+                out.append(f"group {g}: hit block {b} at index {j} does not hold that prefix")
+    return out

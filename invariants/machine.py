@@ -1,0 +1,180 @@
+"""The stateful fuzzer: a Hypothesis RuleBasedStateMachine generic over targets.
+
+Rules are the operations a scheduler performs (add, schedule a chunk or a
+decode step, sample, finish, preempt, probe, reset, evict). Requests share
+system prompts drawn from a 3-token alphabet, so hits, window slides and
+eviction are common. After every rule the target's observation and snapshot
+must equal the model's and every invariant of the catalogue must hold; the
+first violation fails the run, and Hypothesis shrinks the operation sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from model.config import Config
+from model.observation import ScheduleResult
+from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, ResetPrefixCache, Sample, Schedule
+
+from invariants.checker import Checker, Violation
+from invariants.targets.base import Target
+
+TOKENS = st.integers(1, 3)
+MAX_REQUEST_TOKENS = 160
+
+
+class ViolationFound(AssertionError):
+    def __init__(self, violations: list[Violation], config: Config, ops: list[Op]) -> None:
+        self.violations, self.config, self.ops = violations, config, list(ops)
+        super().__init__("\n".join(str(v) for v in violations[:8]))
+
+
+@dataclass
+class FuzzStats:
+    """Figures a fuzz run reports; shared by every example of the run."""
+
+    steps: int = 0
+    examples: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    states: set[tuple[object, ...]] = field(default_factory=set)
+    known: set[str] = field(default_factory=set)
+    last_failure: ViolationFound | None = None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def build_machine(
+    target_factory: Callable[[Config], Target],
+    config_strategy: st.SearchStrategy[Config],
+    stats: FuzzStats | None = None,
+    tolerated: Callable[[Violation], bool] | None = None,
+) -> type[RuleBasedStateMachine]:
+    """A state machine class that judges targets built by `target_factory`."""
+    run_stats = stats if stats is not None else FuzzStats()
+    is_tolerated = tolerated or (lambda v: False)
+
+    class AllocatorMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.checker: Checker | None = None
+            self.prefixes: list[tuple[int, ...]] = []
+            self.next_rid = 0
+
+        @initialize(config=config_strategy, data=st.data())
+        def setup(self, config: Config, data: st.DataObject) -> None:
+            run_stats.examples += 1
+            self.checker = Checker(target_factory(config))
+            sbs = config.scheduler_block_size
+            self.prefixes = [
+                tuple(data.draw(st.lists(TOKENS, min_size=sbs + 1, max_size=3 * sbs), label="system prompt"))
+                for _ in range(2)
+            ]
+
+        # -- helpers ------------------------------------------------------
+        @property
+        def cfg(self) -> Config:
+            assert self.checker is not None
+            return self.checker.config
+
+        def _requests(self, pred: Callable[[object], bool]) -> list[str]:
+            assert self.checker is not None
+            return sorted(rid for rid, r in self.checker.model.requests.items() if pred(r))
+
+        def _do(self, op: Op) -> None:
+            assert self.checker is not None
+            found = [v for v in self.checker.step(op) if not self._known(v)]
+            run_stats.steps += 1
+            obs_state = self.checker.last
+            run_stats.states.add(
+                (type(op).__name__, len(obs_state.free_queue) // 2, len(obs_state.pinned_queue),
+                 min(len(obs_state.cached), 12), len(obs_state.tables))
+            )
+            if found:
+                failure = ViolationFound(found, self.cfg, self.checker.ops)
+                run_stats.last_failure = failure
+                raise failure
+
+        def _known(self, v: Violation) -> bool:
+            if is_tolerated(v):
+                run_stats.known.add(v.check)
+                return True
+            return False
+
+        # -- rules --------------------------------------------------------
+        @precondition(lambda self: self.checker is not None and len(self.checker.model.requests) < 4)
+        @rule(data=st.data())
+        def add_request(self, data: st.DataObject) -> None:
+            sbs = self.cfg.scheduler_block_size
+            prefix = data.draw(st.sampled_from([*self.prefixes, ()]), label="prefix")
+            suffix = data.draw(st.lists(TOKENS, min_size=0 if prefix else 1, max_size=2 * sbs), label="suffix")
+            rid = f"r{self.next_rid}"
+            self.next_rid += 1
+            self._do(AddRequest(rid, tuple(prefix) + tuple(suffix)))
+
+        def _schedulable(self) -> list[str]:
+            return self._requests(lambda r: r.num_tokens < MAX_REQUEST_TOKENS)  # type: ignore[attr-defined]
+
+        @precondition(lambda self: self.checker is not None and bool(self._schedulable()))
+        @rule(data=st.data())
+        def advance(self, data: st.DataObject) -> None:
+            """A few scheduler steps for one request: chunks, decodes, samples."""
+            assert self.checker is not None
+            rid = data.draw(st.sampled_from(self._schedulable()), label="rid")
+            sbs = self.cfg.scheduler_block_size
+            budget = data.draw(st.sampled_from([1, 3, sbs, 2 * sbs, 4 * sbs, 64]), label="budget")
+            for _ in range(data.draw(st.integers(1, 6), label="steps")):
+                r = self.checker.model.requests[rid]
+                if r.num_tokens >= MAX_REQUEST_TOKENS:
+                    return
+                if r.running and r.num_computed == r.num_tokens:
+                    self._do(Sample(rid, data.draw(TOKENS, label="token")))
+                    continue
+                self._do(Schedule(rid, budget))
+                obs = self.checker.last_obs
+                if isinstance(obs, ScheduleResult) and obs.hit is not None:
+                    if not obs.admitted:
+                        return
+                    run_stats.prompt_tokens += len(self.checker.history.requests[rid].tokens)
+                    run_stats.hit_tokens += obs.hit
+
+        @precondition(lambda self: self.checker is not None and bool(self._requests(lambda r: True)))
+        @rule(data=st.data())
+        def finish(self, data: st.DataObject) -> None:
+            self._do(Finish(data.draw(st.sampled_from(self._requests(lambda r: True)), label="rid")))
+
+        @precondition(lambda self: self.checker is not None and bool(self._requests(lambda r: r.running)))  # type: ignore[attr-defined]
+        @rule(data=st.data())
+        def preempt(self, data: st.DataObject) -> None:
+            running = self._requests(lambda r: r.running)  # type: ignore[attr-defined]
+            self._do(Preempt(data.draw(st.sampled_from(running), label="rid")))
+
+        @precondition(lambda self: self.checker is not None and bool(self.checker.history.finished))
+        @rule(data=st.data())
+        def probe(self, data: st.DataObject) -> None:
+            assert self.checker is not None
+            known = [r.prompt for r in self.checker.history.all_requests()] + self.prefixes
+            base = data.draw(st.sampled_from(known), label="probe base")
+            extra = data.draw(st.lists(TOKENS, max_size=self.cfg.scheduler_block_size), label="probe extension")
+            self._do(Probe(tuple(base) + tuple(extra)))
+
+        @precondition(lambda self: self.checker is not None and self.checker.history.tick % 5 == 4)
+        @rule(data=st.data())
+        def maintenance(self, data: st.DataObject) -> None:
+            """Rare pool-wide operations: reset the prefix cache, evict blocks."""
+            if data.draw(st.integers(0, 3), label="reset?") == 0:
+                self._do(ResetPrefixCache())
+                return
+            ids = data.draw(
+                st.lists(st.integers(1, self.cfg.num_blocks - 1), min_size=1, max_size=3, unique=True), label="blocks"
+            )
+            self._do(EvictBlocks(tuple(ids)))
+
+    return AllocatorMachine
+

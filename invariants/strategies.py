@@ -1,0 +1,59 @@
+"""Hypothesis strategies: allocator configurations worth fuzzing.
+
+Configs are small on purpose (tiny blocks, small pools) so that eviction,
+window slides, retained boundaries and the pinned tier are reached within a
+few dozen operations. Mamba groups keep block size == hash block size, which
+keeps vLLM's fine-grained Mamba hits (not modeled) off.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+from hypothesis import strategies as st
+
+from model.config import Config, GroupSpec, validate
+
+SHAPES: tuple[tuple[str, ...], ...] = (
+    ("full",),
+    ("swa",),
+    ("full", "swa"),
+    ("full", "swa"),
+    ("full", "mamba"),
+    ("full", "swa", "mamba"),
+    ("full", "swa", "swa"),
+)
+
+
+@st.composite
+def configs(draw: st.DrawFn, *, allow_pinning: bool = True, allow_mamba: bool = True) -> Config:
+    shapes = [s for s in SHAPES if allow_mamba or "mamba" not in s]
+    shape = draw(st.sampled_from(shapes))
+    base = draw(st.sampled_from([2, 4]))
+    groups = []
+    for kind in shape:
+        if kind == "mamba" or len(shape) == 1:
+            bs = base * (1 if kind == "mamba" else draw(st.sampled_from([1, 2])))
+        else:
+            bs = base * draw(st.sampled_from([1, 2, 4]))
+        window = draw(st.integers(2, 3 * bs)) if kind == "swa" else None
+        groups.append(GroupSpec(kind, bs, sliding_window=window))  # type: ignore[arg-type]
+    sbs = reduce(lambda a, b: a * b // math.gcd(a, b), (g.block_size for g in groups))
+    has_retention_group = any(g.kind != "full" for g in groups)
+    if has_retention_group:
+        retention = draw(st.sampled_from([None, 0, 0, sbs, 2 * sbs, 3 * sbs]))
+    else:
+        retention = draw(st.sampled_from([None, 0]))
+    pin = allow_pinning and "swa" in shape and draw(st.booleans())
+    cfg = Config(
+        groups=tuple(groups),
+        num_blocks=draw(st.integers(6, 28)),
+        retention_interval=retention,
+        eagle=draw(st.booleans()),
+        enable_caching=draw(st.sampled_from([True, True, True, True, False])),
+        pin_swa_on_drop=pin,
+        pin_min_drop_blocks=draw(st.integers(0, 3)) if pin else 1,
+        max_model_len=4096,
+    )
+    return validate(cfg)

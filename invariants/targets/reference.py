@@ -1,0 +1,177 @@
+"""The `reference` target: kvretain's own allocator (`reference_impl`) behind the Target protocol.
+
+Translation only: `model.config.Config` -> `reference_impl.AllocatorConfig`
+(ValueError -> ConfigError, same message), `model.ops` -> `Scheduler` calls,
+and reference hash bytes -> `BlockKey(group, prefix_tokens)`. The prefix a
+hash stands for is recorded when the hash is computed (requests report every
+new hash through a listener), so no hash is ever inverted.
+
+Variants ("mutants") are selected by name: `ReferenceTarget(cfg, mutant="x")`
+applies the function registered under "x" to this instance's
+`AllocatorComponents` (class-level swaps via subclasses; no module patching).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+from model.config import Config, ConfigError
+from model.observation import (
+    AllBlocksCleared,
+    BlockKey,
+    BlockRemoved,
+    BlockStored,
+    Done,
+    Event,
+    Observation,
+    ProbeResult,
+    ResetResult,
+    ScheduleResult,
+    Snapshot,
+)
+from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, ResetPrefixCache, Sample, Schedule
+from reference_impl import kv_events
+from reference_impl.components import AllocatorComponents
+from reference_impl.config import AllocatorConfig, KVCacheGroupConfig
+from reference_impl.hashing import get_block_hash, get_group_id
+from reference_impl.kv_cache_manager import KVCacheManager
+from reference_impl.request import Request
+from reference_impl.scheduler import Scheduler
+
+from .base import TargetCrash
+
+Mutant = Callable[[AllocatorComponents], AllocatorComponents]
+
+
+def to_allocator_config(config: Config) -> AllocatorConfig:
+    return AllocatorConfig(
+        groups=tuple(
+            KVCacheGroupConfig(g.kind, g.block_size, g.sliding_window, g.mamba_cache_mode) for g in config.groups
+        ),
+        num_blocks=config.num_blocks,
+        retention_interval=config.retention_interval,
+        use_eagle=config.eagle,
+        enable_caching=config.enable_caching,
+        pin_swa_on_drop=config.pin_swa_on_drop,
+        pin_min_drop_blocks=config.pin_min_drop_blocks,
+        hash_block_size=config.hash_block_size,
+        scheduler_block_size=config.scheduler_block_size,
+        max_model_len=config.max_model_len,
+        enable_kv_cache_events=True,
+        name=config.name,
+    )
+
+
+class ReferenceTarget:
+    name = "reference"
+    MUTANTS: ClassVar[dict[str, Mutant]] = {}
+
+    @classmethod
+    def register_mutant(cls, name: str) -> Callable[[Mutant], Mutant]:
+        """Decorator: register `fn(components) -> components` as mutant `name`."""
+
+        def deco(fn: Mutant) -> Mutant:
+            cls.MUTANTS[name] = fn
+            return fn
+
+        return deco
+
+    def __init__(self, config: Config, mutant: str | None = None) -> None:
+        self.config = config
+        self.mutant = mutant
+        components = AllocatorComponents()
+        if mutant is not None:
+            if mutant not in self.MUTANTS:
+                raise ValueError(f"unknown mutant {mutant!r} (known: {sorted(self.MUTANTS)})")
+            components = self.MUTANTS[mutant](components)
+        try:
+            self.allocator = KVCacheManager(to_allocator_config(config), components)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        # hash bytes -> (token tuple it came from, prefix length)
+        self._prefix_of: dict[bytes, tuple[tuple[int, ...], int]] = {}
+        self.scheduler = Scheduler(self.allocator, on_new_block_hashes=self._record_hashes)
+
+    # ------------------------------------------------------------- hashes
+    def _record_hashes(self, request: Request, first_new: int) -> None:
+        tokens = tuple(request.all_token_ids)
+        hbs = request.hash_block_size
+        for i in range(first_new, len(request.block_hashes)):
+            self._prefix_of.setdefault(request.block_hashes[i], (tokens, (i + 1) * hbs))
+
+    def _prefix(self, block_hash: bytes) -> tuple[int, ...]:
+        tokens, n = self._prefix_of[block_hash]
+        return tokens[:n]
+
+    def _key(self, key: bytes) -> BlockKey:
+        return BlockKey(get_group_id(key), self._prefix(get_block_hash(key)))
+
+    # ---------------------------------------------------------- protocol
+    def apply(self, op: Op) -> Observation:
+        try:
+            return self._apply(op)
+        except (ValueError, KeyError, AssertionError, RuntimeError, IndexError) as exc:
+            raise TargetCrash(f"reference allocator raised on {op!r}: {type(exc).__name__}: {exc}") from exc
+
+    def _apply(self, op: Op) -> Observation:
+        s = self.scheduler
+        if isinstance(op, Schedule):
+            out = s.schedule(op.rid, op.budget)
+            return ScheduleResult(
+                out.scheduled, out.admitted, out.hit, out.shared_prefix_boundary, out.hit_blocks, out.new_blocks
+            )
+        if isinstance(op, AddRequest):
+            s.add_request(op.rid, op.prompt)
+        elif isinstance(op, Sample):
+            s.sample(op.rid, op.token)
+        elif isinstance(op, Finish):
+            s.finish(op.rid)
+        elif isinstance(op, Preempt):
+            s.preempt(op.rid)
+        elif isinstance(op, Probe):
+            p = s.probe(op.tokens)
+            return ProbeResult(p.hit, p.shared_prefix_boundary, p.hit_blocks)
+        elif isinstance(op, ResetPrefixCache):
+            return ResetResult(s.reset_prefix_cache())
+        elif isinstance(op, EvictBlocks):
+            s.evict_blocks(op.block_ids)
+        else:
+            raise ValueError(f"unsupported operation {op!r}")
+        return Done()
+
+    def snapshot(self) -> Snapshot:
+        pool = self.allocator.block_pool
+        cached = {
+            self._key(key): tuple(b.block_id for b in blocks)
+            for key, blocks in pool.cached_block_hash_to_block.items()
+        }
+        block_hash = {b.block_id: self._key(b.block_hash) for b in pool.blocks if b.block_hash is not None}
+        tables = {
+            rid: tuple(tuple(ids) for ids in self.allocator.get_block_ids(rid))
+            for rid in self.allocator.request_ids_with_blocks()
+        }
+        return Snapshot(
+            free_queue=tuple(b.block_id for b in pool.free_block_queue.iter_blocks()),
+            pinned_queue=tuple(b.block_id for b in pool.pinned_block_queue.iter_blocks()),
+            ref_cnt=tuple(0 if b.is_null else b.ref_cnt for b in pool.blocks),
+            pinned=frozenset(b.block_id for b in pool.blocks if b.is_pinned),
+            cached=cached,
+            block_hash=block_hash,
+            tables=tables,
+            events=tuple(self._event(e) for e in self.allocator.take_events()),
+        )
+
+    def _event(self, event: kv_events.KVCacheEvent) -> Event:
+        if isinstance(event, kv_events.BlockStored):
+            parent = event.parent_block_hash
+            return BlockStored(
+                group=event.group_idx,
+                block_hashes=tuple(self._prefix(h) for h in event.block_hashes),
+                parent=self._prefix(parent) if parent is not None else None,
+                token_ids=event.token_ids,
+                block_size=event.block_size,
+            )
+        if isinstance(event, kv_events.BlockRemoved):
+            return BlockRemoved(group=event.group_idx, block_hash=self._prefix(event.block_hashes[0]))
+        return AllBlocksCleared()

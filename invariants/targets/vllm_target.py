@@ -1,0 +1,468 @@
+"""The vLLM target: kvretain operations driven through vLLM's real `KVCacheManager`.
+
+`VllmTarget(config)` builds a `KVCacheManager` (vLLM 0.33.0, `vllm/v1/core/`) for a
+`model.config.Config` and applies `model.ops` operations through the manager's
+public methods, exactly as `docs/semantics.md` says and as vLLM's scheduler does
+(`v1/core/sched/scheduler.py`, synchronous scheduling, no connector, no spec
+decode tokens):
+
+- `Schedule`: `new_step_starts()`; a waiting request gets `get_computed_blocks`,
+  its `shared_prefix_boundary` stored on the request, the chunk
+  `min(num_tokens - hit, budget)` (Mamba split: `model.scheduling.mamba_chunk`,
+  the scheduler policy every target shares), `allocate_slots(req, n, hit,
+  blocks)`; a running request `allocate_slots(req, n)`. Then, as `schedule()`
+  does, `take_kv_cache_block_copies()` and `block_pool.free_blocks(retained)`.
+- `Sample`: `Request.append_output_token_ids` (hashes of newly full chunks).
+- `Finish` / `Preempt`: `KVCacheManager.free` (+ PREEMPTED, `num_computed_tokens
+  = 0`, as `Scheduler._preempt_request`).
+- `Probe`: `get_computed_blocks` for a throw-away request (pure).
+- `ResetPrefixCache`, `EvictBlocks`: the manager's methods (`evict_blocks(set)`).
+
+`snapshot()` reads the pool (free queue via `get_all_free_blocks`, ref counts,
+the hash map `cached_block_hash_to_block._cache`, primary keys), the block
+tables (`get_block_ids`) and drains `take_events()`. vLLM names a hash by its
+bytes; the adapter names it by content (`BlockKey(group, prefix)`) with a table
+filled from every request's `block_hashes` (hash i stands for
+`all_token_ids[:(i+1)*hash_block_size]`). KV events carry the hash as the low
+64 bits of its bytes by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`,
+`kv_cache_utils.maybe_convert_block_hash`); the table maps those ints too, so no
+environment variable is changed.
+
+vLLM has no pinned tier (#40676 was never merged): a configuration asking for
+one raises `UnsupportedConfig`. Everything else vLLM rejects is re-raised as
+`model.config.ConfigError` carrying vLLM's message.
+
+The module also holds `config_to_json` / `config_from_json` (trace files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from model.config import Config, ConfigError, GroupSpec
+from model.observation import (
+    AllBlocksCleared,
+    BlockKey,
+    BlockRemoved,
+    BlockStored,
+    Done,
+    Event,
+    Observation,
+    ProbeResult,
+    ResetResult,
+    ScheduleResult,
+    Snapshot,
+    Tokens,
+)
+from model.ops import (
+    AddRequest,
+    EvictBlocks,
+    Finish,
+    Op,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    Sample,
+    Schedule,
+)
+from model.scheduling import mamba_chunk
+
+from .base import TargetCrash, TargetUnavailable
+from .vllm_env import MODELED_VERSION, vllm_available, vllm_version
+
+NO_PINNED_TIER = "vLLM 0.33.0 has no pinned tier (#40676 was never merged)"
+
+
+class UnsupportedConfig(ConfigError):
+    """A configuration option of kvretain's that vLLM does not have (not a vLLM rejection)."""
+
+
+# ----------------------------------------------------------------------------- config JSON
+def config_to_json(cfg: Config) -> dict[str, Any]:
+    """A JSON-ready dict of every field of `cfg` (groups as a list of dicts)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "groups":
+            value = [dataclasses.asdict(g) for g in value]
+        out[f.name] = value
+    return out
+
+
+def config_from_json(data: Any) -> Config:
+    """Inverse of `config_to_json`; raises ConfigError naming a malformed field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: must be an object, got {type(data).__name__}")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    unknown = set(data) - fields
+    if unknown:
+        raise ConfigError(f"config: unknown field(s) {sorted(unknown)} (expected some of {sorted(fields)})")
+    if "groups" not in data or "num_blocks" not in data:
+        raise ConfigError("config: needs 'groups' and 'num_blocks'")
+    raw_groups = data["groups"]
+    if not isinstance(raw_groups, list):
+        raise ConfigError("config.groups: must be a list of objects")
+    group_fields = {f.name for f in dataclasses.fields(GroupSpec)}
+    groups = []
+    for i, g in enumerate(raw_groups):
+        if not isinstance(g, dict) or not set(g) <= group_fields or "kind" not in g or "block_size" not in g:
+            raise ConfigError(
+                f"config.groups[{i}]: must be an object with 'kind', 'block_size' and optionally "
+                f"{sorted(group_fields - {'kind', 'block_size'})}"
+            )
+        groups.append(GroupSpec(**g))
+    kwargs = {k: v for k, v in data.items() if k != "groups"}
+    return Config(groups=tuple(groups), **kwargs)
+
+
+# ----------------------------------------------------------------------------- the target
+class VllmTarget:
+    """Drives vLLM's `KVCacheManager` with kvretain operations (see module docstring)."""
+
+    name = "vllm"
+
+    def __init__(self, config: Config, events: str = "seed") -> None:
+        ok, reason = vllm_available()
+        if not ok:
+            raise TargetUnavailable(reason)
+        if config.pin_swa_on_drop:
+            raise UnsupportedConfig(f"pin_swa_on_drop: {NO_PINNED_TIER}")
+        # `events` names the model profile this target is compared with; vLLM
+        # emits what it emits (the "vllm-0.33.0" profile), so it is only recorded.
+        self.config = config
+        self.events_profile = events
+        self.version = vllm_version() or "?"
+        self._v = _vllm_modules()
+        self.hbs = config.hash_block_size
+        self.manager = self._build_manager(config)
+        self.pool = self.manager.block_pool
+        self.requests: dict[str, Any] = {}
+        self._probe_seq = 0
+        # hash bytes (and the low 64 bits events use) -> the token prefix it stands for
+        self._prefix_of: dict[bytes, Tokens] = {}
+        self._prefix_of_int: dict[int, Tokens] = {}
+
+    # ------------------------------------------------------------------ setup
+    def _build_manager(self, cfg: Config) -> Any:
+        v = self._v
+        torch = v["torch"]
+        specs = []
+        for i, g in enumerate(cfg.groups):
+            if g.kind == "full":
+                spec = v["FullAttentionSpec"](
+                    block_size=g.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+                )
+            elif g.kind == "swa":
+                spec = v["SlidingWindowSpec"](
+                    block_size=g.block_size,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype=torch.float32,
+                    sliding_window=g.sliding_window,
+                )
+            elif g.kind == "mamba":
+                spec = v["MambaSpec"](
+                    block_size=g.block_size,
+                    shapes=((1,),),
+                    dtypes=(torch.float32,),
+                    mamba_cache_mode=g.mamba_cache_mode,
+                )
+            else:
+                raise ConfigError(f"groups[{i}].kind: must be 'full', 'swa' or 'mamba', got {g.kind!r}")
+            specs.append(v["KVCacheGroupSpec"]([f"layer{i}"], spec))
+        try:
+            kv_cfg = v["KVCacheConfig"](
+                num_blocks=cfg.num_blocks,
+                kv_cache_tensors=[],
+                kv_cache_groups=specs,
+                # The dataclass default is None (dense); always pass it explicitly.
+                prefix_cache_retention_interval=cfg.retention_interval,
+            )
+            return v["KVCacheManager"](
+                kv_cfg,
+                max_model_len=cfg.max_model_len,
+                scheduler_block_size=cfg.scheduler_block_size,
+                hash_block_size=cfg.hash_block_size,
+                enable_caching=cfg.enable_caching,
+                use_eagle=cfg.eagle,
+                enable_kv_cache_events=True,
+            )
+        except (ValueError, AssertionError, TypeError) as exc:
+            kind = "" if isinstance(exc, ValueError) else f" ({type(exc).__name__})"
+            raise ConfigError(f"vLLM {self.version} rejects the configuration{kind}: {exc}") from exc
+
+    def _new_request(self, rid: str, tokens: Iterable[int]) -> Any:
+        v = self._v
+        sp = v["SamplingParams"](max_tokens=1 << 30)
+        req = v["Request"](
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            sampling_params=sp,
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=v["get_request_block_hasher"](self.hbs, v["sha256"]),
+        )
+        self._learn_hashes(req, 0)
+        return req
+
+    def _learn_hashes(self, req: Any, start: int) -> None:
+        toks = req.all_token_ids
+        for i in range(start, len(req.block_hashes)):
+            h = bytes(req.block_hashes[i])
+            if h not in self._prefix_of:
+                prefix = tuple(toks[: (i + 1) * self.hbs])
+                self._prefix_of[h] = prefix
+                self._prefix_of_int[int.from_bytes(h, "big") & ((1 << 64) - 1)] = prefix
+
+    # ------------------------------------------------------------------ ops
+    def apply(self, op: Op) -> Observation:
+        self._check_well_formed(op)
+        try:
+            return self._apply(op)
+        except (TargetCrash, TargetUnavailable):
+            raise
+        except Exception as exc:
+            raise TargetCrash(f"vLLM {self.version} raised on {op!r}: {type(exc).__name__}: {exc}") from exc
+
+    def _check_well_formed(self, op: Op) -> None:
+        rid = getattr(op, "rid", None)
+        if isinstance(op, AddRequest):
+            if rid in self.requests:
+                raise ValueError(f"add: request {rid!r} already exists")
+        elif rid is not None and rid not in self.requests:
+            raise ValueError(f"{type(op).__name__}: unknown request {rid!r}")
+        if isinstance(op, Sample):
+            req = self.requests[op.rid]
+            if req.status != self._v["RequestStatus"].RUNNING or req.num_computed_tokens != req.num_tokens:
+                raise ValueError(f"sample: {op.rid!r} is not waiting for a sample")
+        if isinstance(op, Preempt) and self.requests[op.rid].status != self._v["RequestStatus"].RUNNING:
+            raise ValueError(f"preempt: {op.rid!r} is not running")
+
+    def _apply(self, op: Op) -> Observation:
+        m = self.manager
+        if isinstance(op, AddRequest):
+            self.requests[op.rid] = self._new_request(op.rid, op.prompt)
+            return Done()
+        if isinstance(op, Schedule):
+            m.new_step_starts()
+            result = self._schedule(self.requests[op.rid], op.budget)
+            # Scheduler.schedule(): drain CoW copies, release their retained endpoints.
+            _copies, retained = m.take_kv_cache_block_copies()
+            if retained:
+                self.pool.free_blocks(retained)
+            return result
+        if isinstance(op, Sample):
+            req = self.requests[op.rid]
+            start = len(req.block_hashes)
+            req.append_output_token_ids(op.token)
+            self._learn_hashes(req, start)
+            return Done()
+        if isinstance(op, Finish):
+            req = self.requests.pop(op.rid)
+            m.free(req)
+            req.status = self._v["RequestStatus"].FINISHED_STOPPED
+            return Done()
+        if isinstance(op, Preempt):
+            req = self.requests[op.rid]
+            m.free(req)
+            req.status = self._v["RequestStatus"].PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_preemptions += 1
+            return Done()
+        if isinstance(op, Probe):
+            self._probe_seq += 1
+            req = self._new_request(f"__probe{self._probe_seq}", op.tokens)
+            if req.num_tokens == 0:
+                empty = tuple(() for _ in self.config.groups)
+                return ProbeResult(0, 0, empty)
+            blocks, hit, spb = m.get_computed_blocks(req)
+            return ProbeResult(hit, spb, _ids(blocks))
+        if isinstance(op, ResetPrefixCache):
+            return ResetResult(bool(m.reset_prefix_cache()))
+        if isinstance(op, EvictBlocks):
+            m.evict_blocks(set(op.block_ids))
+            return Done()
+        raise TypeError(f"unknown operation {op!r}")
+
+    def _chunk(self, req: Any, start: int, n: int, budget: int) -> int:
+        if not self._has_mamba:
+            return n
+        return mamba_chunk(
+            start=start,
+            num_new=n,
+            budget=budget,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_tokens=req.num_tokens,
+            shared_prefix_boundary=req.shared_prefix_boundary,
+            block_size=self.config.scheduler_block_size,
+            eagle=self.config.eagle,
+        )
+
+    @property
+    def _has_mamba(self) -> bool:
+        return any(g.kind == "mamba" for g in self.config.groups)
+
+    def _schedule(self, req: Any, budget: int) -> ScheduleResult:
+        m = self.manager
+        status = self._v["RequestStatus"]
+        if req.status == status.RUNNING:
+            start = req.num_computed_tokens
+            n = self._chunk(req, start, min(req.num_tokens - start, budget), budget)
+            if n <= 0:
+                return ScheduleResult(scheduled=0, admitted=False)
+            out = m.allocate_slots(req, n)
+            if out is None:
+                return ScheduleResult(scheduled=0, admitted=False)
+            req.num_computed_tokens += n
+            return ScheduleResult(scheduled=n, admitted=False, new_blocks=_ids(out))
+        # WAITING or PREEMPTED: admission (Scheduler.schedule, waiting queue).
+        blocks, hit, spb = m.get_computed_blocks(req)
+        req.shared_prefix_boundary = spb
+        hit_blocks = _ids(blocks)
+        n = self._chunk(req, hit, min(req.num_tokens - hit, budget), budget)
+        result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
+        if n <= 0:
+            return result
+        out = m.allocate_slots(req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+        if out is None:
+            return result
+        req.status = status.RUNNING
+        req.num_computed_tokens = hit + n
+        return ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self) -> Snapshot:
+        pool = self.pool
+        n = len(pool.blocks)
+        ref = tuple(0 if b.is_null else b.ref_cnt for b in pool.blocks)
+        cached: dict[BlockKey, tuple[int, ...]] = {}
+        for key, val in pool.cached_block_hash_to_block._cache.items():
+            ids = (val.block_id,) if not isinstance(val, dict) else tuple(b.block_id for b in val.values())
+            cached[self._key(key)] = ids
+        block_hash = {b.block_id: self._key(b.block_hash) for b in pool.blocks if b.block_hash is not None}
+        tables: dict[str, tuple[tuple[int, ...], ...]] = {}
+        for rid in sorted(self.requests):
+            per_group = tuple(tuple(ids) for ids in self.manager.get_block_ids(rid))
+            if any(per_group):
+                tables[rid] = per_group
+        return Snapshot(
+            free_queue=_walk_free_queue(pool.free_block_queue, n),
+            pinned_queue=(),
+            ref_cnt=ref,
+            pinned=frozenset(),
+            cached=cached,
+            block_hash=block_hash,
+            tables=tables,
+            events=tuple(e for ev in self.manager.take_events() for e in self._event(ev)),
+        )
+
+    def _prefix(self, h: bytes) -> Tokens:
+        try:
+            return self._prefix_of[bytes(h)]
+        except KeyError:
+            raise TargetCrash(f"hash {bytes(h).hex()[:16]}... comes from no known request") from None
+
+    def _key(self, key: bytes) -> BlockKey:
+        return BlockKey(int.from_bytes(key[-4:], "big"), self._prefix(key[:-4]))
+
+    def _event_prefix(self, h: bytes | int) -> Tokens:
+        if isinstance(h, int):
+            try:
+                return self._prefix_of_int[h]
+            except KeyError:
+                raise TargetCrash(f"event hash {h:#x} comes from no known request") from None
+        return self._prefix(h)
+
+    def _event(self, ev: Any) -> list[Event]:
+        kv = self._v
+        if isinstance(ev, kv["BlockStored"]):
+            parent = None if ev.parent_block_hash is None else self._event_prefix(ev.parent_block_hash)
+            return [
+                BlockStored(
+                    group=ev.group_idx,
+                    block_hashes=tuple(self._event_prefix(h) for h in ev.block_hashes),
+                    parent=parent,
+                    token_ids=tuple(ev.token_ids),
+                    block_size=ev.block_size,
+                )
+            ]
+        if isinstance(ev, kv["BlockRemoved"]):
+            return [BlockRemoved(ev.group_idx, self._event_prefix(h)) for h in ev.block_hashes]
+        if isinstance(ev, kv["AllBlocksCleared"]):
+            return [AllBlocksCleared()]
+        raise TargetCrash(f"unexpected KV event {type(ev).__name__}")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _ids(blocks: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(ids) for ids in blocks.get_block_ids())
+
+
+def _walk_free_queue(queue: Any, num_blocks: int) -> tuple[int, ...]:
+    """Head to tail; a corrupted (cyclic) list ends with -1 instead of looping forever."""
+    out: list[int] = []
+    cur = queue.fake_free_list_head.next_free_block
+    while cur is not None and cur is not queue.fake_free_list_tail:
+        if len(out) > num_blocks:
+            out.append(-1)
+            break
+        out.append(cur.block_id)
+        cur = cur.next_free_block
+    return tuple(out)
+
+
+_MODULES: dict[str, Any] = {}
+
+
+def _vllm_modules() -> dict[str, Any]:
+    """vLLM's classes, imported once (after `vllm_available()` said they import)."""
+    if _MODULES:
+        return _MODULES
+    import torch
+    from vllm.distributed.kv_events import AllBlocksCleared as VAllBlocksCleared
+    from vllm.distributed.kv_events import BlockRemoved as VBlockRemoved
+    from vllm.distributed.kv_events import BlockStored as VBlockStored
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.request import Request, RequestStatus
+
+    init_none_hash(sha256)
+    _MODULES.update(
+        torch=torch,
+        BlockStored=VBlockStored,
+        BlockRemoved=VBlockRemoved,
+        AllBlocksCleared=VAllBlocksCleared,
+        SamplingParams=SamplingParams,
+        sha256=sha256,
+        KVCacheManager=KVCacheManager,
+        get_request_block_hasher=get_request_block_hasher,
+        FullAttentionSpec=FullAttentionSpec,
+        KVCacheConfig=KVCacheConfig,
+        KVCacheGroupSpec=KVCacheGroupSpec,
+        MambaSpec=MambaSpec,
+        SlidingWindowSpec=SlidingWindowSpec,
+        Request=Request,
+        RequestStatus=RequestStatus,
+    )
+    return _MODULES
+
+
+__all__ = [
+    "MODELED_VERSION",
+    "NO_PINNED_TIER",
+    "UnsupportedConfig",
+    "VllmTarget",
+    "config_from_json",
+    "config_to_json",
+]
