@@ -63,6 +63,8 @@ class ScheduleResult:
 
     `scheduled` is the number of new tokens the step computed (0 when the
     request was not scheduled: allocation failed or the chunk rounded to 0).
+    `admitted` is True only on the step that admitted a waiting request (never
+    for a request that was already running).
     Admission fields (`hit`, `shared_prefix_boundary`, `hit_blocks`) are None
     for a request that was already running. `new_blocks` is the per-group list
     `allocate_slots` returned (null padding included), None when it failed.

@@ -29,7 +29,8 @@ so the same definition serves concrete evaluation and symbolic proofs.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import z3
@@ -59,6 +60,10 @@ def as_int(t: IntLike) -> int | None:
     """The Python value of `t` if it is (or simplifies to) a numeral."""
     if isinstance(t, int):
         return t
+    if z3.is_int_value(t):
+        return int(t.as_long())
+    if z3.is_const(t):  # an uninterpreted constant: not a numeral
+        return None
     s = z3.simplify(t)
     return s.as_long() if z3.is_int_value(s) else None
 
@@ -76,11 +81,35 @@ def zmin(a: IntLike, b: IntLike) -> z3.ArithRef:
     return z3.If(I(a) <= I(b), I(a), I(b))
 
 
+_expansion_bound: list[int] = []
+
+
+@contextmanager
+def bounded_indices(bound: int) -> Iterator[None]:
+    """Within this block, quantifiers with symbolic bounds range over indices in [0, bound).
+
+    Used for bounded proofs and to build evaluation templates; sound only when
+    every quantified index really lies in [0, bound) (the caller states it).
+    """
+    _expansion_bound.append(bound)
+    try:
+        yield
+    finally:
+        _expansion_bound.pop()
+
+
 def forall_range(lo: IntLike, hi: IntLike, body: Callable[[z3.ArithRef], BoolLike]) -> z3.BoolRef:
     """For all x in [lo, hi): body(x). Expanded when both bounds are numerals."""
     clo, chi = as_int(lo), as_int(hi)
     if clo is not None and chi is not None:
         return z3.And([B(body(z3.IntVal(x))) for x in range(clo, chi)] + [z3.BoolVal(True)])
+    if _expansion_bound:
+        first = 0 if clo is None else max(clo, 0)
+        last = _expansion_bound[-1] if chi is None else min(chi, _expansion_bound[-1])
+        guarded = [
+            z3.Implies(z3.And(I(lo) <= x, x < I(hi)), B(body(z3.IntVal(x)))) for x in range(first, last)
+        ]
+        return z3.And(guarded + [z3.BoolVal(True)])
     x = fresh("x")
     return z3.ForAll([x], z3.Implies(z3.And(I(lo) <= x, x < I(hi)), B(body(x))))
 
@@ -390,18 +419,21 @@ def finite_set(members: Iterable[int]) -> Pred:
     return pred
 
 
-def evaluate_hit(term: z3.ArithRef, side: z3.BoolRef, timeout_ms: int = 5000) -> int:
+def evaluate_hit(term: z3.ArithRef, side: z3.BoolRef, solver: z3.Solver | None = None) -> int:
     """The unique value of `term` under `side` (inputs concrete); raises if not unique."""
-    s = z3.Solver()
-    s.set("timeout", timeout_ms)
-    s.add(side)
-    if s.check() != z3.sat:
-        raise ValueError("hit side condition unsatisfiable")
-    value = s.model().eval(term, model_completion=True).as_long()
-    s.add(term != value)
-    if s.check() != z3.unsat:
-        raise ValueError("hit not determined uniquely")
-    return int(value)
+    s = solver if solver is not None else z3.Solver()
+    s.push()
+    try:
+        s.add(z3.simplify(side))
+        if s.check() != z3.sat:
+            raise ValueError("hit side condition unsatisfiable")
+        value = s.model().eval(term, model_completion=True).as_long()
+        s.add(term != value)
+        if s.check() != z3.unsat:
+            raise ValueError("hit not determined uniquely")
+        return int(value)
+    finally:
+        s.pop()
 
 
 def evaluate_mask(mask: Mask, start: int, end: int) -> set[int] | None:

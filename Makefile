@@ -1,0 +1,39 @@
+# kvretain: `make verify` (main job) and `make test` set themselves up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvretain-installed
+HYPOTHESIS_PROFILE ?= ci
+export HYPOTHESIS_PROFILE
+
+.PHONY: setup verify test lint gpu-check clean
+
+$(STAMP): pyproject.toml requirements/dev.txt $(wildcard requirements/vllm*.txt)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements/dev.txt
+	@if [ -f requirements/vllm.txt ]; then \
+	  $(BIN)/python -m pip install -q -r requirements/vllm.txt && \
+	  $(BIN)/python -m pip install -q --no-deps -r requirements/vllm-nodeps.txt || \
+	  echo "note: vLLM could not be installed; the vllm target will be reported as skipped"; \
+	fi
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+verify: setup
+	$(BIN)/kvretain verify
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check model reference_impl invariants gpu_check tests
+	$(BIN)/mypy model reference_impl invariants gpu_check
+
+gpu-check: setup
+	$(BIN)/kvretain gpu-check --device $$($(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+
+clean:
+	rm -rf $(VENV) kvretain-traces .hypothesis build *.egg-info

@@ -1,0 +1,79 @@
+"""The kvretain CLI: exit codes, bad input in one line, replayable traces."""
+
+from __future__ import annotations
+
+import json
+
+from invariants.cli import main
+from invariants.trace import Trace, read_trace, write_trace
+from model.config import Config, GroupSpec
+from model.ops import AddRequest, EvictBlocks, Finish, Probe, Sample, Schedule
+
+CFG = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=16, retention_interval=0)
+OPS = [AddRequest("a", (1, 2, 3) * 4), Schedule("a", 8), Schedule("a", 8), Sample("a", 2), Finish("a"),
+       Probe((1, 2, 3) * 4), EvictBlocks((1, 2))]
+
+
+def test_trace_roundtrip(tmp_path):
+    path = write_trace(Trace(CFG, OPS, 7, "reference", None), tmp_path / "t.json")
+    back = read_trace(path)
+    assert back.config == CFG and back.ops == OPS and back.seed == 7
+
+
+def test_fuzz_model_clean_prints_summary(capsys):
+    assert main(["fuzz", "--target", "model", "--steps", "150", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ops/s" in out and "clean" in out and "seed 3" in out
+
+
+def test_fuzz_preset(capsys):
+    assert main(["fuzz", "--target", "model", "--config", "kimi-linear-tiny", "--steps", "100"]) == 0
+    assert "kimi-linear-tiny" in capsys.readouterr().out
+
+
+def test_unknown_preset_is_one_line_exit_2(capsys):
+    assert main(["fuzz", "--target", "model", "--config", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown preset 'nope'" in err[0]
+
+
+def test_bad_usage_exit_2(capsys):
+    assert main(["fuzz", "--steps", "many"]) == 2
+    assert main([]) == 2
+
+
+def test_replay_clean_trace(tmp_path, capsys):
+    path = write_trace(Trace(CFG, OPS, 1, "model", None), tmp_path / "t.json")
+    assert main(["replay", str(path), "--target", "model"]) == 0
+    assert "clean" in capsys.readouterr().out
+
+
+def test_malformed_traces_exit_2(tmp_path, capsys):
+    cases = {
+        "notjson.json": "{",
+        "format.json": json.dumps({"format": "x"}),
+        "config.json": json.dumps({"format": "kvretain-trace", "version": 1, "config": {"groups": [], "num_blocks": 4}, "ops": []}),
+        "op.json": json.dumps({"format": "kvretain-trace", "version": 1,
+                               "config": {"groups": [{"kind": "full", "block_size": 4}], "num_blocks": 8},
+                               "ops": [{"op": "fly"}]}),
+        "order.json": json.dumps({"format": "kvretain-trace", "version": 1,
+                                  "config": {"groups": [{"kind": "full", "block_size": 4}], "num_blocks": 8},
+                                  "ops": [{"op": "finish", "rid": "ghost"}]}),
+    }
+    for name, text in cases.items():
+        p = tmp_path / name
+        p.write_text(text)
+        capsys.readouterr()
+        assert main(["replay", str(p), "--target", "model"]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("kvretain: error:"), (name, err)
+
+
+def test_invalid_config_retention_exit_2(tmp_path, capsys):
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps({"format": "kvretain-trace", "version": 1, "ops": [],
+                             "config": {"groups": [{"kind": "full", "block_size": 16},
+                                                   {"kind": "swa", "block_size": 16, "sliding_window": 32}],
+                                        "num_blocks": 8, "retention_interval": 40}}))
+    assert main(["replay", str(p)]) == 2
+    assert "multiple of scheduler_block_size (16)" in capsys.readouterr().err

@@ -1,0 +1,244 @@
+"""Negative controls for every invariant of the catalogue.
+
+Each invariant holds on the contexts of a real model run, and fails on the same
+context with one realistic corruption (the state a known bug class leaves
+behind). `test_every_invariant_has_a_control` keeps the two lists in step.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+
+import invariants.checker as checker_mod
+from invariants.catalogue import BY_NAME, INVARIANTS, CheckContext
+from invariants.checker import Checker
+from invariants.targets.model_target import ModelTarget
+from model.config import Config, GroupSpec
+from model.observation import BlockKey, BlockStored, ProbeResult, ScheduleResult
+from model.ops import AddRequest, Finish, Probe, Sample, Schedule
+
+FULL_SWA = (GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6))
+SYS = tuple([1, 2, 3, 1] * 5)
+
+
+def run(cfg: Config, ops) -> list[CheckContext]:
+    contexts: list[CheckContext] = []
+    real = checker_mod.check_all
+
+    def capture(ctx):
+        contexts.append(replace(ctx, history=copy.deepcopy(ctx.history)))
+        return real(ctx)
+
+    checker_mod.check_all = capture
+    try:
+        chk = Checker(ModelTarget(cfg))
+        for op in ops:
+            assert chk.step(op) == [], op
+    finally:
+        checker_mod.check_all = real
+    return contexts
+
+
+def workload(eagle: bool = False, pin: bool = False):
+    cfg = Config(groups=FULL_SWA, num_blocks=24, retention_interval=0, eagle=eagle, pin_swa_on_drop=pin,
+                 pin_min_drop_blocks=1)
+    ops = [AddRequest("a", SYS + (2, 2)), Schedule("a", 8), Schedule("a", 8), Schedule("a", 8), Sample("a", 3),
+           Finish("a"), AddRequest("b", SYS + (3,)), Schedule("b", 64), Probe(SYS + (1,))]
+    return cfg, ops, run(cfg, ops)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return workload()
+
+
+def holds(name: str, ctx: CheckContext) -> None:
+    assert BY_NAME[name].check(ctx) == [], name
+
+
+def fails(name: str, ctx: CheckContext) -> None:
+    assert BY_NAME[name].check(ctx), f"{name} did not catch the corruption"
+
+
+def ctx_of(contexts, op_type):
+    return next(c for c in reversed(contexts) if isinstance(c.op, op_type))
+
+
+def test_all_invariants_hold_on_real_runs(plain):
+    for eagle in (False, True):
+        for pin in (False, True):
+            for ctx in workload(eagle, pin)[2]:
+                for inv in INVARIANTS:
+                    assert inv.check(ctx) == [], (inv.name, ctx.op)
+
+
+def test_block_in_exactly_one_place(plain):
+    ctx = ctx_of(plain[2], Finish)
+    leaked = ctx.after.free_queue[0]
+    fails("block_in_exactly_one_place", replace(ctx, after=replace(ctx.after, free_queue=ctx.after.free_queue[1:])))
+    assert leaked
+
+
+def test_no_negative_ref_count(plain):
+    ctx = ctx_of(plain[2], Finish)
+    refs = list(ctx.after.ref_cnt)
+    refs[3] = -1
+    fails("no_negative_ref_count", replace(ctx, after=replace(ctx.after, ref_cnt=tuple(refs))))
+
+
+def test_free_queue_has_no_duplicates(plain):
+    ctx = ctx_of(plain[2], Finish)
+    q = ctx.after.free_queue
+    fails("free_queue_has_no_duplicates", replace(ctx, after=replace(ctx.after, free_queue=q + q[:1])))
+
+
+def test_ref_count_matches_tables(plain):
+    ctx = ctx_of(plain[2], Schedule)
+    refs = list(ctx.after.ref_cnt)
+    b = ctx.after.tables["b"][0][0]
+    refs[b] += 1  # a reference nobody's table holds: a leak
+    fails("ref_count_matches_tables", replace(ctx, after=replace(ctx.after, ref_cnt=tuple(refs))))
+
+
+def test_hash_map_points_at_holders(plain):
+    ctx = ctx_of(plain[2], Finish)
+    cached = dict(ctx.after.cached)
+    key = next(iter(cached))
+    other = next(b for b in range(1, 24) if b not in cached[key] and b in ctx.after.block_hash)
+    cached[key] = cached[key] + (other,)  # a reused block whose old hash was not evicted
+    fails("hash_map_points_at_holders", replace(ctx, after=replace(ctx.after, cached=cached)))
+
+
+def test_uncached_reused_before_cached(plain):
+    ctx = ctx_of(plain[2], Finish)
+    q = list(ctx.after.free_queue)
+    uncached = next(b for b in q if b not in ctx.after.block_hash)
+    q.remove(uncached)
+    q.append(uncached)  # pre-#43447: freed scratch appended behind cached prefixes
+    fails("uncached_reused_before_cached", replace(ctx, after=replace(ctx.after, free_queue=tuple(q))))
+
+
+def test_cached_reused_lru_first(plain):
+    ctx = ctx_of(plain[2], Finish)
+    cached = [b for b in ctx.after.free_queue if b in ctx.after.block_hash]
+    hist = copy.deepcopy(ctx.history)
+    hist.free_tick[cached[0]] = hist.tick + 5
+    fails("cached_reused_lru_first", replace(ctx, history=hist))
+
+
+def _pinned_ctx():
+    cfg, ops, contexts = workload(pin=True)
+    ctx = ctx_of(contexts, Schedule)
+    return ctx
+
+
+def test_pinned_reused_only_under_pressure():
+    ctx = _pinned_ctx()
+    before, after = ctx.before, ctx.after
+    active = next(b for b in range(1, 24) if after.ref_cnt[b] > 0)
+    free = after.free_queue[0]
+    b4 = replace(before, pinned_queue=(active,), free_queue=(free,) + tuple(b for b in before.free_queue if b not in (free, active)))
+    fails("pinned_reused_only_under_pressure", replace(ctx, before=b4, obs=ScheduleResult(1, False)))
+
+
+def test_pinned_demoted_oldest_first():
+    ctx = _pinned_ctx()
+    after = ctx.after
+    active = next(b for b in range(1, 24) if after.ref_cnt[b] > 0)
+    oldest = after.free_queue[-1]
+    b4 = replace(ctx.before, pinned_queue=(oldest, active))
+    a2 = replace(after, pinned_queue=(oldest,), free_queue=after.free_queue[:-1])
+    fails("pinned_demoted_oldest_first", replace(ctx, before=b4, after=a2, obs=ScheduleResult(1, False)))
+
+
+def test_pinned_blocks_are_cached(plain):
+    ctx = ctx_of(plain[2], Finish)
+    uncached = next(b for b in ctx.after.free_queue if b not in ctx.after.block_hash)
+    a2 = replace(ctx.after, free_queue=tuple(b for b in ctx.after.free_queue if b != uncached),
+                 pinned_queue=(uncached,), pinned=frozenset({uncached}))
+    fails("pinned_blocks_are_cached", replace(ctx, after=a2))
+
+
+def test_no_waste(plain):
+    ctx = ctx_of(plain[2], Schedule)  # b's admission under retention 0
+    key = BlockKey(1, (SYS + (3,))[:4])  # SWA block 0: far below every retained boundary
+    assert key not in ctx.after.cached
+    a2 = replace(ctx.after, cached={**ctx.after.cached, key: (5,)})
+    fails("no_waste", replace(ctx, after=a2))
+
+
+def test_hit_backed_by_cache(plain):
+    ctx = ctx_of(plain[2], Probe)
+    obs = ctx.obs
+    assert isinstance(obs, ProbeResult)
+    fails("hit_backed_by_cache", replace(ctx, obs=replace(obs, hit=obs.hit + 4)))
+
+
+def test_hit_blocks_hold_their_prefix(plain):
+    ctx = ctx_of(plain[2], Probe)
+    obs = ctx.obs
+    assert isinstance(obs, ProbeResult) and obs.hit > 0
+    wrong = tuple(tuple(23 if b else 0 for b in g) for g in obs.hit_blocks)
+    fails("hit_blocks_hold_their_prefix", replace(ctx, obs=replace(obs, hit_blocks=wrong)))
+
+
+def _drop_keys(ctx: CheckContext, pred) -> CheckContext:
+    hist = copy.deepcopy(ctx.history)
+    hist.ever_cached = {k for k in hist.ever_cached if not pred(k)}
+    return replace(ctx, history=hist, after=replace(ctx.after, cached={k: v for k, v in ctx.after.cached.items() if not pred(k)}))
+
+
+def test_promise_kept(plain):
+    ctx = ctx_of(plain[2], Finish)
+    holds("promise_kept", ctx)
+    # retention 0 dropped the replay tail (#43447 "interval 0 gives no hits")
+    fails("promise_kept", _drop_keys(ctx, lambda k: k.group == 1))
+
+
+def test_eagle_extra_block_kept():
+    ctx = ctx_of(workload(eagle=True)[2], Finish)
+    holds("eagle_extra_block_kept", ctx)
+    swa = sorted((k for k in ctx.history.ever_cached if k.group == 1), key=lambda k: len(k.tokens))
+    peek = swa[-1]
+    fails("eagle_extra_block_kept", _drop_keys(ctx, lambda k: k == peek))
+
+
+def test_scratch_never_flushes_cache(plain):
+    ctx = ctx_of(plain[2], Schedule)
+    b4, after = ctx.before, ctx.after
+    cached_free = next(b for b in b4.free_queue if b in b4.block_hash)
+    uncached_free = next(b for b in after.free_queue if b not in after.block_hash)
+    b4 = replace(b4, free_queue=(uncached_free, cached_free), block_hash={cached_free: b4.block_hash[cached_free]})
+    refs = list(after.ref_cnt)
+    refs[cached_free] = 1
+    a2 = replace(after, ref_cnt=tuple(refs), block_hash={k: v for k, v in after.block_hash.items() if k != cached_free})
+    fails("scratch_never_flushes_cache", replace(ctx, before=b4, after=a2))
+
+
+def test_events_match_hash_map(plain):
+    ctx = ctx_of(plain[2], Finish)
+    hist = copy.deepcopy(ctx.history)
+    hist.shadow.pop(next(iter(hist.shadow)))  # a BlockStored that was never emitted
+    fails("events_match_hash_map", replace(ctx, history=hist))
+
+
+def test_stored_tokens_match_hashes(plain):
+    ctx = ctx_of(plain[2], Finish)
+    # vLLM 0.33.0's shape under a mask: one stored hash, the whole token range
+    ev = BlockStored(1, (SYS[:16],), SYS[:8], SYS[8:16], 4)
+    fails("stored_tokens_match_hashes", replace(ctx, after=replace(ctx.after, events=(ev,))))
+
+
+def test_fitting_request_admitted(plain):
+    ctx = ctx_of(plain[2], Schedule)
+    idle = replace(ctx.before, ref_cnt=tuple(0 for _ in ctx.before.ref_cnt))
+    refused = ScheduleResult(0, False, 0, 0, ((), ()), None)
+    fails("fitting_request_admitted", replace(ctx, before=idle, obs=refused))
+
+
+def test_every_invariant_has_a_control():
+    tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
+    assert {inv.name for inv in INVARIANTS} <= tested
