@@ -26,6 +26,7 @@ Contract of each operation (see `docs/semantics.md` for the full text):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any, Union
 
 
@@ -104,7 +105,7 @@ def op_from_json(data: Any) -> Op:
     if cls is None:
         raise ValueError(f"unknown operation {name!r} (expected one of {sorted(OP_TYPES)})")
     fields = {k: v for k, v in data.items() if k != "op"}
-    expected = set(cls.__dataclass_fields__)
+    expected = {f.name for f in dataclass_fields(cls)}
     if set(fields) != expected:
         raise ValueError(f"operation {name!r} needs fields {sorted(expected)}, got {sorted(fields)}")
     for key in ("prompt", "tokens", "block_ids"):

@@ -298,6 +298,28 @@ def replay_boundaries(num_prompt_tokens: IntLike, scheduler_block_size: IntLike,
     )
 
 
+def mamba_checkpoint_position(num_tokens: IntLike, block_size: IntLike, eagle: BoolLike) -> z3.ArithRef:
+    """scheduling.mamba_checkpoint_position: the last aligned position a replay can reuse."""
+    n, bs, eg = I(num_tokens), I(block_size), B(eagle)
+    limit = z3.If(eg, n, n - 1)
+    position = limit / bs * bs - z3.If(eg, bs, 0)
+    return zmax(position, 0)
+
+
+def cacheable_tokens(
+    num_tokens: IntLike, *, hybrid: BoolLike, scheduler_block_size: IntLike, block_size: IntLike, eagle: BoolLike
+) -> z3.ArithRef:
+    """AllocatorModel._cacheable_tokens: how many tokens a group may cache at allocation time.
+
+    Single group: all. Hybrid: floored to the scheduler block size, plus one
+    block (the Eagle peek) with Eagle when anything is aligned.
+    """
+    n, sbs = I(num_tokens), I(scheduler_block_size)
+    floored = n / sbs * sbs
+    with_peek = z3.If(z3.And(B(eagle), floored > 0), zmin(n, floored + I(block_size)), floored)
+    return z3.If(B(hybrid), with_peek, n)
+
+
 # --------------------------------------------------------------------------- lookup.py
 
 
@@ -312,38 +334,76 @@ def run_cached(cached: Pred, lo: IntLike, hi: IntLike) -> z3.BoolRef:
     return forall_range(zmax(lo, 0) if as_int(lo) is None else max(as_int(lo) or 0, 0), hi, cached)
 
 
-def max_of(pred: Callable[[z3.ArithRef], BoolLike], lo: IntLike, hi: IntLike, name: str) -> tuple[
-    z3.ArithRef, z3.BoolRef
-]:
-    """(m, side): m is the largest x in [lo, hi) with pred(x), or lo - 1 if there is none."""
-    m = fresh(name)
-    side = z3.And(
-        z3.Or(m == I(lo) - 1, z3.And(I(lo) <= m, m < I(hi), B(pred(m)))),
-        forall_range(lo, hi, lambda x: z3.Implies(x > m, z3.Not(B(pred(x))))),
-    )
-    return m, side
+@dataclass(frozen=True)
+class MaxOf:
+    """m is the largest x in [lo, hi) with pred(x), or lo - 1 if there is none."""
+
+    m: z3.ArithRef
+    pred: Callable[[z3.ArithRef], BoolLike]
+    lo: IntLike
+    hi: IntLike
+
+    @property
+    def chosen(self) -> z3.BoolRef:
+        """m is a witness (or the 'none' value)."""
+        return z3.Or(self.m == I(self.lo) - 1, z3.And(I(self.lo) <= self.m, self.m < I(self.hi), B(self.pred(self.m))))
+
+    @property
+    def maximal(self) -> z3.BoolRef:
+        """No x above m in range satisfies pred (a bounded quantifier)."""
+        return forall_range(self.lo, self.hi, lambda x: z3.Implies(x > self.m, z3.Not(B(self.pred(x)))))
+
+    def instance(self, x: IntLike) -> z3.BoolRef:
+        """`maximal` instantiated at x: a quantifier-free consequence used as a proof hint."""
+        x = I(x)
+        return z3.Implies(z3.And(I(self.lo) <= x, x < I(self.hi), x > self.m), z3.Not(B(self.pred(x))))
+
+
+def max_of(pred: Callable[[z3.ArithRef], BoolLike], lo: IntLike, hi: IntLike, name: str) -> MaxOf:
+    return MaxOf(fresh(name), pred, lo, hi)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A hit rule's result: `blocks` (hit length in blocks) under `side`.
+
+    `side` = every maximum is chosen and maximal; it determines `blocks` for
+    concrete inputs. `chosen` and `instance(x)` are consequences of `side`
+    without quantifiers, which symbolic proofs use instead of `side`.
+    """
+
+    blocks: z3.ArithRef
+    maxima: tuple[MaxOf, ...]
+    extra: z3.BoolRef = z3.BoolVal(True)
+
+    @property
+    def side(self) -> z3.BoolRef:
+        return z3.And([self.extra] + [m.chosen for m in self.maxima] + [m.maximal for m in self.maxima])
+
+    @property
+    def chosen(self) -> z3.BoolRef:
+        return z3.And([self.extra] + [m.chosen for m in self.maxima])
+
+    def instance(self, x: IntLike) -> z3.BoolRef:
+        return z3.And([m.instance(x) for m in self.maxima])
 
 
 def full_hit(
     cached: Pred, max_length: IntLike, block_size: IntLike, alignment: IntLike, drop_eagle: BoolLike
-) -> tuple[z3.ArithRef, z3.BoolRef]:
+) -> Hit:
     """lookup.full_hit: the run of cached blocks from 0, Eagle drop, floored to the alignment.
 
     Returns the hit in blocks (cdiv(hit tokens, bs)).
     """
     bs, a, eg = I(block_size), I(alignment), B(drop_eagle)
     nb = I(max_length) / bs
-    n = fresh("run")
-    side = z3.And(
-        n >= 0,
-        n <= nb,
-        forall_range(0, nb, lambda j: z3.Implies(j < n, cached(j))),
-        z3.Or(n == nb, z3.Not(cached(n))),
-    )
+    # the run is the largest n in [0, nb] with blocks 0..n-1 cached (n = 0 always qualifies)
+    run = max_of(lambda n: run_cached(cached, 0, n), 0, nb + 1, "run")
+    n = run.m
     hit = n * bs
     hit = z3.If(z3.And(eg, hit > 0), hit - zmin(a, bs), hit)
     hit = hit - hit % a
-    return cdiv(hit, bs), side
+    return Hit(cdiv(hit, bs), (run,), n >= 0)
 
 
 def swa_candidate(cached: Pred, e: IntLike, need: IntLike, block_size: IntLike, alignment: IntLike) -> z3.BoolRef:
@@ -372,7 +432,7 @@ def swa_hit(
     drop_eagle: BoolLike,
     *,
     quirk: bool = True,
-) -> tuple[z3.ArithRef, z3.BoolRef]:
+) -> Hit:
     """lookup.swa_hit, hit in blocks. `need` includes Eagle's block when `drop_eagle`.
 
     Without Eagle: the largest aligned edge e <= max_length // bs whose tail is
@@ -383,24 +443,27 @@ def swa_hit(
     """
     bs, a, eg = I(block_size), I(alignment), B(drop_eagle)
     nb = I(max_length) / bs
-    e, side_e = max_of(lambda x: swa_candidate(cached, x, need, bs, a), 1, nb + 1, "edge")
-    p, side_p = max_of(lambda x: swa_peek(cached, x, need, bs, a), 0, nb, "peek")
-    s, side_s = max_of(lambda x: swa_short(cached, x, need, bs, a), 0, nb, "short")
-    short_hit = z3.If(z3.And(bs != a, quirk), zmax(s - a / bs, 0), s)
-    eagle_hit = z3.If(p >= 0, p, z3.If(s >= 0, short_hit, 0))
-    hit = z3.If(eg, eagle_hit, zmax(e, 0))
-    side = z3.If(eg, z3.And(side_p, side_s), side_e)
-    return hit, side
+    if z3.is_true(z3.simplify(eg)):
+        p = max_of(lambda x: swa_peek(cached, x, need, bs, a), 0, nb, "peek")
+        s = max_of(lambda x: swa_short(cached, x, need, bs, a), 0, nb, "short")
+        short_hit = z3.If(z3.And(bs != a, quirk), zmax(s.m - a / bs, 0), s.m)
+        return Hit(z3.If(p.m >= 0, p.m, z3.If(s.m >= 0, short_hit, 0)), (p, s))
+    e = max_of(lambda x: swa_candidate(cached, x, need, bs, a), 1, nb + 1, "edge")
+    if z3.is_false(z3.simplify(eg)):
+        return Hit(zmax(e.m, 0), (e,))
+    # symbolic Eagle flag: both rules, selected by the flag
+    eagle_hit = swa_hit(cached, max_length, bs, a, need, True, quirk=quirk)
+    return Hit(z3.If(eg, eagle_hit.blocks, zmax(e.m, 0)), (e, *eagle_hit.maxima))
 
 
 def mamba_hit(
     cached: Pred, max_length: IntLike, block_size: IntLike, alignment: IntLike
-) -> tuple[z3.ArithRef, z3.BoolRef]:
+) -> Hit:
     """lookup.mamba_hit: the largest aligned state block i < max_length // bs cached; hit i + 1 blocks."""
     bs, a = I(block_size), I(alignment)
     nb = I(max_length) / bs
-    i, side = max_of(lambda x: z3.And(aligned(x + 1, bs, a), cached(x)), 0, nb, "state")
-    return i + 1, side
+    state = max_of(lambda x: z3.And(aligned(x + 1, bs, a), cached(x)), 0, nb, "state")
+    return Hit(state.m + 1, (state,))
 
 
 # --------------------------------------------------------------------------- evaluation helpers
@@ -420,7 +483,7 @@ def finite_set(members: Iterable[int]) -> Pred:
 
 
 def evaluate_hit(term: z3.ArithRef, side: z3.BoolRef, solver: z3.Solver | None = None) -> int:
-    """The unique value of `term` under `side` (inputs concrete); raises if not unique."""
+    """The unique value of `term` (a Hit's blocks) under `side` (inputs concrete); raises if not unique."""
     s = solver if solver is not None else z3.Solver()
     s.push()
     try:
