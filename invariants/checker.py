@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from invariants.catalogue import CheckContext, History, check_all, update_history
+from invariants.targets.base import Target
 from model.allocator import AllocatorModel
 from model.observation import ProbeResult, diff_snapshots
 from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, Sample, Schedule
-
-from invariants.catalogue import CheckContext, History, check_all, update_history
-from invariants.targets.base import Target
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from model.config import ConfigError
-
 from invariants.report import table
 from invariants.targets import TARGET_NAMES, TargetUnavailable, available_targets
 from invariants.trace import TraceError, read_trace
+from model.config import ConfigError
 
 
 class UsageError(Exception):

@@ -14,7 +14,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from hypothesis import HealthCheck, seed as hypothesis_seed, settings
+from hypothesis import HealthCheck, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.stateful import get_state_machine_test
 

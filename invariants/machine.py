@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from invariants.checker import Checker, Violation
+from invariants.targets.base import Target
 from model.config import Config
 from model.observation import ScheduleResult
 from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, ResetPrefixCache, Sample, Schedule
-
-from invariants.checker import Checker, Violation
-from invariants.targets.base import Target
 
 TOKENS = st.integers(1, 3)
 MAX_REQUEST_TOKENS = 160

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from model.observation import BlockStored
-
 from invariants.catalogue.context import CheckContext
+from model.observation import BlockStored
 
 
 def events_match_hash_map(ctx: CheckContext) -> list[str]:

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from model.observation import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, Event, Observation, ScheduleResult, Snapshot
-from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Sample
-
 from invariants.catalogue.context import History, RequestHistory
+from model.observation import (
+    AllBlocksCleared,
+    BlockKey,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Observation,
+    ScheduleResult,
+    Snapshot,
+)
+from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Sample
 
 
 def replay_events(shadow: dict[BlockKey, int], events: tuple[Event, ...]) -> list[str]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from invariants.catalogue.context import CheckContext
 from model.masks import cdiv
 from model.observation import ScheduleResult
 from model.ops import Schedule
 from model.scheduling import mamba_chunk
-
-from invariants.catalogue.context import CheckContext
 
 
 def fitting_request_admitted(ctx: CheckContext) -> list[str]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from model.ops import Schedule
-
 from invariants.catalogue.context import CheckContext
+from model.ops import Schedule
 
 
 def uncached_reused_before_cached(ctx: CheckContext) -> list[str]:

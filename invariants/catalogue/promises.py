@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from invariants.catalogue.context import CheckContext
 from model.masks import swa_tail_blocks
 from model.observation import BlockKey
 from model.ops import Finish, Schedule
-
-from invariants.catalogue.context import CheckContext
 
 
 def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from invariants.catalogue.context import CheckContext, RequestHistory
 from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
 from model.observation import BlockKey, ProbeResult, ScheduleResult, Tokens
 from model.ops import Probe, Schedule
 from model.scheduling import mamba_checkpoint_position
-
-from invariants.catalogue.context import CheckContext, RequestHistory
 
 
 def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> bool:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from model.config import Config
-
 from invariants.targets.base import Target, TargetCrash, TargetUnavailable
+from model.config import Config
 
 _TARGETS: dict[str, tuple[str, str]] = {
     "model": ("invariants.targets.model_target", "ModelTarget"),
