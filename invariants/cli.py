@@ -126,6 +126,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         record("fuzz", name, report.verdict, f"{report.stats.steps} steps, {report.ops_per_s:.0f} ops/s, "
                f"hit {report.stats.hit_rate:.0%}", report.seconds, report.failure is None)
 
+    zoo = _optional("invariants.zoo.cli")
+    if zoo is not None and hasattr(zoo, "verify_row"):
+        record(*zoo.verify_row(quick=args.quick))
+
     gpu = _optional("gpu_check.cli")
     if gpu is not None and hasattr(gpu, "verify_row"):
         check, target, verdict, figure, seconds, good = gpu.verify_row(quick=args.quick)
@@ -166,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--out", default="kvretain-traces")
     v.set_defaults(func=cmd_verify)
 
-    for module in ("gpu_check.cli",):
+    for module in ("invariants.zoo.cli", "gpu_check.cli"):
         mod = _optional(module)
         if mod is not None and hasattr(mod, "add_parser"):
             mod.add_parser(sub)  # type: ignore[attr-defined]
