@@ -47,7 +47,8 @@ Mutant = Callable[[AllocatorComponents], AllocatorComponents]
 def to_allocator_config(config: Config) -> AllocatorConfig:
     return AllocatorConfig(
         groups=tuple(
-            KVCacheGroupConfig(g.kind, g.block_size, g.sliding_window, g.mamba_cache_mode) for g in config.groups
+            KVCacheGroupConfig(g.kind, g.block_size, g.sliding_window, g.mamba_cache_mode)
+            for g in config.groups
         ),
         num_blocks=config.num_blocks,
         retention_interval=config.retention_interval,
@@ -119,7 +120,12 @@ class ReferenceTarget:
         if isinstance(op, Schedule):
             out = s.schedule(op.rid, op.budget)
             return ScheduleResult(
-                out.scheduled, out.admitted, out.hit, out.shared_prefix_boundary, out.hit_blocks, out.new_blocks
+                out.scheduled,
+                out.admitted,
+                out.hit,
+                out.shared_prefix_boundary,
+                out.hit_blocks,
+                out.new_blocks,
             )
         if isinstance(op, AddRequest):
             s.add_request(op.rid, op.prompt)
@@ -135,7 +141,8 @@ class ReferenceTarget:
         elif isinstance(op, ResetPrefixCache):
             return ResetResult(s.reset_prefix_cache())
         elif isinstance(op, EvictBlocks):
-            s.evict_blocks(op.block_ids)
+            # vLLM's evict_blocks takes a set[int]; iterate it the same way.
+            s.evict_blocks(set(op.block_ids))
         else:
             raise ValueError(f"unsupported operation {op!r}")
         return Done()
