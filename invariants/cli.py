@@ -126,6 +126,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         record("fuzz", name, report.verdict, f"{report.stats.steps} steps, {report.ops_per_s:.0f} ops/s, "
                f"hit {report.stats.hit_rate:.0%}", report.seconds, report.failure is None)
 
+    from invariants.known_findings import recheck_known_findings
+
+    t = time.monotonic()
+    usable = {n for n, why in available_targets().items() if why is None}
+    rechecked = recheck_known_findings(usable)
+    gone = [f"{fid} on {tgt}" for fid, tgt, still in rechecked if not still]
+    record("known findings", ",".join(sorted(usable)), "all reproduce" if not gone else "NO LONGER REPRODUCE: " + "; ".join(gone),
+           f"{len(rechecked)} finding/target pairs replayed", time.monotonic() - t, not gone)
+
     zoo = _optional("invariants.zoo.cli")
     if zoo is not None and hasattr(zoo, "verify_row"):
         record(*zoo.verify_row(quick=args.quick))

@@ -115,6 +115,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"groups[{i}].sliding_window: only 'swa' groups have a window")
         if g.kind == "mamba" and g.mamba_cache_mode not in ("align", "none"):
             raise ConfigError(f"groups[{i}].mamba_cache_mode: must be 'align' or 'none'")
+        if g.kind == "mamba" and g.mamba_cache_mode != "align":
+            # 'none' falls back to vLLM's plain block layout, which the model does not cover.
+            raise ConfigError(f"groups[{i}].mamba_cache_mode: only 'align' is modeled (got {g.mamba_cache_mode!r})")
         if g.kind == "mamba" and cfg.enable_caching and g.mamba_cache_mode != "align":
             raise ConfigError(
                 f"groups[{i}].mamba_cache_mode: Mamba prefix caching requires mamba_cache_mode='align'"
@@ -131,6 +134,11 @@ def validate(cfg: Config) -> Config:
                 f"scheduler_block_size ({sbs}): must be a multiple of every group block size "
                 f"(groups[{i}].block_size = {g.block_size})"
             )
+    if len(cfg.groups) == 1 and cfg.enable_caching and hbs != cfg.groups[0].block_size:
+        raise ConfigError(
+            f"hash_block_size ({hbs}): a single-group model needs hash_block_size == block_size "
+            f"({cfg.groups[0].block_size}) (vLLM UnitaryKVCacheCoordinator)"
+        )
     if cfg.num_blocks < 2:
         raise ConfigError(f"num_blocks: must be >= 2 (block 0 is the null block), got {cfg.num_blocks}")
     if cfg.pin_min_drop_blocks < 0:

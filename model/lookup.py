@@ -48,7 +48,12 @@ def full_hit(cached: Cached, max_length: int, block_size: int, alignment: int, d
 def swa_hit(
     cached: Cached, max_length: int, block_size: int, alignment: int, need: int, drop_eagle: bool
 ) -> Layout:
-    """`need` already includes Eagle's extra block when `drop_eagle`."""
+    """`need` already includes Eagle's extra block when `drop_eagle`.
+
+    A hit always needs at least one cached block at its edge, even when the
+    window needs none (window 1): vLLM counts a run only from a cached block.
+    """
+    need = max(need, 1)
     nb = max_length // block_size
 
     def run_cached(lo: int, hi: int) -> bool:

@@ -12,11 +12,12 @@ Conventions:
   `ZERO` (0) or `INTERVAL` (k > 0), so one formula covers all three.
 - A mask is a predicate on the block index, `kept(i) -> BoolRef`, plus a
   `dense` flag standing for the model's `None` ("every block").
-- A hit rule takes `cached(j) -> BoolRef` and returns `(hit, side)`: the hit
+- A hit rule takes `cached(j) -> BoolRef` and returns a `Hit`: the hit
   length in blocks as a term over fresh variables, and a side condition that
   pins those variables down (the rule is a maximum: the side condition says
   "this is a candidate and nothing larger is"). For concrete inputs the side
-  condition determines the hit uniquely.
+  condition determines the hit uniquely. Proofs use its quantifier-free
+  consequences (`Hit.chosen`, `Hit.instance`).
 - Integer division: Z3 `/` and `%` on Int are Euclidean, equal to Python's
   `//` and `%` for positive divisors; every divisor here is positive under
   `config_side_conditions`.
@@ -32,12 +33,13 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import z3
 
-IntLike = int | z3.ArithRef
-BoolLike = bool | z3.BoolRef
-Pred = Callable[[z3.ArithRef], z3.BoolRef]
+IntLike: TypeAlias = "int | z3.ArithRef"
+BoolLike: TypeAlias = "bool | z3.BoolRef"
+Pred: TypeAlias = Callable[[z3.ArithRef], z3.BoolRef]
 
 DENSE, ZERO, INTERVAL = 0, 1, 2
 
@@ -54,6 +56,12 @@ def B(x: BoolLike) -> z3.BoolRef:
 
 def fresh(name: str) -> z3.ArithRef:
     return z3.Int(f"{name}!{next(_fresh)}")
+
+
+def reset_fresh_names() -> None:
+    """Restart the fresh-variable counter: the same formula gets the same names (reproducible Z3 runs)."""
+    global _fresh
+    _fresh = itertools.count()
 
 
 def as_int(t: IntLike) -> int | None:
@@ -196,6 +204,8 @@ class Mask:
 
     dense: z3.BoolRef
     kept: Pred
+    periodic: Pred | None = None  # the segment-end part (SWA), for proofs
+    at_boundary: Pred | None = None  # the reachable-boundary part (SWA), for proofs
 
     def __call__(self, i: IntLike) -> z3.BoolRef:
         """Whether block i is kept, counting `dense` as keeping every block of the range."""
@@ -252,7 +262,7 @@ def swa_mask(
     def kept(i: z3.ArithRef) -> z3.BoolRef:
         return z3.And(lo <= i, i < hi, z3.Or(dense, periodic(i), at_boundary(i)))
 
-    return Mask(dense, kept)
+    return Mask(dense, kept, periodic, at_boundary)
 
 
 def mamba_mask(
@@ -264,13 +274,15 @@ def mamba_mask(
     retention: Retention,
     boundaries: Sequence[IntLike] = (),
     off_by_one: bool = False,
+    boundary_shift: int = 0,
 ) -> Mask:
     """masks.mamba_kept_blocks.
 
     Dense for retention None or an interval of at most one block; otherwise
     block k in [start, end) is kept iff it is the last block of a k-token
     segment ((k + 1) % per_segment == 0, interval only) or the state block of
-    a reachable boundary (boundary_edge - 1). `off_by_one` is a control.
+    a reachable boundary (boundary_edge - 1). `off_by_one` and
+    `boundary_shift` exist only for negative controls.
     """
     bs, a, lo, hi = I(block_size), I(alignment), I(start), I(end)
     per = retention.k / bs
@@ -279,7 +291,7 @@ def mamba_mask(
 
     def kept(k: z3.ArithRef) -> z3.BoolRef:
         seg = z3.And(retention.mode == INTERVAL, (k + delta) % per == 0)
-        bnd = z3.Or([k == boundary_edge(b, a, bs) - 1 for b in boundaries] + [z3.BoolVal(False)])
+        bnd = z3.Or([k == boundary_edge(b, a, bs) - 1 + boundary_shift for b in boundaries] + [z3.BoolVal(False)])
         return z3.And(lo <= k, k < hi, z3.Or(dense, seg, bnd))
 
     return Mask(dense, kept)

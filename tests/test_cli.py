@@ -77,3 +77,13 @@ def test_invalid_config_retention_exit_2(tmp_path, capsys):
                                         "num_blocks": 8, "retention_interval": 40}}))
     assert main(["replay", str(p)]) == 2
     assert "multiple of scheduler_block_size (16)" in capsys.readouterr().err
+
+
+def test_known_findings_still_reproduce():
+    """A known finding that stops reproducing must fail loudly (its entry must go)."""
+    from invariants.known_findings import recheck_known_findings
+    from invariants.targets import available_targets
+
+    usable = {n for n, why in available_targets().items() if why is None}
+    results = recheck_known_findings(usable)
+    assert results and all(still for _, _, still in results), results

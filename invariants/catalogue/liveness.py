@@ -28,7 +28,10 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
         )
     if n <= 0:
         return []
-    need = sum(1 if g.kind == "mamba" else cdiv(obs.hit + n, g.block_size) for g in cfg.groups)
+    # Mamba: the new state block, plus the hit state it resumes from.
+    need = sum(
+        (1 + (obs.hit > 0)) if g.kind == "mamba" else cdiv(obs.hit + n, g.block_size) for g in cfg.groups
+    )
     if need <= cfg.num_blocks - 1:
         return [f"admission of {op.rid} ({need} blocks) refused by an idle pool of {cfg.num_blocks - 1}"]
     return []

@@ -29,7 +29,7 @@ def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
         bs = spec.block_size
         top = e // bs
         if spec.kind == "full":
-            idx = range(top)
+            idx = range(top + int(cfg.eagle))  # Eagle matches the block past the boundary, then drops it
         elif spec.kind == "swa":
             assert spec.sliding_window is not None
             need = swa_tail_blocks(spec.sliding_window, bs, cfg.eagle)
@@ -37,7 +37,7 @@ def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
         else:
             idx = range(top - 1, top)
         for j in idx:
-            role = "Eagle peek block" if cfg.eagle and spec.kind == "swa" and j == top else f"{spec.kind} block {j}"
+            role = "Eagle peek block" if cfg.eagle and spec.kind != "mamba" and j == top else f"{spec.kind} block {j}"
             keys[BlockKey(g, tokens[: (j + 1) * bs])] = role
     return e, keys
 
@@ -63,14 +63,15 @@ def promise_kept(ctx: CheckContext) -> list[str]:
     e, keys = promised_replay(ctx)
     if e == 0:
         return []
+    mode = "with Eagle: " if ctx.config.eagle else ""
     never = [f"{role} ({k.short()})" for k, role in keys.items() if k not in ctx.history.ever_cached]
     if never:
-        return [f"replay boundary {e}: {', '.join(never)} never cached (promised hit lost)"]
+        return [f"{mode}replay boundary {e}: {', '.join(never)} never cached (promised hit lost)"]
     if all(k in ctx.after.cached for k in keys) and ctx.probe is not None:
         assert ctx.finished_request is not None
         hit = ctx.probe(ctx.finished_request.prompt).hit
         if hit < e:
-            return [f"replay hit {hit} < promised {e} although every needed block is cached"]
+            return [f"{mode}replay hit {hit} < promised {e} although every needed block is cached"]
     return []
 
 

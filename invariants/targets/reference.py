@@ -6,6 +6,14 @@ and reference hash bytes -> `BlockKey(group, prefix_tokens)`. The prefix a
 hash stands for is recorded when the hash is computed (requests report every
 new hash through a listener), so no hash is ever inverted.
 
+At scale (1M-token prompts) recording the prefix of every hash is O(n^2):
+`ReferenceTarget(cfg, track_prefixes=False)` (or a subclass setting
+`TRACK_PREFIXES = False`) records nothing, and its snapshots name each hash by
+a stand-in instead of its prefix: `BlockKey(group, tuple(hash_bytes))`. Such
+snapshots are internally consistent (distinct hashes stay distinct) but do not
+compare with another target's; use them for counting, never for differential
+checks.
+
 Variants ("mutants") are selected by name: `ReferenceTarget(cfg, mutant="x")`
 applies the function registered under "x" to this instance's
 `AllocatorComponents` (class-level swaps via subclasses; no module patching).
@@ -67,6 +75,8 @@ def to_allocator_config(config: Config) -> AllocatorConfig:
 class ReferenceTarget:
     name = "reference"
     MUTANTS: ClassVar[dict[str, Mutant]] = {}
+    # Default for `track_prefixes` when the constructor is not told (subclasses may flip it).
+    TRACK_PREFIXES: ClassVar[bool] = True
 
     @classmethod
     def register_mutant(cls, name: str) -> Callable[[Mutant], Mutant]:
@@ -78,8 +88,9 @@ class ReferenceTarget:
 
         return deco
 
-    def __init__(self, config: Config, mutant: str | None = None) -> None:
+    def __init__(self, config: Config, mutant: str | None = None, track_prefixes: bool | None = None) -> None:
         self.config = config
+        self.track_prefixes = self.TRACK_PREFIXES if track_prefixes is None else track_prefixes
         self.mutant = mutant
         components = AllocatorComponents()
         if mutant is not None:
@@ -92,7 +103,8 @@ class ReferenceTarget:
             raise ConfigError(str(exc)) from exc
         # hash bytes -> (token tuple it came from, prefix length)
         self._prefix_of: dict[bytes, tuple[tuple[int, ...], int]] = {}
-        self.scheduler = Scheduler(self.allocator, on_new_block_hashes=self._record_hashes)
+        listener = self._record_hashes if self.track_prefixes else None
+        self.scheduler = Scheduler(self.allocator, on_new_block_hashes=listener)
 
     # ------------------------------------------------------------- hashes
     def _record_hashes(self, request: Request, first_new: int) -> None:
@@ -102,6 +114,8 @@ class ReferenceTarget:
             self._prefix_of.setdefault(request.block_hashes[i], (tokens, (i + 1) * hbs))
 
     def _prefix(self, block_hash: bytes) -> tuple[int, ...]:
+        if not self.track_prefixes:
+            return tuple(block_hash)  # stand-in (see the module docstring)
         tokens, n = self._prefix_of[block_hash]
         return tokens[:n]
 

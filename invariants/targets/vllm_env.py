@@ -18,6 +18,7 @@ import functools
 import importlib
 import importlib.metadata
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -48,14 +49,21 @@ def vllm_available() -> tuple[bool, str]:
     version = vllm_version()
     if version is None:
         return False, f"vllm is not installed in {sys.executable}; {INSTALL_HINT}"
-    # Quiet vLLM's import-time logging unless the user chose a level.
+    # Quiet vLLM's logging (e.g. "Failed to reset prefix cache", an expected
+    # outcome here) unless the user chose a level.
+    user_level = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     for name in REQUIRED_MODULES:
         try:
             importlib.import_module(name)
         except Exception as exc:  # any import failure makes the target unavailable
             first = str(exc).splitlines()[0] if str(exc) else ""
-            return False, f"vllm {version} is installed but {name} cannot be imported: {type(exc).__name__}: {first}"
+            return (
+                False,
+                f"vllm {version} is installed but {name} cannot be imported: {type(exc).__name__}: {first}",
+            )
+    if user_level is None:
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     return True, f"vLLM {version}"
 
 

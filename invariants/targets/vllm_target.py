@@ -32,16 +32,18 @@ vLLM has no pinned tier (#40676 was never merged): a configuration asking for
 one raises `UnsupportedConfig`. Everything else vLLM rejects is re-raised as
 `model.config.ConfigError` carrying vLLM's message.
 
-The module also holds `config_to_json` / `config_from_json` (trace files).
+Fine-grained Mamba hits (a Mamba group wider than the hash block size next to
+another group: `HybridKVCacheCoordinator.enable_partial_hash_hits`) raise
+`UnsupportedConfig` too: they need scheduler stops (prompt-tail checkpoints)
+and CoW copies that the shared split rule does not port (docs/semantics.md).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from model.config import Config, ConfigError, GroupSpec
+from model.config import Config, ConfigError
 from model.observation import (
     AllBlocksCleared,
     BlockKey,
@@ -67,54 +69,22 @@ from model.ops import (
     Sample,
     Schedule,
 )
+from model.pool import EVENT_PROFILES
 from model.scheduling import mamba_chunk
 
 from .base import TargetCrash, TargetUnavailable
-from .vllm_env import MODELED_VERSION, vllm_available, vllm_version
+from .vllm_env import MODELED_VERSION, version_warning, vllm_available, vllm_version
 
+VLLM_EVENT_PROFILE = "vllm-0.33.0"
 NO_PINNED_TIER = "vLLM 0.33.0 has no pinned tier (#40676 was never merged)"
+FINE_GRAINED_MAMBA = (
+    "a Mamba group with block size > hash_block_size enables vLLM's fine-grained (sub-block) "
+    "Mamba hits, which kvretain does not model (keep Mamba block sizes equal to hash_block_size)"
+)
 
 
 class UnsupportedConfig(ConfigError):
     """A configuration option of kvretain's that vLLM does not have (not a vLLM rejection)."""
-
-
-# ----------------------------------------------------------------------------- config JSON
-def config_to_json(cfg: Config) -> dict[str, Any]:
-    """A JSON-ready dict of every field of `cfg` (groups as a list of dicts)."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name == "groups":
-            value = [dataclasses.asdict(g) for g in value]
-        out[f.name] = value
-    return out
-
-
-def config_from_json(data: Any) -> Config:
-    """Inverse of `config_to_json`; raises ConfigError naming a malformed field."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"config: must be an object, got {type(data).__name__}")
-    fields = {f.name for f in dataclasses.fields(Config)}
-    unknown = set(data) - fields
-    if unknown:
-        raise ConfigError(f"config: unknown field(s) {sorted(unknown)} (expected some of {sorted(fields)})")
-    if "groups" not in data or "num_blocks" not in data:
-        raise ConfigError("config: needs 'groups' and 'num_blocks'")
-    raw_groups = data["groups"]
-    if not isinstance(raw_groups, list):
-        raise ConfigError("config.groups: must be a list of objects")
-    group_fields = {f.name for f in dataclasses.fields(GroupSpec)}
-    groups = []
-    for i, g in enumerate(raw_groups):
-        if not isinstance(g, dict) or not set(g) <= group_fields or "kind" not in g or "block_size" not in g:
-            raise ConfigError(
-                f"config.groups[{i}]: must be an object with 'kind', 'block_size' and optionally "
-                f"{sorted(group_fields - {'kind', 'block_size'})}"
-            )
-        groups.append(GroupSpec(**g))
-    kwargs = {k: v for k, v in data.items() if k != "groups"}
-    return Config(groups=tuple(groups), **kwargs)
 
 
 # ----------------------------------------------------------------------------- the target
@@ -123,26 +93,34 @@ class VllmTarget:
 
     name = "vllm"
 
-    def __init__(self, config: Config, events: str = "seed") -> None:
+    def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE) -> None:
         ok, reason = vllm_available()
         if not ok:
             raise TargetUnavailable(reason)
+        if events not in EVENT_PROFILES:
+            raise ValueError(f"events: must be one of {EVENT_PROFILES}, got {events!r}")
         if config.pin_swa_on_drop:
             raise UnsupportedConfig(f"pin_swa_on_drop: {NO_PINNED_TIER}")
-        # `events` names the model profile this target is compared with; vLLM
-        # emits what it emits (the "vllm-0.33.0" profile), so it is only recorded.
         self.config = config
-        self.events_profile = events
+        # The model event profile this target is judged against (the Checker
+        # builds its model with it). vLLM emits the "vllm-0.33.0" profile; with
+        # "seed" the #42258 token-range finding shows up as an events difference.
+        self.event_profile = events
         self.version = vllm_version() or "?"
+        # One line for the CLI to print when this is not the vLLM kvretain models (else None).
+        self.version_note = version_warning(self.version)
         self._v = _vllm_modules()
         self.hbs = config.hash_block_size
         self.manager = self._build_manager(config)
+        if getattr(self.manager.coordinator, "enable_partial_hash_hits", False):
+            raise UnsupportedConfig(f"groups: {FINE_GRAINED_MAMBA}")
         self.pool = self.manager.block_pool
         self.requests: dict[str, Any] = {}
         self._probe_seq = 0
         # hash bytes (and the low 64 bits events use) -> the token prefix it stands for
         self._prefix_of: dict[bytes, Tokens] = {}
         self._prefix_of_int: dict[int, Tokens] = {}
+        self._keys: dict[bytes, BlockKey] = {}
 
     # ------------------------------------------------------------------ setup
     def _build_manager(self, cfg: Config) -> Any:
@@ -365,7 +343,11 @@ class VllmTarget:
             raise TargetCrash(f"hash {bytes(h).hex()[:16]}... comes from no known request") from None
 
     def _key(self, key: bytes) -> BlockKey:
-        return BlockKey(int.from_bytes(key[-4:], "big"), self._prefix(key[:-4]))
+        """BlockHashWithGroupId (hash bytes + 4-byte big-endian group) -> BlockKey, memoised."""
+        out = self._keys.get(key)
+        if out is None:
+            out = self._keys[key] = BlockKey(int.from_bytes(key[-4:], "big"), self._prefix(key[:-4]))
+        return out
 
     def _event_prefix(self, h: bytes | int) -> Tokens:
         if isinstance(h, int):
@@ -460,9 +442,9 @@ def _vllm_modules() -> dict[str, Any]:
 
 __all__ = [
     "MODELED_VERSION",
+    "FINE_GRAINED_MAMBA",
     "NO_PINNED_TIER",
+    "VLLM_EVENT_PROFILE",
     "UnsupportedConfig",
     "VllmTarget",
-    "config_from_json",
-    "config_to_json",
 ]

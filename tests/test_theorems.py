@@ -1,0 +1,142 @@
+"""The Z3 theorem catalogue: theorems proved, every negative control and finding refuted.
+
+Default run: every control and finding (each must be refuted, with a
+counterexample in domain terms) and the quick theorems; the slowest theorems
+run under the `slow` marker and in `kvretain prove`. Plus conformance checks
+that tie the abstract transition systems to the code (free queue, validator).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import z3
+
+from invariants import theorems
+from model.config import Config, ConfigError, GroupSpec, validate
+from model.free_queue import FreeQueue
+
+SLOW = {
+    "swa_sparse_within_one_interval",
+    "swa_sparse_never_exceeds_dense",
+    "swa_no_waste",
+    "swa_promise_segments",
+    "mamba_promise_kept",
+    "mamba_within_one_interval",
+    "eagle_drop_applied_once",
+}
+NAMES = [th.name for th in theorems.CATALOGUE]
+FAST = [n for n in NAMES if n not in SLOW]
+
+
+def test_every_theorem_has_a_control() -> None:
+    controls = [th for th in theorems.CATALOGUE if th.is_control]
+    plain = [th for th in theorems.CATALOGUE if not th.is_control and not th.is_finding]
+    for th in plain:
+        assert any(th.name in c.statement for c in controls), f"{th.name} has no negative control"
+    assert len(plain) >= 15 and len(controls) >= len(plain)
+
+
+def test_statements_are_one_line() -> None:
+    for th in theorems.CATALOGUE:
+        assert th.statement and "\n" not in th.statement, th.name
+
+
+@pytest.fixture(scope="module")
+def fast_results() -> dict[str, theorems.TheoremResult]:
+    return {r.name: r for r in theorems.run_theorems(names=FAST)}
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_fast_catalogue(name: str, fast_results: dict[str, theorems.TheoremResult]) -> None:
+    r = fast_results[name]
+    assert r.expected_ok, f"{name}: {r.result} {r.counterexample or r.detail or ''}"
+    if r.is_control or r.is_finding:
+        assert r.counterexample and any(ch.isdigit() for ch in r.counterexample)  # concrete domain values
+
+
+@pytest.mark.slow
+def test_slow_theorems_proved() -> None:
+    for r in theorems.run_theorems(names=sorted(SLOW)):
+        assert r.result == "proved", f"{r.name}: {r.result} {r.detail or r.counterexample or ''}"
+
+
+def test_format_table_lists_every_result(fast_results: dict[str, theorems.TheoremResult]) -> None:
+    table = theorems.format_table(list(fast_results.values()))
+    for name in fast_results:
+        assert name in table
+    assert "as expected" in table
+
+
+def test_result_expectations() -> None:
+    base = dict(statement="s", bound=None, seconds=0.0)
+    assert theorems.TheoremResult("t", result="proved", **base).expected_ok  # type: ignore[arg-type]
+    assert not theorems.TheoremResult("t", result="unknown", **base).expected_ok  # type: ignore[arg-type]
+    assert theorems.TheoremResult("c", result="refuted", is_control=True, **base).expected_ok  # type: ignore[arg-type]
+    assert not theorems.TheoremResult("c", result="proved", is_control=True, **base).expected_ok  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- conformance
+
+
+def test_validator_term_matches_config_validate() -> None:
+    """theorems.validator_accepts is model.config.validate's retention rule."""
+    k, sbs = z3.Ints("k sbs")
+    none, group = z3.Bools("none group")
+    term = theorems.validator_accepts(k, none, sbs, group)
+    rng = random.Random(3)
+    for _ in range(400):
+        bs = rng.choice([1, 2, 4, 8])
+        has_group = rng.random() < 0.7
+        groups = (GroupSpec("full", bs), GroupSpec("swa", bs * 2, sliding_window=5)) if has_group else (
+            GroupSpec("full", bs),)
+        r = rng.choice([None, 0, -bs, rng.randint(1, 40)])
+        cfg = Config(groups, 8, retention_interval=r)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                validate(cfg)
+            accepted = True
+        except ConfigError:
+            accepted = False
+        sub = [(k, z3.IntVal(r or 0)), (sbs, z3.IntVal(cfg.scheduler_block_size)),
+               (none, z3.BoolVal(r is None)), (group, z3.BoolVal(has_group))]
+        assert z3.is_true(z3.simplify(z3.substitute(term, *sub))) == accepted, (r, bs, has_group)
+
+
+def test_free_queue_matches_the_transition_system() -> None:
+    """model/free_queue.py behaves as the theorems' position model: prepend at lo - 1,
+    append at hi + 1, popleft_n takes the smallest positions, remove takes any."""
+    rng = random.Random(17)
+    q = FreeQueue(range(1, 9))
+    pos = {b: b for b in range(1, 9)}
+    lo, hi = 0, 9
+    outside = set()
+    for _ in range(3000):
+        op = rng.choice(["pop", "prepend", "append", "remove"])
+        if op == "pop" and len(q):
+            n = rng.randint(0, len(q))
+            taken = q.popleft_n(n)
+            assert taken == sorted(pos, key=pos.__getitem__)[:n]
+            for b in taken:
+                del pos[b]
+            outside |= set(taken)
+        elif op in ("prepend", "append") and outside:
+            blocks = rng.sample(sorted(outside), rng.randint(1, min(3, len(outside))))
+            if op == "prepend":
+                q.prepend_n(blocks)
+                for b in reversed(blocks):
+                    pos[b], lo = lo, lo - 1
+            else:
+                q.append_n(blocks)
+                for b in blocks:
+                    pos[b], hi = hi, hi + 1
+            outside -= set(blocks)
+        elif op == "remove" and len(q):
+            b = rng.choice(q.blocks)
+            q.remove(b)
+            del pos[b]
+            outside.add(b)
+        assert q.blocks == sorted(pos, key=pos.__getitem__)
