@@ -13,14 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from invariants.errors import UsageError
 from invariants.report import table
 from invariants.targets import TARGET_NAMES, TargetUnavailable, available_targets
 from invariants.trace import TraceError, read_trace
 from model.config import ConfigError
-
-
-class UsageError(Exception):
-    """Bad usage or input: reported in one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -179,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--out", default="kvretain-traces")
     v.set_defaults(func=cmd_verify)
 
-    for module in ("invariants.zoo.cli", "gpu_check.cli"):
+    for module in ("invariants.zoo.cli", "invariants.simulate", "gpu_check.cli"):
         mod = _optional(module)
         if mod is not None and hasattr(mod, "add_parser"):
             mod.add_parser(sub)  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from invariants.simulate.engine import Engine, SimRequest, random_tokens
+from invariants.simulate.engine import Engine, SimRequest, SimulationStalled, random_tokens
 from invariants.simulate.scenarios import SCENARIOS, Ctx, Row, make_target, run_scenario, settings_for
 from invariants.targets import TARGET_NAMES, TargetUnavailable
 from model.config import ConfigError, validate
@@ -63,7 +63,7 @@ def _plot(rows: list[Row], path: Path, title: str) -> bool:
 
 
 def _check_common(args: argparse.Namespace) -> None:
-    from invariants.cli import UsageError
+    from invariants.errors import UsageError
     from invariants.presets import PRESETS
 
     if args.target not in TARGET_NAMES:
@@ -73,7 +73,7 @@ def _check_common(args: argparse.Namespace) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from invariants.cli import UsageError
+    from invariants.errors import UsageError
     from invariants.presets import PRESETS
 
     if args.scenario not in SCENARIOS:
@@ -82,14 +82,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     sc = SCENARIOS[args.scenario]
     base = PRESETS[args.preset or sc.preset]
     params = sc.scales[args.scale]
-    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    seed = args.seed if args.seed is not None else 0
     print(f"kvretain simulate {sc.name}: {sc.doc}; target {args.target}, preset {base.name}, "
           f"scale {args.scale}, seed {seed}", flush=True)
     print(f"  sizes: {params}", flush=True)
     try:
         validate(base.with_(num_blocks=params.num_blocks))
         rows = run_scenario(sc.name, base, params, Ctx(args.target, seed, _progress))
-    except (ConfigError, TargetUnavailable) as exc:
+    except (ConfigError, TargetUnavailable, SimulationStalled) as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
     text = format_rows(rows)
     print(text)
@@ -109,8 +109,17 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from invariants.errors import UsageError
+
+    try:
+        return _run_plan(args)
+    except SimulationStalled as exc:
+        raise UsageError(f"--pool-blocks {args.pool_blocks}: {exc}") from None
+
+
+def _run_plan(args: argparse.Namespace) -> int:
     """How many prefixes of `--prefix-len` tokens stay hittable in a pool of `--pool-blocks`."""
-    from invariants.cli import UsageError
+    from invariants.errors import UsageError
     from invariants.presets import PRESETS
 
     if args.preset is None:
@@ -145,7 +154,7 @@ def run_plan(args: argparse.Namespace) -> int:
             mean = sum(hits) / max(hittable, 1)
             rows.append([s.name, f"{hittable}" + ("+" if hittable == count else ""), f"{mean:.0f}",
                          f"{time.monotonic() - t0:.2f}"])
-    except (ConfigError, TargetUnavailable) as exc:
+    except (ConfigError, TargetUnavailable, SimulationStalled) as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
     print(_table(["setting", "hittable prefixes", "mean hit tokens (hittable)", "seconds"], rows))
     return 0
@@ -174,7 +183,8 @@ def add_parser(subparsers: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry (the lead wires `add_parser` into `invariants.cli`)."""
-    from invariants.cli import UsageError, _Parser
+    from invariants.cli import _Parser
+    from invariants.errors import UsageError
 
     parser = _Parser(prog="kvretain")
     add_parser(parser.add_subparsers(dest="command", required=True))

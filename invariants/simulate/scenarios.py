@@ -280,7 +280,7 @@ SCENARIOS: dict[str, Scenario] = {
         {
             "small": Params(length=2048, num_blocks=200, count=4, token_budget=256, extra=(6, 256, 32),
                             intervals=(512, 2048)),
-            "full": Params(length=16384, num_blocks=2000, count=8, token_budget=8192, extra=(10, 1024, 256),
+            "full": Params(length=16384, num_blocks=6000, count=8, token_budget=8192, extra=(10, 1024, 256),
                            intervals=(2048, 8192)),
         },
     ),
