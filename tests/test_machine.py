@@ -48,9 +48,14 @@ class AppendUncached(ModelTarget):
 
 def test_machine_catches_a_mutant_and_shrinks_it():
     stats = FuzzStats()
-    machine = build_machine(AppendUncached, configs(allow_pinning=False), stats)
+    from hypothesis import strategies as st
+
+    from model.config import Config, GroupSpec
+
+    cfg = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=12, retention_interval=0)
+    machine = build_machine(AppendUncached, st.just(cfg), stats)
     with pytest.raises(ViolationFound) as err:
-        run_state_machine_as_test(machine, settings=settings(max_examples=200))
+        run_state_machine_as_test(machine, settings=settings(max_examples=50, stateful_step_count=25))
     checks = {v.check for v in err.value.violations}
     assert checks & {"snapshot", "uncached_reused_before_cached"}
     assert len(err.value.ops) < 20  # shrunk
