@@ -146,6 +146,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# ---------------------------------------------------------------- bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    from invariants.bench import run_bench
+
+    return run_bench(requests=args.requests, seed=args.seed)
+
+
 # ---------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvretain", description="Verify prefix-cache retention in hybrid KV-cache allocators.")
@@ -170,11 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="the main job: proofs, fuzzing of every installed target, summary table")
     v.add_argument("--quick", action="store_true", help="small budgets (used by the tests)")
-    v.add_argument("--steps", type=int, default=3000)
-    v.add_argument("--budget-s", type=float, default=90.0)
+    v.add_argument("--steps", type=int, default=20000, help="fuzz steps per target")
+    v.add_argument("--budget-s", type=float, default=60.0, help="fuzz time budget per target")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--out", default="kvretain-traces")
     v.set_defaults(func=cmd_verify)
+
+    b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
+    b.add_argument("--requests", type=int, default=300)
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=cmd_bench)
 
     for module in ("invariants.zoo.cli", "invariants.simulate", "gpu_check.cli"):
         mod = _optional(module)

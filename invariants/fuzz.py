@@ -26,6 +26,7 @@ from invariants.report import Progress, table
 from invariants.strategies import configs
 from invariants.targets import PINNING_TARGETS, target_factory
 from invariants.trace import Trace, write_trace
+from model.config import Config
 from model.ops import op_to_json
 
 EXAMPLES_PER_BATCH = 8
@@ -71,13 +72,15 @@ def run_fuzz(
     budget_s: float | None = None,
     out_dir: Path = Path("kvretain-traces"),
     progress: bool = True,
+    strategy: st.SearchStrategy[Config] | None = None,
 ) -> FuzzReport:
     factory = target_factory(target)
-    strategy = (
-        st.just(preset(config_name))
-        if config_name
-        else configs(allow_pinning=target in PINNING_TARGETS)
-    )
+    if strategy is None:
+        strategy = (
+            st.just(preset(config_name))
+            if config_name
+            else configs(allow_pinning=target in PINNING_TARGETS)
+        )
     stats = FuzzStats()
     machine = build_machine(factory, strategy, stats, tolerated=_tolerance(target))
     prog = Progress(f"fuzz {target}", enabled=progress)

@@ -26,6 +26,14 @@ class BlockKey:
     group: int
     tokens: Tokens
 
+    def __hash__(self) -> int:
+        # Keys hold whole prefixes; hashing one is O(length), so compute it once.
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.group, self.tokens))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     def short(self) -> str:
         return f"g{self.group}:{len(self.tokens)}t"
 

@@ -1,0 +1,130 @@
+"""`kvretain bench`: what checking costs, against the allocator work it checks.
+
+One fixed workload (a hybrid Full16 + SWA16 (window 32) model, retention 0, a
+256-block pool; requests of 105 tokens, a 64-token shared system prompt plus a
+unique tail, each admitted in one chunk and then finished), measured in one run:
+
+- raw: vLLM's `KVCacheManager` driven directly (build the request, look up,
+  allocate, free): request cycles per second, no checking;
+- checked: the same cycles as kvretain operations through the Checker (model,
+  target, snapshot, every invariant), on the vLLM and reference targets;
+- the ratio checked / raw (goal >= 1/3: checking costs at most 2x the work),
+  and where the checked time goes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from invariants.checker import Checker
+from invariants.known_findings import is_known_violation
+from invariants.report import table
+from invariants.targets import TargetUnavailable, target_factory
+from model.config import Config, GroupSpec
+from model.ops import AddRequest, Finish, Op, Schedule
+
+BENCH_CONFIG = Config(
+    groups=(GroupSpec("full", 16), GroupSpec("swa", 16, sliding_window=32)), num_blocks=256, retention_interval=0
+)
+PROMPT_LEN, PREFIX_LEN = 105, 64
+
+
+def workload(n: int, seed: int) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    prefix = tuple(rng.randrange(1, 30000) for _ in range(PREFIX_LEN))
+    return [prefix + tuple(rng.randrange(1, 30000) for _ in range(PROMPT_LEN - PREFIX_LEN)) for _ in range(n)]
+
+
+def raw_vllm_cycles(prompts: list[tuple[int, ...]]) -> float:
+    """Cycles/s of vLLM's allocator alone (the adapter only builds it)."""
+    target: Any = target_factory("vllm")(BENCH_CONFIG)
+    manager, v = target.manager, target._v
+    hasher = v["get_request_block_hasher"](BENCH_CONFIG.hash_block_size, v["sha256"])
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        req = v["Request"](
+            request_id=f"b{i}", prompt_token_ids=list(prompt), sampling_params=v["SamplingParams"](max_tokens=1),
+            pooling_params=None, mm_features=None, block_hasher=hasher,
+        )
+        manager.new_step_starts()
+        blocks, hit, spb = manager.get_computed_blocks(req)
+        req.shared_prefix_boundary = spb
+        assert manager.allocate_slots(req, len(prompt) - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+        manager.free(req)
+    return len(prompts) / (time.perf_counter() - start)
+
+
+class _Timed:
+    """Wraps a target (or the model) to account time per phase."""
+
+    def __init__(self, inner: Any, phase: dict[str, float], label: str) -> None:
+        self.inner, self.phase, self.label = inner, phase, label
+        self.name, self.config = getattr(inner, "name", label), getattr(inner, "config", None)
+        self.event_profile = getattr(inner, "event_profile", "seed")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def apply(self, op: Op) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.inner.apply(op)
+        finally:
+            self.phase[f"{self.label} apply"] += time.perf_counter() - t
+
+    def snapshot(self) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.inner.snapshot()
+        finally:
+            self.phase[f"{self.label} snapshot"] += time.perf_counter() - t
+
+
+def checked_cycles(target: str, prompts: list[tuple[int, ...]]) -> tuple[float, float, dict[str, float]]:
+    """(cycles/s, ops/s, seconds per phase) of the full harness on `target`."""
+    phase: dict[str, float] = defaultdict(float)
+    checker = Checker(_Timed(target_factory(target)(BENCH_CONFIG), phase, "target"))  # type: ignore[arg-type]
+    checker.model = _Timed(checker.model, phase, "model")  # type: ignore[assignment]
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        for op in (AddRequest(f"b{i}", prompt), Schedule(f"b{i}", 4096), Finish(f"b{i}")):
+            new = [v for v in checker.step(op) if not is_known_violation(target, v)]
+            assert not new, (op, new)
+    total = time.perf_counter() - start
+    phase["checks and history"] = total - sum(phase.values())
+    return len(prompts) / total, 3 * len(prompts) / total, dict(phase)
+
+
+def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = print) -> int:
+    prompts = workload(requests, seed)
+    log(f"kvretain bench: {requests} request cycles of {PROMPT_LEN} tokens (shared {PREFIX_LEN}-token prefix), "
+        f"Full16+SWA16(w=32), retention 0, 256 blocks, seed {seed}")
+    rows: list[tuple[object, ...]] = []
+    try:
+        raw = raw_vllm_cycles(prompts)
+    except TargetUnavailable as exc:
+        log(f"vLLM unavailable ({exc}); no raw baseline")
+        raw = 0.0
+    if raw:
+        rows.append(("vllm raw allocator (no checking)", f"{raw:,.0f}", "-", "1.00"))
+    breakdowns = {}
+    for name in ("vllm", "reference"):
+        try:
+            cyc, ops, phase = checked_cycles(name, prompts)
+        except TargetUnavailable as exc:
+            log(f"{name}: skipped ({exc})")
+            continue
+        breakdowns[name] = phase
+        rows.append((f"checked on {name} (model + snapshot + invariants)", f"{cyc:,.0f}", f"{ops:,.0f}",
+                     f"{cyc / raw:.2f}" if raw else "-"))
+    log(table(["run", "cycles/s", "checked ops/s", "vs raw vLLM"], rows))
+    for name, phase in breakdowns.items():
+        total = sum(phase.values())
+        parts = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(phase.items(), key=lambda kv: -kv[1]))
+        log(f"where checked time goes on {name}: {parts}")
+    log("goal: checked/raw >= 0.33 (checking costs at most 2x the work it checks)")
+    return 0
