@@ -123,6 +123,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         record("fuzz", name, report.verdict, f"{report.stats.steps} steps, {report.ops_per_s:.0f} ops/s, "
                f"hit {report.stats.hit_rate:.0%}", report.seconds, report.failure is None)
 
+    if available_targets().get("vllm") is None:
+        from invariants.conformance import run_conformance
+
+        t = time.monotonic()
+        rc = run_conformance(steps=300 if args.quick else 1500, budget_s=10.0 if args.quick else 30.0, seed=args.seed,
+                             out=Path(args.out))
+        record("conformance", "vllm", "agrees with the model" if rc == 0 else "FINDING (see above)",
+               "8 feature rows", time.monotonic() - t, rc == 0)
+
     from invariants.known_findings import recheck_known_findings
 
     t = time.monotonic()
@@ -144,6 +153,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(table(["check", "target", "verdict", "figure", "seconds"], rows))
     print("kvretain verify: " + ("everything holds" if ok else "FAILED"))
     return 0 if ok else 1
+
+
+# ---------------------------------------------------------------- conformance
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from invariants.conformance import run_conformance
+    from invariants.targets import target_factory
+
+    target_factory("vllm")  # one line and exit 2 when vLLM cannot be imported
+    return run_conformance(steps=args.steps, budget_s=args.budget_s, seed=args.seed, out=Path(args.out))
 
 
 # ---------------------------------------------------------------- bench
@@ -182,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--out", default="kvretain-traces")
     v.set_defaults(func=cmd_verify)
+
+    c = sub.add_parser("conformance", help="vLLM vs the model, feature by feature")
+    c.add_argument("--steps", type=int, default=1500, help="fuzz steps per feature")
+    c.add_argument("--budget-s", type=float, default=30.0, help="time budget per feature")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default="kvretain-traces")
+    c.set_defaults(func=cmd_conformance)
 
     b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
     b.add_argument("--requests", type=int, default=300)

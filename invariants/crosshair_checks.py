@@ -14,7 +14,7 @@ CrossHair explores execution paths symbolically. A result says
 "confirmed over all paths" only when CrossHair reports the paths exhausted
 (contracts: a CONFIRMED message; twins: "All paths exhausted"), otherwise
 "no counterexample in T s". A deliberately broken twin (`broken_swa_mask`:
-the tail one block too long) must be caught.
+the Eagle block missing) must be caught.
 
 The wrappers take plain ints so CrossHair can make them symbolic; inputs
 outside the bounded domain return None in both twins (the domain is part of
@@ -85,8 +85,8 @@ def model_swa_mask(bs: int, a_mult: int, window: int, eagle: bool, mode: int, k_
 
 def broken_swa_mask(bs: int, a_mult: int, window: int, eagle: bool, mode: int, k_mult: int, start: int, end: int,
                     b: int) -> tuple[int, ...] | None:
-    """Negative control: the model mask with a tail one block too long (window + bs)."""
-    return model_swa_mask(bs, a_mult, window + bs, eagle, mode, k_mult, start, end, b)
+    """Negative control: the model mask computed without the Eagle block and shift (the pre-#44082 mask)."""
+    return model_swa_mask(bs, a_mult, window, False, mode, k_mult, start, end, b)
 
 
 def ref_mamba_mask(bs: int, a_mult: int, mode: int, k_mult: int, start: int, end: int, b: int) -> tuple[int, ...] | None:
@@ -332,7 +332,7 @@ def _crosshair(args: list[str], budget_s: float) -> tuple[int, str, float]:
 def run_twin(name: str, ref: str, twin: str, is_control: bool, budget_s: float) -> CrosshairResult:
     statement = f"{ref} behaves exactly as {twin} on the bounded domain"
     if is_control:
-        statement = f"control: {twin} (tail one block too long) differs from {ref}"
+        statement = f"control: {twin} (Eagle block missing) differs from {ref}"
     rc, out, secs = _crosshair(
         ["diffbehavior", f"--per_condition_timeout={budget_s}", "--max_uninteresting_iterations=1000000",
          f"{MODULE}.{ref}", f"{MODULE}.{twin}"], budget_s)

@@ -27,8 +27,21 @@ SHAPES: tuple[tuple[str, ...], ...] = (
 
 
 @st.composite
-def configs(draw: st.DrawFn, *, allow_pinning: bool = True, allow_mamba: bool = True) -> Config:
-    shapes = [s for s in SHAPES if allow_mamba or "mamba" not in s]
+def configs(
+    draw: st.DrawFn,
+    *,
+    allow_pinning: bool = True,
+    allow_mamba: bool = True,
+    shapes: tuple[tuple[str, ...], ...] | None = None,
+    retention: str | None = None,
+    eagle: bool | None = None,
+    caching: bool | None = None,
+) -> Config:
+    """A valid configuration; keyword arguments narrow it to one feature.
+
+    `retention`: "dense" (None), "zero" (0) or "interval" (k * sbs).
+    """
+    shapes = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(shapes))
     base = draw(st.sampled_from([2, 4]))
     groups = []
@@ -41,17 +54,21 @@ def configs(draw: st.DrawFn, *, allow_pinning: bool = True, allow_mamba: bool = 
         groups.append(GroupSpec(kind, bs, sliding_window=window))  # type: ignore[arg-type]
     sbs = reduce(lambda a, b: a * b // math.gcd(a, b), (g.block_size for g in groups))
     has_retention_group = any(g.kind != "full" for g in groups)
-    if has_retention_group:
-        retention = draw(st.sampled_from([None, 0, 0, sbs, 2 * sbs, 3 * sbs]))
-    else:
-        retention = draw(st.sampled_from([None, 0]))
+    choices: list[int | None] = [None, 0, 0, sbs, 2 * sbs, 3 * sbs] if has_retention_group else [None, 0]
+    if retention == "dense":
+        choices = [None]
+    elif retention == "zero":
+        choices = [0]
+    elif retention == "interval":
+        choices = [sbs, 2 * sbs, 3 * sbs]
+    interval = draw(st.sampled_from(choices))
     pin = allow_pinning and "swa" in shape and draw(st.booleans())
     cfg = Config(
         groups=tuple(groups),
         num_blocks=draw(st.integers(6, 28)),
-        retention_interval=retention,
-        eagle=draw(st.booleans()),
-        enable_caching=draw(st.sampled_from([True, True, True, True, False])),
+        retention_interval=interval,
+        eagle=draw(st.booleans()) if eagle is None else eagle,
+        enable_caching=draw(st.sampled_from([True, True, True, True, False])) if caching is None else caching,
         pin_swa_on_drop=pin,
         pin_min_drop_blocks=draw(st.integers(0, 3)) if pin else 1,
         max_model_len=4096,

@@ -87,3 +87,17 @@ def test_known_findings_still_reproduce():
     usable = {n for n, why in available_targets().items() if why is None}
     results = recheck_known_findings(usable)
     assert results and all(still for _, _, still in results), results
+
+
+def test_conformance_rows_agree(capsys):
+    import pytest
+
+    from invariants.targets import available_targets
+
+    if available_targets().get("vllm") is not None:
+        pytest.skip(f"vllm target unavailable: {available_targets()['vllm']}")
+    from invariants.conformance import run_conformance
+
+    assert run_conformance(steps=60, budget_s=5.0) == 0
+    out = capsys.readouterr().out
+    assert "validation (retention rules and texts)" in out and "excluded from generation" in out
