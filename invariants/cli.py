@@ -79,6 +79,20 @@ def cmd_prove(args: argparse.Namespace) -> int:
         raise UsageError("the theorem catalogue (invariants.theorems) is not part of this build")
     results = theorems.run_theorems(progress=lambda s: print(f"[prove] {s}", file=sys.stderr, flush=True))  # type: ignore[attr-defined]
     print(theorems.format_table(results))  # type: ignore[attr-defined]
+    if args.production_link:
+        from invariants.production_link import format_link, run_production_link
+
+        link = run_production_link(quick=False)
+        print(format_link(link))
+        results = list(results) + list(link)
+    if args.crosshair:
+        from invariants.crosshair_checks import format_crosshair, run_crosshair
+
+        ch = run_crosshair(args.crosshair)
+        print(format_crosshair(ch))
+        if any(not getattr(r, "expected_ok", True) for r in ch):
+            print("FAILED: a CrossHair check did not come out as expected")
+            return 1
     bad = [r for r in results if not r.expected_ok]
     for r in bad:
         print(f"FAILED {r.name}: {r.result}; {r.counterexample or ''}")
@@ -105,6 +119,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         bad = [r.name for r in results if not r.expected_ok]
         record("prove", "model", "holds" if not bad else "FAILED: " + ", ".join(bad[:3]),
                f"{proved}/{len(results)} as expected", time.monotonic() - t, not bad)
+        if available_targets().get("vllm") is None:
+            from invariants.production_link import run_production_link
+
+            t = time.monotonic()
+            link = run_production_link(quick=args.quick)
+            bad = [r.name for r in link if not r.expected_ok]
+            record("production link", "vllm", "holds" if not bad else "FAILED: " + ", ".join(bad),
+                   f"{len(link)} vLLM formulas = model, exhaustive", time.monotonic() - t, not bad)
 
     from invariants.fuzz import format_failure, run_fuzz
 
@@ -191,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("prove", help="Z3 theorems about masks, hits and free-queue order")
+    p.add_argument("--production-link", action="store_true",
+                   help="also check vLLM's mask and hit functions against the model exhaustively (bounded domain)")
+    p.add_argument("--crosshair", type=float, default=0.0, metavar="SECONDS",
+                   help="also run CrossHair contracts and diffbehavior twins, SECONDS per function")
     p.set_defaults(func=cmd_prove)
 
     v = sub.add_parser("verify", help="the main job: proofs, fuzzing of every installed target, summary table")

@@ -41,8 +41,8 @@ def configs(
 
     `retention`: "dense" (None), "zero" (0) or "interval" (k * sbs).
     """
-    shapes = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
-    shape = draw(st.sampled_from(shapes))
+    allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
+    shape = draw(st.sampled_from(allowed))
     base = draw(st.sampled_from([2, 4]))
     groups = []
     for kind in shape:

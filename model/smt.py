@@ -451,10 +451,12 @@ def swa_hit(
     cached. With Eagle: the largest aligned peek s < max_length // bs with a
     full run ending at s; else the short run from block 0, reduced by one
     alignment segment when bs != A (`alignment_quirk`, vLLM's double
-    re-alignment). `quirk=False` gives the rule without that reduction.
+    re-alignment). `quirk=False` gives the rule without that reduction. A hit
+    needs at least one cached block even when the window needs none (window 1).
     """
     bs, a, eg = I(block_size), I(alignment), B(drop_eagle)
     nb = I(max_length) / bs
+    need = zmax(need, 1)  # a hit needs at least one cached block at its edge (window 1)
     if z3.is_true(z3.simplify(eg)):
         p = max_of(lambda x: swa_peek(cached, x, need, bs, a), 0, nb, "peek")
         s = max_of(lambda x: swa_short(cached, x, need, bs, a), 0, nb, "short")

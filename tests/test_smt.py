@@ -20,8 +20,8 @@ import z3
 
 from model import lookup, masks, smt
 
-N_MASK = 2000
-N_HIT = 600
+N_MASK = 1500
+N_HIT = 500
 MAX_BLOCKS = 32  # block indices sampled in [0, MAX_BLOCKS)
 MAX_HIT_BLOCKS = 16
 
@@ -106,7 +106,7 @@ def test_masks_match_model(kind: str) -> None:
         assert got == expected, (kind, bs, window, a, r, eagle, start, end, bnd)
         dense_seen += got is None
         sparse_seen += got is not None
-    assert dense_seen > 100 and sparse_seen > 1000
+    assert dense_seen > 100 and sparse_seen > 800
 
 
 def test_replay_boundaries_match_model() -> None:

@@ -1,9 +1,8 @@
-"""The Z3 theorem catalogue: theorems proved, every negative control and finding refuted.
+"""The Z3 theorem catalogue: every theorem proved, every negative control and finding refuted.
 
-Default run: every control and finding (each must be refuted, with a
-counterexample in domain terms) and the quick theorems; the slowest theorems
-run under the `slow` marker and in `kvretain prove`. Plus conformance checks
-that tie the abstract transition systems to the code (free queue, validator).
+The whole catalogue runs once per session (two processes, about 15 s). Plus
+conformance checks that tie the abstract transition systems to the code
+(free queue, validator).
 """
 
 from __future__ import annotations
@@ -18,17 +17,7 @@ from invariants import theorems
 from model.config import Config, ConfigError, GroupSpec, validate
 from model.free_queue import FreeQueue
 
-SLOW = {
-    "swa_sparse_within_one_interval",
-    "swa_sparse_never_exceeds_dense",
-    "swa_no_waste",
-    "swa_promise_segments",
-    "mamba_promise_kept",
-    "mamba_within_one_interval",
-    "eagle_drop_applied_once",
-}
 NAMES = [th.name for th in theorems.CATALOGUE]
-FAST = [n for n in NAMES if n not in SLOW]
 
 
 def test_every_theorem_has_a_control() -> None:
@@ -45,27 +34,22 @@ def test_statements_are_one_line() -> None:
 
 
 @pytest.fixture(scope="module")
-def fast_results() -> dict[str, theorems.TheoremResult]:
-    return {r.name: r for r in theorems.run_theorems(names=FAST)}
+def results() -> dict[str, theorems.TheoremResult]:
+    return {r.name: r for r in theorems.run_theorems()}
 
 
-@pytest.mark.parametrize("name", FAST)
-def test_fast_catalogue(name: str, fast_results: dict[str, theorems.TheoremResult]) -> None:
-    r = fast_results[name]
+@pytest.mark.parametrize("name", NAMES)
+def test_catalogue(name: str, results: dict[str, theorems.TheoremResult]) -> None:
+    """Theorems proved (unbounded unless the result names a bound); controls and findings refuted."""
+    r = results[name]
     assert r.expected_ok, f"{name}: {r.result} {r.counterexample or r.detail or ''}"
     if r.is_control or r.is_finding:
         assert r.counterexample and any(ch.isdigit() for ch in r.counterexample)  # concrete domain values
 
 
-@pytest.mark.slow
-def test_slow_theorems_proved() -> None:
-    for r in theorems.run_theorems(names=sorted(SLOW)):
-        assert r.result == "proved", f"{r.name}: {r.result} {r.detail or r.counterexample or ''}"
-
-
-def test_format_table_lists_every_result(fast_results: dict[str, theorems.TheoremResult]) -> None:
-    table = theorems.format_table(list(fast_results.values()))
-    for name in fast_results:
+def test_format_table_lists_every_result(results: dict[str, theorems.TheoremResult]) -> None:
+    table = theorems.format_table(list(results.values()))
+    for name in results:
         assert name in table
     assert "as expected" in table
 
