@@ -73,3 +73,19 @@ def test_model_is_deterministic():
         m.apply(Schedule("x", 8))
         snaps.append(m.snapshot())
     assert snaps[0] == snaps[1]
+
+
+def test_vllm_agrees_with_model_apart_from_known_findings():
+    """The bounded vLLM fuzz run of `make test` (skipped only when vLLM cannot be imported)."""
+    from invariants.known_findings import is_known_violation
+    from invariants.targets import available_targets
+
+    reason = available_targets().get("vllm")
+    if reason is not None:
+        pytest.skip(f"vllm target unavailable: {reason}")
+    stats = FuzzStats()
+    machine = build_machine(
+        target_factory("vllm"), configs(allow_pinning=False), stats, tolerated=lambda v: is_known_violation("vllm", v)
+    )
+    run_state_machine_as_test(machine)
+    assert stats.steps > 0
