@@ -167,6 +167,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if zoo is not None and hasattr(zoo, "verify_row"):
         record(*zoo.verify_row(quick=args.quick))
 
+    sim = _optional("invariants.simulate.cli")
+    if sim is not None and hasattr(sim, "verify_row"):
+        # Small scale keeps verify fast; `kvretain simulate all --scale full` gives the real sizes.
+        check, target, verdict, figure, seconds, good = sim.verify_row(quick=True, out=Path(args.out) / "simulate")
+        record(check, target, verdict, f"report in {Path(args.out) / 'simulate'}", seconds, good)
+
     gpu = _optional("gpu_check.cli")
     if gpu is not None and hasattr(gpu, "verify_row"):
         check, target, verdict, figure, seconds, good = gpu.verify_row(quick=args.quick)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 from invariants.presets import preset
 from invariants.simulate.engine import Engine, SimRequest
@@ -75,3 +77,28 @@ def test_plan_runs() -> None:
     from invariants.simulate.cli import main
 
     assert main(["plan", "--preset", "dsv4-tiny", "--pool-blocks", "40", "--prefix-len", "64", "--seed", "1"]) == 0
+
+
+def test_verdicts_from_rows() -> None:
+    from invariants.simulate.verdicts import verdicts
+
+    p = Params(length=8192, num_blocks=420, count=6, token_budget=4096, intervals=(1024,))
+    found = verdicts("concurrent", run_scenario("concurrent", preset("dsv4-like"), p, Ctx("reference", SEED, None)))
+    asserted = [v for v in found if v.asserted]
+    assert asserted and all(v.reproduced for v in asserted)
+    assert all(v.line().startswith("#43447: ") for v in found)
+
+
+def test_verify_row_quick_and_all_report(tmp_path: Path) -> None:
+    from invariants.simulate.cli import main, verify_row
+
+    check, target, verdict, figure, seconds, ok = verify_row(quick=True)
+    assert (check, target, ok) == ("simulate", "reference", True)
+    assert "seed claims reproduced" in verdict and figure and seconds < 60
+    assert main(["simulate", "all", "--scale", "small", "--seed", "0", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "## Seed claims" in report and "reproduced" in report
+    for name in SCENARIOS:
+        assert (tmp_path / f"{name}.md").exists()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "concurrent_fraction.png").exists() and "![hit rate vs working set]" in report

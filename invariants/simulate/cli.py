@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from invariants.simulate.engine import Engine, SimRequest, SimulationStalled, random_tokens
-from invariants.simulate.scenarios import SCENARIOS, Ctx, Row, make_target, run_scenario, settings_for
+from invariants.simulate.scenarios import (
+    SCENARIOS,
+    Ctx,
+    Row,
+    Scenario,
+    make_target,
+    run_scenario,
+    settings_for,
+)
+from invariants.simulate.verdicts import Verdict, verdicts
 from invariants.targets import TARGET_NAMES, TargetUnavailable
 from model.config import ConfigError, validate
 
@@ -43,23 +52,69 @@ def _progress(line: str) -> None:
     print(f"[simulate] {line}", file=sys.stderr, flush=True)
 
 
-def _plot(rows: list[Row], path: Path, title: str) -> bool:
+def _interval_x(name: str) -> int | None:
+    return int(name[1:]) if name.startswith("r") and name[1:].isdigit() else None
+
+
+def _plot(name: str, rows: list[Row], out: Path, title: str) -> list[tuple[str, Path]]:
+    """PNGs for one scenario: (caption, path); [] without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar([r.setting for r in rows], [r.hit_rate for r in rows])
-    ax.set_ylabel("hit rate")
-    ax.set_title(title)
-    ax.tick_params(axis="x", rotation=60)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+        return []
+    figs: list[tuple[str, Path]] = []
+
+    def save(fig: Any, caption: str, stem: str) -> None:
+        path = out / f"{name}_{stem}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        figs.append((caption, path))
+
+    if name != "sweep":
+        # hit rate vs retention interval; dense/off/pre43447/pinned as horizontal lines
+        pts = sorted((x, r.hit_rate) for r in rows if (x := _interval_x(r.setting)) is not None)
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        if pts:
+            ax.plot([max(x, 1) for x, _ in pts], [y for _, y in pts], "o-", label="retention interval (r0 at 1)")
+        for r in rows:
+            if _interval_x(r.setting) is None:
+                ax.axhline(r.hit_rate, linestyle="--", linewidth=1, label=f"{r.setting} {r.hit_rate:.2f}",
+                           color=f"C{1 + rows.index(r)}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("retention interval (tokens)")
+        ax.set_ylabel("hit rate")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+        save(fig, "hit rate vs retention interval", "interval")
+    if name == "concurrent":
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for r in rows:
+            fr = sorted((float(k[4:]), v) for k, v in r.extra.items() if k.startswith("hit@"))
+            ax.plot([f for f, _ in fr], [v for _, v in fr], "o-", label=r.setting)
+        ax.set_xlabel("replayed prompt fraction")
+        ax.set_ylabel("hit rate")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+        save(fig, "hit rate vs prompt fraction", "fraction")
+    if name == "sweep":
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for setting in dict.fromkeys(r.setting.partition(" K=")[0] for r in rows):
+            pts2 = sorted((int(r.setting.partition(" K=")[2]), r.hit_rate) for r in rows
+                          if r.setting.partition(" K=")[0] == setting)
+            ax.plot([k for k, _ in pts2], [v for _, v in pts2], "o-", label=setting)
+        ax.set_xlabel("shared prefixes K (working set)")
+        ax.set_ylabel("shared-prefix hit rate (rounds 2-3)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+        save(fig, "hit rate vs working set", "working_set")
+    return figs
 
 
 def _check_common(args: argparse.Namespace) -> None:
@@ -74,38 +129,92 @@ def _check_common(args: argparse.Namespace) -> None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from invariants.errors import UsageError
+
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    if args.scenario != "all" and args.scenario not in SCENARIOS:
+        raise UsageError(f"unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)}, all)")
+    _check_common(args)
+    seed = args.seed if args.seed is not None else 0
+    out = Path(args.out) if args.out else None
+    md: list[str] = []
+    for name in names:
+        report = simulate_one(name, args.target, args.preset, args.scale, seed, out, _progress)
+        md.extend(report.markdown)
+    if out is not None and len(names) > 1:
+        (out / "report.md").write_text("\n".join(md) + "\n")
+        print(f"wrote {out / 'report.md'}")
+    return 0
+
+
+class Report:
+    def __init__(self, sc: Scenario, rows: list[Row], found: list[Verdict], markdown: list[str], seconds: float):
+        self.scenario = sc
+        self.rows = rows
+        self.verdicts = found
+        self.markdown = markdown
+        self.seconds = seconds
+
+
+def simulate_one(name: str, target: str, preset_name: str | None, scale: str, seed: int, out: Path | None,
+                 progress: Any = None, echo: bool = True) -> Report:
+    """Run one scenario, print its table and verdicts, write `out/NAME.md` (+ PNGs)."""
+    from invariants.errors import UsageError
     from invariants.presets import PRESETS
 
-    if args.scenario not in SCENARIOS:
-        raise UsageError(f"unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)})")
-    _check_common(args)
-    sc = SCENARIOS[args.scenario]
-    base = PRESETS[args.preset or sc.preset]
-    params = sc.scales[args.scale]
-    seed = args.seed if args.seed is not None else 0
-    print(f"kvretain simulate {sc.name}: {sc.doc}; target {args.target}, preset {base.name}, "
-          f"scale {args.scale}, seed {seed}", flush=True)
-    print(f"  sizes: {params}", flush=True)
+    t0 = time.monotonic()
+    sc = SCENARIOS[name]
+    base = PRESETS[preset_name or sc.preset]
+    params = sc.scales[scale]
+    say = print if echo else (lambda *a, **k: None)
+    say(f"kvretain simulate {sc.name}: {sc.doc}; target {target}, preset {base.name}, "
+        f"scale {scale}, seed {seed}", flush=True)
+    say(f"  sizes: {params}", flush=True)
     try:
         validate(base.with_(num_blocks=params.num_blocks))
-        rows = run_scenario(sc.name, base, params, Ctx(args.target, seed, _progress))
+        rows = run_scenario(sc.name, base, params, Ctx(target, seed, progress))
     except (ConfigError, TargetUnavailable, SimulationStalled) as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
     text = format_rows(rows)
-    print(text)
-    print(f"survived = {sc.survived_means}; cached blocks/req = blocks one request leaves cached alone")
-    if args.out:
-        out = Path(args.out)
+    found = verdicts(sc.name, rows)
+    say(text)
+    say(f"survived = {sc.survived_means}; cached blocks/req = blocks one request leaves cached alone")
+    for v in found:
+        say(f"  {v.line()}")
+    md = [f"# kvretain simulate {sc.name}", "", f"{sc.doc}. Target `{target}`, preset `{base.name}`, "
+          f"scale `{scale}`, seed {seed}.", "", f"Sizes: `{params}`", "", text, "",
+          f"*survived* = {sc.survived_means}; *cached blocks/req* = blocks one request leaves cached alone.", "",
+          "## Seed claims", ""]
+    md.extend(f"- {v.line()}" for v in found)
+    md.append("")
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        png = out / f"{sc.name}.png"
-        plotted = _plot(rows, png, f"{sc.name} ({base.name}, {args.target})")
-        md = [f"# kvretain simulate {sc.name}", "", f"{sc.doc}. Target `{args.target}`, preset `{base.name}`, "
-              f"scale `{args.scale}`, seed {seed}.", "", f"Sizes: `{params}`", "", text, "",
-              f"*survived* = {sc.survived_means}.", ""]
-        md.append(f"![hit rate]({png.name})" if plotted else "(matplotlib not installed: no plot)")
+        figs = _plot(sc.name, rows, out, f"{sc.name} ({base.name}, {target}, {scale})")
+        md.extend(f"![{cap}]({path.name})\n" for cap, path in figs)
+        if not figs:
+            md.append("(matplotlib not installed: no plots)")
         (out / f"{sc.name}.md").write_text("\n".join(md) + "\n")
-        print(f"wrote {out / (sc.name + '.md')}")
-    return 0
+        say(f"wrote {out / (sc.name + '.md')}")
+    return Report(sc, rows, found, md, time.monotonic() - t0)
+
+
+def verify_row(quick: bool, out: Path | None = None) -> tuple[str, str, str, str, float, bool]:
+    """One `kvretain verify` row: every scenario on the reference target (quick: small scale).
+
+    Returns (check, target, verdict, figure, seconds, ok); ok is False only when a
+    claim the tests assert (`Verdict.asserted`) is not reproduced.
+    """
+    t0 = time.monotonic()
+    scale = "small" if quick else "full"
+    found: list[Verdict] = []
+    for name in SCENARIOS:
+        found.extend(simulate_one(name, "reference", None, scale, 0, out, None, echo=False).verdicts)
+    ok = all(v.reproduced for v in found if v.asserted)
+    reproduced = sum(1 for v in found if v.reproduced)
+    measured = sum(1 for v in found if v.reproduced is not None)
+    bad = [v.claim.split(":")[0] for v in found if v.reproduced is False]
+    verdict = f"{reproduced}/{measured} seed claims reproduced" + (f" (not: {', '.join(bad)})" if bad else "")
+    key = [v.detail for v in found if v.asserted]
+    return ("simulate", "reference", verdict, "; ".join(key), time.monotonic() - t0, ok)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -163,12 +272,12 @@ def _run_plan(args: argparse.Namespace) -> int:
 def add_parser(subparsers: Any) -> None:
     """Register `simulate` and `plan` on an argparse subparsers object."""
     p = subparsers.add_parser("simulate", help="block-level serving simulation of a seed scenario")
-    p.add_argument("scenario", help=f"one of: {', '.join(SCENARIOS)}")
+    p.add_argument("scenario", help=f"one of: {', '.join(SCENARIOS)}, all")
     p.add_argument("--target", default="reference", help="allocator target (default reference)")
     p.add_argument("--preset", default=None, help="configuration preset (default: the scenario's)")
     p.add_argument("--scale", choices=("small", "full"), default="small")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
-    p.add_argument("--out", default=None, help="directory for a Markdown report (and PNG if matplotlib)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default 0, printed)")
+    p.add_argument("--out", default=None, help="directory for a Markdown report (and PNGs if matplotlib)")
     p.set_defaults(func=run_simulate)
     q = subparsers.add_parser("plan", help="how many prefixes stay hittable under each retention setting")
     q.add_argument("--preset", default=None)

@@ -28,6 +28,14 @@ filled from every request's `block_hashes` (hash i stands for
 `kv_cache_utils.maybe_convert_block_hash`); the table maps those ints too, so no
 environment variable is changed.
 
+At scale (1M-token prompts) recording the prefix of every hash is O(n^2):
+`VllmTarget(cfg, track_prefixes=False)` records nothing (`_learn_hashes` is a
+no-op), and snapshots and events name each hash by a stand-in instead of its
+prefix, as the reference adapter does: `BlockKey(group, tuple(hash_bytes))`,
+and an event's int hash as the 1-tuple `(h,)`. Such snapshots are internally
+consistent (distinct hashes stay distinct) but do not compare with another
+target's: use them for counting, never for differential checks.
+
 vLLM has no pinned tier (#40676 was never merged): a configuration asking for
 one raises `UnsupportedConfig`. Everything else vLLM rejects is re-raised as
 `model.config.ConfigError` carrying vLLM's message.
@@ -93,7 +101,9 @@ class VllmTarget:
 
     name = "vllm"
 
-    def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE) -> None:
+    def __init__(
+        self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True
+    ) -> None:
         ok, reason = vllm_available()
         if not ok:
             raise TargetUnavailable(reason)
@@ -121,6 +131,8 @@ class VllmTarget:
         self._prefix_of: dict[bytes, Tokens] = {}
         self._prefix_of_int: dict[int, Tokens] = {}
         self._keys: dict[bytes, BlockKey] = {}
+        # False: learn nothing, name hashes by stand-ins (see the module docstring).
+        self.track_prefixes = track_prefixes
 
     # ------------------------------------------------------------------ setup
     def _build_manager(self, cfg: Config) -> Any:
@@ -186,6 +198,8 @@ class VllmTarget:
         return req
 
     def _learn_hashes(self, req: Any, start: int) -> None:
+        if not self.track_prefixes:
+            return
         toks = req.all_token_ids
         for i in range(start, len(req.block_hashes)):
             h = bytes(req.block_hashes[i])
@@ -337,6 +351,8 @@ class VllmTarget:
         )
 
     def _prefix(self, h: bytes) -> Tokens:
+        if not self.track_prefixes:
+            return tuple(bytes(h))  # stand-in (see the module docstring)
         try:
             return self._prefix_of[bytes(h)]
         except KeyError:
@@ -351,6 +367,8 @@ class VllmTarget:
 
     def _event_prefix(self, h: bytes | int) -> Tokens:
         if isinstance(h, int):
+            if not self.track_prefixes:
+                return (h,)  # stand-in (see the module docstring)
             try:
                 return self._prefix_of_int[h]
             except KeyError:
