@@ -252,9 +252,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_under(python: str, argv: list[str]) -> int:
+    """`--vllm-python PATH`: re-run this command under another interpreter (a
+    vLLM developer's environment), with this kvretain first on its path."""
+    import os
+    import subprocess
+
+    from invariants.targets.vllm_env import probe_python
+
+    ok, line, _ = probe_python(python)
+    if not ok:
+        raise UsageError(line)
+    print(f"kvretain: running under {line}", file=sys.stderr, flush=True)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    return subprocess.call([python, "-m", "invariants.cli", *argv], env=env)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        if "--vllm-python" in args_list:
+            i = args_list.index("--vllm-python")
+            if i + 1 >= len(args_list):
+                raise UsageError("--vllm-python needs the path of a Python interpreter")
+            python = args_list[i + 1]
+            return _run_under(python, args_list[:i] + args_list[i + 2:])
+    except UsageError as exc:
+        print(f"kvretain: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        args = build_parser().parse_args(args_list)
+        if getattr(args, "target", None) == "vllm" or args.command in ("verify", "conformance"):
+            from invariants.targets.vllm_env import version_warning
+
+            warning = version_warning()
+            if warning:
+                print(f"kvretain: warning: {warning}", file=sys.stderr)
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
     except (UsageError, TraceError, ConfigError, TargetUnavailable) as exc:
