@@ -14,15 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from invariants.simulate.engine import Engine, SimRequest, SimulationStalled, random_tokens
-from invariants.simulate.scenarios import (
-    SCENARIOS,
-    Ctx,
-    Row,
-    Scenario,
-    make_target,
-    run_scenario,
-    settings_for,
-)
+from invariants.simulate.scenarios import SCENARIOS, Ctx, Row, Scenario, run_scenario
+from invariants.simulate.settings import make_target, setting_scope, settings_for
 from invariants.simulate.verdicts import Verdict, verdicts
 from invariants.targets import TARGET_NAMES, TargetUnavailable
 from model.config import ConfigError, validate
@@ -251,14 +244,15 @@ def _run_plan(args: argparse.Namespace) -> int:
         validate(base)
         for s in settings_for(base, (length // 4, length // 2), args.target):
             t0 = time.monotonic()
-            t = make_target(args.target, s)
-            rng = random.Random(seed)
-            e = Engine(t, token_budget=args.token_budget, max_running=1, rng=rng, progress=_progress)
-            prompts = [random_tokens(rng, length) for _ in range(count)]
-            for i, p in enumerate(prompts):
-                e.submit(SimRequest(f"p{i}", p))
-                e.run()
-            hits = [e.probe(p).hit for p in prompts]
+            with setting_scope(args.target, s):
+                t = make_target(args.target, s)
+                rng = random.Random(seed)
+                e = Engine(t, token_budget=args.token_budget, max_running=1, rng=rng, progress=_progress)
+                prompts = [random_tokens(rng, length) for _ in range(count)]
+                for i, p in enumerate(prompts):
+                    e.submit(SimRequest(f"p{i}", p))
+                    e.run()
+                hits = [e.probe(p).hit for p in prompts]
             hittable = sum(h > 0 for h in hits)
             mean = sum(hits) / max(hittable, 1)
             rows.append([s.name, f"{hittable}" + ("+" if hittable == count else ""), f"{mean:.0f}",

@@ -8,11 +8,13 @@
   suffix, several rounds; how much of the shared prefix hits.
 - `multiturn` (#45845): Mamba conversations, each turn's prompt is the whole
   history plus a new user message.
+- `agentic` (#43447 trace replay): agent sessions sharing a system prompt, each
+  turn resending the whole session plus a tool result, `count` sessions in
+  flight at once; the hit rate is vLLM's (hit tokens / prompt tokens, every turn).
 
-Settings: `off` (caching disabled), `dense` (retention None), `r0`, two
-intervals `rK`, `pre43447` (retention 0 with the pre-#43447 free order: the
-zoo mutant `swa_slide_appends_uncached`) and `pinned` (the #40676 tier over
-dense). `pre43447` and `pinned` need the reference target and an SWA group.
+Settings (`invariants.simulate.settings`): `off`, `dense`, `r0`, two
+intervals `rK`, `pre43447` (the pre-#43447 free order, a named mutant of the
+target) and `pinned` (the #40676 tier; reference target only).
 """
 
 from __future__ import annotations
@@ -24,70 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from invariants.simulate.engine import Engine, SimRequest, random_tokens
-from invariants.targets import PINNING_TARGETS, Target, target_factory
-from invariants.targets.reference import ReferenceTarget
+from invariants.simulate.settings import Setting, cached_blocks, make_target, setting_scope, settings_for
+from invariants.targets import Target
 from model.config import Config
 
 Progress = Callable[[str], None]
-MUTANT = "swa_slide_appends_uncached"
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str
-    config: Config
-    mutant: str | None = None
-
-
-def settings_for(base: Config, intervals: tuple[int, ...], target: str) -> list[Setting]:
-    out = [
-        Setting("off", base.with_(enable_caching=False, retention_interval=None)),
-        Setting("dense", base.with_(retention_interval=None)),
-        Setting("r0", base.with_(retention_interval=0)),
-    ]
-    sbs = base.scheduler_block_size
-    for k in intervals:
-        k = max(sbs, k // sbs * sbs)
-        out.append(Setting(f"r{k}", base.with_(retention_interval=k)))
-    has_swa = any(g.kind == "swa" for g in base.groups)
-    if has_swa and target == "reference":
-        out.append(Setting("pre43447", base.with_(retention_interval=0), mutant=MUTANT))
-    if has_swa and target in PINNING_TARGETS:
-        out.append(Setting("pinned", base.with_(retention_interval=None, pin_swa_on_drop=True)))
-    return out
-
-
-class _FastReference(ReferenceTarget):
-    TRACK_PREFIXES = False
-
-
-def make_target(target: str, setting: Setting) -> Target:
-    if setting.mutant is not None:
-        from invariants.zoo.mutants_reference import REFERENCE_MUTANTS, ZooReferenceTarget
-
-        class _FastZoo(ZooReferenceTarget):
-            TRACK_PREFIXES = False
-
-        return _FastZoo(setting.config, REFERENCE_MUTANTS[setting.mutant])
-    if target == "reference":
-        return _FastReference(setting.config)
-    if target == "vllm":
-        from invariants.targets.vllm_target import VllmTarget
-
-        target_factory(target)  # TargetUnavailable when vLLM cannot load
-        return VllmTarget(setting.config, track_prefixes=False)
-    return target_factory(target)(setting.config)
-
-
-def cached_blocks(target: Target) -> int:
-    """Blocks holding a hash now (vLLM: read from its pool, no full snapshot)."""
-    pool = getattr(target, "pool", None)
-    if pool is not None and hasattr(pool, "blocks"):
-        manager = getattr(target, "manager", None)
-        if manager is not None:
-            manager.take_events()  # drain: the simulator never reads them
-        return sum(1 for b in pool.blocks if b.block_hash is not None)
-    return len(target.snapshot().block_hash)
 
 
 @dataclass
@@ -154,10 +97,10 @@ def sequential(ctx: Ctx, setting: Setting, p: Params) -> Row:
     label = "no hit" if survived < 0 else f"{survived}" if survived < p.count else f">={p.count}"
     rate = sum(hits[1:]) / (p.count * p.length)
     return Row(setting.name, rate, cached, label, e.stats.alloc_failures, e.stats.preemptions,
-               time.monotonic() - t0, {"replay_hit_0": hits[0], "hits": hits})
+               time.monotonic() - t0, {"replay_after_1": hits[1] / p.length, "hits": hits})
 
 
-FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+FRACTIONS = (0.1, 0.25, 0.5, 0.75, 1.0)  # #43447 replays 10%..100% of the prompt
 
 
 # ------------------------------------------------------------------ (b)
@@ -222,32 +165,63 @@ def sweep_one(ctx: Ctx, setting: Setting, p: Params, num_prefixes: int, rounds: 
                e.stats.alloc_failures, e.stats.preemptions, time.monotonic() - t0)
 
 
-# ------------------------------------------------------------------ (d)
-def multiturn(ctx: Ctx, setting: Setting, p: Params) -> Row:
+# ------------------------------------------------------------------ (d), (e)
+def sessions(ctx: Ctx, setting: Setting, p: Params, shared_system: bool) -> Row:
+    """Multi-turn sessions, `count` in flight; each turn resends the whole session plus new input.
+
+    `p.extra = (sessions, turns, new input tokens per turn (mean; uniform in
+    [n/2, 3n/2]), output tokens per turn)`. A session's next turn is submitted
+    when its previous one finishes, so sessions interleave as in a serving
+    trace. With `shared_system` every session starts from one `p.length`-token
+    system prompt (agentic traffic), else from its own `p.length`-token prompt.
+    Hit rate = hit tokens / prompt tokens over every turn (vLLM's metric);
+    `later_turns` counts turns after the first only.
+    """
     t0 = time.monotonic()
-    turns, user, outputs = p.extra
+    num_sessions, turns, user, outputs = p.extra
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed)
     e = ctx.engine(t, rng, p.token_budget, p.count)
-    history = [random_tokens(rng, p.length) for _ in range(p.count)]
-    hit = total = survived = 0
-    for turn in range(turns):
-        batch = []
-        for c in range(p.count):
-            prompt = history[c] if turn == 0 else history[c] + random_tokens(rng, user)
-            r = SimRequest(f"t{turn}c{c}", prompt, max_tokens=outputs)
-            batch.append(r)
-            e.submit(r)
-        e.run()
-        for c, r in enumerate(batch):
-            history[c] = r.all_tokens
-            if turn > 0:
-                hit += r.hit or 0
-                total += len(r.prompt)
-                survived += (r.hit or 0) > 0
-    cached = _calibrate(ctx, setting, p.length, p.token_budget)
-    return Row(setting.name, hit / max(total, 1), cached, f"{survived}/{(turns - 1) * p.count}",
-               e.stats.alloc_failures, e.stats.preemptions, time.monotonic() - t0)
+    system = random_tokens(rng, p.length)
+    first_hit_floor = p.length if shared_system else 0
+    counts = {"hit": 0, "total": 0, "later_hit": 0, "later_total": 0, "survived": 0}
+    done_turns = [0] * num_sessions
+
+    def submit(sid: int, history: tuple[int, ...]) -> None:
+        n = rng.randint(user // 2, user + user // 2)
+        e.submit(SimRequest(f"{sid}t{done_turns[sid]}", history + random_tokens(rng, n), max_tokens=outputs))
+
+    def on_finish(r: SimRequest) -> None:
+        sid = int(r.rid.partition("t")[0])
+        h = r.hit or 0
+        counts["hit"] += h
+        counts["total"] += len(r.prompt)
+        if done_turns[sid] > 0:
+            counts["later_hit"] += h
+            counts["later_total"] += len(r.prompt)
+            counts["survived"] += h > first_hit_floor
+        done_turns[sid] += 1
+        if done_turns[sid] < turns:
+            submit(sid, r.all_tokens)
+
+    e.on_finish = on_finish
+    for sid in range(num_sessions):
+        submit(sid, system if shared_system else random_tokens(rng, p.length))
+    e.run()
+    cached = _calibrate(ctx, setting, p.length + user * turns // 2, p.token_budget)
+    return Row(setting.name, counts["hit"] / max(counts["total"], 1), cached,
+               f"{counts['survived']}/{num_sessions * (turns - 1)}", e.stats.alloc_failures, e.stats.preemptions,
+               time.monotonic() - t0,
+               {"later_turns": counts["later_hit"] / max(counts["later_total"], 1),
+                "prompt_mtok": counts["total"] / 1e6})
+
+
+def multiturn(ctx: Ctx, setting: Setting, p: Params) -> Row:
+    return sessions(ctx, setting, p, shared_system=False)
+
+
+def agentic(ctx: Ctx, setting: Setting, p: Params) -> Row:
+    return sessions(ctx, setting, p, shared_system=True)
 
 
 @dataclass(frozen=True)
@@ -280,7 +254,7 @@ SCENARIOS: dict[str, Scenario] = {
         "sweep", "K shared prefixes x 3 rounds, request = prefix + unique suffix", "gemma-like",
         "prefixes hit in the last round",
         {
-            "small": Params(length=2048, num_blocks=2600, count=4, token_budget=4096, extra=(15, 30, 45, 60),
+            "small": Params(length=2048, num_blocks=9600, count=4, token_budget=4096, extra=(15, 30, 45, 60),
                             intervals=(1024, 2048), suffix=64),
             "full": Params(length=8192, num_blocks=12000, count=8, token_budget=8192, extra=(15, 30, 45, 60),
                            intervals=(4096, 8192), suffix=256),
@@ -290,10 +264,20 @@ SCENARIOS: dict[str, Scenario] = {
         "multiturn", "Mamba multi-turn conversations (history + user message each turn)", "kimi-linear-like",
         "later turns that hit",
         {
-            "small": Params(length=2048, num_blocks=200, count=4, token_budget=256, extra=(6, 256, 32),
+            "small": Params(length=2048, num_blocks=200, count=4, token_budget=256, extra=(4, 6, 256, 32),
                             intervals=(512, 2048)),
-            "full": Params(length=16384, num_blocks=6000, count=8, token_budget=8192, extra=(10, 1024, 256),
+            "full": Params(length=16384, num_blocks=6000, count=8, token_budget=8192, extra=(8, 10, 1024, 256),
                            intervals=(2048, 8192)),
+        },
+    ),
+    "agentic": Scenario(
+        "agentic", "agent sessions sharing a system prompt, each turn = whole session + a tool result",
+        "dsv4-like", "later turns that hit beyond the system prompt",
+        {
+            "small": Params(length=1024, num_blocks=700, count=4, token_budget=4096, extra=(8, 6, 1024, 16),
+                            intervals=(1024, 4096)),
+            "full": Params(length=16384, num_blocks=20000, count=16, token_budget=16384,
+                           extra=(32, 10, 16384, 256), intervals=(8192, 32768)),
         },
     ),
 }
@@ -310,17 +294,17 @@ def run_scenario(
             continue
         if ctx.progress is not None:
             ctx.progress(f"{name}: setting {s.name}")
-        if name == "sequential":
-            rows.append(sequential(ctx, s, p))
-        elif name == "concurrent":
-            rows.append(concurrent(ctx, s, p))
-        elif name == "sweep":
-            rows.extend(sweep_one(ctx, s, p, k) for k in p.extra)
-        elif name == "multiturn":
-            rows.append(multiturn(ctx, s, p))
-        else:
-            raise KeyError(name)
+        with setting_scope(ctx.target, s):
+            if name == "sweep":
+                rows.extend(sweep_one(ctx, s, p, k) for k in p.extra)
+            else:
+                rows.append(RUNNERS[name](ctx, s, p))
     return rows
+
+
+RUNNERS: dict[str, Callable[[Ctx, Setting, Params], Row]] = {
+    "sequential": sequential, "concurrent": concurrent, "multiturn": multiturn, "agentic": agentic,
+}
 
 
 def bench_request(target: str, tokens: int = 1 << 20, retention: int | None = 32768,
