@@ -23,21 +23,53 @@ def _rows(name: str, params: Params, only: tuple[str, ...]) -> dict[str, Row]:
 
 
 def test_retention_beats_dense_under_concurrency_with_small_pool() -> None:
-    p = Params(length=8192, num_blocks=420, count=6, token_budget=4096, intervals=(1024,))
-    rows = _rows("concurrent", p, ("dense", "r0", "r1024"))
-    dense, r0, rk = rows["dense"], rows["r0"], rows["r1024"]
+    p = Params(length=16384, num_blocks=0, count=6, token_budget=1024, intervals=(2048,), pool_x=6.5)
+    rows = _rows("concurrent", p, ("dense", "r0", "r2048"))
+    dense, r0, rk = rows["dense"], rows["r0"], rows["r2048"]
     assert r0.extra["hit@1"] > dense.extra["hit@1"]
     assert rk.hit_rate > dense.hit_rate
     assert r0.cached_per_req < dense.cached_per_req
 
 
 def test_pre43447_free_order_loses_first_replay() -> None:
-    p = Params(length=8192, num_blocks=400, count=4, token_budget=2048)
-    rows = _rows("sequential", p, ("r0", "pre43447"))
-    fixed, mutant = rows["r0"], rows["pre43447"]
+    p = Params(length=8192, num_blocks=0, count=4, token_budget=512, pool_x=7.5)
+    rows = _rows("sequential", p, ("dense", "r0", "pre43447"))
+    fixed, dense, mutant = rows["r0"], rows["dense"], rows["pre43447"]
     assert fixed.extra["hits"][0] > 0 and mutant.extra["hits"][0] > 0
     assert all(h > 0 for h in fixed.extra["hits"])
-    assert mutant.extra["hits"][-1] == 0
+    # #43447: before the fix the replay after ONE other request already misses
+    assert mutant.extra["hits"][1] < mutant.extra["hits"][0] and mutant.extra["hits"][-1] == 0
+    # the fixed order with the same (dense) caching keeps it longer
+    assert sum(dense.extra["hits"]) > sum(mutant.extra["hits"])
+
+
+def test_pre43447_mutant_matches_on_vllm() -> None:
+    """The named mutant is the same free order on both targets: identical replay hits."""
+    import pytest
+
+    from invariants.targets import available_targets
+
+    if "vllm" not in available_targets():
+        pytest.skip("vLLM not importable")
+    p = Params(length=4096, num_blocks=0, count=3, token_budget=512, pool_x=7.5)
+    sc = SCENARIOS["sequential"]
+    hits = {t: run_scenario("sequential", preset(sc.preset), p, Ctx(t, SEED, None), ("pre43447",))[0].extra["hits"]
+            for t in ("reference", "vllm")}
+    assert hits["reference"] == hits["vllm"]
+    assert hits["vllm"][-1] == 0
+
+
+def test_agentic_retention_beats_dense_and_prefix_order() -> None:
+    rows = _rows("agentic", SCENARIOS["agentic"].scales["small"], ("dense", "r1024", "pre43447"))
+    assert rows["r1024"].hit_rate > rows["dense"].hit_rate + 0.3
+    assert rows["dense"].hit_rate > rows["pre43447"].hit_rate
+
+
+def test_sweep_interval_keeps_shared_prefixes_where_dense_and_r0_lose_them() -> None:
+    p = Params(length=2048, num_blocks=30000, count=4, token_budget=4096, extra=(15, 45), intervals=(2048,), suffix=64)
+    rows = _rows("sweep", p, ("dense", "r0", "r2048"))
+    assert rows["r2048 K=45"].hit_rate > rows["dense K=45"].hit_rate + 0.3
+    assert rows["r0 K=15"].hit_rate < rows["r2048 K=15"].hit_rate
 
 
 def test_engine_completes_with_decode_and_preemption() -> None:
@@ -82,8 +114,8 @@ def test_plan_runs() -> None:
 def test_verdicts_from_rows() -> None:
     from invariants.simulate.verdicts import verdicts
 
-    p = Params(length=8192, num_blocks=420, count=6, token_budget=4096, intervals=(1024,))
-    found = verdicts("concurrent", run_scenario("concurrent", preset("dsv4-like"), p, Ctx("reference", SEED, None)))
+    p = Params(length=16384, num_blocks=0, count=6, token_budget=1024, intervals=(2048,), pool_x=6.5)
+    found = verdicts("concurrent", run_scenario("concurrent", preset("dsv4-flash"), p, Ctx("reference", SEED, None)))
     asserted = [v for v in found if v.asserted]
     assert asserted and all(v.reproduced for v in asserted)
     assert all(v.line().startswith("#43447: ") for v in found)
@@ -94,7 +126,7 @@ def test_verify_row_quick_and_all_report(tmp_path: Path) -> None:
 
     check, target, verdict, figure, seconds, ok = verify_row(quick=True)
     assert (check, target, ok) == ("simulate", "reference", True)
-    assert "seed claims reproduced" in verdict and figure and seconds < 60
+    assert "seed claims reproduced" in verdict and figure and seconds < 120
     assert main(["simulate", "all", "--scale", "small", "--seed", "0", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()
     assert "## Seed claims" in report and "reproduced" in report
@@ -102,3 +134,19 @@ def test_verify_row_quick_and_all_report(tmp_path: Path) -> None:
         assert (tmp_path / f"{name}.md").exists()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "concurrent_fraction.png").exists() and "![hit rate vs working set]" in report
+
+
+def test_verdicts_negative_control_on_swapped_rows() -> None:
+    """A judge that cannot fail is no judge: rows where dense wins must read NOT reproduced."""
+    from invariants.simulate.verdicts import verdicts
+
+    def row(name: str, rate: float, hits1: float) -> Row:
+        return Row(name, rate, 10, "", 0, 0, 0.0, {"hit@1": hits1, "hit@0.5": rate})
+
+    good = [row("dense", 0.2, 0.3), row("r0", 0.2, 0.99), row("r2048", 0.97, 0.99)]
+    swapped = [row("dense", 0.97, 0.99), row("r0", 0.2, 0.3), row("r2048", 0.2, 0.3)]
+    assert all(v.reproduced for v in verdicts("concurrent", good))
+    assert not any(v.reproduced for v in verdicts("concurrent", swapped))
+    agent_bad = [Row("dense", 0.75, 1, "", 0, 0, 0.0), Row("r1024", 0.74, 1, "", 0, 0, 0.0)]
+    assert verdicts("agentic", agent_bad)[0].reproduced is False
+    assert verdicts("agentic", agent_bad[:1])[0].reproduced is None  # not measured, never "reproduced"

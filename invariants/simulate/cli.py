@@ -161,9 +161,12 @@ def simulate_one(name: str, target: str, preset_name: str | None, scale: str, se
     say = print if echo else (lambda *a, **k: None)
     say(f"kvretain simulate {sc.name}: {sc.doc}; target {target}, preset {base.name}, "
         f"scale {scale}, seed {seed}", flush=True)
-    say(f"  sizes: {params}", flush=True)
+    pool = params.pool(base)
+    pool_note = f" ({params.pool_x:g}x the blocks of one {params.max_len or params.length}-token request)" \
+        if params.pool_x > 0 else ""
+    say(f"  sizes: {params}; pool {pool} blocks{pool_note}", flush=True)
     try:
-        validate(base.with_(num_blocks=params.num_blocks))
+        validate(base.with_(num_blocks=pool))
         rows = run_scenario(sc.name, base, params, Ctx(target, seed, progress))
     except (ConfigError, TargetUnavailable, SimulationStalled) as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
@@ -174,7 +177,7 @@ def simulate_one(name: str, target: str, preset_name: str | None, scale: str, se
     for v in found:
         say(f"  {v.line()}")
     md = [f"# kvretain simulate {sc.name}", "", f"{sc.doc}. Target `{target}`, preset `{base.name}`, "
-          f"scale `{scale}`, seed {seed}.", "", f"Sizes: `{params}`", "", text, "",
+          f"scale `{scale}`, seed {seed}.", "", f"Sizes: `{params}`; pool {pool} blocks{pool_note}.", "", text, "",
           f"*survived* = {sc.survived_means}; *cached blocks/req* = blocks one request leaves cached alone.", "",
           "## Seed claims", ""]
     md.extend(f"- {v.line()}" for v in found)

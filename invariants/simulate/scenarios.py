@@ -56,6 +56,20 @@ class Params:
     extra: tuple[int, ...] = ()  # sweep: prefix counts; multiturn: (turns, user tokens, outputs)
     intervals: tuple[int, ...] = ()
     suffix: int = 0
+    # pool_x > 0: num_blocks = the pool vLLM would report as pool_x-fold
+    # "Maximum concurrency" for max_len-token requests (num_blocks is ignored).
+    pool_x: float = 0.0
+    max_len: int = 0
+
+    def pool(self, base: Config) -> int:
+        """The pool size in blocks for `base`'s layout."""
+        if self.pool_x <= 0:
+            return self.num_blocks
+        from invariants.presets import pool_blocks
+
+        # the simulator's scheduler runs one batch at a time with `token_budget` tokens
+        return pool_blocks(base, self.pool_x, self.max_len or self.length,
+                           max_num_batched_tokens=self.token_budget, concurrent_batches=1)
 
 
 class Ctx:
@@ -233,30 +247,38 @@ class Scenario:
     scales: dict[str, Params]
 
 
+M = 1 << 20
+# Full scale follows the seeds: #43447's 1M-token requests on a pool vLLM would
+# report as ~14.5x concurrency, 14 concurrent requests, 16-concurrency agent
+# sessions; #40676's 15..60 shared prefixes; #45845's Kimi-Linear multi-turn.
+# Small scale keeps the ratios that matter (pool vs per-request footprint) at
+# 1/32..1/128 of the tokens so the suite can assert the qualitative claims.
 SCENARIOS: dict[str, Scenario] = {
     "sequential": Scenario(
-        "sequential", "sequential long requests; replay of the first after each", "dsv4-like",
+        "sequential", "sequential long requests; replay of the first after each", "dsv4-flash",
         "later requests after which request 0 still hits",
         {
-            "small": Params(length=8192, num_blocks=400, count=8, token_budget=2048, intervals=(1024, 4096)),
-            "full": Params(length=131072, num_blocks=5000, count=8, token_budget=8192, intervals=(8192, 32768)),
+            "small": Params(length=8192, num_blocks=0, count=8, token_budget=512, intervals=(1024, 4096),
+                            pool_x=7.5),
+            "full": Params(length=M, num_blocks=0, count=8, token_budget=16384, intervals=(32768,), pool_x=14.5),
         },
     ),
     "concurrent": Scenario(
-        "concurrent", "N concurrent long requests, replayed at prompt fractions 0.25/0.5/0.75/1", "dsv4-like",
+        "concurrent", "N concurrent long requests, replayed at prompt fractions 0.1/0.25/0.5/0.75/1", "dsv4-flash",
         "requests whose full replay still hits",
         {
-            "small": Params(length=8192, num_blocks=420, count=6, token_budget=4096, intervals=(1024, 4096)),
-            "full": Params(length=131072, num_blocks=6000, count=8, token_budget=16384, intervals=(8192, 32768)),
+            "small": Params(length=32768, num_blocks=0, count=6, token_budget=1024, intervals=(2048, 4096),
+                            pool_x=6.5),
+            "full": Params(length=M, num_blocks=0, count=14, token_budget=16384, intervals=(32768,), pool_x=14.5),
         },
     ),
     "sweep": Scenario(
         "sweep", "K shared prefixes x 3 rounds, request = prefix + unique suffix", "gemma-like",
         "prefixes hit in the last round",
         {
-            "small": Params(length=2048, num_blocks=9600, count=4, token_budget=4096, extra=(15, 30, 45, 60),
+            "small": Params(length=2048, num_blocks=30000, count=4, token_budget=4096, extra=(15, 30, 45, 60),
                             intervals=(1024, 2048), suffix=64),
-            "full": Params(length=8192, num_blocks=12000, count=8, token_budget=8192, extra=(15, 30, 45, 60),
+            "full": Params(length=8192, num_blocks=70000, count=8, token_budget=8192, extra=(15, 30, 45, 60),
                            intervals=(4096, 8192), suffix=256),
         },
     ),
@@ -264,20 +286,20 @@ SCENARIOS: dict[str, Scenario] = {
         "multiturn", "Mamba multi-turn conversations (history + user message each turn)", "kimi-linear-like",
         "later turns that hit",
         {
-            "small": Params(length=2048, num_blocks=200, count=4, token_budget=256, extra=(4, 6, 256, 32),
-                            intervals=(512, 2048)),
-            "full": Params(length=16384, num_blocks=6000, count=8, token_budget=8192, extra=(8, 10, 1024, 256),
-                           intervals=(2048, 8192)),
+            "small": Params(length=2048, num_blocks=0, count=8, token_budget=2048, extra=(16, 8, 512, 64),
+                            intervals=(2048, 8192), pool_x=8, max_len=16384),
+            "full": Params(length=16384, num_blocks=0, count=16, token_budget=8192, extra=(32, 10, 2048, 256),
+                           intervals=(2048, 8192), pool_x=8, max_len=131072),
         },
     ),
     "agentic": Scenario(
         "agentic", "agent sessions sharing a system prompt, each turn = whole session + a tool result",
-        "dsv4-like", "later turns that hit beyond the system prompt",
+        "dsv4-flash", "later turns that hit beyond the system prompt",
         {
-            "small": Params(length=1024, num_blocks=700, count=4, token_budget=4096, extra=(8, 6, 1024, 16),
-                            intervals=(1024, 4096)),
-            "full": Params(length=16384, num_blocks=20000, count=16, token_budget=16384,
-                           extra=(32, 10, 16384, 256), intervals=(8192, 32768)),
+            "small": Params(length=1024, num_blocks=1500, count=4, token_budget=1024, extra=(12, 6, 1024, 16),
+                            intervals=(1024, 2048)),
+            "full": Params(length=16384, num_blocks=0, count=16, token_budget=16384,
+                           extra=(24, 6, 12288, 256), intervals=(32768,), pool_x=14.5, max_len=M),
         },
     ),
 }
@@ -287,7 +309,7 @@ def run_scenario(
     name: str, base: Config, p: Params, ctx: Ctx, only: tuple[str, ...] = ()
 ) -> list[Row]:
     rows: list[Row] = []
-    settings = settings_for(base.with_(num_blocks=p.num_blocks), p.intervals, ctx.target)
+    settings = settings_for(base.with_(num_blocks=p.pool(base)), p.intervals, ctx.target)
     make_target(ctx.target, settings[0])  # warm-up (imports) outside every row's seconds
     for s in settings:
         if only and s.name not in only:
@@ -313,8 +335,9 @@ def bench_request(target: str, tokens: int = 1 << 20, retention: int | None = 32
     from invariants.presets import PRESETS
 
     base = PRESETS[preset_name]
-    max_bs = max(g.block_size for g in base.groups)
-    cfg = base.with_(num_blocks=2 * tokens // max_bs + 1024, retention_interval=retention,
+    need = sum(-(-tokens // g.block_size) if g.kind == "full" else -(-(g.sliding_window or 0) // g.block_size)
+               + -(-token_budget // g.block_size) + 2 for g in base.groups)
+    cfg = base.with_(num_blocks=2 * need + 1024, retention_interval=retention,
                      max_model_len=max(base.max_model_len, tokens + 16))
     setting = Setting(f"r{retention}", cfg)
     make_target(target, setting)  # warm-up
