@@ -147,6 +147,15 @@ def test_verdicts_negative_control_on_swapped_rows() -> None:
     swapped = [row("dense", 0.97, 0.99), row("r0", 0.2, 0.3), row("r2048", 0.2, 0.3)]
     assert all(v.reproduced for v in verdicts("concurrent", good))
     assert not any(v.reproduced for v in verdicts("concurrent", swapped))
-    agent_bad = [Row("dense", 0.75, 1, "", 0, 0, 0.0), Row("r1024", 0.74, 1, "", 0, 0, 0.0)]
+    agent_bad = [Row("pre43447", 0.75, 1, "", 0, 0, 0.0), Row("r1024", 0.74, 1, "", 0, 0, 0.0)]
     assert verdicts("agentic", agent_bad)[0].reproduced is False
     assert verdicts("agentic", agent_bad[:1])[0].reproduced is None  # not measured, never "reproduced"
+
+
+def test_parallel_settings_give_the_same_rows() -> None:
+    p = Params(length=4096, num_blocks=0, count=3, token_budget=512, pool_x=7.5)
+    base = preset(SCENARIOS["sequential"].preset)
+    only = ("dense", "r0", "pre43447")
+    serial = run_scenario("sequential", base, p, Ctx("reference", SEED, None), only)
+    parallel = run_scenario("sequential", base, p, Ctx("reference", SEED, None, jobs=2), only)
+    assert [(r.setting, r.extra["hits"]) for r in serial] == [(r.setting, r.extra["hits"]) for r in parallel]

@@ -124,6 +124,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     from invariants.errors import UsageError
 
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    if args.jobs < 1:
+        raise UsageError(f"--jobs: must be >= 1, got {args.jobs}")
     if args.scenario != "all" and args.scenario not in SCENARIOS:
         raise UsageError(f"unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)}, all)")
     _check_common(args)
@@ -131,7 +133,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     md: list[str] = []
     for name in names:
-        report = simulate_one(name, args.target, args.preset, args.scale, seed, out, _progress)
+        report = simulate_one(name, args.target, args.preset, args.scale, seed, out, _progress, jobs=args.jobs)
         md.extend(report.markdown)
     if out is not None and len(names) > 1:
         (out / "report.md").write_text("\n".join(md) + "\n")
@@ -149,7 +151,7 @@ class Report:
 
 
 def simulate_one(name: str, target: str, preset_name: str | None, scale: str, seed: int, out: Path | None,
-                 progress: Any = None, echo: bool = True) -> Report:
+                 progress: Any = None, echo: bool = True, jobs: int = 1) -> Report:
     """Run one scenario, print its table and verdicts, write `out/NAME.md` (+ PNGs)."""
     from invariants.errors import UsageError
     from invariants.presets import PRESETS
@@ -167,7 +169,7 @@ def simulate_one(name: str, target: str, preset_name: str | None, scale: str, se
     say(f"  sizes: {params}; pool {pool} blocks{pool_note}", flush=True)
     try:
         validate(base.with_(num_blocks=pool))
-        rows = run_scenario(sc.name, base, params, Ctx(target, seed, progress))
+        rows = run_scenario(sc.name, base, params, Ctx(target, seed, progress, jobs))
     except (ConfigError, TargetUnavailable, SimulationStalled) as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
     text = format_rows(rows)
@@ -275,6 +277,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--scale", choices=("small", "full"), default="small")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0, printed)")
     p.add_argument("--out", default=None, help="directory for a Markdown report (and PNGs if matplotlib)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="worker processes, one setting each (default 1; rows do not depend on it)")
     p.set_defaults(func=run_simulate)
     q = subparsers.add_parser("plan", help="how many prefixes stay hittable under each retention setting")
     q.add_argument("--preset", default=None)

@@ -73,10 +73,15 @@ class Params:
 
 
 class Ctx:
-    def __init__(self, target: str, seed: int, progress: Progress | None) -> None:
+    """Where a scenario runs: the target, the seed, progress lines, and `jobs`
+    worker processes (settings are independent, each seeded from `seed`, so the
+    rows are the same whatever `jobs` is; only wall time changes)."""
+
+    def __init__(self, target: str, seed: int, progress: Progress | None, jobs: int = 1) -> None:
         self.target = target
         self.seed = seed
         self.progress = progress
+        self.jobs = jobs
 
     def engine(self, t: Target, rng: random.Random, budget: int, running: int) -> Engine:
         return Engine(t, token_budget=budget, max_running=running, rng=rng, progress=self.progress)
@@ -299,7 +304,7 @@ SCENARIOS: dict[str, Scenario] = {
             "small": Params(length=1024, num_blocks=1500, count=4, token_budget=1024, extra=(12, 6, 1024, 16),
                             intervals=(1024, 2048)),
             "full": Params(length=16384, num_blocks=0, count=16, token_budget=16384,
-                           extra=(24, 6, 12288, 256), intervals=(32768,), pool_x=14.5, max_len=M),
+                           extra=(32, 8, 16384, 256), intervals=(32768,), pool_x=14.5, max_len=M),
         },
     ),
 }
@@ -308,20 +313,47 @@ SCENARIOS: dict[str, Scenario] = {
 def run_scenario(
     name: str, base: Config, p: Params, ctx: Ctx, only: tuple[str, ...] = ()
 ) -> list[Row]:
+    settings = [s for s in settings_for(base.with_(num_blocks=p.pool(base)), p.intervals, ctx.target)
+                if not only or s.name in only]
+    if ctx.jobs > 1 and len(settings) > 1:
+        return _run_parallel(name, p, ctx, settings)
     rows: list[Row] = []
-    settings = settings_for(base.with_(num_blocks=p.pool(base)), p.intervals, ctx.target)
     make_target(ctx.target, settings[0])  # warm-up (imports) outside every row's seconds
     for s in settings:
-        if only and s.name not in only:
-            continue
-        if ctx.progress is not None:
-            ctx.progress(f"{name}: setting {s.name}")
-        with setting_scope(ctx.target, s):
-            if name == "sweep":
-                rows.extend(sweep_one(ctx, s, p, k) for k in p.extra)
-            else:
-                rows.append(RUNNERS[name](ctx, s, p))
+        rows.extend(_run_setting(name, p, ctx, s))
     return rows
+
+
+def _run_setting(name: str, p: Params, ctx: Ctx, s: Setting) -> list[Row]:
+    if ctx.progress is not None:
+        ctx.progress(f"{name}: setting {s.name}")
+    with setting_scope(ctx.target, s):
+        if name == "sweep":
+            return [sweep_one(ctx, s, p, k) for k in p.extra]
+        return [RUNNERS[name](ctx, s, p)]
+
+
+def _print_progress(line: str) -> None:
+    import sys
+
+    print(f"[simulate] {line}", file=sys.stderr, flush=True)
+
+
+def _worker(name: str, p: Params, target: str, seed: int, progress: bool, s: Setting) -> list[Row]:
+    ctx = Ctx(target, seed, _print_progress if progress else None)
+    make_target(target, Setting("warm-up", s.config))  # imports outside the row's seconds
+    return _run_setting(name, p, ctx, s)
+
+
+def _run_parallel(name: str, p: Params, ctx: Ctx, settings: list[Setting]) -> list[Row]:
+    """One process per setting (spawned: vLLM mutants patch classes process-wide), rows in setting order."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=ctx.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_worker, name, p, ctx.target, ctx.seed, ctx.progress is not None, s)
+                   for s in settings]
+        return [row for f in futures for row in f.result()]
 
 
 RUNNERS: dict[str, Callable[[Ctx, Setting, Params], Row]] = {

@@ -176,20 +176,26 @@ def multiturn(rows: list[Row]) -> list[Verdict]:
 def agentic(rows: list[Row]) -> list[Verdict]:
     by = _by_name(rows)
     out = []
-    claim = "#43447 trace replay: dense caching keeps agent sessions near 0% hits where an interval gives ~74%"
     rk = _intervals(by)
-    if "dense" in by and rk:
-        d, best = by["dense"], max(rk, key=lambda r: r.hit_rate)
-        ok = best.hit_rate > 0.5 and best.hit_rate - d.hit_rate > 0.3
-        out.append(Verdict(claim, ok, f"dense {d.hit_rate:.1%} -> {best.setting} {best.hit_rate:.1%}", asserted=True))
+    best = max(rk, key=lambda r: r.hit_rate) if rk else None
+    claim = "#43447 trace replay: agent-trace hits go from near 0% before the PR to ~74% with an interval"
+    if "pre43447" in by and best is not None:
+        m = by["pre43447"]
+        ok = best.hit_rate > 0.5 and best.hit_rate - m.hit_rate > 0.3
+        out.append(Verdict(claim, ok, f"pre-fix {m.hit_rate:.1%} -> {best.setting} {best.hit_rate:.1%}", asserted=True))
     else:
-        out.append(_missing(claim, "dense", "rK", asserted=True))
-    claim = "#43447 (vllm-ascend backport): the free-order fix alone captures part of the win over the pre-fix order"
-    if "pre43447" in by and "dense" in by:
+        out.append(_missing(claim, "pre43447", "rK", asserted=True))
+    # The seeds disagree here: the custom-image notes say dense with the fixed
+    # order stays near 0%, the vllm-ascend backport that the order alone
+    # captures most of the win. The measurement decides between them.
+    claim = "#43447 (vllm-ascend backport): the free-order fix alone, dense caching, captures most of that win"
+    if "pre43447" in by and "dense" in by and best is not None:
         m, d = by["pre43447"], by["dense"]
-        out.append(Verdict(claim, d.hit_rate > m.hit_rate, f"pre-fix {m.hit_rate:.1%} vs dense (fixed order) {d.hit_rate:.1%}"))
+        ok = d.hit_rate - m.hit_rate > 0.5 * (best.hit_rate - m.hit_rate)
+        out.append(Verdict(claim, ok, f"pre-fix {m.hit_rate:.1%}, dense with the fixed order {d.hit_rate:.1%}, "
+                                      f"{best.setting} {best.hit_rate:.1%}"))
     else:
-        out.append(_missing(claim, "pre43447", "dense"))
+        out.append(_missing(claim, "pre43447", "dense", "rK"))
     return out
 
 

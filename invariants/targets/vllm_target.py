@@ -192,7 +192,8 @@ class VllmTarget:
             sampling_params=sp,
             pooling_params=None,
             mm_features=None,
-            block_hasher=v["get_request_block_hasher"](self.hbs, v["sha256"]),
+            # EngineCore hashes requests only when prefix caching is on (core.py)
+            block_hasher=v["get_request_block_hasher"](self.hbs, v["sha256"]) if self.config.enable_caching else None,
         )
         self._learn_hashes(req, 0)
         return req
