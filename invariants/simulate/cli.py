@@ -174,13 +174,16 @@ def simulate_one(name: str, target: str, preset_name: str | None, scale: str, se
         raise UsageError(str(exc).splitlines()[0]) from None
     text = format_rows(rows)
     found = verdicts(sc.name, rows)
+    wall = time.monotonic() - t0
     say(text)
     say(f"survived = {sc.survived_means}; cached blocks/req = blocks one request leaves cached alone")
+    say(f"table {sc.name}: {wall:.0f} s wall ({jobs} job{'s' if jobs > 1 else ''})")
     for v in found:
         say(f"  {v.line()}")
     md = [f"# kvretain simulate {sc.name}", "", f"{sc.doc}. Target `{target}`, preset `{base.name}`, "
           f"scale `{scale}`, seed {seed}.", "", f"Sizes: `{params}`; pool {pool} blocks{pool_note}.", "", text, "",
-          f"*survived* = {sc.survived_means}; *cached blocks/req* = blocks one request leaves cached alone.", "",
+          f"*survived* = {sc.survived_means}; *cached blocks/req* = blocks one request leaves cached alone. "
+          f"Table wall time {wall:.0f} s ({jobs} job{'s' if jobs > 1 else ''}).", "",
           "## Seed claims", ""]
     md.extend(f"- {v.line()}" for v in found)
     md.append("")
