@@ -15,7 +15,7 @@ from typing import Any
 
 from invariants.simulate.engine import Engine, SimRequest, SimulationStalled, random_tokens
 from invariants.simulate.scenarios import SCENARIOS, Ctx, Row, Scenario, run_scenario
-from invariants.simulate.settings import make_target, setting_scope, settings_for
+from invariants.simulate.settings import interval_of, make_target, setting_scope, settings_for
 from invariants.simulate.verdicts import Verdict, verdicts
 from invariants.targets import TARGET_NAMES, TargetUnavailable
 from model.config import ConfigError, validate
@@ -45,10 +45,6 @@ def _progress(line: str) -> None:
     print(f"[simulate] {line}", file=sys.stderr, flush=True)
 
 
-def _interval_x(name: str) -> int | None:
-    return int(name[1:]) if name.startswith("r") and name[1:].isdigit() else None
-
-
 def _plot(name: str, rows: list[Row], out: Path, title: str) -> list[tuple[str, Path]]:
     """PNGs for one scenario: (caption, path); [] without matplotlib."""
     try:
@@ -69,12 +65,12 @@ def _plot(name: str, rows: list[Row], out: Path, title: str) -> list[tuple[str, 
 
     if name != "sweep":
         # hit rate vs retention interval; dense/off/pre43447/pinned as horizontal lines
-        pts = sorted((x, r.hit_rate) for r in rows if (x := _interval_x(r.setting)) is not None)
+        pts = sorted((x, r.hit_rate) for r in rows if (x := interval_of(r.setting)) is not None)
         fig, ax = plt.subplots(figsize=(7, 3.6))
         if pts:
             ax.plot([max(x, 1) for x, _ in pts], [y for _, y in pts], "o-", label="retention interval (r0 at 1)")
         for r in rows:
-            if _interval_x(r.setting) is None:
+            if interval_of(r.setting) is None:
                 ax.axhline(r.hit_rate, linestyle="--", linewidth=1, label=f"{r.setting} {r.hit_rate:.2f}",
                            color=f"C{1 + rows.index(r)}")
         ax.set_xscale("log", base=2)

@@ -364,12 +364,12 @@ RUNNERS: dict[str, Callable[[Ctx, Setting, Params], Row]] = {
 def bench_request(target: str, tokens: int = 1 << 20, retention: int | None = 32768,
                   preset_name: str = "dsv4-like", token_budget: int = 16384) -> float:
     """Seconds to run one `tokens`-token request alone (prefill + 1 output), import excluded."""
-    from invariants.presets import PRESETS
+    from invariants.presets import PRESETS, pool_blocks
 
     base = PRESETS[preset_name]
-    need = sum(-(-tokens // g.block_size) if g.kind == "full" else -(-(g.sliding_window or 0) // g.block_size)
-               + -(-token_budget // g.block_size) + 2 for g in base.groups)
-    cfg = base.with_(num_blocks=2 * need + 1024, retention_interval=retention,
+    # room for the request twice over, as vLLM would size a 2x-concurrency pool
+    cfg = base.with_(num_blocks=pool_blocks(base, 2, tokens, max_num_batched_tokens=token_budget,
+                                            concurrent_batches=1) + 1024, retention_interval=retention,
                      max_model_len=max(base.max_model_len, tokens + 16))
     setting = Setting(f"r{retention}", cfg)
     make_target(target, setting)  # warm-up

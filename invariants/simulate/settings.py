@@ -53,6 +53,11 @@ def settings_for(base: Config, intervals: tuple[int, ...], target: str) -> list[
     return out
 
 
+def interval_of(name: str) -> int | None:
+    """K for a setting named `rK` (0 for r0), None for every other setting."""
+    return int(name[1:]) if name.startswith("r") and name[1:].isdigit() else None
+
+
 class _FastReference(ReferenceTarget):
     TRACK_PREFIXES = False
 

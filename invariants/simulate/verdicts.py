@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from invariants.simulate.scenarios import Row
+from invariants.simulate.settings import interval_of
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ def _by_name(rows: list[Row]) -> dict[str, Row]:
 
 def _intervals(rows: dict[str, Row]) -> list[Row]:
     """The `rK` rows with K > 0, in interval order."""
-    out = [r for n, r in rows.items() if n.startswith("r") and n[1:].isdigit() and int(n[1:]) > 0]
-    return sorted(out, key=lambda r: int(r.setting[1:]))
+    out = [r for n, r in rows.items() if (interval_of(n) or 0) > 0]
+    return sorted(out, key=lambda r: interval_of(r.setting) or 0)
 
 
 def survived_count(row: Row) -> int:
@@ -153,7 +154,7 @@ def _best_interval_per_k(rows: list[Row]) -> dict[int, tuple[str, float]]:
     best: dict[int, tuple[str, float]] = {}
     for r in rows:
         name, _, k = r.setting.partition(" K=")
-        if not (name.startswith("r") and name[1:].isdigit() and int(name[1:]) > 0 and k.isdigit()):
+        if not ((interval_of(name) or 0) > 0 and k.isdigit()):
             continue
         if int(k) not in best or r.hit_rate > best[int(k)][1]:
             best[int(k)] = (name, r.hit_rate)
