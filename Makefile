@@ -28,8 +28,11 @@ verify: setup
 test: setup
 	$(BIN)/python -m pytest
 
+LINTED := model reference_impl invariants gpu_check tests
+
 lint: setup
-	$(BIN)/ruff check model reference_impl invariants gpu_check tests
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy model reference_impl invariants gpu_check
 
 gpu-check: setup

@@ -153,12 +153,14 @@ def run(args: argparse.Namespace) -> int:
         minutes = report.seconds / 60.0
         print(f"equivalence check: {report.tokens_checked / minutes:,.0f} checked tokens/minute")
     if args.trace_out and not report.ok:
-        from invariants.trace import Trace, config_from_json, write_trace
+        from invariants.harness.trace import Trace, config_from_json, write_trace
 
         bad = next(r for r in report.results if not r.ok)
         cfg = config_from_json(_config_json(base, bad.mode, modes))
-        write_trace(Trace(cfg, list(bad.ops), args.seed, args.target, f"gpu-check {bad.mode}: {bad.verdict}"),
-                    args.trace_out)
+        write_trace(
+            Trace(cfg, list(bad.ops), args.seed, args.target, f"gpu-check {bad.mode}: {bad.verdict}"),
+            args.trace_out,
+        )
         print(f"gpu-check: op trace of mode {bad.mode} written to {args.trace_out}")
     return 0 if report.ok else 1
 
@@ -169,16 +171,35 @@ LAST_REPORT: CheckReport | None = None
 def verify_row(quick: bool = False) -> tuple[str, str, str, str, float, bool]:
     """The `kvretain verify` row: the CPU equivalence check on the reference target."""
     ns = argparse.Namespace(
-        device="cpu", target="reference", sessions=None, seed=0, bench=False, quick=quick,
-        kernels=None, num_blocks=None, intervals=None, trace_out=None,
+        device="cpu",
+        target="reference",
+        sessions=None,
+        seed=0,
+        bench=False,
+        quick=quick,
+        kernels=None,
+        num_blocks=None,
+        intervals=None,
+        trace_out=None,
     )
     rc = run(ns)
     report = LAST_REPORT
     if report is None:
         return ("gpu-check", "reference", f"could not run (exit {rc})", "-", 0.0, False)
-    figure = f"{report.tokens_checked} tokens bit-identical" if report.ok else "first mismatch: " + (
-        report.first_mismatch.describe() if report.first_mismatch else "see output")
-    return ("gpu-check cpu", "reference", "holds" if report.ok else "FAILED", figure, report.seconds, report.ok)
+    figure = (
+        f"{report.tokens_checked} tokens bit-identical"
+        if report.ok
+        else "first mismatch: "
+        + (report.first_mismatch.describe() if report.first_mismatch else "see output")
+    )
+    return (
+        "gpu-check cpu",
+        "reference",
+        "holds" if report.ok else "FAILED",
+        figure,
+        report.seconds,
+        report.ok,
+    )
 
 
 def _groups(groups: tuple[GroupSpec, ...]) -> str:

@@ -1,0 +1,37 @@
+"""Everything that judges an allocator, in rooms named for what they do.
+
+| room         | what lives there                                                        |
+|--------------|-------------------------------------------------------------------------|
+| `catalogue/` | the invariants: each a named function, its reason and its PR            |
+| `targets/`   | one adapter protocol over every allocator under test (model, reference, |
+|              | vllm, entry-point plug-ins)                                             |
+| `layouts/`   | presets, and their derivation from vLLM's own grouping code             |
+| `harness/`   | checker, stateful machine, strategies, fuzz runner, traces, replay,     |
+|              | known findings, conformance rows, the checked-vs-raw benchmark          |
+| `proofs/`    | Z3 theorems by subject, their runner, the production link, CrossHair    |
+| `zoo/`       | mutants that re-create real bug classes, and the hunt that kills them   |
+| `simulate/`  | the serving simulator (one scheduler loop with observers), scenarios,   |
+|              | retention settings, verdicts per seed claim                             |
+| `cli/`       | the `kvretain` command, one module per command group                    |
+
+`errors` (usage errors) and `report` (tables, progress lines) are leaves that
+any room may use. A room imports only the rooms listed for it in `ROOMS`, so
+the judge reads bottom-up: the catalogue and targets know nothing of the
+harness, and nothing but `cli/` knows the command line. `tests/test_layers.py`
+enforces this map, and the layer rules between `model/`, `reference_impl/`,
+`invariants/` and `gpu_check/`.
+"""
+
+LEAVES: frozenset[str] = frozenset({"errors", "report"})
+
+# room -> the rooms it may import (besides itself and the leaves).
+ROOMS: dict[str, frozenset[str]] = {
+    "catalogue": frozenset(),
+    "targets": frozenset(),
+    "layouts": frozenset({"targets"}),
+    "proofs": frozenset(),
+    "harness": frozenset({"catalogue", "targets", "layouts"}),
+    "zoo": frozenset({"catalogue", "targets", "layouts", "harness"}),
+    "simulate": frozenset({"targets", "layouts", "harness", "zoo"}),
+    "cli": frozenset({"catalogue", "targets", "layouts", "harness", "proofs", "zoo", "simulate"}),
+}

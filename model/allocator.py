@@ -186,7 +186,9 @@ class AllocatorModel:
     def _cached_fn(self, tokens: Tokens, gids: list[int], bs: int):  # type: ignore[no-untyped-def]
         return lambda j: all(BlockKey(g, tokens[: (j + 1) * bs]) in self.pool.cached for g in gids)
 
-    def _finder(self, tokens: Tokens, spec: GroupSpec, gids: list[int], max_len: int, drop: bool, a: int) -> Layout:
+    def _finder(
+        self, tokens: Tokens, spec: GroupSpec, gids: list[int], max_len: int, drop: bool, a: int
+    ) -> Layout:
         cached = self._cached_fn(tokens, gids, spec.block_size)
         if spec.kind == "full":
             return full_hit(cached, max_len, spec.block_size, a, drop)

@@ -117,7 +117,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"groups[{i}].mamba_cache_mode: must be 'align' or 'none'")
         if g.kind == "mamba" and g.mamba_cache_mode != "align":
             # 'none' falls back to vLLM's plain block layout, which the model does not cover.
-            raise ConfigError(f"groups[{i}].mamba_cache_mode: only 'align' is modeled (got {g.mamba_cache_mode!r})")
+            raise ConfigError(
+                f"groups[{i}].mamba_cache_mode: only 'align' is modeled (got {g.mamba_cache_mode!r})"
+            )
         if g.kind == "mamba" and cfg.enable_caching and g.mamba_cache_mode != "align":
             raise ConfigError(
                 f"groups[{i}].mamba_cache_mode: Mamba prefix caching requires mamba_cache_mode='align'"

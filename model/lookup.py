@@ -74,7 +74,9 @@ def swa_hit(
     if peeks:
         s = max(peeks)
         return [j if j >= s + 1 - need else None for j in range(s)]
-    short = [s for s in range(nb) if _aligned(s, block_size, alignment) and s + 1 < need and run_cached(0, s + 1)]
+    short = [
+        s for s in range(nb) if _aligned(s, block_size, alignment) and s + 1 < need and run_cached(0, s + 1)
+    ]
     if not short:
         return []
     s = max(short)

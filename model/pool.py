@@ -26,7 +26,9 @@ EVENT_PROFILES = ("seed", "vllm-0.33.0")
 
 
 class Pool:
-    def __init__(self, num_blocks: int, hash_block_size: int, enable_caching: bool, events: str = "seed") -> None:
+    def __init__(
+        self, num_blocks: int, hash_block_size: int, enable_caching: bool, events: str = "seed"
+    ) -> None:
         assert events in EVENT_PROFILES
         self.num_blocks = num_blocks
         self.hbs = hash_block_size
@@ -184,7 +186,9 @@ class Pool:
         if not already:
             lo = num_tokens - self.hbs
             self.events.append(
-                BlockStored(group, (key.tokens,), tokens[:lo] if lo else None, tokens[lo:num_tokens], self.hbs)
+                BlockStored(
+                    group, (key.tokens,), tokens[:lo] if lo else None, tokens[lo:num_tokens], self.hbs
+                )
             )
         return key
 

@@ -291,15 +291,17 @@ def mamba_mask(
 
     def kept(k: z3.ArithRef) -> z3.BoolRef:
         seg = z3.And(retention.mode == INTERVAL, (k + delta) % per == 0)
-        bnd = z3.Or([k == boundary_edge(b, a, bs) - 1 + boundary_shift for b in boundaries] + [z3.BoolVal(False)])
+        bnd = z3.Or(
+            [k == boundary_edge(b, a, bs) - 1 + boundary_shift for b in boundaries] + [z3.BoolVal(False)]
+        )
         return z3.And(lo <= k, k < hi, z3.Or(dense, seg, bnd))
 
     return Mask(dense, kept)
 
 
-def replay_boundaries(num_prompt_tokens: IntLike, scheduler_block_size: IntLike, eagle: BoolLike) -> tuple[
-    z3.ArithRef, z3.ArithRef
-]:
+def replay_boundaries(
+    num_prompt_tokens: IntLike, scheduler_block_size: IntLike, eagle: BoolLike
+) -> tuple[z3.ArithRef, z3.ArithRef]:
     """masks.replay_boundaries as two terms (equal when the model returns one value)."""
     p, sbs, eg = I(num_prompt_tokens), I(scheduler_block_size), B(eagle)
     resend = (p - 1) / sbs * sbs
@@ -319,7 +321,12 @@ def mamba_checkpoint_position(num_tokens: IntLike, block_size: IntLike, eagle: B
 
 
 def cacheable_tokens(
-    num_tokens: IntLike, *, hybrid: BoolLike, scheduler_block_size: IntLike, block_size: IntLike, eagle: BoolLike
+    num_tokens: IntLike,
+    *,
+    hybrid: BoolLike,
+    scheduler_block_size: IntLike,
+    block_size: IntLike,
+    eagle: BoolLike,
 ) -> z3.ArithRef:
     """AllocatorModel._cacheable_tokens: how many tokens a group may cache at allocation time.
 
@@ -358,7 +365,9 @@ class MaxOf:
     @property
     def chosen(self) -> z3.BoolRef:
         """m is a witness (or the 'none' value)."""
-        return z3.Or(self.m == I(self.lo) - 1, z3.And(I(self.lo) <= self.m, self.m < I(self.hi), B(self.pred(self.m))))
+        return z3.Or(
+            self.m == I(self.lo) - 1, z3.And(I(self.lo) <= self.m, self.m < I(self.hi), B(self.pred(self.m)))
+        )
 
     @property
     def maximal(self) -> z3.BoolRef:
@@ -418,7 +427,9 @@ def full_hit(
     return Hit(cdiv(hit, bs), (run,), n >= 0)
 
 
-def swa_candidate(cached: Pred, e: IntLike, need: IntLike, block_size: IntLike, alignment: IntLike) -> z3.BoolRef:
+def swa_candidate(
+    cached: Pred, e: IntLike, need: IntLike, block_size: IntLike, alignment: IntLike
+) -> z3.BoolRef:
     """Non-Eagle SWA: a hit may end at block edge e (aligned, its `need`-block tail cached)."""
     return z3.And(aligned(e, block_size, alignment), run_cached(cached, I(e) - I(need), e))
 
@@ -426,7 +437,9 @@ def swa_candidate(cached: Pred, e: IntLike, need: IntLike, block_size: IntLike, 
 def swa_peek(cached: Pred, s: IntLike, need: IntLike, block_size: IntLike, alignment: IntLike) -> z3.BoolRef:
     """Eagle SWA: a full run of `need` blocks ends at the peek block s (the hit ends at s)."""
     return z3.And(
-        aligned(s, block_size, alignment), I(s) + 1 >= I(need), run_cached(cached, I(s) + 1 - I(need), I(s) + 1)
+        aligned(s, block_size, alignment),
+        I(s) + 1 >= I(need),
+        run_cached(cached, I(s) + 1 - I(need), I(s) + 1),
     )
 
 
@@ -470,9 +483,7 @@ def swa_hit(
     return Hit(z3.If(eg, eagle_hit.blocks, zmax(e.m, 0)), (e, *eagle_hit.maxima))
 
 
-def mamba_hit(
-    cached: Pred, max_length: IntLike, block_size: IntLike, alignment: IntLike
-) -> Hit:
+def mamba_hit(cached: Pred, max_length: IntLike, block_size: IntLike, alignment: IntLike) -> Hit:
     """lookup.mamba_hit: the largest aligned state block i < max_length // bs cached; hit i + 1 blocks."""
     bs, a = I(block_size), I(alignment)
     nb = I(max_length) / bs

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import json
 
-from invariants.cli import main
-from invariants.trace import Trace, read_trace, write_trace
+from invariants.cli.main import main
+from invariants.harness.trace import Trace, read_trace, write_trace
 from model.config import Config, GroupSpec
 from model.ops import AddRequest, EvictBlocks, Finish, Probe, Sample, Schedule
 
-CFG = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=16, retention_interval=0)
-OPS = [AddRequest("a", (1, 2, 3) * 4), Schedule("a", 8), Schedule("a", 8), Sample("a", 2), Finish("a"),
-       Probe((1, 2, 3) * 4), EvictBlocks((1, 2))]
+CFG = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=16, retention_interval=0
+)
+OPS = [
+    AddRequest("a", (1, 2, 3) * 4),
+    Schedule("a", 8),
+    Schedule("a", 8),
+    Sample("a", 2),
+    Finish("a"),
+    Probe((1, 2, 3) * 4),
+    EvictBlocks((1, 2)),
+]
 
 
 def test_trace_roundtrip(tmp_path):
@@ -52,13 +61,25 @@ def test_malformed_traces_exit_2(tmp_path, capsys):
     cases = {
         "notjson.json": "{",
         "format.json": json.dumps({"format": "x"}),
-        "config.json": json.dumps({"format": "kvretain-trace", "version": 1, "config": {"groups": [], "num_blocks": 4}, "ops": []}),
-        "op.json": json.dumps({"format": "kvretain-trace", "version": 1,
-                               "config": {"groups": [{"kind": "full", "block_size": 4}], "num_blocks": 8},
-                               "ops": [{"op": "fly"}]}),
-        "order.json": json.dumps({"format": "kvretain-trace", "version": 1,
-                                  "config": {"groups": [{"kind": "full", "block_size": 4}], "num_blocks": 8},
-                                  "ops": [{"op": "finish", "rid": "ghost"}]}),
+        "config.json": json.dumps(
+            {"format": "kvretain-trace", "version": 1, "config": {"groups": [], "num_blocks": 4}, "ops": []}
+        ),
+        "op.json": json.dumps(
+            {
+                "format": "kvretain-trace",
+                "version": 1,
+                "config": {"groups": [{"kind": "full", "block_size": 4}], "num_blocks": 8},
+                "ops": [{"op": "fly"}],
+            }
+        ),
+        "order.json": json.dumps(
+            {
+                "format": "kvretain-trace",
+                "version": 1,
+                "config": {"groups": [{"kind": "full", "block_size": 4}], "num_blocks": 8},
+                "ops": [{"op": "finish", "rid": "ghost"}],
+            }
+        ),
     }
     for name, text in cases.items():
         p = tmp_path / name
@@ -71,17 +92,30 @@ def test_malformed_traces_exit_2(tmp_path, capsys):
 
 def test_invalid_config_retention_exit_2(tmp_path, capsys):
     p = tmp_path / "bad.json"
-    p.write_text(json.dumps({"format": "kvretain-trace", "version": 1, "ops": [],
-                             "config": {"groups": [{"kind": "full", "block_size": 16},
-                                                   {"kind": "swa", "block_size": 16, "sliding_window": 32}],
-                                        "num_blocks": 8, "retention_interval": 40}}))
+    p.write_text(
+        json.dumps(
+            {
+                "format": "kvretain-trace",
+                "version": 1,
+                "ops": [],
+                "config": {
+                    "groups": [
+                        {"kind": "full", "block_size": 16},
+                        {"kind": "swa", "block_size": 16, "sliding_window": 32},
+                    ],
+                    "num_blocks": 8,
+                    "retention_interval": 40,
+                },
+            }
+        )
+    )
     assert main(["replay", str(p)]) == 2
     assert "multiple of scheduler_block_size (16)" in capsys.readouterr().err
 
 
 def test_known_findings_still_reproduce():
     """A known finding that stops reproducing must fail loudly (its entry must go)."""
-    from invariants.known_findings import recheck_known_findings
+    from invariants.harness.known_findings import recheck_known_findings
     from invariants.targets import available_targets
 
     usable = {n for n, why in available_targets().items() if why is None}
@@ -96,8 +130,20 @@ def test_conformance_rows_agree(capsys):
 
     if available_targets().get("vllm") is not None:
         pytest.skip(f"vllm target unavailable: {available_targets()['vllm']}")
-    from invariants.conformance import run_conformance
+    from invariants.harness.conformance import run_conformance
 
     assert run_conformance(steps=60, budget_s=5.0) == 0
     out = capsys.readouterr().out
     assert "validation (retention rules and texts)" in out and "excluded from generation" in out
+
+
+def test_verify_row_whose_module_fails_to_import_is_an_error() -> None:
+    """A verify row never disappears: a module that fails to import fails the run."""
+    from invariants.cli.verify import import_row_module
+
+    rows: list[tuple[object, ...]] = []
+    assert import_row_module("invariants.report", lambda *r: rows.append(r)) is not None
+    assert rows == []
+    assert import_row_module("invariants.no_such_room", lambda *r: rows.append(r)) is None
+    ((check, _target, verdict, _figure, _seconds, good),) = rows
+    assert check == "no_such_room" and verdict.startswith("ERROR") and good is False

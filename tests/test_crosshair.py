@@ -2,7 +2,7 @@
 
 The default run uses about a second per function (reported honestly as
 "no counterexample in T s" unless CrossHair exhausts the paths); the broken
-twin must be caught. `python -m invariants.crosshair_checks 30` runs the whole
+twin must be caught. `python -m invariants.proofs.crosshair 30` runs the whole
 set with a larger budget.
 """
 
@@ -12,15 +12,24 @@ import random
 
 import pytest
 
-from invariants import crosshair_checks as cc
+from invariants.proofs import crosshair as cc
 
 
 def test_twins_agree_on_random_inputs() -> None:
     """A cheap concrete sanity check of the wrappers before CrossHair explores them symbolically."""
     rng = random.Random(0)
     for _ in range(3000):
-        args = (rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 12), rng.random() < 0.5, rng.randint(0, 2),
-                rng.randint(1, 3), 0, rng.randint(0, 8), rng.randint(0, 32))
+        args = (
+            rng.randint(1, 4),
+            rng.randint(1, 3),
+            rng.randint(1, 12),
+            rng.random() < 0.5,
+            rng.randint(0, 2),
+            rng.randint(1, 3),
+            0,
+            rng.randint(0, 8),
+            rng.randint(0, 32),
+        )
         assert cc.ref_swa_mask(*args) == cc.model_swa_mask(*args), args
         m_args = (args[0], args[1], args[4], args[5], args[6], args[7], args[8])
         assert cc.ref_mamba_mask(*m_args) == cc.model_mamba_mask(*m_args), m_args
@@ -35,7 +44,7 @@ def test_twins_agree_on_random_inputs() -> None:
 
 @pytest.mark.parametrize("name", ["swa_mask", "swa_hit", "control_broken_swa_mask"])
 def test_crosshair_twin(name: str) -> None:
-    (ref, twin, control), = [(r, t, c) for n, r, t, c in cc.TWINS if n == name]
+    ((ref, twin, control),) = [(r, t, c) for n, r, t, c in cc.TWINS if n == name]
     r = cc.run_twin(name, ref, twin, control, budget_s=6.0 if control else 1.0)
     assert r.result != "error", r.counterexample
     assert r.expected_ok, f"{name}: {r.verdict} {r.counterexample or ''}"

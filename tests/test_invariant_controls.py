@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-import invariants.checker as checker_mod
+import invariants.harness.checker as checker_mod
 from invariants.catalogue import BY_NAME, INVARIANTS, CheckContext
-from invariants.checker import Checker
+from invariants.harness.checker import Checker
 from invariants.targets.model_target import ModelTarget
 from model.config import Config, GroupSpec
 from model.observation import BlockKey, BlockStored, ProbeResult, ScheduleResult
@@ -43,10 +43,25 @@ def run(cfg: Config, ops) -> list[CheckContext]:
 
 
 def workload(eagle: bool = False, pin: bool = False):
-    cfg = Config(groups=FULL_SWA, num_blocks=24, retention_interval=0, eagle=eagle, pin_swa_on_drop=pin,
-                 pin_min_drop_blocks=1)
-    ops = [AddRequest("a", SYS + (2, 2)), Schedule("a", 8), Schedule("a", 8), Schedule("a", 8), Sample("a", 3),
-           Finish("a"), AddRequest("b", SYS + (3,)), Schedule("b", 64), Probe(SYS + (1,))]
+    cfg = Config(
+        groups=FULL_SWA,
+        num_blocks=24,
+        retention_interval=0,
+        eagle=eagle,
+        pin_swa_on_drop=pin,
+        pin_min_drop_blocks=1,
+    )
+    ops = [
+        AddRequest("a", SYS + (2, 2)),
+        Schedule("a", 8),
+        Schedule("a", 8),
+        Schedule("a", 8),
+        Sample("a", 3),
+        Finish("a"),
+        AddRequest("b", SYS + (3,)),
+        Schedule("b", 64),
+        Probe(SYS + (1,)),
+    ]
     return cfg, ops, run(cfg, ops)
 
 
@@ -78,7 +93,10 @@ def test_all_invariants_hold_on_real_runs(plain):
 def test_block_in_exactly_one_place(plain):
     ctx = ctx_of(plain[2], Finish)
     leaked = ctx.after.free_queue[0]
-    fails("block_in_exactly_one_place", replace(ctx, after=replace(ctx.after, free_queue=ctx.after.free_queue[1:])))
+    fails(
+        "block_in_exactly_one_place",
+        replace(ctx, after=replace(ctx.after, free_queue=ctx.after.free_queue[1:])),
+    )
     assert leaked
 
 
@@ -140,7 +158,11 @@ def test_pinned_reused_only_under_pressure():
     before, after = ctx.before, ctx.after
     active = next(b for b in range(1, 24) if after.ref_cnt[b] > 0)
     free = after.free_queue[0]
-    b4 = replace(before, pinned_queue=(active,), free_queue=(free,) + tuple(b for b in before.free_queue if b not in (free, active)))
+    b4 = replace(
+        before,
+        pinned_queue=(active,),
+        free_queue=(free,) + tuple(b for b in before.free_queue if b not in (free, active)),
+    )
     fails("pinned_reused_only_under_pressure", replace(ctx, before=b4, obs=ScheduleResult(1, False)))
 
 
@@ -157,8 +179,12 @@ def test_pinned_demoted_oldest_first():
 def test_pinned_blocks_are_cached(plain):
     ctx = ctx_of(plain[2], Finish)
     uncached = next(b for b in ctx.after.free_queue if b not in ctx.after.block_hash)
-    a2 = replace(ctx.after, free_queue=tuple(b for b in ctx.after.free_queue if b != uncached),
-                 pinned_queue=(uncached,), pinned=frozenset({uncached}))
+    a2 = replace(
+        ctx.after,
+        free_queue=tuple(b for b in ctx.after.free_queue if b != uncached),
+        pinned_queue=(uncached,),
+        pinned=frozenset({uncached}),
+    )
     fails("pinned_blocks_are_cached", replace(ctx, after=a2))
 
 
@@ -188,7 +214,11 @@ def test_hit_blocks_hold_their_prefix(plain):
 def _drop_keys(ctx: CheckContext, pred) -> CheckContext:
     hist = copy.deepcopy(ctx.history)
     hist.ever_cached = {k for k in hist.ever_cached if not pred(k)}
-    return replace(ctx, history=hist, after=replace(ctx.after, cached={k: v for k, v in ctx.after.cached.items() if not pred(k)}))
+    return replace(
+        ctx,
+        history=hist,
+        after=replace(ctx.after, cached={k: v for k, v in ctx.after.cached.items() if not pred(k)}),
+    )
 
 
 def test_promise_kept(plain):
@@ -211,10 +241,14 @@ def test_scratch_never_flushes_cache(plain):
     b4, after = ctx.before, ctx.after
     cached_free = next(b for b in b4.free_queue if b in b4.block_hash)
     uncached_free = next(b for b in after.free_queue if b not in after.block_hash)
-    b4 = replace(b4, free_queue=(uncached_free, cached_free), block_hash={cached_free: b4.block_hash[cached_free]})
+    b4 = replace(
+        b4, free_queue=(uncached_free, cached_free), block_hash={cached_free: b4.block_hash[cached_free]}
+    )
     refs = list(after.ref_cnt)
     refs[cached_free] = 1
-    a2 = replace(after, ref_cnt=tuple(refs), block_hash={k: v for k, v in after.block_hash.items() if k != cached_free})
+    a2 = replace(
+        after, ref_cnt=tuple(refs), block_hash={k: v for k, v in after.block_hash.items() if k != cached_free}
+    )
     fails("scratch_never_flushes_cache", replace(ctx, before=b4, after=a2))
 
 
@@ -240,5 +274,5 @@ def test_fitting_request_admitted(plain):
 
 
 def test_every_invariant_has_a_control():
-    tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
+    tested = {name[len("test_") :] for name in globals() if name.startswith("test_")}
     assert {inv.name for inv in INVARIANTS} <= tested

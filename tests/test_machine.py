@@ -6,8 +6,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from invariants.machine import FuzzStats, ViolationFound, build_machine
-from invariants.strategies import configs
+from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
+from invariants.harness.strategies import configs
 from invariants.targets import target_factory
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
@@ -52,7 +52,11 @@ def test_machine_catches_a_mutant_and_shrinks_it():
 
     from model.config import Config, GroupSpec
 
-    cfg = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=12, retention_interval=0)
+    cfg = Config(
+        groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)),
+        num_blocks=12,
+        retention_interval=0,
+    )
     machine = build_machine(AppendUncached, st.just(cfg), stats)
     with pytest.raises(ViolationFound) as err:
         run_state_machine_as_test(machine, settings=settings(max_examples=50, stateful_step_count=25))
@@ -77,7 +81,7 @@ def test_model_is_deterministic():
 
 def test_vllm_agrees_with_model_apart_from_known_findings():
     """The bounded vLLM fuzz run of `make test` (skipped only when vLLM cannot be imported)."""
-    from invariants.known_findings import is_known_violation
+    from invariants.harness.known_findings import is_known_violation
     from invariants.targets import available_targets
 
     reason = available_targets().get("vllm")
@@ -85,7 +89,10 @@ def test_vllm_agrees_with_model_apart_from_known_findings():
         pytest.skip(f"vllm target unavailable: {reason}")
     stats = FuzzStats()
     machine = build_machine(
-        target_factory("vllm"), configs(allow_pinning=False), stats, tolerated=lambda v: is_known_violation("vllm", v)
+        target_factory("vllm"),
+        configs(allow_pinning=False),
+        stats,
+        tolerated=lambda v: is_known_violation("vllm", v),
     )
     run_state_machine_as_test(machine)
     assert stats.steps > 0

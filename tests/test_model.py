@@ -38,10 +38,14 @@ def test_demote_takes_oldest_pinned_first():
         (dict(block_size=8, window=8, alignment=32, eagle=False, retention=None), {3, 7, 11, 15}),
         (dict(block_size=8, window=8, alignment=32, eagle=True, retention=None), {3, 4, 7, 8, 11, 12, 15}),
         (dict(block_size=16, window=32, alignment=16, eagle=False, retention=0, boundaries=[99]), {4, 5}),
-        (dict(block_size=16, window=32, alignment=16, eagle=False, retention=64, boundaries=[99]),
-         {2, 3, 4, 5, 6, 7, 10, 11, 14, 15}),
-        (dict(block_size=16, window=32, alignment=16, eagle=True, retention=64, boundaries=[80, 96]),
-         {2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 14, 15}),
+        (
+            dict(block_size=16, window=32, alignment=16, eagle=False, retention=64, boundaries=[99]),
+            {2, 3, 4, 5, 6, 7, 10, 11, 14, 15},
+        ),
+        (
+            dict(block_size=16, window=32, alignment=16, eagle=True, retention=64, boundaries=[80, 96]),
+            {2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 14, 15},
+        ),
     ],
 )
 def test_swa_masks_match_vllm(kw, kept):
@@ -83,7 +87,9 @@ def test_hit_rules_match_vllm_examples():
 
 
 def test_mamba_chunk_split_stops_at_checkpoint_and_junction():
-    kw = dict(budget=32, num_prompt_tokens=100, num_tokens=100, shared_prefix_boundary=0, block_size=16, eagle=False)
+    kw = dict(
+        budget=32, num_prompt_tokens=100, num_tokens=100, shared_prefix_boundary=0, block_size=16, eagle=False
+    )
     assert mamba_chunk(start=64, num_new=32, **kw) == 32
     assert mamba_chunk(start=96, num_new=4, **kw) == 4
     assert mamba_chunk(start=0, num_new=100, **{**kw, "budget": 128}) == 96
@@ -111,11 +117,19 @@ FULL_SWA = (GroupSpec("full", 16), GroupSpec("swa", 16, sliding_window=32))
 @pytest.mark.parametrize(
     "retention, tables, swa_keys, queue_tail",
     [
-        (None, ((1, 2, 5, 6, 9, 10, 13, 15), (0, 0, 0, 0, 0, 12, 14, 16)), [0, 1, 2, 3, 4, 5, 6],
-         (4, 3, 8, 7, 11, 13, 10, 9, 6, 5, 2, 1, 14, 12)),
+        (
+            None,
+            ((1, 2, 5, 6, 9, 10, 13, 15), (0, 0, 0, 0, 0, 12, 14, 16)),
+            [0, 1, 2, 3, 4, 5, 6],
+            (4, 3, 8, 7, 11, 13, 10, 9, 6, 5, 2, 1, 14, 12),
+        ),
         (0, ((1, 2, 5, 6, 4, 3, 8, 11), (0, 0, 0, 0, 0, 10, 7, 12)), [4, 5], (9, 8, 3, 4, 6, 5, 2, 1, 10)),
-        (64, ((1, 2, 5, 6, 4, 3, 11, 13), (0, 0, 0, 0, 0, 10, 12, 14)), [2, 3, 4, 5, 6],
-         (8, 7, 9, 11, 3, 4, 6, 5, 2, 1, 12, 10)),
+        (
+            64,
+            ((1, 2, 5, 6, 4, 3, 11, 13), (0, 0, 0, 0, 0, 10, 12, 14)),
+            [2, 3, 4, 5, 6],
+            (8, 7, 9, 11, 3, 4, 6, 5, 2, 1, 12, 10),
+        ),
     ],
 )
 def test_full_swa_scenario_matches_vllm(retention, tables, swa_keys, queue_tail):
@@ -125,7 +139,7 @@ def test_full_swa_scenario_matches_vllm(retention, tables, swa_keys, queue_tail)
     assert snap.tables["A"] == tables
     assert sorted(len(k.tokens) // 16 - 1 for k in snap.cached if k.group == 1) == swa_keys
     m.apply(Finish("A"))
-    assert m.snapshot().free_queue[-len(queue_tail):] == queue_tail
+    assert m.snapshot().free_queue[-len(queue_tail) :] == queue_tail
     assert m.apply(Probe(tuple(range(1, 101)))).hit == 96
     assert m.apply(Probe(tuple(range(1, 101)) + (7,) * 40)).hit == 96
 
@@ -143,7 +157,9 @@ def test_unequal_block_sizes_and_partial_tail_key(retention, swa_keys):
 
 
 def test_validation_texts():
-    with pytest.raises(ConfigError, match=r"\(-32\) must be non-negative and a multiple of scheduler_block_size \(16\)"):
+    with pytest.raises(
+        ConfigError, match=r"\(-32\) must be non-negative and a multiple of scheduler_block_size \(16\)"
+    ):
         validate(Config(groups=FULL_SWA, num_blocks=8, retention_interval=-32))
     with pytest.raises(ConfigError, match=r"\(40\) must be non-negative"):
         validate(Config(groups=FULL_SWA, num_blocks=8, retention_interval=40))

@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import pytest
 
-from invariants import layouts
-from invariants.presets import (
+from invariants.layouts import derive as layouts
+from invariants.layouts.presets import (
     DERIVED_FROM,
     MAX_CONTEXT,
     PRESETS,
@@ -66,8 +66,11 @@ def test_full_size_pool_is_the_documented_fuzz_pool(name: str) -> None:
 
 def test_dsv4_like_is_unchanged() -> None:
     # The seeds' two-group view; the simulator's small-scale pools are tuned to it.
-    assert PRESETS["dsv4-like"] == Config(groups=(GroupSpec("full", 256), GroupSpec("swa", 64, sliding_window=128)),
-                                          num_blocks=96, retention_interval=0)
+    assert PRESETS["dsv4-like"] == Config(
+        groups=(GroupSpec("full", 256), GroupSpec("swa", 64, sliding_window=128)),
+        num_blocks=96,
+        retention_interval=0,
+    )
 
 
 # ----------------------------------------------------------------------------- per-request blocks
@@ -86,8 +89,10 @@ def _wrong_no_inflight(cfg: Config, max_len: int) -> int:
 
 
 def test_per_request_blocks_by_hand() -> None:
-    cfg = Config(groups=(GroupSpec("full", 256), GroupSpec("swa", 64, sliding_window=128), GroupSpec("mamba", 256)),
-                 num_blocks=10)
+    cfg = Config(
+        groups=(GroupSpec("full", 256), GroupSpec("swa", 64, sliding_window=128), GroupSpec("mamba", 256)),
+        num_blocks=10,
+    )
     # full: 4096; swa: cdiv(127 + 2*8192, 64) + 1 = 259; mamba: 2
     assert per_request_blocks(cfg, 1 << 20) == 4096 + 259 + 2
     # short context: the window term is capped by max_len
@@ -111,8 +116,10 @@ def test_per_request_figures_of_the_presets() -> None:
 def test_vllm_grouping_reproduces_the_preset(name: str) -> None:
     d = layouts.derive(DERIVED_FROM[name])
     assert d.dropped == ()
-    assert layouts.matches(PRESETS[name], d), f"{name}: preset {layouts.layout_of(PRESETS[name])} != vLLM " \
-                                              f"{layouts.layout_of(d.config)}\n{layouts.describe(d)}"
+    assert layouts.matches(PRESETS[name], d), (
+        f"{name}: preset {layouts.layout_of(PRESETS[name])} != vLLM "
+        f"{layouts.layout_of(d.config)}\n{layouts.describe(d)}"
+    )
 
 
 @needs_vllm
@@ -127,8 +134,12 @@ def test_derivation_facts() -> None:
     dsv4 = layouts.derive("dsv4")
     assert dsv4.layout == "BLHNC"
     assert [(g.spec_type, g.num_layers) for g in dsv4.groups] == [
-        ("SlidingWindowMLASpec", 22), ("SlidingWindowMLASpec", 21), ("MLAAttentionSpec", 62),
-        ("SlidingWindowMLASpec", 42), ("SlidingWindowMLASpec", 20)]
+        ("SlidingWindowMLASpec", 22),
+        ("SlidingWindowMLASpec", 21),
+        ("MLAAttentionSpec", 62),
+        ("SlidingWindowMLASpec", 42),
+        ("SlidingWindowMLASpec", 20),
+    ]
     # transformers' DeepseekV4Config default schedule groups into the same kinds (other order, counts)
     other = layouts.derive("dsv4", compress_ratios=layouts.DSV4_TRANSFORMERS_DEFAULT_RATIOS)
     assert sorted(map(repr, other.config.groups)) == sorted(map(repr, dsv4.config.groups))
@@ -136,10 +147,18 @@ def test_derivation_facts() -> None:
     assert [g.num_layers for g in gemma.groups] == [9, 9, 9, 9, 8, 8, 10]
     kimi = layouts.derive("kimi-linear")
     assert [(g.manager, g.num_layers) for g in kimi.groups] == [
-        ("MambaManager", 7), ("MambaManager", 7), ("MambaManager", 6), ("FullAttentionManager", 7)]
+        ("MambaManager", 7),
+        ("MambaManager", 7),
+        ("MambaManager", 6),
+        ("FullAttentionManager", 7),
+    ]
     # #45845 ran Kimi-Linear at TP4 with block_size 512; other TP sizes move the block.
     assert {tp: layouts.derive("kimi-linear", tp=tp).config.groups[0].block_size for tp in (1, 2, 4, 8)} == {
-        1: 1920, 2: 1024, 4: 512, 8: 256}
+        1: 1920,
+        2: 1024,
+        4: 512,
+        8: 256,
+    }
 
 
 @needs_vllm
@@ -150,14 +169,24 @@ def test_perturbed_presets_do_not_match_the_derivation() -> None:
     g = dsv4.groups
     perturbed = {
         "dsv4 without compressor groups": ("dsv4-flash", PRESETS["dsv4-like"]),
-        "dsv4 compressor window 8 -> 16": ("dsv4-flash", dsv4.with_(groups=g[:3] + (GroupSpec("swa", 4, sliding_window=16),) + g[4:])),
+        "dsv4 compressor window 8 -> 16": (
+            "dsv4-flash",
+            dsv4.with_(groups=g[:3] + (GroupSpec("swa", 4, sliding_window=16),) + g[4:]),
+        ),
         "dsv4 groups reordered": ("dsv4-flash", dsv4.with_(groups=(g[2], g[0], g[1], g[3], g[4]))),
         "dsv4 explicit hash block 8": ("dsv4-flash", replace(dsv4, hash_block_size=8)),
-        "gemma one SWA group": ("gemma-like", PRESETS["gemma-like"].with_(groups=PRESETS["gemma-like"].groups[5:])),
-        "kimi one Mamba group": ("kimi-linear-like", PRESETS["kimi-linear-like"].with_(
-            groups=PRESETS["kimi-linear-like"].groups[2:])),
-        "kimi block 64": ("kimi-linear-like", Config(groups=(GroupSpec("mamba", 64),) * 3 + (GroupSpec("full", 64),),
-                                                     num_blocks=24)),
+        "gemma one SWA group": (
+            "gemma-like",
+            PRESETS["gemma-like"].with_(groups=PRESETS["gemma-like"].groups[5:]),
+        ),
+        "kimi one Mamba group": (
+            "kimi-linear-like",
+            PRESETS["kimi-linear-like"].with_(groups=PRESETS["kimi-linear-like"].groups[2:]),
+        ),
+        "kimi block 64": (
+            "kimi-linear-like",
+            Config(groups=(GroupSpec("mamba", 64),) * 3 + (GroupSpec("full", 64),), num_blocks=24),
+        ),
     }
     for what, (name, cfg) in perturbed.items():
         assert not layouts.matches(cfg, d[name]), what
@@ -169,11 +198,16 @@ def test_perturbed_presets_do_not_match_the_derivation() -> None:
 def test_per_request_blocks_equals_vllm_on_the_real_specs(name: str) -> None:
     d = layouts.derive(DERIVED_FROM[name])
     cfg = PRESETS[name]
-    for max_len, batch, conc in ((MAX_CONTEXT[name], 8192, 2), (MAX_CONTEXT[name], 2048, 1), (1000, 512, 2),
-                                 (100, 8192, 2)):
+    for max_len, batch, conc in (
+        (MAX_CONTEXT[name], 8192, 2),
+        (MAX_CONTEXT[name], 2048, 1),
+        (1000, 512, 2),
+        (100, 8192, 2),
+    ):
         mine = per_request_blocks(cfg, max_len, batch, conc)
-        theirs = layouts.vllm_per_request_blocks(d.vllm_groups, max_len, max_num_batched_tokens=batch,
-                                                 concurrent_batches=conc)
+        theirs = layouts.vllm_per_request_blocks(
+            d.vllm_groups, max_len, max_num_batched_tokens=batch, concurrent_batches=conc
+        )
         assert mine == theirs, (name, max_len, batch, conc)
 
 
@@ -181,8 +215,10 @@ def test_per_request_blocks_equals_vllm_on_the_real_specs(name: str) -> None:
 def test_per_request_blocks_equals_vllm_on_other_configs_and_a_wrong_formula_is_caught() -> None:
     configs = [PRESETS[n] for n in sorted(PRESETS)] + [
         Config(groups=(GroupSpec("full", 32), GroupSpec("swa", 16, sliding_window=1)), num_blocks=4),
-        Config(groups=(GroupSpec("swa", 8, sliding_window=4096), GroupSpec("mamba", 8), GroupSpec("full", 8)),
-               num_blocks=4),
+        Config(
+            groups=(GroupSpec("swa", 8, sliding_window=4096), GroupSpec("mamba", 8), GroupSpec("full", 8)),
+            num_blocks=4,
+        ),
         Config(groups=(GroupSpec("full", 16),), num_blocks=4),
     ]
     caught = 0
@@ -206,8 +242,10 @@ def test_pool_blocks_gives_vllms_concurrency() -> None:
 
 # ----------------------------------------------------------------------------- vLLM stays optional
 def test_layouts_imports_without_vllm_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    code = ("import sys; sys.modules['vllm'] = None; import invariants.layouts, invariants.presets; "
-            "assert 'torch' not in sys.modules; print('ok')")
+    code = (
+        "import sys; sys.modules['vllm'] = None; import invariants.layouts.derive, invariants.layouts.presets; "
+        "assert 'torch' not in sys.modules; print('ok')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
     from invariants.targets import vllm_env

@@ -1,13 +1,13 @@
 """vLLM 0.33.0's mask and hit formulas equal the model's (quick domain); skipped without vLLM.
 
-`python -m invariants.production_link` runs the full domain (about 700k cases).
+`python -m invariants.proofs.production_link` runs the full domain (about 700k cases).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from invariants import production_link as pl
+from invariants.proofs import production_link as pl
 
 
 @pytest.fixture(scope="module")

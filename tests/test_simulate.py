@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from invariants.presets import preset
+from invariants.layouts.presets import preset
 from invariants.simulate.engine import Engine, SimRequest
 from invariants.simulate.scenarios import SCENARIOS, Ctx, Params, Row, run_scenario
 from invariants.targets.reference import ReferenceTarget
@@ -53,8 +53,12 @@ def test_pre43447_mutant_matches_on_vllm() -> None:
         pytest.skip("vLLM not importable")
     p = Params(length=4096, num_blocks=0, count=3, token_budget=512, pool_x=7.5)
     sc = SCENARIOS["sequential"]
-    hits = {t: run_scenario("sequential", preset(sc.preset), p, Ctx(t, SEED, None), ("pre43447",))[0].extra["hits"]
-            for t in ("reference", "vllm")}
+    hits = {
+        t: run_scenario("sequential", preset(sc.preset), p, Ctx(t, SEED, None), ("pre43447",))[0].extra[
+            "hits"
+        ]
+        for t in ("reference", "vllm")
+    }
     assert hits["reference"] == hits["vllm"]
     assert hits["vllm"][-1] == 0
 
@@ -66,7 +70,15 @@ def test_agentic_retention_beats_dense_and_prefix_order() -> None:
 
 
 def test_sweep_interval_keeps_shared_prefixes_where_dense_and_r0_lose_them() -> None:
-    p = Params(length=2048, num_blocks=30000, count=4, token_budget=4096, extra=(15, 45), intervals=(2048,), suffix=64)
+    p = Params(
+        length=2048,
+        num_blocks=30000,
+        count=4,
+        token_budget=4096,
+        extra=(15, 45),
+        intervals=(2048,),
+        suffix=64,
+    )
     rows = _rows("sweep", p, ("dense", "r0", "r2048"))
     assert rows["r2048 K=45"].hit_rate > rows["dense K=45"].hit_rate + 0.3
     assert rows["r0 K=15"].hit_rate < rows["r2048 K=15"].hit_rate
@@ -97,32 +109,44 @@ def test_track_prefixes_off_snapshot_counts_the_same() -> None:
 
 def test_unknown_scenario_is_bad_usage() -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from invariants.simulate.cli import main; sys.exit(main())",
-         "simulate", "nope"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from invariants.cli.simulate import main; sys.exit(main())",
+            "simulate",
+            "nope",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "unknown scenario 'nope'" in proc.stderr
 
 
 def test_plan_runs() -> None:
-    from invariants.simulate.cli import main
+    from invariants.cli.simulate import main
 
-    assert main(["plan", "--preset", "dsv4-tiny", "--pool-blocks", "40", "--prefix-len", "64", "--seed", "1"]) == 0
+    assert (
+        main(["plan", "--preset", "dsv4-tiny", "--pool-blocks", "40", "--prefix-len", "64", "--seed", "1"])
+        == 0
+    )
 
 
 def test_verdicts_from_rows() -> None:
     from invariants.simulate.verdicts import verdicts
 
     p = Params(length=16384, num_blocks=0, count=6, token_budget=1024, intervals=(2048,), pool_x=6.5)
-    found = verdicts("concurrent", run_scenario("concurrent", preset("dsv4-flash"), p, Ctx("reference", SEED, None)))
+    found = verdicts(
+        "concurrent", run_scenario("concurrent", preset("dsv4-flash"), p, Ctx("reference", SEED, None))
+    )
     asserted = [v for v in found if v.asserted]
     assert asserted and all(v.reproduced for v in asserted)
     assert all(v.line().startswith("#43447: ") for v in found)
 
 
 def test_verify_row_quick_and_all_report(tmp_path: Path) -> None:
-    from invariants.simulate.cli import main, verify_row
+    from invariants.cli.simulate import main, verify_row
 
     check, target, verdict, figure, seconds, ok = verify_row(quick=True)
     assert (check, target, ok) == ("simulate", "reference", True)

@@ -64,7 +64,11 @@ class MaskTemplate:
             )
         else:
             m = smt.mamba_mask(
-                self.v["start"], self.v["end"], block_size=self.v["bs"], alignment=self.v["a"], retention=r,
+                self.v["start"],
+                self.v["end"],
+                block_size=self.v["bs"],
+                alignment=self.v["a"],
+                retention=r,
                 boundaries=self.bnd,
             )
         self.dense = m.dense
@@ -97,10 +101,19 @@ def test_masks_match_model(kind: str) -> None:
         bnd = [rng.randint(0, (end + 2) * bs) for _ in range(rng.choice([0, 1, 2, 3]))]
         if kind == "swa":
             expected = masks.swa_kept_blocks(
-                start, end, block_size=bs, window=window, alignment=a, eagle=eagle, retention=r, boundaries=bnd
+                start,
+                end,
+                block_size=bs,
+                window=window,
+                alignment=a,
+                eagle=eagle,
+                retention=r,
+                boundaries=bnd,
             )
         else:
-            expected = masks.mamba_kept_blocks(start, end, block_size=bs, alignment=a, retention=r, boundaries=bnd)
+            expected = masks.mamba_kept_blocks(
+                start, end, block_size=bs, alignment=a, retention=r, boundaries=bnd
+            )
         values = {"bs": bs, "w": window, "a": a, "start": start, "end": end, **_retention_values(r)}
         got = templates[len(bnd)].evaluate(values, eagle, bnd)
         assert got == expected, (kind, bs, window, a, r, eagle, start, end, bnd)
@@ -126,7 +139,13 @@ def test_tail_and_edge_match_model() -> None:
     for _ in range(2000):
         vw, vbs, va, vb = rng.randint(1, 100), rng.randint(1, 20), rng.randint(1, 50), rng.randint(0, 500)
         ve = rng.random() < 0.5
-        sub = [(w, z3.IntVal(vw)), (bs, z3.IntVal(vbs)), (a, z3.IntVal(va)), (b, z3.IntVal(vb)), (eg, z3.BoolVal(ve))]
+        sub = [
+            (w, z3.IntVal(vw)),
+            (bs, z3.IntVal(vbs)),
+            (a, z3.IntVal(va)),
+            (b, z3.IntVal(vb)),
+            (eg, z3.BoolVal(ve)),
+        ]
         assert z3.simplify(z3.substitute(tail, *sub)).as_long() == masks.swa_tail_blocks(vw, vbs, ve)
         assert z3.simplify(z3.substitute(edge, *sub)).as_long() == masks.boundary_edge(vb, va, vbs)
 
@@ -158,7 +177,9 @@ def test_scheduling_and_cacheable_match_model() -> None:
         vsbs = model.cfg.scheduler_block_size
         sub = [(n, z3.IntVal(vn)), (bs, z3.IntVal(vbs)), (sbs, z3.IntVal(vsbs))]
         sub += [(eg, z3.BoolVal(veagle)), (hy, z3.BoolVal(hybrid))]
-        assert z3.simplify(z3.substitute(cache, *sub)).as_long() == model._cacheable_tokens(model.groups[-1], vn)
+        assert z3.simplify(z3.substitute(cache, *sub)).as_long() == model._cacheable_tokens(
+            model.groups[-1], vn
+        )
         assert z3.simplify(z3.substitute(ckpt, *sub)).as_long() == mamba_checkpoint_position(vn, vbs, veagle)
 
 

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import z3
 
-from invariants import theorems
+from invariants.proofs import theorems
 from model.config import Config, ConfigError, GroupSpec, validate
 from model.free_queue import FreeQueue
 
@@ -74,8 +74,11 @@ def test_validator_term_matches_config_validate() -> None:
     for _ in range(400):
         bs = rng.choice([1, 2, 4, 8])
         has_group = rng.random() < 0.7
-        groups = (GroupSpec("full", bs), GroupSpec("swa", bs * 2, sliding_window=5)) if has_group else (
-            GroupSpec("full", bs),)
+        groups = (
+            (GroupSpec("full", bs), GroupSpec("swa", bs * 2, sliding_window=5))
+            if has_group
+            else (GroupSpec("full", bs),)
+        )
         r = rng.choice([None, 0, -bs, rng.randint(1, 40)])
         cfg = Config(groups, 8, retention_interval=r)
         try:
@@ -85,8 +88,12 @@ def test_validator_term_matches_config_validate() -> None:
             accepted = True
         except ConfigError:
             accepted = False
-        sub = [(k, z3.IntVal(r or 0)), (sbs, z3.IntVal(cfg.scheduler_block_size)),
-               (none, z3.BoolVal(r is None)), (group, z3.BoolVal(has_group))]
+        sub = [
+            (k, z3.IntVal(r or 0)),
+            (sbs, z3.IntVal(cfg.scheduler_block_size)),
+            (none, z3.BoolVal(r is None)),
+            (group, z3.BoolVal(has_group)),
+        ]
         assert z3.is_true(z3.simplify(z3.substitute(term, *sub))) == accepted, (r, bs, has_group)
 
 

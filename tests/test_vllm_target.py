@@ -30,8 +30,8 @@ _OK, _REASON = vllm_available()
 if not _OK:
     pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
 
-from invariants.checker import Checker  # noqa: E402
-from invariants.known_findings import (  # noqa: E402
+from invariants.harness.checker import Checker  # noqa: E402
+from invariants.harness.known_findings import (  # noqa: E402
     KnownFindingsError,
     is_known_finding,
     is_known_violation,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from invariants.cli.zoo import QUICK_SUBSET
 from invariants.targets.reference import ReferenceTarget
 from invariants.zoo.checks import config_rejection, exception_safety
-from invariants.zoo.cli import QUICK_SUBSET
 from invariants.zoo.mutants_reference import REFERENCE_MUTANTS, ZooReferenceTarget, factory
 from invariants.zoo.runner import EXAMPLES_PER_BATCH, ZooEntry, reference_entries, run_entry
 
@@ -25,8 +25,9 @@ BUDGET_S = 30.0
 
 
 def _run(entry: ZooEntry, tmp_path: Path):
-    return run_entry(entry, seed=0, budget_s=BUDGET_S, shrink_s=1.0, out_dir=tmp_path, progress=False,
-                     max_batches=BATCHES)
+    return run_entry(
+        entry, seed=0, budget_s=BUDGET_S, shrink_s=1.0, out_dir=tmp_path, progress=False, max_batches=BATCHES
+    )
 
 
 @pytest.mark.parametrize("name", SUBSET)
@@ -40,8 +41,9 @@ def test_mutant_is_killed(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("strategy", sorted({REFERENCE_MUTANTS[n].strategy for n in SUBSET}))
 def test_unmutated_reference_passes_the_same_runs(strategy: str, tmp_path: Path) -> None:
-    entry = ZooEntry("(unmutated)", "reference", "control", strategy, (),
-                     lambda: contextlib.nullcontext(ReferenceTarget))
+    entry = ZooEntry(
+        "(unmutated)", "reference", "control", strategy, (), lambda: contextlib.nullcontext(ReferenceTarget)
+    )
     result = _run(entry, tmp_path)
     assert not result.killed, f"unmutated reference flagged on {strategy}: {result.detail}"
     assert result.steps > 0
@@ -66,8 +68,11 @@ def test_every_mutant_is_documented_and_instance_scoped() -> None:
     before = dict(ReferenceTarget.MUTANTS)
     from model.config import Config, GroupSpec
 
-    cfg = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=12,
-                 retention_interval=0)
+    cfg = Config(
+        groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)),
+        num_blocks=12,
+        retention_interval=0,
+    )
     for name in REFERENCE_MUTANTS:
         ZooReferenceTarget(cfg, REFERENCE_MUTANTS[name])
     assert before == ReferenceTarget.MUTANTS

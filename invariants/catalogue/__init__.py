@@ -33,14 +33,28 @@ def _family(module: object, family: str, names: list[str]) -> list[Invariant]:
 
 
 INVARIANTS: list[Invariant] = [
-    *_family(structure, "structure", [
-        "block_in_exactly_one_place", "no_negative_ref_count", "free_queue_has_no_duplicates",
-        "ref_count_matches_tables", "hash_map_points_at_holders",
-    ]),
-    *_family(ordering, "ordering", [
-        "uncached_reused_before_cached", "cached_reused_lru_first", "pinned_reused_only_under_pressure",
-        "pinned_demoted_oldest_first", "pinned_blocks_are_cached",
-    ]),
+    *_family(
+        structure,
+        "structure",
+        [
+            "block_in_exactly_one_place",
+            "no_negative_ref_count",
+            "free_queue_has_no_duplicates",
+            "ref_count_matches_tables",
+            "hash_map_points_at_holders",
+        ],
+    ),
+    *_family(
+        ordering,
+        "ordering",
+        [
+            "uncached_reused_before_cached",
+            "cached_reused_lru_first",
+            "pinned_reused_only_under_pressure",
+            "pinned_demoted_oldest_first",
+            "pinned_blocks_are_cached",
+        ],
+    ),
     *_family(retention, "masks", ["no_waste", "hit_backed_by_cache", "hit_blocks_hold_their_prefix"]),
     *_family(promises, "promises", ["promise_kept", "eagle_extra_block_kept", "scratch_never_flushes_cache"]),
     *_family(events, "events", ["events_match_hash_map", "stored_tokens_match_hashes"]),
@@ -54,4 +68,13 @@ def check_all(ctx: CheckContext) -> list[tuple[str, str]]:
     return [(inv.name, msg) for inv in INVARIANTS for msg in inv.check(ctx)]
 
 
-__all__ = ["BY_NAME", "INVARIANTS", "CheckContext", "History", "Invariant", "RequestHistory", "check_all", "update_history"]
+__all__ = [
+    "BY_NAME",
+    "INVARIANTS",
+    "CheckContext",
+    "History",
+    "Invariant",
+    "RequestHistory",
+    "check_all",
+    "update_history",
+]

@@ -12,8 +12,11 @@ def events_match_hash_map(ctx: CheckContext) -> list[str]:
     that entered or left the map was announced, once."""
     actual = {k: len(v) for k, v in ctx.after.cached.items()}
     shadow = ctx.history.shadow
-    out = [f"{k.short()}: events say {shadow.get(k, 0)} holder(s), map has {actual.get(k, 0)}"
-           for k in set(actual) | set(shadow) if shadow.get(k, 0) != actual.get(k, 0)]
+    out = [
+        f"{k.short()}: events say {shadow.get(k, 0)} holder(s), map has {actual.get(k, 0)}"
+        for k in set(actual) | set(shadow)
+        if shadow.get(k, 0) != actual.get(k, 0)
+    ]
     return sorted(out)
 
 
@@ -35,6 +38,8 @@ def stored_tokens_match_hashes(ctx: CheckContext) -> list[str]:
         prefix = ev.parent or ()
         for i, h in enumerate(ev.block_hashes):
             if h != prefix + ev.token_ids[: (i + 1) * bs]:
-                out.append(f"BlockStored(group {ev.group}) hash {i} does not chain from its parent and tokens")
+                out.append(
+                    f"BlockStored(group {ev.group}) hash {i} does not chain from its parent and tokens"
+                )
                 break
     return out

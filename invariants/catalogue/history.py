@@ -37,7 +37,9 @@ def replay_events(shadow: dict[BlockKey, int], events: tuple[Event, ...]) -> lis
     return problems
 
 
-def update_history(history: History, op: Op, obs: Observation, before: Snapshot, after: Snapshot) -> list[str]:
+def update_history(
+    history: History, op: Op, obs: Observation, before: Snapshot, after: Snapshot
+) -> list[str]:
     """Advance the history past `op`; returns event anomalies found on the way."""
     history.tick += 1
     was_free = set(before.free_queue)

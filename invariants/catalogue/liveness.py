@@ -22,9 +22,14 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     n = min(len(req.tokens) - obs.hit, op.budget)
     if cfg.has_mamba:
         n = mamba_chunk(
-            start=obs.hit, num_new=n, budget=op.budget, num_prompt_tokens=len(req.prompt),
-            num_tokens=len(req.tokens), shared_prefix_boundary=obs.shared_prefix_boundary or 0,
-            block_size=cfg.scheduler_block_size, eagle=cfg.eagle,
+            start=obs.hit,
+            num_new=n,
+            budget=op.budget,
+            num_prompt_tokens=len(req.prompt),
+            num_tokens=len(req.tokens),
+            shared_prefix_boundary=obs.shared_prefix_boundary or 0,
+            block_size=cfg.scheduler_block_size,
+            eagle=cfg.eagle,
         )
     if n <= 0:
         return []

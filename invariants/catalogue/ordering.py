@@ -30,7 +30,9 @@ def cached_reused_lru_first(ctx: CheckContext) -> list[str]:
             continue
         tick = ctx.history.free_tick.get(b, 0)
         if tick < last_tick:
-            return [f"cached block {b} (freed at step {tick}) is reused after block {last_block} (freed at step {last_tick})"]
+            return [
+                f"cached block {b} (freed at step {tick}) is reused after block {last_block} (freed at step {last_tick})"
+            ]
         last_tick, last_block = tick, b
     return []
 

@@ -37,7 +37,11 @@ def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
         else:
             idx = range(top - 1, top)
         for j in idx:
-            role = "Eagle peek block" if cfg.eagle and spec.kind != "mamba" and j == top else f"{spec.kind} block {j}"
+            role = (
+                "Eagle peek block"
+                if cfg.eagle and spec.kind != "mamba" and j == top
+                else f"{spec.kind} block {j}"
+            )
             keys[BlockKey(g, tokens[: (j + 1) * bs])] = role
     return e, keys
 
@@ -95,14 +99,16 @@ def scratch_never_flushes_cache(ctx: CheckContext) -> list[str]:
         return []
     b4, now = ctx.before, ctx.after
     flushed = [
-        b for b in b4.free_queue
+        b
+        for b in b4.free_queue
         if b in b4.block_hash and now.ref_cnt[b] > 0 and now.block_hash.get(b) != b4.block_hash[b]
     ]
     if not flushed:
         return []
     now_free = set(now.free_queue)
     spared = [
-        b for b in b4.free_queue
+        b
+        for b in b4.free_queue
         if b not in b4.block_hash and b in now_free and b not in ctx.history.evicted_in_place
     ]
     if spared:

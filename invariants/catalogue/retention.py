@@ -15,7 +15,9 @@ def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> b
     bs, n = spec.block_size, len(key.tokens)
     if req.tokens[:n] != key.tokens:
         return False
-    if spec.kind == "mamba" and n == mamba_checkpoint_position(len(req.prompt), cfg.hash_block_size, cfg.eagle):
+    if spec.kind == "mamba" and n == mamba_checkpoint_position(
+        len(req.prompt), cfg.hash_block_size, cfg.eagle
+    ):
         return True  # the prompt's checkpoint state (vLLM `_cache_partial_tail_block`)
     if n % bs:
         return False
@@ -29,8 +31,14 @@ def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> b
     if spec.kind == "swa":
         assert spec.sliding_window is not None
         kept = swa_kept_blocks(
-            j, j + 1, block_size=bs, window=spec.sliding_window, alignment=align,
-            eagle=cfg.eagle, retention=cfg.retention_interval, boundaries=boundaries,
+            j,
+            j + 1,
+            block_size=bs,
+            window=spec.sliding_window,
+            alignment=align,
+            eagle=cfg.eagle,
+            retention=cfg.retention_interval,
+            boundaries=boundaries,
         )
     else:
         kept = mamba_kept_blocks(
@@ -77,7 +85,9 @@ def hit_backed_by_cache(ctx: CheckContext) -> list[str]:
         return []
     out = []
     if hit >= len(tokens):
-        out.append(f"hit {hit} covers the whole {len(tokens)}-token request (its last token must be recomputed)")
+        out.append(
+            f"hit {hit} covers the whole {len(tokens)}-token request (its last token must be recomputed)"
+        )
     for g, spec in enumerate(cfg.groups):
         bs = spec.block_size
         if hit % bs:

@@ -19,7 +19,9 @@ def block_in_exactly_one_place(ctx: CheckContext) -> list[str]:
     for b in range(1, s.num_blocks):
         places = (s.ref_cnt[b] > 0) + (b in free) + (b in pinned)
         if places != 1:
-            out.append(f"block {b}: ref {s.ref_cnt[b]}, in free queue {b in free}, in pinned tier {b in pinned}")
+            out.append(
+                f"block {b}: ref {s.ref_cnt[b]}, in free queue {b in free}, in pinned tier {b in pinned}"
+            )
     return out
 
 

@@ -1,9 +1,7 @@
-"""Block-level serving simulator over any allocator target (issue 7).
+"""Block-level serving simulator and capacity planner over any allocator target.
 
-`add_parser(subparsers)` registers `kvretain simulate` and `kvretain plan`;
-`run_simulate(args)` / `run_plan(args)` implement them.
+`engine` drives a target with a chunked-prefill scheduler loop, `scenarios`
+re-creates the seeds' workloads, `settings` names the retention settings
+compared, `verdicts` judges each seed claim. The commands live in
+`invariants.cli.simulate`.
 """
-
-from invariants.simulate.cli import add_parser, run_plan, run_simulate
-
-__all__ = ["add_parser", "run_plan", "run_simulate"]

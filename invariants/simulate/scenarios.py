@@ -65,11 +65,16 @@ class Params:
         """The pool size in blocks for `base`'s layout."""
         if self.pool_x <= 0:
             return self.num_blocks
-        from invariants.presets import pool_blocks
+        from invariants.layouts.presets import pool_blocks
 
         # the simulator's scheduler runs one batch at a time with `token_budget` tokens
-        return pool_blocks(base, self.pool_x, self.max_len or self.length,
-                           max_num_batched_tokens=self.token_budget, concurrent_batches=1)
+        return pool_blocks(
+            base,
+            self.pool_x,
+            self.max_len or self.length,
+            max_num_batched_tokens=self.token_budget,
+            concurrent_batches=1,
+        )
 
 
 class Ctx:
@@ -115,8 +120,16 @@ def sequential(ctx: Ctx, setting: Setting, p: Params) -> Row:
     survived = next((k - 1 for k, h in enumerate(hits) if h == 0), len(hits) - 1)
     label = "no hit" if survived < 0 else f"{survived}" if survived < p.count else f">={p.count}"
     rate = sum(hits[1:]) / (p.count * p.length)
-    return Row(setting.name, rate, cached, label, e.stats.alloc_failures, e.stats.preemptions,
-               time.monotonic() - t0, {"replay_after_1": hits[1] / p.length, "hits": hits})
+    return Row(
+        setting.name,
+        rate,
+        cached,
+        label,
+        e.stats.alloc_failures,
+        e.stats.preemptions,
+        time.monotonic() - t0,
+        {"replay_after_1": hits[1] / p.length, "hits": hits},
+    )
 
 
 FRACTIONS = (0.1, 0.25, 0.5, 0.75, 1.0)  # #43447 replays 10%..100% of the prompt
@@ -148,8 +161,16 @@ def concurrent(ctx: Ctx, setting: Setting, p: Params) -> Row:
         per_fraction[f"hit@{f:g}"] = hit / total
     rate = sum(per_fraction.values()) / len(per_fraction)
     cached = _calibrate(ctx, setting, p.length, p.token_budget)
-    return Row(setting.name, rate, cached, f"{survived}/{p.count}", e.stats.alloc_failures, e.stats.preemptions,
-               time.monotonic() - t0, per_fraction)
+    return Row(
+        setting.name,
+        rate,
+        cached,
+        f"{survived}/{p.count}",
+        e.stats.alloc_failures,
+        e.stats.preemptions,
+        time.monotonic() - t0,
+        per_fraction,
+    )
 
 
 # ------------------------------------------------------------------ (c)
@@ -180,8 +201,15 @@ def sweep_one(ctx: Ctx, setting: Setting, p: Params, num_prefixes: int, rounds: 
             ctx.progress(f"{setting.name} K={num_prefixes}: round {rnd + 1}/{rounds} done")
     survived = sum(1 for r in last_round if (r.hit or 0) > 0)
     cached = _calibrate(ctx, setting, p.length + p.suffix, p.token_budget)
-    return Row(f"{setting.name} K={num_prefixes}", hit / max(total, 1), cached, f"{survived}/{num_prefixes}",
-               e.stats.alloc_failures, e.stats.preemptions, time.monotonic() - t0)
+    return Row(
+        f"{setting.name} K={num_prefixes}",
+        hit / max(total, 1),
+        cached,
+        f"{survived}/{num_prefixes}",
+        e.stats.alloc_failures,
+        e.stats.preemptions,
+        time.monotonic() - t0,
+    )
 
 
 # ------------------------------------------------------------------ (d), (e)
@@ -228,11 +256,19 @@ def sessions(ctx: Ctx, setting: Setting, p: Params, shared_system: bool) -> Row:
         submit(sid, system if shared_system else random_tokens(rng, p.length))
     e.run()
     cached = _calibrate(ctx, setting, p.length + user * turns // 2, p.token_budget)
-    return Row(setting.name, counts["hit"] / max(counts["total"], 1), cached,
-               f"{counts['survived']}/{num_sessions * (turns - 1)}", e.stats.alloc_failures, e.stats.preemptions,
-               time.monotonic() - t0,
-               {"later_turns": counts["later_hit"] / max(counts["later_total"], 1),
-                "prompt_mtok": counts["total"] / 1e6})
+    return Row(
+        setting.name,
+        counts["hit"] / max(counts["total"], 1),
+        cached,
+        f"{counts['survived']}/{num_sessions * (turns - 1)}",
+        e.stats.alloc_failures,
+        e.stats.preemptions,
+        time.monotonic() - t0,
+        {
+            "later_turns": counts["later_hit"] / max(counts["later_total"], 1),
+            "prompt_mtok": counts["total"] / 1e6,
+        },
+    )
 
 
 def multiturn(ctx: Ctx, setting: Setting, p: Params) -> Row:
@@ -260,61 +296,122 @@ M = 1 << 20
 # 1/32..1/128 of the tokens so the suite can assert the qualitative claims.
 SCENARIOS: dict[str, Scenario] = {
     "sequential": Scenario(
-        "sequential", "sequential long requests; replay of the first after each", "dsv4-flash",
+        "sequential",
+        "sequential long requests; replay of the first after each",
+        "dsv4-flash",
         "later requests after which request 0 still hits",
         {
-            "small": Params(length=8192, num_blocks=0, count=8, token_budget=512, intervals=(1024, 4096),
-                            pool_x=7.5),
-            "full": Params(length=M, num_blocks=0, count=8, token_budget=16384, intervals=(32768,), pool_x=14.5),
+            "small": Params(
+                length=8192, num_blocks=0, count=8, token_budget=512, intervals=(1024, 4096), pool_x=7.5
+            ),
+            "full": Params(
+                length=M, num_blocks=0, count=8, token_budget=16384, intervals=(32768,), pool_x=14.5
+            ),
         },
     ),
     "concurrent": Scenario(
-        "concurrent", "N concurrent long requests, replayed at prompt fractions 0.1/0.25/0.5/0.75/1", "dsv4-flash",
+        "concurrent",
+        "N concurrent long requests, replayed at prompt fractions 0.1/0.25/0.5/0.75/1",
+        "dsv4-flash",
         "requests whose full replay still hits",
         {
-            "small": Params(length=32768, num_blocks=0, count=6, token_budget=1024, intervals=(2048, 4096),
-                            pool_x=6.5),
-            "full": Params(length=M, num_blocks=0, count=14, token_budget=16384, intervals=(32768,), pool_x=14.5),
+            "small": Params(
+                length=32768, num_blocks=0, count=6, token_budget=1024, intervals=(2048, 4096), pool_x=6.5
+            ),
+            "full": Params(
+                length=M, num_blocks=0, count=14, token_budget=16384, intervals=(32768,), pool_x=14.5
+            ),
         },
     ),
     "sweep": Scenario(
-        "sweep", "K shared prefixes x 3 rounds, request = prefix + unique suffix", "gemma-like",
+        "sweep",
+        "K shared prefixes x 3 rounds, request = prefix + unique suffix",
+        "gemma-like",
         "prefixes hit in the last round",
         {
-            "small": Params(length=2048, num_blocks=30000, count=4, token_budget=4096, extra=(15, 30, 45, 60),
-                            intervals=(1024, 2048), suffix=64),
-            "full": Params(length=8192, num_blocks=70000, count=8, token_budget=8192, extra=(15, 30, 45, 60),
-                           intervals=(4096, 8192), suffix=256),
+            "small": Params(
+                length=2048,
+                num_blocks=30000,
+                count=4,
+                token_budget=4096,
+                extra=(15, 30, 45, 60),
+                intervals=(1024, 2048),
+                suffix=64,
+            ),
+            "full": Params(
+                length=8192,
+                num_blocks=70000,
+                count=8,
+                token_budget=8192,
+                extra=(15, 30, 45, 60),
+                intervals=(4096, 8192),
+                suffix=256,
+            ),
         },
     ),
     "multiturn": Scenario(
-        "multiturn", "Mamba multi-turn conversations (history + user message each turn)", "kimi-linear-like",
+        "multiturn",
+        "Mamba multi-turn conversations (history + user message each turn)",
+        "kimi-linear-like",
         "later turns that hit",
         {
-            "small": Params(length=2048, num_blocks=0, count=8, token_budget=2048, extra=(16, 8, 512, 64),
-                            intervals=(2048, 8192), pool_x=8, max_len=16384),
-            "full": Params(length=16384, num_blocks=0, count=16, token_budget=8192, extra=(32, 10, 2048, 256),
-                           intervals=(2048, 8192), pool_x=8, max_len=131072),
+            "small": Params(
+                length=2048,
+                num_blocks=0,
+                count=8,
+                token_budget=2048,
+                extra=(16, 8, 512, 64),
+                intervals=(2048, 8192),
+                pool_x=8,
+                max_len=16384,
+            ),
+            "full": Params(
+                length=16384,
+                num_blocks=0,
+                count=16,
+                token_budget=8192,
+                extra=(32, 10, 2048, 256),
+                intervals=(2048, 8192),
+                pool_x=8,
+                max_len=131072,
+            ),
         },
     ),
     "agentic": Scenario(
-        "agentic", "agent sessions sharing a system prompt, each turn = whole session + a tool result",
-        "dsv4-flash", "later turns that hit beyond the system prompt",
+        "agentic",
+        "agent sessions sharing a system prompt, each turn = whole session + a tool result",
+        "dsv4-flash",
+        "later turns that hit beyond the system prompt",
         {
-            "small": Params(length=1024, num_blocks=1500, count=4, token_budget=1024, extra=(12, 6, 1024, 16),
-                            intervals=(1024, 2048)),
-            "full": Params(length=16384, num_blocks=0, count=16, token_budget=16384,
-                           extra=(32, 8, 16384, 256), intervals=(32768,), pool_x=14.5, max_len=M),
+            "small": Params(
+                length=1024,
+                num_blocks=1500,
+                count=4,
+                token_budget=1024,
+                extra=(12, 6, 1024, 16),
+                intervals=(1024, 2048),
+            ),
+            "full": Params(
+                length=16384,
+                num_blocks=0,
+                count=16,
+                token_budget=16384,
+                extra=(32, 8, 16384, 256),
+                intervals=(32768,),
+                pool_x=14.5,
+                max_len=M,
+            ),
         },
     ),
 }
 
 
-def run_scenario(
-    name: str, base: Config, p: Params, ctx: Ctx, only: tuple[str, ...] = ()
-) -> list[Row]:
-    settings = [s for s in settings_for(base.with_(num_blocks=p.pool(base)), p.intervals, ctx.target)
-                if not only or s.name in only]
+def run_scenario(name: str, base: Config, p: Params, ctx: Ctx, only: tuple[str, ...] = ()) -> list[Row]:
+    settings = [
+        s
+        for s in settings_for(base.with_(num_blocks=p.pool(base)), p.intervals, ctx.target)
+        if not only or s.name in only
+    ]
     if ctx.jobs > 1 and len(settings) > 1:
         return _run_parallel(name, p, ctx, settings)
     rows: list[Row] = []
@@ -351,26 +448,38 @@ def _run_parallel(name: str, p: Params, ctx: Ctx, settings: list[Setting]) -> li
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=ctx.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_worker, name, p, ctx.target, ctx.seed, ctx.progress is not None, s)
-                   for s in settings]
+        futures = [
+            pool.submit(_worker, name, p, ctx.target, ctx.seed, ctx.progress is not None, s) for s in settings
+        ]
         return [row for f in futures for row in f.result()]
 
 
 RUNNERS: dict[str, Callable[[Ctx, Setting, Params], Row]] = {
-    "sequential": sequential, "concurrent": concurrent, "multiturn": multiturn, "agentic": agentic,
+    "sequential": sequential,
+    "concurrent": concurrent,
+    "multiturn": multiturn,
+    "agentic": agentic,
 }
 
 
-def bench_request(target: str, tokens: int = 1 << 20, retention: int | None = 32768,
-                  preset_name: str = "dsv4-like", token_budget: int = 16384) -> float:
+def bench_request(
+    target: str,
+    tokens: int = 1 << 20,
+    retention: int | None = 32768,
+    preset_name: str = "dsv4-like",
+    token_budget: int = 16384,
+) -> float:
     """Seconds to run one `tokens`-token request alone (prefill + 1 output), import excluded."""
-    from invariants.presets import PRESETS, pool_blocks
+    from invariants.layouts.presets import PRESETS, pool_blocks
 
     base = PRESETS[preset_name]
     # room for the request twice over, as vLLM would size a 2x-concurrency pool
-    cfg = base.with_(num_blocks=pool_blocks(base, 2, tokens, max_num_batched_tokens=token_budget,
-                                            concurrent_batches=1) + 1024, retention_interval=retention,
-                     max_model_len=max(base.max_model_len, tokens + 16))
+    cfg = base.with_(
+        num_blocks=pool_blocks(base, 2, tokens, max_num_batched_tokens=token_budget, concurrent_batches=1)
+        + 1024,
+        retention_interval=retention,
+        max_model_len=max(base.max_model_len, tokens + 16),
+    )
     setting = Setting(f"r{retention}", cfg)
     make_target(target, setting)  # warm-up
     t = make_target(target, setting)

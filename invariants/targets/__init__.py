@@ -50,4 +50,12 @@ def available_targets() -> dict[str, str | None]:
     return out
 
 
-__all__ = ["PINNING_TARGETS", "TARGET_NAMES", "Target", "TargetCrash", "TargetUnavailable", "available_targets", "target_factory"]
+__all__ = [
+    "PINNING_TARGETS",
+    "TARGET_NAMES",
+    "Target",
+    "TargetCrash",
+    "TargetUnavailable",
+    "available_targets",
+    "target_factory",
+]

@@ -101,9 +101,7 @@ class VllmTarget:
 
     name = "vllm"
 
-    def __init__(
-        self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True
-    ) -> None:
+    def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
         ok, reason = vllm_available()
         if not ok:
             raise TargetUnavailable(reason)
@@ -193,7 +191,9 @@ class VllmTarget:
             pooling_params=None,
             mm_features=None,
             # EngineCore hashes requests only when prefix caching is on (core.py)
-            block_hasher=v["get_request_block_hasher"](self.hbs, v["sha256"]) if self.config.enable_caching else None,
+            block_hasher=v["get_request_block_hasher"](self.hbs, v["sha256"])
+            if self.config.enable_caching
+            else None,
         )
         self._learn_hashes(req, 0)
         return req

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from invariants.catalogue import BY_NAME, CheckContext, History
-from invariants.checker import Violation
+from invariants.harness.checker import Violation
 from invariants.targets.base import Target, TargetCrash
 from model.config import Config, ConfigError, GroupSpec
 from model.observation import Done
@@ -37,22 +37,44 @@ class DirectOutcome:
     config: Config | None = None
     ops: list[Op] = field(default_factory=list)
 
+
 INVALID_CONFIGS: tuple[tuple[str, Config], ...] = (
-    ("retention -4 (negative multiple of scheduler_block_size 4)",
-     Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=16,
-            retention_interval=-4)),
-    ("retention 6 (not a multiple of scheduler_block_size 4)",
-     Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 2, sliding_window=5)), num_blocks=16,
-            retention_interval=6)),
-    ("retention 4 on a model with no SWA/Mamba group",
-     Config(groups=(GroupSpec("full", 4),), num_blocks=16, retention_interval=4)),
+    (
+        "retention -4 (negative multiple of scheduler_block_size 4)",
+        Config(
+            groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)),
+            num_blocks=16,
+            retention_interval=-4,
+        ),
+    ),
+    (
+        "retention 6 (not a multiple of scheduler_block_size 4)",
+        Config(
+            groups=(GroupSpec("full", 4), GroupSpec("swa", 2, sliding_window=5)),
+            num_blocks=16,
+            retention_interval=6,
+        ),
+    ),
+    (
+        "retention 4 on a model with no SWA/Mamba group",
+        Config(groups=(GroupSpec("full", 4),), num_blocks=16, retention_interval=4),
+    ),
 )
 
-STRUCTURE = ("block_in_exactly_one_place", "no_negative_ref_count", "free_queue_has_no_duplicates",
-             "ref_count_matches_tables", "hash_map_points_at_holders")
+STRUCTURE = (
+    "block_in_exactly_one_place",
+    "no_negative_ref_count",
+    "free_queue_has_no_duplicates",
+    "ref_count_matches_tables",
+    "hash_map_points_at_holders",
+)
 
-FAULT_CONFIG = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=24,
-                      retention_interval=0, max_model_len=4096)
+FAULT_CONFIG = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)),
+    num_blocks=24,
+    retention_interval=0,
+    max_model_len=4096,
+)
 FAULT_PROMPT = tuple([1, 2, 3] * 7)
 
 
@@ -63,8 +85,9 @@ def config_rejection(factory: Factory) -> DirectOutcome:
         except ConfigError:
             continue
         except Exception as exc:  # a rejection must be a clear ConfigError, not a traceback
-            return DirectOutcome(Violation("config_rejection",
-                                           f"{rule}: raised {type(exc).__name__}: {exc}, not ConfigError"))
+            return DirectOutcome(
+                Violation("config_rejection", f"{rule}: raised {type(exc).__name__}: {exc}, not ConfigError")
+            )
         return DirectOutcome(Violation("config_rejection", f"{rule}: accepted"))
     return DirectOutcome()
 
@@ -77,7 +100,11 @@ class _FaultySink(list):  # type: ignore[type-arg]
         self.group, self.fired = group, False
 
     def append(self, ev: Any) -> None:
-        if not self.fired and type(ev).__name__ == "BlockStored" and getattr(ev, "group_idx", None) == self.group:
+        if (
+            not self.fired
+            and type(ev).__name__ == "BlockStored"
+            and getattr(ev, "group_idx", None) == self.group
+        ):
             self.fired = True
             raise RuntimeError("injected fault: KV event sink failed")
         super().append(ev)

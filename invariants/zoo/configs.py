@@ -15,7 +15,7 @@ from functools import reduce
 
 from hypothesis import strategies as st
 
-from invariants.strategies import configs
+from invariants.harness.strategies import configs
 from model.config import Config, GroupSpec, validate
 
 SWA_SHAPES: tuple[tuple[str, ...], ...] = (("swa",), ("full", "swa"), ("full", "swa"), ("full", "swa", "swa"))
@@ -82,13 +82,23 @@ def strategy(name: str, *, allow_pinning: bool) -> st.SearchStrategy[Config]:
         # model, reference and vLLM alike (an open finding, reported to the
         # lead), which would make the control fail.
         "mamba-sparse": lambda: zoo_configs(shapes=MAMBA_SHAPES, retention="sparse", eagle=False),
-        "mamba-coarse": lambda: zoo_configs(shapes=(("full", "mamba"),), retention="zero", eagle=False,
-                                            coarse_mamba=True),
+        "mamba-coarse": lambda: zoo_configs(
+            shapes=(("full", "mamba"),), retention="zero", eagle=False, coarse_mamba=True
+        ),
     }
     if name not in table:
         raise KeyError(f"unknown config strategy {name!r} (known: {', '.join(table)})")
     return table[name]()
 
 
-STRATEGY_NAMES = ("generated", "swa", "swa-sparse", "retention0", "eagle-swa", "eagle-multi", "pinning",
-                  "mamba-sparse", "mamba-coarse")
+STRATEGY_NAMES = (
+    "generated",
+    "swa",
+    "swa-sparse",
+    "retention0",
+    "eagle-swa",
+    "eagle-multi",
+    "pinning",
+    "mamba-sparse",
+    "mamba-coarse",
+)

@@ -226,7 +226,9 @@ def latest_boundary_dropped(t: ZooReferenceTarget) -> None:
     for m in t.managers():
         orig = m.cache_blocks
 
-        def cache_blocks(self: Any, request: Any, n: int, r: Any, boundaries: Sequence[int], _o: Any = orig) -> None:
+        def cache_blocks(
+            self: Any, request: Any, n: int, r: Any, boundaries: Sequence[int], _o: Any = orig
+        ) -> None:
             _o(request, n, r, ())
 
         _bind(m, "cache_blocks", cache_blocks)
@@ -236,11 +238,19 @@ class NoEagleMaskSlidingWindowManager(SlidingWindowManager):
     """`reachable_block_mask` ignores Eagle: no peek block, no shift."""
 
     @classmethod
-    def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int | None, spec: Any,
-                             use_eagle: bool, retention_interval: int | None = None,
-                             reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
-        return super().reachable_block_mask(start_block, end_block, alignment_tokens, spec, False,
-                                            retention_interval, reachable_boundaries)
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        spec: Any,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+    ) -> list[bool] | None:
+        return super().reachable_block_mask(
+            start_block, end_block, alignment_tokens, spec, False, retention_interval, reachable_boundaries
+        )
 
 
 @mutant("eagle_extra_block_dropped", strategy="eagle-swa", kind="components")
@@ -266,12 +276,25 @@ class AlwaysDropEagleCoordinator(HybridKVCacheCoordinator):
                 base = sg.manager_cls
                 finder = base.find_longest_cache_hit.__func__  # type: ignore[attr-defined]
 
-                def always_drop(cls: Any, hashes: Any, max_length: int, gids: Any, pool: Any, spec: Any,
-                                drop: bool, align: int, _f: Any = finder, _b: Any = base) -> Any:
+                def always_drop(
+                    cls: Any,
+                    hashes: Any,
+                    max_length: int,
+                    gids: Any,
+                    pool: Any,
+                    spec: Any,
+                    drop: bool,
+                    align: int,
+                    _f: Any = finder,
+                    _b: Any = base,
+                ) -> Any:
                     return _f(_b, hashes, max_length, gids, pool, spec, True, align)
 
-                sg.manager_cls = type(f"AlwaysDrop{base.__name__}", (base,),
-                                      {"find_longest_cache_hit": classmethod(always_drop)})
+                sg.manager_cls = type(
+                    f"AlwaysDrop{base.__name__}",
+                    (base,),
+                    {"find_longest_cache_hit": classmethod(always_drop)},
+                )
 
 
 @mutant("eagle_drop_every_pass", strategy="eagle-multi", kind="components")
@@ -302,8 +325,16 @@ def blockstored_unmasked_tokens(t: ZooReferenceTarget) -> None:
     pool = t.pool
     orig = pool.cache_full_blocks
 
-    def cache_full_blocks(self: Any, request: Any, blocks: Any, num_cached: int, num_full: int, bs: int,
-                          gid: int, block_mask: Any = None) -> None:
+    def cache_full_blocks(
+        self: Any,
+        request: Any,
+        blocks: Any,
+        num_cached: int,
+        num_full: int,
+        bs: int,
+        gid: int,
+        block_mask: Any = None,
+    ) -> None:
         before = len(self.kv_event_queue)
         orig(request, blocks, num_cached, num_full, bs, gid, block_mask)
         if len(self.kv_event_queue) > before and isinstance(self.kv_event_queue[-1], BlockStored):
@@ -327,8 +358,16 @@ def blockremoved_while_resident(t: ZooReferenceTarget) -> None:
     pool = t.pool
     orig = pool.cache_full_blocks
 
-    def cache_full_blocks(self: Any, request: Any, blocks: Any, num_cached: int, num_full: int, bs: int,
-                          gid: int, block_mask: Any = None) -> None:
+    def cache_full_blocks(
+        self: Any,
+        request: Any,
+        blocks: Any,
+        num_cached: int,
+        num_full: int,
+        bs: int,
+        gid: int,
+        block_mask: Any = None,
+    ) -> None:
         resident = {k for k, blks in self.cached_block_hash_to_block.items() if blks}
         before = len(self.kv_event_queue)
         orig(request, blocks, num_cached, num_full, bs, gid, block_mask)
@@ -341,8 +380,9 @@ def blockremoved_while_resident(t: ZooReferenceTarget) -> None:
                 self.kv_event_queue.pop()
                 return
             tokens = tuple(tok for i in keep for tok in ev.token_ids[i * bs : (i + 1) * bs])
-            self.kv_event_queue[-1] = replace(ev, block_hashes=tuple(ev.block_hashes[i] for i in keep),
-                                              token_ids=tokens)
+            self.kv_event_queue[-1] = replace(
+                ev, block_hashes=tuple(ev.block_hashes[i] for i in keep), token_ids=tokens
+            )
 
     _bind(pool, "cache_full_blocks", cache_full_blocks)
 
@@ -473,7 +513,9 @@ def _lax_retention_check(config: Config) -> None:
     if r is None:
         return
     if not config.has_retention_group and r != 0:
-        raise ConfigError("prefix_cache_retention_interval is set but this model has no sliding-window or Mamba group")
+        raise ConfigError(
+            "prefix_cache_retention_interval is set but this model has no sliding-window or Mamba group"
+        )
     if r % config.hash_block_size:  # the bug: no `r < 0`, and the wrong divisor
         raise ConfigError(f"prefix_cache_retention_interval ({r}) must be a multiple of hash_block_size")
 
@@ -491,7 +533,9 @@ def retention_validation_lax(t: ZooReferenceTarget, config: Config) -> None:
     with the interval set after the allocator's own validation.
     """
     _lax_retention_check(config)
-    ReferenceTarget.__init__(t, config.with_(retention_interval=None if config.retention_interval is None else 0))
+    ReferenceTarget.__init__(
+        t, config.with_(retention_interval=None if config.retention_interval is None else 0)
+    )
     t.config = config
     coord = t.allocator.coordinator
     coord.retention_interval = config.retention_interval
@@ -501,8 +545,9 @@ def retention_validation_lax(t: ZooReferenceTarget, config: Config) -> None:
 class StrictMambaManager(MambaManager):
     """`cache_blocks` insists every non-null block it walked got a hash."""
 
-    def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None,
-                     replay_boundaries: Sequence[int]) -> None:
+    def cache_blocks(
+        self, request: Any, num_tokens: int, retention_interval: int | None, replay_boundaries: Sequence[int]
+    ) -> None:
         rid = request.request_id
         before = self.num_cached_block.get(rid, 0)
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
@@ -531,11 +576,19 @@ class NoBoundaryMambaManager(MambaManager):
     """`reachable_block_mask` keeps the per-segment states only."""
 
     @classmethod
-    def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int | None, spec: Any,
-                             use_eagle: bool, retention_interval: int | None = None,
-                             reachable_boundaries: Sequence[int] = ()) -> list[bool] | None:
-        return super().reachable_block_mask(start_block, end_block, alignment_tokens, spec, use_eagle,
-                                            retention_interval, ())
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        spec: Any,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+    ) -> list[bool] | None:
+        return super().reachable_block_mask(
+            start_block, end_block, alignment_tokens, spec, use_eagle, retention_interval, ()
+        )
 
 
 @mutant("mamba_mask_no_replay_boundary", strategy="mamba-coarse", kind="components")
@@ -619,7 +672,9 @@ class UncompressedFullAttentionManager(FullAttentionManager):
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any) -> int:
         return super().get_num_blocks_to_allocate(request_id, num_tokens * COMPRESS_RATIO, *args)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
         return super().allocate_new_blocks(request_id, num_tokens * COMPRESS_RATIO, num_tokens_main_model)
 
 
@@ -659,13 +714,24 @@ def mask_flag_not_restored(t: ZooReferenceTarget) -> None:
     pool = t.pool
     orig = pool.cache_full_blocks
 
-    def cache_full_blocks(self: Any, request: Any, blocks: Any, num_cached: int, num_full: int, bs: int,
-                          gid: int, block_mask: Any = None) -> None:
+    def cache_full_blocks(
+        self: Any,
+        request: Any,
+        blocks: Any,
+        num_cached: int,
+        num_full: int,
+        bs: int,
+        gid: int,
+        block_mask: Any = None,
+    ) -> None:
         if block_mask is None:
             orig(request, blocks, num_cached, num_full, bs, gid, None)
             return
-        flagged = [blocks[num_cached + i] for i, keep in enumerate(block_mask)
-                   if not keep and not blocks[num_cached + i].is_null]
+        flagged = [
+            blocks[num_cached + i]
+            for i, keep in enumerate(block_mask)
+            if not keep and not blocks[num_cached + i].is_null
+        ]
         for b in flagged:
             b.is_null = True
         orig(request, blocks, num_cached, num_full, bs, gid, None)
@@ -695,7 +761,9 @@ class NetOfFreedSlidingWindowManager(SlidingWindowManager):
             return cdiv(num_tokens, self.block_size) - len(blocks) - self._freed_now.get(request_id, 0)
         return super().get_num_blocks_to_allocate(request_id, num_tokens, *args)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
         req_blocks = self.req_to_blocks[request_id]
         num_new = cdiv(num_tokens, self.block_size) - len(req_blocks) - self._freed_now.pop(request_id, 0)
         if num_new == 0:  # the bug: `== 0`, not `<= 0`; a negative count reaches popleft_n

@@ -53,8 +53,9 @@ NOT_APPLICABLE: dict[str, str] = {
 }
 
 
-def mutant(name: str, *, strategy: str = "generated",
-           checks: tuple[str, ...] = ()) -> Callable[[Callable[[contextlib.ExitStack], None]], Any]:
+def mutant(
+    name: str, *, strategy: str = "generated", checks: tuple[str, ...] = ()
+) -> Callable[[Callable[[contextlib.ExitStack], None]], Any]:
     def deco(fn: Callable[[contextlib.ExitStack], None]) -> Callable[[contextlib.ExitStack], None]:
         VLLM_MUTANTS[name] = VllmMutant(name, fn.__doc__ or "", fn, strategy, checks)
         return fn
@@ -83,8 +84,9 @@ def _core() -> dict[str, Any]:
     return {"bp": block_pool, "coord": kv_cache_coordinator, "stm": single_type_kv_cache_manager}
 
 
-def _wrap_classmethod_args(stack: contextlib.ExitStack, cls: Any, attr: str,
-                           edit: Callable[[inspect.BoundArguments], None]) -> None:
+def _wrap_classmethod_args(
+    stack: contextlib.ExitStack, cls: Any, attr: str, edit: Callable[[inspect.BoundArguments], None]
+) -> None:
     """Replace classmethod `cls.attr` by one that edits its bound arguments first."""
     func = vars(cls)[attr].__func__
     sig = inspect.signature(func)
@@ -241,7 +243,9 @@ def retention_validation_lax(stack: contextlib.ExitStack) -> None:
             return orig(retention_interval, scheduler_block_size, kv_cache_config)
         hbs = min(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
         if retention_interval % hbs:
-            raise ValueError(f"prefix_cache_retention_interval ({retention_interval}) must be a multiple of {hbs}")
+            raise ValueError(
+                f"prefix_cache_retention_interval ({retention_interval}) must be a multiple of {hbs}"
+            )
         return None
 
     _set(stack, coord, "_validate_prefix_cache_retention_interval", lax)
@@ -344,8 +348,11 @@ def blockremoved_while_resident(stack: contextlib.ExitStack) -> None:
 
     def cache_full_blocks(self: Any, *args: Any, **kwargs: Any) -> None:
         gid = kwargs.get("kv_cache_group_id", args[5] if len(args) > 5 else None)
-        resident = {maybe_convert_block_hash(k[:-4]) for k in self.cached_block_hash_to_block._cache
-                    if int.from_bytes(k[-4:], "big") == gid}
+        resident = {
+            maybe_convert_block_hash(k[:-4])
+            for k in self.cached_block_hash_to_block._cache
+            if int.from_bytes(k[-4:], "big") == gid
+        }
         before = len(self.kv_event_queue)
         orig(self, *args, **kwargs)
         if len(self.kv_event_queue) > before and isinstance(self.kv_event_queue[-1], BlockStored):

@@ -31,11 +31,11 @@ from hypothesis import HealthCheck, Verbosity, reject, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import get_state_machine_test
 
-from invariants.checker import Violation
-from invariants.machine import FuzzStats, ViolationFound, build_machine
+from invariants.harness.checker import Violation
+from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
+from invariants.harness.trace import Trace, write_trace
 from invariants.report import Progress, table
 from invariants.targets.base import Target
-from invariants.trace import Trace, write_trace
 from invariants.zoo import checks as direct
 from invariants.zoo.configs import strategy as config_strategy
 from model.config import Config
@@ -101,16 +101,22 @@ class _Hunt:
         return self.first_at is not None and time.monotonic() - self.first_at > self.shrink_s
 
 
-def _machine(factory: Factory, cfg_strategy: object, stats: FuzzStats, hunt: _Hunt,
-             tolerated: Callable[[Violation], bool] | None) -> type:
+def _machine(
+    factory: Factory,
+    cfg_strategy: object,
+    stats: FuzzStats,
+    hunt: _Hunt,
+    tolerated: Callable[[Violation], bool] | None,
+) -> type:
     def guarded(config: Config) -> Target:
         if hunt.stop_shrinking():
             reject()
         try:
             return factory(config)
         except Exception as exc:  # a mutant that cannot even be built for a valid config is killed
-            failure = ViolationFound([Violation("crash", f"target construction: {type(exc).__name__}: {exc}")],
-                                     config, [])
+            failure = ViolationFound(
+                [Violation("crash", f"target construction: {type(exc).__name__}: {exc}")], config, []
+            )
             hunt.record(failure)
             raise failure from exc
 
@@ -144,10 +150,19 @@ def fuzz_until_killed(
     """Batches of the state machine until a violation, the deadline or `max_batches`."""
     stats = FuzzStats()
     hunt = _Hunt(shrink_s)
-    machine = _machine(factory, config_strategy(strategy_name, allow_pinning=allow_pinning), stats, hunt, tolerated)
-    s = settings(max_examples=EXAMPLES_PER_BATCH, stateful_step_count=STEPS_PER_EXAMPLE, deadline=None,
-                 database=None, derandomize=False, print_blob=False, suppress_health_check=list(HealthCheck),
-                 verbosity=Verbosity.quiet)
+    machine = _machine(
+        factory, config_strategy(strategy_name, allow_pinning=allow_pinning), stats, hunt, tolerated
+    )
+    s = settings(
+        max_examples=EXAMPLES_PER_BATCH,
+        stateful_step_count=STEPS_PER_EXAMPLE,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        print_blob=False,
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         while time.monotonic() < deadline and (max_batches is None or hunt.batches < max_batches):
@@ -189,15 +204,26 @@ def run_entry(
                 result.seconds_to_kill = time.monotonic() - start
                 result.detail = outcome.violation.message
                 if out_dir is not None and outcome.config is not None:
-                    trace = Trace(outcome.config, outcome.ops, None, entry.target,
-                                  f"mutant {entry.name}: {outcome.violation} (needs the injected fault)")
+                    trace = Trace(
+                        outcome.config,
+                        outcome.ops,
+                        None,
+                        entry.target,
+                        f"mutant {entry.name}: {outcome.violation} (needs the injected fault)",
+                    )
                     result.trace_path = write_trace(trace, out_dir / f"zoo-{entry.target}-{entry.name}.json")
                 break
         if not result.killed:
             prog.tick(f"fuzz: strategy {entry.strategy}, seeds from {seed}", force=progress)
             hunt, stats = fuzz_until_killed(
-                factory, entry.strategy, allow_pinning=entry.target == "reference", seed=seed,
-                deadline=start + budget_s, shrink_s=shrink_s, tolerated=entry.tolerated, progress=prog,
+                factory,
+                entry.strategy,
+                allow_pinning=entry.target == "reference",
+                seed=seed,
+                deadline=start + budget_s,
+                shrink_s=shrink_s,
+                tolerated=entry.tolerated,
+                progress=prog,
                 max_batches=max_batches,
             )
             result.steps = stats.steps
@@ -211,8 +237,13 @@ def run_entry(
                 result.detail = str(best.violations[0])
                 if out_dir is not None:
                     kill_seed = seed + hunt.batches - 1
-                    trace = Trace(best.config, best.ops, kill_seed, entry.target,
-                                  f"mutant {entry.name}: {best.violations[0]}")
+                    trace = Trace(
+                        best.config,
+                        best.ops,
+                        kill_seed,
+                        entry.target,
+                        f"mutant {entry.name}: {best.violations[0]}",
+                    )
                     result.trace_path = write_trace(trace, out_dir / f"zoo-{entry.target}-{entry.name}.json")
                     result.seeds = str(kill_seed)
     result.seconds = time.monotonic() - start
@@ -244,21 +275,41 @@ class ZooReport:
         med = f"{statistics.median(times):.1f}" if times else "-"
         mx = f"{max(times):.1f}" if times else "-"
         rate = killed / len(self.results) if self.results else 0.0
-        return (f"zoo {self.target}: {killed}/{len(self.results)} killed ({rate:.0%}), "
-                f"median time to kill {med} s, max {mx} s, {len(self.not_applicable)} not applicable, "
-                f"{self.seconds:.0f} s in all")
+        return (
+            f"zoo {self.target}: {killed}/{len(self.results)} killed ({rate:.0%}), "
+            f"median time to kill {med} s, max {mx} s, {len(self.not_applicable)} not applicable, "
+            f"{self.seconds:.0f} s in all"
+        )
 
     def table(self) -> str:
         rows = []
         for r in self.results:
             first = r.check + (f" (+{', '.join(r.also[:3])})" if r.also else "")
-            rows.append((r.name, r.verdict, first,
-                         f"{r.seconds_to_kill:.2f}" if r.seconds_to_kill is not None else "-",
-                         r.strategy, r.seeds, str(r.trace_path) if r.trace_path else "-"))
+            rows.append(
+                (
+                    r.name,
+                    r.verdict,
+                    first,
+                    f"{r.seconds_to_kill:.2f}" if r.seconds_to_kill is not None else "-",
+                    r.strategy,
+                    r.seeds,
+                    str(r.trace_path) if r.trace_path else "-",
+                )
+            )
         for name, why in self.not_applicable:
             rows.append((name, "n/a", why, "-", "-", "-", "-"))
-        return table(["mutant", "verdict", "first check (+ others on that step)", "kill s", "configs", "seed",
-                      "trace"], rows)
+        return table(
+            [
+                "mutant",
+                "verdict",
+                "first check (+ others on that step)",
+                "kill s",
+                "configs",
+                "seed",
+                "trace",
+            ],
+            rows,
+        )
 
 
 def run_zoo(
@@ -276,7 +327,9 @@ def run_zoo(
     start = time.monotonic()
     results = []
     for entry in entries:
-        r = run_entry(entry, seed=seed, budget_s=budget_s, shrink_s=shrink_s, out_dir=out_dir, progress=progress)
+        r = run_entry(
+            entry, seed=seed, budget_s=budget_s, shrink_s=shrink_s, out_dir=out_dir, progress=progress
+        )
         results.append(r)
         if on_result:
             on_result(r)
@@ -292,8 +345,17 @@ def reference_entries(only: list[str] | None = None) -> list[ZooEntry]:
     for name in names:
         m = REFERENCE_MUTANTS[name]
         f = factory(name)
-        out.append(ZooEntry(name, "reference", m.summary, m.strategy, m.checks,
-                            lambda f=f: contextlib.nullcontext(f), doc=m.doc))  # type: ignore[misc]
+        out.append(
+            ZooEntry(
+                name,
+                "reference",
+                m.summary,
+                m.strategy,
+                m.checks,
+                lambda f=f: contextlib.nullcontext(f),
+                doc=m.doc,
+            )
+        )  # type: ignore[misc]
     return out
 
 
@@ -303,13 +365,20 @@ def unmutated_entry(target: str, strategy_name: str, checks: tuple[str, ...] = (
 
     tolerated = _vllm_tolerance() if target == "vllm" else None
     f = target_factory(target)
-    return ZooEntry("(unmutated)", target, "control", strategy_name, checks,
-                    lambda: contextlib.nullcontext(f), tolerated=tolerated)
+    return ZooEntry(
+        "(unmutated)",
+        target,
+        "control",
+        strategy_name,
+        checks,
+        lambda: contextlib.nullcontext(f),
+        tolerated=tolerated,
+    )
 
 
 def _vllm_tolerance() -> Callable[[Violation], bool] | None:
     try:
-        from invariants.known_findings import is_known_violation
+        from invariants.harness.known_findings import is_known_violation
     except ImportError:
         return None
     return lambda v: bool(is_known_violation("vllm", v))
@@ -331,7 +400,8 @@ def vllm_entries(only: list[str] | None = None) -> tuple[list[ZooEntry], list[tu
             with activate(name) as factory:
                 yield factory
 
-        entries.append(ZooEntry(name, "vllm", m.summary, m.strategy, m.checks, ctx, doc=m.doc,
-                                tolerated=tolerated))
+        entries.append(
+            ZooEntry(name, "vllm", m.summary, m.strategy, m.checks, ctx, doc=m.doc, tolerated=tolerated)
+        )
     na = [(n, why) for n, why in NOT_APPLICABLE.items() if only is None or n in only]
     return entries, na

@@ -19,13 +19,13 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.stateful import get_state_machine_test
 
-from invariants.checker import Violation
-from invariants.machine import FuzzStats, ViolationFound, build_machine
-from invariants.presets import preset
+from invariants.harness.checker import Violation
+from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
+from invariants.harness.strategies import configs
+from invariants.harness.trace import Trace, write_trace
+from invariants.layouts.presets import preset
 from invariants.report import Progress, table
-from invariants.strategies import configs
 from invariants.targets import PINNING_TARGETS, target_factory
-from invariants.trace import Trace, write_trace
 from model.config import Config
 from model.ops import op_to_json
 
@@ -57,7 +57,7 @@ class FuzzReport:
 
 def _tolerance(target: str):  # type: ignore[no-untyped-def]
     try:
-        from invariants.known_findings import is_known_violation
+        from invariants.harness.known_findings import is_known_violation
     except ImportError:
         return None
     return lambda v: is_known_violation(target, v)
@@ -77,9 +77,7 @@ def run_fuzz(
     factory = target_factory(target)
     if strategy is None:
         strategy = (
-            st.just(preset(config_name))
-            if config_name
-            else configs(allow_pinning=target in PINNING_TARGETS)
+            st.just(preset(config_name)) if config_name else configs(allow_pinning=target in PINNING_TARGETS)
         )
     stats = FuzzStats()
     machine = build_machine(factory, strategy, stats, tolerated=_tolerance(target))
@@ -106,9 +104,13 @@ def run_fuzz(
             except ViolationFound:
                 failure = stats.last_failure
                 break
-            prog.tick(f"batch {batch}: {stats.steps} steps, {stats.steps / max(prog.elapsed(), 1e-9):.0f} ops/s, "
-                      f"hit rate {stats.hit_rate:.1%}")
-    report = FuzzReport(target, config_name or "generated", seed, batch, stats, time.monotonic() - start, failure)
+            prog.tick(
+                f"batch {batch}: {stats.steps} steps, {stats.steps / max(prog.elapsed(), 1e-9):.0f} ops/s, "
+                f"hit rate {stats.hit_rate:.1%}"
+            )
+    report = FuzzReport(
+        target, config_name or "generated", seed, batch, stats, time.monotonic() - start, failure
+    )
     if failure is not None:
         trace = Trace(failure.config, failure.ops, seed + batch - 1, target, str(failure.violations[0]))
         report.trace_path = write_trace(trace, out_dir / f"kvretain-{target}-seed{seed + batch - 1}.json")
@@ -118,7 +120,9 @@ def run_fuzz(
 def format_failure(report: FuzzReport) -> str:
     assert report.failure is not None
     f = report.failure
-    lines = [f"VIOLATION on target {report.target} (seed {report.seed}, batch seed {report.seed + report.batches - 1})"]
+    lines = [
+        f"VIOLATION on target {report.target} (seed {report.seed}, batch seed {report.seed + report.batches - 1})"
+    ]
     lines += [f"  {v}" for v in f.violations[:10]]
     lines.append(f"config: {f.config}")
     lines.append(f"shrunk trace ({len(f.ops)} operations):")
@@ -129,12 +133,35 @@ def format_failure(report: FuzzReport) -> str:
 
 def format_summary(reports: list[FuzzReport]) -> str:
     rows = [
-        (r.target, r.config, r.seed, r.batches, r.stats.examples, r.stats.steps, f"{r.ops_per_s:.0f}",
-         len(r.stats.states), f"{r.stats.hit_rate:.1%}", r.verdict, f"{r.seconds:.1f}")
+        (
+            r.target,
+            r.config,
+            r.seed,
+            r.batches,
+            r.stats.examples,
+            r.stats.steps,
+            f"{r.ops_per_s:.0f}",
+            len(r.stats.states),
+            f"{r.stats.hit_rate:.1%}",
+            r.verdict,
+            f"{r.seconds:.1f}",
+        )
         for r in reports
     ]
     return table(
-        ["target", "config", "seed", "batches", "examples", "steps", "ops/s", "states", "hit rate", "verdict", "seconds"],
+        [
+            "target",
+            "config",
+            "seed",
+            "batches",
+            "examples",
+            "steps",
+            "ops/s",
+            "states",
+            "hit rate",
+            "verdict",
+            "seconds",
+        ],
         rows,
     )
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from invariants.checker import Checker, InvalidOp, Violation
+from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.trace import Trace, TraceError
 from invariants.targets import target_factory
-from invariants.trace import Trace, TraceError
 from model.ops import op_to_json
 
 
@@ -28,10 +28,12 @@ class ReplayResult:
 
 def replay(trace: Trace, target: str, stop_at_first: bool = False) -> ReplayResult:
     try:
-        from invariants.known_findings import is_known_violation
+        from invariants.harness.known_findings import is_known_violation
     except ImportError:  # pragma: no cover
+
         def is_known_violation(target: str, v: Violation) -> bool:  # type: ignore[misc]
             return False
+
     checker = Checker(target_factory(target)(trace.config))
     result = ReplayResult(target)
     for i, op in enumerate(trace.ops):

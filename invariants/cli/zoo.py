@@ -33,23 +33,42 @@ from invariants.zoo.runner import (
 
 # The subset `verify --quick` and the tests run: one per family, all fast.
 QUICK_SUBSET = (
-    "swa_slide_appends_uncached", "swa_mask_floor", "latest_boundary_dropped", "eagle_extra_block_dropped",
-    "blockstored_unmasked_tokens", "pin_by_refcount", "retention_validation_lax",
-    "mamba_sparse_unhashed_crash", "reuse_without_evict", "mask_flag_not_restored",
+    "swa_slide_appends_uncached",
+    "swa_mask_floor",
+    "latest_boundary_dropped",
+    "eagle_extra_block_dropped",
+    "blockstored_unmasked_tokens",
+    "pin_by_refcount",
+    "retention_validation_lax",
+    "mamba_sparse_unhashed_crash",
+    "reuse_without_evict",
+    "mask_flag_not_restored",
 )
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `zoo`; `args.func` is `run`."""
-    p = subparsers.add_parser("zoo", help="mutants that re-create real bugs: which check kills each, how fast",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "zoo",
+        help="mutants that re-create real bugs: which check kills each, how fast",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--target", choices=("reference", "vllm"), default="reference")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="fuzzing budget per mutant in seconds (default 60, --quick 15)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="fuzzing budget per mutant in seconds (default 60, --quick 15)",
+    )
     p.add_argument("--quick", action="store_true", help="a fixed subset of mutants, small budgets")
-    p.add_argument("--only", action="append", metavar="NAME", help="run only this mutant (repeatable, or a,b)")
+    p.add_argument(
+        "--only", action="append", metavar="NAME", help="run only this mutant (repeatable, or a,b)"
+    )
     p.add_argument("--seed", type=int, default=0, help="first Hypothesis seed (batch i uses seed + i)")
-    p.add_argument("--shrink-s", type=float, default=None, help="shrinking budget per kill (default 10, --quick 3)")
+    p.add_argument(
+        "--shrink-s", type=float, default=None, help="shrinking budget per kill (default 10, --quick 3)"
+    )
     p.add_argument("--out", default="kvretain-traces/zoo", help="where shrunk traces are written")
     p.add_argument("--no-control", action="store_true", help="skip the unmutated control run")
     p.set_defaults(func=run)
@@ -79,13 +98,24 @@ def _known(target: str) -> set[str]:
 
 def _progress_line(r: MutantResult) -> None:
     when = f"{r.seconds_to_kill:.2f}s" if r.seconds_to_kill is not None else f"{r.seconds:.0f}s"
-    print(f"[zoo] {r.target} {r.name}: {r.verdict} by {r.check} in {when}"
-          + (f" ({r.detail[:120]})" if r.detail else "") + (f" [{r.note}]" if r.note else ""),
-          file=sys.stderr, flush=True)
+    print(
+        f"[zoo] {r.target} {r.name}: {r.verdict} by {r.check} in {when}"
+        + (f" ({r.detail[:120]})" if r.detail else "")
+        + (f" [{r.note}]" if r.note else ""),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
-def control(target: str, strategies: list[str], *, seed: int, budget_s: float, out: Path | None,
-            checks: tuple[str, ...]) -> list[MutantResult]:
+def control(
+    target: str,
+    strategies: list[str],
+    *,
+    seed: int,
+    budget_s: float,
+    out: Path | None,
+    checks: tuple[str, ...],
+) -> list[MutantResult]:
     """Run the unmutated target through every strategy the mutants use (with the direct checks once)."""
     results = []
     for i, name in enumerate(strategies):
@@ -108,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
         only = [n for item in args.only for n in item.split(",") if n]
         unknown = [n for n in only if n not in _known(args.target)]
         if unknown:
-            return _err(f"--only: unknown mutant(s) {', '.join(unknown)} (known: {', '.join(sorted(_known(args.target)))})")
+            return _err(
+                f"--only: unknown mutant(s) {', '.join(unknown)} (known: {', '.join(sorted(_known(args.target)))})"
+            )
     elif args.quick:
         only = [n for n in QUICK_SUBSET if n in _known(args.target)]
     budget = args.budget_s if args.budget_s is not None else (15.0 if args.quick else 60.0)
@@ -120,21 +152,41 @@ def run(args: argparse.Namespace) -> int:
         entries, na = _entries(args.target, only)
     except TargetUnavailable as exc:
         return _err(str(exc))
-    print(f"kvretain zoo: target {args.target}, {len(entries)} mutant(s), budget {budget:.0f} s each, "
-          f"shrink {shrink:.0f} s, seed {args.seed} (batch i uses seed + i)", flush=True)
+    print(
+        f"kvretain zoo: target {args.target}, {len(entries)} mutant(s), budget {budget:.0f} s each, "
+        f"shrink {shrink:.0f} s, seed {args.seed} (batch i uses seed + i)",
+        flush=True,
+    )
     t0 = time.monotonic()
-    report = run_zoo(entries, target=args.target, seed=args.seed, budget_s=budget, shrink_s=shrink, out_dir=out,
-                     progress=True, not_applicable=na, on_result=_progress_line)
+    report = run_zoo(
+        entries,
+        target=args.target,
+        seed=args.seed,
+        budget_s=budget,
+        shrink_s=shrink,
+        out_dir=out,
+        progress=True,
+        not_applicable=na,
+        on_result=_progress_line,
+    )
     control_ok = True
     if not args.no_control:
         strategies = list(dict.fromkeys(e.strategy for e in entries))
         checks = tuple(dict.fromkeys(c for e in entries for c in e.checks))
-        print(f"[zoo] control: unmutated {args.target} over {', '.join(strategies)}", file=sys.stderr, flush=True)
-        ctl = control(args.target, strategies, seed=args.seed, budget_s=min(budget, 10.0), out=out, checks=checks)
+        print(
+            f"[zoo] control: unmutated {args.target} over {', '.join(strategies)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        ctl = control(
+            args.target, strategies, seed=args.seed, budget_s=min(budget, 10.0), out=out, checks=checks
+        )
         control_ok = not any(r.killed for r in ctl)
         flagged = [f"{r.strategy}: {r.check}: {r.detail[:100]}" for r in ctl if r.killed]
-        print(f"control (unmutated {args.target}, {sum(r.steps for r in ctl)} steps over {len(ctl)} strategies): "
-              + ("clean" if control_ok else "FLAGGED: " + "; ".join(flagged)))
+        print(
+            f"control (unmutated {args.target}, {sum(r.steps for r in ctl)} steps over {len(ctl)} strategies): "
+            + ("clean" if control_ok else "FLAGGED: " + "; ".join(flagged))
+        )
     print(report.table())
     print(report.summary() + f"; wall {time.monotonic() - t0:.0f} s")
     for r in report.results:
@@ -153,16 +205,25 @@ def verify_row(quick: bool = False) -> tuple[str, str, str, str, float, bool]:
 
     t0 = time.monotonic()
     names = list(QUICK_SUBSET) if quick else list(REFERENCE_MUTANTS)
-    report = run_zoo(reference_entries(names), target="reference", budget_s=15.0 if quick else 60.0,
-                     shrink_s=1.0 if quick else 5.0, out_dir=Path("kvretain-traces/zoo"), progress=False,
-                     on_result=_progress_line)
+    report = run_zoo(
+        reference_entries(names),
+        target="reference",
+        budget_s=15.0 if quick else 60.0,
+        shrink_s=1.0 if quick else 5.0,
+        out_dir=Path("kvretain-traces/zoo"),
+        progress=False,
+        on_result=_progress_line,
+    )
     LAST_REPORT = report
     killed = sum(r.killed for r in report.results)
     times = sorted(report.kill_times)
     med = times[len(times) // 2] if times else 0.0
     figure = f"{killed}/{len(report.results)} mutants killed, median {med:.1f} s, max {max(times, default=0):.1f} s"
-    verdict = "every mutant killed" if report.ok else "SURVIVORS: " + ", ".join(
-        r.name for r in report.results if not r.killed)[:60]
+    verdict = (
+        "every mutant killed"
+        if report.ok
+        else "SURVIVORS: " + ", ".join(r.name for r in report.results if not r.killed)[:60]
+    )
     return ("zoo", "reference", verdict, figure, time.monotonic() - t0, report.ok)
 
 

@@ -1,6 +1,6 @@
 """Model layouts derived by vLLM 0.33.0's own KV-cache grouping code.
 
-`invariants/presets.py` hard-codes the full-size presets (`dsv4-flash`,
+`invariants/layouts/presets.py` hard-codes the full-size presets (`dsv4-flash`,
 `gemma-like`, `kimi-linear-like`, and `dsv4-like`, the seeds' two-group view
 of `dsv4-flash`, see `dsv4_main_view`); this module shows where their groups
 come from. For each model family it builds the per-layer `KVCacheSpec` dict the way
@@ -81,9 +81,7 @@ FAMILIES = ("dsv4", "gemma3", "kimi-linear")
 DSV4_FLASH_COMPRESS_RATIOS: tuple[int, ...] = (0, 0) + (4, 128) * 20 + (4,)
 # transformers 5.23 `DeepseekV4Config()` defaults: 43 layers, layers 0-1 HCA,
 # then HCA/CSA alternating (`configuration_deepseek_v4.py`, __post_init__).
-DSV4_TRANSFORMERS_DEFAULT_RATIOS: tuple[int, ...] = (128, 128) + tuple(
-    4 if i % 2 else 128 for i in range(41)
-)
+DSV4_TRANSFORMERS_DEFAULT_RATIOS: tuple[int, ...] = (128, 128) + tuple(4 if i % 2 else 128 for i in range(41))
 
 # Gemma 3 27B (google/gemma-3-27b config.json): 62 layers, every 6th global
 # (`sliding_window_pattern` 6, i.e. 5 local : 1 global -> 52 SWA + 10 full),
@@ -153,7 +151,7 @@ def _vllm() -> dict[str, Any]:
 
     ok, reason = vllm_available()
     if not ok:
-        raise LayoutUnavailable(f"invariants.layouts needs vLLM: {reason}")
+        raise LayoutUnavailable(f"invariants.layouts.derive needs vLLM: {reason}")
     try:
         import torch
         from vllm.config import DeviceConfig, VllmConfig
@@ -176,7 +174,7 @@ def _vllm() -> dict[str, Any]:
         from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
     except Exception as exc:  # an incompatible vLLM: say which import failed
         raise LayoutUnavailable(
-            f"invariants.layouts needs vLLM's KV-cache planning modules: {type(exc).__name__}: {exc}"
+            f"invariants.layouts.derive needs vLLM's KV-cache planning modules: {type(exc).__name__}: {exc}"
         ) from exc
     return dict(
         torch=torch,
@@ -229,7 +227,9 @@ def vllm_config(
     vc.scheduler_config.async_scheduling = concurrent_batches > 1
     vc.parallel_config.pipeline_parallel_size = max(concurrent_batches - 1, 1)
     if vc.max_concurrent_batches != concurrent_batches:
-        raise ValueError(f"concurrent_batches={concurrent_batches}: vLLM resolves {vc.max_concurrent_batches}")
+        raise ValueError(
+            f"concurrent_batches={concurrent_batches}: vLLM resolves {vc.max_concurrent_batches}"
+        )
     vc.cache_config.enable_prefix_caching = True
     vc.cache_config.block_size = block_size
     vc.cache_config.mamba_cache_mode = mamba_cache_mode
@@ -289,7 +289,9 @@ def dsv4_layer_specs(
 
     for i, r in enumerate(compress_ratios):
         if r not in (0, 1, 4, 128):
-            raise ValueError(f"compress_ratios[{i}]: DeepSeek-V4 layers use 0/1 (SWA only), 4 or 128, got {r}")
+            raise ValueError(
+                f"compress_ratios[{i}]: DeepSeek-V4 layers use 0/1 (SWA only), 4 or 128, got {r}"
+            )
         p = f"model.layers.{i}.attn"
         if r == 4:
             specs[f"{p}.indexer.k_cache"] = mla(
@@ -354,7 +356,9 @@ def gemma3_layer_specs(
     torch = v["torch"]
     specs: dict[str, Any] = {}
     for i in range(num_layers):
-        common = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim, dtype=torch.bfloat16)
+        common = dict(
+            block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim, dtype=torch.bfloat16
+        )
         name = f"model.layers.{i}.self_attn.attn"
         if (i + 1) % pattern:
             specs[name] = v["SlidingWindowSpec"](sliding_window=window, **common)
@@ -432,14 +436,18 @@ def kimi_linear_layer_specs(
         block_size = hybrid_mamba_block_size(attn_page_per_token, kda_page_size(tp))
     attn_page = block_size * attn_page_per_token
     k = KIMI_LINEAR_KDA
-    shapes = tuple(v["MambaStateShapeCalculator"].kda_state_shape(
-        tp, k["num_heads"], k["head_dim"], conv_kernel_size=k["conv_kernel"]
-    ))
+    shapes = tuple(
+        v["MambaStateShapeCalculator"].kda_state_shape(
+            tp, k["num_heads"], k["head_dim"], conv_kernel_size=k["conv_kernel"]
+        )
+    )
     dtypes = tuple(v["MambaStateDtypeCalculator"].kda_state_dtype(torch.bfloat16, "auto"))
     mamba_page = kda_page_size(tp)
     if mamba_page > attn_page:
-        raise ValueError(f"block_size={block_size}: the attention page ({attn_page} B) must hold a "
-                         f"KDA state ({mamba_page} B)")
+        raise ValueError(
+            f"block_size={block_size}: the attention page ({attn_page} B) must hold a "
+            f"KDA state ({mamba_page} B)"
+        )
     specs: dict[str, Any] = {}
     full = set(full_layers)
     for n in range(1, num_layers + 1):  # 1-indexed, as the checkpoint numbers them
@@ -465,7 +473,9 @@ def kimi_linear_layer_specs(
 
 
 # --------------------------------------------------------------------------- grouping
-def group_layers(specs: dict[str, Any], vc: Any, supported_layouts: Sequence[str] | None = None) -> tuple[str, list[Any]]:
+def group_layers(
+    specs: dict[str, Any], vc: Any, supported_layouts: Sequence[str] | None = None
+) -> tuple[str, list[Any]]:
     """(resolved layout name, vLLM's KV-cache groups) for these per-layer specs."""
     v = _vllm()
     if supported_layouts is None:
@@ -486,11 +496,20 @@ def scheduler_groups(groups: list[Any], num_blocks: int = 2) -> Any:
     return v["utils"].generate_scheduler_kv_cache_config([kv_cfg])
 
 
-_KIND_OF_MANAGER: dict[str, GroupKind] = {"FullAttentionManager": "full", "SlidingWindowManager": "swa", "MambaManager": "mamba"}
+_KIND_OF_MANAGER: dict[str, GroupKind] = {
+    "FullAttentionManager": "full",
+    "SlidingWindowManager": "swa",
+    "MambaManager": "mamba",
+}
 
 
 def to_config(
-    family: str, groups: list[Any], vc: Any, *, num_blocks: int = 2, name: str = "",
+    family: str,
+    groups: list[Any],
+    vc: Any,
+    *,
+    num_blocks: int = 2,
+    name: str = "",
     retention_interval: int | None = 0,
 ) -> tuple[Config, tuple[DerivedGroup, ...], tuple[str, ...], int, int]:
     """Convert vLLM groups to a kvretain Config (+ per-group facts, dropped groups, hbs, sbs)."""
@@ -522,7 +541,9 @@ def to_config(
             continue
         kind = _KIND_OF_MANAGER.get(mname)
         if kind is None:
-            raise UnsupportedLayout(f"groups[{i}]: vLLM runs {mname} for {d.spec_type}; kvretain has no such kind")
+            raise UnsupportedLayout(
+                f"groups[{i}]: vLLM runs {mname} for {d.spec_type}; kvretain has no such kind"
+            )
         if kind == "mamba":
             out.append(GroupSpec("mamba", d.block_size, mamba_cache_mode=spec.mamba_cache_mode))
         else:
@@ -601,13 +622,24 @@ def _specs_for_config(cfg: Config) -> list[Any]:
     groups = []
     for i, g in enumerate(cfg.groups):
         if g.kind == "full":
-            spec = v["FullAttentionSpec"](block_size=g.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+            spec = v["FullAttentionSpec"](
+                block_size=g.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+            )
         elif g.kind == "swa":
-            spec = v["SlidingWindowSpec"](block_size=g.block_size, num_kv_heads=1, head_size=1,
-                                          dtype=torch.float32, sliding_window=g.sliding_window)
+            spec = v["SlidingWindowSpec"](
+                block_size=g.block_size,
+                num_kv_heads=1,
+                head_size=1,
+                dtype=torch.float32,
+                sliding_window=g.sliding_window,
+            )
         else:
-            spec = v["MambaSpec"](block_size=g.block_size, shapes=((1,),), dtypes=(torch.float32,),
-                                  mamba_cache_mode=g.mamba_cache_mode)
+            spec = v["MambaSpec"](
+                block_size=g.block_size,
+                shapes=((1,),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode=g.mamba_cache_mode,
+            )
         groups.append(v["KVCacheGroupSpec"]([f"layer{i}"], spec))
     return groups
 
@@ -629,8 +661,12 @@ def vllm_per_request_blocks(
     """
     v = _vllm()
     groups = _specs_for_config(groups_or_config) if isinstance(groups_or_config, Config) else groups_or_config
-    vc = vllm_config(max_model_len=max_len, max_num_batched_tokens=max_num_batched_tokens,
-                     concurrent_batches=concurrent_batches, mamba_cache_mode="align")
+    vc = vllm_config(
+        max_model_len=max_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        concurrent_batches=concurrent_batches,
+        mamba_cache_mode="align",
+    )
     kv_cfg = v["KVCacheConfig"](num_blocks=1, kv_cache_tensors=[], kv_cache_groups=list(groups))
     concurrency = v["utils"].get_max_concurrency_for_kv_cache_config(vc, kv_cfg)
     return round(1 / concurrency)
@@ -638,11 +674,15 @@ def vllm_per_request_blocks(
 
 def describe(d: Derivation) -> str:
     """A short table of a derivation (for docs and debugging)."""
-    lines = [f"{d.family}: layout {d.layout}, hash block {d.hash_block_size}, scheduler block "
-             f"{d.scheduler_block_size}"]
+    lines = [
+        f"{d.family}: layout {d.layout}, hash block {d.hash_block_size}, scheduler block "
+        f"{d.scheduler_block_size}"
+    ]
     for i, g in enumerate(d.groups):
         w = f" window {g.sliding_window}" if g.sliding_window else ""
-        lines.append(f"  {i}: {g.spec_type:22s} {g.manager:22s} {g.num_layers:3d} layers block {g.block_size}{w} "
-                     f"tokens/state {g.tokens_per_state} page {g.page_size_bytes} B")
+        lines.append(
+            f"  {i}: {g.spec_type:22s} {g.manager:22s} {g.num_layers:3d} layers block {g.block_size}{w} "
+            f"tokens/state {g.tokens_per_state} page {g.page_size_bytes} B"
+        )
     lines += [f"  dropped: {x}" for x in d.dropped]
     return "\n".join(lines)

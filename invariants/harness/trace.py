@@ -45,7 +45,11 @@ def config_to_json(cfg: Config) -> dict[str, Any]:
         value = getattr(cfg, f.name)
         if f.name == "groups":
             value = [
-                {k: v for k, v in vars(g).items() if v is not None and not (k == "mamba_cache_mode" and g.kind != "mamba")}
+                {
+                    k: v
+                    for k, v in vars(g).items()
+                    if v is not None and not (k == "mamba_cache_mode" and g.kind != "mamba")
+                }
                 for g in value
             ]
         out[f.name] = value
@@ -74,7 +78,13 @@ def config_from_json(data: Any) -> Config:
             raise ConfigError(f"config.groups[{i}]: needs 'kind' and 'block_size'")
         groups.append(GroupSpec(**g))
     kwargs = {k: v for k, v in data.items() if k != "groups"}
-    for key in ("num_blocks", "hash_block_size", "scheduler_block_size", "max_model_len", "pin_min_drop_blocks"):
+    for key in (
+        "num_blocks",
+        "hash_block_size",
+        "scheduler_block_size",
+        "max_model_len",
+        "pin_min_drop_blocks",
+    ):
         if key in kwargs and (not isinstance(kwargs[key], int) or isinstance(kwargs[key], bool)):
             raise ConfigError(f"config.{key}: must be an integer")
     for key in ("eagle", "enable_caching", "pin_swa_on_drop"):
@@ -101,7 +111,9 @@ def trace_from_json(data: Any) -> Trace:
     if data.get("format") != TRACE_FORMAT:
         raise TraceError(f"trace.format: expected {TRACE_FORMAT!r}, got {data.get('format')!r}")
     if data.get("version") != TRACE_VERSION:
-        raise TraceError(f"trace.version: this kvretain reads version {TRACE_VERSION}, got {data.get('version')!r}")
+        raise TraceError(
+            f"trace.version: this kvretain reads version {TRACE_VERSION}, got {data.get('version')!r}"
+        )
     try:
         config = config_from_json(data.get("config"))
     except (ConfigError, TypeError) as exc:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from invariants.checker import Checker, Violation
+from invariants.harness.checker import Checker, Violation
 from invariants.targets.base import Target
 from model.config import Config
 from model.observation import ScheduleResult
@@ -92,8 +92,13 @@ def build_machine(
             run_stats.steps += 1
             obs_state = self.checker.last
             run_stats.states.add(
-                (type(op).__name__, len(obs_state.free_queue) // 2, len(obs_state.pinned_queue),
-                 min(len(obs_state.cached), 12), len(obs_state.tables))
+                (
+                    type(op).__name__,
+                    len(obs_state.free_queue) // 2,
+                    len(obs_state.pinned_queue),
+                    min(len(obs_state.cached), 12),
+                    len(obs_state.tables),
+                )
             )
             if found:
                 failure = ViolationFound(found, self.cfg, self.checker.ops)
@@ -112,7 +117,9 @@ def build_machine(
         def add_request(self, data: st.DataObject) -> None:
             sbs = self.cfg.scheduler_block_size
             prefix = data.draw(st.sampled_from([*self.prefixes, ()]), label="prefix")
-            suffix = data.draw(st.lists(TOKENS, min_size=0 if prefix else 1, max_size=2 * sbs), label="suffix")
+            suffix = data.draw(
+                st.lists(TOKENS, min_size=0 if prefix else 1, max_size=2 * sbs), label="suffix"
+            )
             rid = f"r{self.next_rid}"
             self.next_rid += 1
             self._do(AddRequest(rid, tuple(prefix) + tuple(suffix)))
@@ -160,7 +167,9 @@ def build_machine(
             assert self.checker is not None
             known = [r.prompt for r in self.checker.history.all_requests()] + self.prefixes
             base = data.draw(st.sampled_from(known), label="probe base")
-            extra = data.draw(st.lists(TOKENS, max_size=self.cfg.scheduler_block_size), label="probe extension")
+            extra = data.draw(
+                st.lists(TOKENS, max_size=self.cfg.scheduler_block_size), label="probe extension"
+            )
             self._do(Probe(tuple(base) + tuple(extra)))
 
         @precondition(lambda self: self.checker is not None and self.checker.history.tick % 5 == 4)
@@ -171,9 +180,9 @@ def build_machine(
                 self._do(ResetPrefixCache())
                 return
             ids = data.draw(
-                st.lists(st.integers(1, self.cfg.num_blocks - 1), min_size=1, max_size=3, unique=True), label="blocks"
+                st.lists(st.integers(1, self.cfg.num_blocks - 1), min_size=1, max_size=3, unique=True),
+                label="blocks",
             )
             self._do(EvictBlocks(tuple(ids)))
 
     return AllocatorMachine
-

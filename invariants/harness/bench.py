@@ -20,15 +20,17 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from invariants.checker import Checker
-from invariants.known_findings import is_known_violation
+from invariants.harness.checker import Checker
+from invariants.harness.known_findings import is_known_violation
 from invariants.report import table
 from invariants.targets import TargetUnavailable, target_factory
 from model.config import Config, GroupSpec
 from model.ops import AddRequest, Finish, Op, Schedule
 
 BENCH_CONFIG = Config(
-    groups=(GroupSpec("full", 16), GroupSpec("swa", 16, sliding_window=32)), num_blocks=256, retention_interval=0
+    groups=(GroupSpec("full", 16), GroupSpec("swa", 16, sliding_window=32)),
+    num_blocks=256,
+    retention_interval=0,
 )
 PROMPT_LEN, PREFIX_LEN = 105, 64
 
@@ -47,13 +49,19 @@ def raw_vllm_cycles(prompts: list[tuple[int, ...]]) -> float:
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         req = v["Request"](
-            request_id=f"b{i}", prompt_token_ids=list(prompt), sampling_params=v["SamplingParams"](max_tokens=1),
-            pooling_params=None, mm_features=None, block_hasher=hasher,
+            request_id=f"b{i}",
+            prompt_token_ids=list(prompt),
+            sampling_params=v["SamplingParams"](max_tokens=1),
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=hasher,
         )
         manager.new_step_starts()
         blocks, hit, spb = manager.get_computed_blocks(req)
         req.shared_prefix_boundary = spb
-        assert manager.allocate_slots(req, len(prompt) - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+        assert manager.allocate_slots(
+            req, len(prompt) - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks
+        )
         manager.free(req)
     return len(prompts) / (time.perf_counter() - start)
 
@@ -101,8 +109,10 @@ def checked_cycles(target: str, prompts: list[tuple[int, ...]]) -> tuple[float, 
 
 def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = print) -> int:
     prompts = workload(requests, seed)
-    log(f"kvretain bench: {requests} request cycles of {PROMPT_LEN} tokens (shared {PREFIX_LEN}-token prefix), "
-        f"Full16+SWA16(w=32), retention 0, 256 blocks, seed {seed}")
+    log(
+        f"kvretain bench: {requests} request cycles of {PROMPT_LEN} tokens (shared {PREFIX_LEN}-token prefix), "
+        f"Full16+SWA16(w=32), retention 0, 256 blocks, seed {seed}"
+    )
     rows: list[tuple[object, ...]] = []
     try:
         raw = raw_vllm_cycles(prompts)
@@ -119,8 +129,14 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
             log(f"{name}: skipped ({exc})")
             continue
         breakdowns[name] = phase
-        rows.append((f"checked on {name} (model + snapshot + invariants)", f"{cyc:,.0f}", f"{ops:,.0f}",
-                     f"{cyc / raw:.2f}" if raw else "-"))
+        rows.append(
+            (
+                f"checked on {name} (model + snapshot + invariants)",
+                f"{cyc:,.0f}",
+                f"{ops:,.0f}",
+                f"{cyc / raw:.2f}" if raw else "-",
+            )
+        )
     log(table(["run", "cycles/s", "checked ops/s", "vs raw vLLM"], rows))
     for name, phase in breakdowns.items():
         total = sum(phase.values())

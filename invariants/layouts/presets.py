@@ -2,7 +2,7 @@
 
 The full-size presets `dsv4-flash`, `gemma-like` and `kimi-linear-like` are the
 KV-cache groups vLLM 0.33.0's own grouping code produces for each model:
-`invariants/layouts.py` builds the per-layer specs the way the model's layers
+`invariants/layouts/derive.py` builds the per-layer specs the way the model's layers
 build them and runs vLLM's grouping on them, and `tests/test_presets.py`
 checks that the groups hard-coded here are exactly what it derives
 (docs/presets.md has the tables and sources). Group order is vLLM's group
@@ -183,8 +183,12 @@ PRESETS: dict[str, Config] = {
     # state snapshot spans 3 blocks, one per Mamba group (#45845: "each
     # snapshot spans several base blocks").
     "kimi-linear-like": Config(
-        groups=(GroupSpec("mamba", 512), GroupSpec("mamba", 512), GroupSpec("mamba", 512),
-                GroupSpec("full", 512)),
+        groups=(
+            GroupSpec("mamba", 512),
+            GroupSpec("mamba", 512),
+            GroupSpec("mamba", 512),
+            GroupSpec("full", 512),
+        ),
         num_blocks=24,
         retention_interval=0,
         name="kimi-linear-like",
@@ -207,4 +211,6 @@ def preset(name: str) -> Config:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ConfigError(f"--config: unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})") from None
+        raise ConfigError(
+            f"--config: unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})"
+        ) from None

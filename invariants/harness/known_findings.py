@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from invariants.trace import Trace, TraceError, trace_from_json
+from invariants.harness.trace import Trace, TraceError, trace_from_json
 
 FINDINGS_FORMAT = "kvretain-known-findings"
 FINDINGS_VERSION = 1
@@ -200,7 +200,7 @@ def recheck_known_findings(available: set[str]) -> list[tuple[str, str, bool]]:
     Returns (finding id, target, still reproduces). A finding that no longer
     reproduces has been fixed (or the model changed): its entry must go.
     """
-    from invariants.replay import replay
+    from invariants.harness.replay import replay
 
     out = []
     for f in _default_findings():
@@ -208,7 +208,9 @@ def recheck_known_findings(available: set[str]) -> list[tuple[str, str, bool]]:
             if target not in available:
                 continue
             result = replay(f.trace, target)
-            hit = any(v.check == f.property and f.matches(target, target_version(target), v.check, v.message)
-                      for _, v in result.known)
+            hit = any(
+                v.check == f.property and f.matches(target, target_version(target), v.check, v.message)
+                for _, v in result.known
+            )
             out.append((f.id, target, hit))
     return out

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from invariants.theorems import TheoremResult
+from invariants.proofs.theorems import TheoremResult
 from model import lookup, masks
 
 
@@ -108,32 +108,57 @@ def _check_masks(v: dict[str, Any], dom: Domain, kind: str) -> tuple[int, str | 
         a = bs * m
         if kind == "swa":
             for w in _windows(bs):
-                spec = v["SlidingWindowSpec"](block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float32,
-                                              sliding_window=w)
-                for r, eagle, start, p in itertools.product(_retentions(a), (False, True), (0, 5), range(1, end * bs + 1)):
+                spec = v["SlidingWindowSpec"](
+                    block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=w
+                )
+                for r, eagle, start, p in itertools.product(
+                    _retentions(a), (False, True), (0, 5), range(1, end * bs + 1)
+                ):
                     bnd = _boundaries(p, a, bs, eagle)
-                    got = _as_set(v["SlidingWindowManager"].reachable_block_mask(start, end, a, spec, eagle, r, bnd), start)
-                    want = masks.swa_kept_blocks(start, end, block_size=bs, window=w, alignment=a, eagle=eagle,
-                                                 retention=r, boundaries=bnd)
+                    got = _as_set(
+                        v["SlidingWindowManager"].reachable_block_mask(start, end, a, spec, eagle, r, bnd),
+                        start,
+                    )
+                    want = masks.swa_kept_blocks(
+                        start,
+                        end,
+                        block_size=bs,
+                        window=w,
+                        alignment=a,
+                        eagle=eagle,
+                        retention=r,
+                        boundaries=bnd,
+                    )
                     cases += 1
                     if got != want:
-                        return cases, (f"block_size={bs}, window={w}, alignment={a}, retention={r}, eagle={eagle}, "
-                                       f"blocks [{start}, {end}), boundaries={bnd}: vLLM keeps "
-                                       f"{'all' if got is None else sorted(got)}, the model "
-                                       f"{'all' if want is None else sorted(want)}")
+                        return cases, (
+                            f"block_size={bs}, window={w}, alignment={a}, retention={r}, eagle={eagle}, "
+                            f"blocks [{start}, {end}), boundaries={bnd}: vLLM keeps "
+                            f"{'all' if got is None else sorted(got)}, the model "
+                            f"{'all' if want is None else sorted(want)}"
+                        )
         else:
-            spec = v["MambaSpec"](block_size=bs, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
-            for r, eagle, start, p in itertools.product((*_retentions(a), 5 * a), (False, True), (0, 5),
-                                                        range(1, end * bs + 1)):
+            spec = v["MambaSpec"](
+                block_size=bs, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+            )
+            for r, eagle, start, p in itertools.product(
+                (*_retentions(a), 5 * a), (False, True), (0, 5), range(1, end * bs + 1)
+            ):
                 bnd = _boundaries(p, a, bs, eagle)
-                got = _as_set(v["MambaManager"].reachable_block_mask(start, end, a, spec, eagle, r, bnd), start)
-                want = masks.mamba_kept_blocks(start, end, block_size=bs, alignment=a, retention=r, boundaries=bnd)
+                got = _as_set(
+                    v["MambaManager"].reachable_block_mask(start, end, a, spec, eagle, r, bnd), start
+                )
+                want = masks.mamba_kept_blocks(
+                    start, end, block_size=bs, alignment=a, retention=r, boundaries=bnd
+                )
                 cases += 1
                 if got != want:
-                    return cases, (f"block_size={bs}, alignment={a}, retention={r}, eagle={eagle}, blocks "
-                                   f"[{start}, {end}), boundaries={bnd}: vLLM keeps "
-                                   f"{'all' if got is None else sorted(got)}, the model "
-                                   f"{'all' if want is None else sorted(want)}")
+                    return cases, (
+                        f"block_size={bs}, alignment={a}, retention={r}, eagle={eagle}, blocks "
+                        f"[{start}, {end}), boundaries={bnd}: vLLM keeps "
+                        f"{'all' if got is None else sorted(got)}, the model "
+                        f"{'all' if want is None else sorted(want)}"
+                    )
     return cases, None
 
 
@@ -172,17 +197,36 @@ def _check_hits(v: dict[str, Any], dom: Domain, kind: str) -> tuple[int, str | N
         lengths = sorted({3 * bs, nb * bs - 1, nb * bs, nb * bs + bs - 1})
         if kind == "full":
             specs: list[tuple[Any, int | None]] = [
-                (v["FullAttentionSpec"](block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float32), None)]
+                (
+                    v["FullAttentionSpec"](block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float32),
+                    None,
+                )
+            ]
             manager = v["FullAttentionManager"]
         elif kind == "swa":
-            specs = [(v["SlidingWindowSpec"](block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float32,
-                                             sliding_window=w), w) for w in _windows(bs)]
+            specs = [
+                (
+                    v["SlidingWindowSpec"](
+                        block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=w
+                    ),
+                    w,
+                )
+                for w in _windows(bs)
+            ]
             manager = v["SlidingWindowManager"]
         else:
-            specs = [(v["MambaSpec"](block_size=bs, shapes=((1,),), dtypes=(torch.float32,),
-                                     mamba_cache_mode="align"), None)]
+            specs = [
+                (
+                    v["MambaSpec"](
+                        block_size=bs, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+                    ),
+                    None,
+                )
+            ]
             manager = v["MambaManager"]
-        for (spec, w), cached, length, eagle in itertools.product(specs, list(_subsets(nb)), lengths, (False, True)):
+        for (spec, w), cached, length, eagle in itertools.product(
+            specs, list(_subsets(nb)), lengths, (False, True)
+        ):
             if kind == "mamba" and eagle:
                 continue  # Mamba never drops for Eagle (vLLM asserts nothing; the model has no flag)
             pool = _FakePool(cached, bs)
@@ -192,31 +236,52 @@ def _check_hits(v: dict[str, Any], dom: Domain, kind: str) -> tuple[int, str | N
                 want = lookup.full_hit(cached.__contains__, length, bs, a, eagle)
             elif kind == "swa":
                 assert w is not None
-                want = lookup.swa_hit(cached.__contains__, length, bs, a, masks.swa_tail_blocks(w, bs, eagle), eagle)
+                want = lookup.swa_hit(
+                    cached.__contains__, length, bs, a, masks.swa_tail_blocks(w, bs, eagle), eagle
+                )
             else:
                 want = lookup.mamba_hit(cached.__contains__, length, bs, a)
             cases += 1
             if got != want or hit != len(want) * bs:
-                return cases, (f"{kind}: block_size={bs}, alignment={a}, window={w}, eagle={eagle}, "
-                               f"max_length={length}, cached blocks {sorted(cached)}: vLLM hit {hit} layout {got}, "
-                               f"the model hit {len(want) * bs} layout {want}")
+                return cases, (
+                    f"{kind}: block_size={bs}, alignment={a}, window={w}, eagle={eagle}, "
+                    f"max_length={length}, cached blocks {sorted(cached)}: vLLM hit {hit} layout {got}, "
+                    f"the model hit {len(want) * bs} layout {want}"
+                )
     return cases, None
 
 
 CHECKS: list[tuple[str, str, Callable[[dict[str, Any], Domain], tuple[int, str | None]], str]] = [
-    ("vllm_swa_mask", "vLLM SlidingWindowManager.reachable_block_mask equals masks.swa_kept_blocks",
-     lambda v, d: _check_masks(v, d, "swa"),
-     "windows {1,2,bs,bs+1,2bs,2bs+1,3bs+2}, retention {None,0,A,2A,3A}, Eagle both, start {0,5}, prompts 1..end*bs"),
-    ("vllm_mamba_mask", "vLLM MambaManager.reachable_block_mask equals masks.mamba_kept_blocks",
-     lambda v, d: _check_masks(v, d, "mamba"),
-     "retention {None,0,A,2A,3A,5A}, Eagle both, start {0,5}, prompts 1..end*bs"),
-    ("vllm_full_hit", "vLLM FullAttentionManager.find_longest_cache_hit equals lookup.full_hit (length and layout)",
-     lambda v, d: _check_hits(v, d, "full"), "max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}, Eagle both"),
-    ("vllm_swa_hit", "vLLM SlidingWindowManager.find_longest_cache_hit equals lookup.swa_hit (length and layout)",
-     lambda v, d: _check_hits(v, d, "swa"),
-     "windows as above, max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}, Eagle both"),
-    ("vllm_mamba_hit", "vLLM MambaManager.find_longest_cache_hit equals lookup.mamba_hit (length and layout)",
-     lambda v, d: _check_hits(v, d, "mamba"), "max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}"),
+    (
+        "vllm_swa_mask",
+        "vLLM SlidingWindowManager.reachable_block_mask equals masks.swa_kept_blocks",
+        lambda v, d: _check_masks(v, d, "swa"),
+        "windows {1,2,bs,bs+1,2bs,2bs+1,3bs+2}, retention {None,0,A,2A,3A}, Eagle both, start {0,5}, prompts 1..end*bs",
+    ),
+    (
+        "vllm_mamba_mask",
+        "vLLM MambaManager.reachable_block_mask equals masks.mamba_kept_blocks",
+        lambda v, d: _check_masks(v, d, "mamba"),
+        "retention {None,0,A,2A,3A,5A}, Eagle both, start {0,5}, prompts 1..end*bs",
+    ),
+    (
+        "vllm_full_hit",
+        "vLLM FullAttentionManager.find_longest_cache_hit equals lookup.full_hit (length and layout)",
+        lambda v, d: _check_hits(v, d, "full"),
+        "max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}, Eagle both",
+    ),
+    (
+        "vllm_swa_hit",
+        "vLLM SlidingWindowManager.find_longest_cache_hit equals lookup.swa_hit (length and layout)",
+        lambda v, d: _check_hits(v, d, "swa"),
+        "windows as above, max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}, Eagle both",
+    ),
+    (
+        "vllm_mamba_hit",
+        "vLLM MambaManager.find_longest_cache_hit equals lookup.mamba_hit (length and layout)",
+        lambda v, d: _check_hits(v, d, "mamba"),
+        "max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}",
+    ),
 ]
 
 
@@ -227,19 +292,30 @@ def run_production_link(quick: bool = False) -> list[TheoremResult]:
     v, reason = _vllm()
     results = []
     for name, statement, fn, extra in CHECKS:
-        where = (f"blocks [start, {dom.blocks})" if "mask" in name
-                 else f"every cached subset of n={dom.hit_blocks} blocks, A/bs <= 3")
-        bound_base = f"bs in {sorted(dom.block_sizes)}, A/bs in {sorted(dom.alignment_multiples)}, {where}; {extra}"
+        where = (
+            f"blocks [start, {dom.blocks})"
+            if "mask" in name
+            else f"every cached subset of n={dom.hit_blocks} blocks, A/bs <= 3"
+        )
+        bound_base = (
+            f"bs in {sorted(dom.block_sizes)}, A/bs in {sorted(dom.alignment_multiples)}, {where}; {extra}"
+        )
         if v is None:
             results.append(TheoremResult(name, statement, "skipped", None, 0.0, None, detail=reason))
             continue
         t0 = time.monotonic()
         cases, bad = fn(v, dom)
-        results.append(TheoremResult(
-            name, f"{statement} (vLLM {v['version']})", "refuted" if bad else "proved",
-            f"{cases} cases: {bound_base}", time.monotonic() - t0, bad,
-            detail=f"exhaustive over {cases} cases",
-        ))
+        results.append(
+            TheoremResult(
+                name,
+                f"{statement} (vLLM {v['version']})",
+                "refuted" if bad else "proved",
+                f"{cases} cases: {bound_base}",
+                time.monotonic() - t0,
+                bad,
+                detail=f"exhaustive over {cases} cases",
+            )
+        )
     return results
 
 

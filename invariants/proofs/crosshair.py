@@ -45,9 +45,18 @@ def _retention(mode: int, k_mult: int, a: int) -> int | None:
     return None if mode == 0 else (0 if mode == 1 else k_mult * a)
 
 
-def _mask_domain(bs: int, a_mult: int, window: int, mode: int, k_mult: int, start: int, end: int, b: int) -> bool:
-    return (1 <= bs <= MAX_BS and 1 <= a_mult <= 3 and 1 <= window <= 3 * MAX_BS and 0 <= mode <= 2
-            and 1 <= k_mult <= 3 and 0 <= start <= end <= MAX_BLOCKS and 0 <= b <= MAX_BLOCKS * MAX_BS)
+def _mask_domain(
+    bs: int, a_mult: int, window: int, mode: int, k_mult: int, start: int, end: int, b: int
+) -> bool:
+    return (
+        1 <= bs <= MAX_BS
+        and 1 <= a_mult <= 3
+        and 1 <= window <= 3 * MAX_BS
+        and 0 <= mode <= 2
+        and 1 <= k_mult <= 3
+        and 0 <= start <= end <= MAX_BLOCKS
+        and 0 <= b <= MAX_BLOCKS * MAX_BS
+    )
 
 
 def _as_tuple(mask: Sequence[bool] | None, start: int) -> tuple[int, ...] | None:
@@ -57,8 +66,9 @@ def _as_tuple(mask: Sequence[bool] | None, start: int) -> tuple[int, ...] | None
 # --------------------------------------------------------------------------- masks
 
 
-def ref_swa_mask(bs: int, a_mult: int, window: int, eagle: bool, mode: int, k_mult: int, start: int, end: int,
-                 b: int) -> tuple[int, ...] | None:
+def ref_swa_mask(
+    bs: int, a_mult: int, window: int, eagle: bool, mode: int, k_mult: int, start: int, end: int, b: int
+) -> tuple[int, ...] | None:
     """reference_impl SlidingWindowManager.reachable_block_mask (sorted kept blocks, None = dense).
 
     post: __return__ is None or all(start <= i < end for i in __return__)
@@ -68,28 +78,42 @@ def ref_swa_mask(bs: int, a_mult: int, window: int, eagle: bool, mode: int, k_mu
         return None
     spec = KVCacheGroupConfig("swa", bs, sliding_window=window)
     a = bs * a_mult
-    mask = SlidingWindowManager.reachable_block_mask(start, end, a, spec, eagle, _retention(mode, k_mult, a), (b,))
+    mask = SlidingWindowManager.reachable_block_mask(
+        start, end, a, spec, eagle, _retention(mode, k_mult, a), (b,)
+    )
     return _as_tuple(mask, start)
 
 
-def model_swa_mask(bs: int, a_mult: int, window: int, eagle: bool, mode: int, k_mult: int, start: int, end: int,
-                   b: int) -> tuple[int, ...] | None:
+def model_swa_mask(
+    bs: int, a_mult: int, window: int, eagle: bool, mode: int, k_mult: int, start: int, end: int, b: int
+) -> tuple[int, ...] | None:
     """The twin: masks.swa_kept_blocks."""
     if not _mask_domain(bs, a_mult, window, mode, k_mult, start, end, b):
         return None
     a = bs * a_mult
-    kept = masks.swa_kept_blocks(start, end, block_size=bs, window=window, alignment=a, eagle=eagle,
-                                 retention=_retention(mode, k_mult, a), boundaries=(b,))
+    kept = masks.swa_kept_blocks(
+        start,
+        end,
+        block_size=bs,
+        window=window,
+        alignment=a,
+        eagle=eagle,
+        retention=_retention(mode, k_mult, a),
+        boundaries=(b,),
+    )
     return None if kept is None else tuple(sorted(kept))
 
 
-def broken_swa_mask(bs: int, a_mult: int, window: int, eagle: bool, mode: int, k_mult: int, start: int, end: int,
-                    b: int) -> tuple[int, ...] | None:
+def broken_swa_mask(
+    bs: int, a_mult: int, window: int, eagle: bool, mode: int, k_mult: int, start: int, end: int, b: int
+) -> tuple[int, ...] | None:
     """Negative control: the model mask computed without the Eagle block and shift (the pre-#44082 mask)."""
     return model_swa_mask(bs, a_mult, window, False, mode, k_mult, start, end, b)
 
 
-def ref_mamba_mask(bs: int, a_mult: int, mode: int, k_mult: int, start: int, end: int, b: int) -> tuple[int, ...] | None:
+def ref_mamba_mask(
+    bs: int, a_mult: int, mode: int, k_mult: int, start: int, end: int, b: int
+) -> tuple[int, ...] | None:
     """reference_impl MambaManager.reachable_block_mask.
 
     post: __return__ is None or all(start <= i < end for i in __return__)
@@ -98,17 +122,22 @@ def ref_mamba_mask(bs: int, a_mult: int, mode: int, k_mult: int, start: int, end
         return None
     spec = KVCacheGroupConfig("mamba", bs)
     a = bs * a_mult
-    return _as_tuple(MambaManager.reachable_block_mask(start, end, a, spec, False, _retention(mode, k_mult, a), (b,)),
-                     start)
+    return _as_tuple(
+        MambaManager.reachable_block_mask(start, end, a, spec, False, _retention(mode, k_mult, a), (b,)),
+        start,
+    )
 
 
-def model_mamba_mask(bs: int, a_mult: int, mode: int, k_mult: int, start: int, end: int, b: int) -> tuple[int, ...] | None:
+def model_mamba_mask(
+    bs: int, a_mult: int, mode: int, k_mult: int, start: int, end: int, b: int
+) -> tuple[int, ...] | None:
     """The twin: masks.mamba_kept_blocks."""
     if not _mask_domain(bs, a_mult, 1, mode, k_mult, start, end, b):
         return None
     a = bs * a_mult
-    kept = masks.mamba_kept_blocks(start, end, block_size=bs, alignment=a, retention=_retention(mode, k_mult, a),
-                                   boundaries=(b,))
+    kept = masks.mamba_kept_blocks(
+        start, end, block_size=bs, alignment=a, retention=_retention(mode, k_mult, a), boundaries=(b,)
+    )
     return None if kept is None else tuple(sorted(kept))
 
 
@@ -130,37 +159,59 @@ class _Pool:
 
 
 def _hit_domain(cached: int, max_length: int, bs: int, a_mult: int, window: int) -> bool:
-    return (0 <= cached < 2**MAX_BLOCKS and 1 <= bs <= MAX_BS and 1 <= a_mult <= 3 and 1 <= window <= 3 * MAX_BS
-            and 0 <= max_length <= MAX_BLOCKS * bs)
+    return (
+        0 <= cached < 2**MAX_BLOCKS
+        and 1 <= bs <= MAX_BS
+        and 1 <= a_mult <= 3
+        and 1 <= window <= 3 * MAX_BS
+        and 0 <= max_length <= MAX_BLOCKS * bs
+    )
 
 
 def _layout(blocks: Sequence[KVCacheBlock]) -> tuple[int | None, ...]:
     return tuple(None if b.is_null else b.block_id - 1 for b in blocks)
 
 
-def _ref_hit(kind: str, cached: int, max_length: int, bs: int, a_mult: int, window: int,
-             eagle: bool) -> tuple[int | None, ...] | None:
+def _ref_hit(
+    kind: str, cached: int, max_length: int, bs: int, a_mult: int, window: int, eagle: bool
+) -> tuple[int | None, ...] | None:
     if not _hit_domain(cached, max_length, bs, a_mult, window):
         return None
     pool = _Pool(cached, bs)
     hashes = list(range(MAX_BLOCKS + 1))
     a = bs * a_mult
     if kind == "full":
-        blocks, hit = FullAttentionManager.find_longest_cache_hit(hashes, max_length, [0], pool,  # type: ignore[arg-type]
-                                                                  KVCacheGroupConfig("full", bs), eagle, a)
+        blocks, hit = FullAttentionManager.find_longest_cache_hit(
+            hashes,
+            max_length,
+            [0],
+            pool,  # type: ignore[arg-type]
+            KVCacheGroupConfig("full", bs),
+            eagle,
+            a,
+        )
     elif kind == "swa":
         blocks, hit = SlidingWindowManager.find_longest_cache_hit(
-            hashes, max_length, [0], pool, KVCacheGroupConfig("swa", bs, sliding_window=window), eagle, a)  # type: ignore[arg-type]
+            hashes, max_length, [0], pool, KVCacheGroupConfig("swa", bs, sliding_window=window), eagle, a
+        )  # type: ignore[arg-type]
     else:
-        blocks, hit = MambaManager.find_longest_cache_hit(hashes, max_length, [0], pool,  # type: ignore[arg-type]
-                                                          KVCacheGroupConfig("mamba", bs), False, a)
+        blocks, hit = MambaManager.find_longest_cache_hit(
+            hashes,
+            max_length,
+            [0],
+            pool,  # type: ignore[arg-type]
+            KVCacheGroupConfig("mamba", bs),
+            False,
+            a,
+        )
     layout = _layout(blocks[0])
     assert hit == len(layout) * bs
     return layout
 
 
-def _model_hit(kind: str, cached: int, max_length: int, bs: int, a_mult: int, window: int,
-               eagle: bool) -> tuple[int | None, ...] | None:
+def _model_hit(
+    kind: str, cached: int, max_length: int, bs: int, a_mult: int, window: int, eagle: bool
+) -> tuple[int | None, ...] | None:
     if not _hit_domain(cached, max_length, bs, a_mult, window):
         return None
     a = bs * a_mult
@@ -171,11 +222,15 @@ def _model_hit(kind: str, cached: int, max_length: int, bs: int, a_mult: int, wi
     if kind == "full":
         return tuple(lookup.full_hit(is_cached, max_length, bs, a, eagle))
     if kind == "swa":
-        return tuple(lookup.swa_hit(is_cached, max_length, bs, a, masks.swa_tail_blocks(window, bs, eagle), eagle))
+        return tuple(
+            lookup.swa_hit(is_cached, max_length, bs, a, masks.swa_tail_blocks(window, bs, eagle), eagle)
+        )
     return tuple(lookup.mamba_hit(is_cached, max_length, bs, a))
 
 
-def ref_full_hit(cached: int, max_length: int, bs: int, a_mult: int, eagle: bool) -> tuple[int | None, ...] | None:
+def ref_full_hit(
+    cached: int, max_length: int, bs: int, a_mult: int, eagle: bool
+) -> tuple[int | None, ...] | None:
     """reference_impl FullAttentionManager.find_longest_cache_hit (the layout: block index or None per entry).
 
     post: __return__ is None or (len(__return__) * bs) % (bs * a_mult) == 0
@@ -184,13 +239,16 @@ def ref_full_hit(cached: int, max_length: int, bs: int, a_mult: int, eagle: bool
     return _ref_hit("full", cached, max_length, bs, a_mult, 1, eagle)
 
 
-def model_full_hit(cached: int, max_length: int, bs: int, a_mult: int, eagle: bool) -> tuple[int | None, ...] | None:
+def model_full_hit(
+    cached: int, max_length: int, bs: int, a_mult: int, eagle: bool
+) -> tuple[int | None, ...] | None:
     """The twin: lookup.full_hit."""
     return _model_hit("full", cached, max_length, bs, a_mult, 1, eagle)
 
 
-def ref_swa_hit(cached: int, max_length: int, bs: int, a_mult: int, window: int,
-                eagle: bool) -> tuple[int | None, ...] | None:
+def ref_swa_hit(
+    cached: int, max_length: int, bs: int, a_mult: int, window: int, eagle: bool
+) -> tuple[int | None, ...] | None:
     """reference_impl SlidingWindowManager.find_longest_cache_hit.
 
     post: __return__ is None or (len(__return__) * bs) % (bs * a_mult) == 0
@@ -200,8 +258,9 @@ def ref_swa_hit(cached: int, max_length: int, bs: int, a_mult: int, window: int,
     return _ref_hit("swa", cached, max_length, bs, a_mult, window, eagle)
 
 
-def model_swa_hit(cached: int, max_length: int, bs: int, a_mult: int, window: int,
-                  eagle: bool) -> tuple[int | None, ...] | None:
+def model_swa_hit(
+    cached: int, max_length: int, bs: int, a_mult: int, window: int, eagle: bool
+) -> tuple[int | None, ...] | None:
     """The twin: lookup.swa_hit."""
     return _model_hit("swa", cached, max_length, bs, a_mult, window, eagle)
 
@@ -283,7 +342,9 @@ def model_queue(ops: list[int]) -> tuple[int, ...] | None:
 class CrosshairResult:
     name: str
     statement: str
-    result: str  # "confirmed" (all paths) | "no counterexample" (within the budget) | "counterexample" | "error"
+    result: (
+        str  # "confirmed" (all paths) | "no counterexample" (within the budget) | "counterexample" | "error"
+    )
     seconds: float
     budget_s: float
     counterexample: str | None = None
@@ -304,7 +365,7 @@ class CrosshairResult:
         return self.result
 
 
-MODULE = __name__ if __name__ != "__main__" else "invariants.crosshair_checks"
+MODULE = __name__ if __name__ != "__main__" else "invariants.proofs.crosshair"
 
 TWINS = [
     ("swa_mask", "ref_swa_mask", "model_swa_mask", False),
@@ -321,8 +382,12 @@ CONTRACTS = ["ref_swa_mask", "ref_mamba_mask", "ref_full_hit", "ref_swa_hit", "r
 def _crosshair(args: list[str], budget_s: float) -> tuple[int, str, float]:
     t0 = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, "-m", "crosshair", *args], capture_output=True, text=True,
-                              timeout=budget_s * 3 + 60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "crosshair", *args],
+            capture_output=True,
+            text=True,
+            timeout=budget_s * 3 + 60,
+        )
         out, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         out, rc = f"crosshair did not finish: {exc}", -1
@@ -334,12 +399,26 @@ def run_twin(name: str, ref: str, twin: str, is_control: bool, budget_s: float) 
     if is_control:
         statement = f"control: {twin} (Eagle block missing) differs from {ref}"
     rc, out, secs = _crosshair(
-        ["diffbehavior", f"--per_condition_timeout={budget_s}", "--max_uninteresting_iterations=1000000",
-         f"{MODULE}.{ref}", f"{MODULE}.{twin}"], budget_s)
+        [
+            "diffbehavior",
+            f"--per_condition_timeout={budget_s}",
+            "--max_uninteresting_iterations=1000000",
+            f"{MODULE}.{ref}",
+            f"{MODULE}.{twin}",
+        ],
+        budget_s,
+    )
     if "Given:" in out:
-        given = out[out.index("Given:"):].strip().splitlines()
-        return CrosshairResult(name, statement, "counterexample", secs, budget_s, " ".join(s.strip() for s in given[:3]),
-                               is_control)
+        given = out[out.index("Given:") :].strip().splitlines()
+        return CrosshairResult(
+            name,
+            statement,
+            "counterexample",
+            secs,
+            budget_s,
+            " ".join(s.strip() for s in given[:3]),
+            is_control,
+        )
     if "No differences found" in out:
         result = "confirmed" if "All paths exhausted" in out else "no counterexample"
         return CrosshairResult(name, statement, result, secs, budget_s, None, is_control)
@@ -349,8 +428,15 @@ def run_twin(name: str, ref: str, twin: str, is_control: bool, budget_s: float) 
 def run_contract(fn: str, budget_s: float) -> CrosshairResult:
     statement = f"{fn}: postconditions hold for every input meeting the preconditions"
     rc, out, secs = _crosshair(
-        ["check", "--analysis_kind=PEP316", "--report_all", f"--per_condition_timeout={budget_s}",
-         f"{MODULE}.{fn}"], budget_s)
+        [
+            "check",
+            "--analysis_kind=PEP316",
+            "--report_all",
+            f"--per_condition_timeout={budget_s}",
+            f"{MODULE}.{fn}",
+        ],
+        budget_s,
+    )
     lines = [ln for ln in out.splitlines() if ln.strip()]
     errors = [ln for ln in lines if re.search(r":\s*error:", ln)]
     if errors:

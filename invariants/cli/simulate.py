@@ -1,6 +1,6 @@
 """`kvretain simulate SCENARIO` and `kvretain plan`: the simulator's command line.
 
-Exit codes follow `invariants.cli`: 0 ran, 2 bad usage (one line on stderr).
+Exit codes follow `invariants.cli.main`: 0 ran, 2 bad usage (one line on stderr).
 """
 
 from __future__ import annotations
@@ -34,8 +34,16 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 def format_rows(rows: list[Row]) -> str:
     extra_keys = sorted({k for r in rows for k, v in r.extra.items() if isinstance(v, float)})
     body = [
-        [r.setting, f"{r.hit_rate:.3f}", r.cached_per_req, r.survived, r.alloc_failures, r.preemptions,
-         f"{r.seconds:.2f}"] + [f"{r.extra.get(k, 0.0):.3f}" for k in extra_keys]
+        [
+            r.setting,
+            f"{r.hit_rate:.3f}",
+            r.cached_per_req,
+            r.survived,
+            r.alloc_failures,
+            r.preemptions,
+            f"{r.seconds:.2f}",
+        ]
+        + [f"{r.extra.get(k, 0.0):.3f}" for k in extra_keys]
         for r in rows
     ]
     return _table(HEADERS + extra_keys, body)
@@ -68,11 +76,18 @@ def _plot(name: str, rows: list[Row], out: Path, title: str) -> list[tuple[str, 
         pts = sorted((x, r.hit_rate) for r in rows if (x := interval_of(r.setting)) is not None)
         fig, ax = plt.subplots(figsize=(7, 3.6))
         if pts:
-            ax.plot([max(x, 1) for x, _ in pts], [y for _, y in pts], "o-", label="retention interval (r0 at 1)")
+            ax.plot(
+                [max(x, 1) for x, _ in pts], [y for _, y in pts], "o-", label="retention interval (r0 at 1)"
+            )
         for r in rows:
             if interval_of(r.setting) is None:
-                ax.axhline(r.hit_rate, linestyle="--", linewidth=1, label=f"{r.setting} {r.hit_rate:.2f}",
-                           color=f"C{1 + rows.index(r)}")
+                ax.axhline(
+                    r.hit_rate,
+                    linestyle="--",
+                    linewidth=1,
+                    label=f"{r.setting} {r.hit_rate:.2f}",
+                    color=f"C{1 + rows.index(r)}",
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("retention interval (tokens)")
         ax.set_ylabel("hit rate")
@@ -94,8 +109,11 @@ def _plot(name: str, rows: list[Row], out: Path, title: str) -> list[tuple[str, 
     if name == "sweep":
         fig, ax = plt.subplots(figsize=(7, 3.6))
         for setting in dict.fromkeys(r.setting.partition(" K=")[0] for r in rows):
-            pts2 = sorted((int(r.setting.partition(" K=")[2]), r.hit_rate) for r in rows
-                          if r.setting.partition(" K=")[0] == setting)
+            pts2 = sorted(
+                (int(r.setting.partition(" K=")[2]), r.hit_rate)
+                for r in rows
+                if r.setting.partition(" K=")[0] == setting
+            )
             ax.plot([k for k, _ in pts2], [v for _, v in pts2], "o-", label=setting)
         ax.set_xlabel("shared prefixes K (working set)")
         ax.set_ylabel("shared-prefix hit rate (rounds 2-3)")
@@ -108,7 +126,7 @@ def _plot(name: str, rows: list[Row], out: Path, title: str) -> list[tuple[str, 
 
 def _check_common(args: argparse.Namespace) -> None:
     from invariants.errors import UsageError
-    from invariants.presets import PRESETS
+    from invariants.layouts.presets import PRESETS
 
     if args.target not in TARGET_NAMES:
         raise UsageError(f"--target: unknown target {args.target!r} (known: {', '.join(TARGET_NAMES)})")
@@ -129,7 +147,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     md: list[str] = []
     for name in names:
-        report = simulate_one(name, args.target, args.preset, args.scale, seed, out, _progress, jobs=args.jobs)
+        report = simulate_one(
+            name, args.target, args.preset, args.scale, seed, out, _progress, jobs=args.jobs
+        )
         md.extend(report.markdown)
     if out is not None and len(names) > 1:
         (out / "report.md").write_text("\n".join(md) + "\n")
@@ -138,7 +158,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 class Report:
-    def __init__(self, sc: Scenario, rows: list[Row], found: list[Verdict], markdown: list[str], seconds: float):
+    def __init__(
+        self, sc: Scenario, rows: list[Row], found: list[Verdict], markdown: list[str], seconds: float
+    ):
         self.scenario = sc
         self.rows = rows
         self.verdicts = found
@@ -146,22 +168,37 @@ class Report:
         self.seconds = seconds
 
 
-def simulate_one(name: str, target: str, preset_name: str | None, scale: str, seed: int, out: Path | None,
-                 progress: Any = None, echo: bool = True, jobs: int = 1) -> Report:
+def simulate_one(
+    name: str,
+    target: str,
+    preset_name: str | None,
+    scale: str,
+    seed: int,
+    out: Path | None,
+    progress: Any = None,
+    echo: bool = True,
+    jobs: int = 1,
+) -> Report:
     """Run one scenario, print its table and verdicts, write `out/NAME.md` (+ PNGs)."""
     from invariants.errors import UsageError
-    from invariants.presets import PRESETS
+    from invariants.layouts.presets import PRESETS
 
     t0 = time.monotonic()
     sc = SCENARIOS[name]
     base = PRESETS[preset_name or sc.preset]
     params = sc.scales[scale]
     say = print if echo else (lambda *a, **k: None)
-    say(f"kvretain simulate {sc.name}: {sc.doc}; target {target}, preset {base.name}, "
-        f"scale {scale}, seed {seed}", flush=True)
+    say(
+        f"kvretain simulate {sc.name}: {sc.doc}; target {target}, preset {base.name}, "
+        f"scale {scale}, seed {seed}",
+        flush=True,
+    )
     pool = params.pool(base)
-    pool_note = f" ({params.pool_x:g}x the blocks of one {params.max_len or params.length}-token request)" \
-        if params.pool_x > 0 else ""
+    pool_note = (
+        f" ({params.pool_x:g}x the blocks of one {params.max_len or params.length}-token request)"
+        if params.pool_x > 0
+        else ""
+    )
     say(f"  sizes: {params}; pool {pool} blocks{pool_note}", flush=True)
     try:
         validate(base.with_(num_blocks=pool))
@@ -176,11 +213,21 @@ def simulate_one(name: str, target: str, preset_name: str | None, scale: str, se
     say(f"table {sc.name}: {wall:.0f} s wall ({jobs} job{'s' if jobs > 1 else ''})")
     for v in found:
         say(f"  {v.line()}")
-    md = [f"# kvretain simulate {sc.name}", "", f"{sc.doc}. Target `{target}`, preset `{base.name}`, "
-          f"scale `{scale}`, seed {seed}.", "", f"Sizes: `{params}`; pool {pool} blocks{pool_note}.", "", text, "",
-          f"*survived* = {sc.survived_means}; *cached blocks/req* = blocks one request leaves cached alone. "
-          f"Table wall time {wall:.0f} s ({jobs} job{'s' if jobs > 1 else ''}).", "",
-          "## Seed claims", ""]
+    md = [
+        f"# kvretain simulate {sc.name}",
+        "",
+        f"{sc.doc}. Target `{target}`, preset `{base.name}`, scale `{scale}`, seed {seed}.",
+        "",
+        f"Sizes: `{params}`; pool {pool} blocks{pool_note}.",
+        "",
+        text,
+        "",
+        f"*survived* = {sc.survived_means}; *cached blocks/req* = blocks one request leaves cached alone. "
+        f"Table wall time {wall:.0f} s ({jobs} job{'s' if jobs > 1 else ''}).",
+        "",
+        "## Seed claims",
+        "",
+    ]
     md.extend(f"- {v.line()}" for v in found)
     md.append("")
     if out is not None:
@@ -226,7 +273,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     """How many prefixes of `--prefix-len` tokens stay hittable in a pool of `--pool-blocks`."""
     from invariants.errors import UsageError
-    from invariants.presets import PRESETS
+    from invariants.layouts.presets import PRESETS
 
     if args.preset is None:
         raise UsageError("--preset is required")
@@ -241,8 +288,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     max_bs = max(g.block_size for g in base.groups)
     count = min(2 * math.ceil(args.pool_blocks * max_bs / length) + 4, args.max_prefixes)
     seed = args.seed if args.seed is not None else 0
-    print(f"kvretain plan: preset {base.name}, pool {args.pool_blocks} blocks, prefix {length} tokens, "
-          f"{count} prefixes issued one after another, seed {seed}", flush=True)
+    print(
+        f"kvretain plan: preset {base.name}, pool {args.pool_blocks} blocks, prefix {length} tokens, "
+        f"{count} prefixes issued one after another, seed {seed}",
+        flush=True,
+    )
     rows = []
     try:
         validate(base)
@@ -259,8 +309,14 @@ def _run_plan(args: argparse.Namespace) -> int:
                 hits = [e.probe(p).hit for p in prompts]
             hittable = sum(h > 0 for h in hits)
             mean = sum(hits) / max(hittable, 1)
-            rows.append([s.name, f"{hittable}" + ("+" if hittable == count else ""), f"{mean:.0f}",
-                         f"{time.monotonic() - t0:.2f}"])
+            rows.append(
+                [
+                    s.name,
+                    f"{hittable}" + ("+" if hittable == count else ""),
+                    f"{mean:.0f}",
+                    f"{time.monotonic() - t0:.2f}",
+                ]
+            )
     except (ConfigError, TargetUnavailable, SimulationStalled) as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
     print(_table(["setting", "hittable prefixes", "mean hit tokens (hittable)", "seconds"], rows))
@@ -276,13 +332,19 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--scale", choices=("small", "full"), default="small")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0, printed)")
     p.add_argument("--out", default=None, help="directory for a Markdown report (and PNGs if matplotlib)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="worker processes, one setting each (default 1; rows do not depend on it)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="worker processes, one setting each (default 1; rows do not depend on it)",
+    )
     p.set_defaults(func=run_simulate)
     q = subparsers.add_parser("plan", help="how many prefixes stay hittable under each retention setting")
     q.add_argument("--preset", default=None)
     q.add_argument("--pool-blocks", type=int, required=True)
-    q.add_argument("--prefix-len", type=int, default=0, help="tokens per prefix (default 16 scheduler blocks)")
+    q.add_argument(
+        "--prefix-len", type=int, default=0, help="tokens per prefix (default 16 scheduler blocks)"
+    )
     q.add_argument("--target", default="reference")
     q.add_argument("--token-budget", type=int, default=8192)
     q.add_argument("--max-prefixes", type=int, default=400)
@@ -291,8 +353,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (the lead wires `add_parser` into `invariants.cli`)."""
-    from invariants.cli import _Parser
+    """Standalone entry (the lead wires `add_parser` into `invariants.cli.main`)."""
+    from invariants.cli.main import _Parser
     from invariants.errors import UsageError
 
     parser = _Parser(prog="kvretain")

@@ -4,7 +4,7 @@ feature by feature?
 Each row fuzzes the vLLM target against the model on configurations narrowed
 to one feature, and reports the configurations and steps checked and the
 verdict: "agrees", "agrees (known: ...)" for understood findings listed in
-`invariants/known_findings.json`, or the first disagreement with its trace.
+`invariants/harness/known_findings.json`, or the first disagreement with its trace.
 Validation is checked directly: the same configurations, valid and invalid,
 must be accepted or rejected alike, with vLLM's message.
 """
@@ -17,29 +17,48 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from invariants.fuzz import format_failure, run_fuzz
+from invariants.harness.fuzz import format_failure, run_fuzz
+from invariants.harness.strategies import configs
 from invariants.report import table
-from invariants.strategies import configs
 from invariants.targets import target_factory
 from model.config import Config, ConfigError, GroupSpec, validate
 
 SWA_SHAPES = (("full", "swa"), ("full", "swa", "swa"), ("swa",))
 FEATURES: dict[str, st.SearchStrategy[Config]] = {
     "free-queue ordering (caching on/off)": configs(allow_pinning=False, shapes=(("full",), ("full", "swa"))),
-    "SWA masks, retention None (dense)": configs(allow_pinning=False, shapes=SWA_SHAPES, retention="dense", eagle=False, caching=True),
-    "SWA masks, retention 0": configs(allow_pinning=False, shapes=SWA_SHAPES, retention="zero", eagle=False, caching=True),
-    "SWA masks, retention k": configs(allow_pinning=False, shapes=SWA_SHAPES, retention="interval", eagle=False, caching=True),
-    "Eagle / MTP (SWA and full)": configs(allow_pinning=False, shapes=SWA_SHAPES + (("full",),), eagle=True, caching=True),
-    "Mamba masks (align), None / 0 / k": configs(allow_pinning=False, shapes=(("full", "mamba"), ("full", "swa", "mamba")), caching=True),
+    "SWA masks, retention None (dense)": configs(
+        allow_pinning=False, shapes=SWA_SHAPES, retention="dense", eagle=False, caching=True
+    ),
+    "SWA masks, retention 0": configs(
+        allow_pinning=False, shapes=SWA_SHAPES, retention="zero", eagle=False, caching=True
+    ),
+    "SWA masks, retention k": configs(
+        allow_pinning=False, shapes=SWA_SHAPES, retention="interval", eagle=False, caching=True
+    ),
+    "Eagle / MTP (SWA and full)": configs(
+        allow_pinning=False, shapes=SWA_SHAPES + (("full",),), eagle=True, caching=True
+    ),
+    "Mamba masks (align), None / 0 / k": configs(
+        allow_pinning=False, shapes=(("full", "mamba"), ("full", "swa", "mamba")), caching=True
+    ),
     "events, preemption, reset/evict (all shapes)": configs(allow_pinning=False),
 }
 
 EXCLUDED = [
-    ("fine-grained Mamba hits (block > hash block) and their copy-on-write", "not modeled; VllmTarget rejects such configs"),
-    ("Mamba internal prefill checkpoints, speculative blocks, mode 'none'", "not modeled; validate() rejects 'none'"),
+    (
+        "fine-grained Mamba hits (block > hash block) and their copy-on-write",
+        "not modeled; VllmTarget rejects such configs",
+    ),
+    (
+        "Mamba internal prefill checkpoints, speculative blocks, mode 'none'",
+        "not modeled; validate() rejects 'none'",
+    ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     ("several requests in one scheduler step (Mamba same-step guard)", "each Schedule op is its own step"),
-    ("DCP/PCP, connectors, deferred frees, HiSparse, MTP re-prefill, async scheduling, LoRA/mm keys", "not modeled"),
+    (
+        "DCP/PCP, connectors, deferred frees, HiSparse, MTP re-prefill, async scheduling, LoRA/mm keys",
+        "not modeled",
+    ),
 ]
 
 
@@ -69,9 +88,13 @@ def check_validation() -> tuple[int, list[str]]:
             vllm_err = None
         except ConfigError as exc:
             vllm_err = str(exc)
-        if (model_err is None) != (vllm_err is None) or (model_err and vllm_err and model_err not in vllm_err):
-            bad.append(f"retention {cfg.retention_interval}, groups {[g.kind for g in cfg.groups]}: "
-                       f"model {model_err!r}, vLLM {vllm_err!r}")
+        if (model_err is None) != (vllm_err is None) or (
+            model_err and vllm_err and model_err not in vllm_err
+        ):
+            bad.append(
+                f"retention {cfg.retention_interval}, groups {[g.kind for g in cfg.groups]}: "
+                f"model {model_err!r}, vLLM {vllm_err!r}"
+            )
     return len(cases), bad
 
 
@@ -85,22 +108,48 @@ class Row:
     ok: bool
 
 
-def run_conformance(steps: int = 1500, budget_s: float = 30.0, seed: int = 0, out: Path = Path("kvretain-traces")) -> int:
+def run_conformance(
+    steps: int = 1500, budget_s: float = 30.0, seed: int = 0, out: Path = Path("kvretain-traces")
+) -> int:
     rows: list[Row] = []
     t = time.monotonic()
     n, bad = check_validation()
-    rows.append(Row("validation (retention rules and texts)", n, 0, "agrees" if not bad else bad[0], time.monotonic() - t, not bad))
+    rows.append(
+        Row(
+            "validation (retention rules and texts)",
+            n,
+            0,
+            "agrees" if not bad else bad[0],
+            time.monotonic() - t,
+            not bad,
+        )
+    )
     for feature, strategy in FEATURES.items():
-        report = run_fuzz("vllm", steps=steps, seed=seed, budget_s=budget_s, out_dir=out, progress=False, strategy=strategy)
+        report = run_fuzz(
+            "vllm", steps=steps, seed=seed, budget_s=budget_s, out_dir=out, progress=False, strategy=strategy
+        )
         if report.failure is not None:
             print(format_failure(report))
         verdict = "agrees" if report.failure is None else f"FINDING: {report.failure.violations[0]}"[:90]
         if report.failure is None and report.stats.known:
             verdict += " (known: " + ", ".join(sorted(report.stats.known)) + ")"
-        rows.append(Row(feature, report.stats.examples, report.stats.steps, verdict, report.seconds, report.failure is None))
+        rows.append(
+            Row(
+                feature,
+                report.stats.examples,
+                report.stats.steps,
+                verdict,
+                report.seconds,
+                report.failure is None,
+            )
+        )
         print(f"[conformance] {feature}: {verdict}", flush=True)
-    print(table(["feature", "configs", "steps", "verdict", "seconds"],
-                [(r.feature, r.configs, r.steps, r.verdict, f"{r.seconds:.1f}") for r in rows]))
+    print(
+        table(
+            ["feature", "configs", "steps", "verdict", "seconds"],
+            [(r.feature, r.configs, r.steps, r.verdict, f"{r.seconds:.1f}") for r in rows],
+        )
+    )
     print("excluded from generation (not modeled yet):")
     for what, why in EXCLUDED:
         print(f"  - {what}: {why}")

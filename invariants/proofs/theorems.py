@@ -118,9 +118,14 @@ def _search_small(s: z3.Solver, grid: Sequence[Sequence[z3.BoolRef]]) -> z3.Mode
     return None
 
 
-def run_steps(steps: Sequence[Step], base: Sequence[z3.BoolRef], describe: Describe,
-              grid: Sequence[Sequence[z3.BoolRef]] = (), timeout_ms: int | None = None,
-              refute_at: str | None = None) -> Outcome:
+def run_steps(
+    steps: Sequence[Step],
+    base: Sequence[z3.BoolRef],
+    describe: Describe,
+    grid: Sequence[Sequence[z3.BoolRef]] = (),
+    timeout_ms: int | None = None,
+    refute_at: str | None = None,
+) -> Outcome:
     """Check the steps in order; each proved step becomes a hypothesis of the next.
 
     When a step is unknown and `grid` is given, small pinned size parameters are
@@ -240,7 +245,12 @@ class Swa:
         b1, b2 = smt.replay_boundaries(self.P, self.A, self.eagle)
         self.replay = b1  # the boundary a resend (max length P - 1) lands on
         # duplicates stand for "absent": they do not change the union of tails
-        self.boundaries = [b1, b2, z3.If(self.has_j, self.J, b1), z3.If(z3.And(self.has_j, self.eagle), self.J - self.bs, b1)]
+        self.boundaries = [
+            b1,
+            b2,
+            z3.If(self.has_j, self.J, b1),
+            z3.If(z3.And(self.has_j, self.eagle), self.J - self.bs, b1),
+        ]
         self.seg = z3.If(self.r.mode == DENSE, self.A, self.r.k)
         self.per = self.seg / self.bs
         self.side = [
@@ -297,8 +307,15 @@ class Swa:
                 for w in (1, 2, 3, 5, 9):
                     for r in (None, 0, 2, 3):
                         mode = DENSE if r is None else (ZERO if r == 0 else INTERVAL)
-                        out.append([self.bs == bs, bs * mult == self.A, self.w == w, self.r.mode == mode,
-                                    self.r.k == (r or 0) * bs * mult])
+                        out.append(
+                            [
+                                self.bs == bs,
+                                bs * mult == self.A,
+                                self.w == w,
+                                self.r.mode == mode,
+                                self.r.k == (r or 0) * bs * mult,
+                            ]
+                        )
         return out
 
     def arith_steps(self) -> list[Step]:
@@ -318,8 +335,12 @@ class Swa:
 _generic_ids = iter(range(10**9))
 
 
-def _generic(label: str, arity: int, build: Callable[..., tuple[Sequence[z3.BoolRef], z3.BoolRef]],
-             *at: Sequence[z3.ArithRef]) -> Step:
+def _generic(
+    label: str,
+    arity: int,
+    build: Callable[..., tuple[Sequence[z3.BoolRef], z3.BoolRef]],
+    *at: Sequence[z3.ArithRef],
+) -> Step:
     """An arithmetic lemma proved over fresh integers, recorded at the given argument terms.
 
     Proving `hyps(v) => claim(v)` for fresh v and substituting terms is sound (the
@@ -329,13 +350,21 @@ def _generic(label: str, arity: int, build: Callable[..., tuple[Sequence[z3.Bool
     n = next(_generic_ids)
     vs = [z3.Int(f"g{n}_{j}") for j in range(arity)]
     hyps, claim = build(*vs)
-    return Step(label, claim, hyps, also_at=[[(v, I(t)) for v, t in zip(vs, args)] for args in at], uses=[],
-                standalone=True)
+    return Step(
+        label,
+        claim,
+        hyps,
+        also_at=[[(v, I(t)) for v, t in zip(vs, args)] for args in at],
+        uses=[],
+        standalone=True,
+    )
 
 
 def _mul_mod(*at: Sequence[z3.ArithRef]) -> Step:
     """x == n * A  =>  (q * x) % A == 0."""
-    return _generic("multiple of a multiple", 4, lambda q, x, n, a: ([a >= 1, x == n * a], (q * x) % a == 0), *at)
+    return _generic(
+        "multiple of a multiple", 4, lambda q, x, n, a: ([a >= 1, x == n * a], (q * x) % a == 0), *at
+    )
 
 
 def _div_lower(*at: Sequence[z3.ArithRef]) -> Step:
@@ -353,21 +382,40 @@ def _whole_blocks_steps(x: z3.ArithRef, a: z3.ArithRef, b: z3.ArithRef) -> list[
     return [
         Step("x = n*a", x == (x / a) * a, [a >= 1, x % a == 0]),
         Step("a = m*b", a == (a / b) * b, [b >= 1, a % b == 0]),
-        _generic("whole blocks", 5, lambda x_, a_, b_, n, m: ([b_ >= 1, x_ == n * a_, a_ == m * b_], x_ == (x_ / b_) * b_),
-                 (x, a, b, x / a, a / b)),
-        Step("x is whole b", x == (x / b) * b, [a >= 1, b >= 1, x % a == 0, a % b == 0],
-             uses=["x = n*a", "a = m*b", "whole blocks"]),
+        _generic(
+            "whole blocks",
+            5,
+            lambda x_, a_, b_, n, m: ([b_ >= 1, x_ == n * a_, a_ == m * b_], x_ == (x_ / b_) * b_),
+            (x, a, b, x / a, a / b),
+        ),
+        Step(
+            "x is whole b",
+            x == (x / b) * b,
+            [a >= 1, b >= 1, x % a == 0, a % b == 0],
+            uses=["x = n*a", "a = m*b", "whole blocks"],
+        ),
     ]
 
 
 def _floor_aligned(x: z3.ArithRef, a: z3.ArithRef) -> Step:
     """(x - x % a) % a == 0 and (x / a * a) % a == 0 for a >= 1."""
-    return _generic("floor is aligned", 2, lambda x_, a_: ([a_ >= 1], z3.And((x_ - x_ % a_) % a_ == 0, (x_ / a_ * a_) % a_ == 0)),
-                    (x, a))
+    return _generic(
+        "floor is aligned",
+        2,
+        lambda x_, a_: ([a_ >= 1], z3.And((x_ - x_ % a_) % a_ == 0, (x_ / a_ * a_) % a_ == 0)),
+        (x, a),
+    )
 
 
-def _quotient_step(label: str, x: z3.ArithRef, p: z3.ArithRef, q: z3.ArithRef, n: z3.ArithRef,
-                   hyps: Sequence[z3.BoolRef], generalize: Sequence[z3.ExprRef] = ()) -> Step:
+def _quotient_step(
+    label: str,
+    x: z3.ArithRef,
+    p: z3.ArithRef,
+    q: z3.ArithRef,
+    n: z3.ArithRef,
+    hyps: Sequence[z3.BoolRef],
+    generalize: Sequence[z3.ExprRef] = (),
+) -> Step:
     """x in [q*p - n, q*p) with 0 <= n < p  =>  x / p == q - 1 (the tail lies in segment q)."""
     return Step(label, x / p == q - 1, [*hyps, p >= 1, n >= 0, n < p, q * p - n <= x, x < q * p], generalize)
 
@@ -387,8 +435,13 @@ def _per_eagle(build: Callable[[bool], Outcome]) -> Outcome:
     return Outcome("proved", None, "; ".join(details) or None)
 
 
-def _segment_promise(c: Swa, mask: smt.Mask, q: z3.ArithRef, tag: str = "",
-                     also_at: Sequence[Sequence[tuple[z3.ExprRef, z3.ExprRef]]] = ()) -> tuple[list[Step], smt.Hit]:
+def _segment_promise(
+    c: Swa,
+    mask: smt.Mask,
+    q: z3.ArithRef,
+    tag: str = "",
+    also_at: Sequence[Sequence[tuple[z3.ExprRef, z3.ExprRef]]] = (),
+) -> tuple[list[Step], smt.Hit]:
     """Steps proving: the segment end E = q * segment is served (hit >= E); returns (steps, hit)."""
     i = z3.Int("i" + tag)
     C, axiom = c.cached(mask, "cached" + tag)
@@ -415,7 +468,7 @@ def _segment_promise(c: Swa, mask: smt.Mask, q: z3.ArithRef, tag: str = "",
             uses=["every tail block kept", "E in blocks", "E aligned", "segment is whole blocks"],
         ),
     ]
-    for st in steps[len(c.arith_steps()) + 2:]:
+    for st in steps[len(c.arith_steps()) + 2 :]:
         st.also_at = also_at
     return steps, hit
 
@@ -516,7 +569,13 @@ def control_swa_tail_one_long() -> Outcome:
     def describe(m: z3.ModelRef) -> str:
         return f"{c.describe(m)}: block {_v(m, i)} is kept but lies in no retained boundary's tail"
 
-    return run_steps(_no_waste_steps(c, mask), c.side, describe, grid=c.grid(), refute_at="kept block is read by a retained boundary")
+    return run_steps(
+        _no_waste_steps(c, mask),
+        c.side,
+        describe,
+        grid=c.grid(),
+        refute_at="kept block is read by a retained boundary",
+    )
 
 
 @theorem(finding=True)
@@ -532,11 +591,18 @@ def finding_swa_eagle_block_zero() -> Outcome:
     def describe(m: z3.ModelRef) -> str:
         return f"{c.describe(m)}: block {_v(m, i)} is kept but no positive hit reads it"
 
-    return run_steps(_no_waste_steps(c, c.mask(), block0=True), c.side, describe, grid=c.grid(), refute_at="kept block is read by a retained boundary")
+    return run_steps(
+        _no_waste_steps(c, c.mask(), block0=True),
+        c.side,
+        describe,
+        grid=c.grid(),
+        refute_at="kept block is read by a retained boundary",
+    )
 
 
-def _boundary_promise(c: Swa, mask: smt.Mask, b: z3.ArithRef, L: z3.ArithRef, *, quirk_clause: bool,
-                      hit: smt.Hit | None = None) -> list[Step]:
+def _boundary_promise(
+    c: Swa, mask: smt.Mask, b: z3.ArithRef, L: z3.ArithRef, *, quirk_clause: bool, hit: smt.Hit | None = None
+) -> list[Step]:
     """The aligned boundary floor_A(b) is served by a lookup of max length L."""
     i = z3.Int("i")
     C, axiom = c.cached(mask, "cached")
@@ -557,8 +623,12 @@ def _boundary_promise(c: Swa, mask: smt.Mask, b: z3.ArithRef, L: z3.ArithRef, *,
         Step("boundary in whole blocks", s * c.bs == E, pre),
         _floor_aligned(b, c.A),
         Step("every tail block kept", C(i), pre + in_tail, [i]),
-        Step("scan finds the tail", claim, pre + [hit.chosen, hit.instance(s) if c.is_eagle else hit.instance(e)],
-             uses=["every tail block kept", "boundary in whole blocks", "floor is aligned"]),
+        Step(
+            "scan finds the tail",
+            claim,
+            pre + [hit.chosen, hit.instance(s) if c.is_eagle else hit.instance(e)],
+            uses=["every tail block kept", "boundary in whole blocks", "floor is aligned"],
+        ),
     ]
 
 
@@ -577,7 +647,9 @@ def swa_promise_replay() -> Outcome:
 
     def build(eagle: bool) -> Outcome:
         c = Swa(eagle=eagle)
-        return run_steps(_boundary_promise(c, c.mask(), c.replay, c.L, quirk_clause=True), c.side + _resend(c), c.describe)
+        return run_steps(
+            _boundary_promise(c, c.mask(), c.replay, c.L, quirk_clause=True), c.side + _resend(c), c.describe
+        )
 
     return _per_eagle(build)
 
@@ -621,7 +693,9 @@ def swa_promise_junction() -> Outcome:
 
     def build(eagle: bool) -> Outcome:
         c = Swa(eagle=eagle)
-        return run_steps(_boundary_promise(c, c.mask(), c.J, c.L, quirk_clause=True), c.side + [c.has_j], c.describe)
+        return run_steps(
+            _boundary_promise(c, c.mask(), c.J, c.L, quirk_clause=True), c.side + [c.has_j], c.describe
+        )
 
     return _per_eagle(build)
 
@@ -638,8 +712,16 @@ def control_swa_dropped_junction() -> Outcome:
 
 
 def _dense_twin(c: Swa) -> smt.Mask:
-    return smt.swa_mask(0, c.end, block_size=c.bs, window=c.w, alignment=c.A, eagle=c.eagle,
-                        retention=smt.Retention(I(DENSE), I(0)), boundaries=c.boundaries)
+    return smt.swa_mask(
+        0,
+        c.end,
+        block_size=c.bs,
+        window=c.w,
+        alignment=c.A,
+        eagle=c.eagle,
+        retention=smt.Retention(I(DENSE), I(0)),
+        boundaries=c.boundaries,
+    )
 
 
 def _inclusion_steps(c: Swa, sparse: smt.Mask, dense: smt.Mask) -> list[Step]:
@@ -664,18 +746,30 @@ def _inclusion_steps(c: Swa, sparse: smt.Mask, dense: smt.Mask) -> list[Step]:
     # one generic reachable boundary b, recorded at each actual boundary term
     b = z3.Int("boundary")
     qb = b / c.A
-    at_b = [*pre, c.r.mode != DENSE, b >= 0, (qb * c.A) / c.bs + c.shift - c.need <= i,
-            i < (qb * c.A) / c.bs + c.shift]
+    at_b = [
+        *pre,
+        c.r.mode != DENSE,
+        b >= 0,
+        (qb * c.A) / c.bs + c.shift - c.need <= i,
+        i < (qb * c.A) / c.bs + c.shift,
+    ]
     each = [[(b, bt)] for bt in c.boundaries]
     steps += [
         _cancel((qb * pa, c.bs)),
-        Step("boundary edge in alignment blocks", (qb * c.A) / c.bs == qb * pa, [pa * c.bs == c.A], also_at=each),
+        Step(
+            "boundary edge in alignment blocks",
+            (qb * c.A) / c.bs == qb * pa,
+            [pa * c.bs == c.A],
+            also_at=each,
+        ),
         Step("boundary below one alignment reads nothing", qb >= 1, at_b, also_at=each),
         _quotient_step("dense segment of a boundary tail", i - c.shift, pa, qb, c.need, at_b),
         Step("boundary tail edge", ((i - c.shift) / pa + 1) * pa == qb * pa, at_b),
         Step("boundary tail within dense", dense(i), at_b, also_at=each),
     ]
-    steps.append(Step("sparse mask within dense", dense(i), [*pre, *[bt >= 0 for bt in c.boundaries], sparse(i)], [i]))
+    steps.append(
+        Step("sparse mask within dense", dense(i), [*pre, *[bt >= 0 for bt in c.boundaries], sparse(i)], [i])
+    )
     return steps
 
 
@@ -687,15 +781,23 @@ def _hit_monotone_steps(eagle: bool) -> tuple[list[Step], list[z3.BoolRef], Desc
     bs, A, L, need = z3.Ints("block_size alignment max_length need")
     j = z3.Int("j")
     within = z3.Or(C2(j), z3.And(eagle, j == 0))
-    base = [bs >= 1, bs <= A, A % bs == 0, need >= (1 if eagle else 0),
-            z3.ForAll([j], z3.Implies(C1(j), within), patterns=[C1(j)])]
+    base = [
+        bs >= 1,
+        bs <= A,
+        A % bs == 0,
+        need >= (1 if eagle else 0),
+        z3.ForAll([j], z3.Implies(C1(j), within), patterns=[C1(j)]),
+    ]
     if eagle:  # the dense mask keeps every block when need >= A / bs (its fallback)
         base.append(z3.Implies(z3.And(need > A / bs, C1(0)), C2(0)))
     h1 = smt.swa_hit(C1, L, bs, A, need, eagle)
     h2 = smt.swa_hit(C2, L, bs, A, need, eagle)
     hyps = [h1.chosen, h2.chosen] + [h2.instance(mm.m) for mm in h1.maxima]
-    steps = [Step("aligned peeks are whole alignments", z3.Implies(mm.m >= 1, mm.m >= A / bs), [h1.chosen])
-             for mm in h1.maxima if eagle] + [Step("hit monotone in the cached set", h1.blocks <= h2.blocks, hyps)]
+    steps = [
+        Step("aligned peeks are whole alignments", z3.Implies(mm.m >= 1, mm.m >= A / bs), [h1.chosen])
+        for mm in h1.maxima
+        if eagle
+    ] + [Step("hit monotone in the cached set", h1.blocks <= h2.blocks, hyps)]
 
     def describe(m: z3.ModelRef) -> str:
         return f"block_size={_v(m, bs)}, alignment={_v(m, A)}, need={_v(m, need)}, max_length={_v(m, L)}"
@@ -731,7 +833,9 @@ def control_swa_sparse_exceeds_dense() -> Outcome:
     def describe(m: z3.ModelRef) -> str:
         return f"{c.describe(m)}: block {_v(m, i)} kept by the sparse mask, not by the dense one"
 
-    return run_steps(_inclusion_steps(c, c.mask(need_delta=1), _dense_twin(c))[-1:], c.side, describe, grid=c.grid())
+    return run_steps(
+        _inclusion_steps(c, c.mask(need_delta=1), _dense_twin(c))[-1:], c.side, describe, grid=c.grid()
+    )
 
 
 def _within_one_interval_steps(c: Swa, sparse: smt.Mask) -> list[Step]:
@@ -752,27 +856,68 @@ def _within_one_interval_steps(c: Swa, sparse: smt.Mask) -> list[Step]:
     last = hd.blocks + c.shift - 1  # the last block the dense hit's scan read (Eagle: the peek)
     e_qd = (qd * k) / c.bs + c.shift
     sparse_axiom = c.cached(sparse, "cacheds")[1]
-    premises = [dense_axiom, sparse_axiom, c.r.mode == INTERVAL, z3.Not(sparse.dense), hd.chosen, hs.chosen,
-                hs.instance(e_qd - c.shift) if c.is_eagle else hs.instance(e_qd), hs.instance(hd.blocks)]
+    premises = [
+        dense_axiom,
+        sparse_axiom,
+        c.r.mode == INTERVAL,
+        z3.Not(sparse.dense),
+        hd.chosen,
+        hs.chosen,
+        hs.instance(e_qd - c.shift) if c.is_eagle else hs.instance(e_qd),
+        hs.instance(hd.blocks),
+    ]
     tail = [
-        Step("dense hit reads cached blocks", z3.Implies(z3.And(hd.blocks >= 1, c.need >= 1), D(last)), uses=[]),
-        Step("dense hit within max length", z3.Implies(hd.blocks >= 1, (hd.blocks + c.shift) * c.bs <= c.L), uses=[]),
+        Step(
+            "dense hit reads cached blocks", z3.Implies(z3.And(hd.blocks >= 1, c.need >= 1), D(last)), uses=[]
+        ),
+        Step(
+            "dense hit within max length",
+            z3.Implies(hd.blocks >= 1, (hd.blocks + c.shift) * c.bs <= c.L),
+            uses=[],
+        ),
         Step("floor to the interval", z3.And(qd * k <= hd_tokens, hd_tokens < qd * k + k), uses=[]),
-        Step("floored boundary whole blocks", (qd * k) % c.bs == 0, [k == k / c.A * (c.A / c.bs) * c.bs],
-             uses=["multiple of a multiple"]),
-        Step("floored boundary in blocks", (qd * k) / c.bs <= hd.blocks,
-             uses=["floor to the interval", "floored boundary whole blocks"]),
+        Step(
+            "floored boundary whole blocks",
+            (qd * k) % c.bs == 0,
+            [k == k / c.A * (c.A / c.bs) * c.bs],
+            uses=["multiple of a multiple"],
+        ),
+        Step(
+            "floored boundary in blocks",
+            (qd * k) / c.bs <= hd.blocks,
+            uses=["floor to the interval", "floored boundary whole blocks"],
+        ),
         Step("a one-token window reads nothing", z3.Implies(c.need == 0, hs.blocks >= hd.blocks), uses=[]),
-        _generic("scale", 3, lambda x, y, b_: ([x >= y, b_ >= 1], x * b_ >= y * b_), (hs.blocks, hd.blocks, c.bs)),
-        Step("below one interval", z3.Implies(qd == 0, hs.blocks * c.bs > hd_tokens - k), uses=["floor to the interval"]),
-        Step("floored boundary computed", z3.Implies(z3.And(qd >= 1, c.need >= 1), c.end >= e_qd),
-             uses=["dense hit reads cached blocks", "floored boundary in blocks"]),
-        Step("floored boundary within max length", z3.Implies(qd >= 1, e_qd * c.bs <= c.L),
-             uses=["dense hit within max length", "floored boundary in blocks"]),
+        _generic(
+            "scale", 3, lambda x, y, b_: ([x >= y, b_ >= 1], x * b_ >= y * b_), (hs.blocks, hd.blocks, c.bs)
+        ),
+        Step(
+            "below one interval",
+            z3.Implies(qd == 0, hs.blocks * c.bs > hd_tokens - k),
+            uses=["floor to the interval"],
+        ),
+        Step(
+            "floored boundary computed",
+            z3.Implies(z3.And(qd >= 1, c.need >= 1), c.end >= e_qd),
+            uses=["dense hit reads cached blocks", "floored boundary in blocks"],
+        ),
+        Step(
+            "floored boundary within max length",
+            z3.Implies(qd >= 1, e_qd * c.bs <= c.L),
+            uses=["dense hit within max length", "floored boundary in blocks"],
+        ),
         Step("floored boundary served", z3.Implies(z3.And(qd >= 1, c.need >= 1), hs.blocks * c.bs >= qd * k)),
-        Step("sparse within one interval of dense", hs.blocks * c.bs > hd_tokens - k,
-             uses=["below one interval", "floored boundary served", "floor to the interval",
-                   "a one-token window reads nothing", "scale"]),
+        Step(
+            "sparse within one interval of dense",
+            hs.blocks * c.bs > hd_tokens - k,
+            uses=[
+                "below one interval",
+                "floored boundary served",
+                "floor to the interval",
+                "a one-token window reads nothing",
+                "scale",
+            ],
+        ),
     ]
     for st in tail:  # identical antecedents, so each lemma's premises are discharged syntactically
         st.hyps = [*premises, *st.hyps]
@@ -797,7 +942,13 @@ def swa_sparse_within_one_interval() -> Outcome:
 def control_swa_sparse_coarser_than_interval() -> Outcome:
     """Control for swa_sparse_within_one_interval: a sparse mask whose tails are one block short falls more than one interval behind."""
     c = Swa(eagle=False)
-    return run_steps(_within_one_interval_steps(c, c.mask(need_delta=-1)), c.side, c.describe, grid=c.grid(), refute_at="every tail block kept")
+    return run_steps(
+        _within_one_interval_steps(c, c.mask(need_delta=-1)),
+        c.side,
+        c.describe,
+        grid=c.grid(),
+        refute_at="every tail block kept",
+    )
 
 
 # --------------------------------------------------------------------------- Eagle / MTP
@@ -814,8 +965,11 @@ def _eagle_resend_steps(c: Swa, mask: smt.Mask) -> list[Step]:
     return steps + [
         Step("Eagle peek block kept", C(s), pre),
         Step("boundary positive", E >= c.A, pre),
-        Step("resend hit is positive and reaches the boundary", z3.And(hit.blocks * c.bs >= E, hit.blocks >= 1),
-             pre + [hit.chosen, hit.instance(s)]),
+        Step(
+            "resend hit is positive and reaches the boundary",
+            z3.And(hit.blocks * c.bs >= E, hit.blocks >= 1),
+            pre + [hit.chosen, hit.instance(s)],
+        ),
     ]
 
 
@@ -833,17 +987,29 @@ def eagle_block_kept_and_served() -> Outcome:
 def control_eagle_block_missing() -> Outcome:
     """Control for eagle_block_kept_and_served: a mask computed without the Eagle block and shift (the pre-#44082 mask) leaves the Eagle resend at a 0% hit."""
     c = Swa(eagle=True)
-    broken = smt.swa_mask(0, c.end, block_size=c.bs, window=c.w, alignment=c.A, eagle=False, retention=c.r,
-                          boundaries=c.boundaries)
+    broken = smt.swa_mask(
+        0,
+        c.end,
+        block_size=c.bs,
+        window=c.w,
+        alignment=c.A,
+        eagle=False,
+        retention=c.r,
+        boundaries=c.boundaries,
+    )
 
     def describe(m: z3.ModelRef) -> str:
         s = _n(m, c.replay / c.A * c.A / c.bs)
         return f"{c.describe(m)}: Eagle peek block {s} (right after the replay boundary) is not kept"
 
-    return run_steps(_eagle_resend_steps(c, broken), c.side, describe, grid=c.grid(), refute_at="every tail block kept")
+    return run_steps(
+        _eagle_resend_steps(c, broken), c.side, describe, grid=c.grid(), refute_at="every tail block kept"
+    )
 
 
-def _drop_once_steps(kind: str, redrop: bool) -> tuple[list[Step], list[z3.BoolRef], Describe, list[list[z3.BoolRef]]]:
+def _drop_once_steps(
+    kind: str, redrop: bool
+) -> tuple[list[Step], list[z3.BoolRef], Describe, list[list[z3.BoolRef]]]:
     """A group verified with the Eagle drop, re-evaluated at its own hit in a later pass."""
     C = z3.Function("cached", z3.IntSort(), z3.BoolSort())
     bs, A, L, need0 = z3.Ints("block_size alignment max_length window_blocks")
@@ -858,10 +1024,18 @@ def _drop_once_steps(kind: str, redrop: bool) -> tuple[list[Step], list[z3.BoolR
             _floor_aligned(t, A),
             Step("floored is aligned", floored % A == 0, [A >= 1], uses=["floor is aligned"]),
             *_whole_blocks_steps(floored, A, bs),
-            _generic("ceil of a multiple", 2, lambda x, b_: ([b_ >= 1, x == (x / b_) * b_], smt.cdiv(x, b_) * b_ == x),
-                     (floored, bs)),
-            _generic("ceil of a multiple is its quotient", 2,
-                     lambda x, b_: ([b_ >= 1, x == (x / b_) * b_], smt.cdiv(x, b_) == x / b_), (floored, bs)),
+            _generic(
+                "ceil of a multiple",
+                2,
+                lambda x, b_: ([b_ >= 1, x == (x / b_) * b_], smt.cdiv(x, b_) * b_ == x),
+                (floored, bs),
+            ),
+            _generic(
+                "ceil of a multiple is its quotient",
+                2,
+                lambda x, b_: ([b_ >= 1, x == (x / b_) * b_], smt.cdiv(x, b_) == x / b_),
+                (floored, bs),
+            ),
         ]
     else:
         h1 = smt.swa_hit(C, L, bs, A, need0 + 1, True)
@@ -875,9 +1049,11 @@ def _drop_once_steps(kind: str, redrop: bool) -> tuple[list[Step], list[z3.BoolR
     ]
 
     def describe(m: z3.ModelRef) -> str:
-        return (f"block_size={_v(m, bs)}, alignment={_v(m, A)}, window blocks={_v(m, need0)}, "
-                f"max_length={_v(m, L)}: first pass hit {_n(m, h1.blocks) * _n(m, bs)} tokens, "
-                f"second pass {_n(m, h2.blocks) * _n(m, bs)}")
+        return (
+            f"block_size={_v(m, bs)}, alignment={_v(m, A)}, window blocks={_v(m, need0)}, "
+            f"max_length={_v(m, L)}: first pass hit {_n(m, h1.blocks) * _n(m, bs)} tokens, "
+            f"second pass {_n(m, h2.blocks) * _n(m, bs)}"
+        )
 
     grid = [[bs == b_, b_ * k_ == A, b_ * n_ == L] for b_ in (1, 2) for k_ in (1, 2) for n_ in (4, 8)]
     return steps, base, describe, grid
@@ -911,13 +1087,20 @@ class Mamba:
     """A symbolic Mamba group (align mode) of a hybrid model and the prompt it cached."""
 
     def __init__(self, *, eagle: bool | None = None) -> None:
-        self.bs, self.A, self.P, self.end, self.J, self.L = z3.Ints("block_size alignment prompt end junction max_length")
+        self.bs, self.A, self.P, self.end, self.J, self.L = z3.Ints(
+            "block_size alignment prompt end junction max_length"
+        )
         self.eagle = z3.Bool("eagle") if eagle is None else z3.BoolVal(eagle)
         self.r = smt.Retention.symbolic("retention")
         self.has_j = z3.Bool("has_junction")
         b1, b2 = smt.replay_boundaries(self.P, self.A, self.eagle)
         self.replay = (b1, b2)
-        self.boundaries = [b1, b2, z3.If(self.has_j, self.J, b1), z3.If(z3.And(self.has_j, self.eagle), self.J - self.bs, b1)]
+        self.boundaries = [
+            b1,
+            b2,
+            z3.If(self.has_j, self.J, b1),
+            z3.If(z3.And(self.has_j, self.eagle), self.J - self.bs, b1),
+        ]
         self.per = self.r.k / self.bs
         self.side = [
             smt.config_side_conditions(block_size=self.bs, alignment=self.A, retention=self.r),
@@ -927,10 +1110,19 @@ class Mamba:
         ]
 
     def mask(self, **control: object) -> smt.Mask:
-        return smt.mamba_mask(0, self.end, block_size=self.bs, alignment=self.A, retention=self.r,
-                              boundaries=self.boundaries, **control)  # type: ignore[arg-type]
+        return smt.mamba_mask(
+            0,
+            self.end,
+            block_size=self.bs,
+            alignment=self.A,
+            retention=self.r,
+            boundaries=self.boundaries,
+            **control,
+        )  # type: ignore[arg-type]
 
-    def cached(self, mask: smt.Mask, name: str, exists: z3.FuncDeclRef | None = None) -> tuple[z3.FuncDeclRef, z3.BoolRef]:
+    def cached(
+        self, mask: smt.Mask, name: str, exists: z3.FuncDeclRef | None = None
+    ) -> tuple[z3.FuncDeclRef, z3.BoolRef]:
         """cached(j) = kept(j) and the state block exists (states exist only at chunk ends)."""
         C = z3.Function(name, z3.IntSort(), z3.BoolSort())
         x = z3.Int("x_" + name)
@@ -938,8 +1130,10 @@ class Mamba:
         return C, z3.ForAll([x], C(x) == body, patterns=[C(x)])
 
     def describe(self, m: z3.ModelRef) -> str:
-        return (f"block_size={_v(m, self.bs)}, alignment={_v(m, self.A)}, retention={self.r.describe(m)}, "
-                f"eagle={_v(m, self.eagle)}, prompt={_v(m, self.P)} tokens, {_v(m, self.end)} blocks computed")
+        return (
+            f"block_size={_v(m, self.bs)}, alignment={_v(m, self.A)}, retention={self.r.describe(m)}, "
+            f"eagle={_v(m, self.eagle)}, prompt={_v(m, self.P)} tokens, {_v(m, self.end)} blocks computed"
+        )
 
     def grid(self) -> list[list[z3.BoolRef]]:
         out = []
@@ -947,7 +1141,9 @@ class Mamba:
             for mult in (1, 2):
                 for r in (0, 2, 3, 4):
                     mode = ZERO if r == 0 else INTERVAL
-                    out.append([self.bs == bs, bs * mult == self.A, self.r.mode == mode, self.r.k == r * bs * mult])
+                    out.append(
+                        [self.bs == bs, bs * mult == self.A, self.r.mode == mode, self.r.k == r * bs * mult]
+                    )
         return out
 
     def arith_steps(self) -> list[Step]:
@@ -967,7 +1163,12 @@ def _one_state_steps(c: Mamba, mask: smt.Mask) -> list[Step]:
     not_boundary = z3.And([i != smt.boundary_edge(b, c.A, c.bs) - 1 for b in c.boundaries])
     pre = [c.r.mode == INTERVAL, z3.Not(mask.dense), mask(i), not_boundary]
     return [
-        _generic("last block of a segment", 2, lambda x, p: ([p >= 2, (x + 1) % p == 0], x % p == p - 1), (i, c.per)),
+        _generic(
+            "last block of a segment",
+            2,
+            lambda x, p: ([p >= 2, (x + 1) % p == 0], x % p == p - 1),
+            (i, c.per),
+        ),
         Step("one state per segment: its last block", i % c.per == c.per - 1, pre),
     ]
 
@@ -986,7 +1187,13 @@ def mamba_one_state_per_segment() -> Outcome:
 def control_mamba_state_off_by_one() -> Outcome:
     """Control for mamba_one_state_per_segment: keeping block k with k % per == 0 (the segment's first block) is caught."""
     c = Mamba()
-    return run_steps(_one_state_steps(c, c.mask(off_by_one=True)), c.side, c.describe, grid=c.grid(), refute_at="one state per segment: its last block")
+    return run_steps(
+        _one_state_steps(c, c.mask(off_by_one=True)),
+        c.side,
+        c.describe,
+        grid=c.grid(),
+        refute_at="one state per segment: its last block",
+    )
 
 
 def _mamba_promise_steps(c: Mamba, mask: smt.Mask, which: str) -> tuple[list[Step], smt.Hit]:
@@ -1003,20 +1210,40 @@ def _mamba_promise_steps(c: Mamba, mask: smt.Mask, which: str) -> tuple[list[Ste
     s = E / c.bs - 1  # the state block of the boundary: no Eagle shift
     pre = [axiom, *cond, c.end > s, c.L >= E, exists(s)]
     steps = c.arith_steps() + [
-        _mul_mod((q, c.r.k, c.r.k / c.A, c.A), (q, c.r.k, (c.r.k / c.A) * (c.A / c.bs), c.bs),
-                 (E / c.A, c.A, c.A / c.bs, c.bs)),
+        _mul_mod(
+            (q, c.r.k, c.r.k / c.A, c.A),
+            (q, c.r.k, (c.r.k / c.A) * (c.A / c.bs), c.bs),
+            (E / c.A, c.A, c.A / c.bs, c.bs),
+        ),
         _cancel((q * c.per, c.bs)),
         _mul_mod((q, c.per, 1, c.per)),
         Step("segment end in blocks", z3.Implies(c.r.mode == INTERVAL, (q * c.r.k) / c.bs == q * c.per), pre),
         Step("boundary in whole blocks", (E / c.bs) * c.bs == E, pre),
         _floor_aligned(E, c.A),
         Step("boundary aligned", z3.Or(E % c.A == 0, which == "segment"), pre, uses=["floor is aligned"]),
-        Step("state block index", z3.Implies(c.r.mode == INTERVAL, (s + 1) % c.per == 0) if which == "segment"
-             else z3.BoolVal(True), pre),
+        Step(
+            "state block index",
+            z3.Implies(c.r.mode == INTERVAL, (s + 1) % c.per == 0)
+            if which == "segment"
+            else z3.BoolVal(True),
+            pre,
+        ),
         Step("state block kept", C(s), pre),
-        Step("scan finds the state", hit.blocks * c.bs >= E, pre + [hit.chosen, hit.instance(s)],
-             uses=["state block kept", "boundary in whole blocks", "boundary aligned", "multiple of a multiple",
-                   "segment end in blocks", "interval = n*a blocks", "blocks per interval", "alignment is whole blocks"]),
+        Step(
+            "scan finds the state",
+            hit.blocks * c.bs >= E,
+            pre + [hit.chosen, hit.instance(s)],
+            uses=[
+                "state block kept",
+                "boundary in whole blocks",
+                "boundary aligned",
+                "multiple of a multiple",
+                "segment end in blocks",
+                "interval = n*a blocks",
+                "blocks per interval",
+                "alignment is whole blocks",
+            ],
+        ),
     ]
     return steps, hit
 
@@ -1052,8 +1279,14 @@ def control_mamba_eagle_shift() -> Outcome:
 
 def _mamba_within_steps(c: Mamba, sparse: smt.Mask) -> list[Step]:
     """States exist at every computed block; sparse (interval k) hit > dense hit - k."""
-    dense = smt.mamba_mask(0, c.end, block_size=c.bs, alignment=c.A, retention=smt.Retention(I(DENSE), I(0)),
-                           boundaries=c.boundaries)
+    dense = smt.mamba_mask(
+        0,
+        c.end,
+        block_size=c.bs,
+        alignment=c.A,
+        retention=smt.Retention(I(DENSE), I(0)),
+        boundaries=c.boundaries,
+    )
     D, dense_axiom = c.cached(dense, "cached_dense")
     S, sparse_axiom = c.cached(sparse, "cached_sparse")
     hd = smt.mamba_hit(D, c.L, c.bs, c.A)
@@ -1062,8 +1295,15 @@ def _mamba_within_steps(c: Mamba, sparse: smt.Mask) -> list[Step]:
     hd_tokens = hd.blocks * c.bs
     qd = hd_tokens / k
     s = qd * c.per - 1
-    premises = [dense_axiom, sparse_axiom, c.r.mode == INTERVAL, z3.Not(sparse.dense), hd.chosen, hs.chosen,
-                hs.instance(s)]
+    premises = [
+        dense_axiom,
+        sparse_axiom,
+        c.r.mode == INTERVAL,
+        z3.Not(sparse.dense),
+        hd.chosen,
+        hs.chosen,
+        hs.instance(s),
+    ]
     tail = [
         Step("floor to the interval", z3.And(qd * k <= hd_tokens, hd_tokens < qd * k + k)),
         Step("floored boundary in blocks", qd * c.per <= hd.blocks),
@@ -1072,15 +1312,31 @@ def _mamba_within_steps(c: Mamba, sparse: smt.Mask) -> list[Step]:
         Step("floored state kept", z3.Implies(qd >= 1, S(s))),
         Step("floored state aligned", z3.Implies(qd >= 1, ((s + 1) * c.bs) % c.A == 0)),
         Step("floored boundary served", z3.Implies(qd >= 1, hs.blocks >= qd * c.per)),
-        _generic("scale", 3, lambda x, y, b_: ([x >= y, b_ >= 1], x * b_ >= y * b_), (hs.blocks, qd * c.per, c.bs)),
-        Step("sparse within one interval of dense", hs.blocks * c.bs > hd_tokens - k,
-             uses=["floor to the interval", "floored boundary served", "scale", "interval = n*a blocks",
-                   "blocks per interval"]),
+        _generic(
+            "scale", 3, lambda x, y, b_: ([x >= y, b_ >= 1], x * b_ >= y * b_), (hs.blocks, qd * c.per, c.bs)
+        ),
+        Step(
+            "sparse within one interval of dense",
+            hs.blocks * c.bs > hd_tokens - k,
+            uses=[
+                "floor to the interval",
+                "floored boundary served",
+                "scale",
+                "interval = n*a blocks",
+                "blocks per interval",
+            ],
+        ),
     ]
     for st in tail:
         st.hyps = [*premises, *st.hyps]
-    return c.arith_steps() + [_mul_mod((qd * (k / c.A), c.A, c.A / c.bs, c.bs), (qd, k, k / c.A, c.A)),
-                              _cancel((qd * c.per, c.bs))] + tail
+    return (
+        c.arith_steps()
+        + [
+            _mul_mod((qd * (k / c.A), c.A, c.A / c.bs, c.bs), (qd, k, k / c.A, c.A)),
+            _cancel((qd * c.per, c.bs)),
+        ]
+        + tail
+    )
 
 
 @theorem()
@@ -1098,7 +1354,13 @@ def mamba_within_one_interval() -> Outcome:
 def control_mamba_within_off_by_one() -> Outcome:
     """Control for mamba_within_one_interval: states kept one block early lose the interval bound."""
     c = Mamba()
-    return run_steps(_mamba_within_steps(c, c.mask(off_by_one=True)), c.side, c.describe, grid=c.grid(), refute_at="floored state kept")
+    return run_steps(
+        _mamba_within_steps(c, c.mask(off_by_one=True)),
+        c.side,
+        c.describe,
+        grid=c.grid(),
+        refute_at="floored state kept",
+    )
 
 
 def _checkpoint_steps(c: Mamba, eagle_aware: bool) -> list[Step]:
@@ -1132,21 +1394,35 @@ def _cacheable_steps(floor: bool) -> tuple[list[Step], list[z3.BoolRef], Describ
     n, bs, A, i = z3.Ints("computed_tokens block_size alignment i")
     eagle = z3.Bool("eagle")
     shift = z3.If(eagle, 1, 0)
-    nc = smt.cacheable_tokens(n, hybrid=True, scheduler_block_size=A, block_size=bs, eagle=eagle) if floor else n
+    nc = (
+        smt.cacheable_tokens(n, hybrid=True, scheduler_block_size=A, block_size=bs, eagle=eagle)
+        if floor
+        else n
+    )
     fl = n / A * A
     base = [bs >= 1, bs <= A, A % bs == 0, n >= 0]
     steps = [
         _generic("one more block", 2, lambda x, b_: ([b_ >= 1], (x + b_) / b_ == x / b_ + 1), (fl, bs)),
-        _generic("division is monotone", 3, lambda x, y, b_: ([b_ >= 1, x <= y], x / b_ <= y / b_), (nc, fl, bs),
-                 (nc, fl + bs, bs)),
-        Step("no block past the last aligned boundary (+ Eagle peek)", z3.Implies(i < nc / bs, i < fl / bs + shift),
-             [i >= 0]),
+        _generic(
+            "division is monotone",
+            3,
+            lambda x, y, b_: ([b_ >= 1, x <= y], x / b_ <= y / b_),
+            (nc, fl, bs),
+            (nc, fl + bs, bs),
+        ),
+        Step(
+            "no block past the last aligned boundary (+ Eagle peek)",
+            z3.Implies(i < nc / bs, i < fl / bs + shift),
+            [i >= 0],
+        ),
         Step("cached length aligned without Eagle", z3.Implies(z3.Not(eagle), nc % A == 0)),
     ]
 
     def describe(m: z3.ModelRef) -> str:
-        return (f"block_size={_v(m, bs)}, alignment={_v(m, A)}, eagle={_v(m, eagle)}, {_v(m, n)} tokens computed: "
-                f"block {_v(m, i)} cached past the aligned boundary {_n(m, fl)}")
+        return (
+            f"block_size={_v(m, bs)}, alignment={_v(m, A)}, eagle={_v(m, eagle)}, {_v(m, n)} tokens computed: "
+            f"block {_v(m, i)} cached past the aligned boundary {_n(m, fl)}"
+        )
 
     return steps, base, describe
 
@@ -1175,8 +1451,11 @@ def _hits_aligned_steps(lookup_alignment_is_block: bool) -> tuple[list[Step], li
     base = [bs >= 1, bs <= A, A % bs == 0, need >= 0]
     la = bs if lookup_alignment_is_block else A
     steps: list[Step] = []
-    for name, hit in (("swa", smt.swa_hit(C, L, bs, la, need, False)), ("swa eagle", smt.swa_hit(C, L, bs, la, need, True)),
-                      ("mamba", smt.mamba_hit(C, L, bs, la))):
+    for name, hit in (
+        ("swa", smt.swa_hit(C, L, bs, la, need, False)),
+        ("swa eagle", smt.swa_hit(C, L, bs, la, need, True)),
+        ("mamba", smt.mamba_hit(C, L, bs, la)),
+    ):
         steps.append(Step(f"{name} hit aligned", (hit.blocks * bs) % A == 0, [hit.chosen]))
     full = smt.full_hit(C, L, bs, la, eagle)
     t = full.maxima[0].m * bs
@@ -1186,8 +1465,12 @@ def _hits_aligned_steps(lookup_alignment_is_block: bool) -> tuple[list[Step], li
         _floor_aligned(t, la),
         Step("floored is aligned", floored % la == 0, [la >= 1], uses=["floor is aligned"]),
         *_whole_blocks_steps(floored, la, bs),
-        _generic("ceil of a multiple", 2, lambda x, b_: ([b_ >= 1, x == (x / b_) * b_], smt.cdiv(x, b_) * b_ == x),
-                 (floored, bs)),
+        _generic(
+            "ceil of a multiple",
+            2,
+            lambda x, b_: ([b_ >= 1, x == (x / b_) * b_], smt.cdiv(x, b_) * b_ == x),
+            (floored, bs),
+        ),
         Step("full hit aligned", (full.blocks * bs) % A == 0, [full.chosen]),
     ]
 
@@ -1217,7 +1500,9 @@ def control_alignment_lookup_ignores_alignment() -> Outcome:
 # --------------------------------------------------------------------------- validation
 
 
-def validator_accepts(k: z3.ArithRef, is_none: z3.BoolRef, sbs: z3.ArithRef, has_group: z3.BoolRef) -> z3.BoolRef:
+def validator_accepts(
+    k: z3.ArithRef, is_none: z3.BoolRef, sbs: z3.ArithRef, has_group: z3.BoolRef
+) -> z3.BoolRef:
     """model.config.validate's retention rule as a Z3 term (None; 0 without SWA/Mamba; else k >= 0, k % sbs == 0)."""
     return z3.Or(is_none, z3.If(has_group, z3.And(k >= 0, k % sbs == 0), k == 0))
 
@@ -1232,8 +1517,13 @@ def validation_accepts_what_the_promise_needs() -> Outcome:
     is_none, has_group = z3.Bools("retention_is_none has_swa_or_mamba")
     r = smt.Retention(z3.If(is_none, DENSE, z3.If(k == 0, ZERO, INTERVAL)), z3.If(is_none, 0, k))
     side = smt.config_side_conditions(block_size=I(1), alignment=sbs, retention=r)
-    steps = [Step("accepted intervals meet the proofs' side condition", side,
-                  [sbs >= 1, has_group, validator_accepts(k, is_none, sbs, has_group)])]
+    steps = [
+        Step(
+            "accepted intervals meet the proofs' side condition",
+            side,
+            [sbs >= 1, has_group, validator_accepts(k, is_none, sbs, has_group)],
+        )
+    ]
     return run_steps(steps, [], lambda m: f"retention={_v(m, k)}, scheduler_block_size={_v(m, sbs)}")
 
 
@@ -1262,7 +1552,9 @@ def _non_multiple_loss(bs: int, A: int, k: int, w: int, eagle: bool) -> str | No
 
     end = 40
     need = masks.swa_tail_blocks(w, bs, eagle)
-    mask = smt.swa_mask(0, end, block_size=bs, window=w, alignment=A, eagle=eagle, retention=smt.Retention.of(k))
+    mask = smt.swa_mask(
+        0, end, block_size=bs, window=w, alignment=A, eagle=eagle, retention=smt.Retention.of(k)
+    )
     kept = smt.evaluate_mask(mask, 0, end)
     cached = set(range(end)) if kept is None else kept
     for q in range(1, end * bs // k):
@@ -1273,9 +1565,11 @@ def _non_multiple_loss(bs: int, A: int, k: int, w: int, eagle: bool) -> str | No
         hit = smt.swa_hit(smt.finite_set(cached), F + bs * (1 if eagle else 0), bs, A, need, eagle)
         got = smt.evaluate_hit(hit.blocks, hit.side) * bs
         if got < F:
-            return (f"block_size={bs}, alignment={A}, window={w}, eagle={eagle}, retention={k} (not a multiple "
-                    f"of {A}): segment end {E} tokens is not aligned; the aligned boundary below it, {F}, "
-                    f"has no kept tail, so a request reaching {F} tokens hits only {got}")
+            return (
+                f"block_size={bs}, alignment={A}, window={w}, eagle={eagle}, retention={k} (not a multiple "
+                f"of {A}): segment end {E} tokens is not aligned; the aligned boundary below it, {F}, "
+                f"has no kept tail, so a request reaching {F} tokens hits only {got}"
+            )
     return None
 
 
@@ -1304,11 +1598,25 @@ class Queues:
         self.hashed = z3.Const("hashed" + suffix, A_B)
         self.inp = z3.Const("in_pinned" + suffix, A_B)
         self.ppos = z3.Const("pinned_pos" + suffix, A_I)
-        self.lo, self.hi, self.t, self.plo, self.phi = z3.Ints(f"lo{suffix} hi{suffix} t{suffix} plo{suffix} phi{suffix}")
+        self.lo, self.hi, self.t, self.plo, self.phi = z3.Ints(
+            f"lo{suffix} hi{suffix} t{suffix} plo{suffix} phi{suffix}"
+        )
 
     def fields(self) -> list[z3.ExprRef]:
-        return [self.inq, self.pos, self.cls, self.joined, self.hashed, self.inp, self.ppos,
-                self.lo, self.hi, self.t, self.plo, self.phi]
+        return [
+            self.inq,
+            self.pos,
+            self.cls,
+            self.joined,
+            self.hashed,
+            self.inp,
+            self.ppos,
+            self.lo,
+            self.hi,
+            self.t,
+            self.plo,
+            self.phi,
+        ]
 
     def same(self, other: Queues, *, but: Sequence[str] = ()) -> z3.BoolRef:
         names = ["inq", "pos", "cls", "joined", "hashed", "inp", "ppos", "lo", "hi", "t", "plo", "phi"]
@@ -1345,19 +1653,29 @@ class Queues:
 
     def uncached_first(self) -> z3.BoolRef:
         """Every block freed without a hash precedes every block freed with one."""
-        return self.all2(lambda b, c: z3.Implies(z3.And(self.inq[b], self.inq[c], z3.Not(self.cls[b]), self.cls[c]),
-                                                 self.pos[b] < self.pos[c]))
+        return self.all2(
+            lambda b, c: z3.Implies(
+                z3.And(self.inq[b], self.inq[c], z3.Not(self.cls[b]), self.cls[c]), self.pos[b] < self.pos[c]
+            )
+        )
 
     def unhashed_first(self) -> z3.BoolRef:
         """Every block without a hash now precedes every block with one (the strong form)."""
-        return self.all2(lambda b, c: z3.Implies(
-            z3.And(self.inq[b], self.inq[c], z3.Not(self.hashed[b]), self.hashed[c]), self.pos[b] < self.pos[c]))
+        return self.all2(
+            lambda b, c: z3.Implies(
+                z3.And(self.inq[b], self.inq[c], z3.Not(self.hashed[b]), self.hashed[c]),
+                self.pos[b] < self.pos[c],
+            )
+        )
 
     def lru(self) -> z3.BoolRef:
         """Cached-class blocks are ordered by when they joined the cached region (oldest first)."""
-        return self.all2(lambda b, c: z3.Implies(
-            z3.And(self.inq[b], self.inq[c], self.cls[b], self.cls[c], self.joined[b] < self.joined[c]),
-            self.pos[b] < self.pos[c]))
+        return self.all2(
+            lambda b, c: z3.Implies(
+                z3.And(self.inq[b], self.inq[c], self.cls[b], self.cls[c], self.joined[b] < self.joined[c]),
+                self.pos[b] < self.pos[c],
+            )
+        )
 
 
 def _ops(s: Queues, n: Queues, *, broken: str = "") -> dict[str, z3.BoolRef]:
@@ -1375,8 +1693,12 @@ def _ops(s: Queues, n: Queues, *, broken: str = "") -> dict[str, z3.BoolRef]:
     # free of an uncached block: prepend_n (head); the control appends it instead
     head = s.hi if broken == "prepend_to_tail" else s.lo
     ops["prepend_uncached"] = z3.And(
-        active, z3.Not(s.hashed[x]), z3.Not(s.inp[x]),
-        n.inq == z3.Store(s.inq, x, True), n.pos == z3.Store(s.pos, x, head), n.cls == z3.Store(s.cls, x, False),
+        active,
+        z3.Not(s.hashed[x]),
+        z3.Not(s.inp[x]),
+        n.inq == z3.Store(s.inq, x, True),
+        n.pos == z3.Store(s.pos, x, head),
+        n.cls == z3.Store(s.cls, x, False),
         n.lo == (s.lo if broken == "prepend_to_tail" else s.lo - 1),
         n.hi == (s.hi + 1 if broken == "prepend_to_tail" else s.hi),
         n.same(s, but=["inq", "pos", "cls", "lo", "hi"]),
@@ -1384,29 +1706,44 @@ def _ops(s: Queues, n: Queues, *, broken: str = "") -> dict[str, z3.BoolRef]:
     # free of a cached, unpinned block: append_n (tail); it joins the cached region now
     tail_pos = s.lo if broken == "append_to_head" else s.hi
     ops["append_cached"] = z3.And(
-        active, s.hashed[x],
-        n.inq == z3.Store(s.inq, x, True), n.pos == z3.Store(s.pos, x, tail_pos), n.cls == z3.Store(s.cls, x, True),
-        n.joined == z3.Store(s.joined, x, s.t), n.t == s.t + 1,
+        active,
+        s.hashed[x],
+        n.inq == z3.Store(s.inq, x, True),
+        n.pos == z3.Store(s.pos, x, tail_pos),
+        n.cls == z3.Store(s.cls, x, True),
+        n.joined == z3.Store(s.joined, x, s.t),
+        n.t == s.t + 1,
         n.lo == (s.lo - 1 if broken == "append_to_head" else s.lo),
         n.hi == (s.hi if broken == "append_to_head" else s.hi + 1),
         n.same(s, but=["inq", "pos", "cls", "joined", "t", "lo", "hi"]),
     )
     # remove / touch: a hit on a free block takes it out of its queue (regular or pinned)
     ops["remove_touch"] = z3.And(
-        n.inq == z3.Store(s.inq, x, False), n.inp == z3.Store(s.inp, x, False), n.same(s, but=["inq", "inp"]))
+        n.inq == z3.Store(s.inq, x, False), n.inp == z3.Store(s.inp, x, False), n.same(s, but=["inq", "inp"])
+    )
     # caching an active block gives it a hash
-    ops["cache_active_block"] = z3.And(active, n.hashed == z3.Store(s.hashed, x, True), n.same(s, but=["hashed"]))
+    ops["cache_active_block"] = z3.And(
+        active, n.hashed == z3.Store(s.hashed, x, True), n.same(s, but=["hashed"])
+    )
     # reset_prefix_cache: every hash dropped, queue order unchanged (pinned demotion: see demote)
-    ops["reset_hashes"] = z3.And(n.hashed == z3.K(z3.IntSort(), False), n.inp == z3.K(z3.IntSort(), False),
-                                 n.same(s, but=["hashed", "inp"]), z3.ForAll([b], z3.Not(s.inp[b])))
+    ops["reset_hashes"] = z3.And(
+        n.hashed == z3.K(z3.IntSort(), False),
+        n.inp == z3.K(z3.IntSort(), False),
+        n.same(s, but=["hashed", "inp"]),
+        z3.ForAll([b], z3.Not(s.inp[b])),
+    )
     # evict_blocks: a block loses its hash in place (pinned-tier blocks go to the regular head)
     ops["hash_eviction"] = z3.And(
-        z3.Not(s.inp[x]), n.hashed == z3.Store(s.hashed, x, False), n.same(s, but=["hashed"]))
+        z3.Not(s.inp[x]), n.hashed == z3.Store(s.hashed, x, False), n.same(s, but=["hashed"])
+    )
     # free of a pinned block: appended to the pinned tier (oldest first); the control leaves it in both tiers
     in_reg = broken == "pinned_also_regular"
     ops["free_pinned"] = z3.And(
-        active, s.hashed[x],
-        n.inp == z3.Store(s.inp, x, True), n.ppos == z3.Store(s.ppos, x, s.phi), n.phi == s.phi + 1,
+        active,
+        s.hashed[x],
+        n.inp == z3.Store(s.inp, x, True),
+        n.ppos == z3.Store(s.ppos, x, s.phi),
+        n.phi == s.phi + 1,
         n.inq == (z3.Store(s.inq, x, True) if in_reg else s.inq),
         n.pos == (z3.Store(s.pos, x, s.hi) if in_reg else s.pos),
         n.hi == (s.hi + 1 if in_reg else s.hi),
@@ -1422,7 +1759,8 @@ def _ops(s: Queues, n: Queues, *, broken: str = "") -> dict[str, z3.BoolRef]:
         n.pos == z3.Lambda([b], z3.If(demoted, s.hi + (s.ppos[b] - s.plo), s.pos[b])),
         n.cls == z3.Lambda([b], z3.Or(s.cls[b], demoted)),
         n.joined == z3.Lambda([b], z3.If(demoted, s.t + (s.ppos[b] - s.plo), s.joined[b])),
-        n.hi == s.hi + (s.phi - s.plo), n.t == s.t + (s.phi - s.plo),
+        n.hi == s.hi + (s.phi - s.plo),
+        n.t == s.t + (s.phi - s.plo),
         n.same(s, but=["inp", "inq", "pos", "cls", "joined", "hi", "t"]),
     )
     return ops
@@ -1436,8 +1774,12 @@ def _small_world(s: Queues, x: z3.ArithRef) -> list[z3.BoolRef]:
     as a readable queue); the invariants are then finite conjunctions."""
     b = z3.Int("b")
     inside = z3.And(b >= 1, b <= 4)
-    return [x >= 1, x <= 4, s.inq == z3.Lambda([b], z3.And(inside, s.inq[b])),
-            s.inp == z3.Lambda([b], z3.And(inside, s.inp[b]))]
+    return [
+        x >= 1,
+        x <= 4,
+        s.inq == z3.Lambda([b], z3.And(inside, s.inq[b])),
+        s.inp == z3.Lambda([b], z3.And(inside, s.inp[b])),
+    ]
 
 
 def _queue_row(m: z3.ModelRef, q: Queues, tier: str = "regular") -> str:
@@ -1452,8 +1794,9 @@ def _queue_row(m: z3.ModelRef, q: Queues, tier: str = "regular") -> str:
     return "[" + ", ".join(t for _, t in sorted(order)) + "]"
 
 
-def _queue_steps(invariant: Callable[[Queues], z3.BoolRef], ops: Sequence[str], broken: str = "",
-                 small: bool = False) -> tuple[list[Step], Describe]:
+def _queue_steps(
+    invariant: Callable[[Queues], z3.BoolRef], ops: Sequence[str], broken: str = "", small: bool = False
+) -> tuple[list[Step], Describe]:
     universe = SMALL if small else None
     s, n = Queues(universe=universe), Queues("'", universe=universe)
     trans = _ops(s, n, broken=broken)
@@ -1461,23 +1804,47 @@ def _queue_steps(invariant: Callable[[Queues], z3.BoolRef], ops: Sequence[str], 
     x = z3.Int("x")
     init = Queues("0")
     b = z3.Int("b")
-    steps = [Step("initial queue [1..N-1]: all uncached, no pinned tier", inv(init), [
-        init.cls == z3.K(z3.IntSort(), False), init.inp == z3.K(z3.IntSort(), False),
-        init.hashed == z3.K(z3.IntSort(), False), init.lo == 0, init.hi == init.t + 10**6, init.t == 0,
-        init.pos == z3.Lambda([b], b),
-        init.inq == z3.Lambda([b], z3.And(b >= 1, b < init.hi)), init.plo == 0, init.phi == 1])]
+    steps = [
+        Step(
+            "initial queue [1..N-1]: all uncached, no pinned tier",
+            inv(init),
+            [
+                init.cls == z3.K(z3.IntSort(), False),
+                init.inp == z3.K(z3.IntSort(), False),
+                init.hashed == z3.K(z3.IntSort(), False),
+                init.lo == 0,
+                init.hi == init.t + 10**6,
+                init.t == 0,
+                init.pos == z3.Lambda([b], b),
+                init.inq == z3.Lambda([b], z3.And(b >= 1, b < init.hi)),
+                init.plo == 0,
+                init.phi == 1,
+            ],
+        )
+    ]
     world = _small_world(s, x) if small else []
     for op in ops:
         steps.append(Step(f"{op} preserves the invariant", inv(n), [inv(s), trans[op], *world]))
 
     def describe(m: z3.ModelRef) -> str:
-        return f"block {_v(m, x)}: free queue before {_queue_row(m, s)}, after {_queue_row(m, n)} (head first)"
+        return (
+            f"block {_v(m, x)}: free queue before {_queue_row(m, s)}, after {_queue_row(m, n)} (head first)"
+        )
 
     return steps, describe
 
 
-ALL_OPS = ("popleft_n", "prepend_uncached", "append_cached", "remove_touch", "cache_active_block", "reset_hashes",
-           "hash_eviction", "free_pinned", "demote_n")
+ALL_OPS = (
+    "popleft_n",
+    "prepend_uncached",
+    "append_cached",
+    "remove_touch",
+    "cache_active_block",
+    "reset_hashes",
+    "hash_eviction",
+    "free_pinned",
+    "demote_n",
+)
 
 
 @theorem()
@@ -1498,7 +1865,9 @@ def free_queue_uncached_first() -> Outcome:
 @theorem(control=True)
 def control_free_queue_wrong_prepend() -> Outcome:
     """Control for free_queue_uncached_first: putting a freed uncached block at the tail (append instead of prepend_n) breaks the order."""
-    steps, describe = _queue_steps(Queues.uncached_first, ("prepend_uncached",), broken="prepend_to_tail", small=True)
+    steps, describe = _queue_steps(
+        Queues.uncached_first, ("prepend_uncached",), broken="prepend_to_tail", small=True
+    )
     return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS)
 
 
@@ -1510,8 +1879,9 @@ def finding_free_queue_evicted_in_place() -> Outcome:
     not preserved by hash eviction (the invariant catalogue exempts these
     blocks by name).
     """
-    steps, describe = _queue_steps(lambda q: z3.And(q.uncached_first(), q.unhashed_first()), ("hash_eviction",),
-                                   small=True)
+    steps, describe = _queue_steps(
+        lambda q: z3.And(q.uncached_first(), q.unhashed_first()), ("hash_eviction",), small=True
+    )
     return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS)
 
 
@@ -1528,8 +1898,9 @@ def free_queue_lru() -> Outcome:
 @theorem(control=True)
 def control_free_queue_cached_to_head() -> Outcome:
     """Control for free_queue_lru: a freed cached block put at the head breaks least-recently-freed order."""
-    steps, describe = _queue_steps(lambda q: z3.And(q.uncached_first(), q.lru()), ("append_cached",),
-                                   broken="append_to_head", small=True)
+    steps, describe = _queue_steps(
+        lambda q: z3.And(q.uncached_first(), q.lru()), ("append_cached",), broken="append_to_head", small=True
+    )
     return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS)
 
 
@@ -1538,31 +1909,46 @@ def _pinned_steps(broken: str = "") -> tuple[list[Step], Describe]:
     s, n = Queues(universe=universe), Queues("'", universe=universe)
     trans = _ops(s, n, broken=broken)
     small = _small_world(s, z3.Int("x")) if broken else []
+
     def demoted_(x_: z3.ArithRef) -> z3.BoolRef:
         return z3.And(s.inp[x_], z3.Not(n.inp[x_]), n.inq[x_])
 
     def remaining_(x_: z3.ArithRef) -> z3.BoolRef:
         return z3.And(s.inp[x_], n.inp[x_])
 
-
     steps = [
-        Step("pinned free keeps the tiers disjoint", n.disjoint(), [s.structure(), s.disjoint(), trans["free_pinned"]]),
-        Step("demote keeps the tiers disjoint", n.disjoint(), [s.structure(), s.disjoint(), trans["demote_n"]]),
-        Step("demote takes the oldest pinned blocks",
-             s.all2(lambda b_, c_: z3.Implies(z3.And(demoted_(b_), remaining_(c_)), s.ppos[b_] < s.ppos[c_])),
-             [s.structure(), s.disjoint(), trans["demote_n"]]),
-        Step("demoted blocks go behind every regular block",
-             s.all2(lambda b_, c_: z3.Implies(z3.And(demoted_(b_), s.inq[c_]), n.pos[c_] < n.pos[b_])),
-             [s.structure(), s.disjoint(), trans["demote_n"]]),
-        Step("popleft_n never takes a pinned block", s.all1(lambda b_: z3.Implies(s.inp[b_], n.inp[b_])),
-             [s.structure(), s.disjoint(), trans["popleft_n"]]),
+        Step(
+            "pinned free keeps the tiers disjoint",
+            n.disjoint(),
+            [s.structure(), s.disjoint(), trans["free_pinned"]],
+        ),
+        Step(
+            "demote keeps the tiers disjoint", n.disjoint(), [s.structure(), s.disjoint(), trans["demote_n"]]
+        ),
+        Step(
+            "demote takes the oldest pinned blocks",
+            s.all2(lambda b_, c_: z3.Implies(z3.And(demoted_(b_), remaining_(c_)), s.ppos[b_] < s.ppos[c_])),
+            [s.structure(), s.disjoint(), trans["demote_n"]],
+        ),
+        Step(
+            "demoted blocks go behind every regular block",
+            s.all2(lambda b_, c_: z3.Implies(z3.And(demoted_(b_), s.inq[c_]), n.pos[c_] < n.pos[b_])),
+            [s.structure(), s.disjoint(), trans["demote_n"]],
+        ),
+        Step(
+            "popleft_n never takes a pinned block",
+            s.all1(lambda b_: z3.Implies(s.inp[b_], n.inp[b_])),
+            [s.structure(), s.disjoint(), trans["popleft_n"]],
+        ),
     ]
     for st in steps:
         st.hyps = [*st.hyps, *small]
 
     def describe(m: z3.ModelRef) -> str:
-        return (f"regular queue before {_queue_row(m, s)} after {_queue_row(m, n)}; pinned tier before "
-                f"{_queue_row(m, s, 'pinned')} after {_queue_row(m, n, 'pinned')}")
+        return (
+            f"regular queue before {_queue_row(m, s)} after {_queue_row(m, n)}; pinned tier before "
+            f"{_queue_row(m, s, 'pinned')} after {_queue_row(m, n, 'pinned')}"
+        )
 
     return steps, describe
 
@@ -1619,8 +2005,9 @@ def _run_one(index: int) -> TheoremResult:
     )
 
 
-def run_theorems(progress: Callable[[str], None] | None = None, *, names: Sequence[str] = (),
-                 workers: int | None = None) -> list[TheoremResult]:
+def run_theorems(
+    progress: Callable[[str], None] | None = None, *, names: Sequence[str] = (), workers: int | None = None
+) -> list[TheoremResult]:
     """Run the catalogue (theorems, controls, findings) and return one result each, in catalogue order.
 
     Runs in `workers` processes (default: min(2, CPUs)); each theorem is

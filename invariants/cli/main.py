@@ -1,0 +1,148 @@
+"""The `kvretain` command line.
+
+Exit codes: 0 everything holds; 1 a violation (a finding); 2 bad usage, bad
+input or a missing target (one line on stderr naming what is wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from invariants.cli.fuzz import cmd_bench, cmd_conformance, cmd_fuzz, cmd_replay
+from invariants.cli.prove import cmd_prove
+from invariants.cli.verify import cmd_verify
+from invariants.errors import UsageError
+from invariants.harness.trace import TraceError
+from invariants.targets import TARGET_NAMES, TargetUnavailable
+from model.config import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _command_module(module: str) -> object:
+    """A kvretain module that registers commands; one that fails to import is a
+    broken build, reported as a usage error rather than a missing command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise UsageError(f"cannot import {module}: {type(exc).__name__}: {exc}") from exc
+
+
+# ---------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kvretain", description="Verify prefix-cache retention in hybrid KV-cache allocators."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    f = sub.add_parser("fuzz", help="stateful fuzzing of one target against the model")
+    f.add_argument("--target", choices=TARGET_NAMES, default="reference")
+    f.add_argument("--config", help="a preset name (default: generated configurations)")
+    f.add_argument("--steps", type=int, default=2000)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--budget-s", type=float, default=None)
+    f.add_argument("--out", default="kvretain-traces", help="where failing traces are written")
+    f.set_defaults(func=cmd_fuzz)
+
+    r = sub.add_parser("replay", help="re-run a trace file against targets")
+    r.add_argument("trace")
+    r.add_argument(
+        "--target", action="append", choices=TARGET_NAMES, help="repeat to compare targets side by side"
+    )
+    r.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("prove", help="Z3 theorems about masks, hits and free-queue order")
+    p.add_argument(
+        "--production-link",
+        action="store_true",
+        help="also check vLLM's mask and hit functions against the model exhaustively (bounded domain)",
+    )
+    p.add_argument(
+        "--crosshair",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also run CrossHair contracts and diffbehavior twins, SECONDS per function",
+    )
+    p.set_defaults(func=cmd_prove)
+
+    v = sub.add_parser(
+        "verify", help="the main job: proofs, fuzzing of every installed target, summary table"
+    )
+    v.add_argument("--quick", action="store_true", help="small budgets (used by the tests)")
+    v.add_argument("--steps", type=int, default=20000, help="fuzz steps per target")
+    v.add_argument("--budget-s", type=float, default=60.0, help="fuzz time budget per target")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--out", default="kvretain-traces")
+    v.set_defaults(func=cmd_verify)
+
+    c = sub.add_parser("conformance", help="vLLM vs the model, feature by feature")
+    c.add_argument("--steps", type=int, default=1500, help="fuzz steps per feature")
+    c.add_argument("--budget-s", type=float, default=30.0, help="time budget per feature")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default="kvretain-traces")
+    c.set_defaults(func=cmd_conformance)
+
+    b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
+    b.add_argument("--requests", type=int, default=300)
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=cmd_bench)
+
+    for module in ("invariants.cli.zoo", "invariants.cli.simulate", "gpu_check.cli"):
+        _command_module(module).add_parser(sub)  # type: ignore[attr-defined]
+    return parser
+
+
+def _run_under(python: str, argv: list[str]) -> int:
+    """`--vllm-python PATH`: re-run this command under another interpreter (a
+    vLLM developer's environment), with this kvretain first on its path."""
+    import os
+    import subprocess
+
+    from invariants.targets.vllm_env import probe_python
+
+    ok, line, _ = probe_python(python)
+    if not ok:
+        raise UsageError(line)
+    print(f"kvretain: running under {line}", file=sys.stderr, flush=True)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    return subprocess.call([python, "-m", "invariants.cli.main", *argv], env=env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if "--vllm-python" in args_list:
+            i = args_list.index("--vllm-python")
+            if i + 1 >= len(args_list):
+                raise UsageError("--vllm-python needs the path of a Python interpreter")
+            python = args_list[i + 1]
+            return _run_under(python, args_list[:i] + args_list[i + 2 :])
+    except UsageError as exc:
+        print(f"kvretain: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        args = build_parser().parse_args(args_list)
+        if getattr(args, "target", None) == "vllm" or args.command in ("verify", "conformance"):
+            from invariants.targets.vllm_env import version_warning
+
+            warning = version_warning()
+            if warning:
+                print(f"kvretain: warning: {warning}", file=sys.stderr)
+        func: Callable[[argparse.Namespace], int] = args.func
+        return func(args)
+    except (UsageError, TraceError, ConfigError, TargetUnavailable) as exc:
+        print(f"kvretain: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""`kvretain verify`: the main job. Proofs, fuzzing of every installed target,
+conformance, known findings, the zoo, the simulator and the GPU check, as one
+table; exit 1 unless every row holds."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from invariants.report import table
+from invariants.targets import available_targets
+
+Record = Callable[[str, str, str, str, float, bool], None]
+
+
+def import_row_module(module: str, record: Record) -> Any:
+    """The module behind a row. One that fails to import is an ERROR row that
+    fails the run: a broken build never reads as "everything holds"."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        record(
+            module.rsplit(".", 1)[-1],
+            "-",
+            f"ERROR: cannot import {module}",
+            f"{type(exc).__name__}: {exc}"[:70],
+            0.0,
+            False,
+        )
+        return None
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """The main job: proofs, fuzzing against every installed target, GPU check on CPU."""
+    rows: list[tuple[object, ...]] = []
+    ok = True
+
+    def record(check: str, target: str, verdict: str, figure: str, seconds: float, good: bool) -> None:
+        nonlocal ok
+        ok &= good
+        rows.append((check, target, verdict, figure, f"{seconds:.1f}"))
+        print(f"[verify] {check} {target}: {verdict} ({figure})", file=sys.stderr, flush=True)
+
+    def imported(module: str) -> Any:
+        return import_row_module(module, record)
+
+    theorems = imported("invariants.proofs.theorems")
+    if theorems is not None:
+        t = time.monotonic()
+        results = theorems.run_theorems(progress=None)  # type: ignore[attr-defined]
+        proved = sum(r.expected_ok for r in results)
+        bad = [r.name for r in results if not r.expected_ok]
+        record(
+            "prove",
+            "model",
+            "holds" if not bad else "FAILED: " + ", ".join(bad[:3]),
+            f"{proved}/{len(results)} as expected",
+            time.monotonic() - t,
+            not bad,
+        )
+        if available_targets().get("vllm") is None:
+            from invariants.proofs.production_link import run_production_link
+
+            t = time.monotonic()
+            link = run_production_link(quick=args.quick)
+            bad = [r.name for r in link if not r.expected_ok]
+            record(
+                "production link",
+                "vllm",
+                "holds" if not bad else "FAILED: " + ", ".join(bad),
+                f"{len(link)} vLLM formulas = model, exhaustive",
+                time.monotonic() - t,
+                not bad,
+            )
+
+    from invariants.harness.fuzz import format_failure, run_fuzz
+
+    budget = 20.0 if args.quick else args.budget_s
+    steps = 400 if args.quick else args.steps
+    for name, reason in available_targets().items():
+        if name == "model":
+            continue
+        if reason is not None:
+            rows.append(("fuzz", name, "skipped", reason[:70], "0.0"))
+            print(f"[verify] fuzz {name}: skipped: {reason}", file=sys.stderr, flush=True)
+            continue
+        report = run_fuzz(
+            name, steps=steps, seed=args.seed, budget_s=budget, out_dir=Path(args.out), progress=True
+        )
+        if report.failure is not None:
+            print(format_failure(report))
+        record(
+            "fuzz",
+            name,
+            report.verdict,
+            f"{report.stats.steps} steps, {report.ops_per_s:.0f} ops/s, hit {report.stats.hit_rate:.0%}",
+            report.seconds,
+            report.failure is None,
+        )
+
+    if available_targets().get("vllm") is None:
+        from invariants.harness.conformance import run_conformance
+
+        t = time.monotonic()
+        rc = run_conformance(
+            steps=300 if args.quick else 1500,
+            budget_s=10.0 if args.quick else 30.0,
+            seed=args.seed,
+            out=Path(args.out),
+        )
+        record(
+            "conformance",
+            "vllm",
+            "agrees with the model" if rc == 0 else "FINDING (see above)",
+            "8 feature rows",
+            time.monotonic() - t,
+            rc == 0,
+        )
+
+    from invariants.harness.known_findings import recheck_known_findings
+
+    t = time.monotonic()
+    usable = {n for n, why in available_targets().items() if why is None}
+    rechecked = recheck_known_findings(usable)
+    gone = [f"{fid} on {tgt}" for fid, tgt, still in rechecked if not still]
+    record(
+        "known findings",
+        ",".join(sorted(usable)),
+        "all reproduce" if not gone else "NO LONGER REPRODUCE: " + "; ".join(gone),
+        f"{len(rechecked)} finding/target pairs replayed",
+        time.monotonic() - t,
+        not gone,
+    )
+
+    zoo = imported("invariants.cli.zoo")
+    if zoo is not None:
+        record(*zoo.verify_row(quick=args.quick))
+
+    sim = imported("invariants.cli.simulate")
+    if sim is not None:
+        # Small scale keeps verify fast; `kvretain simulate all --scale full` gives the real sizes.
+        check, target, verdict, figure, seconds, good = sim.verify_row(
+            quick=True, out=Path(args.out) / "simulate"
+        )
+        record(check, target, verdict, f"report in {Path(args.out) / 'simulate'}", seconds, good)
+
+    gpu = imported("gpu_check.cli")
+    if gpu is not None:
+        check, target, verdict, figure, seconds, good = gpu.verify_row(quick=args.quick)
+        record(check, target, verdict, figure, seconds, good)
+
+    print(table(["check", "target", "verdict", "figure", "seconds"], rows))
+    print("kvretain verify: " + ("everything holds" if ok else "FAILED"))
+    return 0 if ok else 1
