@@ -13,33 +13,35 @@ import warnings
 import pytest
 import z3
 
-from invariants.proofs import theorems
+from invariants.proofs import runner
+from invariants.proofs.engine import TheoremResult
+from invariants.proofs.validation import validator_accepts
 from model.config import Config, ConfigError, GroupSpec, validate
 from model.free_queue import FreeQueue
 
-NAMES = [th.name for th in theorems.CATALOGUE]
+NAMES = [th.name for th in runner.THEOREMS]
 
 
 def test_every_theorem_has_a_control() -> None:
-    controls = [th for th in theorems.CATALOGUE if th.is_control]
-    plain = [th for th in theorems.CATALOGUE if not th.is_control and not th.is_finding]
+    controls = [th for th in runner.THEOREMS if th.is_control]
+    plain = [th for th in runner.THEOREMS if not th.is_control and not th.is_finding]
     for th in plain:
         assert any(th.name in c.statement for c in controls), f"{th.name} has no negative control"
     assert len(plain) >= 15 and len(controls) >= len(plain)
 
 
 def test_statements_are_one_line() -> None:
-    for th in theorems.CATALOGUE:
+    for th in runner.THEOREMS:
         assert th.statement and "\n" not in th.statement, th.name
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, theorems.TheoremResult]:
-    return {r.name: r for r in theorems.run_theorems()}
+def results() -> dict[str, TheoremResult]:
+    return {r.name: r for r in runner.run_theorems()}
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_catalogue(name: str, results: dict[str, theorems.TheoremResult]) -> None:
+def test_catalogue(name: str, results: dict[str, TheoremResult]) -> None:
     """Theorems proved (unbounded unless the result names a bound); controls and findings refuted."""
     r = results[name]
     assert r.expected_ok, f"{name}: {r.result} {r.counterexample or r.detail or ''}"
@@ -47,8 +49,8 @@ def test_catalogue(name: str, results: dict[str, theorems.TheoremResult]) -> Non
         assert r.counterexample and any(ch.isdigit() for ch in r.counterexample)  # concrete domain values
 
 
-def test_format_table_lists_every_result(results: dict[str, theorems.TheoremResult]) -> None:
-    table = theorems.format_table(list(results.values()))
+def test_format_table_lists_every_result(results: dict[str, TheoremResult]) -> None:
+    table = runner.format_table(list(results.values()))
     for name in results:
         assert name in table
     assert "as expected" in table
@@ -56,20 +58,20 @@ def test_format_table_lists_every_result(results: dict[str, theorems.TheoremResu
 
 def test_result_expectations() -> None:
     base = dict(statement="s", bound=None, seconds=0.0)
-    assert theorems.TheoremResult("t", result="proved", **base).expected_ok  # type: ignore[arg-type]
-    assert not theorems.TheoremResult("t", result="unknown", **base).expected_ok  # type: ignore[arg-type]
-    assert theorems.TheoremResult("c", result="refuted", is_control=True, **base).expected_ok  # type: ignore[arg-type]
-    assert not theorems.TheoremResult("c", result="proved", is_control=True, **base).expected_ok  # type: ignore[arg-type]
+    assert TheoremResult("t", result="proved", **base).expected_ok  # type: ignore[arg-type]
+    assert not TheoremResult("t", result="unknown", **base).expected_ok  # type: ignore[arg-type]
+    assert TheoremResult("c", result="refuted", is_control=True, **base).expected_ok  # type: ignore[arg-type]
+    assert not TheoremResult("c", result="proved", is_control=True, **base).expected_ok  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- conformance
 
 
 def test_validator_term_matches_config_validate() -> None:
-    """theorems.validator_accepts is model.config.validate's retention rule."""
+    """validator_accepts is model.config.validate's retention rule."""
     k, sbs = z3.Ints("k sbs")
     none, group = z3.Bools("none group")
-    term = theorems.validator_accepts(k, none, sbs, group)
+    term = validator_accepts(k, none, sbs, group)
     rng = random.Random(3)
     for _ in range(400):
         bs = rng.choice([1, 2, 4, 8])
