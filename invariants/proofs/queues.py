@@ -42,6 +42,9 @@ class Queues:
     and the routing of model/pool.py is a transition below.
     """
 
+    ARRAYS = ("inq", "pos", "cls", "joined", "hashed", "inp", "ppos")  # indexed by block id
+    SCALARS = ("lo", "hi", "t", "plo", "phi")
+
     def __init__(self, suffix: str = "", universe: Sequence[int] | None = None) -> None:
         # universe: for controls, a small pool (blocks 1..4): quantifiers become finite conjunctions
         self.universe = universe
@@ -58,23 +61,10 @@ class Queues:
         )
 
     def fields(self) -> list[z3.ExprRef]:
-        return [
-            self.inq,
-            self.pos,
-            self.cls,
-            self.joined,
-            self.hashed,
-            self.inp,
-            self.ppos,
-            self.lo,
-            self.hi,
-            self.t,
-            self.plo,
-            self.phi,
-        ]
+        return [getattr(self, name) for name in (*self.ARRAYS, *self.SCALARS)]
 
     def same(self, other: Queues, *, but: Sequence[str] = ()) -> z3.BoolRef:
-        names = ["inq", "pos", "cls", "joined", "hashed", "inp", "ppos", "lo", "hi", "t", "plo", "phi"]
+        names = (*self.ARRAYS, *self.SCALARS)
         return z3.And([getattr(self, n) == getattr(other, n) for n in names if n not in but])
 
     # --- invariants
@@ -133,16 +123,23 @@ class Queues:
         )
 
 
+# the arguments of a transition: the block it moves, and the position (regular queue, pinned tier)
+# before which popleft_n / demote_n take every block
+BLOCK, HEAD_CUT, PINNED_CUT = z3.Ints("x theta theta_pinned")
+
+
 def transitions(s: Queues, n: Queues, *, broken: str = "") -> dict[str, z3.BoolRef]:
     """Transitions s -> n: the free-queue operations and the pool's routing."""
-    x, theta, thp = z3.Ints("x theta theta_pinned")
+    x, theta, thp = BLOCK, HEAD_CUT, PINNED_CUT
     b = z3.Int("b")
     active = z3.And(z3.Not(s.inq[x]), z3.Not(s.inp[x]))
     ops: dict[str, z3.BoolRef] = {}
-    # popleft_n: the blocks before position theta leave (get_new_blocks; their hashes are dropped)
+    # popleft_n: the blocks before position theta leave (get_new_blocks; their hashes are dropped);
+    # the drift (tests' control of the link to model/pool.py) takes them from the tail instead
+    leaves = (s.pos[b] >= theta) if broken == "popleft_from_tail" else (s.pos[b] < theta)
     ops["popleft_n"] = z3.And(
-        n.inq == z3.Lambda([b], z3.And(s.inq[b], s.pos[b] >= theta)),
-        n.hashed == z3.Lambda([b], z3.If(z3.And(s.inq[b], s.pos[b] < theta), False, s.hashed[b])),
+        n.inq == z3.Lambda([b], z3.And(s.inq[b], z3.Not(leaves))),
+        n.hashed == z3.Lambda([b], z3.If(z3.And(s.inq[b], leaves), False, s.hashed[b])),
         n.same(s, but=["inq", "hashed"]),
     )
     # free of an uncached block: prepend_n (head); the control appends it instead
