@@ -1,8 +1,13 @@
 """Eagle / MTP theorems: the peek block is kept and served, the drop is applied once (#42258, #43447).
 
-The symbolic group comes from `swa_setup`; the full-attention and SWA hit
-rules from `model/smt.py` (`full_hit`, `swa_hit`), tied to `model.lookup` by
-`tests/test_smt.py::test_hit_rules_match_model`.
+The resend setup is `swa_setup`'s (its docstring lists each term's tie). The
+drop-once setup composes `smt.full_hit` / `smt.swa_hit` (tied to
+`model.lookup` by `tests/test_smt.py::test_hit_rules_match_model`): a first
+pass with the drop, a second at that hit without it. That composition is what
+`AllocatorModel._find_hit` does for a verified group
+(`tests/test_proof_setups.py::test_eagle_reevaluation_at_own_hit_is_what_the_allocator_does`),
+and its claim is evaluated on the executable lookup rules
+(`test_eagle_drop_once_setup_on_the_lookup_rules`).
 """
 
 from __future__ import annotations

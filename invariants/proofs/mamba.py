@@ -1,15 +1,19 @@
 """Mamba retention theorems (#45845): one state per segment, every promised state kept and served.
 
-Tied to the executable model:
+Every term is evaluated against the executable model on many concrete values
+by a test (`tests/test_smt.py`: S, `tests/test_proof_setups.py`: P):
 
-| symbolic term                        | executable function                    | test                                     |
-|--------------------------------------|----------------------------------------|------------------------------------------|
-| `Mamba.mask` (`smt.mamba_mask`)      | `model.masks.mamba_kept_blocks`        | `tests/test_smt.py::test_masks_match_model` |
-| `smt.mamba_hit`                      | `model.lookup.mamba_hit`               | `tests/test_smt.py::test_hit_rules_match_model` |
-| `smt.mamba_checkpoint_position`      | `model.scheduling.mamba_checkpoint_position` | `tests/test_smt.py::test_scheduling_and_cacheable_match_model` |
-| `Mamba.replay` (`smt.replay_boundaries`) | `model.masks.replay_boundaries`    | `tests/test_smt.py::test_replay_boundaries_match_model` |
-| `smt.boundary_edge`                  | `model.masks.boundary_edge`            | `tests/test_smt.py::test_tail_and_edge_match_model` |
-| `Mamba.side` (`smt.config_side_conditions`) | `model.config.validate`         | `tests/test_proof_setups.py::test_side_conditions_match_validate` |
+- `Mamba.mask` (`smt.mamba_mask`): `model.masks.mamba_kept_blocks` (S
+  `test_masks_match_model`); with the allocator's prompt, junction, range and
+  config substituted, the state blocks `AllocatorModel._cache_blocks` keeps (P
+  `test_setup_mask_is_the_allocators_mask`), which ties `Mamba.boundaries`.
+- `smt.mamba_hit`: `model.lookup.mamba_hit` (S `test_hit_rules_match_model`).
+- `smt.mamba_checkpoint_position`: `model.scheduling.mamba_checkpoint_position`
+  (S `test_scheduling_and_cacheable_match_model`).
+- `Mamba.replay` (`smt.replay_boundaries`), `smt.boundary_edge`: `model.masks`
+  (S `test_replay_boundaries_match_model`, `test_tail_and_edge_match_model`).
+- `Mamba.side` (`smt.config_side_conditions`): `model.config.validate` (P
+  `test_side_conditions_match_validate`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,22 @@
 """The symbolic SWA group (#43447, #42258) and the proof chains the SWA and Eagle theorems share.
 
-Tied to the executable model (each term is evaluated against it on thousands
-of concrete values by a test):
+Every term is evaluated against the executable model on many concrete values
+by a test (`tests/test_smt.py`: S, `tests/test_proof_setups.py`: P):
 
-| symbolic term                   | executable function                      | test                                     |
-|---------------------------------|------------------------------------------|------------------------------------------|
-| `Swa.mask` (`smt.swa_mask`)     | `model.masks.swa_kept_blocks`            | `tests/test_smt.py::test_masks_match_model` |
-| `Swa.need` (`smt.swa_tail_blocks`) | `model.masks.swa_tail_blocks`         | `tests/test_smt.py::test_tail_and_edge_match_model` |
-| `Swa.replay` (`smt.replay_boundaries`) | `model.masks.replay_boundaries`   | `tests/test_smt.py::test_replay_boundaries_match_model` |
-| `Swa.hit` (`smt.swa_hit`)       | `model.lookup.swa_hit`                   | `tests/test_smt.py::test_hit_rules_match_model` |
-| `Swa.side` (`smt.config_side_conditions`) | `model.config.validate`        | `tests/test_proof_setups.py::test_side_conditions_match_validate` |
-| `Swa.boundaries`, `Swa.end`     | `model.allocator.AllocatorModel` (the boundaries it passes the mask) | `tests/test_proof_setups.py::test_swa_boundaries_match_allocator` |
+- `Swa.mask` (`smt.swa_mask`): `model.masks.swa_kept_blocks` (S
+  `test_masks_match_model`); with the allocator's prompt, junction, range and
+  config substituted, the blocks `AllocatorModel._cache_blocks` keeps (P
+  `test_setup_mask_is_the_allocators_mask`), which ties `Swa.boundaries`
+  (replay boundaries, junction, junction minus a block with Eagle) and `Swa.end`.
+- `Swa.need` (`smt.swa_tail_blocks`), `smt.boundary_edge`: `model.masks` (S
+  `test_tail_and_edge_match_model`).
+- `Swa.replay` (`smt.replay_boundaries`): `model.masks.replay_boundaries` (S
+  `test_replay_boundaries_match_model`).
+- `Swa.hit` (`smt.swa_hit`): `model.lookup.swa_hit` (S `test_hit_rules_match_model`).
+- `Swa.side` (`smt.config_side_conditions`): `model.config.validate` (P
+  `test_side_conditions_match_validate`).
+- `resend` (max length P - 1): the allocator's admission lookup (P
+  `test_a_resend_looks_up_prompt_minus_one`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Tied to the executable model: `validator_accepts` is `model.config.validate`'s
 retention rule (`tests/test_theorems.py::test_validator_term_matches_config_validate`);
 `smt.config_side_conditions` is checked against `model.config.validate` by
-`tests/test_proof_setups.py::test_side_conditions_match_validate`.
+`tests/test_proof_setups.py::test_side_conditions_match_validate` (equal on the
+retention rule: accepted exactly when the side conditions hold). The control's
+search evaluates `smt.swa_mask` and `smt.swa_hit` (tied in `swa_setup`).
 """
 
 from __future__ import annotations
