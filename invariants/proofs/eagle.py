@@ -12,12 +12,32 @@ and its claim is evaluated on the executable lookup rules
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import z3
 
-from invariants.proofs.engine import Describe, Outcome, Step, int_of, run_steps, theorem, value_of
+from invariants.proofs.engine import (
+    Describe,
+    Outcome,
+    Refutes,
+    Step,
+    Values,
+    concrete,
+    int_of,
+    run_steps,
+    theorem,
+    value_of,
+)
 from invariants.proofs.lemmas import generic_lemma, lemma_cancel, lemma_floor_aligned, whole_blocks_steps
-from invariants.proofs.swa_setup import Swa, boundary_promise_steps
-from model import smt
+from invariants.proofs.swa_setup import (
+    Swa,
+    boundary_promise_steps,
+    replay_boundary,
+    swa_hit_tokens,
+    swa_kept,
+    swa_values,
+)
+from model import lookup, masks, smt
 from model.smt import DENSE
 
 
@@ -50,9 +70,25 @@ def eagle_block_kept_and_served() -> Outcome:
     return run_steps(_eagle_resend_steps(c, c.mask()), c.side, c.describe)
 
 
-@theorem(control=True)
+def _peek_kept_and_served(v: Values) -> str | None:
+    """eagle_block_kept_and_served's claim at concrete values, for the mask computed without Eagle."""
+    bs, A, P, L = int(v["block_size"]), int(v["alignment"]), int(v["prompt"]), int(v["max_length"])
+    E = replay_boundary(v) // A * A
+    s = E // bs
+    need = masks.swa_tail_blocks(int(v["window"]), bs, True)
+    if v["mode"] == DENSE or L != P - 1 or P - 1 < 2 * A or int(v["end"]) < s + 1 or s + 1 < need:
+        return None
+    kept = swa_kept(v, mask_eagle=False)
+    hit = swa_hit_tokens(v, kept, L)
+    problems = [f"peek block {s} not kept"] if s not in kept else []
+    if hit < E or hit == 0:
+        problems.append(f"the resend hit is {hit} tokens, below the boundary {E}")
+    return "; ".join(problems) or None
+
+
+@theorem(control=True, claim=_peek_kept_and_served)
 def control_eagle_block_missing() -> Outcome:
-    """Control for eagle_block_kept_and_served: a mask computed without the Eagle block and shift (the pre-#44082 mask) leaves the Eagle resend at a 0% hit."""
+    """Control for eagle_block_kept_and_served (peek block kept, resend hit >= boundary > 0): a mask computed without the Eagle block and shift (the pre-#44082 mask) drops the peek block and the resend hit falls below the boundary."""
     c = Swa(eagle=True)
     broken = smt.swa_mask(
         0,
@@ -70,13 +106,18 @@ def control_eagle_block_missing() -> Outcome:
         return f"{c.describe(m)}: Eagle peek block {s} (right after the replay boundary) is not kept"
 
     return run_steps(
-        _eagle_resend_steps(c, broken), c.side, describe, grid=c.grid(), refute_at="every tail block kept"
+        _eagle_resend_steps(c, broken),
+        c.side,
+        describe,
+        grid=c.grid(),
+        refute_at="every tail block kept",
+        refutes=Refutes(lambda m: swa_values(c, m), _peek_kept_and_served),
     )
 
 
 def _drop_once_steps(
     kind: str, redrop: bool
-) -> tuple[list[Step], list[z3.BoolRef], Describe, list[list[z3.BoolRef]]]:
+) -> tuple[list[Step], list[z3.BoolRef], Describe, list[list[z3.BoolRef]], Callable[[z3.ModelRef], Values]]:
     """A group verified with the Eagle drop, re-evaluated at its own hit in a later pass."""
     C = z3.Function("cached", z3.IntSort(), z3.BoolSort())
     bs, A, L, need0 = z3.Ints("block_size alignment max_length window_blocks")
@@ -118,12 +159,19 @@ def _drop_once_steps(
     def describe(m: z3.ModelRef) -> str:
         return (
             f"block_size={value_of(m, bs)}, alignment={value_of(m, A)}, window blocks={value_of(m, need0)}, "
-            f"max_length={value_of(m, L)}: first pass hit {int_of(m, h1.blocks) * int_of(m, bs)} tokens, "
+            f"max_length={value_of(m, L)}: candidate hits (a model of the step), first pass {int_of(m, h1.blocks) * int_of(m, bs)} tokens, "
             f"second pass {int_of(m, h2.blocks) * int_of(m, bs)}"
         )
 
+    def values(m: z3.ModelRef) -> Values:
+        v: Values = {"block_size": int_of(m, bs), "alignment": int_of(m, A), "max_length": int_of(m, L)}
+        v["window_blocks"] = int_of(m, need0)
+        for j in range(int(v["max_length"]) // int(v["block_size"]) + 2):
+            v[f"cached_{j}"] = bool(concrete(m, C(j)))
+        return v
+
     grid = [[bs == b_, b_ * k_ == A, b_ * n_ == L] for b_ in (1, 2) for k_ in (1, 2) for n_ in (4, 8)]
-    return steps, base, describe, grid
+    return steps, base, describe, grid, values
 
 
 @theorem()
@@ -133,15 +181,28 @@ def eagle_drop_applied_once() -> Outcome:
     For every cached set (uninterpreted), block size, alignment and window; unbounded.
     """
     for kind in ("full", "swa"):
-        steps, base, describe, _ = _drop_once_steps(kind, redrop=False)
+        steps, base, describe, _, _ = _drop_once_steps(kind, redrop=False)
         o = run_steps(steps, base, describe)
         if o.result != "proved":
             return Outcome(o.result, o.counterexample, f"{kind}: {o.detail}")
     return Outcome("proved")
 
 
-@theorem(control=True)
+def _drop_kept_on_second_pass(v: Values) -> str | None:
+    """eagle_drop_applied_once's claim at concrete values, for a coordinator that drops on every pass:
+    the full-attention hit re-evaluated at its own hit (model.lookup.full_hit) is that hit."""
+    bs, A, L = int(v["block_size"]), int(v["alignment"]), int(v["max_length"])
+    cached = {int(name.split("_")[1]) for name, x in v.items() if name.startswith("cached_") and x}
+    first = len(lookup.full_hit(cached.__contains__, L, bs, A, True)) * bs
+    second = len(lookup.full_hit(cached.__contains__, first, bs, A, True)) * bs
+    return f"first pass {first} tokens, second pass {second}" if second != first else None
+
+
+@theorem(control=True, claim=_drop_kept_on_second_pass)
 def control_eagle_drop_every_pass() -> Outcome:
-    """Control for eagle_drop_applied_once: re-applying the drop on the second pass (the #33270 bug) shrinks the hit."""
-    steps, base, describe, grid = _drop_once_steps("full", redrop=True)
-    return run_steps(steps, base, describe, grid=grid, refute_at="re-evaluation keeps the hit")
+    """Control for eagle_drop_applied_once (re-evaluation keeps the hit): re-applying the drop on the second pass (the #33270 bug) shrinks the hit."""
+    steps, base, describe, grid, values = _drop_once_steps("full", redrop=True)
+    refutes = Refutes(values, _drop_kept_on_second_pass)
+    return run_steps(
+        steps, base, describe, grid=grid, refute_at="re-evaluation keeps the hit", refutes=refutes
+    )

@@ -28,8 +28,13 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Union
 
 import z3
+
+Values = dict[str, Union[int, bool]]
+# a stated claim on concrete values: how it is violated there, or None where it holds
+Claim = Callable[[Values], Union[str, None]]
 
 STEP_TIMEOUT_MS = 20_000  # generous: steps take ~0.1-3 s; the margin absorbs a loaded machine
 CONTROL_TIMEOUT_MS = 2_000  # controls fall back to a small-size counterexample search
@@ -49,6 +54,7 @@ class TheoremResult:
     is_control: bool = False
     is_finding: bool = False
     detail: str | None = None
+    witness: Values | None = None  # a control's counterexample as concrete values
 
     @property
     def expected_ok(self) -> bool:
@@ -87,13 +93,36 @@ class Outcome:
     result: str
     counterexample: str | None = None
     detail: str | None = None
+    witness: Values | None = None
 
 
 Describe = Callable[[z3.ModelRef], str]
 
 
-def _search_small(s: z3.Solver, grid: Sequence[Sequence[z3.BoolRef]]) -> z3.ModelRef | None:
-    """Look for a counterexample with the size parameters pinned to small values (linear, fast)."""
+@dataclass
+class Refutes:
+    """What a control's counterexample must violate: its theorem's stated claim, evaluated concretely.
+
+    `values` reads the counterexample's concrete values from a Z3 model;
+    `claim` evaluates the stated claim on such values with the executable
+    model and returns how it is violated (None: it holds there, the model only
+    breaks an intermediate lemma and does not count).
+    """
+
+    values: Callable[[z3.ModelRef], Values]
+    claim: Claim
+
+
+def _search_small(
+    s: z3.Solver,
+    grid: Sequence[Sequence[z3.BoolRef]],
+    accept: Callable[[z3.ModelRef], bool] = lambda m: True,
+) -> z3.ModelRef | None:
+    """Look for a counterexample with the size parameters pinned to small values (linear, fast).
+
+    `accept` may reject a model (a control's counterexample that does not
+    violate the stated claim): the search then goes on with the next pins.
+    """
     deadline = time.monotonic() + 8.0
     for pins in grid:
         if time.monotonic() > deadline:
@@ -104,7 +133,7 @@ def _search_small(s: z3.Solver, grid: Sequence[Sequence[z3.BoolRef]]) -> z3.Mode
         r = s.check()
         model = s.model() if r == z3.sat else None
         s.pop()
-        if model is not None:
+        if model is not None and accept(model):
             return model
     return None
 
@@ -116,6 +145,7 @@ def run_steps(
     grid: Sequence[Sequence[z3.BoolRef]] = (),
     timeout_ms: int | None = None,
     refute_at: str | None = None,
+    refutes: Refutes | None = None,
 ) -> Outcome:
     """Check the steps in order; each proved step becomes a hypothesis of the next.
 
@@ -124,12 +154,33 @@ def run_steps(
     found leaves the step unknown. Controls name the step their breakage hits
     (`refute_at`): that step is searched first, without the earlier lemmas
     (they only help a proof; a model of the step alone is a counterexample).
+    With `refutes`, a control counts only a counterexample whose concrete
+    values violate the theorem's stated claim; none found is `unknown`.
     """
     if refute_at is not None:
         target = [st for st in steps if st.label == refute_at]
         assert target, f"no step {refute_at!r}"
         s = z3.Solver()
         s.add(*base, *target[0].hyps, z3.Not(target[0].claim))
+        if refutes is not None:
+            violations: list[tuple[Values, str]] = []
+
+            def accept(m: z3.ModelRef) -> bool:
+                values = refutes.values(m)
+                how = refutes.claim(values)
+                if how is not None:
+                    violations.append((values, how))
+                return how is not None
+
+            found = _search_small(s, grid, accept)
+            if found is None:
+                return Outcome(
+                    "unknown", None, f"no counterexample at {refute_at!r} violates the stated claim"
+                )
+            values, how = violations[-1]
+            return Outcome(
+                "refuted", f"{refute_at}: {describe(found)}; claim violated: {how}", witness=values
+            )
         found = _search_small(s, grid) if grid else None
         if found is not None:
             return Outcome("refuted", f"{refute_at}: {describe(found)}")
@@ -154,6 +205,16 @@ def run_steps(
         if _STEP_TIMES:
             print(f"    {step.label}: {r} {time.monotonic() - t0:.2f}s", flush=True)
         if r == z3.sat:
+            if refutes is not None:
+                at = refutes.values(s.model())
+                violated = refutes.claim(at)
+                if violated is None:
+                    return Outcome(
+                        "unknown", None, f"the counterexample at {step.label!r} holds the stated claim"
+                    )
+                return Outcome(
+                    "refuted", f"{step.label}: {describe(s.model())}; claim violated: {violated}", witness=at
+                )
             return Outcome("refuted", f"{step.label}: {describe(s.model())}")
         if r != z3.unsat:
             reason = s.reason_unknown()
@@ -176,6 +237,8 @@ class Theorem:
     is_control: bool = False
     is_finding: bool = False
     bound: str | None = None
+    # a control's stated claim on concrete values (the one its counterexample must violate)
+    claim: Claim | None = None
 
     @property
     def statement(self) -> str:
@@ -186,9 +249,13 @@ class Theorem:
 CATALOGUE: list[Theorem] = []
 
 
-def theorem(*, control: bool = False, finding: bool = False, bound: str | None = None):  # type: ignore[no-untyped-def]
+def theorem(  # type: ignore[no-untyped-def]
+    *, control: bool = False, finding: bool = False, bound: str | None = None, claim: Claim | None = None
+):
+    """Register a theorem; a control names the claim (on concrete values) its counterexample violates."""
+
     def register(fn: Callable[[], Outcome]) -> Callable[[], Outcome]:
-        CATALOGUE.append(Theorem(fn.__name__, fn, control, finding, bound))
+        CATALOGUE.append(Theorem(fn.__name__, fn, control, finding, bound, claim))
         return fn
 
     return register
@@ -206,6 +273,12 @@ def value_of(m: z3.ModelRef, t: z3.ExprRef) -> str:
     if z3.is_false(x):
         return "no"
     return str(x)
+
+
+def concrete(m: z3.ModelRef, t: z3.ExprRef) -> int | bool:
+    """The value of an integer or Boolean term in a model."""
+    x = m.eval(t, model_completion=True)
+    return bool(z3.is_true(x)) if z3.is_bool(x) else int(x.as_long())
 
 
 def int_of(m: z3.ModelRef, t: z3.ExprRef) -> int:

@@ -20,9 +20,21 @@ from __future__ import annotations
 
 import z3
 
-from invariants.proofs.engine import CONTROL_TIMEOUT_MS, Outcome, Step, int_of, run_steps, theorem, value_of
+from invariants.proofs.engine import (
+    CONTROL_TIMEOUT_MS,
+    Outcome,
+    Refutes,
+    Step,
+    Values,
+    concrete,
+    int_of,
+    run_steps,
+    theorem,
+    value_of,
+)
 from invariants.proofs.lemmas import generic_lemma, lemma_cancel, lemma_floor_aligned, lemma_mul_mod
-from model import smt
+from invariants.proofs.swa_setup import MaskAt
+from model import lookup, masks, scheduling, smt
 from model.smt import DENSE, INTERVAL, ZERO, I
 
 
@@ -101,6 +113,116 @@ class Mamba:
         ]
 
 
+# --------------------------------------------------------------------------- claims on concrete values
+# A control's counterexample counts only if it violates its theorem's stated claim, evaluated with the
+# executable model (`model.lookup.mamba_hit`, `model.masks`) and the control's broken mask.
+
+
+def mamba_values(c: Mamba, m: z3.ModelRef) -> Values:
+    """The concrete configuration, prompt and lookup of a Z3 model of the Mamba setup."""
+    terms = {
+        "block_size": c.bs,
+        "alignment": c.A,
+        "prompt": c.P,
+        "end": c.end,
+        "junction": c.J,
+        "has_junction": c.has_j,
+        "max_length": c.L,
+        "eagle": c.eagle,
+        "mode": c.r.mode,
+        "k": c.r.k,
+    }
+    return {name: concrete(m, t) for name, t in terms.items()}
+
+
+def mamba_mask_at(v: Values, *, dense: bool = False, **control: object) -> MaskAt:
+    """A (possibly broken) Mamba mask at the values `v` (`dense`: the dense twin)."""
+    c = Mamba(eagle=bool(v["eagle"]))
+    mode, k = (DENSE, 0) if dense else (int(v["mode"]), int(v["k"]))
+    sub = [
+        (getattr(c, n), I(int(v[key])))
+        for n, key in (("bs", "block_size"), ("A", "alignment"), ("P", "prompt"))
+    ]
+    sub += [(c.J, I(int(v["junction"]))), (c.has_j, z3.BoolVal(bool(v["has_junction"])))]
+    mask = smt.mamba_mask(
+        0,
+        int(v["end"]),
+        block_size=c.bs,
+        alignment=c.A,
+        retention=smt.Retention(I(mode), I(k)),
+        boundaries=c.boundaries,
+        **control,  # type: ignore[arg-type]
+    )
+    return MaskAt(mask, sub, int(v["end"]))
+
+
+def mamba_hit_tokens(v: Values, cached: set[int], max_length: int) -> int:
+    bs = int(v["block_size"])
+    return len(lookup.mamba_hit(cached.__contains__, max_length, bs, int(v["alignment"]))) * bs
+
+
+def _boundary_states(v: Values) -> set[int]:
+    """The state blocks of the reachable boundaries (replay boundaries, junction, junction minus a block)."""
+    bs, A = int(v["block_size"]), int(v["alignment"])
+    bounds = list(masks.replay_boundaries(int(v["prompt"]), A, bool(v["eagle"])))
+    if v["has_junction"]:
+        bounds += [int(v["junction"])] + ([int(v["junction"]) - bs] if v["eagle"] else [])
+    return {masks.boundary_edge(b, A, bs) - 1 for b in bounds}
+
+
+def _one_state_claim(v: Values) -> str | None:
+    """mamba_one_state_per_segment's claim at concrete values, for states kept one block early."""
+    if v["mode"] != INTERVAL:
+        return None
+    mask = mamba_mask_at(v, off_by_one=True)
+    if mask.dense():
+        return None  # a dense mask keeps every state by design
+    kept, per = mask.kept(), int(v["k"]) // int(v["block_size"])
+    extra = sorted(j for j in kept - _boundary_states(v) if j % per != per - 1)
+    return f"retention {v['k']}: state block(s) {extra} kept inside their segments" if extra else None
+
+
+def _replay_state_served(v: Values) -> str | None:
+    """mamba_promise_kept's claim (replay boundary) at concrete values, for boundary states one block late;
+    every state exists (the most a scheduler can produce)."""
+    bs, A, L = int(v["block_size"]), int(v["alignment"]), int(v["max_length"])
+    b1 = smt.replay_boundaries(int(v["prompt"]), A, bool(v["eagle"]))[0]
+    E = int(z3.simplify(I(b1)).as_long()) // A * A
+    if v["mode"] == DENSE or E < A or int(v["end"]) <= E // bs - 1 or L < E:
+        return None
+    kept = mamba_mask_at(v, boundary_shift=1).kept()
+    hit = mamba_hit_tokens(v, kept, L)
+    problems = [f"state block {E // bs - 1} not kept"] if E // bs - 1 not in kept else []
+    if hit < E:
+        problems.append(f"max length {L}: the hit is {hit} tokens, below the replay boundary {E}")
+    return "; ".join(problems) or None
+
+
+def _mamba_within_claim(v: Values) -> str | None:
+    """mamba_within_one_interval's claim at concrete values (every state exists), for states one block early."""
+    if v["mode"] != INTERVAL:
+        return None
+    k, bs = int(v["k"]), int(v["block_size"])
+    sparse, dense = mamba_mask_at(v, off_by_one=True).kept(), mamba_mask_at(v, dense=True).kept()
+    for L in range((int(v["end"]) + 2) * bs):
+        hs, hd = mamba_hit_tokens(v, sparse, L), mamba_hit_tokens(v, dense, L)
+        if hs <= hd - k:
+            return f"retention {k}, max length {L}: sparse hit {hs} tokens <= dense hit {hd} - {k}"
+    return None
+
+
+def _checkpoint_claim(v: Values) -> str | None:
+    """mamba_checkpoint_is_replay_boundary's claim at concrete values, for a stop that ignores Eagle."""
+    P, A, eagle = int(v["prompt"]), int(v["alignment"]), bool(v["eagle"])
+    latest = max(masks.replay_boundaries(P, A, eagle)) // A * A
+    stop = scheduling.mamba_checkpoint_position(P, A, False)
+    return (
+        f"prompt {P} tokens: the scheduler stops at {stop}, the replay boundary is {latest}"
+        if stop != latest
+        else None
+    )
+
+
 def _one_state_steps(c: Mamba, mask: smt.Mask) -> list[Step]:
     i = z3.Int("i")
     not_boundary = z3.And([i != smt.boundary_edge(b, c.A, c.bs) - 1 for b in c.boundaries])
@@ -126,9 +248,9 @@ def mamba_one_state_per_segment() -> Outcome:
     return run_steps(_one_state_steps(c, c.mask()), c.side, c.describe)
 
 
-@theorem(control=True)
+@theorem(control=True, claim=_one_state_claim)
 def control_mamba_state_off_by_one() -> Outcome:
-    """Control for mamba_one_state_per_segment: keeping block k with k % per == 0 (the segment's first block) is caught."""
+    """Control for mamba_one_state_per_segment (only the segment's last block, besides boundary states): keeping block k with k % per == 0 keeps a state inside its segment."""
     c = Mamba()
     return run_steps(
         _one_state_steps(c, c.mask(off_by_one=True)),
@@ -136,6 +258,7 @@ def control_mamba_state_off_by_one() -> Outcome:
         c.describe,
         grid=c.grid(),
         refute_at="one state per segment: its last block",
+        refutes=Refutes(lambda m: mamba_values(c, m), _one_state_claim),
     )
 
 
@@ -207,9 +330,9 @@ def mamba_promise_kept() -> Outcome:
     return Outcome("proved")
 
 
-@theorem(control=True)
+@theorem(control=True, claim=_replay_state_served)
 def control_mamba_eagle_shift() -> Outcome:
-    """Control for mamba_promise_kept: shifting the boundary state by one block (an Eagle shift applied to Mamba) loses the replay hit."""
+    """Control for mamba_promise_kept (the boundary's state kept and the hit reaching it): shifting the boundary state by one block (an Eagle shift applied to Mamba) drops that state and the replay hit falls below the boundary."""
     c = Mamba()
     steps, _ = _mamba_promise_steps(c, c.mask(boundary_shift=1), "replay")
 
@@ -217,7 +340,8 @@ def control_mamba_eagle_shift() -> Outcome:
         E = int_of(m, c.replay[0] / c.A * c.A)
         return f"{c.describe(m)}: replay boundary {E} tokens, its state block {E // int_of(m, c.bs) - 1} not kept"
 
-    return run_steps(steps, c.side, describe, grid=c.grid(), refute_at="state block kept")
+    refutes = Refutes(lambda m: mamba_values(c, m), _replay_state_served)
+    return run_steps(steps, c.side, describe, grid=c.grid(), refute_at="state block kept", refutes=refutes)
 
 
 def _mamba_within_steps(c: Mamba, sparse: smt.Mask) -> list[Step]:
@@ -293,9 +417,9 @@ def mamba_within_one_interval() -> Outcome:
     return run_steps(_mamba_within_steps(c, c.mask()), c.side, c.describe)
 
 
-@theorem(control=True)
+@theorem(control=True, claim=_mamba_within_claim)
 def control_mamba_within_off_by_one() -> Outcome:
-    """Control for mamba_within_one_interval: states kept one block early lose the interval bound."""
+    """Control for mamba_within_one_interval (sparse hit > dense hit - k): with states kept one block early the sparse hit falls a whole interval or more behind."""
     c = Mamba()
     return run_steps(
         _mamba_within_steps(c, c.mask(off_by_one=True)),
@@ -303,6 +427,7 @@ def control_mamba_within_off_by_one() -> Outcome:
         c.describe,
         grid=c.grid(),
         refute_at="floored state kept",
+        refutes=Refutes(lambda m: mamba_values(c, m), _mamba_within_claim),
     )
 
 
@@ -323,8 +448,11 @@ def mamba_checkpoint_is_replay_boundary() -> Outcome:
     return run_steps(_checkpoint_steps(c, True), c.side, c.describe)
 
 
-@theorem(control=True)
+@theorem(control=True, claim=_checkpoint_claim)
 def control_mamba_checkpoint_ignores_eagle() -> Outcome:
-    """Control for mamba_checkpoint_is_replay_boundary: a scheduler stop that ignores Eagle misses the Eagle replay boundary."""
+    """Control for mamba_checkpoint_is_replay_boundary (the chunk stop is the latest replay boundary): a scheduler stop that ignores Eagle stops past the Eagle replay boundary."""
     c = Mamba(eagle=True)
-    return run_steps(_checkpoint_steps(c, False), c.side, c.describe, timeout_ms=CONTROL_TIMEOUT_MS)
+    refutes = Refutes(lambda m: mamba_values(c, m), _checkpoint_claim)
+    return run_steps(
+        _checkpoint_steps(c, False), c.side, c.describe, timeout_ms=CONTROL_TIMEOUT_MS, refutes=refutes
+    )

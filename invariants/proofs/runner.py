@@ -43,6 +43,7 @@ def _run_one(index: int) -> TheoremResult:
         is_control=th.is_control,
         is_finding=th.is_finding,
         detail=o.detail,
+        witness=o.witness,
     )
 
 

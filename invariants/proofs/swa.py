@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import z3
 
-from invariants.proofs.engine import Outcome, Step, int_of, run_steps, theorem, value_of
+from invariants.proofs.engine import Outcome, Refutes, Step, Values, int_of, run_steps, theorem, value_of
 from invariants.proofs.lemmas import lemma_mul_mod
-from invariants.proofs.swa_setup import Swa, boundary_promise_steps, per_eagle, resend, segment_promise_steps
-from model import smt
+from invariants.proofs.swa_setup import (
+    Swa,
+    boundary_promise_steps,
+    boundary_served,
+    per_eagle,
+    reachable_boundaries,
+    resend,
+    segment_promise_steps,
+    swa_hit_tokens,
+    swa_kept,
+    swa_mask_at,
+    swa_values,
+    window_in_scope,
+)
+from model import masks, smt
 from model.smt import DENSE, ZERO
 
 
@@ -31,9 +44,20 @@ def swa_promise_segments() -> Outcome:
     return per_eagle(build)
 
 
-@theorem(control=True)
+def _segment_served(v: Values) -> str | None:
+    """swa_promise_segments' claim at concrete values, for the mask whose tail is one block short."""
+    bs, A, shift, q = int(v["block_size"]), int(v["alignment"]), int(bool(v["eagle"])), int(v["q"])
+    E = q * (A if v["mode"] == DENSE else int(v["k"]))
+    e = E // bs + shift
+    if v["mode"] == ZERO or q < 1 or int(v["end"]) < e or not window_in_scope(v):
+        return None
+    hit = swa_hit_tokens(v, swa_kept(v, need_delta=-1), e * bs)
+    return f"segment end {E} tokens, max length {e * bs}: the SWA hit is {hit} tokens" if hit < E else None
+
+
+@theorem(control=True, claim=_segment_served)
 def control_swa_tail_one_short() -> Outcome:
-    """Control for swa_promise_segments: a mask whose tail is one block short (need - 1) loses a promised hit."""
+    """Control for swa_promise_segments (segment end E served, hit >= E): with tails one block short (need - 1) a computed segment end gets a hit below E."""
     c = Swa()
     mask = c.mask(need_delta=-1)
     q = z3.Int("q")
@@ -46,7 +70,10 @@ def control_swa_tail_one_short() -> Outcome:
         missing = [j for j in range(lo, e) if not z3.is_true(m.eval(mask(j), model_completion=True))]
         return f"{c.describe(m)}: segment end {int_of(m, E)} tokens, tail blocks {lo}..{e - 1}, block(s) {missing} not kept"
 
-    return run_steps(steps, c.side, describe, grid=c.grid(), refute_at="every tail block kept")
+    refutes = Refutes(lambda m: swa_values(c, m, q=q), _segment_served)
+    return run_steps(
+        steps, c.side, describe, grid=c.grid(), refute_at="every tail block kept", refutes=refutes
+    )
 
 
 @theorem(finding=True)
@@ -101,9 +128,29 @@ def swa_no_waste() -> Outcome:
     return per_eagle(build)
 
 
-@theorem(control=True)
+def _every_kept_block_read(v: Values) -> str | None:
+    """swa_no_waste's claim at concrete values, for the mask whose tail is one block too long: every kept
+    block (block 0 with Eagle aside) lies in the tail the scan reads for a positive hit at a retained
+    aligned boundary (a segment end, or a reachable boundary floored to the alignment)."""
+    bs, A, shift = int(v["block_size"]), int(v["alignment"]), int(bool(v["eagle"]))
+    need = masks.swa_tail_blocks(int(v["window"]), bs, bool(v["eagle"]))
+    mode = int(v["mode"])
+    seg = A if mode == DENSE else int(v["k"])
+    mask = swa_mask_at(v, need_delta=1)
+    if not window_in_scope(v) or seg < 1 or mask.dense():
+        return None  # a dense mask keeps every block by design
+    kept = mask.kept()
+    ends = [q * seg for q in range(1, (int(v["end"]) + need) * bs // seg + 2)] if mode != ZERO else []
+    if mode != DENSE:
+        ends += [b // A * A for b in reachable_boundaries(v)]
+    read = {i for E in ends if E >= A for i in range(E // bs + shift - need, E // bs + shift)}
+    waste = sorted(i for i in kept if i not in read and (i >= 1 or not v["eagle"]))
+    return f"block(s) {waste} kept, read by no hit at a retained boundary" if waste else None
+
+
+@theorem(control=True, claim=_every_kept_block_read)
 def control_swa_tail_one_long() -> Outcome:
-    """Control for swa_no_waste: a mask whose tail is one block too long (need + 1) caches a block no hit reads."""
+    """Control for swa_no_waste (every kept block is read by some retained boundary's hit): with tails one block too long (need + 1) the mask keeps a block no such hit reads."""
     c = Swa(eagle=False)
     mask = c.mask(need_delta=1)
     i = z3.Int("i")
@@ -117,6 +164,7 @@ def control_swa_tail_one_long() -> Outcome:
         describe,
         grid=c.grid(),
         refute_at="kept block is read by a retained boundary",
+        refutes=Refutes(lambda m: swa_values(c, m), _every_kept_block_read),
     )
 
 
@@ -161,9 +209,9 @@ def swa_promise_replay() -> Outcome:
     return per_eagle(build)
 
 
-@theorem(control=True)
+@theorem(control=True, claim=boundary_served("replay", drop_boundaries=True))
 def control_swa_dropped_replay_boundary() -> Outcome:
-    """Control for swa_promise_replay: a mask that forgets the reachable boundaries loses the resend hit."""
+    """Control for swa_promise_replay (a resend hits at least its floored replay boundary): a mask that forgets the reachable boundaries gives the resend a hit below it."""
     c = Swa()
     steps = boundary_promise_steps(c, c.mask(drop_boundaries=True), c.replay, c.L, quirk_clause=True)
 
@@ -171,7 +219,10 @@ def control_swa_dropped_replay_boundary() -> Outcome:
         E = int_of(m, c.replay / c.A * c.A)
         return f"{c.describe(m)}: replay boundary {E} tokens not served (its tail blocks are not kept)"
 
-    return run_steps(steps, c.side + resend(c), describe, grid=c.grid(), refute_at="every tail block kept")
+    refutes = Refutes(lambda m: swa_values(c, m), boundary_served("replay", drop_boundaries=True))
+    return run_steps(
+        steps, c.side + resend(c), describe, grid=c.grid(), refute_at="every tail block kept", refutes=refutes
+    )
 
 
 @theorem(finding=True)
@@ -207,9 +258,17 @@ def swa_promise_junction() -> Outcome:
     return per_eagle(build)
 
 
-@theorem(control=True)
+@theorem(control=True, claim=boundary_served("junction", drop_boundaries=True))
 def control_swa_dropped_junction() -> Outcome:
-    """Control for swa_promise_junction: without the reachable boundaries the junction hit is lost."""
+    """Control for swa_promise_junction (a request sharing the prefix hits at least floor_A(J)): without the reachable boundaries its hit falls below floor_A(J)."""
     c = Swa()
     steps = boundary_promise_steps(c, c.mask(drop_boundaries=True), c.J, c.L, quirk_clause=True)
-    return run_steps(steps, c.side + [c.has_j], c.describe, grid=c.grid(), refute_at="every tail block kept")
+    refutes = Refutes(lambda m: swa_values(c, m), boundary_served("junction", drop_boundaries=True))
+    return run_steps(
+        steps,
+        c.side + [c.has_j],
+        c.describe,
+        grid=c.grid(),
+        refute_at="every tail block kept",
+        refutes=refutes,
+    )

@@ -22,10 +22,11 @@ by a test (`tests/test_smt.py`: S, `tests/test_proof_setups.py`: P):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import z3
 
-from invariants.proofs.engine import Outcome, Step, value_of
+from invariants.proofs.engine import Claim, Outcome, Step, Values, concrete, value_of
 from invariants.proofs.lemmas import (
     lemma_cancel,
     lemma_div_lower,
@@ -33,7 +34,7 @@ from invariants.proofs.lemmas import (
     lemma_mul_mod,
     quotient_step,
 )
-from model import smt
+from model import lookup, masks, smt
 from model.smt import DENSE, INTERVAL, ZERO, I
 
 
@@ -232,7 +233,8 @@ def resend(c: Swa) -> list[z3.BoolRef]:
     return [c.L == c.P - 1]
 
 
-def dense_twin(c: Swa) -> smt.Mask:
+def dense_twin(c: Swa, need_delta: int = 0) -> smt.Mask:
+    """The mask the same group would keep with retention None (`need_delta`: for a control only)."""
     return smt.swa_mask(
         0,
         c.end,
@@ -242,4 +244,145 @@ def dense_twin(c: Swa) -> smt.Mask:
         eagle=c.eagle,
         retention=smt.Retention(I(DENSE), I(0)),
         boundaries=c.boundaries,
+        need_delta=need_delta,
     )
+
+
+# --------------------------------------------------------------------------- claims on concrete values
+# A control's counterexample counts only if its concrete values violate the stated claim of its
+# theorem; these evaluate that claim with the executable model (`model.lookup`, `model.masks`),
+# the control's broken mask evaluated at the values.
+
+
+def swa_values(c: Swa, m: z3.ModelRef, **extra: z3.ExprRef) -> Values:
+    """The concrete configuration, prompt and lookup of a Z3 model of an SWA setup."""
+    terms: dict[str, z3.ExprRef] = {
+        "block_size": c.bs,
+        "window": c.w,
+        "alignment": c.A,
+        "prompt": c.P,
+        "end": c.end,
+        "junction": c.J,
+        "has_junction": c.has_j,
+        "max_length": c.L,
+        "eagle": c.eagle,
+        "mode": c.r.mode,
+        "k": c.r.k,
+        **extra,
+    }
+    return {name: concrete(m, t) for name, t in terms.items()}
+
+
+@dataclass
+class MaskAt:
+    """A (possibly broken) mask term with concrete values substituted: what it keeps in [0, end)."""
+
+    mask: smt.Mask
+    values: Sequence[tuple[z3.ExprRef, z3.ExprRef]]
+    end: int
+
+    def dense(self) -> bool:
+        """The mask keeps every block (its dense fallback)."""
+        return bool(z3.is_true(z3.simplify(z3.substitute(self.mask.dense, *self.values))))
+
+    def kept(self) -> set[int]:
+        if self.dense():
+            return set(range(self.end))
+        return {
+            i for i in range(self.end) if z3.is_true(z3.simplify(z3.substitute(self.mask(i), *self.values)))
+        }
+
+
+def swa_mask_at(
+    v: Values, *, mask_eagle: bool | None = None, dense: bool = False, **control: object
+) -> MaskAt:
+    """A (possibly broken) SWA mask at the values `v`.
+
+    `dense` evaluates the dense twin; `mask_eagle` computes the mask as if Eagle were on/off.
+    """
+    c = Swa(eagle=bool(v["eagle"]))
+    mode, k = (DENSE, 0) if dense else (int(v["mode"]), int(v["k"]))
+    sub = [
+        (c.bs, I(int(v["block_size"]))),
+        (c.w, I(int(v["window"]))),
+        (c.A, I(int(v["alignment"]))),
+        (c.P, I(int(v["prompt"]))),
+        (c.J, I(int(v["junction"]))),
+        (c.has_j, z3.BoolVal(bool(v["has_junction"]))),
+    ]
+    mask = smt.swa_mask(
+        0,
+        int(v["end"]),
+        block_size=c.bs,
+        window=c.w,
+        alignment=c.A,
+        eagle=c.eagle if mask_eagle is None else mask_eagle,
+        retention=smt.Retention(I(mode), I(k)),
+        boundaries=c.boundaries,
+        **control,  # type: ignore[arg-type]
+    )
+    return MaskAt(mask, sub, int(v["end"]))
+
+
+def swa_kept(v: Values, **options: object) -> set[int]:
+    """The blocks in [0, end) the SWA mask `options` describe keeps at the values `v` (dense: all)."""
+    return swa_mask_at(v, **options).kept()  # type: ignore[arg-type]
+
+
+def swa_hit_tokens(v: Values, cached: set[int], max_length: int) -> int:
+    """The executable SWA hit rule (`model.lookup.swa_hit`) over a concrete cached set, in tokens."""
+    bs, eagle = int(v["block_size"]), bool(v["eagle"])
+    need = masks.swa_tail_blocks(int(v["window"]), bs, eagle)
+    return len(lookup.swa_hit(cached.__contains__, max_length, bs, int(v["alignment"]), need, eagle)) * bs
+
+
+def reachable_boundaries(v: Values) -> list[int]:
+    """The boundaries the allocator passes the mask: the replay boundaries, the junction (and minus a block)."""
+    out = list(masks.replay_boundaries(int(v["prompt"]), int(v["alignment"]), bool(v["eagle"])))
+    if v["has_junction"]:
+        out.append(int(v["junction"]))
+        if v["eagle"]:
+            out.append(int(v["junction"]) - int(v["block_size"]))
+    return out
+
+
+def replay_boundary(v: Values) -> int:
+    """Swa.replay at the values: the boundary a resend lands on."""
+    b1 = smt.replay_boundaries(int(v["prompt"]), int(v["alignment"]), bool(v["eagle"]))[0]
+    return int(z3.simplify(I(b1)).as_long())
+
+
+def window_in_scope(v: Values) -> bool:
+    """The SWA theorems assume a window of at least two tokens, or Eagle (finding_swa_window_one)."""
+    return int(v["window"]) >= 2 or bool(v["eagle"])
+
+
+def boundary_served(which: str, **control: object) -> Claim:
+    """swa_promise_replay / swa_promise_junction's claim on concrete values, for the mask `control` breaks."""
+
+    def claim(v: Values) -> str | None:
+        bs, A, shift = int(v["block_size"]), int(v["alignment"]), int(bool(v["eagle"]))
+        b = replay_boundary(v) if which == "replay" else int(v["junction"])
+        L = int(v["max_length"])
+        E = b // A * A
+        s = E // bs
+        e = s + shift
+        in_scope = (
+            int(v["mode"]) != DENSE
+            and window_in_scope(v)
+            and b >= 0
+            and int(v["end"]) >= e
+            and e * bs <= L
+            and (int(v["prompt"]) - 1 == L if which == "replay" else bool(v["has_junction"]))
+        )
+        if not in_scope:
+            return None
+        need = masks.swa_tail_blocks(int(v["window"]), bs, bool(v["eagle"]))
+        short = bool(v["eagle"]) and s + 1 < need and bs != A
+        promised = E - A if short else E
+        hit = swa_hit_tokens(v, swa_kept(v, **control), L)
+        if hit >= promised:
+            return None
+        return f"{which} boundary {E} tokens, max length {L}: the SWA hit is {hit} tokens"
+
+    return claim

@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import z3
 
-from invariants.proofs.engine import Describe, Outcome, Step, run_steps, theorem, value_of
+from invariants.proofs.engine import Describe, Outcome, Refutes, Step, Values, run_steps, theorem, value_of
 from invariants.proofs.lemmas import generic_lemma, lemma_cancel, lemma_mul_mod, quotient_step
-from invariants.proofs.swa_setup import Swa, dense_twin, per_eagle, segment_promise_steps
+from invariants.proofs.swa_setup import (
+    Swa,
+    dense_twin,
+    per_eagle,
+    segment_promise_steps,
+    swa_hit_tokens,
+    swa_kept,
+    swa_values,
+    window_in_scope,
+)
 from model import smt
 from model.smt import DENSE, INTERVAL
 
@@ -115,9 +124,28 @@ def swa_sparse_never_exceeds_dense() -> Outcome:
     return per_eagle(build)
 
 
-@theorem(control=True)
+def _hits(v: Values, sparse: set[int], dense: set[int]) -> list[tuple[int, int, int]]:
+    """(max length, sparse hit, dense hit) for every max length up to the cached blocks, in tokens."""
+    bs = int(v["block_size"])
+    return [
+        (L, swa_hit_tokens(v, sparse, L), swa_hit_tokens(v, dense, L))
+        for L in range((int(v["end"]) + 2) * bs)
+    ]
+
+
+def _sparse_at_most_dense(v: Values) -> str | None:
+    """swa_sparse_never_exceeds_dense's claim at concrete values, against a dense mask one block short."""
+    if v["mode"] == DENSE or not window_in_scope(v):
+        return None
+    for L, hs, hd in _hits(v, swa_kept(v), swa_kept(v, dense=True, need_delta=-1)):
+        if hs > hd:
+            return f"max length {L}: sparse hit {hs} tokens > dense hit {hd}"
+    return None
+
+
+@theorem(control=True, claim=_sparse_at_most_dense)
 def control_swa_sparse_exceeds_dense() -> Outcome:
-    """Control for swa_sparse_never_exceeds_dense: a sparse mask with a one-block-longer tail is not within the dense mask."""
+    """Control for swa_sparse_never_exceeds_dense (sparse hit <= dense hit): measured against a dense mask whose tails are one block short, the sparse hit exceeds the dense hit."""
     c = Swa(eagle=False)
     i = z3.Int("i")
 
@@ -125,7 +153,12 @@ def control_swa_sparse_exceeds_dense() -> Outcome:
         return f"{c.describe(m)}: block {value_of(m, i)} kept by the sparse mask, not by the dense one"
 
     return run_steps(
-        _inclusion_steps(c, c.mask(need_delta=1), dense_twin(c))[-1:], c.side, describe, grid=c.grid()
+        _inclusion_steps(c, c.mask(), dense_twin(c, need_delta=-1)),
+        c.side,
+        describe,
+        grid=c.grid(),
+        refute_at="sparse mask within dense",
+        refutes=Refutes(lambda m: swa_values(c, m), _sparse_at_most_dense),
     )
 
 
@@ -229,9 +262,20 @@ def swa_sparse_within_one_interval() -> Outcome:
     return per_eagle(build)
 
 
-@theorem(control=True)
+def _within_one_interval(v: Values) -> str | None:
+    """swa_sparse_within_one_interval's claim at concrete values, for sparse tails one block short."""
+    if v["mode"] != INTERVAL or not window_in_scope(v):
+        return None
+    k = int(v["k"])
+    for L, hs, hd in _hits(v, swa_kept(v, need_delta=-1), swa_kept(v, dense=True)):
+        if hs <= hd - k:
+            return f"retention {k}, max length {L}: sparse hit {hs} tokens <= dense hit {hd} - {k}"
+    return None
+
+
+@theorem(control=True, claim=_within_one_interval)
 def control_swa_sparse_coarser_than_interval() -> Outcome:
-    """Control for swa_sparse_within_one_interval: a sparse mask whose tails are one block short falls more than one interval behind."""
+    """Control for swa_sparse_within_one_interval (sparse hit > dense hit - k): a sparse mask whose tails are one block short falls a whole interval or more behind the dense hit."""
     c = Swa(eagle=False)
     return run_steps(
         _within_one_interval_steps(c, c.mask(need_delta=-1)),
@@ -239,4 +283,5 @@ def control_swa_sparse_coarser_than_interval() -> Outcome:
         c.describe,
         grid=c.grid(),
         refute_at="every tail block kept",
+        refutes=Refutes(lambda m: swa_values(c, m), _within_one_interval),
     )
