@@ -10,8 +10,28 @@ from collections.abc import Callable, Sequence
 
 import z3
 
-from invariants.proofs.engine import CONTROL_TIMEOUT_MS, Describe, Outcome, Step, run_steps, theorem, value_of
-from invariants.proofs.queues import ALL_OPS, SMALL, Queues, queue_row, small_world, transitions
+from invariants.proofs.engine import (
+    CONTROL_TIMEOUT_MS,
+    Claim,
+    Describe,
+    Outcome,
+    Refutes,
+    Step,
+    Values,
+    run_steps,
+    theorem,
+    value_of,
+)
+from invariants.proofs.queues import (
+    ALL_OPS,
+    SMALL,
+    Queues,
+    holds,
+    pre_and_post,
+    queue_row,
+    small_world,
+    transitions,
+)
 
 
 def _queue_steps(
@@ -67,13 +87,29 @@ def free_queue_uncached_first() -> Outcome:
     return run_steps(steps, [], describe)
 
 
-@theorem(control=True)
+def _broken_by_the_step(claim: Callable[[Queues], z3.BoolRef], what: str) -> Claim:
+    """A free-queue claim violated on the counterexample: it held before the transition and fails after."""
+
+    def violated(v: Values) -> str | None:
+        full = lambda q: z3.And(q.structure(), q.disjoint(), claim(q))  # noqa: E731
+        return what if holds(v, "pre", full) and not holds(v, "post", claim) else None
+
+    return violated
+
+
+_UNCACHED_FIRST = _broken_by_the_step(
+    Queues.uncached_first, "a block freed without a hash is behind a cached one"
+)
+
+
+@theorem(control=True, claim=_UNCACHED_FIRST)
 def control_free_queue_wrong_prepend() -> Outcome:
-    """Control for free_queue_uncached_first: putting a freed uncached block at the tail (append instead of prepend_n) breaks the order."""
+    """Control for free_queue_uncached_first (uncached free blocks ahead of cached ones): putting a freed uncached block at the tail (append instead of prepend_n) puts it behind a cached one."""
     steps, describe = _queue_steps(
         Queues.uncached_first, ("prepend_uncached",), broken="prepend_to_tail", small=True
     )
-    return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS)
+    refutes = Refutes(pre_and_post, _UNCACHED_FIRST)
+    return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS, refutes=refutes)
 
 
 @theorem(finding=True)
@@ -100,13 +136,18 @@ def free_queue_lru() -> Outcome:
     return run_steps(steps, [], describe)
 
 
-@theorem(control=True)
+_LRU = _broken_by_the_step(
+    lambda q: z3.And(q.uncached_first(), q.lru()), "cached free blocks are not least-recently-freed first"
+)
+
+
+@theorem(control=True, claim=_LRU)
 def control_free_queue_cached_to_head() -> Outcome:
-    """Control for free_queue_lru: a freed cached block put at the head breaks least-recently-freed order."""
+    """Control for free_queue_lru (cached free blocks reused least-recently-freed first): a freed cached block put at the head is reused before older ones."""
     steps, describe = _queue_steps(
         lambda q: z3.And(q.uncached_first(), q.lru()), ("append_cached",), broken="append_to_head", small=True
     )
-    return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS)
+    return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS, refutes=Refutes(pre_and_post, _LRU))
 
 
 def _pinned_steps(broken: str = "") -> tuple[list[Step], Describe]:
@@ -170,15 +211,34 @@ def pinned_tier_disjoint_pressure_oldest() -> Outcome:
     return run_steps(steps, [], describe)
 
 
-@theorem(control=True)
+def _demotes_oldest(v: Values) -> str | None:
+    """pinned_tier_disjoint_pressure_oldest's 'demote_n moves the oldest pinned blocks', on the counterexample."""
+    pinned_before = [b for b in SMALL if v[f"pre.inp[{b}]"]]
+    demoted = [b for b in pinned_before if not v[f"post.inp[{b}]"] and v[f"post.inq[{b}]"]]
+    kept = [b for b in pinned_before if v[f"post.inp[{b}]"]]
+    age = {b: int(v[f"pre.ppos[{b}]"]) for b in pinned_before}
+    younger = [(b, c) for b in demoted for c in kept if age[b] > age[c]]
+    return (
+        f"demoted block {younger[0][0]} while the older block {younger[0][1]} stays pinned"
+        if younger
+        else None
+    )
+
+
+@theorem(control=True, claim=_demotes_oldest)
 def control_pinned_demote_newest() -> Outcome:
-    """Control for pinned_tier_disjoint_pressure_oldest: demoting the newest pinned blocks first is caught."""
+    """Control for pinned_tier_disjoint_pressure_oldest (demote_n moves the oldest pinned blocks): demoting the newest pinned blocks first leaves an older block pinned."""
     steps, describe = _pinned_steps(broken="demote_newest")
-    return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS)
+    refutes = Refutes(pre_and_post, _demotes_oldest)
+    return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS, refutes=refutes)
 
 
-@theorem(control=True)
+_TIERS_DISJOINT = _broken_by_the_step(Queues.disjoint, "a block is in the pinned tier and the regular queue")
+
+
+@theorem(control=True, claim=_TIERS_DISJOINT)
 def control_pinned_in_both_tiers() -> Outcome:
-    """Control for pinned_tier_disjoint_pressure_oldest: a pinned free that also links the block into the regular queue puts it in two tiers."""
+    """Control for pinned_tier_disjoint_pressure_oldest (the tiers never share a block): a pinned free that also links the block into the regular queue puts it in both."""
     steps, describe = _pinned_steps(broken="pinned_also_regular")
-    return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS)
+    refutes = Refutes(pre_and_post, _TIERS_DISJOINT)
+    return run_steps(steps, [], describe, timeout_ms=CONTROL_TIMEOUT_MS, refutes=refutes)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import z3
 
-from invariants.proofs.engine import int_of
+from invariants.proofs.engine import Values, concrete, int_of
 
 
 class Queues:
@@ -257,3 +257,36 @@ ALL_OPS = (
     "free_pinned",
     "demote_n",
 )
+
+
+# --------------------------------------------------------------------------- concrete states
+# A control's counterexample is a pair of states over the small pool; its claim is evaluated on them.
+
+PRE, POST = Queues(universe=SMALL), Queues("'", universe=SMALL)  # the names every transition step uses
+
+
+def pre_and_post(m: z3.ModelRef) -> Values:
+    """The small-pool pre- and post-state of a Z3 model of one transition, as concrete values."""
+    v: Values = {}
+    for q, tag in ((PRE, "pre"), (POST, "post")):
+        for name in Queues.ARRAYS:
+            for b in SMALL:
+                v[f"{tag}.{name}[{b}]"] = concrete(m, getattr(q, name)[b])
+        for name in Queues.SCALARS:
+            v[f"{tag}.{name}"] = concrete(m, getattr(q, name))
+    return v
+
+
+def holds(v: Values, tag: str, formula: Callable[[Queues], z3.BoolRef]) -> bool:
+    """Evaluate a formula over the small pool on the concrete state `tag` ("pre" or "post") of `v`."""
+    q = PRE if tag == "pre" else POST
+    sub: list[tuple[z3.ExprRef, z3.ExprRef]] = []
+    for name in Queues.ARRAYS:
+        x = v[f"{tag}.{name}[{SMALL[0]}]"]
+        arr: z3.ExprRef = z3.K(z3.IntSort(), z3.BoolVal(False) if isinstance(x, bool) else z3.IntVal(0))
+        for b in SMALL:
+            x = v[f"{tag}.{name}[{b}]"]
+            arr = z3.Store(arr, b, z3.BoolVal(x) if isinstance(x, bool) else z3.IntVal(x))
+        sub.append((getattr(q, name), arr))
+    sub += [(getattr(q, name), z3.IntVal(int(v[f"{tag}.{name}"]))) for name in Queues.SCALARS]
+    return bool(z3.is_true(z3.simplify(z3.substitute(formula(q), *sub))))
