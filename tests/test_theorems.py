@@ -1,20 +1,23 @@
 """The Z3 theorem catalogue: every theorem proved, every negative control and finding refuted.
 
-The whole catalogue runs once per session (two processes, about 15 s). Plus
-conformance checks that tie the abstract transition systems to the code
-(free queue, validator).
+The whole catalogue runs once per test run (two processes, about 30 s).
+Each control states which theorem's claim it refutes, and its reported
+counterexample is re-evaluated here against that claim. Plus conformance
+checks that tie the validator term and the free-queue positions to the code
+(the transition system itself: tests/test_queue_link.py).
 """
 
 from __future__ import annotations
 
 import random
+import re
 import warnings
 
 import pytest
 import z3
 
 from invariants.proofs import runner
-from invariants.proofs.engine import TheoremResult
+from invariants.proofs.engine import Refutes, Step, Theorem, TheoremResult, run_steps
 from invariants.proofs.validation import validator_accepts
 from model.config import Config, ConfigError, GroupSpec, validate
 from model.free_queue import FreeQueue
@@ -35,6 +38,35 @@ def test_statements_are_one_line() -> None:
         assert th.statement and "\n" not in th.statement, th.name
 
 
+def test_each_theorem_names_its_pr() -> None:
+    for th in runner.THEOREMS:
+        if not th.is_control and not th.is_finding:
+            assert re.search(r"#\d{5}", th.statement), f"{th.name}: no PR in its statement"
+
+
+def test_each_control_states_the_claim_it_refutes() -> None:
+    """'Control for <theorem> (<its claim>): ...', and a claim evaluator on concrete values."""
+    plain = {th.name for th in runner.THEOREMS if not th.is_control and not th.is_finding}
+    for th in runner.THEOREMS:
+        if th.is_control:
+            m = re.match(r"Control for (\w+) \(", th.statement)
+            assert m and m.group(1) in plain, th.name
+            assert th.claim is not None, f"{th.name} names no claim its counterexample must violate"
+
+
+def test_a_counterexample_that_keeps_the_claim_is_not_a_refutation() -> None:
+    """The gate of every control: a model of the broken step whose values satisfy the stated claim leaves
+    the control unknown (here: a claim evaluator that never finds a violation)."""
+    x = z3.Int("x")
+    steps = [Step("x is small", x < 3, [x >= 0])]
+    grid = [[x == v] for v in range(6)]
+    kept = Refutes(lambda m: {"x": m.eval(x, model_completion=True).as_long()}, lambda v: None)
+    assert run_steps(steps, [], str, grid=grid, refute_at="x is small", refutes=kept).result == "unknown"
+    broken = Refutes(kept.values, lambda v: f"x = {v['x']}" if int(v["x"]) >= 3 else None)
+    o = run_steps(steps, [], str, grid=grid, refute_at="x is small", refutes=broken)
+    assert o.result == "refuted" and o.witness is not None and int(o.witness["x"]) >= 3
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, TheoremResult]:
     return {r.name: r for r in runner.run_theorems()}
@@ -47,6 +79,22 @@ def test_catalogue(name: str, results: dict[str, TheoremResult]) -> None:
     assert r.expected_ok, f"{name}: {r.result} {r.counterexample or r.detail or ''}"
     if r.is_control or r.is_finding:
         assert r.counterexample and any(ch.isdigit() for ch in r.counterexample)  # concrete domain values
+
+
+CONTROLS = [th for th in runner.THEOREMS if th.is_control]
+
+
+@pytest.mark.parametrize("control", CONTROLS, ids=[th.name for th in CONTROLS])
+def test_control_counterexample_violates_the_stated_claim(
+    control: Theorem, results: dict[str, TheoremResult]
+) -> None:
+    """Re-evaluated here on the reported values: the counterexample breaks the theorem's claim, not a lemma."""
+    r = results[control.name]
+    assert r.witness is not None, f"{control.name}: no concrete counterexample"
+    assert control.claim is not None
+    violated = control.claim(r.witness)
+    assert violated is not None, f"{control.name}: the claim holds at {r.witness}"
+    assert r.counterexample is not None and violated in r.counterexample
 
 
 def test_format_table_lists_every_result(results: dict[str, TheoremResult]) -> None:

@@ -94,7 +94,7 @@ def _unfloored_claim(v: Values) -> str | None:
 
 @theorem()
 def alignment_no_block_past_boundary() -> Outcome:
-    """Alignment: in a hybrid model a group caches only blocks below the last alignment boundary of the computed tokens (plus Eagle's one peek block), and without Eagle the cached length is a multiple of the alignment (AllocatorModel._cacheable_tokens).
+    """Alignment (#42258): in a hybrid model a group caches only blocks below the last alignment boundary of the computed tokens (plus Eagle's one peek block), and without Eagle the cached length is a multiple of the alignment (AllocatorModel._cacheable_tokens).
 
     Unbounded.
     """
@@ -175,7 +175,7 @@ def _unaligned_hits(v: Values) -> str | None:
 
 @theorem()
 def alignment_hits_are_multiples() -> Outcome:
-    """Alignment: every hit the lookup rules return (full attention with and without the Eagle drop, SWA with and without Eagle, Mamba) is a multiple of the alignment, for every cached set.
+    """Alignment (#42258): every hit the lookup rules return (full attention with and without the Eagle drop, SWA with and without Eagle, Mamba) is a multiple of the alignment, for every cached set.
 
     Unbounded; cached set uninterpreted.
     """

@@ -128,7 +128,7 @@ def finding_free_queue_evicted_in_place() -> Outcome:
 
 @theorem()
 def free_queue_lru() -> Outcome:
-    """Free-queue order: cached free blocks are reused least-recently-freed first (ordered by when they joined the cached region; a demoted pinned block joins when demoted), over every queue operation.
+    """Free-queue order (#43447): cached free blocks are reused least-recently-freed first (ordered by when they joined the cached region; a demoted pinned block joins when demoted) over every queue operation, because freed cached blocks and demoted ones are appended at the tail.
 
     Inductive invariant; unbounded pool.
     """

@@ -440,7 +440,7 @@ def _checkpoint_steps(c: Mamba, eagle_aware: bool) -> list[Step]:
 
 @theorem()
 def mamba_checkpoint_is_replay_boundary() -> Outcome:
-    """Mamba: the scheduler's chunk stop (scheduling.mamba_checkpoint_position) is exactly the latest replay boundary floored to the alignment, with and without Eagle, so the state the Mamba mask promises to keep exists.
+    """Mamba (#45845): the scheduler's chunk stop (scheduling.mamba_checkpoint_position) is exactly the latest replay boundary floored to the alignment, with and without Eagle, so the state the Mamba mask promises to keep exists.
 
     Unbounded prompt length and scheduler block size.
     """

@@ -244,7 +244,7 @@ def finding_swa_eagle_short_prompt() -> Outcome:
 
 @theorem()
 def swa_promise_junction() -> Outcome:
-    """Promise kept: with retention 0 or k, a later request sharing the prefix up to the shared-prefix junction J hits at least floor_A(J) whenever its max length reaches that boundary's peek (same Eagle short-prompt exception as swa_promise_replay).
+    """Promise kept (#43447): with retention 0 or k, a later request sharing the prefix up to the shared-prefix junction J hits at least floor_A(J) whenever its max length reaches that boundary's peek, because the junction is a reachable boundary whose tail the mask keeps (same Eagle short-prompt exception as swa_promise_replay).
 
     Unbounded (window >= 2, or any with Eagle); with and without Eagle.
     """

@@ -107,7 +107,7 @@ def _hit_monotone_steps(eagle: bool) -> tuple[list[Step], list[z3.BoolRef], Desc
 
 @theorem()
 def swa_sparse_never_exceeds_dense() -> Outcome:
-    """Sparse never exceeds dense: the retention-0 / retention-k SWA mask keeps a subset of the dense mask (block 0 with Eagle aside, which no positive hit reads unless the dense mask keeps it too), and the SWA hit is monotone in the cached set, so the sparse hit is at most the dense hit.
+    """Sparse never exceeds dense (#43447): the retention-0 / retention-k SWA mask keeps a subset of the dense mask (block 0 with Eagle aside, which no positive hit reads unless the dense mask keeps it too), and the SWA hit is monotone in the cached set, so the sparse hit is at most the dense hit.
 
     Two lemmas, both unbounded: mask inclusion; hit monotonicity for arbitrary
     cached predicates related that way (hence for the two masks).
@@ -250,7 +250,7 @@ def _within_one_interval_steps(c: Swa, sparse: smt.Mask) -> list[Step]:
 
 @theorem()
 def swa_sparse_within_one_interval() -> Outcome:
-    """Sparse is at most one interval coarser: with retention k, over the same computed prompt and max length, the SWA hit is greater than the dense hit minus k (the largest segment end at or below the dense hit is served).
+    """Sparse is at most one interval coarser (#43447): with retention k, over the same computed prompt and max length, the SWA hit is greater than the dense hit minus k (the largest segment end at or below the dense hit is served).
 
     Unbounded (window >= 2, or any with Eagle); with and without Eagle.
     """
