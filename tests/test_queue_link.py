@@ -96,10 +96,20 @@ class SymbolicQueues:
         inp, ppos = self.state["inp"], self.state["ppos"]
         return sorted((b for b in BLOCKS if inp[b]), key=ppos.__getitem__)  # type: ignore[index]
 
+    def head_cut(self, n: int) -> int:
+        """The position before which popleft_n takes exactly the first n blocks of the regular queue."""
+        regular = self.regular()
+        return int(self.state["pos"][regular[n]]) if n < len(regular) else int(self.state["hi"])  # type: ignore[index, call-overload]
+
+    def pinned_cut(self, n: int) -> int:
+        """The pinned-tier position before which demote_n takes exactly the n oldest pinned blocks."""
+        pinned = self.pinned()
+        return int(self.state["ppos"][pinned[n]]) if n < len(pinned) else int(self.state["phi"])  # type: ignore[index, call-overload]
+
     def hashed(self) -> set[int]:
         return {b for b in BLOCKS if self.state["hashed"][b]}  # type: ignore[index]
 
-    def step(self, op: str, x: int = 0, theta: int = 0, thp: int = 0) -> None:
+    def step(self, op: str, x: int = 0, theta: int = 0, thp: int = 0, *, check: bool = True) -> None:
         """Apply transition `op` with its arguments; it must be enabled and determine the post-state."""
         self.taken.add(op)
         args = [(BLOCK, z3.IntVal(x)), (HEAD_CUT, z3.IntVal(theta)), (PINNED_CUT, z3.IntVal(thp))]
@@ -110,22 +120,36 @@ class SymbolicQueues:
             raise LinkBroken(
                 f"{op}(x={x}, theta={theta}, theta_pinned={thp}) is not enabled on {self.show()}"
             )
-        m = s.model()
+        # Z3's model of a lambda-defined array can evaluate a point wrongly; a wrong reading is caught by
+        # the uniqueness check below, and the model that check returns is read instead (a few times)
+        for _ in range(4):
+            post = self._read_post(s.model())
+            s.add(z3.Not(self._equals_post(post)))
+            unique = s.check() == z3.unsat
+            if unique:
+                break
+        else:
+            raise LinkBroken(f"{op}(x={x}) leaves the post-state open on {self.show()}")
+        self.state = post
+        if check and not self.holds(self.invariant):
+            raise LinkBroken(f"the theorems' invariant fails after {op}(x={x}): {self.show()}")
+
+    def _read_post(self, m: z3.ModelRef) -> State:
         post: State = {}
         for name in Queues.ARRAYS:
             arr = getattr(self.post, name)
             post[name] = {b: _read(m.eval(arr[b], model_completion=True)) for b in BLOCKS}
         for name in Queues.SCALARS:
             post[name] = m.eval(getattr(self.post, name), model_completion=True).as_long()
-        pinned = [getattr(self.post, n)[b] == _value(post[n][b]) for n in Queues.ARRAYS for b in BLOCKS]  # type: ignore[index]
-        pinned += [getattr(self.post, n) == post[n] for n in Queues.SCALARS]
-        s.add(z3.Not(z3.And(pinned)))
-        if s.check() != z3.unsat:
-            raise LinkBroken(f"{op}(x={x}) leaves the post-state open on {self.show()}")
-        self.state = post
-        held = z3.simplify(z3.substitute(self.invariant, *_terms(self.check, post)))
-        if not z3.is_true(held):
-            raise LinkBroken(f"the theorems' invariant fails after {op}(x={x}): {self.show()}")
+        return post
+
+    def _equals_post(self, post: State) -> z3.BoolRef:
+        same = [getattr(self.post, n)[b] == _value(post[n][b]) for n in Queues.ARRAYS for b in BLOCKS]  # type: ignore[index]
+        return z3.And(same + [getattr(self.post, n) == post[n] for n in Queues.SCALARS])
+
+    def holds(self, formula: z3.BoolRef) -> bool:
+        """A formula over `self.check`'s fields (the small pool), on the current state."""
+        return bool(z3.is_true(z3.simplify(z3.substitute(formula, *_terms(self.check, self.state)))))
 
     def show(self) -> str:
         return f"regular {self.regular()}, pinned {self.pinned()}, hashed {sorted(self.hashed())}"
@@ -157,12 +181,8 @@ class Linked:
         n = self.rng.randint(1, min(3, free))
         regular = self.sym.regular()
         if n > len(regular):  # pressure: the shortfall comes from the pinned tier, oldest first
-            pinned, short = self.sym.pinned(), n - len(regular)
-            cut = self.sym.state["ppos"][pinned[short]] if short < len(pinned) else self.sym.state["phi"]  # type: ignore[index]
-            self.sym.step("demote_n", thp=cut)  # type: ignore[arg-type]
-            regular = self.sym.regular()
-        cut = self.sym.state["pos"][regular[n]] if n < len(regular) else self.sym.state["hi"]  # type: ignore[index]
-        self.sym.step("popleft_n", theta=cut)  # type: ignore[arg-type]
+            self.sym.step("demote_n", thp=self.sym.pinned_cut(n - len(regular)))
+        self.sym.step("popleft_n", theta=self.sym.head_cut(n))
         return f"get_new_blocks({n}) -> {self.pool.get_new_blocks(n)}"
 
     def free(self, blocks: list[int]) -> str:
@@ -243,7 +263,7 @@ class Linked:
         """Release every reference, then reset the prefix cache (only possible with every block free)."""
         while self.active():
             self.free(self.active())
-        self.sym.step("demote_n", thp=self.sym.state["phi"])  # type: ignore[arg-type]
+        self.sym.step("demote_n", thp=self.sym.pinned_cut(len(self.sym.pinned())))
         self.sym.step("reset_hashes")
         assert self.pool.reset_prefix_cache()
         return "reset_prefix_cache()"
@@ -328,3 +348,68 @@ def test_popleft_from_the_tail_still_proves_the_theorems(monkeypatch: pytest.Mon
         free_queue.pinned_tier_disjoint_pressure_oldest,
     ):
         assert theorem().result == "proved", theorem.__name__
+
+
+def _explore(
+    broken: str, claim: Callable[[SymbolicQueues, str], bool], seed: int, steps: int = 80
+) -> str | None:
+    """Run the (broken) transition system alone from the initial queue, each transition with arguments
+    drawn from the symbolic state; return the first reachable state where `claim` fails."""
+    rng = random.Random(seed)
+    sym = SymbolicQueues(broken)
+    for n in range(steps):
+        regular, pinned = sym.regular(), sym.pinned()
+        active = [b for b in BLOCKS if b not in regular and b not in pinned]
+        hashed = sym.hashed()
+        moves: list[tuple[str, dict[str, int]]] = []
+        if regular:
+            moves.append(("popleft_n", {"theta": sym.head_cut(rng.randint(1, min(3, len(regular))))}))
+        if pinned:
+            moves.append(("demote_n", {"thp": sym.pinned_cut(rng.randint(1, len(pinned)))}))
+        for b in active:
+            moves.append(
+                ("free_pinned" if rng.random() < 0.3 else "append_cached", {"x": b})
+                if b in hashed
+                else ("prepend_uncached", {"x": b})
+            )
+            if b not in hashed:
+                moves.append(("cache_active_block", {"x": b}))
+        moves += [("remove_touch", {"x": b}) for b in (regular + pinned) if b in hashed]
+        op, args = rng.choice(moves)
+        before = (sym.regular(), sym.pinned())
+        sym.step(op, check=False, **args)
+        if not claim(sym, op):
+            return f"seed {seed}, step {n}: {op}{args} from regular {before[0]}, pinned {before[1]} gives {sym.show()}"
+    return None
+
+
+class _DemoteWatch:
+    """demote_n moves the oldest pinned blocks: checked on each demote_n against the tier before it."""
+
+    def __init__(self) -> None:
+        self.tier: list[int] = []
+
+    def __call__(self, sym: SymbolicQueues, op: str) -> bool:
+        before, self.tier = self.tier, sym.pinned()
+        if op != "demote_n":
+            return True
+        moved = [b for b in before if b not in self.tier]
+        return before[: len(moved)] == moved
+
+
+CLAIMS: dict[str, Callable[[], Callable[[SymbolicQueues, str], bool]]] = {
+    # control -> the stated claim of its theorem, on a concrete state
+    "prepend_to_tail": lambda: lambda sym, op: sym.holds(sym.check.uncached_first()),
+    "append_to_head": lambda: lambda sym, op: sym.holds(z3.And(sym.check.uncached_first(), sym.check.lru())),
+    "pinned_also_regular": lambda: lambda sym, op: sym.holds(sym.check.disjoint()),
+    "demote_newest": _DemoteWatch,
+}
+
+
+@pytest.mark.parametrize("broken", list(CLAIMS))
+def test_each_queue_control_reaches_a_state_that_breaks_its_claim(broken: str) -> None:
+    """The free-queue controls' counterexamples are inductive steps; here each broken transition system,
+    run from the initial queue, reaches a state violating its theorem's claim (the correct one keeps every
+    claim on long runs: test_transition_system_is_the_pool checks them, and the pool, after each step)."""
+    found = next((w for seed in SEEDS if (w := _explore(broken, CLAIMS[broken](), seed)) is not None), None)
+    assert found is not None, f"{broken}: no reachable state violates the claim"
