@@ -17,7 +17,8 @@ test's negative control.
 | `free_pinned`        | `Pool.free` of a pinned block (pinned tier `append_n`)             |
 | `remove_touch`       | `Pool.touch` of a free block (`FreeQueue.remove`, either tier)     |
 | `cache_active_block` | `Pool.cache_full_blocks` / `cache_partial_block` on an active block |
-| `hash_eviction`      | `Pool.evict_blocks` of a block outside the pinned tier             |
+| `hash_eviction`      | `Pool.evict_blocks` in place (a pinned-tier block: `remove_touch`, |
+|                      | `hash_eviction`, then `prepend_uncached`: it goes to the head)      |
 | `demote_n`           | `free_queue.demote_n` in `Pool.get_new_blocks` under pressure      |
 | `reset_hashes`       | `Pool.reset_prefix_cache` after demoting the whole tier            |
 """
