@@ -45,7 +45,7 @@ def test_twins_agree_on_random_inputs() -> None:
 @pytest.mark.parametrize("name", ["swa_mask", "swa_hit", "control_broken_swa_mask"])
 def test_crosshair_twin(name: str) -> None:
     ((ref, twin, control),) = [(r, t, c) for n, r, t, c in cc.TWINS if n == name]
-    r = cc.run_twin(name, ref, twin, control, budget_s=6.0 if control else 1.0)
+    r = cc.run_twin(name, ref, twin, control, budget_s=20.0 if control else 1.0)
     assert r.result != "error", r.counterexample
     assert r.expected_ok, f"{name}: {r.verdict} {r.counterexample or ''}"
 

@@ -1,45 +1,79 @@
 """The Z3 theorem catalogue: every theorem proved, every negative control and finding refuted.
 
-The whole catalogue runs once per session (two processes, about 15 s). Plus
-conformance checks that tie the abstract transition systems to the code
-(free queue, validator).
+The whole catalogue runs once per test run (two processes, about 30 s).
+Each control states which theorem's claim it refutes, and its reported
+counterexample is re-evaluated here against that claim. Plus conformance
+checks that tie the validator term and the free-queue positions to the code
+(the transition system itself: tests/test_queue_link.py).
 """
 
 from __future__ import annotations
 
 import random
+import re
 import warnings
 
 import pytest
 import z3
 
-from invariants.proofs import theorems
+from invariants.proofs import runner
+from invariants.proofs.engine import Refutes, Step, Theorem, TheoremResult, run_steps
+from invariants.proofs.validation import validator_accepts
 from model.config import Config, ConfigError, GroupSpec, validate
 from model.free_queue import FreeQueue
 
-NAMES = [th.name for th in theorems.CATALOGUE]
+NAMES = [th.name for th in runner.THEOREMS]
 
 
 def test_every_theorem_has_a_control() -> None:
-    controls = [th for th in theorems.CATALOGUE if th.is_control]
-    plain = [th for th in theorems.CATALOGUE if not th.is_control and not th.is_finding]
+    controls = [th for th in runner.THEOREMS if th.is_control]
+    plain = [th for th in runner.THEOREMS if not th.is_control and not th.is_finding]
     for th in plain:
         assert any(th.name in c.statement for c in controls), f"{th.name} has no negative control"
     assert len(plain) >= 15 and len(controls) >= len(plain)
 
 
 def test_statements_are_one_line() -> None:
-    for th in theorems.CATALOGUE:
+    for th in runner.THEOREMS:
         assert th.statement and "\n" not in th.statement, th.name
 
 
+def test_each_theorem_names_its_pr() -> None:
+    for th in runner.THEOREMS:
+        if not th.is_control and not th.is_finding:
+            assert re.search(r"#\d{5}", th.statement), f"{th.name}: no PR in its statement"
+
+
+def test_each_control_states_the_claim_it_refutes() -> None:
+    """'Control for <theorem> (<its claim>): ...', and a claim evaluator on concrete values."""
+    plain = {th.name for th in runner.THEOREMS if not th.is_control and not th.is_finding}
+    for th in runner.THEOREMS:
+        if th.is_control:
+            m = re.match(r"Control for (\w+) \(", th.statement)
+            assert m and m.group(1) in plain, th.name
+            assert th.claim is not None, f"{th.name} names no claim its counterexample must violate"
+
+
+def test_a_counterexample_that_keeps_the_claim_is_not_a_refutation() -> None:
+    """The gate of every control: a model of the broken step whose values satisfy the stated claim leaves
+    the control unknown (here: a claim evaluator that never finds a violation)."""
+    x = z3.Int("x")
+    steps = [Step("x is small", x < 3, [x >= 0])]
+    grid = [[x == v] for v in range(6)]
+    kept = Refutes(lambda m: {"x": m.eval(x, model_completion=True).as_long()}, lambda v: None)
+    assert run_steps(steps, [], str, grid=grid, refute_at="x is small", refutes=kept).result == "unknown"
+    broken = Refutes(kept.values, lambda v: f"x = {v['x']}" if int(v["x"]) >= 3 else None)
+    o = run_steps(steps, [], str, grid=grid, refute_at="x is small", refutes=broken)
+    assert o.result == "refuted" and o.witness is not None and int(o.witness["x"]) >= 3
+
+
 @pytest.fixture(scope="module")
-def results() -> dict[str, theorems.TheoremResult]:
-    return {r.name: r for r in theorems.run_theorems()}
+def results() -> dict[str, TheoremResult]:
+    return {r.name: r for r in runner.run_theorems()}
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_catalogue(name: str, results: dict[str, theorems.TheoremResult]) -> None:
+def test_catalogue(name: str, results: dict[str, TheoremResult]) -> None:
     """Theorems proved (unbounded unless the result names a bound); controls and findings refuted."""
     r = results[name]
     assert r.expected_ok, f"{name}: {r.result} {r.counterexample or r.detail or ''}"
@@ -47,8 +81,24 @@ def test_catalogue(name: str, results: dict[str, theorems.TheoremResult]) -> Non
         assert r.counterexample and any(ch.isdigit() for ch in r.counterexample)  # concrete domain values
 
 
-def test_format_table_lists_every_result(results: dict[str, theorems.TheoremResult]) -> None:
-    table = theorems.format_table(list(results.values()))
+CONTROLS = [th for th in runner.THEOREMS if th.is_control]
+
+
+@pytest.mark.parametrize("control", CONTROLS, ids=[th.name for th in CONTROLS])
+def test_control_counterexample_violates_the_stated_claim(
+    control: Theorem, results: dict[str, TheoremResult]
+) -> None:
+    """Re-evaluated here on the reported values: the counterexample breaks the theorem's claim, not a lemma."""
+    r = results[control.name]
+    assert r.witness is not None, f"{control.name}: no concrete counterexample"
+    assert control.claim is not None
+    violated = control.claim(r.witness)
+    assert violated is not None, f"{control.name}: the claim holds at {r.witness}"
+    assert r.counterexample is not None and violated in r.counterexample
+
+
+def test_format_table_lists_every_result(results: dict[str, TheoremResult]) -> None:
+    table = runner.format_table(list(results.values()))
     for name in results:
         assert name in table
     assert "as expected" in table
@@ -56,20 +106,20 @@ def test_format_table_lists_every_result(results: dict[str, theorems.TheoremResu
 
 def test_result_expectations() -> None:
     base = dict(statement="s", bound=None, seconds=0.0)
-    assert theorems.TheoremResult("t", result="proved", **base).expected_ok  # type: ignore[arg-type]
-    assert not theorems.TheoremResult("t", result="unknown", **base).expected_ok  # type: ignore[arg-type]
-    assert theorems.TheoremResult("c", result="refuted", is_control=True, **base).expected_ok  # type: ignore[arg-type]
-    assert not theorems.TheoremResult("c", result="proved", is_control=True, **base).expected_ok  # type: ignore[arg-type]
+    assert TheoremResult("t", result="proved", **base).expected_ok  # type: ignore[arg-type]
+    assert not TheoremResult("t", result="unknown", **base).expected_ok  # type: ignore[arg-type]
+    assert TheoremResult("c", result="refuted", is_control=True, **base).expected_ok  # type: ignore[arg-type]
+    assert not TheoremResult("c", result="proved", is_control=True, **base).expected_ok  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- conformance
 
 
 def test_validator_term_matches_config_validate() -> None:
-    """theorems.validator_accepts is model.config.validate's retention rule."""
+    """validator_accepts is model.config.validate's retention rule."""
     k, sbs = z3.Ints("k sbs")
     none, group = z3.Bools("none group")
-    term = theorems.validator_accepts(k, none, sbs, group)
+    term = validator_accepts(k, none, sbs, group)
     rng = random.Random(3)
     for _ in range(400):
         bs = rng.choice([1, 2, 4, 8])

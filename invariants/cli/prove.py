@@ -7,7 +7,7 @@ import sys
 
 
 def cmd_prove(args: argparse.Namespace) -> int:
-    from invariants.proofs import theorems
+    from invariants.proofs import runner as theorems
 
     results = theorems.run_theorems(progress=lambda s: print(f"[prove] {s}", file=sys.stderr, flush=True))  # type: ignore[attr-defined]
     print(theorems.format_table(results))  # type: ignore[attr-defined]

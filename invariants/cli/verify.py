@@ -49,7 +49,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     def imported(module: str) -> Any:
         return import_row_module(module, record)
 
-    theorems = imported("invariants.proofs.theorems")
+    theorems = imported("invariants.proofs.runner")
     if theorems is not None:
         t = time.monotonic()
         results = theorems.run_theorems(progress=None)  # type: ignore[attr-defined]

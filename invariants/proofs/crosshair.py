@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from model import lookup, masks
 from model.free_queue import FreeQueue
@@ -178,7 +179,7 @@ def _ref_hit(
     if not _hit_domain(cached, max_length, bs, a_mult, window):
         return None
     pool = _Pool(cached, bs)
-    hashes = list(range(MAX_BLOCKS + 1))
+    hashes: list[Any] = list(range(MAX_BLOCKS + 1))  # stand-in hashes: the fake pool keys by index
     a = bs * a_mult
     if kind == "full":
         blocks, hit = FullAttentionManager.find_longest_cache_hit(
@@ -192,8 +193,14 @@ def _ref_hit(
         )
     elif kind == "swa":
         blocks, hit = SlidingWindowManager.find_longest_cache_hit(
-            hashes, max_length, [0], pool, KVCacheGroupConfig("swa", bs, sliding_window=window), eagle, a
-        )  # type: ignore[arg-type]
+            hashes,
+            max_length,
+            [0],
+            pool,  # type: ignore[arg-type]
+            KVCacheGroupConfig("swa", bs, sliding_window=window),
+            eagle,
+            a,
+        )
     else:
         blocks, hit = MambaManager.find_longest_cache_hit(
             hashes,

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from invariants.proofs.theorems import TheoremResult
+from invariants.proofs.engine import TheoremResult
 from model import lookup, masks
 
 
