@@ -25,8 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from invariants.simulate.engine import Engine, SimRequest, random_tokens
+from invariants.simulate.loop import LoopConfig, OnFinish, Request, SchedulerLoop
 from invariants.simulate.settings import Setting, cached_blocks, make_target, setting_scope, settings_for
+from invariants.simulate.tokens import RandomTokens, random_tokens
 from invariants.targets import Target
 from model.config import Config
 
@@ -88,16 +89,16 @@ class Ctx:
         self.progress = progress
         self.jobs = jobs
 
-    def engine(self, t: Target, rng: random.Random, budget: int, running: int) -> Engine:
-        return Engine(t, token_budget=budget, max_running=running, rng=rng, progress=self.progress)
+    def loop(self, t: Target, rng: random.Random, budget: int, running: int) -> SchedulerLoop:
+        return SchedulerLoop(t, LoopConfig(budget, running), RandomTokens(rng), progress=self.progress)
 
 
 def _calibrate(ctx: Ctx, setting: Setting, length: int, budget: int) -> int:
     """Blocks one request of `length` tokens leaves cached when it runs alone."""
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed ^ 0xCA1)
-    e = ctx.engine(t, rng, budget, 1)
-    e.submit(SimRequest("cal", random_tokens(rng, length)))
+    e = ctx.loop(t, rng, budget, 1)
+    e.submit(Request("cal", random_tokens(rng, length)))
     e.run()
     return cached_blocks(t)
 
@@ -107,14 +108,14 @@ def sequential(ctx: Ctx, setting: Setting, p: Params) -> Row:
     t0 = time.monotonic()
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed)
-    e = ctx.engine(t, rng, p.token_budget, 1)
-    first = SimRequest("r0", random_tokens(rng, p.length))
+    e = ctx.loop(t, rng, p.token_budget, 1)
+    first = Request("r0", random_tokens(rng, p.length))
     e.submit(first)
     e.run()
     cached = cached_blocks(t)
     hits = [e.probe(first.prompt).hit]
     for k in range(1, p.count + 1):
-        e.submit(SimRequest(f"r{k}", random_tokens(rng, p.length)))
+        e.submit(Request(f"r{k}", random_tokens(rng, p.length)))
         e.run()
         hits.append(e.probe(first.prompt).hit)
     survived = next((k - 1 for k, h in enumerate(hits) if h == 0), len(hits) - 1)
@@ -125,8 +126,8 @@ def sequential(ctx: Ctx, setting: Setting, p: Params) -> Row:
         rate,
         cached,
         label,
-        e.stats.alloc_failures,
-        e.stats.preemptions,
+        e.accounting.alloc_failures,
+        e.accounting.preemptions,
         time.monotonic() - t0,
         {"replay_after_1": hits[1] / p.length, "hits": hits},
     )
@@ -140,8 +141,8 @@ def concurrent(ctx: Ctx, setting: Setting, p: Params) -> Row:
     t0 = time.monotonic()
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed)
-    e = ctx.engine(t, rng, p.token_budget, p.count)
-    reqs = [SimRequest(f"c{i}", random_tokens(rng, p.length)) for i in range(p.count)]
+    e = ctx.loop(t, rng, p.token_budget, p.count)
+    reqs = [Request(f"c{i}", random_tokens(rng, p.length)) for i in range(p.count)]
     for r in reqs:
         e.submit(r)
     e.run()
@@ -166,8 +167,8 @@ def concurrent(ctx: Ctx, setting: Setting, p: Params) -> Row:
         rate,
         cached,
         f"{survived}/{p.count}",
-        e.stats.alloc_failures,
-        e.stats.preemptions,
+        e.accounting.alloc_failures,
+        e.accounting.preemptions,
         time.monotonic() - t0,
         per_fraction,
     )
@@ -178,17 +179,17 @@ def sweep_one(ctx: Ctx, setting: Setting, p: Params, num_prefixes: int, rounds: 
     t0 = time.monotonic()
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed + num_prefixes)
-    e = ctx.engine(t, rng, p.token_budget, p.count)
+    e = ctx.loop(t, rng, p.token_budget, p.count)
     prefixes = [random_tokens(rng, p.length) for _ in range(num_prefixes)]
     hit = total = 0
-    last_round: list[SimRequest] = []
+    last_round: list[Request] = []
     n = 0
     for rnd in range(rounds):
         order = list(range(num_prefixes))
         rng.shuffle(order)
         batch = []
         for i in order:
-            r = SimRequest(f"s{n}", prefixes[i] + random_tokens(rng, p.suffix))
+            r = Request(f"s{n}", prefixes[i] + random_tokens(rng, p.suffix))
             n += 1
             batch.append(r)
             e.submit(r)
@@ -206,8 +207,8 @@ def sweep_one(ctx: Ctx, setting: Setting, p: Params, num_prefixes: int, rounds: 
         hit / max(total, 1),
         cached,
         f"{survived}/{num_prefixes}",
-        e.stats.alloc_failures,
-        e.stats.preemptions,
+        e.accounting.alloc_failures,
+        e.accounting.preemptions,
         time.monotonic() - t0,
     )
 
@@ -228,7 +229,7 @@ def sessions(ctx: Ctx, setting: Setting, p: Params, shared_system: bool) -> Row:
     num_sessions, turns, user, outputs = p.extra
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed)
-    e = ctx.engine(t, rng, p.token_budget, p.count)
+    e = ctx.loop(t, rng, p.token_budget, p.count)
     system = random_tokens(rng, p.length)
     first_hit_floor = p.length if shared_system else 0
     counts = {"hit": 0, "total": 0, "later_hit": 0, "later_total": 0, "survived": 0}
@@ -236,9 +237,9 @@ def sessions(ctx: Ctx, setting: Setting, p: Params, shared_system: bool) -> Row:
 
     def submit(sid: int, history: tuple[int, ...]) -> None:
         n = rng.randint(user // 2, user + user // 2)
-        e.submit(SimRequest(f"{sid}t{done_turns[sid]}", history + random_tokens(rng, n), max_tokens=outputs))
+        e.submit(Request(f"{sid}t{done_turns[sid]}", history + random_tokens(rng, n), max_tokens=outputs))
 
-    def on_finish(r: SimRequest) -> None:
+    def on_finish(r: Request) -> None:
         sid = int(r.rid.partition("t")[0])
         h = r.hit or 0
         counts["hit"] += h
@@ -251,7 +252,7 @@ def sessions(ctx: Ctx, setting: Setting, p: Params, shared_system: bool) -> Row:
         if done_turns[sid] < turns:
             submit(sid, r.all_tokens)
 
-    e.on_finish = on_finish
+    e.add_observer(OnFinish(on_finish))
     for sid in range(num_sessions):
         submit(sid, system if shared_system else random_tokens(rng, p.length))
     e.run()
@@ -261,8 +262,8 @@ def sessions(ctx: Ctx, setting: Setting, p: Params, shared_system: bool) -> Row:
         counts["hit"] / max(counts["total"], 1),
         cached,
         f"{counts['survived']}/{num_sessions * (turns - 1)}",
-        e.stats.alloc_failures,
-        e.stats.preemptions,
+        e.accounting.alloc_failures,
+        e.accounting.preemptions,
         time.monotonic() - t0,
         {
             "later_turns": counts["later_hit"] / max(counts["later_total"], 1),
@@ -486,7 +487,7 @@ def bench_request(
     rng = random.Random(1)
     prompt = random_tokens(rng, tokens)
     t0 = time.monotonic()
-    e = Engine(t, token_budget=token_budget, max_running=1, rng=rng)
-    e.submit(SimRequest("bench", prompt))
+    e = SchedulerLoop(t, LoopConfig(token_budget, 1), RandomTokens(rng))
+    e.submit(Request("bench", prompt))
     e.run()
     return time.monotonic() - t0
