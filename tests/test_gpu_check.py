@@ -222,6 +222,15 @@ def test_a_caching_mode_without_hits_is_vacuous() -> None:
     assert not rep.ok
 
 
+def test_a_pool_too_small_for_one_request_is_a_fault_not_a_hang() -> None:
+    wl = make_workload(seed=7, sessions=2, turns=(1, 1))
+    base = default_config(6)  # every request needs more blocks than the whole pool
+    rep = run_check(ReferenceTarget, wl, base_config=base, modes=_modes(base)[:2], loop_config=SMALL)
+    assert [r.verdict for r in rep.results] == ["fault"], rep.table()
+    assert "does not fit the pool of 6 blocks even alone" in rep.results[0].detail
+    assert not rep.ok
+
+
 def test_same_seed_same_verdict_and_figures() -> None:
     wl = make_workload(seed=11, sessions=2, turns=(2, 2))
     base = default_config(30)

@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 from invariants.layouts.presets import preset
+from invariants.report import table
 from invariants.simulate.loop import LoopConfig, Request, SchedulerLoop, SchedulerStalled
 from invariants.simulate.scenarios import SCENARIOS, Ctx, Params, Row, run_scenario
 from invariants.simulate.tokens import RandomTokens
 from invariants.targets.reference import ReferenceTarget
+from model.observation import Done, Observation, ScheduleResult
+from model.ops import Op, Schedule
 
 SEED = 7
 
@@ -107,6 +110,46 @@ def test_loop_refused_by_an_idle_pool_is_a_stall() -> None:
     with pytest.raises(SchedulerStalled, match="big .* not admitted into an idle pool"):
         e.run()
     assert e.step_no == 1
+
+
+class _NeverProgresses:
+    """A target that admits each request with one token, then never schedules it again."""
+
+    def __init__(self) -> None:
+        self.config = preset("dsv4-tiny")  # scheduler block 16 > the loop's budget of 8
+        self.running: set[str] = set()
+
+    def apply(self, op: Op) -> Observation:
+        if not isinstance(op, Schedule):
+            return Done()
+        if op.rid in self.running:
+            return ScheduleResult(0, False)  # a chunk rounded to 0 under a small budget: not a failure
+        self.running.add(op.rid)
+        return ScheduleResult(1, True, hit=0, new_blocks=((1,), ()))
+
+
+def test_loop_that_schedules_nothing_is_a_stall_not_a_spin() -> None:
+    e = SchedulerLoop(_NeverProgresses(), LoopConfig(8, 1), RandomTokens(random.Random(SEED)))  # type: ignore[arg-type]
+    e.submit(Request("a", tuple(range(1, 40))))
+    with pytest.raises(SchedulerStalled, match="nothing scheduled for 4 steps"):
+        e.run()
+    assert e.step_no == 5 and e.accounting.alloc_failures == 0 and e.accounting.preemptions == 0
+
+
+def test_one_table_printer_plain_and_markdown() -> None:
+    rows = [["dense", 0.25, 7], ["r2048", 1.0, 123]]
+    assert table(["setting", "hit", "n"], rows, right=[2]).splitlines() == [
+        "setting  hit     n",
+        "-------  ----  ---",
+        "dense    0.25    7",
+        "r2048    1.0   123",
+    ]
+    assert table(["setting", "hit", "n"], rows, markdown=True, right=[2]).splitlines() == [
+        "| setting | hit  |   n |",
+        "|---------|------|----:|",
+        "| dense   | 0.25 |   7 |",
+        "| r2048   | 1.0  | 123 |",
+    ]
 
 
 def test_track_prefixes_off_snapshot_counts_the_same() -> None:

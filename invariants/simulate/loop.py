@@ -33,9 +33,10 @@ Differences from vLLM, on purpose: each `Schedule` is its own allocator step
 (`new_step_starts` per request, not per batch); no priorities, no async
 scheduling, no speculative tokens.
 
-A request that is refused by an idle pool can never run, and a loop that
-schedules nothing for several steps makes no progress: both raise
-`SchedulerStalled` instead of spinning.
+A request refused by an idle pool, or preempted twice while running alone
+without computing further, can never finish, and a loop that schedules
+nothing for several steps makes no progress: each raises `SchedulerStalled`
+instead of spinning.
 """
 
 from __future__ import annotations
@@ -204,6 +205,7 @@ class SchedulerLoop:
         self.step_no = 0
         self.seconds = 0.0
         self._sbs = target.config.scheduler_block_size
+        self._preempted_alone_at: dict[str, int] = {}  # rid -> tokens computed when preempted alone
 
     def add_observer(self, observer: Observer) -> None:
         self.observers.append(observer)
@@ -268,6 +270,8 @@ class SchedulerLoop:
                 continue
             self._notify_alloc_failure(req)
             victim = self.running[-1]  # the most recently admitted
+            if victim is req and len(self.running) == 1:
+                self._check_fits_alone(req)
             self._preempt(victim)
             preempted = True
             if victim is req:
@@ -293,7 +297,7 @@ class SchedulerLoop:
                 if not self.running:
                     raise SchedulerStalled(
                         f"{req.rid} ({req.num_tokens} tokens) is not admitted into an idle pool "
-                        f"of {self.target.config.num_blocks} blocks"
+                        f"of {self.target.config.num_blocks} blocks (token budget {budget})"
                     )
                 break
             self.waiting.popleft()
@@ -333,6 +337,18 @@ class SchedulerLoop:
     def _alloc_failed(self, obs: ScheduleResult, budget: int) -> bool:
         # scheduled == 0 is also a Mamba-aligned chunk rounded to 0 under a small budget.
         return obs.scheduled == 0 and obs.new_blocks is None and budget >= self._sbs
+
+    def _check_fits_alone(self, req: Request) -> None:
+        # Alone, `req` had every block but its own cached ones; a second time alone
+        # without computing further, it never will (a livelock, not progress).
+        reached = req.computed
+        before = self._preempted_alone_at.get(req.rid)
+        if before is not None and reached <= before:
+            raise SchedulerStalled(
+                f"{req.rid} ({req.num_tokens} tokens) does not fit the pool of "
+                f"{self.target.config.num_blocks} blocks even alone: preempted twice at {reached} tokens computed"
+            )
+        self._preempted_alone_at[req.rid] = reached
 
     def _add_chunk(self, batch: list[ScheduledChunk], req: Request, start: int, n: int) -> None:
         req.computed = start + n
