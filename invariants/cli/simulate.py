@@ -297,12 +297,14 @@ def _run_plan(args: argparse.Namespace) -> int:
             with setting_scope(args.target, s):
                 t = make_target(args.target, s)
                 rng = random.Random(seed)
-                e = SchedulerLoop(t, LoopConfig(args.token_budget, 1), RandomTokens(rng), progress=_progress)
+                sched = SchedulerLoop(
+                    t, LoopConfig(args.token_budget, 1), RandomTokens(rng), progress=_progress
+                )
                 prompts = [random_tokens(rng, length) for _ in range(count)]
                 for i, p in enumerate(prompts):
-                    e.submit(Request(f"p{i}", p))
-                    e.run()
-                hits = [e.probe(p).hit for p in prompts]
+                    sched.submit(Request(f"p{i}", p))
+                    sched.run()
+                hits = [sched.probe(p).hit for p in prompts]
             hittable = sum(h > 0 for h in hits)
             mean = sum(hits) / max(hittable, 1)
             rows.append(

@@ -52,7 +52,7 @@ from model.observation import Observation, ProbeResult, ScheduleResult
 from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule
 
 # Steps in a row that schedule nothing while requests wait or run.
-_IDLE_STEPS_LIMIT = 3
+_STALLED_STEPS_LIMIT = 3
 
 
 class SchedulerStalled(RuntimeError):
@@ -232,16 +232,16 @@ class SchedulerLoop:
     def run(self) -> BlockAccounting:
         """Step until every submitted request finished; raises `SchedulerStalled` if none can."""
         t0 = last_progress = time.perf_counter()
-        idle_steps = 0
+        stalled_steps = 0
         try:
             while not self.idle:
                 if self.step_no >= self.config.max_steps:
                     raise SchedulerStalled(f"no completion after {self.step_no} steps ({self._state()})")
                 scheduled = self.step()
                 busy = bool(self.waiting or self.running)
-                idle_steps = idle_steps + 1 if scheduled == 0 and busy else 0
-                if idle_steps > _IDLE_STEPS_LIMIT:
-                    raise SchedulerStalled(f"nothing scheduled for {idle_steps} steps ({self._state()})")
+                stalled_steps = stalled_steps + 1 if scheduled == 0 and busy else 0
+                if stalled_steps > _STALLED_STEPS_LIMIT:
+                    raise SchedulerStalled(f"nothing scheduled for {stalled_steps} steps ({self._state()})")
                 now = time.perf_counter()
                 if self.progress is not None and now - last_progress >= self.config.progress_every_s:
                     last_progress = now
