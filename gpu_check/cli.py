@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from gpu_check.engine import EngineConfig
+from gpu_check.forward_pass import GPU_CHECK_LOOP
 from gpu_check.runner import CheckReport, default_config, default_modes, run_check
 from gpu_check.targets import TARGET_NAMES, target_factory
 from gpu_check.workload import make_workload
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         kernels=kernels,
         model_seed=args.seed,
         device=device,
-        ecfg=EngineConfig(),
+        loop_config=GPU_CHECK_LOOP,
         log=lambda line: print(line, flush=True),
     )
     _print_summary(report)

@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_check.engine import Engine, EngineConfig, EngineStats
+from gpu_check.forward_pass import GPU_CHECK_LOOP, ForwardPass, StorageFigures
 from gpu_check.hybrid import EngineFault, HybridModel, ModelDims, SeqChunk
 from gpu_check.kernels import Kernels
-from gpu_check.workload import Workload
+from gpu_check.workload import Workload, replay_sessions
+from invariants.report import table
+from invariants.simulate.loop import BlockAccounting, LoopConfig, SchedulerLoop, SchedulerStalled
 from invariants.targets.base import Target, TargetCrash, TargetUnavailable
 from model.config import Config, ConfigError, GroupSpec
 from model.ops import Op
@@ -98,12 +100,22 @@ class Mismatch:
         )
 
 
+@dataclass(frozen=True)
+class ModeStats:
+    """One mode's figures: the scheduler's block accounting and what the forward pass saw."""
+
+    accounting: BlockAccounting
+    storage: StorageFigures
+    steps: int
+    seconds: float
+
+
 @dataclass
 class ModeResult:
     mode: str
     verdict: str  # pass | mismatch | vacuous | fault | skipped
     detail: str = ""
-    stats: EngineStats | None = None
+    stats: ModeStats | None = None
     tokens_checked: int = 0
     mismatch: Mismatch | None = None
     ops: list[Op] = field(default_factory=list)
@@ -135,22 +147,32 @@ class CheckReport:
         return next((r.mismatch for r in self.results if r.mismatch), None)
 
     def table(self) -> str:
-        head = (
-            f"{'mode':<8} {'verdict':<9} {'tokens':>7} {'checked':>8} {'from cache':>10} {'hit adm':>8} "
-            f"{'preempt':>7} {'evict':>6} {'pins':>5} {'steps':>6} {'time s':>7}"
-        )
-        lines = [head, "-" * len(head)]
+        """One row per mode: verdict, tokens computed and checked, cache hits, churn, steps, time."""
+        headers = ["mode", "verdict", "tokens", "checked", "from cache", "hit adm", "preempt", "evict"]
+        headers += ["pins", "steps", "time s"]
+        rows: list[list[object]] = []
         for r in self.results:
             s = r.stats
-            if s is None:
-                lines.append(f"{r.mode:<8} {r.verdict:<9} {r.detail}")
+            if s is None:  # skipped, or a fault before the first step: its detail is printed below
+                rows.append([r.mode, r.verdict, *["-"] * (len(headers) - 2)])
                 continue
-            lines.append(
-                f"{r.mode:<8} {r.verdict:<9} {s.tokens_computed:>7} {r.tokens_checked:>8} {s.hit_tokens:>10} "
-                f"{s.admissions_with_hit:>4}/{s.admissions:<3} {s.preemptions:>7} {s.evictions:>6} "
-                f"{s.max_pinned:>5} {s.steps:>6} {s.seconds:>7.2f}"
+            a, st = s.accounting, s.storage
+            rows.append(
+                [
+                    r.mode,
+                    r.verdict,
+                    a.scheduled_tokens,
+                    r.tokens_checked,
+                    a.hit_tokens,
+                    f"{a.admissions_with_hit}/{a.admissions}",
+                    a.preemptions,
+                    st.evictions,
+                    st.max_pinned,
+                    s.steps,
+                    f"{s.seconds:.2f}",
+                ]
             )
-        return "\n".join(lines)
+        return table(headers, rows, right=range(2, len(headers)))
 
 
 class _Stop(Exception):
@@ -324,7 +346,7 @@ def run_check(
     dims: ModelDims | None = None,
     model_seed: int | None = None,
     device: str = "cpu",
-    ecfg: EngineConfig | None = None,
+    loop_config: LoopConfig | None = None,
     log: Callable[[str], None] | None = None,
     stop_on_mismatch: bool = True,
 ) -> CheckReport:
@@ -340,7 +362,7 @@ def run_check(
     if not mode_list:
         raise ValueError("modes: need at least the baseline")
     dims = dims or ModelDims()
-    ecfg = ecfg or EngineConfig()
+    loop_config = loop_config or GPU_CHECK_LOOP
     model = HybridModel(base, dims, workload.seed if model_seed is None else model_seed, device, kernels)
     if workload.vocab > dims.vocab:
         raise ValueError(f"workload vocab {workload.vocab} exceeds the model's {dims.vocab}")
@@ -351,7 +373,16 @@ def run_check(
         torch.set_num_threads(1)
     try:
         return _run_modes(
-            target_factory, workload, base, mode_list, model, kernels, device, ecfg, log, stop_on_mismatch
+            target_factory,
+            workload,
+            base,
+            mode_list,
+            model,
+            kernels,
+            device,
+            loop_config,
+            log,
+            stop_on_mismatch,
         )
     finally:
         torch.set_num_threads(prev_threads)
@@ -365,7 +396,7 @@ def _run_modes(
     model: HybridModel,
     kernels: Kernels | None,
     device: str,
-    ecfg: EngineConfig,
+    loop_config: LoopConfig,
     log: Callable[[str], None] | None,
     stop_on_mismatch: bool,
 ) -> CheckReport:
@@ -383,12 +414,15 @@ def _run_modes(
             continue
         target_name = getattr(target, "name", type(target).__name__)
         rec = _Recorder(model, mode.name, baseline)
-        engine = Engine(target, model, workload, ecfg, rec, log, label=mode.name)
+        forward = ForwardPass(target, model, rec)
+        progress = (lambda line, m=mode.name: log(f"  [{m}] {line}")) if log else None
+        loop = SchedulerLoop(target, loop_config, forward, [forward], progress)
+        replay_sessions(loop, workload)
         if log:
             log(f"[gpu-check] mode {mode.name}: {_describe_mode(mode.config(base))}")
         result = ModeResult(mode.name, "pass")
         try:
-            engine.run()
+            loop.run()
         except _Stop as stop:
             result.verdict, result.mismatch, result.detail = (
                 "mismatch",
@@ -396,19 +430,21 @@ def _run_modes(
                 stop.mismatch.describe(),
             )
         except EngineFault as exc:
-            result.verdict, result.detail = "fault", f"engine fault at step {engine.step_no}: {exc}"
+            result.verdict, result.detail = "fault", f"engine fault at step {loop.step_no}: {exc}"
+        except SchedulerStalled as exc:
+            result.verdict, result.detail = "fault", f"scheduler stalled at step {loop.step_no}: {exc}"
         except (TargetCrash, TargetUnavailable) as exc:
-            result.verdict, result.detail = "fault", f"target crashed at step {engine.step_no}: {exc}"
-        engine.stats.steps = engine.step_no
-        result.stats = engine.stats
+            result.verdict, result.detail = "fault", f"target crashed at step {loop.step_no}: {exc}"
+        acc = loop.accounting
+        result.stats = ModeStats(acc, forward.figures, loop.step_no, loop.seconds)
         result.tokens_checked = rec.checked
-        result.ops = engine.ops
-        if result.verdict == "pass" and mode.expect_hits and engine.stats.hit_tokens == 0:
+        result.ops = forward.ops
+        if result.verdict == "pass" and mode.expect_hits and acc.hit_tokens == 0:
             result.verdict = "vacuous"
             result.detail = (
                 "caching is on but no prefill token was served from cache: the check proves nothing"
             )
-        if result.verdict == "pass" and mode.expect_pins and engine.stats.max_pinned == 0:
+        if result.verdict == "pass" and mode.expect_pins and forward.figures.max_pinned == 0:
             result.verdict = "vacuous"
             result.detail = "the pinned tier never held a block"
         if log:

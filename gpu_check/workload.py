@@ -3,13 +3,17 @@
 A session's turn i+1 prompt is turn i's prompt + its generated tokens + a new
 user message, so later turns can hit what earlier turns cached; sessions that
 share a system prompt can hit each other. Everything is drawn from one
-`random.Random(seed)`: the same seed gives the same workload.
+`random.Random(seed)`: the same seed gives the same workload. `replay_sessions`
+feeds a workload to the scheduler loop: a session's next turn arrives
+`think_steps` steps after its previous turn finished.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+
+from invariants.simulate.loop import OnFinish, Request, SchedulerLoop
 
 
 @dataclass(frozen=True)
@@ -78,3 +82,24 @@ def make_workload(
         )
         out.append(Session(sid, systems[rng.randrange(system_prompts)], rng.randint(0, arrival_spread), ts))
     return Workload(seed, vocab, tuple(out))
+
+
+def replay_sessions(loop: SchedulerLoop, workload: Workload) -> None:
+    """Submit every session's first turn at its arrival step, and each later turn when its time comes."""
+    turn_of: dict[str, tuple[Session, int]] = {}
+
+    def submit(session: Session, turn: int, history: tuple[int, ...], at_step: int) -> None:
+        t = session.turns[turn]
+        rid = f"s{session.sid}t{turn}"
+        turn_of[rid] = (session, turn)
+        loop.submit(Request(rid, history + t.user, t.max_tokens), at_step)
+
+    def next_turn(req: Request) -> None:
+        session, turn = turn_of.pop(req.rid)
+        if turn + 1 < len(session.turns):
+            think = session.turns[turn + 1].think_steps
+            submit(session, turn + 1, req.all_tokens, loop.step_no + 1 + think)
+
+    loop.add_observer(OnFinish(next_turn))
+    for s in workload.sessions:
+        submit(s, 0, s.system, s.arrival_step)

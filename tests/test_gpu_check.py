@@ -17,17 +17,17 @@ import pytest
 import torch
 
 from gpu_check.cli import add_parser
-from gpu_check.engine import EngineConfig
 from gpu_check.hybrid import HybridModel, ModelDims, SeqChunk
 from gpu_check.kernels import AttnBatch, InvariantKernels, NaiveKernels, det_exp, tree_sum
-from gpu_check.mutants import ReuseWithoutEvictTarget
+from gpu_check.mutants import reuse_without_evict
 from gpu_check.runner import Mode, default_config, default_modes, run_check
 from gpu_check.workload import make_workload
+from invariants.simulate.loop import LoopConfig
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.reference import ReferenceTarget
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = EngineConfig(token_budget=40, max_running=3)
+SMALL = LoopConfig(token_budget=40, max_running=3, max_steps=20_000)
 
 
 @pytest.fixture(autouse=True)
@@ -166,30 +166,32 @@ def _modes(base):  # type: ignore[no-untyped-def]
 def test_reference_target_all_modes_bit_identical() -> None:
     wl = make_workload(seed=7, sessions=4, turns=(2, 2))
     base = default_config(22)
-    rep = run_check(ReferenceTarget, wl, base_config=base, modes=_modes(base), ecfg=SMALL)
+    rep = run_check(ReferenceTarget, wl, base_config=base, modes=_modes(base), loop_config=SMALL)
     assert rep.ok, rep.table() + "\n" + "\n".join(r.detail for r in rep.results)
     assert [r.mode for r in rep.results] == ["off", "dense", "r0", "r32", "pinned"]
     assert rep.first_mismatch is None
     assert rep.tokens_checked > 1000
     off = rep.results[0].stats
-    assert off is not None and off.preemptions > 0, "the pool is meant to force preemption"
+    assert off is not None and off.accounting.preemptions > 0, "the pool is meant to force preemption"
     for r in rep.results[1:]:
-        assert r.stats is not None and r.stats.hit_tokens > 0 and r.stats.evictions > 0, r.mode
+        assert r.stats is not None and r.stats.accounting.hit_tokens > 0 and r.stats.storage.evictions > 0, (
+            r.mode
+        )
     pinned = rep.results[-1].stats
-    assert pinned is not None and pinned.max_pinned > 0
+    assert pinned is not None and pinned.storage.max_pinned > 0
 
 
 def test_model_target_all_modes_bit_identical() -> None:
     wl = make_workload(seed=3, sessions=3, turns=(2, 2))
     base = default_config(26)
-    rep = run_check(ModelTarget, wl, base_config=base, modes=_modes(base), ecfg=SMALL)
+    rep = run_check(ModelTarget, wl, base_config=base, modes=_modes(base), loop_config=SMALL)
     assert rep.ok, rep.table() + "\n" + "\n".join(r.detail for r in rep.results)
 
 
 def test_negative_control_reuse_without_evicting_hash_is_a_mismatch() -> None:
     wl = make_workload(seed=7, sessions=4, turns=(2, 2))
     base = default_config(22)
-    rep = run_check(ReuseWithoutEvictTarget, wl, base_config=base, modes=_modes(base), ecfg=SMALL)
+    rep = run_check(reuse_without_evict, wl, base_config=base, modes=_modes(base), loop_config=SMALL)
     assert not rep.ok
     mm = rep.first_mismatch
     assert mm is not None, rep.table()
@@ -201,7 +203,7 @@ def test_negative_control_naive_kernels_are_a_mismatch() -> None:
     wl = make_workload(seed=7, sessions=4, turns=(2, 2))
     base = default_config(22)
     rep = run_check(
-        ReferenceTarget, wl, base_config=base, modes=_modes(base), ecfg=SMALL, kernels=NaiveKernels()
+        ReferenceTarget, wl, base_config=base, modes=_modes(base), loop_config=SMALL, kernels=NaiveKernels()
     )
     assert not rep.ok
     assert rep.first_mismatch is not None
@@ -215,8 +217,17 @@ def test_a_caching_mode_without_hits_is_vacuous() -> None:
         Mode("off", {"enable_caching": False}, expect_hits=False),
         Mode("nohit", {"enable_caching": False}),  # claims to cache, serves nothing
     ]
-    rep = run_check(ReferenceTarget, wl, base_config=base, modes=modes, ecfg=SMALL)
+    rep = run_check(ReferenceTarget, wl, base_config=base, modes=modes, loop_config=SMALL)
     assert [r.verdict for r in rep.results] == ["pass", "vacuous"]
+    assert not rep.ok
+
+
+def test_a_pool_too_small_for_one_request_is_a_fault_not_a_hang() -> None:
+    wl = make_workload(seed=7, sessions=2, turns=(1, 1))
+    base = default_config(6)  # every request needs more blocks than the whole pool
+    rep = run_check(ReferenceTarget, wl, base_config=base, modes=_modes(base)[:2], loop_config=SMALL)
+    assert [r.verdict for r in rep.results] == ["fault"], rep.table()
+    assert "does not fit the pool of 6 blocks even alone" in rep.results[0].detail
     assert not rep.ok
 
 
@@ -224,17 +235,17 @@ def test_same_seed_same_verdict_and_figures() -> None:
     wl = make_workload(seed=11, sessions=2, turns=(2, 2))
     base = default_config(30)
     modes = _modes(base)[:3]
-    a = run_check(ModelTarget, wl, base_config=base, modes=modes, ecfg=SMALL)
+    a = run_check(ModelTarget, wl, base_config=base, modes=modes, loop_config=SMALL)
     b = run_check(
         ModelTarget,
         make_workload(seed=11, sessions=2, turns=(2, 2)),
         base_config=base,
         modes=modes,
-        ecfg=SMALL,
+        loop_config=SMALL,
     )
     assert a.ok and b.ok
-    fa = [(r.verdict, r.tokens_checked, r.stats.hit_tokens if r.stats else 0) for r in a.results]
-    fb = [(r.verdict, r.tokens_checked, r.stats.hit_tokens if r.stats else 0) for r in b.results]
+    fa = [(r.verdict, r.tokens_checked, r.stats.accounting.hit_tokens if r.stats else 0) for r in a.results]
+    fb = [(r.verdict, r.tokens_checked, r.stats.accounting.hit_tokens if r.stats else 0) for r in b.results]
     assert fa == fb
 
 
@@ -266,7 +277,7 @@ def test_cli_quick_run_passes_and_prints_seed_and_table(capsys) -> None:  # type
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "seed 3" in out and "gpu-check PASS" in out and "tokens checked:" in out
-    assert "mode     verdict" in out
+    assert "mode    verdict" in out and "hit adm" in out
 
 
 def test_cli_naive_kernels_exit_1(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]

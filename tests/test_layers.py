@@ -117,7 +117,7 @@ def test_every_room_on_disk_is_on_the_map() -> None:
         ("invariants/report.py", "from invariants.targets import base", "is a leaf"),
         ("model/pool.py", "from reference_impl.block import KVCacheBlock", "may not import reference_impl/"),
         ("reference_impl/block_pool.py", "from model.free_queue import FreeQueue", "may not import model/"),
-        ("gpu_check/engine.py", "from invariants.cli.main import main", "gpu_check uses only"),
+        ("gpu_check/forward_pass.py", "from invariants.cli.main import main", "gpu_check uses only"),
     ],
 )
 def test_control_planted_upward_import_is_reported(where: str, planted: str, why: str) -> None:

@@ -1,4 +1,4 @@
-"""The simulator's qualitative claims on scaled-down runs (issue 7)."""
+"""The simulator's qualitative claims on scaled-down runs, and its scheduler loop."""
 
 from __future__ import annotations
 
@@ -8,10 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from invariants.layouts.presets import preset
-from invariants.simulate.engine import Engine, SimRequest
+from invariants.report import table
+from invariants.simulate.loop import LoopConfig, Request, SchedulerLoop, SchedulerStalled
 from invariants.simulate.scenarios import SCENARIOS, Ctx, Params, Row, run_scenario
+from invariants.simulate.tokens import RandomTokens
 from invariants.targets.reference import ReferenceTarget
+from model.observation import Done, Observation, ScheduleResult
+from model.ops import Op, Schedule
 
 SEED = 7
 
@@ -84,15 +90,66 @@ def test_sweep_interval_keeps_shared_prefixes_where_dense_and_r0_lose_them() -> 
     assert rows["r0 K=15"].hit_rate < rows["r2048 K=15"].hit_rate
 
 
-def test_engine_completes_with_decode_and_preemption() -> None:
-    cfg = preset("dsv4-tiny").with_(num_blocks=30)
+def test_loop_completes_with_decode_and_preemption() -> None:
+    cfg = preset("dsv4-tiny").with_(num_blocks=16)
     rng = random.Random(SEED)
-    e = Engine(ReferenceTarget(cfg, track_prefixes=False), token_budget=16, max_running=4, rng=rng)
-    reqs = [SimRequest(f"q{i}", tuple(rng.randrange(100) for _ in range(48)), max_tokens=8) for i in range(4)]
+    e = SchedulerLoop(ReferenceTarget(cfg, track_prefixes=False), LoopConfig(16, 4), RandomTokens(rng))
+    reqs = [Request(f"q{i}", tuple(rng.randrange(100) for _ in range(48)), max_tokens=8) for i in range(4)]
     for r in reqs:
         e.submit(r)
     stats = e.run()
     assert stats.finished == 4 and all(r.finished and len(r.outputs) == 8 for r in reqs)
+    assert stats.preemptions > 0 and stats.alloc_failures > 0, "the pool is meant to force preemption"
+
+
+def test_loop_refused_by_an_idle_pool_is_a_stall() -> None:
+    """A request the empty pool cannot hold stalls at once, naming the request, never spins."""
+    cfg = preset("dsv4-tiny").with_(num_blocks=6)
+    e = SchedulerLoop(ReferenceTarget(cfg), LoopConfig(512, 1), RandomTokens(random.Random(SEED)))
+    e.submit(Request("big", tuple(range(1, 2000))))
+    with pytest.raises(SchedulerStalled, match="big .* not admitted into an idle pool"):
+        e.run()
+    assert e.step_no == 1
+
+
+class _NeverProgresses:
+    """A target that admits each request with one token, then never schedules it again."""
+
+    def __init__(self) -> None:
+        self.config = preset("dsv4-tiny")  # scheduler block 16 > the loop's budget of 8
+        self.running: set[str] = set()
+
+    def apply(self, op: Op) -> Observation:
+        if not isinstance(op, Schedule):
+            return Done()
+        if op.rid in self.running:
+            return ScheduleResult(0, False)  # a chunk rounded to 0 under a small budget: not a failure
+        self.running.add(op.rid)
+        return ScheduleResult(1, True, hit=0, new_blocks=((1,), ()))
+
+
+def test_loop_that_schedules_nothing_is_a_stall_not_a_spin() -> None:
+    e = SchedulerLoop(_NeverProgresses(), LoopConfig(8, 1), RandomTokens(random.Random(SEED)))  # type: ignore[arg-type]
+    e.submit(Request("a", tuple(range(1, 40))))
+    with pytest.raises(SchedulerStalled, match="nothing scheduled for 4 steps"):
+        e.run()
+    assert e.step_no == 5 and e.accounting.alloc_failures == 0 and e.accounting.preemptions == 0
+
+
+def test_one_table_printer_plain_and_markdown() -> None:
+    rows = [["dense", 0.25, 7], ["r2048", 1.0, 123]]
+    assert table(["setting", "hit", "n"], rows, right=[2]).splitlines() == [
+        "setting  hit     n",
+        "-------  ----  ---",
+        "dense    0.25    7",
+        "r2048    1.0   123",
+    ]
+    assert table(["setting", "hit", "n"], rows, markdown=True, right=[2]).splitlines() == [
+        "| setting | hit  |   n |",
+        "|---------|------|----:|",
+        "| dense   | 0.25 |   7 |",
+        "| r2048   | 1.0  | 123 |",
+    ]
 
 
 def test_track_prefixes_off_snapshot_counts_the_same() -> None:
@@ -100,8 +157,8 @@ def test_track_prefixes_off_snapshot_counts_the_same() -> None:
     counts = []
     for track in (True, False):
         t = ReferenceTarget(cfg, track_prefixes=track)
-        e = Engine(t, token_budget=16, max_running=1, rng=random.Random(SEED))
-        e.submit(SimRequest("a", tuple(range(40))))
+        e = SchedulerLoop(t, LoopConfig(16, 1), RandomTokens(random.Random(SEED)))
+        e.submit(Request("a", tuple(range(40))))
         e.run()
         counts.append(len(t.snapshot().block_hash))
     assert counts[0] == counts[1] > 0

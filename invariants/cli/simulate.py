@@ -13,22 +13,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from invariants.simulate.engine import Engine, SimRequest, SimulationStalled, random_tokens
+from invariants.report import table
+from invariants.simulate.loop import LoopConfig, Request, SchedulerLoop, SchedulerStalled
 from invariants.simulate.scenarios import SCENARIOS, Ctx, Row, Scenario, run_scenario
 from invariants.simulate.settings import interval_of, make_target, setting_scope, settings_for
+from invariants.simulate.tokens import RandomTokens, random_tokens
 from invariants.simulate.verdicts import Verdict, verdicts
 from invariants.targets import TARGET_NAMES, TargetUnavailable
 from model.config import ConfigError, validate
 
 HEADERS = ["setting", "hit rate", "cached blocks/req", "survived", "alloc failures", "preemptions", "seconds"]
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [headers] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
 
 
 def format_rows(rows: list[Row]) -> str:
@@ -46,7 +40,7 @@ def format_rows(rows: list[Row]) -> str:
         + [f"{r.extra.get(k, 0.0):.3f}" for k in extra_keys]
         for r in rows
     ]
-    return _table(HEADERS + extra_keys, body)
+    return table(HEADERS + extra_keys, body, markdown=True)
 
 
 def _progress(line: str) -> None:
@@ -203,7 +197,7 @@ def simulate_one(
     try:
         validate(base.with_(num_blocks=pool))
         rows = run_scenario(sc.name, base, params, Ctx(target, seed, progress, jobs))
-    except (ConfigError, TargetUnavailable, SimulationStalled) as exc:
+    except (ConfigError, TargetUnavailable, SchedulerStalled) as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
     text = format_rows(rows)
     found = verdicts(sc.name, rows)
@@ -266,7 +260,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     try:
         return _run_plan(args)
-    except SimulationStalled as exc:
+    except SchedulerStalled as exc:
         raise UsageError(f"--pool-blocks {args.pool_blocks}: {exc}") from None
 
 
@@ -280,6 +274,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     _check_common(args)
     if args.pool_blocks < 2:
         raise UsageError("--pool-blocks: must be >= 2")
+    if args.token_budget < 1:
+        raise UsageError(f"--token-budget: must be >= 1, got {args.token_budget}")
     base = PRESETS[args.preset].with_(num_blocks=args.pool_blocks)
     sbs = base.scheduler_block_size
     length = args.prefix_len or 16 * sbs
@@ -301,12 +297,14 @@ def _run_plan(args: argparse.Namespace) -> int:
             with setting_scope(args.target, s):
                 t = make_target(args.target, s)
                 rng = random.Random(seed)
-                e = Engine(t, token_budget=args.token_budget, max_running=1, rng=rng, progress=_progress)
+                sched = SchedulerLoop(
+                    t, LoopConfig(args.token_budget, 1), RandomTokens(rng), progress=_progress
+                )
                 prompts = [random_tokens(rng, length) for _ in range(count)]
                 for i, p in enumerate(prompts):
-                    e.submit(SimRequest(f"p{i}", p))
-                    e.run()
-                hits = [e.probe(p).hit for p in prompts]
+                    sched.submit(Request(f"p{i}", p))
+                    sched.run()
+                hits = [sched.probe(p).hit for p in prompts]
             hittable = sum(h > 0 for h in hits)
             mean = sum(hits) / max(hittable, 1)
             rows.append(
@@ -317,9 +315,11 @@ def _run_plan(args: argparse.Namespace) -> int:
                     f"{time.monotonic() - t0:.2f}",
                 ]
             )
-    except (ConfigError, TargetUnavailable, SimulationStalled) as exc:
+    except (ConfigError, TargetUnavailable, SchedulerStalled) as exc:
         raise UsageError(str(exc).splitlines()[0]) from None
-    print(_table(["setting", "hittable prefixes", "mean hit tokens (hittable)", "seconds"], rows))
+    print(
+        table(["setting", "hittable prefixes", "mean hit tokens (hittable)", "seconds"], rows, markdown=True)
+    )
     return 0
 
 

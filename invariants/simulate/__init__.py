@@ -1,7 +1,8 @@
 """Block-level serving simulator and capacity planner over any allocator target.
 
-`engine` drives a target with a chunked-prefill scheduler loop, `scenarios`
-re-creates the seeds' workloads, `settings` names the retention settings
-compared, `verdicts` judges each seed claim. The commands live in
-`invariants.cli.simulate`.
+`loop` is the one scheduler loop (continuous batching, chunked prefill,
+preemption) with its observers, shared with gpu_check; `tokens` draws the
+simulator's prompts and samples; `scenarios` re-creates the seeds' workloads,
+`settings` names the retention settings compared, `verdicts` judges each seed
+claim. The commands live in `invariants.cli.simulate`.
 """

@@ -25,8 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from invariants.simulate.engine import Engine, SimRequest, random_tokens
+from invariants.simulate.loop import LoopConfig, OnFinish, Request, SchedulerLoop
 from invariants.simulate.settings import Setting, cached_blocks, make_target, setting_scope, settings_for
+from invariants.simulate.tokens import RandomTokens, random_tokens
 from invariants.targets import Target
 from model.config import Config
 
@@ -88,17 +89,17 @@ class Ctx:
         self.progress = progress
         self.jobs = jobs
 
-    def engine(self, t: Target, rng: random.Random, budget: int, running: int) -> Engine:
-        return Engine(t, token_budget=budget, max_running=running, rng=rng, progress=self.progress)
+    def loop(self, t: Target, rng: random.Random, budget: int, running: int) -> SchedulerLoop:
+        return SchedulerLoop(t, LoopConfig(budget, running), RandomTokens(rng), progress=self.progress)
 
 
 def _calibrate(ctx: Ctx, setting: Setting, length: int, budget: int) -> int:
     """Blocks one request of `length` tokens leaves cached when it runs alone."""
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed ^ 0xCA1)
-    e = ctx.engine(t, rng, budget, 1)
-    e.submit(SimRequest("cal", random_tokens(rng, length)))
-    e.run()
+    sched = ctx.loop(t, rng, budget, 1)
+    sched.submit(Request("cal", random_tokens(rng, length)))
+    sched.run()
     return cached_blocks(t)
 
 
@@ -107,16 +108,16 @@ def sequential(ctx: Ctx, setting: Setting, p: Params) -> Row:
     t0 = time.monotonic()
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed)
-    e = ctx.engine(t, rng, p.token_budget, 1)
-    first = SimRequest("r0", random_tokens(rng, p.length))
-    e.submit(first)
-    e.run()
+    sched = ctx.loop(t, rng, p.token_budget, 1)
+    first = Request("r0", random_tokens(rng, p.length))
+    sched.submit(first)
+    sched.run()
     cached = cached_blocks(t)
-    hits = [e.probe(first.prompt).hit]
+    hits = [sched.probe(first.prompt).hit]
     for k in range(1, p.count + 1):
-        e.submit(SimRequest(f"r{k}", random_tokens(rng, p.length)))
-        e.run()
-        hits.append(e.probe(first.prompt).hit)
+        sched.submit(Request(f"r{k}", random_tokens(rng, p.length)))
+        sched.run()
+        hits.append(sched.probe(first.prompt).hit)
     survived = next((k - 1 for k, h in enumerate(hits) if h == 0), len(hits) - 1)
     label = "no hit" if survived < 0 else f"{survived}" if survived < p.count else f">={p.count}"
     rate = sum(hits[1:]) / (p.count * p.length)
@@ -125,8 +126,8 @@ def sequential(ctx: Ctx, setting: Setting, p: Params) -> Row:
         rate,
         cached,
         label,
-        e.stats.alloc_failures,
-        e.stats.preemptions,
+        sched.accounting.alloc_failures,
+        sched.accounting.preemptions,
         time.monotonic() - t0,
         {"replay_after_1": hits[1] / p.length, "hits": hits},
     )
@@ -140,11 +141,11 @@ def concurrent(ctx: Ctx, setting: Setting, p: Params) -> Row:
     t0 = time.monotonic()
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed)
-    e = ctx.engine(t, rng, p.token_budget, p.count)
-    reqs = [SimRequest(f"c{i}", random_tokens(rng, p.length)) for i in range(p.count)]
+    sched = ctx.loop(t, rng, p.token_budget, p.count)
+    reqs = [Request(f"c{i}", random_tokens(rng, p.length)) for i in range(p.count)]
     for r in reqs:
-        e.submit(r)
-    e.run()
+        sched.submit(r)
+    sched.run()
     sbs = t.config.scheduler_block_size
     per_fraction: dict[str, float] = {}
     survived = 0
@@ -153,7 +154,7 @@ def concurrent(ctx: Ctx, setting: Setting, p: Params) -> Row:
         for r in reqs:
             n = int(p.length * f)
             tokens = r.prompt if f >= 1.0 else r.prompt[:n] + random_tokens(rng, sbs)
-            h = e.probe(tokens).hit
+            h = sched.probe(tokens).hit
             hit += h
             total += n
             if f >= 1.0 and h > 0:
@@ -166,8 +167,8 @@ def concurrent(ctx: Ctx, setting: Setting, p: Params) -> Row:
         rate,
         cached,
         f"{survived}/{p.count}",
-        e.stats.alloc_failures,
-        e.stats.preemptions,
+        sched.accounting.alloc_failures,
+        sched.accounting.preemptions,
         time.monotonic() - t0,
         per_fraction,
     )
@@ -178,21 +179,21 @@ def sweep_one(ctx: Ctx, setting: Setting, p: Params, num_prefixes: int, rounds: 
     t0 = time.monotonic()
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed + num_prefixes)
-    e = ctx.engine(t, rng, p.token_budget, p.count)
+    sched = ctx.loop(t, rng, p.token_budget, p.count)
     prefixes = [random_tokens(rng, p.length) for _ in range(num_prefixes)]
     hit = total = 0
-    last_round: list[SimRequest] = []
+    last_round: list[Request] = []
     n = 0
     for rnd in range(rounds):
         order = list(range(num_prefixes))
         rng.shuffle(order)
         batch = []
         for i in order:
-            r = SimRequest(f"s{n}", prefixes[i] + random_tokens(rng, p.suffix))
+            r = Request(f"s{n}", prefixes[i] + random_tokens(rng, p.suffix))
             n += 1
             batch.append(r)
-            e.submit(r)
-        e.run()
+            sched.submit(r)
+        sched.run()
         if rnd > 0:
             hit += sum(min(r.hit or 0, p.length) for r in batch)
             total += p.length * len(batch)
@@ -206,8 +207,8 @@ def sweep_one(ctx: Ctx, setting: Setting, p: Params, num_prefixes: int, rounds: 
         hit / max(total, 1),
         cached,
         f"{survived}/{num_prefixes}",
-        e.stats.alloc_failures,
-        e.stats.preemptions,
+        sched.accounting.alloc_failures,
+        sched.accounting.preemptions,
         time.monotonic() - t0,
     )
 
@@ -228,7 +229,7 @@ def sessions(ctx: Ctx, setting: Setting, p: Params, shared_system: bool) -> Row:
     num_sessions, turns, user, outputs = p.extra
     t = make_target(ctx.target, setting)
     rng = random.Random(ctx.seed)
-    e = ctx.engine(t, rng, p.token_budget, p.count)
+    sched = ctx.loop(t, rng, p.token_budget, p.count)
     system = random_tokens(rng, p.length)
     first_hit_floor = p.length if shared_system else 0
     counts = {"hit": 0, "total": 0, "later_hit": 0, "later_total": 0, "survived": 0}
@@ -236,9 +237,9 @@ def sessions(ctx: Ctx, setting: Setting, p: Params, shared_system: bool) -> Row:
 
     def submit(sid: int, history: tuple[int, ...]) -> None:
         n = rng.randint(user // 2, user + user // 2)
-        e.submit(SimRequest(f"{sid}t{done_turns[sid]}", history + random_tokens(rng, n), max_tokens=outputs))
+        sched.submit(Request(f"{sid}t{done_turns[sid]}", history + random_tokens(rng, n), max_tokens=outputs))
 
-    def on_finish(r: SimRequest) -> None:
+    def on_finish(r: Request) -> None:
         sid = int(r.rid.partition("t")[0])
         h = r.hit or 0
         counts["hit"] += h
@@ -251,18 +252,18 @@ def sessions(ctx: Ctx, setting: Setting, p: Params, shared_system: bool) -> Row:
         if done_turns[sid] < turns:
             submit(sid, r.all_tokens)
 
-    e.on_finish = on_finish
+    sched.add_observer(OnFinish(on_finish))
     for sid in range(num_sessions):
         submit(sid, system if shared_system else random_tokens(rng, p.length))
-    e.run()
+    sched.run()
     cached = _calibrate(ctx, setting, p.length + user * turns // 2, p.token_budget)
     return Row(
         setting.name,
         counts["hit"] / max(counts["total"], 1),
         cached,
         f"{counts['survived']}/{num_sessions * (turns - 1)}",
-        e.stats.alloc_failures,
-        e.stats.preemptions,
+        sched.accounting.alloc_failures,
+        sched.accounting.preemptions,
         time.monotonic() - t0,
         {
             "later_turns": counts["later_hit"] / max(counts["later_total"], 1),
@@ -486,7 +487,7 @@ def bench_request(
     rng = random.Random(1)
     prompt = random_tokens(rng, tokens)
     t0 = time.monotonic()
-    e = Engine(t, token_budget=token_budget, max_running=1, rng=rng)
-    e.submit(SimRequest("bench", prompt))
-    e.run()
+    sched = SchedulerLoop(t, LoopConfig(token_budget, 1), RandomTokens(rng))
+    sched.submit(Request("bench", prompt))
+    sched.run()
     return time.monotonic() - t0
