@@ -21,7 +21,7 @@ from typing import Any
 from invariants.errors import UsageError
 from invariants.export.issue import render_issue
 from invariants.export.plan import ExportError, plan_export
-from invariants.export.pytest_file import render_test, test_name
+from invariants.export.pytest_file import exported_test_name, render_test
 from invariants.harness.trace import read_trace
 
 
@@ -52,7 +52,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         plan = plan_export(trace)
     except ExportError as exc:
         raise UsageError(f"{args.trace}: {exc}") from None
-    out = Path(args.out) if args.out else Path(args.trace).with_name(f"{test_name(plan)}.py")
+    out = Path(args.out) if args.out else Path(args.trace).with_name(f"{exported_test_name(plan)}.py")
     if out.suffix != ".py":
         raise UsageError(f"--out: a pytest file must end in .py, got {str(out)!r}")
     if args.issue and Path(args.issue).suffix != ".md":

@@ -39,7 +39,7 @@ def _environment() -> list[str]:
     try:
         import torch
 
-        torch_version = torch.__version__
+        torch_version = str(torch.__version__)
     except ImportError:
         torch_version = "not installed"
     return [

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from invariants.catalogue import BY_NAME, CheckContext, History, RequestHistory
 from invariants.catalogue.promises import promised_replay
@@ -136,7 +136,7 @@ def plan_export(trace: Trace) -> ExportPlan:
             history[op.rid].outputs.append(op.token)
     after = model.snapshot()
     last = trace.ops[-1]
-    base = {"property": name, "guards": guards, "asked_by": asked_by}
+    base: dict[str, Any] = {"property": name, "guards": guards, "asked_by": asked_by}
     if name == "crash":
         exp = Expectation(kind="crash", **base)
     elif name in _REPLAY_PROPERTIES:

@@ -38,7 +38,7 @@ def _wrap(text: str, indent: str, width: int = 88) -> str:
     return textwrap.fill(text, width=width, initial_indent=indent, subsequent_indent=indent)
 
 
-def test_name(plan: ExportPlan) -> str:
+def exported_test_name(plan: ExportPlan) -> str:
     base = plan.finding.id if plan.finding else f"{plan.expectation.property}_seed{plan.trace.seed}"
     return "test_" + re.sub(r"\W", "_", base).strip("_")
 
@@ -359,6 +359,6 @@ def render_test(plan: ExportPlan) -> str:
         max_model_len=cfg.max_model_len,
         caching=cfg.enable_caching,
         hasher="get_request_block_hasher(HASH_BLOCK_SIZE, sha256)" if cfg.enable_caching else "None",
-        name=test_name(plan),
+        name=exported_test_name(plan),
     )
     return header + "\n".join(f"    {line}" for line in body) + "\n"
