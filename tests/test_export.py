@@ -27,7 +27,7 @@ from invariants.harness.known_findings import load_known_findings
 from invariants.harness.trace import Trace, read_trace, trace_to_json, write_trace
 from invariants.targets.vllm_env import vllm_available
 from model.config import Config, GroupSpec
-from model.ops import AddRequest, Finish, Schedule
+from model.ops import AddRequest, Finish, Op, Schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 FINDINGS = {f.id: f for f in load_known_findings()}
@@ -231,7 +231,7 @@ def _mutant_trace(name: str) -> Trace:
     from invariants.zoo.mutants_vllm import activate
 
     cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=8)
-    ops = [AddRequest("r0", tuple(range(1, 10))), Schedule("r0", 16), Finish("r0")]
+    ops: list[Op] = [AddRequest("r0", tuple(range(1, 10))), Schedule("r0", 16), Finish("r0")]
     trace = Trace(cfg, list(ops), seed=0, target="vllm")
     with activate(name):
         result = replay(trace, "vllm", stop_at_first=True)
