@@ -15,15 +15,15 @@
 | `export/`    | a finding as a standalone vLLM pytest file and an upstream report       |
 | `cli/`       | the `kvretain` command, one module per command group                    |
 
-`errors` (usage errors) and `report` (tables, progress lines) are leaves that
-any room may use. A room imports only the rooms listed for it in `ROOMS`, so
+`errors` (usage errors), `report` (tables, progress lines) and `results` (JUnit
+XML and JSON for CI) are leaves that any room may use. A room imports only the rooms listed for it in `ROOMS`, so
 the judge reads bottom-up: the catalogue and targets know nothing of the
 harness, and nothing but `cli/` knows the command line. `tests/test_layers.py`
 enforces this map, and the layer rules between `model/`, `reference_impl/`,
 `invariants/` and `gpu_check/`.
 """
 
-LEAVES: frozenset[str] = frozenset({"errors", "report"})
+LEAVES: frozenset[str] = frozenset({"errors", "report", "results"})
 
 # room -> the rooms it may import (besides itself and the leaves).
 ROOMS: dict[str, frozenset[str]] = {

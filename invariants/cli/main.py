@@ -17,6 +17,7 @@ from invariants.cli.prove import cmd_prove
 from invariants.cli.verify import cmd_verify
 from invariants.errors import UsageError
 from invariants.harness.trace import TraceError
+from invariants.results import add_output_flags
 from invariants.targets import TARGET_NAMES, TargetUnavailable
 from model.config import ConfigError
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--budget-s", type=float, default=None)
     f.add_argument("--out", default="kvretain-traces", help="where failing traces are written")
+    add_output_flags(f)
     f.set_defaults(func=cmd_fuzz)
 
     r = sub.add_parser("replay", help="re-run a trace file against targets")
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--budget-s", type=float, default=60.0, help="fuzz time budget per target")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--out", default="kvretain-traces")
+    add_output_flags(v)
     v.set_defaults(func=cmd_verify)
 
     c = sub.add_parser("conformance", help="vLLM vs the model, feature by feature")
@@ -88,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--budget-s", type=float, default=30.0, help="time budget per feature")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--out", default="kvretain-traces")
+    add_output_flags(c)
     c.set_defaults(func=cmd_conformance)
 
     b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
