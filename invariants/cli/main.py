@@ -18,7 +18,7 @@ from invariants.cli.verify import cmd_verify
 from invariants.errors import UsageError
 from invariants.harness.trace import TraceError
 from invariants.results import add_output_flags
-from invariants.targets import TARGET_NAMES, TargetUnavailable
+from invariants.targets import BUILTIN_TARGETS, TARGET_NAMES, TargetUnavailable, plugin_targets
 from model.config import ConfigError
 
 
@@ -44,7 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     f = sub.add_parser("fuzz", help="stateful fuzzing of one target against the model")
-    f.add_argument("--target", choices=TARGET_NAMES, default="reference")
+    f.add_argument(
+        "--target",
+        choices=TARGET_NAMES,
+        default="reference",
+        help="the allocator under test: built-in "
+        + ", ".join(BUILTIN_TARGETS)
+        + (f"; plug-ins: {', '.join(plugin_targets())}" if plugin_targets() else "")
+        + " (packages register more under the kvretain.targets entry point)",
+    )
     f.add_argument("--config", help="a preset name (default: generated configurations)")
     f.add_argument("--steps", type=int, default=2000)
     f.add_argument("--seed", type=int, default=0)
