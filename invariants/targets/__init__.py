@@ -55,7 +55,8 @@ def _load_plugin(name: str) -> Callable[[Config], Target]:
         raise TargetUnavailable(f"{where} is not callable (expected a class or function taking a Config)")
     missing = [m for m in ("apply", "snapshot") if isinstance(factory, type) and not hasattr(factory, m)]
     if missing:
-        raise TargetUnavailable(f"{where} does not implement the Target protocol: no {', '.join(missing)}()")
+        names = ", ".join(f"{m}()" for m in missing)
+        raise TargetUnavailable(f"{where} does not implement the Target protocol: no {names}")
     if getattr(factory, "supports_pinning", False):
         PINNING_TARGETS.add(name)
     loaded: Callable[[Config], Target] = factory
