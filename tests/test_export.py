@@ -182,7 +182,7 @@ FIXES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
     "eagle-swa-short-run-double-pop": (fix_eagle_swa_short_run, r"hits 0 tokens; retention promised 8"),
     "eagle-mamba-aligned-prompt-resend": (
         fix_eagle_mamba_resend,
-        r"were never cached: \[\(1, 4, 'mamba block 1'\)\]",
+        r"are not in the prefix cache: \[\(1, 4, 'mamba block 1'\)\]",
     ),
 }
 

@@ -8,8 +8,8 @@ only stops at get_mamba_prefill_checkpoint_position(num_tokens) = floor(P)-sbs, 
 state at the resend boundary is never computed: replaying the exact prompt hits 0. Here:
 Full4+Mamba2, Eagle, retention 0, a 12-token prompt: the split stops at 8 only; the
 resend needs the state at 4. The model and the reference follow vLLM's split
-(docs/semantics.md), so all three targets show it. Not reproducible for P not block-
-aligned (notes' P=100 case).
+(docs/semantics.md), so all three targets show it. Not reproducible for P not
+block-aligned (notes' P=100 case).
 
 Property promise_kept: Right after a request finishes, replaying its prompt hits at the
 latest retained boundary, unless blocks were reused since (#43447, #45845): every key
@@ -28,8 +28,6 @@ Run with: pytest -q THIS_FILE (needs vllm and pytest only).
 from types import SimpleNamespace
 
 import torch
-
-from vllm.distributed.kv_events import BlockStored
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -40,14 +38,12 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
-    SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus
 
 HASH_BLOCK_SIZE = 2
 SCHEDULER_BLOCK_SIZE = 4
 USE_EAGLE = True
-HAS_MAMBA = True
 
 
 def make_kv_cache_config() -> KVCacheConfig:
@@ -55,8 +51,18 @@ def make_kv_cache_config() -> KVCacheConfig:
         num_blocks=16,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)),
-            KVCacheGroupSpec(["layer1"], MambaSpec(block_size=2, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode='align')),
+            KVCacheGroupSpec(
+                ["layer0"],
+                FullAttentionSpec(
+                    block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            ),
+            KVCacheGroupSpec(
+                ["layer1"],
+                MambaSpec(
+                    block_size=2, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+                ),
+            ),
         ],
         prefix_cache_retention_interval=0,
     )
@@ -112,8 +118,7 @@ def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) 
     if request.status == RequestStatus.RUNNING:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, token_budget)
-        if HAS_MAMBA:
-            n = mamba_chunk(request, n, 0, token_budget)
+        n = mamba_chunk(request, n, 0, token_budget)
         blocks = manager.allocate_slots(request, n) if n > 0 else None
         if blocks is not None:
             request.num_computed_tokens += n
@@ -121,8 +126,7 @@ def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) 
     else:
         computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
         n = min(request.num_tokens - hit, token_budget)
-        if HAS_MAMBA:
-            n = mamba_chunk(request, n, hit, token_budget)
+        n = mamba_chunk(request, n, hit, token_budget)
         blocks = None
         if n > 0:
             blocks = manager.allocate_slots(
@@ -152,46 +156,36 @@ def preempt(manager: KVCacheManager, request: Request) -> None:
     request.num_preemptions += 1
 
 
-def cached_blocks(pool) -> list[list[int]]:
-    """[kv cache group id, block id] of every block that holds a hash."""
-    return sorted(
-        [int.from_bytes(b.block_hash[-4:], "big"), b.block_id]
-        for b in pool.blocks
-        if b.block_hash is not None
-    )
-
-
-def stored_token_ids(events) -> dict[int, list[int]]:
-    """Per group, the token ids of every BlockStored event, in order."""
-    out: dict[int, list[int]] = {}
-    for ev in events:
-        if isinstance(ev, BlockStored):
-            out.setdefault(ev.group_idx, []).extend(ev.token_ids)
-    return out
-
-
 def test_eagle_mamba_aligned_prompt_resend():
     manager = make_manager()
-    req_a = make_request('a', [1, 2, 3] * 4)
+    req_a = make_request("a", [1, 2, 3] * 4)
     schedule_step(manager, req_a, token_budget=16)
     schedule_step(manager, req_a, token_budget=16)
     finish(manager, req_a)
     # The replay boundary retention promises for this prompt: 4 tokens. Each
     # [group, tokens before the block's end, role] below must be in the hash map.
-    needed = [[0, 4, 'full block 0'], [0, 8, 'Eagle peek block'], [1, 4, 'mamba block 1']]
+    needed = [
+        [0, 4, "full block 0"],
+        [0, 8, "Eagle peek block"],
+        [1, 4, "mamba block 1"],
+    ]
     pool = manager.block_pool
     missing = [
         (group, num_tokens, role)
         for group, num_tokens, role in needed
-        if pool.get_cached_block(req_a.block_hashes[num_tokens // HASH_BLOCK_SIZE - 1], [group]) is None
+        if pool.get_cached_block(
+            req_a.block_hashes[num_tokens // HASH_BLOCK_SIZE - 1], [group]
+        )
+        is None
     ]
     assert not missing, (
-        f"right after request 'a' finished, blocks its replay needs for the promised "
-        f"4-token hit were never cached: {missing}"
+        f"right after request 'a' finished, blocks its replay needs for "
+        f"the promised 4-token hit are not in the prefix cache: {missing}"
     )
     replay = make_request("a-replay", req_a.prompt_token_ids)
     _, num_hit_tokens, _ = manager.get_computed_blocks(replay)
     assert num_hit_tokens >= 4, (
-        f"replaying the 12-token prompt of request 'a' right after it finished hits {num_hit_tokens} tokens; retention promised 4 "
+        f"replaying the 12-token prompt of request 'a' right "
+        f"after it finished hits {num_hit_tokens} tokens; retention promised 4 "
         "(every block the replay needs is cached and nothing was reused since)"
     )

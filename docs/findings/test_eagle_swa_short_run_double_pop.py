@@ -27,18 +27,14 @@ Run with: pytest -q THIS_FILE (needs vllm and pytest only).
 from types import SimpleNamespace
 
 import torch
-
-from vllm.distributed.kv_events import BlockStored
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus
@@ -46,7 +42,6 @@ from vllm.v1.request import Request, RequestStatus
 HASH_BLOCK_SIZE = 4
 SCHEDULER_BLOCK_SIZE = 8
 USE_EAGLE = True
-HAS_MAMBA = False
 
 
 def make_kv_cache_config() -> KVCacheConfig:
@@ -54,9 +49,24 @@ def make_kv_cache_config() -> KVCacheConfig:
         num_blocks=16,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)),
-            KVCacheGroupSpec(["layer1"], SlidingWindowSpec(block_size=8, sliding_window=2, num_kv_heads=1, head_size=1, dtype=torch.float32)),
-            KVCacheGroupSpec(["layer2"], SlidingWindowSpec(block_size=4, sliding_window=10, num_kv_heads=1, head_size=1, dtype=torch.float32)),
+            KVCacheGroupSpec(
+                ["layer0"],
+                FullAttentionSpec(
+                    block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            ),
+            KVCacheGroupSpec(
+                ["layer1"],
+                SlidingWindowSpec(
+                    block_size=8, sliding_window=2, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            ),
+            KVCacheGroupSpec(
+                ["layer2"],
+                SlidingWindowSpec(
+                    block_size=4, sliding_window=10, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            ),
         ],
         prefix_cache_retention_interval=None,
     )
@@ -86,25 +96,6 @@ def make_request(request_id: str, prompt_token_ids: list[int]) -> Request:
     )
 
 
-def mamba_chunk(request: Request, num_new_tokens: int, num_hit_tokens: int, token_budget: int) -> int:
-    """The chunk Scheduler.schedule() computes: its Mamba block-aligned split, run on
-    the scheduler settings of this configuration (align mode, no spec tokens)."""
-    settings = SimpleNamespace(
-        block_size=SCHEDULER_BLOCK_SIZE,
-        cache_config=SimpleNamespace(block_size=SCHEDULER_BLOCK_SIZE),
-        hash_block_size=HASH_BLOCK_SIZE,
-        use_eagle_block_drop=USE_EAGLE,
-        num_hash_lookahead_tokens=0,
-        mamba_partial_cache_hit=False,
-        mamba_has_prefill_checkpoint_blocks=False,
-        mamba_prefill_checkpoint_alignment=None,
-        mamba_shared_prefix_checkpoint=False,
-        max_num_scheduled_tokens=token_budget,
-        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
-    )
-    return Scheduler._mamba_block_aligned_split(settings, request, num_new_tokens, num_hit_tokens)
-
-
 def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) -> SimpleNamespace:
     """One scheduler step for one request, as Scheduler.schedule() drives the manager."""
     manager.new_step_starts()
@@ -112,8 +103,6 @@ def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) 
     if request.status == RequestStatus.RUNNING:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, token_budget)
-        if HAS_MAMBA:
-            n = mamba_chunk(request, n, 0, token_budget)
         blocks = manager.allocate_slots(request, n) if n > 0 else None
         if blocks is not None:
             request.num_computed_tokens += n
@@ -121,8 +110,6 @@ def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) 
     else:
         computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
         n = min(request.num_tokens - hit, token_budget)
-        if HAS_MAMBA:
-            n = mamba_chunk(request, n, hit, token_budget)
         blocks = None
         if n > 0:
             blocks = manager.allocate_slots(
@@ -152,45 +139,40 @@ def preempt(manager: KVCacheManager, request: Request) -> None:
     request.num_preemptions += 1
 
 
-def cached_blocks(pool) -> list[list[int]]:
-    """[kv cache group id, block id] of every block that holds a hash."""
-    return sorted(
-        [int.from_bytes(b.block_hash[-4:], "big"), b.block_id]
-        for b in pool.blocks
-        if b.block_hash is not None
-    )
-
-
-def stored_token_ids(events) -> dict[int, list[int]]:
-    """Per group, the token ids of every BlockStored event, in order."""
-    out: dict[int, list[int]] = {}
-    for ev in events:
-        if isinstance(ev, BlockStored):
-            out.setdefault(ev.group_idx, []).extend(ev.token_ids)
-    return out
-
-
 def test_eagle_swa_short_run_double_pop():
     manager = make_manager()
-    req_a = make_request('a', [1] * 17)
+    req_a = make_request("a", [1] * 17)
     schedule_step(manager, req_a, token_budget=64)
     finish(manager, req_a)
     # The replay boundary retention promises for this prompt: 8 tokens. Each
     # [group, tokens before the block's end, role] below must be in the hash map.
-    needed = [[0, 4, 'full block 0'], [0, 8, 'full block 1'], [0, 12, 'Eagle peek block'], [1, 8, 'swa block 0'], [1, 16, 'Eagle peek block'], [2, 4, 'swa block 0'], [2, 8, 'swa block 1'], [2, 12, 'Eagle peek block']]
+    needed = [
+        [0, 4, "full block 0"],
+        [0, 8, "full block 1"],
+        [0, 12, "Eagle peek block"],
+        [1, 8, "swa block 0"],
+        [1, 16, "Eagle peek block"],
+        [2, 4, "swa block 0"],
+        [2, 8, "swa block 1"],
+        [2, 12, "Eagle peek block"],
+    ]
     pool = manager.block_pool
     missing = [
         (group, num_tokens, role)
         for group, num_tokens, role in needed
-        if pool.get_cached_block(req_a.block_hashes[num_tokens // HASH_BLOCK_SIZE - 1], [group]) is None
+        if pool.get_cached_block(
+            req_a.block_hashes[num_tokens // HASH_BLOCK_SIZE - 1], [group]
+        )
+        is None
     ]
     assert not missing, (
-        f"right after request 'a' finished, blocks its replay needs for the promised "
-        f"8-token hit were never cached: {missing}"
+        f"right after request 'a' finished, blocks its replay needs for "
+        f"the promised 8-token hit are not in the prefix cache: {missing}"
     )
     replay = make_request("a-replay", req_a.prompt_token_ids)
     _, num_hit_tokens, _ = manager.get_computed_blocks(replay)
     assert num_hit_tokens >= 8, (
-        f"replaying the 17-token prompt of request 'a' right after it finished hits {num_hit_tokens} tokens; retention promised 8 "
+        f"replaying the 17-token prompt of request 'a' right "
+        f"after it finished hits {num_hit_tokens} tokens; retention promised 8 "
         "(every block the replay needs is cached and nothing was reused since)"
     )

@@ -16,11 +16,12 @@ token ids chain from its parent to exactly its hashes (#42258 review: with maske
 blocks the token range must be filtered too).
 Asked for by: https://github.com/vllm-project/vllm/pull/42258 (review: keep BlockStored
 consistent with block_mask); https://github.com/vllm-project/vllm/issues/44451 (open:
-BlockStored token_ids span skipped blocks); https://github.com/vllm-
-project/vllm/pull/44488 (open fix: BlockStored.block_offsets).
+BlockStored token_ids span skipped blocks);
+https://github.com/vllm-project/vllm/pull/44488 (open fix: BlockStored.block_offsets).
 
 Exported by kvretain from a 2-operation trace (target vllm, seed 0); kvretain
-reported: stored_tokens_match_hashes: BlockStored(group 1) has 2 hash(es) of 16 tokens but 96 token ids
+reported: stored_tokens_match_hashes: BlockStored(group 1) has 2 hash(es) of 16 tokens but 96
+token ids
 It fails on the vLLM it was found on and passes once the allocator keeps the property.
 Run with: pytest -q THIS_FILE (needs vllm and pytest only).
 """
@@ -28,18 +29,15 @@ Run with: pytest -q THIS_FILE (needs vllm and pytest only).
 from types import SimpleNamespace
 
 import torch
-
 from vllm.distributed.kv_events import BlockStored
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus
@@ -47,7 +45,6 @@ from vllm.v1.request import Request, RequestStatus
 HASH_BLOCK_SIZE = 16
 SCHEDULER_BLOCK_SIZE = 16
 USE_EAGLE = False
-HAS_MAMBA = False
 
 
 def make_kv_cache_config() -> KVCacheConfig:
@@ -55,8 +52,18 @@ def make_kv_cache_config() -> KVCacheConfig:
         num_blocks=16,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)),
-            KVCacheGroupSpec(["layer1"], SlidingWindowSpec(block_size=16, sliding_window=32, num_kv_heads=1, head_size=1, dtype=torch.float32)),
+            KVCacheGroupSpec(
+                ["layer0"],
+                FullAttentionSpec(
+                    block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            ),
+            KVCacheGroupSpec(
+                ["layer1"],
+                SlidingWindowSpec(
+                    block_size=16, sliding_window=32, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            ),
         ],
         prefix_cache_retention_interval=0,
     )
@@ -86,25 +93,6 @@ def make_request(request_id: str, prompt_token_ids: list[int]) -> Request:
     )
 
 
-def mamba_chunk(request: Request, num_new_tokens: int, num_hit_tokens: int, token_budget: int) -> int:
-    """The chunk Scheduler.schedule() computes: its Mamba block-aligned split, run on
-    the scheduler settings of this configuration (align mode, no spec tokens)."""
-    settings = SimpleNamespace(
-        block_size=SCHEDULER_BLOCK_SIZE,
-        cache_config=SimpleNamespace(block_size=SCHEDULER_BLOCK_SIZE),
-        hash_block_size=HASH_BLOCK_SIZE,
-        use_eagle_block_drop=USE_EAGLE,
-        num_hash_lookahead_tokens=0,
-        mamba_partial_cache_hit=False,
-        mamba_has_prefill_checkpoint_blocks=False,
-        mamba_prefill_checkpoint_alignment=None,
-        mamba_shared_prefix_checkpoint=False,
-        max_num_scheduled_tokens=token_budget,
-        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
-    )
-    return Scheduler._mamba_block_aligned_split(settings, request, num_new_tokens, num_hit_tokens)
-
-
 def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) -> SimpleNamespace:
     """One scheduler step for one request, as Scheduler.schedule() drives the manager."""
     manager.new_step_starts()
@@ -112,8 +100,6 @@ def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) 
     if request.status == RequestStatus.RUNNING:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, token_budget)
-        if HAS_MAMBA:
-            n = mamba_chunk(request, n, 0, token_budget)
         blocks = manager.allocate_slots(request, n) if n > 0 else None
         if blocks is not None:
             request.num_computed_tokens += n
@@ -121,8 +107,6 @@ def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) 
     else:
         computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
         n = min(request.num_tokens - hit, token_budget)
-        if HAS_MAMBA:
-            n = mamba_chunk(request, n, hit, token_budget)
         blocks = None
         if n > 0:
             blocks = manager.allocate_slots(
@@ -152,15 +136,6 @@ def preempt(manager: KVCacheManager, request: Request) -> None:
     request.num_preemptions += 1
 
 
-def cached_blocks(pool) -> list[list[int]]:
-    """[kv cache group id, block id] of every block that holds a hash."""
-    return sorted(
-        [int.from_bytes(b.block_hash[-4:], "big"), b.block_id]
-        for b in pool.blocks
-        if b.block_hash is not None
-    )
-
-
 def stored_token_ids(events) -> dict[int, list[int]]:
     """Per group, the token ids of every BlockStored event, in order."""
     out: dict[int, list[int]] = {}
@@ -172,19 +147,21 @@ def stored_token_ids(events) -> dict[int, list[int]]:
 
 def test_vllm_blockstored_token_range():
     manager = make_manager()
-    req_A = make_request('A', list(range(1, 101)))
+    req_A = make_request("A", list(range(1, 101)))
     manager.take_events()  # only this step's events count
     schedule_step(manager, req_A, token_budget=100)
     stored = stored_token_ids(manager.take_events())
     # group 0: the tokens of the 6 block(s) this step put in the hash map
     expected_0 = list(range(1, 97))
     assert stored.get(0, []) == expected_0, (
-        f"BlockStored events of group 0 carry {len(stored.get(0, []))} token ids; the blocks stored in group 0 hold {len(expected_0)}: a consumer cannot tell "
+        f"BlockStored events of group 0 carry {len(stored.get(0, []))} token ids; "
+        f"the blocks stored in group 0 hold {len(expected_0)}: a consumer cannot tell "
         "which tokens a block hash stands for"
     )
     # group 1: the tokens of the 2 block(s) this step put in the hash map
     expected_1 = list(range(65, 97))
     assert stored.get(1, []) == expected_1, (
-        f"BlockStored events of group 1 carry {len(stored.get(1, []))} token ids; the blocks stored in group 1 hold {len(expected_1)}: a consumer cannot tell "
+        f"BlockStored events of group 1 carry {len(stored.get(1, []))} token ids; "
+        f"the blocks stored in group 1 hold {len(expected_1)}: a consumer cannot tell "
         "which tokens a block hash stands for"
     )

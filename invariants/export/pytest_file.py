@@ -12,6 +12,7 @@ split shows in the test too.
 
 from __future__ import annotations
 
+import json
 import keyword
 import re
 import textwrap
@@ -35,7 +36,14 @@ def tokens_literal(tokens: tuple[int, ...]) -> str:
 
 
 def _wrap(text: str, indent: str, width: int = 88) -> str:
-    return textwrap.fill(text, width=width, initial_indent=indent, subsequent_indent=indent)
+    return textwrap.fill(
+        text,
+        width=width,
+        initial_indent=indent,
+        subsequent_indent=indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def exported_test_name(plan: ExportPlan) -> str:
@@ -59,15 +67,21 @@ def _group_spec(cfg: Config, i: int) -> str:
     if g.kind == "swa":
         args += f", sliding_window={g.sliding_window}, num_kv_heads=1, head_size=1, dtype=torch.float32"
     elif g.kind == "mamba":
-        args += f", shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode={g.mamba_cache_mode!r}"
+        args += (
+            f", shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode={json.dumps(g.mamba_cache_mode)}"
+        )
     else:
         args += ", num_kv_heads=1, head_size=1, dtype=torch.float32"
-    return f'KVCacheGroupSpec(["layer{i}"], {_SPECS[g.kind]}({args}))'
+    pad = " " * 12
+    return (
+        f'{pad}KVCacheGroupSpec(\n{pad}    ["layer{i}"],\n{pad}    {_SPECS[g.kind]}(\n'
+        f"{pad}        {args}\n{pad}    ),\n{pad}),"
+    )
 
 
 def _op_lines(op: Op, names: dict[str, str]) -> list[str]:
     if isinstance(op, AddRequest):
-        return [f"{_var(op.rid, names)} = make_request({op.rid!r}, {tokens_literal(op.prompt)})"]
+        return [f"{_var(op.rid, names)} = make_request({json.dumps(op.rid)}, {tokens_literal(op.prompt)})"]
     if isinstance(op, Schedule):
         return [f"schedule_step(manager, {_var(op.rid, names)}, token_budget={op.budget})"]
     if isinstance(op, Sample):
@@ -100,22 +114,27 @@ def _assertion(cfg: Config, exp: Expectation, last: Op, last_line: str, names: d
             last_line,
             f"# The replay boundary retention promises for this prompt: {exp.hit} tokens. Each",
             "# [group, tokens before the block's end, role] below must be in the hash map.",
-            f"needed = {needed!r}",
+            "needed = [",
+            *(f"    {json.dumps(n)}," for n in needed),
+            "]",
             "pool = manager.block_pool",
             "missing = [",
             "    (group, num_tokens, role)",
             "    for group, num_tokens, role in needed",
-            f"    if pool.get_cached_block({var}.block_hashes[num_tokens // HASH_BLOCK_SIZE - 1], [group]) is None",
+            "    if pool.get_cached_block(",
+            f"        {var}.block_hashes[num_tokens // HASH_BLOCK_SIZE - 1], [group]",
+            "    )",
+            "    is None",
             "]",
             "assert not missing, (",
-            f'    f"right after request {exp.request!r} finished, blocks its replay needs for the promised "',
-            f'    f"{exp.hit}-token hit were never cached: {{missing}}"',
+            f'    f"right after request {exp.request!r} finished, blocks its replay needs for "',
+            f'    f"the promised {exp.hit}-token hit are not in the prefix cache: {{missing}}"',
             ")",
             f'replay = make_request("{exp.request}-replay", {var}.prompt_token_ids)',
             "_, num_hit_tokens, _ = manager.get_computed_blocks(replay)",
             f"assert num_hit_tokens >= {exp.hit}, (",
-            f'    f"replaying the {len(exp.prompt)}-token prompt of request {exp.request!r} right after it '
-            f'finished hits {{num_hit_tokens}} tokens; retention promised {exp.hit} "',
+            f'    f"replaying the {len(exp.prompt)}-token prompt of request {exp.request!r} right "',
+            f'    f"after it finished hits {{num_hit_tokens}} tokens; retention promised {exp.hit} "',
             '    "(every block the replay needs is cached and nothing was reused since)"',
             ")",
         ]
@@ -128,8 +147,8 @@ def _assertion(cfg: Config, exp: Expectation, last: Op, last_line: str, names: d
                 f"# group {g}: the tokens of the {nblocks} block(s) this step put in the hash map",
                 f"expected_{g} = {tokens_literal(toks)}",
                 f"assert stored.get({g}, []) == expected_{g}, (",
-                f'    f"BlockStored events of group {g} carry {{len(stored.get({g}, []))}} token ids; '
-                f'the blocks stored in group {g} hold {{len(expected_{g})}}: a consumer cannot tell "',
+                f'    f"BlockStored events of group {g} carry {{len(stored.get({g}, []))}} token ids; "',
+                f'    f"the blocks stored in group {g} hold {{len(expected_{g})}}: a consumer cannot tell "',
                 '    "which tokens a block hash stands for"',
                 ")",
             ]
@@ -154,7 +173,7 @@ def _assertion(cfg: Config, exp: Expectation, last: Op, last_line: str, names: d
         "pool = manager.block_pool",
         "free_queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]",
         f"assert free_queue == {list(exp.free_queue)!r}, (",
-        '    f"free queue (head = reused first) is {free_queue}"',
+        f'    f"free queue (head = reused first) is {{free_queue}}, expected {list(exp.free_queue)}"',
         ")",
         "ref_cnts = [b.ref_cnt for b in pool.blocks[1:]]",
         f'assert ref_cnts == {list(exp.ref_cnt)!r}, f"ref counts of blocks 1.. are {{ref_cnts}}"',
@@ -164,7 +183,7 @@ def _assertion(cfg: Config, exp: Expectation, last: Op, last_line: str, names: d
     return lines
 
 
-HEADER = '''"""Regression test for vLLM's prefix-cache allocator (vllm/v1/core).
+DOC = '''"""Regression test for vLLM's prefix-cache allocator (vllm/v1/core).
 
 {what}
 
@@ -175,33 +194,14 @@ reported: {violation}
 It fails on the vLLM it was found on and passes once the allocator keeps the property.
 Run with: pytest -q THIS_FILE (needs vllm and pytest only).
 """
+'''
 
-from types import SimpleNamespace
-
-import torch
-
-from vllm.distributed.kv_events import BlockStored
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
-from vllm.v1.request import Request, RequestStatus
-
-HASH_BLOCK_SIZE = {hbs}
+CONSTS = """HASH_BLOCK_SIZE = {hbs}
 SCHEDULER_BLOCK_SIZE = {sbs}
 USE_EAGLE = {eagle}
-HAS_MAMBA = {has_mamba}
+"""
 
-
-def make_kv_cache_config() -> KVCacheConfig:
+CORE = """def make_kv_cache_config() -> KVCacheConfig:
     return KVCacheConfig(
         num_blocks={num_blocks},
         kv_cache_tensors=[],
@@ -234,9 +234,9 @@ def make_request(request_id: str, prompt_token_ids: list[int]) -> Request:
         mm_features=None,
         block_hasher={hasher},
     )
+"""
 
-
-def mamba_chunk(request: Request, num_new_tokens: int, num_hit_tokens: int, token_budget: int) -> int:
+MAMBA = '''def mamba_chunk(request: Request, num_new_tokens: int, num_hit_tokens: int, token_budget: int) -> int:
     """The chunk Scheduler.schedule() computes: its Mamba block-aligned split, run on
     the scheduler settings of this configuration (align mode, no spec tokens)."""
     settings = SimpleNamespace(
@@ -253,27 +253,23 @@ def mamba_chunk(request: Request, num_new_tokens: int, num_hit_tokens: int, toke
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
     )
     return Scheduler._mamba_block_aligned_split(settings, request, num_new_tokens, num_hit_tokens)
+'''
 
-
-def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) -> SimpleNamespace:
+SCHEDULE = '''def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) -> SimpleNamespace:
     """One scheduler step for one request, as Scheduler.schedule() drives the manager."""
     manager.new_step_starts()
     hit, new_block_ids = None, None
     if request.status == RequestStatus.RUNNING:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, token_budget)
-        if HAS_MAMBA:
-            n = mamba_chunk(request, n, 0, token_budget)
-        blocks = manager.allocate_slots(request, n) if n > 0 else None
+{mamba_running}        blocks = manager.allocate_slots(request, n) if n > 0 else None
         if blocks is not None:
             request.num_computed_tokens += n
             new_block_ids = [list(ids) for ids in blocks.get_block_ids()]
     else:
         computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
         n = min(request.num_tokens - hit, token_budget)
-        if HAS_MAMBA:
-            n = mamba_chunk(request, n, hit, token_budget)
-        blocks = None
+{mamba_waiting}        blocks = None
         if n > 0:
             blocks = manager.allocate_slots(
                 request, n, num_new_computed_tokens=hit, new_computed_blocks=computed
@@ -300,29 +296,54 @@ def preempt(manager: KVCacheManager, request: Request) -> None:
     request.status = RequestStatus.PREEMPTED
     request.num_computed_tokens = 0
     request.num_preemptions += 1
+'''
 
-
-def cached_blocks(pool) -> list[list[int]]:
+CACHED = '''def cached_blocks(pool) -> list[list[int]]:
     """[kv cache group id, block id] of every block that holds a hash."""
     return sorted(
         [int.from_bytes(b.block_hash[-4:], "big"), b.block_id]
         for b in pool.blocks
         if b.block_hash is not None
     )
+'''
 
-
-def stored_token_ids(events) -> dict[int, list[int]]:
+STORED = '''def stored_token_ids(events) -> dict[int, list[int]]:
     """Per group, the token ids of every BlockStored event, in order."""
-    out: dict[int, list[int]] = {{}}
+    out: dict[int, list[int]] = {}
     for ev in events:
         if isinstance(ev, BlockStored):
             out.setdefault(ev.group_idx, []).extend(ev.token_ids)
     return out
-
-
-def {name}():
-    manager = make_manager()
 '''
+
+TEST_DEF = """def {name}():
+    manager = make_manager()
+"""
+
+
+def _imports(cfg: Config, exp: Expectation) -> str:
+    kinds = sorted({_SPECS[g.kind] for g in cfg.groups} | {"KVCacheConfig", "KVCacheGroupSpec"})
+    utils = "get_request_block_hasher, init_none_hash" if cfg.enable_caching else "init_none_hash"
+    lines = [
+        "from types import SimpleNamespace",
+        "",
+        "import torch",
+        *(["from vllm.distributed.kv_events import BlockStored"] if exp.kind == "stored_tokens" else []),
+        "from vllm.sampling_params import SamplingParams",
+        "from vllm.utils.hashing import sha256",
+        "from vllm.v1.core.kv_cache_manager import KVCacheManager",
+        f"from vllm.v1.core.kv_cache_utils import {utils}",
+        *(["from vllm.v1.core.sched.scheduler import Scheduler"] if _has_mamba(cfg) else []),
+        "from vllm.v1.kv_cache_interface import (",
+        *(f"    {k}," for k in kinds),
+        ")",
+        "from vllm.v1.request import Request, RequestStatus",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _has_mamba(cfg: Config) -> bool:
+    return any(g.kind == "mamba" for g in cfg.groups)
 
 
 def render_test(plan: ExportPlan) -> str:
@@ -338,27 +359,38 @@ def render_test(plan: ExportPlan) -> str:
     what = (
         f"Known finding {plan.finding.id}: {plan.finding.description}"
         if plan.finding
-        else f"The allocator breaks {exp.property} on this trace."
+        else f"After the last step below, the allocator breaks {exp.property}: {plan.message}."
     )
-    header = HEADER.format(
-        what=_wrap(what, "").replace("\\", "\\\\"),
-        prop_text=_wrap(f"Property {exp.property}: {exp.guards}", "")
-        + "\n"
-        + _wrap(f"Asked for by: {exp.asked_by}.", ""),
-        nops=len(trace.ops),
-        target=trace.target or "?",
-        seed=trace.seed,
-        violation=(trace.violation or "").replace("\\", "\\\\"),
-        hbs=cfg.hash_block_size,
-        sbs=cfg.scheduler_block_size,
-        eagle=cfg.eagle,
-        has_mamba=any(g.kind == "mamba" for g in cfg.groups),
-        num_blocks=cfg.num_blocks,
-        groups="\n".join(f"            {_group_spec(cfg, i)}," for i in range(len(cfg.groups))),
-        retention=cfg.retention_interval,
-        max_model_len=cfg.max_model_len,
-        caching=cfg.enable_caching,
-        hasher="get_request_block_hasher(HASH_BLOCK_SIZE, sha256)" if cfg.enable_caching else "None",
-        name=exported_test_name(plan),
-    )
-    return header + "\n".join(f"    {line}" for line in body) + "\n"
+    mamba = _has_mamba(cfg)
+    sections = [
+        DOC.format(
+            what=_wrap(what, "").replace("\\", "\\\\"),
+            prop_text=_wrap(f"Property {exp.property}: {exp.guards}", "")
+            + "\n"
+            + _wrap(f"Asked for by: {exp.asked_by}.", ""),
+            nops=len(trace.ops),
+            target=trace.target or "?",
+            seed=trace.seed,
+            violation=_wrap(trace.violation or "", "").replace("\\", "\\\\"),
+        ),
+        _imports(cfg, exp),
+        CONSTS.format(hbs=cfg.hash_block_size, sbs=cfg.scheduler_block_size, eagle=cfg.eagle),
+        CORE.format(
+            num_blocks=cfg.num_blocks,
+            groups="\n".join(_group_spec(cfg, i) for i in range(len(cfg.groups))),
+            retention=cfg.retention_interval,
+            max_model_len=cfg.max_model_len,
+            caching=cfg.enable_caching,
+            hasher="get_request_block_hasher(HASH_BLOCK_SIZE, sha256)" if cfg.enable_caching else "None",
+        ),
+        *([MAMBA] if mamba else []),
+        SCHEDULE.format(
+            mamba_running="        n = mamba_chunk(request, n, 0, token_budget)\n" if mamba else "",
+            mamba_waiting="        n = mamba_chunk(request, n, hit, token_budget)\n" if mamba else "",
+        ),
+        *([CACHED] if exp.kind == "state" else []),
+        *([STORED] if exp.kind == "stored_tokens" else []),
+        TEST_DEF.format(name=exported_test_name(plan)),
+    ]
+    head = sections[0] + "\n" + sections[1] + "\n" + "\n\n".join(sections[2:]).rstrip("\n")
+    return head + "\n" + "\n".join(f"    {line}" for line in body) + "\n"
