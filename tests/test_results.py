@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -58,7 +59,7 @@ def test_junit_structure_and_counts() -> None:
 
 
 @pytest.fixture
-def cheap_verify(monkeypatch: pytest.MonkeyPatch) -> None:
+def cheap_verify(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     from hypothesis import Phase, settings
 
     ep = importlib.metadata.EntryPoint("broken", f"{__name__}:BrokenTarget", registry.ENTRY_POINT_GROUP)
