@@ -140,7 +140,7 @@ def zoo_cases(report: Any, control_ok: bool | None) -> list[CaseResult]:
     cases = [
         CaseResult(
             name=r.name,
-            group=f"zoo.{r.target}",
+            group=r.target,
             outcome="passed" if r.killed else "failed",
             seconds=r.seconds,
             message=f"killed by {r.check}" if r.killed else (r.note or "no check fired within the budget"),
@@ -149,14 +149,12 @@ def zoo_cases(report: Any, control_ok: bool | None) -> list[CaseResult]:
         )
         for r in report.results
     ]
-    cases += [
-        CaseResult(name, f"zoo.{report.target}", "skipped", 0.0, why) for name, why in report.not_applicable
-    ]
+    cases += [CaseResult(name, report.target, "skipped", 0.0, why) for name, why in report.not_applicable]
     if control_ok is not None:
         cases.append(
             CaseResult(
                 "control (unmutated)",
-                f"zoo.{report.target}",
+                report.target,
                 "passed" if control_ok else "failed",
                 message="clean" if control_ok else "the unmutated target was flagged",
             )

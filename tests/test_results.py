@@ -134,3 +134,57 @@ def test_verify_junit_has_one_case_per_row_and_the_failure_trace(
     assert suite.get("failures") == "1" and suite.get("errors") == "1" and suite.get("skipped") == "1"
     data = json.loads((tmp_path / "out" / "verify.json").read_text())
     assert data["exit_code"] == 1 and [c["name"] for c in data["cases"]] == names
+
+
+def test_zoo_cases_killed_pass_survivors_fail_na_skipped() -> None:
+    from invariants.results import zoo_cases
+
+    def result(name: str, killed: bool, trace: str | None) -> SimpleNamespace:
+        return SimpleNamespace(
+            name=name,
+            target="reference",
+            killed=killed,
+            check="fuzz: snapshot" if killed else "-",
+            note="" if killed else "no check fired",
+            seconds=1.0,
+            trace_path=trace,
+            strategy="generated",
+            seconds_to_kill=0.5 if killed else None,
+            steps=10,
+        )
+
+    report = SimpleNamespace(
+        target="reference",
+        results=[result("a", True, "z/a.json"), result("b", False, None)],
+        not_applicable=[("c", "no such code")],
+    )
+    root = ET.fromstring(junit_xml("kvretain.zoo", zoo_cases(report, control_ok=False)))
+    (suite,) = root.iter("testsuite")
+    cases = {c.get("name"): c for c in suite.iter("testcase")}
+    assert list(cases) == ["a", "b", "c", "control (unmutated)"]
+    assert cases["a"].find("failure") is None and cases["a"].get("classname") == "kvretain.zoo.reference"
+    assert cases["b"].find("failure") is not None and cases["c"].find("skipped") is not None
+    assert cases["control (unmutated)"].find("failure") is not None
+    assert suite.get("failures") == "2" and suite.get("skipped") == "1"
+
+
+def test_conformance_rows_reach_junit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`conformance --junit-xml`: each feature row is a test case (the vLLM runs stood in for)."""
+    import invariants.harness.conformance as conformance
+
+    def fake(steps: int, budget_s: float, seed: int, out: Path, sink: list[Any]) -> int:
+        sink.append(conformance.Row("full attention", 3, 100, "agrees", 1.0, True))
+        sink.append(conformance.Row("eagle", 2, 50, "FINDING: snapshot", 2.0, False, "t/eagle.json"))
+        return 1
+
+    monkeypatch.setattr(conformance, "run_conformance", fake)
+    monkeypatch.setattr(registry, "target_factory", lambda name: object)
+    xml_path = tmp_path / "c.xml"
+    assert main(["conformance", "--junit-xml", str(xml_path)]) == 1
+    capsys.readouterr()
+    cases = list(ET.parse(xml_path).getroot().iter("testcase"))
+    assert [c.get("name") for c in cases] == ["full attention", "eagle"]
+    failure = cases[1].find("failure")
+    assert failure is not None and "trace: t/eagle.json" in (failure.text or "")
