@@ -276,6 +276,8 @@ def test_cli_writes_test_and_issue(tmp_path: Path, capsys: pytest.CaptureFixture
     ):
         assert heading in report
     assert "hits at least 8 tokens" in report and source.strip() in report
+    if vllm_available()[0]:
+        assert "fails on vLLM 0.33.0: replaying the 17-token prompt" in report
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import platform
 import sys
+from typing import Any
 
 from invariants.export.plan import ExportPlan
 from invariants.harness.trace import config_to_json
-from invariants.targets.vllm_env import vllm_version
+from invariants.targets.vllm_env import vllm_available, vllm_version
 from model.ops import op_to_json
 
 
@@ -33,6 +34,28 @@ def _expected(plan: ExportPlan) -> str:
     if exp.hit is not None:
         parts.insert(0, f"hit {exp.hit}")
     return "; ".join(parts)
+
+
+def run_exported(test_source: str) -> str:
+    """What the exported test says on the vLLM installed here: its failure's first
+    line, or why it did not fail. The test is our own generated code."""
+    ok, reason = vllm_available()
+    if not ok:
+        return f"not run here ({reason})"
+    namespace: dict[str, object] = {"__name__": "kvretain_exported"}
+    try:
+        exec(compile(test_source, "<exported test>", "exec"), namespace)
+        tests: list[Any] = [v for k, v in namespace.items() if k.startswith("test_")]
+        tests[0]()
+    except AssertionError as exc:
+        first = (str(exc).splitlines() or ["assertion failed"])[0]
+        return f"fails on vLLM {vllm_version()}: {first}"
+    except Exception as exc:  # the allocator raising is a result too
+        return f"raises on vLLM {vllm_version()}: {type(exc).__name__}: {str(exc)[:200]}"
+    return (
+        f"passes on the installed vLLM {vllm_version()} (fixed there, or the trace needs the "
+        "modified allocator it was found on)"
+    )
 
 
 def _environment() -> list[str]:
@@ -90,6 +113,7 @@ def render_issue(plan: ExportPlan, test_source: str, test_file: str) -> str:
         "|---|---|",
         f"| expected | {_expected(plan)} |",
         f"| actual (recorded on target `{trace.target}`, seed {trace.seed}) | `{trace.violation}` |",
+        f"| the regression test below | {run_exported(test_source)} |",
         "",
         "### Regression test",
         "",
