@@ -286,6 +286,7 @@ def test_cli_writes_test_and_issue(tmp_path: Path, capsys: pytest.CaptureFixture
         (lambda d: d.update(violation=None), "records no violation"),
         (lambda d: d.update(violation="no_such_check: x"), "unknown check 'no_such_check'"),
         (lambda d: d.update(ops=[]), "empty"),
+        (lambda d: d["ops"].insert(0, {"op": "finish", "rid": "nobody"}), "trace.ops[0]: not well formed"),
         (lambda d: d.update(format="other"), "trace.format"),
     ],
 )

@@ -29,8 +29,10 @@ from typing import Any, Literal
 
 from invariants.catalogue import BY_NAME, CheckContext, History, RequestHistory
 from invariants.catalogue.promises import promised_replay
+from invariants.harness.checker import Checker, InvalidOp
 from invariants.harness.known_findings import KnownFinding, load_known_findings
 from invariants.harness.trace import Trace, trace_to_json
+from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
 from model.observation import ProbeResult, ScheduleResult, Snapshot
 from model.ops import AddRequest, Finish, Probe, Sample
@@ -121,15 +123,19 @@ def plan_export(trace: Trace) -> ExportPlan:
     if finding is not None and finding.upstream:
         asked_by = "; ".join(finding.upstream)
     model = AllocatorModel(trace.config)
+    # The harness's own well-formedness rules, run on a model of the same config.
+    judge = Checker(ModelTarget(trace.config), check_invariants=False)
     history: dict[str, RequestHistory] = {}
     before: Snapshot = model.snapshot()
     obs = None
-    for op in trace.ops:
+    for i, op in enumerate(trace.ops):
         before = model.snapshot()
         try:
+            judge.validate(op)
+            judge.step(op)
             obs = model.apply(op)
-        except (AssertionError, KeyError) as exc:
-            raise ExportError(f"trace.ops: the operations are not well formed ({exc})") from None
+        except (InvalidOp, AssertionError, KeyError) as exc:
+            raise ExportError(f"trace.ops[{i}]: not well formed ({exc})") from None
         if isinstance(op, AddRequest):
             history[op.rid] = RequestHistory(op.prompt)
         elif isinstance(op, Sample):
