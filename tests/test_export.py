@@ -10,9 +10,11 @@ docs/findings/ are exactly what the exporter writes today.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import importlib.util
 import itertools
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -344,3 +346,34 @@ def test_read_trace_round_trip(tmp_path: Path) -> None:
     plan = plan_export(read_trace(path))
     assert plan.finding is not None and plan.finding.id == "eagle-mamba-aligned-prompt-resend"
     assert plan.expectation.hit == 4 and (1, 4, "mamba block 1") in plan.expectation.needed
+
+
+def _vllm_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@pytest.mark.skipif(_vllm_version() != "0.33.0", reason="strict only on the vLLM the findings were found on")
+def test_findings_suite_reports_a_fixed_finding(tmp_path: Path) -> None:
+    """The day vLLM fixes a finding, its exported test passes: under docs/findings'
+    conftest that is an XPASS(strict), a failure of the suite (control: a test
+    that still fails is an expected failure)."""
+    import subprocess
+    import sys
+
+    findings = tmp_path / "findings"
+    findings.mkdir()
+    shutil.copy(ROOT / "docs" / "findings" / "conftest.py", findings / "conftest.py")
+    (findings / "test_fixed.py").write_text("def test_fixed_upstream():\n    assert True\n")
+    (findings / "test_open.py").write_text("def test_still_open():\n    assert 0 == 4, 'hit 0, promised 4'\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rxX", str(findings)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stdout
+    assert "XPASS(strict)" in out.stdout and "1 xfailed" in out.stdout, out.stdout
