@@ -377,3 +377,70 @@ def test_findings_suite_reports_a_fixed_finding(tmp_path: Path) -> None:
     )
     assert out.returncode == 1, out.stdout
     assert "XPASS(strict)" in out.stdout and "1 xfailed" in out.stdout, out.stdout
+
+
+def _recorded_traces(seed: int, examples: int) -> list[Trace]:
+    """Well-formed operation sequences from the fuzzer's own state machine (on the model)."""
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis.stateful import get_state_machine_test
+
+    from invariants.harness.machine import build_machine
+    from invariants.harness.strategies import configs
+    from invariants.targets.model_target import ModelTarget
+
+    recorded: list[tuple[Config, list[Op]]] = []
+
+    class Recorder(ModelTarget):
+        def __init__(self, config: Config) -> None:
+            super().__init__(config)
+            self.ops: list[Op] = []
+            recorded.append((config, self.ops))
+
+        def apply(self, op: Op) -> Any:
+            self.ops.append(op)
+            return super().apply(op)
+
+    machine = build_machine(Recorder, configs(allow_pinning=False), tolerated=lambda v: True)
+    s = settings(
+        max_examples=examples,
+        stateful_step_count=12,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    hypothesis_seed(seed)(get_state_machine_test(machine, settings=s))()
+    return [
+        Trace(cfg, ops[:40], seed, "vllm", "snapshot: (none: a differential control)")
+        for cfg, ops in recorded
+        if ops
+    ]
+
+
+@needs_vllm
+def test_state_exports_of_fuzzed_traces_pass_on_vllm(tmp_path: Path) -> None:
+    """Differential control of the exporter: on traces where vLLM agrees with the
+    model, the exported test (its own replay through vLLM's API, Mamba chunks
+    from vLLM's scheduler split) must pass; a wrong replay would fail it."""
+    traces = _recorded_traces(seed=3, examples=16)
+    assert len(traces) >= 8
+    kinds = {type(op).__name__ for t in traces for op in t.ops}
+    assert {"AddRequest", "Schedule", "Finish"} <= kinds
+    tests = []
+    for t in traces:
+        plan = plan_export(t)
+        assert plan.expectation.kind == "state"
+        tests.append(load_exported(render_test(plan), tmp_path))
+        tests[-1]()
+    # Control: the same exported tests have teeth on a mutated vLLM.
+    from invariants.zoo.mutants_vllm import activate
+
+    failed = 0
+    with activate("cached_blocks_prepended"):
+        for test in tests:
+            try:
+                test()
+            except AssertionError:
+                failed += 1
+    assert failed >= 1
