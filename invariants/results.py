@@ -37,11 +37,27 @@ class CaseResult:
     figures: dict[str, Any] = field(default_factory=dict)
 
 
+def output_path(text: str) -> Path:
+    """An output file path, checked before the run starts (not after an hour of fuzzing)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {parent} is a file, not a directory")
+    if parent is not None and not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: {parent} is not writable")
+    return path
+
+
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--junit-xml", metavar="PATH", help="also write the rows as JUnit XML (one test case each)"
+        "--junit-xml",
+        metavar="PATH",
+        type=output_path,
+        help="also write the rows as JUnit XML (one test case each)",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="also write the rows as JSON")
 
 
 def _atomic_write(path: Path, data: bytes) -> Path:

@@ -188,3 +188,16 @@ def test_conformance_rows_reach_junit(
     assert [c.get("name") for c in cases] == ["full attention", "eagle"]
     failure = cases[1].find("failure")
     assert failure is not None and "trace: t/eagle.json" in (failure.text or "")
+
+
+@pytest.mark.parametrize("command", ["fuzz", "verify", "conformance", "zoo"])
+def test_bad_output_path_is_one_line_before_anything_runs(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main([command, "--junit-xml", str(tmp_path)]) == 2
+    assert main([command, "--json", str(blocker / "out.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "is a directory" in err[0] and "is a file, not a directory" in err[1], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
