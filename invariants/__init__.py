@@ -12,17 +12,18 @@
 | `zoo/`       | mutants that re-create real bug classes, and the hunt that kills them   |
 | `simulate/`  | the serving simulator (one scheduler loop with observers), scenarios,   |
 |              | retention settings, verdicts per seed claim                             |
+| `export/`    | a finding as a standalone vLLM pytest file and an upstream report       |
 | `cli/`       | the `kvretain` command, one module per command group                    |
 
-`errors` (usage errors) and `report` (tables, progress lines) are leaves that
-any room may use. A room imports only the rooms listed for it in `ROOMS`, so
+`errors` (usage errors), `report` (tables, progress lines) and `results` (JUnit
+XML and JSON for CI) are leaves that any room may use. A room imports only the rooms listed for it in `ROOMS`, so
 the judge reads bottom-up: the catalogue and targets know nothing of the
 harness, and nothing but `cli/` knows the command line. `tests/test_layers.py`
 enforces this map, and the layer rules between `model/`, `reference_impl/`,
 `invariants/` and `gpu_check/`.
 """
 
-LEAVES: frozenset[str] = frozenset({"errors", "report"})
+LEAVES: frozenset[str] = frozenset({"errors", "report", "results"})
 
 # room -> the rooms it may import (besides itself and the leaves).
 ROOMS: dict[str, frozenset[str]] = {
@@ -33,5 +34,6 @@ ROOMS: dict[str, frozenset[str]] = {
     "harness": frozenset({"catalogue", "targets", "layouts"}),
     "zoo": frozenset({"catalogue", "targets", "layouts", "harness"}),
     "simulate": frozenset({"targets", "layouts", "harness", "zoo"}),
-    "cli": frozenset({"catalogue", "targets", "layouts", "harness", "proofs", "zoo", "simulate"}),
+    "export": frozenset({"catalogue", "targets", "harness"}),
+    "cli": frozenset({"catalogue", "targets", "layouts", "harness", "proofs", "zoo", "simulate", "export"}),
 }

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from invariants.harness.trace import read_trace
 from invariants.report import table
+from invariants.results import CaseResult, fuzz_case, write_results
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
@@ -28,7 +29,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     if report.failure is not None:
         print(format_failure(report))
     print(format_summary([report]))
-    return 1 if report.failure is not None else 0
+    rc = 1 if report.failure is not None else 0
+    write_results(args, "fuzz", [fuzz_case(report)], rc)
+    return rc
 
 
 # ---------------------------------------------------------------- replay
@@ -68,7 +71,16 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     from invariants.targets import target_factory
 
     target_factory("vllm")  # one line and exit 2 when vLLM cannot be imported
-    return run_conformance(steps=args.steps, budget_s=args.budget_s, seed=args.seed, out=Path(args.out))
+    rows: list = []
+    rc = run_conformance(
+        steps=args.steps, budget_s=args.budget_s, seed=args.seed, out=Path(args.out), sink=rows
+    )
+    cases = [
+        CaseResult(r.feature, "conformance", "passed" if r.ok else "failed", r.seconds, r.verdict, r.trace)
+        for r in rows
+    ]
+    write_results(args, "conformance", cases, rc)
+    return rc
 
 
 # ---------------------------------------------------------------- bench

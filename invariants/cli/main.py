@@ -17,7 +17,8 @@ from invariants.cli.prove import cmd_prove
 from invariants.cli.verify import cmd_verify
 from invariants.errors import UsageError
 from invariants.harness.trace import TraceError
-from invariants.targets import TARGET_NAMES, TargetUnavailable
+from invariants.results import add_output_flags
+from invariants.targets import BUILTIN_TARGETS, TARGET_NAMES, TargetUnavailable, plugin_targets
 from model.config import ConfigError
 
 
@@ -43,12 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     f = sub.add_parser("fuzz", help="stateful fuzzing of one target against the model")
-    f.add_argument("--target", choices=TARGET_NAMES, default="reference")
+    f.add_argument(
+        "--target",
+        choices=TARGET_NAMES,
+        default="reference",
+        help="the allocator under test: built-in "
+        + ", ".join(BUILTIN_TARGETS)
+        + (f"; plug-ins: {', '.join(plugin_targets())}" if plugin_targets() else "")
+        + " (packages register more under the kvretain.targets entry point)",
+    )
     f.add_argument("--config", help="a preset name (default: generated configurations)")
     f.add_argument("--steps", type=int, default=2000)
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--budget-s", type=float, default=None)
     f.add_argument("--out", default="kvretain-traces", help="where failing traces are written")
+    add_output_flags(f)
     f.set_defaults(func=cmd_fuzz)
 
     r = sub.add_parser("replay", help="re-run a trace file against targets")
@@ -81,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--budget-s", type=float, default=60.0, help="fuzz time budget per target")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--out", default="kvretain-traces")
+    add_output_flags(v)
     v.set_defaults(func=cmd_verify)
 
     c = sub.add_parser("conformance", help="vLLM vs the model, feature by feature")
@@ -88,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--budget-s", type=float, default=30.0, help="time budget per feature")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--out", default="kvretain-traces")
+    add_output_flags(c)
     c.set_defaults(func=cmd_conformance)
 
     b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
@@ -95,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=cmd_bench)
 
-    for module in ("invariants.cli.zoo", "invariants.cli.simulate", "gpu_check.cli"):
+    for module in ("invariants.cli.zoo", "invariants.cli.simulate", "invariants.cli.export", "gpu_check.cli"):
         _command_module(module).add_parser(sub)  # type: ignore[attr-defined]
     return parser
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from invariants.report import table
+from invariants.results import CaseResult, Outcome, write_results
 from invariants.targets import available_targets
 
 Record = Callable[[str, str, str, str, float, bool], None]
@@ -38,12 +39,27 @@ def import_row_module(module: str, record: Record) -> Any:
 def cmd_verify(args: argparse.Namespace) -> int:
     """The main job: proofs, fuzzing against every installed target, GPU check on CPU."""
     rows: list[tuple[object, ...]] = []
+    cases: list[CaseResult] = []  # the same rows, for --junit-xml / --json
     ok = True
 
-    def record(check: str, target: str, verdict: str, figure: str, seconds: float, good: bool) -> None:
+    def record(
+        check: str, target: str, verdict: str, figure: str, seconds: float, good: bool, trace: Any = None
+    ) -> None:
         nonlocal ok
         ok &= good
         rows.append((check, target, verdict, figure, f"{seconds:.1f}"))
+        outcome: Outcome = "passed" if good else ("error" if verdict.startswith("ERROR") else "failed")
+        cases.append(
+            CaseResult(
+                f"{check} [{target}]",
+                check,
+                outcome,
+                seconds,
+                verdict,
+                trace and str(trace),
+                {"figure": figure},
+            )
+        )
         print(f"[verify] {check} {target}: {verdict} ({figure})", file=sys.stderr, flush=True)
 
     def imported(module: str) -> Any:
@@ -87,6 +103,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             continue
         if reason is not None:
             rows.append(("fuzz", name, "skipped", reason[:70], "0.0"))
+            cases.append(CaseResult(f"fuzz [{name}]", "fuzz", "skipped", 0.0, reason))
             print(f"[verify] fuzz {name}: skipped: {reason}", file=sys.stderr, flush=True)
             continue
         report = run_fuzz(
@@ -101,17 +118,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"{report.stats.steps} steps, {report.ops_per_s:.0f} ops/s, hit {report.stats.hit_rate:.0%}",
             report.seconds,
             report.failure is None,
+            report.trace_path,
         )
 
     if available_targets().get("vllm") is None:
         from invariants.harness.conformance import run_conformance
 
         t = time.monotonic()
+        conf_rows: list[Any] = []
         rc = run_conformance(
             steps=300 if args.quick else 1500,
             budget_s=10.0 if args.quick else 30.0,
             seed=args.seed,
             out=Path(args.out),
+            sink=conf_rows,
         )
         record(
             "conformance",
@@ -120,6 +140,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             "8 feature rows",
             time.monotonic() - t,
             rc == 0,
+            next((r.trace for r in conf_rows if r.trace), None),
         )
 
     from invariants.harness.known_findings import recheck_known_findings
@@ -156,4 +177,5 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     print(table(["check", "target", "verdict", "figure", "seconds"], rows))
     print("kvretain verify: " + ("everything holds" if ok else "FAILED"))
+    write_results(args, "verify", cases, 0 if ok else 1)
     return 0 if ok else 1

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from invariants.results import add_output_flags, write_results, zoo_cases
 from invariants.zoo.runner import (
     MutantResult,
     ZooEntry,
@@ -71,6 +72,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="kvretain-traces/zoo", help="where shrunk traces are written")
     p.add_argument("--no-control", action="store_true", help="skip the unmutated control run")
+    add_output_flags(p)
     p.set_defaults(func=run)
     return p
 
@@ -192,7 +194,9 @@ def run(args: argparse.Namespace) -> int:
     for r in report.results:
         if not r.killed:
             print(f"SURVIVOR {r.name}: {r.note or 'no check fired within the budget'}")
-    return 0 if report.ok and control_ok else 1
+    rc = 0 if report.ok and control_ok else 1
+    write_results(args, "zoo", zoo_cases(report, None if args.no_control else control_ok), rc)
+    return rc
 
 
 LAST_REPORT: ZooReport | None = None

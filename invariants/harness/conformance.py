@@ -106,12 +106,19 @@ class Row:
     verdict: str
     seconds: float
     ok: bool
+    trace: str | None = None
 
 
 def run_conformance(
-    steps: int = 1500, budget_s: float = 30.0, seed: int = 0, out: Path = Path("kvretain-traces")
+    steps: int = 1500,
+    budget_s: float = 30.0,
+    seed: int = 0,
+    out: Path = Path("kvretain-traces"),
+    sink: list[Row] | None = None,
 ) -> int:
-    rows: list[Row] = []
+    """Print the feature table; exit code 0 when vLLM agrees on every row. `sink`
+    receives the rows (for `--junit-xml` / `--json`)."""
+    rows: list[Row] = [] if sink is None else sink
     t = time.monotonic()
     n, bad = check_validation()
     rows.append(
@@ -141,6 +148,7 @@ def run_conformance(
                 verdict,
                 report.seconds,
                 report.failure is None,
+                str(report.trace_path) if report.trace_path else None,
             )
         )
         print(f"[conformance] {feature}: {verdict}", flush=True)

@@ -1,29 +1,75 @@
 """Target registry: name -> factory. Imports are lazy so a missing optional
-allocator (vLLM) only matters when it is asked for."""
+allocator (vLLM) only matters when it is asked for.
+
+Besides the built-in targets, any installed package may register one under
+the `kvretain.targets` entry-point group (`name = "package.module:Factory"`,
+where `Factory(config)` returns a `Target`; see docs/targets.md), so a fork
+ships its allocator's adapter in its own package and `--target name` fuzzes
+it. A plug-in cannot shadow a built-in name. A plug-in whose factory sets
+`supports_pinning = True` is fuzzed with the #40676 pinned tier too.
+"""
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.metadata
 from collections.abc import Callable
 
 from invariants.targets.base import Target, TargetCrash, TargetUnavailable
 from model.config import Config
 
-_TARGETS: dict[str, tuple[str, str]] = {
+ENTRY_POINT_GROUP = "kvretain.targets"
+
+_BUILTIN: dict[str, tuple[str, str]] = {
     "model": ("invariants.targets.model_target", "ModelTarget"),
     "reference": ("invariants.targets.reference", "ReferenceTarget"),
     "vllm": ("invariants.targets.vllm_target", "VllmTarget"),
 }
-TARGET_NAMES = tuple(_TARGETS)
+BUILTIN_TARGETS = tuple(_BUILTIN)
+
+
+@functools.cache
+def plugin_targets() -> dict[str, importlib.metadata.EntryPoint]:
+    """Targets registered by installed packages under `kvretain.targets` (not loaded yet)."""
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _BUILTIN and ep.name not in found:
+            found[ep.name] = ep
+    return dict(sorted(found.items()))
+
+
+TARGET_NAMES = BUILTIN_TARGETS + tuple(plugin_targets())
 # Targets that implement the #40676 pinned tier (vLLM never merged it).
 PINNING_TARGETS = {"model", "reference"}
 
 
+def _load_plugin(name: str) -> Callable[[Config], Target]:
+    ep = plugin_targets()[name]
+    where = f"target {name!r} (entry point {ep.value} of {ep.dist.name if ep.dist else 'an unknown package'})"
+    try:
+        factory = ep.load()
+    except Exception as exc:  # a broken plug-in is one line, never a traceback
+        raise TargetUnavailable(f"{where} cannot be loaded: {type(exc).__name__}: {exc}") from None
+    if not callable(factory):
+        raise TargetUnavailable(f"{where} is not callable (expected a class or function taking a Config)")
+    missing = [m for m in ("apply", "snapshot") if isinstance(factory, type) and not hasattr(factory, m)]
+    if missing:
+        names = ", ".join(f"{m}()" for m in missing)
+        raise TargetUnavailable(f"{where} does not implement the Target protocol: no {names}")
+    if getattr(factory, "supports_pinning", False):
+        PINNING_TARGETS.add(name)
+    loaded: Callable[[Config], Target] = factory
+    return loaded
+
+
 def target_factory(name: str) -> Callable[[Config], Target]:
     """The constructor of target `name`; TargetUnavailable if it cannot load."""
-    if name not in _TARGETS:
+    if name in plugin_targets():
+        return _load_plugin(name)
+    if name not in _BUILTIN:
         raise TargetUnavailable(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
-    module_name, cls_name = _TARGETS[name]
+    module_name, cls_name = _BUILTIN[name]
     if name == "vllm":
         from invariants.targets.vllm_env import vllm_available
 
@@ -51,11 +97,14 @@ def available_targets() -> dict[str, str | None]:
 
 
 __all__ = [
+    "BUILTIN_TARGETS",
+    "ENTRY_POINT_GROUP",
     "PINNING_TARGETS",
     "TARGET_NAMES",
     "Target",
     "TargetCrash",
     "TargetUnavailable",
     "available_targets",
+    "plugin_targets",
     "target_factory",
 ]

@@ -1,0 +1,1 @@
+"""A kvretain target package: a fork's allocator and its adapter."""

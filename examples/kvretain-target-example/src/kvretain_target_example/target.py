@@ -1,0 +1,43 @@
+"""The adapter: kvretain's Target contract over the fork's allocator.
+
+The fork is kvretain's reference allocator (`reference_impl`, vLLM-shaped)
+with its block pool's free queue replaced; `ReferenceTarget` already
+translates configs, operations, hashes and events for that allocator, so the
+adapter only says which components the fork uses. A fork of vLLM itself
+would subclass `invariants.targets.vllm_target.VllmTarget` the same way.
+
+Contract (docs/targets.md): `ExampleTarget(config)` raises
+`model.config.ConfigError` for a config the allocator rejects; `apply(op)`
+returns the operation's `Observation` and raises `TargetCrash` when the
+allocator fails on a well-formed sequence; `snapshot()` returns the
+observable state and drains the KV events since the last call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from invariants.targets.reference import ReferenceTarget
+from model.config import Config
+from reference_impl.block_pool import BlockPool
+from reference_impl.components import AllocatorComponents
+
+from .free_queue import DictFreeQueue
+
+
+class DictQueueBlockPool(BlockPool):
+    free_queue_cls = DictFreeQueue  # type: ignore[assignment]
+
+
+def fork_components(components: AllocatorComponents) -> AllocatorComponents:
+    return replace(components, block_pool_cls=DictQueueBlockPool)
+
+
+class ExampleTarget(ReferenceTarget):
+    name = "example"
+    # The fork keeps the #40676 pinned tier of the reference allocator.
+    supports_pinning = True
+    MUTANTS = {"fork": fork_components}
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config, mutant="fork")

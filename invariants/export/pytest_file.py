@@ -1,0 +1,396 @@
+"""Render an export plan as a standalone pytest file for vLLM's tests/v1/core.
+
+The file imports only vLLM, torch (which vLLM needs for a spec's dtype) and
+pytest. It builds the `KVCacheConfig` and `KVCacheManager` the trace used,
+drives them with the calls vLLM's scheduler makes (the same calls kvretain's
+vLLM target makes: `get_computed_blocks`, `allocate_slots`, `free`,
+`take_kv_cache_block_copies`, ...), and ends with one assertion whose expected
+value is a literal from the specification. Mamba prefill chunks are clipped by
+vLLM's own `Scheduler._mamba_block_aligned_split`, so a fix in the scheduler's
+split shows in the test too.
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import re
+import textwrap
+
+from invariants.export.plan import Expectation, ExportPlan
+from model.config import Config
+from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, ResetPrefixCache, Sample, Schedule
+
+_SPECS = {"full": "FullAttentionSpec", "swa": "SlidingWindowSpec", "mamba": "MambaSpec"}
+
+
+def tokens_literal(tokens: tuple[int, ...]) -> str:
+    """A short Python expression for a token list: a range, a repeated pattern, or the list."""
+    n = len(tokens)
+    if n > 2 and all(tokens[i + 1] - tokens[i] == 1 for i in range(n - 1)):
+        return f"list(range({tokens[0]}, {tokens[-1] + 1}))"
+    for period in range(1, n // 2 + 1):
+        if n % period == 0 and tokens == tokens[:period] * (n // period):
+            return f"{list(tokens[:period])} * {n // period}"
+    return repr(list(tokens))
+
+
+def _wrap(text: str, indent: str, width: int = 88) -> str:
+    return textwrap.fill(
+        text,
+        width=width,
+        initial_indent=indent,
+        subsequent_indent=indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def exported_test_name(plan: ExportPlan) -> str:
+    base = plan.finding.id if plan.finding else f"{plan.expectation.property}_seed{plan.trace.seed}"
+    return "test_" + re.sub(r"\W", "_", base).strip("_")
+
+
+def _var(rid: str, taken: dict[str, str]) -> str:
+    if rid in taken:
+        return taken[rid]
+    name = "req_" + re.sub(r"\W", "_", rid)
+    if keyword.iskeyword(name) or name in taken.values():
+        name += f"_{len(taken)}"
+    taken[rid] = name
+    return name
+
+
+def _group_spec(cfg: Config, i: int) -> str:
+    g = cfg.groups[i]
+    args = f"block_size={g.block_size}"
+    if g.kind == "swa":
+        args += f", sliding_window={g.sliding_window}, num_kv_heads=1, head_size=1, dtype=torch.float32"
+    elif g.kind == "mamba":
+        args += (
+            f", shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode={json.dumps(g.mamba_cache_mode)}"
+        )
+    else:
+        args += ", num_kv_heads=1, head_size=1, dtype=torch.float32"
+    pad = " " * 12
+    return (
+        f'{pad}KVCacheGroupSpec(\n{pad}    ["layer{i}"],\n{pad}    {_SPECS[g.kind]}(\n'
+        f"{pad}        {args}\n{pad}    ),\n{pad}),"
+    )
+
+
+def _op_lines(op: Op, names: dict[str, str]) -> list[str]:
+    if isinstance(op, AddRequest):
+        return [f"{_var(op.rid, names)} = make_request({json.dumps(op.rid)}, {tokens_literal(op.prompt)})"]
+    if isinstance(op, Schedule):
+        return [f"schedule_step(manager, {_var(op.rid, names)}, token_budget={op.budget})"]
+    if isinstance(op, Sample):
+        return [f"{_var(op.rid, names)}.append_output_token_ids({op.token})"]
+    if isinstance(op, Finish):
+        return [f"finish(manager, {_var(op.rid, names)})"]
+    if isinstance(op, Preempt):
+        return [f"preempt(manager, {_var(op.rid, names)})"]
+    if isinstance(op, Probe):
+        return [f'manager.get_computed_blocks(make_request("probe", {tokens_literal(op.tokens)}))']
+    if isinstance(op, ResetPrefixCache):
+        return ["manager.reset_prefix_cache()"]
+    if isinstance(op, EvictBlocks):
+        return [f"manager.evict_blocks({set(op.block_ids)!r})"]
+    raise TypeError(f"unknown operation {op!r}")
+
+
+def _assertion(cfg: Config, exp: Expectation, last: Op, last_line: str, names: dict[str, str]) -> list[str]:
+    """The last step and the assertion of the broken property."""
+    if exp.kind == "crash":
+        return [
+            "# The allocator raises on this well-formed step:",
+            last_line,
+        ]
+    if exp.kind == "replay_hit":
+        assert exp.request is not None and exp.hit is not None
+        var = names[exp.request]
+        needed = [list(n) for n in exp.needed]
+        return [
+            last_line,
+            f"# The replay boundary retention promises for this prompt: {exp.hit} tokens. Each",
+            "# [group, tokens before the block's end, role] below must be in the hash map.",
+            "needed = [",
+            *(f"    {json.dumps(n)}," for n in needed),
+            "]",
+            "pool = manager.block_pool",
+            "missing = [",
+            "    (group, num_tokens, role)",
+            "    for group, num_tokens, role in needed",
+            "    if pool.get_cached_block(",
+            f"        {var}.block_hashes[num_tokens // HASH_BLOCK_SIZE - 1], [group]",
+            "    )",
+            "    is None",
+            "]",
+            "assert not missing, (",
+            f'    f"right after request {exp.request!r} finished, blocks its replay needs for "',
+            f'    f"the promised {exp.hit}-token hit are not in the prefix cache: {{missing}}"',
+            ")",
+            f'replay = make_request("{exp.request}-replay", {var}.prompt_token_ids)',
+            "_, num_hit_tokens, _ = manager.get_computed_blocks(replay)",
+            f"assert num_hit_tokens >= {exp.hit}, (",
+            f'    f"replaying the {len(exp.prompt)}-token prompt of request {exp.request!r} right "',
+            f'    f"after it finished hits {{num_hit_tokens}} tokens; retention promised {exp.hit} "',
+            '    "(every block the replay needs is cached and nothing was reused since)"',
+            ")",
+        ]
+    if exp.kind == "stored_tokens":
+        lines = ["manager.take_events()  # only this step's events count", last_line]
+        lines.append("stored = stored_token_ids(manager.take_events())")
+        for g, toks in sorted(exp.stored.items()):
+            nblocks = len(toks) // cfg.groups[g].block_size
+            lines += [
+                f"# group {g}: the tokens of the {nblocks} block(s) this step put in the hash map",
+                f"expected_{g} = {tokens_literal(toks)}",
+                f"assert stored.get({g}, []) == expected_{g}, (",
+                f'    f"BlockStored events of group {g} carry {{len(stored.get({g}, []))}} token ids; "',
+                f'    f"the blocks stored in group {g} hold {{len(expected_{g})}}: a consumer cannot tell "',
+                '    "which tokens a block hash stands for"',
+                ")",
+            ]
+        return lines
+    lines = [f"result = {last_line}" if isinstance(last, (Schedule, Probe)) else last_line]
+    if isinstance(last, Probe) and exp.hit is not None:
+        lines += [
+            "_, num_hit_tokens, _ = result",
+            f'assert num_hit_tokens == {exp.hit}, f"prefix-cache hit {{num_hit_tokens}}, expected {exp.hit}"',
+        ]
+    if isinstance(last, Schedule):
+        if exp.hit is not None:
+            lines.append(
+                f'assert result.num_hit_tokens == {exp.hit}, f"prefix-cache hit {{result.num_hit_tokens}}, '
+                f'expected {exp.hit}"'
+            )
+        new = None if exp.new_blocks is None else [list(g) for g in exp.new_blocks]
+        lines.append(
+            f'assert result.new_block_ids == {new!r}, f"new block ids per group {{result.new_block_ids}}"'
+        )
+    lines += [
+        "pool = manager.block_pool",
+        "free_queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]",
+        f"assert free_queue == {list(exp.free_queue)!r}, (",
+        f'    f"free queue (head = reused first) is {{free_queue}}, expected {list(exp.free_queue)}"',
+        ")",
+        "ref_cnts = [b.ref_cnt for b in pool.blocks[1:]]",
+        f'assert ref_cnts == {list(exp.ref_cnt)!r}, f"ref counts of blocks 1.. are {{ref_cnts}}"',
+        "cached = cached_blocks(pool)",
+        f'assert cached == {[list(c) for c in exp.cached]!r}, f"cached (group, block id) pairs are {{cached}}"',
+    ]
+    return lines
+
+
+DOC = '''"""Regression test for vLLM's prefix-cache allocator (vllm/v1/core).
+
+{what}
+
+{prop_text}
+
+Exported by kvretain from a {nops}-operation trace (target {target}, seed {seed}); kvretain
+reported: {violation}
+It fails on the vLLM it was found on and passes once the allocator keeps the property.
+Run with: pytest -q THIS_FILE (needs vllm and pytest only).
+"""
+'''
+
+CONSTS = """HASH_BLOCK_SIZE = {hbs}
+SCHEDULER_BLOCK_SIZE = {sbs}
+USE_EAGLE = {eagle}
+"""
+
+CORE = """def make_kv_cache_config() -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks={num_blocks},
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+{groups}
+        ],
+        prefix_cache_retention_interval={retention},
+    )
+
+
+def make_manager() -> KVCacheManager:
+    init_none_hash(sha256)
+    return KVCacheManager(
+        make_kv_cache_config(),
+        max_model_len={max_model_len},
+        scheduler_block_size=SCHEDULER_BLOCK_SIZE,
+        hash_block_size=HASH_BLOCK_SIZE,
+        enable_caching={caching},
+        use_eagle=USE_EAGLE,
+        enable_kv_cache_events=True,
+    )
+
+
+def make_request(request_id: str, prompt_token_ids: list[int]) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=SamplingParams(max_tokens=1 << 30),
+        pooling_params=None,
+        mm_features=None,
+        block_hasher={hasher},
+    )
+"""
+
+MAMBA = '''def mamba_chunk(request: Request, num_new_tokens: int, num_hit_tokens: int, token_budget: int) -> int:
+    """The chunk Scheduler.schedule() computes: its Mamba block-aligned split, run on
+    the scheduler settings of this configuration (align mode, no spec tokens)."""
+    settings = SimpleNamespace(
+        block_size=SCHEDULER_BLOCK_SIZE,
+        cache_config=SimpleNamespace(block_size=SCHEDULER_BLOCK_SIZE),
+        hash_block_size=HASH_BLOCK_SIZE,
+        use_eagle_block_drop=USE_EAGLE,
+        num_hash_lookahead_tokens=0,
+        mamba_partial_cache_hit=False,
+        mamba_has_prefill_checkpoint_blocks=False,
+        mamba_prefill_checkpoint_alignment=None,
+        mamba_shared_prefix_checkpoint=False,
+        max_num_scheduled_tokens=token_budget,
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+    )
+    return Scheduler._mamba_block_aligned_split(settings, request, num_new_tokens, num_hit_tokens)
+'''
+
+SCHEDULE = '''def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) -> SimpleNamespace:
+    """One scheduler step for one request, as Scheduler.schedule() drives the manager."""
+    manager.new_step_starts()
+    hit, new_block_ids = None, None
+    if request.status == RequestStatus.RUNNING:
+        start = request.num_computed_tokens
+        n = min(request.num_tokens - start, token_budget)
+{mamba_running}        blocks = manager.allocate_slots(request, n) if n > 0 else None
+        if blocks is not None:
+            request.num_computed_tokens += n
+            new_block_ids = [list(ids) for ids in blocks.get_block_ids()]
+    else:
+        computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
+        n = min(request.num_tokens - hit, token_budget)
+{mamba_waiting}        blocks = None
+        if n > 0:
+            blocks = manager.allocate_slots(
+                request, n, num_new_computed_tokens=hit, new_computed_blocks=computed
+            )
+        if blocks is not None:
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = hit + n
+            new_block_ids = [list(ids) for ids in blocks.get_block_ids()]
+    # Scheduler.schedule(): drain copy-on-write copies, release their retained blocks.
+    _, retained = manager.take_kv_cache_block_copies()
+    if retained:
+        manager.block_pool.free_blocks(retained)
+    return SimpleNamespace(num_hit_tokens=hit, new_block_ids=new_block_ids)
+
+
+def finish(manager: KVCacheManager, request: Request) -> None:
+    manager.free(request)
+    request.status = RequestStatus.FINISHED_STOPPED
+
+
+def preempt(manager: KVCacheManager, request: Request) -> None:
+    """As Scheduler._preempt_request: free the blocks, wait again from token 0."""
+    manager.free(request)
+    request.status = RequestStatus.PREEMPTED
+    request.num_computed_tokens = 0
+    request.num_preemptions += 1
+'''
+
+CACHED = '''def cached_blocks(pool) -> list[list[int]]:
+    """[kv cache group id, block id] of every block that holds a hash."""
+    return sorted(
+        [int.from_bytes(b.block_hash[-4:], "big"), b.block_id]
+        for b in pool.blocks
+        if b.block_hash is not None
+    )
+'''
+
+STORED = '''def stored_token_ids(events) -> dict[int, list[int]]:
+    """Per group, the token ids of every BlockStored event, in order."""
+    out: dict[int, list[int]] = {}
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            out.setdefault(ev.group_idx, []).extend(ev.token_ids)
+    return out
+'''
+
+TEST_DEF = """def {name}():
+    manager = make_manager()
+"""
+
+
+def _imports(cfg: Config, exp: Expectation) -> str:
+    kinds = sorted({_SPECS[g.kind] for g in cfg.groups} | {"KVCacheConfig", "KVCacheGroupSpec"})
+    utils = "get_request_block_hasher, init_none_hash" if cfg.enable_caching else "init_none_hash"
+    lines = [
+        "from types import SimpleNamespace",
+        "",
+        "import torch",
+        *(["from vllm.distributed.kv_events import BlockStored"] if exp.kind == "stored_tokens" else []),
+        "from vllm.sampling_params import SamplingParams",
+        "from vllm.utils.hashing import sha256",
+        "from vllm.v1.core.kv_cache_manager import KVCacheManager",
+        f"from vllm.v1.core.kv_cache_utils import {utils}",
+        *(["from vllm.v1.core.sched.scheduler import Scheduler"] if _has_mamba(cfg) else []),
+        "from vllm.v1.kv_cache_interface import (",
+        *(f"    {k}," for k in kinds),
+        ")",
+        "from vllm.v1.request import Request, RequestStatus",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _has_mamba(cfg: Config) -> bool:
+    return any(g.kind == "mamba" for g in cfg.groups)
+
+
+def render_test(plan: ExportPlan) -> str:
+    """The pytest file's source (see the module docstring)."""
+    trace, exp = plan.trace, plan.expectation
+    cfg = trace.config
+    names: dict[str, str] = {}
+    body: list[str] = []
+    for op in trace.ops[:-1]:
+        body += _op_lines(op, names)
+    last_line = _op_lines(trace.ops[-1], names)[0]
+    body += _assertion(cfg, exp, trace.ops[-1], last_line, names)
+    what = (
+        f"Known finding {plan.finding.id}: {plan.finding.description}"
+        if plan.finding
+        else f"After the last step below, the allocator breaks {exp.property}: {plan.message}."
+    )
+    mamba = _has_mamba(cfg)
+    sections = [
+        DOC.format(
+            what=_wrap(what, "").replace("\\", "\\\\"),
+            prop_text=_wrap(f"Property {exp.property}: {exp.guards}", "")
+            + "\n"
+            + _wrap(f"Asked for by: {exp.asked_by}.", ""),
+            nops=len(trace.ops),
+            target=trace.target or "?",
+            seed=trace.seed,
+            violation=_wrap(trace.violation or "", "").replace("\\", "\\\\"),
+        ),
+        _imports(cfg, exp),
+        CONSTS.format(hbs=cfg.hash_block_size, sbs=cfg.scheduler_block_size, eagle=cfg.eagle),
+        CORE.format(
+            num_blocks=cfg.num_blocks,
+            groups="\n".join(_group_spec(cfg, i) for i in range(len(cfg.groups))),
+            retention=cfg.retention_interval,
+            max_model_len=cfg.max_model_len,
+            caching=cfg.enable_caching,
+            hasher="get_request_block_hasher(HASH_BLOCK_SIZE, sha256)" if cfg.enable_caching else "None",
+        ),
+        *([MAMBA] if mamba else []),
+        SCHEDULE.format(
+            mamba_running="        n = mamba_chunk(request, n, 0, token_budget)\n" if mamba else "",
+            mamba_waiting="        n = mamba_chunk(request, n, hit, token_budget)\n" if mamba else "",
+        ),
+        *([CACHED] if exp.kind == "state" else []),
+        *([STORED] if exp.kind == "stored_tokens" else []),
+        TEST_DEF.format(name=exported_test_name(plan)),
+    ]
+    head = sections[0] + "\n" + sections[1] + "\n" + "\n\n".join(sections[2:]).rstrip("\n")
+    return head + "\n" + "\n".join(f"    {line}" for line in body) + "\n"

@@ -1,0 +1,446 @@
+"""`kvretain export`: a trace becomes a standalone vLLM regression test.
+
+For each known finding the exported test fails on vLLM 0.33.0 with the
+property's message and passes once the defect is fixed (a fix applied to
+vLLM as a monkeypatch here); a test exported from a zoo mutant's trace fails
+with the mutant and passes without it. The checked-in files under
+docs/findings/ are exactly what the exporter writes today.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import itertools
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from invariants.cli.main import main
+from invariants.export.plan import ExportError, plan_export
+from invariants.export.pytest_file import exported_test_name, render_test, tokens_literal
+from invariants.harness.known_findings import load_known_findings
+from invariants.harness.trace import Trace, read_trace, trace_to_json, write_trace
+from invariants.targets.vllm_env import vllm_available
+from model.config import Config, GroupSpec
+from model.ops import AddRequest, Finish, Op, Schedule
+
+ROOT = Path(__file__).resolve().parent.parent
+FINDINGS = {f.id: f for f in load_known_findings()}
+_counter = itertools.count()
+
+needs_vllm = pytest.mark.skipif(not vllm_available()[0], reason=vllm_available()[1])
+
+
+def load_exported(source: str, tmp_path: Path) -> Callable[[], None]:
+    """Import an exported file and return its test function."""
+    path = tmp_path / f"exported_{next(_counter)}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module: ModuleType = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tests = [getattr(module, n) for n in dir(module) if n.startswith("test_")]
+    assert len(tests) == 1
+    return tests[0]  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------ fixes of vLLM, as monkeypatches
+def fix_blockstored_token_range(mp: pytest.MonkeyPatch) -> None:
+    """One BlockStored per contiguous run of stored blocks, carrying that run's tokens."""
+    import msgspec
+    from vllm.v1.core import block_pool as bp
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, resolve_block_hashes
+
+    orig = bp.BlockPool.cache_full_blocks
+
+    def cache_full_blocks(
+        self: Any,
+        request: Any,
+        blocks: Any,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Any = None,
+    ) -> None:
+        before = len(self.kv_event_queue)
+        num_cached, num_full = num_cached_blocks, num_full_blocks
+        orig(self, request, blocks, num_cached, num_full, block_size, kv_cache_group_id, block_mask)
+        if len(self.kv_event_queue) == before:
+            return
+        ev = self.kv_event_queue.pop()
+        stored = [
+            i
+            for i in range(num_cached, num_full)
+            if not blocks[i].is_null and (block_mask is None or block_mask[i - num_cached])
+        ]
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        k = 0
+        for run in runs:
+            n = len(run)
+            self.kv_event_queue.append(
+                msgspec.structs.replace(
+                    ev,
+                    block_hashes=ev.block_hashes[k : k + n],
+                    parent_block_hash=None if run[0] == 0 else maybe_convert_block_hash(hashes[run[0] - 1]),
+                    token_ids=request.all_token_ids[run[0] * block_size : (run[-1] + 1) * block_size],
+                    extra_keys=None if ev.extra_keys is None else ev.extra_keys[k : k + n],
+                )
+            )
+            k += n
+
+    mp.setattr(bp.BlockPool, "cache_full_blocks", cache_full_blocks)
+
+
+def fix_eagle_swa_short_run(mp: pytest.MonkeyPatch) -> None:
+    """Not-found path with Eagle: trim the leading run so that it is aligned after the
+    Eagle drop, then drop once (no second re-alignment)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+    from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+    cls = stm.SlidingWindowManager
+    orig = cls.find_longest_cache_hit.__func__  # type: ignore[attr-defined]
+
+    def find_longest_cache_hit(
+        klass: Any,
+        block_hashes: Any,
+        max_length: int,
+        kv_cache_group_ids: Any,
+        block_pool: Any,
+        kv_cache_spec: Any,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        **kw: Any,
+    ) -> Any:
+        group_ids, pool, spec = kv_cache_group_ids, block_pool, kv_cache_spec
+        blocks, hit = orig(
+            klass, block_hashes, max_length, group_ids, pool, spec, drop_eagle_block, alignment_tokens, **kw
+        )
+        bs = spec.block_size
+        if not drop_eagle_block or bs == alignment_tokens:
+            return blocks, hit
+        hashes = resolve_block_hashes(
+            block_hashes,
+            pool.hash_block_size,
+            bs,
+            supports_fine_grained_hash_lookup=klass.supports_fine_grained_hash_lookup,
+            alignment_tokens=alignment_tokens,
+        )
+        run = []
+        for i in range(max_length // bs):
+            cached = pool.get_cached_block(hashes[i], group_ids)
+            if cached is None:
+                break
+            run.append(cached)
+        if len(run) >= klass._contiguous_blocks_for_hit(spec.sliding_window, bs, True):
+            return blocks, hit  # a full window: the found path decides
+        keep = len(run)
+        while keep > 0 and (keep - 1) * bs % alignment_tokens:
+            keep -= 1
+        if keep == 0 or (keep - 1) * bs <= hit:
+            return blocks, hit
+        fixed = tuple(list(per_group) for per_group in zip(*run[: keep - 1], strict=True))
+        return fixed, (keep - 1) * bs
+
+    mp.setattr(cls, "find_longest_cache_hit", classmethod(find_longest_cache_hit))
+
+
+def fix_eagle_mamba_resend(mp: pytest.MonkeyPatch) -> None:
+    """With Eagle, the Mamba split also stops at the resend boundary of the prompt."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    orig = Scheduler._mamba_block_aligned_split
+
+    def split(self: Any, request: Any, num_new_tokens: int, local: int = 0, external: int = 0) -> int:
+        n = orig(self, request, num_new_tokens, local, external)
+        if not self.use_eagle_block_drop:
+            return n
+        start = request.num_computed_tokens + local + external
+        bs = self.block_size
+        resend = (request.num_prompt_tokens - 1) // bs * bs - bs
+        return resend - start if start < resend < start + n else n
+
+    mp.setattr(Scheduler, "_mamba_block_aligned_split", split)
+
+
+FIXES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
+    "vllm-blockstored-token-range": (
+        fix_blockstored_token_range,
+        "BlockStored events of group 1 carry 96 token ids",
+    ),
+    "eagle-swa-short-run-double-pop": (fix_eagle_swa_short_run, r"hits 0 tokens; retention promised 8"),
+    "eagle-mamba-aligned-prompt-resend": (
+        fix_eagle_mamba_resend,
+        r"are not in the prefix cache: \[\(1, 4, 'mamba block 1'\)\]",
+    ),
+}
+
+
+def test_every_known_finding_has_a_fix_here() -> None:
+    assert set(FIXES) == set(FINDINGS)
+
+
+# ------------------------------------------------------------------ known findings
+@pytest.mark.parametrize("fid", sorted(FINDINGS))
+def test_checked_in_export_is_current(fid: str) -> None:
+    plan = plan_export(FINDINGS[fid].trace)
+    path = ROOT / "docs" / "findings" / f"{exported_test_name(plan)}.py"
+    assert path.read_text() == render_test(plan), f"re-export {fid}: kvretain export TRACE --out {path}"
+
+
+@pytest.mark.parametrize("fid", sorted(FINDINGS))
+def test_exported_file_imports_only_vllm_and_pytest(fid: str) -> None:
+    source = render_test(plan_export(FINDINGS[fid].trace))
+    tops = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            tops |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            tops.add(node.module.split(".")[0])
+    assert tops <= {"vllm", "torch", "pytest", "types"}, tops
+
+
+@needs_vllm
+@pytest.mark.parametrize("fid", sorted(FINDINGS))
+def test_finding_fails_on_vllm_then_passes_fixed(
+    fid: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    test = load_exported(render_test(plan_export(FINDINGS[fid].trace)), tmp_path)
+    fix, message = FIXES[fid]
+    with pytest.raises(AssertionError, match=message):
+        test()
+    fix(monkeypatch)
+    test()  # the property holds once the defect is fixed
+
+
+# ------------------------------------------------------------------ a zoo mutant
+def _mutant_trace(name: str) -> Trace:
+    """A small trace, with the violation the mutated vLLM really shows on it."""
+    from invariants.harness.replay import replay
+    from invariants.zoo.mutants_vllm import activate
+
+    cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=8)
+    ops: list[Op] = [AddRequest("r0", tuple(range(1, 10))), Schedule("r0", 16), Finish("r0")]
+    trace = Trace(cfg, list(ops), seed=0, target="vllm")
+    with activate(name):
+        result = replay(trace, "vllm", stop_at_first=True)
+    assert result.violations, f"{name}: the trace does not show the mutant"
+    i, v = result.violations[0]
+    trace.ops = trace.ops[: i + 1]
+    trace.violation = str(v)
+    return trace
+
+
+@needs_vllm
+def test_mutant_export_fails_with_mutant_passes_without(tmp_path: Path) -> None:
+    from invariants.zoo.mutants_vllm import activate
+
+    trace = _mutant_trace("cached_blocks_prepended")
+    plan = plan_export(trace)
+    assert plan.expectation.kind == "state"
+    test = load_exported(render_test(plan), tmp_path)
+    test()  # unmutated vLLM keeps the property
+    with activate("cached_blocks_prepended"), pytest.raises(AssertionError, match="free queue"):
+        test()
+
+
+# ------------------------------------------------------------------ the command
+def _finding_file(tmp_path: Path, fid: str) -> Path:
+    return write_trace(FINDINGS[fid].trace, tmp_path / f"{fid}.json")
+
+
+def test_cli_writes_test_and_issue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _finding_file(tmp_path, "eagle-swa-short-run-double-pop")
+    out, issue = tmp_path / "t.py", tmp_path / "report.md"
+    assert main(["export", str(trace), "--out", str(out), "--issue", str(issue)]) == 0
+    source = out.read_text()
+    ast.parse(source)
+    assert "def test_eagle_swa_short_run_double_pop():" in source
+    report = issue.read_text()
+    for heading in (
+        "### Your current environment",
+        "### Operations",
+        "### Expected vs actual",
+        "### Regression test",
+    ):
+        assert heading in report
+    assert "hits at least 8 tokens" in report and source.strip() in report
+    if vllm_available()[0]:
+        assert "fails on vLLM 0.33.0: replaying the 17-token prompt" in report
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda d: d.update(violation=None), "records no violation"),
+        (lambda d: d.update(violation="no_such_check: x"), "unknown check 'no_such_check'"),
+        (lambda d: d.update(ops=[]), "empty"),
+        (lambda d: d["ops"].insert(0, {"op": "finish", "rid": "nobody"}), "trace.ops[0]: not well formed"),
+        (lambda d: d.update(format="other"), "trace.format"),
+    ],
+)
+def test_bad_trace_exits_2_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Callable[[dict[str, Any]], None], needle: str
+) -> None:
+    data = trace_to_json(FINDINGS["vllm-blockstored-token-range"].trace)
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    out, issue = tmp_path / "t.py", tmp_path / "r.md"
+    assert main(["export", str(path), "--out", str(out), "--issue", str(issue)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not out.exists() and not issue.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+
+
+def test_bad_output_path_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _finding_file(tmp_path, "vllm-blockstored-token-range")
+    assert main(["export", str(trace), "--out", str(tmp_path / "t.txt")]) == 2
+    assert main(["export", str(trace), "--issue", str(tmp_path / "r.txt")]) == 2
+    assert main(["export", str(tmp_path / "missing.json")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [trace.name]
+
+
+def test_plan_rejects_a_promise_without_a_finish() -> None:
+    trace = read_trace_copy("eagle-swa-short-run-double-pop")
+    trace.ops = trace.ops[:-1]
+    with pytest.raises(ExportError, match="last op is not one"):
+        plan_export(trace)
+
+
+def read_trace_copy(fid: str) -> Trace:
+    f = FINDINGS[fid].trace
+    return Trace(f.config, list(f.ops), f.seed, f.target, f.violation)
+
+
+@pytest.mark.parametrize(
+    "tokens, literal",
+    [
+        ((1, 2, 3, 4), "list(range(1, 5))"),
+        ((1, 1, 1), "[1] * 3"),
+        ((1, 2, 1, 2), "[1, 2] * 2"),
+        ((3, 1), "[3, 1]"),
+    ],
+)
+def test_tokens_literal(tokens: tuple[int, ...], literal: str) -> None:
+    assert tokens_literal(tokens) == literal
+    assert list(eval(literal)) == list(tokens)
+
+
+def test_read_trace_round_trip(tmp_path: Path) -> None:
+    path = _finding_file(tmp_path, "eagle-mamba-aligned-prompt-resend")
+    plan = plan_export(read_trace(path))
+    assert plan.finding is not None and plan.finding.id == "eagle-mamba-aligned-prompt-resend"
+    assert plan.expectation.hit == 4 and (1, 4, "mamba block 1") in plan.expectation.needed
+
+
+def _vllm_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@pytest.mark.skipif(_vllm_version() != "0.33.0", reason="strict only on the vLLM the findings were found on")
+def test_findings_suite_reports_a_fixed_finding(tmp_path: Path) -> None:
+    """The day vLLM fixes a finding, its exported test passes: under docs/findings'
+    conftest that is an XPASS(strict), a failure of the suite (control: a test
+    that still fails is an expected failure)."""
+    import subprocess
+    import sys
+
+    findings = tmp_path / "findings"
+    findings.mkdir()
+    shutil.copy(ROOT / "docs" / "findings" / "conftest.py", findings / "conftest.py")
+    (findings / "test_fixed.py").write_text("def test_fixed_upstream():\n    assert True\n")
+    (findings / "test_open.py").write_text("def test_still_open():\n    assert 0 == 4, 'hit 0, promised 4'\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rxX", str(findings)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stdout
+    assert "XPASS(strict)" in out.stdout and "1 xfailed" in out.stdout, out.stdout
+
+
+def _recorded_traces(seed: int, examples: int) -> list[Trace]:
+    """Well-formed operation sequences from the fuzzer's own state machine (on the model)."""
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis.stateful import get_state_machine_test
+
+    from invariants.harness.machine import build_machine
+    from invariants.harness.strategies import configs
+    from invariants.targets.model_target import ModelTarget
+
+    recorded: list[tuple[Config, list[Op]]] = []
+
+    class Recorder(ModelTarget):
+        def __init__(self, config: Config) -> None:
+            super().__init__(config)
+            self.ops: list[Op] = []
+            recorded.append((config, self.ops))
+
+        def apply(self, op: Op) -> Any:
+            self.ops.append(op)
+            return super().apply(op)
+
+    machine = build_machine(Recorder, configs(allow_pinning=False), tolerated=lambda v: True)
+    s = settings(
+        max_examples=examples,
+        stateful_step_count=12,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    hypothesis_seed(seed)(get_state_machine_test(machine, settings=s))()
+    return [
+        Trace(cfg, ops[:40], seed, "vllm", "snapshot: (none: a differential control)")
+        for cfg, ops in recorded
+        if ops
+    ]
+
+
+@needs_vllm
+def test_state_exports_of_fuzzed_traces_pass_on_vllm(tmp_path: Path) -> None:
+    """Differential control of the exporter: on traces where vLLM agrees with the
+    model, the exported test (its own replay through vLLM's API, Mamba chunks
+    from vLLM's scheduler split) must pass; a wrong replay would fail it."""
+    traces = _recorded_traces(seed=3, examples=16)
+    assert len(traces) >= 8
+    kinds = {type(op).__name__ for t in traces for op in t.ops}
+    assert {"AddRequest", "Schedule", "Finish"} <= kinds
+    tests = []
+    for t in traces:
+        plan = plan_export(t)
+        assert plan.expectation.kind == "state"
+        tests.append(load_exported(render_test(plan), tmp_path))
+        tests[-1]()
+    # Control: the same exported tests have teeth on a mutated vLLM.
+    from invariants.zoo.mutants_vllm import activate
+
+    failed = 0
+    with activate("cached_blocks_prepended"):
+        for test in tests:
+            try:
+                test()
+            except AssertionError:
+                failed += 1
+    assert failed >= 1
