@@ -99,7 +99,7 @@ def validate(cfg: Config) -> Config:
     - retention on a model with no SWA/Mamba group: only None or 0;
     - otherwise retention is None or a non-negative multiple of the scheduler
       block size;
-    - Mamba prefix caching needs mamba_cache_mode 'align';
+    - Mamba groups: only mamba_cache_mode 'align' is modeled;
     - retention with caching disabled is ignored with a warning.
     """
     if not cfg.groups:
@@ -119,10 +119,6 @@ def validate(cfg: Config) -> Config:
             # 'none' falls back to vLLM's plain block layout, which the model does not cover.
             raise ConfigError(
                 f"groups[{i}].mamba_cache_mode: only 'align' is modeled (got {g.mamba_cache_mode!r})"
-            )
-        if g.kind == "mamba" and cfg.enable_caching and g.mamba_cache_mode != "align":
-            raise ConfigError(
-                f"groups[{i}].mamba_cache_mode: Mamba prefix caching requires mamba_cache_mode='align'"
             )
     hbs, sbs = cfg.hash_block_size, cfg.scheduler_block_size
     for i, g in enumerate(cfg.groups):
