@@ -26,6 +26,7 @@ from model.observation import (
     ResetResult,
     ScheduleResult,
     Snapshot,
+    StepResult,
     Tokens,
 )
 from model.ops import (
@@ -38,6 +39,7 @@ from model.ops import (
     ResetPrefixCache,
     Sample,
     Schedule,
+    Step,
 )
 from model.pool import Pool
 from model.scheduling import mamba_checkpoint_position, mamba_chunk
@@ -98,6 +100,9 @@ class AllocatorModel:
         if isinstance(op, Schedule):
             self._new_step()
             return self._schedule(self.requests[op.rid], op.budget)
+        if isinstance(op, Step):
+            assert all(rid in self.requests for rid in op.rids), f"unknown request in {op.rids}"
+            return self._step(op.rids, op.budget)
         if isinstance(op, Sample):
             req = self.requests[op.rid]
             assert req.running and req.num_computed == req.num_tokens, f"{op.rid} is not waiting for a sample"
@@ -108,10 +113,8 @@ class AllocatorModel:
             del self.requests[op.rid]
             return Done()
         if isinstance(op, Preempt):
-            req = self.requests[op.rid]
-            assert req.running, f"preempting {op.rid}, which is not running"
-            self._free(op.rid)
-            req.running, req.num_computed = False, 0
+            assert self.requests[op.rid].running, f"preempting {op.rid}, which is not running"
+            self._preempt(op.rid)
             return Done()
         if isinstance(op, Probe):
             layouts, hit, spb = self._find_hit(op.tokens)
@@ -147,18 +150,29 @@ class AllocatorModel:
 
     def _schedule(self, req: RequestState, budget: int) -> ScheduleResult:
         if req.running:
-            n = self._chunk(req, req.num_computed, min(req.num_tokens - req.num_computed, budget), budget)
-            if n <= 0:
-                return ScheduleResult(scheduled=0, admitted=False)
-            new = self._allocate_slots(req, n, 0, None)
-            if new is None:
-                return ScheduleResult(scheduled=0, admitted=False)
-            req.num_computed += n
-            return ScheduleResult(scheduled=n, admitted=False, new_blocks=new)
+            return self._continue(req, budget, budget)
+        return self._admit(req, budget, budget)
+
+    def _next_chunk(self, req: RequestState, left: int, budget: int) -> int:
+        """Tokens a running request computes next: at most `left` of the step's `budget`."""
+        return self._chunk(req, req.num_computed, min(req.num_tokens - req.num_computed, left), budget)
+
+    def _continue(self, req: RequestState, left: int, budget: int) -> ScheduleResult:
+        n = self._next_chunk(req, left, budget)
+        if n <= 0:
+            return ScheduleResult(scheduled=0, admitted=False)
+        new = self._allocate_slots(req, n, 0, None)
+        if new is None:
+            return ScheduleResult(scheduled=0, admitted=False)
+        req.num_computed += n
+        return ScheduleResult(scheduled=n, admitted=False, new_blocks=new)
+
+    def _admit(self, req: RequestState, left: int, budget: int) -> ScheduleResult:
+        """Admit a waiting request: lookup, then its first chunk of at most `left` tokens."""
         layouts, hit, spb = self._find_hit(req.tokens, req.num_tokens - 1)
         hit_blocks = self._hit_blocks(req.tokens, layouts)
         req.shared_prefix_boundary = spb
-        n = self._chunk(req, hit, min(req.num_tokens - hit, budget), budget)
+        n = self._chunk(req, hit, min(req.num_tokens - hit, left), budget)
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
         if n <= 0:
             return result
@@ -167,6 +181,63 @@ class AllocatorModel:
             return result
         req.running, req.num_computed = True, hit + n
         return ScheduleResult(n, True, hit, spb, hit_blocks, new)
+
+    def _step(self, rids: tuple[str, ...], budget: int) -> StepResult:
+        """One scheduler step over a batch: vLLM `sched/scheduler.py` `Scheduler.schedule`, FCFS.
+
+        Running requests go first, in queue order. One whose allocation fails
+        preempts the last running request and retries (preempting itself ends
+        the running pass): the newest request gives way to the older ones.
+        Waiting requests are admitted only if nobody was preempted (the blocks
+        just freed are for the running ones), and a failed admission ends the
+        step: a younger request never overtakes an older one.
+        """
+        self._new_step()
+        running = [rid for rid in rids if self.requests[rid].running]
+        waiting = [rid for rid in rids if not self.requests[rid].running]
+        results: list[tuple[str, ScheduleResult]] = []
+        preempted: list[str] = []
+        left = budget
+        i = 0
+        while i < len(running) and left > 0:
+            req = self.requests[running[i]]
+            n = self._next_chunk(req, left, budget)
+            if n <= 0:
+                # Nothing to compute now (e.g. a Mamba chunk that rounds to 0): skip, keep going.
+                results.append((req.rid, ScheduleResult(0, False)))
+                i += 1
+                continue
+            new = self._allocate_slots(req, n, 0, None)
+            while new is None:
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim == req.rid:
+                    break
+                new = self._allocate_slots(req, n, 0, None)
+            if new is None:
+                results.append((req.rid, ScheduleResult(0, False)))
+                break
+            req.num_computed += n
+            left -= n
+            results.append((req.rid, ScheduleResult(n, False, new_blocks=new)))
+            i += 1
+        if not preempted:
+            for rid in waiting:
+                if left <= 0:
+                    break
+                result = self._admit(self.requests[rid], left, budget)
+                results.append((rid, result))
+                if not result.admitted:
+                    break
+                left -= result.scheduled
+        return StepResult(tuple(results), tuple(preempted))
+
+    def _preempt(self, rid: str) -> None:
+        """Free every block; the request waits again with its tokens (`Scheduler._preempt_request`)."""
+        req = self.requests[rid]
+        self._free(rid)
+        req.running, req.num_computed = False, 0
 
     def _chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:
         if not self.cfg.has_mamba:

@@ -19,8 +19,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from invariants.harness.checker import Checker, Violation
 from invariants.targets.base import Target
 from model.config import Config
-from model.observation import ScheduleResult
-from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, ResetPrefixCache, Sample, Schedule
+from model.observation import ScheduleResult, StepResult
+from model.ops import (
+    AddRequest,
+    EvictBlocks,
+    Finish,
+    Op,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    Sample,
+    Schedule,
+    Step,
+)
 
 TOKENS = st.integers(1, 3)
 MAX_REQUEST_TOKENS = 160
@@ -149,6 +160,42 @@ def build_machine(
                         return
                     run_stats.prompt_tokens += len(self.checker.history.requests[rid].tokens)
                     run_stats.hit_tokens += obs.hit
+
+        @precondition(lambda self: self.checker is not None and bool(self._schedulable()))
+        @rule(data=st.data())
+        def step_batch(self, data: st.DataObject) -> None:
+            """A few scheduler steps over every live request (FCFS, shared budget), each
+            followed by a sample for every request that computed all its tokens."""
+            assert self.checker is not None
+            sbs = self.cfg.scheduler_block_size
+            budget = data.draw(st.sampled_from([3, sbs, 2 * sbs, 4 * sbs, 64]), label="step budget")
+            for _ in range(data.draw(st.integers(1, 4), label="steps")):
+                for rid in self._arrival_order(self._requests(lambda r: r.running)):  # type: ignore[attr-defined]
+                    r = self.checker.model.requests[rid]
+                    if r.num_computed == r.num_tokens and r.num_tokens < MAX_REQUEST_TOKENS:
+                        self._do(Sample(rid, data.draw(TOKENS, label="token")))
+                # Below the size cap and not owing a sample (those reached the cap).
+                model_reqs = self.checker.model.requests
+                queue = [
+                    rid
+                    for rid in self._arrival_order(list(model_reqs))
+                    if model_reqs[rid].num_tokens < MAX_REQUEST_TOKENS
+                    and not (
+                        model_reqs[rid].running and model_reqs[rid].num_computed >= model_reqs[rid].num_tokens
+                    )
+                ]
+                if not queue:
+                    return
+                self._do(Step(tuple(queue), budget))
+                obs = self.checker.last_obs
+                if isinstance(obs, StepResult):
+                    for rid, result in obs.results:
+                        if result.admitted and result.hit is not None:
+                            run_stats.prompt_tokens += len(self.checker.history.requests[rid].tokens)
+                            run_stats.hit_tokens += result.hit
+
+        def _arrival_order(self, rids: list[str]) -> list[str]:
+            return sorted(rids, key=lambda rid: int(rid[1:]))
 
         @precondition(lambda self: self.checker is not None and bool(self._requests(lambda r: True)))
         @rule(data=st.data())

@@ -64,6 +64,7 @@ from model.observation import (
     ResetResult,
     ScheduleResult,
     Snapshot,
+    StepResult,
     Tokens,
 )
 from model.ops import (
@@ -76,6 +77,7 @@ from model.ops import (
     ResetPrefixCache,
     Sample,
     Schedule,
+    Step,
 )
 from model.pool import EVENT_PROFILES
 from model.scheduling import mamba_chunk
@@ -230,6 +232,8 @@ class VllmTarget:
             req = self.requests[op.rid]
             if req.status != self._v["RequestStatus"].RUNNING or req.num_computed_tokens != req.num_tokens:
                 raise ValueError(f"sample: {op.rid!r} is not waiting for a sample")
+        if isinstance(op, Step) and any(r not in self.requests for r in op.rids):
+            raise ValueError(f"step: unknown request among {list(op.rids)}")
         if isinstance(op, Preempt) and self.requests[op.rid].status != self._v["RequestStatus"].RUNNING:
             raise ValueError(f"preempt: {op.rid!r} is not running")
 
@@ -246,6 +250,8 @@ class VllmTarget:
             if retained:
                 self.pool.free_blocks(retained)
             return result
+        if isinstance(op, Step):
+            return self._step(op)
         if isinstance(op, Sample):
             req = self.requests[op.rid]
             start = len(req.block_hashes)
@@ -324,6 +330,79 @@ class VllmTarget:
         req.status = status.RUNNING
         req.num_computed_tokens = hit + n
         return ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))
+
+    # ------------------------------------------------------------------ batched step
+    def _step(self, op: Step) -> StepResult:
+        """`Scheduler.schedule` (FCFS) over the requests `op.rids`, as its loops run.
+
+        Running pass: `num_new_tokens = min(num_tokens - num_computed_tokens,
+        token_budget)`, the Mamba split, `allocate_slots`; on None preempt
+        `running.pop()` (`_preempt_request`: free, PREEMPTED, computed 0) and
+        retry until it fits or the request preempted itself, then stop the pass.
+        Waiting pass (only if nobody was preempted): `get_computed_blocks`, the
+        chunk, `allocate_slots(..., num_new_computed_tokens, new_computed_blocks)`;
+        None ends the pass. Then the CoW copies are drained once for the step.
+        """
+        m = self.manager
+        status = self._v["RequestStatus"]
+        m.new_step_starts()
+        running = [self.requests[r] for r in op.rids if self.requests[r].status == status.RUNNING]
+        waiting = [self.requests[r] for r in op.rids if self.requests[r].status != status.RUNNING]
+        results: list[tuple[str, ScheduleResult]] = []
+        preempted: list[str] = []
+        token_budget = op.budget
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            req = running[req_index]
+            start = req.num_computed_tokens
+            n = self._chunk(req, start, min(req.num_tokens - start, token_budget), op.budget)
+            if n == 0:
+                results.append((req.request_id, ScheduleResult(scheduled=0, admitted=False)))
+                req_index += 1
+                continue
+            while True:
+                out = m.allocate_slots(req, n)
+                if out is not None:
+                    break
+                victim = running.pop()
+                m.free(victim)
+                victim.status = status.PREEMPTED
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if out is None:
+                results.append((req.request_id, ScheduleResult(scheduled=0, admitted=False)))
+                break
+            req.num_computed_tokens += n
+            token_budget -= n
+            results.append(
+                (req.request_id, ScheduleResult(scheduled=n, admitted=False, new_blocks=_ids(out)))
+            )
+            req_index += 1
+        if not preempted:
+            for req in waiting:
+                if token_budget <= 0:
+                    break
+                blocks, hit, spb = m.get_computed_blocks(req)
+                req.shared_prefix_boundary = spb
+                hit_blocks = _ids(blocks)
+                n = self._chunk(req, hit, min(req.num_tokens - hit, token_budget), op.budget)
+                out = None
+                if n > 0:
+                    out = m.allocate_slots(req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+                if out is None:
+                    results.append((req.request_id, ScheduleResult(0, False, hit, spb, hit_blocks, None)))
+                    break
+                req.status = status.RUNNING
+                req.num_computed_tokens = hit + n
+                token_budget -= n
+                results.append((req.request_id, ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))))
+        _copies, retained = m.take_kv_cache_block_copies()
+        if retained:
+            self.pool.free_blocks(retained)
+        return StepResult(tuple(results), tuple(preempted))
 
     # ------------------------------------------------------------------ snapshot
     def snapshot(self) -> Snapshot:
