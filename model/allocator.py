@@ -13,6 +13,7 @@ of the previous state block and how many leading blocks were retired.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from model.config import Config, GroupSpec, validate
@@ -90,6 +91,8 @@ class AllocatorModel:
         self.requests: dict[str, RequestState] = {}
         self.hybrid = len(config.groups) > 1
         self.alignment = config.scheduler_block_size
+        # How often each rule that only some traces reach fired (the fuzz summary reports them).
+        self.exercised: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ ops
     def apply(self, op: Op) -> Observation:
@@ -209,6 +212,7 @@ class AllocatorModel:
                 continue
             new = self._allocate_slots(req, n, 0, None)
             while new is None:
+                self.exercised["preemption inside a step"] += 1
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -231,6 +235,10 @@ class AllocatorModel:
                 if not result.admitted:
                     break
                 left -= result.scheduled
+        if len(results) > 1:
+            self.exercised["step over several requests"] += 1
+        if any(r.admitted for _, r in results) and any(not r.admitted and r.scheduled for _, r in results):
+            self.exercised["admission after running chunks in one step"] += 1
         return StepResult(tuple(results), tuple(preempted))
 
     def _preempt(self, rid: str) -> None:
@@ -464,6 +472,7 @@ class AllocatorModel:
             # The hit state was keyed by another request in this same step and is
             # not computed yet: ask for more than the pool holds so the request
             # waits for the next step.
+            self.exercised["Mamba same-step guard"] += 1
             return self.cfg.num_blocks + 1
         # Only the chunk's last state is kept: one new block at most, whatever the chunk
         # length (vLLM caps only a positive count, and min() leaves the rest alone).

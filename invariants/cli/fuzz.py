@@ -10,7 +10,7 @@ from invariants.report import table
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
-    from invariants.harness.fuzz import format_failure, format_summary, run_fuzz
+    from invariants.harness.fuzz import format_failure, format_features, format_summary, run_fuzz
 
     print(
         f"kvretain fuzz: target {args.target}, config {args.config or 'generated'}, seed {args.seed}, "
@@ -28,6 +28,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     if report.failure is not None:
         print(format_failure(report))
     print(format_summary([report]))
+    print(format_features([report]))
     return 1 if report.failure is not None else 0
 
 

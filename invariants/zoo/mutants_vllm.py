@@ -387,3 +387,27 @@ def compress_ratio_not_divided(stack: contextlib.ExitStack) -> None:
 
     _set(stack, full, "get_num_blocks_to_allocate", get_num_blocks_to_allocate)
     _set(stack, full, "allocate_new_blocks", allocate_new_blocks)
+
+
+# ------------------------------------------------------------ batched steps
+@mutant("mamba_same_step_guard_off", strategy="mamba-sparse")
+def mamba_same_step_guard_off(stack: contextlib.ExitStack) -> None:
+    """A request may resume from a Mamba state another request keyed in the same step.
+
+    Patch: `MambaManager.get_num_blocks_to_allocate` runs with an empty
+    `cached_blocks_this_step`, so the same-step guard never refuses. Only a
+    step over several requests reaches the guard: kvretain before batched
+    steps (each Schedule its own step) never kills this mutant.
+    """
+    stm = _core()["stm"]
+    orig = stm.MambaManager.get_num_blocks_to_allocate
+
+    def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = self.cached_blocks_this_step
+        self.cached_blocks_this_step = set()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            self.cached_blocks_this_step = saved
+
+    _set(stack, stm.MambaManager, "get_num_blocks_to_allocate", get_num_blocks_to_allocate)
