@@ -383,7 +383,9 @@ class AllocatorModel:
         local = req.num_computed + hit
         total = min(local, self.cfg.max_model_len)
         main = total + n
-        need_slot = min(main, self.cfg.max_model_len)
+        # Speculative slots past the chunk: attention groups reserve them, Mamba (align)
+        # sizes by `main` only (draft models have no Mamba layers).
+        need_slot = min(main + self.cfg.num_lookahead_tokens, self.cfg.max_model_len)
         for g in self.groups:
             self._remove_skipped(g, rid, total)
         need = sum(

@@ -46,6 +46,8 @@ class Config:
     `retention_interval`: None = dense, 0 = only the latest replayable prompt
     boundary, k > 0 = one SWA tail / Mamba state per k-token segment plus it.
     `pin_swa_on_drop` / `pin_min_drop_blocks`: the #40676 pinned tier.
+    `num_lookahead_tokens`: slots every allocation reserves past the scheduled
+    tokens for speculative tokens (vLLM's scheduler passes its spec-token count).
     """
 
     groups: tuple[GroupSpec, ...]
@@ -58,6 +60,7 @@ class Config:
     hash_block_size: int = 0
     scheduler_block_size: int = 0
     max_model_len: int = 1 << 20
+    num_lookahead_tokens: int = 0
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +144,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"num_blocks: must be >= 2 (block 0 is the null block), got {cfg.num_blocks}")
     if cfg.pin_min_drop_blocks < 0:
         raise ConfigError("pin_min_drop_blocks: must be non-negative")
+    if isinstance(cfg.num_lookahead_tokens, bool) or not isinstance(cfg.num_lookahead_tokens, int):
+        raise ConfigError(f"num_lookahead_tokens: must be an integer, got {cfg.num_lookahead_tokens!r}")
+    if cfg.num_lookahead_tokens < 0:
+        raise ConfigError(f"num_lookahead_tokens: must be non-negative, got {cfg.num_lookahead_tokens}")
     r = cfg.retention_interval
     if r is not None:
         if isinstance(r, bool) or not isinstance(r, int):

@@ -52,6 +52,7 @@ class AllocatorConfig:
     one SWA tail / Mamba state per k-token segment plus reachable boundaries.
     `pin_swa_on_drop` / `pin_min_drop_blocks`: the pinned free tier of PR
     #40676 (never merged into vLLM; off by default).
+    `num_lookahead_tokens`: slots each allocation reserves for speculative tokens.
     """
 
     groups: tuple[KVCacheGroupConfig, ...]
@@ -64,6 +65,7 @@ class AllocatorConfig:
     hash_block_size: int = 0
     scheduler_block_size: int = 0
     max_model_len: int = 1 << 20
+    num_lookahead_tokens: int = 0
     enable_kv_cache_events: bool = True
     name: str = field(default="", compare=False)
 

@@ -106,7 +106,7 @@ class Scheduler:
             n = self.mamba_block_aligned_split(req, req.num_computed_tokens + hit, n, budget)
         if n <= 0:
             return ScheduleOutcome(0, False, hit, spb, hit_ids, None)
-        out = kvm.allocate_slots(req, n, hit, blocks)
+        out = kvm.allocate_slots(req, n, hit, blocks, self.config.num_lookahead_tokens)
         if out is None:
             return ScheduleOutcome(0, False, hit, spb, hit_ids, None)
         req.status = RequestStatus.RUNNING
@@ -119,7 +119,9 @@ class Scheduler:
             n = self.mamba_block_aligned_split(req, req.num_computed_tokens, n, budget)
         if n <= 0:
             return ScheduleOutcome(0, False)
-        out = self.kv_cache_manager.allocate_slots(req, n)
+        out = self.kv_cache_manager.allocate_slots(
+            req, n, num_lookahead_tokens=self.config.num_lookahead_tokens
+        )
         if out is None:
             return ScheduleOutcome(0, False)
         req.num_computed_tokens += n
@@ -151,14 +153,14 @@ class Scheduler:
                 outcomes.append((req.request_id, ScheduleOutcome(0, False)))
                 position += 1
                 continue
-            out = kvm.allocate_slots(req, n)
+            out = kvm.allocate_slots(req, n, num_lookahead_tokens=self.config.num_lookahead_tokens)
             while out is None:
                 victim = running.pop()
                 self.preempt(victim.request_id)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
-                out = kvm.allocate_slots(req, n)
+                out = kvm.allocate_slots(req, n, num_lookahead_tokens=self.config.num_lookahead_tokens)
             if out is None:
                 outcomes.append((req.request_id, ScheduleOutcome(0, False)))
                 break

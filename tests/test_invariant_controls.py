@@ -295,10 +295,15 @@ def test_step_blocks_stay_held(batched):
     # The step frees a block that a's forward pass still reads (the state it writes).
     freed = replace(ctx.after, tables={**ctx.after.tables, "a": (full_a, mamba_a[:-1] + (0,))})
     fails("step_blocks_stay_held", replace(ctx, after=freed))
-    # ... or hands one of a's blocks to b as a new block in the same step.
+    # ... or hands a block a held before the step to b as a new block.
     (_, a_result), (_, b_result) = ctx.obs.results
     stolen = replace(b_result, new_blocks=((full_a[0],), ()))
-    fails("step_blocks_stay_held", replace(ctx, obs=StepResult((("a", a_result), ("b", stolen)))))
+    held = replace(ctx.before, tables={**ctx.before.tables, "a": ((full_a[0],), ())})
+    fails(
+        "step_blocks_stay_held", replace(ctx, before=held, obs=StepResult((("a", a_result), ("b", stolen))))
+    )
+    # A block b allocated this step and a hits (attention) is not a reuse.
+    holds("step_blocks_stay_held", replace(ctx, obs=StepResult((("a", a_result), ("b", stolen)))))
 
 
 def test_mamba_state_not_read_while_written(batched):

@@ -81,13 +81,16 @@ def _new_blocks(obs: object) -> dict[int, str]:
 
 def step_blocks_stay_held(ctx: CheckContext) -> list[str]:
     """Every block a request reads or writes in this step is still in its block
-    table after the step (held, not freed) and was not handed to another
-    request as a new block in the same step: a block freed by one request in a
-    step is never reused by another while the step still reads it."""
+    table after the step (held, not freed), and none it held before the step
+    was handed to another request as a new block in the same step: a block
+    freed by one request in a step is never reused by another while the step
+    still reads it. (A block another request of the step allocated and cached
+    may be hit and read: attention KV is written before it is read.)"""
     handed = _new_blocks(ctx.obs)
     problems = []
     for rid, start, end in _chunks(ctx):
         tables = ctx.after.tables.get(rid, ())
+        held_before = {b for group in ctx.before.tables.get(rid, ()) for b in group if b}
         for g, spec in enumerate(ctx.config.groups):
             table = tables[g] if g < len(tables) else ()
             for idx in _reads(spec, start, end):
@@ -97,7 +100,7 @@ def step_blocks_stay_held(ctx: CheckContext) -> list[str]:
                         f"{rid} computes tokens [{start}, {end}) but group {g} block index {idx} "
                         f"is {'the null block' if b == 0 else f'block {b}, freed'} after the step"
                     )
-                elif handed.get(b, rid) != rid:
+                elif b in held_before and handed.get(b, rid) != rid:
                     problems.append(
                         f"block {b}, which {rid} reads in this step (group {g} index {idx}), "
                         f"was handed to {handed[b]} as a new block in the same step"

@@ -49,6 +49,8 @@ def config_features(cfg: Config) -> list[str]:
     )
     if cfg.eagle:
         out.append("eagle")
+    if cfg.num_lookahead_tokens:
+        out.append("lookahead slots")
     if cfg.pin_swa_on_drop:
         out.append("pinned tier")
     if len({g.block_size for g in cfg.groups}) > 1:

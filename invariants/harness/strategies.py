@@ -36,10 +36,13 @@ def configs(
     retention: str | None = None,
     eagle: bool | None = None,
     caching: bool | None = None,
+    lookahead: bool | None = None,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
     `retention`: "dense" (None), "zero" (0) or "interval" (k * sbs).
+    `lookahead`: True = speculative slots (1..3 per allocation), False = none,
+    None = either (mostly none, as most deployments run without spec decode).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -72,5 +75,13 @@ def configs(
         pin_swa_on_drop=pin,
         pin_min_drop_blocks=draw(st.integers(0, 3)) if pin else 1,
         max_model_len=4096,
+        num_lookahead_tokens=_lookahead(draw, lookahead),
     )
     return validate(cfg)
+
+
+def _lookahead(draw: st.DrawFn, lookahead: bool | None) -> int:
+    if lookahead is False:
+        return 0
+    choices = [1, 2, 3] if lookahead else [0, 0, 0, 1, 2, 3]
+    return draw(st.sampled_from(choices))

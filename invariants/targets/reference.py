@@ -79,6 +79,7 @@ def to_allocator_config(config: Config) -> AllocatorConfig:
         hash_block_size=config.hash_block_size,
         scheduler_block_size=config.scheduler_block_size,
         max_model_len=config.max_model_len,
+        num_lookahead_tokens=config.num_lookahead_tokens,
         enable_kv_cache_events=True,
         name=config.name,
     )

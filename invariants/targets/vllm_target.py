@@ -311,7 +311,7 @@ class VllmTarget:
             n = self._chunk(req, start, min(req.num_tokens - start, budget), budget)
             if n <= 0:
                 return ScheduleResult(scheduled=0, admitted=False)
-            out = m.allocate_slots(req, n)
+            out = m.allocate_slots(req, n, num_lookahead_tokens=self.config.num_lookahead_tokens)
             if out is None:
                 return ScheduleResult(scheduled=0, admitted=False)
             req.num_computed_tokens += n
@@ -324,7 +324,13 @@ class VllmTarget:
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
         if n <= 0:
             return result
-        out = m.allocate_slots(req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+        out = m.allocate_slots(
+            req,
+            n,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=blocks,
+            num_lookahead_tokens=self.config.num_lookahead_tokens,
+        )
         if out is None:
             return result
         req.status = status.RUNNING
@@ -361,7 +367,7 @@ class VllmTarget:
                 req_index += 1
                 continue
             while True:
-                out = m.allocate_slots(req, n)
+                out = m.allocate_slots(req, n, num_lookahead_tokens=self.config.num_lookahead_tokens)
                 if out is not None:
                     break
                 victim = running.pop()
@@ -391,7 +397,13 @@ class VllmTarget:
                 n = self._chunk(req, hit, min(req.num_tokens - hit, token_budget), op.budget)
                 out = None
                 if n > 0:
-                    out = m.allocate_slots(req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+                    out = m.allocate_slots(
+                        req,
+                        n,
+                        num_new_computed_tokens=hit,
+                        new_computed_blocks=blocks,
+                        num_lookahead_tokens=self.config.num_lookahead_tokens,
+                    )
                 if out is None:
                     results.append((req.request_id, ScheduleResult(0, False, hit, spb, hit_blocks, None)))
                     break
