@@ -248,7 +248,7 @@ class AllocatorModel:
         req.running, req.num_computed = False, 0
 
     def _chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:
-        if not self.cfg.has_mamba:
+        if not self.cfg.has_mamba_align:
             return n
         return mamba_chunk(
             start=start,
@@ -413,7 +413,7 @@ class AllocatorModel:
     def _remove_skipped(self, g: GroupState, rid: str, computed: int) -> None:
         """Free blocks no future token of `rid` reads (out of window / stale state)."""
         skipped = self._skipped_tokens(g, computed)
-        if g.spec.kind == "mamba":
+        if _align(g):
             table = g.table(rid)
             if skipped > 0:
                 first = g.retired.get(rid, 0)
@@ -455,7 +455,7 @@ class AllocatorModel:
         vLLM `single_type_kv_cache_manager.py` `get_num_blocks_to_allocate`.
         """
         held = len(g.tables.get(rid, ()))
-        if g.spec.kind == "mamba":
+        if _align(g):
             return self._mamba_blocks_to_allocate(g, held, hits, main)
         required = cdiv(num_tokens, g.bs)
         if rid in g.num_cached:
@@ -497,7 +497,7 @@ class AllocatorModel:
 
     def _allocate_new(self, g: GroupState, rid: str, num_tokens: int, main: int) -> list[int]:
         table = g.table(rid)
-        if g.spec.kind != "mamba":
+        if not _align(g):
             new = cdiv(num_tokens, g.bs) - len(table)
             if new <= 0:
                 return []
@@ -616,3 +616,10 @@ class AllocatorModel:
             while table and table[0] == 0:
                 table.pop(0)
             self.pool.free(reversed(table))
+
+
+def _align(g: GroupState) -> bool:
+    """Mamba in 'align' mode: one state block per chunk. 'none' (caching off only)
+    keeps the plain block layout of the other kinds (vLLM `MambaManager` defers
+    to the base manager)."""
+    return g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align"

@@ -79,6 +79,11 @@ class Config:
         return any(g.kind == "mamba" for g in self.groups)
 
     @property
+    def has_mamba_align(self) -> bool:
+        """A Mamba group in 'align' mode: the scheduler splits prefill chunks for it."""
+        return any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in self.groups)
+
+    @property
     def effective_retention(self) -> int | None:
         """The interval in force: None (dense) when caching is off."""
         return self.retention_interval if self.enable_caching else None
@@ -102,7 +107,8 @@ def validate(cfg: Config) -> Config:
     - retention on a model with no SWA/Mamba group: only None or 0;
     - otherwise retention is None or a non-negative multiple of the scheduler
       block size;
-    - Mamba groups: only mamba_cache_mode 'align' is modeled;
+    - Mamba prefix caching requires mamba_cache_mode 'align' ('none' only
+      with caching off: vLLM `MambaManager.__init__`);
     - retention with caching disabled is ignored with a warning.
     """
     if not cfg.groups:
@@ -118,10 +124,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"groups[{i}].sliding_window: only 'swa' groups have a window")
         if g.kind == "mamba" and g.mamba_cache_mode not in ("align", "none"):
             raise ConfigError(f"groups[{i}].mamba_cache_mode: must be 'align' or 'none'")
-        if g.kind == "mamba" and g.mamba_cache_mode != "align":
-            # 'none' falls back to vLLM's plain block layout, which the model does not cover.
+        if g.kind == "mamba" and cfg.enable_caching and g.mamba_cache_mode != "align":
             raise ConfigError(
-                f"groups[{i}].mamba_cache_mode: only 'align' is modeled (got {g.mamba_cache_mode!r})"
+                f"groups[{i}].mamba_cache_mode: Mamba prefix caching requires mamba_cache_mode='align'"
             )
     hbs, sbs = cfg.hash_block_size, cfg.scheduler_block_size
     for i, g in enumerate(cfg.groups):

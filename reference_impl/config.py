@@ -82,7 +82,8 @@ class AllocatorConfig:
 
     @property
     def has_mamba(self) -> bool:
-        return any(g.kind == "mamba" for g in self.groups)
+        """A Mamba group in 'align' mode (the one whose chunks the scheduler splits)."""
+        return any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in self.groups)
 
     @property
     def is_hybrid(self) -> bool:

@@ -10,7 +10,9 @@ chunk `[start, end)`, per group:
 - SWA reads from the window of its first new token, `start - window + 1`
   (`SlidingWindowManager.get_num_skipped_tokens` frees only below it);
 - Mamba (align) reads the state of the block holding token `start - 1` and
-  writes the state of the block holding token `end - 1`.
+  writes the state of the block holding token `end - 1`; Mamba 'none' keeps
+  the plain layout and reads from the block holding token `start - 1`
+  (`MambaManager.get_num_skipped_tokens` = computed - 1).
 
 Attention KV written by one request may be read by another in the same step
 (each layer writes the batch's KV before its attention reads it: that is why
@@ -53,6 +55,9 @@ def _chunks(ctx: CheckContext) -> list[Chunk]:
 
 def _reads(spec: GroupSpec, start: int, end: int) -> Iterator[int]:
     bs = spec.block_size
+    if spec.kind == "mamba" and spec.mamba_cache_mode != "align":
+        yield from range(max(start - 1, 0) // bs, cdiv(end, bs))
+        return
     if spec.kind == "mamba":
         if start > 0:
             yield cdiv(start, bs) - 1
@@ -120,7 +125,13 @@ def mamba_state_not_read_while_written(ctx: CheckContext) -> list[str]:
         tables = ctx.after.tables.get(rid, ())
         for g, spec in enumerate(ctx.config.groups):
             idx = cdiv(end, spec.block_size) - 1
-            if spec.kind == "mamba" and g < len(tables) and idx < len(tables[g]) and tables[g][idx]:
+            if (
+                spec.kind == "mamba"
+                and spec.mamba_cache_mode == "align"
+                and g < len(tables)
+                and idx < len(tables[g])
+                and tables[g][idx]
+            ):
                 writes[(g, tables[g][idx])] = rid
     problems = []
     for rid, start, _end in chunks:
@@ -129,7 +140,9 @@ def mamba_state_not_read_while_written(ctx: CheckContext) -> list[str]:
         tables = ctx.after.tables.get(rid, ())
         for g, spec in enumerate(ctx.config.groups):
             idx = cdiv(start, spec.block_size) - 1
-            if spec.kind != "mamba" or g >= len(tables) or idx >= len(tables[g]):
+            if spec.kind != "mamba" or spec.mamba_cache_mode != "align":
+                continue
+            if g >= len(tables) or idx >= len(tables[g]):
                 continue
             writer = writes.get((g, tables[g][idx]))
             if writer is not None and writer != rid:

@@ -49,6 +49,8 @@ def config_features(cfg: Config) -> list[str]:
     )
     if cfg.eagle:
         out.append("eagle")
+    if any(g.kind == "mamba" and g.mamba_cache_mode == "none" for g in cfg.groups):
+        out.append("mamba mode none")
     if cfg.num_lookahead_tokens:
         out.append("lookahead slots")
     if cfg.pin_swa_on_drop:

@@ -9,6 +9,7 @@ keeps vLLM's fine-grained Mamba hits (not modeled) off.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import reduce
 
 from hypothesis import strategies as st
@@ -41,6 +42,8 @@ def configs(
     """A valid configuration; keyword arguments narrow it to one feature.
 
     `retention`: "dense" (None), "zero" (0) or "interval" (k * sbs).
+    With caching off a Mamba group is in 'align' or 'none' mode (vLLM allows
+    'none' only without prefix caching).
     `lookahead`: True = speculative slots (1..3 per allocation), False = none,
     None = either (mostly none, as most deployments run without spec decode).
     """
@@ -77,6 +80,10 @@ def configs(
         max_model_len=4096,
         num_lookahead_tokens=_lookahead(draw, lookahead),
     )
+    if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
+        cfg = cfg.with_(
+            groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)
+        )
     return validate(cfg)
 
 

@@ -301,7 +301,8 @@ class VllmTarget:
 
     @property
     def _has_mamba(self) -> bool:
-        return any(g.kind == "mamba" for g in self.config.groups)
+        """`Scheduler.need_mamba_block_aligned_split`: a Mamba group in 'align' mode."""
+        return self.config.has_mamba_align
 
     def _schedule(self, req: Any, budget: int) -> ScheduleResult:
         m = self.manager

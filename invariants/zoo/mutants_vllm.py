@@ -411,3 +411,44 @@ def mamba_same_step_guard_off(stack: contextlib.ExitStack) -> None:
             self.cached_blocks_this_step = saved
 
     _set(stack, stm.MambaManager, "get_num_blocks_to_allocate", get_num_blocks_to_allocate)
+
+
+# ------------------------------------------------------------------ lookahead
+@mutant("lookahead_slots_dropped", strategy="generated")
+def lookahead_slots_dropped(stack: contextlib.ExitStack) -> None:
+    """`allocate_slots` reserves no speculative slots (spec-decode tokens overrun the table).
+
+    Patch: `KVCacheManager.allocate_slots` runs with `num_lookahead_tokens=0`.
+    Only configurations with lookahead slots reach it: kvretain before it
+    generated them never passed any, so it never kills this mutant.
+    """
+    from vllm.v1.core import kv_cache_manager
+
+    orig = kv_cache_manager.KVCacheManager.allocate_slots
+
+    def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["num_lookahead_tokens"] = 0
+        return orig(self, *args, **kwargs)
+
+    _set(stack, kv_cache_manager.KVCacheManager, "allocate_slots", allocate_slots)
+
+
+# -------------------------------------------------------------- Mamba 'none'
+@mutant("mamba_none_state_freed_early", strategy="generated")
+def mamba_none_state_freed_early(stack: contextlib.ExitStack) -> None:
+    """Mamba 'none' mode frees the block holding the last computed token's state.
+
+    Patch: `MambaManager.get_num_skipped_tokens` returns `num_computed_tokens`
+    (one too many) outside 'align' mode. Only 'none' configurations (caching
+    off) reach it: kvretain before it rejected them, so it never kills this
+    mutant.
+    """
+    stm = _core()["stm"]
+    orig = stm.MambaManager.get_num_skipped_tokens
+
+    def get_num_skipped_tokens(self: Any, num_computed_tokens: int) -> int:
+        if self.mamba_cache_mode != "align":
+            return num_computed_tokens
+        return int(orig(self, num_computed_tokens))
+
+    _set(stack, stm.MambaManager, "get_num_skipped_tokens", get_num_skipped_tokens)
