@@ -11,6 +11,13 @@ Names match the reference mutants of the same bug class. Bug classes whose
 code vLLM 0.33.0 does not have (the #40676 pinned tier, the vllm-ascend
 `is_null` trick) or already exhibits (BlockStored token ranges, a known
 finding) are listed in `NOT_APPLICABLE` with the reason.
+
+Three mutants sit where only the newer coverage reaches, and kvretain without
+it survives them: `mamba_same_step_guard_off` (only a step over several
+requests reaches the guard; with one request per step it survived 120 s of
+fuzzing, seeds 0..75), `lookahead_slots_dropped` (without generated lookahead
+every call already passes 0) and `mamba_none_state_freed_early` (without
+Mamba 'none' configurations the patched branch never runs).
 """
 
 from __future__ import annotations
