@@ -423,21 +423,31 @@ def mamba_same_step_guard_off(stack: contextlib.ExitStack) -> None:
 # ------------------------------------------------------------------ lookahead
 @mutant("lookahead_slots_dropped", strategy="generated")
 def lookahead_slots_dropped(stack: contextlib.ExitStack) -> None:
-    """`allocate_slots` reserves no speculative slots (spec-decode tokens overrun the table).
+    """No speculative slots are reserved (spec-decode tokens overrun the block table).
 
-    Patch: `KVCacheManager.allocate_slots` runs with `num_lookahead_tokens=0`.
-    Only configurations with lookahead slots reach it: kvretain before it
-    generated them never passed any, so it never kills this mutant.
+    Patch: `KVCacheCoordinator.get_num_blocks_to_allocate` / `allocate_new_blocks`
+    size every group by `num_tokens_main_model` (the lookahead dropped). Only
+    configurations with lookahead slots reach it: kvretain before it generated
+    them never passed any, so it never kills this mutant.
     """
-    from vllm.v1.core import kv_cache_manager
+    coord = _core()["coord"].KVCacheCoordinator
+    orig_count = coord.get_num_blocks_to_allocate
+    orig_alloc = coord.allocate_new_blocks
+    count_sig = inspect.signature(orig_count)
+    alloc_sig = inspect.signature(orig_alloc)
 
-    orig = kv_cache_manager.KVCacheManager.allocate_slots
+    def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = count_sig.bind(self, *args, **kwargs)
+        bound.arguments["num_tokens"] = bound.arguments["num_tokens_main_model"]
+        return orig_count(*bound.args, **bound.kwargs)
 
-    def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs["num_lookahead_tokens"] = 0
-        return orig(self, *args, **kwargs)
+    def allocate_new_blocks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = alloc_sig.bind(self, *args, **kwargs)
+        bound.arguments["num_tokens"] = bound.arguments["num_tokens_main_model"]
+        return orig_alloc(*bound.args, **bound.kwargs)
 
-    _set(stack, kv_cache_manager.KVCacheManager, "allocate_slots", allocate_slots)
+    _set(stack, coord, "get_num_blocks_to_allocate", get_num_blocks_to_allocate)
+    _set(stack, coord, "allocate_new_blocks", allocate_new_blocks)
 
 
 # -------------------------------------------------------------- Mamba 'none'
