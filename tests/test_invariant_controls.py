@@ -327,3 +327,18 @@ def test_mamba_state_not_read_while_written(batched):
         history=history,
     )
     fails("mamba_state_not_read_while_written", broken)
+
+
+def test_hit_checks_cover_batched_admissions(batched):
+    """b's lookup inside the step hits a's freshly cached blocks: the hit checks
+    accept it, and catch a hit block that holds another prefix."""
+    ctx = ctx_of(batched, Step)
+    holds("hit_backed_by_cache", ctx)
+    holds("hit_blocks_hold_their_prefix", ctx)
+    (_, a_result), (_, b_result) = ctx.obs.results
+    full_hits, mamba_hits = b_result.hit_blocks
+    swapped = (full_hits[1], full_hits[0], *full_hits[2:])
+    wrong = replace(b_result, hit_blocks=(swapped, mamba_hits))
+    fails("hit_blocks_hold_their_prefix", replace(ctx, obs=StepResult((("a", a_result), ("b", wrong)))))
+    longer = replace(b_result, hit=24)
+    fails("hit_backed_by_cache", replace(ctx, obs=StepResult((("a", a_result), ("b", longer)))))
