@@ -12,6 +12,10 @@ decode tokens):
   the scheduler policy every target shares), `allocate_slots(req, n, hit,
   blocks)`; a running request `allocate_slots(req, n)`. Then, as `schedule()`
   does, `take_kv_cache_block_copies()` and `block_pool.free_blocks(retained)`.
+- `Step`: one `Scheduler.schedule` over several requests (`_step`: running
+  pass with preempt-the-newest-and-retry, waiting pass only without a
+  preemption; docs/semantics.md lists how it differs from the real loop).
+  Every `allocate_slots` call passes `num_lookahead_tokens` from the config.
 - `Sample`: `Request.append_output_token_ids` (hashes of newly full chunks).
 - `Finish` / `Preempt`: `KVCacheManager.free` (+ PREEMPTED, `num_computed_tokens
   = 0`, as `Scheduler._preempt_request`).
