@@ -13,6 +13,7 @@ of the previous state block and how many leading blocks were retired.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from model.config import Config, GroupSpec, validate
@@ -26,6 +27,7 @@ from model.observation import (
     ResetResult,
     ScheduleResult,
     Snapshot,
+    StepResult,
     Tokens,
 )
 from model.ops import (
@@ -38,6 +40,7 @@ from model.ops import (
     ResetPrefixCache,
     Sample,
     Schedule,
+    Step,
 )
 from model.pool import Pool
 from model.scheduling import mamba_checkpoint_position, mamba_chunk
@@ -88,6 +91,8 @@ class AllocatorModel:
         self.requests: dict[str, RequestState] = {}
         self.hybrid = len(config.groups) > 1
         self.alignment = config.scheduler_block_size
+        # How often each rule that only some traces reach fired (the fuzz summary reports them).
+        self.exercised: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ ops
     def apply(self, op: Op) -> Observation:
@@ -98,6 +103,9 @@ class AllocatorModel:
         if isinstance(op, Schedule):
             self._new_step()
             return self._schedule(self.requests[op.rid], op.budget)
+        if isinstance(op, Step):
+            assert all(rid in self.requests for rid in op.rids), f"unknown request in {op.rids}"
+            return self._step(op.rids, op.budget)
         if isinstance(op, Sample):
             req = self.requests[op.rid]
             assert req.running and req.num_computed == req.num_tokens, f"{op.rid} is not waiting for a sample"
@@ -108,10 +116,8 @@ class AllocatorModel:
             del self.requests[op.rid]
             return Done()
         if isinstance(op, Preempt):
-            req = self.requests[op.rid]
-            assert req.running, f"preempting {op.rid}, which is not running"
-            self._free(op.rid)
-            req.running, req.num_computed = False, 0
+            assert self.requests[op.rid].running, f"preempting {op.rid}, which is not running"
+            self._preempt(op.rid)
             return Done()
         if isinstance(op, Probe):
             layouts, hit, spb = self._find_hit(op.tokens)
@@ -147,18 +153,29 @@ class AllocatorModel:
 
     def _schedule(self, req: RequestState, budget: int) -> ScheduleResult:
         if req.running:
-            n = self._chunk(req, req.num_computed, min(req.num_tokens - req.num_computed, budget), budget)
-            if n <= 0:
-                return ScheduleResult(scheduled=0, admitted=False)
-            new = self._allocate_slots(req, n, 0, None)
-            if new is None:
-                return ScheduleResult(scheduled=0, admitted=False)
-            req.num_computed += n
-            return ScheduleResult(scheduled=n, admitted=False, new_blocks=new)
+            return self._continue(req, budget, budget)
+        return self._admit(req, budget, budget)
+
+    def _next_chunk(self, req: RequestState, left: int, budget: int) -> int:
+        """Tokens a running request computes next: at most `left` of the step's `budget`."""
+        return self._chunk(req, req.num_computed, min(req.num_tokens - req.num_computed, left), budget)
+
+    def _continue(self, req: RequestState, left: int, budget: int) -> ScheduleResult:
+        n = self._next_chunk(req, left, budget)
+        if n <= 0:
+            return ScheduleResult(scheduled=0, admitted=False)
+        new = self._allocate_slots(req, n, 0, None)
+        if new is None:
+            return ScheduleResult(scheduled=0, admitted=False)
+        req.num_computed += n
+        return ScheduleResult(scheduled=n, admitted=False, new_blocks=new)
+
+    def _admit(self, req: RequestState, left: int, budget: int) -> ScheduleResult:
+        """Admit a waiting request: lookup, then its first chunk of at most `left` tokens."""
         layouts, hit, spb = self._find_hit(req.tokens, req.num_tokens - 1)
         hit_blocks = self._hit_blocks(req.tokens, layouts)
         req.shared_prefix_boundary = spb
-        n = self._chunk(req, hit, min(req.num_tokens - hit, budget), budget)
+        n = self._chunk(req, hit, min(req.num_tokens - hit, left), budget)
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
         if n <= 0:
             return result
@@ -168,8 +185,70 @@ class AllocatorModel:
         req.running, req.num_computed = True, hit + n
         return ScheduleResult(n, True, hit, spb, hit_blocks, new)
 
+    def _step(self, rids: tuple[str, ...], budget: int) -> StepResult:
+        """One scheduler step over a batch: vLLM `sched/scheduler.py` `Scheduler.schedule`, FCFS.
+
+        Running requests go first, in queue order. One whose allocation fails
+        preempts the last running request and retries (preempting itself ends
+        the running pass): the newest request gives way to the older ones.
+        Waiting requests are admitted only if nobody was preempted (the blocks
+        just freed are for the running ones), and a failed admission ends the
+        step: a younger request never overtakes an older one.
+        """
+        self._new_step()
+        running = [rid for rid in rids if self.requests[rid].running]
+        waiting = [rid for rid in rids if not self.requests[rid].running]
+        results: list[tuple[str, ScheduleResult]] = []
+        preempted: list[str] = []
+        left = budget
+        i = 0
+        while i < len(running) and left > 0:
+            req = self.requests[running[i]]
+            n = self._next_chunk(req, left, budget)
+            if n <= 0:
+                # Nothing to compute now (e.g. a Mamba chunk that rounds to 0): skip, keep going.
+                results.append((req.rid, ScheduleResult(0, False)))
+                i += 1
+                continue
+            new = self._allocate_slots(req, n, 0, None)
+            while new is None:
+                self.exercised["preemption inside a step"] += 1
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim == req.rid:
+                    break
+                new = self._allocate_slots(req, n, 0, None)
+            if new is None:
+                results.append((req.rid, ScheduleResult(0, False)))
+                break
+            req.num_computed += n
+            left -= n
+            results.append((req.rid, ScheduleResult(n, False, new_blocks=new)))
+            i += 1
+        if not preempted:
+            for rid in waiting:
+                if left <= 0:
+                    break
+                result = self._admit(self.requests[rid], left, budget)
+                results.append((rid, result))
+                if not result.admitted:
+                    break
+                left -= result.scheduled
+        if len(results) > 1:
+            self.exercised["step over several requests"] += 1
+        if any(r.admitted for _, r in results) and any(not r.admitted and r.scheduled for _, r in results):
+            self.exercised["admission after running chunks in one step"] += 1
+        return StepResult(tuple(results), tuple(preempted))
+
+    def _preempt(self, rid: str) -> None:
+        """Free every block; the request waits again with its tokens (`Scheduler._preempt_request`)."""
+        req = self.requests[rid]
+        self._free(rid)
+        req.running, req.num_computed = False, 0
+
     def _chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:
-        if not self.cfg.has_mamba:
+        if not self.cfg.has_mamba_align:
             return n
         return mamba_chunk(
             start=start,
@@ -199,54 +278,90 @@ class AllocatorModel:
         return mamba_hit(cached, max_len, spec.block_size, a)
 
     def _find_hit(self, tokens: Tokens, max_len: int | None = None) -> tuple[dict[int, Layout], int, int]:
-        """Per-group hit layouts, the reconciled hit and the shared-prefix boundary."""
+        """The prefix-cache hit for `tokens`: per-group layouts, the hit length every
+        group can serve, and the shared-prefix boundary (0 when there is no junction).
+
+        vLLM `kv_cache_coordinator.py` `find_longest_cache_hit` (unitary and hybrid).
+        """
         if max_len is None:
-            max_len = len(tokens) - 1
+            max_len = len(tokens) - 1  # the last token is always recomputed
         if not self.cfg.enable_caching or max_len <= 0:
             return {g.gid: [] for g in self.groups}, 0, 0
         if not self.hybrid:
+            # One group: its own block size is the alignment and nothing can disagree with it.
             g = self.groups[0]
             layout = self._finder(tokens, g.spec, [0], max_len, self.cfg.eagle, g.bs)
             return {0: layout}, len(layout) * g.bs, 0
-        hashed = len(tokens) // self.cfg.hash_block_size * self.cfg.hash_block_size
-        spec_groups: dict[tuple[object, ...], list[int]] = {}
+        return self._reconcile_hybrid_hit(tokens, max_len)
+
+    def _spec_groups(self) -> list[list[int]]:
+        """Group ids sharing one spec (looked up together), full attention first.
+
+        Full attention goes first because its hit is downward closed: the
+        tightest first bound, and later rounds only trim it.
+        """
+        by_spec: dict[tuple[object, ...], list[int]] = {}
         for g in self.groups:
-            spec_groups.setdefault((g.spec.kind, g.spec.block_size, g.spec.sliding_window), []).append(g.gid)
-        ordered = sorted(spec_groups.values(), key=lambda gids: self.groups[gids[0]].spec.kind != "full")
-        simple = len(ordered) == 2 and self.groups[ordered[0][0]].spec.kind == "full"
+            by_spec.setdefault((g.spec.kind, g.spec.block_size, g.spec.sliding_window), []).append(g.gid)
+        return sorted(by_spec.values(), key=lambda gids: self.groups[gids[0]].spec.kind != "full")
+
+    def _reconcile_hybrid_hit(self, tokens: Tokens, max_len: int) -> tuple[dict[int, Layout], int, int]:
+        """Lower the candidate hit until every spec group serves it (a fixed point).
+
+        Each spec group either accepts the candidate or lowers it; a lowered
+        candidate restarts the round, since a group that accepted the longer
+        one may not serve the shorter (SWA and Mamba hits are not downward
+        closed). The longest hit any group reached alone, when it exceeds the
+        reconciled hit, is the junction: a shared prefix that a sparse-retention
+        group has not cached yet.
+        """
+        hashed_len = len(tokens) // self.cfg.hash_block_size * self.cfg.hash_block_size
+        spec_groups = self._spec_groups()
+        full_first = self.groups[spec_groups[0][0]].spec.kind == "full"
+        # Full attention plus one other spec: the other group's answer is final.
+        single_round = len(spec_groups) == 2 and full_first
         layouts: dict[int, Layout] = {}
-        hit_by_group: dict[int, int] = {}
-        hit, longest = max_len, 0
-        verified: set[int] = set()
+        group_hit: dict[int, int] = {}
+        hit = max_len
+        longest_group_hit = 0
+        # Spec groups whose Eagle block was already dropped at the current candidate:
+        # dropping it again would lower the hit twice.
+        eagle_dropped: set[int] = set()
         while True:
-            cur = hit
-            for idx, gids in enumerate(ordered):
+            candidate = hit
+            for idx, gids in enumerate(spec_groups):
                 spec = self.groups[gids[0]].spec
                 if spec.kind == "full" and gids[0] in layouts:
-                    cur = min(cur, hit_by_group[gids[0]])
+                    # Downward closed: a shorter candidate only trims the layout found first.
+                    candidate = min(candidate, group_hit[gids[0]])
                     continue
-                drop = self.cfg.eagle and idx not in verified
-                limit = min(cur + spec.block_size, hashed) if drop and spec.kind != "mamba" else cur
-                layout = self._finder(tokens, spec, gids, limit, drop, self.alignment)
-                h = len(layout) * spec.block_size
-                if drop:
-                    verified.add(idx)
-                elif h < cur:
-                    verified.clear()
-                cur = h
+                drop_eagle = self.cfg.eagle and idx not in eagle_dropped
+                limit = candidate
+                if drop_eagle and spec.kind != "mamba":
+                    # Look one block past the candidate so the Eagle drop lands back on it,
+                    # but never past the hashed tokens. Mamba's finder never drops.
+                    limit = min(candidate + spec.block_size, hashed_len)
+                layout = self._finder(tokens, spec, gids, limit, drop_eagle, self.alignment)
+                this_hit = len(layout) * spec.block_size
+                if drop_eagle:
+                    eagle_dropped.add(idx)
+                elif this_hit < candidate:
+                    # A lower candidate voids the earlier groups' Eagle drops.
+                    eagle_dropped.clear()
+                candidate = this_hit
                 for gid in gids:
-                    layouts[gid], hit_by_group[gid] = layout, h
-                longest = max(longest, cur)
-            if cur >= hit:
-                break
-            hit = cur
-            if simple:
+                    layouts[gid], group_hit[gid] = layout, this_hit
+                longest_group_hit = max(longest_group_hit, candidate)
+            if candidate >= hit:
+                break  # nobody lowered it: every group serves `hit`
+            hit = candidate
+            if single_round:
                 break
         for g in self.groups:
             if g.spec.kind == "full":
                 layouts[g.gid] = layouts[g.gid][: cdiv(hit, g.bs)]
-        uncached = longest - hit
-        return layouts, hit, (hit + uncached if uncached else 0)
+        shared_prefix_boundary = longest_group_hit if longest_group_hit > hit else 0
+        return layouts, hit, shared_prefix_boundary
 
     def _hit_blocks(self, tokens: Tokens, layouts: dict[int, Layout]) -> tuple[tuple[int, ...], ...]:
         out = []
@@ -268,7 +383,9 @@ class AllocatorModel:
         local = req.num_computed + hit
         total = min(local, self.cfg.max_model_len)
         main = total + n
-        need_slot = min(main, self.cfg.max_model_len)
+        # Speculative slots past the chunk: attention groups reserve them, Mamba (align)
+        # sizes by `main` only (draft models have no Mamba layers).
+        need_slot = min(main + self.cfg.num_lookahead_tokens, self.cfg.max_model_len)
         for g in self.groups:
             self._remove_skipped(g, rid, total)
         need = sum(
@@ -296,7 +413,7 @@ class AllocatorModel:
     def _remove_skipped(self, g: GroupState, rid: str, computed: int) -> None:
         """Free blocks no future token of `rid` reads (out of window / stale state)."""
         skipped = self._skipped_tokens(g, computed)
-        if g.spec.kind == "mamba":
+        if _align(g):
             table = g.table(rid)
             if skipped > 0:
                 first = g.retired.get(rid, 0)
@@ -332,20 +449,41 @@ class AllocatorModel:
     def _blocks_to_allocate(
         self, g: GroupState, rid: str, num_tokens: int, hits: tuple[int, ...], local: int, main: int
     ) -> int:
-        evictable = sum(1 for b in hits if b and self.pool.ref[b] == 0)
-        if g.spec.kind == "mamba":
-            if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
-                return self.cfg.num_blocks + 1
-            new = cdiv(main, g.bs) - len(hits) - len(g.tables.get(rid, ()))
-            return (min(new, 1) if new > 0 else new) + evictable
+        """Free blocks group `g` takes for this step: its new blocks plus the hit
+        blocks it adopts from the free queue (touching one removes it from there).
+
+        vLLM `single_type_kv_cache_manager.py` `get_num_blocks_to_allocate`.
+        """
+        held = len(g.tables.get(rid, ()))
+        if _align(g):
+            return self._mamba_blocks_to_allocate(g, held, hits, main)
         required = cdiv(num_tokens, g.bs)
-        have = len(g.tables.get(rid, ()))
         if rid in g.num_cached:
-            return max(required - have, 0)
-        skipped_blocks = self._skipped_tokens(g, local) // g.bs
-        new = max(required - max(skipped_blocks, len(hits) + have), 0)
-        skip_hits = max(0, skipped_blocks - have)
-        return new + sum(1 for b in hits[skip_hits:] if b and self.pool.ref[b] == 0)
+            # Running: no new hit, and a table already longer than needed is fine.
+            return max(required - held, 0)
+        # Blocks wholly before the window stay null: they are neither allocated
+        # nor, when they are hit blocks, adopted.
+        out_of_window = self._skipped_tokens(g, local) // g.bs
+        new = max(required - max(out_of_window, len(hits) + held), 0)
+        adopted_hits = hits[max(0, out_of_window - held) :]
+        return new + self._num_evictable(adopted_hits)
+
+    def _mamba_blocks_to_allocate(self, g: GroupState, held: int, hits: tuple[int, ...], main: int) -> int:
+        """MambaManager in align mode (same function)."""
+        if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
+            # The hit state was keyed by another request in this same step and is
+            # not computed yet: ask for more than the pool holds so the request
+            # waits for the next step.
+            self.exercised["Mamba same-step guard"] += 1
+            return self.cfg.num_blocks + 1
+        # Only the chunk's last state is kept: one new block at most, whatever the chunk
+        # length (vLLM caps only a positive count, and min() leaves the rest alone).
+        new = cdiv(main, g.bs) - len(hits) - held
+        return min(new, 1) + self._num_evictable(hits)
+
+    def _num_evictable(self, blocks: tuple[int, ...]) -> int:
+        """Hit blocks still in a free queue (ref 0); the null block is not one."""
+        return sum(1 for b in blocks if b and self.pool.ref[b] == 0)
 
     def _add_hit_blocks(self, g: GroupState, rid: str, hits: tuple[int, ...], local: int) -> None:
         table = g.table(rid)
@@ -359,7 +497,7 @@ class AllocatorModel:
 
     def _allocate_new(self, g: GroupState, rid: str, num_tokens: int, main: int) -> list[int]:
         table = g.table(rid)
-        if g.spec.kind != "mamba":
+        if not _align(g):
             new = cdiv(num_tokens, g.bs) - len(table)
             if new <= 0:
                 return []
@@ -478,3 +616,10 @@ class AllocatorModel:
             while table and table[0] == 0:
                 table.pop(0)
             self.pool.free(reversed(table))
+
+
+def _align(g: GroupState) -> bool:
+    """Mamba in 'align' mode: one state block per chunk. 'none' (caching off only)
+    keeps the plain block layout of the other kinds (vLLM `MambaManager` defers
+    to the base manager)."""
+    return g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align"

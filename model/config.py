@@ -46,6 +46,8 @@ class Config:
     `retention_interval`: None = dense, 0 = only the latest replayable prompt
     boundary, k > 0 = one SWA tail / Mamba state per k-token segment plus it.
     `pin_swa_on_drop` / `pin_min_drop_blocks`: the #40676 pinned tier.
+    `num_lookahead_tokens`: slots every allocation reserves past the scheduled
+    tokens for speculative tokens (vLLM's scheduler passes its spec-token count).
     """
 
     groups: tuple[GroupSpec, ...]
@@ -58,6 +60,7 @@ class Config:
     hash_block_size: int = 0
     scheduler_block_size: int = 0
     max_model_len: int = 1 << 20
+    num_lookahead_tokens: int = 0
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +77,11 @@ class Config:
     @property
     def has_mamba(self) -> bool:
         return any(g.kind == "mamba" for g in self.groups)
+
+    @property
+    def has_mamba_align(self) -> bool:
+        """A Mamba group in 'align' mode: the scheduler splits prefill chunks for it."""
+        return any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in self.groups)
 
     @property
     def effective_retention(self) -> int | None:
@@ -99,7 +107,8 @@ def validate(cfg: Config) -> Config:
     - retention on a model with no SWA/Mamba group: only None or 0;
     - otherwise retention is None or a non-negative multiple of the scheduler
       block size;
-    - Mamba prefix caching needs mamba_cache_mode 'align';
+    - Mamba prefix caching requires mamba_cache_mode 'align' ('none' only
+      with caching off: vLLM `MambaManager.__init__`);
     - retention with caching disabled is ignored with a warning.
     """
     if not cfg.groups:
@@ -115,11 +124,6 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"groups[{i}].sliding_window: only 'swa' groups have a window")
         if g.kind == "mamba" and g.mamba_cache_mode not in ("align", "none"):
             raise ConfigError(f"groups[{i}].mamba_cache_mode: must be 'align' or 'none'")
-        if g.kind == "mamba" and g.mamba_cache_mode != "align":
-            # 'none' falls back to vLLM's plain block layout, which the model does not cover.
-            raise ConfigError(
-                f"groups[{i}].mamba_cache_mode: only 'align' is modeled (got {g.mamba_cache_mode!r})"
-            )
         if g.kind == "mamba" and cfg.enable_caching and g.mamba_cache_mode != "align":
             raise ConfigError(
                 f"groups[{i}].mamba_cache_mode: Mamba prefix caching requires mamba_cache_mode='align'"
@@ -145,6 +149,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"num_blocks: must be >= 2 (block 0 is the null block), got {cfg.num_blocks}")
     if cfg.pin_min_drop_blocks < 0:
         raise ConfigError("pin_min_drop_blocks: must be non-negative")
+    if isinstance(cfg.num_lookahead_tokens, bool) or not isinstance(cfg.num_lookahead_tokens, int):
+        raise ConfigError(f"num_lookahead_tokens: must be an integer, got {cfg.num_lookahead_tokens!r}")
+    if cfg.num_lookahead_tokens < 0:
+        raise ConfigError(f"num_lookahead_tokens: must be non-negative, got {cfg.num_lookahead_tokens}")
     r = cfg.retention_interval
     if r is not None:
         if isinstance(r, bool) or not isinstance(r, int):

@@ -87,6 +87,17 @@ class ScheduleResult:
 
 
 @dataclass(frozen=True)
+class StepResult:
+    """Outcome of one `Step`: per request the step reached, in the order it was
+    reached, its `ScheduleResult`; then the requests preempted to make room, in
+    preemption order. A request the step never reached (budget spent, or the
+    admissions ended) has no entry."""
+
+    results: tuple[tuple[str, ScheduleResult], ...]
+    preempted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ProbeResult:
     hit: int
     shared_prefix_boundary: int
@@ -103,7 +114,7 @@ class Done:
     """Operations with no return value (add, finish, preempt, evict)."""
 
 
-Observation = Union[ScheduleResult, ProbeResult, ResetResult, Done]
+Observation = Union[ScheduleResult, StepResult, ProbeResult, ResetResult, Done]
 
 
 @dataclass(frozen=True)

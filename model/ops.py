@@ -17,6 +17,12 @@ Contract of each operation (see `docs/semantics.md` for the full text):
 - `Finish(rid)`: the request ends; all its blocks are freed.
 - `Preempt(rid)`: a running request loses its blocks and waits again with its
   tokens (prompt and outputs) kept, to be re-admitted by a later `Schedule`.
+- `Step(rids, budget)`: one scheduler step over a batch (vLLM
+  `Scheduler.schedule`, FCFS): `rids` is the scheduler's queue in priority
+  order; its running requests get their next chunk first, then its waiting
+  requests are admitted, all under one shared token budget. An allocation
+  failure of a running request preempts the last running request and retries;
+  a failed admission ends the step's admissions.
 - `Probe(tokens)`: a pure lookup for a request with these tokens (no effect).
 - `ResetPrefixCache()`: drop every cached hash if no block is in use.
 - `EvictBlocks(block_ids)`: drop the hashes of the given blocks (KV offload /
@@ -39,6 +45,12 @@ class AddRequest:
 @dataclass(frozen=True)
 class Schedule:
     rid: str
+    budget: int
+
+
+@dataclass(frozen=True)
+class Step:
+    rids: tuple[str, ...]
     budget: int
 
 
@@ -73,11 +85,12 @@ class EvictBlocks:
     block_ids: tuple[int, ...]
 
 
-Op = Union[AddRequest, Schedule, Sample, Finish, Preempt, Probe, ResetPrefixCache, EvictBlocks]
+Op = Union[AddRequest, Schedule, Step, Sample, Finish, Preempt, Probe, ResetPrefixCache, EvictBlocks]
 
 OP_TYPES: dict[str, type] = {
     "add": AddRequest,
     "schedule": Schedule,
+    "step": Step,
     "sample": Sample,
     "finish": Finish,
     "preempt": Preempt,
@@ -121,6 +134,13 @@ def op_from_json(data: Any) -> Op:
             raise ValueError(f"operation {name!r}: field {key!r} must be an integer")
     if "budget" in fields and fields["budget"] < 1:
         raise ValueError(f"operation {name!r}: field 'budget' must be >= 1")
+    if "rids" in fields:
+        rids = fields["rids"]
+        if not isinstance(rids, list) or not rids or not all(isinstance(r, str) for r in rids):
+            raise ValueError(f"operation {name!r}: field 'rids' must be a non-empty list of strings")
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"operation {name!r}: field 'rids' names a request twice")
+        fields["rids"] = tuple(rids)
     if "rid" in fields and not isinstance(fields["rid"], str):
         raise ValueError(f"operation {name!r}: field 'rid' must be a string")
     op: Op = cls(**fields)

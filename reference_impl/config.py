@@ -52,6 +52,7 @@ class AllocatorConfig:
     one SWA tail / Mamba state per k-token segment plus reachable boundaries.
     `pin_swa_on_drop` / `pin_min_drop_blocks`: the pinned free tier of PR
     #40676 (never merged into vLLM; off by default).
+    `num_lookahead_tokens`: slots each allocation reserves for speculative tokens.
     """
 
     groups: tuple[KVCacheGroupConfig, ...]
@@ -64,6 +65,7 @@ class AllocatorConfig:
     hash_block_size: int = 0
     scheduler_block_size: int = 0
     max_model_len: int = 1 << 20
+    num_lookahead_tokens: int = 0
     enable_kv_cache_events: bool = True
     name: str = field(default="", compare=False)
 
@@ -80,7 +82,8 @@ class AllocatorConfig:
 
     @property
     def has_mamba(self) -> bool:
-        return any(g.kind == "mamba" for g in self.groups)
+        """A Mamba group in 'align' mode (the one whose chunks the scheduler splits)."""
+        return any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in self.groups)
 
     @property
     def is_hybrid(self) -> bool:

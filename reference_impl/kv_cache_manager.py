@@ -82,8 +82,13 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
-        """Blocks newly allocated this step per group, or None if they do not fit."""
+        """Blocks newly allocated this step per group, or None if they do not fit.
+
+        `num_lookahead_tokens` more slots are reserved for speculative tokens in
+        the attention groups; Mamba sizes by the scheduled tokens only.
+        """
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
@@ -95,7 +100,7 @@ class KVCacheManager:
         # Out-of-window blocks go back first, whether or not this step fits.
         self.coordinator.remove_skipped_blocks(rid, total_computed)
         num_tokens_main_model = total_computed + num_new_tokens
-        num_tokens_need_slot = min(num_tokens_main_model, self.max_model_len)
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
         need = self.coordinator.get_num_blocks_to_allocate(
             rid, num_tokens_need_slot, hits, num_local_computed, num_local_computed, num_tokens_main_model
         )

@@ -2,7 +2,9 @@
 
 Contracts:
 - every `schedule` call is one scheduler step (`new_step_starts` first) for one
-  request; a waiting request is admitted with a prefix-cache lookup, a running
+  request, and every `schedule_step` call one step for a batch (running
+  requests first, preempting the newest on an allocation failure; admissions
+  only in a step without preemption, ending at the first refusal); a waiting request is admitted with a prefix-cache lookup, a running
   one gets its next prefill chunk or a decode token;
 - with a Mamba group, prefill chunks are split so that states land where they
   can be cached (vLLM `Scheduler._mamba_block_aligned_split`, simplified: no
@@ -38,6 +40,14 @@ class ScheduleOutcome:
     shared_prefix_boundary: int | None = None
     hit_blocks: BlockIdsPerGroup | None = None
     new_blocks: BlockIdsPerGroup | None = None
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """Per request the step reached, in order, its outcome; then who was preempted."""
+
+    outcomes: tuple[tuple[str, ScheduleOutcome], ...]
+    preempted: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -83,15 +93,20 @@ class Scheduler:
         kvm.new_step_starts()
         if req.status == RequestStatus.RUNNING:
             return self._schedule_running(req, budget)
+        return self._admit(req, budget, budget)
+
+    def _admit(self, req: Request, left: int, budget: int) -> ScheduleOutcome:
+        """Lookup, then the first chunk (at most `left` tokens of the step's `budget`)."""
+        kvm = self.kv_cache_manager
         blocks, hit, spb = kvm.get_computed_blocks(req)
         req.shared_prefix_boundary = spb
         hit_ids = _ids(blocks)
-        n = min(req.num_tokens - hit, budget)
+        n = min(req.num_tokens - hit, left)
         if self.config.has_mamba:
             n = self.mamba_block_aligned_split(req, req.num_computed_tokens + hit, n, budget)
         if n <= 0:
             return ScheduleOutcome(0, False, hit, spb, hit_ids, None)
-        out = kvm.allocate_slots(req, n, hit, blocks)
+        out = kvm.allocate_slots(req, n, hit, blocks, self.config.num_lookahead_tokens)
         if out is None:
             return ScheduleOutcome(0, False, hit, spb, hit_ids, None)
         req.status = RequestStatus.RUNNING
@@ -104,11 +119,65 @@ class Scheduler:
             n = self.mamba_block_aligned_split(req, req.num_computed_tokens, n, budget)
         if n <= 0:
             return ScheduleOutcome(0, False)
-        out = self.kv_cache_manager.allocate_slots(req, n)
+        out = self.kv_cache_manager.allocate_slots(
+            req, n, num_lookahead_tokens=self.config.num_lookahead_tokens
+        )
         if out is None:
             return ScheduleOutcome(0, False)
         req.num_computed_tokens += n
         return ScheduleOutcome(n, False, new_blocks=_ids(out))
+
+    def schedule_step(self, request_ids: Sequence[str], budget: int) -> StepOutcome:
+        """One step over a batch, FCFS: running requests first, then admissions.
+
+        A running request that cannot get its blocks preempts the newest
+        running request and retries; preempting itself ends the running pass.
+        Admissions happen only in a step with no preemption, and the first
+        refused admission ends them.
+        """
+        kvm = self.kv_cache_manager
+        kvm.new_step_starts()
+        queue = [self._get(rid) for rid in request_ids]
+        running = [r for r in queue if r.status == RequestStatus.RUNNING]
+        waiting = [r for r in queue if r.status != RequestStatus.RUNNING]
+        outcomes: list[tuple[str, ScheduleOutcome]] = []
+        preempted: list[str] = []
+        left = budget
+        position = 0
+        while position < len(running) and left > 0:
+            req = running[position]
+            n = min(req.num_tokens - req.num_computed_tokens, left)
+            if self.config.has_mamba:
+                n = self.mamba_block_aligned_split(req, req.num_computed_tokens, n, budget)
+            if n <= 0:
+                outcomes.append((req.request_id, ScheduleOutcome(0, False)))
+                position += 1
+                continue
+            out = kvm.allocate_slots(req, n, num_lookahead_tokens=self.config.num_lookahead_tokens)
+            while out is None:
+                victim = running.pop()
+                self.preempt(victim.request_id)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+                out = kvm.allocate_slots(req, n, num_lookahead_tokens=self.config.num_lookahead_tokens)
+            if out is None:
+                outcomes.append((req.request_id, ScheduleOutcome(0, False)))
+                break
+            req.num_computed_tokens += n
+            left -= n
+            outcomes.append((req.request_id, ScheduleOutcome(n, False, new_blocks=_ids(out))))
+            position += 1
+        if not preempted:
+            for req in waiting:
+                if left <= 0:
+                    break
+                outcome = self._admit(req, left, budget)
+                outcomes.append((req.request_id, outcome))
+                if not outcome.admitted:
+                    break
+                left -= outcome.scheduled
+        return StepOutcome(tuple(outcomes), tuple(preempted))
 
     def sample(self, request_id: str, token_id: int) -> None:
         req = self._get(request_id)

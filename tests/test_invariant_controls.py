@@ -17,8 +17,8 @@ from invariants.catalogue import BY_NAME, INVARIANTS, CheckContext
 from invariants.harness.checker import Checker
 from invariants.targets.model_target import ModelTarget
 from model.config import Config, GroupSpec
-from model.observation import BlockKey, BlockStored, ProbeResult, ScheduleResult
-from model.ops import AddRequest, Finish, Probe, Sample, Schedule
+from model.observation import BlockKey, BlockStored, ProbeResult, ScheduleResult, StepResult
+from model.ops import AddRequest, Finish, Probe, Sample, Schedule, Step
 
 FULL_SWA = (GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6))
 SYS = tuple([1, 2, 3, 1] * 5)
@@ -276,3 +276,69 @@ def test_fitting_request_admitted(plain):
 def test_every_invariant_has_a_control():
     tested = {name[len("test_") :] for name in globals() if name.startswith("test_")}
     assert {inv.name for inv in INVARIANTS} <= tested
+
+
+# ---------------------------------------------------------------- batched steps
+MAMBA_STEP = Config(groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)), num_blocks=32)
+STEP_OPS = [AddRequest("a", SYS + (2, 2)), AddRequest("b", SYS + (3, 3)), Step(("a", "b"), 64)]
+
+
+@pytest.fixture(scope="module")
+def batched():
+    return run(MAMBA_STEP, STEP_OPS)
+
+
+def test_step_blocks_stay_held(batched):
+    ctx = ctx_of(batched, Step)
+    holds("step_blocks_stay_held", ctx)
+    full_a, mamba_a = ctx.after.tables["a"]
+    # The step frees a block that a's forward pass still reads (the state it writes).
+    freed = replace(ctx.after, tables={**ctx.after.tables, "a": (full_a, mamba_a[:-1] + (0,))})
+    fails("step_blocks_stay_held", replace(ctx, after=freed))
+    # ... or hands a block a held before the step to b as a new block.
+    (_, a_result), (_, b_result) = ctx.obs.results
+    stolen = replace(b_result, new_blocks=((full_a[0],), ()))
+    held = replace(ctx.before, tables={**ctx.before.tables, "a": ((full_a[0],), ())})
+    fails(
+        "step_blocks_stay_held", replace(ctx, before=held, obs=StepResult((("a", a_result), ("b", stolen))))
+    )
+    # A block b allocated this step and a hits (attention) is not a reuse.
+    holds("step_blocks_stay_held", replace(ctx, obs=StepResult((("a", a_result), ("b", stolen)))))
+
+
+def test_mamba_state_not_read_while_written(batched):
+    """The model's guard refuses b; without it b resumes from the state a writes."""
+    ctx = ctx_of(batched, Step)
+    holds("mamba_state_not_read_while_written", ctx)
+    (_, a_result), (_, b_refused) = ctx.obs.results
+    assert not b_refused.admitted and b_refused.hit == 20
+    full_a, mamba_a = ctx.after.tables["a"]
+    hit_blocks = ((*full_a[:5],), (0, 0, 0, 0, mamba_a[4]))
+    b_admitted = replace(
+        b_refused, scheduled=2, admitted=True, hit_blocks=hit_blocks, new_blocks=((30,), (31,))
+    )
+    history = copy.deepcopy(ctx.history)
+    history.requests["b"].running, history.requests["b"].num_computed = True, 22
+    tables = {**ctx.after.tables, "b": ((*full_a[:5], 30), (0, 0, 0, 0, mamba_a[4], 31))}
+    broken = replace(
+        ctx,
+        obs=StepResult((("a", a_result), ("b", b_admitted))),
+        after=replace(ctx.after, tables=tables),
+        history=history,
+    )
+    fails("mamba_state_not_read_while_written", broken)
+
+
+def test_hit_checks_cover_batched_admissions(batched):
+    """b's lookup inside the step hits a's freshly cached blocks: the hit checks
+    accept it, and catch a hit block that holds another prefix."""
+    ctx = ctx_of(batched, Step)
+    holds("hit_backed_by_cache", ctx)
+    holds("hit_blocks_hold_their_prefix", ctx)
+    (_, a_result), (_, b_result) = ctx.obs.results
+    full_hits, mamba_hits = b_result.hit_blocks
+    swapped = (full_hits[1], full_hits[0], *full_hits[2:])
+    wrong = replace(b_result, hit_blocks=(swapped, mamba_hits))
+    fails("hit_blocks_hold_their_prefix", replace(ctx, obs=StepResult((("a", a_result), ("b", wrong)))))
+    longer = replace(b_result, hit=24)
+    fails("hit_backed_by_cache", replace(ctx, obs=StepResult((("a", a_result), ("b", longer)))))

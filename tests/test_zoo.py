@@ -17,7 +17,7 @@ from invariants.cli.zoo import QUICK_SUBSET
 from invariants.targets.reference import ReferenceTarget
 from invariants.zoo.checks import config_rejection, exception_safety
 from invariants.zoo.mutants_reference import REFERENCE_MUTANTS, ZooReferenceTarget, factory
-from invariants.zoo.runner import EXAMPLES_PER_BATCH, ZooEntry, reference_entries, run_entry
+from invariants.zoo.runner import EXAMPLES_PER_BATCH, ZooEntry, known_tolerance, reference_entries, run_entry
 
 SUBSET = list(QUICK_SUBSET)
 BATCHES = max(1, settings().max_examples // EXAMPLES_PER_BATCH)
@@ -42,7 +42,13 @@ def test_mutant_is_killed(name: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("strategy", sorted({REFERENCE_MUTANTS[n].strategy for n in SUBSET}))
 def test_unmutated_reference_passes_the_same_runs(strategy: str, tmp_path: Path) -> None:
     entry = ZooEntry(
-        "(unmutated)", "reference", "control", strategy, (), lambda: contextlib.nullcontext(ReferenceTarget)
+        "(unmutated)",
+        "reference",
+        "control",
+        strategy,
+        (),
+        lambda: contextlib.nullcontext(ReferenceTarget),
+        tolerated=known_tolerance("reference"),
     )
     result = _run(entry, tmp_path)
     assert not result.killed, f"unmutated reference flagged on {strategy}: {result.detail}"

@@ -4,7 +4,8 @@ Each invariant is a named function `f(ctx: CheckContext) -> list[str]` (one
 message per violation, empty when it holds) whose docstring says what it guards
 and which seed or bug it comes from. Modules: `structure` (accounting),
 `ordering` (eviction order, pinned tier), `retention` (masks and hits),
-`promises` (kept hits, scratch), `events` (KV events), `liveness`.
+`promises` (kept hits, scratch), `events` (KV events), `liveness`, `steps`
+(what one scheduler step's forward pass reads stays put).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from invariants.catalogue import events, liveness, ordering, promises, retention, structure
+from invariants.catalogue import events, liveness, ordering, promises, retention, steps, structure
 from invariants.catalogue.context import CheckContext, History, RequestHistory
 from invariants.catalogue.history import update_history
 
@@ -59,6 +60,7 @@ INVARIANTS: list[Invariant] = [
     *_family(promises, "promises", ["promise_kept", "eagle_extra_block_kept", "scratch_never_flushes_cache"]),
     *_family(events, "events", ["events_match_hash_map", "stored_tokens_match_hashes"]),
     *_family(liveness, "liveness", ["fitting_request_admitted"]),
+    *_family(steps, "steps", ["step_blocks_stay_held", "mamba_state_not_read_while_written"]),
 ]
 BY_NAME = {inv.name: inv for inv in INVARIANTS}
 

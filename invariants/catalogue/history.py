@@ -12,6 +12,7 @@ from model.observation import (
     Observation,
     ScheduleResult,
     Snapshot,
+    StepResult,
 )
 from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Sample
 
@@ -62,12 +63,21 @@ def update_history(
     elif isinstance(op, Finish):
         history.finished[op.rid] = history.requests.pop(op.rid)
     elif isinstance(obs, ScheduleResult):
-        r = history.requests[op.rid]  # type: ignore[union-attr]
-        if obs.hit is not None:
-            if obs.shared_prefix_boundary:
-                r.boundaries.add(obs.shared_prefix_boundary)
-            if obs.admitted:
-                r.running, r.num_computed = True, obs.hit + obs.scheduled
-        elif obs.scheduled:
-            r.num_computed += obs.scheduled
+        _scheduled(history.requests[op.rid], obs)  # type: ignore[union-attr]
+    elif isinstance(obs, StepResult):
+        for rid, result in obs.results:
+            _scheduled(history.requests[rid], result)
+        for rid in obs.preempted:
+            r = history.requests[rid]
+            r.running, r.num_computed, r.ever_preempted = False, 0, True
     return problems
+
+
+def _scheduled(r: RequestHistory, obs: ScheduleResult) -> None:
+    if obs.hit is not None:
+        if obs.shared_prefix_boundary:
+            r.boundaries.add(obs.shared_prefix_boundary)
+        if obs.admitted:
+            r.running, r.num_computed = True, obs.hit + obs.scheduled
+    elif obs.scheduled:
+        r.num_computed += obs.scheduled

@@ -20,7 +20,7 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
         return []
     req = ctx.history.requests[op.rid]
     n = min(len(req.tokens) - obs.hit, op.budget)
-    if cfg.has_mamba:
+    if cfg.has_mamba_align:
         n = mamba_chunk(
             start=obs.hit,
             num_new=n,
@@ -33,9 +33,14 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
         )
     if n <= 0:
         return []
-    # Mamba: the new state block, plus the hit state it resumes from.
+    # Mamba: the new state block, plus the hit state it resumes from; attention
+    # groups also reserve the lookahead slots.
+    slots = min(obs.hit + n + cfg.num_lookahead_tokens, cfg.max_model_len)
     need = sum(
-        (1 + (obs.hit > 0)) if g.kind == "mamba" else cdiv(obs.hit + n, g.block_size) for g in cfg.groups
+        (1 + (obs.hit > 0))
+        if g.kind == "mamba" and g.mamba_cache_mode == "align"
+        else cdiv(slots, g.block_size)
+        for g in cfg.groups
     )
     if need <= cfg.num_blocks - 1:
         return [f"admission of {op.rid} ({need} blocks) refused by an idle pool of {cfg.num_blocks - 1}"]

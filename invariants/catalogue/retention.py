@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext, RequestHistory
 from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
-from model.observation import BlockKey, ProbeResult, ScheduleResult, Tokens
+from model.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens
 from model.ops import Probe, Schedule
 from model.scheduling import mamba_checkpoint_position
 
@@ -60,15 +60,37 @@ def no_waste(ctx: CheckContext) -> list[str]:
     return out
 
 
-def _lookup_of(ctx: CheckContext) -> tuple[Tokens, int, tuple[tuple[int, ...], ...]] | None:
+Lookup = tuple[Tokens, int, tuple[tuple[int, ...], ...]]
+
+
+def _lookups(ctx: CheckContext) -> list[Lookup]:
+    """Every prefix-cache lookup the operation made: (tokens, hit, hit blocks)."""
     obs, op = ctx.obs, ctx.op
     if isinstance(op, Probe) and isinstance(obs, ProbeResult):
-        return op.tokens, obs.hit, obs.hit_blocks
-    if isinstance(op, Schedule) and isinstance(obs, ScheduleResult) and obs.hit is not None:
-        req = ctx.history.requests[op.rid]
-        assert obs.hit_blocks is not None
-        return req.tokens, obs.hit, obs.hit_blocks
-    return None
+        return [(op.tokens, obs.hit, obs.hit_blocks)]
+    results: list[tuple[str, ScheduleResult]] = []
+    if isinstance(op, Schedule) and isinstance(obs, ScheduleResult):
+        results = [(op.rid, obs)]
+    elif isinstance(obs, StepResult):
+        results = list(obs.results)
+    out = []
+    for rid, r in results:
+        if r.hit is not None and rid in ctx.history.requests:
+            assert r.hit_blocks is not None
+            out.append((ctx.history.requests[rid].tokens, r.hit, r.hit_blocks))
+    return out
+
+
+def _cached(ctx: CheckContext) -> dict[BlockKey, tuple[int, ...]]:
+    """The hash map a lookup of this operation could see. In a step over a batch a
+    later admission may hit blocks an earlier one cached; a block hit is held, so
+    it is still cached after the step."""
+    if not isinstance(ctx.obs, StepResult):
+        return ctx.before.cached
+    merged = dict(ctx.before.cached)
+    for key, blocks in ctx.after.cached.items():
+        merged[key] = tuple(dict.fromkeys(merged.get(key, ()) + blocks))
+    return merged
 
 
 def hit_backed_by_cache(ctx: CheckContext) -> list[str]:
@@ -76,11 +98,17 @@ def hit_backed_by_cache(ctx: CheckContext) -> list[str]:
     block below h, the SWA blocks holding the window of token h, and the Mamba
     state at h are in the hash map. So a sparse hit never exceeds what a dense
     cache could serve, and no token is read from a block that does not hold it."""
-    found = _lookup_of(ctx)
-    if found is None:
-        return []
-    tokens, hit, _ = found
-    cfg, cached = ctx.config, ctx.before.cached
+    out: list[str] = []
+    cached = _cached(ctx)
+    for tokens, hit, _ in _lookups(ctx):
+        out += _backed(ctx, tokens, hit, cached)
+    return out
+
+
+def _backed(
+    ctx: CheckContext, tokens: Tokens, hit: int, cached: dict[BlockKey, tuple[int, ...]]
+) -> list[str]:
+    cfg = ctx.config
     if hit == 0:
         return []
     out = []
@@ -110,16 +138,26 @@ def hit_blocks_hold_their_prefix(ctx: CheckContext) -> list[str]:
     """Each block a hit hands out carries the hash of exactly the prefix it
     stands for in the request (a reused block whose old hash survived would
     hand out someone else's KV: a corrupted output)."""
-    found = _lookup_of(ctx)
-    if found is None:
-        return []
-    tokens, hit, hit_blocks = found
+    out = []
+    cached = _cached(ctx)
+    for tokens, hit, hit_blocks in _lookups(ctx):
+        out += _holds(ctx, tokens, hit, hit_blocks, cached)
+    return out
+
+
+def _holds(
+    ctx: CheckContext,
+    tokens: Tokens,
+    hit: int,
+    hit_blocks: tuple[tuple[int, ...], ...],
+    cached: dict[BlockKey, tuple[int, ...]],
+) -> list[str]:
     out = []
     for g, blocks in enumerate(hit_blocks):
         bs = ctx.config.groups[g].block_size
         if ctx.config.groups[g].kind == "full" and len(blocks) != cdiv(hit, bs):
             out.append(f"group {g}: {len(blocks)} hit blocks for a hit of {hit} tokens")
         for j, b in enumerate(blocks):
-            if b and b not in ctx.before.cached.get(BlockKey(g, tokens[: (j + 1) * bs]), ()):
+            if b and b not in cached.get(BlockKey(g, tokens[: (j + 1) * bs]), ()):
                 out.append(f"group {g}: hit block {b} at index {j} does not hold that prefix")
     return out

@@ -11,7 +11,7 @@ from invariants.results import CaseResult, fuzz_case, write_results
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
-    from invariants.harness.fuzz import format_failure, format_summary, run_fuzz
+    from invariants.harness.fuzz import format_failure, format_features, format_summary, run_fuzz
 
     print(
         f"kvretain fuzz: target {args.target}, config {args.config or 'generated'}, seed {args.seed}, "
@@ -29,6 +29,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     if report.failure is not None:
         print(format_failure(report))
     print(format_summary([report]))
+    print(format_features([report]))
     rc = 1 if report.failure is not None else 0
     write_results(args, "fuzz", [fuzz_case(report)], rc)
     return rc

@@ -14,7 +14,7 @@ from invariants.catalogue import CheckContext, History, check_all, update_histor
 from invariants.targets.base import Target
 from model.allocator import AllocatorModel
 from model.observation import ProbeResult, diff_snapshots
-from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, Sample, Schedule
+from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, Sample, Schedule, Step
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,16 @@ class Checker:
                 raise InvalidOp(f"schedule: {op.rid!r} computed every known token; it needs a sample first")
             if r.num_tokens >= self.config.max_model_len:
                 raise InvalidOp(f"schedule: {op.rid!r} reached max_model_len")
+        elif isinstance(op, Step):
+            unknown = [r for r in op.rids if r not in reqs]
+            if unknown or len(set(op.rids)) != len(op.rids) or not op.rids:
+                raise InvalidOp(f"step: rids must name distinct known requests, got {list(op.rids)}")
+            for name in op.rids:
+                req = reqs[name]
+                if req.running and req.num_computed >= req.num_tokens:
+                    raise InvalidOp(f"step: {name!r} computed every known token; it needs a sample first")
+                if req.num_tokens >= self.config.max_model_len:
+                    raise InvalidOp(f"step: {name!r} reached max_model_len")
         elif isinstance(op, Sample):
             r = reqs[op.rid]
             if not r.running or r.num_computed != r.num_tokens:

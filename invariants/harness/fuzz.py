@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +165,16 @@ def format_summary(reports: list[FuzzReport]) -> str:
         ],
         rows,
     )
+
+
+def format_features(reports: list[FuzzReport]) -> str:
+    """How often each feature was exercised: configuration features per example,
+    model rules per firing, summed over the reports."""
+    total: Counter[str] = Counter()
+    for r in reports:
+        total.update(r.stats.features)
+    rows = [(name, count) for name, count in sorted(total.items())]
+    return "features exercised:\n" + table(["feature", "count"], rows)
 
 
 def first_violation(report: FuzzReport) -> Violation | None:

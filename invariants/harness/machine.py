@@ -10,6 +10,7 @@ first violation fails the run, and Hypothesis shrinks the operation sequence.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,11 +20,56 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from invariants.harness.checker import Checker, Violation
 from invariants.targets.base import Target
 from model.config import Config
-from model.observation import ScheduleResult
-from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, ResetPrefixCache, Sample, Schedule
+from model.observation import ScheduleResult, Snapshot, StepResult
+from model.ops import (
+    AddRequest,
+    EvictBlocks,
+    Finish,
+    Op,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    Sample,
+    Schedule,
+    Step,
+)
 
 TOKENS = st.integers(1, 3)
 MAX_REQUEST_TOKENS = 160
+
+
+def config_features(cfg: Config) -> list[str]:
+    """The configuration features one example exercises (for the fuzz summary)."""
+    out: list[str] = sorted({g.kind for g in cfg.groups})
+    r = cfg.effective_retention
+    out.append(
+        "caching off"
+        if not cfg.enable_caching
+        else "retention " + ("None" if r is None else "0" if r == 0 else "k")
+    )
+    if cfg.eagle:
+        out.append("eagle")
+    if any(g.kind == "mamba" and g.mamba_cache_mode == "none" for g in cfg.groups):
+        out.append("mamba mode none")
+    if cfg.num_lookahead_tokens:
+        out.append("lookahead slots")
+    if cfg.pin_swa_on_drop:
+        out.append("pinned tier")
+    if len({g.block_size for g in cfg.groups}) > 1:
+        out.append("mixed block sizes")
+    return out
+
+
+def reused_across_requests(before: Snapshot, obs: object) -> bool:
+    """A step handed one request a block that another request held before the step."""
+    if not isinstance(obs, StepResult):
+        return False
+    for rid, result in obs.results:
+        new = {b for group in result.new_blocks or () for b in group if b}
+        others = {b for r, table in before.tables.items() if r != rid for group in table for b in group}
+        if new & others:
+            return True
+    return False
 
 
 class ViolationFound(AssertionError):
@@ -43,6 +89,9 @@ class FuzzStats:
     states: set[tuple[object, ...]] = field(default_factory=set)
     known: set[str] = field(default_factory=set)
     last_failure: ViolationFound | None = None
+    # Feature -> how often it was exercised: configuration features per example,
+    # model rules per firing, cross-request reuse per step.
+    features: Counter[str] = field(default_factory=Counter)
 
     @property
     def hit_rate(self) -> float:
@@ -70,6 +119,7 @@ def build_machine(
         def setup(self, config: Config, data: st.DataObject) -> None:
             run_stats.examples += 1
             self.checker = Checker(target_factory(config))
+            run_stats.features.update(f"config: {name}" for name in config_features(config))
             sbs = config.scheduler_block_size
             self.prefixes = [
                 tuple(data.draw(st.lists(TOKENS, min_size=sbs + 1, max_size=3 * sbs), label="system prompt"))
@@ -88,9 +138,14 @@ def build_machine(
 
         def _do(self, op: Op) -> None:
             assert self.checker is not None
+            before = self.checker.last
             found = [v for v in self.checker.step(op) if not self._known(v)]
             run_stats.steps += 1
             obs_state = self.checker.last
+            run_stats.features.update(self.checker.model.exercised)
+            self.checker.model.exercised.clear()
+            if isinstance(op, Step) and reused_across_requests(before, self.checker.last_obs):
+                run_stats.features["block freed by one request reused by another in one step"] += 1
             run_stats.states.add(
                 (
                     type(op).__name__,
@@ -149,6 +204,42 @@ def build_machine(
                         return
                     run_stats.prompt_tokens += len(self.checker.history.requests[rid].tokens)
                     run_stats.hit_tokens += obs.hit
+
+        @precondition(lambda self: self.checker is not None and bool(self._schedulable()))
+        @rule(data=st.data())
+        def step_batch(self, data: st.DataObject) -> None:
+            """A few scheduler steps over every live request (FCFS, shared budget), each
+            followed by a sample for every request that computed all its tokens."""
+            assert self.checker is not None
+            sbs = self.cfg.scheduler_block_size
+            budget = data.draw(st.sampled_from([3, sbs, 2 * sbs, 4 * sbs, 64]), label="step budget")
+            for _ in range(data.draw(st.integers(1, 4), label="steps")):
+                for rid in self._arrival_order(self._requests(lambda r: r.running)):  # type: ignore[attr-defined]
+                    r = self.checker.model.requests[rid]
+                    if r.num_computed == r.num_tokens and r.num_tokens < MAX_REQUEST_TOKENS:
+                        self._do(Sample(rid, data.draw(TOKENS, label="token")))
+                # Below the size cap and not owing a sample (those reached the cap).
+                model_reqs = self.checker.model.requests
+                queue = [
+                    rid
+                    for rid in self._arrival_order(list(model_reqs))
+                    if model_reqs[rid].num_tokens < MAX_REQUEST_TOKENS
+                    and not (
+                        model_reqs[rid].running and model_reqs[rid].num_computed >= model_reqs[rid].num_tokens
+                    )
+                ]
+                if not queue:
+                    return
+                self._do(Step(tuple(queue), budget))
+                obs = self.checker.last_obs
+                if isinstance(obs, StepResult):
+                    for rid, result in obs.results:
+                        if result.admitted and result.hit is not None:
+                            run_stats.prompt_tokens += len(self.checker.history.requests[rid].tokens)
+                            run_stats.hit_tokens += result.hit
+
+        def _arrival_order(self, rids: list[str]) -> list[str]:
+            return sorted(rids, key=lambda rid: int(rid[1:]))
 
         @precondition(lambda self: self.checker is not None and bool(self._requests(lambda r: True)))
         @rule(data=st.data())

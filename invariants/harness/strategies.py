@@ -9,6 +9,7 @@ keeps vLLM's fine-grained Mamba hits (not modeled) off.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import reduce
 
 from hypothesis import strategies as st
@@ -36,10 +37,15 @@ def configs(
     retention: str | None = None,
     eagle: bool | None = None,
     caching: bool | None = None,
+    lookahead: bool | None = None,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
     `retention`: "dense" (None), "zero" (0) or "interval" (k * sbs).
+    With caching off a Mamba group is in 'align' or 'none' mode (vLLM allows
+    'none' only without prefix caching).
+    `lookahead`: True = speculative slots (1..3 per allocation), False = none,
+    None = either (mostly none, as most deployments run without spec decode).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -72,5 +78,17 @@ def configs(
         pin_swa_on_drop=pin,
         pin_min_drop_blocks=draw(st.integers(0, 3)) if pin else 1,
         max_model_len=4096,
+        num_lookahead_tokens=_lookahead(draw, lookahead),
     )
+    if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
+        cfg = cfg.with_(
+            groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)
+        )
     return validate(cfg)
+
+
+def _lookahead(draw: st.DrawFn, lookahead: bool | None) -> int:
+    if lookahead is False:
+        return 0
+    choices = [1, 2, 3] if lookahead else [0, 0, 0, 1, 2, 3]
+    return draw(st.sampled_from(choices))

@@ -37,15 +37,27 @@ from model.observation import (
     ResetResult,
     ScheduleResult,
     Snapshot,
+    StepResult,
 )
-from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, ResetPrefixCache, Sample, Schedule
+from model.ops import (
+    AddRequest,
+    EvictBlocks,
+    Finish,
+    Op,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    Sample,
+    Schedule,
+    Step,
+)
 from reference_impl import kv_events
 from reference_impl.components import AllocatorComponents
 from reference_impl.config import AllocatorConfig, KVCacheGroupConfig
 from reference_impl.hashing import get_block_hash, get_group_id
 from reference_impl.kv_cache_manager import KVCacheManager
 from reference_impl.request import Request
-from reference_impl.scheduler import Scheduler
+from reference_impl.scheduler import ScheduleOutcome, Scheduler
 
 from .base import TargetCrash
 
@@ -67,6 +79,7 @@ def to_allocator_config(config: Config) -> AllocatorConfig:
         hash_block_size=config.hash_block_size,
         scheduler_block_size=config.scheduler_block_size,
         max_model_len=config.max_model_len,
+        num_lookahead_tokens=config.num_lookahead_tokens,
         enable_kv_cache_events=True,
         name=config.name,
     )
@@ -141,6 +154,9 @@ class ReferenceTarget:
                 out.hit_blocks,
                 out.new_blocks,
             )
+        if isinstance(op, Step):
+            step = s.schedule_step(op.rids, op.budget)
+            return StepResult(tuple((rid, _schedule_result(o)) for rid, o in step.outcomes), step.preempted)
         if isinstance(op, AddRequest):
             s.add_request(op.rid, op.prompt)
         elif isinstance(op, Sample):
@@ -196,3 +212,9 @@ class ReferenceTarget:
         if isinstance(event, kv_events.BlockRemoved):
             return BlockRemoved(group=event.group_idx, block_hash=self._prefix(event.block_hashes[0]))
         return AllBlocksCleared()
+
+
+def _schedule_result(o: ScheduleOutcome) -> ScheduleResult:
+    return ScheduleResult(
+        o.scheduled, o.admitted, o.hit, o.shared_prefix_boundary, o.hit_blocks, o.new_blocks
+    )

@@ -12,6 +12,10 @@ decode tokens):
   the scheduler policy every target shares), `allocate_slots(req, n, hit,
   blocks)`; a running request `allocate_slots(req, n)`. Then, as `schedule()`
   does, `take_kv_cache_block_copies()` and `block_pool.free_blocks(retained)`.
+- `Step`: one `Scheduler.schedule` over several requests (`_step`: running
+  pass with preempt-the-newest-and-retry, waiting pass only without a
+  preemption; docs/semantics.md lists how it differs from the real loop).
+  Every `allocate_slots` call passes `num_lookahead_tokens` from the config.
 - `Sample`: `Request.append_output_token_ids` (hashes of newly full chunks).
 - `Finish` / `Preempt`: `KVCacheManager.free` (+ PREEMPTED, `num_computed_tokens
   = 0`, as `Scheduler._preempt_request`).
@@ -64,6 +68,7 @@ from model.observation import (
     ResetResult,
     ScheduleResult,
     Snapshot,
+    StepResult,
     Tokens,
 )
 from model.ops import (
@@ -76,6 +81,7 @@ from model.ops import (
     ResetPrefixCache,
     Sample,
     Schedule,
+    Step,
 )
 from model.pool import EVENT_PROFILES
 from model.scheduling import mamba_chunk
@@ -230,6 +236,8 @@ class VllmTarget:
             req = self.requests[op.rid]
             if req.status != self._v["RequestStatus"].RUNNING or req.num_computed_tokens != req.num_tokens:
                 raise ValueError(f"sample: {op.rid!r} is not waiting for a sample")
+        if isinstance(op, Step) and any(r not in self.requests for r in op.rids):
+            raise ValueError(f"step: unknown request among {list(op.rids)}")
         if isinstance(op, Preempt) and self.requests[op.rid].status != self._v["RequestStatus"].RUNNING:
             raise ValueError(f"preempt: {op.rid!r} is not running")
 
@@ -246,6 +254,8 @@ class VllmTarget:
             if retained:
                 self.pool.free_blocks(retained)
             return result
+        if isinstance(op, Step):
+            return self._step(op)
         if isinstance(op, Sample):
             req = self.requests[op.rid]
             start = len(req.block_hashes)
@@ -295,7 +305,8 @@ class VllmTarget:
 
     @property
     def _has_mamba(self) -> bool:
-        return any(g.kind == "mamba" for g in self.config.groups)
+        """`Scheduler.need_mamba_block_aligned_split`: a Mamba group in 'align' mode."""
+        return self.config.has_mamba_align
 
     def _schedule(self, req: Any, budget: int) -> ScheduleResult:
         m = self.manager
@@ -305,7 +316,7 @@ class VllmTarget:
             n = self._chunk(req, start, min(req.num_tokens - start, budget), budget)
             if n <= 0:
                 return ScheduleResult(scheduled=0, admitted=False)
-            out = m.allocate_slots(req, n)
+            out = m.allocate_slots(req, n, num_lookahead_tokens=self.config.num_lookahead_tokens)
             if out is None:
                 return ScheduleResult(scheduled=0, admitted=False)
             req.num_computed_tokens += n
@@ -318,12 +329,97 @@ class VllmTarget:
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
         if n <= 0:
             return result
-        out = m.allocate_slots(req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+        out = m.allocate_slots(
+            req,
+            n,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=blocks,
+            num_lookahead_tokens=self.config.num_lookahead_tokens,
+        )
         if out is None:
             return result
         req.status = status.RUNNING
         req.num_computed_tokens = hit + n
         return ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))
+
+    # ------------------------------------------------------------------ batched step
+    def _step(self, op: Step) -> StepResult:
+        """`Scheduler.schedule` (FCFS) over the requests `op.rids`, as its loops run.
+
+        Running pass: `num_new_tokens = min(num_tokens - num_computed_tokens,
+        token_budget)`, the Mamba split, `allocate_slots`; on None preempt
+        `running.pop()` (`_preempt_request`: free, PREEMPTED, computed 0) and
+        retry until it fits or the request preempted itself, then stop the pass.
+        Waiting pass (only if nobody was preempted): `get_computed_blocks`, the
+        chunk, `allocate_slots(..., num_new_computed_tokens, new_computed_blocks)`;
+        None ends the pass. Then the CoW copies are drained once for the step.
+        """
+        m = self.manager
+        status = self._v["RequestStatus"]
+        m.new_step_starts()
+        running = [self.requests[r] for r in op.rids if self.requests[r].status == status.RUNNING]
+        waiting = [self.requests[r] for r in op.rids if self.requests[r].status != status.RUNNING]
+        results: list[tuple[str, ScheduleResult]] = []
+        preempted: list[str] = []
+        token_budget = op.budget
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            req = running[req_index]
+            start = req.num_computed_tokens
+            n = self._chunk(req, start, min(req.num_tokens - start, token_budget), op.budget)
+            if n == 0:
+                results.append((req.request_id, ScheduleResult(scheduled=0, admitted=False)))
+                req_index += 1
+                continue
+            while True:
+                out = m.allocate_slots(req, n, num_lookahead_tokens=self.config.num_lookahead_tokens)
+                if out is not None:
+                    break
+                victim = running.pop()
+                m.free(victim)
+                victim.status = status.PREEMPTED
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if out is None:
+                results.append((req.request_id, ScheduleResult(scheduled=0, admitted=False)))
+                break
+            req.num_computed_tokens += n
+            token_budget -= n
+            results.append(
+                (req.request_id, ScheduleResult(scheduled=n, admitted=False, new_blocks=_ids(out)))
+            )
+            req_index += 1
+        if not preempted:
+            for req in waiting:
+                if token_budget <= 0:
+                    break
+                blocks, hit, spb = m.get_computed_blocks(req)
+                req.shared_prefix_boundary = spb
+                hit_blocks = _ids(blocks)
+                n = self._chunk(req, hit, min(req.num_tokens - hit, token_budget), op.budget)
+                out = None
+                if n > 0:
+                    out = m.allocate_slots(
+                        req,
+                        n,
+                        num_new_computed_tokens=hit,
+                        new_computed_blocks=blocks,
+                        num_lookahead_tokens=self.config.num_lookahead_tokens,
+                    )
+                if out is None:
+                    results.append((req.request_id, ScheduleResult(0, False, hit, spb, hit_blocks, None)))
+                    break
+                req.status = status.RUNNING
+                req.num_computed_tokens = hit + n
+                token_budget -= n
+                results.append((req.request_id, ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))))
+        _copies, retained = m.take_kv_cache_block_copies()
+        if retained:
+            self.pool.free_blocks(retained)
+        return StepResult(tuple(results), tuple(preempted))
 
     # ------------------------------------------------------------------ snapshot
     def snapshot(self) -> Snapshot:

@@ -11,6 +11,13 @@ Names match the reference mutants of the same bug class. Bug classes whose
 code vLLM 0.33.0 does not have (the #40676 pinned tier, the vllm-ascend
 `is_null` trick) or already exhibits (BlockStored token ranges, a known
 finding) are listed in `NOT_APPLICABLE` with the reason.
+
+Three mutants sit where only the newer coverage reaches, and kvretain without
+it survives them: `mamba_same_step_guard_off` (only a step over several
+requests reaches the guard; with one request per step it survived 120 s of
+fuzzing, seeds 0..75), `lookahead_slots_dropped` (without generated lookahead
+every call already passes 0) and `mamba_none_state_freed_early` (without
+Mamba 'none' configurations the patched branch never runs).
 """
 
 from __future__ import annotations
@@ -387,3 +394,78 @@ def compress_ratio_not_divided(stack: contextlib.ExitStack) -> None:
 
     _set(stack, full, "get_num_blocks_to_allocate", get_num_blocks_to_allocate)
     _set(stack, full, "allocate_new_blocks", allocate_new_blocks)
+
+
+# ------------------------------------------------------------ batched steps
+@mutant("mamba_same_step_guard_off", strategy="mamba-sparse")
+def mamba_same_step_guard_off(stack: contextlib.ExitStack) -> None:
+    """A request may resume from a Mamba state another request keyed in the same step.
+
+    Patch: `MambaManager.get_num_blocks_to_allocate` runs with an empty
+    `cached_blocks_this_step`, so the same-step guard never refuses. Only a
+    step over several requests reaches the guard: kvretain before batched
+    steps (each Schedule its own step) never kills this mutant.
+    """
+    stm = _core()["stm"]
+    orig = stm.MambaManager.get_num_blocks_to_allocate
+
+    def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = self.cached_blocks_this_step
+        self.cached_blocks_this_step = set()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            self.cached_blocks_this_step = saved
+
+    _set(stack, stm.MambaManager, "get_num_blocks_to_allocate", get_num_blocks_to_allocate)
+
+
+# ------------------------------------------------------------------ lookahead
+@mutant("lookahead_slots_dropped", strategy="generated")
+def lookahead_slots_dropped(stack: contextlib.ExitStack) -> None:
+    """No speculative slots are reserved (spec-decode tokens overrun the block table).
+
+    Patch: `KVCacheCoordinator.get_num_blocks_to_allocate` / `allocate_new_blocks`
+    size every group by `num_tokens_main_model` (the lookahead dropped). Only
+    configurations with lookahead slots reach it: kvretain before it generated
+    them never passed any, so it never kills this mutant.
+    """
+    coord = _core()["coord"].KVCacheCoordinator
+    orig_count = coord.get_num_blocks_to_allocate
+    orig_alloc = coord.allocate_new_blocks
+    count_sig = inspect.signature(orig_count)
+    alloc_sig = inspect.signature(orig_alloc)
+
+    def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = count_sig.bind(self, *args, **kwargs)
+        bound.arguments["num_tokens"] = bound.arguments["num_tokens_main_model"]
+        return orig_count(*bound.args, **bound.kwargs)
+
+    def allocate_new_blocks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = alloc_sig.bind(self, *args, **kwargs)
+        bound.arguments["num_tokens"] = bound.arguments["num_tokens_main_model"]
+        return orig_alloc(*bound.args, **bound.kwargs)
+
+    _set(stack, coord, "get_num_blocks_to_allocate", get_num_blocks_to_allocate)
+    _set(stack, coord, "allocate_new_blocks", allocate_new_blocks)
+
+
+# -------------------------------------------------------------- Mamba 'none'
+@mutant("mamba_none_state_freed_early", strategy="generated")
+def mamba_none_state_freed_early(stack: contextlib.ExitStack) -> None:
+    """Mamba 'none' mode frees the block holding the last computed token's state.
+
+    Patch: `MambaManager.get_num_skipped_tokens` returns `num_computed_tokens`
+    (one too many) outside 'align' mode. Only 'none' configurations (caching
+    off) reach it: kvretain before it rejected them, so it never kills this
+    mutant.
+    """
+    stm = _core()["stm"]
+    orig = stm.MambaManager.get_num_skipped_tokens
+
+    def get_num_skipped_tokens(self: Any, num_computed_tokens: int) -> int:
+        if self.mamba_cache_mode != "align":
+            return num_computed_tokens
+        return int(orig(self, num_computed_tokens))
+
+    _set(stack, stm.MambaManager, "get_num_skipped_tokens", get_num_skipped_tokens)

@@ -354,6 +354,7 @@ def reference_entries(only: list[str] | None = None) -> list[ZooEntry]:
                 m.checks,
                 lambda f=f: contextlib.nullcontext(f),
                 doc=m.doc,
+                tolerated=known_tolerance("reference"),
             )
         )  # type: ignore[misc]
     return out
@@ -363,7 +364,7 @@ def unmutated_entry(target: str, strategy_name: str, checks: tuple[str, ...] = (
     """The unmutated target run exactly like a mutant (the zoo's control: it must survive)."""
     from invariants.targets import target_factory
 
-    tolerated = _vllm_tolerance() if target == "vllm" else None
+    tolerated = known_tolerance(target)
     f = target_factory(target)
     return ZooEntry(
         "(unmutated)",
@@ -377,11 +378,16 @@ def unmutated_entry(target: str, strategy_name: str, checks: tuple[str, ...] = (
 
 
 def _vllm_tolerance() -> Callable[[Violation], bool] | None:
+    return known_tolerance("vllm")
+
+
+def known_tolerance(target: str) -> Callable[[Violation], bool] | None:
+    """Known findings of `target` do not count as kills (nor flag the control)."""
     try:
         from invariants.harness.known_findings import is_known_violation
     except ImportError:
         return None
-    return lambda v: bool(is_known_violation("vllm", v))
+    return lambda v: bool(is_known_violation(target, v))
 
 
 def vllm_entries(only: list[str] | None = None) -> tuple[list[ZooEntry], list[tuple[str, str]]]:

@@ -1,0 +1,153 @@
+"""Within one scheduler step: what the step's forward pass reads stays put.
+
+A step's forward pass runs after the whole batch was scheduled, so every
+block a scheduled request reads or writes in it must survive every free and
+allocation the rest of the batch performed. For each scheduled request with
+chunk `[start, end)`, per group:
+
+- full attention reads blocks `[0, cdiv(end, bs))` and writes those covering
+  `[start, end)`;
+- SWA reads from the window of its first new token, `start - window + 1`
+  (`SlidingWindowManager.get_num_skipped_tokens` frees only below it);
+- Mamba (align) reads the state of the block holding token `start - 1` and
+  writes the state of the block holding token `end - 1`; Mamba 'none' keeps
+  the plain layout and reads from the block holding token `start - 1`
+  (`MambaManager.get_num_skipped_tokens` = computed - 1).
+
+Attention KV written by one request may be read by another in the same step
+(each layer writes the batch's KV before its attention reads it: that is why
+a same-step prefix hit on attention blocks is allowed). Mamba state is not:
+the recurrence of every request starts from its initial state at once, so a
+state another request of the step writes is not there yet (vLLM
+`MambaManager.get_num_blocks_to_allocate`, the `cached_blocks_this_step`
+guard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from invariants.catalogue.context import CheckContext
+from model.config import GroupSpec
+from model.masks import cdiv
+from model.observation import ScheduleResult, StepResult
+from model.ops import Schedule
+
+Chunk = tuple[str, int, int]  # request, start, end
+
+
+def _chunks(ctx: CheckContext) -> list[Chunk]:
+    """The (request, start, end) each request of this step computes."""
+    obs = ctx.obs
+    pairs: list[tuple[str, ScheduleResult]] = []
+    if isinstance(ctx.op, Schedule) and isinstance(obs, ScheduleResult):
+        pairs = [(ctx.op.rid, obs)]
+    elif isinstance(obs, StepResult):
+        pairs = [(rid, r) for rid, r in obs.results if rid not in obs.preempted]
+    out = []
+    for rid, r in pairs:
+        if r.scheduled <= 0 or rid not in ctx.history.requests:
+            continue
+        end = ctx.history.requests[rid].num_computed
+        out.append((rid, end - r.scheduled, end))
+    return out
+
+
+def _reads(spec: GroupSpec, start: int, end: int) -> Iterator[int]:
+    bs = spec.block_size
+    if spec.kind == "mamba" and spec.mamba_cache_mode != "align":
+        yield from range(max(start - 1, 0) // bs, cdiv(end, bs))
+        return
+    if spec.kind == "mamba":
+        if start > 0:
+            yield cdiv(start, bs) - 1
+        yield cdiv(end, bs) - 1
+        return
+    lo = 0
+    if spec.kind == "swa":
+        assert spec.sliding_window is not None
+        lo = max(0, start - spec.sliding_window + 1)
+    yield from range(lo // bs, cdiv(end, bs))
+
+
+def _new_blocks(obs: object) -> dict[int, str]:
+    """Block -> the request a step handed it to as a new block."""
+    pairs: list[tuple[str, ScheduleResult]] = []
+    if isinstance(obs, StepResult):
+        pairs = list(obs.results)
+    out: dict[int, str] = {}
+    for rid, r in pairs:
+        for group in r.new_blocks or ():
+            for b in group:
+                if b:
+                    out[b] = rid
+    return out
+
+
+def step_blocks_stay_held(ctx: CheckContext) -> list[str]:
+    """Every block a request reads or writes in this step is still in its block
+    table after the step (held, not freed), and none it held before the step
+    was handed to another request as a new block in the same step: a block
+    freed by one request in a step is never reused by another while the step
+    still reads it. (A block another request of the step allocated and cached
+    may be hit and read: attention KV is written before it is read.)"""
+    handed = _new_blocks(ctx.obs)
+    problems = []
+    for rid, start, end in _chunks(ctx):
+        tables = ctx.after.tables.get(rid, ())
+        held_before = {b for group in ctx.before.tables.get(rid, ()) for b in group if b}
+        for g, spec in enumerate(ctx.config.groups):
+            table = tables[g] if g < len(tables) else ()
+            for idx in _reads(spec, start, end):
+                b = table[idx] if idx < len(table) else 0
+                if b == 0 or ctx.after.ref_cnt[b] <= 0:
+                    problems.append(
+                        f"{rid} computes tokens [{start}, {end}) but group {g} block index {idx} "
+                        f"is {'the null block' if b == 0 else f'block {b}, freed'} after the step"
+                    )
+                elif b in held_before and handed.get(b, rid) != rid:
+                    problems.append(
+                        f"block {b}, which {rid} reads in this step (group {g} index {idx}), "
+                        f"was handed to {handed[b]} as a new block in the same step"
+                    )
+    return problems[:3]
+
+
+def mamba_state_not_read_while_written(ctx: CheckContext) -> list[str]:
+    """No request of a step resumes from a Mamba state block another request
+    of the same step writes: that state is computed by the very forward pass
+    that reads it (vLLM's same-step guard, `cached_blocks_this_step`)."""
+    if not isinstance(ctx.obs, StepResult):
+        return []
+    chunks = _chunks(ctx)
+    writes: dict[tuple[int, int], str] = {}
+    for rid, _start, end in chunks:
+        tables = ctx.after.tables.get(rid, ())
+        for g, spec in enumerate(ctx.config.groups):
+            idx = cdiv(end, spec.block_size) - 1
+            if (
+                spec.kind == "mamba"
+                and spec.mamba_cache_mode == "align"
+                and g < len(tables)
+                and idx < len(tables[g])
+                and tables[g][idx]
+            ):
+                writes[(g, tables[g][idx])] = rid
+    problems = []
+    for rid, start, _end in chunks:
+        if start == 0:
+            continue
+        tables = ctx.after.tables.get(rid, ())
+        for g, spec in enumerate(ctx.config.groups):
+            idx = cdiv(start, spec.block_size) - 1
+            if spec.kind != "mamba" or spec.mamba_cache_mode != "align":
+                continue
+            if g >= len(tables) or idx >= len(tables[g]):
+                continue
+            writer = writes.get((g, tables[g][idx]))
+            if writer is not None and writer != rid:
+                problems.append(
+                    f"{rid} resumes from Mamba state block {tables[g][idx]} (group {g}), "
+                    f"which {writer} writes in the same step"
+                )
+    return problems
