@@ -9,21 +9,52 @@ from invariants.harness.trace import read_trace
 from invariants.report import table
 
 
-def cmd_fuzz(args: argparse.Namespace) -> int:
-    from invariants.harness.fuzz import format_failure, format_summary, run_fuzz
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a bad value is one usage line, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _say(line: str) -> None:
+    print(f"kvretain fuzz: {line}", flush=True)
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from invariants.harness.fuzz import DEFAULT_STEPS, format_failure, format_summary, run_fuzz
+
+    steps = args.steps if args.steps is not None else (None if args.budget_s else DEFAULT_STEPS)
     print(
         f"kvretain fuzz: target {args.target}, config {args.config or 'generated'}, seed {args.seed}, "
-        f"steps {args.steps}, budget {args.budget_s or 'none'} s",
+        f"steps {steps or 'until the budget'}, budget {args.budget_s or 'none'} s",
         flush=True,
     )
     report = run_fuzz(
         args.target,
         config_name=args.config,
-        steps=args.steps,
+        steps=steps,
         seed=args.seed,
         budget_s=args.budget_s,
+        shrink_s=args.shrink_s,
         out_dir=Path(args.out),
+        database=None if args.no_db else Path(args.db),
+        audit_every=args.audit_every,
+        log=_say,
     )
     if report.failure is not None:
         print(format_failure(report))

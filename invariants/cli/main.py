@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from invariants.cli.fuzz import cmd_bench, cmd_conformance, cmd_fuzz, cmd_replay
+from invariants.cli.fuzz import cmd_bench, cmd_conformance, cmd_fuzz, cmd_replay, positive_float, positive_int
 from invariants.cli.prove import cmd_prove
 from invariants.cli.verify import cmd_verify
 from invariants.errors import UsageError
@@ -45,9 +45,29 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fuzz", help="stateful fuzzing of one target against the model")
     f.add_argument("--target", choices=TARGET_NAMES, default="reference")
     f.add_argument("--config", help="a preset name (default: generated configurations)")
-    f.add_argument("--steps", type=int, default=2000)
+    f.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="stop after this many steps (default 2000 without --budget-s)",
+    )
     f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--budget-s", type=float, default=None)
+    f.add_argument(
+        "--budget-s", type=positive_float, default=None, help="wall-clock bound, shrinking included"
+    )
+    f.add_argument(
+        "--shrink-s",
+        type=positive_float,
+        default=None,
+        help="shrinking limit (default 1/4 of the budget, or 30)",
+    )
+    f.add_argument(
+        "--audit-every", type=positive_int, default=None, help="full-state audit every K operations"
+    )
+    f.add_argument(
+        "--db", default=".kvretain/examples", help="Hypothesis example database (failures replayed first)"
+    )
+    f.add_argument("--no-db", action="store_true", help="keep no example database")
     f.add_argument("--out", default="kvretain-traces", help="where failing traces are written")
     f.set_defaults(func=cmd_fuzz)
 
@@ -91,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_conformance)
 
     b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
-    b.add_argument("--requests", type=int, default=300)
+    b.add_argument("--requests", type=positive_int, default=300)
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=cmd_bench)
 

@@ -31,12 +31,15 @@ class InvalidOp(ValueError):
 
 
 class Checker:
-    def __init__(self, target: Target, *, check_invariants: bool = True) -> None:
+    def __init__(
+        self, target: Target, *, check_invariants: bool = True, audit_every: int | None = None
+    ) -> None:
         self.target = target
         self.config = target.config
         self.model = AllocatorModel(target.config, events=getattr(target, "event_profile", "seed"))
         self.history = History()
         self.check_invariants = check_invariants
+        self.audit_every = audit_every
         self.last = self.target.snapshot()
         self.model.snapshot()
         self.ops: list[Op] = []

@@ -10,6 +10,7 @@ first violation fails the run, and Hypothesis shrinks the operation sequence.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,10 @@ class ViolationFound(AssertionError):
         super().__init__("\n".join(str(v) for v in violations[:8]))
 
 
+class BudgetSpent(Exception):
+    """Raised by every step past the run's deadline: the batch ends at the next step."""
+
+
 @dataclass
 class FuzzStats:
     """Figures a fuzz run reports; shared by every example of the run."""
@@ -43,6 +48,14 @@ class FuzzStats:
     states: set[tuple[object, ...]] = field(default_factory=set)
     known: set[str] = field(default_factory=set)
     last_failure: ViolationFound | None = None
+    # Set by a runner: past `deadline` (time.monotonic) every step raises
+    # BudgetSpent, so a batch ends at once; `on_violation` hears of each failure the moment it is seen.
+    deadline: float | None = None
+    on_violation: Callable[[ViolationFound], None] | None = None
+    audit_every: int | None = None
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
 
     @property
     def hit_rate(self) -> float:
@@ -68,8 +81,10 @@ def build_machine(
 
         @initialize(config=config_strategy, data=st.data())
         def setup(self, config: Config, data: st.DataObject) -> None:
+            if run_stats.out_of_time():
+                raise BudgetSpent()
             run_stats.examples += 1
-            self.checker = Checker(target_factory(config))
+            self.checker = Checker(target_factory(config), audit_every=run_stats.audit_every)
             sbs = config.scheduler_block_size
             self.prefixes = [
                 tuple(data.draw(st.lists(TOKENS, min_size=sbs + 1, max_size=3 * sbs), label="system prompt"))
@@ -88,6 +103,8 @@ def build_machine(
 
         def _do(self, op: Op) -> None:
             assert self.checker is not None
+            if run_stats.out_of_time():
+                raise BudgetSpent()
             found = [v for v in self.checker.step(op) if not self._known(v)]
             run_stats.steps += 1
             obs_state = self.checker.last
@@ -103,6 +120,8 @@ def build_machine(
             if found:
                 failure = ViolationFound(found, self.cfg, self.checker.ops)
                 run_stats.last_failure = failure
+                if run_stats.on_violation is not None:
+                    run_stats.on_violation(failure)
                 raise failure
 
         def _known(self, v: Violation) -> bool:
