@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from invariants.harness.checker import Checker
+from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker
 from invariants.harness.known_findings import is_known_violation
 from invariants.report import table
 from invariants.targets import TargetUnavailable, target_factory
@@ -91,17 +91,32 @@ class _Timed:
         finally:
             self.phase[f"{self.label} snapshot"] += time.perf_counter() - t
 
+    def partial(self, *args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.inner.partial(*args)
+        finally:
+            self.phase[f"{self.label} delta"] += time.perf_counter() - t
 
-def checked_cycles(target: str, prompts: list[tuple[int, ...]]) -> tuple[float, float, dict[str, float]]:
+
+def checked_cycles(
+    target: str, prompts: list[tuple[int, ...]], audit_every: int = DEFAULT_AUDIT_EVERY
+) -> tuple[float, float, dict[str, float]]:
     """(cycles/s, ops/s, seconds per phase) of the full harness on `target`."""
     phase: dict[str, float] = defaultdict(float)
-    checker = Checker(_Timed(target_factory(target)(BENCH_CONFIG), phase, "target"))  # type: ignore[arg-type]
+    checker = Checker(
+        _Timed(target_factory(target)(BENCH_CONFIG), phase, "target"),  # type: ignore[arg-type]
+        audit_every=audit_every,
+    )
     checker.model = _Timed(checker.model, phase, "model")  # type: ignore[assignment]
+    checker._model_target = _Timed(checker._model_target, phase, "model")  # type: ignore[assignment]
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         for op in (AddRequest(f"b{i}", prompt), Schedule(f"b{i}", 4096), Finish(f"b{i}")):
             new = [v for v in checker.step(op) if not is_known_violation(target, v)]
             assert not new, (op, new)
+    final = [v for v in checker.audit() if not is_known_violation(target, v)]
+    assert not final, final
     total = time.perf_counter() - start
     phase["checks and history"] = total - sum(phase.values())
     return len(prompts) / total, 3 * len(prompts) / total, dict(phase)

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.stateful import get_state_machine_test
 
-from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, InvalidOp, Violation
 from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
 from invariants.harness.shrink import shrink
 from invariants.harness.strategies import configs
@@ -101,7 +101,8 @@ def replayer(
                 return None
             if found:
                 return i if any(v.check == check for v in found) else None
-        return None
+        found = [v for v in checker.audit() if not tolerated(v)] if ops else []
+        return len(ops) - 1 if any(v.check == check for v in found) else None
 
     return fails
 
@@ -168,7 +169,7 @@ def run_fuzz(
         )
     tolerated = tolerated or _tolerance(target)
     start = time.monotonic()
-    stats = FuzzStats(audit_every=audit_every)
+    stats = FuzzStats(audit_every=audit_every or DEFAULT_AUDIT_EVERY)
     stats.deadline = start + budget_s if budget_s is not None else None
     batch = 0
     trace_path = out_dir / f"kvretain-{target}-seed{seed}.json"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from invariants.harness.checker import Checker, Violation
+from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
 from invariants.targets.base import Target
 from model.config import Config
 from model.observation import ScheduleResult
@@ -52,7 +52,7 @@ class FuzzStats:
     # BudgetSpent, so a batch ends at once; `on_violation` hears of each failure the moment it is seen.
     deadline: float | None = None
     on_violation: Callable[[ViolationFound], None] | None = None
-    audit_every: int | None = None
+    audit_every: int | None = DEFAULT_AUDIT_EVERY
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
@@ -76,6 +76,7 @@ def build_machine(
         def __init__(self) -> None:
             super().__init__()
             self.checker: Checker | None = None
+            self.failed = False
             self.prefixes: list[tuple[int, ...]] = []
             self.next_rid = 0
 
@@ -118,11 +119,24 @@ def build_machine(
                 )
             )
             if found:
-                failure = ViolationFound(found, self.cfg, self.checker.ops)
-                run_stats.last_failure = failure
-                if run_stats.on_violation is not None:
-                    run_stats.on_violation(failure)
-                raise failure
+                self._fail(found)
+
+        def _fail(self, found: list[Violation]) -> None:
+            assert self.checker is not None
+            self.failed = True
+            failure = ViolationFound(found, self.cfg, self.checker.ops)
+            run_stats.last_failure = failure
+            if run_stats.on_violation is not None:
+                run_stats.on_violation(failure)
+            raise failure
+
+        def teardown(self) -> None:
+            """The end of every example is audited in full (nothing the fast path missed survives it)."""
+            if self.checker is None or self.failed or self.checker.audit_every == 1:
+                return
+            found = [v for v in self.checker.audit() if not self._known(v)]
+            if found:
+                self._fail(found)
 
         def _known(self, v: Violation) -> bool:
             if is_tolerated(v):

@@ -7,10 +7,14 @@ allocator for `gpu_check` when no other target is wanted.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from model.allocator import AllocatorModel
 from model.config import Config
-from model.observation import Observation, Snapshot
+from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
+
+from .base import END, NOT_FREE, PartialState, closure, event_keys
 
 
 class ModelTarget:
@@ -25,3 +29,39 @@ class ModelTarget:
 
     def snapshot(self) -> Snapshot:
         return self._model.snapshot()
+
+    def partial(self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]) -> PartialState:
+        return model_partial(self._model, blocks, rids, keys)
+
+
+def model_partial(
+    model: AllocatorModel, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]
+) -> PartialState:
+    """`partial` read straight from the model's pool (no full snapshot)."""
+    pool = model.pool
+    tables = {}
+    for rid in rids:
+        table = tuple(tuple(g.tables.get(rid, ())) for g in model.groups)
+        tables[rid] = table if any(table) else ()
+    events = tuple(pool.events)
+    pool.events.clear()
+    want, want_keys = closure(tables, blocks, keys)
+    want_keys |= event_keys(events)
+    queue = pool.queue.blocks
+    out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
+    for b in want:
+        key = pool.primary.get(b)
+        if key is not None:
+            want_keys.add(key)
+        prev = nxt = NOT_FREE
+        if pool.ref[b] == 0:
+            try:
+                i = queue.index(b)
+            except ValueError:
+                pass
+            else:
+                prev = queue[i - 1] if i > 0 else END
+                nxt = queue[i + 1] if i + 1 < len(queue) else END
+        out[b] = (pool.ref[b], key, prev, nxt)
+    holders = {k: tuple(pool.cached.get(k, ())) for k in want_keys}
+    return PartialState(out, holders, tables, len(queue), events)
