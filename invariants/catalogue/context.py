@@ -5,6 +5,7 @@ target's own observations (never from the model)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from model.config import Config
@@ -63,8 +64,8 @@ class Delta:
     after the operation; `before_blocks` / `before_holders`: the same entries
     just before it. `uses[b]`: block-table entries naming b, over every request.
     `key_of`: every block's primary key after the operation. `free_uncached`:
-    free blocks without a hash before the operation. `idle_before`: no block
-    was in use before it.
+    free blocks without a hash after it. `idle_before`: no block was in use
+    before it.
     """
 
     blocks: dict[int, BlockState]
@@ -73,7 +74,7 @@ class Delta:
     before_holders: dict[BlockKey, BlockIds]
     uses: Mapping[int, int]
     key_of: Mapping[int, BlockKey]
-    free_uncached: frozenset[int]
+    free_uncached: AbstractSet[int]
     idle_before: bool
     free_len: int
 

@@ -133,11 +133,20 @@ def _scratch_on_delta(ctx: CheckContext) -> list[str]:
     ]
     if not flushed:
         return []
-    spared = [
+    exempt = ctx.history.evicted_in_place
+    # Free and uncached before, still free: untouched ones are where they were.
+    touched = [
         b
-        for b in d.free_uncached
-        if (b not in d.blocks or d.is_free(b)) and b not in ctx.history.evicted_in_place
+        for b, (_, key, prev, _) in d.before_blocks.items()
+        if prev != NOT_FREE and key is None and b in d.blocks and d.is_free(b)
     ]
+    untouched = (b for b in d.free_uncached if b not in d.blocks)
+    spared = [b for b in touched if b not in exempt]
+    for b in untouched:
+        if len(spared) >= 5:
+            break
+        if b not in exempt:
+            spared.append(b)
     if spared:
         return [
             f"cached blocks {sorted(flushed)[:5]} reused while uncached blocks {sorted(spared)[:5]} stayed free"

@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f.add_argument("--no-db", action="store_true", help="keep no example database")
     f.add_argument("--out", default="kvretain-traces", help="where failing traces are written")
+    f.add_argument(
+        "--scale",
+        choices=("small", "production"),
+        default="small",
+        help="production: real presets, vLLM-sized pools, 16+ requests in flight, 8k chunks",
+    )
     f.set_defaults(func=cmd_fuzz)
 
     r = sub.add_parser("replay", help="re-run a trace file against targets")
@@ -113,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
     b.add_argument("--requests", type=positive_int, default=300)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument(
+        "--scale",
+        choices=("small", "production"),
+        default="small",
+        help="production: dsv4-flash, 156k blocks",
+    )
     b.set_defaults(func=cmd_bench)
 
     for module in ("invariants.cli.zoo", "invariants.cli.simulate", "gpu_check.cli"):

@@ -238,7 +238,6 @@ class Checker:
         before_blocks = {b: self._blocks[b] for b in got.blocks}
         before_holders = {k: self._holders.get(k, ()) for k in got.holders}
         idle_before = self._in_use == 0
-        free_uncached = frozenset(self._free_uncached)
         for rid, table in got.tables.items():
             old = self._tables.pop(rid, ())
             self._uses.subtract(b for g in old for b in g if b)
@@ -268,7 +267,7 @@ class Checker:
             before_holders=before_holders,
             uses=self._uses,
             key_of=self._key_of,
-            free_uncached=free_uncached,
+            free_uncached=self._free_uncached,
             idle_before=idle_before,
             free_len=got.free_len,
         )

@@ -231,7 +231,7 @@ def run_fuzz(
     if failure is not None:
         report.first_seen_s = first_seen[0] if first_seen else None
         report.unshrunk_ops = len(failure.ops)
-        report.failure = _shrunk(failure, factory, tolerated, start, budget_s, shrink_s, say)
+        report.failure = shrink_failure(failure, factory, tolerated, start, budget_s, shrink_s, say)
         report.shrink_s = time.monotonic() - start - (report.first_seen_s or 0.0)
         trace = Trace(report.failure.config, report.failure.ops, seed + batch - 1, target, None)
         trace.violation = str(report.failure.violations[0])
@@ -240,7 +240,7 @@ def run_fuzz(
     return report
 
 
-def _shrunk(
+def shrink_failure(
     failure: ViolationFound,
     factory: Callable[[Config], Target],
     tolerated: Callable[[Violation], bool],

@@ -16,6 +16,8 @@ from model.ops import Op
 
 from .base import END, NOT_FREE, PartialState, closure, event_keys
 
+ENDS = 1024
+
 
 class ModelTarget:
     name = "model"
@@ -48,6 +50,11 @@ def model_partial(
     want, want_keys = closure(tables, blocks, keys)
     want_keys |= event_keys(events)
     queue = pool.queue.blocks
+    n = len(queue)
+    # Freed blocks land at either end of the queue: look there before a full search.
+    tail = queue[-ENDS:]
+    ends = {b: i for i, b in enumerate(queue[:ENDS])}
+    ends.update(zip(tail, range(n - len(tail), n)))
     out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
     for b in want:
         key = pool.primary.get(b)
@@ -55,13 +62,19 @@ def model_partial(
             want_keys.add(key)
         prev = nxt = NOT_FREE
         if pool.ref[b] == 0:
-            try:
-                i = queue.index(b)
-            except ValueError:
-                pass
-            else:
+            i = ends.get(b)
+            if i is None:
+                i = _index(queue, b)
+            if i is not None:
                 prev = queue[i - 1] if i > 0 else END
-                nxt = queue[i + 1] if i + 1 < len(queue) else END
+                nxt = queue[i + 1] if i + 1 < n else END
         out[b] = (pool.ref[b], key, prev, nxt)
     holders = {k: tuple(pool.cached.get(k, ())) for k in want_keys}
     return PartialState(out, holders, tables, len(queue), events)
+
+
+def _index(queue: list[int], block: int) -> int | None:
+    try:
+        return queue.index(block)
+    except ValueError:  # ref 0 but not in the regular queue: the pinned tier
+        return None
