@@ -153,6 +153,7 @@ def run_fuzz(
     log: Callable[[str], None] | None = None,
     factory: Callable[[Config], Target] | None = None,
     tolerated: Callable[[Violation], bool] | None = None,
+    trace_name: str | None = None,
 ) -> FuzzReport:
     """Fuzz `target` (built by `factory`, default the registered one; `tolerated`
     default: its known findings). `steps` None: the budget decides (DEFAULT_STEPS
@@ -172,7 +173,7 @@ def run_fuzz(
     stats = FuzzStats(audit_every=audit_every or DEFAULT_AUDIT_EVERY)
     stats.deadline = start + budget_s if budget_s is not None else None
     batch = 0
-    trace_path = out_dir / f"kvretain-{target}-seed{seed}.json"
+    trace_path = out_dir / (trace_name or f"kvretain-{target}-seed{seed}.json")
     first_seen: list[float] = []
 
     def seen(failure: ViolationFound) -> None:

@@ -85,7 +85,17 @@ def build_machine(
             if run_stats.out_of_time():
                 raise BudgetSpent()
             run_stats.examples += 1
-            self.checker = Checker(target_factory(config), audit_every=run_stats.audit_every)
+            try:
+                target = target_factory(config)
+            except Exception as exc:  # a target that cannot be built for a valid config: a finding
+                crash = Violation("crash", f"target construction: {type(exc).__name__}: {exc}")
+                self.failed = True
+                failure = ViolationFound([crash], config, [])
+                run_stats.last_failure = failure
+                if run_stats.on_violation is not None:
+                    run_stats.on_violation(failure)
+                raise failure from exc
+            self.checker = Checker(target, audit_every=run_stats.audit_every)
             sbs = config.scheduler_block_size
             self.prefixes = [
                 tuple(data.draw(st.lists(TOKENS, min_size=sbs + 1, max_size=3 * sbs), label="system prompt"))
