@@ -154,3 +154,28 @@ def test_trace_names_the_violation(tmp_path):
     )
     data = json.loads(report.trace_path.read_text())
     assert data["violation"] and data["violation"].split(":")[0] == report.failure.violations[0].check
+
+
+def test_production_scale_runs_real_presets(capsys):
+    assert main(["fuzz", "--target", "model", "--scale", "production", "--steps", "150", "--no-db"]) == 0
+    out = capsys.readouterr().out
+    assert "156,281" in out  # dsv4-flash at vLLM's 14.5x concurrency for 1M tokens
+    assert "checked tok/s" in out and "peak RSS MiB" in out and "clean" in out
+
+
+def test_production_settings_and_a_clean_episode():
+    from invariants.harness.production import CONCURRENCY, run_production, settings_for
+
+    plan = settings_for(0)
+    assert {s.name for s in plan if s.squeezed} == {"dsv4-flash", "gemma-like", "kimi-linear-like"}
+    assert {s.config.retention_interval is None for s in plan} == {True, False}
+    assert all(s.config.num_blocks >= CONCURRENCY for s in plan)
+    stats, failures, _ = run_production(
+        ModelTarget, seed=1, steps=120, budget_s=120, tolerated=lambda v: False, log=lambda line: None
+    )
+    assert not failures and stats.ops == 120 and stats.tokens > 0
+
+
+def test_production_rejects_a_preset_argument(capsys):
+    assert main(["fuzz", "--scale", "production", "--config", "dsv4-tiny"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
