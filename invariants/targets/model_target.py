@@ -55,6 +55,9 @@ def model_partial(
     tail = queue[-ENDS:]
     ends = {b: i for i, b in enumerate(queue[:ENDS])}
     ends.update(zip(tail, range(n - len(tail), n)))
+    misses = [b for b in want if pool.ref[b] == 0 and b not in ends]
+    if len(misses) > 2:  # one pass over the queue beats a search per block
+        ends = dict(zip(queue, range(n)))
     out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
     for b in want:
         key = pool.primary.get(b)
