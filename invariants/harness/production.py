@@ -173,7 +173,9 @@ def run_production(
             except InvalidOp:
                 continue
             stats.ops += 1
-            if steps is not None and stats.rss_at_tenth_kb == 0 and stats.ops >= steps // 10:
+            if stats.rss_at_tenth_kb == 0 and _tenth_done(
+                stats.ops, steps, time.monotonic() - start, budget_s
+            ):
                 stats.rss_at_tenth_kb = stats.peak_rss_kb()
             obs = checker.last_obs
             if isinstance(obs, ScheduleResult):
@@ -195,6 +197,11 @@ def run_production(
             if end:
                 failures.append((setting, checker, end))
     return stats, failures, time.monotonic() - start
+
+
+def _tenth_done(ops: int, steps: int | None, elapsed: float, budget_s: float | None) -> bool:
+    """A tenth of the run is behind us (of the steps, or of the budget if it ends first)."""
+    return (steps is not None and ops >= steps // 10) or (budget_s is not None and elapsed >= budget_s / 10)
 
 
 def _known(v: Violation, tolerated: Callable[[Violation], bool], stats: ProductionStats) -> bool:
