@@ -23,6 +23,7 @@ so the history, traces and hash tables never outgrow one episode.
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import resource
@@ -40,7 +41,7 @@ from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule
 PRODUCTION_PRESETS = ("dsv4-flash", "gemma-like", "kimi-linear-like")
 CONCURRENCY = 14.5  # vLLM's "Maximum concurrency" figure the pools are sized for
 CHUNK = 8192
-EPISODE_OPS = 20_000
+EPISODE_OPS = 500
 PRODUCTION_AUDIT_EVERY = 512  # an audit walks the whole pool (156k blocks): amortise it
 # Prefix-named hashes: a prompt of n tokens holds ~n^2 / (2 * hash block) token slots.
 SLOTS_PER_PROMPT = 4_000_000
@@ -154,6 +155,7 @@ def run_production(
         return over_steps or (budget_s is not None and time.monotonic() - start >= budget_s)
 
     while not done() and not failures:
+        gc.collect()  # the previous episode's model, target and history go before the next is built
         setting = plan[stats.episodes % len(plan)]
         stats.episodes += 1
         cfg = setting.config
@@ -216,7 +218,8 @@ def format_production(target: str, seed: int, stats: ProductionStats, seconds: f
 
     peak = stats.peak_rss_kb()
     tenth = f"{stats.rss_at_tenth_kb / 1024:,.0f}" if stats.rss_at_tenth_kb else "-"
-    pools = ", ".join(f"{s.name} {s.config.num_blocks:,}" for s in settings_for(seed) if not s.squeezed)
+    full = {s.name: s.config.num_blocks for s in settings_for(seed) if not s.squeezed}
+    pools = ", ".join(f"{name} {n:,}" for name, n in sorted(full.items()))
     rows = [
         (
             target,
