@@ -43,13 +43,13 @@ class FreeQueue:
 
     def append_n(self, block_ids: Iterable[int]) -> None:
         new = list(block_ids)
-        assert not set(new) & set(self.blocks), "block already in the queue"
-        self.blocks = self.blocks + new
+        assert set(new).isdisjoint(self.blocks), "block already in the queue"
+        self.blocks.extend(new)
 
     def prepend_n(self, block_ids: Iterable[int]) -> None:
         new = list(block_ids)
-        assert not set(new) & set(self.blocks), "block already in the queue"
-        self.blocks = new + self.blocks
+        assert set(new).isdisjoint(self.blocks), "block already in the queue"
+        self.blocks[:0] = new
 
 
 def demote_n(pinned: FreeQueue, regular: FreeQueue, n: int) -> list[int]:

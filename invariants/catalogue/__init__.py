@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from invariants.catalogue import events, liveness, ordering, promises, retention, steps, structure
-from invariants.catalogue.context import CheckContext, History, RequestHistory
-from invariants.catalogue.history import update_history
+from invariants.catalogue.context import CachedView, CheckContext, Delta, History, RequestHistory, StateView
+from invariants.catalogue.history import advance_requests, update_history, update_history_delta
+from invariants.catalogue.incremental import DELTA_CHECKS
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,63 @@ def check_all(ctx: CheckContext) -> list[tuple[str, str]]:
     return [(inv.name, msg) for inv in INVARIANTS for msg in inv.check(ctx)]
 
 
+# Invariants about the whole state: they need only `after` and the history, so
+# an audit between operations can run them. The others judge one operation.
+STATE_INVARIANTS: tuple[str, ...] = (
+    "block_in_exactly_one_place",
+    "no_negative_ref_count",
+    "free_queue_has_no_duplicates",
+    "ref_count_matches_tables",
+    "hash_map_points_at_holders",
+    "uncached_reused_before_cached",
+    "cached_reused_lru_first",
+    "pinned_blocks_are_cached",
+    "events_match_hash_map",
+)
+# Left to the audit on the fast path: duplicates in a linked list are a
+# corruption only a walk shows, and pinned-tier configs are audited every step.
+AUDIT_ONLY = frozenset(
+    {
+        "free_queue_has_no_duplicates",
+        "pinned_reused_only_under_pressure",
+        "pinned_demoted_oldest_first",
+        "pinned_blocks_are_cached",
+    }
+)
+
+
+def check_state(ctx: CheckContext) -> list[tuple[str, str]]:
+    """The state invariants only (an audit between operations)."""
+    return [(name, msg) for name in STATE_INVARIANTS for msg in BY_NAME[name].check(ctx)]
+
+
+def check_delta(ctx: CheckContext) -> list[tuple[str, str]]:
+    """Every invariant on the fast path: state invariants on the touched part, the rest as defined."""
+    assert ctx.delta is not None
+    return [
+        (inv.name, msg)
+        for inv in INVARIANTS
+        if inv.name not in AUDIT_ONLY
+        for msg in DELTA_CHECKS.get(inv.name, inv.check)(ctx)
+    ]
+
+
 __all__ = [
+    "AUDIT_ONLY",
     "BY_NAME",
     "INVARIANTS",
+    "STATE_INVARIANTS",
+    "CachedView",
     "CheckContext",
+    "Delta",
     "History",
     "Invariant",
     "RequestHistory",
+    "StateView",
+    "advance_requests",
     "check_all",
+    "check_delta",
+    "check_state",
     "update_history",
+    "update_history_delta",
 ]

@@ -4,11 +4,12 @@ target's own observations (never from the model)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from model.config import Config
-from model.observation import BlockKey, Observation, ProbeResult, Snapshot, Tokens
+from model.observation import BlockIds, BlockKey, Event, Observation, ProbeResult, Snapshot, Tokens
 from model.ops import Op
 
 
@@ -50,6 +51,67 @@ class History:
         return list(self.requests.values()) + list(self.finished.values())
 
 
+BlockState = tuple[int, BlockKey | None, int, int]
+"""(ref count, primary key, previous and next block in the free queue); see `NOT_FREE`."""
+NOT_FREE = -1
+
+
+@dataclass
+class Delta:
+    """What one operation changed, as the target reported it (the fast path).
+
+    `blocks` / `holders`: the touched blocks' state and touched keys' holders
+    after the operation; `before_blocks` / `before_holders`: the same entries
+    just before it. `uses[b]`: block-table entries naming b, over every request.
+    `key_of`: every block's primary key after the operation. `free_uncached`:
+    free blocks without a hash after it. `idle_before`: no block was in use
+    before it.
+    """
+
+    blocks: dict[int, BlockState]
+    before_blocks: dict[int, BlockState]
+    holders: dict[BlockKey, BlockIds]
+    before_holders: dict[BlockKey, BlockIds]
+    uses: Mapping[int, int]
+    key_of: Mapping[int, BlockKey]
+    free_uncached: AbstractSet[int]
+    idle_before: bool
+    free_len: int
+
+    def is_free(self, b: int) -> bool:
+        return self.blocks[b][2] != NOT_FREE
+
+
+class CachedView(Mapping[BlockKey, BlockIds]):
+    """A hash map as `touched` overrides over a mirror (absent keys map to ())."""
+
+    def __init__(self, mirror: Mapping[BlockKey, BlockIds], touched: Mapping[BlockKey, BlockIds]) -> None:
+        self.mirror, self.touched = mirror, touched
+
+    def __getitem__(self, key: BlockKey) -> BlockIds:
+        value = self.touched[key] if key in self.touched else self.mirror[key]
+        if not value:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        for k in self.mirror:
+            if k not in self.touched:
+                yield k
+        yield from (k for k, v in self.touched.items() if v)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+@dataclass(frozen=True)
+class StateView:
+    """The part of a snapshot the fast path can give without a full one."""
+
+    cached: Mapping[BlockKey, BlockIds]
+    events: tuple[Event, ...] = ()
+
+
 @dataclass
 class CheckContext:
     config: Config
@@ -60,6 +122,8 @@ class CheckContext:
     history: History
     probe: Callable[[Tokens], ProbeResult] | None = None
     finished_request: RequestHistory | None = None
+    # Set on the fast path: then `before` / `after` are `StateView`s, not snapshots.
+    delta: Delta | None = None
 
     @property
     def alignment(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from invariants.catalogue.context import History, RequestHistory
+from invariants.catalogue.context import NOT_FREE, Delta, History, RequestHistory
 from model.observation import (
     AllBlocksCleared,
     BlockKey,
@@ -52,7 +52,32 @@ def update_history(
     history.evicted_in_place &= set(after.free_queue)
     history.ever_cached |= set(after.cached)
     problems = replay_events(history.shadow, after.events)
+    advance_requests(history, op, obs)
+    return problems
 
+
+def update_history_delta(
+    history: History, op: Op, obs: Observation, delta: Delta, events: tuple[Event, ...]
+) -> list[str]:
+    """`update_history` from what the operation touched (the fast path; same result)."""
+    history.tick += 1
+    for b, state in delta.blocks.items():
+        was = delta.before_blocks.get(b)
+        now_free = state[2] != NOT_FREE
+        if now_free and (was is None or was[2] == NOT_FREE):
+            history.free_tick[b] = history.tick
+        if not now_free:
+            history.evicted_in_place.discard(b)
+    if isinstance(op, EvictBlocks):
+        history.evicted_in_place |= {b for b in op.block_ids if b in delta.blocks and delta.is_free(b)}
+    history.ever_cached.update(k for k, v in delta.holders.items() if v)
+    problems = replay_events(history.shadow, events)
+    advance_requests(history, op, obs)
+    return problems
+
+
+def advance_requests(history: History, op: Op, obs: Observation) -> None:
+    """The per-request facts: prompt, outputs, progress, boundaries, preemption."""
     if isinstance(op, AddRequest):
         history.requests[op.rid] = RequestHistory(op.prompt)
     elif isinstance(op, Sample):
@@ -63,14 +88,14 @@ def update_history(
     elif isinstance(op, Finish):
         history.finished[op.rid] = history.requests.pop(op.rid)
     elif isinstance(obs, ScheduleResult):
-        _scheduled(history.requests[op.rid], obs)  # type: ignore[union-attr]
+        r = history.requests[op.rid]  # type: ignore[union-attr]
+        _scheduled(r, obs)
     elif isinstance(obs, StepResult):
         for rid, result in obs.results:
             _scheduled(history.requests[rid], result)
         for rid in obs.preempted:
             r = history.requests[rid]
             r.running, r.num_computed, r.ever_preempted = False, 0, True
-    return problems
 
 
 def _scheduled(r: RequestHistory, obs: ScheduleResult) -> None:

@@ -16,7 +16,8 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     obs, op, cfg = ctx.obs, ctx.op, ctx.config
     if not (isinstance(op, Schedule) and isinstance(obs, ScheduleResult)) or obs.hit is None or obs.admitted:
         return []
-    if any(r > 0 for r in ctx.before.ref_cnt):
+    busy = not ctx.delta.idle_before if ctx.delta is not None else any(r > 0 for r in ctx.before.ref_cnt)
+    if busy:
         return []
     req = ctx.history.requests[op.rid]
     n = min(len(req.tokens) - obs.hit, op.budget)

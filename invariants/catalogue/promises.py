@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from invariants.catalogue.context import CheckContext
+from invariants.catalogue.context import NOT_FREE, CheckContext
 from model.masks import swa_tail_blocks
 from model.observation import BlockKey
 from model.ops import Finish, Schedule
@@ -97,6 +97,8 @@ def scratch_never_flushes_cache(ctx: CheckContext) -> list[str]:
     left over (concurrent SWA scratch must not flush cached prefixes; #43447)."""
     if not isinstance(ctx.op, Schedule):
         return []
+    if ctx.delta is not None:
+        return _scratch_on_delta(ctx)
     b4, now = ctx.before, ctx.after
     flushed = [
         b
@@ -113,4 +115,40 @@ def scratch_never_flushes_cache(ctx: CheckContext) -> list[str]:
     ]
     if spared:
         return [f"cached blocks {flushed[:5]} reused while uncached blocks {spared[:5]} stayed free"]
+    return []
+
+
+def _scratch_on_delta(ctx: CheckContext) -> list[str]:
+    """`scratch_never_flushes_cache` from the touched blocks alone."""
+    d = ctx.delta
+    assert d is not None
+    flushed = [
+        b
+        for b, (_, key, prev, _) in d.before_blocks.items()
+        if prev != NOT_FREE
+        and key is not None
+        and b in d.blocks
+        and d.blocks[b][0] > 0
+        and d.blocks[b][1] != key
+    ]
+    if not flushed:
+        return []
+    exempt = ctx.history.evicted_in_place
+    # Free and uncached before, still free: untouched ones are where they were.
+    touched = [
+        b
+        for b, (_, key, prev, _) in d.before_blocks.items()
+        if prev != NOT_FREE and key is None and b in d.blocks and d.is_free(b)
+    ]
+    untouched = (b for b in d.free_uncached if b not in d.blocks)
+    spared = [b for b in touched if b not in exempt]
+    for b in untouched:
+        if len(spared) >= 5:
+            break
+        if b not in exempt:
+            spared.append(b)
+    if spared:
+        return [
+            f"cached blocks {sorted(flushed)[:5]} reused while uncached blocks {sorted(spared)[:5]} stayed free"
+        ]
     return []

@@ -52,7 +52,12 @@ def no_waste(ctx: CheckContext) -> list[str]:
     state (Mamba) that some retained boundary of a request needs (#42258,
     #45845): a block no lookup can use is never cached."""
     out = []
-    for key in set(ctx.after.cached) - set(ctx.before.cached):
+    d = ctx.delta
+    if d is not None:
+        new = {k for k, v in d.holders.items() if v and not d.before_holders.get(k)}
+    else:
+        new = set(ctx.after.cached) - set(ctx.before.cached)
+    for key in new:
         if ctx.config.groups[key.group].kind == "full":
             continue
         if not any(_kept_by_request(ctx, key, r) for r in ctx.history.all_requests()):

@@ -5,26 +5,118 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from invariants.errors import UsageError
 from invariants.harness.trace import read_trace
 from invariants.report import table
 from invariants.results import CaseResult, fuzz_case, write_results
 
 
-def cmd_fuzz(args: argparse.Namespace) -> int:
-    from invariants.harness.fuzz import format_failure, format_features, format_summary, run_fuzz
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a bad value is one usage line, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _say(line: str) -> None:
+    print(f"kvretain fuzz: {line}", flush=True)
+
+
+def cmd_fuzz_production(args: argparse.Namespace) -> int:
+    """`fuzz --scale production`: real layouts and pool sizes, a serving workload."""
+    import time
+
+    from invariants.harness.fuzz import _tolerance, shrink_failure
+    from invariants.harness.machine import ViolationFound
+    from invariants.harness.production import format_production, run_production
+    from invariants.harness.trace import Trace, write_trace
+    from invariants.targets import target_factory
+
+    if args.config:
+        raise UsageError(
+            "--config: --scale production runs its own presets (dsv4-flash, gemma-like, kimi-linear-like)"
+        )
+    steps = args.steps if args.steps is not None else (None if args.budget_s else 20_000)
+    print(
+        f"kvretain fuzz --scale production: target {args.target}, seed {args.seed}, "
+        f"steps {steps or 'until the budget'}, budget {args.budget_s or 'none'} s",
+        flush=True,
+    )
+    factory, tolerated = target_factory(args.target), _tolerance(args.target)
+    start = time.monotonic()
+    kw = {"audit_every": args.audit_every} if args.audit_every else {}
+    stats, failures, seconds = run_production(
+        factory, seed=args.seed, steps=steps, budget_s=args.budget_s, tolerated=tolerated, log=_say, **kw
+    )
+    verdict = "clean" + (f" (known: {', '.join(sorted(stats.known))})" if stats.known else "")
+    if failures:
+        setting, checker, found = failures[0]
+        verdict = "VIOLATION"
+        path = Path(args.out) / f"kvretain-{args.target}-production-seed{args.seed}.json"
+        write_trace(Trace(setting.config, checker.ops, args.seed, args.target, str(found[0])), path)
+        _say(f"violation: {found[0]} after {stats.ops:,} operations; unshrunk trace {path}")
+        budget_left = None if args.budget_s is None else max(args.budget_s - (time.monotonic() - start), 0.0)
+        failure = shrink_failure(
+            ViolationFound(found, setting.config, checker.ops),
+            factory,
+            tolerated,
+            time.monotonic(),
+            budget_left,
+            args.shrink_s or 60.0,
+            _say,
+        )
+        write_trace(
+            Trace(setting.config, failure.ops, args.seed, args.target, str(failure.violations[0])), path
+        )
+        print(f"VIOLATION: {failure.violations[0]}\nshrunk trace ({len(failure.ops)} operations): {path}")
+    print(format_production(args.target, args.seed, stats, seconds, verdict))
+    return 1 if failures else 0
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from invariants.harness.fuzz import (
+        DEFAULT_STEPS,
+        format_failure,
+        format_features,
+        format_summary,
+        run_fuzz,
+    )
+
+    if args.scale == "production":
+        return cmd_fuzz_production(args)
+
+    steps = args.steps if args.steps is not None else (None if args.budget_s else DEFAULT_STEPS)
     print(
         f"kvretain fuzz: target {args.target}, config {args.config or 'generated'}, seed {args.seed}, "
-        f"steps {args.steps}, budget {args.budget_s or 'none'} s",
+        f"steps {steps or 'until the budget'}, budget {args.budget_s or 'none'} s",
         flush=True,
     )
     report = run_fuzz(
         args.target,
         config_name=args.config,
-        steps=args.steps,
+        steps=steps,
         seed=args.seed,
         budget_s=args.budget_s,
+        shrink_s=args.shrink_s,
         out_dir=Path(args.out),
+        database=None if args.no_db else Path(args.db),
+        audit_every=args.audit_every,
+        log=_say,
     )
     if report.failure is not None:
         print(format_failure(report))
@@ -88,4 +180,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from invariants.harness.bench import run_bench
 
+    if args.scale == "production":
+        from invariants.harness.bench import run_production_bench
+
+        return run_production_bench(ops=args.requests * 10, seed=args.seed)
     return run_bench(requests=args.requests, seed=args.seed)

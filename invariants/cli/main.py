@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from invariants.cli.fuzz import cmd_bench, cmd_conformance, cmd_fuzz, cmd_replay
+from invariants.cli.fuzz import cmd_bench, cmd_conformance, cmd_fuzz, cmd_replay, positive_float, positive_int
 from invariants.cli.prove import cmd_prove
 from invariants.cli.verify import cmd_verify
 from invariants.errors import UsageError
@@ -54,10 +54,36 @@ def build_parser() -> argparse.ArgumentParser:
         + " (packages register more under the kvretain.targets entry point)",
     )
     f.add_argument("--config", help="a preset name (default: generated configurations)")
-    f.add_argument("--steps", type=int, default=2000)
+    f.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="stop after this many steps (default 2000 without --budget-s)",
+    )
     f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--budget-s", type=float, default=None)
+    f.add_argument(
+        "--budget-s", type=positive_float, default=None, help="wall-clock bound, shrinking included"
+    )
+    f.add_argument(
+        "--shrink-s",
+        type=positive_float,
+        default=None,
+        help="shrinking limit (default 1/4 of the budget, or 30)",
+    )
+    f.add_argument(
+        "--audit-every", type=positive_int, default=None, help="full-state audit every K operations"
+    )
+    f.add_argument(
+        "--db", default=".kvretain/examples", help="Hypothesis example database (failures replayed first)"
+    )
+    f.add_argument("--no-db", action="store_true", help="keep no example database")
     f.add_argument("--out", default="kvretain-traces", help="where failing traces are written")
+    f.add_argument(
+        "--scale",
+        choices=("small", "production"),
+        default="small",
+        help="production: real presets, vLLM-sized pools, 16+ requests in flight, 8k chunks",
+    )
     add_output_flags(f)
     f.set_defaults(func=cmd_fuzz)
 
@@ -103,8 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_conformance)
 
     b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
-    b.add_argument("--requests", type=int, default=300)
+    b.add_argument("--requests", type=positive_int, default=300)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument(
+        "--scale",
+        choices=("small", "production"),
+        default="small",
+        help="production: dsv4-flash, 156k blocks",
+    )
     b.set_defaults(func=cmd_bench)
 
     for module in ("invariants.cli.zoo", "invariants.cli.simulate", "invariants.cli.export", "gpu_check.cli"):

@@ -100,6 +100,8 @@ def _known(target: str) -> set[str]:
 
 def _progress_line(r: MutantResult) -> None:
     when = f"{r.seconds_to_kill:.2f}s" if r.seconds_to_kill is not None else f"{r.seconds:.0f}s"
+    if r.seconds_to_trace is not None:
+        when += f" (shrunk trace at {r.seconds_to_trace:.2f}s)"
     print(
         f"[zoo] {r.target} {r.name}: {r.verdict} by {r.check} in {when}"
         + (f" ({r.detail[:120]})" if r.detail else "")
@@ -132,6 +134,7 @@ def control(
 def run(args: argparse.Namespace) -> int:
     from invariants.targets import TargetUnavailable, available_targets
 
+    t_start = time.monotonic()
     reason = available_targets().get(args.target)
     if reason is not None:
         return _err(f"target {args.target}: {reason}")
@@ -154,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
         entries, na = _entries(args.target, only)
     except TargetUnavailable as exc:
         return _err(str(exc))
+    if args.target == "vllm":
+        from invariants.targets.vllm_target import _vllm_modules
+
+        _vllm_modules()
+    print(f"kvretain zoo: start-up (importing {args.target}) {time.monotonic() - t_start:.1f} s", flush=True)
     print(
         f"kvretain zoo: target {args.target}, {len(entries)} mutant(s), budget {budget:.0f} s each, "
         f"shrink {shrink:.0f} s, seed {args.seed} (batch i uses seed + i)",

@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from invariants.harness.checker import Checker
+from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker
 from invariants.harness.known_findings import is_known_violation
 from invariants.report import table
 from invariants.targets import TargetUnavailable, target_factory
@@ -91,17 +91,32 @@ class _Timed:
         finally:
             self.phase[f"{self.label} snapshot"] += time.perf_counter() - t
 
+    def partial(self, *args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.inner.partial(*args)
+        finally:
+            self.phase[f"{self.label} delta"] += time.perf_counter() - t
 
-def checked_cycles(target: str, prompts: list[tuple[int, ...]]) -> tuple[float, float, dict[str, float]]:
+
+def checked_cycles(
+    target: str, prompts: list[tuple[int, ...]], audit_every: int = DEFAULT_AUDIT_EVERY
+) -> tuple[float, float, dict[str, float]]:
     """(cycles/s, ops/s, seconds per phase) of the full harness on `target`."""
     phase: dict[str, float] = defaultdict(float)
-    checker = Checker(_Timed(target_factory(target)(BENCH_CONFIG), phase, "target"))  # type: ignore[arg-type]
+    checker = Checker(
+        _Timed(target_factory(target)(BENCH_CONFIG), phase, "target"),  # type: ignore[arg-type]
+        audit_every=audit_every,
+    )
     checker.model = _Timed(checker.model, phase, "model")  # type: ignore[assignment]
+    checker._model_target = _Timed(checker._model_target, phase, "model")  # type: ignore[assignment]
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         for op in (AddRequest(f"b{i}", prompt), Schedule(f"b{i}", 4096), Finish(f"b{i}")):
             new = [v for v in checker.step(op) if not is_known_violation(target, v)]
             assert not new, (op, new)
+    final = [v for v in checker.audit() if not is_known_violation(target, v)]
+    assert not final, final
     total = time.perf_counter() - start
     phase["checks and history"] = total - sum(phase.values())
     return len(prompts) / total, 3 * len(prompts) / total, dict(phase)
@@ -144,3 +159,57 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
         log(f"where checked time goes on {name}: {parts}")
     log("goal: checked/raw >= 0.33 (checking costs at most 2x the work it checks)")
     return 0
+
+
+def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], None] = print) -> int:
+    """`bench --scale production`: one dsv4-flash episode at vLLM's pool size.
+
+    checked: the production workload through the Checker on vLLM (model,
+    deltas, audits every PRODUCTION_AUDIT_EVERY steps); raw: the same operations
+    replayed on a fresh vLLM target with no model and no checks (the adapter's
+    own cost counts as raw, which flatters raw, never the checker)."""
+    from invariants.harness.production import PRODUCTION_AUDIT_EVERY, max_prompt, settings_for, workload
+
+    setting = next(s for s in settings_for(seed) if s.name == "dsv4-flash" and not s.squeezed)
+    cfg = setting.config
+    factory = target_factory("vllm")
+    log(
+        f"kvretain bench --scale production: {ops} operations, dsv4-flash, {cfg.num_blocks:,} blocks, "
+        f"retention {cfg.retention_interval}, prompts up to {max_prompt(cfg):,} tokens, seed {seed}"
+    )
+    checker = Checker(factory(cfg), audit_every=PRODUCTION_AUDIT_EVERY)
+    gen = workload(cfg, random.Random(seed), checker)
+    checked_s, tokens = 0.0, 0
+    while len(checker.ops) < ops:
+        op = next(gen)
+        t = time.perf_counter()
+        found = [v for v in checker.step(op) if not is_known_violation("vllm", v)]
+        checked_s += time.perf_counter() - t
+        assert not found, (op, found)
+        tokens += getattr(checker.last_obs, "scheduled", 0)
+    t = time.perf_counter()
+    assert not [v for v in checker.audit() if not is_known_violation("vllm", v)]
+    checked_s += time.perf_counter() - t
+    raw_target = factory(cfg)
+    t = time.perf_counter()
+    for op in checker.ops:
+        raw_target.apply(op)
+    raw_s = time.perf_counter() - t
+    rows = [
+        ("vllm raw (same operations, no checking)", f"{ops / raw_s:,.0f}", f"{tokens / raw_s:,.0f}", "1.00"),
+        (
+            "checked on vllm",
+            f"{ops / checked_s:,.0f}",
+            f"{tokens / checked_s:,.0f}",
+            f"{raw_s / checked_s:.2f}",
+        ),
+    ]
+    log(table(["run", "ops/s", "tokens/s", "vs raw vLLM"], rows))
+    log(f"pool {cfg.num_blocks:,} blocks, {checker.audits} audits, peak RSS {_peak_rss_mib():,.0f} MiB")
+    return 0
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

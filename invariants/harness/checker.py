@@ -4,17 +4,55 @@ what they observed, then run every invariant on the target's state.
 A `Violation` is either a differential finding (`observation`, `snapshot`,
 `crash`: the target disagrees with the model) or a named invariant from the
 catalogue that the target's state breaks.
+
+Two paths, one verdict. The audit is the definition: full snapshots of the
+model and the target before and after the operation, `diff_snapshots`, and
+every invariant of the catalogue as written. The fast path asks both sides
+only for what the operation touched (`partial`: the blocks of the requests it
+names, the blocks its observation lists, the keys those blocks carry or the
+events name), demands equal partial states, and runs the catalogue on that
+delta (`check_delta`). It is an optimisation the audit keeps honest: an audit
+runs every `audit_every` operations, for pool-wide operations (reset, evict),
+for pinned-tier configurations, and whenever `audit()` is called (the end of
+every example, before any "clean" verdict). `audit_every=1` is the audit alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 
-from invariants.catalogue import CheckContext, History, check_all, update_history
-from invariants.targets.base import Target
+from invariants.catalogue import (
+    CachedView,
+    CheckContext,
+    Delta,
+    History,
+    StateView,
+    check_all,
+    check_delta,
+    check_state,
+    update_history,
+    update_history_delta,
+)
+from invariants.targets.base import PartialState, Target
+from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
-from model.observation import ProbeResult, diff_snapshots
-from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, Sample, Schedule, Step
+from model.observation import BlockIds, BlockKey, ProbeResult, ScheduleResult, Snapshot, diff_snapshots
+from model.ops import (
+    AddRequest,
+    EvictBlocks,
+    Finish,
+    Op,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    Sample,
+    Schedule,
+    Step,
+)
+
+DEFAULT_AUDIT_EVERY = 32
+NOT_FREE = -1
 
 
 @dataclass(frozen=True)
@@ -31,17 +69,47 @@ class InvalidOp(ValueError):
 
 
 class Checker:
-    def __init__(self, target: Target, *, check_invariants: bool = True) -> None:
+    def __init__(
+        self, target: Target, *, check_invariants: bool = True, audit_every: int | None = None
+    ) -> None:
         self.target = target
         self.config = target.config
-        self.model = AllocatorModel(target.config, events=getattr(target, "event_profile", "seed"))
+        self._model_target = ModelTarget(target.config, events=getattr(target, "event_profile", "seed"))
+        self.model: AllocatorModel = self._model_target._model
         self.history = History()
         self.check_invariants = check_invariants
-        self.last = self.target.snapshot()
-        self.model.snapshot()
+        # Pinned-tier moves are pool-wide; a target without `partial` has no fast path.
+        fast = hasattr(target, "partial") and not target.config.pin_swa_on_drop
+        self.audit_every = max(1, audit_every or 1) if fast else 1
         self.ops: list[Op] = []
         self.last_obs: object = None
+        self.audits = 0
+        self._since_audit = 0
+        self.last = self.target.snapshot()
+        self.model.snapshot()
+        self._mirror(self.last)
 
+    def tables(self) -> dict[str, tuple[BlockIds, ...]]:
+        """Each live request's block table as of the last operation (fast path or audit)."""
+        return dict(self._tables)
+
+    # ------------------------------------------------------------------ mirror
+    def _mirror(self, snap: Snapshot) -> None:
+        """The target's state as the fast path tracks it, reset from a full snapshot."""
+        q = snap.free_queue
+        links = {b: (q[i - 1] if i else 0, q[i + 1] if i + 1 < len(q) else 0) for i, b in enumerate(q)}
+        self._blocks = [
+            (snap.ref_cnt[b], snap.block_hash.get(b), *links.get(b, (NOT_FREE, NOT_FREE)))
+            for b in range(snap.num_blocks)
+        ]
+        self._key_of: dict[int, BlockKey] = dict(snap.block_hash)
+        self._holders: dict[BlockKey, BlockIds] = dict(snap.cached)
+        self._tables = dict(snap.tables)
+        self._uses: Counter[int] = Counter(b for t in snap.tables.values() for g in t for b in g if b)
+        self._in_use = sum(1 for r in snap.ref_cnt if r > 0)
+        self._free_uncached = {b for b in q if b not in snap.block_hash}
+
+    # ------------------------------------------------------------------ operations
     def validate(self, op: Op) -> None:
         reqs = self.model.requests
         rid = getattr(op, "rid", None)
@@ -82,6 +150,20 @@ class Checker:
     def step(self, op: Op) -> list[Violation]:
         self.validate(op)
         self.ops.append(op)
+        self._since_audit += 1
+        # A batched step moves many requests' blocks at once and its invariants
+        # (catalogue.steps) read whole tables: it always takes the audited path.
+        if self._since_audit >= self.audit_every or isinstance(op, (ResetPrefixCache, EvictBlocks, Step)):
+            return self._audited_step(op)
+        return self._fast_step(op)
+
+    def _audited_step(self, op: Op) -> list[Violation]:
+        """The definition: full snapshots before and after, every invariant as written."""
+        self._since_audit, self.audits = 0, self.audits + 1
+        try:
+            before = self.target.snapshot() if self.audit_every > 1 else self.last
+        except Exception as exc:
+            return [Violation("crash", f"{type(exc).__name__}: {exc}")]
         expected_obs = self.model.apply(op)
         expected = self.model.snapshot()
         try:
@@ -95,16 +177,164 @@ class Checker:
             found.append(Violation("observation", f"model {expected_obs}, {self.target.name} {obs}"))
         found += [Violation("snapshot", line) for line in diff_snapshots(expected, snap)]
         finished = self.history.requests.get(op.rid) if isinstance(op, Finish) else None
-        before = self.last
         anomalies = update_history(self.history, op, obs, before, snap)
         found += [Violation("events_match_hash_map", a) for a in anomalies]
         if self.check_invariants:
             ctx = CheckContext(self.config, op, obs, before, snap, self.history, self._probe, finished)
             found += [Violation(name, msg) for name, msg in check_all(ctx)]
         self.last = snap
+        if self.audit_every > 1:
+            self._mirror(snap)
+        return found
+
+    def _fast_step(self, op: Op) -> list[Violation]:
+        """The delta: both sides report what the operation touched; compared exactly, then checked."""
+        rid = getattr(op, "rid", None)
+        blocks: set[int] = set(op.block_ids) if isinstance(op, EvictBlocks) else set()
+        rids = [rid] if isinstance(rid, str) else []
+        if rid in self._tables:
+            blocks.update(b for g in self._tables[rid] for b in g)
+        expected_obs = self.model.apply(op)
+        try:
+            obs = self.target.apply(op)
+        except Exception as exc:
+            return [Violation("crash", f"{type(exc).__name__}: {exc}")]
+        self.last_obs = obs
+        found: list[Violation] = []
+        if obs != expected_obs:
+            found.append(Violation("observation", f"model {expected_obs}, {self.target.name} {obs}"))
+        for o in (obs, expected_obs):
+            for ids in (getattr(o, "hit_blocks", None) or ()) + (getattr(o, "new_blocks", None) or ()):
+                blocks.update(ids)
+        blocks.discard(0)
+        blocks = {b for b in blocks if 0 < b < len(self._blocks)}
+        keys = {k for b in blocks if (k := self._key_of.get(b)) is not None}
+        try:
+            got, want = self._partials(blocks, rids, keys)
+        except Exception as exc:
+            return [Violation("crash", f"{type(exc).__name__}: {exc}")]
+        found += [Violation("snapshot", line) for line in _diff_partial(want, got)]
+        delta = self._advance(got)
+        finished = self.history.requests.get(op.rid) if isinstance(op, Finish) else None
+        anomalies = update_history_delta(self.history, op, obs, delta, got.events)
+        found += [Violation("events_match_hash_map", a) for a in anomalies]
+        if self.check_invariants:
+            before = StateView(CachedView(self._holders, delta.before_holders))
+            after = StateView(self._holders, got.events)
+            ctx = CheckContext(
+                self.config,
+                op,
+                obs,
+                before,  # type: ignore[arg-type]
+                after,  # type: ignore[arg-type]
+                self.history,
+                self._probe,
+                finished,
+                delta,  # type: ignore[arg-type]
+            )
+            found += [Violation(name, msg) for name, msg in check_delta(ctx)]
+        return found
+
+    def _partials(
+        self, blocks: set[int], rids: list[str], keys: set[BlockKey]
+    ) -> tuple[PartialState, PartialState]:
+        """(target's, model's) partial states over the same blocks and keys (the union of
+        what either side says the operation touched); events are drained once."""
+        got = self.target.partial(blocks, rids, keys)  # type: ignore[attr-defined]
+        want = self._model_target.partial(blocks | set(got.blocks), rids, keys | set(got.holders))
+        for _ in range(4):
+            if set(want.blocks) == set(got.blocks) and set(want.holders) == set(got.holders):
+                break
+            blocks, keys = set(want.blocks) | set(got.blocks), set(want.holders) | set(got.holders)
+            got = replace(self.target.partial(blocks, rids, keys), events=got.events)  # type: ignore[attr-defined]
+            want = replace(self._model_target.partial(blocks, rids, keys), events=want.events)
+        return got, want
+
+    def _advance(self, got: PartialState) -> Delta:
+        """Apply a target's partial state to the mirror; the delta for the invariants."""
+        before_blocks = {b: self._blocks[b] for b in got.blocks}
+        before_holders = {k: self._holders.get(k, ()) for k in got.holders}
+        idle_before = self._in_use == 0
+        for rid, table in got.tables.items():
+            old = self._tables.pop(rid, ())
+            self._uses.subtract(b for g in old for b in g if b)
+            if table:
+                self._tables[rid] = table
+                self._uses.update(b for g in table for b in g if b)
+        for b, state in got.blocks.items():
+            self._in_use += (state[0] > 0) - (self._blocks[b][0] > 0)
+            self._blocks[b] = state
+            if state[1] is None:
+                self._key_of.pop(b, None)
+            else:
+                self._key_of[b] = state[1]
+            if state[2] != NOT_FREE and state[1] is None:
+                self._free_uncached.add(b)
+            else:
+                self._free_uncached.discard(b)
+        for k, v in got.holders.items():
+            if v:
+                self._holders[k] = v
+            else:
+                self._holders.pop(k, None)
+        return Delta(
+            blocks=got.blocks,
+            before_blocks=before_blocks,
+            holders=got.holders,
+            before_holders=before_holders,
+            uses=self._uses,
+            key_of=self._key_of,
+            free_uncached=self._free_uncached,
+            idle_before=idle_before,
+            free_len=got.free_len,
+        )
+
+    def audit(self) -> list[Violation]:
+        """A full check between operations: both snapshots compared, every state invariant."""
+        self.audits += 1
+        self._since_audit = 0
+        expected = self.model.snapshot()
+        try:
+            snap = self.target.snapshot()
+        except Exception as exc:
+            return [Violation("crash", f"{type(exc).__name__}: {exc}")]
+        found = [Violation("snapshot", line) for line in diff_snapshots(expected, snap)]
+        anomalies = update_history(self.history, Probe((0,)), None, snap, snap)  # type: ignore[arg-type]
+        self.history.tick -= 1  # an audit is not a step
+        found += [Violation("events_match_hash_map", a) for a in anomalies]
+        if self.check_invariants and self.ops:
+            ctx = CheckContext(self.config, self.ops[-1], self.last_obs, snap, snap, self.history, None, None)  # type: ignore[arg-type]
+            found += [Violation(name, msg) for name, msg in check_state(ctx)]
+        self.last = snap
+        self._mirror(snap)
         return found
 
     def _probe(self, tokens: tuple[int, ...]) -> ProbeResult:
         result = self.target.apply(Probe(tokens))
         assert isinstance(result, ProbeResult)
         return result
+
+
+def _diff_partial(want: object, got: object) -> list[str]:
+    """Differences between the model's and the target's partial states, one line per field."""
+    lines = []
+    for name in ("free_len", "events", "tables"):
+        a, b = getattr(want, name), getattr(got, name)
+        if a != b:
+            lines.append(f"{name}: expected {_short(a)}, got {_short(b)}")
+    for name in ("blocks", "holders"):
+        a, b = getattr(want, name), getattr(got, name)
+        if a != b:
+            for k in sorted(set(a) | set(b), key=repr):
+                if a.get(k) != b.get(k):
+                    label = k.short() if isinstance(k, BlockKey) else f"block {k}"
+                    lines.append(f"{name}[{label}]: expected {_short(a.get(k))}, got {_short(b.get(k))}")
+    return lines
+
+
+def _short(value: object, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+__all__ = ["DEFAULT_AUDIT_EVERY", "Checker", "InvalidOp", "ScheduleResult", "Violation"]

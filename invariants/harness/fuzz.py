@@ -1,10 +1,20 @@
 """`kvretain fuzz`: run the stateful machine against one target.
 
 Determinism: batch i of a run is Hypothesis run with seed `seed + i`, so the
-same (target, config, seed, steps) gives the same operations and verdict. A
-time budget only decides after which batch to stop (the summary says how many
-ran). On a violation Hypothesis shrinks the trace; the shrunk trace is printed
-and written as JSON for `kvretain replay`.
+same (target, config, seed, steps) gives the same operations and verdict.
+
+Promises to the user:
+- `budget_s` bounds the whole run, shrinking included: the search stops at
+  the budget (mid-batch: every later step is rejected), and shrinking gets
+  `shrink_s` but never more than a short grace past the budget.
+- The moment a violation is seen, `log` gets one line (check, step, batch
+  seed, elapsed) and the unshrunk trace is written; shrinking (our own,
+  `invariants.harness.shrink`, on the recorded operations) logs progress and
+  then replaces the trace atomically with the shrunk one.
+- With a database directory, Hypothesis keeps every failing example there
+  (keyed by target and configuration), and replays them first next run, so a
+  failure found once comes back at once. Hypothesis's own shrink and explain
+  phases never run: they have no time bound.
 """
 
 from __future__ import annotations
@@ -12,26 +22,34 @@ from __future__ import annotations
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.stateful import get_state_machine_test
 
-from invariants.harness.checker import Violation
+from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, InvalidOp, Violation
 from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
+from invariants.harness.shrink import shrink
 from invariants.harness.strategies import configs
 from invariants.harness.trace import Trace, write_trace
 from invariants.layouts.presets import preset
 from invariants.report import Progress, table
-from invariants.targets import PINNING_TARGETS, target_factory
+from invariants.targets import PINNING_TARGETS, Target, target_factory
 from model.config import Config
-from model.ops import op_to_json
+from model.ops import Op, op_to_json
 
 EXAMPLES_PER_BATCH = 8
 STEPS_PER_EXAMPLE = 40
+DEFAULT_STEPS = 2000
+DEFAULT_DB = Path(".kvretain/examples")
+# Shrinking gets this share of the budget by default, and may run this long past it.
+SHRINK_SHARE = 0.25
+SHRINK_GRACE_S = 3.0
 
 
 @dataclass
@@ -44,6 +62,9 @@ class FuzzReport:
     seconds: float
     failure: ViolationFound | None = None
     trace_path: Path | None = None
+    first_seen_s: float | None = None
+    unshrunk_ops: int = 0
+    shrink_s: float = 0.0
 
     @property
     def ops_per_s(self) -> float:
@@ -56,66 +77,200 @@ class FuzzReport:
         return "clean (known: " + ", ".join(sorted(self.stats.known)) + ")" if self.stats.known else "clean"
 
 
-def _tolerance(target: str):  # type: ignore[no-untyped-def]
+def _tolerance(target: str) -> Callable[[Violation], bool]:
     try:
         from invariants.harness.known_findings import is_known_violation
     except ImportError:
-        return None
-    return lambda v: is_known_violation(target, v)
+        return lambda v: False
+    return lambda v: bool(is_known_violation(target, v))
+
+
+def replayer(
+    factory: Callable[[Config], Target], config: Config, check: str, tolerated: Callable[[Violation], bool]
+) -> Callable[[list[Op]], int | None]:
+    """A shrink predicate: the index of the first step with a new violation, if it is `check`."""
+
+    def fails(ops: list[Op]) -> int | None:
+        try:
+            checker = Checker(factory(config))
+        except Exception:
+            return None
+        for i, op in enumerate(ops):
+            try:
+                found = [v for v in checker.step(op) if not tolerated(v)]
+            except InvalidOp:
+                return None
+            if found:
+                return i if any(v.check == check for v in found) else None
+        found = [v for v in checker.audit() if not tolerated(v)] if ops else []
+        return len(ops) - 1 if any(v.check == check for v in found) else None
+
+    return fails
+
+
+class _FailuresOnly(ExampleDatabase):
+    """The example database, minus the examples a budget cut off (not failures)."""
+
+    def __init__(self, inner: ExampleDatabase, stats: FuzzStats) -> None:
+        super().__init__()
+        self.inner, self.stats = inner, stats
+
+    def save(self, key: bytes, value: bytes) -> None:
+        if not self.stats.out_of_time() or self.stats.last_failure is not None:
+            self.inner.save(key, value)
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        return self.inner.fetch(key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.inner.delete(key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.inner.move(src, dest, value)
+
+
+def _database(
+    path: Path | None, stats: FuzzStats, target: str, config_name: str | None
+) -> tuple[ExampleDatabase | None, bytes]:
+    key = f"kvretain-fuzz:{target}:{config_name or 'generated'}".encode()
+    if path is None:
+        return None, key
+    return _FailuresOnly(DirectoryBasedExampleDatabase(str(path)), stats), key
 
 
 def run_fuzz(
     target: str,
     *,
     config_name: str | None = None,
-    steps: int = 2000,
+    steps: int | None = None,
     seed: int = 0,
     budget_s: float | None = None,
+    shrink_s: float | None = None,
     out_dir: Path = Path("kvretain-traces"),
     progress: bool = True,
     strategy: st.SearchStrategy[Config] | None = None,
+    database: Path | None = None,
+    audit_every: int | None = None,
+    log: Callable[[str], None] | None = None,
+    factory: Callable[[Config], Target] | None = None,
+    tolerated: Callable[[Violation], bool] | None = None,
+    trace_name: str | None = None,
 ) -> FuzzReport:
-    factory = target_factory(target)
+    """Fuzz `target` (built by `factory`, default the registered one; `tolerated`
+    default: its known findings). `steps` None: the budget decides (DEFAULT_STEPS
+    without one)."""
+    factory = factory or target_factory(target)
+    say = log or (lambda line: None)
+    if steps is None and budget_s is None:
+        steps = DEFAULT_STEPS
+    if shrink_s is None:
+        shrink_s = max(budget_s * SHRINK_SHARE, 1.0) if budget_s is not None else 30.0
     if strategy is None:
         strategy = (
             st.just(preset(config_name)) if config_name else configs(allow_pinning=target in PINNING_TARGETS)
         )
-    stats = FuzzStats()
-    machine = build_machine(factory, strategy, stats, tolerated=_tolerance(target))
-    prog = Progress(f"fuzz {target}", enabled=progress)
+    tolerated = tolerated or _tolerance(target)
     start = time.monotonic()
+    stats = FuzzStats(audit_every=audit_every or DEFAULT_AUDIT_EVERY)
+    stats.deadline = start + budget_s if budget_s is not None else None
     batch = 0
-    failure: ViolationFound | None = None
+    trace_path = out_dir / (trace_name or f"kvretain-{target}-seed{seed}.json")
+    first_seen: list[float] = []
+
+    def seen(failure: ViolationFound) -> None:
+        if first_seen:
+            return
+        first_seen.append(time.monotonic() - start)
+        stats.deadline = time.monotonic()  # stop the batch now: no replay, no explain
+        v = failure.violations[0]
+        write_trace(Trace(failure.config, failure.ops, seed + batch - 1, target, str(v)), trace_path)
+        say(
+            f"violation: {v.check} at step {len(failure.ops)} of an example (batch seed {seed + batch - 1}, "
+            f"seed {seed}), {first_seen[0]:.1f}s; unshrunk trace {trace_path}"
+        )
+
+    stats.on_violation = seen
+    machine = build_machine(factory, strategy, stats, tolerated=tolerated)
+    db, db_key = _database(database, stats, target, config_name)
+    prog = Progress(f"fuzz {target}", enabled=progress)
+    s = settings(
+        max_examples=EXAMPLES_PER_BATCH,
+        stateful_step_count=STEPS_PER_EXAMPLE,
+        deadline=None,
+        database=db,
+        report_multiple_bugs=False,
+        derandomize=False,
+        print_blob=False,
+        phases=(Phase.explicit, Phase.reuse, Phase.generate),
+        suppress_health_check=list(HealthCheck),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        while stats.steps < steps and (budget_s is None or time.monotonic() - start < budget_s):
-            s = settings(
-                max_examples=EXAMPLES_PER_BATCH,
-                stateful_step_count=STEPS_PER_EXAMPLE,
-                deadline=None,
-                database=None,
-                derandomize=False,
-                print_blob=False,
-                suppress_health_check=list(HealthCheck),
+        while (steps is None or stats.steps < steps) and not stats.out_of_time():
+            test = get_state_machine_test(machine, settings=s)
+            test._hypothesis_internal_database_key = db_key  # type: ignore[attr-defined]
+            test = hypothesis_seed(seed + batch)(test)
+            # @seed switches the database off (it assumes a one-off reproduction);
+            # here every batch is seeded, and failures must still be remembered.
+            test._hypothesis_internal_use_settings = settings(  # type: ignore[attr-defined]
+                test._hypothesis_internal_use_settings,  # type: ignore[attr-defined]
+                database=db,
             )
-            test = hypothesis_seed(seed + batch)(get_state_machine_test(machine, settings=s))
             batch += 1
             try:
                 test()
-            except ViolationFound:
-                failure = stats.last_failure
+            except Exception:  # a violation, the budget, or Hypothesis noting a cut-off replay
+                if stats.last_failure is None and not stats.out_of_time():
+                    raise
+            if stats.last_failure is not None:
                 break
             prog.tick(
                 f"batch {batch}: {stats.steps} steps, {stats.steps / max(prog.elapsed(), 1e-9):.0f} ops/s, "
                 f"hit rate {stats.hit_rate:.1%}"
             )
-    report = FuzzReport(
-        target, config_name or "generated", seed, batch, stats, time.monotonic() - start, failure
-    )
+    failure = stats.last_failure
+    report = FuzzReport(target, config_name or "generated", seed, batch, stats, 0.0, failure)
     if failure is not None:
-        trace = Trace(failure.config, failure.ops, seed + batch - 1, target, str(failure.violations[0]))
-        report.trace_path = write_trace(trace, out_dir / f"kvretain-{target}-seed{seed + batch - 1}.json")
+        report.first_seen_s = first_seen[0] if first_seen else None
+        report.unshrunk_ops = len(failure.ops)
+        report.failure = shrink_failure(failure, factory, tolerated, start, budget_s, shrink_s, say)
+        report.shrink_s = time.monotonic() - start - (report.first_seen_s or 0.0)
+        trace = Trace(report.failure.config, report.failure.ops, seed + batch - 1, target, None)
+        trace.violation = str(report.failure.violations[0])
+        report.trace_path = write_trace(trace, trace_path)
+    report.seconds = time.monotonic() - start
     return report
+
+
+def shrink_failure(
+    failure: ViolationFound,
+    factory: Callable[[Config], Target],
+    tolerated: Callable[[Violation], bool],
+    start: float,
+    budget_s: float | None,
+    shrink_s: float,
+    say: Callable[[str], None],
+) -> ViolationFound:
+    """The failure with its shrunk trace (its violations re-read from a final replay)."""
+    if not failure.ops:
+        return failure
+    now = time.monotonic()
+    deadline = now + shrink_s
+    if budget_s is not None:
+        deadline = min(deadline, max(start + budget_s, now + min(shrink_s, SHRINK_GRACE_S)))
+    check = failure.violations[0].check
+    fails = replayer(factory, failure.config, check, tolerated)
+    ops, tries = shrink(failure.ops, fails, deadline, log=say)
+    say(
+        f"shrunk {len(failure.ops)} -> {len(ops)} operations in {tries} replays ({time.monotonic() - now:.1f}s)"
+    )
+    if len(ops) == len(failure.ops) and ops == failure.ops:
+        return failure
+    checker = Checker(factory(failure.config))
+    found: list[Violation] = []
+    for op in ops:
+        found = [v for v in checker.step(op) if not tolerated(v)]
+    return ViolationFound(found or failure.violations, failure.config, ops)
 
 
 def format_failure(report: FuzzReport) -> str:
@@ -126,7 +281,7 @@ def format_failure(report: FuzzReport) -> str:
     ]
     lines += [f"  {v}" for v in f.violations[:10]]
     lines.append(f"config: {f.config}")
-    lines.append(f"shrunk trace ({len(f.ops)} operations):")
+    lines.append(f"shrunk trace ({len(f.ops)} operations, from {report.unshrunk_ops}):")
     lines += [f"  {i:3d}  {op_to_json(op)}" for i, op in enumerate(f.ops)]
     lines.append(f"written to {report.trace_path}; re-run with: kvretain replay {report.trace_path}")
     return "\n".join(lines)

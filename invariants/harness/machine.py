@@ -10,17 +10,18 @@ first violation fails the run, and Hypothesis shrinks the operation sequence.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from invariants.harness.checker import Checker, Violation
+from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
 from invariants.targets.base import Target
 from model.config import Config
-from model.observation import ScheduleResult, Snapshot, StepResult
+from model.observation import BlockIds, ScheduleResult, StepResult
 from model.ops import (
     AddRequest,
     EvictBlocks,
@@ -60,13 +61,14 @@ def config_features(cfg: Config) -> list[str]:
     return out
 
 
-def reused_across_requests(before: Snapshot, obs: object) -> bool:
-    """A step handed one request a block that another request held before the step."""
+def reused_across_requests(before: Mapping[str, tuple[BlockIds, ...]], obs: object) -> bool:
+    """A step handed one request a block that another request held before the step
+    (`before`: each request's block table just before the step)."""
     if not isinstance(obs, StepResult):
         return False
     for rid, result in obs.results:
         new = {b for group in result.new_blocks or () for b in group if b}
-        others = {b for r, table in before.tables.items() if r != rid for group in table for b in group}
+        others = {b for r, table in before.items() if r != rid for group in table for b in group}
         if new & others:
             return True
     return False
@@ -76,6 +78,10 @@ class ViolationFound(AssertionError):
     def __init__(self, violations: list[Violation], config: Config, ops: list[Op]) -> None:
         self.violations, self.config, self.ops = violations, config, list(ops)
         super().__init__("\n".join(str(v) for v in violations[:8]))
+
+
+class BudgetSpent(Exception):
+    """Raised by every step past the run's deadline: the batch ends at the next step."""
 
 
 @dataclass
@@ -92,6 +98,14 @@ class FuzzStats:
     # Feature -> how often it was exercised: configuration features per example,
     # model rules per firing, cross-request reuse per step.
     features: Counter[str] = field(default_factory=Counter)
+    # Set by a runner: past `deadline` (time.monotonic) every step raises
+    # BudgetSpent, so a batch ends at once; `on_violation` hears of each failure the moment it is seen.
+    deadline: float | None = None
+    on_violation: Callable[[ViolationFound], None] | None = None
+    audit_every: int | None = DEFAULT_AUDIT_EVERY
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
 
     @property
     def hit_rate(self) -> float:
@@ -112,13 +126,26 @@ def build_machine(
         def __init__(self) -> None:
             super().__init__()
             self.checker: Checker | None = None
+            self.failed = False
             self.prefixes: list[tuple[int, ...]] = []
             self.next_rid = 0
 
         @initialize(config=config_strategy, data=st.data())
         def setup(self, config: Config, data: st.DataObject) -> None:
+            if run_stats.out_of_time():
+                raise BudgetSpent()
             run_stats.examples += 1
-            self.checker = Checker(target_factory(config))
+            try:
+                target = target_factory(config)
+            except Exception as exc:  # a target that cannot be built for a valid config: a finding
+                crash = Violation("crash", f"target construction: {type(exc).__name__}: {exc}")
+                self.failed = True
+                failure = ViolationFound([crash], config, [])
+                run_stats.last_failure = failure
+                if run_stats.on_violation is not None:
+                    run_stats.on_violation(failure)
+                raise failure from exc
+            self.checker = Checker(target, audit_every=run_stats.audit_every)
             run_stats.features.update(f"config: {name}" for name in config_features(config))
             sbs = config.scheduler_block_size
             self.prefixes = [
@@ -138,7 +165,9 @@ def build_machine(
 
         def _do(self, op: Op) -> None:
             assert self.checker is not None
-            before = self.checker.last
+            if run_stats.out_of_time():
+                raise BudgetSpent()
+            before = self.checker.tables()
             found = [v for v in self.checker.step(op) if not self._known(v)]
             run_stats.steps += 1
             obs_state = self.checker.last
@@ -156,9 +185,24 @@ def build_machine(
                 )
             )
             if found:
-                failure = ViolationFound(found, self.cfg, self.checker.ops)
-                run_stats.last_failure = failure
-                raise failure
+                self._fail(found)
+
+        def _fail(self, found: list[Violation]) -> None:
+            assert self.checker is not None
+            self.failed = True
+            failure = ViolationFound(found, self.cfg, self.checker.ops)
+            run_stats.last_failure = failure
+            if run_stats.on_violation is not None:
+                run_stats.on_violation(failure)
+            raise failure
+
+        def teardown(self) -> None:
+            """The end of every example is audited in full (nothing the fast path missed survives it)."""
+            if self.checker is None or self.failed or self.checker.audit_every == 1:
+                return
+            found = [v for v in self.checker.audit() if not self._known(v)]
+            if found:
+                self._fail(found)
 
         def _known(self, v: Violation) -> bool:
             if is_tolerated(v):

@@ -19,10 +19,12 @@ Contract for implementers:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from model.config import Config
-from model.observation import Observation, Snapshot
+from model.observation import BlockIds, BlockKey, BlockRemoved, BlockStored, Event, Observation, Snapshot
 from model.ops import Op
 
 
@@ -42,3 +44,79 @@ class Target(Protocol):
     def apply(self, op: Op) -> Observation: ...
 
     def snapshot(self) -> Snapshot: ...
+
+
+# ----------------------------------------------------------------------------- deltas
+NOT_FREE = -1
+END = 0  # a free-queue link past the head or tail (block 0 is the null block, never free)
+
+
+@dataclass(frozen=True)
+class PartialState:
+    """The observable state of what one operation touched: the delta a target reports.
+
+    - `blocks[b]`: (ref count, primary key or None, previous and next block in
+      the regular free queue, `NOT_FREE` when b is not in it, `END` past an end);
+    - `holders[key]`: the blocks the hash map lists for key, () when absent;
+    - `tables[rid]`: the request's per-group block table, () when it holds none;
+    - `free_len`: length of the regular free queue; `events`: drained KV events.
+
+    Contract (`partial(blocks, rids, keys)`): it reports every asked block,
+    request and key, plus the blocks in the reported tables and the keys those
+    blocks carry or the events name. It equals `partial_from_snapshot` of a
+    full snapshot taken at the same moment (the tests hold every target to
+    this); a target without `partial` is checked by full snapshots only.
+    """
+
+    blocks: dict[int, tuple[int, BlockKey | None, int, int]]
+    holders: dict[BlockKey, BlockIds]
+    tables: dict[str, tuple[BlockIds, ...]]
+    free_len: int
+    events: tuple[Event, ...] = field(default=())
+
+
+def event_keys(events: Iterable[Event]) -> set[BlockKey]:
+    """The hash-map keys KV events name."""
+    out: set[BlockKey] = set()
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            out.update(BlockKey(ev.group, h) for h in ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            out.add(BlockKey(ev.group, ev.block_hash))
+    return out
+
+
+def closure(
+    tables: dict[str, tuple[BlockIds, ...]], blocks: Iterable[int], keys: Iterable[BlockKey]
+) -> tuple[set[int], set[BlockKey]]:
+    """The blocks and keys a partial state must report, before primary keys are added."""
+    out = {b for b in blocks if b}
+    for table in tables.values():
+        for group in table:
+            out.update(b for b in group if b)
+    return out, set(keys)
+
+
+def partial_from_snapshot(
+    snap: Snapshot, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]
+) -> PartialState:
+    """The reference definition of `partial`: read off a full snapshot."""
+    tables = {rid: snap.tables.get(rid, ()) for rid in rids}
+    want, want_keys = closure(tables, blocks, keys)
+    want_keys |= event_keys(snap.events)
+    pos = {b: i for i, b in enumerate(snap.free_queue)}
+    q = snap.free_queue
+    out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
+    for b in want:
+        key = snap.block_hash.get(b)
+        if key is not None:
+            want_keys.add(key)
+        i = pos.get(b)
+        if i is None:
+            prev = nxt = NOT_FREE
+        else:
+            prev = q[i - 1] if i > 0 else END
+            nxt = q[i + 1] if i + 1 < len(q) else END
+        out[b] = (snap.ref_cnt[b], key, prev, nxt)
+    holders = {k: snap.cached.get(k, ()) for k in want_keys}
+    return PartialState(out, holders, tables, len(q), snap.events)

@@ -7,10 +7,16 @@ allocator for `gpu_check` when no other target is wanted.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from model.allocator import AllocatorModel
 from model.config import Config
-from model.observation import Observation, Snapshot
+from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
+
+from .base import END, NOT_FREE, PartialState, closure, event_keys
+
+ENDS = 1024
 
 
 class ModelTarget:
@@ -25,3 +31,53 @@ class ModelTarget:
 
     def snapshot(self) -> Snapshot:
         return self._model.snapshot()
+
+    def partial(self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]) -> PartialState:
+        return model_partial(self._model, blocks, rids, keys)
+
+
+def model_partial(
+    model: AllocatorModel, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]
+) -> PartialState:
+    """`partial` read straight from the model's pool (no full snapshot)."""
+    pool = model.pool
+    tables = {}
+    for rid in rids:
+        table = tuple(tuple(g.tables.get(rid, ())) for g in model.groups)
+        tables[rid] = table if any(table) else ()
+    events = tuple(pool.events)
+    pool.events.clear()
+    want, want_keys = closure(tables, blocks, keys)
+    want_keys |= event_keys(events)
+    queue = pool.queue.blocks
+    n = len(queue)
+    # Freed blocks land at either end of the queue: look there before a full search.
+    tail = queue[-ENDS:]
+    ends = {b: i for i, b in enumerate(queue[:ENDS])}
+    ends.update(zip(tail, range(n - len(tail), n)))
+    misses = [b for b in want if pool.ref[b] == 0 and b not in ends]
+    if len(misses) > 2:  # one pass over the queue beats a search per block
+        ends = dict(zip(queue, range(n)))
+    out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
+    for b in want:
+        key = pool.primary.get(b)
+        if key is not None:
+            want_keys.add(key)
+        prev = nxt = NOT_FREE
+        if pool.ref[b] == 0:
+            i = ends.get(b)
+            if i is None:
+                i = _index(queue, b)
+            if i is not None:
+                prev = queue[i - 1] if i > 0 else END
+                nxt = queue[i + 1] if i + 1 < n else END
+        out[b] = (pool.ref[b], key, prev, nxt)
+    holders = {k: tuple(pool.cached.get(k, ())) for k in want_keys}
+    return PartialState(out, holders, tables, len(queue), events)
+
+
+def _index(queue: list[int], block: int) -> int | None:
+    try:
+        return queue.index(block)
+    except ValueError:  # ref 0 but not in the regular queue: the pinned tier
+        return None

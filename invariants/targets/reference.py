@@ -21,7 +21,7 @@ applies the function registered under "x" to this instance's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 from model.config import Config, ConfigError
@@ -59,7 +59,7 @@ from reference_impl.kv_cache_manager import KVCacheManager
 from reference_impl.request import Request
 from reference_impl.scheduler import ScheduleOutcome, Scheduler
 
-from .base import TargetCrash
+from .base import PartialState, TargetCrash, partial_from_snapshot
 
 Mutant = Callable[[AllocatorComponents], AllocatorComponents]
 
@@ -176,6 +176,10 @@ class ReferenceTarget:
         else:
             raise ValueError(f"unsupported operation {op!r}")
         return Done()
+
+    def partial(self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]) -> PartialState:
+        """Read off a full snapshot (correct, not fast: the reference is judged, not benchmarked)."""
+        return partial_from_snapshot(self.snapshot(), blocks, rids, keys)
 
     def snapshot(self) -> Snapshot:
         pool = self.allocator.block_pool

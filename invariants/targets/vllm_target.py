@@ -86,7 +86,7 @@ from model.ops import (
 from model.pool import EVENT_PROFILES
 from model.scheduling import mamba_chunk
 
-from .base import TargetCrash, TargetUnavailable
+from .base import END, NOT_FREE, PartialState, TargetCrash, TargetUnavailable, closure, event_keys
 from .vllm_env import MODELED_VERSION, version_warning, vllm_available, vllm_version
 
 VLLM_EVENT_PROFILE = "vllm-0.33.0"
@@ -135,6 +135,7 @@ class VllmTarget:
         self._prefix_of: dict[bytes, Tokens] = {}
         self._prefix_of_int: dict[int, Tokens] = {}
         self._keys: dict[bytes, BlockKey] = {}
+        self._hash_of: dict[Tokens, bytes] = {}  # prefix -> hash bytes (for `partial`)
         # False: learn nothing, name hashes by stand-ins (see the module docstring).
         self.track_prefixes = track_prefixes
 
@@ -213,6 +214,7 @@ class VllmTarget:
             if h not in self._prefix_of:
                 prefix = tuple(toks[: (i + 1) * self.hbs])
                 self._prefix_of[h] = prefix
+                self._hash_of[prefix] = h
                 self._prefix_of_int[int.from_bytes(h, "big") & ((1 << 64) - 1)] = prefix
 
     # ------------------------------------------------------------------ ops
@@ -446,6 +448,46 @@ class VllmTarget:
             tables=tables,
             events=tuple(e for ev in self.manager.take_events() for e in self._event(ev)),
         )
+
+    def partial(self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]) -> PartialState:
+        """What an operation touched, read from those blocks and tables only (see `PartialState`)."""
+        pool, queue = self.pool, self.pool.free_block_queue
+        ends = (queue.fake_free_list_head, queue.fake_free_list_tail)
+        tables = {}
+        for rid in rids:
+            table = (
+                tuple(tuple(ids) for ids in self.manager.get_block_ids(rid)) if rid in self.requests else ()
+            )
+            tables[rid] = table if any(table) else ()
+        events = tuple(e for ev in self.manager.take_events() for e in self._event(ev))
+        want, want_keys = closure(tables, blocks, keys)
+        want_keys |= event_keys(events)
+        out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
+        for b in want:
+            blk = pool.blocks[b]
+            key = None if blk.block_hash is None else self._key(blk.block_hash)
+            if key is not None:
+                want_keys.add(key)
+            prev, nxt = blk.prev_free_block, blk.next_free_block
+            links = (
+                (NOT_FREE, NOT_FREE)
+                if prev is None or nxt is None
+                else (END if prev in ends else prev.block_id, END if nxt in ends else nxt.block_id)
+            )
+            out[b] = (blk.ref_cnt, key, *links)
+        cache = pool.cached_block_hash_to_block._cache
+        holders: dict[BlockKey, tuple[int, ...]] = {}
+        for k in want_keys:
+            h = self._hash_of.get(k.tokens) if self.track_prefixes else bytes(k.tokens)
+            val = None if h is None else cache.get(h + k.group.to_bytes(4, "big"))
+            holders[k] = (
+                ()
+                if val is None
+                else (val.block_id,)
+                if not isinstance(val, dict)
+                else tuple(x.block_id for x in val.values())
+            )
+        return PartialState(out, holders, tables, queue.num_free_blocks, events)
 
     def _prefix(self, h: bytes) -> Tokens:
         if not self.track_prefixes:

@@ -1,15 +1,12 @@
 """Run the zoo: every applicable check against each mutant; who killed it, how fast.
 
 For one mutant, in order: its direct checks (`invariants.zoo.checks`), then
-the stateful machine (`invariants.machine.build_machine`: invariants +
-differential against the model) over the mutant's config strategy. Fuzzing
-runs in batches; batch i uses `hypothesis.seed(seed + i)` (the seeds are
-printed), so the same command gives the same verdicts. The time to kill is
-measured from the mutant's start to the first violation (direct checks
-included, shrinking excluded); Hypothesis then shrinks the trace for at most
-`shrink_s` seconds (after that every candidate is rejected and the smallest
-failing trace seen so far is kept) and the trace is written with
-`invariants.trace.write_trace`.
+the fuzzer exactly as `kvretain fuzz --budget-s T` runs it
+(`invariants.harness.fuzz.run_fuzz`: the stateful machine, invariants +
+differential against the model, over the mutant's config strategy; batch i
+uses `hypothesis.seed(seed + i)`, printed). Two times are reported from the
+mutant's start: to the first violation line, and to the shrunk trace (the
+fuzzer's own shrinker, bounded by `shrink_s` and by the budget).
 
 The trace's `target` is the unmutated target's name (so `kvretain replay`
 runs it: clean on the unmutated target is the expected answer); its
@@ -20,19 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypothesis import HealthCheck, Verbosity, reject, settings
-from hypothesis import seed as hypothesis_seed
-from hypothesis.stateful import get_state_machine_test
-
 from invariants.harness.checker import Violation
-from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
+from invariants.harness.fuzz import run_fuzz
 from invariants.harness.trace import Trace, write_trace
 from invariants.report import Progress, table
 from invariants.targets.base import Target
@@ -69,6 +62,7 @@ class MutantResult:
     check: str = "-"
     also: tuple[str, ...] = ()
     seconds_to_kill: float | None = None
+    seconds_to_trace: float | None = None
     seconds: float = 0.0
     trace_path: Path | None = None
     seeds: str = "-"
@@ -79,104 +73,6 @@ class MutantResult:
     @property
     def verdict(self) -> str:
         return "killed" if self.killed else "SURVIVED"
-
-
-@dataclass
-class _Hunt:
-    """What the machine saw: first detection time, smallest failing trace, shrink cut-off."""
-
-    shrink_s: float
-    first_at: float | None = None
-    best: ViolationFound | None = None
-    batches: int = 0
-
-    def record(self, failure: ViolationFound) -> None:
-        now = time.monotonic()
-        if self.first_at is None:
-            self.first_at = now
-        if self.best is None or len(failure.ops) <= len(self.best.ops):
-            self.best = failure
-
-    def stop_shrinking(self) -> bool:
-        return self.first_at is not None and time.monotonic() - self.first_at > self.shrink_s
-
-
-def _machine(
-    factory: Factory,
-    cfg_strategy: object,
-    stats: FuzzStats,
-    hunt: _Hunt,
-    tolerated: Callable[[Violation], bool] | None,
-) -> type:
-    def guarded(config: Config) -> Target:
-        if hunt.stop_shrinking():
-            reject()
-        try:
-            return factory(config)
-        except Exception as exc:  # a mutant that cannot even be built for a valid config is killed
-            failure = ViolationFound(
-                [Violation("crash", f"target construction: {type(exc).__name__}: {exc}")], config, []
-            )
-            hunt.record(failure)
-            raise failure from exc
-
-    base = build_machine(guarded, cfg_strategy, stats, tolerated)  # type: ignore[arg-type]
-
-    class ZooMachine(base):  # type: ignore[misc,valid-type]
-        def _do(self, op: object) -> None:
-            if hunt.stop_shrinking():
-                reject()
-            try:
-                super()._do(op)
-            except ViolationFound as failure:
-                hunt.record(failure)
-                raise
-
-    return ZooMachine
-
-
-def fuzz_until_killed(
-    factory: Factory,
-    strategy_name: str,
-    *,
-    allow_pinning: bool,
-    seed: int,
-    deadline: float,
-    shrink_s: float,
-    tolerated: Callable[[Violation], bool] | None = None,
-    progress: Progress | None = None,
-    max_batches: int | None = None,
-) -> tuple[_Hunt, FuzzStats]:
-    """Batches of the state machine until a violation, the deadline or `max_batches`."""
-    stats = FuzzStats()
-    hunt = _Hunt(shrink_s)
-    machine = _machine(
-        factory, config_strategy(strategy_name, allow_pinning=allow_pinning), stats, hunt, tolerated
-    )
-    s = settings(
-        max_examples=EXAMPLES_PER_BATCH,
-        stateful_step_count=STEPS_PER_EXAMPLE,
-        deadline=None,
-        database=None,
-        derandomize=False,
-        print_blob=False,
-        suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        while time.monotonic() < deadline and (max_batches is None or hunt.batches < max_batches):
-            test = hypothesis_seed(seed + hunt.batches)(get_state_machine_test(machine, settings=s))
-            hunt.batches += 1
-            # Any failure (ViolationFound, or Hypothesis' Flaky once shrinking was cut
-            # off) is read back from `hunt`.
-            with contextlib.suppress(Exception):
-                test()
-            if hunt.best is not None:
-                break
-            if progress:
-                progress.tick(f"batch seed {seed + hunt.batches - 1}: {stats.steps} steps, alive")
-    return hunt, stats
 
 
 def run_entry(
@@ -215,37 +111,41 @@ def run_entry(
                 break
         if not result.killed:
             prog.tick(f"fuzz: strategy {entry.strategy}, seeds from {seed}", force=progress)
-            hunt, stats = fuzz_until_killed(
-                factory,
-                entry.strategy,
-                allow_pinning=entry.target == "reference",
+            hunt_start = time.monotonic()
+            report = run_fuzz(
+                entry.target,
+                factory=factory,
+                strategy=config_strategy(entry.strategy, allow_pinning=entry.target == "reference"),
+                tolerated=entry.tolerated or (lambda v: False),
+                steps=None if max_batches is None else max_batches * EXAMPLES_PER_BATCH * STEPS_PER_EXAMPLE,
                 seed=seed,
-                deadline=start + budget_s,
+                budget_s=max(start + budget_s - hunt_start, 0.1),
                 shrink_s=shrink_s,
-                tolerated=entry.tolerated,
-                progress=prog,
-                max_batches=max_batches,
+                out_dir=out_dir or Path(tempfile.mkdtemp(prefix="kvretain-zoo-")),
+                trace_name=f"zoo-{entry.target}-{entry.name}.json",
+                progress=False,
+                log=(lambda line: prog.tick(line, force=True)) if progress else None,
             )
-            result.steps = stats.steps
-            result.seeds = f"{seed}..{seed + hunt.batches - 1}" if hunt.batches else "-"
-            if hunt.best is not None and hunt.first_at is not None:
-                best = hunt.best
+            result.steps = report.stats.steps
+            result.seeds = f"{seed}..{seed + report.batches - 1}" if report.batches else "-"
+            if report.failure is not None and report.first_seen_s is not None:
+                best = report.failure
                 found = [v.check for v in best.violations]
                 result.killed, result.check = True, f"fuzz: {found[0]}"
                 result.also = tuple(dict.fromkeys(c for c in found[1:] if c != found[0]))
-                result.seconds_to_kill = hunt.first_at - start
+                result.seconds_to_kill = hunt_start - start + report.first_seen_s
+                result.seconds_to_trace = hunt_start - start + report.seconds
                 result.detail = str(best.violations[0])
+                result.seeds = str(seed + report.batches - 1)
                 if out_dir is not None:
-                    kill_seed = seed + hunt.batches - 1
                     trace = Trace(
                         best.config,
                         best.ops,
-                        kill_seed,
+                        seed + report.batches - 1,
                         entry.target,
                         f"mutant {entry.name}: {best.violations[0]}",
                     )
                     result.trace_path = write_trace(trace, out_dir / f"zoo-{entry.target}-{entry.name}.json")
-                    result.seeds = str(kill_seed)
     result.seconds = time.monotonic() - start
     if result.killed:
         prog.tick(f"killed by {result.check} in {result.seconds_to_kill:.1f}s", force=progress)
@@ -291,19 +191,21 @@ class ZooReport:
                     r.verdict,
                     first,
                     f"{r.seconds_to_kill:.2f}" if r.seconds_to_kill is not None else "-",
+                    f"{r.seconds_to_trace:.2f}" if r.seconds_to_trace is not None else "-",
                     r.strategy,
                     r.seeds,
                     str(r.trace_path) if r.trace_path else "-",
                 )
             )
         for name, why in self.not_applicable:
-            rows.append((name, "n/a", why, "-", "-", "-", "-"))
+            rows.append((name, "n/a", why, "-", "-", "-", "-", "-"))
         return table(
             [
                 "mutant",
                 "verdict",
                 "first check (+ others on that step)",
-                "kill s",
+                "first violation s",
+                "shrunk trace s",
                 "configs",
                 "seed",
                 "trace",
@@ -352,11 +254,11 @@ def reference_entries(only: list[str] | None = None) -> list[ZooEntry]:
                 m.summary,
                 m.strategy,
                 m.checks,
-                lambda f=f: contextlib.nullcontext(f),
+                lambda f=f: contextlib.nullcontext(f),  # type: ignore[misc]
                 doc=m.doc,
                 tolerated=known_tolerance("reference"),
             )
-        )  # type: ignore[misc]
+        )
     return out
 
 

@@ -1,0 +1,249 @@
+"""Production-scale checking: real layouts, real pool sizes, a serving workload.
+
+`kvretain fuzz --scale production` and `kvretain bench --scale production`.
+The configurations are the full-size presets (`dsv4-flash`, `gemma-like`,
+`kimi-linear-like`) with retention None, 0 or an interval, and pools sized as
+vLLM sizes them: `pool_blocks(cfg, 14.5, max context)` (156,281 blocks for
+dsv4-flash at 1M tokens). Each pool is run twice: at full size, and squeezed
+to 14.5 requests of the longest prompt, so that 16+ requests in flight run out
+of blocks and the scheduler preempts (as vLLM's does: the newest running
+request loses its blocks).
+
+The workload (seeded, printed): 16-32 requests in flight, prompts sharing a
+few long system prompts, 8k-token chunks, short decodes, probes, preemption.
+Every operation goes through the Checker (model differential and every
+invariant, fast path plus audits).
+
+Bounded memory: hashes are named by their token prefix (`BlockKey`), so a
+prompt of n tokens costs O(n^2 / hash block) in the model and the adapters;
+prompts are capped per layout (`max_prompt`, printed) and the run is cut
+into episodes of `EPISODE_OPS` operations, each on a fresh model and target,
+so the history, traces and hash tables never outgrow one episode.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.layouts.presets import MAX_CONTEXT, pool_blocks, preset
+from invariants.targets.base import Target
+from model.config import Config
+from model.observation import ScheduleResult
+from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule
+
+PRODUCTION_PRESETS = ("dsv4-flash", "gemma-like", "kimi-linear-like")
+CONCURRENCY = 14.5  # vLLM's "Maximum concurrency" figure the pools are sized for
+CHUNK = 8192
+EPISODE_OPS = 500
+PRODUCTION_AUDIT_EVERY = 512  # an audit walks the whole pool (156k blocks): amortise it
+# Prefix-named hashes: a prompt of n tokens holds ~n^2 / (2 * hash block) token slots.
+SLOTS_PER_PROMPT = 4_000_000
+
+
+def max_prompt(cfg: Config) -> int:
+    """The longest prompt this layout is fuzzed with (see the module docstring)."""
+    return max(
+        cfg.scheduler_block_size * 2,
+        min(CHUNK * 4, int(math.sqrt(2 * SLOTS_PER_PROMPT * cfg.hash_block_size))),
+    )
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    config: Config
+    squeezed: bool
+
+
+def settings_for(seed: int) -> list[Setting]:
+    """Every preset x retention (None, 0, one interval) x pool (full, squeezed)."""
+    out = []
+    for name in PRODUCTION_PRESETS:
+        base = preset(name)
+        sbs = base.scheduler_block_size
+        for retention in (None, 0, 4 * sbs):
+            if retention is not None and all(g.kind == "full" for g in base.groups):
+                continue
+            cfg = replace(base, retention_interval=retention, max_model_len=MAX_CONTEXT[name])
+            full = replace(cfg, num_blocks=pool_blocks(cfg, CONCURRENCY, MAX_CONTEXT[name]))
+            squeezed = replace(cfg, num_blocks=pool_blocks(cfg, CONCURRENCY, max_prompt(cfg)))
+            out += [Setting(name, full, False), Setting(name, squeezed, True)]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+@dataclass
+class ProductionStats:
+    ops: int = 0
+    tokens: int = 0
+    preemptions: int = 0
+    episodes: int = 0
+    known: set[str] = field(default_factory=set)
+    rss_at_tenth_kb: int = 0
+
+    @staticmethod
+    def peak_rss_kb() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def workload(cfg: Config, rng: random.Random, checker: Checker) -> Iterator[Op]:
+    """A serving workload on `checker`'s model state; yields the next operation (never ends)."""
+    longest = max_prompt(cfg)
+    systems = [
+        tuple(rng.randrange(1, 30000) for _ in range(rng.randint(longest // 4, longest * 3 // 4)))
+        for _ in range(3)
+    ]
+    inflight = rng.randint(16, 32)
+    wants: dict[str, int] = {}
+    added = 0
+    while True:
+        reqs = checker.model.requests
+        if len(reqs) < inflight and (not reqs or rng.random() < 0.3):
+            n = int(math.exp(rng.uniform(math.log(4), math.log(longest))))
+            system = rng.choice(systems)[: rng.randint(0, n)]
+            prompt = system + tuple(rng.randrange(1, 30000) for _ in range(max(1, n - len(system))))
+            rid = f"p{added}"
+            added += 1
+            wants[rid] = len(prompt) + rng.randint(1, 32)
+            yield AddRequest(rid, prompt)
+            continue
+        if rng.random() < 0.02:
+            yield Probe(rng.choice(systems)[: rng.randint(1, longest)])
+            continue
+        rid = rng.choice(sorted(reqs))
+        r = reqs[rid]
+        if r.running and r.num_computed == r.num_tokens:
+            yield Finish(rid) if r.num_tokens >= wants[rid] else Sample(rid, rng.randrange(1, 30000))
+        elif r.running and rng.random() < 0.01:
+            yield Preempt(rid)
+        else:
+            yield Schedule(rid, CHUNK)
+            obs = checker.last_obs
+            if isinstance(obs, ScheduleResult) and obs.scheduled == 0:
+                # Out of blocks: the scheduler preempts its newest running request.
+                running = [q for q, s in checker.model.requests.items() if s.running]
+                if running:
+                    yield Preempt(running[-1])
+
+
+def run_production(
+    factory: Callable[[Config], Target],
+    *,
+    seed: int,
+    steps: int | None,
+    budget_s: float | None,
+    tolerated: Callable[[Violation], bool],
+    audit_every: int = PRODUCTION_AUDIT_EVERY,
+    log: Callable[[str], None] = print,
+) -> tuple[ProductionStats, list[tuple[Setting, Checker, list[Violation]]], float]:
+    """Episodes over `settings_for(seed)` until `steps` or `budget_s`; stops at the first violation."""
+    stats = ProductionStats()
+    start = last_log = time.monotonic()
+    rng = random.Random(seed)
+    failures: list[tuple[Setting, Checker, list[Violation]]] = []
+    plan = settings_for(seed)
+
+    def done() -> bool:
+        over_steps = steps is not None and stats.ops >= steps
+        return over_steps or (budget_s is not None and time.monotonic() - start >= budget_s)
+
+    while not done() and not failures:
+        gc.collect()  # the previous episode's model, target and history go before the next is built
+        setting = plan[stats.episodes % len(plan)]
+        stats.episodes += 1
+        cfg = setting.config
+        checker = Checker(factory(cfg), audit_every=audit_every)
+        log(
+            f"episode {stats.episodes}: {setting.name}, {cfg.num_blocks:,} blocks"
+            f"{' (squeezed)' if setting.squeezed else ''}, retention {cfg.retention_interval}, "
+            f"prompts up to {max_prompt(cfg):,} tokens"
+        )
+        ops = workload(cfg, rng, checker)
+        for _ in range(EPISODE_OPS):
+            if done():
+                break
+            op = next(ops)
+            try:
+                found = checker.step(op)
+            except InvalidOp:
+                continue
+            stats.ops += 1
+            if stats.rss_at_tenth_kb == 0 and _tenth_done(
+                stats.ops, steps, time.monotonic() - start, budget_s
+            ):
+                stats.rss_at_tenth_kb = stats.peak_rss_kb()
+            obs = checker.last_obs
+            if isinstance(obs, ScheduleResult):
+                stats.tokens += obs.scheduled
+            stats.preemptions += isinstance(op, Preempt)
+            new = [v for v in found if not _known(v, tolerated, stats)]
+            if new:
+                failures.append((setting, checker, new))
+                break
+            if time.monotonic() - last_log >= 5:
+                last_log = time.monotonic()
+                el = last_log - start
+                log(
+                    f"{stats.ops:,} ops, {stats.ops / el:,.0f} ops/s, {stats.tokens / el:,.0f} checked tokens/s, "
+                    f"{stats.preemptions} preemptions, peak RSS {stats.peak_rss_kb() / 1024:,.0f} MiB"
+                )
+        if not failures:
+            end = [v for v in checker.audit() if not _known(v, tolerated, stats)]
+            if end:
+                failures.append((setting, checker, end))
+    return stats, failures, time.monotonic() - start
+
+
+def _tenth_done(ops: int, steps: int | None, elapsed: float, budget_s: float | None) -> bool:
+    """A tenth of the run is behind us (of the steps, or of the budget if it ends first)."""
+    return (steps is not None and ops >= steps // 10) or (budget_s is not None and elapsed >= budget_s / 10)
+
+
+def _known(v: Violation, tolerated: Callable[[Violation], bool], stats: ProductionStats) -> bool:
+    if tolerated(v):
+        stats.known.add(v.check)
+        return True
+    return False
+
+
+def format_production(target: str, seed: int, stats: ProductionStats, seconds: float, verdict: str) -> str:
+    from invariants.report import table
+
+    peak = stats.peak_rss_kb()
+    tenth = f"{stats.rss_at_tenth_kb / 1024:,.0f}" if stats.rss_at_tenth_kb else "-"
+    full = {s.name: s.config.num_blocks for s in settings_for(seed) if not s.squeezed}
+    pools = ", ".join(f"{name} {n:,}" for name, n in sorted(full.items()))
+    rows = [
+        (
+            target,
+            seed,
+            stats.episodes,
+            f"{stats.ops:,}",
+            f"{stats.ops / seconds:,.0f}" if seconds else "-",
+            f"{stats.tokens / seconds:,.0f}" if seconds else "-",
+            stats.preemptions,
+            tenth,
+            f"{peak / 1024:,.0f}",
+            verdict,
+            f"{seconds:.1f}",
+        )
+    ]
+    head = [
+        "target",
+        "seed",
+        "episodes",
+        "ops",
+        "ops/s",
+        "checked tok/s",
+        "preempt",
+        "RSS@10% MiB",
+        "peak RSS MiB",
+    ]
+    return f"pools (full size): {pools}\n" + table([*head, "verdict", "seconds"], rows)

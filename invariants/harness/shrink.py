@@ -1,0 +1,105 @@
+"""Shrinking a failing trace under a deadline we own.
+
+Contract: `shrink(ops, fails, deadline)` returns an operation list that
+`fails` (the predicate replays it and says whether the same finding comes
+back), no longer than `ops`, and returns by `deadline` plus the time of one
+replay. A candidate that is not a well-formed trace (an operation naming a
+request that no longer exists) is simply one that does not fail.
+
+Why not Hypothesis's own shrinker: it has no wall-clock bound (a vLLM target
+with a broken free path kept it busy for minutes after a 60 s budget), and
+the user sees nothing meanwhile. Here every pass is one idea, tried from the
+coarsest to the finest so that the early passes do most of the work:
+
+1. drop a whole request (every operation naming its rid);
+2. drop runs of operations (halves, quarters, ... single operations);
+3. shorten prompts and probes, lower budgets, set sampled tokens to 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from model.ops import AddRequest, Op, Probe, Sample, Schedule
+
+Replay = Callable[[list[Op]], int | None]
+"""Replays a candidate; the index of the failing operation, or None when clean/invalid."""
+
+
+class _Budget:
+    def __init__(self, deadline: float, log: Callable[[str], None] | None) -> None:
+        self.deadline, self.log = deadline, log
+        self.tries = 0
+        self.start = self.last_log = time.monotonic()
+
+    def left(self) -> bool:
+        return time.monotonic() < self.deadline
+
+    def note(self, ops: list[Op], best: int) -> None:
+        now = time.monotonic()
+        if self.log and now - self.last_log >= 1.0:
+            self.last_log = now
+            self.log(f"shrinking: {best} operations after {self.tries} replays ({now - self.start:.1f}s)")
+
+
+def shrink(
+    ops: list[Op], fails: Replay, deadline: float, log: Callable[[str], None] | None = None
+) -> tuple[list[Op], int]:
+    """The smallest failing trace found by `deadline`, and how many replays it took."""
+    budget = _Budget(deadline, log)
+    best = list(ops)
+
+    def attempt(candidate: list[Op]) -> bool:
+        nonlocal best
+        if len(candidate) > len(best) or candidate == best or not budget.left():
+            return False
+        budget.tries += 1
+        at = fails(candidate)
+        if at is None:
+            return False
+        best = candidate[: at + 1]  # everything after the failing step is noise
+        budget.note(best, len(best))
+        return True
+
+    changed = True
+    while changed and budget.left():
+        changed = False
+        for rid in _rids(best):
+            changed |= attempt([op for op in best if getattr(op, "rid", None) != rid])
+        size = max(len(best) // 2, 1)
+        while size >= 1 and budget.left():
+            i = 0
+            while i < len(best) and budget.left():
+                if attempt(best[:i] + best[i + size :]):
+                    changed = True
+                else:
+                    i += size
+            size //= 2
+        for i in range(len(best)):
+            if not budget.left() or i >= len(best):
+                break
+            for simpler in _simpler(best[i]):
+                if attempt(best[:i] + [simpler] + best[i + 1 :]):
+                    changed = True
+                    break
+    return best, budget.tries
+
+
+def _rids(ops: list[Op]) -> list[str]:
+    return list(dict.fromkeys(op.rid for op in ops if isinstance(op, AddRequest)))
+
+
+def _simpler(op: Op) -> list[Op]:
+    """Smaller variants of one operation, most aggressive first (same length list never grows)."""
+    if isinstance(op, AddRequest) and len(op.prompt) > 1:
+        n = len(op.prompt)
+        return [replace(op, prompt=op.prompt[:k]) for k in sorted({1, n // 2, n - 1}) if 0 < k < n]
+    if isinstance(op, Probe) and len(op.tokens) > 1:
+        return [replace(op, tokens=op.tokens[: len(op.tokens) // 2])]
+    if isinstance(op, Schedule) and op.budget > 1:
+        return [replace(op, budget=b) for b in sorted({1, op.budget // 2}) if b < op.budget]
+    if isinstance(op, Sample) and op.token != 1:
+        return [replace(op, token=1)]
+    return []

@@ -1,0 +1,181 @@
+"""`kvretain fuzz` as a promise: the budget bounds the run, shrinking included;
+a violation is reported the moment it is seen; failures are remembered."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from hypothesis import strategies as st
+
+from invariants.cli.main import main
+from invariants.harness.fuzz import run_fuzz
+from invariants.harness.shrink import shrink
+from invariants.harness.trace import read_trace
+from invariants.targets.model_target import ModelTarget
+from model.config import Config, GroupSpec
+from model.observation import Done, Observation
+from model.ops import AddRequest, Finish, Op, Schedule
+
+CFG = Config(groups=(GroupSpec("full", 4),), num_blocks=12)
+
+
+class SlowLeak(ModelTarget):
+    """A broken target whose violation needs a few finishes and whose every
+    operation is slow, so that shrinking a failure takes far longer than the budget."""
+
+    name = "slow-leak"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.finishes = 0
+
+    def apply(self, op: Op) -> Observation:
+        time.sleep(0.02)
+        if isinstance(op, Finish):
+            self.finishes += 1
+            if self.finishes >= 3:
+                return Done()  # the request's blocks are never freed: a leak
+        return super().apply(op)
+
+
+def test_budget_bounds_a_slow_shrink(tmp_path):
+    lines: list[str] = []
+    start = time.monotonic()
+    report = run_fuzz(
+        "model",
+        factory=SlowLeak,
+        strategy=st.just(CFG),
+        budget_s=6.0,
+        shrink_s=60.0,
+        out_dir=tmp_path,
+        progress=False,
+        log=lines.append,
+    )
+    elapsed = time.monotonic() - start
+    assert report.failure is not None
+    assert elapsed < 6.0 + 4.0, elapsed  # budget plus the shrink grace plus one replay
+    assert lines[0].startswith("violation: ") and "seed 0" in lines[0]
+    assert any(line.startswith("shrunk ") for line in lines)
+    # The trace on disk is the final (shrunk) one, and it replays to a violation.
+    trace = read_trace(report.trace_path)
+    assert len(trace.ops) == len(report.failure.ops) <= report.unshrunk_ops
+
+
+def test_first_violation_written_before_shrinking(tmp_path):
+    seen: list[bool] = []
+
+    def log(line: str) -> None:
+        if line.startswith("violation: "):
+            seen.append((tmp_path / "kvretain-model-seed0.json").exists())
+
+    run_fuzz(
+        "model",
+        factory=SlowLeak,
+        strategy=st.just(CFG),
+        budget_s=5.0,
+        out_dir=tmp_path,
+        progress=False,
+        log=log,
+    )
+    assert seen == [True]
+
+
+def test_shrink_respects_its_deadline():
+    ops: list[Op] = [AddRequest(f"r{i}", (1, 2, 3)) for i in range(50)]
+
+    def fails(candidate: list[Op]) -> int | None:
+        time.sleep(0.05)
+        return len(candidate) - 1 if len(candidate) >= 10 else None
+
+    start = time.monotonic()
+    best, tries = shrink(ops, fails, time.monotonic() + 0.5)
+    assert time.monotonic() - start < 0.5 + 0.2
+    assert 10 <= len(best) < 50 and tries > 0
+
+
+def test_shrink_finds_the_minimum_when_time_allows():
+    ops: list[Op] = [AddRequest("a", (1, 2, 3, 4)), Schedule("a", 8)] + [
+        AddRequest(f"r{i}", (5,)) for i in range(20)
+    ]
+
+    def fails(candidate: list[Op]) -> int | None:  # fails once "a" is scheduled
+        for i, op in enumerate(candidate):
+            if op == Schedule("a", 8) or (isinstance(op, Schedule) and op.rid == "a"):
+                return (
+                    i
+                    if any(o == AddRequest("a", o.prompt) for o in candidate[:i] if isinstance(o, AddRequest))
+                    else None
+                )
+        return None
+
+    best, _ = shrink(ops, fails, time.monotonic() + 10)
+    assert len(best) == 2 and isinstance(best[1], Schedule)
+
+
+def test_budget_decides_without_steps(capsys):
+    assert main(["fuzz", "--target", "model", "--budget-s", "3", "--no-db"]) == 0
+    out = capsys.readouterr().out
+    assert "until the budget" in out
+    row = out.splitlines()[-1].split()
+    steps, seconds = int(row[5]), float(row[-1])
+    assert steps > 0 and 2.5 < seconds < 3 + 1  # the budget, not 2,000 steps, ended the run
+
+
+def test_numeric_arguments_are_validated(capsys):
+    for argv in (
+        ["--steps", "-5"],
+        ["--steps", "0"],
+        ["--budget-s", "0"],
+        ["--budget-s", "nan"],
+        ["--shrink-s", "-1"],
+    ):
+        assert main(["fuzz", "--target", "model", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and argv[0] in err[0], err
+
+
+def test_failures_are_remembered(tmp_path):
+    """A failure found once is replayed first next run (the example database)."""
+    db = tmp_path / "examples"
+    kw = dict(factory=SlowLeak, strategy=st.just(CFG), out_dir=tmp_path, progress=False, database=db)
+    first = run_fuzz("model", seed=1, budget_s=20.0, **kw)
+    assert first.failure is not None and any(db.rglob("*"))
+    again = run_fuzz("model", seed=99, budget_s=20.0, **kw)
+    assert again.failure is not None
+    assert again.stats.examples == 1  # the remembered example, first
+    none = run_fuzz("model", seed=99, budget_s=20.0, **{**kw, "database": None})
+    assert none.stats.examples >= again.stats.examples
+
+
+def test_trace_names_the_violation(tmp_path):
+    report = run_fuzz(
+        "model", factory=SlowLeak, strategy=st.just(CFG), budget_s=5.0, out_dir=tmp_path, progress=False
+    )
+    data = json.loads(report.trace_path.read_text())
+    assert data["violation"] and data["violation"].split(":")[0] == report.failure.violations[0].check
+
+
+def test_production_scale_runs_real_presets(capsys):
+    assert main(["fuzz", "--target", "model", "--scale", "production", "--steps", "150", "--no-db"]) == 0
+    out = capsys.readouterr().out
+    assert "156,281" in out  # dsv4-flash at vLLM's 14.5x concurrency for 1M tokens
+    assert "checked tok/s" in out and "peak RSS MiB" in out and "clean" in out
+
+
+def test_production_settings_and_a_clean_episode():
+    from invariants.harness.production import CONCURRENCY, run_production, settings_for
+
+    plan = settings_for(0)
+    assert {s.name for s in plan if s.squeezed} == {"dsv4-flash", "gemma-like", "kimi-linear-like"}
+    assert {s.config.retention_interval is None for s in plan} == {True, False}
+    assert all(s.config.num_blocks >= CONCURRENCY for s in plan)
+    stats, failures, _ = run_production(
+        ModelTarget, seed=1, steps=120, budget_s=120, tolerated=lambda v: False, log=lambda line: None
+    )
+    assert not failures and stats.ops == 120 and stats.tokens > 0
+
+
+def test_production_rejects_a_preset_argument(capsys):
+    assert main(["fuzz", "--scale", "production", "--config", "dsv4-tiny"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
