@@ -85,9 +85,13 @@ STATE_INVARIANTS: tuple[str, ...] = (
     "events_match_hash_map",
 )
 # Left to the audit on the fast path: duplicates in a linked list are a
-# corruption only a walk shows, and pinned-tier configs are audited every step.
+# corruption only a walk shows, pinned-tier configs are audited every step, and
+# the step invariants read whole block tables (a batched Step always takes the
+# audited path; a single Schedule is judged by them at its audits).
 AUDIT_ONLY = frozenset(
     {
+        "step_blocks_stay_held",
+        "mamba_state_not_read_while_written",
         "free_queue_has_no_duplicates",
         "pinned_reused_only_under_pressure",
         "pinned_demoted_oldest_first",
