@@ -12,6 +12,8 @@
 | `zoo/`       | mutants that re-create real bug classes, and the hunt that kills them   |
 | `simulate/`  | the serving simulator (one scheduler loop with observers), scenarios,   |
 |              | retention settings, verdicts per seed claim                             |
+| `matrix/`    | the release matrix: one cached environment per vLLM release, checks run |
+|              | there, every disagreement classified (defect, predates, semantics, ...) |
 | `cli/`       | the `kvretain` command, one module per command group                    |
 
 `errors` (usage errors) and `report` (tables, progress lines) are leaves that
@@ -33,5 +35,6 @@ ROOMS: dict[str, frozenset[str]] = {
     "harness": frozenset({"catalogue", "targets", "layouts"}),
     "zoo": frozenset({"catalogue", "targets", "layouts", "harness"}),
     "simulate": frozenset({"targets", "layouts", "harness", "zoo"}),
-    "cli": frozenset({"catalogue", "targets", "layouts", "harness", "proofs", "zoo", "simulate"}),
+    "matrix": frozenset({"targets", "layouts", "harness"}),
+    "cli": frozenset({"catalogue", "targets", "layouts", "harness", "proofs", "zoo", "simulate", "matrix"}),
 }

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=cmd_bench)
 
-    for module in ("invariants.cli.zoo", "invariants.cli.simulate", "gpu_check.cli"):
+    for module in ("invariants.cli.zoo", "invariants.cli.simulate", "invariants.cli.matrix", "gpu_check.cli"):
         _command_module(module).add_parser(sub)  # type: ignore[attr-defined]
     return parser
 

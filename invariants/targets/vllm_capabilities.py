@@ -20,6 +20,8 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 | `shared_prefix_junction` | `get_computed_blocks` returns `shared_prefix_boundary`     |        |
 | `fine_grained_mamba`     | the coordinator's `enable_partial_hash_hits`               |        |
 | `cow_copies`             | `KVCacheManager.take_kv_cache_block_copies`                |        |
+| `coarse_hash`            | a group block wider than the hash block is keyed by "last" |        |
+|                          | fine hash, or by the "concat" of its fine hashes           |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -65,6 +67,7 @@ class Capabilities:
     shared_prefix_junction: bool
     fine_grained_mamba: bool
     cow_copies: bool
+    coarse_hash: str
     manager_args: frozenset[str]
     event_fields: frozenset[str]
 
@@ -109,6 +112,7 @@ class Capabilities:
         kwargs = {k: v for k, v in data.items() if k in fields}
         kwargs["manager_args"] = frozenset(kwargs.get("manager_args", ()))
         kwargs["event_fields"] = frozenset(kwargs.get("event_fields", ()))
+        kwargs.setdefault("coarse_hash", "last")
         return cls(**kwargs)
 
 
@@ -153,7 +157,8 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
     """Capabilities from a namespace of vLLM's classes and modules.
 
     Keys: BlockPool, KVCacheManager, KVCacheConfig, BlockStored,
-    SlidingWindowManager, MambaManager, coordinator_module.
+    SlidingWindowManager, MambaManager, BlockHashListWithBlockSize,
+    coordinator_module.
     """
     manager = ns["KVCacheManager"]
     return Capabilities(
@@ -166,6 +171,7 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         shared_prefix_junction="shared_prefix_boundary" in _source(manager.get_computed_blocks),
         fine_grained_mamba="enable_partial_hash_hits" in _source(ns["coordinator_module"]),
         cow_copies=hasattr(manager, "take_kv_cache_block_copies"),
+        coarse_hash="concat" if 'b"".join' in _source(ns["BlockHashListWithBlockSize"]) else "last",
         manager_args=_params(manager.__init__),
         event_fields=_fields(ns["BlockStored"]),
     )
@@ -181,6 +187,7 @@ def detect() -> Capabilities:
     from vllm.v1.core import kv_cache_coordinator
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SlidingWindowManager
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -191,6 +198,7 @@ def detect() -> Capabilities:
         "BlockStored": BlockStored,
         "SlidingWindowManager": SlidingWindowManager,
         "MambaManager": MambaManager,
+        "BlockHashListWithBlockSize": BlockHashListWithBlockSize,
         "coordinator_module": kv_cache_coordinator,
     }
     return detect_from(ns, importlib.metadata.version("vllm"))

@@ -51,7 +51,8 @@ arguments the release's `KVCacheManager` takes, sets the retention interval
 where the release reads it (a `KVCacheConfig` field, or the environment
 variable while the coordinator is built; a release without one accepts only
 dense retention), reads a junction only where `get_computed_blocks` returns
-one, and drains CoW copies only where the release makes them.
+one, drains CoW copies only where the release makes them, and names a wide
+block keyed by its joined fine hashes by the last of them.
 """
 
 from __future__ import annotations
@@ -379,8 +380,13 @@ class VllmTarget:
     def _prefix(self, h: bytes) -> Tokens:
         if not self.track_prefixes:
             return tuple(bytes(h))  # stand-in (see the module docstring)
+        h = bytes(h)
+        if self.caps.coarse_hash == "concat" and h not in self._prefix_of:
+            # Releases that key a wide block by its fine hashes joined: the last
+            # one already chains over the whole prefix.
+            h = h[-len(next(iter(self._prefix_of), h)) :]
         try:
-            return self._prefix_of[bytes(h)]
+            return self._prefix_of[h]
         except KeyError:
             raise TargetCrash(f"hash {bytes(h).hex()[:16]}... comes from no known request") from None
 
