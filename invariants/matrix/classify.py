@@ -30,7 +30,6 @@ GUARDED_BY: dict[str, tuple[str, ...]] = {
     "no_waste": ("block_mask", "mamba_retention"),
     "promise_kept": ("retention", "shared_prefix_junction"),
     "eagle_extra_block_kept": ("block_mask",),
-    "stored_tokens_match_hashes": ("block_mask",),
 }
 DIFFERENTIAL = ("observation", "snapshot")
 # Raised by the adapter's own bookkeeping or argument passing, not by vLLM's allocator.

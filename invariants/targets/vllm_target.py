@@ -195,7 +195,10 @@ class VllmTarget:
             kv_cfg = v["KVCacheConfig"](
                 num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=specs, **cfg_args
             )
-            with _retention_env(cfg.retention_interval if caps.retention == "env" else None):
+            # The environment-variable releases reject the variable for a model
+            # without SWA/Mamba groups, where the field of later releases has no effect.
+            env_r = cfg.retention_interval if any(g.kind != "full" for g in cfg.groups) else None
+            with _retention_env(env_r if caps.retention == "env" else None):
                 return v["KVCacheManager"](kv_cfg, **manager_args)
         except (ValueError, AssertionError, TypeError) as exc:
             kind = "" if isinstance(exc, ValueError) else f" ({type(exc).__name__})"
