@@ -36,7 +36,7 @@ def _check_lines(version: str, python: str, check: dict[str, Any]) -> list[str]:
         f"  - why: {check.get('note', '')}",
     ]
     if check.get("trace"):
-        name = Path(check["trace"]).name
+        name = check["trace"]
         lines.append(
             f"  - replay ({check.get('ops', '?')} operations, batch seed {check.get('batch_seed')}): "
             f"`kvretain replay --vllm-python {python} {name} --target vllm`"
