@@ -71,7 +71,13 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
             def cache_full_blocks(self, request, blocks):  # type: ignore[no-untyped-def]
                 return None
 
-        if new.get("pool_order"):
+        if new.get("fifo_off"):
+
+            def free_blocks(self, ordered_blocks):  # type: ignore[no-untyped-def]
+                self.queue.append_n(
+                    [b for b in ordered_blocks if b.block_hash is None and self.enable_caching]
+                )
+        elif new.get("pool_order"):
 
             def free_blocks(self, ordered_blocks):  # type: ignore[no-untyped-def]
                 self.free_block_queue.prepend_n([b for b in ordered_blocks if b.block_hash is None])
@@ -186,6 +192,7 @@ def test_fake_release_before_every_mechanism_has_none() -> None:
         ("fine", "fine_grained_mamba", True),
         ("cow", "cow_copies", True),
         ("last_hash", "coarse_hash", "last"),
+        ("fifo_off", "caching_off_order", "fifo"),
     ],
 )
 def test_each_capability_is_read_from_the_code(flag: str, field: str, value: object) -> None:
@@ -228,8 +235,9 @@ EXPECTED = {
     "0.22.0": dict(block_mask=True, free_order="append", retention="none", eagle_aware_mask=False),
     "0.23.0": dict(free_order="caller", retention="env", eagle_aware_mask=True, mamba_retention=False),
     "0.24.0": dict(free_order="pool", retention="env", mamba_retention=True, shared_prefix_junction=False),
+    "0.27.0": dict(caching_off_order="fifo", retention="env"),
     "0.26.0": dict(shared_prefix_junction=True, cow_copies=True, retention="env"),
-    "0.29.0": dict(retention="config", coarse_hash="last"),
+    "0.29.0": dict(retention="config", coarse_hash="last", caching_off_order="lifo"),
 }
 
 

@@ -61,6 +61,11 @@ def narrowed(
         strategy = configs(allow_pinning=False, retention=None if caps.has_retention_interval else "dense")
     if not caps.has_retention_interval:
         strategy = strategy.filter(lambda c: c.retention_interval is None)
+    elif not caps.mamba_retention:
+        # Before #45845 an interval needs an SWA group (the release rejects it otherwise).
+        strategy = strategy.filter(
+            lambda c: c.retention_interval is None or any(g.kind == "swa" for g in c.groups)
+        )
     return strategy
 
 

@@ -12,6 +12,7 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 | `free_order`             | `BlockPool.free_blocks`: "append" (every freed block to    | #43447 |
 |                          | the tail), "caller" (callers choose `prepend=`), "pool"    |        |
 |                          | (the pool prepends unhashed, appends hashed blocks)        |        |
+| `caching_off_order`      | caching off: freed blocks "lifo" (to the head) or "fifo"   | #51482 |
 | `retention`              | "none", "env" (`VLLM_PREFIX_CACHE_RETENTION_INTERVAL` read | #43447 |
 |                          | by the coordinator) or "config" (`KVCacheConfig` field)    | #52216 |
 | `mamba_retention`        | `MambaManager.reachable_block_mask`                        | #45845 |
@@ -46,6 +47,7 @@ RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 MECHANISM_PR: dict[str, str] = {
     "block_mask": "#42258",
     "free_order": "#43447",
+    "caching_off_order": "#51482",
     "retention": "#43447",
     "mamba_retention": "#45845",
     "eagle_aware_mask": "#44082",
@@ -61,6 +63,7 @@ class Capabilities:
     version: str
     block_mask: bool
     free_order: str
+    caching_off_order: str
     retention: str
     mamba_retention: bool
     eagle_aware_mask: bool
@@ -96,6 +99,8 @@ class Capabilities:
         ]
         if not self.has_free_order_fix:
             out.append("free_order")
+        if self.caching_off_order != "lifo":
+            out.append("caching_off_order")
         if not self.has_retention_interval:
             out.append("retention")
         return out
@@ -113,6 +118,7 @@ class Capabilities:
         kwargs["manager_args"] = frozenset(kwargs.get("manager_args", ()))
         kwargs["event_fields"] = frozenset(kwargs.get("event_fields", ()))
         kwargs.setdefault("coarse_hash", "last")
+        kwargs.setdefault("caching_off_order", "lifo")
         return cls(**kwargs)
 
 
@@ -165,6 +171,9 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         version=version,
         block_mask="block_mask" in _params(ns["BlockPool"].cache_full_blocks),
         free_order=_free_order(ns["BlockPool"].free_blocks),
+        caching_off_order="fifo"
+        if "is None and self.enable_caching" in _source(ns["BlockPool"].free_blocks)
+        else "lifo",
         retention=_retention(ns["KVCacheConfig"], ns["coordinator_module"]),
         mamba_retention="reachable_block_mask" in vars(ns["MambaManager"]),
         eagle_aware_mask="_contiguous_blocks_for_hit" in vars(ns["SlidingWindowManager"]),
