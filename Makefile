@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kvretain-installed
 HYPOTHESIS_PROFILE ?= ci
 export HYPOTHESIS_PROFILE
 
-.PHONY: setup verify test lint gpu-check clean
+.PHONY: setup verify test lint gpu-check matrix clean
 
 $(STAMP): pyproject.toml requirements/dev.txt $(wildcard requirements/vllm*.txt)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ lint: setup
 
 gpu-check: setup
 	$(BIN)/kvretain gpu-check --device $$($(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+
+# Every vLLM release from 0.21.0 to the newest on the index, each in a cached
+# environment under ~/.cache/kvretain (about 0.6-0.9 GB and 1-2 min to install per release).
+matrix: setup
+	$(BIN)/kvretain matrix --json matrix-report.json --markdown matrix-report.md
 
 clean:
 	rm -rf $(VENV) kvretain-traces .hypothesis build *.egg-info

@@ -13,6 +13,8 @@
 | `simulate/`  | the serving simulator (one scheduler loop with observers), scenarios,   |
 |              | retention settings, verdicts per seed claim                             |
 | `export/`    | a finding as a standalone vLLM pytest file and an upstream report       |
+| `matrix/`    | the release matrix: one cached environment per vLLM release, checks run |
+|              | there, every disagreement classified (defect, predates, semantics, ...) |
 | `cli/`       | the `kvretain` command, one module per command group                    |
 
 `errors` (usage errors), `report` (tables, progress lines) and `results` (JUnit
@@ -35,5 +37,8 @@ ROOMS: dict[str, frozenset[str]] = {
     "zoo": frozenset({"catalogue", "targets", "layouts", "harness"}),
     "simulate": frozenset({"targets", "layouts", "harness", "zoo"}),
     "export": frozenset({"catalogue", "targets", "harness"}),
-    "cli": frozenset({"catalogue", "targets", "layouts", "harness", "proofs", "zoo", "simulate", "export"}),
+    "matrix": frozenset({"targets", "layouts", "harness"}),
+    "cli": frozenset(
+        {"catalogue", "targets", "layouts", "harness", "proofs", "zoo", "simulate", "export", "matrix"}
+    ),
 }

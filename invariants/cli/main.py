@@ -139,7 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(func=cmd_bench)
 
-    for module in ("invariants.cli.zoo", "invariants.cli.simulate", "invariants.cli.export", "gpu_check.cli"):
+    for module in (
+        "invariants.cli.zoo",
+        "invariants.cli.simulate",
+        "invariants.cli.export",
+        "invariants.cli.matrix",
+        "gpu_check.cli",
+    ):
         _command_module(module).add_parser(sub)  # type: ignore[attr-defined]
     return parser
 

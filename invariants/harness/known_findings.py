@@ -219,6 +219,8 @@ def recheck_known_findings(available: set[str]) -> list[tuple[str, str, bool]]:
         for target in f.targets:
             if target not in available:
                 continue
+            if target == "vllm" and "*" not in f.versions and target_version(target) not in f.versions:
+                continue  # another release's finding: the release matrix replays it there
             result = replay(f.trace, target)
             hit = any(
                 v.check == f.property and f.matches(target, target_version(target), v.check, v.message)

@@ -5,6 +5,9 @@ version may still run (the allocator's public methods change slowly), but a
 disagreement with the model may then be version drift rather than a bug; the
 one-line warning of `version_warning()` says so.
 
+`prepare_release(version)` builds (once, cached) an isolated interpreter for
+another release, for the release matrix and `--vllm-python`.
+
 Nothing here imports vLLM at module import time: `vllm_available()` does it once,
 on first call, and remembers the answer (importing vLLM takes seconds).
 
@@ -22,6 +25,8 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 MODELED_VERSION = "0.33.0"
 
@@ -136,3 +141,108 @@ def probe_python(python: str, timeout: float = 120.0) -> tuple[bool, str, str | 
     if info.get("error"):
         return False, f"--vllm-python {python}: vllm {version} cannot be imported: {info['error']}", version
     return True, f"vLLM {version} (python {info.get('python')} at {python})", version
+
+
+# ----------------------------------------------------------------------------- release environments
+# Packages an older release's allocator imports that the pinned set lacks, found
+# by trying the imports (module -> pip requirement, installed with --no-deps).
+EXTRA_PACKAGES: dict[str, str] = {"gguf": "gguf==0.19.0"}
+MAX_EXTRA_ROUNDS = 4
+
+
+def cache_root() -> Path:
+    """Where release environments live: $KVRETAIN_CACHE or ~/.cache/kvretain."""
+    return Path(os.environ.get("KVRETAIN_CACHE") or Path.home() / ".cache" / "kvretain")
+
+
+@dataclass(frozen=True)
+class ReleaseEnv:
+    """An isolated interpreter holding one vLLM release in front of this
+    interpreter's packages (torch and the small pins are shared, not copied)."""
+
+    version: str
+    root: Path
+    python: Path
+    install_s: float  # 0.0 when it was already there
+    disk_bytes: int
+    extras: tuple[str, ...]
+
+
+class ReleaseEnvError(RuntimeError):
+    """A release environment could not be prepared; the message is one line."""
+
+
+def _site_dir(root: Path) -> Path:
+    return root / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def _disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _pip(args: list[str], what: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip() and "is ignored" not in line]
+        raise ReleaseEnvError(f"pip could not install {what}: {(lines or ['no output'])[-1].strip()}")
+
+
+def _missing_module(python: Path) -> str | None:
+    """The first module the release's allocator imports that is not installed, else None."""
+    ok, line, _ = probe_python(str(python))
+    if ok:
+        return None
+    marker = "No module named "
+    if marker in line:
+        return line.split(marker, 1)[1].strip().strip("'\"").split(".")[0]
+    raise ReleaseEnvError(line)
+
+
+def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
+    """The environment of vLLM `version`, created on first use and reused after.
+
+    A venv without pip whose own site-packages holds `vllm==version` (installed
+    with --no-deps) and whatever extra small package its allocator imports, and a
+    path file that puts this interpreter's site-packages behind it. A finished
+    environment carries a stamp; a second call installs nothing.
+    """
+    import sysconfig
+    import time
+    import venv
+
+    root = root or cache_root() / f"vllm-{version}"
+    python = root / "bin" / "python"
+    stamp = root / ".kvretain-ready"
+    if stamp.exists():
+        info = json.loads(stamp.read_text())
+        return ReleaseEnv(version, root, python, 0.0, int(info["disk_bytes"]), tuple(info["extras"]))
+    start = time.monotonic()
+    if root.exists():  # a half-made environment from an interrupted run
+        import shutil
+
+        shutil.rmtree(root)
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
+    site = _site_dir(root)
+    _pip(["--no-deps", "--no-compile", "--target", str(site), f"vllm=={version}"], f"vllm=={version}")
+    (site / "kvretain-shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    extras: list[str] = []
+    for _ in range(MAX_EXTRA_ROUNDS):
+        missing = _missing_module(python)
+        if missing is None:
+            break
+        if missing not in EXTRA_PACKAGES:
+            raise ReleaseEnvError(
+                f"vllm {version} needs module {missing!r}, which no pinned extra package provides"
+            )
+        _pip(["--no-deps", "--no-compile", "--target", str(site), EXTRA_PACKAGES[missing]], missing)
+        extras.append(EXTRA_PACKAGES[missing])
+    else:
+        raise ReleaseEnvError(f"vllm {version} still misses modules after {MAX_EXTRA_ROUNDS} extra packages")
+    disk = _disk_bytes(root)
+    stamp.write_text(json.dumps({"version": version, "disk_bytes": disk, "extras": extras}))
+    return ReleaseEnv(version, root, python, time.monotonic() - start, disk, tuple(extras))

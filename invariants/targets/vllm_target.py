@@ -48,11 +48,22 @@ Fine-grained Mamba hits (a Mamba group wider than the hash block size next to
 another group: `HybridKVCacheCoordinator.enable_partial_hash_hits`) raise
 `UnsupportedConfig` too: they need scheduler stops (prompt-tail checkpoints)
 and CoW copies that the shared split rule does not port (docs/semantics.md).
+
+Older releases: the adapter follows `vllm_capabilities.detect()` (the installed
+release's own code), never a version string. It passes only the constructor
+arguments the release's `KVCacheManager` takes, sets the retention interval
+where the release reads it (a `KVCacheConfig` field, or the environment
+variable while the coordinator is built; a release without one accepts only
+dense retention), reads a junction only where `get_computed_blocks` returns
+one, drains CoW copies only where the release makes them, and names a wide
+block keyed by its joined fine hashes by the last of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from model.config import Config, ConfigError
@@ -87,6 +98,7 @@ from model.pool import EVENT_PROFILES
 from model.scheduling import mamba_chunk
 
 from .base import END, NOT_FREE, PartialState, TargetCrash, TargetUnavailable, closure, event_keys
+from .vllm_capabilities import RETENTION_ENV, Capabilities, detect
 from .vllm_env import MODELED_VERSION, version_warning, vllm_available, vllm_version
 
 VLLM_EVENT_PROFILE = "vllm-0.33.0"
@@ -124,6 +136,7 @@ class VllmTarget:
         # One line for the CLI to print when this is not the vLLM kvretain models (else None).
         self.version_note = version_warning(self.version)
         self._v = _vllm_modules()
+        self.caps: Capabilities = detect()
         self.hbs = config.hash_block_size
         self.manager = self._build_manager(config)
         if getattr(self.manager.coordinator, "enable_partial_hash_hits", False):
@@ -167,23 +180,33 @@ class VllmTarget:
             else:
                 raise ConfigError(f"groups[{i}].kind: must be 'full', 'swa' or 'mamba', got {g.kind!r}")
             specs.append(v["KVCacheGroupSpec"]([f"layer{i}"], spec))
+        caps = self.caps
+        if caps.retention == "none" and cfg.retention_interval is not None:
+            raise UnsupportedConfig(
+                f"retention_interval: vLLM {self.version} has no retention interval (dense only)"
+            )
+        cfg_args: dict[str, Any] = {}
+        if caps.retention == "config":
+            # The dataclass default is None (dense); always pass it explicitly.
+            cfg_args["prefix_cache_retention_interval"] = cfg.retention_interval
+        wanted = {
+            "max_model_len": cfg.max_model_len,
+            "scheduler_block_size": cfg.scheduler_block_size,
+            "hash_block_size": cfg.hash_block_size,
+            "enable_caching": cfg.enable_caching,
+            "use_eagle": cfg.eagle,
+            "enable_kv_cache_events": True,
+        }
+        manager_args = {k: val for k, val in wanted.items() if k in caps.manager_args}
         try:
             kv_cfg = v["KVCacheConfig"](
-                num_blocks=cfg.num_blocks,
-                kv_cache_tensors=[],
-                kv_cache_groups=specs,
-                # The dataclass default is None (dense); always pass it explicitly.
-                prefix_cache_retention_interval=cfg.retention_interval,
+                num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=specs, **cfg_args
             )
-            return v["KVCacheManager"](
-                kv_cfg,
-                max_model_len=cfg.max_model_len,
-                scheduler_block_size=cfg.scheduler_block_size,
-                hash_block_size=cfg.hash_block_size,
-                enable_caching=cfg.enable_caching,
-                use_eagle=cfg.eagle,
-                enable_kv_cache_events=True,
-            )
+            # The environment-variable releases reject the variable for a model
+            # without SWA/Mamba groups, where the field of later releases has no effect.
+            env_r = cfg.retention_interval if any(g.kind != "full" for g in cfg.groups) else None
+            with _retention_env(env_r if caps.retention == "env" else None):
+                return v["KVCacheManager"](kv_cfg, **manager_args)
         except (ValueError, AssertionError, TypeError) as exc:
             kind = "" if isinstance(exc, ValueError) else f" ({type(exc).__name__})"
             raise ConfigError(f"vLLM {self.version} rejects the configuration{kind}: {exc}") from exc
@@ -252,9 +275,10 @@ class VllmTarget:
             m.new_step_starts()
             result = self._schedule(self.requests[op.rid], op.budget)
             # Scheduler.schedule(): drain CoW copies, release their retained endpoints.
-            _copies, retained = m.take_kv_cache_block_copies()
-            if retained:
-                self.pool.free_blocks(retained)
+            if self.caps.cow_copies:
+                _copies, retained = m.take_kv_cache_block_copies()
+                if retained:
+                    self.pool.free_blocks(retained)
             return result
         if isinstance(op, Step):
             return self._step(op)
@@ -282,7 +306,7 @@ class VllmTarget:
             if req.num_tokens == 0:
                 empty = tuple(() for _ in self.config.groups)
                 return ProbeResult(0, 0, empty)
-            blocks, hit, spb = m.get_computed_blocks(req)
+            blocks, hit, spb = self._computed_blocks(req)
             return ProbeResult(hit, spb, _ids(blocks))
         if isinstance(op, ResetPrefixCache):
             return ResetResult(bool(m.reset_prefix_cache()))
@@ -290,6 +314,11 @@ class VllmTarget:
             m.evict_blocks(set(op.block_ids))
             return Done()
         raise TypeError(f"unknown operation {op!r}")
+
+    def _computed_blocks(self, req: Any) -> tuple[Any, int, int]:
+        """`get_computed_blocks`; a release without the junction returns no boundary (0)."""
+        out = self.manager.get_computed_blocks(req)
+        return out if self.caps.shared_prefix_junction else (*out, 0)
 
     def _chunk(self, req: Any, start: int, n: int, budget: int) -> int:
         if not self._has_mamba:
@@ -300,7 +329,7 @@ class VllmTarget:
             budget=budget,
             num_prompt_tokens=req.num_prompt_tokens,
             num_tokens=req.num_tokens,
-            shared_prefix_boundary=req.shared_prefix_boundary,
+            shared_prefix_boundary=getattr(req, "shared_prefix_boundary", 0),
             block_size=self.config.scheduler_block_size,
             eagle=self.config.eagle,
         )
@@ -324,7 +353,7 @@ class VllmTarget:
             req.num_computed_tokens += n
             return ScheduleResult(scheduled=n, admitted=False, new_blocks=_ids(out))
         # WAITING or PREEMPTED: admission (Scheduler.schedule, waiting queue).
-        blocks, hit, spb = m.get_computed_blocks(req)
+        blocks, hit, spb = self._computed_blocks(req)
         req.shared_prefix_boundary = spb
         hit_blocks = _ids(blocks)
         n = self._chunk(req, hit, min(req.num_tokens - hit, budget), budget)
@@ -492,8 +521,13 @@ class VllmTarget:
     def _prefix(self, h: bytes) -> Tokens:
         if not self.track_prefixes:
             return tuple(bytes(h))  # stand-in (see the module docstring)
+        h = bytes(h)
+        if self.caps.coarse_hash == "concat" and h not in self._prefix_of:
+            # Releases that key a wide block by its fine hashes joined: the last
+            # one already chains over the whole prefix.
+            h = h[-len(next(iter(self._prefix_of), h)) :]
         try:
-            return self._prefix_of[bytes(h)]
+            return self._prefix_of[h]
         except KeyError:
             raise TargetCrash(f"hash {bytes(h).hex()[:16]}... comes from no known request") from None
 
@@ -535,6 +569,21 @@ class VllmTarget:
 
 
 # ----------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def _retention_env(interval: int | None) -> Iterator[None]:
+    """A release that reads the retention interval from the environment sees
+    `interval` while its coordinator is built; the variable is restored after."""
+    old = os.environ.pop(RETENTION_ENV, None)
+    if interval is not None:
+        os.environ[RETENTION_ENV] = str(interval)
+    try:
+        yield
+    finally:
+        os.environ.pop(RETENTION_ENV, None)
+        if old is not None:
+            os.environ[RETENTION_ENV] = old
+
+
 def _ids(blocks: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(ids) for ids in blocks.get_block_ids())
 

@@ -1,0 +1,67 @@
+"""`kvretain matrix`: judge several vLLM releases, each in its own cached environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from invariants.errors import UsageError
+
+
+def add_parser(sub: Any) -> None:
+    m = sub.add_parser("matrix", help="judge several vLLM releases (one cached environment each)")
+    m.add_argument("--releases", help="comma-separated versions (default: 0.21.0 .. the newest on the index)")
+    m.add_argument("--budget-s", type=float, default=60.0, help="check time per release (installs extra)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--json", help="write the results as JSON here")
+    m.add_argument("--markdown", help="write the report as Markdown here")
+    m.add_argument("--out", default="kvretain-traces/matrix", help="where failing traces are written")
+    m.set_defaults(func=cmd_matrix)
+
+
+def _write(path: str, text: str) -> None:
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".kvretain-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, target)
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from invariants.matrix.markdown import render
+    from invariants.matrix.runner import format_table, index_releases, parse_releases, run_matrix
+
+    if args.budget_s <= 0:
+        raise UsageError("--budget-s: must be positive")
+    for opt in ("json", "markdown"):
+        path = getattr(args, opt)
+        if path and not Path(path).parent.is_dir():
+            raise UsageError(f"--{opt}: directory {Path(path).parent} does not exist")
+    releases = parse_releases(args.releases) if args.releases else index_releases()
+    print(
+        f"kvretain matrix: {len(releases)} releases ({', '.join(releases)}), {args.budget_s:.0f} s of checks "
+        f"each, seed {args.seed}",
+        flush=True,
+    )
+    runs = run_matrix(releases, args.budget_s, args.seed, Path(args.out))
+    print(format_table(runs))
+    command = (
+        "kvretain matrix --releases "
+        + ",".join(releases)
+        + f" --budget-s {args.budget_s:g} --seed {args.seed}"
+    )
+    if args.json:
+        _write(args.json, json.dumps({"command": command, "releases": [r.to_json() for r in runs]}, indent=1))
+    if args.markdown:
+        _write(args.markdown, render(runs, command))
+    failed = any(r.error for r in runs)
+    print(
+        "matrix: " + ("some releases could not be checked" if failed else "every release checked"),
+        file=sys.stderr,
+    )
+    return 2 if failed and all(r.error for r in runs) else 0

@@ -1,0 +1,80 @@
+"""The matrix as a Markdown report: the table, then per release its
+capabilities, every check that did not come back clean (class, first message,
+why) and, for each defect, the shrunk trace and the command that replays it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from invariants.matrix.runner import HEADERS, ReleaseRun, matrix_rows
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
+    return out
+
+
+def _trace_ops(path: str) -> list[str]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return [f"(trace {path} not readable)"]
+    lines = ["config: `" + json.dumps(data["config"], separators=(",", ":")) + "`", "", "```"]
+    lines += [json.dumps(op, separators=(",", ":")) for op in data["ops"]]
+    return [*lines, "```"]
+
+
+def _check_lines(version: str, python: str, check: dict[str, Any]) -> list[str]:
+    verdict = check.get("verdict", "?")
+    if verdict == "clean" or verdict.startswith("n/a"):
+        return []
+    lines = [
+        f"- **{check['check']}**: {verdict}: `{check.get('message')}`",
+        f"  - why: {check.get('note', '')}",
+    ]
+    if check.get("trace"):
+        name = check["trace"]
+        lines.append(
+            f"  - replay ({check.get('ops', '?')} operations, batch seed {check.get('batch_seed')}): "
+            f"`kvretain replay --vllm-python {python} {name} --target vllm`"
+        )
+        if verdict == "defect":
+            lines += ["", *("    " + x if x else "" for x in _trace_ops(check["trace"])), ""]
+    return lines
+
+
+def render(runs: list[ReleaseRun], command: str) -> str:
+    out = [
+        "# vLLM release matrix",
+        "",
+        f"Produced by `{command}`. Columns: time to prepare each release's environment (0 when",
+        "cached) and to run its checks, its disk, the mechanisms detected in its own code, and",
+        "the verdict per check (see docs/matrix.md for the classes).",
+        "",
+        *_md_table(HEADERS, matrix_rows(runs)),
+        "",
+    ]
+    for r in runs:
+        out += [f"## vLLM {r.version}", ""]
+        if r.error:
+            out += [f"Not checked: {r.error}", ""]
+            continue
+        caps: dict[str, Any] = dict(r.result["capabilities"])
+        caps.pop("manager_args", None)
+        caps.pop("event_fields", None)
+        out += ["capabilities: `" + json.dumps(caps, separators=(", ", ": ")) + "`", ""]
+        python = "~/.cache/kvretain/vllm-" + r.version + "/bin/python"
+        for check in [*r.result["checks"], *r.result["conformance"]]:
+            out += _check_lines(r.version, python, check)
+            for kind, first in sorted((check.get("tolerated_first") or {}).items()):
+                n = check["tolerated"][kind]
+                out.append(f"- {check['check']}: {n} tolerated {kind} violation(s), first: `{first}`")
+        for k in r.result["known"]:
+            state = {True: "reproduces", False: "does not reproduce", None: "not applicable"}[k["reproduces"]]
+            listed = "listed for this release" if k["expected"] else "not listed for this release"
+            out.append(f"- known finding `{k['id']}`: {state} ({listed}) {k.get('note') or ''}".rstrip())
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,213 @@
+"""Which retention mechanisms a vLLM release has, read from that release's own code.
+
+vLLM's allocator gained the mechanisms kvretain judges one release at a time.
+A version string says nothing about them; the installed classes do. Everything
+that depends on the release (the vLLM adapter's constructor arguments and
+branches, the release matrix's configuration space and its classification of
+findings) asks one `Capabilities` object, detected once per interpreter:
+
+| capability               | the release's code that shows it                           | PR     |
+|--------------------------|------------------------------------------------------------|--------|
+| `block_mask`             | `BlockPool.cache_full_blocks(..., block_mask)`             | #42258 |
+| `free_order`             | `BlockPool.free_blocks`: "append" (every freed block to    | #43447 |
+|                          | the tail), "caller" (callers choose `prepend=`), "pool"    |        |
+|                          | (the pool prepends unhashed, appends hashed blocks)        |        |
+| `caching_off_order`      | caching off: freed blocks "lifo" (to the head) or "fifo"   | #51482 |
+| `retention`              | "none", "env" (`VLLM_PREFIX_CACHE_RETENTION_INTERVAL` read | #43447 |
+|                          | by the coordinator) or "config" (`KVCacheConfig` field)    | #52216 |
+| `mamba_retention`        | `MambaManager.reachable_block_mask`                        | #45845 |
+| `eagle_aware_mask`       | `SlidingWindowManager._contiguous_blocks_for_hit`, shared  | #44082 |
+|                          | by the SWA lookup and its mask (Eagle's extra block)       |        |
+| `shared_prefix_junction` | `get_computed_blocks` returns `shared_prefix_boundary`     |        |
+| `fine_grained_mamba`     | the coordinator's `enable_partial_hash_hits`               |        |
+| `cow_copies`             | `KVCacheManager.take_kv_cache_block_copies`                |        |
+| `coarse_hash`            | a group block wider than the hash block is keyed by "last" |        |
+|                          | fine hash, or by the "concat" of its fine hashes           |        |
+| `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
+| `event_fields`           | `BlockStored`'s fields                                     |        |
+
+`detect_from(namespace)` reads the classes of a namespace (the real vLLM, or
+fakes in the tests); `detect()` imports the interpreter's vLLM once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+FREE_ORDERS = ("append", "caller", "pool")
+RETENTION_SOURCES = ("none", "env", "config")
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+
+# Mechanism -> the upstream PR that introduced it (for "gone in X.Y.Z" lines).
+MECHANISM_PR: dict[str, str] = {
+    "block_mask": "#42258",
+    "free_order": "#43447",
+    "caching_off_order": "#51482",
+    "retention": "#43447",
+    "mamba_retention": "#45845",
+    "eagle_aware_mask": "#44082",
+    "shared_prefix_junction": "shared-prefix junction",
+    "fine_grained_mamba": "fine-grained Mamba hits",
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The mechanisms of one vLLM release (see the module docstring for each field)."""
+
+    version: str
+    block_mask: bool
+    free_order: str
+    caching_off_order: str
+    retention: str
+    mamba_retention: bool
+    eagle_aware_mask: bool
+    shared_prefix_junction: bool
+    fine_grained_mamba: bool
+    cow_copies: bool
+    coarse_hash: str
+    manager_args: frozenset[str]
+    event_fields: frozenset[str]
+
+    @property
+    def has_retention_interval(self) -> bool:
+        """A retention interval other than dense (None) can be configured."""
+        return self.retention != "none"
+
+    @property
+    def has_free_order_fix(self) -> bool:
+        """Every freed unhashed block goes to the head of the free queue (#43447 as merged)."""
+        return self.free_order == "pool"
+
+    def missing(self) -> list[str]:
+        """The mechanisms of the modeled design this release lacks, by name."""
+        out = [
+            name
+            for name in (
+                "block_mask",
+                "mamba_retention",
+                "eagle_aware_mask",
+                "shared_prefix_junction",
+                "fine_grained_mamba",
+            )
+            if not getattr(self, name)
+        ]
+        if not self.has_free_order_fix:
+            out.append("free_order")
+        if self.caching_off_order != "lifo":
+            out.append("caching_off_order")
+        if not self.has_retention_interval:
+            out.append("retention")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["manager_args"] = sorted(self.manager_args)
+        out["event_fields"] = sorted(self.event_fields)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Capabilities:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["manager_args"] = frozenset(kwargs.get("manager_args", ()))
+        kwargs["event_fields"] = frozenset(kwargs.get("event_fields", ()))
+        kwargs.setdefault("coarse_hash", "last")
+        kwargs.setdefault("caching_off_order", "lifo")
+        return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- detection
+def _source(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _params(func: Any) -> frozenset[str]:
+    try:
+        return frozenset(p for p in inspect.signature(func).parameters if p != "self")
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def _fields(cls: Any) -> frozenset[str]:
+    if dataclasses.is_dataclass(cls):
+        return frozenset(f.name for f in dataclasses.fields(cls))
+    # msgspec structs (vLLM's KV events) list theirs in __struct_fields__.
+    names = getattr(cls, "__struct_fields__", None)
+    if names is not None:
+        return frozenset(names)
+    return frozenset(getattr(cls, "__annotations__", {}))
+
+
+def _free_order(free_blocks: Any) -> str:
+    if "prepend" in _params(free_blocks):
+        return "caller"
+    return "pool" if "prepend_n" in _source(free_blocks) else "append"
+
+
+def _retention(kv_cache_config: Any, coordinator_module: Any) -> str:
+    if "prefix_cache_retention_interval" in _fields(kv_cache_config):
+        return "config"
+    return "env" if RETENTION_ENV in _source(coordinator_module) else "none"
+
+
+def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
+    """Capabilities from a namespace of vLLM's classes and modules.
+
+    Keys: BlockPool, KVCacheManager, KVCacheConfig, BlockStored,
+    SlidingWindowManager, MambaManager, BlockHashListWithBlockSize,
+    coordinator_module.
+    """
+    manager = ns["KVCacheManager"]
+    return Capabilities(
+        version=version,
+        block_mask="block_mask" in _params(ns["BlockPool"].cache_full_blocks),
+        free_order=_free_order(ns["BlockPool"].free_blocks),
+        caching_off_order="fifo"
+        if "is None and self.enable_caching" in _source(ns["BlockPool"].free_blocks)
+        else "lifo",
+        retention=_retention(ns["KVCacheConfig"], ns["coordinator_module"]),
+        mamba_retention="reachable_block_mask" in vars(ns["MambaManager"]),
+        eagle_aware_mask="_contiguous_blocks_for_hit" in vars(ns["SlidingWindowManager"]),
+        shared_prefix_junction="shared_prefix_boundary" in _source(manager.get_computed_blocks),
+        fine_grained_mamba="enable_partial_hash_hits" in _source(ns["coordinator_module"]),
+        cow_copies=hasattr(manager, "take_kv_cache_block_copies"),
+        coarse_hash="concat" if 'b"".join' in _source(ns["BlockHashListWithBlockSize"]) else "last",
+        manager_args=_params(manager.__init__),
+        event_fields=_fields(ns["BlockStored"]),
+    )
+
+
+@functools.cache
+def detect() -> Capabilities:
+    """The capabilities of this interpreter's vLLM (imports it; call after
+    `vllm_available()` said it imports)."""
+    import importlib.metadata
+
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core import kv_cache_coordinator
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SlidingWindowManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    ns = {
+        "BlockPool": BlockPool,
+        "KVCacheManager": KVCacheManager,
+        "KVCacheConfig": KVCacheConfig,
+        "BlockStored": BlockStored,
+        "SlidingWindowManager": SlidingWindowManager,
+        "MambaManager": MambaManager,
+        "BlockHashListWithBlockSize": BlockHashListWithBlockSize,
+        "coordinator_module": kv_cache_coordinator,
+    }
+    return detect_from(ns, importlib.metadata.version("vllm"))
