@@ -68,7 +68,7 @@ class Config:
         if sizes and self.hash_block_size == 0:
             object.__setattr__(self, "hash_block_size", reduce(math.gcd, sizes))
         if sizes and self.scheduler_block_size == 0:
-            object.__setattr__(self, "scheduler_block_size", reduce(_lcm, sizes))
+            object.__setattr__(self, "scheduler_block_size", math.lcm(*sizes))
 
     @property
     def has_retention_group(self) -> bool:
@@ -90,10 +90,6 @@ class Config:
 
     def with_(self, **changes: object) -> Config:
         return replace(self, **changes)  # type: ignore[arg-type]
-
-
-def _lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
 
 
 def validate(cfg: Config) -> Config:

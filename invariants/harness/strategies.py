@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from functools import reduce
 
 from hypothesis import strategies as st
 
@@ -58,7 +57,7 @@ def configs(
             bs = base * draw(st.sampled_from([1, 2, 4]))
         window = draw(st.integers(2, 3 * bs)) if kind == "swa" else None
         groups.append(GroupSpec(kind, bs, sliding_window=window))  # type: ignore[arg-type]
-    sbs = reduce(lambda a, b: a * b // math.gcd(a, b), (g.block_size for g in groups))
+    sbs = math.lcm(*(g.block_size for g in groups))
     has_retention_group = any(g.kind != "full" for g in groups)
     choices: list[int | None] = [None, 0, 0, sbs, 2 * sbs, 3 * sbs] if has_retention_group else [None, 0]
     if retention == "dense":

@@ -11,7 +11,6 @@ could draw, except that `mamba-coarse` forces full block > Mamba block).
 from __future__ import annotations
 
 import math
-from functools import reduce
 
 from hypothesis import strategies as st
 
@@ -48,7 +47,7 @@ def zoo_configs(
             bs = base * draw(st.sampled_from([1, 2, 4]))
         window = draw(st.integers(2, 3 * bs)) if kind == "swa" else None
         groups.append(GroupSpec(kind, bs, sliding_window=window))  # type: ignore[arg-type]
-    sbs = reduce(lambda a, b: a * b // math.gcd(a, b), (g.block_size for g in groups))
+    sbs = math.lcm(*(g.block_size for g in groups))
     by_name: dict[str, list[int | None]] = {
         "any": [None, 0, 0, sbs, 2 * sbs, 3 * sbs],
         "sparse": [0, 0, sbs, 2 * sbs],

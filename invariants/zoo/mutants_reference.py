@@ -613,8 +613,8 @@ def reuse_without_evict(t: ZooReferenceTarget) -> None:
     Bug class: stale hash-map entry: a later lookup hits a block whose KV now
     belongs to another request: a silently corrupted output. Seen in: the
     eviction path of vLLM `BlockPool.get_new_blocks` /
-    `_maybe_evict_cached_block` (gpu_check's ReuseWithoutEvictPool is the
-    data-level twin of this mutant).
+    `_maybe_evict_cached_block` (gpu_check runs this mutant under its paged
+    model, where the stale hit shows as a wrong output).
     Edit: during `get_new_blocks`, `_maybe_evict_cached_block` resets the
     block's hash without popping the map entries.
     """
