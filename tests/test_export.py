@@ -27,12 +27,21 @@ from invariants.export.plan import ExportError, plan_export
 from invariants.export.pytest_file import exported_test_name, render_test, tokens_literal
 from invariants.harness.known_findings import load_known_findings
 from invariants.harness.trace import Trace, read_trace, trace_to_json, write_trace
-from invariants.targets.vllm_env import vllm_available
+from invariants.targets.vllm_env import MODELED_VERSION, vllm_available
 from model.config import Config, GroupSpec
-from model.ops import AddRequest, Finish, Op, Schedule
+from model.ops import AddRequest, Finish, Op, Schedule, Step
 
 ROOT = Path(__file__).resolve().parent.parent
-FINDINGS = {f.id: f for f in load_known_findings()}
+ALL_FINDINGS = {f.id: f for f in load_known_findings()}
+# Findings of releases other than the pinned one replay through the release
+# matrix (`kvretain replay --vllm-python`), not through this vLLM.
+FINDINGS = {fid: f for fid, f in ALL_FINDINGS.items() if "*" in f.versions or MODELED_VERSION in f.versions}
+# Pinned-release findings without an exported test yet, each with its reason.
+NOT_EXPORTED = {
+    "vllm-blockstored-token-range-dense": "its matrix trace records no violation line to export yet; "
+    "the masked variant (vllm-blockstored-token-range) is exported",
+}
+FINDINGS = {fid: f for fid, f in FINDINGS.items() if fid not in NOT_EXPORTED}
 _counter = itertools.count()
 
 needs_vllm = pytest.mark.skipif(not vllm_available()[0], reason=vllm_available()[1])
@@ -191,6 +200,7 @@ FIXES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
 
 def test_every_known_finding_has_a_fix_here() -> None:
     assert set(FIXES) == set(FINDINGS)
+    assert set(NOT_EXPORTED) <= set(ALL_FINDINGS), "a NOT_EXPORTED entry names no known finding"
 
 
 # ------------------------------------------------------------------ known findings
@@ -423,8 +433,13 @@ def test_state_exports_of_fuzzed_traces_pass_on_vllm(tmp_path: Path) -> None:
     """Differential control of the exporter: on traces where vLLM agrees with the
     model, the exported test (its own replay through vLLM's API, Mamba chunks
     from vLLM's scheduler split) must pass; a wrong replay would fail it."""
-    traces = _recorded_traces(seed=3, examples=16)
-    assert len(traces) >= 8
+    recorded = _recorded_traces(seed=3, examples=16)
+    batched = [t for t in recorded if any(isinstance(op, Step) for op in t.ops)]
+    for t in batched[:1]:
+        with pytest.raises(ExportError, match="batched Step"):
+            plan_export(t)
+    traces = [t for t in recorded if t not in batched]
+    assert len(traces) >= 6
     kinds = {type(op).__name__ for t in traces for op in t.ops}
     assert {"AddRequest", "Schedule", "Finish"} <= kinds
     tests = []

@@ -35,7 +35,7 @@ from invariants.harness.trace import Trace, trace_to_json
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
 from model.observation import ProbeResult, ScheduleResult, Snapshot
-from model.ops import AddRequest, Finish, Probe, Sample
+from model.ops import AddRequest, Finish, Probe, Sample, Step
 
 Kind = Literal["replay_hit", "stored_tokens", "state", "crash"]
 
@@ -117,6 +117,13 @@ def matching_finding(trace: Trace) -> KnownFinding | None:
 def plan_export(trace: Trace) -> ExportPlan:
     if not trace.ops:
         raise ExportError("trace.ops: empty; nothing to replay")
+    steps = [i for i, op in enumerate(trace.ops) if isinstance(op, Step)]
+    if steps:
+        # A batched step is kvretain's loop over Scheduler.schedule's policy, not
+        # one vLLM call: a standalone test would have to carry that loop.
+        raise ExportError(
+            f"trace.ops[{steps[0]}]: a batched Step cannot be exported (single-request ops only)"
+        )
     name, message = violated_property(trace)
     finding = matching_finding(trace)
     guards, asked_by = _doc(name)
