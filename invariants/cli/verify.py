@@ -137,7 +137,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             "conformance",
             "vllm",
             "agrees with the model" if rc == 0 else "FINDING (see above)",
-            "8 feature rows",
+            f"{len(conf_rows)} feature rows",
             time.monotonic() - t,
             rc == 0,
             next((r.trace for r in conf_rows if r.trace), None),
