@@ -29,6 +29,7 @@ from model.observation import (
     Snapshot,
     StepResult,
     Tokens,
+    block_key,
 )
 from model.ops import (
     AddRequest,
@@ -263,7 +264,7 @@ class AllocatorModel:
 
     # --------------------------------------------------------------- lookup
     def _cached_fn(self, tokens: Tokens, gids: list[int], bs: int):  # type: ignore[no-untyped-def]
-        return lambda j: all(BlockKey(g, tokens[: (j + 1) * bs]) in self.pool.cached for g in gids)
+        return lambda j: all(block_key(g, tokens, (j + 1) * bs) in self.pool.cached for g in gids)
 
     def _finder(
         self, tokens: Tokens, spec: GroupSpec, gids: list[int], max_len: int, drop: bool, a: int
@@ -368,7 +369,7 @@ class AllocatorModel:
         for g in self.groups:
             blocks = []
             for j in layouts[g.gid]:
-                b = None if j is None else self.pool.lookup(BlockKey(g.gid, tokens[: (j + 1) * g.bs]))
+                b = None if j is None else self.pool.lookup(block_key(g.gid, tokens, (j + 1) * g.bs))
                 blocks.append(b or 0)
             out.append(tuple(blocks))
         return tuple(out)

@@ -38,6 +38,12 @@ class BlockKey:
         return f"g{self.group}:{len(self.tokens)}t"
 
 
+def block_key(group: int, tokens: Tokens, num_tokens: int) -> BlockKey:
+    """The key of the first `num_tokens` of `tokens` in `group`: the one way
+    model, adapters and invariants name a prefix's hash."""
+    return BlockKey(group, tokens[:num_tokens])
+
+
 @dataclass(frozen=True)
 class BlockStored:
     """Blocks entered the hash map. `block_hashes` are the keys' prefixes, in block order."""

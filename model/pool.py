@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from model.free_queue import FreeQueue, demote_n
-from model.observation import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, Event, Tokens
+from model.observation import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, Event, Tokens, block_key
 
 EVENT_PROFILES = ("seed", "vllm-0.33.0")
 
@@ -149,7 +149,7 @@ class Pool:
             if b in self.primary:
                 assert self.primary_tokens[b] < n_tok, "re-caching a block with a longer key"
                 self.drop_keys(b)
-            self._insert(BlockKey(group, tokens[:n_tok]), b)
+            self._insert(block_key(group, tokens, n_tok), b)
             stored.append(i)
         if self.event_profile == "vllm-0.33.0":
             self.events.append(
@@ -178,7 +178,7 @@ class Pool:
         """Key `block` also by the prefix of `num_tokens` (a multiple of hbs)."""
         if block == 0:
             return None
-        key = BlockKey(group, tokens[:num_tokens])
+        key = block_key(group, tokens, num_tokens)
         already = self.primary.get(block) == key or block in self.cached.get(key, [])
         if not already and block in self.primary and self.primary_tokens[block] < num_tokens:
             self.drop_keys(block)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from invariants.catalogue.context import NOT_FREE, CheckContext
 from model.masks import swa_tail_blocks
-from model.observation import BlockKey
+from model.observation import BlockKey, block_key
 from model.ops import Finish, Schedule
 
 
@@ -42,7 +42,7 @@ def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
                 if cfg.eagle and spec.kind != "mamba" and j == top
                 else f"{spec.kind} block {j}"
             )
-            keys[BlockKey(g, tokens[: (j + 1) * bs])] = role
+            keys[block_key(g, tokens, (j + 1) * bs)] = role
     return e, keys
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext, RequestHistory
 from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
-from model.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens
+from model.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens, block_key
 from model.ops import Probe, Schedule
 from model.scheduling import mamba_checkpoint_position
 
@@ -133,7 +133,7 @@ def _backed(
             need = range(max(0, hit - spec.sliding_window + 1) // bs, hit // bs)
         else:
             need = range(hit // bs - 1, hit // bs)
-        missing = [j for j in need if BlockKey(g, tokens[: (j + 1) * bs]) not in cached]
+        missing = [j for j in need if block_key(g, tokens, (j + 1) * bs) not in cached]
         if missing:
             out.append(f"hit {hit} but group {g} ({spec.kind}) blocks {missing} are not cached")
     return out
@@ -163,6 +163,6 @@ def _holds(
         if ctx.config.groups[g].kind == "full" and len(blocks) != cdiv(hit, bs):
             out.append(f"group {g}: {len(blocks)} hit blocks for a hit of {hit} tokens")
         for j, b in enumerate(blocks):
-            if b and b not in cached.get(BlockKey(g, tokens[: (j + 1) * bs]), ()):
+            if b and b not in cached.get(block_key(g, tokens, (j + 1) * bs), ()):
                 out.append(f"group {g}: hit block {b} at index {j} does not hold that prefix")
     return out
