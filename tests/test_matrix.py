@@ -387,6 +387,8 @@ def test_classes() -> None:
     assert (
         classify("crash", "TargetCrash: vLLM 0.22.0 raised on Schedule: TypeError: x", old).kind == "adapter"
     )
+    adapter_raised = "TargetCrash: the vLLM adapter (vllm_target.py:430, under vLLM 0.22.0) raised on Step"
+    assert classify("crash", adapter_raised + ": ValueError: x", old).kind == "adapter"
     assert "#43447" in classify("uncached_reused_before_cached", "x", old).note
 
 

@@ -40,6 +40,7 @@ from invariants.harness.known_findings import (  # noqa: E402
     parse_known_findings,
 )
 from invariants.targets import target_factory  # noqa: E402
+from invariants.targets.base import TargetCrash  # noqa: E402
 from invariants.targets.vllm_target import (  # noqa: E402
     NO_PINNED_TIER,
     UnsupportedConfig,
@@ -58,6 +59,7 @@ from model.ops import (  # noqa: E402
     ResetPrefixCache,
     Sample,
     Schedule,
+    Step,
 )
 
 pytestmark = pytest.mark.vllm
@@ -495,3 +497,24 @@ def test_version_detection() -> None:
 def test_probe_python_reports_a_missing_interpreter() -> None:
     ok, line, version = probe_python("/nonexistent/python")
     assert not ok and "no such interpreter" in line and version is None
+
+
+# --------------------------------------------------------------------------- crash attribution
+def test_a_crash_names_who_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure inside the adapter is kvretain's gap, never a defect of vLLM;
+    one inside vLLM's package is vLLM's."""
+    target = VllmTarget(Config(groups=(full(4),), num_blocks=8))
+    target.apply(AddRequest("r0", (1, 2, 3, 4, 5)))
+
+    def broken(req: object) -> tuple[object, int, int]:
+        raise ValueError("adapter bookkeeping")
+
+    monkeypatch.setattr(target, "_computed_blocks", broken)
+    with pytest.raises(TargetCrash, match=r"the vLLM adapter \(test_vllm_target\.py:\d+"):
+        target.apply(Step(("r0",), 8))
+    try:
+        target.manager.free(None)  # vLLM itself raises on a request it cannot read
+    except Exception as exc:
+        assert target._raiser(exc).startswith("vLLM ")
+    else:
+        pytest.fail("KVCacheManager.free(None) did not raise")

@@ -54,7 +54,11 @@ def classify(check: str, message: str, caps: Capabilities) -> Verdict:
             # The adapter refused an operation the model's bookkeeping allowed:
             # the two views of a request diverged after a semantics difference.
             return Verdict("semantics", "request states diverged after an earlier semantics difference")
-        if any(f"{err}:" in message for err in ADAPTER_ERRORS) or "comes from no known request" in message:
+        if (
+            "the vLLM adapter (" in message
+            or any(f"{err}:" in message for err in ADAPTER_ERRORS)
+            or "comes from no known request" in message
+        ):
             return Verdict("adapter", "the adapter does not drive this release's API")
         return Verdict("defect", "vLLM raised while serving a valid operation")
     absent = [m for m in GUARDED_BY.get(check, ()) if m in missing]

@@ -248,7 +248,20 @@ class VllmTarget:
         except (TargetCrash, TargetUnavailable):
             raise
         except Exception as exc:
-            raise TargetCrash(f"vLLM {self.version} raised on {op!r}: {type(exc).__name__}: {exc}") from exc
+            raise TargetCrash(f"{self._raiser(exc)} raised on {op!r}: {type(exc).__name__}: {exc}") from exc
+
+    def _raiser(self, exc: BaseException) -> str:
+        """Who raised: vLLM (the innermost frame is in its package), or the
+        adapter itself, which is a gap in kvretain, never a defect of vLLM."""
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is None:
+            return f"vLLM {self.version}"
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if path.startswith(_vllm_package_dir()):
+            return f"vLLM {self.version}"
+        return f"the vLLM adapter ({os.path.basename(path)}:{tb.tb_lineno}, under vLLM {self.version})"
 
     def _check_well_formed(self, op: Op) -> None:
         rid = getattr(op, "rid", None)
@@ -427,7 +440,7 @@ class VllmTarget:
             for req in waiting:
                 if token_budget <= 0:
                     break
-                blocks, hit, spb = m.get_computed_blocks(req)
+                blocks, hit, spb = self._computed_blocks(req)
                 req.shared_prefix_boundary = spb
                 hit_blocks = _ids(blocks)
                 n = self._chunk(req, hit, min(req.num_tokens - hit, token_budget), op.budget)
@@ -447,9 +460,10 @@ class VllmTarget:
                 req.num_computed_tokens = hit + n
                 token_budget -= n
                 results.append((req.request_id, ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))))
-        _copies, retained = m.take_kv_cache_block_copies()
-        if retained:
-            self.pool.free_blocks(retained)
+        if self.caps.cow_copies:
+            _copies, retained = m.take_kv_cache_block_copies()
+            if retained:
+                self.pool.free_blocks(retained)
         return StepResult(tuple(results), tuple(preempted))
 
     # ------------------------------------------------------------------ snapshot
@@ -654,3 +668,9 @@ __all__ = [
     "UnsupportedConfig",
     "VllmTarget",
 ]
+
+
+def _vllm_package_dir() -> str:
+    import vllm
+
+    return os.path.dirname(os.path.abspath(vllm.__file__))
