@@ -90,6 +90,7 @@ class GroupState:
     cached_this_step: set[BlockKey] = field(default_factory=set)
     # rid -> (table index, shared block) read only in part: the next allocation copies it.
     partial: dict[str, tuple[int, int]] = field(default_factory=dict)
+    copies: list[Copy] = field(default_factory=list)  # queued this step, taken when it ends
 
     @property
     def bs(self) -> int:
@@ -108,7 +109,6 @@ class AllocatorModel:
         self.hybrid = len(config.groups) > 1
         self.fine = fine_hits_enabled(config)
         self.alignment = config.hash_block_size if self.fine else config.scheduler_block_size
-        self.copies: list[Copy] = []  # queued this step, taken when it ends
         # How often each rule that only some traces reach fired (the fuzz summary reports them).
         self.exercised: Counter[str] = Counter()
 
@@ -174,7 +174,9 @@ class AllocatorModel:
     def _take_copies(self) -> tuple[Copy, ...]:
         """The step's copies; their endpoints' extra references are released
         (`Scheduler.schedule`: `take_kv_cache_block_copies`, then `free_blocks`)."""
-        copies, self.copies = tuple(self.copies), []
+        copies = tuple(c for g in self.groups for c in g.copies)  # manager by manager
+        for g in self.groups:
+            g.copies.clear()
         if copies:
             self.pool.free(retained_endpoints(list(copies)))
         return copies
@@ -598,7 +600,7 @@ class AllocatorModel:
         table = g.table(rid)
         assert table[idx] == src and self.pool.ref[src] > 0
         table[idx] = dst
-        self.copies.append((src, dst))
+        g.copies.append((src, dst))
         self.pool.ref[dst] += 1
         self.exercised["CoW copy of a hit read in part"] += 1
 
@@ -608,7 +610,7 @@ class AllocatorModel:
         `BlockPool.move_block_hashes`); `src` holds one extra reference until the
         copy is taken, and a hit on the moved key waits for the next step."""
         self.pool.move_keys(src, dst)
-        self.copies.append((src, dst))
+        g.copies.append((src, dst))
         self.pool.ref[src] += 1
         if dst in self.pool.primary:
             g.cached_this_step.add(self.pool.primary[dst])
