@@ -76,7 +76,9 @@ def _fine_promise(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
         else:
             ends = [e]
         for n in ends:
-            keys[block_key(g, req.tokens, n)] = f"{spec.kind} state" if spec.kind == "mamba" else f"{spec.kind} block {(n - 1) // bs}"
+            keys[block_key(g, req.tokens, n)] = (
+                f"{spec.kind} state" if spec.kind == "mamba" else f"{spec.kind} block {(n - 1) // bs}"
+            )
     return e, keys
 
 

@@ -91,6 +91,7 @@ FINE_MAMBA_UNSUPPORTED = (
     "which the seeds' allocator does not implement (use --target model or vllm)"
 )
 
+
 class ReferenceTarget:
     name = "reference"
     MUTANTS: ClassVar[dict[str, Mutant]] = {}
