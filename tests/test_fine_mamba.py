@@ -84,3 +84,40 @@ def test_worked_example_150_token_resend(retention):
 def test_reference_target_refuses_fine_grained_configs():
     with pytest.raises(ConfigError, match="fine-grained"):
         ReferenceTarget(fine_cfg(retention_interval=0))
+
+
+def resend(chk) -> list:
+    """a computes the 150-token prompt in 64-token chunks and finishes; b resends it."""
+    out = []
+    for rid in ("a", "b"):
+        out += chk.step(AddRequest(rid, PROMPT150))
+        while chk.model.requests[rid].num_computed < len(PROMPT150):
+            out += chk.step(Schedule(rid, 64))
+        if rid == "a":
+            out += chk.step(Finish("a"))
+    return out
+
+
+@pytest.mark.parametrize(
+    "mutant", ["cow_copy_reversed", "mamba_fine_hit_floored_to_block", "producer_keys_not_moved"]
+)
+def test_fine_mamba_mutants_need_fine_configs(mutant):
+    """Each zoo mutant of this feature is caught on the 150-token resend with a
+    64-token Mamba block, and invisible on the same trace with a 16-token one
+    (no hit or key ends inside a Mamba block, so the patched path never runs)."""
+    from invariants.harness.checker import Checker
+    from invariants.targets.vllm_env import vllm_available
+
+    if not vllm_available()[0]:
+        pytest.skip(f"vllm target: {vllm_available()[1]}")
+    from invariants.zoo.mutants_vllm import activate
+    from invariants.zoo.runner import known_tolerance
+
+    known = known_tolerance("vllm") or (lambda v: False)
+    coarse = Config((GroupSpec("full", 16), GroupSpec("mamba", 16)), num_blocks=40, retention_interval=0)
+    with activate(mutant) as factory:
+        found = {mode: [] for mode in ("fine", "coarse")}
+        for mode, cfg in (("fine", fine_cfg(retention_interval=0)), ("coarse", coarse)):
+            found[mode] = [v.check for v in resend(Checker(factory(cfg), audit_every=1)) if not known(v)]
+    assert {"observation", "snapshot"} & set(found["fine"]), found
+    assert found["coarse"] == []
