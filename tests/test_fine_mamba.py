@@ -121,3 +121,23 @@ def test_fine_mamba_mutants_need_fine_configs(mutant):
             found[mode] = [v.check for v in resend(Checker(factory(cfg), audit_every=1)) if not known(v)]
     assert {"observation", "snapshot"} & set(found["fine"]), found
     assert found["coarse"] == []
+
+
+@pytest.mark.parametrize("target", ["model", "vllm"])
+def test_same_step_copy_finding_replays(target):
+    """The known finding: a copy whose source the same step allocated (its KV is
+    written by the forward pass that runs after the copy). Both targets show it,
+    and only it."""
+    from invariants.harness.checker import Checker
+    from invariants.harness.known_findings import is_known_violation, load_known_findings
+    from invariants.targets import target_factory
+    from invariants.targets.vllm_env import vllm_available
+
+    if target == "vllm" and not vllm_available()[0]:
+        pytest.skip(f"vllm target: {vllm_available()[1]}")
+    [finding] = [f for f in load_known_findings() if f.id == "vllm-cow-copy-of-same-step-block"]
+    chk = Checker(target_factory(target)(finding.trace.config), audit_every=1)
+    found = [v for op in finding.trace.ops for v in chk.step(op)]
+    assert [v.check for v in found if v.check != "stored_tokens_match_hashes"] == ["copies_sound"]
+    assert all(is_known_violation(target, v) for v in found)
+    assert chk.last_obs.copies[0] == (3, 6)

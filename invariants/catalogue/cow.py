@@ -61,7 +61,9 @@ def copies_sound(ctx: CheckContext) -> list[str]:
         if uses and src not in key_before and src not in key_after:
             out.append(f"{name}: source carries no key (the copy reads no cached state)")
         if src in new:
-            out.append(f"{name}: source was handed out as a new block in the same step")
+            out.append(
+                f"{name}: source was allocated in the same step (the copy runs before its content is written)"
+            )
         if new.count(dst) > 1:
             out.append(f"{name}: destination handed out {new.count(dst)} times in the step")
         lost = key_before.get(src)
