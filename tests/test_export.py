@@ -435,7 +435,7 @@ def test_state_exports_of_fuzzed_traces_pass_on_vllm(tmp_path: Path) -> None:
     """Differential control of the exporter: on traces where vLLM agrees with the
     model, the exported test (its own replay through vLLM's API, Mamba chunks
     from vLLM's scheduler split) must pass; a wrong replay would fail it."""
-    recorded = _recorded_traces(seed=3, examples=16)
+    recorded = _recorded_traces(seed=8, examples=16)
     batched = [t for t in recorded if any(isinstance(op, Step) for op in t.ops)]
     for t in batched[:1]:
         with pytest.raises(ExportError, match="batched Step"):
