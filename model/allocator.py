@@ -7,17 +7,30 @@ junction, ref counts, the hash map, the free-queue order per tier, allocation
 failures and KV events. Speed is not a goal: lists, sets and brute force.
 
 Per-group state mirrors vLLM's single-type managers: the block table (null =
-0), how many leading blocks have been through caching, and for Mamba the index
-of the previous state block and how many leading blocks were retired.
+0), how many leading blocks have been through caching, for Mamba the index
+of the previous state block and how many leading blocks were retired, and the
+block awaiting a copy-on-write copy (`model.fine_mamba`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from model.config import Config, GroupSpec, validate
-from model.lookup import Layout, full_hit, mamba_hit, swa_hit
+from model.fine_mamba import (
+    Copy,
+    KeyLayout,
+    coarse_keys,
+    eagle_margin,
+    ends_inside_block,
+    fine_full_hit,
+    fine_hits_enabled,
+    fine_mamba_hit,
+    is_fine_lookup,
+    retained_endpoints,
+)
+from model.lookup import full_hit, mamba_hit, swa_hit
 from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks, swa_tail_blocks
 from model.observation import (
     BlockKey,
@@ -75,6 +88,9 @@ class GroupState:
     retired: dict[str, int] = field(default_factory=dict)
     allocated: set[str] = field(default_factory=set)
     cached_this_step: set[BlockKey] = field(default_factory=set)
+    # rid -> (table index, shared block) read only in part: the next allocation copies it.
+    partial: dict[str, tuple[int, int]] = field(default_factory=dict)
+    copies: list[Copy] = field(default_factory=list)  # queued this step, taken when it ends
 
     @property
     def bs(self) -> int:
@@ -91,7 +107,8 @@ class AllocatorModel:
         self.groups = [GroupState(i, g) for i, g in enumerate(config.groups)]
         self.requests: dict[str, RequestState] = {}
         self.hybrid = len(config.groups) > 1
-        self.alignment = config.scheduler_block_size
+        self.fine = fine_hits_enabled(config)
+        self.alignment = config.hash_block_size if self.fine else config.scheduler_block_size
         # How often each rule that only some traces reach fired (the fuzz summary reports them).
         self.exercised: Counter[str] = Counter()
 
@@ -103,10 +120,12 @@ class AllocatorModel:
             return Done()
         if isinstance(op, Schedule):
             self._new_step()
-            return self._schedule(self.requests[op.rid], op.budget)
+            result = self._schedule(self.requests[op.rid], op.budget)
+            return replace(result, copies=self._take_copies())
         if isinstance(op, Step):
             assert all(rid in self.requests for rid in op.rids), f"unknown request in {op.rids}"
-            return self._step(op.rids, op.budget)
+            step = self._step(op.rids, op.budget)
+            return replace(step, copies=self._take_copies())
         if isinstance(op, Sample):
             req = self.requests[op.rid]
             assert req.running and req.num_computed == req.num_tokens, f"{op.rid} is not waiting for a sample"
@@ -152,6 +171,16 @@ class AllocatorModel:
         for g in self.groups:
             g.cached_this_step.clear()
 
+    def _take_copies(self) -> tuple[Copy, ...]:
+        """The step's copies; their endpoints' extra references are released
+        (`Scheduler.schedule`: `take_kv_cache_block_copies`, then `free_blocks`)."""
+        copies = tuple(c for g in self.groups for c in g.copies)  # manager by manager
+        for g in self.groups:
+            g.copies.clear()
+        if copies:
+            self.pool.free(retained_endpoints(list(copies)))
+        return copies
+
     def _schedule(self, req: RequestState, budget: int) -> ScheduleResult:
         if req.running:
             return self._continue(req, budget, budget)
@@ -176,6 +205,8 @@ class AllocatorModel:
         layouts, hit, spb = self._find_hit(req.tokens, req.num_tokens - 1)
         hit_blocks = self._hit_blocks(req.tokens, layouts)
         req.shared_prefix_boundary = spb
+        if hit % self.cfg.scheduler_block_size:
+            self.exercised["fine-grained hit (inside a scheduler block)"] += 1
         n = self._chunk(req, hit, min(req.num_tokens - hit, left), budget)
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
         if n <= 0:
@@ -260,6 +291,7 @@ class AllocatorModel:
             shared_prefix_boundary=req.shared_prefix_boundary,
             block_size=self.cfg.scheduler_block_size,
             eagle=self.cfg.eagle,
+            fine_hash_block_size=self.cfg.hash_block_size if self.fine else 0,
         )
 
     # --------------------------------------------------------------- lookup
@@ -268,17 +300,29 @@ class AllocatorModel:
 
     def _finder(
         self, tokens: Tokens, spec: GroupSpec, gids: list[int], max_len: int, drop: bool, a: int
-    ) -> Layout:
-        cached = self._cached_fn(tokens, gids, spec.block_size)
+    ) -> tuple[KeyLayout, int]:
+        """One spec group's hit: the key read at each table position, and its length in tokens."""
+        bs = spec.block_size
+        if is_fine_lookup(self.cfg, spec.kind, bs):
+            hbs = self.cfg.hash_block_size
+
+            def keyed(n: int) -> bool:
+                return all(block_key(g, tokens, n) in self.pool.cached for g in gids)
+
+            num_hashed = len(tokens) // hbs * hbs
+            if spec.kind == "full":
+                return fine_full_hit(keyed, max_len, bs, hbs, num_hashed, drop)
+            return fine_mamba_hit(keyed, max_len, bs, hbs, num_hashed)
+        cached = self._cached_fn(tokens, gids, bs)
         if spec.kind == "full":
-            return full_hit(cached, max_len, spec.block_size, a, drop)
+            return coarse_keys(full_hit(cached, max_len, bs, a, drop), bs)
         if spec.kind == "swa":
             assert spec.sliding_window is not None
-            need = swa_tail_blocks(spec.sliding_window, spec.block_size, drop)
-            return swa_hit(cached, max_len, spec.block_size, a, need, drop)
-        return mamba_hit(cached, max_len, spec.block_size, a)
+            need = swa_tail_blocks(spec.sliding_window, bs, drop)
+            return coarse_keys(swa_hit(cached, max_len, bs, a, need, drop), bs)
+        return coarse_keys(mamba_hit(cached, max_len, bs, a), bs)
 
-    def _find_hit(self, tokens: Tokens, max_len: int | None = None) -> tuple[dict[int, Layout], int, int]:
+    def _find_hit(self, tokens: Tokens, max_len: int | None = None) -> tuple[dict[int, KeyLayout], int, int]:
         """The prefix-cache hit for `tokens`: per-group layouts, the hit length every
         group can serve, and the shared-prefix boundary (0 when there is no junction).
 
@@ -291,8 +335,8 @@ class AllocatorModel:
         if not self.hybrid:
             # One group: its own block size is the alignment and nothing can disagree with it.
             g = self.groups[0]
-            layout = self._finder(tokens, g.spec, [0], max_len, self.cfg.eagle, g.bs)
-            return {0: layout}, len(layout) * g.bs, 0
+            layout, hit = self._finder(tokens, g.spec, [0], max_len, self.cfg.eagle, g.bs)
+            return {0: layout}, hit, 0
         return self._reconcile_hybrid_hit(tokens, max_len)
 
     def _spec_groups(self) -> list[list[int]]:
@@ -306,7 +350,7 @@ class AllocatorModel:
             by_spec.setdefault((g.spec.kind, g.spec.block_size, g.spec.sliding_window), []).append(g.gid)
         return sorted(by_spec.values(), key=lambda gids: self.groups[gids[0]].spec.kind != "full")
 
-    def _reconcile_hybrid_hit(self, tokens: Tokens, max_len: int) -> tuple[dict[int, Layout], int, int]:
+    def _reconcile_hybrid_hit(self, tokens: Tokens, max_len: int) -> tuple[dict[int, KeyLayout], int, int]:
         """Lower the candidate hit until every spec group serves it (a fixed point).
 
         Each spec group either accepts the candidate or lowers it; a lowered
@@ -321,7 +365,7 @@ class AllocatorModel:
         full_first = self.groups[spec_groups[0][0]].spec.kind == "full"
         # Full attention plus one other spec: the other group's answer is final.
         single_round = len(spec_groups) == 2 and full_first
-        layouts: dict[int, Layout] = {}
+        layouts: dict[int, KeyLayout] = {}
         group_hit: dict[int, int] = {}
         hit = max_len
         longest_group_hit = 0
@@ -339,11 +383,10 @@ class AllocatorModel:
                 drop_eagle = self.cfg.eagle and idx not in eagle_dropped
                 limit = candidate
                 if drop_eagle and spec.kind != "mamba":
-                    # Look one block past the candidate so the Eagle drop lands back on it,
-                    # but never past the hashed tokens. Mamba's finder never drops.
-                    limit = min(candidate + spec.block_size, hashed_len)
-                layout = self._finder(tokens, spec, gids, limit, drop_eagle, self.alignment)
-                this_hit = len(layout) * spec.block_size
+                    # Look one drop unit past the candidate so the Eagle drop lands back on
+                    # it, but never past the hashed tokens. Mamba's finder never drops.
+                    limit = min(candidate + eagle_margin(self.cfg, spec.kind, spec.block_size), hashed_len)
+                layout, this_hit = self._finder(tokens, spec, gids, limit, drop_eagle, self.alignment)
                 if drop_eagle:
                     eagle_dropped.add(idx)
                 elif this_hit < candidate:
@@ -364,12 +407,12 @@ class AllocatorModel:
         shared_prefix_boundary = longest_group_hit if longest_group_hit > hit else 0
         return layouts, hit, shared_prefix_boundary
 
-    def _hit_blocks(self, tokens: Tokens, layouts: dict[int, Layout]) -> tuple[tuple[int, ...], ...]:
+    def _hit_blocks(self, tokens: Tokens, layouts: dict[int, KeyLayout]) -> tuple[tuple[int, ...], ...]:
         out = []
         for g in self.groups:
             blocks = []
-            for j in layouts[g.gid]:
-                b = None if j is None else self.pool.lookup(block_key(g.gid, tokens, (j + 1) * g.bs))
+            for n in layouts[g.gid]:
+                b = None if n is None else self.pool.lookup(block_key(g.gid, tokens, n))
                 blocks.append(b or 0)
             out.append(tuple(blocks))
         return tuple(out)
@@ -457,7 +500,7 @@ class AllocatorModel:
         """
         held = len(g.tables.get(rid, ()))
         if _align(g):
-            return self._mamba_blocks_to_allocate(g, held, hits, main)
+            return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid)
         required = cdiv(num_tokens, g.bs)
         if rid in g.num_cached:
             # Running: no new hit, and a table already longer than needed is fine.
@@ -467,9 +510,12 @@ class AllocatorModel:
         out_of_window = self._skipped_tokens(g, local) // g.bs
         new = max(required - max(out_of_window, len(hits) + held), 0)
         adopted_hits = hits[max(0, out_of_window - held) :]
-        return new + self._num_evictable(adopted_hits)
+        # A hit ending inside a block takes one more block: the reader's private copy.
+        return new + ends_inside_block(len(hits), local, g.bs) + self._num_evictable(adopted_hits)
 
-    def _mamba_blocks_to_allocate(self, g: GroupState, held: int, hits: tuple[int, ...], main: int) -> int:
+    def _mamba_blocks_to_allocate(
+        self, g: GroupState, held: int, hits: tuple[int, ...], main: int, local: int, rid: str
+    ) -> int:
         """MambaManager in align mode (same function)."""
         if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
             # The hit state was keyed by another request in this same step and is
@@ -480,7 +526,12 @@ class AllocatorModel:
         # Only the chunk's last state is kept: one new block at most, whatever the chunk
         # length (vLLM caps only a positive count, and min() leaves the rest alone).
         new = cdiv(main, g.bs) - len(hits) - held
-        return min(new, 1) + self._num_evictable(hits)
+        # A state to copy (a hit ending inside a block, or this request's own
+        # mid-block key) takes one more block: the copy's destination.
+        copy = ends_inside_block(len(hits), local, g.bs) or rid in g.partial
+        if copy:
+            new = max(new, 0) + 1
+        return min(new, 1 + copy) + self._num_evictable(hits)
 
     def _num_evictable(self, blocks: tuple[int, ...]) -> int:
         """Hit blocks still in a free queue (ref 0); the null block is not one."""
@@ -495,35 +546,80 @@ class AllocatorModel:
             self.pool.touch(kept)
         table.extend([0] * max(skipped, 0) + kept)
         g.num_cached[rid] = len(table)
+        if ends_inside_block(len(kept), local, g.bs):
+            # Read only in part: the next allocation gives the request a private copy,
+            # and caching resumes at that block once the copy is full.
+            g.partial[rid] = (local // g.bs, kept[-1])
+            g.num_cached[rid] = local // g.bs
 
     def _allocate_new(self, g: GroupState, rid: str, num_tokens: int, main: int) -> list[int]:
         table = g.table(rid)
         if not _align(g):
+            copied = []
+            if rid in g.partial:
+                copied = self.pool.get_new_blocks(1)
+                self._consumer_copy(g, rid, copied[0])
             new = cdiv(num_tokens, g.bs) - len(table)
             if new <= 0:
-                return []
+                return copied
             blocks = self.pool.get_new_blocks(new)
             table.extend(blocks)
-            return blocks
+            return copied + blocks
         # Mamba align: one state block at the position of the chunk's last token.
         required = cdiv(main, g.bs)
-        if required <= len(table):
+        partial = g.partial.pop(rid, None)
+        if required <= len(table) and partial is None:
             g.allocated.add(rid)
             return []
         prev = len(table)
+        running = rid in g.allocated
         if prev > 0:
             g.last_state[rid] = prev - 1
         if prev < required - 1:
             table.extend([0] * (required - 1 - prev))
-        blocks = self.pool.get_new_blocks(max(required - len(table), 0))
-        returned = table[prev:] + blocks
+        blocks = self.pool.get_new_blocks(max(required - len(table), 0) + (partial is not None))
+        returned = table[prev:]
+        if partial is not None:
+            dst, blocks = blocks[0], blocks[1:]
+            if running:
+                self._producer_copy(g, partial[1], dst)
+            else:
+                self._consumer_copy(g, rid, dst, partial)
+                returned = [dst] + returned
         table.extend(blocks)
         g.allocated.add(rid)
-        return returned
+        return returned + blocks
+
+    def _consumer_copy(
+        self, g: GroupState, rid: str, dst: int, partial: tuple[int, int] | None = None
+    ) -> None:
+        """A hit read in part: the table points at the private `dst`, which the copy
+        fills from the shared block (`_apply_cow`); `dst` holds one extra reference
+        until the copy is taken, the source keeps the reference of the hit's touch."""
+        idx, src = partial if partial is not None else g.partial.pop(rid)
+        table = g.table(rid)
+        assert table[idx] == src and self.pool.ref[src] > 0
+        table[idx] = dst
+        g.copies.append((src, dst))
+        self.pool.ref[dst] += 1
+        self.exercised["CoW copy of a hit read in part"] += 1
+
+    def _producer_copy(self, g: GroupState, src: int, dst: int) -> None:
+        """The request keyed its own state mid-block and goes on writing it: the
+        keys move to `dst`, which the copy fills (`MambaManager.allocate_new_blocks`,
+        `BlockPool.move_block_hashes`); `src` holds one extra reference until the
+        copy is taken, and a hit on the moved key waits for the next step."""
+        self.pool.move_keys(src, dst)
+        g.copies.append((src, dst))
+        self.pool.ref[src] += 1
+        if dst in self.pool.primary:
+            g.cached_this_step.add(self.pool.primary[dst])
+        self.exercised["CoW copy of a request's own tail (move_block_hashes)"] += 1
 
     # -------------------------------------------------------------- caching
     def _cacheable_tokens(self, g: GroupState, n: int) -> int:
-        if not self.hybrid:
+        if not self.hybrid or self.fine:
+            # Fine-grained hits may end at any hash boundary: nothing to floor.
             return n
         sbs = self.cfg.scheduler_block_size
         aligned = n // sbs * sbs
@@ -605,13 +701,18 @@ class AllocatorModel:
         block = table[idx]
         if self.pool.primary_tokens.get(block) == num_tokens:
             return None
-        return self.pool.cache_partial_block(req.tokens, block, num_tokens, g.gid)
+        key = self.pool.cache_partial_block(req.tokens, block, num_tokens, g.gid)
+        if key is not None and num_tokens % g.bs:
+            # Keyed mid-block: the next allocation moves the key to a copy (producer).
+            g.partial[req.rid] = (idx, block)
+            g.num_cached[req.rid] = idx
+        return key
 
     # ----------------------------------------------------------------- free
     def _free(self, rid: str) -> None:
         for g in self.groups:
             table = g.tables.pop(rid, [])
-            for d in (g.num_cached, g.last_state, g.retired):
+            for d in (g.num_cached, g.last_state, g.retired, g.partial):
                 d.pop(rid, None)
             g.allocated.discard(rid)
             while table and table[0] == 0:

@@ -82,6 +82,9 @@ class ScheduleResult:
     Admission fields (`hit`, `shared_prefix_boundary`, `hit_blocks`) are None
     for a request that was already running. `new_blocks` is the per-group list
     `allocate_slots` returned (null padding included), None when it failed.
+    `copies`: the copy-on-write copies (source block, destination block) the
+    step queued, in vLLM's order (`take_kv_cache_block_copies`); a copy's
+    endpoints are released when the step ends.
     """
 
     scheduled: int
@@ -90,6 +93,7 @@ class ScheduleResult:
     shared_prefix_boundary: int | None = None
     hit_blocks: tuple[BlockIds, ...] | None = None
     new_blocks: tuple[BlockIds, ...] | None = None
+    copies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,10 +101,12 @@ class StepResult:
     """Outcome of one `Step`: per request the step reached, in the order it was
     reached, its `ScheduleResult`; then the requests preempted to make room, in
     preemption order. A request the step never reached (budget spent, or the
-    admissions ended) has no entry."""
+    admissions ended) has no entry. `copies`: the step's copy-on-write copies
+    (as `ScheduleResult.copies`), taken once for the whole step."""
 
     results: tuple[tuple[str, ScheduleResult], ...]
     preempted: tuple[str, ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,22 @@ class Pool:
             )
         return key
 
+    def move_keys(self, src: int, dst: int) -> None:
+        """Every key of `src` now names the unkeyed `dst` instead (primary first);
+        no events: the entries stay live (vLLM `BlockPool.move_block_hashes`)."""
+        assert dst not in self.primary and dst not in self.secondary, f"block {dst} already keyed"
+        keys, num_tokens = self.keys_of(src), self.primary_tokens.get(src)
+        self.primary.pop(src, None)
+        self.primary_tokens.pop(src, None)
+        self.secondary.pop(src, None)
+        for key in keys:
+            self.cached[key].remove(src)
+            if not self.cached[key]:
+                del self.cached[key]
+            self._insert(key, dst)
+        if num_tokens is not None:
+            self.primary_tokens[dst] = num_tokens
+
     # -- maintenance --------------------------------------------------------
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         for b in set(block_ids):

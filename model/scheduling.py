@@ -2,8 +2,10 @@
 
 The allocator only sees chunk sizes, but Mamba state exists only where a chunk
 ends, so the hit a later request can get depends on the scheduler's split
-(vLLM `Scheduler._mamba_block_aligned_split`). Modeled without fine-grained
-(sub-block) hits and without internal prefill checkpoints.
+(vLLM `Scheduler._mamba_block_aligned_split`). With fine-grained hits
+(`model.fine_mamba`) a chunk also stops at the prompt's reusable hash-block
+boundary, so its state exists to be keyed. Internal prefill checkpoints are
+not modeled.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ def mamba_chunk(
     shared_prefix_boundary: int,
     block_size: int,
     eagle: bool,
+    fine_hash_block_size: int = 0,
 ) -> int:
     """Clip a prefill chunk so it ends where a Mamba state must be cached.
 
     Non-final prefill chunks end on a block boundary (unless a block is wider
     than the budget); a chunk never runs past the last cacheable boundary, past
     the next boundary when it starts mid-block, or past the block-floored
-    shared-prefix junction.
+    shared-prefix junction. `fine_hash_block_size` (fine-grained hits on: the
+    hash block size, else 0) adds the prompt-tail stop.
     """
     prefill_end = max(num_prompt_tokens, num_tokens - 1)
     if start >= prefill_end:
@@ -45,9 +49,16 @@ def mamba_chunk(
         if aligned_end > start or block_size <= budget:
             end = aligned_end
     junction = shared_prefix_boundary
+    last_cache_position = mamba_checkpoint_position(num_tokens, block_size, eagle)
+    tail = (
+        mamba_checkpoint_position(num_prompt_tokens, fine_hash_block_size, eagle)
+        if fine_hash_block_size
+        else 0
+    )
     stops = (
         (start // block_size + 1) * block_size if start % block_size else 0,
-        mamba_checkpoint_position(num_tokens, block_size, eagle),
+        last_cache_position,
+        tail if last_cache_position < tail < num_prompt_tokens else 0,
         start + (junction - start) // block_size * block_size if start < junction < end else 0,
     )
     end = min((s for s in stops if start < s < end), default=end)

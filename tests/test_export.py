@@ -40,6 +40,8 @@ FINDINGS = {fid: f for fid, f in ALL_FINDINGS.items() if "*" in f.versions or MO
 NOT_EXPORTED = {
     "vllm-blockstored-token-range-dense": "its matrix trace records no violation line to export yet; "
     "the masked variant (vllm-blockstored-token-range) is exported",
+    "vllm-cow-copy-of-same-step-block": "it needs a batched Step (two admissions in one scheduler step), "
+    "which the exporter does not write (single-request ops only)",
 }
 FINDINGS = {fid: f for fid, f in FINDINGS.items() if fid not in NOT_EXPORTED}
 _counter = itertools.count()
@@ -433,7 +435,7 @@ def test_state_exports_of_fuzzed_traces_pass_on_vllm(tmp_path: Path) -> None:
     """Differential control of the exporter: on traces where vLLM agrees with the
     model, the exported test (its own replay through vLLM's API, Mamba chunks
     from vLLM's scheduler split) must pass; a wrong replay would fail it."""
-    recorded = _recorded_traces(seed=3, examples=16)
+    recorded = _recorded_traces(seed=8, examples=16)
     batched = [t for t in recorded if any(isinstance(op, Step) for op in t.ops)]
     for t in batched[:1]:
         with pytest.raises(ExportError, match="batched Step"):

@@ -114,7 +114,9 @@ def test_fast_path_agrees_with_audit_on_random_runs(name):
 @pytest.mark.parametrize("name", ["model", "reference"])
 def test_machine_with_deltas_is_clean(name):
     stats = FuzzStats(audit_every=4)
-    run_state_machine_as_test(build_machine(target_factory(name), configs(), stats))
+    run_state_machine_as_test(
+        build_machine(target_factory(name), configs(allow_fine=name != "reference"), stats)
+    )
     assert stats.steps > 0
 
 

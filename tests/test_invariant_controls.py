@@ -342,3 +342,49 @@ def test_hit_checks_cover_batched_admissions(batched):
     fails("hit_blocks_hold_their_prefix", replace(ctx, obs=StepResult((("a", a_result), ("b", wrong)))))
     longer = replace(b_result, hit=24)
     fails("hit_backed_by_cache", replace(ctx, obs=StepResult((("a", a_result), ("b", longer)))))
+
+
+# ---------------------------------------------------------------- copy-on-write copies
+FINE = Config(
+    groups=(GroupSpec("full", 16), GroupSpec("mamba", 64)),
+    num_blocks=40,
+    retention_interval=0,
+    hash_block_size=16,
+)
+PROMPT150 = tuple(range(1000, 1150))
+FINE_OPS = (
+    [AddRequest("a", PROMPT150)]
+    + [Schedule("a", 64)] * 4
+    + [Finish("a"), AddRequest("b", PROMPT150), Schedule("b", 64)]
+)
+
+
+@pytest.fixture(scope="module")
+def fine():
+    return run(FINE, FINE_OPS)
+
+
+def test_copies_sound(fine):
+    """a keys its state at 144 (inside its third Mamba block) and moves the key to a
+    copy; b hits 144 and reads a private copy. Corruptions: the copy reversed, the
+    copies dropped, a source handed out again, a moved key lost."""
+    producer = next(c for c in fine if isinstance(c.op, Schedule) and c.obs.copies and c.op.rid == "a")
+    consumer = ctx_of(fine, Schedule)
+    holds("copies_sound", producer)
+    holds("copies_sound", consumer)
+    ((src, dst),) = consumer.obs.copies
+    assert consumer.obs.hit == 144 and consumer.obs.hit_blocks[1][-1] == src
+    fails("copies_sound", replace(consumer, obs=replace(consumer.obs, copies=((dst, src),))))
+    fails("copies_sound", replace(consumer, obs=replace(consumer.obs, copies=())))
+    reused = replace(
+        consumer.obs, new_blocks=(consumer.obs.new_blocks[0] + (src,), consumer.obs.new_blocks[1])
+    )
+    fails("copies_sound", replace(consumer, obs=reused))
+    ((psrc, pdst),) = producer.obs.copies
+    left_behind = {**producer.after.block_hash, psrc: producer.before.block_hash[psrc]}
+    left_behind.pop(pdst)
+    # A key left on the source is beyond this invariant (the differential check sees it: the model moves it).
+    holds("copies_sound", replace(producer, after=replace(producer.after, block_hash=left_behind)))
+    moved_nowhere = dict(producer.after.block_hash)
+    moved_nowhere.pop(pdst)
+    fails("copies_sound", replace(producer, after=replace(producer.after, block_hash=moved_nowhere)))

@@ -28,7 +28,9 @@ def test_model_satisfies_its_own_invariants():
 
 def test_reference_agrees_with_model():
     stats = FuzzStats()
-    machine = build_machine(target_factory("reference"), configs(), stats, tolerated=_known("reference"))
+    machine = build_machine(
+        target_factory("reference"), configs(allow_fine=False), stats, tolerated=_known("reference")
+    )
     run_state_machine_as_test(machine)
     assert stats.steps > 0
 

@@ -5,7 +5,8 @@ message per violation, empty when it holds) whose docstring says what it guards
 and which seed or bug it comes from. Modules: `structure` (accounting),
 `ordering` (eviction order, pinned tier), `retention` (masks and hits),
 `promises` (kept hits, scratch), `events` (KV events), `liveness`, `steps`
-(what one scheduler step's forward pass reads stays put).
+(what one scheduler step's forward pass reads stays put), `cow` (copy-on-write
+copies of fine-grained Mamba hits).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from invariants.catalogue import events, liveness, ordering, promises, retention, steps, structure
+from invariants.catalogue import cow, events, liveness, ordering, promises, retention, steps, structure
 from invariants.catalogue.context import CachedView, CheckContext, Delta, History, RequestHistory, StateView
 from invariants.catalogue.history import advance_requests, update_history, update_history_delta
 from invariants.catalogue.incremental import DELTA_CHECKS
@@ -62,6 +63,7 @@ INVARIANTS: list[Invariant] = [
     *_family(events, "events", ["events_match_hash_map", "stored_tokens_match_hashes"]),
     *_family(liveness, "liveness", ["fitting_request_admitted"]),
     *_family(steps, "steps", ["step_blocks_stay_held", "mamba_state_not_read_while_written"]),
+    *_family(cow, "copies", ["copies_sound"]),
 ]
 BY_NAME = {inv.name: inv for inv in INVARIANTS}
 
@@ -92,6 +94,7 @@ AUDIT_ONLY = frozenset(
     {
         "step_blocks_stay_held",
         "mamba_state_not_read_while_written",
+        "copies_sound",
         "free_queue_has_no_duplicates",
         "pinned_reused_only_under_pressure",
         "pinned_demoted_oldest_first",

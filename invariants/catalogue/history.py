@@ -47,6 +47,7 @@ def update_history(
     for b in after.free_queue:
         if b not in was_free:
             history.free_tick[b] = history.tick
+    _released_copies(history, obs, set(after.free_queue))
     if isinstance(op, EvictBlocks):
         history.evicted_in_place |= {b for b in op.block_ids if b in set(after.free_queue)}
     history.evicted_in_place &= set(after.free_queue)
@@ -68,12 +69,23 @@ def update_history_delta(
             history.free_tick[b] = history.tick
         if not now_free:
             history.evicted_in_place.discard(b)
+    _released_copies(history, obs, {b for b, st in delta.blocks.items() if st[2] != NOT_FREE})
     if isinstance(op, EvictBlocks):
         history.evicted_in_place |= {b for b in op.block_ids if b in delta.blocks and delta.is_free(b)}
     history.ever_cached.update(k for k, v in delta.holders.items() if v)
     problems = replay_events(history.shadow, events)
     advance_requests(history, op, obs)
     return problems
+
+
+def _released_copies(history: History, obs: Observation, free_now: set[int]) -> None:
+    """A copy's endpoint can leave the free queue and come back within one step
+    (taken as a copy's destination, released when the step's copies are taken):
+    it was freed at this step even though both snapshots show it free."""
+    for pair in getattr(obs, "copies", ()):
+        for b in pair:
+            if b in free_now:
+                history.free_tick[b] = history.tick
 
 
 def advance_requests(history: History, op: Op, obs: Observation) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext
+from model.fine_mamba import fine_hits_enabled
 from model.masks import cdiv
 from model.observation import ScheduleResult
 from model.ops import Schedule
@@ -12,7 +13,10 @@ from model.scheduling import mamba_chunk
 def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     """A request that fits an empty pool is always admitted: when no block is
     in use, an admission needing at most N-1 blocks never fails (no stall from
-    pinned blocks or retained scratch; #40676 admission demotion)."""
+    pinned blocks or retained scratch; #40676 admission demotion). The
+    blocks an admission needs include what its hit costs: the Mamba state it
+    resumes from, and with fine-grained hits one private copy per group whose
+    hit ends inside a block."""
     obs, op, cfg = ctx.obs, ctx.op, ctx.config
     if not (isinstance(op, Schedule) and isinstance(obs, ScheduleResult)) or obs.hit is None or obs.admitted:
         return []
@@ -31,6 +35,7 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
             shared_prefix_boundary=obs.shared_prefix_boundary or 0,
             block_size=cfg.scheduler_block_size,
             eagle=cfg.eagle,
+            fine_hash_block_size=cfg.hash_block_size if fine_hits_enabled(cfg) else 0,
         )
     if n <= 0:
         return []
@@ -43,6 +48,8 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
         else cdiv(slots, g.block_size)
         for g in cfg.groups
     )
+    hit_blocks = obs.hit_blocks or ()
+    need += sum(1 for g, hits in zip(cfg.groups, hit_blocks) if hits and obs.hit % g.block_size)
     if need <= cfg.num_blocks - 1:
         return [f"admission of {op.rid} ({need} blocks) refused by an idle pool of {cfg.num_blocks - 1}"]
     return []

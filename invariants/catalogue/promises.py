@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import NOT_FREE, CheckContext
-from model.masks import swa_tail_blocks
+from model.fine_mamba import fine_hits_enabled
+from model.masks import cdiv, swa_tail_blocks
 from model.observation import BlockKey, block_key
 from model.ops import Finish, Schedule
 
@@ -13,9 +14,13 @@ def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
 
     Non-Eagle: the aligned boundary at or below P-1. Eagle: one scheduler block
     lower, plus the SWA peek block above it. Keys map to a role label.
+    With fine-grained Mamba hits the boundary is the hash boundary at or below
+    P-1 (`_fine_promise`).
     """
     cfg, req = ctx.config, ctx.finished_request
     assert req is not None
+    if fine_hits_enabled(cfg):
+        return _fine_promise(ctx)
     sbs = cfg.scheduler_block_size
     align = sbs if len(cfg.groups) > 1 else cfg.groups[0].block_size
     e = (len(req.prompt) - 1) // align * align
@@ -43,6 +48,37 @@ def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
                 else f"{spec.kind} block {j}"
             )
             keys[block_key(g, tokens, (j + 1) * bs)] = role
+    return e, keys
+
+
+def _fine_promise(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
+    """Fine-grained hits (`model.fine_mamba`), without Eagle: the prompt's last
+    hash boundary e <= P-1 is served by full attention's blocks below it (its
+    tail block keyed at e), the SWA tail below e, and the Mamba state keyed at
+    e (the prompt-tail checkpoint the scheduler stops at). With Eagle the
+    replay boundaries (scheduler-block aligned) and the Mamba checkpoint
+    (hash-block aligned) differ by design; no single boundary is promised."""
+    cfg, req = ctx.config, ctx.finished_request
+    assert req is not None
+    hbs = cfg.hash_block_size
+    e = (len(req.prompt) - 1) // hbs * hbs
+    keys: dict[BlockKey, str] = {}
+    if cfg.eagle or e == 0:
+        return 0, keys
+    for g, spec in enumerate(cfg.groups):
+        bs = spec.block_size
+        if spec.kind == "full":
+            ends = [min((j + 1) * bs, e) for j in range(cdiv(e, bs))]
+        elif spec.kind == "swa":
+            assert spec.sliding_window is not None
+            need = swa_tail_blocks(spec.sliding_window, bs, False)
+            ends = [(j + 1) * bs for j in range(max(0, e // bs - need), e // bs)]
+        else:
+            ends = [e]
+        for n in ends:
+            keys[block_key(g, req.tokens, n)] = (
+                f"{spec.kind} state" if spec.kind == "mamba" else f"{spec.kind} block {(n - 1) // bs}"
+            )
     return e, keys
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext, RequestHistory
+from model.fine_mamba import fine_hits_enabled, is_fine_lookup
 from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
 from model.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens, block_key
 from model.ops import Probe, Schedule
@@ -28,6 +29,8 @@ def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> b
         if cfg.eagle:
             boundaries.append(spb - bs)
     align = cfg.scheduler_block_size if len(cfg.groups) > 1 else bs
+    if fine_hits_enabled(cfg):
+        align = cfg.hash_block_size  # every group's hits align to the hash block
     if spec.kind == "swa":
         assert spec.sliding_window is not None
         kept = swa_kept_blocks(
@@ -123,6 +126,9 @@ def _backed(
         )
     for g, spec in enumerate(cfg.groups):
         bs = spec.block_size
+        if is_fine_lookup(cfg, spec.kind, bs):
+            out += _backed_fine(cfg.hash_block_size, g, spec.kind, bs, tokens, hit, cached)
+            continue
         if hit % bs:
             out.append(f"hit {hit} is not a multiple of group {g}'s block size {bs}")
             continue
@@ -137,6 +143,37 @@ def _backed(
         if missing:
             out.append(f"hit {hit} but group {g} ({spec.kind}) blocks {missing} are not cached")
     return out
+
+
+def _tail_keys(hbs: int, kind: str, bs: int, tokens: Tokens, hit: int, j: int) -> list[int]:
+    """Prefix lengths whose key may name block j of a fine-grained hit of `hit` tokens:
+    the block's end below the hit; for the tail block of a full-attention hit, any
+    hash boundary in it at or past the hit (KV is append-only: a longer prefix's
+    block holds the shorter one); for a Mamba state, exactly the hit (a state
+    holds one prefix only)."""
+    end = (j + 1) * bs
+    if end <= hit:
+        return [end] if kind == "full" or end == hit else []
+    if kind == "mamba":
+        return [hit]
+    return list(range(max(hit, j * bs + hbs), min(end, len(tokens)) + 1, hbs))
+
+
+def _backed_fine(
+    hbs: int, g: int, kind: str, bs: int, tokens: Tokens, hit: int, cached: dict[BlockKey, tuple[int, ...]]
+) -> list[str]:
+    """`hit_backed_by_cache` for a group whose hits may end inside a block
+    (fine-grained hits): every block read up to the hit is keyed by a prefix it
+    holds (`_tail_keys`); Mamba reads only the state at the hit."""
+    if hit % hbs:
+        return [f"hit {hit} is not a multiple of the hash block size {hbs} (group {g})"]
+    read = range(cdiv(hit, bs) - 1, cdiv(hit, bs)) if kind == "mamba" else range(cdiv(hit, bs))
+    missing = [
+        j
+        for j in read
+        if not any(block_key(g, tokens, n) in cached for n in _tail_keys(hbs, kind, bs, tokens, hit, j))
+    ]
+    return [f"hit {hit} but group {g} ({kind}) blocks {missing} are not cached"] if missing else []
 
 
 def hit_blocks_hold_their_prefix(ctx: CheckContext) -> list[str]:
@@ -158,11 +195,17 @@ def _holds(
     cached: dict[BlockKey, tuple[int, ...]],
 ) -> list[str]:
     out = []
+    cfg = ctx.config
     for g, blocks in enumerate(hit_blocks):
-        bs = ctx.config.groups[g].block_size
-        if ctx.config.groups[g].kind == "full" and len(blocks) != cdiv(hit, bs):
+        spec = cfg.groups[g]
+        bs = spec.block_size
+        if spec.kind == "full" and len(blocks) != cdiv(hit, bs):
             out.append(f"group {g}: {len(blocks)} hit blocks for a hit of {hit} tokens")
+        fine = is_fine_lookup(cfg, spec.kind, bs)
         for j, b in enumerate(blocks):
-            if b and b not in cached.get(block_key(g, tokens, (j + 1) * bs), ()):
+            lengths = (
+                _tail_keys(cfg.hash_block_size, spec.kind, bs, tokens, hit, j) if fine else [(j + 1) * bs]
+            )
+            if b and not any(b in cached.get(block_key(g, tokens, n), ()) for n in lengths):
                 out.append(f"group {g}: hit block {b} at index {j} does not hold that prefix")
     return out

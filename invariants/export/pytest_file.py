@@ -19,6 +19,7 @@ import textwrap
 
 from invariants.export.plan import Expectation, ExportPlan
 from model.config import Config
+from model.fine_mamba import fine_hits_enabled
 from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, ResetPrefixCache, Sample, Schedule
 
 _SPECS = {"full": "FullAttentionSpec", "swa": "SlidingWindowSpec", "mamba": "MambaSpec"}
@@ -245,7 +246,7 @@ MAMBA = '''def mamba_chunk(request: Request, num_new_tokens: int, num_hit_tokens
         hash_block_size=HASH_BLOCK_SIZE,
         use_eagle_block_drop=USE_EAGLE,
         num_hash_lookahead_tokens=0,
-        mamba_partial_cache_hit=False,
+        mamba_partial_cache_hit={partial},
         mamba_has_prefill_checkpoint_blocks=False,
         mamba_prefill_checkpoint_alignment=None,
         mamba_shared_prefix_checkpoint=False,
@@ -383,7 +384,8 @@ def render_test(plan: ExportPlan) -> str:
             caching=cfg.enable_caching,
             hasher="get_request_block_hasher(HASH_BLOCK_SIZE, sha256)" if cfg.enable_caching else "None",
         ),
-        *([MAMBA] if mamba else []),
+        # Fine-grained Mamba hits add the prompt-tail stop (`Scheduler.mamba_partial_cache_hit`).
+        *([MAMBA.format(partial=fine_hits_enabled(cfg))] if mamba else []),
         SCHEDULE.format(
             mamba_running="        n = mamba_chunk(request, n, 0, token_budget)\n" if mamba else "",
             mamba_waiting="        n = mamba_chunk(request, n, hit, token_budget)\n" if mamba else "",

@@ -206,6 +206,9 @@ class Checker:
         for o in (obs, expected_obs):
             for ids in (getattr(o, "hit_blocks", None) or ()) + (getattr(o, "new_blocks", None) or ()):
                 blocks.update(ids)
+            # A copy's endpoints change hands (keys moved, retention released) outside any table.
+            for pair in getattr(o, "copies", ()):
+                blocks.update(pair)
         blocks.discard(0)
         blocks = {b for b in blocks if 0 < b < len(self._blocks)}
         keys = {k for b in blocks if (k := self._key_of.get(b)) is not None}

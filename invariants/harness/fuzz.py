@@ -39,7 +39,7 @@ from invariants.harness.strategies import configs
 from invariants.harness.trace import Trace, write_trace
 from invariants.layouts.presets import preset
 from invariants.report import Progress, table
-from invariants.targets import PINNING_TARGETS, Target, target_factory
+from invariants.targets import FINE_MAMBA_TARGETS, PINNING_TARGETS, Target, target_factory
 from model.config import Config
 from model.ops import Op, op_to_json
 
@@ -167,7 +167,9 @@ def run_fuzz(
         shrink_s = max(budget_s * SHRINK_SHARE, 1.0) if budget_s is not None else 30.0
     if strategy is None:
         strategy = (
-            st.just(preset(config_name)) if config_name else configs(allow_pinning=target in PINNING_TARGETS)
+            st.just(preset(config_name))
+            if config_name
+            else configs(allow_pinning=target in PINNING_TARGETS, allow_fine=target in FINE_MAMBA_TARGETS)
         )
     tolerated = tolerated or _tolerance(target)
     start = time.monotonic()

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
 from invariants.targets.base import Target
 from model.config import Config
+from model.fine_mamba import fine_hits_enabled
 from model.observation import BlockIds, ScheduleResult, StepResult
 from model.ops import (
     AddRequest,
@@ -58,6 +59,8 @@ def config_features(cfg: Config) -> list[str]:
         out.append("pinned tier")
     if len({g.block_size for g in cfg.groups}) > 1:
         out.append("mixed block sizes")
+    if fine_hits_enabled(cfg):
+        out.append("fine-grained Mamba hits")
     return out
 
 

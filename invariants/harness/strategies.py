@@ -2,8 +2,10 @@
 
 Configs are small on purpose (tiny blocks, small pools) so that eviction,
 window slides, retained boundaries and the pinned tier are reached within a
-few dozen operations. Mamba groups keep block size == hash block size, which
-keeps vLLM's fine-grained Mamba hits (not modeled) off.
+few dozen operations. About half of the Mamba configurations make the Mamba
+block 2 or 4 hash blocks wide, which turns on vLLM's fine-grained Mamba hits
+and their copy-on-write copies (`model.fine_mamba`) when the other groups allow
+them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def configs(
     eagle: bool | None = None,
     caching: bool | None = None,
     lookahead: bool | None = None,
+    allow_fine: bool = True,
+    fine: bool | None = None,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -45,13 +49,19 @@ def configs(
     'none' only without prefix caching).
     `lookahead`: True = speculative slots (1..3 per allocation), False = none,
     None = either (mostly none, as most deployments run without spec decode).
+    `fine`: True = a Mamba block 2 or 4 hash blocks wide (fine-grained hits where
+    the other groups allow them), False = Mamba block == hash block, None = either
+    (unless `allow_fine` is False: targets that refuse such configurations).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
     base = draw(st.sampled_from([2, 4]))
+    wide_mamba = allow_fine and "mamba" in shape and (draw(st.booleans()) if fine is None else fine)
     groups = []
     for kind in shape:
-        if kind == "mamba" or len(shape) == 1:
+        if kind == "mamba" and wide_mamba:
+            bs = base * draw(st.sampled_from([2, 4]))
+        elif kind == "mamba" or len(shape) == 1:
             bs = base * (1 if kind == "mamba" else draw(st.sampled_from([1, 2])))
         else:
             bs = base * draw(st.sampled_from([1, 2, 4]))
@@ -78,6 +88,8 @@ def configs(
         pin_min_drop_blocks=draw(st.integers(0, 3)) if pin else 1,
         max_model_len=4096,
         num_lookahead_tokens=_lookahead(draw, lookahead),
+        # The hash block stays one `base` wide (vLLM `--prefix-match-unit`) when the Mamba block is wider.
+        hash_block_size=base if wide_mamba else 0,
     )
     if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
         cfg = cfg.with_(

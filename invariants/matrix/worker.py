@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import get_state_machine_test
 
 from invariants.harness.checker import Violation
-from invariants.harness.conformance import FEATURES
+from invariants.harness.conformance import FEATURES, FINE_MAMBA_ROW
 from invariants.harness.fuzz import EXAMPLES_PER_BATCH, STEPS_PER_EXAMPLE
 from invariants.harness.known_findings import is_known_violation, load_known_findings
 from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
@@ -59,6 +59,11 @@ def narrowed(
     """Generated configurations (`strategy`, default all) this release can be configured with."""
     if strategy is None:
         strategy = configs(allow_pinning=False, retention=None if caps.has_retention_interval else "dense")
+    if not caps.fine_grained_mamba:
+        # A Mamba block wider than the hash block means fine-grained hits only where the release has them.
+        strategy = strategy.filter(
+            lambda c: not any(g.kind == "mamba" and g.block_size > c.hash_block_size for g in c.groups)
+        )
     if not caps.has_retention_interval:
         strategy = strategy.filter(lambda c: c.retention_interval is None)
     elif not caps.mamba_retention:
@@ -73,6 +78,8 @@ def feature_applies(feature: str, caps: Capabilities) -> str | None:
     """None when a conformance row applies to the release, else why not."""
     if ("retention 0" in feature or "retention k" in feature) and not caps.has_retention_interval:
         return "n/a: no retention interval"
+    if feature == FINE_MAMBA_ROW and not caps.fine_grained_mamba:
+        return "n/a: no fine-grained Mamba hits"
     return None
 
 

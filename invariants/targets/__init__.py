@@ -42,6 +42,9 @@ def plugin_targets() -> dict[str, importlib.metadata.EntryPoint]:
 TARGET_NAMES = BUILTIN_TARGETS + tuple(plugin_targets())
 # Targets that implement the #40676 pinned tier (vLLM never merged it).
 PINNING_TARGETS = {"model", "reference"}
+# Targets that model vLLM's fine-grained Mamba hits and their CoW copies (the seeds
+# do not describe them, so the reference allocator refuses such configurations).
+FINE_MAMBA_TARGETS = {"model", "vllm"}
 
 
 def _load_plugin(name: str) -> Callable[[Config], Target]:
@@ -59,6 +62,8 @@ def _load_plugin(name: str) -> Callable[[Config], Target]:
         raise TargetUnavailable(f"{where} does not implement the Target protocol: no {names}")
     if getattr(factory, "supports_pinning", False):
         PINNING_TARGETS.add(name)
+    if getattr(factory, "supports_fine_mamba", True):
+        FINE_MAMBA_TARGETS.add(name)
     loaded: Callable[[Config], Target] = factory
     return loaded
 
@@ -100,6 +105,7 @@ __all__ = [
     "BUILTIN_TARGETS",
     "ENTRY_POINT_GROUP",
     "PINNING_TARGETS",
+    "FINE_MAMBA_TARGETS",
     "TARGET_NAMES",
     "Target",
     "TargetCrash",

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 from model.config import Config, ConfigError
+from model.fine_mamba import fine_hits_enabled
 from model.observation import (
     AllBlocksCleared,
     BlockKey,
@@ -85,6 +86,12 @@ def to_allocator_config(config: Config) -> AllocatorConfig:
     )
 
 
+FINE_MAMBA_UNSUPPORTED = (
+    "a Mamba block wider than the hash block turns on vLLM's fine-grained hits and CoW copies, "
+    "which the seeds' allocator does not implement (use --target model or vllm)"
+)
+
+
 class ReferenceTarget:
     name = "reference"
     MUTANTS: ClassVar[dict[str, Mutant]] = {}
@@ -102,6 +109,8 @@ class ReferenceTarget:
         return deco
 
     def __init__(self, config: Config, mutant: str | None = None, track_prefixes: bool | None = None) -> None:
+        if fine_hits_enabled(config):
+            raise ConfigError(f"groups: {FINE_MAMBA_UNSUPPORTED}")
         self.config = config
         self.track_prefixes = self.TRACK_PREFIXES if track_prefixes is None else track_prefixes
         self.mutant = mutant

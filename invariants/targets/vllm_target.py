@@ -11,7 +11,8 @@ decode tokens):
   `min(num_tokens - hit, budget)` (Mamba split: `model.scheduling.mamba_chunk`,
   the scheduler policy every target shares), `allocate_slots(req, n, hit,
   blocks)`; a running request `allocate_slots(req, n)`. Then, as `schedule()`
-  does, `take_kv_cache_block_copies()` and `block_pool.free_blocks(retained)`.
+  does, `take_kv_cache_block_copies()` (reported as the result's `copies`) and
+  `block_pool.free_blocks(retained)`.
 - `Step`: one `Scheduler.schedule` over several requests (`_step`: running
   pass with preempt-the-newest-and-retry, waiting pass only without a
   preemption; docs/semantics.md lists how it differs from the real loop).
@@ -45,9 +46,9 @@ one raises `UnsupportedConfig`. Everything else vLLM rejects is re-raised as
 `model.config.ConfigError` carrying vLLM's message.
 
 Fine-grained Mamba hits (a Mamba group wider than the hash block size next to
-another group: `HybridKVCacheCoordinator.enable_partial_hash_hits`) raise
-`UnsupportedConfig` too: they need scheduler stops (prompt-tail checkpoints)
-and CoW copies that the shared split rule does not port (docs/semantics.md).
+another group: `HybridKVCacheCoordinator.enable_partial_hash_hits`) run as the
+scheduler runs them: the chunk split adds the prompt-tail stop
+(`Scheduler.mamba_partial_cache_hit`), and every step's copies are reported.
 
 Older releases: the adapter follows `vllm_capabilities.detect()` (the installed
 release's own code), never a version string. It passes only the constructor
@@ -64,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from model.config import Config, ConfigError
@@ -103,10 +105,6 @@ from .vllm_env import MODELED_VERSION, version_warning, vllm_available, vllm_ver
 
 VLLM_EVENT_PROFILE = "vllm-0.33.0"
 NO_PINNED_TIER = "vLLM 0.33.0 has no pinned tier (#40676 was never merged)"
-FINE_GRAINED_MAMBA = (
-    "a Mamba group with block size > hash_block_size enables vLLM's fine-grained (sub-block) "
-    "Mamba hits, which kvretain does not model (keep Mamba block sizes equal to hash_block_size)"
-)
 
 
 class UnsupportedConfig(ConfigError):
@@ -139,8 +137,8 @@ class VllmTarget:
         self.caps: Capabilities = detect()
         self.hbs = config.hash_block_size
         self.manager = self._build_manager(config)
-        if getattr(self.manager.coordinator, "enable_partial_hash_hits", False):
-            raise UnsupportedConfig(f"groups: {FINE_GRAINED_MAMBA}")
+        # `Scheduler.mamba_partial_cache_hit`: fine-grained hits add the prompt-tail stop.
+        self._fine = bool(getattr(self.manager.coordinator, "enable_partial_hash_hits", False))
         self.pool = self.manager.block_pool
         self.requests: dict[str, Any] = {}
         self._probe_seq = 0
@@ -287,12 +285,7 @@ class VllmTarget:
         if isinstance(op, Schedule):
             m.new_step_starts()
             result = self._schedule(self.requests[op.rid], op.budget)
-            # Scheduler.schedule(): drain CoW copies, release their retained endpoints.
-            if self.caps.cow_copies:
-                _copies, retained = m.take_kv_cache_block_copies()
-                if retained:
-                    self.pool.free_blocks(retained)
-            return result
+            return replace(result, copies=self._take_copies())
         if isinstance(op, Step):
             return self._step(op)
         if isinstance(op, Sample):
@@ -328,6 +321,15 @@ class VllmTarget:
             return Done()
         raise TypeError(f"unknown operation {op!r}")
 
+    def _take_copies(self) -> tuple[tuple[int, int], ...]:
+        """Scheduler.schedule(): drain the CoW copies, release their retained endpoints."""
+        if not self.caps.cow_copies:
+            return ()
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        if retained:
+            self.pool.free_blocks(retained)
+        return tuple((c.src_block_id, c.dst_block_id) for c in copies)
+
     def _computed_blocks(self, req: Any) -> tuple[Any, int, int]:
         """`get_computed_blocks`; a release without the junction returns no boundary (0)."""
         out = self.manager.get_computed_blocks(req)
@@ -345,6 +347,7 @@ class VllmTarget:
             shared_prefix_boundary=getattr(req, "shared_prefix_boundary", 0),
             block_size=self.config.scheduler_block_size,
             eagle=self.config.eagle,
+            fine_hash_block_size=self.hbs if self._fine else 0,
         )
 
     @property
@@ -460,11 +463,7 @@ class VllmTarget:
                 req.num_computed_tokens = hit + n
                 token_budget -= n
                 results.append((req.request_id, ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))))
-        if self.caps.cow_copies:
-            _copies, retained = m.take_kv_cache_block_copies()
-            if retained:
-                self.pool.free_blocks(retained)
-        return StepResult(tuple(results), tuple(preempted))
+        return StepResult(tuple(results), tuple(preempted), self._take_copies())
 
     # ------------------------------------------------------------------ snapshot
     def snapshot(self) -> Snapshot:
@@ -662,7 +661,6 @@ def _vllm_modules() -> dict[str, Any]:
 
 __all__ = [
     "MODELED_VERSION",
-    "FINE_GRAINED_MAMBA",
     "NO_PINNED_TIER",
     "VLLM_EVENT_PROFILE",
     "UnsupportedConfig",

@@ -67,10 +67,12 @@ def zoo_configs(
     return validate(cfg)
 
 
-def strategy(name: str, *, allow_pinning: bool) -> st.SearchStrategy[Config]:
-    """The named strategy (KeyError naming the known ones)."""
+def strategy(name: str, *, allow_pinning: bool, allow_fine: bool = True) -> st.SearchStrategy[Config]:
+    """The named strategy (KeyError naming the known ones). `allow_fine`: whether
+    generated configurations may turn on fine-grained Mamba hits (the reference
+    allocator refuses them)."""
     table = {
-        "generated": lambda: configs(allow_pinning=allow_pinning),
+        "generated": lambda: configs(allow_pinning=allow_pinning, allow_fine=allow_fine),
         "swa": lambda: zoo_configs(shapes=SWA_SHAPES),
         "swa-sparse": lambda: zoo_configs(shapes=SWA_SHAPES, retention="sparse"),
         "retention0": lambda: zoo_configs(shapes=RETENTION_SHAPES, retention="zero"),
@@ -83,6 +85,10 @@ def strategy(name: str, *, allow_pinning: bool) -> st.SearchStrategy[Config]:
         "mamba-sparse": lambda: zoo_configs(shapes=MAMBA_SHAPES, retention="sparse", eagle=False),
         "mamba-coarse": lambda: zoo_configs(
             shapes=(("full", "mamba"),), retention="zero", eagle=False, coarse_mamba=True
+        ),
+        # Full attention + a Mamba block 2 or 4 hash blocks wide: fine-grained hits and copies.
+        "mamba-fine": lambda: configs(
+            allow_pinning=False, shapes=(("full", "mamba"),), caching=True, eagle=False, fine=True
         ),
     }
     if name not in table:
@@ -100,4 +106,5 @@ STRATEGY_NAMES = (
     "pinning",
     "mamba-sparse",
     "mamba-coarse",
+    "mamba-fine",
 )

@@ -18,6 +18,11 @@ requests reaches the guard; with one request per step it survived 120 s of
 fuzzing, seeds 0..75), `lookahead_slots_dropped` (without generated lookahead
 every call already passes 0) and `mamba_none_state_freed_early` (without
 Mamba 'none' configurations the patched branch never runs).
+Three more need fine-grained Mamba hits (a Mamba block wider than the hash
+block), which kvretain did not generate before it modeled them:
+`cow_copy_reversed`, `mamba_fine_hit_floored_to_block` and
+`producer_keys_not_moved` (each patched path runs only when a hit or a key
+ends inside a Mamba block; with fine-grained configurations off they survive).
 """
 
 from __future__ import annotations
@@ -469,3 +474,61 @@ def mamba_none_state_freed_early(stack: contextlib.ExitStack) -> None:
         return int(orig(self, num_computed_tokens))
 
     _set(stack, stm.MambaManager, "get_num_skipped_tokens", get_num_skipped_tokens)
+
+
+# ------------------------------------------------- fine-grained Mamba hits, CoW copies
+@mutant("cow_copy_reversed", strategy="mamba-fine")
+def cow_copy_reversed(stack: contextlib.ExitStack) -> None:
+    """A hit read in part queues its copy backwards: the private block over the shared state.
+
+    Patch: `SingleTypeKVCacheManager._apply_cow` queues `(cow_block,
+    source_block)` instead of `(source_block, cow_block)`. Only a hit that ends
+    inside a block makes a consumer copy, i.e. only fine-grained Mamba hits:
+    with Mamba blocks no wider than the hash block the patched path never runs.
+    """
+    stm = _core()["stm"]
+    orig = stm.SingleTypeKVCacheManager._apply_cow
+
+    def _apply_cow(self: Any, request_id: str, block_idx: int, source_block: Any, cow_block: Any) -> None:
+        orig(self, request_id, block_idx, source_block, cow_block)
+        src, dst = self._pending_cow_copies.pop()
+        self._pending_cow_copies.append((dst, src))
+
+    _set(stack, stm.SingleTypeKVCacheManager, "_apply_cow", _apply_cow)
+
+
+@mutant("mamba_fine_hit_floored_to_block", strategy="mamba-fine")
+def mamba_fine_hit_floored_to_block(stack: contextlib.ExitStack) -> None:
+    """Mamba ignores the hash-block alignment: its hits stop at whole Mamba blocks.
+
+    Patch: `MambaManager.find_longest_cache_hit` runs with `alignment_tokens`
+    raised to the Mamba block size whenever it is finer (fine-grained hits on):
+    the states keyed inside a block are never found, so the prompt-tail
+    checkpoint and its copy are wasted. Without fine-grained hits the alignment
+    is never finer than the Mamba block and nothing changes.
+    """
+    stm = _core()["stm"]
+
+    def edit(bound: inspect.BoundArguments) -> None:
+        bs = bound.arguments["kv_cache_spec"].block_size
+        if bound.arguments["alignment_tokens"] < bs:
+            bound.arguments["alignment_tokens"] = bs
+
+    _wrap_classmethod_args(stack, stm.MambaManager, "find_longest_cache_hit", edit)
+
+
+@mutant("producer_keys_not_moved", strategy="mamba-fine")
+def producer_keys_not_moved(stack: contextlib.ExitStack) -> None:
+    """A request that keyed its own state mid-block leaves the key on the block it overwrites.
+
+    Patch: `BlockPool.move_block_hashes` does nothing, so the prompt-tail key
+    stays on the running state block (which the next chunk advances) instead of
+    moving to the copy. Only fine-grained hits key a state inside its block;
+    without them `move_block_hashes` is never called.
+    """
+    bp = _core()["bp"]
+
+    def move_block_hashes(self: Any, src_block: Any, dst_block: Any) -> None:
+        return None
+
+    _set(stack, bp.BlockPool, "move_block_hashes", move_block_hashes)

@@ -115,7 +115,11 @@ def run_entry(
             report = run_fuzz(
                 entry.target,
                 factory=factory,
-                strategy=config_strategy(entry.strategy, allow_pinning=entry.target == "reference"),
+                strategy=config_strategy(
+                    entry.strategy,
+                    allow_pinning=entry.target == "reference",
+                    allow_fine=entry.target != "reference",
+                ),
                 tolerated=entry.tolerated or (lambda v: False),
                 steps=None if max_batches is None else max_batches * EXAMPLES_PER_BATCH * STEPS_PER_EXAMPLE,
                 seed=seed,

@@ -1,0 +1,88 @@
+"""Copy-on-write copies: a copy reads cached state and writes a block nobody else holds.
+
+With fine-grained Mamba hits (`model.fine_mamba`) a block keyed at a boundary
+inside it is shared content that its reader goes on writing, so vLLM queues a
+copy (source, destination) that the worker runs before the step's forward
+pass, and keeps one extra reference on both endpoints until the scheduler has
+taken the step's copies (`KVCacheManager.take_kv_cache_block_copies`,
+`Scheduler._free_cow_retained_blocks`). A wrong copy corrupts an output
+silently: a destination that was someone's block is overwritten, a source
+reused in the step is read after another request wrote it, a copy whose
+destination nobody reads is a lost hit.
+"""
+
+from __future__ import annotations
+
+from invariants.catalogue.context import CheckContext
+from model.observation import ScheduleResult, StepResult
+
+
+def _results(obs: object) -> list[ScheduleResult]:
+    if isinstance(obs, ScheduleResult):
+        return [obs]
+    if isinstance(obs, StepResult):
+        return [r for _, r in obs.results]
+    return []
+
+
+def _holders(tables: dict[str, tuple[tuple[int, ...], ...]], b: int) -> set[str]:
+    return {rid for rid, table in tables.items() if any(b in group for group in table)}
+
+
+def copies_sound(ctx: CheckContext) -> list[str]:
+    """Every copy a step queued (fine-grained Mamba hits, vLLM 0.33.0
+    `_apply_cow` / `move_block_hashes`) writes a block nobody else reads and
+    reads cached state. A hit that ends inside a block is copied: its last hit
+    block in that group is the source, the first block the step hands the
+    request there is the destination (the reader never writes the shared
+    block). No request that held a destination before the step still holds
+    it, and at most one block-table entry reads it after; a destination a
+    table reads copies a source that carries a key (a hit on cached state);
+    the source is never handed out as a new block in the same
+    step (the copy would read what another request wrote); a key the source
+    lost in the step moved to the destination (the key follows the state it
+    names). Reads whole block tables: audited operations only, like the step
+    invariants."""
+    copies = getattr(ctx.obs, "copies", ())
+    new: list[int] = [b for r in _results(ctx.obs) for g in r.new_blocks or () for b in g if b]
+    key_before, key_after = ctx.before.block_hash, ctx.after.block_hash
+    out = []
+    for src, dst in copies:
+        name = f"copy {src} -> {dst}"
+        if not src or not dst or src == dst:
+            out.append(f"{name}: endpoints must be two distinct real blocks")
+            continue
+        kept = _holders(ctx.before.tables, dst) & _holders(ctx.after.tables, dst)
+        if kept:
+            out.append(f"{name}: destination is still held by {sorted(kept)}, which held it before the step")
+        uses = sum(group.count(dst) for table in ctx.after.tables.values() for group in table)
+        if uses > 1:
+            out.append(f"{name}: destination read by {uses} block-table entries")
+        if uses and src not in key_before and src not in key_after:
+            out.append(f"{name}: source carries no key (the copy reads no cached state)")
+        if src in new:
+            out.append(
+                f"{name}: source was allocated in the same step (the copy runs before its content is written)"
+            )
+        if new.count(dst) > 1:
+            out.append(f"{name}: destination handed out {new.count(dst)} times in the step")
+        lost = key_before.get(src)
+        if lost is not None and src not in key_after and key_after.get(dst) != lost:
+            out.append(f"{name}: source lost its key {lost.short()} but the destination does not carry it")
+    return out + _partial_hits_copied(ctx, set(copies))
+
+
+def _partial_hits_copied(ctx: CheckContext, copies: set[tuple[int, int]]) -> list[str]:
+    out = []
+    for r in _results(ctx.obs):
+        if not r.admitted or not r.hit or r.hit_blocks is None or r.new_blocks is None:
+            continue
+        for g, (hits, new) in enumerate(zip(r.hit_blocks, r.new_blocks)):
+            if not hits or not hits[-1] or r.hit % ctx.config.groups[g].block_size == 0:
+                continue
+            want = (hits[-1], new[0] if new else 0)
+            if want not in copies:
+                out.append(
+                    f"group {g}: hit {r.hit} ends inside block {hits[-1]} but no copy {want[0]} -> {want[1]}"
+                )
+    return out
