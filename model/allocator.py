@@ -56,9 +56,16 @@ class RequestState:
     running: bool = False
     shared_prefix_boundary: int = 0
 
+    # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
+    _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
+
     @property
     def tokens(self) -> Tokens:
-        return self.prompt + tuple(self.outputs)
+        if not self.outputs:
+            return self.prompt
+        if len(self._joined) != len(self.prompt) + len(self.outputs):
+            self._joined = self.prompt + tuple(self.outputs)
+        return self._joined
 
     @property
     def num_tokens(self) -> int:

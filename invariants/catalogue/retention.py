@@ -6,6 +6,7 @@ from invariants.catalogue.context import CheckContext, RequestHistory
 from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
 from model.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens, block_key
 from model.ops import Probe, Schedule
+from model.prefix import prefix
 from model.scheduling import mamba_checkpoint_position
 
 
@@ -13,7 +14,7 @@ def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> b
     cfg = ctx.config
     spec = cfg.groups[key.group]
     bs, n = spec.block_size, len(key.tokens)
-    if req.tokens[:n] != key.tokens:
+    if prefix(req.tokens, n) is not key.tokens:
         return False
     if spec.kind == "mamba" and n == mamba_checkpoint_position(
         len(req.prompt), cfg.hash_block_size, cfg.eagle
