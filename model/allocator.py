@@ -271,7 +271,14 @@ class AllocatorModel:
 
     # --------------------------------------------------------------- lookup
     def _cached_fn(self, tokens: Tokens, gids: list[int], bs: int):  # type: ignore[no-untyped-def]
-        return lambda j: all(block_key(g, tokens, (j + 1) * bs) in self.pool.cached for g in gids)
+        seen: dict[int, bool] = {}  # the finders ask about a block many times: name it once
+
+        def cached(j: int) -> bool:
+            if j not in seen:
+                seen[j] = all(block_key(g, tokens, (j + 1) * bs) in self.pool.cached for g in gids)
+            return seen[j]
+
+        return cached
 
     def _finder(
         self, tokens: Tokens, spec: GroupSpec, gids: list[int], max_len: int, drop: bool, a: int

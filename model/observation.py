@@ -32,9 +32,10 @@ class BlockKey:
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, Prefix):
             object.__setattr__(self, "tokens", prefix(tuple(self.tokens)))
+        object.__setattr__(self, "_hash", hash((self.group, self.tokens)))
 
     def __hash__(self) -> int:
-        return hash((self.group, self.tokens))
+        return self._hash  # type: ignore[attr-defined,no-any-return]
 
     def short(self) -> str:
         return f"g{self.group}:{len(self.tokens)}t"

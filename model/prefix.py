@@ -32,7 +32,7 @@ from typing import Any, overload
 Tokens = tuple[int, ...]
 
 CHAIN = 32  # tokens per full node: a node per 32 tokens, a tail rebuilt in O(32)
-_MEMO_TUPLES = 64  # token tuples whose chains `prefix` remembers (LRU) ...
+_MEMO_TUPLES = 128  # token tuples whose chains `prefix` remembers (LRU) ...
 _MEMO_NODES = 1 << 18  # ... holding at most this many nodes in all
 
 
@@ -48,6 +48,11 @@ class Prefix:
 
     def __len__(self) -> int:
         return self.length
+
+    @property
+    def last(self) -> int | None:
+        """The last token (None for the empty prefix), O(1)."""
+        return self.chunk[-1] if self.chunk else None
 
     def __hash__(self) -> int:
         return self._hash
@@ -120,7 +125,8 @@ def _root() -> Prefix:
 
 EMPTY = _root()  # the prefix of no tokens (never collected)
 _NODES: weakref.WeakValueDictionary[tuple[Prefix, Tokens], Prefix] = weakref.WeakValueDictionary()
-_CHAINS: OrderedDict[int, tuple[Tokens, list[Prefix]]] = OrderedDict()
+# id(tuple) -> (the tuple, its chain of full nodes, every prefix of it named so far by length)
+_CHAINS: OrderedDict[int, tuple[Tokens, list[Prefix], dict[int, Prefix]]] = OrderedDict()
 _chain_nodes = 0
 
 
@@ -161,28 +167,36 @@ def prefix(tokens: Sequence[int], n: int | None = None) -> Prefix:
     a tuple is remembered (for the last few tuples), so naming every block of a
     prompt in turn costs O(prompt length) in all.
     """
+    entry = _CHAINS.get(id(tokens))
+    if entry is not None and entry[0] is tokens and n is not None:
+        known = entry[2].get(n)
+        if known is not None:
+            return known
     global _chain_nodes
     size = len(tokens)
     n = size if n is None else max(0, min(n, size))
     if not isinstance(tokens, tuple):  # mutable: never remembered
         return extend(EMPTY, tokens[:n])
     full = n // CHAIN
-    entry = _CHAINS.get(id(tokens))
     if entry is None or entry[0] is not tokens:
-        entry = (tokens, [EMPTY])
+        entry = (tokens, [EMPTY], {})
         _CHAINS[id(tokens)] = entry
     else:
         _CHAINS.move_to_end(id(tokens))
-    chain = entry[1]
+    chain, named = entry[1], entry[2]
     while len(chain) <= full:
         k = len(chain) - 1
         chain.append(_node(chain[-1], tokens[k * CHAIN : (k + 1) * CHAIN]))
         _chain_nodes += 1
-    while len(_CHAINS) > _MEMO_TUPLES or (_chain_nodes > _MEMO_NODES and len(_CHAINS) > 1):
-        _old, (_t, dropped) = _CHAINS.popitem(last=False)
-        _chain_nodes -= len(dropped) - 1
     node = chain[full]
-    return _node(node, tokens[full * CHAIN : n]) if n > full * CHAIN else node
+    if n > full * CHAIN:
+        node = _node(node, tokens[full * CHAIN : n])
+    named[n] = node
+    _chain_nodes += 1
+    while len(_CHAINS) > _MEMO_TUPLES or (_chain_nodes > _MEMO_NODES and len(_CHAINS) > 1):
+        _old, (_t, dropped, dropped_named) = _CHAINS.popitem(last=False)
+        _chain_nodes -= len(dropped) - 1 + len(dropped_named)
+    return node
 
 
 def live_nodes() -> int:

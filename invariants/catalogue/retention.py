@@ -14,7 +14,8 @@ def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> b
     cfg = ctx.config
     spec = cfg.groups[key.group]
     bs, n = spec.block_size, len(key.tokens)
-    if prefix(req.tokens, n) is not key.tokens:
+    tokens = req.tokens
+    if len(tokens) < n or tokens[n - 1] != key.tokens.last or prefix(tokens, n) is not key.tokens:
         return False
     if spec.kind == "mamba" and n == mamba_checkpoint_position(
         len(req.prompt), cfg.hash_block_size, cfg.eagle
