@@ -97,11 +97,14 @@ class Prefix:
     def __getitem__(self, index: int | slice) -> int | Prefix | Tokens:
         """`p[:n]` (n >= 0) is the interned prefix of p's first n tokens, in
         O(distance / CHAIN); any other index reads the content (a tuple, O(length))."""
-        leading = isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1)
-        if not leading or (index.stop is not None and index.stop < 0):
-            return self.tokens()[index]
-        assert isinstance(index, slice)
-        return self.head(self.length if index.stop is None else min(self.length, index.stop))
+        if (
+            isinstance(index, slice)
+            and index.start in (None, 0)
+            and index.step in (None, 1)
+            and (index.stop is None or index.stop >= 0)
+        ):
+            return self.head(self.length if index.stop is None else min(self.length, index.stop))
+        return self.tokens()[index]
 
     def head(self, n: int) -> Prefix:
         """The prefix of the first n tokens (0 <= n <= length)."""
@@ -202,3 +205,10 @@ def prefix(tokens: Sequence[int], n: int | None = None) -> Prefix:
 def live_nodes() -> int:
     """How many prefix nodes are alive (memory checks)."""
     return len(_NODES)
+
+
+def clear_memo() -> None:
+    """Forget the remembered chains (their nodes become collectable if nothing else holds them)."""
+    global _chain_nodes
+    _CHAINS.clear()
+    _chain_nodes = 0
