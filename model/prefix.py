@@ -33,7 +33,7 @@ Tokens = tuple[int, ...]
 
 CHAIN = 32  # tokens per full node: a node per 32 tokens, a tail rebuilt in O(32)
 _MEMO_TUPLES = 128  # token tuples whose chains `prefix` remembers (LRU) ...
-_MEMO_NODES = 1 << 18  # ... holding at most this many nodes in all
+_MEMO_NODES = 1 << 17  # ... holding at most this many names in all (4M tokens of chain)
 
 
 class Prefix:

@@ -42,6 +42,7 @@ from invariants.targets.base import Target
 from model.config import Config
 from model.observation import ScheduleResult
 from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule
+from model.prefix import clear_memo
 
 PRODUCTION_PRESETS = ("dsv4-flash", "gemma-like", "kimi-linear-like")
 CONCURRENCY = 14.5  # vLLM's "Maximum concurrency" figure the pools are sized for
@@ -167,6 +168,7 @@ def run_production(
     spool = OpSpool()
     while not done() and not failures:
         gc.unfreeze()
+        clear_memo()  # the remembered chains hold the previous episode's token tuples
         gc.collect()  # the previous episode's model, target and history go before the next is built
         spool.clear()
         setting = plan[stats.episodes % len(plan)]
