@@ -4,7 +4,9 @@ It applies the operations of `model.ops` and predicts, exactly, what vLLM
 0.33.0's `KVCacheManager` does for the configurations kvretain generates
 (docs/semantics.md): block ids per group, hit lengths and the shared-prefix
 junction, ref counts, the hash map, the free-queue order per tier, allocation
-failures and KV events. Speed is not a goal: lists, sets and brute force.
+failures and KV events. Speed is not a goal: lists, sets and brute force (the
+free queue is the one exception: `model.free_queue.LinkedFreeQueue`, checked
+against the list definition, so that 156k-block pools stay usable).
 
 Per-group state mirrors vLLM's single-type managers: the block table (null =
 0), how many leading blocks have been through caching, and for Mamba the index
