@@ -27,13 +27,14 @@ _LOW_64 = 8  # KV events carry a hash as the low 64 bits of its bytes
 
 
 class HashNames:
-    def __init__(self, rehash: Callable[[Prefix], bytes | None] | None = None) -> None:
+    def __init__(self, rehash: Callable[[Prefix], bytes | None] | None = None, slack: int = 4096) -> None:
         self._source: dict[bytes, tuple[Tokens, int]] = {}
         self._by_int: dict[int, bytes] = {}
         self._named: dict[bytes, Prefix] = {}
         self._hash_of: dict[Prefix, bytes] = {}
         self._rehash = rehash
         self._kept = 0
+        self._slack = slack  # entries allowed beyond twice the last kept count (< 0: prune at every read)
 
     def __len__(self) -> int:
         return len(self._source)
@@ -75,7 +76,7 @@ class HashNames:
 
     def should_prune(self) -> bool:
         """Amortised: prune when the table doubled since the last prune."""
-        return len(self._source) > 2 * self._kept + 4096
+        return len(self._source) > 2 * self._kept + self._slack
 
     def prune(self, keep: Iterable[bytes]) -> None:
         wanted = {h for h in keep if h in self._source}
