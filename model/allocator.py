@@ -4,7 +4,9 @@ It applies the operations of `model.ops` and predicts, exactly, what vLLM
 0.33.0's `KVCacheManager` does for the configurations kvretain generates
 (docs/semantics.md): block ids per group, hit lengths and the shared-prefix
 junction, ref counts, the hash map, the free-queue order per tier, allocation
-failures and KV events. Speed is not a goal: lists, sets and brute force.
+failures and KV events. Speed is not a goal: lists, sets and brute force (the
+free queue is the one exception: `model.free_queue.LinkedFreeQueue`, checked
+against the list definition, so that 156k-block pools stay usable).
 
 Per-group state mirrors vLLM's single-type managers: the block table (null =
 0), how many leading blocks have been through caching, for Mamba the index
@@ -69,9 +71,16 @@ class RequestState:
     running: bool = False
     shared_prefix_boundary: int = 0
 
+    # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
+    _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
+
     @property
     def tokens(self) -> Tokens:
-        return self.prompt + tuple(self.outputs)
+        if not self.outputs:
+            return self.prompt
+        if len(self._joined) != len(self.prompt) + len(self.outputs):
+            self._joined = self.prompt + tuple(self.outputs)
+        return self._joined
 
     @property
     def num_tokens(self) -> int:
@@ -296,7 +305,14 @@ class AllocatorModel:
 
     # --------------------------------------------------------------- lookup
     def _cached_fn(self, tokens: Tokens, gids: list[int], bs: int):  # type: ignore[no-untyped-def]
-        return lambda j: all(block_key(g, tokens, (j + 1) * bs) in self.pool.cached for g in gids)
+        seen: dict[int, bool] = {}  # the finders ask about a block many times: name it once
+
+        def cached(j: int) -> bool:
+            if j not in seen:
+                seen[j] = all(block_key(g, tokens, (j + 1) * bs) in self.pool.cached for g in gids)
+            return seen[j]
+
+        return cached
 
     def _finder(
         self, tokens: Tokens, spec: GroupSpec, gids: list[int], max_len: int, drop: bool, a: int

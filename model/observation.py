@@ -4,7 +4,9 @@ A hash is named by its content, never by its bytes: `BlockKey(group, tokens)`
 stands for "the hash of the prefix `tokens` in KV-cache group `group`". Two
 allocators agree on a hash exactly when they agree on the prefix it covers, so
 targets that hash differently (sha256 in vLLM, anything in the model) compare
-without sharing a hash function.
+without sharing a hash function. The prefix is a `model.prefix.Prefix`, an
+interned trie node: naming is O(new tokens) and equality is identity, exact
+(a tuple given to `BlockKey` or to an event is interned on construction).
 
 Block ids are compared exactly: vLLM hands them out deterministically (null
 block 0, a fresh free queue in id order), so the model predicts them.
@@ -15,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-Tokens = tuple[int, ...]
+from model.prefix import Prefix, Tokens, prefix
+
 BlockIds = tuple[int, ...]
 
 
@@ -24,15 +27,15 @@ class BlockKey:
     """The hash of the token prefix `tokens` in group `group` (vLLM's BlockHashWithGroupId)."""
 
     group: int
-    tokens: Tokens
+    tokens: Prefix
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, Prefix):
+            object.__setattr__(self, "tokens", prefix(tuple(self.tokens)))
+        object.__setattr__(self, "_hash", hash((self.group, self.tokens)))
 
     def __hash__(self) -> int:
-        # Keys hold whole prefixes; hashing one is O(length), so compute it once.
-        cached: int | None = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash((self.group, self.tokens))
-            object.__setattr__(self, "_hash", cached)
-        return cached
+        return self._hash  # type: ignore[attr-defined,no-any-return]
 
     def short(self) -> str:
         return f"g{self.group}:{len(self.tokens)}t"
@@ -41,7 +44,11 @@ class BlockKey:
 def block_key(group: int, tokens: Tokens, num_tokens: int) -> BlockKey:
     """The key of the first `num_tokens` of `tokens` in `group`: the one way
     model, adapters and invariants name a prefix's hash."""
-    return BlockKey(group, tokens[:num_tokens])
+    return BlockKey(group, prefix(tokens, num_tokens))
+
+
+def _interned(p: Prefix | Tokens) -> Prefix:
+    return p if isinstance(p, Prefix) else prefix(tuple(p))
 
 
 @dataclass(frozen=True)
@@ -49,10 +56,15 @@ class BlockStored:
     """Blocks entered the hash map. `block_hashes` are the keys' prefixes, in block order."""
 
     group: int
-    block_hashes: tuple[Tokens, ...]
-    parent: Tokens | None
+    block_hashes: tuple[Prefix, ...]
+    parent: Prefix | None
     token_ids: Tokens
     block_size: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_hashes", tuple(_interned(h) for h in self.block_hashes))
+        if self.parent is not None:
+            object.__setattr__(self, "parent", _interned(self.parent))
 
 
 @dataclass(frozen=True)
@@ -60,7 +72,10 @@ class BlockRemoved:
     """One key left the hash map."""
 
     group: int
-    block_hash: Tokens
+    block_hash: Prefix
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_hash", _interned(self.block_hash))
 
 
 @dataclass(frozen=True)

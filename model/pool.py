@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from model.free_queue import FreeQueue, demote_n
+from model.free_queue import LinkedFreeQueue, demote_n
 from model.observation import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, Event, Tokens, block_key
+from model.prefix import prefix
 
 EVENT_PROFILES = ("seed", "vllm-0.33.0")
 
@@ -39,8 +40,9 @@ class Pool:
         self.primary_tokens: dict[int, int] = {}
         self.secondary: dict[int, list[BlockKey]] = {}
         self.cached: dict[BlockKey, list[int]] = {}
-        self.queue = FreeQueue(range(1, num_blocks))
-        self.pinned_tier = FreeQueue()
+        # O(1) per block at 156k blocks; `model.free_queue.FreeQueue` is its definition.
+        self.queue = LinkedFreeQueue(range(1, num_blocks))
+        self.pinned_tier = LinkedFreeQueue()
         self.pinned: set[int] = set()
         self.events: list[Event] = []
 
@@ -155,8 +157,8 @@ class Pool:
             self.events.append(
                 BlockStored(
                     group,
-                    tuple(tokens[: (i + 1) * block_size] for i in stored),
-                    tokens[: num_cached * block_size] if num_cached else None,
+                    tuple(prefix(tokens, (i + 1) * block_size) for i in stored),
+                    prefix(tokens, num_cached * block_size) if num_cached else None,
                     tokens[num_cached * block_size : num_full * block_size],
                     block_size,
                 )
@@ -167,8 +169,8 @@ class Pool:
             self.events.append(
                 BlockStored(
                     group,
-                    tuple(tokens[: (i + 1) * block_size] for i in run),
-                    tokens[: lo * block_size] if lo else None,
+                    tuple(prefix(tokens, (i + 1) * block_size) for i in run),
+                    prefix(tokens, lo * block_size) if lo else None,
                     tokens[lo * block_size : hi * block_size],
                     block_size,
                 )
@@ -187,7 +189,7 @@ class Pool:
             lo = num_tokens - self.hbs
             self.events.append(
                 BlockStored(
-                    group, (key.tokens,), tokens[:lo] if lo else None, tokens[lo:num_tokens], self.hbs
+                    group, (key.tokens,), prefix(tokens, lo) if lo else None, tokens[lo:num_tokens], self.hbs
                 )
             )
         return key

@@ -132,8 +132,10 @@ class MovesAnUntouchedBlock(ModelTarget):
         out = super().apply(op)
         self.n += 1
         if self.n == 6:
-            q = self._model.pool.queue.blocks
-            q.insert(0, q.pop())
+            q = self._model.pool.queue
+            last = q.blocks[-1]
+            q.remove(last)
+            q.prepend_n([last])
         return out
 
 

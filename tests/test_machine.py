@@ -48,9 +48,9 @@ class AppendUncached(ModelTarget):
             uncached = [b for b in blocks if b and pool.ref[b] == 1 and b not in pool.primary]
             original(pool, blocks)
             for b in uncached:
-                if b in pool.queue.blocks:
-                    pool.queue.blocks.remove(b)
-                    pool.queue.blocks.append(b)
+                if b in pool.queue:
+                    pool.queue.remove(b)
+                    pool.queue.append_n([b])
 
         pool.free = free  # type: ignore[method-assign]
 

@@ -22,9 +22,16 @@ class RequestHistory:
     ever_preempted: bool = False
     boundaries: set[int] = field(default_factory=set)
 
+    # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
+    _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
+
     @property
     def tokens(self) -> Tokens:
-        return self.prompt + tuple(self.outputs)
+        if not self.outputs:
+            return self.prompt
+        if len(self._joined) != len(self.prompt) + len(self.outputs):
+            self._joined = self.prompt + tuple(self.outputs)
+        return self._joined
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext
 from model.observation import BlockStored
+from model.prefix import extend
 
 
 def events_match_hash_map(ctx: CheckContext) -> list[str]:
@@ -35,9 +36,10 @@ def stored_tokens_match_hashes(ctx: CheckContext) -> list[str]:
                 f"but {len(ev.token_ids)} token ids"
             )
             continue
-        prefix = ev.parent or ()
+        chained = ev.parent
         for i, h in enumerate(ev.block_hashes):
-            if h != prefix + ev.token_ids[: (i + 1) * bs]:
+            chained = extend(chained, ev.token_ids[i * bs : (i + 1) * bs])
+            if h is not chained:
                 out.append(
                     f"BlockStored(group {ev.group}) hash {i} does not chain from its parent and tokens"
                 )

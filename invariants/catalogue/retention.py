@@ -7,6 +7,7 @@ from model.fine_mamba import fine_hits_enabled, is_fine_lookup
 from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
 from model.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens, block_key
 from model.ops import Probe, Schedule
+from model.prefix import prefix
 from model.scheduling import mamba_checkpoint_position
 
 
@@ -14,7 +15,8 @@ def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> b
     cfg = ctx.config
     spec = cfg.groups[key.group]
     bs, n = spec.block_size, len(key.tokens)
-    if req.tokens[:n] != key.tokens:
+    tokens = req.tokens
+    if len(tokens) < n or tokens[n - 1] != key.tokens.last or prefix(tokens, n) is not key.tokens:
         return False
     if spec.kind == "mamba" and n == mamba_checkpoint_position(
         len(req.prompt), cfg.hash_block_size, cfg.eagle

@@ -168,17 +168,17 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
     deltas, audits every PRODUCTION_AUDIT_EVERY steps); raw: the same operations
     replayed on a fresh vLLM target with no model and no checks (the adapter's
     own cost counts as raw, which flatters raw, never the checker)."""
-    from invariants.harness.production import PRODUCTION_AUDIT_EVERY, max_prompt, settings_for, workload
+    from invariants.harness.production import PRODUCTION_AUDIT_EVERY, settings_for, workload
 
     setting = next(s for s in settings_for(seed) if s.name == "dsv4-flash" and not s.squeezed)
     cfg = setting.config
     factory = target_factory("vllm")
     log(
         f"kvretain bench --scale production: {ops} operations, dsv4-flash, {cfg.num_blocks:,} blocks, "
-        f"retention {cfg.retention_interval}, prompts up to {max_prompt(cfg):,} tokens, seed {seed}"
+        f"retention {cfg.retention_interval}, prompts up to {setting.longest:,} tokens, seed {seed}"
     )
     checker = Checker(factory(cfg), audit_every=PRODUCTION_AUDIT_EVERY)
-    gen = workload(cfg, random.Random(seed), checker)
+    gen = workload(cfg, random.Random(seed), checker, setting.longest)
     checked_s, tokens = 0.0, 0
     while len(checker.ops) < ops:
         op = next(gen)

@@ -4,21 +4,24 @@
 The configurations are the full-size presets (`dsv4-flash`, `gemma-like`,
 `kimi-linear-like`) with retention None, 0 or an interval, and pools sized as
 vLLM sizes them: `pool_blocks(cfg, 14.5, max context)` (156,281 blocks for
-dsv4-flash at 1M tokens). Each pool is run twice: at full size, and squeezed
-to 14.5 requests of the longest prompt, so that 16+ requests in flight run out
-of blocks and the scheduler preempts (as vLLM's does: the newest running
-request loses its blocks).
+dsv4-flash at 1M tokens), with prompts up to the context length (1M tokens
+for dsv4-flash and kimi-linear-like). Each layout also runs squeezed: prompts
+up to an eighth of the context and a pool for `SQUEEZE` of them, so that 16+
+requests in flight run out of blocks and the scheduler preempts (as vLLM's
+does: the newest running request loses its blocks).
 
-The workload (seeded, printed): 16-32 requests in flight, prompts sharing a
-few long system prompts, 8k-token chunks, short decodes, probes, preemption.
-Every operation goes through the Checker (model differential and every
-invariant, fast path plus audits).
+The workload (seeded, printed): 16-32 requests in flight, prompts from a few
+tokens to the longest (log-uniform) sharing a few long system prompts,
+8k-token chunks, short decodes, probes, preemption. Every operation goes
+through the Checker (model differential and every invariant, fast path plus
+audits).
 
-Bounded memory: hashes are named by their token prefix (`BlockKey`), so a
-prompt of n tokens costs O(n^2 / hash block) in the model and the adapters;
-prompts are capped per layout (`max_prompt`, printed) and the run is cut
-into episodes of `EPISODE_OPS` operations, each on a fresh model and target,
-so the history, traces and hash tables never outgrow one episode.
+Flat memory: prefixes are interned trie nodes (`model.prefix`), so naming
+costs O(new tokens) and what no state refers to is collected; the adapters
+prune their hash tables as vLLM removes hashes; the operations replay needs
+are spooled to disk (`OpSpool`), not kept. The run is cut into episodes of
+`EPISODE_OPS` operations, each on a fresh model and target, so the history
+never outgrows one episode.
 """
 
 from __future__ import annotations
@@ -28,31 +31,29 @@ import math
 import random
 import resource
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.spool import OpSpool
 from invariants.layouts.presets import MAX_CONTEXT, pool_blocks, preset
 from invariants.targets.base import Target
 from model.config import Config
 from model.observation import ScheduleResult
 from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule
+from model.prefix import clear_memo
 
 PRODUCTION_PRESETS = ("dsv4-flash", "gemma-like", "kimi-linear-like")
 CONCURRENCY = 14.5  # vLLM's "Maximum concurrency" figure the pools are sized for
+SQUEEZE = 4.0  # a squeezed pool holds this many of its longest prompts
 CHUNK = 8192
-EPISODE_OPS = 500
+VOCAB = 30000
+MAX_DECODE = 32
+# Long enough for a 1M-token prompt to be admitted, chunked and finished among
+# 16-32 others (128 chunks each); a fresh episode costs a pool build and a full audit.
+EPISODE_OPS = 5000
 PRODUCTION_AUDIT_EVERY = 512  # an audit walks the whole pool (156k blocks): amortise it
-# Prefix-named hashes: a prompt of n tokens holds ~n^2 / (2 * hash block) token slots.
-SLOTS_PER_PROMPT = 4_000_000
-
-
-def max_prompt(cfg: Config) -> int:
-    """The longest prompt this layout is fuzzed with (see the module docstring)."""
-    return max(
-        cfg.scheduler_block_size * 2,
-        min(CHUNK * 4, int(math.sqrt(2 * SLOTS_PER_PROMPT * cfg.hash_block_size))),
-    )
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,12 @@ class Setting:
     name: str
     config: Config
     squeezed: bool
+    longest: int  # the longest prompt, in tokens
+
+
+def max_prompt(cfg: Config) -> int:
+    """The longest prompt a layout with this context length runs at full size."""
+    return cfg.max_model_len - MAX_DECODE
 
 
 def settings_for(seed: int) -> list[Setting]:
@@ -73,8 +80,9 @@ def settings_for(seed: int) -> list[Setting]:
                 continue
             cfg = replace(base, retention_interval=retention, max_model_len=MAX_CONTEXT[name])
             full = replace(cfg, num_blocks=pool_blocks(cfg, CONCURRENCY, MAX_CONTEXT[name]))
-            squeezed = replace(cfg, num_blocks=pool_blocks(cfg, CONCURRENCY, max_prompt(cfg)))
-            out += [Setting(name, full, False), Setting(name, squeezed, True)]
+            short = max_prompt(cfg) // 8
+            squeezed = replace(cfg, num_blocks=pool_blocks(cfg, SQUEEZE, short + MAX_DECODE))
+            out += [Setting(name, full, False, max_prompt(cfg)), Setting(name, squeezed, True, short)]
     random.Random(seed).shuffle(out)
     return out
 
@@ -86,20 +94,23 @@ class ProductionStats:
     preemptions: int = 0
     episodes: int = 0
     known: set[str] = field(default_factory=set)
-    rss_at_tenth_kb: int = 0
+    rss_at_tenth_kb: int = 0  # peak RSS when a tenth of the run was behind
+    rss_now_at_tenth_kb: int = 0  # resident memory then, and at the end
+    rss_now_at_end_kb: int = 0
 
     @staticmethod
     def peak_rss_kb() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def workload(cfg: Config, rng: random.Random, checker: Checker) -> Iterator[Op]:
+def random_tokens(rng: random.Random, n: int) -> tuple[int, ...]:
+    """n seeded token ids in [1, VOCAB) (bulk: a 1M-token prompt in tens of milliseconds)."""
+    return tuple(v % (VOCAB - 1) + 1 for v in array("H", rng.randbytes(2 * n)))
+
+
+def workload(cfg: Config, rng: random.Random, checker: Checker, longest: int) -> Iterator[Op]:
     """A serving workload on `checker`'s model state; yields the next operation (never ends)."""
-    longest = max_prompt(cfg)
-    systems = [
-        tuple(rng.randrange(1, 30000) for _ in range(rng.randint(longest // 4, longest * 3 // 4)))
-        for _ in range(3)
-    ]
+    systems = [random_tokens(rng, rng.randint(longest // 4, longest * 3 // 4)) for _ in range(3)]
     inflight = rng.randint(16, 32)
     wants: dict[str, int] = {}
     added = 0
@@ -108,10 +119,10 @@ def workload(cfg: Config, rng: random.Random, checker: Checker) -> Iterator[Op]:
         if len(reqs) < inflight and (not reqs or rng.random() < 0.3):
             n = int(math.exp(rng.uniform(math.log(4), math.log(longest))))
             system = rng.choice(systems)[: rng.randint(0, n)]
-            prompt = system + tuple(rng.randrange(1, 30000) for _ in range(max(1, n - len(system))))
+            prompt = system + random_tokens(rng, max(1, n - len(system)))
             rid = f"p{added}"
             added += 1
-            wants[rid] = len(prompt) + rng.randint(1, 32)
+            wants[rid] = len(prompt) + rng.randint(1, MAX_DECODE)
             yield AddRequest(rid, prompt)
             continue
         if rng.random() < 0.02:
@@ -120,7 +131,7 @@ def workload(cfg: Config, rng: random.Random, checker: Checker) -> Iterator[Op]:
         rid = rng.choice(sorted(reqs))
         r = reqs[rid]
         if r.running and r.num_computed == r.num_tokens:
-            yield Finish(rid) if r.num_tokens >= wants[rid] else Sample(rid, rng.randrange(1, 30000))
+            yield Finish(rid) if r.num_tokens >= wants[rid] else Sample(rid, rng.randrange(1, VOCAB))
         elif r.running and rng.random() < 0.01:
             yield Preempt(rid)
         else:
@@ -154,18 +165,25 @@ def run_production(
         over_steps = steps is not None and stats.ops >= steps
         return over_steps or (budget_s is not None and time.monotonic() - start >= budget_s)
 
+    spool = OpSpool()
     while not done() and not failures:
+        gc.unfreeze()
+        clear_memo()  # the remembered chains hold the previous episode's token tuples
         gc.collect()  # the previous episode's model, target and history go before the next is built
+        spool.clear()
         setting = plan[stats.episodes % len(plan)]
         stats.episodes += 1
         cfg = setting.config
         checker = Checker(factory(cfg), audit_every=audit_every)
+        # The pools just built (156k blocks on each side) live all episode: keep
+        # the cyclic collector from walking them again and again.
+        gc.freeze()
         log(
             f"episode {stats.episodes}: {setting.name}, {cfg.num_blocks:,} blocks"
             f"{' (squeezed)' if setting.squeezed else ''}, retention {cfg.retention_interval}, "
-            f"prompts up to {max_prompt(cfg):,} tokens"
+            f"prompts up to {setting.longest:,} tokens"
         )
-        ops = workload(cfg, rng, checker)
+        ops = workload(cfg, rng, checker, setting.longest)
         for _ in range(EPISODE_OPS):
             if done():
                 break
@@ -174,17 +192,22 @@ def run_production(
                 found = checker.step(op)
             except InvalidOp:
                 continue
+            # Replay needs the episode's operations: spool them, keep the last in memory.
+            spool.extend(checker.ops[:-1])
+            del checker.ops[:-1]
             stats.ops += 1
             if stats.rss_at_tenth_kb == 0 and _tenth_done(
                 stats.ops, steps, time.monotonic() - start, budget_s
             ):
                 stats.rss_at_tenth_kb = stats.peak_rss_kb()
+                stats.rss_now_at_tenth_kb = current_rss_kb()
             obs = checker.last_obs
             if isinstance(obs, ScheduleResult):
                 stats.tokens += obs.scheduled
             stats.preemptions += isinstance(op, Preempt)
             new = [v for v in found if not _known(v, tolerated, stats)]
             if new:
+                checker.ops[:0] = spool.ops()
                 failures.append((setting, checker, new))
                 break
             if time.monotonic() - last_log >= 5:
@@ -197,8 +220,22 @@ def run_production(
         if not failures:
             end = [v for v in checker.audit() if not _known(v, tolerated, stats)]
             if end:
+                checker.ops[:0] = spool.ops()
                 failures.append((setting, checker, end))
+        del checker, ops
+    gc.unfreeze()
+    spool.close()
+    stats.rss_now_at_end_kb = current_rss_kb()
     return stats, failures, time.monotonic() - start
+
+
+def current_rss_kb() -> int:
+    """Resident memory now (Linux /proc; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * (resource.getpagesize() // 1024)
+    except (OSError, ValueError, IndexError):
+        return ProductionStats.peak_rss_kb()
 
 
 def _tenth_done(ops: int, steps: int | None, elapsed: float, budget_s: float | None) -> bool:
@@ -246,4 +283,12 @@ def format_production(target: str, seed: int, stats: ProductionStats, seconds: f
         "RSS@10% MiB",
         "peak RSS MiB",
     ]
-    return f"pools (full size): {pools}\n" + table([*head, "verdict", "seconds"], rows)
+    out = f"pools (full size): {pools}\n" + table([*head, "verdict", "seconds"], rows)
+    if stats.rss_at_tenth_kb:
+        growth = peak / stats.rss_at_tenth_kb - 1
+        out += (
+            f"\nmemory: peak RSS {stats.rss_at_tenth_kb / 1024:,.0f} MiB at 10% of the run, "
+            f"{peak / 1024:,.0f} MiB at the end ({growth:+.1%}); resident "
+            f"{stats.rss_now_at_tenth_kb / 1024:,.0f} MiB at 10%, {stats.rss_now_at_end_kb / 1024:,.0f} MiB at the end"
+        )
+    return out

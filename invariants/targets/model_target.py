@@ -16,8 +16,6 @@ from model.ops import Op
 
 from .base import END, NOT_FREE, PartialState, closure, event_keys
 
-ENDS = 1024
-
 
 class ModelTarget:
     name = "model"
@@ -49,35 +47,16 @@ def model_partial(
     pool.events.clear()
     want, want_keys = closure(tables, blocks, keys)
     want_keys |= event_keys(events)
-    queue = pool.queue.blocks
-    n = len(queue)
-    # Freed blocks land at either end of the queue: look there before a full search.
-    tail = queue[-ENDS:]
-    ends = {b: i for i, b in enumerate(queue[:ENDS])}
-    ends.update(zip(tail, range(n - len(tail), n)))
-    misses = [b for b in want if pool.ref[b] == 0 and b not in ends]
-    if len(misses) > 2:  # one pass over the queue beats a search per block
-        ends = dict(zip(queue, range(n)))
     out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
     for b in want:
         key = pool.primary.get(b)
         if key is not None:
             want_keys.add(key)
         prev = nxt = NOT_FREE
-        if pool.ref[b] == 0:
-            i = ends.get(b)
-            if i is None:
-                i = _index(queue, b)
-            if i is not None:
-                prev = queue[i - 1] if i > 0 else END
-                nxt = queue[i + 1] if i + 1 < n else END
+        if b in pool.queue:  # ref 0 and not in the pinned tier
+            before, after = pool.queue.neighbours(b)
+            prev = END if before is None else before
+            nxt = END if after is None else after
         out[b] = (pool.ref[b], key, prev, nxt)
     holders = {k: tuple(pool.cached.get(k, ())) for k in want_keys}
-    return PartialState(out, holders, tables, len(queue), events)
-
-
-def _index(queue: list[int], block: int) -> int | None:
-    try:
-        return queue.index(block)
-    except ValueError:  # ref 0 but not in the regular queue: the pinned tier
-        return None
+    return PartialState(out, holders, tables, len(pool.queue), events)

@@ -4,9 +4,10 @@ Translation only: `model.config.Config` -> `reference_impl.AllocatorConfig`
 (ValueError -> ConfigError, same message), `model.ops` -> `Scheduler` calls,
 and reference hash bytes -> `BlockKey(group, prefix_tokens)`. The prefix a
 hash stands for is recorded when the hash is computed (requests report every
-new hash through a listener), so no hash is ever inverted.
+new hash through a listener), so no hash is ever inverted; the table
+(`HashNames`) is pruned to the hashes the pool holds or a live request has
+once the removal events were read.
 
-At scale (1M-token prompts) recording the prefix of every hash is O(n^2):
 `ReferenceTarget(cfg, track_prefixes=False)` (or a subclass setting
 `TRACK_PREFIXES = False`) records nothing, and its snapshots name each hash by
 a stand-in instead of its prefix: `BlockKey(group, tuple(hash_bytes))`. Such
@@ -52,6 +53,7 @@ from model.ops import (
     Schedule,
     Step,
 )
+from model.prefix import Prefix, prefix
 from reference_impl import kv_events
 from reference_impl.components import AllocatorComponents
 from reference_impl.config import AllocatorConfig, KVCacheGroupConfig
@@ -61,6 +63,7 @@ from reference_impl.request import Request
 from reference_impl.scheduler import ScheduleOutcome, Scheduler
 
 from .base import PartialState, TargetCrash, partial_from_snapshot
+from .hash_names import HashNames
 
 Mutant = Callable[[AllocatorComponents], AllocatorComponents]
 
@@ -123,23 +126,30 @@ class ReferenceTarget:
             self.allocator = KVCacheManager(to_allocator_config(config), components)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        # hash bytes -> (token tuple it came from, prefix length)
-        self._prefix_of: dict[bytes, tuple[tuple[int, ...], int]] = {}
+        self._names = HashNames()
         listener = self._record_hashes if self.track_prefixes else None
         self.scheduler = Scheduler(self.allocator, on_new_block_hashes=listener)
 
     # ------------------------------------------------------------- hashes
     def _record_hashes(self, request: Request, first_new: int) -> None:
         tokens = tuple(request.all_token_ids)
-        hbs = request.hash_block_size
-        for i in range(first_new, len(request.block_hashes)):
-            self._prefix_of.setdefault(request.block_hashes[i], (tokens, (i + 1) * hbs))
+        self._names.learn(tokens, request.block_hashes, first_new, request.hash_block_size)
 
-    def _prefix(self, block_hash: bytes) -> tuple[int, ...]:
+    def _prefix(self, block_hash: bytes) -> Prefix:
         if not self.track_prefixes:
-            return tuple(block_hash)  # stand-in (see the module docstring)
-        tokens, n = self._prefix_of[block_hash]
-        return tokens[:n]
+            return prefix(tuple(block_hash))  # stand-in (see the module docstring)
+        named = self._names.name(block_hash)
+        if named is None:
+            raise KeyError(f"hash {block_hash.hex()[:16]}... comes from no known request")
+        return named
+
+    def _prune_names(self) -> None:
+        """Forget the prefixes of hashes the pool removed (after their events were read)."""
+        if not self.track_prefixes or not self._names.should_prune():
+            return
+        keep = {h for r in self.scheduler.requests.values() for h in r.block_hashes}
+        keep |= {get_block_hash(k) for k, _ in self.allocator.block_pool.cached_block_hash_to_block.items()}
+        self._names.prune(keep)
 
     def _key(self, key: bytes) -> BlockKey:
         return BlockKey(get_group_id(key), self._prefix(get_block_hash(key)))
@@ -201,7 +211,7 @@ class ReferenceTarget:
             rid: tuple(tuple(ids) for ids in self.allocator.get_block_ids(rid))
             for rid in self.allocator.request_ids_with_blocks()
         }
-        return Snapshot(
+        snap = Snapshot(
             free_queue=tuple(b.block_id for b in pool.free_block_queue.iter_blocks()),
             pinned_queue=tuple(b.block_id for b in pool.pinned_block_queue.iter_blocks()),
             ref_cnt=tuple(0 if b.is_null else b.ref_cnt for b in pool.blocks),
@@ -211,6 +221,8 @@ class ReferenceTarget:
             tables=tables,
             events=tuple(self._event(e) for e in self.allocator.take_events()),
         )
+        self._prune_names()
+        return snap
 
     def _event(self, event: kv_events.KVCacheEvent) -> Event:
         if isinstance(event, kv_events.BlockStored):

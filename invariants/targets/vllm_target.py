@@ -27,13 +27,13 @@ decode tokens):
 the hash map `cached_block_hash_to_block._cache`, primary keys), the block
 tables (`get_block_ids`) and drains `take_events()`. vLLM names a hash by its
 bytes; the adapter names it by content (`BlockKey(group, prefix)`) with a table
-filled from every request's `block_hashes` (hash i stands for
-`all_token_ids[:(i+1)*hash_block_size]`). KV events carry the hash as the low
-64 bits of its bytes by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`,
-`kv_cache_utils.maybe_convert_block_hash`); the table maps those ints too, so no
-environment variable is changed.
+(`HashNames`) filled from every request's `block_hashes` (hash i stands for
+`all_token_ids[:(i+1)*hash_block_size]`) and pruned to the hashes vLLM still
+holds or a live request has, once vLLM's removal events were read. KV events
+carry the hash as the low 64 bits of its bytes by default
+(`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`, `kv_cache_utils.maybe_convert_block_hash`);
+the table maps those ints too, so no environment variable is changed.
 
-At scale (1M-token prompts) recording the prefix of every hash is O(n^2):
 `VllmTarget(cfg, track_prefixes=False)` records nothing (`_learn_hashes` is a
 no-op), and snapshots and events name each hash by a stand-in instead of its
 prefix, as the reference adapter does: `BlockKey(group, tuple(hash_bytes))`,
@@ -97,9 +97,11 @@ from model.ops import (
     Step,
 )
 from model.pool import EVENT_PROFILES
+from model.prefix import Prefix, prefix
 from model.scheduling import mamba_chunk
 
 from .base import END, NOT_FREE, PartialState, TargetCrash, TargetUnavailable, closure, event_keys
+from .hash_names import HashNames
 from .vllm_capabilities import RETENTION_ENV, Capabilities, detect
 from .vllm_env import MODELED_VERSION, version_warning, vllm_available, vllm_version
 
@@ -142,11 +144,9 @@ class VllmTarget:
         self.pool = self.manager.block_pool
         self.requests: dict[str, Any] = {}
         self._probe_seq = 0
-        # hash bytes (and the low 64 bits events use) -> the token prefix it stands for
-        self._prefix_of: dict[bytes, Tokens] = {}
-        self._prefix_of_int: dict[int, Tokens] = {}
+        # hash bytes (and the low 64 bits events use) <-> the token prefix it stands for
+        self._names = HashNames(self._rehash)
         self._keys: dict[bytes, BlockKey] = {}
-        self._hash_of: dict[Tokens, bytes] = {}  # prefix -> hash bytes (for `partial`)
         # False: learn nothing, name hashes by stand-ins (see the module docstring).
         self.track_prefixes = track_prefixes
 
@@ -223,20 +223,44 @@ class VllmTarget:
             if self.config.enable_caching
             else None,
         )
-        self._learn_hashes(req, 0)
+        self._learn_hashes(req, 0, tokens if isinstance(tokens, tuple) else None)
         return req
 
-    def _learn_hashes(self, req: Any, start: int) -> None:
-        if not self.track_prefixes:
+    def _learn_hashes(self, req: Any, start: int, tokens: Tokens | None = None) -> None:
+        if not self.track_prefixes or start >= len(req.block_hashes):
             return
-        toks = req.all_token_ids
-        for i in range(start, len(req.block_hashes)):
-            h = bytes(req.block_hashes[i])
-            if h not in self._prefix_of:
-                prefix = tuple(toks[: (i + 1) * self.hbs])
-                self._prefix_of[h] = prefix
-                self._hash_of[prefix] = h
-                self._prefix_of_int[int.from_bytes(h, "big") & ((1 << 64) - 1)] = prefix
+        # The operation's own tuple where it is the request's tokens: prefixes named along it are shared.
+        toks = tokens if tokens is not None else tuple(req.all_token_ids)
+        self._names.learn(toks, req.block_hashes, start, self.hbs)
+
+    def _rehash(self, p: Prefix) -> bytes | None:
+        """vLLM's hash of a prefix the table does not hold (a throw-away request hashes it)."""
+        if not self.config.enable_caching or len(p) == 0 or len(p) % self.hbs:
+            return None
+        v = self._v
+        req = v["Request"](
+            request_id="__rehash",
+            prompt_token_ids=list(p.tokens()),
+            sampling_params=v["SamplingParams"](max_tokens=1),
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=v["get_request_block_hasher"](self.hbs, v["sha256"]),
+        )
+        return bytes(req.block_hashes[-1])
+
+    def _prune_names(self) -> None:
+        """Forget the prefixes of hashes vLLM removed (after their events were read)."""
+        if not self.track_prefixes or not self._names.should_prune():
+            return
+        keep = {bytes(h) for r in self.requests.values() for h in r.block_hashes}
+        width = len(self._names.any_hash() or b"")
+        for key in self.pool.cached_block_hash_to_block._cache:
+            keep.add(bytes(key[:-4]))
+            keep.add(bytes(key[:-4][-width:]))
+        self._names.prune(keep)
+        self._keys = {
+            k: v for k, v in self._keys.items() if bytes(k[:-4]) in keep or bytes(k[:-4][-width:]) in keep
+        }
 
     # ------------------------------------------------------------------ ops
     def apply(self, op: Op) -> Observation:
@@ -480,7 +504,7 @@ class VllmTarget:
             per_group = tuple(tuple(ids) for ids in self.manager.get_block_ids(rid))
             if any(per_group):
                 tables[rid] = per_group
-        return Snapshot(
+        snap = Snapshot(
             free_queue=_walk_free_queue(pool.free_block_queue, n),
             pinned_queue=(),
             ref_cnt=ref,
@@ -490,6 +514,8 @@ class VllmTarget:
             tables=tables,
             events=tuple(e for ev in self.manager.take_events() for e in self._event(ev)),
         )
+        self._prune_names()
+        return snap
 
     def partial(self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]) -> PartialState:
         """What an operation touched, read from those blocks and tables only (see `PartialState`)."""
@@ -520,7 +546,7 @@ class VllmTarget:
         cache = pool.cached_block_hash_to_block._cache
         holders: dict[BlockKey, tuple[int, ...]] = {}
         for k in want_keys:
-            h = self._hash_of.get(k.tokens) if self.track_prefixes else bytes(k.tokens)
+            h = self._names.hash_of(k.tokens) if self.track_prefixes else bytes(k.tokens.tokens())
             val = None if h is None else cache.get(h + k.group.to_bytes(4, "big"))
             holders[k] = (
                 ()
@@ -529,20 +555,21 @@ class VllmTarget:
                 if not isinstance(val, dict)
                 else tuple(x.block_id for x in val.values())
             )
+        self._prune_names()
         return PartialState(out, holders, tables, queue.num_free_blocks, events)
 
-    def _prefix(self, h: bytes) -> Tokens:
+    def _prefix(self, h: bytes) -> Prefix:
         if not self.track_prefixes:
-            return tuple(bytes(h))  # stand-in (see the module docstring)
+            return prefix(tuple(bytes(h)))  # stand-in (see the module docstring)
         h = bytes(h)
-        if self.caps.coarse_hash == "concat" and h not in self._prefix_of:
+        if self.caps.coarse_hash == "concat" and h not in self._names:
             # Releases that key a wide block by its fine hashes joined: the last
             # one already chains over the whole prefix.
-            h = h[-len(next(iter(self._prefix_of), h)) :]
-        try:
-            return self._prefix_of[h]
-        except KeyError:
-            raise TargetCrash(f"hash {bytes(h).hex()[:16]}... comes from no known request") from None
+            h = h[-len(self._names.any_hash() or h) :]
+        named = self._names.name(h)
+        if named is None:
+            raise TargetCrash(f"hash {bytes(h).hex()[:16]}... comes from no known request")
+        return named
 
     def _key(self, key: bytes) -> BlockKey:
         """BlockHashWithGroupId (hash bytes + 4-byte big-endian group) -> BlockKey, memoised."""
@@ -551,14 +578,14 @@ class VllmTarget:
             out = self._keys[key] = BlockKey(int.from_bytes(key[-4:], "big"), self._prefix(key[:-4]))
         return out
 
-    def _event_prefix(self, h: bytes | int) -> Tokens:
+    def _event_prefix(self, h: bytes | int) -> Prefix:
         if isinstance(h, int):
             if not self.track_prefixes:
-                return (h,)  # stand-in (see the module docstring)
-            try:
-                return self._prefix_of_int[h]
-            except KeyError:
-                raise TargetCrash(f"event hash {h:#x} comes from no known request") from None
+                return prefix((h,))  # stand-in (see the module docstring)
+            named = self._names.name_int(h)
+            if named is None:
+                raise TargetCrash(f"event hash {h:#x} comes from no known request")
+            return named
         return self._prefix(h)
 
     def _event(self, ev: Any) -> list[Event]:

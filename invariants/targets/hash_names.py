@@ -1,0 +1,87 @@
+"""Hash bytes -> the token prefix they stand for, learnt when hashes are made.
+
+An allocator names a hash by bytes; kvretain names it by content (a
+`model.prefix.Prefix`), so that targets hashing differently compare exactly.
+`HashNames` is the adapters' table between the two:
+
+- `learn` records, for every new hash of a request, the token tuple it came
+  from and the prefix length (O(1) per hash: nothing is copied or named yet);
+- `name(h)` interns the prefix on first use (O(new tokens) amortised along one
+  tuple, see `model.prefix.prefix`), and remembers the way back (`hash_of`);
+- `prune(keep)` forgets every hash outside `keep` (the hashes the allocator
+  still holds in its map and those of live requests): run after the removal
+  events were read, so the table tracks the allocator's state instead of
+  growing with every request ever seen.
+
+No hash is ever inverted or assumed collision-free: a prefix not in the table
+goes back to its hash through `rehash` (the allocator's own hasher), exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from model.prefix import Prefix, Tokens, prefix
+
+_LOW_64 = 8  # KV events carry a hash as the low 64 bits of its bytes
+
+
+class HashNames:
+    def __init__(self, rehash: Callable[[Prefix], bytes | None] | None = None, slack: int = 4096) -> None:
+        self._source: dict[bytes, tuple[Tokens, int]] = {}
+        self._by_int: dict[int, bytes] = {}
+        self._named: dict[bytes, Prefix] = {}
+        self._hash_of: dict[Prefix, bytes] = {}
+        self._rehash = rehash
+        self._kept = 0
+        self._slack = slack  # entries allowed beyond twice the last kept count (< 0: prune at every read)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self._source
+
+    def learn(self, tokens: Tokens, hashes: Sequence[bytes], start: int, hash_block_size: int) -> None:
+        """Hash i of `hashes` (from `start` on) stands for `tokens[:(i+1)*hash_block_size]`."""
+        for i in range(start, len(hashes)):
+            h = bytes(hashes[i])
+            if h not in self._source:
+                self._source[h] = (tokens, (i + 1) * hash_block_size)
+                self._by_int[int.from_bytes(h[-_LOW_64:], "big")] = h
+
+    def any_hash(self) -> bytes | None:
+        return next(iter(self._source), None)
+
+    def name(self, h: bytes) -> Prefix | None:
+        """The prefix `h` stands for; None when no request made `h`."""
+        named = self._named.get(h)
+        if named is None:
+            src = self._source.get(h)
+            if src is None:
+                return None
+            named = self._named[h] = prefix(*src)
+            self._hash_of[named] = h
+        return named
+
+    def name_int(self, value: int) -> Prefix | None:
+        h = self._by_int.get(value)
+        return None if h is None else self.name(h)
+
+    def hash_of(self, p: Prefix) -> bytes | None:
+        h = self._hash_of.get(p)
+        if h is None and self._rehash is not None:
+            h = self._rehash(p)
+        return h
+
+    def should_prune(self) -> bool:
+        """Amortised: prune when the table doubled since the last prune."""
+        return len(self._source) > 2 * self._kept + self._slack
+
+    def prune(self, keep: Iterable[bytes]) -> None:
+        wanted = {h for h in keep if h in self._source}
+        self._source = {h: self._source[h] for h in wanted}
+        self._named = {h: p for h, p in self._named.items() if h in wanted}
+        self._hash_of = {p: h for h, p in self._named.items()}
+        self._by_int = {v: h for v, h in self._by_int.items() if h in wanted}
+        self._kept = len(wanted)

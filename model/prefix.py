@@ -1,0 +1,214 @@
+"""Token prefixes named by interned trie nodes: equal content <=> the same object.
+
+A hash in vLLM stands for a token prefix; the project names it by that prefix
+(see `model.observation`). Holding each prefix as a tuple costs O(n) per name
+and O(n^2) per prompt of n tokens, which a 1M-token prompt cannot afford. A
+`Prefix` is instead a node of one process-wide trie:
+
+- a node is `parent + chunk`; a node whose length is a multiple of `CHAIN` is
+  *full* (its chunk is `CHAIN` tokens) and only full nodes have children, so a
+  prefix of n tokens is the unique chain of n // CHAIN full nodes plus, when
+  n % CHAIN != 0, one *tail* node of the remaining tokens;
+- nodes are interned on (parent, chunk), so two live prefixes with the same
+  tokens are the same object: equality is identity, exactly, with no
+  assumption that some hash is collision-free;
+- the table holds nodes weakly: a prefix no allocator state, event or request
+  refers to any more is collected, so memory follows the live state;
+- `hash()` is computed from the content once (deterministic across runs), and
+  `tokens()` recovers the content for display and traces.
+
+Naming a prefix of a tuple costs O(new tokens): `prefix(tokens, n)` remembers
+the chain built along the last few tuples it saw, and `extend(p, tokens)`
+appends to an existing prefix.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, overload
+
+Tokens = tuple[int, ...]
+
+CHAIN = 32  # tokens per full node: a node per 32 tokens, a tail rebuilt in O(32)
+_MEMO_TUPLES = 128  # token tuples whose chains `prefix` remembers (LRU) ...
+_MEMO_NODES = 1 << 17  # ... holding at most this many names in all (4M tokens of chain)
+
+
+class Prefix:
+    """The interned name of a token prefix (see the module docstring)."""
+
+    __slots__ = ("parent", "chunk", "length", "_hash", "__weakref__")
+
+    parent: Prefix | None
+    chunk: Tokens
+    length: int
+    _hash: int
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def last(self) -> int | None:
+        """The last token (None for the empty prefix), O(1)."""
+        return self.chunk[-1] if self.chunk else None
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        # Interned: identity is content equality. A plain tuple compares by content (O(n)).
+        if isinstance(other, Prefix):
+            return self is other
+        if isinstance(other, tuple):
+            return len(other) == self.length and self.tokens() == other
+        return NotImplemented
+
+    def __lt__(self, other: Prefix) -> bool:
+        return self.tokens() < other.tokens()
+
+    def __copy__(self) -> Prefix:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Prefix:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (prefix, (self.tokens(),))
+
+    def __repr__(self) -> str:
+        toks = self.tokens() if self.length <= 8 else None
+        return f"Prefix({toks!r})" if toks is not None else f"Prefix(<{self.length} tokens>)"
+
+    def tokens(self) -> Tokens:
+        """The content, O(length)."""
+        chunks: list[Tokens] = []
+        node: Prefix | None = self
+        while node is not None:
+            chunks.append(node.chunk)
+            node = node.parent
+        return tuple(t for c in reversed(chunks) for t in c)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Prefix | Tokens: ...
+    def __getitem__(self, index: int | slice) -> int | Prefix | Tokens:
+        """`p[:n]` (n >= 0) is the interned prefix of p's first n tokens, in
+        O(distance / CHAIN); any other index reads the content (a tuple, O(length))."""
+        if (
+            isinstance(index, slice)
+            and index.start in (None, 0)
+            and index.step in (None, 1)
+            and (index.stop is None or index.stop >= 0)
+        ):
+            return self.head(self.length if index.stop is None else min(self.length, index.stop))
+        return self.tokens()[index]
+
+    def head(self, n: int) -> Prefix:
+        """The prefix of the first n tokens (0 <= n <= length)."""
+        if n >= self.length:
+            return self
+        base = n - n % CHAIN
+        node = self
+        while node.length - len(node.chunk) > base:  # the node starting at `base`
+            assert node.parent is not None
+            node = node.parent
+        if n == base:
+            return node.parent if node.length > base and node.parent is not None else node
+        return _node(node.parent, node.chunk[: n - base])
+
+
+def _root() -> Prefix:
+    root = Prefix.__new__(Prefix)
+    root.parent, root.chunk, root.length, root._hash = None, (), 0, hash(())
+    return root
+
+
+EMPTY = _root()  # the prefix of no tokens (never collected)
+_NODES: weakref.WeakValueDictionary[tuple[Prefix, Tokens], Prefix] = weakref.WeakValueDictionary()
+# id(tuple) -> (the tuple, its chain of full nodes, every prefix of it named so far by length)
+_CHAINS: OrderedDict[int, tuple[Tokens, list[Prefix], dict[int, Prefix]]] = OrderedDict()
+_chain_nodes = 0
+
+
+def _node(parent: Prefix | None, chunk: Tokens) -> Prefix:
+    base = EMPTY if parent is None else parent
+    if not chunk:
+        return base
+    key = (base, chunk)
+    node = _NODES.get(key)
+    if node is None:
+        node = Prefix.__new__(Prefix)
+        node.parent, node.chunk, node.length = base, chunk, base.length + len(chunk)
+        node._hash = hash((base._hash, chunk))
+        _NODES[key] = node
+    return node
+
+
+def extend(p: Prefix | None, tokens: Sequence[int]) -> Prefix:
+    """The prefix `p + tokens`, in O(len(tokens) + CHAIN)."""
+    base = EMPTY if p is None else p
+    if not tokens:
+        return base
+    toks = tuple(tokens)
+    if base.length % CHAIN:  # a tail: rebuild it with the new tokens
+        toks = base.chunk + toks
+        base = base.parent if base.parent is not None else EMPTY
+    i = 0
+    while len(toks) - i >= CHAIN:
+        base = _node(base, toks[i : i + CHAIN])
+        i += CHAIN
+    return _node(base, toks[i:])
+
+
+def prefix(tokens: Sequence[int], n: int | None = None) -> Prefix:
+    """The prefix `tokens[:n]` (all of `tokens` when n is None).
+
+    O(new tokens) amortised over calls on the same tuple: the chain built along
+    a tuple is remembered (for the last few tuples), so naming every block of a
+    prompt in turn costs O(prompt length) in all.
+    """
+    entry = _CHAINS.get(id(tokens))
+    if entry is not None and entry[0] is tokens and n is not None:
+        known = entry[2].get(n)
+        if known is not None:
+            return known
+    global _chain_nodes
+    size = len(tokens)
+    n = size if n is None else max(0, min(n, size))
+    if not isinstance(tokens, tuple):  # mutable: never remembered
+        return extend(EMPTY, tokens[:n])
+    full = n // CHAIN
+    if entry is None or entry[0] is not tokens:
+        entry = (tokens, [EMPTY], {})
+        _CHAINS[id(tokens)] = entry
+    else:
+        _CHAINS.move_to_end(id(tokens))
+    chain, named = entry[1], entry[2]
+    while len(chain) <= full:
+        k = len(chain) - 1
+        chain.append(_node(chain[-1], tokens[k * CHAIN : (k + 1) * CHAIN]))
+        _chain_nodes += 1
+    node = chain[full]
+    if n > full * CHAIN:
+        node = _node(node, tokens[full * CHAIN : n])
+    named[n] = node
+    _chain_nodes += 1
+    while len(_CHAINS) > _MEMO_TUPLES or (_chain_nodes > _MEMO_NODES and len(_CHAINS) > 1):
+        _old, (_t, dropped, dropped_named) = _CHAINS.popitem(last=False)
+        _chain_nodes -= len(dropped) - 1 + len(dropped_named)
+    return node
+
+
+def live_nodes() -> int:
+    """How many prefix nodes are alive (memory checks)."""
+    return len(_NODES)
+
+
+def clear_memo() -> None:
+    """Forget the remembered chains (their nodes become collectable if nothing else holds them)."""
+    global _chain_nodes
+    _CHAINS.clear()
+    _chain_nodes = 0
