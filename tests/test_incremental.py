@@ -228,3 +228,22 @@ def test_a_batched_step_is_judged_on_the_fast_path_as_by_the_audit():
         assert checker.audits == (len(ops) if every == 1 else 0)
     assert "step_blocks_stay_held" in found[1000]
     assert found[1000] == found[1]
+
+
+def test_the_promise_probe_after_a_finish_answers_as_a_fresh_request():
+    """The vLLM adapter serves the probe right after a Finish from the finished request
+    (its hashes, no rehash): the answer equals a fresh request's and the model's."""
+    factory = _target("vllm")
+    cfg = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=32)
+    prompt = (1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2)
+    for sample in (False, True):
+        target, model = factory(cfg), ModelTarget(cfg)
+        ops: list[Op] = [AddRequest("a", prompt), Schedule("a", 64)]
+        ops += [Sample("a", 3)] if sample else []
+        for op in [*ops, Finish("a")]:
+            target.apply(op)
+            model.apply(op)
+        reused, fresh = target.apply(Probe(prompt)), target.apply(Probe(prompt))
+        assert reused == fresh == model.apply(Probe(prompt))
+        assert reused.hit > 0
+        assert target._probe_seq == (2 if sample else 1)  # without outputs, no new request was built

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 
 from invariants.catalogue.context import CheckContext, RequestHistory
 from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
-from model.observation import BlockIds, BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens, block_key
+from model.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens, block_key
 from model.ops import Probe, Schedule
 from model.scheduling import mamba_checkpoint_position
 
@@ -105,7 +105,9 @@ def _cached(ctx: CheckContext) -> Mapping[BlockKey, tuple[int, ...]]:
 class _Merged(Mapping[BlockKey, tuple[int, ...]]):
     """Two hash maps as one: a key's holders in the first, then new ones in the second."""
 
-    def __init__(self, first: Mapping[BlockKey, BlockIds], second: Mapping[BlockKey, BlockIds]) -> None:
+    def __init__(
+        self, first: Mapping[BlockKey, tuple[int, ...]], second: Mapping[BlockKey, tuple[int, ...]]
+    ) -> None:
         self.first, self.second = first, second
 
     def __getitem__(self, key: BlockKey) -> tuple[int, ...]:

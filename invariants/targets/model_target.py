@@ -48,35 +48,31 @@ def model_partial(
     events = tuple(pool.events)
     pool.events.clear()
     want, want_keys = closure(tables, blocks, keys)
-    if events:
-        want_keys |= event_keys(events)
+    want_keys |= event_keys(events)
     queue = pool.queue.blocks
     n = len(queue)
     # Freed blocks land at either end of the queue: look there before a full search.
-    if n <= 2 * ENDS:
-        ends = dict(zip(queue, range(n)))
-    else:
-        ends = dict(zip(queue[:ENDS], range(ENDS)))
-        ends.update(zip(queue[-ENDS:], range(n - ENDS, n)))
+    tail = queue[-ENDS:]
+    ends = {b: i for i, b in enumerate(queue[:ENDS])}
+    ends.update(zip(tail, range(n - len(tail), n)))
     misses = [b for b in want if pool.ref[b] == 0 and b not in ends]
     if len(misses) > 2:  # one pass over the queue beats a search per block
         ends = dict(zip(queue, range(n)))
     out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
-    ref, primary = pool.ref, pool.primary
     for b in want:
-        key = primary.get(b)
+        key = pool.primary.get(b)
         if key is not None:
             want_keys.add(key)
-        if ref[b] == 0:
+        prev = nxt = NOT_FREE
+        if pool.ref[b] == 0:
             i = ends.get(b)
             if i is None:
                 i = _index(queue, b)
             if i is not None:
-                out[b] = (0, key, queue[i - 1] if i > 0 else END, queue[i + 1] if i + 1 < n else END)
-                continue
-        out[b] = (ref[b], key, NOT_FREE, NOT_FREE)
-    cached = pool.cached
-    holders = {k: tuple(cached.get(k, ())) for k in want_keys}
+                prev = queue[i - 1] if i > 0 else END
+                nxt = queue[i + 1] if i + 1 < n else END
+        out[b] = (pool.ref[b], key, prev, nxt)
+    holders = {k: tuple(pool.cached.get(k, ())) for k in want_keys}
     return PartialState(out, holders, tables, len(queue), events)
 
 

@@ -149,11 +149,8 @@ class VllmTarget:
         self._prefix_of_int: dict[int, Tokens] = {}
         self._keys: dict[bytes, BlockKey] = {}
         self._hash_of: dict[Tokens, bytes] = {}  # prefix -> hash bytes (for `partial`)
-        self._map_key: dict[BlockKey, bytes] = {}  # key -> its hash-map key (for `partial`)
         # The last finished request, until the next probe (see `_probe_request`).
         self._finished: Any = None
-        # One SamplingParams for every request: the manager reads it, never changes it.
-        self._sampling = self._v["SamplingParams"](max_tokens=1 << 30)
         # False: learn nothing, name hashes by stand-ins (see the module docstring).
         self.track_prefixes = track_prefixes
 
@@ -216,23 +213,20 @@ class VllmTarget:
             kind = "" if isinstance(exc, ValueError) else f" ({type(exc).__name__})"
             raise ConfigError(f"vLLM {self.version} rejects the configuration{kind}: {exc}") from exc
 
-    def _new_request(self, rid: str, tokens: Iterable[int], hashes: list[Any] | None = None) -> Any:
-        """A vLLM request; `hashes`: its block hashes, already made by vLLM's hasher
-        for the same tokens (then the request is not hashed again)."""
+    def _new_request(self, rid: str, tokens: Iterable[int]) -> Any:
         v = self._v
+        sp = v["SamplingParams"](max_tokens=1 << 30)
         req = v["Request"](
             request_id=rid,
             prompt_token_ids=list(tokens),
-            sampling_params=self._sampling,
+            sampling_params=sp,
             pooling_params=None,
             mm_features=None,
             # EngineCore hashes requests only when prefix caching is on (core.py)
             block_hasher=v["get_request_block_hasher"](self.hbs, v["sha256"])
-            if self.config.enable_caching and hashes is None
+            if self.config.enable_caching
             else None,
         )
-        if hashes is not None:
-            req.block_hashes.extend(hashes)
         self._learn_hashes(req, 0)
         return req
 
@@ -325,18 +319,16 @@ class VllmTarget:
 
     def _probe_request(self, tokens: Tokens) -> Any:
         """A throw-away request for `tokens`. Right after a Finish the promise probe
-        replays that request's prompt: vLLM already hashed it, so its hashes are
-        reused (the finished request itself when it has no outputs; the lookup
-        reads only its token count and block hashes)."""
+        replays that request's prompt: when it has no outputs, the finished request
+        itself serves (vLLM hashed it already; the lookup reads only its token count
+        and block hashes, and a free leaves both as they were)."""
         last, self._finished = self._finished, None
-        if last is not None and self.config.enable_caching and last.num_prompt_tokens == len(tokens):
-            prompt = last.prompt_token_ids
-            if prompt == list(tokens):
-                if last.num_tokens == len(prompt):
-                    return last
-                self._probe_seq += 1
-                hashes = last.block_hashes[: len(prompt) // self.hbs]
-                return self._new_request(f"__probe{self._probe_seq}", prompt, hashes)
+        if (
+            last is not None
+            and last.num_tokens == last.num_prompt_tokens == len(tokens)
+            and last.prompt_token_ids == list(tokens)
+        ):
+            return last
         self._probe_seq += 1
         return self._new_request(f"__probe{self._probe_seq}", tokens)
 
@@ -515,37 +507,26 @@ class VllmTarget:
             tables[rid] = table if any(table) else ()
         events = tuple(e for ev in self.manager.take_events() for e in self._event(ev))
         want, want_keys = closure(tables, blocks, keys)
-        if events:
-            want_keys |= event_keys(events)
+        want_keys |= event_keys(events)
         out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
-        all_blocks, key_of = pool.blocks, self._key
         for b in want:
-            blk = all_blocks[b]
-            h = blk.block_hash
-            key = None
-            if h is not None:
-                key = key_of(h)
+            blk = pool.blocks[b]
+            key = None if blk.block_hash is None else self._key(blk.block_hash)
+            if key is not None:
                 want_keys.add(key)
             prev, nxt = blk.prev_free_block, blk.next_free_block
-            if prev is None or nxt is None:
-                out[b] = (blk.ref_cnt, key, NOT_FREE, NOT_FREE)
-            else:
-                out[b] = (
-                    blk.ref_cnt,
-                    key,
-                    END if prev is head else prev.block_id,
-                    END if nxt is tail else nxt.block_id,
-                )
+            links = (
+                (NOT_FREE, NOT_FREE)
+                if prev is None or nxt is None
+                # `is`: a KVCacheBlock's `==` compares every field
+                else (END if prev is head else prev.block_id, END if nxt is tail else nxt.block_id)
+            )
+            out[b] = (blk.ref_cnt, key, *links)
         cache = pool.cached_block_hash_to_block._cache
         holders: dict[BlockKey, tuple[int, ...]] = {}
-        map_key = self._map_key
         for k in want_keys:
-            mk = map_key.get(k)
-            if mk is None:
-                h = self._hash_of.get(k.tokens) if self.track_prefixes else bytes(k.tokens)
-                if h is not None:
-                    mk = map_key[k] = h + k.group.to_bytes(4, "big")
-            val = None if mk is None else cache.get(mk)
+            h = self._hash_of.get(k.tokens) if self.track_prefixes else bytes(k.tokens)
+            val = None if h is None else cache.get(h + k.group.to_bytes(4, "big"))
             holders[k] = (
                 ()
                 if val is None
