@@ -23,7 +23,7 @@ from invariants.catalogue.context import (
     RequestHistory,
     StateView,
 )
-from invariants.catalogue.history import advance_requests, update_history, update_history_delta
+from invariants.catalogue.history import advance_requests, forget, update_history, update_history_delta
 from invariants.catalogue.incremental import DELTA_CHECKS
 
 
@@ -140,6 +140,7 @@ __all__ = [
     "check_all",
     "check_delta",
     "check_state",
+    "forget",
     "update_history",
     "update_history_delta",
 ]

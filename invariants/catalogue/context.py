@@ -34,9 +34,10 @@ class History:
     - `free_tick[b]`: the step at which block b last entered the regular queue;
     - `evicted_in_place`: free blocks whose hashes `evict_blocks` dropped where
       they stood (vLLM leaves them in place; they are exempt from ordering);
-    - `ever_cached`: every key seen in any snapshot;
+    - `ever_cached`: every key seen in the hash map (`forget` drops those neither
+      cached nor a prefix of a live request);
     - `shadow`: the hash map as an event consumer rebuilds it (key -> holders);
-    - `requests`: every request ever added (finished ones too).
+    - `requests`: the live requests; `finished`: the last `FINISHED_KEPT` finished ones.
     """
 
     tick: int = 0
@@ -46,6 +47,8 @@ class History:
     shadow: dict[BlockKey, int] = field(default_factory=dict)
     requests: dict[str, RequestHistory] = field(default_factory=dict)
     finished: dict[str, RequestHistory] = field(default_factory=dict)
+    # `forget` runs when ever_cached grows past this (then twice what it kept).
+    forget_at: int = 4096
 
     def all_requests(self) -> Iterator[RequestHistory]:
         """Live requests first, then finished ones (a lazy walk: callers often stop early)."""

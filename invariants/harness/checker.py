@@ -32,6 +32,7 @@ from invariants.catalogue import (
     check_all,
     check_delta,
     check_state,
+    forget,
     update_history,
     update_history_delta,
 )
@@ -199,6 +200,7 @@ class Checker:
         if self.check_invariants:
             ctx = CheckContext(self.config, op, obs, before, snap, self.history, self._probe, finished)
             found += [Violation(name, msg) for name, msg in check_all(ctx)]
+        forget(self.history, snap.cached)  # after the checks: they read the finishing request's keys
         self.last = snap
         if self.audit_every > 1:
             self._mirror(snap)
@@ -263,6 +265,7 @@ class Checker:
                 delta,  # type: ignore[arg-type]
             )
             found += [Violation(name, msg) for name, msg in check_delta(ctx)]
+        forget(self.history, self._holders)  # after the checks: they read the finishing request's keys
         return found
 
     def _partials(
