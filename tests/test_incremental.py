@@ -110,7 +110,10 @@ def test_fast_path_agrees_with_audit_on_random_runs(name):
         ops = random_ops(random.Random(seed), fast, 120)  # asserts every step clean
         assert fast.audits == 0  # every step went by deltas, batched steps too
         assert any(isinstance(op, Step) for op in ops)
+        shape = fast.shape()  # what the fuzz statistics count, from the mirror
         assert [v for v in fast.audit() if v.check not in KNOWN] == []
+        snap = fast.last
+        assert shape == (len(snap.free_queue), len(snap.pinned_queue), len(snap.cached), len(snap.tables))
         full = Checker(factory(CFG), audit_every=1)
         for op in ops:
             assert [v for v in full.step(op) if v.check not in KNOWN] == []
