@@ -22,8 +22,8 @@ from invariants.targets import available_targets, target_factory
 from invariants.targets.base import partial_from_snapshot
 from invariants.targets.model_target import ModelTarget
 from model.config import Config, GroupSpec
-from model.observation import Observation
-from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule
+from model.observation import Observation, StepResult
+from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
 
 TARGETS = ["model", "reference", "vllm"]
 CFG = Config(
@@ -45,7 +45,7 @@ def random_ops(rng: random.Random, checker: Checker, n: int) -> list[Op]:
     next_rid = 0
     for _ in range(n):
         reqs = checker.model.requests
-        kind = rng.choice(["add", "schedule", "schedule", "schedule", "finish", "preempt", "probe"])
+        kind = rng.choice(["add", "schedule", "schedule", "schedule", "step", "finish", "preempt", "probe"])
         op: Op | None = None
         if kind == "add" and len(reqs) < 4:
             op = AddRequest(
@@ -63,6 +63,10 @@ def random_ops(rng: random.Random, checker: Checker, n: int) -> list[Op]:
             )
             if r.num_tokens > 60:
                 op = Finish(rid)
+        elif kind == "step" and reqs:
+            ready = sorted(r for r, q in reqs.items() if not (q.running and q.num_computed >= q.num_tokens))
+            if ready:
+                op = Step(tuple(rng.sample(ready, rng.randint(1, len(ready)))), rng.choice((4, 8, 64)))
         elif kind == "finish" and reqs:
             op = Finish(rng.choice(sorted(reqs)))
         elif kind == "preempt":
@@ -104,8 +108,12 @@ def test_fast_path_agrees_with_audit_on_random_runs(name):
     for seed in range(3):
         fast = Checker(factory(CFG), audit_every=1000)
         ops = random_ops(random.Random(seed), fast, 120)  # asserts every step clean
-        assert fast.audits == 0  # every step went by deltas
+        assert fast.audits == 0  # every step went by deltas, batched steps too
+        assert any(isinstance(op, Step) for op in ops)
+        shape = fast.shape()  # what the fuzz statistics count, from the mirror
         assert [v for v in fast.audit() if v.check not in KNOWN] == []
+        snap = fast.last
+        assert shape == (len(snap.free_queue), len(snap.pinned_queue), len(snap.cached), len(snap.tables))
         full = Checker(factory(CFG), audit_every=1)
         for op in ops:
             assert [v for v in full.step(op) if v.check not in KNOWN] == []
@@ -199,3 +207,50 @@ def test_fast_path_flags_what_the_audit_flags_on_a_visible_mutant(seed):
     full = _first_violation(Checker(LeaksOnFinish(CFG), audit_every=1), ops)
     assert fast == full
     assert (fast is not None) == bool(seed % 2)
+
+
+class DropsATableEntryInAStep(ModelTarget):
+    """Mutant: after each batched step, the first scheduled request loses the last
+    block of its group-0 table (a block its forward pass reads, no longer held)."""
+
+    def apply(self, op: Op) -> Observation:
+        out = super().apply(op)
+        if isinstance(op, Step) and isinstance(out, StepResult):
+            for rid, result in out.results:
+                table = self._model.groups[0].tables.get(rid)
+                if result.scheduled and table:
+                    self._model.pool.ref[table.pop()] -= 1
+                    break
+        return out
+
+
+def test_a_batched_step_is_judged_on_the_fast_path_as_by_the_audit():
+    ops = [AddRequest("a", (1, 2, 3, 4, 5, 6)), AddRequest("b", (1, 2, 9)), Step(("a", "b"), 64)]
+    found = {}
+    for every in (1, 1000):
+        checker = Checker(DropsATableEntryInAStep(CFG), audit_every=every)
+        for op in ops:
+            violations = checker.step(op)
+        found[every] = {v.check for v in violations}
+        assert checker.audits == (len(ops) if every == 1 else 0)
+    assert "step_blocks_stay_held" in found[1000]
+    assert found[1000] == found[1]
+
+
+def test_the_promise_probe_after_a_finish_answers_as_a_fresh_request():
+    """The vLLM adapter serves the probe right after a Finish from the finished request
+    (its hashes, no rehash): the answer equals a fresh request's and the model's."""
+    factory = _target("vllm")
+    cfg = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=32)
+    prompt = (1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2)
+    for sample in (False, True):
+        target, model = factory(cfg), ModelTarget(cfg)
+        ops: list[Op] = [AddRequest("a", prompt), Schedule("a", 64)]
+        ops += [Sample("a", 3)] if sample else []
+        for op in [*ops, Finish("a")]:
+            target.apply(op)
+            model.apply(op)
+        reused, fresh = target.apply(Probe(prompt)), target.apply(Probe(prompt))
+        assert reused == fresh == model.apply(Probe(prompt))
+        assert reused.hit > 0
+        assert target._probe_seq == (2 if sample else 1)  # without outputs, no new request was built

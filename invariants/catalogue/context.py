@@ -4,7 +4,7 @@ target's own observations (never from the model)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -41,9 +41,10 @@ class History:
     - `free_tick[b]`: the step at which block b last entered the regular queue;
     - `evicted_in_place`: free blocks whose hashes `evict_blocks` dropped where
       they stood (vLLM leaves them in place; they are exempt from ordering);
-    - `ever_cached`: every key seen in any snapshot;
+    - `ever_cached`: every key seen in the hash map (`forget` drops those neither
+      cached nor a prefix of a live request);
     - `shadow`: the hash map as an event consumer rebuilds it (key -> holders);
-    - `requests`: every request ever added (finished ones too).
+    - `requests`: the live requests; `finished`: the last `FINISHED_KEPT` finished ones.
     """
 
     tick: int = 0
@@ -53,9 +54,13 @@ class History:
     shadow: dict[BlockKey, int] = field(default_factory=dict)
     requests: dict[str, RequestHistory] = field(default_factory=dict)
     finished: dict[str, RequestHistory] = field(default_factory=dict)
+    # `forget` runs when ever_cached grows past this (then twice what it kept).
+    forget_at: int = 4096
 
-    def all_requests(self) -> list[RequestHistory]:
-        return list(self.requests.values()) + list(self.finished.values())
+    def all_requests(self) -> Iterator[RequestHistory]:
+        """Live requests first, then finished ones (a lazy walk: callers often stop early)."""
+        yield from self.requests.values()
+        yield from self.finished.values()
 
 
 BlockState = tuple[int, BlockKey | None, int, int]
@@ -101,6 +106,14 @@ class CachedView(Mapping[BlockKey, BlockIds]):
             raise KeyError(key)
         return value
 
+    def __contains__(self, key: object) -> bool:
+        value = self.touched[key] if key in self.touched else self.mirror.get(key)  # type: ignore[index, call-overload]
+        return bool(value)
+
+    def get(self, key: BlockKey, default: BlockIds | None = None) -> BlockIds | None:  # type: ignore[override]
+        value = self.touched[key] if key in self.touched else self.mirror.get(key)
+        return value if value else default
+
     def __iter__(self) -> Iterator[BlockKey]:
         for k in self.mirror:
             if k not in self.touched:
@@ -111,12 +124,26 @@ class CachedView(Mapping[BlockKey, BlockIds]):
         return sum(1 for _ in self)
 
 
+class RefCounts:
+    """Ref counts after an operation: the touched blocks' states over the mirror's."""
+
+    def __init__(self, touched: Mapping[int, BlockState], mirror: Sequence[BlockState]) -> None:
+        self.touched, self.mirror = touched, mirror
+
+    def __getitem__(self, block: int) -> int:
+        state = self.touched.get(block)
+        return (state if state is not None else self.mirror[block])[0]
+
+
 @dataclass(frozen=True)
 class StateView:
-    """The part of a snapshot the fast path can give without a full one."""
+    """The part of a snapshot the fast path can give without a full one: the hash
+    map, the events, and the tables and ref counts of the requests an operation names."""
 
     cached: Mapping[BlockKey, BlockIds]
     events: tuple[Event, ...] = ()
+    tables: Mapping[str, tuple[BlockIds, ...]] = field(default_factory=dict)
+    ref_cnt: RefCounts | None = None
 
 
 @dataclass

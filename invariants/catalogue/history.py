@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from invariants.catalogue.context import NOT_FREE, Delta, History, RequestHistory
 from model.observation import (
     AllBlocksCleared,
@@ -13,6 +15,7 @@ from model.observation import (
     ScheduleResult,
     Snapshot,
     StepResult,
+    block_key,
 )
 from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Sample
 
@@ -88,6 +91,31 @@ def _released_copies(history: History, obs: Observation, free_now: set[int]) -> 
                 history.free_tick[b] = history.tick
 
 
+FINISHED_KEPT = 1024
+
+
+def forget(history: History, cached: Container[BlockKey]) -> None:
+    """Bound what a long run keeps, dropping no fact a check of a live request reads.
+
+    `ever_cached` loses the keys neither in the hash map now nor naming a prefix
+    of a live request: `promise_kept` asks only about the finishing request's own
+    prefixes, and a request that needs a key again caches (or hits) it while it
+    lives, which records it anew. `finished` keeps the last `FINISHED_KEPT`
+    requests (in `advance_requests`): older ones could only widen what
+    `no_waste` accepts. Runs when `ever_cached` outgrows `forget_at`.
+    """
+    if len(history.ever_cached) <= history.forget_at:
+        return
+    live = [r.tokens for r in history.requests.values()]
+    history.ever_cached = {
+        k
+        for k in history.ever_cached
+        if k in cached
+        or any(len(t) >= len(k.tokens) and block_key(k.group, t, len(k.tokens)) == k for t in live)
+    }
+    history.forget_at = max(history.forget_at, 2 * len(history.ever_cached))
+
+
 def advance_requests(history: History, op: Op, obs: Observation) -> None:
     """The per-request facts: prompt, outputs, progress, boundaries, preemption."""
     if isinstance(op, AddRequest):
@@ -99,6 +127,8 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
         r.running, r.num_computed, r.ever_preempted = False, 0, True
     elif isinstance(op, Finish):
         history.finished[op.rid] = history.requests.pop(op.rid)
+        if len(history.finished) > FINISHED_KEPT:
+            del history.finished[next(iter(history.finished))]
     elif isinstance(obs, ScheduleResult):
         r = history.requests[op.rid]  # type: ignore[union-attr]
         _scheduled(r, obs)

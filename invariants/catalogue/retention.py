@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from invariants.catalogue.context import CheckContext, RequestHistory
 from model.fine_mamba import fine_hits_enabled, is_fine_lookup
 from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
@@ -91,16 +93,39 @@ def _lookups(ctx: CheckContext) -> list[Lookup]:
     return out
 
 
-def _cached(ctx: CheckContext) -> dict[BlockKey, tuple[int, ...]]:
+def _cached(ctx: CheckContext) -> Mapping[BlockKey, tuple[int, ...]]:
     """The hash map a lookup of this operation could see. In a step over a batch a
     later admission may hit blocks an earlier one cached; a block hit is held, so
     it is still cached after the step."""
     if not isinstance(ctx.obs, StepResult):
         return ctx.before.cached
+    if ctx.delta is not None:
+        return _Merged(ctx.before.cached, ctx.after.cached)
     merged = dict(ctx.before.cached)
     for key, blocks in ctx.after.cached.items():
         merged[key] = tuple(dict.fromkeys(merged.get(key, ()) + blocks))
     return merged
+
+
+class _Merged(Mapping[BlockKey, tuple[int, ...]]):
+    """Two hash maps as one: a key's holders in the first, then new ones in the second."""
+
+    def __init__(
+        self, first: Mapping[BlockKey, tuple[int, ...]], second: Mapping[BlockKey, tuple[int, ...]]
+    ) -> None:
+        self.first, self.second = first, second
+
+    def __getitem__(self, key: BlockKey) -> tuple[int, ...]:
+        value = tuple(dict.fromkeys(self.first.get(key, ()) + self.second.get(key, ())))
+        if not value:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        return iter(dict.fromkeys([*self.first, *self.second]))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def hit_backed_by_cache(ctx: CheckContext) -> list[str]:
@@ -116,7 +141,7 @@ def hit_backed_by_cache(ctx: CheckContext) -> list[str]:
 
 
 def _backed(
-    ctx: CheckContext, tokens: Tokens, hit: int, cached: dict[BlockKey, tuple[int, ...]]
+    ctx: CheckContext, tokens: Tokens, hit: int, cached: Mapping[BlockKey, tuple[int, ...]]
 ) -> list[str]:
     cfg = ctx.config
     if hit == 0:
@@ -194,7 +219,7 @@ def _holds(
     tokens: Tokens,
     hit: int,
     hit_blocks: tuple[tuple[int, ...], ...],
-    cached: dict[BlockKey, tuple[int, ...]],
+    cached: Mapping[BlockKey, tuple[int, ...]],
 ) -> list[str]:
     out = []
     cfg = ctx.config

@@ -10,6 +10,11 @@ unique tail, each admitted in one chunk and then finished), measured in one run:
   target, snapshot, every invariant), on the vLLM and reference targets;
 - the ratio checked / raw (goal >= 1/3: checking costs at most 2x the work),
   and where the checked time goes.
+
+Both sides are timed in this process's CPU time (`time.process_time`), so other
+processes on a shared machine slow neither, and raw and checked on vLLM are
+measured in ROUNDS alternating rounds, the best of each kept: a cold first
+round or a busy moment flatters neither side.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ BENCH_CONFIG = Config(
     retention_interval=0,
 )
 PROMPT_LEN, PREFIX_LEN = 105, 64
+ROUNDS = 3
+CLOCK = time.process_time
 
 
 def workload(n: int, seed: int) -> list[tuple[int, ...]]:
@@ -46,7 +53,7 @@ def raw_vllm_cycles(prompts: list[tuple[int, ...]]) -> float:
     target: Any = target_factory("vllm")(BENCH_CONFIG)
     manager, v = target.manager, target._v
     hasher = v["get_request_block_hasher"](BENCH_CONFIG.hash_block_size, v["sha256"])
-    start = time.perf_counter()
+    start = CLOCK()
     for i, prompt in enumerate(prompts):
         req = v["Request"](
             request_id=f"b{i}",
@@ -63,7 +70,7 @@ def raw_vllm_cycles(prompts: list[tuple[int, ...]]) -> float:
             req, len(prompt) - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks
         )
         manager.free(req)
-    return len(prompts) / (time.perf_counter() - start)
+    return len(prompts) / (CLOCK() - start)
 
 
 class _Timed:
@@ -78,25 +85,25 @@ class _Timed:
         return getattr(self.inner, name)
 
     def apply(self, op: Op) -> Any:
-        t = time.perf_counter()
+        t = CLOCK()
         try:
             return self.inner.apply(op)
         finally:
-            self.phase[f"{self.label} apply"] += time.perf_counter() - t
+            self.phase[f"{self.label} apply"] += CLOCK() - t
 
     def snapshot(self) -> Any:
-        t = time.perf_counter()
+        t = CLOCK()
         try:
             return self.inner.snapshot()
         finally:
-            self.phase[f"{self.label} snapshot"] += time.perf_counter() - t
+            self.phase[f"{self.label} snapshot"] += CLOCK() - t
 
     def partial(self, *args: Any) -> Any:
-        t = time.perf_counter()
+        t = CLOCK()
         try:
             return self.inner.partial(*args)
         finally:
-            self.phase[f"{self.label} delta"] += time.perf_counter() - t
+            self.phase[f"{self.label} delta"] += CLOCK() - t
 
 
 def checked_cycles(
@@ -110,14 +117,14 @@ def checked_cycles(
     )
     checker.model = _Timed(checker.model, phase, "model")  # type: ignore[assignment]
     checker._model_target = _Timed(checker._model_target, phase, "model")  # type: ignore[assignment]
-    start = time.perf_counter()
+    start = CLOCK()
     for i, prompt in enumerate(prompts):
         for op in (AddRequest(f"b{i}", prompt), Schedule(f"b{i}", 4096), Finish(f"b{i}")):
             new = [v for v in checker.step(op) if not is_known_violation(target, v)]
             assert not new, (op, new)
     final = [v for v in checker.audit() if not is_known_violation(target, v)]
     assert not final, final
-    total = time.perf_counter() - start
+    total = CLOCK() - start
     phase["checks and history"] = total - sum(phase.values())
     return len(prompts) / total, 3 * len(prompts) / total, dict(phase)
 
@@ -128,18 +135,24 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
         f"kvretain bench: {requests} request cycles of {PROMPT_LEN} tokens (shared {PREFIX_LEN}-token prefix), "
         f"Full16+SWA16(w=32), retention 0, 256 blocks, seed {seed}"
     )
+    log(f"clock: CPU time of this process; raw and checked on vllm: best of {ROUNDS} alternating rounds")
     rows: list[tuple[object, ...]] = []
+    raw = 0.0
+    best: dict[str, tuple[float, float, dict[str, float]]] = {}
     try:
-        raw = raw_vllm_cycles(prompts)
+        for _ in range(ROUNDS):
+            raw = max(raw, raw_vllm_cycles(prompts))
+            run = checked_cycles("vllm", prompts)
+            if "vllm" not in best or run[0] > best["vllm"][0]:
+                best["vllm"] = run
     except TargetUnavailable as exc:
         log(f"vLLM unavailable ({exc}); no raw baseline")
-        raw = 0.0
     if raw:
         rows.append(("vllm raw allocator (no checking)", f"{raw:,.0f}", "-", "1.00"))
     breakdowns = {}
     for name in ("vllm", "reference"):
         try:
-            cyc, ops, phase = checked_cycles(name, prompts)
+            cyc, ops, phase = best[name] if name in best else checked_cycles(name, prompts)
         except TargetUnavailable as exc:
             log(f"{name}: skipped ({exc})")
             continue

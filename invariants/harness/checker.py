@@ -27,17 +27,27 @@ from invariants.catalogue import (
     CheckContext,
     Delta,
     History,
+    RefCounts,
     StateView,
     check_all,
     check_delta,
     check_state,
+    forget,
     update_history,
     update_history_delta,
 )
 from invariants.targets.base import PartialState, Target
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
-from model.observation import BlockIds, BlockKey, ProbeResult, ScheduleResult, Snapshot, diff_snapshots
+from model.observation import (
+    BlockIds,
+    BlockKey,
+    ProbeResult,
+    ScheduleResult,
+    Snapshot,
+    StepResult,
+    diff_snapshots,
+)
 from model.ops import (
     AddRequest,
     EvictBlocks,
@@ -108,6 +118,15 @@ class Checker:
         self._uses: Counter[int] = Counter(b for t in snap.tables.values() for g in t for b in g if b)
         self._in_use = sum(1 for r in snap.ref_cnt if r > 0)
         self._free_uncached = {b for b in q if b not in snap.block_hash}
+        self._free_len, self._pinned_len = len(q), len(snap.pinned_queue)
+
+    def shape(self) -> tuple[int, int, int, int]:
+        """(free queue length, pinned tier length, cached keys, live tables) after the
+        last operation, fast path or audit (a pinned tier forces the audit)."""
+        if self.audit_every == 1:  # no mirror: every step leaves a full snapshot
+            snap = self.last
+            return len(snap.free_queue), len(snap.pinned_queue), len(snap.cached), len(snap.tables)
+        return self._free_len, self._pinned_len, len(self._holders), len(self._tables)
 
     # ------------------------------------------------------------------ operations
     def validate(self, op: Op) -> None:
@@ -151,9 +170,8 @@ class Checker:
         self.validate(op)
         self.ops.append(op)
         self._since_audit += 1
-        # A batched step moves many requests' blocks at once and its invariants
-        # (catalogue.steps) read whole tables: it always takes the audited path.
-        if self._since_audit >= self.audit_every or isinstance(op, (ResetPrefixCache, EvictBlocks, Step)):
+        # Reset and evict act on the whole pool: no delta names what they touch.
+        if self._since_audit >= self.audit_every or isinstance(op, (ResetPrefixCache, EvictBlocks)):
             return self._audited_step(op)
         return self._fast_step(op)
 
@@ -182,6 +200,7 @@ class Checker:
         if self.check_invariants:
             ctx = CheckContext(self.config, op, obs, before, snap, self.history, self._probe, finished)
             found += [Violation(name, msg) for name, msg in check_all(ctx)]
+        forget(self.history, snap.cached)  # after the checks: they read the finishing request's keys
         self.last = snap
         if self.audit_every > 1:
             self._mirror(snap)
@@ -191,9 +210,12 @@ class Checker:
         """The delta: both sides report what the operation touched; compared exactly, then checked."""
         rid = getattr(op, "rid", None)
         blocks: set[int] = set(op.block_ids) if isinstance(op, EvictBlocks) else set()
-        rids = [rid] if isinstance(rid, str) else []
-        if rid in self._tables:
-            blocks.update(b for g in self._tables[rid] for b in g)
+        rids = list(op.rids) if isinstance(op, Step) else [rid] if isinstance(rid, str) else []
+        # The named requests' tables before the operation (the step invariants read them).
+        tables_before = {r: self._tables.get(r, ()) for r in rids}
+        for table in tables_before.values():
+            for g in table:
+                blocks.update(g)
         expected_obs = self.model.apply(op)
         try:
             obs = self.target.apply(op)
@@ -204,14 +226,19 @@ class Checker:
         if obs != expected_obs:
             found.append(Violation("observation", f"model {expected_obs}, {self.target.name} {obs}"))
         for o in (obs, expected_obs):
-            for ids in (getattr(o, "hit_blocks", None) or ()) + (getattr(o, "new_blocks", None) or ()):
-                blocks.update(ids)
+            for result in o.results if isinstance(o, StepResult) else ((None, o),):
+                r = result[1]
+                for ids in (getattr(r, "hit_blocks", None) or ()) + (getattr(r, "new_blocks", None) or ()):
+                    blocks.update(ids)
             # A copy's endpoints change hands (keys moved, retention released) outside any table.
             for pair in getattr(o, "copies", ()):
                 blocks.update(pair)
         blocks.discard(0)
-        blocks = {b for b in blocks if 0 < b < len(self._blocks)}
-        keys = {k for b in blocks if (k := self._key_of.get(b)) is not None}
+        n = len(self._blocks)
+        if any(not 0 < b < n for b in blocks):
+            blocks = {b for b in blocks if 0 < b < n}
+        key_of = self._key_of
+        keys = {key_of[b] for b in blocks if b in key_of}
         try:
             got, want = self._partials(blocks, rids, keys)
         except Exception as exc:
@@ -222,8 +249,13 @@ class Checker:
         anomalies = update_history_delta(self.history, op, obs, delta, got.events)
         found += [Violation("events_match_hash_map", a) for a in anomalies]
         if self.check_invariants:
-            before = StateView(CachedView(self._holders, delta.before_holders))
-            after = StateView(self._holders, got.events)
+            before = StateView(CachedView(self._holders, delta.before_holders), tables=tables_before)
+            after = StateView(
+                self._holders,
+                got.events,
+                tables={r: got.tables.get(r, ()) for r in rids},
+                ref_cnt=RefCounts(got.blocks, self._blocks),
+            )
             ctx = CheckContext(
                 self.config,
                 op,
@@ -236,6 +268,7 @@ class Checker:
                 delta,  # type: ignore[arg-type]
             )
             found += [Violation(name, msg) for name, msg in check_delta(ctx)]
+        forget(self.history, self._holders)  # after the checks: they read the finishing request's keys
         return found
 
     def _partials(
@@ -246,9 +279,9 @@ class Checker:
         got = self.target.partial(blocks, rids, keys)  # type: ignore[attr-defined]
         want = self._model_target.partial(blocks | set(got.blocks), rids, keys | set(got.holders))
         for _ in range(4):
-            if set(want.blocks) == set(got.blocks) and set(want.holders) == set(got.holders):
+            if want.blocks.keys() == got.blocks.keys() and want.holders.keys() == got.holders.keys():
                 break
-            blocks, keys = set(want.blocks) | set(got.blocks), set(want.holders) | set(got.holders)
+            blocks, keys = want.blocks.keys() | got.blocks.keys(), want.holders.keys() | got.holders.keys()
             got = replace(self.target.partial(blocks, rids, keys), events=got.events)  # type: ignore[attr-defined]
             want = replace(self._model_target.partial(blocks, rids, keys), events=want.events)
         return got, want
@@ -258,12 +291,24 @@ class Checker:
         before_blocks = {b: self._blocks[b] for b in got.blocks}
         before_holders = {k: self._holders.get(k, ()) for k in got.holders}
         idle_before = self._in_use == 0
+        self._free_len = got.free_len
+        uses = self._uses
         for rid, table in got.tables.items():
             old = self._tables.pop(rid, ())
-            self._uses.subtract(b for g in old for b in g if b)
+            if old == table:
+                if table:
+                    self._tables[rid] = table
+                continue
+            for g in old:
+                for b in g:
+                    if b:
+                        uses[b] -= 1
             if table:
                 self._tables[rid] = table
-                self._uses.update(b for g in table for b in g if b)
+                for g in table:
+                    for b in g:
+                        if b:
+                            uses[b] += 1
         for b, state in got.blocks.items():
             self._in_use += (state[0] > 0) - (self._blocks[b][0] > 0)
             self._blocks[b] = state

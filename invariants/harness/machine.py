@@ -173,7 +173,7 @@ def build_machine(
             before = self.checker.tables()
             found = [v for v in self.checker.step(op) if not self._known(v)]
             run_stats.steps += 1
-            obs_state = self.checker.last
+            free_len, pinned_len, cached, tables = self.checker.shape()
             run_stats.features.update(self.checker.model.exercised)
             self.checker.model.exercised.clear()
             if isinstance(op, Step) and reused_across_requests(before, self.checker.last_obs):
@@ -181,10 +181,10 @@ def build_machine(
             run_stats.states.add(
                 (
                     type(op).__name__,
-                    len(obs_state.free_queue) // 2,
-                    len(obs_state.pinned_queue),
-                    min(len(obs_state.cached), 12),
-                    len(obs_state.tables),
+                    free_len // 2,
+                    pinned_len,
+                    min(cached, 12),
+                    tables,
                 )
             )
             if found:

@@ -90,10 +90,11 @@ def closure(
     tables: dict[str, tuple[BlockIds, ...]], blocks: Iterable[int], keys: Iterable[BlockKey]
 ) -> tuple[set[int], set[BlockKey]]:
     """The blocks and keys a partial state must report, before primary keys are added."""
-    out = {b for b in blocks if b}
+    out = set(blocks)
     for table in tables.values():
         for group in table:
-            out.update(b for b in group if b)
+            out.update(group)
+    out.discard(0)  # the null block
     return out, set(keys)
 
 

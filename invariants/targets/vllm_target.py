@@ -147,6 +147,8 @@ class VllmTarget:
         # hash bytes (and the low 64 bits events use) <-> the token prefix it stands for
         self._names = HashNames(self._rehash)
         self._keys: dict[bytes, BlockKey] = {}
+        # The last finished request, until the next probe (see `_probe_request`).
+        self._finished: Any = None
         # False: learn nothing, name hashes by stand-ins (see the module docstring).
         self.track_prefixes = track_prefixes
 
@@ -321,6 +323,7 @@ class VllmTarget:
         if isinstance(op, Finish):
             req = self.requests.pop(op.rid)
             m.free(req)
+            self._finished = req
             req.status = self._v["RequestStatus"].FINISHED_STOPPED
             return Done()
         if isinstance(op, Preempt):
@@ -331,8 +334,7 @@ class VllmTarget:
             req.num_preemptions += 1
             return Done()
         if isinstance(op, Probe):
-            self._probe_seq += 1
-            req = self._new_request(f"__probe{self._probe_seq}", op.tokens)
+            req = self._probe_request(op.tokens)
             if req.num_tokens == 0:
                 empty = tuple(() for _ in self.config.groups)
                 return ProbeResult(0, 0, empty)
@@ -353,6 +355,21 @@ class VllmTarget:
         if retained:
             self.pool.free_blocks(retained)
         return tuple((c.src_block_id, c.dst_block_id) for c in copies)
+
+    def _probe_request(self, tokens: Tokens) -> Any:
+        """A throw-away request for `tokens`. Right after a Finish the promise probe
+        replays that request's prompt: when it has no outputs, the finished request
+        itself serves (vLLM hashed it already; the lookup reads only its token count
+        and block hashes, and a free leaves both as they were)."""
+        last, self._finished = self._finished, None
+        if (
+            last is not None
+            and last.num_tokens == last.num_prompt_tokens == len(tokens)
+            and last.prompt_token_ids == list(tokens)
+        ):
+            return last
+        self._probe_seq += 1
+        return self._new_request(f"__probe{self._probe_seq}", tokens)
 
     def _computed_blocks(self, req: Any) -> tuple[Any, int, int]:
         """`get_computed_blocks`; a release without the junction returns no boundary (0)."""
@@ -520,7 +537,7 @@ class VllmTarget:
     def partial(self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]) -> PartialState:
         """What an operation touched, read from those blocks and tables only (see `PartialState`)."""
         pool, queue = self.pool, self.pool.free_block_queue
-        ends = (queue.fake_free_list_head, queue.fake_free_list_tail)
+        head, tail = queue.fake_free_list_head, queue.fake_free_list_tail
         tables = {}
         for rid in rids:
             table = (
@@ -540,7 +557,8 @@ class VllmTarget:
             links = (
                 (NOT_FREE, NOT_FREE)
                 if prev is None or nxt is None
-                else (END if prev in ends else prev.block_id, END if nxt in ends else nxt.block_id)
+                # `is`: a KVCacheBlock's `==` compares every field
+                else (END if prev is head else prev.block_id, END if nxt is tail else nxt.block_id)
             )
             out[b] = (blk.ref_cnt, key, *links)
         cache = pool.cached_block_hash_to_block._cache
