@@ -44,6 +44,7 @@ from model.ops import (
     Step,
 )
 from model.pool import Pool
+from model.profile import MODELED, Profile
 from model.scheduling import mamba_checkpoint_position, mamba_chunk
 
 
@@ -85,8 +86,9 @@ class GroupState:
 
 
 class AllocatorModel:
-    def __init__(self, config: Config, events: str = "seed") -> None:
+    def __init__(self, config: Config, events: str = "seed", profile: Profile = MODELED) -> None:
         self.cfg = validate(config)
+        self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
         self.pool = Pool(config.num_blocks, config.hash_block_size, config.enable_caching, events)
         self.groups = [GroupState(i, g) for i, g in enumerate(config.groups)]
         self.requests: dict[str, RequestState] = {}
@@ -544,7 +546,7 @@ class AllocatorModel:
                 reach = list(boundaries)
                 if req.shared_prefix_boundary:
                     reach.append(req.shared_prefix_boundary)
-                    if cfg.eagle:
+                    if cfg.eagle and self.profile.eagle_junction_peek:  # 0.33.0 on (model.profile)
                         reach.append(req.shared_prefix_boundary - g.bs)
                 kept = self._kept(g, before, num_full, reach)
                 self.pool.cache_full_blocks(tokens, g.table(req.rid), before, num_full, g.bs, g.gid, kept)
@@ -583,7 +585,8 @@ class AllocatorModel:
     def _cache_full_partial_tail(self, g: GroupState, req: RequestState, num_tokens: int) -> None:
         """Full attention with bs != hbs keys the prompt's last hash boundary inside its block."""
         hbs = self.cfg.hash_block_size
-        limit = len(req.prompt) if self.cfg.eagle else len(req.prompt) - 1
+        excludes_last = not self.cfg.eagle and self.profile.partial_tail_excludes_last_token  # 0.32.0 on
+        limit = len(req.prompt) - 1 if excludes_last else len(req.prompt)
         boundary = min(limit // hbs, req.num_tokens // hbs) * hbs
         if boundary == 0 or boundary > num_tokens or boundary % g.bs == 0:
             return

@@ -1,0 +1,44 @@
+"""Semantics profiles: the design of the time of one vLLM release, as a few switches.
+
+The model predicts vLLM 0.33.0's design by default. An older release predates
+some mechanisms; the release matrix builds the model with that release's
+profile so that a remaining disagreement is a defect of the release, not a
+mechanism it did not have yet. Every switch names the rule it changes and the
+upstream change that introduced the 0.33.0 behaviour; the rule that reads it
+keeps a one-line comment pointing back here.
+
+Contract: `Profile()` is vLLM 0.33.0 exactly (the default everywhere); a switch
+only ever selects an older rule, never a new one. Which profile a release gets
+is decided from its detected capabilities (never its version string) by the
+vLLM adapter, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Which rules of the modeled design a release has (True / 0.33.0 value = has it).
+
+    - `eagle_junction_peek`: under Eagle, the block below the shared-prefix
+      junction is a reachable boundary too (a sibling diverging right after the
+      junction drops the peek block and lands one block lower). Before it only
+      the junction itself was kept (added in 0.33.0's `cache_blocks`).
+    - `partial_tail_excludes_last_token`: full attention with block size above
+      the hash block size keys the prompt's last hash boundary at most
+      `prompt - 1` tokens without Eagle (a resend recomputes the last token).
+      Before it the boundary was taken over the whole prompt (0.32.0).
+    """
+
+    eagle_junction_peek: bool = True
+    partial_tail_excludes_last_token: bool = True
+
+    def differences(self) -> list[str]:
+        """The switches that select an older rule, by name (empty for 0.33.0)."""
+        default = Profile()
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+
+
+MODELED = Profile()
