@@ -343,7 +343,8 @@ class AllocatorModel:
                 if drop_eagle and spec.kind != "mamba":
                     # Look one block past the candidate so the Eagle drop lands back on it,
                     # but never past the hashed tokens. Mamba's finder never drops.
-                    limit = min(candidate + spec.block_size, hashed_len)
+                    reach = hashed_len if self.profile.eagle_margin_to_hashed else max_len  # 0.32.0 on
+                    limit = min(candidate + spec.block_size, reach)
                 layout = self._finder(tokens, spec, gids, limit, drop_eagle, self.alignment)
                 this_hit = len(layout) * spec.block_size
                 if drop_eagle:

@@ -30,10 +30,15 @@ class Profile:
       the hash block size keys the prompt's last hash boundary at most
       `prompt - 1` tokens without Eagle (a resend recomputes the last token).
       Before it the boundary was taken over the whole prompt (0.32.0).
+    - `eagle_margin_to_hashed`: a hybrid lookup under Eagle looks one block
+      past the candidate, up to every hashed token (so the drop can land on a
+      hit that ends at the recomputed last token). Before it the look stopped
+      at the lookup's limit (`max_cache_hit_length`) (0.32.0).
     """
 
     eagle_junction_peek: bool = True
     partial_tail_excludes_last_token: bool = True
+    eagle_margin_to_hashed: bool = True
 
     def differences(self) -> list[str]:
         """The switches that select an older rule, by name (empty for 0.33.0)."""

@@ -27,6 +27,8 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |                          | under Eagle (`shared_prefix_boundary - self.block_size`)  |        |
 | `tail_excludes_last`     | full attention's partial prompt tail stops at `prompt - 1` |        |
 |                          | without Eagle (`_cache_partial_tail_block`)                |        |
+| `eagle_margin_hashed`    | the hybrid lookup's Eagle margin is capped by the hashed   |        |
+|                          | tokens (`len(block_hashes) * self.hash_block_size`)        |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -83,12 +85,14 @@ class Capabilities:
     event_fields: frozenset[str]
     eagle_junction_peek: bool = True
     tail_excludes_last: bool = True
+    eagle_margin_hashed: bool = True
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
         return Profile(
             eagle_junction_peek=self.eagle_junction_peek,
             partial_tail_excludes_last_token=self.tail_excludes_last,
+            eagle_margin_to_hashed=self.eagle_margin_hashed,
         )
 
     @property
@@ -207,6 +211,7 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         in _source(getattr(single_type, "cache_blocks", None)),
         tail_excludes_last="num_prompt_tokens - 1"
         in _source(getattr(full, "_cache_partial_tail_block", None)),
+        eagle_margin_hashed="len(block_hashes) * self.hash_block_size" in _source(ns["coordinator_module"]),
     )
 
 
