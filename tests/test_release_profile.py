@@ -1,0 +1,206 @@
+"""Semantics profiles (model.profile): one switch per capability an older release lacks.
+
+Each switch has a small hand trace on which the modeled design (0.33.0) and
+the older rule predict different things. Three checks per switch:
+
+- the model alone: the two profiles differ on the trace (the switch matters),
+  and the older profile predicts what the older release's rule says (written
+  out here from that release's source);
+- detection: the fake release with the mechanism gets the 0.33.0 rule, the
+  one without it the older rule (the control);
+- on the cached release that predates the mechanism (skipped, with the
+  reason, where its environment is absent): its detected profile agrees with
+  it on the trace, while the 0.33.0 profile disagrees (the control).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from invariants.harness.trace import Trace, write_trace
+from invariants.targets.vllm_capabilities import detect_from
+from invariants.targets.vllm_env import cache_root
+from model.allocator import AllocatorModel
+from model.config import Config, GroupSpec
+from model.observation import BlockStored, Observation, ProbeResult, ScheduleResult, Snapshot
+from model.ops import AddRequest, Op, Probe, Schedule
+from model.profile import MODELED, Profile
+
+from test_matrix import _fake_namespace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Case:
+    switch: str  # the Profile field
+    capability: str  # the Capabilities field that drives it
+    release: str  # a release that predates the mechanism
+    config: Config
+    ops: tuple[Op, ...]
+
+
+FULL4_SWA5 = (GroupSpec("full", 4), GroupSpec("swa", 4, 5))
+SHARED = (2, 2, 1, 2, 2, 2, 2, 2, 1, 1, 2, 2)
+CASES = {
+    "eagle_junction_peek": Case(
+        "eagle_junction_peek",
+        "eagle_junction_peek",
+        "0.32.0",
+        Config(FULL4_SWA5, 16, retention_interval=0, eagle=True),
+        # b shares 12 tokens with a and computes 8: its junction's blocks are kept.
+        (
+            AddRequest("a", (*SHARED, 2, 1, 2, 1, 1)),
+            Schedule("a", 64),
+            AddRequest("b", (*SHARED, 1)),
+            Schedule("b", 8),
+        ),
+    ),
+    "partial_tail_excludes_last_token": Case(
+        "partial_tail_excludes_last_token",
+        "tail_excludes_last",
+        "0.31.0",
+        Config((GroupSpec("full", 8), GroupSpec("swa", 4, 9)), 16, retention_interval=0),
+        (AddRequest("a", (2, 2, 2, 1, 1, 1, 1, 2)), Schedule("a", 64)),
+    ),
+    "eagle_margin_to_hashed": Case(
+        "eagle_margin_to_hashed",
+        "eagle_margin_hashed",
+        "0.31.0",
+        Config(FULL4_SWA5, 16, retention_interval=0, eagle=True),
+        (
+            AddRequest("b", (2, 1, 3, 1, 3, 1, 2, 1)),
+            Schedule("b", 64),
+            Probe((2, 1, 3, 1, 3, 1, 2, 1)),
+        ),
+    ),
+}
+# Fake-namespace flags that give a fake release each capability (tests/test_matrix.py fakes).
+FAKE_FLAG = {
+    "eagle_junction_peek": "junction_peek",
+    "tail_excludes_last": "tail_limit",
+    "eagle_margin_hashed": "margin_hashed",
+}
+
+
+def _run(case: Case, profile: Profile) -> list[Observation | Snapshot]:
+    model = AllocatorModel(case.config, events="vllm-0.33.0", profile=profile)
+    out: list[Observation | Snapshot] = []
+    for op in case.ops:
+        out += [model.apply(op), model.snapshot()]
+    return out
+
+
+def _older(case: Case) -> Profile:
+    return Profile(**{case.switch: False})
+
+
+def test_the_default_profile_is_the_modeled_release() -> None:
+    assert Profile() == MODELED and MODELED.differences() == []
+    assert Profile(eagle_junction_peek=False).differences() == ["eagle_junction_peek"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_switch_changes_the_prediction_on_its_trace(name: str) -> None:
+    case = CASES[name]
+    assert _run(case, MODELED) != _run(case, _older(case))
+    # Control: the trace does not depend on the other switches.
+    others = Profile(**{k: False for k in CASES if k != name})
+    assert _run(case, MODELED) == _run(case, others)
+
+
+def _stored(snaps: list[Observation | Snapshot], group: int) -> list[tuple[int, ...]]:
+    return [
+        h
+        for s in snaps
+        if isinstance(s, Snapshot)
+        for e in s.events
+        if isinstance(e, BlockStored) and e.group == group
+        for h in e.block_hashes
+    ]
+
+
+def test_junction_peek_keeps_the_block_below_the_junction() -> None:
+    # b's junction is 8 (a's full blocks, less Eagle's drop); under retention 0
+    # 0.33.0 also keeps the SWA block ending at 4 (the peek a sibling diverging
+    # at the junction drops); 0.32.0 keeps only the junction's own tail.
+    case = CASES["eagle_junction_peek"]
+    junction = [o for o in _run(case, MODELED) if isinstance(o, ScheduleResult)][-1].shared_prefix_boundary
+    assert junction == 8
+    swa_new, swa_old = (_stored(_run(case, p)[-1:], 1) for p in (MODELED, _older(case)))
+    assert swa_new == [SHARED[:4], SHARED[:8]] and swa_old == [SHARED[:8]]
+
+
+def test_partial_tail_before_the_limit_fix_keys_nothing_on_an_aligned_prompt() -> None:
+    # 8-token prompt, full block 8, hash block 4: 0.32.0 keys its 4-token
+    # boundary (prompt - 1 = 7 rounds to 4); 0.31.0 takes 8, a whole block: no partial key.
+    case = CASES["partial_tail_excludes_last_token"]
+    new, old = (_stored(_run(case, p), 0) for p in (MODELED, _older(case)))
+    assert (2, 2, 2, 1) in new and (2, 2, 2, 1) not in old
+
+
+def test_eagle_margin_capped_by_the_limit_loses_the_hit() -> None:
+    # Probe of the whole computed prompt (limit 7, 8 hashed): 0.32.0 looks to
+    # 8 and drops back to a 4-token hit; 0.31.0 looks only to 7 and its Eagle
+    # drop leaves nothing.
+    case = CASES["eagle_margin_to_hashed"]
+    new, old = (_run(case, p)[-2] for p in (MODELED, _older(case)))
+    assert isinstance(new, ProbeResult) and isinstance(old, ProbeResult)
+    assert (new.hit, old.hit) == (4, 0)
+
+
+@pytest.mark.parametrize("capability", sorted(FAKE_FLAG))
+def test_each_switch_follows_its_detected_capability(capability: str) -> None:
+    switch = next(c.switch for c in CASES.values() if c.capability == capability)
+    without = detect_from(_fake_namespace(), "0.0.0")
+    with_it = detect_from(_fake_namespace(**{FAKE_FLAG[capability]: True}), "0.0.0")
+    assert getattr(without.profile(), switch) is False  # control: the release before it
+    assert getattr(with_it.profile(), switch) is True
+
+
+# ----------------------------------------------------------------------------- on the releases
+_CHECK = """
+import json, sys
+from invariants.harness.checker import Checker
+from invariants.harness.trace import read_trace
+from invariants.targets.vllm_target import VllmTarget
+from model.profile import MODELED
+trace = read_trace(sys.argv[1])
+out = {}
+for label in ("detected", "modeled"):
+    target = VllmTarget(trace.config)
+    if label == "modeled":
+        target.profile = MODELED
+    checker = Checker(target, check_invariants=False)
+    out[label] = [str(v)[:200] for op in trace.ops for v in checker.step(op)
+                  if v.check in ("observation", "snapshot")]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_release_before_the_mechanism_agrees_with_its_profile_only(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    python = cache_root() / f"vllm-{case.release}" / "bin" / "python"
+    if not python.exists():
+        pytest.skip(
+            f"vLLM {case.release} is not installed under {python.parent.parent} (kvretain matrix installs it)"
+        )
+    trace = write_trace(Trace(case.config, list(case.ops), 0, "vllm", ""), tmp_path / "t.json")
+    proc = subprocess.run(
+        [str(python), "-c", _CHECK, str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["detected"] == []
+    assert found["modeled"], "control: the 0.33.0 profile should disagree with this release"
