@@ -147,7 +147,7 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
         if new.get("junction_peek"):
 
             def cache_blocks(self, request, boundaries):  # type: ignore[no-untyped-def]
-                return [*boundaries, request.shared_prefix_boundary - self.block_size]
+                return [*boundaries, request.shared_prefix_boundary - self.block_size]  # type: ignore[attr-defined]
         else:
 
             def cache_blocks(self, request, boundaries):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_matrix import _fake_namespace
 
 from invariants.harness.trace import Trace, write_trace
 from invariants.targets.vllm_capabilities import detect_from
@@ -30,8 +31,6 @@ from model.config import Config, GroupSpec
 from model.observation import BlockStored, Observation, ProbeResult, ScheduleResult, Snapshot
 from model.ops import AddRequest, Op, Probe, Schedule
 from model.profile import MODELED, Profile
-
-from test_matrix import _fake_namespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
