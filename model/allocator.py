@@ -536,7 +536,8 @@ class AllocatorModel:
 
     def _cache_blocks(self, req: RequestState, num_tokens: int) -> None:
         cfg = self.cfg
-        boundaries = list(replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle))
+        eagle_aware = cfg.eagle and self.profile.eagle_replay_boundaries  # 0.30.0 on (model.profile)
+        boundaries = list(replay_boundaries(len(req.prompt), cfg.scheduler_block_size, eagle_aware))
         tokens = req.tokens
         hashed = req.num_tokens // cfg.hash_block_size * cfg.hash_block_size
         for g in self.groups:

@@ -34,11 +34,16 @@ class Profile:
       past the candidate, up to every hashed token (so the drop can land on a
       hit that ends at the recomputed last token). Before it the look stopped
       at the lookup's limit (`max_cache_hit_length`) (0.32.0).
+    - `eagle_replay_boundaries`: under Eagle the boundaries a replaying
+      request resumes at are one block below the prompt's last aligned
+      boundary, for a resend and a longer sibling (`replay_boundaries`). Before
+      it every group kept the tail of `prompt - 1` whatever Eagle (0.30.0).
     """
 
     eagle_junction_peek: bool = True
     partial_tail_excludes_last_token: bool = True
     eagle_margin_to_hashed: bool = True
+    eagle_replay_boundaries: bool = True
 
     def differences(self) -> list[str]:
         """The switches that select an older rule, by name (empty for 0.33.0)."""

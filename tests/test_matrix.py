@@ -58,6 +58,11 @@ class _EnvFineCoordinator:
     enable_partial_hash_hits = True
 
 
+class _ReplayCoordinator:
+    def cache_blocks(self, request):  # type: ignore[no-untyped-def]
+        return replay_boundaries(request.num_prompt_tokens)  # type: ignore[name-defined]  # noqa: F821
+
+
 class _MarginCoordinator:
     def find_longest_cache_hit(self, block_hashes, curr_hit_length, margin):  # type: ignore[no-untyped-def]
         return min(curr_hit_length + margin, len(block_hashes) * self.hash_block_size)  # type: ignore[attr-defined]
@@ -171,6 +176,8 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
     }[bool(new.get("env_retention")), bool(new.get("fine"))]
     if new.get("margin_hashed"):
         coordinator = _MarginCoordinator
+    if new.get("replay"):
+        coordinator = _ReplayCoordinator
     hashes = _LastHashList if new.get("last_hash") else _JoinedHashList
 
     return {
@@ -225,6 +232,7 @@ def test_fake_release_before_every_mechanism_has_none() -> None:
         ("junction_peek", "eagle_junction_peek", True),
         ("tail_limit", "tail_excludes_last", True),
         ("margin_hashed", "eagle_margin_hashed", True),
+        ("replay", "replay_boundaries", True),
     ],
 )
 def test_each_capability_is_read_from_the_code(flag: str, field: str, value: object) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -78,12 +78,20 @@ CASES = {
             Probe((2, 1, 3, 1, 3, 1, 2, 1)),
         ),
     ),
+    "eagle_replay_boundaries": Case(
+        "eagle_replay_boundaries",
+        "replay_boundaries",
+        "0.29.0",
+        Config(FULL4_SWA5, 16, retention_interval=0, eagle=True),
+        (AddRequest("a", (2, 1, 1, 2, 1, 1, 1, 1, 2)), Schedule("a", 64)),
+    ),
 }
 # Fake-namespace flags that give a fake release each capability (tests/test_matrix.py fakes).
 FAKE_FLAG = {
     "eagle_junction_peek": "junction_peek",
     "tail_excludes_last": "tail_limit",
     "eagle_margin_hashed": "margin_hashed",
+    "replay_boundaries": "replay",
 }
 
 
@@ -108,9 +116,9 @@ def test_the_default_profile_is_the_modeled_release() -> None:
 def test_each_switch_changes_the_prediction_on_its_trace(name: str) -> None:
     case = CASES[name]
     assert _run(case, MODELED) != _run(case, _older(case))
-    # Control: the trace does not depend on the other switches.
-    others = Profile(**{k: False for k in CASES if k != name})
-    assert _run(case, MODELED) == _run(case, others)
+    # It matters on its own: also on a profile where every other switch is old.
+    oldest = Profile(**{k: False for k in CASES})
+    assert _run(case, replace(oldest, **{name: True})) != _run(case, oldest)
 
 
 def _stored(snaps: list[Observation | Snapshot], group: int) -> list[tuple[int, ...]]:
@@ -151,6 +159,17 @@ def test_eagle_margin_capped_by_the_limit_loses_the_hit() -> None:
     new, old = (_run(case, p)[-2] for p in (MODELED, _older(case)))
     assert isinstance(new, ProbeResult) and isinstance(old, ProbeResult)
     assert (new.hit, old.hit) == (4, 0)
+
+
+def test_eagle_replay_boundaries_keep_the_block_below_the_last_aligned_one() -> None:
+    # 9-token prompt, Eagle, block 4, retention 0: 0.30.0 resumes a replay at
+    # 4 (one block below 8) and keeps the SWA tail ending there plus Eagle's
+    # peek (blocks 0, 1); 0.29.0 keeps the tail of 8 = prompt - 1 floored,
+    # whose only full block is block 1.
+    case = CASES["eagle_replay_boundaries"]
+    prompt = (2, 1, 1, 2, 1, 1, 1, 1, 2)
+    new, old = (_stored(_run(case, p), 1) for p in (MODELED, _older(case)))
+    assert new == [prompt[:4], prompt[:8]] and old == [prompt[:8]]
 
 
 @pytest.mark.parametrize("capability", sorted(FAKE_FLAG))

@@ -29,6 +29,8 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |                          | without Eagle (`_cache_partial_tail_block`)                |        |
 | `eagle_margin_hashed`    | the hybrid lookup's Eagle margin is capped by the hashed   |        |
 |                          | tokens (`len(block_hashes) * self.hash_block_size`)        |        |
+| `replay_boundaries`      | the coordinator passes Eagle-aware `replay_boundaries` to  |        |
+|                          | `cache_blocks` (else only `num_prompt_tokens - 1`)         |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -86,6 +88,7 @@ class Capabilities:
     eagle_junction_peek: bool = True
     tail_excludes_last: bool = True
     eagle_margin_hashed: bool = True
+    replay_boundaries: bool = True
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -93,6 +96,7 @@ class Capabilities:
             eagle_junction_peek=self.eagle_junction_peek,
             partial_tail_excludes_last_token=self.tail_excludes_last,
             eagle_margin_to_hashed=self.eagle_margin_hashed,
+            eagle_replay_boundaries=self.replay_boundaries,
         )
 
     @property
@@ -212,6 +216,7 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         tail_excludes_last="num_prompt_tokens - 1"
         in _source(getattr(full, "_cache_partial_tail_block", None)),
         eagle_margin_hashed="len(block_hashes) * self.hash_block_size" in _source(ns["coordinator_module"]),
+        replay_boundaries="replay_boundaries" in _source(ns["coordinator_module"]),
     )
 
 
