@@ -89,7 +89,13 @@ class AllocatorModel:
     def __init__(self, config: Config, events: str = "seed", profile: Profile = MODELED) -> None:
         self.cfg = validate(config)
         self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
-        self.pool = Pool(config.num_blocks, config.hash_block_size, config.enable_caching, events)
+        self.pool = Pool(
+            config.num_blocks,
+            config.hash_block_size,
+            config.enable_caching,
+            events,
+            caching_off_to_head=profile.caching_off_free_to_head,
+        )
         self.groups = [GroupState(i, g) for i, g in enumerate(config.groups)]
         self.requests: dict[str, RequestState] = {}
         self.hybrid = len(config.groups) > 1

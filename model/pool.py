@@ -27,9 +27,16 @@ EVENT_PROFILES = ("seed", "vllm-0.33.0")
 
 class Pool:
     def __init__(
-        self, num_blocks: int, hash_block_size: int, enable_caching: bool, events: str = "seed"
+        self,
+        num_blocks: int,
+        hash_block_size: int,
+        enable_caching: bool,
+        events: str = "seed",
+        caching_off_to_head: bool = True,
     ) -> None:
         assert events in EVENT_PROFILES
+        # Caching off: freed blocks to the head (#51482) or, before it, the tail (model.profile).
+        self.caching_off_to_head = caching_off_to_head
         self.num_blocks = num_blocks
         self.hbs = hash_block_size
         self.enable_caching = enable_caching
@@ -115,7 +122,9 @@ class Pool:
             if self.ref[b] == 0:
                 if b in self.pinned:
                     to_pinned.append(b)
-                elif b not in self.primary or not self.enable_caching:
+                elif not self.enable_caching:
+                    (to_head if self.caching_off_to_head else to_tail).append(b)
+                elif b not in self.primary:
                     to_head.append(b)
                 else:
                     to_tail.append(b)

@@ -38,12 +38,16 @@ class Profile:
       request resumes at are one block below the prompt's last aligned
       boundary, for a resend and a longer sibling (`replay_boundaries`). Before
       it every group kept the tail of `prompt - 1` whatever Eagle (0.30.0).
+    - `caching_off_free_to_head`: with prefix caching off, freed blocks go to
+      the head of the free queue (reused first, LIFO) (#51482). Before it they
+      were appended to the tail (0.27.0, 0.28.0).
     """
 
     eagle_junction_peek: bool = True
     partial_tail_excludes_last_token: bool = True
     eagle_margin_to_hashed: bool = True
     eagle_replay_boundaries: bool = True
+    caching_off_free_to_head: bool = True
 
     def differences(self) -> list[str]:
         """The switches that select an older rule, by name (empty for 0.33.0)."""

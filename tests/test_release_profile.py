@@ -29,7 +29,7 @@ from invariants.targets.vllm_env import cache_root
 from model.allocator import AllocatorModel
 from model.config import Config, GroupSpec
 from model.observation import BlockStored, Observation, ProbeResult, ScheduleResult, Snapshot
-from model.ops import AddRequest, Op, Probe, Schedule
+from model.ops import AddRequest, Finish, Op, Probe, Schedule
 from model.profile import MODELED, Profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,13 +85,22 @@ CASES = {
         Config(FULL4_SWA5, 16, retention_interval=0, eagle=True),
         (AddRequest("a", (2, 1, 1, 2, 1, 1, 1, 1, 2)), Schedule("a", 64)),
     ),
+    "caching_off_free_to_head": Case(
+        "caching_off_free_to_head",
+        "caching_off_order",
+        "0.27.0",
+        Config((GroupSpec("full", 4),), 8, enable_caching=False),
+        (AddRequest("a", (1, 2, 3, 4, 5, 6, 7, 8, 9)), Schedule("a", 64), Finish("a")),
+    ),
 }
-# Fake-namespace flags that give a fake release each capability (tests/test_matrix.py fakes).
+# Capability -> the fake-namespace flag (tests/test_matrix.py fakes) that changes it, and
+# the switch's value on the fake with that flag (the fake without it is the control).
 FAKE_FLAG = {
-    "eagle_junction_peek": "junction_peek",
-    "tail_excludes_last": "tail_limit",
-    "eagle_margin_hashed": "margin_hashed",
-    "replay_boundaries": "replay",
+    "eagle_junction_peek": ("junction_peek", True),
+    "tail_excludes_last": ("tail_limit", True),
+    "eagle_margin_hashed": ("margin_hashed", True),
+    "replay_boundaries": ("replay", True),
+    "caching_off_order": ("fifo_off", False),  # the flag gives the older rule
 }
 
 
@@ -172,13 +181,24 @@ def test_eagle_replay_boundaries_keep_the_block_below_the_last_aligned_one() -> 
     assert new == [prompt[:4], prompt[:8]] and old == [prompt[:8]]
 
 
+def test_caching_off_frees_to_the_head_only_after_the_lifo_change() -> None:
+    # Caching off, 7 usable blocks, a request of 9 tokens holds blocks 1..3 and
+    # frees them last block first: 0.29.0 puts them at the head, 0.27.0 at the tail.
+    case = CASES["caching_off_free_to_head"]
+    new, old = (_run(case, p)[-1] for p in (MODELED, _older(case)))
+    assert isinstance(new, Snapshot) and isinstance(old, Snapshot)
+    assert new.free_queue == (3, 2, 1, 4, 5, 6, 7)
+    assert old.free_queue == (4, 5, 6, 7, 3, 2, 1)
+
+
 @pytest.mark.parametrize("capability", sorted(FAKE_FLAG))
 def test_each_switch_follows_its_detected_capability(capability: str) -> None:
     switch = next(c.switch for c in CASES.values() if c.capability == capability)
+    flag, value = FAKE_FLAG[capability]
     without = detect_from(_fake_namespace(), "0.0.0")
-    with_it = detect_from(_fake_namespace(**{FAKE_FLAG[capability]: True}), "0.0.0")
-    assert getattr(without.profile(), switch) is False  # control: the release before it
-    assert getattr(with_it.profile(), switch) is True
+    with_it = detect_from(_fake_namespace(**{flag: True}), "0.0.0")
+    assert getattr(with_it.profile(), switch) is value
+    assert getattr(without.profile(), switch) is (not value)  # control: the other release
 
 
 # ----------------------------------------------------------------------------- on the releases

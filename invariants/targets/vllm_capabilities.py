@@ -97,6 +97,7 @@ class Capabilities:
             partial_tail_excludes_last_token=self.tail_excludes_last,
             eagle_margin_to_hashed=self.eagle_margin_hashed,
             eagle_replay_boundaries=self.replay_boundaries,
+            caching_off_free_to_head=self.caching_off_order == "lifo",
         )
 
     @property
