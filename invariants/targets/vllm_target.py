@@ -429,7 +429,7 @@ class VllmTarget:
             for req in waiting:
                 if token_budget <= 0:
                     break
-                blocks, hit, spb = m.get_computed_blocks(req)
+                blocks, hit, spb = self._computed_blocks(req)
                 req.shared_prefix_boundary = spb
                 hit_blocks = _ids(blocks)
                 n = self._chunk(req, hit, min(req.num_tokens - hit, token_budget), op.budget)
