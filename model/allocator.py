@@ -433,11 +433,12 @@ class AllocatorModel:
                     for i in range(first, last):
                         table[i] = 0
                     if freed:
-                        self.pool.free(freed)
+                        self.pool.free(freed, append_all=self.profile.free_order == "append")
                     g.retired[rid] = last
             prev = g.last_state.get(rid)
             if prev is not None and prev < cdiv(computed, g.bs) - 1 and table[prev]:
-                self.pool.free([table[prev]])
+                # Before #43447 the stale state went to the tail (model.profile free_order).
+                self.pool.free([table[prev]], append_all=self.profile.free_order != "pool")
                 table[prev] = 0
             return
         if skipped <= 0:
@@ -454,7 +455,7 @@ class AllocatorModel:
         if g.spec.kind == "swa" and self.cfg.pin_swa_on_drop and len(freed) >= self.cfg.pin_min_drop_blocks:
             assert g.spec.sliding_window is not None
             self.pool.pin(freed[: swa_tail_blocks(g.spec.sliding_window, g.bs, self.cfg.eagle)])
-        self.pool.free(freed)
+        self.pool.free(freed, append_all=self.profile.free_order == "append")
 
     def _blocks_to_allocate(
         self, g: GroupState, rid: str, num_tokens: int, hits: tuple[int, ...], local: int, main: int
@@ -572,6 +573,8 @@ class AllocatorModel:
 
     def _kept(self, g: GroupState, start: int, end: int, boundaries: list[int]) -> set[int] | None:
         r = self.cfg.retention_interval
+        if not self.profile.block_mask:  # before #42258 every full block is cached (model.profile)
+            return None
         if g.spec.kind == "swa":
             assert g.spec.sliding_window is not None
             return swa_kept_blocks(
@@ -580,11 +583,11 @@ class AllocatorModel:
                 block_size=g.bs,
                 window=g.spec.sliding_window,
                 alignment=self.alignment,
-                eagle=self.cfg.eagle,
+                eagle=self.cfg.eagle and self.profile.eagle_aware_mask,  # #44082 (model.profile)
                 retention=r,
                 boundaries=boundaries,
             )
-        if g.spec.kind == "mamba":
+        if g.spec.kind == "mamba" and self.profile.mamba_retention:  # #45845 (model.profile)
             return mamba_kept_blocks(
                 start, end, block_size=g.bs, alignment=self.alignment, retention=r, boundaries=boundaries
             )
@@ -627,7 +630,11 @@ class AllocatorModel:
             g.allocated.discard(rid)
             while table and table[0] == 0:
                 table.pop(0)
-            self.pool.free(reversed(table))
+            # Before #43447 a finished request's blocks went to the tail, except SWA's
+            # own split in "caller" (model.profile free_order).
+            order = self.profile.free_order
+            append_all = order == "append" or (order == "caller" and g.spec.kind != "swa")
+            self.pool.free(reversed(table), append_all=append_all)
 
 
 def _align(g: GroupState) -> bool:

@@ -110,7 +110,8 @@ class Pool:
                 (self.pinned_tier if b in self.pinned_tier else self.queue).remove(b)
             self.ref[b] += 1
 
-    def free(self, ordered: Iterable[int]) -> None:
+    def free(self, ordered: Iterable[int], append_all: bool = False) -> None:
+        """Route freed blocks; `append_all`: every one to the tail (releases before #43447)."""
         to_head: list[int] = []
         to_tail: list[int] = []
         to_pinned: list[int] = []
@@ -122,6 +123,8 @@ class Pool:
             if self.ref[b] == 0:
                 if b in self.pinned:
                     to_pinned.append(b)
+                elif append_all:
+                    to_tail.append(b)
                 elif not self.enable_caching:
                     (to_head if self.caching_off_to_head else to_tail).append(b)
                 elif b not in self.primary:

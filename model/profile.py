@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+FREE_ORDERS = ("pool", "caller", "append")
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -41,6 +43,17 @@ class Profile:
     - `caching_off_free_to_head`: with prefix caching off, freed blocks go to
       the head of the free queue (reused first, LIFO) (#51482). Before it they
       were appended to the tail (0.27.0, 0.28.0).
+    - `block_mask`: SWA and Mamba cache only the blocks some boundary can use
+      (#42258). Before it every full block of every group was cached (0.21.0).
+    - `eagle_aware_mask`: the SWA mask keeps Eagle's peek block and shifts the
+      tail up one block (#44082). Before it the mask ignored Eagle (0.22.0).
+    - `mamba_retention`: the retention interval thins Mamba states too
+      (#45845). Before it every Mamba state was cached (0.23.0).
+    - `free_order`: where freed blocks go in the free queue (#43447): "pool"
+      (the pool puts uncached blocks at the head, cached ones at the tail),
+      "caller" (a finished request's full-attention and Mamba blocks and a
+      stale Mamba state are appended; SWA splits cached/uncached) (0.23.0) or
+      "append" (every freed block to the tail) (0.21.0, 0.22.0).
     """
 
     eagle_junction_peek: bool = True
@@ -48,6 +61,13 @@ class Profile:
     eagle_margin_to_hashed: bool = True
     eagle_replay_boundaries: bool = True
     caching_off_free_to_head: bool = True
+    block_mask: bool = True
+    eagle_aware_mask: bool = True
+    mamba_retention: bool = True
+    free_order: str = "pool"
+
+    def __post_init__(self) -> None:
+        assert self.free_order in FREE_ORDERS, f"free_order: one of {FREE_ORDERS}"
 
     def differences(self) -> list[str]:
         """The switches that select an older rule, by name (empty for 0.33.0)."""

@@ -98,6 +98,10 @@ class Capabilities:
             eagle_margin_to_hashed=self.eagle_margin_hashed,
             eagle_replay_boundaries=self.replay_boundaries,
             caching_off_free_to_head=self.caching_off_order == "lifo",
+            block_mask=self.block_mask,
+            eagle_aware_mask=self.eagle_aware_mask,
+            mamba_retention=self.mamba_retention,
+            free_order=self.free_order,
         )
 
     @property

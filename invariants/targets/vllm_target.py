@@ -449,9 +449,10 @@ class VllmTarget:
                 req.num_computed_tokens = hit + n
                 token_budget -= n
                 results.append((req.request_id, ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))))
-        _copies, retained = m.take_kv_cache_block_copies()
-        if retained:
-            self.pool.free_blocks(retained)
+        if self.caps.cow_copies:
+            _copies, retained = m.take_kv_cache_block_copies()
+            if retained:
+                self.pool.free_blocks(retained)
         return StepResult(tuple(results), tuple(preempted))
 
     # ------------------------------------------------------------------ snapshot
