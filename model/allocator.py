@@ -59,6 +59,7 @@ from model.ops import (
     Step,
 )
 from model.pool import Pool
+from model.profile import MODELED, Profile
 from model.scheduling import mamba_checkpoint_position, mamba_chunk
 
 
@@ -110,9 +111,16 @@ class GroupState:
 
 
 class AllocatorModel:
-    def __init__(self, config: Config, events: str = "seed") -> None:
+    def __init__(self, config: Config, events: str = "seed", profile: Profile = MODELED) -> None:
         self.cfg = validate(config)
-        self.pool = Pool(config.num_blocks, config.hash_block_size, config.enable_caching, events)
+        self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
+        self.pool = Pool(
+            config.num_blocks,
+            config.hash_block_size,
+            config.enable_caching,
+            events,
+            caching_off_to_head=profile.caching_off_free_to_head,
+        )
         self.groups = [GroupState(i, g) for i, g in enumerate(config.groups)]
         self.requests: dict[str, RequestState] = {}
         self.hybrid = len(config.groups) > 1
@@ -400,8 +408,10 @@ class AllocatorModel:
                 limit = candidate
                 if drop_eagle and spec.kind != "mamba":
                     # Look one drop unit past the candidate so the Eagle drop lands back on
-                    # it, but never past the hashed tokens. Mamba's finder never drops.
-                    limit = min(candidate + eagle_margin(self.cfg, spec.kind, spec.block_size), hashed_len)
+                    # it, but never past the hashed tokens (0.32.0 on; before, the lookup
+                    # limit). Mamba's finder never drops.
+                    reach = hashed_len if self.profile.eagle_margin_to_hashed else max_len
+                    limit = min(candidate + eagle_margin(self.cfg, spec.kind, spec.block_size), reach)
                 layout, this_hit = self._finder(tokens, spec, gids, limit, drop_eagle, self.alignment)
                 if drop_eagle:
                     eagle_dropped.add(idx)
@@ -483,11 +493,12 @@ class AllocatorModel:
                     for i in range(first, last):
                         table[i] = 0
                     if freed:
-                        self.pool.free(freed)
+                        self.pool.free(freed, append_all=self.profile.free_order == "append")
                     g.retired[rid] = last
             prev = g.last_state.get(rid)
             if prev is not None and prev < cdiv(computed, g.bs) - 1 and table[prev]:
-                self.pool.free([table[prev]])
+                # Before #43447 the stale state went to the tail (model.profile free_order).
+                self.pool.free([table[prev]], append_all=self.profile.free_order != "pool")
                 table[prev] = 0
             return
         if skipped <= 0:
@@ -504,7 +515,7 @@ class AllocatorModel:
         if g.spec.kind == "swa" and self.cfg.pin_swa_on_drop and len(freed) >= self.cfg.pin_min_drop_blocks:
             assert g.spec.sliding_window is not None
             self.pool.pin(freed[: swa_tail_blocks(g.spec.sliding_window, g.bs, self.cfg.eagle)])
-        self.pool.free(freed)
+        self.pool.free(freed, append_all=self.profile.free_order == "append")
 
     def _blocks_to_allocate(
         self, g: GroupState, rid: str, num_tokens: int, hits: tuple[int, ...], local: int, main: int
@@ -645,7 +656,8 @@ class AllocatorModel:
 
     def _cache_blocks(self, req: RequestState, num_tokens: int) -> None:
         cfg = self.cfg
-        boundaries = list(replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle))
+        eagle_aware = cfg.eagle and self.profile.eagle_replay_boundaries  # 0.30.0 on (model.profile)
+        boundaries = list(replay_boundaries(len(req.prompt), cfg.scheduler_block_size, eagle_aware))
         tokens = req.tokens
         hashed = req.num_tokens // cfg.hash_block_size * cfg.hash_block_size
         for g in self.groups:
@@ -656,7 +668,7 @@ class AllocatorModel:
                 reach = list(boundaries)
                 if req.shared_prefix_boundary:
                     reach.append(req.shared_prefix_boundary)
-                    if cfg.eagle:
+                    if cfg.eagle and self.profile.eagle_junction_peek:  # 0.33.0 on (model.profile)
                         reach.append(req.shared_prefix_boundary - g.bs)
                 kept = self._kept(g, before, num_full, reach)
                 self.pool.cache_full_blocks(tokens, g.table(req.rid), before, num_full, g.bs, g.gid, kept)
@@ -674,6 +686,8 @@ class AllocatorModel:
 
     def _kept(self, g: GroupState, start: int, end: int, boundaries: list[int]) -> set[int] | None:
         r = self.cfg.retention_interval
+        if not self.profile.block_mask:  # before #42258 every full block is cached (model.profile)
+            return None
         if g.spec.kind == "swa":
             assert g.spec.sliding_window is not None
             return swa_kept_blocks(
@@ -682,11 +696,11 @@ class AllocatorModel:
                 block_size=g.bs,
                 window=g.spec.sliding_window,
                 alignment=self.alignment,
-                eagle=self.cfg.eagle,
+                eagle=self.cfg.eagle and self.profile.eagle_aware_mask,  # #44082 (model.profile)
                 retention=r,
                 boundaries=boundaries,
             )
-        if g.spec.kind == "mamba":
+        if g.spec.kind == "mamba" and self.profile.mamba_retention:  # #45845 (model.profile)
             return mamba_kept_blocks(
                 start, end, block_size=g.bs, alignment=self.alignment, retention=r, boundaries=boundaries
             )
@@ -695,7 +709,8 @@ class AllocatorModel:
     def _cache_full_partial_tail(self, g: GroupState, req: RequestState, num_tokens: int) -> None:
         """Full attention with bs != hbs keys the prompt's last hash boundary inside its block."""
         hbs = self.cfg.hash_block_size
-        limit = len(req.prompt) if self.cfg.eagle else len(req.prompt) - 1
+        excludes_last = not self.cfg.eagle and self.profile.partial_tail_excludes_last_token  # 0.32.0 on
+        limit = len(req.prompt) - 1 if excludes_last else len(req.prompt)
         boundary = min(limit // hbs, req.num_tokens // hbs) * hbs
         if boundary == 0 or boundary > num_tokens or boundary % g.bs == 0:
             return
@@ -733,7 +748,11 @@ class AllocatorModel:
             g.allocated.discard(rid)
             while table and table[0] == 0:
                 table.pop(0)
-            self.pool.free(reversed(table))
+            # Before #43447 a finished request's blocks went to the tail, except SWA's
+            # own split in "caller" (model.profile free_order).
+            order = self.profile.free_order
+            append_all = order == "append" or (order == "caller" and g.spec.kind != "swa")
+            self.pool.free(reversed(table), append_all=append_all)
 
 
 def _align(g: GroupState) -> bool:

@@ -28,9 +28,16 @@ EVENT_PROFILES = ("seed", "vllm-0.33.0")
 
 class Pool:
     def __init__(
-        self, num_blocks: int, hash_block_size: int, enable_caching: bool, events: str = "seed"
+        self,
+        num_blocks: int,
+        hash_block_size: int,
+        enable_caching: bool,
+        events: str = "seed",
+        caching_off_to_head: bool = True,
     ) -> None:
         assert events in EVENT_PROFILES
+        # Caching off: freed blocks to the head (#51482) or, before it, the tail (model.profile).
+        self.caching_off_to_head = caching_off_to_head
         self.num_blocks = num_blocks
         self.hbs = hash_block_size
         self.enable_caching = enable_caching
@@ -105,7 +112,8 @@ class Pool:
                 (self.pinned_tier if b in self.pinned_tier else self.queue).remove(b)
             self.ref[b] += 1
 
-    def free(self, ordered: Iterable[int]) -> None:
+    def free(self, ordered: Iterable[int], append_all: bool = False) -> None:
+        """Route freed blocks; `append_all`: every one to the tail (releases before #43447)."""
         to_head: list[int] = []
         to_tail: list[int] = []
         to_pinned: list[int] = []
@@ -117,7 +125,11 @@ class Pool:
             if self.ref[b] == 0:
                 if b in self.pinned:
                     to_pinned.append(b)
-                elif b not in self.primary or not self.enable_caching:
+                elif append_all:
+                    to_tail.append(b)
+                elif not self.enable_caching:
+                    (to_head if self.caching_off_to_head else to_tail).append(b)
+                elif b not in self.primary:
                     to_head.append(b)
                 else:
                     to_tail.append(b)

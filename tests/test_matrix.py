@@ -58,6 +58,16 @@ class _EnvFineCoordinator:
     enable_partial_hash_hits = True
 
 
+class _ReplayCoordinator:
+    def cache_blocks(self, request):  # type: ignore[no-untyped-def]
+        return replay_boundaries(request.num_prompt_tokens)  # type: ignore[name-defined]  # noqa: F821
+
+
+class _MarginCoordinator:
+    def find_longest_cache_hit(self, block_hashes, curr_hit_length, margin):  # type: ignore[no-untyped-def]
+        return min(curr_hit_length + margin, len(block_hashes) * self.hash_block_size)  # type: ignore[attr-defined]
+
+
 def _fake_namespace(**new: bool) -> dict[str, Any]:
     """vLLM-shaped classes of a release before every mechanism; `new` turns one on."""
 
@@ -138,12 +148,36 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
             def reachable_block_mask(self):  # type: ignore[no-untyped-def]
                 return None
 
+    class SingleTypeKVCacheManager:
+        if new.get("junction_peek"):
+
+            def cache_blocks(self, request, boundaries):  # type: ignore[no-untyped-def]
+                return [*boundaries, request.shared_prefix_boundary - self.block_size]  # type: ignore[attr-defined]
+        else:
+
+            def cache_blocks(self, request, boundaries):  # type: ignore[no-untyped-def]
+                return [*boundaries, request.shared_prefix_boundary]
+
+    class FullAttentionManager:
+        if new.get("tail_limit"):
+
+            def _cache_partial_tail_block(self, request):  # type: ignore[no-untyped-def]
+                return request.num_prompt_tokens - 1
+        else:
+
+            def _cache_partial_tail_block(self, request):  # type: ignore[no-untyped-def]
+                return request.num_prompt_tokens
+
     coordinator = {
         (False, False): _Coordinator,
         (True, False): _EnvCoordinator,
         (False, True): _FineCoordinator,
         (True, True): _EnvFineCoordinator,
     }[bool(new.get("env_retention")), bool(new.get("fine"))]
+    if new.get("margin_hashed"):
+        coordinator = _MarginCoordinator
+    if new.get("replay"):
+        coordinator = _ReplayCoordinator
     hashes = _LastHashList if new.get("last_hash") else _JoinedHashList
 
     return {
@@ -155,6 +189,8 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
         "MambaManager": MambaManager,
         "BlockHashListWithBlockSize": hashes,
         "coordinator_module": coordinator,
+        "SingleTypeKVCacheManager": SingleTypeKVCacheManager,
+        "FullAttentionManager": FullAttentionManager,
     }
 
 
@@ -193,6 +229,10 @@ def test_fake_release_before_every_mechanism_has_none() -> None:
         ("cow", "cow_copies", True),
         ("last_hash", "coarse_hash", "last"),
         ("fifo_off", "caching_off_order", "fifo"),
+        ("junction_peek", "eagle_junction_peek", True),
+        ("tail_limit", "tail_excludes_last", True),
+        ("margin_hashed", "eagle_margin_hashed", True),
+        ("replay", "replay_boundaries", True),
     ],
 )
 def test_each_capability_is_read_from_the_code(flag: str, field: str, value: object) -> None:

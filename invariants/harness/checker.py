@@ -60,6 +60,7 @@ from model.ops import (
     Schedule,
     Step,
 )
+from model.profile import MODELED
 
 DEFAULT_AUDIT_EVERY = 32
 NOT_FREE = -1
@@ -84,7 +85,11 @@ class Checker:
     ) -> None:
         self.target = target
         self.config = target.config
-        self._model_target = ModelTarget(target.config, events=getattr(target, "event_profile", "seed"))
+        self._model_target = ModelTarget(
+            target.config,
+            events=getattr(target, "event_profile", "seed"),
+            profile=getattr(target, "profile", MODELED),
+        )
         self.model: AllocatorModel = self._model_target._model
         self.history = History()
         self.check_invariants = check_invariants

@@ -13,6 +13,7 @@ from model.allocator import AllocatorModel
 from model.config import Config
 from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
+from model.profile import MODELED, Profile
 
 from .base import END, NOT_FREE, PartialState, closure, event_keys
 
@@ -20,9 +21,9 @@ from .base import END, NOT_FREE, PartialState, closure, event_keys
 class ModelTarget:
     name = "model"
 
-    def __init__(self, config: Config, events: str = "seed") -> None:
+    def __init__(self, config: Config, events: str = "seed", profile: Profile = MODELED) -> None:
         self.config = config
-        self._model = AllocatorModel(config, events=events)
+        self._model = AllocatorModel(config, events=events, profile=profile)
 
     def apply(self, op: Op) -> Observation:
         return self._model.apply(op)

@@ -23,11 +23,21 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 | `cow_copies`             | `KVCacheManager.take_kv_cache_block_copies`                |        |
 | `coarse_hash`            | a group block wider than the hash block is keyed by "last" |        |
 |                          | fine hash, or by the "concat" of its fine hashes           |        |
+| `eagle_junction_peek`    | `cache_blocks` also keeps the block below the junction     |        |
+|                          | under Eagle (`shared_prefix_boundary - self.block_size`)  |        |
+| `tail_excludes_last`     | full attention's partial prompt tail stops at `prompt - 1` |        |
+|                          | without Eagle (`_cache_partial_tail_block`)                |        |
+| `eagle_margin_hashed`    | the hybrid lookup's Eagle margin is capped by the hashed   |        |
+|                          | tokens (`len(block_hashes) * self.hash_block_size`)        |        |
+| `replay_boundaries`      | the coordinator passes Eagle-aware `replay_boundaries` to  |        |
+|                          | `cache_blocks` (else only `num_prompt_tokens - 1`)         |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
 `detect_from(namespace)` reads the classes of a namespace (the real vLLM, or
 fakes in the tests); `detect()` imports the interpreter's vLLM once.
+`Capabilities.profile()` is the model's semantics profile (`model.profile`)
+for the release: the one place capabilities become the model's rules.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from model.profile import Profile
 
 FREE_ORDERS = ("append", "caller", "pool")
 RETENTION_SOURCES = ("none", "env", "config")
@@ -73,6 +85,24 @@ class Capabilities:
     coarse_hash: str
     manager_args: frozenset[str]
     event_fields: frozenset[str]
+    eagle_junction_peek: bool = True
+    tail_excludes_last: bool = True
+    eagle_margin_hashed: bool = True
+    replay_boundaries: bool = True
+
+    def profile(self) -> Profile:
+        """The model's semantics profile for this release (its design of the time)."""
+        return Profile(
+            eagle_junction_peek=self.eagle_junction_peek,
+            partial_tail_excludes_last_token=self.tail_excludes_last,
+            eagle_margin_to_hashed=self.eagle_margin_hashed,
+            eagle_replay_boundaries=self.replay_boundaries,
+            caching_off_free_to_head=self.caching_off_order == "lifo",
+            block_mask=self.block_mask,
+            eagle_aware_mask=self.eagle_aware_mask,
+            mamba_retention=self.mamba_retention,
+            free_order=self.free_order,
+        )
 
     @property
     def has_retention_interval(self) -> bool:
@@ -164,9 +194,12 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
 
     Keys: BlockPool, KVCacheManager, KVCacheConfig, BlockStored,
     SlidingWindowManager, MambaManager, BlockHashListWithBlockSize,
-    coordinator_module.
+    coordinator_module; optional (absent = the older rule):
+    SingleTypeKVCacheManager, FullAttentionManager.
     """
     manager = ns["KVCacheManager"]
+    single_type = ns.get("SingleTypeKVCacheManager", object)
+    full = ns.get("FullAttentionManager", object)
     return Capabilities(
         version=version,
         block_mask="block_mask" in _params(ns["BlockPool"].cache_full_blocks),
@@ -183,6 +216,12 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         coarse_hash="concat" if 'b"".join' in _source(ns["BlockHashListWithBlockSize"]) else "last",
         manager_args=_params(manager.__init__),
         event_fields=_fields(ns["BlockStored"]),
+        eagle_junction_peek="shared_prefix_boundary - self.block_size"
+        in _source(getattr(single_type, "cache_blocks", None)),
+        tail_excludes_last="num_prompt_tokens - 1"
+        in _source(getattr(full, "_cache_partial_tail_block", None)),
+        eagle_margin_hashed="len(block_hashes) * self.hash_block_size" in _source(ns["coordinator_module"]),
+        replay_boundaries="replay_boundaries" in _source(ns["coordinator_module"]),
     )
 
 
@@ -197,7 +236,12 @@ def detect() -> Capabilities:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SlidingWindowManager
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        FullAttentionManager,
+        MambaManager,
+        SingleTypeKVCacheManager,
+        SlidingWindowManager,
+    )
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     ns = {
@@ -209,5 +253,7 @@ def detect() -> Capabilities:
         "MambaManager": MambaManager,
         "BlockHashListWithBlockSize": BlockHashListWithBlockSize,
         "coordinator_module": kv_cache_coordinator,
+        "SingleTypeKVCacheManager": SingleTypeKVCacheManager,
+        "FullAttentionManager": FullAttentionManager,
     }
     return detect_from(ns, importlib.metadata.version("vllm"))

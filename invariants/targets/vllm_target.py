@@ -137,6 +137,8 @@ class VllmTarget:
         self.version_note = version_warning(self.version)
         self._v = _vllm_modules()
         self.caps: Capabilities = detect()
+        # The model's semantics profile for this release (the Checker builds its model with it).
+        self.profile = self.caps.profile()
         self.hbs = config.hash_block_size
         self.manager = self._build_manager(config)
         # `Scheduler.mamba_partial_cache_hit`: fine-grained hits add the prompt-tail stop.

@@ -1,0 +1,78 @@
+"""Semantics profiles: the design of the time of one vLLM release, as a few switches.
+
+The model predicts vLLM 0.33.0's design by default. An older release predates
+some mechanisms; the release matrix builds the model with that release's
+profile so that a remaining disagreement is a defect of the release, not a
+mechanism it did not have yet. Every switch names the rule it changes and the
+upstream change that introduced the 0.33.0 behaviour; the rule that reads it
+keeps a one-line comment pointing back here.
+
+Contract: `Profile()` is vLLM 0.33.0 exactly (the default everywhere); a switch
+only ever selects an older rule, never a new one. Which profile a release gets
+is decided from its detected capabilities (never its version string) by the
+vLLM adapter, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+FREE_ORDERS = ("pool", "caller", "append")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Which rules of the modeled design a release has (True / 0.33.0 value = has it).
+
+    - `eagle_junction_peek`: under Eagle, the block below the shared-prefix
+      junction is a reachable boundary too (a sibling diverging right after the
+      junction drops the peek block and lands one block lower). Before it only
+      the junction itself was kept (added in 0.33.0's `cache_blocks`).
+    - `partial_tail_excludes_last_token`: full attention with block size above
+      the hash block size keys the prompt's last hash boundary at most
+      `prompt - 1` tokens without Eagle (a resend recomputes the last token).
+      Before it the boundary was taken over the whole prompt (0.32.0).
+    - `eagle_margin_to_hashed`: a hybrid lookup under Eagle looks one block
+      past the candidate, up to every hashed token (so the drop can land on a
+      hit that ends at the recomputed last token). Before it the look stopped
+      at the lookup's limit (`max_cache_hit_length`) (0.32.0).
+    - `eagle_replay_boundaries`: under Eagle the boundaries a replaying
+      request resumes at are one block below the prompt's last aligned
+      boundary, for a resend and a longer sibling (`replay_boundaries`). Before
+      it every group kept the tail of `prompt - 1` whatever Eagle (0.30.0).
+    - `caching_off_free_to_head`: with prefix caching off, freed blocks go to
+      the head of the free queue (reused first, LIFO) (#51482). Before it they
+      were appended to the tail (0.27.0, 0.28.0).
+    - `block_mask`: SWA and Mamba cache only the blocks some boundary can use
+      (#42258). Before it every full block of every group was cached (0.21.0).
+    - `eagle_aware_mask`: the SWA mask keeps Eagle's peek block and shifts the
+      tail up one block (#44082). Before it the mask ignored Eagle (0.22.0).
+    - `mamba_retention`: the retention interval thins Mamba states too
+      (#45845). Before it every Mamba state was cached (0.23.0).
+    - `free_order`: where freed blocks go in the free queue (#43447): "pool"
+      (the pool puts uncached blocks at the head, cached ones at the tail),
+      "caller" (a finished request's full-attention and Mamba blocks and a
+      stale Mamba state are appended; SWA splits cached/uncached) (0.23.0) or
+      "append" (every freed block to the tail) (0.21.0, 0.22.0).
+    """
+
+    eagle_junction_peek: bool = True
+    partial_tail_excludes_last_token: bool = True
+    eagle_margin_to_hashed: bool = True
+    eagle_replay_boundaries: bool = True
+    caching_off_free_to_head: bool = True
+    block_mask: bool = True
+    eagle_aware_mask: bool = True
+    mamba_retention: bool = True
+    free_order: str = "pool"
+
+    def __post_init__(self) -> None:
+        assert self.free_order in FREE_ORDERS, f"free_order: one of {FREE_ORDERS}"
+
+    def differences(self) -> list[str]:
+        """The switches that select an older rule, by name (empty for 0.33.0)."""
+        default = Profile()
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+
+
+MODELED = Profile()

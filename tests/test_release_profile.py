@@ -1,0 +1,324 @@
+"""Semantics profiles (model.profile): one switch per capability an older release lacks.
+
+Each switch has a small hand trace on which the modeled design (0.33.0) and
+the older rule predict different things. Three checks per switch:
+
+- the model alone: the two profiles differ on the trace (the switch matters),
+  and the older profile predicts what the older release's rule says (written
+  out here from that release's source);
+- detection: the fake release with the mechanism gets the 0.33.0 rule, the
+  one without it the older rule (the control);
+- on the cached release that predates the mechanism (skipped, with the
+  reason, where its environment is absent): its detected profile agrees with
+  it on the trace, while the 0.33.0 profile disagrees (the control).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+from test_matrix import _fake_namespace
+
+from invariants.harness.trace import Trace, write_trace
+from invariants.targets.vllm_capabilities import detect_from
+from invariants.targets.vllm_env import cache_root
+from model.allocator import AllocatorModel
+from model.config import Config, GroupSpec
+from model.observation import BlockStored, Observation, ProbeResult, ScheduleResult, Snapshot
+from model.ops import AddRequest, Finish, Op, Probe, Schedule
+from model.profile import MODELED, Profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Case:
+    switch: str  # the Profile field
+    capability: str  # the Capabilities field that drives it
+    release: str  # a release that predates the mechanism
+    config: Config
+    ops: tuple[Op, ...]
+    old: object = False  # the switch's value in that release
+
+
+FULL4_SWA5 = (GroupSpec("full", 4), GroupSpec("swa", 4, 5))
+SHARED = (2, 2, 1, 2, 2, 2, 2, 2, 1, 1, 2, 2)
+CASES = {
+    "eagle_junction_peek": Case(
+        "eagle_junction_peek",
+        "eagle_junction_peek",
+        "0.32.0",
+        Config(FULL4_SWA5, 16, retention_interval=0, eagle=True),
+        # b shares 12 tokens with a and computes 8: its junction's blocks are kept.
+        (
+            AddRequest("a", (*SHARED, 2, 1, 2, 1, 1)),
+            Schedule("a", 64),
+            AddRequest("b", (*SHARED, 1)),
+            Schedule("b", 8),
+        ),
+    ),
+    "partial_tail_excludes_last_token": Case(
+        "partial_tail_excludes_last_token",
+        "tail_excludes_last",
+        "0.31.0",
+        Config((GroupSpec("full", 8), GroupSpec("swa", 4, 9)), 16, retention_interval=0),
+        (AddRequest("a", (2, 2, 2, 1, 1, 1, 1, 2)), Schedule("a", 64)),
+    ),
+    "eagle_margin_to_hashed": Case(
+        "eagle_margin_to_hashed",
+        "eagle_margin_hashed",
+        "0.31.0",
+        Config(FULL4_SWA5, 16, retention_interval=0, eagle=True),
+        (
+            AddRequest("b", (2, 1, 3, 1, 3, 1, 2, 1)),
+            Schedule("b", 64),
+            Probe((2, 1, 3, 1, 3, 1, 2, 1)),
+        ),
+    ),
+    "eagle_replay_boundaries": Case(
+        "eagle_replay_boundaries",
+        "replay_boundaries",
+        "0.29.0",
+        Config(FULL4_SWA5, 16, retention_interval=0, eagle=True),
+        (AddRequest("a", (2, 1, 1, 2, 1, 1, 1, 1, 2)), Schedule("a", 64)),
+    ),
+    "caching_off_free_to_head": Case(
+        "caching_off_free_to_head",
+        "caching_off_order",
+        "0.27.0",
+        Config((GroupSpec("full", 4),), 8, enable_caching=False),
+        (AddRequest("a", (1, 2, 3, 4, 5, 6, 7, 8, 9)), Schedule("a", 64), Finish("a")),
+    ),
+    "block_mask": Case(
+        "block_mask",
+        "block_mask",
+        "0.21.0",
+        Config((GroupSpec("full", 8), GroupSpec("swa", 4, 5)), 16),
+        (AddRequest("a", (1, 2, 2, 2, 2, 2, 1, 1)), Schedule("a", 64)),
+    ),
+    "eagle_aware_mask": Case(
+        "eagle_aware_mask",
+        "eagle_aware_mask",
+        "0.22.0",
+        Config((GroupSpec("full", 8), GroupSpec("swa", 4, 5)), 16, eagle=True),
+        (AddRequest("a", (1, 2, 2, 2, 2, 2, 1, 1)), Schedule("a", 64)),
+    ),
+    "mamba_retention": Case(
+        "mamba_retention",
+        "mamba_retention",
+        "0.23.0",
+        Config(
+            (GroupSpec("full", 4), GroupSpec("swa", 4, 5), GroupSpec("mamba", 4)), 24, retention_interval=0
+        ),
+        (AddRequest("a", (1, 2, 2, 2)), Schedule("a", 64)),
+    ),
+    "free_order_caller": Case(
+        "free_order",
+        "free_order",
+        "0.23.0",
+        Config((GroupSpec("full", 4),), 8),
+        (AddRequest("a", (1, 2, 2, 1, 2)), Schedule("a", 64), Finish("a")),
+        old="caller",
+    ),
+    "free_order_append": Case(
+        "free_order",
+        "free_order",
+        "0.22.0",
+        Config((GroupSpec("full", 4), GroupSpec("swa", 4, 5)), 12),
+        (AddRequest("a", (1, 2, 2, 1, 2)), Schedule("a", 64), Finish("a")),
+        old="append",
+    ),
+}
+# The fake-namespace flag (tests/test_matrix.py fakes) that changes each capability.
+FAKE_FLAG: dict[str, tuple[str, object, object]] = {
+    # capability: (flag, the switch on the fake with the flag, on the fake without it)
+    "eagle_junction_peek": ("junction_peek", True, False),
+    "tail_excludes_last": ("tail_limit", True, False),
+    "eagle_margin_hashed": ("margin_hashed", True, False),
+    "replay_boundaries": ("replay", True, False),
+    "caching_off_order": ("fifo_off", False, True),  # the flag gives the older rule
+    "block_mask": ("block_mask", True, False),
+    "eagle_aware_mask": ("eagle_mask", True, False),
+    "mamba_retention": ("mamba_retention", True, False),
+    "free_order": ("caller_order", "caller", "append"),
+}
+
+
+def _run(case: Case, profile: Profile) -> list[Observation | Snapshot]:
+    model = AllocatorModel(case.config, events="vllm-0.33.0", profile=profile)
+    out: list[Observation | Snapshot] = []
+    for op in case.ops:
+        out += [model.apply(op), model.snapshot()]
+    return out
+
+
+def _older(case: Case) -> Profile:
+    return Profile(**{case.switch: case.old})
+
+
+def test_the_default_profile_is_the_modeled_release() -> None:
+    assert Profile() == MODELED and MODELED.differences() == []
+    assert Profile(eagle_junction_peek=False).differences() == ["eagle_junction_peek"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_switch_changes_the_prediction_on_its_trace(name: str) -> None:
+    case = CASES[name]
+    assert _run(case, MODELED) != _run(case, _older(case))
+
+
+def _stored(snaps: list[Observation | Snapshot], group: int) -> list[tuple[int, ...]]:
+    return [
+        h
+        for s in snaps
+        if isinstance(s, Snapshot)
+        for e in s.events
+        if isinstance(e, BlockStored) and e.group == group
+        for h in e.block_hashes
+    ]
+
+
+def test_junction_peek_keeps_the_block_below_the_junction() -> None:
+    # b's junction is 8 (a's full blocks, less Eagle's drop); under retention 0
+    # 0.33.0 also keeps the SWA block ending at 4 (the peek a sibling diverging
+    # at the junction drops); 0.32.0 keeps only the junction's own tail.
+    case = CASES["eagle_junction_peek"]
+    junction = [o for o in _run(case, MODELED) if isinstance(o, ScheduleResult)][-1].shared_prefix_boundary
+    assert junction == 8
+    swa_new, swa_old = (_stored(_run(case, p)[-1:], 1) for p in (MODELED, _older(case)))
+    assert swa_new == [SHARED[:4], SHARED[:8]] and swa_old == [SHARED[:8]]
+
+
+def test_partial_tail_before_the_limit_fix_keys_nothing_on_an_aligned_prompt() -> None:
+    # 8-token prompt, full block 8, hash block 4: 0.32.0 keys its 4-token
+    # boundary (prompt - 1 = 7 rounds to 4); 0.31.0 takes 8, a whole block: no partial key.
+    case = CASES["partial_tail_excludes_last_token"]
+    new, old = (_stored(_run(case, p), 0) for p in (MODELED, _older(case)))
+    assert (2, 2, 2, 1) in new and (2, 2, 2, 1) not in old
+
+
+def test_eagle_margin_capped_by_the_limit_loses_the_hit() -> None:
+    # Probe of the whole computed prompt (limit 7, 8 hashed): 0.32.0 looks to
+    # 8 and drops back to a 4-token hit; 0.31.0 looks only to 7 and its Eagle
+    # drop leaves nothing.
+    case = CASES["eagle_margin_to_hashed"]
+    new, old = (_run(case, p)[-2] for p in (MODELED, _older(case)))
+    assert isinstance(new, ProbeResult) and isinstance(old, ProbeResult)
+    assert (new.hit, old.hit) == (4, 0)
+
+
+def test_eagle_replay_boundaries_keep_the_block_below_the_last_aligned_one() -> None:
+    # 9-token prompt, Eagle, block 4, retention 0: 0.30.0 resumes a replay at
+    # 4 (one block below 8) and keeps the SWA tail ending there plus Eagle's
+    # peek (blocks 0, 1); 0.29.0 keeps the tail of 8 = prompt - 1 floored,
+    # whose only full block is block 1.
+    case = CASES["eagle_replay_boundaries"]
+    prompt = (2, 1, 1, 2, 1, 1, 1, 1, 2)
+    new, old = (_stored(_run(case, p), 1) for p in (MODELED, _older(case)))
+    assert new == [prompt[:4], prompt[:8]] and old == [prompt[:8]]
+
+
+def test_caching_off_frees_to_the_head_only_after_the_lifo_change() -> None:
+    # Caching off, 7 usable blocks, a request of 9 tokens holds blocks 1..3 and
+    # frees them last block first: 0.29.0 puts them at the head, 0.27.0 at the tail.
+    case = CASES["caching_off_free_to_head"]
+    new, old = (_run(case, p)[-1] for p in (MODELED, _older(case)))
+    assert isinstance(new, Snapshot) and isinstance(old, Snapshot)
+    assert new.free_queue == (3, 2, 1, 4, 5, 6, 7)
+    assert old.free_queue == (4, 5, 6, 7, 3, 2, 1)
+
+
+def test_before_the_block_mask_every_full_swa_block_is_cached() -> None:
+    # Full 8 + SWA 4 (window 5), dense: the mask keeps the one SWA block a hit at
+    # each 8-token boundary needs; 0.21.0 caches both.
+    case, p = CASES["block_mask"], (1, 2, 2, 2, 2, 2, 1, 1)
+    new, old = (_stored(_run(case, pr), 1) for pr in (MODELED, _older(case)))
+    assert new == [p[:8]] and old == [p[:4], p[:8]]
+
+
+def test_the_eagle_aware_mask_keeps_the_peek_block() -> None:
+    # The same with Eagle: #44082 shifts the kept tail up by Eagle's peek block and
+    # lengthens it by one (blocks 0 and 1); 0.22.0's mask ignores Eagle (block 1 only).
+    case, p = CASES["eagle_aware_mask"], (1, 2, 2, 2, 2, 2, 1, 1)
+    new, old = (_stored(_run(case, pr), 1) for pr in (MODELED, _older(case)))
+    assert new == [p[:4], p[:8]] and old == [p[:8]]
+
+
+def test_before_mamba_retention_every_state_is_cached() -> None:
+    # Retention 0, a 4-token prompt: its only state (at 4) is above the replay
+    # boundary 3, so #45845 drops it; 0.23.0 caches it.
+    case = CASES["mamba_retention"]
+    new, old = (_stored(_run(case, pr), 2) for pr in (MODELED, _older(case)))
+    assert new == [] and old == [(1, 2, 2, 2)]
+
+
+def test_free_order_before_the_pool_rule() -> None:
+    # A finished 5-token request holds cached block 1 and uncached block 2.
+    # Pool rule: 2 to the head, 1 to the tail; 0.23.0 ("caller") appends both.
+    case = CASES["free_order_caller"]
+    new, old = (_run(case, pr)[-1] for pr in (MODELED, _older(case)))
+    assert isinstance(new, Snapshot) and isinstance(old, Snapshot)
+    assert new.free_queue == (2, 3, 4, 5, 6, 7, 1) and old.free_queue == (3, 4, 5, 6, 7, 2, 1)
+    # 0.22.0 ("append") also appends SWA's uncached blocks, where "caller" lets SWA split them.
+    case = CASES["free_order_append"]
+    caller, append = (_run(case, replace(MODELED, free_order=o))[-1] for o in ("caller", "append"))
+    assert isinstance(caller, Snapshot) and isinstance(append, Snapshot)
+    assert append.free_queue == (5, 6, 7, 8, 9, 10, 11, 2, 1, 4, 3)
+    assert caller.free_queue[0] == 4 and caller.free_queue != append.free_queue
+
+
+@pytest.mark.parametrize("capability", sorted(FAKE_FLAG))
+def test_each_switch_follows_its_detected_capability(capability: str) -> None:
+    switch = next(c.switch for c in CASES.values() if c.capability == capability)
+    flag, value, control = FAKE_FLAG[capability]
+    without = detect_from(_fake_namespace(), "0.0.0")
+    with_it = detect_from(_fake_namespace(**{flag: True}), "0.0.0")
+    assert getattr(with_it.profile(), switch) == value
+    assert getattr(without.profile(), switch) == control  # control: the other release
+
+
+# ----------------------------------------------------------------------------- on the releases
+_CHECK = """
+import json, sys
+from invariants.harness.checker import Checker
+from invariants.harness.trace import read_trace
+from invariants.targets.vllm_target import VllmTarget
+from model.profile import MODELED
+trace = read_trace(sys.argv[1])
+out = {}
+for label in ("detected", "modeled"):
+    target = VllmTarget(trace.config)
+    if label == "modeled":
+        target.profile = MODELED
+    checker = Checker(target, check_invariants=False)
+    out[label] = [str(v)[:200] for op in trace.ops for v in checker.step(op)
+                  if v.check in ("observation", "snapshot")]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_release_before_the_mechanism_agrees_with_its_profile_only(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    python = cache_root() / f"vllm-{case.release}" / "bin" / "python"
+    if not python.exists():
+        pytest.skip(
+            f"vLLM {case.release} is not installed under {python.parent.parent} (kvretain matrix installs it)"
+        )
+    trace = write_trace(Trace(case.config, list(case.ops), 0, "vllm", ""), tmp_path / "t.json")
+    proc = subprocess.run(
+        [str(python), "-c", _CHECK, str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["detected"] == []
+    assert found["modeled"], "control: the 0.33.0 profile should disagree with this release"
