@@ -187,7 +187,7 @@ def _tail_keys(hbs: int, kind: str, bs: int, tokens: Tokens, hit: int, j: int) -
 
 
 def _backed_fine(
-    hbs: int, g: int, kind: str, bs: int, tokens: Tokens, hit: int, cached: dict[BlockKey, tuple[int, ...]]
+    hbs: int, g: int, kind: str, bs: int, tokens: Tokens, hit: int, cached: Mapping[BlockKey, tuple[int, ...]]
 ) -> list[str]:
     """`hit_backed_by_cache` for a group whose hits may end inside a block
     (fine-grained hits): every block read up to the hit is keyed by a prefix it

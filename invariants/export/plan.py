@@ -191,5 +191,5 @@ def _stored_tokens(trace: Trace, before: Snapshot, after: Snapshot) -> dict[int,
             (k for b, k in after.block_hash.items() if k.group == g and before.block_hash.get(b) != k),
             key=lambda k: len(k.tokens),
         )
-        out[g] = tuple(t for k in keys for t in k.tokens[-spec.block_size :])
+        out[g] = tuple(t for k in keys for t in k.tokens.tokens()[-spec.block_size :])
     return out
