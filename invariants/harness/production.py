@@ -181,7 +181,7 @@ def run_production(
         log(
             f"episode {stats.episodes}: {setting.name}, {cfg.num_blocks:,} blocks"
             f"{' (squeezed)' if setting.squeezed else ''}, retention {cfg.retention_interval}, "
-            f"prompts up to {setting.longest:,} tokens"
+            f"prompts up to {setting.longest:,} tokens; resident {current_rss_kb() / 1024:,.0f} MiB"
         )
         ops = workload(cfg, rng, checker, setting.longest)
         for _ in range(EPISODE_OPS):
