@@ -141,3 +141,26 @@ def test_same_step_copy_finding_replays(target):
     assert [v.check for v in found if v.check != "stored_tokens_match_hashes"] == ["copies_sound"]
     assert all(is_known_violation(target, v) for v in found)
     assert chk.last_obs.copies[0] == (3, 6)
+
+
+def test_conformance_row_agrees_and_sees_a_mutant(monkeypatch, capsys, tmp_path):
+    """The fine-grained row agrees on vLLM 0.33.0 (reaching fine hits and both
+    kinds of copy), and reports a finding once move_block_hashes is broken."""
+    from invariants.targets.vllm_env import vllm_available
+
+    if not vllm_available()[0]:
+        pytest.skip(f"vllm target: {vllm_available()[1]}")
+    import invariants.harness.conformance as conformance
+    from invariants.zoo.mutants_vllm import activate
+
+    row = conformance.FINE_MAMBA_ROW
+    monkeypatch.setattr(conformance, "FEATURES", {row: conformance.FEATURES[row]})
+    monkeypatch.setattr(conformance, "check_validation", lambda: (0, []))
+    rows: list = []
+    assert conformance.run_conformance(steps=300, budget_s=20.0, out=tmp_path, sink=rows) == 0
+    assert rows[-1].feature == row and rows[-1].ok and rows[-1].verdict.startswith("agrees")
+    assert "fine-grained Mamba hits" not in capsys.readouterr().out.split("excluded from generation")[1]
+    rows.clear()
+    with activate("producer_keys_not_moved"):
+        assert conformance.run_conformance(steps=300, budget_s=20.0, out=tmp_path, sink=rows) == 1
+    assert rows[-1].verdict.startswith("FINDING")

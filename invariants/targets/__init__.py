@@ -62,7 +62,7 @@ def _load_plugin(name: str) -> Callable[[Config], Target]:
         raise TargetUnavailable(f"{where} does not implement the Target protocol: no {names}")
     if getattr(factory, "supports_pinning", False):
         PINNING_TARGETS.add(name)
-    if getattr(factory, "supports_fine_mamba", True):
+    if getattr(factory, "supports_fine_mamba", False):
         FINE_MAMBA_TARGETS.add(name)
     loaded: Callable[[Config], Target] = factory
     return loaded

@@ -22,7 +22,9 @@ Three more need fine-grained Mamba hits (a Mamba block wider than the hash
 block), which kvretain did not generate before it modeled them:
 `cow_copy_reversed`, `mamba_fine_hit_floored_to_block` and
 `producer_keys_not_moved` (each patched path runs only when a hit or a key
-ends inside a Mamba block; with fine-grained configurations off they survive).
+ends inside a Mamba block; with fine-grained configurations off each survived
+60 s of generated fuzzing, seeds 0..19, 0..19 and 0..53, while the
+`mamba-fine` strategy kills each within 2 s).
 """
 
 from __future__ import annotations
