@@ -431,6 +431,8 @@ class AllocatorModel:
             if g.spec.kind == "full":
                 layouts[g.gid] = layouts[g.gid][: cdiv(hit, g.bs)]
         shared_prefix_boundary = longest_group_hit if longest_group_hit > hit else 0
+        if not self.profile.shared_prefix_junction:  # no junction before 0.26.0 (model.profile)
+            shared_prefix_boundary = 0
         return layouts, hit, shared_prefix_boundary
 
     def _hit_blocks(self, tokens: Tokens, layouts: dict[int, KeyLayout]) -> tuple[tuple[int, ...], ...]:
@@ -673,10 +675,11 @@ class AllocatorModel:
                 kept = self._kept(g, before, num_full, reach)
                 self.pool.cache_full_blocks(tokens, g.table(req.rid), before, num_full, g.bs, g.gid, kept)
                 g.num_cached[req.rid] = num_full
-            if g.spec.kind == "full" and g.bs != cfg.hash_block_size:
+            partial = self.profile.partial_tail  # partial entries: #46384 (model.profile)
+            if g.spec.kind == "full" and g.bs != cfg.hash_block_size and partial:
                 self._cache_full_partial_tail(g, req, n)
             if g.spec.kind == "mamba":
-                key = self._cache_mamba_partial_tail(g, req, n)
+                key = self._cache_mamba_partial_tail(g, req, n) if partial else None
                 if key is not None:
                     g.cached_this_step.add(key)
                 table = g.table(req.rid)

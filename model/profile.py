@@ -54,6 +54,13 @@ class Profile:
       "caller" (a finished request's full-attention and Mamba blocks and a
       stale Mamba state are appended; SWA splits cached/uncached) (0.23.0) or
       "append" (every freed block to the tail) (0.21.0, 0.22.0).
+    - `shared_prefix_junction`: a hybrid lookup reports the junction (the
+      longest hit a group reached alone) and caching keeps its tail. Before
+      it there was no junction (0.25.0 and older).
+    - `partial_tail`: the prompt's last hash boundary inside a full-attention
+      block (block size above the hash block size) and the Mamba checkpoint
+      state are keyed as partial entries (#46384, partial prefix hits). Before
+      it only whole blocks were keyed (0.25.0 and older).
     """
 
     eagle_junction_peek: bool = True
@@ -65,6 +72,8 @@ class Profile:
     eagle_aware_mask: bool = True
     mamba_retention: bool = True
     free_order: str = "pool"
+    shared_prefix_junction: bool = True
+    partial_tail: bool = True
 
     def __post_init__(self) -> None:
         assert self.free_order in FREE_ORDERS, f"free_order: one of {FREE_ORDERS}"

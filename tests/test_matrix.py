@@ -159,7 +159,9 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
                 return [*boundaries, request.shared_prefix_boundary]
 
     class FullAttentionManager:
-        if new.get("tail_limit"):
+        if new.get("no_partial_tail"):
+            pass
+        elif new.get("tail_limit"):
 
             def _cache_partial_tail_block(self, request):  # type: ignore[no-untyped-def]
                 return request.num_prompt_tokens - 1
@@ -233,6 +235,7 @@ def test_fake_release_before_every_mechanism_has_none() -> None:
         ("tail_limit", "tail_excludes_last", True),
         ("margin_hashed", "eagle_margin_hashed", True),
         ("replay", "replay_boundaries", True),
+        ("no_partial_tail", "partial_tail", False),
     ],
 )
 def test_each_capability_is_read_from_the_code(flag: str, field: str, value: object) -> None:

@@ -47,19 +47,20 @@ class Case:
 
 FULL4_SWA5 = (GroupSpec("full", 4), GroupSpec("swa", 4, 5))
 SHARED = (2, 2, 1, 2, 2, 2, 2, 2, 1, 1, 2, 2)
+# b shares 12 tokens with a and computes 8: its junction's blocks are kept.
+CASES_JUNCTION_OPS: tuple[Op, ...] = (
+    AddRequest("a", (*SHARED, 2, 1, 2, 1, 1)),
+    Schedule("a", 64),
+    AddRequest("b", (*SHARED, 1)),
+    Schedule("b", 8),
+)
 CASES = {
     "eagle_junction_peek": Case(
         "eagle_junction_peek",
         "eagle_junction_peek",
         "0.32.0",
         Config(FULL4_SWA5, 16, retention_interval=0, eagle=True),
-        # b shares 12 tokens with a and computes 8: its junction's blocks are kept.
-        (
-            AddRequest("a", (*SHARED, 2, 1, 2, 1, 1)),
-            Schedule("a", 64),
-            AddRequest("b", (*SHARED, 1)),
-            Schedule("b", 8),
-        ),
+        CASES_JUNCTION_OPS,
     ),
     "partial_tail_excludes_last_token": Case(
         "partial_tail_excludes_last_token",
@@ -132,6 +133,20 @@ CASES = {
         (AddRequest("a", (1, 2, 2, 1, 2)), Schedule("a", 64), Finish("a")),
         old="append",
     ),
+    "partial_tail": Case(
+        "partial_tail",
+        "partial_tail",
+        "0.25.0",
+        Config((GroupSpec("full", 8), GroupSpec("swa", 4, 9)), 16),
+        (AddRequest("a", (2, 2, 2, 1, 1, 1, 1, 2)), Schedule("a", 64)),
+    ),
+    "shared_prefix_junction": Case(
+        "shared_prefix_junction",
+        "shared_prefix_junction",
+        "0.25.0",
+        Config(FULL4_SWA5, 16, retention_interval=0, eagle=True),
+        CASES_JUNCTION_OPS,
+    ),
 }
 # The fake-namespace flag (tests/test_matrix.py fakes) that changes each capability.
 FAKE_FLAG: dict[str, tuple[str, object, object]] = {
@@ -141,6 +156,8 @@ FAKE_FLAG: dict[str, tuple[str, object, object]] = {
     "eagle_margin_hashed": ("margin_hashed", True, False),
     "replay_boundaries": ("replay", True, False),
     "caching_off_order": ("fifo_off", False, True),  # the flag gives the older rule
+    "partial_tail": ("no_partial_tail", False, True),  # likewise
+    "shared_prefix_junction": ("junction", True, False),
     "block_mask": ("block_mask", True, False),
     "eagle_aware_mask": ("eagle_mask", True, False),
     "mamba_retention": ("mamba_retention", True, False),
@@ -269,6 +286,22 @@ def test_free_order_before_the_pool_rule() -> None:
     assert isinstance(caller, Snapshot) and isinstance(append, Snapshot)
     assert append.free_queue == (5, 6, 7, 8, 9, 10, 11, 2, 1, 4, 3)
     assert caller.free_queue[0] == 4 and caller.free_queue != append.free_queue
+
+
+def test_before_partial_entries_no_key_inside_a_block() -> None:
+    # The 8-token prompt of the tail case: 0.26.0 keys its 4-token boundary inside
+    # the 8-token full block; 0.25.0 keys whole blocks only.
+    case = CASES["partial_tail"]
+    new, old = (_stored(_run(case, pr), 0) for pr in (MODELED, _older(case)))
+    assert new == [(2, 2, 2, 1, 1, 1, 1, 2), (2, 2, 2, 1)] and old == [(2, 2, 2, 1, 1, 1, 1, 2)]
+
+
+def test_before_the_junction_a_lookup_reports_none() -> None:
+    case = CASES["shared_prefix_junction"]
+    new, old = (
+        [o for o in _run(case, pr) if isinstance(o, ScheduleResult)][-1] for pr in (MODELED, _older(case))
+    )
+    assert (new.shared_prefix_boundary, old.shared_prefix_boundary) == (8, 0)
 
 
 @pytest.mark.parametrize("capability", sorted(FAKE_FLAG))

@@ -31,6 +31,8 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |                          | tokens (`len(block_hashes) * self.hash_block_size`)        |        |
 | `replay_boundaries`      | the coordinator passes Eagle-aware `replay_boundaries` to  |        |
 |                          | `cache_blocks` (else only `num_prompt_tokens - 1`)         |        |
+| `partial_tail`           | `FullAttentionManager._cache_partial_tail_block` (partial  | #46384 |
+|                          | prompt tails keyed inside a block)                         |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -89,6 +91,7 @@ class Capabilities:
     tail_excludes_last: bool = True
     eagle_margin_hashed: bool = True
     replay_boundaries: bool = True
+    partial_tail: bool = True
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -102,6 +105,8 @@ class Capabilities:
             eagle_aware_mask=self.eagle_aware_mask,
             mamba_retention=self.mamba_retention,
             free_order=self.free_order,
+            shared_prefix_junction=self.shared_prefix_junction,
+            partial_tail=self.partial_tail,
         )
 
     @property
@@ -222,6 +227,7 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         in _source(getattr(full, "_cache_partial_tail_block", None)),
         eagle_margin_hashed="len(block_hashes) * self.hash_block_size" in _source(ns["coordinator_module"]),
         replay_boundaries="replay_boundaries" in _source(ns["coordinator_module"]),
+        partial_tail=hasattr(full, "_cache_partial_tail_block"),
     )
 
 
