@@ -43,10 +43,10 @@ class AppendUncached(ModelTarget):
         pool = self._model.pool
         original = Pool.free
 
-        def free(ordered):
+        def free(ordered, append_all=False):
             blocks = list(ordered)
             uncached = [b for b in blocks if b and pool.ref[b] == 1 and b not in pool.primary]
-            original(pool, blocks)
+            original(pool, blocks, append_all)
             for b in uncached:
                 if b in pool.queue:
                     pool.queue.remove(b)
