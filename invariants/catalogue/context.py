@@ -21,6 +21,7 @@ class RequestHistory:
     running: bool = False
     ever_preempted: bool = False
     boundaries: set[int] = field(default_factory=set)
+    hit: int = 0  # the prefix hit at its latest admission
 
     @property
     def tokens(self) -> Tokens:
