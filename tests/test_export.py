@@ -169,34 +169,12 @@ def fix_eagle_swa_short_run(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(cls, "find_longest_cache_hit", classmethod(find_longest_cache_hit))
 
 
-def fix_eagle_mamba_resend(mp: pytest.MonkeyPatch) -> None:
-    """With Eagle, the Mamba split also stops at the resend boundary of the prompt."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    orig = Scheduler._mamba_block_aligned_split
-
-    def split(self: Any, request: Any, num_new_tokens: int, local: int = 0, external: int = 0) -> int:
-        n = orig(self, request, num_new_tokens, local, external)
-        if not self.use_eagle_block_drop:
-            return n
-        start = request.num_computed_tokens + local + external
-        bs = self.block_size
-        resend = (request.num_prompt_tokens - 1) // bs * bs - bs
-        return resend - start if start < resend < start + n else n
-
-    mp.setattr(Scheduler, "_mamba_block_aligned_split", split)
-
-
 FIXES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
     "vllm-blockstored-token-range": (
         fix_blockstored_token_range,
         "BlockStored events of group 1 carry 96 token ids",
     ),
     "eagle-swa-short-run-double-pop": (fix_eagle_swa_short_run, r"hits 0 tokens; retention promised 8"),
-    "eagle-mamba-aligned-prompt-resend": (
-        fix_eagle_mamba_resend,
-        r"are not in the prefix cache: \[\(1, 4, 'mamba block 1'\)\]",
-    ),
 }
 
 
@@ -354,10 +332,10 @@ def test_tokens_literal(tokens: tuple[int, ...], literal: str) -> None:
 
 
 def test_read_trace_round_trip(tmp_path: Path) -> None:
-    path = _finding_file(tmp_path, "eagle-mamba-aligned-prompt-resend")
+    path = _finding_file(tmp_path, "eagle-swa-short-run-double-pop")
     plan = plan_export(read_trace(path))
-    assert plan.finding is not None and plan.finding.id == "eagle-mamba-aligned-prompt-resend"
-    assert plan.expectation.hit == 4 and (1, 4, "mamba block 1") in plan.expectation.needed
+    assert plan.finding is not None and plan.finding.id == "eagle-swa-short-run-double-pop"
+    assert plan.expectation.hit == 8 and (2, 12, "Eagle peek block") in plan.expectation.needed
 
 
 def _vllm_version() -> str | None:

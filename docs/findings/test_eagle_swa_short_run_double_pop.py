@@ -10,10 +10,12 @@ cached, the promised replay hit is 8, the reconciled hit is 0 because the SWA4 g
 returns 0 instead of 8. The model reproduces vLLM's scan (model/lookup.py
 alignment_quirk).
 
-Property promise_kept: Right after a request finishes, replaying its prompt hits at the
-latest retained boundary, unless blocks were reused since (#43447, #45845): every key
-the replay needs was cached at some point, and if all are still cached the probe hit
-reaches the promised boundary.
+Property promise_kept: Right after a request finishes, replaying its prompt hits at
+least the latest retained boundary it reaches by design (`promised_boundary`), unless
+blocks were reused since (#43447, #45845): every key serving that hit was cached at some
+point, and if all are still cached the probe hit reaches the boundary. The serving keys
+start at the request's own admission hit when that is higher: retention keeps the tails
+the request computed, and below its hit it computed none (`promised_replay`).
 Asked for by: https://github.com/vllm-project/vllm/pull/44082 (Eagle-aware SWA
 mask/hit); https://github.com/vllm-project/vllm/issues/33270 (Eagle drop applied more
 than once).

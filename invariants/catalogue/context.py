@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from model.config import Config
 from model.observation import BlockIds, BlockKey, Event, Observation, ProbeResult, Snapshot, Tokens
 from model.ops import Op
+from model.profile import MODELED, Profile
 
 
 @dataclass
@@ -21,6 +22,7 @@ class RequestHistory:
     running: bool = False
     ever_preempted: bool = False
     boundaries: set[int] = field(default_factory=set)
+    hit: int = 0  # the prefix hit at its latest admission
 
     # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
@@ -158,6 +160,8 @@ class CheckContext:
     finished_request: RequestHistory | None = None
     # Set on the fast path: then `before` / `after` are `StateView`s, not snapshots.
     delta: Delta | None = None
+    # The design the target is judged by (an older release's in the matrix).
+    profile: Profile = MODELED
 
     @property
     def alignment(self) -> int:

@@ -145,6 +145,6 @@ def _scheduled(r: RequestHistory, obs: ScheduleResult) -> None:
         if obs.shared_prefix_boundary:
             r.boundaries.add(obs.shared_prefix_boundary)
         if obs.admitted:
-            r.running, r.num_computed = True, obs.hit + obs.scheduled
+            r.running, r.num_computed, r.hit = True, obs.hit + obs.scheduled, obs.hit
     elif obs.scheduled:
         r.num_computed += obs.scheduled

@@ -3,36 +3,45 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import NOT_FREE, CheckContext
+from model.config import Config
 from model.fine_mamba import fine_hits_enabled
 from model.masks import cdiv, swa_tail_blocks
-from model.observation import BlockKey, block_key
+from model.observation import BlockKey, Tokens, block_key
 from model.ops import Finish, Schedule
+from model.profile import MODELED, Profile
 
 
-def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
-    """The replay hit a finished request promises, and the keys serving it.
+def promised_boundary(cfg: Config, prompt_len: int, profile: Profile = MODELED) -> int:
+    """The hit a replay of a `prompt_len`-token prompt reaches by design.
 
-    Non-Eagle: the aligned boundary at or below P-1. Eagle: one scheduler block
-    lower, plus the SWA peek block above it. Keys map to a role label.
-    With fine-grained Mamba hits the boundary is the hash boundary at or below
-    P-1 (`_fine_promise`).
+    Non-Eagle: the aligned boundary at or below P-1 (the last token is always
+    recomputed). Eagle: the matched boundary minus one scheduler block, the peek
+    block the lookup matches and drops. With one group the lookup stops at P-1;
+    with several the coordinator lets it match one group block past P-1 (never
+    past the hashed prompt), so a block-aligned prompt reaches the extension
+    boundary floor(P/sbs)*sbs - sbs: the latest replayable prompt boundary,
+    the one retention 0 keeps (#43447).
     """
-    cfg, req = ctx.config, ctx.finished_request
-    assert req is not None
-    if fine_hits_enabled(cfg):
-        return _fine_promise(ctx)
     sbs = cfg.scheduler_block_size
-    align = sbs if len(cfg.groups) > 1 else cfg.groups[0].block_size
-    e = (len(req.prompt) - 1) // align * align
-    if cfg.eagle:
-        e = max(e - sbs, 0)
+    hybrid = len(cfg.groups) > 1
+    align = sbs if hybrid else cfg.groups[0].block_size
+    # Before 0.32.0 the look stopped at the lookup's limit, P-1 (model.profile).
+    reaches_p = cfg.eagle and hybrid and profile.eagle_margin_to_hashed
+    matched = prompt_len if reaches_p else prompt_len - 1
+    e = matched // align * align
+    return max(e - sbs, 0) if cfg.eagle else e
+
+
+def replay_keys(cfg: Config, tokens: Tokens, boundary: int) -> dict[BlockKey, str]:
+    """The keys a replay landing at `boundary` needs, each mapped to a role label:
+    full blocks below it, the SWA tail ending at it, the Mamba state at it, and
+    with Eagle the peek block above it in every attention group."""
     keys: dict[BlockKey, str] = {}
-    if e == 0:
-        return 0, keys
-    tokens = req.tokens
+    if boundary == 0:
+        return keys
     for g, spec in enumerate(cfg.groups):
         bs = spec.block_size
-        top = e // bs
+        top = boundary // bs
         if spec.kind == "full":
             idx = range(top + int(cfg.eagle))  # Eagle matches the block past the boundary, then drops it
         elif spec.kind == "swa":
@@ -48,7 +57,29 @@ def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
                 else f"{spec.kind} block {j}"
             )
             keys[block_key(g, tokens, (j + 1) * bs)] = role
-    return e, keys
+    return keys
+
+
+def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
+    """The replay hit a finished request promises, and the keys serving it.
+
+    The keys are those of the promised boundary, or of the request's own
+    admission hit when that is higher: a request caches only the blocks past
+    its hit (the mask covers [num_cached_block, num_full) and a hit sets
+    num_cached_block to the hit's length), and below the hit its SWA and Mamba
+    tables are null, so the tail at a lower boundary was never its to keep.
+    The replay repeats the admission lookup and lands at least where it did.
+    With fine-grained Mamba hits the boundary is the hash boundary at or below
+    P-1 (`_fine_promise`).
+    """
+    cfg, req = ctx.config, ctx.finished_request
+    assert req is not None
+    if fine_hits_enabled(cfg):
+        return _fine_promise(ctx)
+    e = promised_boundary(cfg, len(req.prompt), ctx.profile)
+    if e == 0:
+        return 0, {}
+    return e, replay_keys(cfg, req.tokens, max(e, req.hit))
 
 
 def _fine_promise(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
@@ -94,10 +125,13 @@ def _applies(ctx: CheckContext) -> bool:
 
 
 def promise_kept(ctx: CheckContext) -> list[str]:
-    """Right after a request finishes, replaying its prompt hits at the latest
-    retained boundary, unless blocks were reused since (#43447, #45845): every
-    key the replay needs was cached at some point, and if all are still
-    cached the probe hit reaches the promised boundary."""
+    """Right after a request finishes, replaying its prompt hits at least the
+    latest retained boundary it reaches by design (`promised_boundary`), unless
+    blocks were reused since (#43447, #45845): every key serving that hit was
+    cached at some point, and if all are still cached the probe hit reaches the
+    boundary. The serving keys start at the request's own admission hit when
+    that is higher: retention keeps the tails the request computed, and below
+    its hit it computed none (`promised_replay`)."""
     if not _applies(ctx):
         return []
     e, keys = promised_replay(ctx)

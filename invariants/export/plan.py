@@ -35,7 +35,7 @@ from invariants.harness.trace import Trace, trace_to_json
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
 from model.observation import ProbeResult, ScheduleResult, Snapshot
-from model.ops import AddRequest, Finish, Probe, Sample, Step
+from model.ops import AddRequest, Finish, Probe, Sample, Schedule, Step
 
 Kind = Literal["replay_hit", "stored_tokens", "state", "crash"]
 
@@ -147,6 +147,13 @@ def plan_export(trace: Trace) -> ExportPlan:
             history[op.rid] = RequestHistory(op.prompt)
         elif isinstance(op, Sample):
             history[op.rid].outputs.append(op.token)
+        elif (
+            isinstance(op, Schedule)
+            and isinstance(obs, ScheduleResult)
+            and obs.admitted
+            and obs.hit is not None
+        ):
+            history[op.rid].hit = obs.hit  # the promise's keys start at the admission hit
     after = model.snapshot()
     last = trace.ops[-1]
     base: dict[str, Any] = {"property": name, "guards": guards, "asked_by": asked_by}

@@ -203,7 +203,17 @@ class Checker:
         anomalies = update_history(self.history, op, obs, before, snap)
         found += [Violation("events_match_hash_map", a) for a in anomalies]
         if self.check_invariants:
-            ctx = CheckContext(self.config, op, obs, before, snap, self.history, self._probe, finished)
+            ctx = CheckContext(
+                self.config,
+                op,
+                obs,
+                before,
+                snap,
+                self.history,
+                self._probe,
+                finished,
+                profile=self.model.profile,
+            )
             found += [Violation(name, msg) for name, msg in check_all(ctx)]
         forget(self.history, snap.cached)  # after the checks: they read the finishing request's keys
         self.last = snap
@@ -271,6 +281,7 @@ class Checker:
                 self._probe,
                 finished,
                 delta,  # type: ignore[arg-type]
+                self.model.profile,
             )
             found += [Violation(name, msg) for name, msg in check_delta(ctx)]
         forget(self.history, self._holders)  # after the checks: they read the finishing request's keys

@@ -20,7 +20,7 @@ from model.config import Config, GroupSpec, validate
 SWA_SHAPES: tuple[tuple[str, ...], ...] = (("swa",), ("full", "swa"), ("full", "swa"), ("full", "swa", "swa"))
 RETENTION_SHAPES: tuple[tuple[str, ...], ...] = (*SWA_SHAPES, ("full", "mamba"), ("full", "swa", "mamba"))
 MAMBA_SHAPES: tuple[tuple[str, ...], ...] = (("full", "mamba"), ("full", "swa", "mamba"))
-# 3 spec groups (the coordinator's fixed point iterates); Mamba left out: see below.
+# 3 spec groups (the coordinator's fixed point iterates).
 MULTI_SHAPES: tuple[tuple[str, ...], ...] = (("full", "swa", "swa"),)
 
 
@@ -79,13 +79,8 @@ def strategy(name: str, *, allow_pinning: bool, allow_fine: bool = True) -> st.S
         "eagle-swa": lambda: zoo_configs(shapes=SWA_SHAPES, retention="sparse", eagle=True),
         "eagle-multi": lambda: zoo_configs(shapes=MULTI_SHAPES, eagle=True),
         "pinning": lambda: zoo_configs(shapes=SWA_SHAPES, pin=True),
-        # Eagle off with Mamba: Eagle + Mamba trips promise_kept on the unmutated
-        # model, reference and vLLM alike (an open finding, reported to the
-        # lead), which would make the control fail.
-        "mamba-sparse": lambda: zoo_configs(shapes=MAMBA_SHAPES, retention="sparse", eagle=False),
-        "mamba-coarse": lambda: zoo_configs(
-            shapes=(("full", "mamba"),), retention="zero", eagle=False, coarse_mamba=True
-        ),
+        "mamba-sparse": lambda: zoo_configs(shapes=MAMBA_SHAPES, retention="sparse"),
+        "mamba-coarse": lambda: zoo_configs(shapes=(("full", "mamba"),), retention="zero", coarse_mamba=True),
         # Full attention + a Mamba block 2 or 4 hash blocks wide: fine-grained hits and copies.
         "mamba-fine": lambda: configs(
             allow_pinning=False, shapes=(("full", "mamba"),), caching=True, eagle=False, fine=True
