@@ -174,7 +174,7 @@ def _run(case: Case, profile: Profile) -> list[Observation | Snapshot]:
 
 
 def _older(case: Case) -> Profile:
-    return Profile(**{case.switch: case.old})
+    return replace(MODELED, **{case.switch: case.old})
 
 
 def test_the_default_profile_is_the_modeled_release() -> None:
