@@ -225,7 +225,7 @@ class DropsATableEntryInAStep(ModelTarget):
 
 
 def test_a_batched_step_is_judged_on_the_fast_path_as_by_the_audit():
-    ops = [AddRequest("a", (1, 2, 3, 4, 5, 6)), AddRequest("b", (1, 2, 9)), Step(("a", "b"), 64)]
+    ops: list[Op] = [AddRequest("a", (1, 2, 3, 4, 5, 6)), AddRequest("b", (1, 2, 9)), Step(("a", "b"), 64)]
     found = {}
     for every in (1, 1000):
         checker = Checker(DropsATableEntryInAStep(CFG), audit_every=every)
