@@ -277,7 +277,7 @@ def test_batched_step_is_exported_call_by_call() -> None:
         ("admit", "r8", 4, 8, True),
     ]
     source = render_test(plan)
-    assert "NUM_LOOKAHEAD_TOKENS = 1" in source
+    assert "NUM_LOOKAHEAD_TOKENS = 1" in source and "num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS" in source
     assert "admit(manager, req_r8, expected_hit=4, num_new_tokens=8)" in source
     assert source.count("manager.new_step_starts()") == 3 + source.count("def schedule_step")
 
@@ -368,6 +368,16 @@ def test_cli_writes_test_and_issue(tmp_path: Path, capsys: pytest.CaptureFixture
         assert "fails on vLLM 0.33.0: replaying the 17-token prompt" in report
 
 
+def test_cli_exports_a_batched_step_finding(tmp_path: Path) -> None:
+    trace = _finding_file(tmp_path, "vllm-cow-copy-of-same-step-block")
+    out, issue = tmp_path / "t.py", tmp_path / "report.md"
+    assert main(["export", str(trace), "--out", str(out), "--issue", str(issue)]) == 0
+    report = issue.read_text()
+    assert "no copy-on-write copy of the last step reads a block that step allocated" in report
+    if vllm_available()[0]:
+        assert "fails on vLLM 0.33.0: copies (source, destination) [(3, 6)]: source was allocated" in report
+
+
 @pytest.mark.parametrize(
     "edit, needle",
     [
@@ -376,6 +386,16 @@ def test_cli_writes_test_and_issue(tmp_path: Path, capsys: pytest.CaptureFixture
         (lambda d: d.update(ops=[]), "empty"),
         (lambda d: d["ops"].insert(0, {"op": "finish", "rid": "nobody"}), "trace.ops[0]: not well formed"),
         (lambda d: d.update(format="other"), "trace.format"),
+        (
+            lambda d: d.update(
+                violation="copies_sound: copy 1 -> 2: destination read by 2 block-table entries"
+            ),
+            "copies_sound is exported only for a copy whose source was allocated in the same step",
+        ),
+        (
+            lambda d: d.update(violation="copies_sound: copy 1 -> 2: source was allocated in the same step"),
+            "copies_sound is exported after a batched Step",
+        ),
     ],
 )
 def test_bad_trace_exits_2_and_writes_nothing(
