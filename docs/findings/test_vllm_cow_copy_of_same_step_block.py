@@ -219,7 +219,7 @@ def test_vllm_cow_copy_of_same_step_block():
     # waiting requests admitted in order, only if nobody was preempted).
     manager.new_step_starts()
     step_new.clear()  # the blocks this step hands out
-    blocks = admit(manager, req_r1, expected_hit=0, num_new_tokens=3)  # waiting
+    blocks = admit(manager, req_r1, expected_hit=0, num_new_tokens=3)  # waiting, in order
     assert blocks is not None, "r1: not admitted; the specification admits it"
     step_new += blocks
     copies = take_copies(manager)  # once per step, as Scheduler.schedule does
@@ -228,7 +228,7 @@ def test_vllm_cow_copy_of_same_step_block():
     # waiting requests admitted in order, only if nobody was preempted).
     manager.new_step_starts()
     step_new.clear()  # the blocks this step hands out
-    blocks = run_chunk(manager, req_r1, 1)  # running: the next chunk
+    blocks = run_chunk(manager, req_r1, 1)  # running queue first: the next chunk
     assert blocks is not None, "r1: no room for 1 token(s); the specification has it"
     step_new += blocks
     copies = take_copies(manager)  # once per step, as Scheduler.schedule does
@@ -239,10 +239,10 @@ def test_vllm_cow_copy_of_same_step_block():
     # waiting requests admitted in order, only if nobody was preempted).
     manager.new_step_starts()
     step_new.clear()  # the blocks this step hands out
-    blocks = admit(manager, req_r7, expected_hit=0, num_new_tokens=16)  # waiting
+    blocks = admit(manager, req_r7, expected_hit=0, num_new_tokens=16)  # waiting, in order
     assert blocks is not None, "r7: not admitted; the specification admits it"
     step_new += blocks
-    blocks = admit(manager, req_r8, expected_hit=4, num_new_tokens=8)  # waiting
+    blocks = admit(manager, req_r8, expected_hit=4, num_new_tokens=8)  # waiting, in order
     assert blocks is not None, "r8: not admitted; the specification admits it"
     step_new += blocks
     copies = take_copies(manager)  # once per step, as Scheduler.schedule does

@@ -7,8 +7,10 @@ vLLM target makes: `get_computed_blocks`, `allocate_slots`, `free`,
 `take_kv_cache_block_copies`, ...), and ends with one assertion whose expected
 value is a literal from the specification. A batched step is written as the
 straight-line calls `Scheduler.schedule` makes for it, with the decisions the
-specification took (see `plan.StepAction`); every `allocate_slots` passes the
-configuration's `num_lookahead_tokens`. Mamba prefill chunks are clipped by
+specification took (see `plan.StepAction`; a step's chunk sizes, Mamba split
+included, are the specification's literals, its hits are asserted against
+vLLM's lookup); every `allocate_slots` passes the configuration's
+`num_lookahead_tokens`. Mamba prefill chunks are clipped by
 vLLM's own `Scheduler._mamba_block_aligned_split`, so a fix in the scheduler's
 split shows in the test too.
 """
@@ -106,26 +108,26 @@ def _step_lines(op: Step, actions: tuple[StepAction, ...], names: dict[str, str]
     for a in actions:
         var = _var(a.rid, names)
         if a.kind == "preempt":
-            lines += [f"preempt(manager, {var})  # no room: the newest running request gives way"]
+            lines += [f"preempt(manager, {var})  # no room: preempt the newest running request, retry"]
         elif a.kind == "run" and not a.fits:
             lines += [
-                f"blocks = run_chunk(manager, {var}, {a.tokens})",
+                f"blocks = run_chunk(manager, {var}, {a.tokens})  # running queue first",
                 f'assert blocks is None, "{a.rid}: the specification finds no room for its {a.tokens} token(s)"',
             ]
         elif a.kind == "run":
             lines += [
-                f"blocks = run_chunk(manager, {var}, {a.tokens})  # running: the next chunk",
+                f"blocks = run_chunk(manager, {var}, {a.tokens})  # running queue first: the next chunk",
                 f'assert blocks is not None, "{a.rid}: no room for {a.tokens} token(s); the specification has it"',
                 "step_new += blocks",
             ]
         elif not a.fits:
             lines += [
-                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens})",
+                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens})  # waiting, in order",
                 f'assert blocks is None, "{a.rid}: the specification does not admit it (ends the waiting pass)"',
             ]
         else:
             lines += [
-                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens})  # waiting",
+                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens})  # waiting, in order",
                 f'assert blocks is not None, "{a.rid}: not admitted; the specification admits it"',
                 "step_new += blocks",
             ]
