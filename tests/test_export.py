@@ -267,6 +267,28 @@ def test_finding_fails_on_vllm_control_trace_passes(fid: str, tmp_path: Path) ->
     load_exported(render_test(plan), tmp_path)()  # the same assertion holds without the violation
 
 
+@needs_vllm
+def test_step_chunks_are_checked_against_the_scheduler_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's chunks are the specification's literals; with a Mamba group the
+    exported test checks each against vLLM's own split (control: a split that
+    gives one token less is caught before any allocation)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    test = load_exported(
+        render_test(plan_export(FINDINGS["vllm-cow-copy-of-same-step-block"].trace)), tmp_path
+    )
+    orig = Scheduler._mamba_block_aligned_split
+    monkeypatch.setattr(
+        Scheduler,
+        "_mamba_block_aligned_split",
+        lambda self, req, n, *a: max(orig(self, req, n, *a) - 1, 0),
+    )
+    with pytest.raises(AssertionError, match="r1: Scheduler's Mamba split gives 2 tokens, expected 3"):
+        test()
+
+
 def test_batched_step_is_exported_call_by_call() -> None:
     """The step's decisions come from the specification: two admissions, the
     second with the 4-token fine-grained hit, each with its allocation asserted."""
@@ -278,7 +300,7 @@ def test_batched_step_is_exported_call_by_call() -> None:
     ]
     source = render_test(plan)
     assert "NUM_LOOKAHEAD_TOKENS = 1" in source and "num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS" in source
-    assert "admit(manager, req_r8, expected_hit=4, num_new_tokens=8)" in source
+    assert "admit(manager, req_r8, expected_hit=4, num_new_tokens=8, left=48, step_budget=64)" in source
     assert source.count("manager.new_step_starts()") == 3 + source.count("def schedule_step")
 
 

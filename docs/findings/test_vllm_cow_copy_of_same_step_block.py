@@ -170,9 +170,13 @@ def preempt(manager: KVCacheManager, request: Request) -> None:
     request.num_preemptions += 1
 
 
-def run_chunk(manager: KVCacheManager, request: Request, num_new_tokens: int) -> list[int] | None:
+def run_chunk(manager: KVCacheManager, request: Request, num_new_tokens: int, left: int, step_budget: int) -> list[int] | None:
     """Scheduler.schedule, running queue: allocate a running request's next chunk;
     the ids of the blocks it handed out, or None when there is no room."""
+    split = mamba_chunk(request, min(request.num_tokens - request.num_computed_tokens, left), 0, step_budget)
+    assert split == num_new_tokens, (
+        f"{request.request_id}: Scheduler's Mamba split gives {split} tokens, expected {num_new_tokens}"
+    )
     blocks = manager.allocate_slots(request, num_new_tokens, num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS)
     if blocks is None:
         return None
@@ -181,11 +185,15 @@ def run_chunk(manager: KVCacheManager, request: Request, num_new_tokens: int) ->
 
 
 def admit(
-    manager: KVCacheManager, request: Request, expected_hit: int, num_new_tokens: int
+    manager: KVCacheManager, request: Request, expected_hit: int, num_new_tokens: int, left: int, step_budget: int
 ) -> list[int] | None:
     """Scheduler.schedule, waiting queue: the prefix-cache lookup, then the first chunk."""
     computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
     assert hit == expected_hit, f"{request.request_id}: prefix-cache hit {hit}, expected {expected_hit}"
+    split = mamba_chunk(request, min(request.num_tokens - hit, left), hit, step_budget)
+    assert split == num_new_tokens, (
+        f"{request.request_id}: Scheduler's Mamba split gives {split} tokens, expected {num_new_tokens}"
+    )
     if num_new_tokens <= 0:
         return None
     blocks = manager.allocate_slots(
@@ -219,7 +227,7 @@ def test_vllm_cow_copy_of_same_step_block():
     # waiting requests admitted in order, only if nobody was preempted).
     manager.new_step_starts()
     step_new.clear()  # the blocks this step hands out
-    blocks = admit(manager, req_r1, expected_hit=0, num_new_tokens=3)  # waiting, in order
+    blocks = admit(manager, req_r1, expected_hit=0, num_new_tokens=3, left=3, step_budget=3)  # waiting, in order
     assert blocks is not None, "r1: not admitted; the specification admits it"
     step_new += blocks
     copies = take_copies(manager)  # once per step, as Scheduler.schedule does
@@ -228,7 +236,7 @@ def test_vllm_cow_copy_of_same_step_block():
     # waiting requests admitted in order, only if nobody was preempted).
     manager.new_step_starts()
     step_new.clear()  # the blocks this step hands out
-    blocks = run_chunk(manager, req_r1, 1)  # running queue first: the next chunk
+    blocks = run_chunk(manager, req_r1, 1, left=3, step_budget=3)  # running queue first: the next chunk
     assert blocks is not None, "r1: no room for 1 token(s); the specification has it"
     step_new += blocks
     copies = take_copies(manager)  # once per step, as Scheduler.schedule does
@@ -239,10 +247,10 @@ def test_vllm_cow_copy_of_same_step_block():
     # waiting requests admitted in order, only if nobody was preempted).
     manager.new_step_starts()
     step_new.clear()  # the blocks this step hands out
-    blocks = admit(manager, req_r7, expected_hit=0, num_new_tokens=16)  # waiting, in order
+    blocks = admit(manager, req_r7, expected_hit=0, num_new_tokens=16, left=64, step_budget=64)  # waiting, in order
     assert blocks is not None, "r7: not admitted; the specification admits it"
     step_new += blocks
-    blocks = admit(manager, req_r8, expected_hit=4, num_new_tokens=8)  # waiting, in order
+    blocks = admit(manager, req_r8, expected_hit=4, num_new_tokens=8, left=48, step_budget=64)  # waiting, in order
     assert blocks is not None, "r8: not admitted; the specification admits it"
     step_new += blocks
     copies = take_copies(manager)  # once per step, as Scheduler.schedule does

@@ -96,7 +96,9 @@ def _group_spec(cfg: Config, i: int) -> str:
     )
 
 
-def _step_lines(op: Step, actions: tuple[StepAction, ...], names: dict[str, str]) -> list[str]:
+def _step_lines(
+    op: Step, actions: tuple[StepAction, ...], names: dict[str, str], mamba: bool = False
+) -> list[str]:
     """One `Scheduler.schedule` over the step's requests, call by call."""
     lines = [
         f"# One scheduler step over {list(op.rids)}, token budget {op.budget} (Scheduler.schedule:",
@@ -105,38 +107,45 @@ def _step_lines(op: Step, actions: tuple[StepAction, ...], names: dict[str, str]
         "manager.new_step_starts()",
         "step_new.clear()  # the blocks this step hands out",
     ]
+    left = op.budget
     for a in actions:
         var = _var(a.rid, names)
+        # With a Mamba group the scheduler's own split must give the same chunk.
+        split = f", left={left}, step_budget={op.budget}" if mamba else ""
+        if a.fits and a.kind != "preempt":
+            left -= a.tokens
         if a.kind == "preempt":
             lines += [f"preempt(manager, {var})  # no room: preempt the newest running request, retry"]
         elif a.kind == "run" and not a.fits:
             lines += [
-                f"blocks = run_chunk(manager, {var}, {a.tokens})  # running queue first",
+                f"blocks = run_chunk(manager, {var}, {a.tokens}{split})  # running queue first",
                 f'assert blocks is None, "{a.rid}: the specification finds no room for its {a.tokens} token(s)"',
             ]
         elif a.kind == "run":
             lines += [
-                f"blocks = run_chunk(manager, {var}, {a.tokens})  # running queue first: the next chunk",
+                f"blocks = run_chunk(manager, {var}, {a.tokens}{split})  # running queue first: the next chunk",
                 f'assert blocks is not None, "{a.rid}: no room for {a.tokens} token(s); the specification has it"',
                 "step_new += blocks",
             ]
         elif not a.fits:
             lines += [
-                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens})  # waiting, in order",
+                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens}{split})  # waiting, in order",
                 f'assert blocks is None, "{a.rid}: the specification does not admit it (ends the waiting pass)"',
             ]
         else:
             lines += [
-                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens})  # waiting, in order",
+                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens}{split})  # waiting, in order",
                 f'assert blocks is not None, "{a.rid}: not admitted; the specification admits it"',
                 "step_new += blocks",
             ]
     return lines + ["copies = take_copies(manager)  # once per step, as Scheduler.schedule does"]
 
 
-def _op_lines(op: Op, names: dict[str, str], actions: tuple[StepAction, ...] = ()) -> list[str]:
+def _op_lines(
+    op: Op, names: dict[str, str], actions: tuple[StepAction, ...] = (), mamba: bool = False
+) -> list[str]:
     if isinstance(op, Step):
-        return _step_lines(op, actions, names)
+        return _step_lines(op, actions, names, mamba)
     if isinstance(op, AddRequest):
         return [f"{_var(op.rid, names)} = make_request({json.dumps(op.rid)}, {tokens_literal(op.prompt)})"]
     if isinstance(op, Schedule):
@@ -378,9 +387,10 @@ def preempt(manager: KVCacheManager, request: Request) -> None:
     request.num_preemptions += 1
 '''
 
-STEP = '''def run_chunk(manager: KVCacheManager, request: Request, num_new_tokens: int) -> list[int] | None:
+STEP = '''def run_chunk(manager: KVCacheManager, request: Request, num_new_tokens: int@RUN_SIG) -> list[int] | None:
     """Scheduler.schedule, running queue: allocate a running request's next chunk;
     the ids of the blocks it handed out, or None when there is no room."""
+@RUN_SPLIT
     blocks = manager.allocate_slots(request, num_new_tokens, num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS)
     if blocks is None:
         return None
@@ -389,11 +399,12 @@ STEP = '''def run_chunk(manager: KVCacheManager, request: Request, num_new_token
 
 
 def admit(
-    manager: KVCacheManager, request: Request, expected_hit: int, num_new_tokens: int
+    manager: KVCacheManager, request: Request, expected_hit: int, num_new_tokens: int@RUN_SIG
 ) -> list[int] | None:
     """Scheduler.schedule, waiting queue: the prefix-cache lookup, then the first chunk."""
     computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
     assert hit == expected_hit, f"{request.request_id}: prefix-cache hit {hit}, expected {expected_hit}"
+@ADMIT_SPLIT
     if num_new_tokens <= 0:
         return None
     blocks = manager.allocate_slots(
@@ -417,6 +428,24 @@ def take_copies(manager: KVCacheManager) -> list[tuple[int, int]]:
         manager.block_pool.free_blocks(retained)
     return [(c.src_block_id, c.dst_block_id) for c in copies]
 '''
+
+
+def _step_helpers(mamba: bool) -> str:
+    """The step helpers; with a Mamba group each checks its chunk against the
+    scheduler's split of the tokens left in the step's budget."""
+    check = (
+        "    assert split == num_new_tokens, (\n"
+        '        f"{request.request_id}: Scheduler\'s Mamba split gives {split} tokens, expected {num_new_tokens}"\n'
+        "    )\n"
+    )
+    run = "    split = mamba_chunk(request, min(request.num_tokens - request.num_computed_tokens, left), 0, step_budget)\n"
+    adm = "    split = mamba_chunk(request, min(request.num_tokens - hit, left), hit, step_budget)\n"
+    return (
+        STEP.replace("@RUN_SIG", ", left: int, step_budget: int" if mamba else "")
+        .replace("@RUN_SPLIT\n", run + check if mamba else "")
+        .replace("@ADMIT_SPLIT\n", adm + check if mamba else "")
+    )
+
 
 CACHED = '''def cached_blocks(pool) -> list[list[int]]:
     """[kv cache group id, block id] of every block that holds a hash."""
@@ -472,10 +501,12 @@ def render_test(plan: ExportPlan) -> str:
     cfg = trace.config
     names: dict[str, str] = {}
     body: list[str] = []
+    # vLLM splits Mamba chunks only in 'align' mode (Scheduler.need_mamba_block_aligned_split).
+    split = cfg.has_mamba_align
     for i, op in enumerate(trace.ops[:-1]):
-        body += _op_lines(op, names, plan.steps.get(i, ()))
+        body += _op_lines(op, names, plan.steps.get(i, ()), split)
     last = len(trace.ops) - 1
-    last_lines = _op_lines(trace.ops[last], names, plan.steps.get(last, ()))
+    last_lines = _op_lines(trace.ops[last], names, plan.steps.get(last, ()), split)
     body += _assertion(cfg, exp, trace.ops[last], last_lines, names)
     what = (
         f"Known finding {plan.finding.id}: {plan.finding.description}"
@@ -515,7 +546,7 @@ def render_test(plan: ExportPlan) -> str:
             mamba_running="        n = mamba_chunk(request, n, 0, token_budget)\n" if mamba else "",
             mamba_waiting="        n = mamba_chunk(request, n, hit, token_budget)\n" if mamba else "",
         ),
-        *([STEP] if plan.steps else []),
+        *([_step_helpers(cfg.has_mamba_align)] if plan.steps else []),
         *([CACHED] if exp.kind == "state" else []),
         *([STORED] if exp.kind == "stored_tokens" else []),
         TEST_DEF.format(name=exported_test_name(plan)),
