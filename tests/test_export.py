@@ -29,7 +29,7 @@ from invariants.harness.known_findings import load_known_findings
 from invariants.harness.trace import Trace, read_trace, trace_to_json, write_trace
 from invariants.targets.vllm_env import MODELED_VERSION, vllm_available
 from model.config import Config, GroupSpec
-from model.ops import AddRequest, Finish, Op, Schedule, Step
+from model.ops import AddRequest, Finish, Op, Sample, Schedule, Step
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_FINDINGS = {f.id: f for f in load_known_findings()}
@@ -40,8 +40,6 @@ FINDINGS = {fid: f for fid, f in ALL_FINDINGS.items() if "*" in f.versions or MO
 NOT_EXPORTED = {
     "vllm-blockstored-token-range-dense": "its matrix trace records no violation line to export yet; "
     "the masked variant (vllm-blockstored-token-range) is exported",
-    "vllm-cow-copy-of-same-step-block": "it needs a batched Step (two admissions in one scheduler step), "
-    "which the exporter does not write (single-request ops only)",
 }
 FINDINGS = {fid: f for fid, f in FINDINGS.items() if fid not in NOT_EXPORTED}
 _counter = itertools.count()
@@ -178,8 +176,27 @@ FIXES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
 }
 
 
+def _cow_control(trace: Trace) -> Trace:
+    """The same requests, r8 admitted one step after r7: the copy's source was
+    written by r7's step, so the copy reads cached state."""
+    assert isinstance(trace.ops[-1], Step) and trace.ops[-1].rids == ("r7", "r8")
+    ops = [*trace.ops[:-1], Step(("r7",), 64), Step(("r8",), 64)]
+    return Trace(trace.config, ops, trace.seed, trace.target, trace.violation)
+
+
+# Findings whose exported test repeats the specification's decisions in a batched
+# step (which a fix in vLLM changes too): the control is a trace without the
+# violation, on which the same exported assertion must pass.
+CONTROLS: dict[str, tuple[Callable[[Trace], Trace], str]] = {
+    "vllm-cow-copy-of-same-step-block": (
+        _cow_control,
+        r"copies \(source, destination\) \[\(3, 6\)\]: source was allocated in the same step",
+    ),
+}
+
+
 def test_every_known_finding_has_a_fix_here() -> None:
-    assert set(FIXES) == set(FINDINGS)
+    assert set(FIXES) | set(CONTROLS) == set(FINDINGS) and not set(FIXES) & set(CONTROLS)
     assert set(NOT_EXPORTED) <= set(ALL_FINDINGS), "a NOT_EXPORTED entry names no known finding"
 
 
@@ -204,7 +221,7 @@ def test_exported_file_imports_only_vllm_and_pytest(fid: str) -> None:
 
 
 @needs_vllm
-@pytest.mark.parametrize("fid", sorted(FINDINGS))
+@pytest.mark.parametrize("fid", sorted(FIXES))
 def test_finding_fails_on_vllm_then_passes_fixed(
     fid: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,6 +231,85 @@ def test_finding_fails_on_vllm_then_passes_fixed(
         test()
     fix(monkeypatch)
     test()  # the property holds once the defect is fixed
+
+
+@needs_vllm
+@pytest.mark.parametrize("fid", sorted(CONTROLS))
+def test_finding_fails_on_vllm_control_trace_passes(fid: str, tmp_path: Path) -> None:
+    control, message = CONTROLS[fid]
+    test = load_exported(render_test(plan_export(FINDINGS[fid].trace)), tmp_path)
+    with pytest.raises(AssertionError, match=message):
+        test()
+    plan = plan_export(control(FINDINGS[fid].trace))
+    assert plan.expectation.kind == ALL_FINDINGS[fid].property.replace("copies_sound", "copies")
+    load_exported(render_test(plan), tmp_path)()  # the same assertion holds without the violation
+
+
+@needs_vllm
+def test_step_chunks_are_checked_against_the_scheduler_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's chunks are the specification's literals; with a Mamba group the
+    exported test checks each against vLLM's own split (control: a split that
+    gives one token less is caught before any allocation)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    test = load_exported(
+        render_test(plan_export(FINDINGS["vllm-cow-copy-of-same-step-block"].trace)), tmp_path
+    )
+    orig = Scheduler._mamba_block_aligned_split
+    monkeypatch.setattr(
+        Scheduler,
+        "_mamba_block_aligned_split",
+        lambda self, req, n, *a: max(orig(self, req, n, *a) - 1, 0),
+    )
+    with pytest.raises(AssertionError, match="r1: Scheduler's Mamba split gives 2 tokens, expected 3"):
+        test()
+
+
+def test_batched_step_is_exported_call_by_call() -> None:
+    """The step's decisions come from the specification: two admissions, the
+    second with the 4-token fine-grained hit, each with its allocation asserted."""
+    plan = plan_export(FINDINGS["vllm-cow-copy-of-same-step-block"].trace)
+    last = len(plan.trace.ops) - 1
+    assert [(a.kind, a.rid, a.hit, a.tokens, a.fits) for a in plan.steps[last]] == [
+        ("admit", "r7", 0, 16, True),
+        ("admit", "r8", 4, 8, True),
+    ]
+    source = render_test(plan)
+    assert "NUM_LOOKAHEAD_TOKENS = 1" in source and "num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS" in source
+    assert "admit(manager, req_r8, expected_hit=4, num_new_tokens=8, left=48, step_budget=64)" in source
+    assert source.count("manager.new_step_starts()") == 3 + source.count("def schedule_step")
+
+
+def test_step_with_preemption_is_exported_in_scheduler_order(tmp_path: Path) -> None:
+    """A running request whose allocation fails preempts the newest running
+    request and retries; the waiting pass is skipped after a preemption."""
+    cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=4)
+    ops: list[Op] = [
+        AddRequest("a", tuple(range(1, 5))),
+        AddRequest("b", tuple(range(11, 15))),
+        AddRequest("c", tuple(range(21, 23))),
+        Step(("a", "b", "c"), 64),
+        Sample("a", 5),
+        Sample("b", 15),
+        Sample("c", 23),
+        Step(("a", "b", "c"), 64),
+    ]
+    trace = Trace(cfg, ops, seed=0, target="vllm", violation="snapshot: (none: a differential control)")
+    plan = plan_export(trace)
+    # a finds no room: c (newest) gives way, a retries; b finds none: b gives way.
+    assert [(a.kind, a.rid, a.fits) for a in plan.steps[7]] == [
+        ("run", "a", False),
+        ("preempt", "c", True),
+        ("run", "a", True),
+        ("run", "b", False),
+        ("preempt", "b", True),
+    ]
+    source = render_test(plan)
+    assert "preempt(manager, req_c)" in source and "admit(manager, req_c" in source
+    if vllm_available()[0]:
+        load_exported(source, tmp_path)()  # vLLM makes the same decisions
 
 
 # ------------------------------------------------------------------ a zoo mutant
@@ -272,6 +368,16 @@ def test_cli_writes_test_and_issue(tmp_path: Path, capsys: pytest.CaptureFixture
         assert "fails on vLLM 0.33.0: replaying the 17-token prompt" in report
 
 
+def test_cli_exports_a_batched_step_finding(tmp_path: Path) -> None:
+    trace = _finding_file(tmp_path, "vllm-cow-copy-of-same-step-block")
+    out, issue = tmp_path / "t.py", tmp_path / "report.md"
+    assert main(["export", str(trace), "--out", str(out), "--issue", str(issue)]) == 0
+    report = issue.read_text()
+    assert "no copy-on-write copy of the last step reads a block that step allocated" in report
+    if vllm_available()[0]:
+        assert "fails on vLLM 0.33.0: copies (source, destination) [(3, 6)]: source was allocated" in report
+
+
 @pytest.mark.parametrize(
     "edit, needle",
     [
@@ -280,6 +386,16 @@ def test_cli_writes_test_and_issue(tmp_path: Path, capsys: pytest.CaptureFixture
         (lambda d: d.update(ops=[]), "empty"),
         (lambda d: d["ops"].insert(0, {"op": "finish", "rid": "nobody"}), "trace.ops[0]: not well formed"),
         (lambda d: d.update(format="other"), "trace.format"),
+        (
+            lambda d: d.update(
+                violation="copies_sound: copy 1 -> 2: destination read by 2 block-table entries"
+            ),
+            "copies_sound is exported only for a copy whose source was allocated in the same step",
+        ),
+        (
+            lambda d: d.update(violation="copies_sound: copy 1 -> 2: source was allocated in the same step"),
+            "copies_sound is exported after a batched Step",
+        ),
     ],
 )
 def test_bad_trace_exits_2_and_writes_nothing(
@@ -409,19 +525,17 @@ def _recorded_traces(seed: int, examples: int) -> list[Trace]:
 
 
 @needs_vllm
-def test_state_exports_of_fuzzed_traces_pass_on_vllm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("seed", [3, 8])
+def test_state_exports_of_fuzzed_traces_pass_on_vllm(seed: int, tmp_path: Path) -> None:
     """Differential control of the exporter: on traces where vLLM agrees with the
     model, the exported test (its own replay through vLLM's API, Mamba chunks
-    from vLLM's scheduler split) must pass; a wrong replay would fail it."""
-    recorded = _recorded_traces(seed=8, examples=16)
-    batched = [t for t in recorded if any(isinstance(op, Step) for op in t.ops)]
-    for t in batched[:1]:
-        with pytest.raises(ExportError, match="batched Step"):
-            plan_export(t)
-    traces = [t for t in recorded if t not in batched]
+    from vLLM's scheduler split, batched steps call by call, lookahead slots)
+    must pass; a wrong replay would fail it."""
+    traces = _recorded_traces(seed=seed, examples=16)
     assert len(traces) >= 6
     kinds = {type(op).__name__ for t in traces for op in t.ops}
-    assert {"AddRequest", "Schedule", "Finish"} <= kinds
+    assert {"AddRequest", "Schedule", "Step", "Finish"} <= kinds
+    assert any(t.config.num_lookahead_tokens for t in traces)
     tests = []
     for t in traces:
         plan = plan_export(t)

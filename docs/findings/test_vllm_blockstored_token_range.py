@@ -45,6 +45,7 @@ from vllm.v1.request import Request, RequestStatus
 HASH_BLOCK_SIZE = 16
 SCHEDULER_BLOCK_SIZE = 16
 USE_EAGLE = False
+NUM_LOOKAHEAD_TOKENS = 0
 
 
 def make_kv_cache_config() -> KVCacheConfig:
@@ -100,7 +101,9 @@ def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) 
     if request.status == RequestStatus.RUNNING:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, token_budget)
-        blocks = manager.allocate_slots(request, n) if n > 0 else None
+        blocks = None
+        if n > 0:
+            blocks = manager.allocate_slots(request, n, num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS)
         if blocks is not None:
             request.num_computed_tokens += n
             new_block_ids = [list(ids) for ids in blocks.get_block_ids()]
@@ -110,7 +113,11 @@ def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) 
         blocks = None
         if n > 0:
             blocks = manager.allocate_slots(
-                request, n, num_new_computed_tokens=hit, new_computed_blocks=computed
+                request,
+                n,
+                num_new_computed_tokens=hit,
+                new_computed_blocks=computed,
+                num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS,
             )
         if blocks is not None:
             request.status = RequestStatus.RUNNING

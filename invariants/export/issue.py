@@ -30,6 +30,8 @@ def _expected(plan: ExportPlan) -> str:
         )
     if exp.kind == "crash":
         return "every step completes without an exception"
+    if exp.kind == "copies":
+        return "no copy-on-write copy of the last step reads a block that step allocated"
     parts = [f"free queue {list(exp.free_queue)}", f"ref counts of blocks 1.. {list(exp.ref_cnt)}"]
     if exp.hit is not None:
         parts.insert(0, f"hit {exp.hit}")

@@ -14,7 +14,15 @@ of four assertions a vLLM engineer can read without kvretain:
 - `state` (every other check): after the last step, the hit, the block ids
   handed out, the free-queue order, the ref counts and the cached blocks equal
   the specification's;
-- `crash`: replaying the operations raises inside vLLM.
+- `crash`: replaying the operations raises inside vLLM;
+- `copies` (copies_sound, a copy whose source was handed out in the same
+  step): no copy the last step queued reads a block that step allocated.
+
+A batched `Step` is one `Scheduler.schedule` over several requests. The plan
+records the decisions the model took in it (`StepAction`: which request gets
+how many tokens, whose allocation fails, who is preempted, which waiting
+request is admitted with which hit), so the exported test repeats them as
+straight-line calls instead of carrying the scheduler's loop.
 
 The expected value never comes from vLLM: it is the model's (or, for a
 promise, the catalogue's definition of the promised boundary), so a test
@@ -34,10 +42,10 @@ from invariants.harness.known_findings import KnownFinding, load_known_findings
 from invariants.harness.trace import Trace, trace_to_json
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
-from model.observation import ProbeResult, ScheduleResult, Snapshot
+from model.observation import Observation, ProbeResult, ScheduleResult, Snapshot, StepResult
 from model.ops import AddRequest, Finish, Probe, Sample, Schedule, Step
 
-Kind = Literal["replay_hit", "stored_tokens", "state", "crash"]
+Kind = Literal["replay_hit", "stored_tokens", "state", "crash", "copies"]
 
 # Differential checks: the target disagreed with the specification itself.
 DIFFERENTIAL: dict[str, str] = {
@@ -78,11 +86,29 @@ class Expectation:
 
 
 @dataclass(frozen=True)
+class StepAction:
+    """One scheduler call of a batched step, as the model decided it.
+
+    `run`: a running request's next chunk of `tokens`; `admit`: a waiting
+    request's lookup (its `hit`) and first chunk; `preempt`: the newest running
+    request gives way. `fits`: whether `allocate_slots` finds room (an admission
+    with nothing to compute allocates nothing and does not fit)."""
+
+    kind: Literal["run", "admit", "preempt"]
+    rid: str
+    tokens: int = 0
+    hit: int | None = None
+    fits: bool = True
+
+
+@dataclass(frozen=True)
 class ExportPlan:
     trace: Trace
     expectation: Expectation
     finding: KnownFinding | None
     message: str
+    # op index of each batched Step -> the calls it stands for, in order
+    steps: dict[int, tuple[StepAction, ...]] = field(default_factory=dict)
 
 
 def violated_property(trace: Trace) -> tuple[str, str]:
@@ -117,14 +143,12 @@ def matching_finding(trace: Trace) -> KnownFinding | None:
 def plan_export(trace: Trace) -> ExportPlan:
     if not trace.ops:
         raise ExportError("trace.ops: empty; nothing to replay")
-    steps = [i for i, op in enumerate(trace.ops) if isinstance(op, Step)]
-    if steps:
-        # A batched step is kvretain's loop over Scheduler.schedule's policy, not
-        # one vLLM call: a standalone test would have to carry that loop.
-        raise ExportError(
-            f"trace.ops[{steps[0]}]: a batched Step cannot be exported (single-request ops only)"
-        )
     name, message = violated_property(trace)
+    if name == "copies_sound" and "source was allocated in the same step" not in message:
+        raise ExportError(
+            "trace.violation: copies_sound is exported only for a copy whose source was "
+            "allocated in the same step"
+        )
     finding = matching_finding(trace)
     guards, asked_by = _doc(name)
     if finding is not None and finding.upstream:
@@ -134,13 +158,17 @@ def plan_export(trace: Trace) -> ExportPlan:
     judge = Checker(ModelTarget(trace.config), check_invariants=False)
     history: dict[str, RequestHistory] = {}
     before: Snapshot = model.snapshot()
-    obs = None
+    obs: Observation | None = None
+    steps: dict[int, tuple[StepAction, ...]] = {}
     for i, op in enumerate(trace.ops):
         before = model.snapshot()
         try:
             judge.validate(op)
             judge.step(op)
-            obs = model.apply(op)
+            if isinstance(op, Step):
+                obs, steps[i] = _replay_step(model, op)
+            else:
+                obs = model.apply(op)
         except (InvalidOp, AssertionError, KeyError) as exc:
             raise ExportError(f"trace.ops[{i}]: not well formed ({exc})") from None
         if isinstance(op, AddRequest):
@@ -159,6 +187,12 @@ def plan_export(trace: Trace) -> ExportPlan:
     base: dict[str, Any] = {"property": name, "guards": guards, "asked_by": asked_by}
     if name == "crash":
         exp = Expectation(kind="crash", **base)
+    elif name == "copies_sound":
+        if not isinstance(last, Step):
+            raise ExportError(
+                "trace.ops: copies_sound is exported after a batched Step; the last op is not one"
+            )
+        exp = Expectation(kind="copies", **base)
     elif name in _REPLAY_PROPERTIES:
         if not isinstance(last, Finish):
             raise ExportError(f"trace.ops: {name} is checked when a request finishes; the last op is not one")
@@ -187,7 +221,55 @@ def plan_export(trace: Trace) -> ExportPlan:
             cached=tuple(sorted((k.group, b) for b, k in after.block_hash.items())),
             **base,
         )
-    return ExportPlan(trace, exp, finding, message)
+    return ExportPlan(trace, exp, finding, message, steps)
+
+
+def _replay_step(model: AllocatorModel, op: Step) -> tuple[StepResult, tuple[StepAction, ...]]:
+    """Apply a batched step to the model, recording its allocation attempts and
+    preemptions (the StepResult alone cannot tell during whose allocation a
+    request was preempted, nor the chunk of an admission that did not fit)."""
+    log: list[tuple[str, str, int, bool, bool]] = []
+    allocate, preempt = model._allocate_slots, model._preempt
+
+    def allocate_logged(req: Any, n: int, local: int, hit_blocks: Any) -> Any:
+        new = allocate(req, n, local, hit_blocks)
+        log.append(("alloc", req.rid, n, hit_blocks is not None, new is not None))
+        return new
+
+    def preempt_logged(rid: str) -> None:
+        preempt(rid)
+        log.append(("preempt", rid, 0, False, False))
+
+    setattr(model, "_allocate_slots", allocate_logged)  # noqa: B010 (a per-instance wrapper)
+    setattr(model, "_preempt", preempt_logged)  # noqa: B010
+    try:
+        result = model.apply(op)
+    finally:
+        del model._allocate_slots, model._preempt
+    assert isinstance(result, StepResult)
+    actions: list[StepAction] = []
+    p = 0
+    for rid, res in result.results:
+        if res.hit is None:  # running pass: attempts and preemptions until it fits or gave way
+            while p < len(log) and (log[p][0] == "preempt" or (log[p][1] == rid and not log[p][3])):
+                kind, who, n, _, fits = log[p]
+                p += 1
+                if kind == "preempt":
+                    actions.append(StepAction("preempt", who))
+                    if who == rid:
+                        break
+                else:
+                    actions.append(StepAction("run", rid, n, fits=fits))
+                    if fits:
+                        break
+        else:  # waiting pass: the lookup, then the first chunk if there is one
+            n, fits = 0, False
+            if p < len(log) and log[p][1] == rid and log[p][3]:
+                _, _, n, _, fits = log[p]
+                p += 1
+            actions.append(StepAction("admit", rid, n, res.hit, fits))
+    assert p == len(log), f"unattributed scheduler calls in the step: {log[p:]}"
+    return result, tuple(actions)
 
 
 def _stored_tokens(trace: Trace, before: Snapshot, after: Snapshot) -> dict[int, tuple[int, ...]]:

@@ -5,7 +5,12 @@ pytest. It builds the `KVCacheConfig` and `KVCacheManager` the trace used,
 drives them with the calls vLLM's scheduler makes (the same calls kvretain's
 vLLM target makes: `get_computed_blocks`, `allocate_slots`, `free`,
 `take_kv_cache_block_copies`, ...), and ends with one assertion whose expected
-value is a literal from the specification. Mamba prefill chunks are clipped by
+value is a literal from the specification. A batched step is written as the
+straight-line calls `Scheduler.schedule` makes for it, with the decisions the
+specification took (see `plan.StepAction`; a step's chunk sizes, Mamba split
+included, are the specification's literals, its hits are asserted against
+vLLM's lookup); every `allocate_slots` passes the configuration's
+`num_lookahead_tokens`. Mamba prefill chunks are clipped by
 vLLM's own `Scheduler._mamba_block_aligned_split`, so a fix in the scheduler's
 split shows in the test too.
 """
@@ -17,10 +22,21 @@ import keyword
 import re
 import textwrap
 
-from invariants.export.plan import Expectation, ExportPlan
+from invariants.export.plan import Expectation, ExportPlan, StepAction
 from model.config import Config
 from model.fine_mamba import fine_hits_enabled
-from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Probe, ResetPrefixCache, Sample, Schedule
+from model.ops import (
+    AddRequest,
+    EvictBlocks,
+    Finish,
+    Op,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    Sample,
+    Schedule,
+    Step,
+)
 
 _SPECS = {"full": "FullAttentionSpec", "swa": "SlidingWindowSpec", "mamba": "MambaSpec"}
 
@@ -80,7 +96,56 @@ def _group_spec(cfg: Config, i: int) -> str:
     )
 
 
-def _op_lines(op: Op, names: dict[str, str]) -> list[str]:
+def _step_lines(
+    op: Step, actions: tuple[StepAction, ...], names: dict[str, str], mamba: bool = False
+) -> list[str]:
+    """One `Scheduler.schedule` over the step's requests, call by call."""
+    lines = [
+        f"# One scheduler step over {list(op.rids)}, token budget {op.budget} (Scheduler.schedule:",
+        "# running requests first, the newest preempted when an allocation fails, then",
+        "# waiting requests admitted in order, only if nobody was preempted).",
+        "manager.new_step_starts()",
+        "step_new.clear()  # the blocks this step hands out",
+    ]
+    left = op.budget
+    for a in actions:
+        var = _var(a.rid, names)
+        # With a Mamba group the scheduler's own split must give the same chunk.
+        split = f", left={left}, step_budget={op.budget}" if mamba else ""
+        if a.fits and a.kind != "preempt":
+            left -= a.tokens
+        if a.kind == "preempt":
+            lines += [f"preempt(manager, {var})  # no room: preempt the newest running request, retry"]
+        elif a.kind == "run" and not a.fits:
+            lines += [
+                f"blocks = run_chunk(manager, {var}, {a.tokens}{split})  # running queue first",
+                f'assert blocks is None, "{a.rid}: the specification finds no room for its {a.tokens} token(s)"',
+            ]
+        elif a.kind == "run":
+            lines += [
+                f"blocks = run_chunk(manager, {var}, {a.tokens}{split})  # running queue first: the next chunk",
+                f'assert blocks is not None, "{a.rid}: no room for {a.tokens} token(s); the specification has it"',
+                "step_new += blocks",
+            ]
+        elif not a.fits:
+            lines += [
+                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens}{split})  # waiting, in order",
+                f'assert blocks is None, "{a.rid}: the specification does not admit it (ends the waiting pass)"',
+            ]
+        else:
+            lines += [
+                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens}{split})  # waiting, in order",
+                f'assert blocks is not None, "{a.rid}: not admitted; the specification admits it"',
+                "step_new += blocks",
+            ]
+    return lines + ["copies = take_copies(manager)  # once per step, as Scheduler.schedule does"]
+
+
+def _op_lines(
+    op: Op, names: dict[str, str], actions: tuple[StepAction, ...] = (), mamba: bool = False
+) -> list[str]:
+    if isinstance(op, Step):
+        return _step_lines(op, actions, names, mamba)
     if isinstance(op, AddRequest):
         return [f"{_var(op.rid, names)} = make_request({json.dumps(op.rid)}, {tokens_literal(op.prompt)})"]
     if isinstance(op, Schedule):
@@ -100,13 +165,26 @@ def _op_lines(op: Op, names: dict[str, str]) -> list[str]:
     raise TypeError(f"unknown operation {op!r}")
 
 
-def _assertion(cfg: Config, exp: Expectation, last: Op, last_line: str, names: dict[str, str]) -> list[str]:
+def _assertion(
+    cfg: Config, exp: Expectation, last: Op, last_lines: list[str], names: dict[str, str]
+) -> list[str]:
     """The last step and the assertion of the broken property."""
+    last_line = last_lines[0]
     if exp.kind == "crash":
+        return ["# The allocator raises on this well-formed step:", *last_lines]
+    if exp.kind == "copies":
         return [
-            "# The allocator raises on this well-formed step:",
-            last_line,
+            *last_lines,
+            "# A copy runs before the step's forward pass: its source must hold cached",
+            "# state, never a block this step handed out (nothing has written it yet).",
+            "same_step = [(src, dst) for src, dst in copies if src in step_new]",
+            "assert not same_step, (",
+            '    f"copies (source, destination) {same_step}: source was allocated in the same step "',
+            '    "(the copy runs before its content is written)"',
+            ")",
         ]
+    if isinstance(last, Step):
+        return [*last_lines, *_state_lines(exp)]
     if exp.kind == "replay_hit":
         assert exp.request is not None and exp.hit is not None
         var = names[exp.request]
@@ -170,7 +248,11 @@ def _assertion(cfg: Config, exp: Expectation, last: Op, last_line: str, names: d
         lines.append(
             f'assert result.new_block_ids == {new!r}, f"new block ids per group {{result.new_block_ids}}"'
         )
-    lines += [
+    return lines + _state_lines(exp)
+
+
+def _state_lines(exp: Expectation) -> list[str]:
+    return [
         "pool = manager.block_pool",
         "free_queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]",
         f"assert free_queue == {list(exp.free_queue)!r}, (",
@@ -181,7 +263,6 @@ def _assertion(cfg: Config, exp: Expectation, last: Op, last_line: str, names: d
         "cached = cached_blocks(pool)",
         f'assert cached == {[list(c) for c in exp.cached]!r}, f"cached (group, block id) pairs are {{cached}}"',
     ]
-    return lines
 
 
 DOC = '''"""Regression test for vLLM's prefix-cache allocator (vllm/v1/core).
@@ -200,6 +281,7 @@ Run with: pytest -q THIS_FILE (needs vllm and pytest only).
 CONSTS = """HASH_BLOCK_SIZE = {hbs}
 SCHEDULER_BLOCK_SIZE = {sbs}
 USE_EAGLE = {eagle}
+NUM_LOOKAHEAD_TOKENS = {lookahead}
 """
 
 CORE = """def make_kv_cache_config() -> KVCacheConfig:
@@ -263,7 +345,9 @@ SCHEDULE = '''def schedule_step(manager: KVCacheManager, request: Request, token
     if request.status == RequestStatus.RUNNING:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, token_budget)
-{mamba_running}        blocks = manager.allocate_slots(request, n) if n > 0 else None
+{mamba_running}        blocks = None
+        if n > 0:
+            blocks = manager.allocate_slots(request, n, num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS)
         if blocks is not None:
             request.num_computed_tokens += n
             new_block_ids = [list(ids) for ids in blocks.get_block_ids()]
@@ -273,7 +357,11 @@ SCHEDULE = '''def schedule_step(manager: KVCacheManager, request: Request, token
 {mamba_waiting}        blocks = None
         if n > 0:
             blocks = manager.allocate_slots(
-                request, n, num_new_computed_tokens=hit, new_computed_blocks=computed
+                request,
+                n,
+                num_new_computed_tokens=hit,
+                new_computed_blocks=computed,
+                num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS,
             )
         if blocks is not None:
             request.status = RequestStatus.RUNNING
@@ -298,6 +386,66 @@ def preempt(manager: KVCacheManager, request: Request) -> None:
     request.num_computed_tokens = 0
     request.num_preemptions += 1
 '''
+
+STEP = '''def run_chunk(manager: KVCacheManager, request: Request, num_new_tokens: int@RUN_SIG) -> list[int] | None:
+    """Scheduler.schedule, running queue: allocate a running request's next chunk;
+    the ids of the blocks it handed out, or None when there is no room."""
+@RUN_SPLIT
+    blocks = manager.allocate_slots(request, num_new_tokens, num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS)
+    if blocks is None:
+        return None
+    request.num_computed_tokens += num_new_tokens
+    return [b for ids in blocks.get_block_ids() for b in ids if b]
+
+
+def admit(
+    manager: KVCacheManager, request: Request, expected_hit: int, num_new_tokens: int@RUN_SIG
+) -> list[int] | None:
+    """Scheduler.schedule, waiting queue: the prefix-cache lookup, then the first chunk."""
+    computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
+    assert hit == expected_hit, f"{request.request_id}: prefix-cache hit {hit}, expected {expected_hit}"
+@ADMIT_SPLIT
+    if num_new_tokens <= 0:
+        return None
+    blocks = manager.allocate_slots(
+        request,
+        num_new_tokens,
+        num_new_computed_tokens=hit,
+        new_computed_blocks=computed,
+        num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS,
+    )
+    if blocks is None:
+        return None
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = hit + num_new_tokens
+    return [b for ids in blocks.get_block_ids() for b in ids if b]
+
+
+def take_copies(manager: KVCacheManager) -> list[tuple[int, int]]:
+    """Scheduler.schedule: drain the copy-on-write copies, release their retained blocks."""
+    copies, retained = manager.take_kv_cache_block_copies()
+    if retained:
+        manager.block_pool.free_blocks(retained)
+    return [(c.src_block_id, c.dst_block_id) for c in copies]
+'''
+
+
+def _step_helpers(mamba: bool) -> str:
+    """The step helpers; with a Mamba group each checks its chunk against the
+    scheduler's split of the tokens left in the step's budget."""
+    check = (
+        "    assert split == num_new_tokens, (\n"
+        '        f"{request.request_id}: Scheduler\'s Mamba split gives {split} tokens, expected {num_new_tokens}"\n'
+        "    )\n"
+    )
+    run = "    split = mamba_chunk(request, min(request.num_tokens - request.num_computed_tokens, left), 0, step_budget)\n"
+    adm = "    split = mamba_chunk(request, min(request.num_tokens - hit, left), hit, step_budget)\n"
+    return (
+        STEP.replace("@RUN_SIG", ", left: int, step_budget: int" if mamba else "")
+        .replace("@RUN_SPLIT\n", run + check if mamba else "")
+        .replace("@ADMIT_SPLIT\n", adm + check if mamba else "")
+    )
+
 
 CACHED = '''def cached_blocks(pool) -> list[list[int]]:
     """[kv cache group id, block id] of every block that holds a hash."""
@@ -353,10 +501,13 @@ def render_test(plan: ExportPlan) -> str:
     cfg = trace.config
     names: dict[str, str] = {}
     body: list[str] = []
-    for op in trace.ops[:-1]:
-        body += _op_lines(op, names)
-    last_line = _op_lines(trace.ops[-1], names)[0]
-    body += _assertion(cfg, exp, trace.ops[-1], last_line, names)
+    # vLLM splits Mamba chunks only in 'align' mode (Scheduler.need_mamba_block_aligned_split).
+    split = cfg.has_mamba_align
+    for i, op in enumerate(trace.ops[:-1]):
+        body += _op_lines(op, names, plan.steps.get(i, ()), split)
+    last = len(trace.ops) - 1
+    last_lines = _op_lines(trace.ops[last], names, plan.steps.get(last, ()), split)
+    body += _assertion(cfg, exp, trace.ops[last], last_lines, names)
     what = (
         f"Known finding {plan.finding.id}: {plan.finding.description}"
         if plan.finding
@@ -375,7 +526,12 @@ def render_test(plan: ExportPlan) -> str:
             violation=_wrap(trace.violation or "", "").replace("\\", "\\\\"),
         ),
         _imports(cfg, exp),
-        CONSTS.format(hbs=cfg.hash_block_size, sbs=cfg.scheduler_block_size, eagle=cfg.eagle),
+        CONSTS.format(
+            hbs=cfg.hash_block_size,
+            sbs=cfg.scheduler_block_size,
+            eagle=cfg.eagle,
+            lookahead=cfg.num_lookahead_tokens,
+        ),
         CORE.format(
             num_blocks=cfg.num_blocks,
             groups="\n".join(_group_spec(cfg, i) for i in range(len(cfg.groups))),
@@ -390,9 +546,12 @@ def render_test(plan: ExportPlan) -> str:
             mamba_running="        n = mamba_chunk(request, n, 0, token_budget)\n" if mamba else "",
             mamba_waiting="        n = mamba_chunk(request, n, hit, token_budget)\n" if mamba else "",
         ),
+        *([_step_helpers(cfg.has_mamba_align)] if plan.steps else []),
         *([CACHED] if exp.kind == "state" else []),
         *([STORED] if exp.kind == "stored_tokens" else []),
         TEST_DEF.format(name=exported_test_name(plan)),
     ]
+    if plan.steps:
+        body.insert(0, "step_new: list[int] = []")
     head = sections[0] + "\n" + sections[1] + "\n" + "\n\n".join(sections[2:]).rstrip("\n")
     return head + "\n" + "\n".join(f"    {line}" for line in body) + "\n"
