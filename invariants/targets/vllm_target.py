@@ -411,15 +411,19 @@ class VllmTarget:
                 return ScheduleResult(scheduled=0, admitted=False)
             req.num_computed_tokens += n
             return ScheduleResult(scheduled=n, admitted=False, new_blocks=_ids(out))
-        # WAITING or PREEMPTED: admission (Scheduler.schedule, waiting queue).
+        return self._admit(req, budget, budget)
+
+    def _admit(self, req: Any, left: int, budget: int) -> ScheduleResult:
+        """A WAITING or PREEMPTED request's admission (`Scheduler.schedule`'s
+        waiting queue) with `left` tokens of the step's `budget` remaining."""
         blocks, hit, spb = self._computed_blocks(req)
         req.shared_prefix_boundary = spb
         hit_blocks = _ids(blocks)
-        n = self._chunk(req, hit, min(req.num_tokens - hit, budget), budget)
+        n = self._chunk(req, hit, min(req.num_tokens - hit, left), budget)
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
         if n <= 0:
             return result
-        out = m.allocate_slots(
+        out = self.manager.allocate_slots(
             req,
             n,
             num_new_computed_tokens=hit,
@@ -428,7 +432,7 @@ class VllmTarget:
         )
         if out is None:
             return result
-        req.status = status.RUNNING
+        req.status = self._v["RequestStatus"].RUNNING
         req.num_computed_tokens = hit + n
         return ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))
 
@@ -486,26 +490,11 @@ class VllmTarget:
             for req in waiting:
                 if token_budget <= 0:
                     break
-                blocks, hit, spb = self._computed_blocks(req)
-                req.shared_prefix_boundary = spb
-                hit_blocks = _ids(blocks)
-                n = self._chunk(req, hit, min(req.num_tokens - hit, token_budget), op.budget)
-                out = None
-                if n > 0:
-                    out = m.allocate_slots(
-                        req,
-                        n,
-                        num_new_computed_tokens=hit,
-                        new_computed_blocks=blocks,
-                        num_lookahead_tokens=self.config.num_lookahead_tokens,
-                    )
-                if out is None:
-                    results.append((req.request_id, ScheduleResult(0, False, hit, spb, hit_blocks, None)))
+                result = self._admit(req, token_budget, op.budget)
+                results.append((req.request_id, result))
+                if not result.admitted:
                     break
-                req.status = status.RUNNING
-                req.num_computed_tokens = hit + n
-                token_budget -= n
-                results.append((req.request_id, ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))))
+                token_budget -= result.scheduled
         return StepResult(tuple(results), tuple(preempted), self._take_copies())
 
     # ------------------------------------------------------------------ snapshot
