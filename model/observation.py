@@ -22,17 +22,21 @@ from model.prefix import Prefix, Tokens, prefix
 BlockIds = tuple[int, ...]
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, init=False)
 class BlockKey:
     """The hash of the token prefix `tokens` in group `group` (vLLM's BlockHashWithGroupId)."""
 
     group: int
     tokens: Prefix
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.tokens, Prefix):
-            object.__setattr__(self, "tokens", prefix(tuple(self.tokens)))
-        object.__setattr__(self, "_hash", hash((self.group, self.tokens)))
+    def __init__(self, group: int, tokens: Prefix | Tokens) -> None:
+        # Written straight into the instance dict (the class is frozen): keys are
+        # made on every operation, and a dataclass __init__ costs four times this.
+        if tokens.__class__ is not Prefix:
+            tokens = prefix(tuple(tokens))
+        fields = self.__dict__
+        fields["group"], fields["tokens"] = group, tokens
+        fields["_hash"] = hash((group, tokens))
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined,no-any-return]

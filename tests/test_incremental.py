@@ -254,3 +254,32 @@ def test_the_promise_probe_after_a_finish_answers_as_a_fresh_request():
         assert reused == fresh == model.apply(Probe(prompt))
         assert reused.hit > 0
         assert target._probe_seq == (2 if sample else 1)  # without outputs, no new request was built
+
+
+def test_checks_skipped_on_an_untouched_delta_have_nothing_to_report(monkeypatch):
+    """`check_delta` skips the checks that read only touched blocks and keys when an
+    operation touched none: on random runs every skipped check, run anyway, reports
+    nothing; and a corrupted touched block is still reported."""
+    import invariants.catalogue as catalogue
+    from invariants.catalogue.context import CheckContext, Delta, History, StateView
+
+    skipped = [(n, f) for n, f in catalogue.FAST_CHECKS if (n, f) not in catalogue._UNTOUCHED_CHECKS]
+    assert {n for n, _ in skipped} == set(catalogue.DELTA_CHECKS) | {"no_waste"}
+    untouched = []
+    real = catalogue.check_delta
+
+    def every_check(ctx):
+        if not (ctx.delta.blocks or ctx.delta.holders):
+            untouched.append(type(ctx.op).__name__)
+            assert [msg for _, f in skipped for msg in f(ctx)] == []
+        return real(ctx)
+
+    monkeypatch.setattr("invariants.harness.checker.check_delta", every_check)
+    for seed in range(2):
+        random_ops(random.Random(seed), Checker(ModelTarget(CFG), audit_every=1000), 120)
+    assert {"AddRequest", "Probe"} <= set(untouched)
+    # Negative control: a touched block with a negative ref count is still reported.
+    bad = Delta({3: (-1, None, -1, -1)}, {}, {}, {}, {}, {}, set(), False, 0)
+    view = StateView({})
+    ctx = CheckContext(CFG, Finish("r"), None, view, view, History(), delta=bad)  # type: ignore[arg-type]
+    assert "no_negative_ref_count" in {name for name, _ in real(ctx)}
