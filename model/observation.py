@@ -31,8 +31,8 @@ class BlockKey:
 
     def __init__(self, group: int, tokens: Prefix | Tokens) -> None:
         # Written straight into the instance dict (the class is frozen): keys are
-        # made on every operation, and a dataclass __init__ costs four times this.
-        if tokens.__class__ is not Prefix:
+        # made on every operation, and a dataclass __init__ costs twice this.
+        if not isinstance(tokens, Prefix):
             tokens = prefix(tuple(tokens))
         fields = self.__dict__
         fields["group"], fields["tokens"] = group, tokens
