@@ -64,7 +64,8 @@ def swa_kept_blocks(
         edges |= {k * per_segment + shift for k in range(1, (end + need) // per_segment + 2)}
     if retention is not None:
         edges |= {boundary_edge(b, alignment, block_size) + shift for b in boundaries}
-    return {i for i in range(start, end) if any(e - need <= i < e for e in edges)}
+    # Block i is kept iff e - need <= i < e for some edge e: the union of the tails.
+    return {i for e in edges for i in range(max(start, e - need), min(end, e))}
 
 
 def mamba_kept_blocks(

@@ -52,6 +52,47 @@ def test_swa_masks_match_vllm(kw, kept):
     assert swa_kept_blocks(0, 16, **kw) == kept
 
 
+def test_swa_mask_is_the_union_of_the_retained_tails():
+    """The mask (built tail by tail, O(edges x need)) keeps exactly the blocks of
+    [start, end) lying in some edge's tail, as the definition reads, on random inputs."""
+    import random
+
+    from model.masks import boundary_edge, swa_tail_blocks
+
+    rng = random.Random(3)
+    for _ in range(400):
+        bs = rng.choice((4, 16))
+        kw = dict(
+            block_size=bs,
+            window=rng.randint(2, 5 * bs),
+            alignment=bs * rng.choice((1, 2)),
+            eagle=rng.random() < 0.5,
+            retention=rng.choice((None, 0, bs * rng.randint(1, 6))),
+            boundaries=[rng.randint(0, 40 * bs) for _ in range(rng.randint(0, 3))],
+        )
+        start = rng.randint(0, 30)
+        end = start + rng.randint(0, 30)
+        got = swa_kept_blocks(start, end, **kw)  # type: ignore[arg-type]
+        need = swa_tail_blocks(kw["window"], bs, kw["eagle"])  # type: ignore[arg-type]
+        shift, retention, align = int(bool(kw["eagle"])), kw["retention"], kw["alignment"]
+        segment = align if retention is None else (retention or None)
+        if segment is not None and need >= segment // bs:  # type: ignore[operator]
+            assert got is None
+            continue
+        edges = set()
+        if segment is not None:
+            per = segment // bs  # type: ignore[operator]
+            edges |= {k * per + shift for k in range(1, (end + need) // per + 2)}
+        if retention is not None:
+            edges |= {boundary_edge(b, align, bs) + shift for b in kw["boundaries"]}  # type: ignore[arg-type, attr-defined]
+        assert got == {i for i in range(start, end) if any(e - need <= i < e for e in edges)}
+    # Pinned: window 9 over 4-token blocks needs 2 blocks below the edge of boundary 30 (block 7).
+    kept = swa_kept_blocks(
+        0, 16, block_size=4, window=9, alignment=4, eagle=False, retention=0, boundaries=[30]
+    )
+    assert kept == {5, 6}
+
+
 @pytest.mark.parametrize(
     "kw, kept",
     [
