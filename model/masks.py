@@ -61,7 +61,9 @@ def swa_kept_blocks(
         per_segment = segment // block_size
         if need >= per_segment:
             return None
-        edges |= {k * per_segment + shift for k in range(1, (end + need) // per_segment + 2)}
+        # Segment edges at or below `start` have their whole tail below it: skipped.
+        first = max(1, (start - shift) // per_segment)
+        edges |= {k * per_segment + shift for k in range(first, (end + need) // per_segment + 2)}
     if retention is not None:
         edges |= {boundary_edge(b, alignment, block_size) + shift for b in boundaries}
     # Block i is kept iff e - need <= i < e for some edge e: the union of the tails.
