@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from itertools import chain
 
 from invariants.catalogue.context import CheckContext, RequestHistory
 from model.fine_mamba import fine_hits_enabled, is_fine_lookup
 from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
 from model.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens, block_key
-from model.ops import Probe, Schedule
+from model.ops import Probe, Schedule, Step
 from model.prefix import prefix
 from model.scheduling import mamba_checkpoint_position
 
@@ -58,16 +59,22 @@ def no_waste(ctx: CheckContext) -> list[str]:
     """Every newly cached SWA / Mamba block lies in the tail (SWA) or is the
     state (Mamba) that some retained boundary of a request needs (#42258,
     #45845): a block no lookup can use is never cached."""
-    out = []
+    out: list[str] = []
     d = ctx.delta
     if d is not None:
         new = {k for k, v in d.holders.items() if v and not d.before_holders.get(k)}
     else:
         new = set(ctx.after.cached) - set(ctx.before.cached)
+    if not new:
+        return out
+    # The requests this operation scheduled are asked first: a key is new because
+    # one of them cached it, so the search over every request usually ends there.
+    rids = ctx.op.rids if isinstance(ctx.op, Step) else (getattr(ctx.op, "rid", None),)
+    first = [ctx.history.requests[r] for r in rids if r in ctx.history.requests]
     for key in new:
         if ctx.config.groups[key.group].kind == "full":
             continue
-        if not any(_kept_by_request(ctx, key, r) for r in ctx.history.all_requests()):
+        if not any(_kept_by_request(ctx, key, r) for r in chain(first, ctx.history.all_requests())):
             out.append(f"{key.short()} cached but no retained boundary of any request needs it")
     return out
 
