@@ -46,7 +46,8 @@ class History:
     - `ever_cached`: every key seen in the hash map (`forget` drops those neither
       cached nor a prefix of a live request);
     - `shadow`: the hash map as an event consumer rebuilds it (key -> holders);
-    - `requests`: the live requests; `finished`: the last `FINISHED_KEPT` finished ones.
+    - `requests`: the live requests; `finished`: the last finished ones (at most
+      `FINISHED_KEPT` of them and `FINISHED_TOKENS` tokens, the latest always).
     """
 
     tick: int = 0
@@ -56,6 +57,7 @@ class History:
     shadow: dict[BlockKey, int] = field(default_factory=dict)
     requests: dict[str, RequestHistory] = field(default_factory=dict)
     finished: dict[str, RequestHistory] = field(default_factory=dict)
+    finished_tokens: int = 0  # prompt and output tokens of `finished`
     # `forget` runs when ever_cached grows past this (then twice what it kept).
     forget_at: int = 4096
 
