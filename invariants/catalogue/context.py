@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from model.config import Config
 from model.observation import BlockIds, BlockKey, Event, Observation, ProbeResult, Snapshot, Tokens
 from model.ops import Op
+from model.prefix import joined
 from model.profile import MODELED, Profile
 
 
@@ -32,7 +33,8 @@ class RequestHistory:
         if not self.outputs:
             return self.prompt
         if len(self._joined) != len(self.prompt) + len(self.outputs):
-            self._joined = self.prompt + tuple(self.outputs)
+            base = self._joined or self.prompt
+            self._joined = joined(base, self.outputs[len(base) - len(self.prompt) :])
         return self._joined
 
 
