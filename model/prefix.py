@@ -133,6 +133,8 @@ _NODES: weakref.WeakValueDictionary[tuple[Prefix, Tokens], Prefix] = weakref.Wea
 # id(tuple) -> (the tuple, its chain of full nodes, every prefix of it named so far by length)
 _CHAINS: OrderedDict[int, tuple[Tokens, list[Prefix], dict[int, Prefix]]] = OrderedDict()
 _memo_size = 0  # the remembered tuples' `_cost`, in all
+# id(a remembered tuple) -> the last tuple `joined` made from it (while it is remembered)
+_JOINED: dict[int, Tokens] = {}
 
 
 def _node(parent: Prefix | None, chunk: Tokens) -> Prefix:
@@ -205,11 +207,17 @@ def joined(tokens: Tokens, more: Sequence[int]) -> Tokens:
     """`tokens + more`; its prefixes within `tokens` are named without rebuilding
     the chain (a request's tokens grow by one sampled token at a time: naming
     its blocks after each sample stays O(new tokens), not O(prompt))."""
-    out = tokens + tuple(more)
+    more = tuple(more)
     entry = _CHAINS.get(id(tokens))
+    if entry is not None:
+        last = _JOINED.get(id(tokens))  # the model and the judge grow the same request alike:
+        if last is not None and len(last) == len(tokens) + len(more) and last[len(tokens) :] == more:
+            return last  # one tuple (and one chain) serves both
+    out = tokens + more
     if entry is not None and out is not tokens:
         # The same content up to len(tokens): the full nodes named along `tokens` serve `out`.
         _remember(out, entry[1][: len(tokens) // CHAIN + 1])
+        _JOINED[id(tokens)] = out
         _evict()
     return out
 
@@ -231,7 +239,8 @@ def _cost(entry: tuple[Tokens, list[Prefix], dict[int, Prefix]]) -> int:
 def _evict() -> None:
     global _memo_size
     while len(_CHAINS) > _MEMO_TUPLES or (_memo_size > _MEMO_NODES and len(_CHAINS) > 1):
-        _old, dropped = _CHAINS.popitem(last=False)
+        old, dropped = _CHAINS.popitem(last=False)
+        _JOINED.pop(old, None)
         _memo_size -= _cost(dropped)
 
 
@@ -244,4 +253,5 @@ def clear_memo() -> None:
     """Forget the remembered chains (their nodes become collectable if nothing else holds them)."""
     global _memo_size
     _CHAINS.clear()
+    _JOINED.clear()
     _memo_size = 0

@@ -184,3 +184,11 @@ def test_the_memo_is_bounded_by_what_its_tuples_hold(monkeypatch):
     assert len(prefix_mod._CHAINS) <= 4
     assert prefix_mod._memo_size == sum(prefix_mod._cost(e) for e in prefix_mod._CHAINS.values())
     prefix_mod.clear_memo()
+
+
+def test_joining_the_same_tokens_twice_gives_one_tuple():
+    toks = tuple(range(30_000, 30_000 + 10 * CHAIN))
+    prefix(toks, CHAIN)
+    a = prefix_mod.joined(toks, [5, 6])
+    assert prefix_mod.joined(toks, (5, 6)) is a
+    assert prefix_mod.joined(toks, (5, 7)) == toks + (5, 7) and prefix_mod.joined(toks, (5, 7)) is not a

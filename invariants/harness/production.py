@@ -97,6 +97,9 @@ class ProductionStats:
     rss_at_tenth_kb: int = 0  # peak RSS when a tenth of the run was behind
     rss_now_at_tenth_kb: int = 0  # resident memory then, and at the end
     rss_now_at_end_kb: int = 0
+    # Resident memory at the end of each setting's episodes: (first visit, latest visit).
+    # The same pool and workload shape again must cost the same: growth here is a leak.
+    rss_by_setting_kb: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @staticmethod
     def peak_rss_kb() -> int:
@@ -227,6 +230,9 @@ def run_production(
             if end:
                 checker.ops[:0] = spool.ops()
                 failures.append((setting, checker, end))
+        label = f"{setting.name} {cfg.num_blocks} r{cfg.retention_interval}"
+        now = current_rss_kb()
+        stats.rss_by_setting_kb[label] = (stats.rss_by_setting_kb.get(label, (now, now))[0], now)
         del checker, ops
     gc.unfreeze()
     spool.close()
@@ -295,5 +301,14 @@ def format_production(target: str, seed: int, stats: ProductionStats, seconds: f
             f"\nmemory: peak RSS {stats.rss_at_tenth_kb / 1024:,.0f} MiB at 10% of the run, "
             f"{peak / 1024:,.0f} MiB at the end ({growth:+.1%}); resident "
             f"{stats.rss_now_at_tenth_kb / 1024:,.0f} MiB at 10%, {stats.rss_now_at_end_kb / 1024:,.0f} MiB at the end"
+        )
+    again = {k: v for k, v in stats.rss_by_setting_kb.items() if v[0] != v[1]}
+    if again:
+        worst = max(again, key=lambda k: again[k][1] / again[k][0])
+        first, last = again[worst]
+        out += (
+            f"\nmemory by setting (resident at an episode's end, first vs latest visit, {len(again)} "
+            f"settings seen again): largest change {worst}: {first / 1024:,.0f} -> {last / 1024:,.0f} MiB "
+            f"({last / first - 1:+.1%})"
         )
     return out
