@@ -1,15 +1,28 @@
 """Production runs keep memory bounded by the pool and the requests in flight.
 
 - prompts hold one int object per token id (not one per token);
+- the heap freed by one episode goes back to the system before the next;
 - the summary compares each setting's resident memory at the end of its first
   and latest episode (the same pool and workload shape must cost the same).
 """
 
 from __future__ import annotations
 
+import gc
+import platform
 import random
+import sys
 
-from invariants.harness.production import VOCAB, ProductionStats, format_production, random_tokens
+import pytest
+
+from invariants.harness import production
+from invariants.harness.production import (
+    VOCAB,
+    ProductionStats,
+    current_rss_kb,
+    format_production,
+    random_tokens,
+)
 
 
 def test_prompts_share_one_int_per_token_id():
@@ -30,3 +43,14 @@ def test_the_summary_compares_a_setting_with_itself():
     out = format_production("model", 0, stats, 1.0, "clean")
     line = next(ln for ln in out.splitlines() if ln.startswith("memory by setting"))
     assert "gemma-like 96 r0: 100 -> 130 MiB (+30.0%)" in line and "1 settings seen again" in line
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc")
+def test_freed_heap_goes_back_between_episodes():
+    # Mid-sized blocks (8 KB tuples) come from glibc's heap, which keeps them once freed.
+    blocks = [tuple(range(i, i + 1000)) for i in range(8000)]
+    del blocks
+    gc.collect()
+    kept = current_rss_kb()
+    production._trim_heap()
+    assert current_rss_kb() < kept - 32 * 1024
