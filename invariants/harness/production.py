@@ -19,9 +19,14 @@ audits).
 Flat memory: prefixes are interned trie nodes (`model.prefix`), so naming
 costs O(new tokens) and what no state refers to is collected; the adapters
 prune their hash tables as vLLM removes hashes; the operations replay needs
-are spooled to disk (`OpSpool`), not kept. The run is cut into episodes of
-`EPISODE_OPS` operations, each on a fresh model and target, so the history
-never outgrows one episode.
+are spooled to disk (`OpSpool`), not kept; finished requests are kept by a
+token budget; prompts share one int object per token id. The run is cut into
+episodes of `EPISODE_OPS` operations, each on a fresh model and target (the
+heap the last one freed handed back first), so the history never outgrows one
+episode. Within an episode memory follows the pool's cached blocks and the
+requests in flight (which drift towards the longest prompts: short ones finish
+first); across episodes it must not grow, and the summary shows each setting's
+first and latest episode side by side.
 """
 
 from __future__ import annotations
