@@ -129,7 +129,16 @@ def _root() -> Prefix:
 
 
 EMPTY = _root()  # the prefix of no tokens (never collected)
-_NODES: weakref.WeakValueDictionary[tuple[Prefix, Tokens], Prefix] = weakref.WeakValueDictionary()
+# (parent, chunk) -> the node, held weakly: the entry goes when the node does.
+# (A WeakValueDictionary's get is Python code; naming a 1M-token prompt asks 32k times.)
+_NODES: dict[tuple[Prefix, Tokens], weakref.KeyedRef] = {}
+
+
+def _collected(ref: weakref.KeyedRef) -> None:
+    if _NODES.get(ref.key) is ref:  # not a newer node interned under the same key
+        del _NODES[ref.key]
+
+
 # id(tuple) -> (the tuple, its chain of full nodes, every prefix of it named so far by length)
 _CHAINS: OrderedDict[int, tuple[Tokens, list[Prefix], dict[int, Prefix]]] = OrderedDict()
 _memo_size = 0  # the remembered tuples' `_cost`, in all
@@ -142,12 +151,13 @@ def _node(parent: Prefix | None, chunk: Tokens) -> Prefix:
     if not chunk:
         return base
     key = (base, chunk)
-    node = _NODES.get(key)
+    ref = _NODES.get(key)
+    node = None if ref is None else ref()
     if node is None:
         node = Prefix.__new__(Prefix)
         node.parent, node.chunk, node.length = base, chunk, base.length + len(chunk)
         node._hash = hash((base._hash, chunk))
-        _NODES[key] = node
+        _NODES[key] = weakref.KeyedRef(node, _collected, key)
     return node
 
 

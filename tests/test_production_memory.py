@@ -47,10 +47,15 @@ def test_the_summary_compares_a_setting_with_itself():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc")
 def test_freed_heap_goes_back_between_episodes():
-    # Mid-sized blocks (8 KB tuples) come from glibc's heap, which keeps them once freed.
-    blocks = [tuple(range(i, i + 1000)) for i in range(8000)]
+    # Mid-sized blocks (8 KB tuples) come from glibc's heap, which keeps them once
+    # freed; every 8th stays alive, so the freed runs are never the heap's top
+    # (which glibc would hand back by itself).
+    production._trim_heap()
+    blocks = [tuple(range(i, i + 1000)) for i in range(16000)]
+    pins = blocks[7::8]
     del blocks
     gc.collect()
     kept = current_rss_kb()
     production._trim_heap()
     assert current_rss_kb() < kept - 32 * 1024
+    assert len(pins) == 2000
