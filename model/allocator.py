@@ -59,6 +59,7 @@ from model.ops import (
     Step,
 )
 from model.pool import Pool
+from model.prefix import joined
 from model.profile import MODELED, Profile
 from model.scheduling import mamba_checkpoint_position, mamba_chunk
 
@@ -80,7 +81,8 @@ class RequestState:
         if not self.outputs:
             return self.prompt
         if len(self._joined) != len(self.prompt) + len(self.outputs):
-            self._joined = self.prompt + tuple(self.outputs)
+            base = self._joined or self.prompt
+            self._joined = joined(base, self.outputs[len(base) - len(self.prompt) :])
         return self._joined
 
     @property

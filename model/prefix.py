@@ -33,7 +33,9 @@ Tokens = tuple[int, ...]
 
 CHAIN = 32  # tokens per full node: a node per 32 tokens, a tail rebuilt in O(32)
 _MEMO_TUPLES = 128  # token tuples whose chains `prefix` remembers (LRU) ...
-_MEMO_NODES = 1 << 17  # ... holding at most this many names in all (4M tokens of chain)
+# ... costing at most this many nodes in all (`_cost`: 16M tokens of tuples, enough
+# for the live requests of a production run, whose chains a lookup walks again and again)
+_MEMO_NODES = 1 << 19
 
 
 class Prefix:
@@ -127,10 +129,21 @@ def _root() -> Prefix:
 
 
 EMPTY = _root()  # the prefix of no tokens (never collected)
-_NODES: weakref.WeakValueDictionary[tuple[Prefix, Tokens], Prefix] = weakref.WeakValueDictionary()
+# (parent, chunk) -> the node, held weakly: the entry goes when the node does.
+# (A WeakValueDictionary's get is Python code; naming a 1M-token prompt asks 32k times.)
+_NODES: dict[tuple[Prefix, Tokens], weakref.KeyedRef] = {}
+
+
+def _collected(ref: weakref.KeyedRef) -> None:
+    if _NODES.get(ref.key) is ref:  # not a newer node interned under the same key
+        del _NODES[ref.key]
+
+
 # id(tuple) -> (the tuple, its chain of full nodes, every prefix of it named so far by length)
 _CHAINS: OrderedDict[int, tuple[Tokens, list[Prefix], dict[int, Prefix]]] = OrderedDict()
-_chain_nodes = 0
+_memo_size = 0  # the remembered tuples' `_cost`, in all
+# id(a remembered tuple) -> the last tuple `joined` made from it (while it is remembered)
+_JOINED: dict[int, Tokens] = {}
 
 
 def _node(parent: Prefix | None, chunk: Tokens) -> Prefix:
@@ -138,12 +151,13 @@ def _node(parent: Prefix | None, chunk: Tokens) -> Prefix:
     if not chunk:
         return base
     key = (base, chunk)
-    node = _NODES.get(key)
+    ref = _NODES.get(key)
+    node = None if ref is None else ref()
     if node is None:
         node = Prefix.__new__(Prefix)
         node.parent, node.chunk, node.length = base, chunk, base.length + len(chunk)
         node._hash = hash((base._hash, chunk))
-        _NODES[key] = node
+        _NODES[key] = weakref.KeyedRef(node, _collected, key)
     return node
 
 
@@ -171,35 +185,73 @@ def prefix(tokens: Sequence[int], n: int | None = None) -> Prefix:
     prompt in turn costs O(prompt length) in all.
     """
     entry = _CHAINS.get(id(tokens))
-    if entry is not None and entry[0] is tokens and n is not None:
+    if entry is not None and n is not None:
         known = entry[2].get(n)
         if known is not None:
             return known
-    global _chain_nodes
+    global _memo_size
     size = len(tokens)
     n = size if n is None else max(0, min(n, size))
     if not isinstance(tokens, tuple):  # mutable: never remembered
         return extend(EMPTY, tokens[:n])
-    full = n // CHAIN
-    if entry is None or entry[0] is not tokens:
-        entry = (tokens, [EMPTY], {})
-        _CHAINS[id(tokens)] = entry
+    if entry is None:  # (a remembered tuple is held, so its id is never reused)
+        entry = _remember(tokens, [EMPTY])
     else:
         _CHAINS.move_to_end(id(tokens))
+    full = n // CHAIN
     chain, named = entry[1], entry[2]
     while len(chain) <= full:
         k = len(chain) - 1
         chain.append(_node(chain[-1], tokens[k * CHAIN : (k + 1) * CHAIN]))
-        _chain_nodes += 1
     node = chain[full]
     if n > full * CHAIN:
         node = _node(node, tokens[full * CHAIN : n])
-    named[n] = node
-    _chain_nodes += 1
-    while len(_CHAINS) > _MEMO_TUPLES or (_chain_nodes > _MEMO_NODES and len(_CHAINS) > 1):
-        _old, (_t, dropped, dropped_named) = _CHAINS.popitem(last=False)
-        _chain_nodes -= len(dropped) - 1 + len(dropped_named)
+    if n not in named:
+        named[n] = node
+        _memo_size += 1
+        _evict()
     return node
+
+
+def joined(tokens: Tokens, more: Sequence[int]) -> Tokens:
+    """`tokens + more`; its prefixes within `tokens` are named without rebuilding
+    the chain (a request's tokens grow by one sampled token at a time: naming
+    its blocks after each sample stays O(new tokens), not O(prompt))."""
+    more = tuple(more)
+    entry = _CHAINS.get(id(tokens))
+    if entry is not None:
+        last = _JOINED.get(id(tokens))  # the model and the judge grow the same request alike:
+        if last is not None and len(last) == len(tokens) + len(more) and last[len(tokens) :] == more:
+            return last  # one tuple (and one chain) serves both
+    out = tokens + more
+    if entry is not None and out is not tokens:
+        # The same content up to len(tokens): the full nodes named along `tokens` serve `out`.
+        _remember(out, entry[1][: len(tokens) // CHAIN + 1])
+        _JOINED[id(tokens)] = out
+        _evict()
+    return out
+
+
+def _remember(tokens: Tokens, chain: list[Prefix]) -> tuple[Tokens, list[Prefix], dict[int, Prefix]]:
+    global _memo_size
+    entry: tuple[Tokens, list[Prefix], dict[int, Prefix]] = (tokens, chain, {})
+    _CHAINS[id(tokens)] = entry
+    _memo_size += _cost(entry)
+    return entry
+
+
+def _cost(entry: tuple[Tokens, list[Prefix], dict[int, Prefix]]) -> int:
+    """What a remembered tuple holds, in chain nodes: the tuple itself (it is kept
+    alive, a CHAIN-th of a node a token) and the prefixes named along it."""
+    return len(entry[0]) // CHAIN + 1 + len(entry[2])
+
+
+def _evict() -> None:
+    global _memo_size
+    while len(_CHAINS) > _MEMO_TUPLES or (_memo_size > _MEMO_NODES and len(_CHAINS) > 1):
+        old, dropped = _CHAINS.popitem(last=False)
+        _JOINED.pop(old, None)
+        _memo_size -= _cost(dropped)
 
 
 def live_nodes() -> int:
@@ -209,6 +261,7 @@ def live_nodes() -> int:
 
 def clear_memo() -> None:
     """Forget the remembered chains (their nodes become collectable if nothing else holds them)."""
-    global _chain_nodes
+    global _memo_size
     _CHAINS.clear()
-    _chain_nodes = 0
+    _JOINED.clear()
+    _memo_size = 0

@@ -64,3 +64,25 @@ def test_vllm_adapter_rehashes_exactly_and_prunes_removed_hashes():
     # A prefix the table no longer holds goes back to vLLM's hash of it, exactly.
     assert target._names.hash_of(prefix(a, 8)) == a_hashes[1]
     assert target._rehash(prefix(a, 6)) is None  # not a whole number of hash blocks
+
+
+@vllm
+def test_sampled_blocks_are_named_without_keeping_a_copy_of_the_request():
+    from invariants.targets.vllm_target import VllmTarget
+    from model.ops import Sample
+
+    cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=40)
+    target = VllmTarget(cfg)
+    prompt = tuple(range(1, 19))
+    target.apply(AddRequest("a", prompt))
+    target.apply(Schedule("a", 64))
+    for t in range(50, 60):
+        target.apply(Sample("a", t))
+        target.apply(Schedule("a", 64))
+    req = target.requests["a"]
+    tokens = prompt + tuple(range(50, 60))
+    for i, h in enumerate(req.block_hashes):
+        assert target._names.name(bytes(h)) is prefix(tokens, 4 * (i + 1))
+    # Every hash is named from the prompt or by extension: no tuple other than the prompt is held.
+    held = {id(src[0]) for src in target._names._source.values() if isinstance(src, tuple)}
+    assert held == {id(prompt)}

@@ -3,7 +3,8 @@
 - `forget` keeps the keys cached now and the prefixes of live requests, drops the rest;
 - a long run with a low threshold stays bounded and clean (no promise reported lost
   because its keys were forgotten);
-- finished requests beyond `FINISHED_KEPT` are dropped oldest first.
+- finished requests beyond `FINISHED_KEPT`, or beyond `FINISHED_TOKENS` tokens,
+  are dropped oldest first.
 """
 
 from __future__ import annotations
@@ -56,3 +57,14 @@ def test_a_long_run_keeps_a_bounded_history(monkeypatch):
     # 150 requests with their own tails cache a few hundred keys; about 2x the map is kept.
     assert len(checker.history.ever_cached) <= 2 * 32 + len(checker._holders)
     assert list(checker.history.finished) == [f"r{i}" for i in range(142, 150)]
+
+
+def test_finished_requests_are_bounded_by_their_tokens(monkeypatch):
+    # Few requests, long prompts: the count bound alone would keep every one of them.
+    monkeypatch.setattr(history_mod, "FINISHED_TOKENS", 40)
+    checker = Checker(ModelTarget(CFG), audit_every=16)
+    _cycles(checker, 30, seed=2)
+    h = checker.history
+    assert h.finished_tokens == sum(len(r.prompt) + len(r.outputs) for r in h.finished.values())
+    assert h.finished_tokens <= 40
+    assert "r29" in h.finished and len(h.finished) < 30

@@ -154,3 +154,41 @@ def test_unreferenced_prefixes_are_collected():
     prefix_mod.clear_memo()
     gc.collect()
     assert prefix_mod.live_nodes() <= before
+
+
+def test_a_joined_tuple_names_its_old_prefixes_without_rebuilding(monkeypatch):
+    # A sampled token makes a new tuple; naming its blocks must cost O(new tokens),
+    # not a fresh chain of the whole request (counted in nodes looked up).
+    toks = tuple(range(20_000, 20_000 + 200 * CHAIN))
+    for n in range(0, len(toks) + 1, 4 * CHAIN):
+        prefix(toks, n)
+    grown = prefix_mod.joined(toks, (7, 8))
+    assert grown == toks + (7, 8)
+    calls = []
+    real = prefix_mod._node
+    monkeypatch.setattr(prefix_mod, "_node", lambda p, c: calls.append(c) or real(p, c))
+    assert prefix(grown, len(toks)) is prefix(toks, len(toks))
+    assert prefix(grown).tokens() == grown
+    assert len(calls) <= 2
+    # Control: the same content in a fresh tuple walks the whole chain again.
+    calls.clear()
+    assert prefix(tuple(list(grown))) is prefix(grown)
+    assert len(calls) >= 200
+
+
+def test_the_memo_is_bounded_by_what_its_tuples_hold(monkeypatch):
+    monkeypatch.setattr(prefix_mod, "_MEMO_NODES", 50 * 4)
+    prefix_mod.clear_memo()
+    for i in range(20):  # 20 tuples of 50 chain nodes each: no more than 4 stay remembered
+        prefix(tuple(range(i * 10_000, i * 10_000 + 50 * CHAIN)), 10)
+    assert len(prefix_mod._CHAINS) <= 4
+    assert prefix_mod._memo_size == sum(prefix_mod._cost(e) for e in prefix_mod._CHAINS.values())
+    prefix_mod.clear_memo()
+
+
+def test_joining_the_same_tokens_twice_gives_one_tuple():
+    toks = tuple(range(30_000, 30_000 + 10 * CHAIN))
+    prefix(toks, CHAIN)
+    a = prefix_mod.joined(toks, [5, 6])
+    assert prefix_mod.joined(toks, (5, 6)) is a
+    assert prefix_mod.joined(toks, (5, 7)) == toks + (5, 7) and prefix_mod.joined(toks, (5, 7)) is not a

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from model.config import Config
 from model.observation import BlockIds, BlockKey, Event, Observation, ProbeResult, Snapshot, Tokens
 from model.ops import Op
+from model.prefix import joined
 from model.profile import MODELED, Profile
 
 
@@ -32,7 +33,8 @@ class RequestHistory:
         if not self.outputs:
             return self.prompt
         if len(self._joined) != len(self.prompt) + len(self.outputs):
-            self._joined = self.prompt + tuple(self.outputs)
+            base = self._joined or self.prompt
+            self._joined = joined(base, self.outputs[len(base) - len(self.prompt) :])
         return self._joined
 
 
@@ -46,7 +48,8 @@ class History:
     - `ever_cached`: every key seen in the hash map (`forget` drops those neither
       cached nor a prefix of a live request);
     - `shadow`: the hash map as an event consumer rebuilds it (key -> holders);
-    - `requests`: the live requests; `finished`: the last `FINISHED_KEPT` finished ones.
+    - `requests`: the live requests; `finished`: the last finished ones (at most
+      `FINISHED_KEPT` of them and `FINISHED_TOKENS` tokens, the latest always).
     """
 
     tick: int = 0
@@ -56,6 +59,7 @@ class History:
     shadow: dict[BlockKey, int] = field(default_factory=dict)
     requests: dict[str, RequestHistory] = field(default_factory=dict)
     finished: dict[str, RequestHistory] = field(default_factory=dict)
+    finished_tokens: int = 0  # prompt and output tokens of `finished`
     # `forget` runs when ever_cached grows past this (then twice what it kept).
     forget_at: int = 4096
 

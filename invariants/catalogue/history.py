@@ -92,6 +92,9 @@ def _released_copies(history: History, obs: Observation, free_now: set[int]) -> 
 
 
 FINISHED_KEPT = 1024
+# ... and at most this many of their tokens: a finished 1M-token prompt would
+# otherwise stay alive for a thousand more requests.
+FINISHED_TOKENS = 1 << 20
 
 
 def forget(history: History, cached: Container[BlockKey]) -> None:
@@ -101,8 +104,9 @@ def forget(history: History, cached: Container[BlockKey]) -> None:
     of a live request: `promise_kept` asks only about the finishing request's own
     prefixes, and a request that needs a key again caches (or hits) it while it
     lives, which records it anew. `finished` keeps the last `FINISHED_KEPT`
-    requests (in `advance_requests`): older ones could only widen what
-    `no_waste` accepts. Runs when `ever_cached` outgrows `forget_at`.
+    requests holding at most `FINISHED_TOKENS` tokens (the latest always; in
+    `advance_requests`): older ones could only widen what `no_waste` accepts.
+    Runs when `ever_cached` outgrows `forget_at`.
     """
     if len(history.ever_cached) <= history.forget_at:
         return
@@ -126,9 +130,14 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
         r = history.requests[op.rid]
         r.running, r.num_computed, r.ever_preempted = False, 0, True
     elif isinstance(op, Finish):
-        history.finished[op.rid] = history.requests.pop(op.rid)
-        if len(history.finished) > FINISHED_KEPT:
-            del history.finished[next(iter(history.finished))]
+        r = history.requests.pop(op.rid)
+        history.finished[op.rid] = r
+        history.finished_tokens += len(r.prompt) + len(r.outputs)
+        while len(history.finished) > 1 and (
+            len(history.finished) > FINISHED_KEPT or history.finished_tokens > FINISHED_TOKENS
+        ):
+            old = history.finished.pop(next(iter(history.finished)))
+            history.finished_tokens -= len(old.prompt) + len(old.outputs)
     elif isinstance(obs, ScheduleResult):
         r = history.requests[op.rid]  # type: ignore[union-attr]
         _scheduled(r, obs)

@@ -6,6 +6,8 @@ An allocator names a hash by bytes; kvretain names it by content (a
 
 - `learn` records, for every new hash of a request, the token tuple it came
   from and the prefix length (O(1) per hash: nothing is copied or named yet);
+  `adopt` records a hash already named (a sampled token's new block: the
+  previous block's prefix extended, so no copy of the whole request is kept);
 - `name(h)` interns the prefix on first use (O(new tokens) amortised along one
   tuple, see `model.prefix.prefix`), and remembers the way back (`hash_of`);
 - `prune(keep)` forgets every hash outside `keep` (the hashes the allocator
@@ -28,7 +30,7 @@ _LOW_64 = 8  # KV events carry a hash as the low 64 bits of its bytes
 
 class HashNames:
     def __init__(self, rehash: Callable[[Prefix], bytes | None] | None = None, slack: int = 4096) -> None:
-        self._source: dict[bytes, tuple[Tokens, int]] = {}
+        self._source: dict[bytes, tuple[Tokens, int] | Prefix] = {}
         self._by_int: dict[int, bytes] = {}
         self._named: dict[bytes, Prefix] = {}
         self._hash_of: dict[Prefix, bytes] = {}
@@ -50,6 +52,13 @@ class HashNames:
                 self._source[h] = (tokens, (i + 1) * hash_block_size)
                 self._by_int[int.from_bytes(h[-_LOW_64:], "big")] = h
 
+    def adopt(self, h: bytes, named: Prefix) -> None:
+        """Hash `h` stands for `named` (unless a request made it first)."""
+        if h not in self._source:
+            self._source[h] = self._named[h] = named
+            self._hash_of[named] = h
+            self._by_int[int.from_bytes(h[-_LOW_64:], "big")] = h
+
     def any_hash(self) -> bytes | None:
         return next(iter(self._source), None)
 
@@ -60,7 +69,7 @@ class HashNames:
             src = self._source.get(h)
             if src is None:
                 return None
-            named = self._named[h] = prefix(*src)
+            named = self._named[h] = src if isinstance(src, Prefix) else prefix(*src)
             self._hash_of[named] = h
         return named
 

@@ -97,7 +97,7 @@ from model.ops import (
     Step,
 )
 from model.pool import EVENT_PROFILES
-from model.prefix import Prefix, prefix
+from model.prefix import Prefix, extend, prefix
 from model.scheduling import mamba_chunk
 
 from .base import END, NOT_FREE, PartialState, TargetCrash, TargetUnavailable, closure, event_keys
@@ -232,6 +232,16 @@ class VllmTarget:
 
     def _learn_hashes(self, req: Any, start: int, tokens: Tokens | None = None) -> None:
         if not self.track_prefixes or start >= len(req.block_hashes):
+            return
+        before = (
+            None if tokens is not None or not start else self._names.name(bytes(req.block_hashes[start - 1]))
+        )
+        if before is not None:
+            # A sampled token's new blocks: the request's last named prefix, extended by
+            # their tokens (O(new tokens); no copy of a 1M-token request kept per hash).
+            for i in range(start, len(req.block_hashes)):
+                before = extend(before, req.all_token_ids[i * self.hbs : (i + 1) * self.hbs])
+                self._names.adopt(bytes(req.block_hashes[i]), before)
             return
         # The operation's own tuple where it is the request's tokens: prefixes named along it are shared.
         toks = tokens if tokens is not None else tuple(req.all_token_ids)
