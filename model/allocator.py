@@ -402,14 +402,19 @@ class AllocatorModel:
                 spec = self.groups[gids[0]].spec
                 if spec.kind == "full" and gids[0] in layouts:
                     # Downward closed: a shorter candidate only trims the layout found first.
-                    candidate = min(candidate, group_hit[gids[0]])
+                    if self.profile.eagle_margin_skips_mamba:
+                        candidate = min(candidate, group_hit[gids[0]])
+                    else:  # before #46384 only re-aligned (model.profile)
+                        candidate = candidate // spec.block_size * spec.block_size
                     continue
                 drop_eagle = self.cfg.eagle and idx not in eagle_dropped
                 limit = candidate
-                if drop_eagle and spec.kind != "mamba":
+                # Mamba's finder never drops: no margin for it since #46384 (model.profile).
+                margin = spec.kind != "mamba" or not self.profile.eagle_margin_skips_mamba
+                if drop_eagle and margin:
                     # Look one drop unit past the candidate so the Eagle drop lands back on
                     # it, but never past the hashed tokens (0.32.0 on; before, the lookup
-                    # limit). Mamba's finder never drops.
+                    # limit).
                     reach = hashed_len if self.profile.eagle_margin_to_hashed else max_len
                     limit = min(candidate + eagle_margin(self.cfg, spec.kind, spec.block_size), reach)
                 layout, this_hit = self._finder(tokens, spec, gids, limit, drop_eagle, self.alignment)
@@ -726,7 +731,14 @@ class AllocatorModel:
         hbs = self.cfg.hash_block_size
         if num_tokens <= 0 or num_tokens % hbs:
             return None
-        if num_tokens != mamba_checkpoint_position(len(req.prompt), hbs, self.cfg.eagle):
+        if self.profile.mamba_checkpoint_any_block:
+            checkpoint = mamba_checkpoint_position(len(req.prompt), hbs, self.cfg.eagle)
+        else:  # 0.26.0 .. 0.31.0: inside a block only, floored from the whole prompt (model.profile)
+            if num_tokens % g.bs == 0:
+                return None
+            below_drop = self.cfg.eagle and self.profile.mamba_checkpoint_below_eagle_drop  # 0.30.0 on
+            checkpoint = max(len(req.prompt) // hbs * hbs - (hbs if below_drop else 0), 0)
+        if num_tokens != checkpoint:
             return None
         idx = cdiv(num_tokens, g.bs) - 1
         table = g.table(req.rid)

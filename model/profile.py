@@ -61,6 +61,24 @@ class Profile:
       block (block size above the hash block size) and the Mamba checkpoint
       state are keyed as partial entries (#46384, partial prefix hits). Before
       it only whole blocks were keyed (0.25.0 and older).
+    - `eagle_margin_skips_mamba`: a hybrid lookup under Eagle gives Mamba's
+      finder (which never drops a block) no look past the candidate, and full
+      attention's later rounds cap the candidate at its own hit (#46384).
+      Before it Mamba was searched one block past the candidate and full
+      attention only re-aligned it, so the fixed point could settle above the
+      full-attention hit (0.25.x and older; the known finding
+      `vllm-eagle-mamba-hit-without-full-blocks`).
+    - `mamba_checkpoint_any_block`: the Mamba state at the prompt's checkpoint
+      (`scheduling.mamba_checkpoint_position`: floored from `prompt - 1`
+      without Eagle) is keyed even where it ends a Mamba block (0.32.0).
+      Before it only a checkpoint inside a Mamba block was keyed, floored
+      from the whole prompt; one on a block edge was left to the retention
+      mask (0.26.0 .. 0.31.0).
+    - `mamba_checkpoint_below_eagle_drop`: under Eagle that older checkpoint
+      sits one hash block below the prompt's last boundary, where an Eagle
+      hit lands after its drop (`drop_eagle_checkpoint_block`, 0.30.0). Before
+      it the checkpoint was the last boundary whatever Eagle (0.26.0 ..
+      0.29.0). From 0.32.0 `mamba_checkpoint_any_block` subsumes it.
     """
 
     eagle_junction_peek: bool = True
@@ -74,6 +92,9 @@ class Profile:
     free_order: str = "pool"
     shared_prefix_junction: bool = True
     partial_tail: bool = True
+    eagle_margin_skips_mamba: bool = True
+    mamba_checkpoint_any_block: bool = True
+    mamba_checkpoint_below_eagle_drop: bool = True
 
     def __post_init__(self) -> None:
         assert self.free_order in FREE_ORDERS, f"free_order: one of {FREE_ORDERS}"
@@ -82,6 +103,11 @@ class Profile:
         """The switches that select an older rule, by name (empty for 0.33.0)."""
         default = Profile()
         return [f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+
+    def describe(self) -> str:
+        """The profile in words: "0.33.0" or the older rules it selects (`switch=value`)."""
+        older = [f"{name}={getattr(self, name)!r}" for name in self.differences()]
+        return "0.33.0" if not older else "0.33.0 but " + ", ".join(older)
 
 
 MODELED = Profile()

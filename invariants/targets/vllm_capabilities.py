@@ -33,6 +33,14 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |                          | `cache_blocks` (else only `num_prompt_tokens - 1`)         |        |
 | `partial_tail`           | `FullAttentionManager._cache_partial_tail_block` (partial  | #46384 |
 |                          | prompt tails keyed inside a block)                         |        |
+| `eagle_margin_skips_mamba` | the hybrid lookup gives Mamba no Eagle margin (`not      | #46384 |
+|                          | isinstance(spec, MambaSpec)` in the coordinator)           |        |
+| `mamba_checkpoint_any_block` | `MambaManager._cache_partial_tail_block` keys a        |        |
+|                          | checkpoint on a block edge too (no `num_tokens %           |        |
+|                          | self.block_size == 0` early return)                        |        |
+| `mamba_checkpoint_eagle_drop` | that method lowers the checkpoint by one hash block  |        |
+|                          | under Eagle (`latest_prompt_hash_boundary -                |        |
+|                          | hash_block_size`; implied from 0.32.0)                     |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -92,6 +100,9 @@ class Capabilities:
     eagle_margin_hashed: bool = True
     replay_boundaries: bool = True
     partial_tail: bool = True
+    eagle_margin_skips_mamba: bool = True
+    mamba_checkpoint_any_block: bool = True
+    mamba_checkpoint_eagle_drop: bool = True
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -107,6 +118,9 @@ class Capabilities:
             free_order=self.free_order,
             shared_prefix_junction=self.shared_prefix_junction,
             partial_tail=self.partial_tail,
+            eagle_margin_skips_mamba=self.eagle_margin_skips_mamba,
+            mamba_checkpoint_any_block=self.mamba_checkpoint_any_block,
+            mamba_checkpoint_below_eagle_drop=self.mamba_checkpoint_eagle_drop,
         )
 
     @property
@@ -205,6 +219,8 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
     manager = ns["KVCacheManager"]
     single_type = ns.get("SingleTypeKVCacheManager", object)
     full = ns.get("FullAttentionManager", object)
+    mamba_tail = _source(getattr(ns["MambaManager"], "_cache_partial_tail_block", None))
+    any_block = bool(mamba_tail) and "num_tokens % self.block_size == 0" not in mamba_tail
     return Capabilities(
         version=version,
         block_mask="block_mask" in _params(ns["BlockPool"].cache_full_blocks),
@@ -228,6 +244,11 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         eagle_margin_hashed="len(block_hashes) * self.hash_block_size" in _source(ns["coordinator_module"]),
         replay_boundaries="replay_boundaries" in _source(ns["coordinator_module"]),
         partial_tail=hasattr(full, "_cache_partial_tail_block"),
+        eagle_margin_skips_mamba="not isinstance(spec, MambaSpec)" in _source(ns["coordinator_module"]),
+        mamba_checkpoint_any_block=any_block,
+        # Since 0.32.0 the shared checkpoint position applies the drop.
+        mamba_checkpoint_eagle_drop=any_block
+        or "latest_prompt_hash_boundary - hash_block_size" in mamba_tail,
     )
 
 
