@@ -731,13 +731,14 @@ class AllocatorModel:
         hbs = self.cfg.hash_block_size
         if num_tokens <= 0 or num_tokens % hbs:
             return None
-        if self.profile.mamba_checkpoint_any_block:
+        rule = self.profile.mamba_checkpoint
+        if rule == "any_block":
             checkpoint = mamba_checkpoint_position(len(req.prompt), hbs, self.cfg.eagle)
         else:  # 0.26.0 .. 0.31.0: inside a block only, floored from the whole prompt (model.profile)
             if num_tokens % g.bs == 0:
                 return None
-            below_drop = self.cfg.eagle and self.profile.mamba_checkpoint_below_eagle_drop  # 0.30.0 on
-            checkpoint = max(len(req.prompt) // hbs * hbs - (hbs if below_drop else 0), 0)
+            drop = hbs if self.cfg.eagle and rule == "in_block_drop" else 0
+            checkpoint = max(len(req.prompt) // hbs * hbs - drop, 0)
         if num_tokens != checkpoint:
             return None
         idx = cdiv(num_tokens, g.bs) - 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 FREE_ORDERS = ("pool", "caller", "append")
+MAMBA_CHECKPOINTS = ("any_block", "in_block_drop", "in_block")
 
 
 @dataclass(frozen=True)
@@ -68,17 +69,14 @@ class Profile:
       attention only re-aligned it, so the fixed point could settle above the
       full-attention hit (0.25.x and older; the known finding
       `vllm-eagle-mamba-hit-without-full-blocks`).
-    - `mamba_checkpoint_any_block`: the Mamba state at the prompt's checkpoint
-      (`scheduling.mamba_checkpoint_position`: floored from `prompt - 1`
-      without Eagle) is keyed even where it ends a Mamba block (0.32.0).
-      Before it only a checkpoint inside a Mamba block was keyed, floored
-      from the whole prompt; one on a block edge was left to the retention
-      mask (0.26.0 .. 0.31.0).
-    - `mamba_checkpoint_below_eagle_drop`: under Eagle that older checkpoint
-      sits one hash block below the prompt's last boundary, where an Eagle
-      hit lands after its drop (`drop_eagle_checkpoint_block`, 0.30.0). Before
-      it the checkpoint was the last boundary whatever Eagle (0.26.0 ..
-      0.29.0). From 0.32.0 `mamba_checkpoint_any_block` subsumes it.
+    - `mamba_checkpoint`: where the Mamba state at the prompt's checkpoint is
+      keyed. "any_block" (0.32.0): at `scheduling.mamba_checkpoint_position`
+      (floored from `prompt - 1` without Eagle, one hash block lower with
+      it), even where it ends a Mamba block. Before it only a checkpoint
+      inside a Mamba block was keyed (one on a block edge was left to the
+      retention mask), floored from the whole prompt: "in_block_drop" one
+      hash block lower under Eagle (0.30.0, 0.31.0), "in_block" whatever
+      Eagle (0.26.0 .. 0.29.0).
     """
 
     eagle_junction_peek: bool = True
@@ -93,11 +91,11 @@ class Profile:
     shared_prefix_junction: bool = True
     partial_tail: bool = True
     eagle_margin_skips_mamba: bool = True
-    mamba_checkpoint_any_block: bool = True
-    mamba_checkpoint_below_eagle_drop: bool = True
+    mamba_checkpoint: str = "any_block"
 
     def __post_init__(self) -> None:
         assert self.free_order in FREE_ORDERS, f"free_order: one of {FREE_ORDERS}"
+        assert self.mamba_checkpoint in MAMBA_CHECKPOINTS, f"mamba_checkpoint: one of {MAMBA_CHECKPOINTS}"
 
     def differences(self) -> list[str]:
         """The switches that select an older rule, by name (empty for 0.33.0)."""

@@ -35,12 +35,11 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |                          | prompt tails keyed inside a block)                         |        |
 | `eagle_margin_skips_mamba` | the hybrid lookup gives Mamba no Eagle margin (`not      | #46384 |
 |                          | isinstance(spec, MambaSpec)` in the coordinator)           |        |
-| `mamba_checkpoint_any_block` | `MambaManager._cache_partial_tail_block` keys a        |        |
-|                          | checkpoint on a block edge too (no `num_tokens %           |        |
-|                          | self.block_size == 0` early return)                        |        |
-| `mamba_checkpoint_eagle_drop` | that method lowers the checkpoint by one hash block  |        |
-|                          | under Eagle (`latest_prompt_hash_boundary -                |        |
-|                          | hash_block_size`; implied from 0.32.0)                     |        |
+| `mamba_checkpoint`       | `MambaManager._cache_partial_tail_block`: "any_block" (no  |        |
+|                          | `num_tokens % self.block_size == 0` early return), else    |        |
+|                          | "in_block_drop" (lowered under Eagle:                      |        |
+|                          | `latest_prompt_hash_boundary - hash_block_size`) or        |        |
+|                          | "in_block"                                                 |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -101,8 +100,7 @@ class Capabilities:
     replay_boundaries: bool = True
     partial_tail: bool = True
     eagle_margin_skips_mamba: bool = True
-    mamba_checkpoint_any_block: bool = True
-    mamba_checkpoint_eagle_drop: bool = True
+    mamba_checkpoint: str = "any_block"
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -119,8 +117,7 @@ class Capabilities:
             shared_prefix_junction=self.shared_prefix_junction,
             partial_tail=self.partial_tail,
             eagle_margin_skips_mamba=self.eagle_margin_skips_mamba,
-            mamba_checkpoint_any_block=self.mamba_checkpoint_any_block,
-            mamba_checkpoint_below_eagle_drop=self.mamba_checkpoint_eagle_drop,
+            mamba_checkpoint=self.mamba_checkpoint,
         )
 
     @property
@@ -202,6 +199,13 @@ def _free_order(free_blocks: Any) -> str:
     return "pool" if "prepend_n" in _source(free_blocks) else "append"
 
 
+def _mamba_checkpoint(mamba_manager: Any) -> str:
+    tail = _source(getattr(mamba_manager, "_cache_partial_tail_block", None))
+    if tail and "num_tokens % self.block_size == 0" not in tail:
+        return "any_block"
+    return "in_block_drop" if "latest_prompt_hash_boundary - hash_block_size" in tail else "in_block"
+
+
 def _retention(kv_cache_config: Any, coordinator_module: Any) -> str:
     if "prefix_cache_retention_interval" in _fields(kv_cache_config):
         return "config"
@@ -219,8 +223,6 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
     manager = ns["KVCacheManager"]
     single_type = ns.get("SingleTypeKVCacheManager", object)
     full = ns.get("FullAttentionManager", object)
-    mamba_tail = _source(getattr(ns["MambaManager"], "_cache_partial_tail_block", None))
-    any_block = bool(mamba_tail) and "num_tokens % self.block_size == 0" not in mamba_tail
     return Capabilities(
         version=version,
         block_mask="block_mask" in _params(ns["BlockPool"].cache_full_blocks),
@@ -245,10 +247,7 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         replay_boundaries="replay_boundaries" in _source(ns["coordinator_module"]),
         partial_tail=hasattr(full, "_cache_partial_tail_block"),
         eagle_margin_skips_mamba="not isinstance(spec, MambaSpec)" in _source(ns["coordinator_module"]),
-        mamba_checkpoint_any_block=any_block,
-        # Since 0.32.0 the shared checkpoint position applies the drop.
-        mamba_checkpoint_eagle_drop=any_block
-        or "latest_prompt_hash_boundary - hash_block_size" in mamba_tail,
+        mamba_checkpoint=_mamba_checkpoint(ns["MambaManager"]),
     )
 
 
