@@ -63,6 +63,13 @@ class _ReplayCoordinator:
         return replay_boundaries(request.num_prompt_tokens)  # type: ignore[name-defined]  # noqa: F821
 
 
+class _NoMambaMarginCoordinator:
+    def find_longest_cache_hit(self, spec, drop_eagle_block, curr_hit_length, margin):  # type: ignore[no-untyped-def]
+        if drop_eagle_block and not isinstance(spec, MambaSpec):  # type: ignore[name-defined]  # noqa: F821
+            return curr_hit_length + margin
+        return curr_hit_length
+
+
 class _MarginCoordinator:
     def find_longest_cache_hit(self, block_hashes, curr_hit_length, margin):  # type: ignore[no-untyped-def]
         return min(curr_hit_length + margin, len(block_hashes) * self.hash_block_size)  # type: ignore[attr-defined]
@@ -148,6 +155,17 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
             def reachable_block_mask(self):  # type: ignore[no-untyped-def]
                 return None
 
+        if new.get("mamba_any_block"):
+
+            def _cache_partial_tail_block(self, request, num_tokens):  # type: ignore[no-untyped-def]
+                return num_tokens == checkpoint_position(request.num_prompt_tokens)  # type: ignore[name-defined]  # noqa: F821
+        elif new.get("mamba_in_block_drop"):
+
+            def _cache_partial_tail_block(self, request, num_tokens, latest_prompt_hash_boundary):  # type: ignore[no-untyped-def]
+                if num_tokens % self.block_size == 0:  # type: ignore[attr-defined]
+                    return None
+                return latest_prompt_hash_boundary - hash_block_size  # type: ignore[name-defined]  # noqa: F821
+
     class SingleTypeKVCacheManager:
         if new.get("junction_peek"):
 
@@ -180,6 +198,8 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
         coordinator = _MarginCoordinator
     if new.get("replay"):
         coordinator = _ReplayCoordinator
+    if new.get("mamba_no_margin"):
+        coordinator = _NoMambaMarginCoordinator
     hashes = _LastHashList if new.get("last_hash") else _JoinedHashList
 
     return {
