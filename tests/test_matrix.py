@@ -23,6 +23,7 @@ import pytest
 from invariants.matrix.classify import classify
 from invariants.targets.vllm_capabilities import Capabilities, detect_from
 from invariants.targets.vllm_env import cache_root, vllm_available
+from model.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[1]
 _OK, _REASON = vllm_available()
@@ -455,6 +456,29 @@ def test_classes() -> None:
     assert "#43447" in classify("uncached_reused_before_cached", "x", old).note
 
 
+def test_a_semantics_note_names_the_profile_the_model_predicted() -> None:
+    # The note lists the switches that select an older rule; a release with
+    # every mechanism gets the 0.33.0 profile, named as such (the control).
+    old = _caps(block_mask=True, caller_order=True)
+    profile = classify("snapshot", "events: ...", old).note.split("]")[0]
+    assert "free_order='caller'" in profile and "eagle_aware_mask=False" in profile
+    assert "block_mask" not in profile  # it has the block mask: not an older rule
+    newest = {
+        f.name: f.default for f in dataclasses.fields(Capabilities) if f.default is not dataclasses.MISSING
+    }
+    modeled = dataclasses.replace(
+        old,
+        **newest,
+        free_order="pool",
+        caching_off_order="lifo",
+        mamba_retention=True,
+        eagle_aware_mask=True,
+        shared_prefix_junction=True,
+    )
+    assert modeled.profile() == Profile()
+    assert "predicted profile [0.33.0]" in classify("observation", "x", modeled).note
+
+
 # ----------------------------------------------------------------------------- shrinking
 def test_shrink_keeps_the_failure_and_drops_the_rest() -> None:
     from invariants.harness.known_findings import load_known_findings
@@ -515,6 +539,9 @@ def test_table_and_markdown_from_results() -> None:
     assert "unlisted/stale: f1" in text
     md = render(runs, "kvretain matrix")
     assert md.count("## vLLM") == 2 and "| 0.21.0 | 12 | 30 | 600 |" in md
+    assert (
+        md.count("model profile: `0.33.0 but ") == 2 and "block_mask=False" in md.split("## vLLM 0.33.0")[0]
+    )
 
 
 def test_bad_releases_exit_2_with_one_line(tmp_path: Path) -> None:
