@@ -257,6 +257,9 @@ def test_fake_release_before_every_mechanism_has_none() -> None:
         ("margin_hashed", "eagle_margin_hashed", True),
         ("replay", "replay_boundaries", True),
         ("no_partial_tail", "partial_tail", False),
+        ("mamba_no_margin", "eagle_margin_skips_mamba", True),
+        ("mamba_any_block", "mamba_checkpoint", "any_block"),
+        ("mamba_in_block_drop", "mamba_checkpoint", "in_block_drop"),
     ],
 )
 def test_each_capability_is_read_from_the_code(flag: str, field: str, value: object) -> None:
@@ -302,6 +305,10 @@ EXPECTED = {
     "0.27.0": dict(caching_off_order="fifo", retention="env"),
     "0.26.0": dict(shared_prefix_junction=True, cow_copies=True, retention="env"),
     "0.29.0": dict(retention="config", coarse_hash="last", caching_off_order="lifo"),
+    "0.25.0": dict(eagle_margin_skips_mamba=False, partial_tail=False),
+    "0.30.0": dict(eagle_margin_skips_mamba=True, mamba_checkpoint="in_block_drop"),
+    "0.31.0": dict(mamba_checkpoint="in_block_drop"),
+    "0.32.0": dict(mamba_checkpoint="any_block"),
 }
 
 
