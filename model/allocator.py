@@ -565,6 +565,8 @@ class AllocatorModel:
         copy = ends_inside_block(len(hits), local, g.bs) or rid in g.partial
         if copy:
             new = max(new, 0) + 1
+        if not self.profile.mamba_count_capped and new > 0:  # 0.26.0 .. 0.30.0 (model.profile)
+            return 1 + copy + self._num_evictable(hits)
         return min(new, 1 + copy) + self._num_evictable(hits)
 
     def _num_evictable(self, blocks: tuple[int, ...]) -> int:

@@ -77,6 +77,10 @@ class Profile:
       retention mask), floored from the whole prompt: "in_block_drop" one
       hash block lower under Eagle (0.30.0, 0.31.0), "in_block" whatever
       Eagle (0.26.0 .. 0.29.0).
+    - `mamba_count_capped`: a Mamba group asks admission for its needed new
+      blocks capped at one running state plus a copy destination (0.31.0).
+      Before it any positive need was raised to that cap, so a partial hit
+      needing only its copy block asked for two (0.26.0 .. 0.30.0).
     """
 
     eagle_junction_peek: bool = True
@@ -92,6 +96,7 @@ class Profile:
     partial_tail: bool = True
     eagle_margin_skips_mamba: bool = True
     mamba_checkpoint: str = "any_block"
+    mamba_count_capped: bool = True
 
     def __post_init__(self) -> None:
         assert self.free_order in FREE_ORDERS, f"free_order: one of {FREE_ORDERS}"

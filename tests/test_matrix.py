@@ -156,6 +156,11 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
             def reachable_block_mask(self):  # type: ignore[no-untyped-def]
                 return None
 
+        if new.get("mamba_capped"):
+
+            def get_num_blocks_to_allocate(self, num_new_blocks, physical_block_cap):  # type: ignore[no-untyped-def]
+                return min(num_new_blocks, physical_block_cap)
+
         if new.get("mamba_any_block"):
 
             def _cache_partial_tail_block(self, request, num_tokens):  # type: ignore[no-untyped-def]
@@ -260,6 +265,7 @@ def test_fake_release_before_every_mechanism_has_none() -> None:
         ("mamba_no_margin", "eagle_margin_skips_mamba", True),
         ("mamba_any_block", "mamba_checkpoint", "any_block"),
         ("mamba_in_block_drop", "mamba_checkpoint", "in_block_drop"),
+        ("mamba_capped", "mamba_count_capped", True),
     ],
 )
 def test_each_capability_is_read_from_the_code(flag: str, field: str, value: object) -> None:
@@ -306,8 +312,8 @@ EXPECTED = {
     "0.26.0": dict(shared_prefix_junction=True, cow_copies=True, retention="env"),
     "0.29.0": dict(retention="config", coarse_hash="last", caching_off_order="lifo"),
     "0.25.0": dict(eagle_margin_skips_mamba=False, partial_tail=False),
-    "0.30.0": dict(eagle_margin_skips_mamba=True, mamba_checkpoint="in_block_drop"),
-    "0.31.0": dict(mamba_checkpoint="in_block_drop"),
+    "0.30.0": dict(eagle_margin_skips_mamba=True, mamba_checkpoint="in_block_drop", mamba_count_capped=False),
+    "0.31.0": dict(mamba_checkpoint="in_block_drop", mamba_count_capped=True),
     "0.32.0": dict(mamba_checkpoint="any_block"),
 }
 

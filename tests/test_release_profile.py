@@ -54,6 +54,7 @@ CASES_JUNCTION_OPS: tuple[Op, ...] = (
     AddRequest("b", (*SHARED, 1)),
     Schedule("b", 8),
 )
+MAMBA_PROMPT = (1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1)
 CASES = {
     "eagle_junction_peek": Case(
         "eagle_junction_peek",
@@ -183,6 +184,20 @@ CASES = {
         (AddRequest("a", (1, 2, 1, 1, 2, 2)), Schedule("a", 64), Schedule("a", 64)),
         old="in_block",
     ),
+    "mamba_count_capped": Case(
+        "mamba_count_capped",
+        "mamba_count_capped",
+        "0.30.0",
+        Config((GroupSpec("full", 4), GroupSpec("mamba", 8)), 7, hash_block_size=4, scheduler_block_size=8),
+        (
+            AddRequest("a", MAMBA_PROMPT),
+            Schedule("a", 64),
+            Schedule("a", 64),
+            Finish("a"),
+            AddRequest("b", (*MAMBA_PROMPT, 2, 2, 2)),
+            Schedule("b", 64),
+        ),
+    ),
 }
 # The fake-namespace flag (tests/test_matrix.py fakes) that changes each capability.
 FAKE_FLAG: dict[str, tuple[str, object, object]] = {
@@ -200,6 +215,7 @@ FAKE_FLAG: dict[str, tuple[str, object, object]] = {
     "free_order": ("caller_order", "caller", "append"),
     "eagle_margin_skips_mamba": ("mamba_no_margin", True, False),
     "mamba_checkpoint": ("mamba_any_block", "any_block", "in_block"),
+    "mamba_count_capped": ("mamba_capped", True, False),
 }
 
 
@@ -380,6 +396,18 @@ def test_mamba_checkpoint_before_the_eagle_drop_sits_at_the_prompt_end() -> None
         _mamba_stored(case, replace(MODELED, mamba_checkpoint=r)) for r in ("in_block_drop", "in_block")
     )
     assert p[:6] in no_drop and p[:6] not in drop
+
+
+def test_an_uncapped_mamba_count_refuses_a_request_that_fits() -> None:
+    # b hits 12 tokens of a's prompt; its Mamba hit ends inside an 8-token block,
+    # so it needs one new block, the copy's destination. 0.31.0 asks for that
+    # one and b fits the 6 usable blocks; 0.30.0 raises any positive need to
+    # the cap (running state + copy = 2) and b waits.
+    case = CASES["mamba_count_capped"]
+    new, old = (_run(case, pr)[-2] for pr in (MODELED, _older(case)))
+    assert isinstance(new, ScheduleResult) and isinstance(old, ScheduleResult)
+    assert (new.admitted, new.hit, len(new.copies)) == (True, 12, 1)
+    assert (old.admitted, old.hit) == (False, 12)
 
 
 def test_the_mamba_checkpoint_rule_is_read_from_the_manager() -> None:

@@ -40,6 +40,8 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |                          | "in_block_drop" (lowered under Eagle:                      |        |
 |                          | `latest_prompt_hash_boundary - hash_block_size`) or        |        |
 |                          | "in_block"                                                 |        |
+| `mamba_count_capped`     | `MambaManager.get_num_blocks_to_allocate` caps the count   |        |
+|                          | (`min(num_new_blocks, physical_block_cap)`)                |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -101,6 +103,7 @@ class Capabilities:
     partial_tail: bool = True
     eagle_margin_skips_mamba: bool = True
     mamba_checkpoint: str = "any_block"
+    mamba_count_capped: bool = True
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -118,6 +121,7 @@ class Capabilities:
             partial_tail=self.partial_tail,
             eagle_margin_skips_mamba=self.eagle_margin_skips_mamba,
             mamba_checkpoint=self.mamba_checkpoint,
+            mamba_count_capped=self.mamba_count_capped,
         )
 
     @property
@@ -248,6 +252,8 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         partial_tail=hasattr(full, "_cache_partial_tail_block"),
         eagle_margin_skips_mamba="not isinstance(spec, MambaSpec)" in _source(ns["coordinator_module"]),
         mamba_checkpoint=_mamba_checkpoint(ns["MambaManager"]),
+        mamba_count_capped="min(num_new_blocks, physical_block_cap)"
+        in _source(getattr(ns["MambaManager"], "get_num_blocks_to_allocate", None)),
     )
 
 
