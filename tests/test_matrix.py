@@ -363,6 +363,17 @@ class TestAdapterFollowsCapabilities:
             self._target(monkeypatch, self._cfg(retention_interval=0), retention="none")
         self._target(monkeypatch, self._cfg(retention_interval=0))  # control: 0.33.0 takes it
 
+    def test_a_wide_mamba_block_needs_fine_grained_hits(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from invariants.targets.vllm_target import UnsupportedConfig
+        from model.config import Config, GroupSpec
+
+        cfg = Config(
+            (GroupSpec("full", 4), GroupSpec("mamba", 16)), 16, hash_block_size=4, scheduler_block_size=16
+        )
+        with pytest.raises(UnsupportedConfig, match="fine-grained Mamba"):
+            self._target(monkeypatch, cfg, fine_grained_mamba=False)
+        self._target(monkeypatch, cfg)  # control: 0.33.0 takes it
+
     def test_env_retention_is_set_only_while_building(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import invariants.targets.vllm_target as vt
 
