@@ -404,14 +404,19 @@ class AllocatorModel:
                 spec = self.groups[gids[0]].spec
                 if spec.kind == "full" and gids[0] in layouts:
                     # Downward closed: a shorter candidate only trims the layout found first.
-                    candidate = min(candidate, group_hit[gids[0]])
+                    if self.profile.eagle_margin_skips_mamba:
+                        candidate = min(candidate, group_hit[gids[0]])
+                    else:  # before #46384 only re-aligned (model.profile)
+                        candidate = candidate // spec.block_size * spec.block_size
                     continue
                 drop_eagle = self.cfg.eagle and idx not in eagle_dropped
                 limit = candidate
-                if drop_eagle and spec.kind != "mamba":
+                # Mamba's finder never drops: no margin for it since #46384 (model.profile).
+                margin = spec.kind != "mamba" or not self.profile.eagle_margin_skips_mamba
+                if drop_eagle and margin:
                     # Look one drop unit past the candidate so the Eagle drop lands back on
                     # it, but never past the hashed tokens (0.32.0 on; before, the lookup
-                    # limit). Mamba's finder never drops.
+                    # limit).
                     reach = hashed_len if self.profile.eagle_margin_to_hashed else max_len
                     limit = min(candidate + eagle_margin(self.cfg, spec.kind, spec.block_size), reach)
                 layout, this_hit = self._finder(tokens, spec, gids, limit, drop_eagle, self.alignment)
@@ -562,6 +567,8 @@ class AllocatorModel:
         copy = ends_inside_block(len(hits), local, g.bs) or rid in g.partial
         if copy:
             new = max(new, 0) + 1
+        if not self.profile.mamba_count_capped and new > 0:  # 0.26.0 .. 0.30.0 (model.profile)
+            return 1 + copy + self._num_evictable(hits)
         return min(new, 1 + copy) + self._num_evictable(hits)
 
     def _num_evictable(self, blocks: tuple[int, ...]) -> int:
@@ -728,7 +735,15 @@ class AllocatorModel:
         hbs = self.cfg.hash_block_size
         if num_tokens <= 0 or num_tokens % hbs:
             return None
-        if num_tokens != mamba_checkpoint_position(len(req.prompt), hbs, self.cfg.eagle):
+        rule = self.profile.mamba_checkpoint
+        if rule == "any_block":
+            checkpoint = mamba_checkpoint_position(len(req.prompt), hbs, self.cfg.eagle)
+        else:  # 0.26.0 .. 0.31.0: inside a block only, floored from the whole prompt (model.profile)
+            if num_tokens % g.bs == 0:
+                return None
+            drop = hbs if self.cfg.eagle and rule == "in_block_drop" else 0
+            checkpoint = max(len(req.prompt) // hbs * hbs - drop, 0)
+        if num_tokens != checkpoint:
             return None
         idx = cdiv(num_tokens, g.bs) - 1
         table = g.table(req.rid)

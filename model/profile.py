@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 FREE_ORDERS = ("pool", "caller", "append")
+MAMBA_CHECKPOINTS = ("any_block", "in_block_drop", "in_block")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,25 @@ class Profile:
       block (block size above the hash block size) and the Mamba checkpoint
       state are keyed as partial entries (#46384, partial prefix hits). Before
       it only whole blocks were keyed (0.25.0 and older).
+    - `eagle_margin_skips_mamba`: a hybrid lookup under Eagle gives Mamba's
+      finder (which never drops a block) no look past the candidate, and full
+      attention's later rounds cap the candidate at its own hit (#46384).
+      Before it Mamba was searched one block past the candidate and full
+      attention only re-aligned it, so the fixed point could settle above the
+      full-attention hit (0.25.x and older; the known finding
+      `vllm-eagle-mamba-hit-without-full-blocks`).
+    - `mamba_checkpoint`: where the Mamba state at the prompt's checkpoint is
+      keyed. "any_block" (0.32.0): at `scheduling.mamba_checkpoint_position`
+      (floored from `prompt - 1` without Eagle, one hash block lower with
+      it), even where it ends a Mamba block. Before it only a checkpoint
+      inside a Mamba block was keyed (one on a block edge was left to the
+      retention mask), floored from the whole prompt: "in_block_drop" one
+      hash block lower under Eagle (0.30.0, 0.31.0), "in_block" whatever
+      Eagle (0.26.0 .. 0.29.0).
+    - `mamba_count_capped`: a Mamba group asks admission for its needed new
+      blocks capped at one running state plus a copy destination (0.31.0).
+      Before it any positive need was raised to that cap, so a partial hit
+      needing only its copy block asked for two (0.26.0 .. 0.30.0).
     """
 
     eagle_junction_peek: bool = True
@@ -74,14 +94,23 @@ class Profile:
     free_order: str = "pool"
     shared_prefix_junction: bool = True
     partial_tail: bool = True
+    eagle_margin_skips_mamba: bool = True
+    mamba_checkpoint: str = "any_block"
+    mamba_count_capped: bool = True
 
     def __post_init__(self) -> None:
         assert self.free_order in FREE_ORDERS, f"free_order: one of {FREE_ORDERS}"
+        assert self.mamba_checkpoint in MAMBA_CHECKPOINTS, f"mamba_checkpoint: one of {MAMBA_CHECKPOINTS}"
 
     def differences(self) -> list[str]:
         """The switches that select an older rule, by name (empty for 0.33.0)."""
         default = Profile()
         return [f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+
+    def describe(self) -> str:
+        """The profile in words: "0.33.0" or the older rules it selects (`switch=value`)."""
+        older = [f"{name}={getattr(self, name)!r}" for name in self.differences()]
+        return "0.33.0" if not older else "0.33.0 but " + ", ".join(older)
 
 
 MODELED = Profile()

@@ -23,6 +23,7 @@ import pytest
 from invariants.matrix.classify import classify
 from invariants.targets.vllm_capabilities import Capabilities, detect_from
 from invariants.targets.vllm_env import cache_root, vllm_available
+from model.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[1]
 _OK, _REASON = vllm_available()
@@ -61,6 +62,13 @@ class _EnvFineCoordinator:
 class _ReplayCoordinator:
     def cache_blocks(self, request):  # type: ignore[no-untyped-def]
         return replay_boundaries(request.num_prompt_tokens)  # type: ignore[name-defined]  # noqa: F821
+
+
+class _NoMambaMarginCoordinator:
+    def find_longest_cache_hit(self, spec, drop_eagle_block, curr_hit_length, margin):  # type: ignore[no-untyped-def]
+        if drop_eagle_block and not isinstance(spec, MambaSpec):  # type: ignore[name-defined]  # noqa: F821
+            return curr_hit_length + margin
+        return curr_hit_length
 
 
 class _MarginCoordinator:
@@ -148,6 +156,22 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
             def reachable_block_mask(self):  # type: ignore[no-untyped-def]
                 return None
 
+        if new.get("mamba_capped"):
+
+            def get_num_blocks_to_allocate(self, num_new_blocks, physical_block_cap):  # type: ignore[no-untyped-def]
+                return min(num_new_blocks, physical_block_cap)
+
+        if new.get("mamba_any_block"):
+
+            def _cache_partial_tail_block(self, request, num_tokens):  # type: ignore[no-untyped-def]
+                return num_tokens == checkpoint_position(request.num_prompt_tokens)  # type: ignore[name-defined]  # noqa: F821
+        elif new.get("mamba_in_block_drop"):
+
+            def _cache_partial_tail_block(self, request, num_tokens, latest_prompt_hash_boundary):  # type: ignore[no-untyped-def]
+                if num_tokens % self.block_size == 0:  # type: ignore[attr-defined]
+                    return None
+                return latest_prompt_hash_boundary - hash_block_size  # type: ignore[name-defined]  # noqa: F821
+
     class SingleTypeKVCacheManager:
         if new.get("junction_peek"):
 
@@ -180,6 +204,8 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
         coordinator = _MarginCoordinator
     if new.get("replay"):
         coordinator = _ReplayCoordinator
+    if new.get("mamba_no_margin"):
+        coordinator = _NoMambaMarginCoordinator
     hashes = _LastHashList if new.get("last_hash") else _JoinedHashList
 
     return {
@@ -236,6 +262,10 @@ def test_fake_release_before_every_mechanism_has_none() -> None:
         ("margin_hashed", "eagle_margin_hashed", True),
         ("replay", "replay_boundaries", True),
         ("no_partial_tail", "partial_tail", False),
+        ("mamba_no_margin", "eagle_margin_skips_mamba", True),
+        ("mamba_any_block", "mamba_checkpoint", "any_block"),
+        ("mamba_in_block_drop", "mamba_checkpoint", "in_block_drop"),
+        ("mamba_capped", "mamba_count_capped", True),
     ],
 )
 def test_each_capability_is_read_from_the_code(flag: str, field: str, value: object) -> None:
@@ -281,6 +311,10 @@ EXPECTED = {
     "0.27.0": dict(caching_off_order="fifo", retention="env"),
     "0.26.0": dict(shared_prefix_junction=True, cow_copies=True, retention="env"),
     "0.29.0": dict(retention="config", coarse_hash="last", caching_off_order="lifo"),
+    "0.25.0": dict(eagle_margin_skips_mamba=False, partial_tail=False),
+    "0.30.0": dict(eagle_margin_skips_mamba=True, mamba_checkpoint="in_block_drop", mamba_count_capped=False),
+    "0.31.0": dict(mamba_checkpoint="in_block_drop", mamba_count_capped=True),
+    "0.32.0": dict(mamba_checkpoint="any_block"),
 }
 
 
@@ -328,6 +362,17 @@ class TestAdapterFollowsCapabilities:
         with pytest.raises(UnsupportedConfig, match="retention_interval"):
             self._target(monkeypatch, self._cfg(retention_interval=0), retention="none")
         self._target(monkeypatch, self._cfg(retention_interval=0))  # control: 0.33.0 takes it
+
+    def test_a_wide_mamba_block_needs_fine_grained_hits(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from invariants.targets.vllm_target import UnsupportedConfig
+        from model.config import Config, GroupSpec
+
+        cfg = Config(
+            (GroupSpec("full", 4), GroupSpec("mamba", 16)), 16, hash_block_size=4, scheduler_block_size=16
+        )
+        with pytest.raises(UnsupportedConfig, match="fine-grained Mamba"):
+            self._target(monkeypatch, cfg, fine_grained_mamba=False)
+        self._target(monkeypatch, cfg)  # control: 0.33.0 takes it
 
     def test_env_retention_is_set_only_while_building(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import invariants.targets.vllm_target as vt
@@ -435,6 +480,29 @@ def test_classes() -> None:
     assert "#43447" in classify("uncached_reused_before_cached", "x", old).note
 
 
+def test_a_semantics_note_names_the_profile_the_model_predicted() -> None:
+    # The note lists the switches that select an older rule; a release with
+    # every mechanism gets the 0.33.0 profile, named as such (the control).
+    old = _caps(block_mask=True, caller_order=True)
+    profile = classify("snapshot", "events: ...", old).note.split("]")[0]
+    assert "free_order='caller'" in profile and "eagle_aware_mask=False" in profile
+    assert "block_mask" not in profile  # it has the block mask: not an older rule
+    newest = {
+        f.name: f.default for f in dataclasses.fields(Capabilities) if f.default is not dataclasses.MISSING
+    }
+    modeled = dataclasses.replace(
+        old,
+        **newest,
+        free_order="pool",
+        caching_off_order="lifo",
+        mamba_retention=True,
+        eagle_aware_mask=True,
+        shared_prefix_junction=True,
+    )
+    assert modeled.profile() == Profile()
+    assert "predicted profile [0.33.0]" in classify("observation", "x", modeled).note
+
+
 # ----------------------------------------------------------------------------- shrinking
 def test_shrink_keeps_the_failure_and_drops_the_rest() -> None:
     from invariants.harness.known_findings import load_known_findings
@@ -495,6 +563,9 @@ def test_table_and_markdown_from_results() -> None:
     assert "unlisted/stale: f1" in text
     md = render(runs, "kvretain matrix")
     assert md.count("## vLLM") == 2 and "| 0.21.0 | 12 | 30 | 600 |" in md
+    assert (
+        md.count("model profile: `0.33.0 but ") == 2 and "block_mask=False" in md.split("## vLLM 0.33.0")[0]
+    )
 
 
 def test_bad_releases_exit_2_with_one_line(tmp_path: Path) -> None:

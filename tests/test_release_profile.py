@@ -54,6 +54,7 @@ CASES_JUNCTION_OPS: tuple[Op, ...] = (
     AddRequest("b", (*SHARED, 1)),
     Schedule("b", 8),
 )
+MAMBA_PROMPT = (1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1)
 CASES = {
     "eagle_junction_peek": Case(
         "eagle_junction_peek",
@@ -147,6 +148,56 @@ CASES = {
         Config(FULL4_SWA5, 16, retention_interval=0, eagle=True),
         CASES_JUNCTION_OPS,
     ),
+    "eagle_margin_skips_mamba": Case(
+        "eagle_margin_skips_mamba",
+        "eagle_margin_skips_mamba",
+        "0.25.0",
+        Config((GroupSpec("full", 2), GroupSpec("mamba", 2)), 12, eagle=True, hash_block_size=2),
+        (AddRequest("a", (1, 2, 1, 1)), Schedule("a", 64), Schedule("a", 64), Probe((1, 2, 3, 3, 3))),
+    ),
+    "mamba_checkpoint_in_block_drop": Case(
+        "mamba_checkpoint",
+        "mamba_checkpoint",
+        "0.31.0",
+        Config(
+            (GroupSpec("full", 4), GroupSpec("mamba", 2)),
+            16,
+            retention_interval=0,
+            eagle=True,
+            hash_block_size=2,
+            scheduler_block_size=4,
+        ),
+        (AddRequest("a", (1, 2, 1, 1, 2, 2, 1, 2, 2, 1)), Schedule("a", 4), Schedule("a", 4)),
+        old="in_block_drop",
+    ),
+    "mamba_checkpoint_in_block": Case(
+        "mamba_checkpoint",
+        "mamba_checkpoint",
+        "0.29.0",
+        Config(
+            (GroupSpec("full", 4), GroupSpec("mamba", 4)),
+            16,
+            eagle=True,
+            hash_block_size=2,
+            scheduler_block_size=4,
+        ),
+        (AddRequest("a", (1, 2, 1, 1, 2, 2)), Schedule("a", 64), Schedule("a", 64)),
+        old="in_block",
+    ),
+    "mamba_count_capped": Case(
+        "mamba_count_capped",
+        "mamba_count_capped",
+        "0.30.0",
+        Config((GroupSpec("full", 4), GroupSpec("mamba", 8)), 7, hash_block_size=4, scheduler_block_size=8),
+        (
+            AddRequest("a", MAMBA_PROMPT),
+            Schedule("a", 64),
+            Schedule("a", 64),
+            Finish("a"),
+            AddRequest("b", (*MAMBA_PROMPT, 2, 2, 2)),
+            Schedule("b", 64),
+        ),
+    ),
 }
 # The fake-namespace flag (tests/test_matrix.py fakes) that changes each capability.
 FAKE_FLAG: dict[str, tuple[str, object, object]] = {
@@ -162,6 +213,9 @@ FAKE_FLAG: dict[str, tuple[str, object, object]] = {
     "eagle_aware_mask": ("eagle_mask", True, False),
     "mamba_retention": ("mamba_retention", True, False),
     "free_order": ("caller_order", "caller", "append"),
+    "eagle_margin_skips_mamba": ("mamba_no_margin", True, False),
+    "mamba_checkpoint": ("mamba_any_block", "any_block", "in_block"),
+    "mamba_count_capped": ("mamba_capped", True, False),
 }
 
 
@@ -302,6 +356,66 @@ def test_before_the_junction_a_lookup_reports_none() -> None:
         [o for o in _run(case, pr) if isinstance(o, ScheduleResult)][-1] for pr in (MODELED, _older(case))
     )
     assert (new.shared_prefix_boundary, old.shared_prefix_boundary) == (8, 0)
+
+
+def test_mamba_margin_before_the_fix_gives_a_hit_without_full_blocks() -> None:
+    # a's state at 2 is cached; a probe of (1, 2, 3, 3, 3): full attention finds
+    # one block and drops it (Eagle). 0.25.0 then searches Mamba one block past
+    # that empty candidate, finds the state at 2 and settles on a 2-token hit
+    # whose full-attention layout is empty (the known finding
+    # vllm-eagle-mamba-hit-without-full-blocks); #46384 gives Mamba no margin: 0.
+    case = CASES["eagle_margin_skips_mamba"]
+    new, old = (_run(case, p)[-2] for p in (MODELED, _older(case)))
+    assert isinstance(new, ProbeResult) and isinstance(old, ProbeResult)
+    assert (new.hit, new.hit_blocks[0]) == (0, ())
+    assert old.hit == 2 and old.hit_blocks[0] == () and len(old.hit_blocks[1]) == 1
+
+
+def _mamba_stored(case: Case, profile: Profile) -> list[tuple[int, ...]]:
+    return _stored(_run(case, profile), 1)
+
+
+def test_mamba_checkpoint_on_a_block_edge_is_keyed_only_from_0_32() -> None:
+    # 10-token prompt, Eagle, Mamba block = hash block 2, computed to 8: the
+    # checkpoint is 10 - 2 = 8, a Mamba block edge that retention 0 does not
+    # keep (its replay boundary is 4). 0.32.0 keys it; 0.31.0 keys only a
+    # checkpoint inside a block, so nothing at 8.
+    case = CASES["mamba_checkpoint_in_block_drop"]
+    p = (1, 2, 1, 1, 2, 2, 1, 2, 2, 1)
+    new, old = (_mamba_stored(case, pr) for pr in (MODELED, _older(case)))
+    assert p[:8] in new and p[:8] not in old
+
+
+def test_mamba_checkpoint_before_the_eagle_drop_sits_at_the_prompt_end() -> None:
+    # 6-token prompt, Eagle, Mamba block 4, hash block 2: 0.29.0 keys the state
+    # at 6 (the prompt's last hash boundary, inside block 1); 0.30.0 lowers it
+    # by Eagle's hash block to 4, a block edge it leaves to the mask.
+    case = CASES["mamba_checkpoint_in_block"]
+    p = (1, 2, 1, 1, 2, 2)
+    drop, no_drop = (
+        _mamba_stored(case, replace(MODELED, mamba_checkpoint=r)) for r in ("in_block_drop", "in_block")
+    )
+    assert p[:6] in no_drop and p[:6] not in drop
+
+
+def test_an_uncapped_mamba_count_refuses_a_request_that_fits() -> None:
+    # b hits 12 tokens of a's prompt; its Mamba hit ends inside an 8-token block,
+    # so it needs one new block, the copy's destination. 0.31.0 asks for that
+    # one and b fits the 6 usable blocks; 0.30.0 raises any positive need to
+    # the cap (running state + copy = 2) and b waits.
+    case = CASES["mamba_count_capped"]
+    new, old = (_run(case, pr)[-2] for pr in (MODELED, _older(case)))
+    assert isinstance(new, ScheduleResult) and isinstance(old, ScheduleResult)
+    assert (new.admitted, new.hit, len(new.copies)) == (True, 12, 1)
+    assert (old.admitted, old.hit) == (False, 12)
+
+
+def test_the_mamba_checkpoint_rule_is_read_from_the_manager() -> None:
+    caps = [
+        detect_from(_fake_namespace(**{f: True}), "0.0.0").mamba_checkpoint for f in ("mamba_in_block_drop",)
+    ]
+    assert caps == ["in_block_drop"]
+    assert detect_from(_fake_namespace(), "0.0.0").mamba_checkpoint == "in_block"  # control
 
 
 @pytest.mark.parametrize("capability", sorted(FAKE_FLAG))

@@ -7,7 +7,9 @@
   breaks (e.g. no_waste before #42258's block mask): the release's design of
   the time, named with the PR that changed it, never silently tolerated.
 - **semantics**: the release and the model disagree (observation, snapshot)
-  while no invariant breaks: a difference the model's profile lacks.
+  while no invariant breaks: a difference the model's profile lacks. The
+  note names the profile the model predicted (its switches that differ from
+  0.33.0, `Profile.describe`), so a reader sees which design was judged.
 - **adapter**: the adapter could not drive the release (it passed an argument
   or called a method the release does not have): kvretain's gap, not vLLM's.
 
@@ -48,7 +50,11 @@ def classify(check: str, message: str, caps: Capabilities) -> Verdict:
     missing = set(caps.missing())
     if check in DIFFERENTIAL:
         lacks = ", ".join(f"{m} ({MECHANISM_PR.get(m, m)})" for m in sorted(missing)) or "nothing known"
-        return Verdict("semantics", f"the model predicts the modeled design; release lacks: {lacks}")
+        return Verdict(
+            "semantics",
+            f"the model predicted profile [{caps.profile().describe()}]; the release follows a rule "
+            f"this profile lacks (mechanisms the release lacks: {lacks})",
+        )
     if check == "crash":
         if message.startswith("ValueError: ") and " raised on " not in message:
             # The adapter refused an operation the model's bookkeeping allowed:

@@ -1,5 +1,5 @@
 """The matrix as a Markdown report: the table, then per release its
-capabilities, every check that did not come back clean (class, first message,
+capabilities and the model profile they select, every check that did not come back clean (class, first message,
 why) and, for each defect, the shrunk trace and the command that replays it."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from invariants.matrix.runner import HEADERS, ReleaseRun, matrix_rows
+from invariants.targets.vllm_capabilities import Capabilities
 
 
 def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -66,6 +67,8 @@ def render(runs: list[ReleaseRun], command: str) -> str:
         caps.pop("manager_args", None)
         caps.pop("event_fields", None)
         out += ["capabilities: `" + json.dumps(caps, separators=(", ", ": ")) + "`", ""]
+        profile = Capabilities.from_json(r.result["capabilities"]).profile()
+        out += [f"model profile: `{profile.describe()}`", ""]
         python = "~/.cache/kvretain/vllm-" + r.version + "/bin/python"
         for check in [*r.result["checks"], *r.result["conformance"]]:
             out += _check_lines(r.version, python, check)

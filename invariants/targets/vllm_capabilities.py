@@ -33,6 +33,15 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |                          | `cache_blocks` (else only `num_prompt_tokens - 1`)         |        |
 | `partial_tail`           | `FullAttentionManager._cache_partial_tail_block` (partial  | #46384 |
 |                          | prompt tails keyed inside a block)                         |        |
+| `eagle_margin_skips_mamba` | the hybrid lookup gives Mamba no Eagle margin (`not      | #46384 |
+|                          | isinstance(spec, MambaSpec)` in the coordinator)           |        |
+| `mamba_checkpoint`       | `MambaManager._cache_partial_tail_block`: "any_block" (no  |        |
+|                          | `num_tokens % self.block_size == 0` early return), else    |        |
+|                          | "in_block_drop" (lowered under Eagle:                      |        |
+|                          | `latest_prompt_hash_boundary - hash_block_size`) or        |        |
+|                          | "in_block"                                                 |        |
+| `mamba_count_capped`     | `MambaManager.get_num_blocks_to_allocate` caps the count   |        |
+|                          | (`min(num_new_blocks, physical_block_cap)`)                |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -92,6 +101,9 @@ class Capabilities:
     eagle_margin_hashed: bool = True
     replay_boundaries: bool = True
     partial_tail: bool = True
+    eagle_margin_skips_mamba: bool = True
+    mamba_checkpoint: str = "any_block"
+    mamba_count_capped: bool = True
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -107,6 +119,9 @@ class Capabilities:
             free_order=self.free_order,
             shared_prefix_junction=self.shared_prefix_junction,
             partial_tail=self.partial_tail,
+            eagle_margin_skips_mamba=self.eagle_margin_skips_mamba,
+            mamba_checkpoint=self.mamba_checkpoint,
+            mamba_count_capped=self.mamba_count_capped,
         )
 
     @property
@@ -188,6 +203,13 @@ def _free_order(free_blocks: Any) -> str:
     return "pool" if "prepend_n" in _source(free_blocks) else "append"
 
 
+def _mamba_checkpoint(mamba_manager: Any) -> str:
+    tail = _source(getattr(mamba_manager, "_cache_partial_tail_block", None))
+    if tail and "num_tokens % self.block_size == 0" not in tail:
+        return "any_block"
+    return "in_block_drop" if "latest_prompt_hash_boundary - hash_block_size" in tail else "in_block"
+
+
 def _retention(kv_cache_config: Any, coordinator_module: Any) -> str:
     if "prefix_cache_retention_interval" in _fields(kv_cache_config):
         return "config"
@@ -228,6 +250,10 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         eagle_margin_hashed="len(block_hashes) * self.hash_block_size" in _source(ns["coordinator_module"]),
         replay_boundaries="replay_boundaries" in _source(ns["coordinator_module"]),
         partial_tail=hasattr(full, "_cache_partial_tail_block"),
+        eagle_margin_skips_mamba="not isinstance(spec, MambaSpec)" in _source(ns["coordinator_module"]),
+        mamba_checkpoint=_mamba_checkpoint(ns["MambaManager"]),
+        mamba_count_capped="min(num_new_blocks, physical_block_cap)"
+        in _source(getattr(ns["MambaManager"], "get_num_blocks_to_allocate", None)),
     )
 
 

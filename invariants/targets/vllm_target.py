@@ -187,6 +187,11 @@ class VllmTarget:
             raise UnsupportedConfig(
                 f"retention_interval: vLLM {self.version} has no retention interval (dense only)"
             )
+        if not caps.fine_grained_mamba and any(
+            g.kind == "mamba" and g.block_size > cfg.hash_block_size for g in cfg.groups
+        ):
+            # A Mamba block wider than the hash block asks for fine-grained hits.
+            raise UnsupportedConfig(f"groups: vLLM {self.version} has no fine-grained Mamba hits")
         cfg_args: dict[str, Any] = {}
         if caps.retention == "config":
             # The dataclass default is None (dense); always pass it explicitly.
