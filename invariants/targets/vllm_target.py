@@ -555,8 +555,8 @@ class VllmTarget:
         cache = pool.cached_block_hash_to_block._cache
         holders: dict[BlockKey, tuple[int, ...]] = {}
         for k in want_keys:
-            h = self._names.hash_of(k.tokens) if self.track_prefixes else bytes(k.tokens.tokens())
-            val = None if h is None else cache.get(h + k.group.to_bytes(4, "big"))
+            h = self._map_key(k)
+            val = None if h is None else cache.get(h)
             holders[k] = (
                 ()
                 if val is None
@@ -579,6 +579,24 @@ class VllmTarget:
         if named is None:
             raise TargetCrash(f"hash {bytes(h).hex()[:16]}... comes from no known request")
         return named
+
+    def _map_key(self, k: BlockKey) -> bytes | None:
+        """The key vLLM files `k` under in its hash map (the inverse of `_key`); None
+        when the prefix has no hash. A "concat" release keys a block wider than the
+        hash block by the fine hashes it spans, joined in order; those hashes are
+        the release's own (the learnt table, else a throw-away request's)."""
+        group = k.group.to_bytes(4, "big")
+        if not self.track_prefixes:
+            return bytes(k.tokens.tokens()) + group  # the stand-in is the key's bytes
+        n, hbs = len(k.tokens), self.hbs
+        width = self.config.groups[k.group].block_size if self.caps.coarse_hash == "concat" else hbs
+        if width == hbs or n < width or n % width:
+            h = self._names.hash_of(k.tokens)
+            return None if h is None else h + group
+        parts = [self._names.hash_of(k.tokens.head(end)) for end in range(n - width + hbs, n + 1, hbs)]
+        if any(h is None for h in parts):
+            return None
+        return b"".join(h for h in parts if h is not None) + group
 
     def _key(self, key: bytes) -> BlockKey:
         """BlockHashWithGroupId (hash bytes + 4-byte big-endian group) -> BlockKey, memoised."""
