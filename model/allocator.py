@@ -650,9 +650,12 @@ class AllocatorModel:
         if not self.hybrid or self.fine:
             # Fine-grained hits may end at any hash boundary: nothing to floor.
             return n
+        if not self.profile.block_mask:  # before #42258 no group floors to the hit grid (model.profile)
+            return n
         sbs = self.cfg.scheduler_block_size
         aligned = n // sbs * sbs
-        if self.cfg.eagle and aligned > 0:
+        # Eagle's peek block past the boundary: with #44082 (model.profile eagle_aware_mask).
+        if self.cfg.eagle and aligned > 0 and self.profile.eagle_aware_mask:
             return min(n, aligned + g.bs)
         return aligned
 
