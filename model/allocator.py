@@ -490,6 +490,8 @@ class AllocatorModel:
             if skipped > 0:
                 first = g.retired.get(rid, 0)
                 last = min(skipped // g.bs, len(table))
+                if not self.profile.mamba_retire_past_nulls:  # before 0.30.0 (model.profile)
+                    first = next((i + 1 for i in range(last - 1, -1, -1) if not table[i]), 0)
                 if first < last:
                     freed = [table[i] for i in range(last - 1, first - 1, -1) if table[i]]
                     for i in range(first, last):

@@ -61,6 +61,11 @@ class Profile:
       block (block size above the hash block size) and the Mamba checkpoint
       state are keyed as partial entries (#46384, partial prefix hits). Before
       it only whole blocks were keyed (0.25.0 and older).
+    - `mamba_retire_past_nulls`: Mamba 'align' frees the states it skipped
+      past the null gaps prefill leaves between them (a retired-block mark).
+      Before it the walk down from the last skipped block stopped at the first
+      null, so a state below one was freed only as the stale state, in the
+      order of that path (0.29.0; PR not identified).
     """
 
     eagle_junction_peek: bool = True
@@ -74,6 +79,7 @@ class Profile:
     free_order: str = "pool"
     shared_prefix_junction: bool = True
     partial_tail: bool = True
+    mamba_retire_past_nulls: bool = True
 
     def __post_init__(self) -> None:
         assert self.free_order in FREE_ORDERS, f"free_order: one of {FREE_ORDERS}"

@@ -148,6 +148,11 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
             def reachable_block_mask(self):  # type: ignore[no-untyped-def]
                 return None
 
+        if new.get("mamba_retire"):
+
+            def _remove_blocks_in_range(self, request_id, first_block, last_block):  # type: ignore[no-untyped-def]
+                return None
+
     class SingleTypeKVCacheManager:
         if new.get("junction_peek"):
 

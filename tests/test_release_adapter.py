@@ -24,7 +24,7 @@ import pytest
 
 from invariants.harness.trace import Trace, write_trace
 from invariants.targets.vllm_env import cache_root, vllm_available
-from model.config import Config, GroupSpec
+from model.config import Config, ConfigError, GroupSpec
 from model.observation import block_key
 from model.ops import AddRequest, Finish, Schedule
 
@@ -103,3 +103,26 @@ def test_the_map_key_joins_the_fine_hashes_only_on_concat_releases(monkeypatch: 
         assert t._map_key(wide) == joined + (0).to_bytes(4, "big")
         assert t._map_key(fine) == second + (1).to_bytes(4, "big")  # a hash-block-wide group: one hash
         assert t._key(joined + (0).to_bytes(4, "big")) == wide  # the inverse of the snapshot's naming
+
+
+@pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
+def test_a_scheduler_block_off_the_lcm_is_refused_where_the_release_takes_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 0.21.0 and 0.22.0 take no scheduler_block_size: they align to the lcm of the
+    # group block sizes, so another value would be silently dropped.
+    import invariants.targets.vllm_target as vt
+    from invariants.targets.vllm_capabilities import detect
+
+    caps = detect()
+    older = dataclasses.replace(caps, manager_args=caps.manager_args - {"scheduler_block_size"})
+    monkeypatch.setattr(vt, "detect", lambda: older)
+    groups = (GroupSpec("full", 4), GroupSpec("swa", 4, 4))
+    with pytest.raises(vt.UnsupportedConfig, match="scheduler_block_size"):
+        vt.VllmTarget(Config(groups, 16, scheduler_block_size=8))
+    # control: the lcm (4) passes the guard (0.33.0's constructor then wants the argument it was not given)
+    with pytest.raises(ConfigError, match="rejects the configuration") as refused:
+        vt.VllmTarget(Config(groups, 16))
+    assert not isinstance(refused.value, vt.UnsupportedConfig)
+    monkeypatch.setattr(vt, "detect", lambda: caps)
+    vt.VllmTarget(Config(groups, 16, scheduler_block_size=8))  # control: a release that takes it

@@ -33,6 +33,8 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |                          | `cache_blocks` (else only `num_prompt_tokens - 1`)         |        |
 | `partial_tail`           | `FullAttentionManager._cache_partial_tail_block` (partial  | #46384 |
 |                          | prompt tails keyed inside a block)                         |        |
+| `mamba_retired_mark`     | `MambaManager._remove_blocks_in_range` (align mode frees   |        |
+|                          | skipped states past null gaps)                             |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -92,6 +94,7 @@ class Capabilities:
     eagle_margin_hashed: bool = True
     replay_boundaries: bool = True
     partial_tail: bool = True
+    mamba_retired_mark: bool = True
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -107,6 +110,7 @@ class Capabilities:
             free_order=self.free_order,
             shared_prefix_junction=self.shared_prefix_junction,
             partial_tail=self.partial_tail,
+            mamba_retire_past_nulls=self.mamba_retired_mark,
         )
 
     @property
@@ -228,6 +232,7 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         eagle_margin_hashed="len(block_hashes) * self.hash_block_size" in _source(ns["coordinator_module"]),
         replay_boundaries="replay_boundaries" in _source(ns["coordinator_module"]),
         partial_tail=hasattr(full, "_cache_partial_tail_block"),
+        mamba_retired_mark="_remove_blocks_in_range" in vars(ns["MambaManager"]),
     )
 
 

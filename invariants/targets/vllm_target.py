@@ -63,6 +63,7 @@ block keyed by its joined fine hashes by the last of them.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -186,6 +187,13 @@ class VllmTarget:
         if caps.retention == "none" and cfg.retention_interval is not None:
             raise UnsupportedConfig(
                 f"retention_interval: vLLM {self.version} has no retention interval (dense only)"
+            )
+        lcm = math.lcm(*(g.block_size for g in cfg.groups))
+        if "scheduler_block_size" not in caps.manager_args and cfg.scheduler_block_size != lcm:
+            # Such a release aligns hits and caching to the lcm of the group block sizes.
+            raise UnsupportedConfig(
+                f"scheduler_block_size: vLLM {self.version} takes none (it aligns to the lcm of "
+                f"the group block sizes, {lcm}), got {cfg.scheduler_block_size}"
             )
         cfg_args: dict[str, Any] = {}
         if caps.retention == "config":
