@@ -497,6 +497,8 @@ class AllocatorModel:
             if skipped > 0:
                 first = g.retired.get(rid, 0)
                 last = min(skipped // g.bs, len(table))
+                if not self.profile.mamba_retire_past_nulls:  # before 0.30.0 (model.profile)
+                    first = next((i + 1 for i in range(last - 1, -1, -1) if not table[i]), 0)
                 if first < last:
                     freed = [table[i] for i in range(last - 1, first - 1, -1) if table[i]]
                     for i in range(first, last):
@@ -659,9 +661,12 @@ class AllocatorModel:
         if not self.hybrid or self.fine:
             # Fine-grained hits may end at any hash boundary: nothing to floor.
             return n
+        if not self.profile.block_mask:  # before #42258 no group floors to the hit grid (model.profile)
+            return n
         sbs = self.cfg.scheduler_block_size
         aligned = n // sbs * sbs
-        if self.cfg.eagle and aligned > 0:
+        # Eagle's peek block past the boundary: with #44082 (model.profile eagle_aware_mask).
+        if self.cfg.eagle and aligned > 0 and self.profile.eagle_aware_mask:
             return min(n, aligned + g.bs)
         return aligned
 

@@ -81,6 +81,11 @@ class Profile:
       blocks capped at one running state plus a copy destination (0.31.0).
       Before it any positive need was raised to that cap, so a partial hit
       needing only its copy block asked for two (0.26.0 .. 0.30.0).
+    - `mamba_retire_past_nulls`: Mamba 'align' frees the states it skipped
+      past the null gaps prefill leaves between them (a retired-block mark).
+      Before it the walk down from the last skipped block stopped at the first
+      null, so a state below one was freed only as the stale state, in the
+      order of that path (0.29.0; PR not identified).
     """
 
     eagle_junction_peek: bool = True
@@ -97,6 +102,7 @@ class Profile:
     eagle_margin_skips_mamba: bool = True
     mamba_checkpoint: str = "any_block"
     mamba_count_capped: bool = True
+    mamba_retire_past_nulls: bool = True
 
     def __post_init__(self) -> None:
         assert self.free_order in FREE_ORDERS, f"free_order: one of {FREE_ORDERS}"

@@ -43,6 +43,7 @@ class Case:
     config: Config
     ops: tuple[Op, ...]
     old: object = False  # the switch's value in that release
+    base: tuple[tuple[str, object], ...] = ()  # other switches of that release the trace needs
 
 
 FULL4_SWA5 = (GroupSpec("full", 4), GroupSpec("swa", 4, 5))
@@ -197,6 +198,32 @@ CASES = {
             AddRequest("b", (*MAMBA_PROMPT, 2, 2, 2)),
             Schedule("b", 64),
         ),
+    "block_mask_alignment": Case(
+        "block_mask",
+        "block_mask",
+        "0.21.0",
+        Config((GroupSpec("full", 8), GroupSpec("swa", 2, 4)), 16, hash_block_size=2),
+        (AddRequest("a", (1, 2, 2, 2, 2, 2, 1, 1, 2, 1)), Schedule("a", 2)),
+    ),
+    "eagle_aware_mask_peek_caching": Case(
+        "eagle_aware_mask",
+        "eagle_aware_mask",
+        "0.22.0",
+        Config((GroupSpec("full", 4), GroupSpec("swa", 8, 9)), 16, eagle=True),
+        (AddRequest("a", (1, 2, 2, 2, 2, 2, 1, 1, 2, 1, 1, 2, 2)), Schedule("a", 64)),
+    ),
+    "mamba_retire_past_nulls": Case(
+        "mamba_retire_past_nulls",
+        "mamba_retired_mark",
+        "0.23.0",
+        Config(
+            (GroupSpec("full", 4), GroupSpec("swa", 2, 4), GroupSpec("mamba", 2)),
+            18,
+            hash_block_size=2,
+            enable_caching=False,
+        ),
+        (AddRequest("a", (3, 3, 3, 1, 1, 3, 1, 2)), *(Schedule("a", 3),) * 4),
+        base=(("free_order", "caller"),),
     ),
 }
 # The fake-namespace flag (tests/test_matrix.py fakes) that changes each capability.
@@ -216,6 +243,7 @@ FAKE_FLAG: dict[str, tuple[str, object, object]] = {
     "eagle_margin_skips_mamba": ("mamba_no_margin", True, False),
     "mamba_checkpoint": ("mamba_any_block", "any_block", "in_block"),
     "mamba_count_capped": ("mamba_capped", True, False),
+    "mamba_retired_mark": ("mamba_retire", True, False),
 }
 
 
@@ -227,8 +255,13 @@ def _run(case: Case, profile: Profile) -> list[Observation | Snapshot]:
     return out
 
 
+def _newer(case: Case) -> Profile:
+    """The 0.33.0 rule for the case's switch (with the release's other switches the trace needs)."""
+    return replace(MODELED, **dict(case.base))
+
+
 def _older(case: Case) -> Profile:
-    return replace(MODELED, **{case.switch: case.old})
+    return replace(_newer(case), **{case.switch: case.old})
 
 
 def test_the_default_profile_is_the_modeled_release() -> None:
@@ -239,7 +272,7 @@ def test_the_default_profile_is_the_modeled_release() -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_switch_changes_the_prediction_on_its_trace(name: str) -> None:
     case = CASES[name]
-    assert _run(case, MODELED) != _run(case, _older(case))
+    assert _run(case, _newer(case)) != _run(case, _older(case))
 
 
 def _stored(snaps: list[Observation | Snapshot], group: int) -> list[tuple[int, ...]]:
@@ -416,6 +449,33 @@ def test_the_mamba_checkpoint_rule_is_read_from_the_manager() -> None:
     ]
     assert caps == ["in_block_drop"]
     assert detect_from(_fake_namespace(), "0.0.0").mamba_checkpoint == "in_block"  # control
+def test_before_the_block_mask_caching_is_not_floored_to_the_hit_grid() -> None:
+    # Full 8 + SWA 2 over hash blocks of 2, 2 tokens computed: #42258 floors the
+    # cacheable length to the 8-token hit grid (nothing cached); 0.21.0 caches
+    # the SWA block of the 2 computed tokens.
+    case = CASES["block_mask_alignment"]
+    new, old = (_stored(_run(case, pr), 1) for pr in (MODELED, _older(case)))
+    assert new == [] and old == [(1, 2)]
+
+
+def test_before_the_eagle_aware_mask_no_peek_block_past_the_grid() -> None:
+    # Full 4 + SWA 8, Eagle, a 13-token prompt: #44082 lets each group cache one
+    # block past the 8-token grid (Eagle's peek), so full attention keys 12
+    # tokens; 0.22.0 stops at the grid (8).
+    case = CASES["eagle_aware_mask_peek_caching"]
+    new, old = (_stored(_run(case, pr), 0) for pr in (MODELED, _older(case)))
+    assert [len(p) for p in new] == [4, 8, 12] and [len(p) for p in old] == [4, 8]
+
+
+def test_before_the_retired_mark_a_state_below_a_null_leaves_as_the_stale_state() -> None:
+    # Mamba 2 'align', caching off, "caller" free order: at 8 computed tokens the
+    # skipped range holds state block 4 under a null gap. 0.30.0 frees it there
+    # (caching off: to the head); 0.23.0's walk stops at the gap and block 4
+    # leaves as the stale state, appended.
+    case = CASES["mamba_retire_past_nulls"]
+    new, old = (_run(case, pr)[-1] for pr in (_newer(case), _older(case)))
+    assert isinstance(new, Snapshot) and isinstance(old, Snapshot)
+    assert new.free_queue[0] == 4 and old.free_queue[-1] == 4
 
 
 @pytest.mark.parametrize("capability", sorted(FAKE_FLAG))

@@ -42,6 +42,8 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |                          | "in_block"                                                 |        |
 | `mamba_count_capped`     | `MambaManager.get_num_blocks_to_allocate` caps the count   |        |
 |                          | (`min(num_new_blocks, physical_block_cap)`)                |        |
+| `mamba_retired_mark`     | `MambaManager._remove_blocks_in_range` (align mode frees   |        |
+|                          | skipped states past null gaps)                             |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -104,6 +106,7 @@ class Capabilities:
     eagle_margin_skips_mamba: bool = True
     mamba_checkpoint: str = "any_block"
     mamba_count_capped: bool = True
+    mamba_retired_mark: bool = True
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -122,6 +125,7 @@ class Capabilities:
             eagle_margin_skips_mamba=self.eagle_margin_skips_mamba,
             mamba_checkpoint=self.mamba_checkpoint,
             mamba_count_capped=self.mamba_count_capped,
+            mamba_retire_past_nulls=self.mamba_retired_mark,
         )
 
     @property
@@ -254,6 +258,7 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         mamba_checkpoint=_mamba_checkpoint(ns["MambaManager"]),
         mamba_count_capped="min(num_new_blocks, physical_block_cap)"
         in _source(getattr(ns["MambaManager"], "get_num_blocks_to_allocate", None)),
+        mamba_retired_mark="_remove_blocks_in_range" in vars(ns["MambaManager"]),
     )
 
 

@@ -63,6 +63,7 @@ block keyed by its joined fine hashes by the last of them.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -192,6 +193,13 @@ class VllmTarget:
         ):
             # A Mamba block wider than the hash block asks for fine-grained hits.
             raise UnsupportedConfig(f"groups: vLLM {self.version} has no fine-grained Mamba hits")
+        lcm = math.lcm(*(g.block_size for g in cfg.groups))
+        if "scheduler_block_size" not in caps.manager_args and cfg.scheduler_block_size != lcm:
+            # Such a release aligns hits and caching to the lcm of the group block sizes.
+            raise UnsupportedConfig(
+                f"scheduler_block_size: vLLM {self.version} takes none (it aligns to the lcm of "
+                f"the group block sizes, {lcm}), got {cfg.scheduler_block_size}"
+            )
         cfg_args: dict[str, Any] = {}
         if caps.retention == "config":
             # The dataclass default is None (dense); always pass it explicitly.
@@ -570,8 +578,8 @@ class VllmTarget:
         cache = pool.cached_block_hash_to_block._cache
         holders: dict[BlockKey, tuple[int, ...]] = {}
         for k in want_keys:
-            h = self._names.hash_of(k.tokens) if self.track_prefixes else bytes(k.tokens.tokens())
-            val = None if h is None else cache.get(h + k.group.to_bytes(4, "big"))
+            h = self._map_key(k)
+            val = None if h is None else cache.get(h)
             holders[k] = (
                 ()
                 if val is None
@@ -594,6 +602,24 @@ class VllmTarget:
         if named is None:
             raise TargetCrash(f"hash {bytes(h).hex()[:16]}... comes from no known request")
         return named
+
+    def _map_key(self, k: BlockKey) -> bytes | None:
+        """The key vLLM files `k` under in its hash map (the inverse of `_key`); None
+        when the prefix has no hash. A "concat" release keys a block wider than the
+        hash block by the fine hashes it spans, joined in order; those hashes are
+        the release's own (the learnt table, else a throw-away request's)."""
+        group = k.group.to_bytes(4, "big")
+        if not self.track_prefixes:
+            return bytes(k.tokens.tokens()) + group  # the stand-in is the key's bytes
+        n, hbs = len(k.tokens), self.hbs
+        width = self.config.groups[k.group].block_size if self.caps.coarse_hash == "concat" else hbs
+        if width == hbs or n < width or n % width:
+            h = self._names.hash_of(k.tokens)
+            return None if h is None else h + group
+        parts = [self._names.hash_of(k.tokens.head(end)) for end in range(n - width + hbs, n + 1, hbs)]
+        if any(h is None for h in parts):
+            return None
+        return b"".join(h for h in parts if h is not None) + group
 
     def _key(self, key: bytes) -> BlockKey:
         """BlockHashWithGroupId (hash bytes + 4-byte big-endian group) -> BlockKey, memoised."""
