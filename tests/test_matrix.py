@@ -171,6 +171,7 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
                 if num_tokens % self.block_size == 0:  # type: ignore[attr-defined]
                     return None
                 return latest_prompt_hash_boundary - hash_block_size  # type: ignore[name-defined]  # noqa: F821
+
         if new.get("mamba_retire"):
 
             def _remove_blocks_in_range(self, request_id, first_block, last_block):  # type: ignore[no-untyped-def]

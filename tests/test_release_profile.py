@@ -198,6 +198,7 @@ CASES = {
             AddRequest("b", (*MAMBA_PROMPT, 2, 2, 2)),
             Schedule("b", 64),
         ),
+    ),
     "block_mask_alignment": Case(
         "block_mask",
         "block_mask",
@@ -449,6 +450,8 @@ def test_the_mamba_checkpoint_rule_is_read_from_the_manager() -> None:
     ]
     assert caps == ["in_block_drop"]
     assert detect_from(_fake_namespace(), "0.0.0").mamba_checkpoint == "in_block"  # control
+
+
 def test_before_the_block_mask_caching_is_not_floored_to_the_hit_grid() -> None:
     # Full 8 + SWA 2 over hash blocks of 2, 2 tokens computed: #42258 floors the
     # cacheable length to the 8-token hit grid (nothing cached); 0.21.0 caches

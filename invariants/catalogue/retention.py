@@ -72,10 +72,12 @@ def no_waste(ctx: CheckContext) -> list[str]:
     rids = ctx.op.rids if isinstance(ctx.op, Step) else (getattr(ctx.op, "rid", None),)
     first = [ctx.history.requests[r] for r in rids if r in ctx.history.requests]
     for key in new:
-        if ctx.config.groups[key.group].kind == "full":
+        kind = ctx.config.groups[key.group].kind
+        if kind == "full":
             continue
         if not any(_kept_by_request(ctx, key, r) for r in chain(first, ctx.history.all_requests())):
-            out.append(f"{key.short()} cached but no retained boundary of any request needs it")
+            # The kind leads the message so that a known finding can name one.
+            out.append(f"{kind} {key.short()} cached but no retained boundary of any request needs it")
     return out
 
 
