@@ -19,7 +19,7 @@ from invariants.harness.checker import Checker, InvalidOp
 from invariants.harness.machine import FuzzStats, build_machine
 from invariants.harness.strategies import configs
 from invariants.targets import available_targets, target_factory
-from invariants.targets.base import partial_from_snapshot
+from invariants.targets.base import partial_from_snapshot, table_changes
 from invariants.targets.model_target import ModelTarget
 from model.config import Config, GroupSpec
 from model.observation import Observation, StepResult
@@ -111,12 +111,71 @@ def test_fast_path_agrees_with_audit_on_random_runs(name):
         assert fast.audits == 0  # every step went by deltas, batched steps too
         assert any(isinstance(op, Step) for op in ops)
         shape = fast.shape()  # what the fuzz statistics count, from the mirror
+        mirror = _mirror_state(fast)
         assert [v for v in fast.audit() if v.check not in KNOWN] == []
+        # The deltas kept the mirror as a full snapshot rebuilds it: the partial
+        # reads skipped no block whose ref count or key changed.
+        assert mirror == _mirror_state(fast)
         snap = fast.last
         assert shape == (len(snap.free_queue), len(snap.pinned_queue), len(snap.cached), len(snap.tables))
         full = Checker(factory(CFG), audit_every=1)
         for op in ops:
             assert [v for v in full.step(op) if v.check not in KNOWN] == []
+
+
+def _mirror_state(checker: Checker) -> tuple[object, ...]:
+    """The mirror's ref counts, keys, hash map, tables and counts (not the free-queue
+    links of untouched blocks: a neighbour leaving the queue changes them unread)."""
+    return (
+        [state[:2] for state in checker._blocks],
+        dict(checker._key_of),
+        dict(checker._holders),
+        dict(checker._tables),
+        +checker._uses,
+        set(checker._free_uncached),
+        checker._in_use,
+    )
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_partial_given_the_tables_before_equals_the_snapshot_definition(name):
+    factory = _target(name)
+    rng = random.Random(11)
+    checker = Checker(factory(CFG), audit_every=1)
+    random_ops(rng, checker, 60)
+    target = checker.target
+    before = dict(target.snapshot().tables)
+    random_ops(rng, checker, 6)
+    snap = target.snapshot()
+    rids = sorted(set(before) | set(snap.tables)) + ["gone"]
+    blocks = set(rng.sample(range(1, CFG.num_blocks), 2))
+    got = target.partial(blocks, rids, set(), before)
+    assert got == partial_from_snapshot(snap, blocks, rids, set(), before)
+    # The tables bring only blocks they held before or hold now.
+    every = partial_from_snapshot(snap, blocks, rids, set())
+    held_before = {b for table in before.values() for g in table for b in g}
+    assert set(got.blocks) <= set(every.blocks) | held_before
+
+
+def test_table_changes_start_at_the_first_difference():
+    rng = random.Random(3)
+    for _ in range(400):
+        groups = rng.randint(1, 3)
+        a = tuple(tuple(rng.choice((0, 1, 2, 3, 4)) for _ in range(rng.randint(0, 8))) for _ in range(groups))
+        b = tuple(
+            g[: rng.randint(0, len(g))] + tuple(rng.choice((0, 1, 5)) for _ in range(rng.randint(0, 3)))
+            for g in a
+        )
+        left, joined = table_changes(a, b)
+        want_left: list[int] = []
+        want_joined: list[int] = []
+        for x, y in zip(a, b):
+            start = next((i for i in range(min(len(x), len(y))) if x[i] != y[i]), min(len(x), len(y)))
+            want_left += [v for v in x[start:] if v]
+            want_joined += [v for v in y[start:] if v]
+        assert (left, joined) == (want_left, want_joined), (a, b)
+    assert table_changes((), ((1, 2),)) == ([], [1, 2])
+    assert table_changes(((1, 2),), ()) == ([1, 2], [])
 
 
 @pytest.mark.parametrize("name", ["model", "reference"])

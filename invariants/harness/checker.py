@@ -36,7 +36,7 @@ from invariants.catalogue import (
     update_history,
     update_history_delta,
 )
-from invariants.targets.base import PartialState, Target
+from invariants.targets.base import PartialState, Tables, Target, table_changes
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
 from model.observation import (
@@ -226,11 +226,9 @@ class Checker:
         rid = getattr(op, "rid", None)
         blocks: set[int] = set(op.block_ids) if isinstance(op, EvictBlocks) else set()
         rids = list(op.rids) if isinstance(op, Step) else [rid] if isinstance(rid, str) else []
-        # The named requests' tables before the operation (the step invariants read them).
+        # The named requests' tables before the operation (the step invariants read
+        # them; the partial reads only the positions where they changed).
         tables_before = {r: self._tables.get(r, ()) for r in rids}
-        for table in tables_before.values():
-            for g in table:
-                blocks.update(g)
         expected_obs = self.model.apply(op)
         try:
             obs = self.target.apply(op)
@@ -255,7 +253,7 @@ class Checker:
         key_of = self._key_of
         keys = {key_of[b] for b in blocks if b in key_of}
         try:
-            got, want = self._partials(blocks, rids, keys)
+            got, want = self._partials(blocks, rids, keys, tables_before)
         except Exception as exc:
             return [Violation("crash", f"{type(exc).__name__}: {exc}")]
         found += [Violation("snapshot", line) for line in _diff_partial(want, got)]
@@ -288,18 +286,18 @@ class Checker:
         return found
 
     def _partials(
-        self, blocks: set[int], rids: list[str], keys: set[BlockKey]
+        self, blocks: set[int], rids: list[str], keys: set[BlockKey], before: Tables
     ) -> tuple[PartialState, PartialState]:
         """(target's, model's) partial states over the same blocks and keys (the union of
         what either side says the operation touched); events are drained once."""
-        got = self.target.partial(blocks, rids, keys)  # type: ignore[attr-defined]
-        want = self._model_target.partial(blocks | set(got.blocks), rids, keys | set(got.holders))
+        got = self.target.partial(blocks, rids, keys, before)  # type: ignore[attr-defined]
+        want = self._model_target.partial(blocks | set(got.blocks), rids, keys | set(got.holders), before)
         for _ in range(4):
             if want.blocks.keys() == got.blocks.keys() and want.holders.keys() == got.holders.keys():
                 break
             blocks, keys = want.blocks.keys() | got.blocks.keys(), want.holders.keys() | got.holders.keys()
-            got = replace(self.target.partial(blocks, rids, keys), events=got.events)  # type: ignore[attr-defined]
-            want = replace(self._model_target.partial(blocks, rids, keys), events=want.events)
+            got = replace(self.target.partial(blocks, rids, keys, before), events=got.events)  # type: ignore[attr-defined]
+            want = replace(self._model_target.partial(blocks, rids, keys, before), events=want.events)
         return got, want
 
     def _advance(self, got: PartialState) -> Delta:
@@ -311,20 +309,15 @@ class Checker:
         uses = self._uses
         for rid, table in got.tables.items():
             old = self._tables.pop(rid, ())
-            if old == table:
-                if table:
-                    self._tables[rid] = table
-                continue
-            for g in old:
-                for b in g:
-                    if b:
-                        uses[b] -= 1
             if table:
                 self._tables[rid] = table
-                for g in table:
-                    for b in g:
-                        if b:
-                            uses[b] += 1
+            if old == table:
+                continue
+            left, joined = table_changes(old, table)
+            for b in left:
+                uses[b] -= 1
+            for b in joined:
+                uses[b] += 1
         for b, state in got.blocks.items():
             self._in_use += (state[0] > 0) - (self._blocks[b][0] > 0)
             self._blocks[b] = state

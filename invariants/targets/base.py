@@ -61,11 +61,15 @@ class PartialState:
     - `tables[rid]`: the request's per-group block table, () when it holds none;
     - `free_len`: length of the regular free queue; `events`: drained KV events.
 
-    Contract (`partial(blocks, rids, keys)`): it reports every asked block,
-    request and key, plus the blocks in the reported tables and the keys those
-    blocks carry or the events name. It equals `partial_from_snapshot` of a
-    full snapshot taken at the same moment (the tests hold every target to
-    this); a target without `partial` is checked by full snapshots only.
+    Contract (`partial(blocks, rids, keys, before=None)`): it reports every
+    asked block, request and key; the blocks in the reported tables (given
+    `before`, the requests' tables before the operation: only the blocks at the
+    positions where a table changed, see `table_changes`); the blocks that hold
+    a key the events name (a block that became cached where its table did not
+    change); and the keys those blocks carry or the events name. It equals
+    `partial_from_snapshot` of a full snapshot taken at the same moment (the
+    tests hold every target to this); a target without `partial` is checked
+    by full snapshots only.
     """
 
     blocks: dict[int, tuple[int, BlockKey | None, int, int]]
@@ -86,25 +90,72 @@ def event_keys(events: Iterable[Event]) -> set[BlockKey]:
     return out
 
 
+Tables = dict[str, tuple[BlockIds, ...]]
+
+
+def table_changes(before: tuple[BlockIds, ...], after: tuple[BlockIds, ...]) -> tuple[list[int], list[int]]:
+    """(left, joined): a request's blocks at the table positions from the first
+    one that differs, before and after (null blocks left out).
+
+    A block table changes at its end (a chunk's new blocks, a free) and in its
+    window (blocks leaving a sliding window or a Mamba state become the null
+    block); positions before the first difference hold the same blocks. So
+    the delta of a 1M-token request costs its window and chunk, not its table
+    (the prefix comparison runs in C)."""
+    left: list[int] = []
+    joined: list[int] = []
+    for g in range(max(len(before), len(after))):
+        a = before[g] if g < len(before) else ()
+        b = after[g] if g < len(after) else ()
+        n = min(len(a), len(b))
+        if a[:n] == b[:n]:
+            start = n
+        else:
+            lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if a[lo:mid] == b[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            start = lo
+        left += [x for x in a[start:] if x]
+        joined += [x for x in b[start:] if x]
+    return left, joined
+
+
 def closure(
-    tables: dict[str, tuple[BlockIds, ...]], blocks: Iterable[int], keys: Iterable[BlockKey]
+    tables: Tables, blocks: Iterable[int], keys: Iterable[BlockKey], before: Tables | None = None
 ) -> tuple[set[int], set[BlockKey]]:
-    """The blocks and keys a partial state must report, before primary keys are added."""
+    """The blocks and keys a partial state must report, before primary keys and
+    the holders of event keys are added."""
     out = set(blocks)
-    for table in tables.values():
-        for group in table:
-            out.update(group)
+    for rid, table in tables.items():
+        if before is None:
+            for group in table:
+                out.update(group)
+        else:
+            left, joined = table_changes(before.get(rid, ()), table)
+            out.update(left)
+            out.update(joined)
     out.discard(0)  # the null block
     return out, set(keys)
 
 
 def partial_from_snapshot(
-    snap: Snapshot, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]
+    snap: Snapshot,
+    blocks: Iterable[int],
+    rids: Iterable[str],
+    keys: Iterable[BlockKey],
+    before: Tables | None = None,
 ) -> PartialState:
     """The reference definition of `partial`: read off a full snapshot."""
     tables = {rid: snap.tables.get(rid, ()) for rid in rids}
-    want, want_keys = closure(tables, blocks, keys)
-    want_keys |= event_keys(snap.events)
+    want, want_keys = closure(tables, blocks, keys, before)
+    stored = event_keys(snap.events)
+    want_keys |= stored
+    for k in stored:
+        want.update(snap.cached.get(k, ()))
     pos = {b: i for i, b in enumerate(snap.free_queue)}
     q = snap.free_queue
     out: dict[int, tuple[int, BlockKey | None, int, int]] = {}

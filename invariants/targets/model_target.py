@@ -15,7 +15,7 @@ from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
 from model.profile import MODELED, Profile
 
-from .base import END, NOT_FREE, PartialState, closure, event_keys
+from .base import END, NOT_FREE, PartialState, Tables, closure, event_keys
 
 
 class ModelTarget:
@@ -31,12 +31,18 @@ class ModelTarget:
     def snapshot(self) -> Snapshot:
         return self._model.snapshot()
 
-    def partial(self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]) -> PartialState:
-        return model_partial(self._model, blocks, rids, keys)
+    def partial(
+        self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey], before: Tables | None = None
+    ) -> PartialState:
+        return model_partial(self._model, blocks, rids, keys, before)
 
 
 def model_partial(
-    model: AllocatorModel, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]
+    model: AllocatorModel,
+    blocks: Iterable[int],
+    rids: Iterable[str],
+    keys: Iterable[BlockKey],
+    before: Tables | None = None,
 ) -> PartialState:
     """`partial` read straight from the model's pool (no full snapshot)."""
     pool = model.pool
@@ -46,8 +52,11 @@ def model_partial(
         tables[rid] = table if any(table) else ()
     events = tuple(pool.events)
     pool.events.clear()
-    want, want_keys = closure(tables, blocks, keys)
-    want_keys |= event_keys(events)
+    want, want_keys = closure(tables, blocks, keys, before)
+    stored = event_keys(events)
+    want_keys |= stored
+    for k in stored:
+        want.update(pool.cached.get(k, ()))
     out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
     for b in want:
         key = pool.primary.get(b)

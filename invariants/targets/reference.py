@@ -62,7 +62,7 @@ from reference_impl.kv_cache_manager import KVCacheManager
 from reference_impl.request import Request
 from reference_impl.scheduler import ScheduleOutcome, Scheduler
 
-from .base import PartialState, TargetCrash, partial_from_snapshot
+from .base import PartialState, Tables, TargetCrash, partial_from_snapshot
 from .hash_names import HashNames
 
 Mutant = Callable[[AllocatorComponents], AllocatorComponents]
@@ -196,9 +196,11 @@ class ReferenceTarget:
             raise ValueError(f"unsupported operation {op!r}")
         return Done()
 
-    def partial(self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]) -> PartialState:
+    def partial(
+        self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey], before: Tables | None = None
+    ) -> PartialState:
         """Read off a full snapshot (correct, not fast: the reference is judged, not benchmarked)."""
-        return partial_from_snapshot(self.snapshot(), blocks, rids, keys)
+        return partial_from_snapshot(self.snapshot(), blocks, rids, keys, before)
 
     def snapshot(self) -> Snapshot:
         pool = self.allocator.block_pool

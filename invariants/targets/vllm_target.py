@@ -101,7 +101,7 @@ from model.pool import EVENT_PROFILES
 from model.prefix import Prefix, extend, prefix
 from model.scheduling import mamba_chunk
 
-from .base import END, NOT_FREE, PartialState, TargetCrash, TargetUnavailable, closure, event_keys
+from .base import END, NOT_FREE, PartialState, Tables, TargetCrash, TargetUnavailable, closure, event_keys
 from .hash_names import HashNames
 from .vllm_capabilities import RETENTION_ENV, Capabilities, detect
 from .vllm_env import MODELED_VERSION, version_warning, vllm_available, vllm_version
@@ -226,21 +226,28 @@ class VllmTarget:
             kind = "" if isinstance(exc, ValueError) else f" ({type(exc).__name__})"
             raise ConfigError(f"vLLM {self.version} rejects the configuration{kind}: {exc}") from exc
 
-    def _new_request(self, rid: str, tokens: Iterable[int]) -> Any:
+    def _new_request(self, rid: str, tokens: Iterable[int], known: list[Any] | None = None) -> Any:
+        """A WAITING request for `tokens`, hashed by vLLM's hasher, its hashes learnt;
+        with `known`, a probe's (see `_probe_request`): the hashes of its first full
+        blocks are `known`, and it learns nothing (a lookup puts no hash in the map,
+        and a request that does learns its own)."""
         v = self._v
         sp = v["SamplingParams"](max_tokens=1 << 30)
+        hasher = None
+        if self.config.enable_caching:  # EngineCore hashes requests only when prefix caching is on (core.py)
+            hasher = v["get_request_block_hasher"](self.hbs, v["sha256"])
+            if known:
+                hasher = _continuing(hasher, known)
         req = v["Request"](
             request_id=rid,
             prompt_token_ids=list(tokens),
             sampling_params=sp,
             pooling_params=None,
             mm_features=None,
-            # EngineCore hashes requests only when prefix caching is on (core.py)
-            block_hasher=v["get_request_block_hasher"](self.hbs, v["sha256"])
-            if self.config.enable_caching
-            else None,
+            block_hasher=hasher,
         )
-        self._learn_hashes(req, 0, tokens if isinstance(tokens, tuple) else None)
+        if known is None:
+            self._learn_hashes(req, 0, tokens if isinstance(tokens, tuple) else None)
         return req
 
     def _learn_hashes(self, req: Any, start: int, tokens: Tokens | None = None) -> None:
@@ -382,10 +389,17 @@ class VllmTarget:
         return tuple((c.src_block_id, c.dst_block_id) for c in copies)
 
     def _probe_request(self, tokens: Tokens) -> Any:
-        """A throw-away request for `tokens`. Right after a Finish the promise probe
-        replays that request's prompt: when it has no outputs, the finished request
-        itself serves (vLLM hashed it already; the lookup reads only its token count
-        and block hashes, and a free leaves both as they were)."""
+        """A throw-away request for `tokens` (a lookup reads only its token count and
+        block hashes).
+
+        vLLM's block hash is a function of the prefix's tokens alone (no LoRA,
+        multimodal input, salt or hash lookahead here), so the full blocks `tokens`
+        shares with a request vLLM already hashed take that request's hashes, and
+        vLLM's hasher hashes only the blocks after them: a probe of a 1M-token
+        prefix costs a token comparison, not 62k hashes. The donors are the live
+        requests and the last finished one (the promise probe replays its
+        prompt); when that one has no outputs it serves itself (a free leaves its
+        token count and hashes as they were)."""
         last, self._finished = self._finished, None
         if (
             last is not None
@@ -394,7 +408,10 @@ class VllmTarget:
         ):
             return last
         self._probe_seq += 1
-        return self._new_request(f"__probe{self._probe_seq}", tokens)
+        donors = [*self.requests.values(), *([last] if last is not None else [])]
+        want = list(tokens)
+        known = _shared_hashes(want, donors, self.hbs) if self.config.enable_caching else []
+        return self._new_request(f"__probe{self._probe_seq}", tokens, known)
 
     def _computed_blocks(self, req: Any) -> tuple[Any, int, int]:
         """`get_computed_blocks`; a release without the junction returns no boundary (0)."""
@@ -548,7 +565,9 @@ class VllmTarget:
         self._prune_names()
         return snap
 
-    def partial(self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey]) -> PartialState:
+    def partial(
+        self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey], before: Tables | None = None
+    ) -> PartialState:
         """What an operation touched, read from those blocks and tables only (see `PartialState`)."""
         pool, queue = self.pool, self.pool.free_block_queue
         head, tail = queue.fake_free_list_head, queue.fake_free_list_tail
@@ -559,8 +578,20 @@ class VllmTarget:
             )
             tables[rid] = table if any(table) else ()
         events = tuple(e for ev in self.manager.take_events() for e in self._event(ev))
-        want, want_keys = closure(tables, blocks, keys)
-        want_keys |= event_keys(events)
+        want, want_keys = closure(tables, blocks, keys, before)
+        cache = pool.cached_block_hash_to_block._cache
+        holders: dict[BlockKey, tuple[int, ...]] = {}
+
+        def held(k: BlockKey) -> tuple[int, ...]:
+            h = self._map_key(k)
+            val = None if h is None else cache.get(h)
+            if val is None:
+                return ()
+            return (val.block_id,) if not isinstance(val, dict) else tuple(x.block_id for x in val.values())
+
+        for k in event_keys(events):
+            holders[k] = held(k)
+            want.update(holders[k])
         out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
         for b in want:
             blk = pool.blocks[b]
@@ -575,18 +606,9 @@ class VllmTarget:
                 else (END if prev is head else prev.block_id, END if nxt is tail else nxt.block_id)
             )
             out[b] = (blk.ref_cnt, key, *links)
-        cache = pool.cached_block_hash_to_block._cache
-        holders: dict[BlockKey, tuple[int, ...]] = {}
         for k in want_keys:
-            h = self._map_key(k)
-            val = None if h is None else cache.get(h)
-            holders[k] = (
-                ()
-                if val is None
-                else (val.block_id,)
-                if not isinstance(val, dict)
-                else tuple(x.block_id for x in val.values())
-            )
+            if k not in holders:
+                holders[k] = held(k)
         self._prune_names()
         return PartialState(out, holders, tables, queue.num_free_blocks, events)
 
@@ -749,3 +771,45 @@ def _vllm_package_dir() -> str:
     import vllm
 
     return os.path.dirname(os.path.abspath(vllm.__file__))
+
+
+def _continuing(hasher: Any, known: list[Any]) -> Any:
+    """vLLM's request hasher for a request whose first block hashes are `known`.
+
+    A hasher returns the hashes of the request's full blocks past
+    `len(request.block_hashes)`, chained from the last one; on its first call
+    this one fills the empty list with `known`, so vLLM hashes on from there."""
+    pending = [list(known)]
+
+    def hash_new_full_blocks(request: Any) -> Any:
+        if pending:
+            request.block_hashes.extend(pending.pop())
+        return hasher(request)
+
+    return hash_new_full_blocks
+
+
+def _shared_hashes(tokens: list[int], donors: Iterable[Any], hash_block_size: int) -> list[Any]:
+    """The hashes of the longest run of full blocks `tokens` shares with one of the
+    `donors` (requests vLLM hashed), from their start."""
+    best: list[Any] = []
+    full = len(tokens) // hash_block_size
+    for req in donors:
+        n = min(full, len(req.block_hashes))
+        if n <= len(best):
+            continue
+        ids = req.all_token_ids
+        if ids[:hash_block_size] != tokens[:hash_block_size]:
+            continue
+        # Blocks [0, lo) agree, [0, hi) do not; each comparison reads only new tokens.
+        lo, hi = 1, n + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            a, b = lo * hash_block_size, mid * hash_block_size
+            if ids[a:b] == tokens[a:b]:
+                lo = mid
+            else:
+                hi = mid
+        if lo > len(best):
+            best = list(req.block_hashes[:lo])
+    return best
