@@ -558,3 +558,26 @@ def test_a_crash_names_who_raised(monkeypatch: pytest.MonkeyPatch) -> None:
         assert target._raiser(exc).startswith("vLLM ")
     else:
         pytest.fail("KVCacheManager.free(None) did not raise")
+
+
+def test_a_probe_takes_shared_hashes_and_vllm_hashes_the_rest() -> None:
+    """A probe's block hashes equal a freshly hashed request's, whichever donor
+    lends the shared blocks; a donor that differs mid-way lends only the blocks
+    before the difference (a wrong loan would change the lookup's hashes)."""
+    cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=64)
+    target = VllmTarget(cfg)
+    rng = random.Random(5)
+    base = tuple(rng.randrange(1, 50) for _ in range(40))
+    target.apply(AddRequest("a", base))
+    target.apply(AddRequest("b", base[:13] + (99,) + base[14:]))  # differs in block 3
+    for tokens in (base, base[:22], base[:9] + (7,) * 20, base[:13] + (99,) + base[14:30], (5,) * 12):
+        fresh = target._new_request("fresh", tokens, known=[])
+        probe = target._probe_request(tokens)
+        assert probe.block_hashes == fresh.block_hashes, tokens
+    # The loan itself: the longest shared run of full blocks, from the start.
+    from invariants.targets.vllm_target import _shared_hashes
+
+    a, b = target.requests["a"], target.requests["b"]
+    assert _shared_hashes(list(base[:13] + (99,) + base[14:]), [a], 4) == a.block_hashes[:3]
+    assert _shared_hashes(list(base[:13] + (99,) + base[14:]), [a, b], 4) == b.block_hashes
+    assert _shared_hashes(list((7,) + base[1:]), [a, b], 4) == []
