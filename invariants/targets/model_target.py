@@ -32,7 +32,11 @@ class ModelTarget:
         return self._model.snapshot()
 
     def partial(
-        self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey], before: Tables | None = None
+        self,
+        blocks: Iterable[int],
+        rids: Iterable[str],
+        keys: Iterable[BlockKey],
+        before: Tables | None = None,
     ) -> PartialState:
         return model_partial(self._model, blocks, rids, keys, before)
 

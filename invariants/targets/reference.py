@@ -197,7 +197,11 @@ class ReferenceTarget:
         return Done()
 
     def partial(
-        self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey], before: Tables | None = None
+        self,
+        blocks: Iterable[int],
+        rids: Iterable[str],
+        keys: Iterable[BlockKey],
+        before: Tables | None = None,
     ) -> PartialState:
         """Read off a full snapshot (correct, not fast: the reference is judged, not benchmarked)."""
         return partial_from_snapshot(self.snapshot(), blocks, rids, keys, before)

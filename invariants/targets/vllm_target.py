@@ -566,7 +566,11 @@ class VllmTarget:
         return snap
 
     def partial(
-        self, blocks: Iterable[int], rids: Iterable[str], keys: Iterable[BlockKey], before: Tables | None = None
+        self,
+        blocks: Iterable[int],
+        rids: Iterable[str],
+        keys: Iterable[BlockKey],
+        before: Tables | None = None,
     ) -> PartialState:
         """What an operation touched, read from those blocks and tables only (see `PartialState`)."""
         pool, queue = self.pool, self.pool.free_block_queue
