@@ -21,7 +21,9 @@ costs O(new tokens) and what no state refers to is collected; the adapters
 prune their hash tables as vLLM removes hashes; the operations replay needs
 are spooled to disk (`OpSpool`), not kept; finished requests are kept by a
 token budget; prompts share one int object per token id. The run is cut into
-episodes of `EPISODE_OPS` operations, each on a fresh model and target (the
+episodes of `EPISODE_OPS` operations (given a budget, at most a third of it:
+the first three episodes are one per preset, so a short budget meets every
+layout), each on a fresh model and target (the
 heap the last one freed handed back first), so the history never outgrows one
 episode. Within an episode memory follows the pool's cached blocks and the
 requests in flight (which drift towards the longest prompts: short ones finish
@@ -92,7 +94,9 @@ def settings_for(seed: int) -> list[Setting]:
             squeezed = replace(cfg, num_blocks=pool_blocks(cfg, SQUEEZE, short + MAX_DECODE))
             out += [Setting(name, full, False, max_prompt(cfg)), Setting(name, squeezed, True, short)]
     random.Random(seed).shuffle(out)
-    return out
+    # Every layout early: a short budget still meets each preset's groups (SWA, Mamba, ...).
+    firsts = list({s.name: s for s in reversed(out)}.values())[::-1]
+    return firsts + [s for s in out if all(s is not f for f in firsts)]
 
 
 @dataclass
@@ -204,8 +208,9 @@ def run_production(
             f"prompts up to {setting.longest:,} tokens; resident {current_rss_kb() / 1024:,.0f} MiB"
         )
         ops = workload(cfg, rng, checker, setting.longest)
+        episode_end = None if budget_s is None else time.monotonic() + budget_s / len(PRODUCTION_PRESETS)
         for _ in range(EPISODE_OPS):
-            if done():
+            if done() or (episode_end is not None and time.monotonic() >= episode_end):
                 break
             op = next(ops)
             try:
