@@ -68,9 +68,9 @@ def model_partial(
             want_keys.add(key)
         prev = nxt = NOT_FREE
         if b in pool.queue:  # ref 0 and not in the pinned tier
-            before, after = pool.queue.neighbours(b)
-            prev = END if before is None else before
-            nxt = END if after is None else after
+            left, right = pool.queue.neighbours(b)
+            prev = END if left is None else left
+            nxt = END if right is None else right
         out[b] = (pool.ref[b], key, prev, nxt)
     holders = {k: tuple(pool.cached.get(k, ())) for k in want_keys}
     return PartialState(out, holders, tables, len(pool.queue), events)
