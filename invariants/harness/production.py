@@ -12,9 +12,9 @@ does: the newest running request loses its blocks).
 
 The workload (seeded, printed): 16-32 requests in flight, prompts from a few
 tokens to the longest (log-uniform) sharing a few long system prompts,
-8k-token chunks, short decodes, probes, preemption. Every operation goes
-through the Checker (model differential and every invariant, fast path plus
-audits).
+8k-token chunks, scheduler steps over several requests, short decodes,
+probes, preemption. Every operation goes through the Checker (model
+differential and every invariant, fast path plus audits).
 
 Flat memory: prefixes are interned trie nodes (`model.prefix`), so naming
 costs O(new tokens) and what no state refers to is collected; the adapters
@@ -50,8 +50,8 @@ from invariants.harness.spool import OpSpool
 from invariants.layouts.presets import MAX_CONTEXT, pool_blocks, preset
 from invariants.targets.base import Target
 from model.config import Config
-from model.observation import ScheduleResult
-from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule
+from model.observation import ScheduleResult, StepResult
+from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
 from model.prefix import clear_memo
 
 PRODUCTION_PRESETS = ("dsv4-flash", "gemma-like", "kimi-linear-like")
@@ -94,9 +94,18 @@ def settings_for(seed: int) -> list[Setting]:
             squeezed = replace(cfg, num_blocks=pool_blocks(cfg, SQUEEZE, short + MAX_DECODE))
             out += [Setting(name, full, False, max_prompt(cfg)), Setting(name, squeezed, True, short)]
     random.Random(seed).shuffle(out)
-    # Every layout early: a short budget still meets each preset's groups (SWA, Mamba, ...).
-    firsts = list({s.name: s for s in reversed(out)}.values())[::-1]
+    # Every layout and retention kind early: a short budget still meets each
+    # preset's groups (SWA, Mamba, ...) and dense, zero and interval retention.
+    firsts: list[Setting] = []
+    for s in out:
+        if all(s.name != f.name and _kind(s) != _kind(f) for f in firsts):
+            firsts.append(s)
     return firsts + [s for s in out if all(s is not f for f in firsts)]
+
+
+def _kind(s: Setting) -> str:
+    r = s.config.retention_interval
+    return "dense" if r is None else "zero" if r == 0 else "interval"
 
 
 @dataclass
@@ -157,6 +166,10 @@ def workload(cfg: Config, rng: random.Random, checker: Checker, longest: int) ->
             yield Finish(rid) if r.num_tokens >= wants[rid] else Sample(rid, rng.randrange(1, VOCAB))
         elif r.running and rng.random() < 0.01:
             yield Preempt(rid)
+        elif rng.random() < 0.2:
+            # One scheduler step over several requests (running first, then waiting; it preempts itself).
+            ready = sorted(q for q, s in reqs.items() if not (s.running and s.num_computed >= s.num_tokens))
+            yield Step(tuple(rng.sample(ready, min(len(ready), rng.randint(2, 8)))), CHUNK)
         else:
             yield Schedule(rid, CHUNK)
             obs = checker.last_obs
@@ -229,6 +242,9 @@ def run_production(
             obs = checker.last_obs
             if isinstance(obs, ScheduleResult):
                 stats.tokens += obs.scheduled
+            elif isinstance(obs, StepResult):
+                stats.tokens += sum(r.scheduled for _, r in obs.results)
+                stats.preemptions += len(obs.preempted)
             stats.preemptions += isinstance(op, Preempt)
             new = [v for v in found if not _known(v, tolerated, stats)]
             if new:
