@@ -48,3 +48,20 @@ def test_broken_free_order_is_caught_and_shrunk_within_budget(
     assert trace["violation"].startswith("snapshot")
     assert len(trace["ops"]) < 16  # caught after 16 operations, then shrunk
     assert elapsed < budget + 5
+
+
+def test_production_zoo_reports_each_mutant_and_a_clean_control(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "zoo.json"
+    argv = ["zoo", "--target", "vllm", "--scale", "production", "--budget-s", "8"]
+    assert main([*argv, "--only", "cached_blocks_prepended", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "caught 1/1 at production scale" in text and "control (unmutated vllm" in text
+    rows = {c["name"]: c["outcome"] for c in json.loads(out.read_text())["cases"]}
+    assert rows == {"cached_blocks_prepended": "passed", "control": "passed"}
+
+
+def test_production_zoo_needs_the_vllm_target(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["zoo", "--scale", "production"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

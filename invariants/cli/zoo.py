@@ -1,6 +1,7 @@
 """`kvretain zoo`: run every check against each mutant; what is caught, how fast, by which check.
 
     kvretain zoo [--target reference|vllm] [--budget-s T] [--quick] [--only NAME] [--seed N] [--out DIR]
+    kvretain zoo --target vllm --scale production [--budget-s T] [--only NAME]
 
 Prints a progress line per mutant, then a table (mutant, killed/SURVIVED,
 the first check that killed it and the other checks that fired on the same
@@ -10,6 +11,11 @@ is run the same way first, as the control: it must survive every hunt.
 
 Exit codes: 0 every mutant killed and the control clean; 1 a survivor (or
 the control flagged); 2 bad usage or an unavailable target (one line).
+
+`--scale production` runs each vLLM mutant through a production-scale fuzz
+run instead (`invariants.zoo.production`) and reports which ones the serving
+workload meets and how fast; only the control decides the exit code there
+(a mutant in a path the presets never take is reported, not failed).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from invariants.results import add_output_flags, write_results, zoo_cases
+from invariants.results import CaseResult, add_output_flags, write_results, zoo_cases
 from invariants.zoo.runner import (
     MutantResult,
     ZooEntry,
@@ -72,6 +78,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="kvretain-traces/zoo", help="where shrunk traces are written")
     p.add_argument("--no-control", action="store_true", help="skip the unmutated control run")
+    p.add_argument(
+        "--scale",
+        choices=("small", "production"),
+        default="small",
+        help="production: each vLLM mutant through `fuzz --scale production` (real presets and pool sizes)",
+    )
     add_output_flags(p)
     p.set_defaults(func=run)
     return p
@@ -157,11 +169,15 @@ def run(args: argparse.Namespace) -> int:
         entries, na = _entries(args.target, only)
     except TargetUnavailable as exc:
         return _err(str(exc))
+    if args.scale == "production" and args.target != "vllm":
+        return _err("--scale production: runs the vLLM mutants (give --target vllm)")
     if args.target == "vllm":
         from invariants.targets.vllm_target import _vllm_modules
 
         _vllm_modules()
     print(f"kvretain zoo: start-up (importing {args.target}) {time.monotonic() - t_start:.1f} s", flush=True)
+    if args.scale == "production":
+        return _production(args, [e.name for e in entries], budget)
     print(
         f"kvretain zoo: target {args.target}, {len(entries)} mutant(s), budget {budget:.0f} s each, "
         f"shrink {shrink:.0f} s, seed {args.seed} (batch i uses seed + i)",
@@ -204,6 +220,55 @@ def run(args: argparse.Namespace) -> int:
             print(f"SURVIVOR {r.name}: {r.note or 'no check fired within the budget'}")
     rc = 0 if report.ok and control_ok else 1
     write_results(args, "zoo", zoo_cases(report, None if args.no_control else control_ok), rc)
+    return rc
+
+
+def _production(args: argparse.Namespace, names: list[str], budget: float) -> int:
+    """`zoo --scale production`: each mutant through a production run; the control must stay clean."""
+    from invariants.zoo import production
+
+    print(
+        f"kvretain zoo --scale production: {len(names)} vLLM mutant(s), budget {budget:.0f} s each "
+        f"(a production fuzz run, stopped at the first violation), seed {args.seed}",
+        flush=True,
+    )
+
+    def line(h: production.ProductionHunt) -> None:
+        verdict = f"caught by {h.check}" if h.caught else "not caught"
+        print(f"[zoo production] {h.name}: {verdict} after {h.ops:,} ops in {h.seconds:.1f} s", flush=True)
+
+    hunts = production.hunt(names, seed=args.seed, budget_s=budget, on_result=line)
+    print(production.report(hunts))
+    # A mutant the workload does not meet is a figure, not a failure: "skipped".
+    cases = [
+        CaseResult(
+            h.name,
+            "vllm-production",
+            "passed" if h.caught else "skipped",
+            h.seconds,
+            h.violation[:200] if h.caught else "not met by the production workload within the budget",
+            figures={"ops": h.ops, "episodes": h.episodes},
+        )
+        for h in hunts
+    ]
+    rc = 0
+    if not args.no_control:
+        ctl = production.control(seed=args.seed, budget_s=budget)
+        print(
+            f"control (unmutated vllm, {ctl.ops:,} ops, {ctl.episodes} episodes): "
+            + (f"FLAGGED: {ctl.violation[:160]}" if ctl.caught else "clean")
+        )
+        rc = 1 if ctl.caught else 0
+        cases.append(
+            CaseResult(
+                "control",
+                "vllm-production",
+                "failed" if ctl.caught else "passed",
+                ctl.seconds,
+                ctl.violation[:200],
+            )
+        )
+    write_results(args, "zoo", cases, rc)
     return rc
 
 
