@@ -44,9 +44,16 @@ class HashNames:
     def __contains__(self, h: bytes) -> bool:
         return h in self._source
 
-    def learn(self, tokens: Tokens, hashes: Sequence[bytes], start: int, hash_block_size: int) -> None:
-        """Hash i of `hashes` (from `start` on) stands for `tokens[:(i+1)*hash_block_size]`."""
-        for i in range(start, len(hashes)):
+    def learn(
+        self,
+        tokens: Tokens,
+        hashes: Sequence[bytes],
+        start: int,
+        hash_block_size: int,
+        stop: int | None = None,
+    ) -> None:
+        """Hash i of `hashes` (from `start` to `stop`) stands for `tokens[:(i+1)*hash_block_size]`."""
+        for i in range(start, len(hashes) if stop is None else min(stop, len(hashes))):
             h = bytes(hashes[i])
             if h not in self._source:
                 self._source[h] = (tokens, (i + 1) * hash_block_size)

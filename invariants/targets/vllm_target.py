@@ -149,6 +149,8 @@ class VllmTarget:
         self._probe_seq = 0
         # hash bytes (and the low 64 bits events use) <-> the token prefix it stands for
         self._names = HashNames(self._rehash)
+        # rid -> (its prompt tuple, how many of its hashes are learnt): see `_learn_computed`.
+        self._pending: dict[str, tuple[Tokens | None, int]] = {}
         self._keys: dict[bytes, BlockKey] = {}
         # The last finished request, until the next probe (see `_probe_request`).
         self._finished: Any = None
@@ -247,8 +249,34 @@ class VllmTarget:
             block_hasher=hasher,
         )
         if known is None:
-            self._learn_hashes(req, 0, tokens if isinstance(tokens, tuple) else None)
+            self._pending[rid] = (tokens if isinstance(tokens, tuple) else None, 0)
         return req
+
+    def _learn_computed(self, req: Any) -> None:
+        """Learn a request's hashes as far as vLLM may cache its blocks (its computed
+        tokens and lookahead slots), not all at admission: the blocks of a 1M-token
+        prompt no one computed yet cost no table entry. A hash met before it was
+        learnt sends every live request's in (`_learn_pending`)."""
+        ahead = req.num_computed_tokens + self.config.num_lookahead_tokens
+        self._learn_upto(req, -(-ahead // self.hbs) + 1)
+
+    def _learn_pending(self) -> None:
+        for req in self.requests.values():
+            self._learn_upto(req, len(req.block_hashes))
+
+    def _learn_upto(self, req: Any, upto: int) -> None:
+        """The request's first `upto` hashes are in the table."""
+        entry = self._pending.get(req.request_id)
+        if entry is None or not self.track_prefixes:
+            return
+        tokens, done = entry
+        upto = min(upto, len(req.block_hashes))
+        if upto <= done:
+            return
+        if tokens is None or upto * self.hbs > len(tokens):
+            tokens = tuple(req.all_token_ids)
+        self._names.learn(tokens, req.block_hashes, done, self.hbs, stop=upto)
+        self._pending[req.request_id] = (tokens, upto)
 
     def _learn_hashes(self, req: Any, start: int, tokens: Tokens | None = None) -> None:
         if not self.track_prefixes or start >= len(req.block_hashes):
@@ -286,7 +314,11 @@ class VllmTarget:
         """Forget the prefixes of hashes vLLM removed (after their events were read)."""
         if not self.track_prefixes or not self._names.should_prune():
             return
-        keep = {bytes(h) for r in self.requests.values() for h in r.block_hashes}
+        keep = {
+            bytes(h)
+            for rid, r in self.requests.items()
+            for h in r.block_hashes[: self._pending[rid][1] if rid in self._pending else len(r.block_hashes)]
+        }
         width = len(self._names.any_hash() or b"")
         for key in self.pool.cached_block_hash_to_block._cache:
             keep.add(bytes(key[:-4]))
@@ -349,11 +381,15 @@ class VllmTarget:
         if isinstance(op, Sample):
             req = self.requests[op.rid]
             start = len(req.block_hashes)
+            self._learn_upto(req, start)  # a sampled request computed every token before it
             req.append_output_token_ids(op.token)
-            self._learn_hashes(req, start)
+            self._learn_hashes(req, start)  # the sampled blocks, named on from the last (O(new tokens))
+            if op.rid in self._pending:
+                self._pending[op.rid] = (self._pending[op.rid][0], len(req.block_hashes))
             return Done()
         if isinstance(op, Finish):
             req = self.requests.pop(op.rid)
+            self._pending.pop(op.rid, None)
             m.free(req)
             self._finished = req
             req.status = self._v["RequestStatus"].FINISHED_STOPPED
@@ -450,6 +486,7 @@ class VllmTarget:
             if out is None:
                 return ScheduleResult(scheduled=0, admitted=False)
             req.num_computed_tokens += n
+            self._learn_computed(req)
             return ScheduleResult(scheduled=n, admitted=False, new_blocks=_ids(out))
         return self._admit(req, budget, budget)
 
@@ -474,6 +511,7 @@ class VllmTarget:
             return result
         req.status = self._v["RequestStatus"].RUNNING
         req.num_computed_tokens = hit + n
+        self._learn_computed(req)
         return ScheduleResult(n, True, hit, spb, hit_blocks, _ids(out))
 
     # ------------------------------------------------------------------ batched step
@@ -521,6 +559,7 @@ class VllmTarget:
                 results.append((req.request_id, ScheduleResult(scheduled=0, admitted=False)))
                 break
             req.num_computed_tokens += n
+            self._learn_computed(req)
             token_budget -= n
             results.append(
                 (req.request_id, ScheduleResult(scheduled=n, admitted=False, new_blocks=_ids(out)))
@@ -620,14 +659,20 @@ class VllmTarget:
         if not self.track_prefixes:
             return prefix(tuple(bytes(h)))  # stand-in (see the module docstring)
         h = bytes(h)
+        named = self._name(h)
+        if named is None:
+            self._learn_pending()
+            named = self._name(h)
+        if named is None:
+            raise TargetCrash(f"hash {bytes(h).hex()[:16]}... comes from no known request")
+        return named
+
+    def _name(self, h: bytes) -> Prefix | None:
         if self.caps.coarse_hash == "concat" and h not in self._names:
             # Releases that key a wide block by its fine hashes joined: the last
             # one already chains over the whole prefix.
             h = h[-len(self._names.any_hash() or h) :]
-        named = self._names.name(h)
-        if named is None:
-            raise TargetCrash(f"hash {bytes(h).hex()[:16]}... comes from no known request")
-        return named
+        return self._names.name(h)
 
     def _map_key(self, k: BlockKey) -> bytes | None:
         """The key vLLM files `k` under in its hash map (the inverse of `_key`); None
@@ -659,6 +704,9 @@ class VllmTarget:
             if not self.track_prefixes:
                 return prefix((h,))  # stand-in (see the module docstring)
             named = self._names.name_int(h)
+            if named is None:
+                self._learn_pending()
+                named = self._names.name_int(h)
             if named is None:
                 raise TargetCrash(f"event hash {h:#x} comes from no known request")
             return named
