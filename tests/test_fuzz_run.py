@@ -170,6 +170,10 @@ def test_production_settings_and_a_clean_episode():
     assert {s.name for s in plan if s.squeezed} == {"dsv4-flash", "gemma-like", "kimi-linear-like"}
     assert {s.config.retention_interval is None for s in plan} == {True, False}
     assert all(s.config.num_blocks >= CONCURRENCY for s in plan)
+    assert {s.config.eagle for s in plan} == {True, False}  # speculative decoding every other episode
+    first = plan[:3]  # a short budget meets every preset and every retention kind
+    assert len({s.name for s in first}) == 3
+    assert len({s.config.retention_interval is None or s.config.retention_interval == 0 for s in first}) == 2
     stats, failures, _ = run_production(
         ModelTarget, seed=1, steps=120, budget_s=120, tolerated=lambda v: False, log=lambda line: None
     )

@@ -191,7 +191,9 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
     own cost counts as raw, which flatters raw, never the checker)."""
     from invariants.harness.production import PRODUCTION_AUDIT_EVERY, settings_for, workload
 
-    setting = next(s for s in settings_for(seed) if s.name == "dsv4-flash" and not s.squeezed)
+    setting = next(
+        s for s in settings_for(seed) if s.name == "dsv4-flash" and not s.squeezed and not s.config.eagle
+    )
     cfg = setting.config
     factory = target_factory("vllm")
     log(

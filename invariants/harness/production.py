@@ -12,8 +12,9 @@ does: the newest running request loses its blocks).
 
 The workload (seeded, printed): 16-32 requests in flight, prompts from a few
 tokens to the longest (log-uniform) sharing a few long system prompts,
-8k-token chunks, scheduler steps over several requests, short decodes,
-probes, preemption. Every operation goes through the Checker (model
+8k-token chunks, scheduler steps over several requests, short decodes
+(speculative, with Eagle/MTP drafts, in every other episode), probes,
+preemption. Every operation goes through the Checker (model
 differential and every invariant, fast path plus audits).
 
 Flat memory: prefixes are interned trie nodes (`model.prefix`), so naming
@@ -60,6 +61,7 @@ SQUEEZE = 4.0  # a squeezed pool holds this many of its longest prompts
 CHUNK = 8192
 VOCAB = 30000
 MAX_DECODE = 32
+SPEC_TOKENS = 2  # draft tokens per step in the speculative episodes (lookahead slots)
 # Long enough for a 1M-token prompt to be admitted, chunked and finished among
 # 16-32 others (128 chunks each); a fresh episode costs a pool build and a full audit.
 EPISODE_OPS = 5000
@@ -100,7 +102,13 @@ def settings_for(seed: int) -> list[Setting]:
     for s in out:
         if all(s.name != f.name and _kind(s) != _kind(f) for f in firsts):
             firsts.append(s)
-    return firsts + [s for s in out if all(s is not f for f in firsts)]
+    plan = firsts + [s for s in out if all(s is not f for f in firsts)]
+    # Every other episode decodes speculatively (Eagle / MTP drafts): the extra
+    # block an Eagle lookup drops and the lookahead slots every allocation reserves.
+    return [
+        replace(s, config=replace(s.config, eagle=True, num_lookahead_tokens=SPEC_TOKENS)) if i % 2 else s
+        for i, s in enumerate(plan)
+    ]
 
 
 def _kind(s: Setting) -> str:
@@ -218,6 +226,7 @@ def run_production(
         log(
             f"episode {stats.episodes}: {setting.name}, {cfg.num_blocks:,} blocks"
             f"{' (squeezed)' if setting.squeezed else ''}, retention {cfg.retention_interval}, "
+            f"{f'Eagle/MTP {cfg.num_lookahead_tokens} draft tokens, ' if cfg.eagle else ''}"
             f"prompts up to {setting.longest:,} tokens; resident {current_rss_kb() / 1024:,.0f} MiB"
         )
         ops = workload(cfg, rng, checker, setting.longest)
@@ -263,7 +272,7 @@ def run_production(
             if end:
                 checker.ops[:0] = spool.ops()
                 failures.append((setting, checker, end))
-        label = f"{setting.name} {cfg.num_blocks} r{cfg.retention_interval}"
+        label = f"{setting.name} {cfg.num_blocks} r{cfg.retention_interval}{' eagle' if cfg.eagle else ''}"
         now = current_rss_kb()
         stats.rss_by_setting_kb[label] = (stats.rss_by_setting_kb.get(label, (now, now))[0], now)
         del checker, ops
