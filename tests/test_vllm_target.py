@@ -575,9 +575,9 @@ def test_a_probe_takes_shared_hashes_and_vllm_hashes_the_rest() -> None:
         probe = target._probe_request(tokens)
         assert probe.block_hashes == fresh.block_hashes, tokens
     # The loan itself: the longest shared run of full blocks, from the start.
-    from invariants.targets.vllm_target import _shared_hashes
+    from invariants.targets.vllm_hashing import shared_hashes
 
     a, b = target.requests["a"], target.requests["b"]
-    assert _shared_hashes(list(base[:13] + (99,) + base[14:]), [a], 4) == a.block_hashes[:3]
-    assert _shared_hashes(list(base[:13] + (99,) + base[14:]), [a, b], 4) == b.block_hashes
-    assert _shared_hashes(list((7,) + base[1:]), [a, b], 4) == []
+    assert shared_hashes(list(base[:13] + (99,) + base[14:]), [a], 4) == a.block_hashes[:3]
+    assert shared_hashes(list(base[:13] + (99,) + base[14:]), [a, b], 4) == b.block_hashes
+    assert shared_hashes(list((7,) + base[1:]), [a, b], 4) == []

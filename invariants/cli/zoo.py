@@ -172,9 +172,9 @@ def run(args: argparse.Namespace) -> int:
     if args.scale == "production" and args.target != "vllm":
         return _err("--scale production: runs the vLLM mutants (give --target vllm)")
     if args.target == "vllm":
-        from invariants.targets.vllm_target import _vllm_modules
+        from invariants.targets.vllm_env import vllm_modules
 
-        _vllm_modules()
+        vllm_modules()
     print(f"kvretain zoo: start-up (importing {args.target}) {time.monotonic() - t_start:.1f} s", flush=True)
     if args.scale == "production":
         return _production(args, [e.name for e in entries], budget)

@@ -9,7 +9,8 @@ one-line warning of `version_warning()` says so.
 another release, for the release matrix and `--vllm-python`.
 
 Nothing here imports vLLM at module import time: `vllm_available()` does it once,
-on first call, and remembers the answer (importing vLLM takes seconds).
+on first call, and remembers the answer (importing vLLM takes seconds);
+`vllm_modules()` then hands out the allocator's classes.
 
 `probe_python(path)` asks another interpreter (a separate venv holding vLLM,
 the CLI's `--vllm-python`) the same questions in a subprocess.
@@ -27,6 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MODELED_VERSION = "0.33.0"
 
@@ -246,3 +248,48 @@ def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
     disk = _disk_bytes(root)
     stamp.write_text(json.dumps({"version": version, "disk_bytes": disk, "extras": extras}))
     return ReleaseEnv(version, root, python, time.monotonic() - start, disk, tuple(extras))
+
+
+_MODULES: dict[str, Any] = {}  # filled on first use
+
+
+def vllm_modules() -> dict[str, Any]:
+    """vLLM's classes, imported once (after `vllm_available()` said they import)."""
+    if _MODULES:
+        return _MODULES
+    import torch
+    from vllm.distributed.kv_events import AllBlocksCleared as VAllBlocksCleared
+    from vllm.distributed.kv_events import BlockRemoved as VBlockRemoved
+    from vllm.distributed.kv_events import BlockStored as VBlockStored
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.request import Request, RequestStatus
+
+    init_none_hash(sha256)
+    _MODULES.update(
+        torch=torch,
+        BlockStored=VBlockStored,
+        BlockRemoved=VBlockRemoved,
+        AllBlocksCleared=VAllBlocksCleared,
+        SamplingParams=SamplingParams,
+        sha256=sha256,
+        KVCacheManager=KVCacheManager,
+        get_request_block_hasher=get_request_block_hasher,
+        FullAttentionSpec=FullAttentionSpec,
+        KVCacheConfig=KVCacheConfig,
+        KVCacheGroupSpec=KVCacheGroupSpec,
+        MambaSpec=MambaSpec,
+        SlidingWindowSpec=SlidingWindowSpec,
+        Request=Request,
+        RequestStatus=RequestStatus,
+    )
+    return _MODULES

@@ -104,7 +104,8 @@ from model.scheduling import mamba_chunk
 from .base import END, NOT_FREE, PartialState, Tables, TargetCrash, TargetUnavailable, closure, event_keys
 from .hash_names import HashNames
 from .vllm_capabilities import RETENTION_ENV, Capabilities, detect
-from .vllm_env import MODELED_VERSION, version_warning, vllm_available, vllm_version
+from .vllm_env import MODELED_VERSION, version_warning, vllm_available, vllm_modules, vllm_version
+from .vllm_hashing import continuing, shared_hashes
 
 VLLM_EVENT_PROFILE = "vllm-0.33.0"
 NO_PINNED_TIER = "vLLM 0.33.0 has no pinned tier (#40676 was never merged)"
@@ -136,7 +137,7 @@ class VllmTarget:
         self.version = vllm_version() or "?"
         # One line for the CLI to print when this is not the vLLM kvretain models (else None).
         self.version_note = version_warning(self.version)
-        self._v = _vllm_modules()
+        self._v = vllm_modules()
         self.caps: Capabilities = detect()
         # The model's semantics profile for this release (the Checker builds its model with it).
         self.profile = self.caps.profile()
@@ -239,7 +240,7 @@ class VllmTarget:
         if self.config.enable_caching:  # EngineCore hashes requests only when prefix caching is on (core.py)
             hasher = v["get_request_block_hasher"](self.hbs, v["sha256"])
             if known:
-                hasher = _continuing(hasher, known)
+                hasher = continuing(hasher, known)
         req = v["Request"](
             request_id=rid,
             prompt_token_ids=list(tokens),
@@ -446,7 +447,7 @@ class VllmTarget:
         self._probe_seq += 1
         donors = [*self.requests.values(), *([last] if last is not None else [])]
         want = list(tokens)
-        known = _shared_hashes(want, donors, self.hbs) if self.config.enable_caching else []
+        known = shared_hashes(want, donors, self.hbs) if self.config.enable_caching else []
         return self._new_request(f"__probe{self._probe_seq}", tokens, known)
 
     def _computed_blocks(self, req: Any) -> tuple[Any, int, int]:
@@ -765,51 +766,6 @@ def _walk_free_queue(queue: Any, num_blocks: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-_MODULES: dict[str, Any] = {}
-
-
-def _vllm_modules() -> dict[str, Any]:
-    """vLLM's classes, imported once (after `vllm_available()` said they import)."""
-    if _MODULES:
-        return _MODULES
-    import torch
-    from vllm.distributed.kv_events import AllBlocksCleared as VAllBlocksCleared
-    from vllm.distributed.kv_events import BlockRemoved as VBlockRemoved
-    from vllm.distributed.kv_events import BlockStored as VBlockStored
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        MambaSpec,
-        SlidingWindowSpec,
-    )
-    from vllm.v1.request import Request, RequestStatus
-
-    init_none_hash(sha256)
-    _MODULES.update(
-        torch=torch,
-        BlockStored=VBlockStored,
-        BlockRemoved=VBlockRemoved,
-        AllBlocksCleared=VAllBlocksCleared,
-        SamplingParams=SamplingParams,
-        sha256=sha256,
-        KVCacheManager=KVCacheManager,
-        get_request_block_hasher=get_request_block_hasher,
-        FullAttentionSpec=FullAttentionSpec,
-        KVCacheConfig=KVCacheConfig,
-        KVCacheGroupSpec=KVCacheGroupSpec,
-        MambaSpec=MambaSpec,
-        SlidingWindowSpec=SlidingWindowSpec,
-        Request=Request,
-        RequestStatus=RequestStatus,
-    )
-    return _MODULES
-
-
 __all__ = [
     "MODELED_VERSION",
     "NO_PINNED_TIER",
@@ -823,45 +779,3 @@ def _vllm_package_dir() -> str:
     import vllm
 
     return os.path.dirname(os.path.abspath(vllm.__file__))
-
-
-def _continuing(hasher: Any, known: list[Any]) -> Any:
-    """vLLM's request hasher for a request whose first block hashes are `known`.
-
-    A hasher returns the hashes of the request's full blocks past
-    `len(request.block_hashes)`, chained from the last one; on its first call
-    this one fills the empty list with `known`, so vLLM hashes on from there."""
-    pending = [list(known)]
-
-    def hash_new_full_blocks(request: Any) -> Any:
-        if pending:
-            request.block_hashes.extend(pending.pop())
-        return hasher(request)
-
-    return hash_new_full_blocks
-
-
-def _shared_hashes(tokens: list[int], donors: Iterable[Any], hash_block_size: int) -> list[Any]:
-    """The hashes of the longest run of full blocks `tokens` shares with one of the
-    `donors` (requests vLLM hashed), from their start."""
-    best: list[Any] = []
-    full = len(tokens) // hash_block_size
-    for req in donors:
-        n = min(full, len(req.block_hashes))
-        if n <= len(best):
-            continue
-        ids = req.all_token_ids
-        if ids[:hash_block_size] != tokens[:hash_block_size]:
-            continue
-        # Blocks [0, lo) agree, [0, hi) do not; each comparison reads only new tokens.
-        lo, hi = 1, n + 1
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            a, b = lo * hash_block_size, mid * hash_block_size
-            if ids[a:b] == tokens[a:b]:
-                lo = mid
-            else:
-                hi = mid
-        if lo > len(best):
-            best = list(req.block_hashes[:lo])
-    return best
