@@ -41,6 +41,12 @@ class BlockKey:
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined,no-any-return]
 
+    def __eq__(self, other: object) -> bool:
+        # A prefix is interned (equal content <=> the same node): no tuple is built.
+        if other.__class__ is not BlockKey:
+            return NotImplemented
+        return self.tokens is other.tokens and self.group == other.group  # type: ignore[attr-defined]
+
     def short(self) -> str:
         return f"g{self.group}:{len(self.tokens)}t"
 

@@ -49,15 +49,16 @@ def model_partial(
     want, want_keys = closure(tables, blocks, keys)
     want_keys |= event_keys(events)
     out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
+    primary, queue, ref, cached = pool.primary, pool.queue, pool.ref, pool.cached
     for b in want:
-        key = pool.primary.get(b)
+        key = primary.get(b)
         if key is not None:
             want_keys.add(key)
         prev = nxt = NOT_FREE
-        if b in pool.queue:  # ref 0 and not in the pinned tier
-            before, after = pool.queue.neighbours(b)
+        if b in queue:  # ref 0 and not in the pinned tier
+            before, after = queue.neighbours(b)
             prev = END if before is None else before
             nxt = END if after is None else after
-        out[b] = (pool.ref[b], key, prev, nxt)
-    holders = {k: tuple(pool.cached.get(k, ())) for k in want_keys}
+        out[b] = (ref[b], key, prev, nxt)
+    holders = {k: tuple(cached.get(k, ())) for k in want_keys}
     return PartialState(out, holders, tables, len(pool.queue), events)
