@@ -15,37 +15,31 @@ block 0, a fresh free queue in id order), so the model predicts them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import NamedTuple, Union
 
 from model.prefix import Prefix, Tokens, prefix
 
 BlockIds = tuple[int, ...]
 
 
-@dataclass(frozen=True, order=True, init=False)
-class BlockKey:
-    """The hash of the token prefix `tokens` in group `group` (vLLM's BlockHashWithGroupId)."""
-
+class _GroupPrefix(NamedTuple):
     group: int
     tokens: Prefix
 
-    def __init__(self, group: int, tokens: Prefix | Tokens) -> None:
-        # Written straight into the instance dict (the class is frozen): keys are
-        # made on every operation, and a dataclass __init__ costs twice this.
+
+class BlockKey(_GroupPrefix):
+    """The hash of the token prefix `tokens` in group `group` (vLLM's BlockHashWithGroupId).
+
+    A named pair: equality, order and hash are the pair's, so they run in C (a
+    prefix is interned, so two keys compare by group and node identity). Keys
+    are made and compared on every operation."""
+
+    __slots__ = ()
+
+    def __new__(cls, group: int, tokens: Prefix | Tokens) -> BlockKey:
         if not isinstance(tokens, Prefix):
             tokens = prefix(tuple(tokens))
-        fields = self.__dict__
-        fields["group"], fields["tokens"] = group, tokens
-        fields["_hash"] = hash((group, tokens))
-
-    def __hash__(self) -> int:
-        return self._hash  # type: ignore[attr-defined,no-any-return]
-
-    def __eq__(self, other: object) -> bool:
-        # A prefix is interned (equal content <=> the same node): no tuple is built.
-        if other.__class__ is not BlockKey:
-            return NotImplemented
-        return self.tokens is other.tokens and self.group == other.group  # type: ignore[attr-defined]
+        return tuple.__new__(cls, (group, tokens))
 
     def short(self) -> str:
         return f"g{self.group}:{len(self.tokens)}t"

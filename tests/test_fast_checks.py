@@ -161,4 +161,6 @@ def test_block_key_equality_is_content_equality() -> None:
         assert not same or hash(a) == hash(b)
         verdicts.add(same)
     assert verdicts == {True, False}
-    assert (BlockKey(0, prefix((1,))) == (0, (1,))) is False
+    # Order is the pair's: group first, then the tokens.
+    assert sorted(keys) == sorted(keys, key=lambda k: (k.group, k.tokens.tokens()))
+    assert BlockKey(1, (1, 2)) == BlockKey(1, prefix((1, 2))) != BlockKey(0, (1, 2))
