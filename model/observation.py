@@ -48,7 +48,7 @@ class BlockKey(_GroupPrefix):
 def block_key(group: int, tokens: Tokens, num_tokens: int) -> BlockKey:
     """The key of the first `num_tokens` of `tokens` in `group`: the one way
     model, adapters and invariants name a prefix's hash."""
-    return BlockKey(group, prefix(tokens, num_tokens))
+    return tuple.__new__(BlockKey, (group, prefix(tokens, num_tokens)))  # already interned: no check
 
 
 def _interned(p: Prefix | Tokens) -> Prefix:
