@@ -15,31 +15,31 @@ block 0, a fresh free queue in id order), so the model predicts them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import NamedTuple, Union
 
 from model.prefix import Prefix, Tokens, prefix
 
 BlockIds = tuple[int, ...]
 
 
-@dataclass(frozen=True, order=True, init=False)
-class BlockKey:
-    """The hash of the token prefix `tokens` in group `group` (vLLM's BlockHashWithGroupId)."""
-
+class _GroupPrefix(NamedTuple):
     group: int
     tokens: Prefix
 
-    def __init__(self, group: int, tokens: Prefix | Tokens) -> None:
-        # Written straight into the instance dict (the class is frozen): keys are
-        # made on every operation, and a dataclass __init__ costs twice this.
+
+class BlockKey(_GroupPrefix):
+    """The hash of the token prefix `tokens` in group `group` (vLLM's BlockHashWithGroupId).
+
+    A named pair: equality, order and hash are the pair's, so they run in C (a
+    prefix is interned, so two keys compare by group and node identity). Keys
+    are made and compared on every operation."""
+
+    __slots__ = ()
+
+    def __new__(cls, group: int, tokens: Prefix | Tokens) -> BlockKey:
         if not isinstance(tokens, Prefix):
             tokens = prefix(tuple(tokens))
-        fields = self.__dict__
-        fields["group"], fields["tokens"] = group, tokens
-        fields["_hash"] = hash((group, tokens))
-
-    def __hash__(self) -> int:
-        return self._hash  # type: ignore[attr-defined,no-any-return]
+        return tuple.__new__(cls, (group, tokens))
 
     def short(self) -> str:
         return f"g{self.group}:{len(self.tokens)}t"
@@ -48,7 +48,7 @@ class BlockKey:
 def block_key(group: int, tokens: Tokens, num_tokens: int) -> BlockKey:
     """The key of the first `num_tokens` of `tokens` in `group`: the one way
     model, adapters and invariants name a prefix's hash."""
-    return BlockKey(group, prefix(tokens, num_tokens))
+    return tuple.__new__(BlockKey, (group, prefix(tokens, num_tokens)))  # already interned: no check
 
 
 def _interned(p: Prefix | Tokens) -> Prefix:

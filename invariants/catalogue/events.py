@@ -13,6 +13,8 @@ def events_match_hash_map(ctx: CheckContext) -> list[str]:
     that entered or left the map was announced, once."""
     actual = {k: len(v) for k, v in ctx.after.cached.items()}
     shadow = ctx.history.shadow
+    if actual == shadow:  # equal maps differ at no key: the usual verdict, in one comparison
+        return []
     out = [
         f"{k.short()}: events say {shadow.get(k, 0)} holder(s), map has {actual.get(k, 0)}"
         for k in set(actual) | set(shadow)

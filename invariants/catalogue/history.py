@@ -46,15 +46,15 @@ def update_history(
 ) -> list[str]:
     """Advance the history past `op`; returns event anomalies found on the way."""
     history.tick += 1
-    was_free = set(before.free_queue)
+    was_free, free_now = set(before.free_queue), set(after.free_queue)
     for b in after.free_queue:
         if b not in was_free:
             history.free_tick[b] = history.tick
-    _released_copies(history, obs, set(after.free_queue))
+    _released_copies(history, obs, free_now)
     if isinstance(op, EvictBlocks):
-        history.evicted_in_place |= {b for b in op.block_ids if b in set(after.free_queue)}
-    history.evicted_in_place &= set(after.free_queue)
-    history.ever_cached |= set(after.cached)
+        history.evicted_in_place |= {b for b in op.block_ids if b in free_now}
+    history.evicted_in_place &= free_now
+    history.ever_cached.update(after.cached)
     problems = replay_events(history.shadow, after.events)
     advance_requests(history, op, obs)
     return problems
@@ -65,14 +65,16 @@ def update_history_delta(
 ) -> list[str]:
     """`update_history` from what the operation touched (the fast path; same result)."""
     history.tick += 1
+    before = delta.before_blocks
     for b, state in delta.blocks.items():
-        was = delta.before_blocks.get(b)
-        now_free = state[2] != NOT_FREE
-        if now_free and (was is None or was[2] == NOT_FREE):
-            history.free_tick[b] = history.tick
-        if not now_free:
+        if state[2] == NOT_FREE:
             history.evicted_in_place.discard(b)
-    _released_copies(history, obs, {b for b, st in delta.blocks.items() if st[2] != NOT_FREE})
+            continue
+        was = before.get(b)
+        if was is None or was[2] == NOT_FREE:
+            history.free_tick[b] = history.tick
+    if getattr(obs, "copies", ()):
+        _released_copies(history, obs, {b for b, st in delta.blocks.items() if st[2] != NOT_FREE})
     if isinstance(op, EvictBlocks):
         history.evicted_in_place |= {b for b in op.block_ids if b in delta.blocks and delta.is_free(b)}
     history.ever_cached.update(k for k, v in delta.holders.items() if v)

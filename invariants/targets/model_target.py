@@ -56,21 +56,22 @@ def model_partial(
         tables[rid] = table if any(table) else ()
     events = tuple(pool.events)
     pool.events.clear()
+    primary, queue, ref, cached = pool.primary, pool.queue, pool.ref, pool.cached
     want, want_keys = closure(tables, blocks, keys, before)
     stored = event_keys(events)
     want_keys |= stored
     for k in stored:
-        want.update(pool.cached.get(k, ()))
+        want.update(cached.get(k, ()))
     out: dict[int, tuple[int, BlockKey | None, int, int]] = {}
     for b in want:
-        key = pool.primary.get(b)
+        key = primary.get(b)
         if key is not None:
             want_keys.add(key)
         prev = nxt = NOT_FREE
-        if b in pool.queue:  # ref 0 and not in the pinned tier
-            left, right = pool.queue.neighbours(b)
+        if b in queue:  # ref 0 and not in the pinned tier
+            left, right = queue.neighbours(b)
             prev = END if left is None else left
             nxt = END if right is None else right
-        out[b] = (pool.ref[b], key, prev, nxt)
-    holders = {k: tuple(pool.cached.get(k, ())) for k in want_keys}
+        out[b] = (ref[b], key, prev, nxt)
+    holders = {k: tuple(cached.get(k, ())) for k in want_keys}
     return PartialState(out, holders, tables, len(pool.queue), events)
