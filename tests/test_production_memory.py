@@ -59,3 +59,33 @@ def test_freed_heap_goes_back_between_episodes():
     production._trim_heap()
     assert current_rss_kb() < kept - 32 * 1024
     assert len(pins) == 2000
+
+
+def _live_peak(live_prompts: float, longest: int = 2000) -> tuple[int, int]:
+    """The most prompt tokens in flight at once over 3,000 workload operations, and the adds."""
+    from invariants.harness.checker import Checker
+    from invariants.targets import target_factory
+    from model.config import Config, GroupSpec
+    from model.ops import AddRequest
+
+    cfg = Config(groups=(GroupSpec("full", 16),), num_blocks=4096, max_model_len=2048)
+    checker = Checker(target_factory("model")(cfg))
+    ops = production.workload(cfg, random.Random(5), checker, longest, live_prompts)
+    peak = adds = 0
+    for _ in range(3000):
+        op = next(ops)
+        adds += isinstance(op, AddRequest)
+        assert not checker.step(op)
+        peak = max(peak, sum(r.num_tokens for r in checker.model.requests.values()))
+    return peak, adds
+
+
+def test_the_prompts_in_flight_stay_within_the_live_budget():
+    """However the draw stacks long prompts, the live ones together hold at most
+    `live_prompts` of the longest (decode tokens aside): the working set a
+    production run carries. Control: the same draw without the budget goes past it."""
+    assert production.LIVE_PROMPTS >= 2
+    peak, adds = _live_peak(1.5)
+    assert adds > 20 and 1000 < peak <= 1.5 * 2000 + production.MAX_DECODE
+    unbounded, _ = _live_peak(1e9)
+    assert unbounded > 1.5 * 2000 + production.MAX_DECODE

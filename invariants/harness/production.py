@@ -28,7 +28,7 @@ layout), each on a fresh model and target (the
 heap the last one freed handed back first), so the history never outgrows one
 episode. Within an episode memory follows the pool's cached blocks and the
 requests in flight (which drift towards the longest prompts: short ones finish
-first); across episodes it must not grow, and the summary shows each setting's
+first; together they hold at most `LIVE_PROMPTS` longest prompts); across episodes it must not grow, and the summary shows each setting's
 first and latest episode side by side.
 """
 
@@ -62,6 +62,10 @@ CHUNK = 8192
 VOCAB = 30000
 MAX_DECODE = 32
 SPEC_TOKENS = 2  # draft tokens per step in the speculative episodes (lookahead slots)
+# The prompts in flight hold at most this many of the longest prompt's tokens
+# together: the working set (prompts, their hashes and names on both sides) is
+# bounded by the setting, not by how many long prompts a draw happens to stack.
+LIVE_PROMPTS = 4
 # Long enough for a 1M-token prompt to be admitted, chunked and finished among
 # 16-32 others (128 chunks each); a fresh episode costs a pool build and a full audit.
 EPISODE_OPS = 5000
@@ -148,16 +152,24 @@ def random_tokens(rng: random.Random, n: int) -> tuple[int, ...]:
     return itemgetter(*ids)(_TOKEN_IDS) if n > 1 else tuple(_TOKEN_IDS[i] for i in ids)
 
 
-def workload(cfg: Config, rng: random.Random, checker: Checker, longest: int) -> Iterator[Op]:
-    """A serving workload on `checker`'s model state; yields the next operation (never ends)."""
+def workload(
+    cfg: Config, rng: random.Random, checker: Checker, longest: int, live_prompts: float = LIVE_PROMPTS
+) -> Iterator[Op]:
+    """A serving workload on `checker`'s model state; yields the next operation (never ends).
+
+    The prompts in flight hold at most `live_prompts * longest` tokens together."""
     systems = [random_tokens(rng, rng.randint(longest // 4, longest * 3 // 4)) for _ in range(3)]
     inflight = rng.randint(16, 32)
     wants: dict[str, int] = {}
     added = 0
     while True:
         reqs = checker.model.requests
+        n = 0
         if len(reqs) < inflight and (not reqs or rng.random() < 0.3):
             n = int(math.exp(rng.uniform(math.log(4), math.log(longest))))
+            if reqs and sum(r.num_tokens for r in reqs.values()) + n > live_prompts * longest:
+                n = 0  # full: the request waits until some finish
+        if n:
             system = rng.choice(systems)[: rng.randint(0, n)]
             prompt = system + random_tokens(rng, max(1, n - len(system)))
             rid = f"p{added}"
