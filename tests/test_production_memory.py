@@ -62,7 +62,7 @@ def test_freed_heap_goes_back_between_episodes():
 
 
 def _live_peak(live_prompts: float, longest: int = 2000) -> tuple[int, int]:
-    """The most prompt tokens in flight at once over 3,000 workload operations, and the adds."""
+    """The most prompt tokens in flight at once over 800 workload operations, and the adds."""
     from invariants.harness.checker import Checker
     from invariants.targets import target_factory
     from model.config import Config, GroupSpec
@@ -72,7 +72,7 @@ def _live_peak(live_prompts: float, longest: int = 2000) -> tuple[int, int]:
     checker = Checker(target_factory("model")(cfg))
     ops = production.workload(cfg, random.Random(5), checker, longest, live_prompts)
     peak = adds = 0
-    for _ in range(3000):
+    for _ in range(800):
         op = next(ops)
         adds += isinstance(op, AddRequest)
         assert not checker.step(op)
