@@ -17,7 +17,15 @@ import pytest
 import z3
 
 from invariants.proofs import runner
-from invariants.proofs.engine import Refutes, Step, Theorem, TheoremResult, run_steps
+from invariants.proofs.engine import (
+    STEP_SEEDS,
+    Refutes,
+    Step,
+    Theorem,
+    TheoremResult,
+    check_on_seeds,
+    run_steps,
+)
 from invariants.proofs.validation import validator_accepts
 from model.config import Config, ConfigError, GroupSpec, validate
 from model.free_queue import FreeQueue
@@ -65,6 +73,48 @@ def test_a_counterexample_that_keeps_the_claim_is_not_a_refutation() -> None:
     broken = Refutes(kept.values, lambda v: f"x = {v['x']}" if int(v["x"]) >= 3 else None)
     o = run_steps(steps, [], str, grid=grid, refute_at="x is small", refutes=broken)
     assert o.result == "refuted" and o.witness is not None and int(o.witness["x"]) >= 3
+
+
+class _SeedSensitiveSolver:
+    """A stand-in for z3.Solver whose search decides only on the given seeds (Z3 on a nonlinear step)."""
+
+    def __init__(self, decides_on: set[int]) -> None:
+        self.decides_on = decides_on
+        self.params: dict[str, int] = {}
+        self.tried: list[int] = []
+
+    def set(self, key: str, value: int) -> None:
+        self.params[key] = value
+
+    def check(self) -> z3.CheckSatResult:
+        self.tried.append(self.params["random_seed"])
+        return z3.unsat if self.params["random_seed"] in self.decides_on else z3.unknown
+
+    def reason_unknown(self) -> str:
+        return "canceled"
+
+
+def test_a_step_undecided_on_one_seed_is_decided_on_the_next() -> None:
+    s = _SeedSensitiveSolver({STEP_SEEDS[2]})
+    r, why = check_on_seeds(s, 1000)  # type: ignore[arg-type]
+    assert r == z3.unsat and why == "" and s.tried == list(STEP_SEEDS[:3])
+
+
+def test_control_a_step_undecided_on_every_seed_stays_unknown_and_says_so() -> None:
+    s = _SeedSensitiveSolver(set())
+    r, why = check_on_seeds(s, 1000)  # type: ignore[arg-type]
+    assert r == z3.unknown and s.tried == list(STEP_SEEDS)
+    assert why == f"undecided on seeds {', '.join(map(str, STEP_SEEDS))} (last: canceled)"
+
+
+def test_the_step_limit_is_z3s_resource_count_not_the_clock() -> None:
+    """A search that needs more than the resource limit stops with 'canceled' well before the wall timeout."""
+    xs = [z3.Int(f"p{i}") for i in range(3)]
+    s = z3.Solver()
+    # x^3 + y^3 = z^3 in positive integers: no solution, and no quick proof of that for Z3
+    s.add(*[x >= 1 for x in xs], xs[0] ** 3 + xs[1] ** 3 == xs[2] ** 3)
+    r, why = check_on_seeds(s, 600_000, seeds=(0,))
+    assert r == z3.unknown and "canceled" in why
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,14 @@ Values = dict[str, Union[int, bool]]
 # a stated claim on concrete values: how it is violated there, or None where it holds
 Claim = Callable[[Values], Union[str, None]]
 
-STEP_TIMEOUT_MS = 60_000  # generous: steps take ~0.1-3 s idle, ten times that on a loaded 2-core machine
+STEP_TIMEOUT_MS = 60_000  # a wall-clock backstop per attempt; the step's real limit is STEP_RLIMIT
+# Z3's resource count, not seconds: the same limit gives the same verdict on an idle or a loaded
+# machine. The costliest proved step takes under 1M (about 0.5 s idle); 20M is about 3 s idle.
+STEP_RLIMIT = 20_000_000
+# Nonlinear steps (a product modulo a variable) are solved at once on most seeds and run away on a
+# few, depending on Z3's term order, which varies with what the process built before. A step is
+# tried on these seeds in turn: it is unknown only when every one runs out of STEP_RLIMIT.
+STEP_SEEDS = (0, 1, 2, 3)
 CONTROL_TIMEOUT_MS = 2_000  # controls fall back to a small-size counterexample search
 SEARCH_CPU_S = 20.0  # the small-size search of one control (the slowest takes ~3 s idle)
 _STEP_TIMES = bool(os.environ.get("KVRETAIN_STEP_TIMES"))
@@ -140,6 +147,25 @@ def _search_small(
     return None
 
 
+def check_on_seeds(
+    s: z3.Solver, timeout_ms: int, seeds: Sequence[int] = STEP_SEEDS
+) -> tuple[z3.CheckSatResult, str]:
+    """Z3's verdict on `s`, trying each seed in turn until one decides; with the last reason when none does."""
+    reasons = []
+    r = z3.unknown
+    for seed in seeds:
+        s.set("timeout", timeout_ms)
+        s.set("rlimit", STEP_RLIMIT)
+        s.set("random_seed", seed)
+        r = s.check()
+        if r != z3.unknown:
+            break
+        reasons.append(s.reason_unknown())
+    if r != z3.unknown:
+        return r, ""
+    return r, f"undecided on seeds {', '.join(map(str, seeds))} (last: {reasons[-1]})"
+
+
 def run_steps(
     steps: Sequence[Step],
     base: Sequence[z3.BoolRef],
@@ -191,19 +217,21 @@ def run_steps(
     for step in steps:
         t0 = time.monotonic()
         s = z3.Solver()
-        s.set("timeout", timeout_ms or (CONTROL_TIMEOUT_MS if grid else STEP_TIMEOUT_MS))
+        timeout = timeout_ms or (CONTROL_TIMEOUT_MS if grid else STEP_TIMEOUT_MS)
+        # a control with a grid falls back to its small-size search: one seed is enough there
+        seeds = STEP_SEEDS[:1] if grid else STEP_SEEDS
         if not step.standalone:
             s.add(*base, *[f for label, f in lemmas if step.uses is None or label in step.uses])
         s.add(*step.hyps)
         if step.witness:
             s.add(step.claim)
-            r = s.check()
+            r, _ = check_on_seeds(s, timeout, seeds)
             if r == z3.sat:
                 witnesses.append(f"{step.label}: {describe(s.model())}")
                 continue
             return Outcome("refuted" if r == z3.unsat else "unknown", None, f"no witness for {step.label}")
         s.add(z3.Not(step.claim))
-        r = s.check()
+        r, reason = check_on_seeds(s, timeout, seeds)
         if _STEP_TIMES:
             print(f"    {step.label}: {r} {time.monotonic() - t0:.2f}s", flush=True)
         if r == z3.sat:
@@ -219,7 +247,6 @@ def run_steps(
                 )
             return Outcome("refuted", f"{step.label}: {describe(s.model())}")
         if r != z3.unsat:
-            reason = s.reason_unknown()
             found = _search_small(s, grid) if grid else None
             if found is not None:
                 return Outcome("refuted", f"{step.label}: {describe(found)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.context import BaseContext
 
 import z3
 
@@ -71,11 +72,16 @@ def run_theorems(
     else:
         import multiprocessing as mp
 
-        ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+        # A fresh process per theorem, forked from a server that imported only the catalogue: Z3's
+        # global state (term ids, caches) then depends neither on the theorems a worker ran before
+        # nor on what the caller (pytest, a CLI) built, so every caller sees the same search.
+        ctx: BaseContext = mp.get_context()
+        if "forkserver" in mp.get_all_start_methods():
+            server = mp.get_context("forkserver")
+            server.set_forkserver_preload(["invariants.proofs.runner"])
+            ctx = server
         # slowest first, so the two workers finish together
         order = sorted(indices, key=lambda i: -_EXPECTED_SECONDS.get(THEOREMS[i].name, 1.0))
-        # a fresh process per theorem: Z3's global state (term ids, caches) then does not depend on
-        # which theorems a worker ran before, so the search, and the verdict, are reproducible
         with ctx.Pool(workers, maxtasksperchild=1) as pool:
             for i, r in zip(order, pool.imap(_run_one, order)):
                 results[i] = r
