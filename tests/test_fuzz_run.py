@@ -164,7 +164,13 @@ def test_production_scale_runs_real_presets(capsys):
 
 
 def test_production_settings_and_a_clean_episode():
-    from invariants.harness.production import CONCURRENCY, run_production, settings_for
+    from invariants.harness.production import (
+        CONCURRENCY,
+        FINE_HASH,
+        fine_grained,
+        run_production,
+        settings_for,
+    )
 
     plan = settings_for(0)
     assert {s.name for s in plan if s.squeezed} == {"dsv4-flash", "gemma-like", "kimi-linear-like"}
@@ -173,6 +179,12 @@ def test_production_settings_and_a_clean_episode():
     assert {s.config.eagle for s in plan} == {True, False}  # speculative decoding every other episode
     first = plan[:3]  # a short budget meets every preset and every retention kind
     assert len({s.name for s in first}) == 3
+    # ... and vLLM's fine-grained prefix matching, which only kimi's aligned Mamba groups allow
+    fine = [s for s in plan if fine_grained(s.config)]
+    assert {s.name for s in fine} == {"kimi-linear-like"} and {s.config.hash_block_size for s in fine} == {
+        FINE_HASH
+    }
+    assert len(fine) == len(plan) // 4 and any(fine_grained(s.config) for s in first)
     assert len({s.config.retention_interval is None or s.config.retention_interval == 0 for s in first}) == 2
     stats, failures, _ = run_production(
         ModelTarget, seed=1, steps=120, budget_s=120, tolerated=lambda v: False, log=lambda line: None

@@ -8,7 +8,9 @@ dsv4-flash at 1M tokens), with prompts up to the context length (1M tokens
 for dsv4-flash and kimi-linear-like). Each layout also runs squeezed: prompts
 up to an eighth of the context and a pool for `SQUEEZE` of them, so that 16+
 requests in flight run out of blocks and the scheduler preempts (as vLLM's
-does: the newest running request loses its blocks).
+does: the newest running request loses its blocks). `kimi-linear-like` also
+runs with vLLM's prefix-match unit at `FINE_HASH` tokens, finer than its Mamba
+block: the fine-grained hits and copy-on-write path.
 
 The workload (seeded, printed): 16-32 requests in flight, prompts from a few
 tokens to the longest (log-uniform) sharing a few long system prompts,
@@ -51,6 +53,7 @@ from invariants.harness.spool import OpSpool
 from invariants.layouts.presets import MAX_CONTEXT, pool_blocks, preset
 from invariants.targets.base import Target
 from model.config import Config
+from model.fine_mamba import fine_hits_enabled
 from model.observation import ScheduleResult, StepResult
 from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
 from model.prefix import clear_memo
@@ -69,6 +72,9 @@ LIVE_PROMPTS = 4
 # Long enough for a 1M-token prompt to be admitted, chunked and finished among
 # 16-32 others (128 chunks each); a fresh episode costs a pool build and a full audit.
 EPISODE_OPS = 5000
+# vLLM's prefix-match unit for the fine-grained settings (`--prefix-match-unit`,
+# finer than the 512-token Mamba block): hits and checkpoints every 64 tokens.
+FINE_HASH = 64
 PRODUCTION_AUDIT_EVERY = 512  # an audit walks the whole pool (156k blocks): amortise it
 
 
@@ -85,25 +91,40 @@ def max_prompt(cfg: Config) -> int:
     return cfg.max_model_len - MAX_DECODE
 
 
+def fine_grained(cfg: Config) -> bool:
+    """Whether vLLM matches prefixes in units finer than the Mamba block (its partial hash hits)."""
+    return fine_hits_enabled(cfg)
+
+
+def _layouts(name: str) -> list[Config]:
+    """A preset as vLLM builds it, and, where it has aligned Mamba groups, the same layout with
+    prefixes matched every `FINE_HASH` tokens (fine-grained Mamba hits and copy-on-write)."""
+    base = preset(name)
+    fine = replace(base, hash_block_size=FINE_HASH)
+    return [base, fine] if fine_grained(fine) else [base]
+
+
 def settings_for(seed: int) -> list[Setting]:
-    """Every preset x retention (None, 0, one interval) x pool (full, squeezed)."""
+    """Every preset (and its fine-grained unit) x retention (None, 0, one interval) x pool (full, squeezed)."""
     out = []
     for name in PRODUCTION_PRESETS:
-        base = preset(name)
-        sbs = base.scheduler_block_size
-        for retention in (None, 0, 4 * sbs):
-            if retention is not None and all(g.kind == "full" for g in base.groups):
-                continue
-            cfg = replace(base, retention_interval=retention, max_model_len=MAX_CONTEXT[name])
-            full = replace(cfg, num_blocks=pool_blocks(cfg, CONCURRENCY, MAX_CONTEXT[name]))
-            short = max_prompt(cfg) // 8
-            squeezed = replace(cfg, num_blocks=pool_blocks(cfg, SQUEEZE, short + MAX_DECODE))
-            out += [Setting(name, full, False, max_prompt(cfg)), Setting(name, squeezed, True, short)]
+        for base in _layouts(name):
+            sbs = base.scheduler_block_size
+            for retention in (None, 0, 4 * sbs):
+                if retention is not None and all(g.kind == "full" for g in base.groups):
+                    continue
+                cfg = replace(base, retention_interval=retention, max_model_len=MAX_CONTEXT[name])
+                full = replace(cfg, num_blocks=pool_blocks(cfg, CONCURRENCY, MAX_CONTEXT[name]))
+                short = max_prompt(cfg) // 8
+                squeezed = replace(cfg, num_blocks=pool_blocks(cfg, SQUEEZE, short + MAX_DECODE))
+                out += [Setting(name, full, False, max_prompt(cfg)), Setting(name, squeezed, True, short)]
     random.Random(seed).shuffle(out)
     # Every layout and retention kind early: a short budget still meets each
-    # preset's groups (SWA, Mamba, ...) and dense, zero and interval retention.
+    # preset's groups (SWA, Mamba, ...) and dense, zero and interval retention,
+    # and the fine-grained path (the one a user turns on to get Mamba hits
+    # between block boundaries) rather than the preset's default unit.
     firsts: list[Setting] = []
-    for s in out:
+    for s in sorted(out, key=lambda s: not fine_grained(s.config)):
         if all(s.name != f.name and _kind(s) != _kind(f) for f in firsts):
             firsts.append(s)
     plan = firsts + [s for s in out if all(s is not f for f in firsts)]
@@ -239,6 +260,7 @@ def run_production(
             f"episode {stats.episodes}: {setting.name}, {cfg.num_blocks:,} blocks"
             f"{' (squeezed)' if setting.squeezed else ''}, retention {cfg.retention_interval}, "
             f"{f'Eagle/MTP {cfg.num_lookahead_tokens} draft tokens, ' if cfg.eagle else ''}"
+            f"{f'prefixes matched every {cfg.hash_block_size} tokens, ' if fine_grained(cfg) else ''}"
             f"prompts up to {setting.longest:,} tokens; resident {current_rss_kb() / 1024:,.0f} MiB"
         )
         ops = workload(cfg, rng, checker, setting.longest)
@@ -284,7 +306,10 @@ def run_production(
             if end:
                 checker.ops[:0] = spool.ops()
                 failures.append((setting, checker, end))
-        label = f"{setting.name} {cfg.num_blocks} r{cfg.retention_interval}{' eagle' if cfg.eagle else ''}"
+        label = (
+            f"{setting.name} {cfg.num_blocks} r{cfg.retention_interval}{' eagle' if cfg.eagle else ''}"
+            f"{f' unit{cfg.hash_block_size}' if fine_grained(cfg) else ''}"
+        )
         now = current_rss_kb()
         stats.rss_by_setting_kb[label] = (stats.rss_by_setting_kb.get(label, (now, now))[0], now)
         del checker, ops
