@@ -184,7 +184,11 @@ def test_production_settings_and_a_clean_episode():
     assert {s.name for s in fine} == {"kimi-linear-like"} and {s.config.hash_block_size for s in fine} == {
         FINE_HASH
     }
-    assert len(fine) == len(plan) // 4 and any(fine_grained(s.config) for s in first)
+    assert len(fine) == 6 and any(fine_grained(s.config) for s in first)  # 3 retentions x 2 pools
+    # ... and serving without prefix caching, Mamba groups in 'none' mode
+    off = [s for s in plan if not s.config.enable_caching]
+    assert {s.name for s in off} == {"kimi-linear-like"} and {s.squeezed for s in off} == {True, False}
+    assert all(g.mamba_cache_mode == "none" for s in off for g in s.config.groups if g.kind == "mamba")
     assert len({s.config.retention_interval is None or s.config.retention_interval == 0 for s in first}) == 2
     stats, failures, _ = run_production(
         ModelTarget, seed=1, steps=120, budget_s=120, tolerated=lambda v: False, log=lambda line: None

@@ -10,10 +10,12 @@ up to an eighth of the context and a pool for `SQUEEZE` of them, so that 16+
 requests in flight run out of blocks and the scheduler preempts (as vLLM's
 does: the newest running request loses its blocks). `kimi-linear-like` also
 runs with vLLM's prefix-match unit at `FINE_HASH` tokens, finer than its Mamba
-block: the fine-grained hits and copy-on-write path.
+block: the fine-grained hits and copy-on-write path, and without prefix
+caching (its Mamba groups in 'none' mode).
 
 The workload (seeded, printed): 16-32 requests in flight, prompts from a few
-tokens to the longest (log-uniform) sharing a few long system prompts,
+tokens to the longest (log-uniform) sharing a few long system prompts, some
+arriving in bursts that share a step,
 8k-token chunks, scheduler steps over several requests, short decodes
 (speculative, with Eagle/MTP drafts, in every other episode), probes,
 preemption. Every operation goes through the Checker (model
@@ -69,6 +71,10 @@ SPEC_TOKENS = 2  # draft tokens per step in the speculative episodes (lookahead 
 # together: the working set (prompts, their hashes and names on both sides) is
 # bounded by the setting, not by how many long prompts a draw happens to stack.
 LIVE_PROMPTS = 4
+# A tenth of the arrivals come as a burst of 2 to BURST requests with one system
+# prompt, admitted in one step (a chunk each).
+BURST_P = 0.1
+BURST = 4
 # Long enough for a 1M-token prompt to be admitted, chunked and finished among
 # 16-32 others (128 chunks each); a fresh episode costs a pool build and a full audit.
 EPISODE_OPS = 5000
@@ -97,20 +103,29 @@ def fine_grained(cfg: Config) -> bool:
 
 
 def _layouts(name: str) -> list[Config]:
-    """A preset as vLLM builds it, and, where it has aligned Mamba groups, the same layout with
-    prefixes matched every `FINE_HASH` tokens (fine-grained Mamba hits and copy-on-write)."""
+    """A preset as vLLM builds it; where it has aligned Mamba groups, the same layout with
+    prefixes matched every `FINE_HASH` tokens (fine-grained Mamba hits and copy-on-write);
+    where it has Mamba groups, the same layout served without prefix caching (Mamba in
+    'none' mode: one running state per request, freed as it advances)."""
     base = preset(name)
+    out = [base]
     fine = replace(base, hash_block_size=FINE_HASH)
-    return [base, fine] if fine_grained(fine) else [base]
+    if fine_grained(fine):
+        out.append(fine)
+    if any(g.kind == "mamba" for g in base.groups):
+        groups = tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in base.groups)
+        out.append(replace(base, groups=groups, enable_caching=False, retention_interval=None))
+    return out
 
 
 def settings_for(seed: int) -> list[Setting]:
-    """Every preset (and its fine-grained unit) x retention (None, 0, one interval) x pool (full, squeezed)."""
+    """Every preset (and its variants, `_layouts`) x retention (None, 0, one interval; caching
+    off: None) x pool (full, squeezed)."""
     out = []
     for name in PRODUCTION_PRESETS:
         for base in _layouts(name):
             sbs = base.scheduler_block_size
-            for retention in (None, 0, 4 * sbs):
+            for retention in (None, 0, 4 * sbs) if base.enable_caching else (None,):
                 if retention is not None and all(g.kind == "full" for g in base.groups):
                     continue
                 cfg = replace(base, retention_interval=retention, max_model_len=MAX_CONTEXT[name])
@@ -127,6 +142,10 @@ def settings_for(seed: int) -> list[Setting]:
     for s in sorted(out, key=lambda s: not fine_grained(s.config)):
         if all(s.name != f.name and _kind(s) != _kind(f) for f in firsts):
             firsts.append(s)
+    # Then each layout variant not met yet (the default unit, caching off).
+    for s in out:
+        if all(_layout(s) != _layout(f) for f in firsts):
+            firsts.append(s)
     plan = firsts + [s for s in out if all(s is not f for f in firsts)]
     # Every other episode decodes speculatively (Eagle / MTP drafts): the extra
     # block an Eagle lookup drops and the lookahead slots every allocation reserves.
@@ -134,6 +153,10 @@ def settings_for(seed: int) -> list[Setting]:
         replace(s, config=replace(s.config, eagle=True, num_lookahead_tokens=SPEC_TOKENS)) if i % 2 else s
         for i, s in enumerate(plan)
     ]
+
+
+def _layout(s: Setting) -> tuple[str, int, bool]:
+    return s.name, s.config.hash_block_size, s.config.enable_caching
 
 
 def _kind(s: Setting) -> str:
@@ -192,11 +215,21 @@ def workload(
                 n = 0  # full: the request waits until some finish
         if n:
             system = rng.choice(systems)[: rng.randint(0, n)]
-            prompt = system + random_tokens(rng, max(1, n - len(system)))
-            rid = f"p{added}"
-            added += 1
-            wants[rid] = len(prompt) + rng.randint(1, MAX_DECODE)
-            yield AddRequest(rid, prompt)
+            # Now and then a burst: requests with one system prompt arrive together and share
+            # a step (parallel sampling, an agent's fan-out), so one looks up the blocks
+            # another caches in that very step.
+            burst: list[str] = []
+            for _ in range(rng.randint(2, BURST) if rng.random() < BURST_P else 1):
+                if burst and sum(r.num_tokens for r in reqs.values()) + n > live_prompts * longest:
+                    break
+                prompt = system + random_tokens(rng, max(1, n - len(system)))
+                rid = f"p{added}"
+                added += 1
+                wants[rid] = len(prompt) + rng.randint(1, MAX_DECODE)
+                burst.append(rid)
+                yield AddRequest(rid, prompt)
+            if len(burst) > 1:
+                yield Step(tuple(burst), CHUNK * len(burst))
             continue
         if rng.random() < 0.02:
             yield Probe(rng.choice(systems)[: rng.randint(1, longest)])
@@ -261,6 +294,7 @@ def run_production(
             f"{' (squeezed)' if setting.squeezed else ''}, retention {cfg.retention_interval}, "
             f"{f'Eagle/MTP {cfg.num_lookahead_tokens} draft tokens, ' if cfg.eagle else ''}"
             f"{f'prefixes matched every {cfg.hash_block_size} tokens, ' if fine_grained(cfg) else ''}"
+            f"{'' if cfg.enable_caching else 'prefix caching off, '}"
             f"prompts up to {setting.longest:,} tokens; resident {current_rss_kb() / 1024:,.0f} MiB"
         )
         ops = workload(cfg, rng, checker, setting.longest)
@@ -308,7 +342,7 @@ def run_production(
                 failures.append((setting, checker, end))
         label = (
             f"{setting.name} {cfg.num_blocks} r{cfg.retention_interval}{' eagle' if cfg.eagle else ''}"
-            f"{f' unit{cfg.hash_block_size}' if fine_grained(cfg) else ''}"
+            f"{f' unit{cfg.hash_block_size}' if fine_grained(cfg) else ''}{'' if cfg.enable_caching else ' nocache'}"
         )
         now = current_rss_kb()
         stats.rss_by_setting_kb[label] = (stats.rss_by_setting_kb.get(label, (now, now))[0], now)

@@ -5,8 +5,8 @@ user runs `kvretain fuzz --target vllm --scale production --budget-s T`: the
 real presets at vLLM's pool sizes, every invariant and the model
 differential on, stopping at the first violation. A mutant is caught when a
 violation beyond the known findings shows up within the budget. One that is
-not caught lives in a path the production presets do not take (Eagle,
-lookahead slots, fine-grained Mamba hits, config validation) or one the
+not caught lives in a path the production plan does not take (config
+validation: its configurations are vLLM's own, always valid) or one the
 workload did not reach in time: the small-scale zoo is where every mutant must
 die; this one measures what production-scale fuzzing meets, and how fast.
 """
