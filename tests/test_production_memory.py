@@ -81,11 +81,11 @@ def _live_peak(live_prompts: float, longest: int = 2000) -> tuple[int, int]:
 
 
 def test_the_prompts_in_flight_stay_within_the_live_budget():
-    """However the draw stacks long prompts, the live ones together hold at most
-    `live_prompts` of the longest (decode tokens aside): the working set a
-    production run carries. Control: the same draw without the budget goes past it."""
+    """However the draw stacks long prompts (and bursts), the live requests together
+    hold at most `live_prompts` of the longest, decoded tokens included: the working
+    set a production run carries. Control: the same draw without the budget goes past it."""
     assert production.LIVE_PROMPTS >= 2
     peak, adds = _live_peak(1.5)
-    assert adds > 20 and 1000 < peak <= 1.5 * 2000 + production.MAX_DECODE
+    assert adds > 20 and 1000 < peak <= 1.5 * 2000
     unbounded, _ = _live_peak(1e9)
-    assert unbounded > 1.5 * 2000 + production.MAX_DECODE
+    assert unbounded > 1.5 * 2000

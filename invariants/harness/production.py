@@ -46,7 +46,7 @@ import random
 import resource
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
@@ -201,7 +201,8 @@ def workload(
 ) -> Iterator[Op]:
     """A serving workload on `checker`'s model state; yields the next operation (never ends).
 
-    The prompts in flight hold at most `live_prompts * longest` tokens together."""
+    The requests in flight hold at most `live_prompts * longest` tokens together, counting
+    each at its final length (prompt and decode)."""
     systems = [random_tokens(rng, rng.randint(longest // 4, longest * 3 // 4)) for _ in range(3)]
     inflight = rng.randint(16, 32)
     wants: dict[str, int] = {}
@@ -211,18 +212,18 @@ def workload(
         n = 0
         if len(reqs) < inflight and (not reqs or rng.random() < 0.3):
             n = int(math.exp(rng.uniform(math.log(4), math.log(longest))))
-            if reqs and sum(r.num_tokens for r in reqs.values()) + n > live_prompts * longest:
+            if reqs and _final_tokens(reqs, wants) + n + MAX_DECODE > live_prompts * longest:
                 n = 0  # full: the request waits until some finish
         if n:
-            system = rng.choice(systems)[: rng.randint(0, n)]
+            system = rng.choice(systems)[: rng.randint(0, n - 1)]
             # Now and then a burst: requests with one system prompt arrive together and share
             # a step (parallel sampling, an agent's fan-out), so one looks up the blocks
             # another caches in that very step.
             burst: list[str] = []
             for _ in range(rng.randint(2, BURST) if rng.random() < BURST_P else 1):
-                if burst and sum(r.num_tokens for r in reqs.values()) + n > live_prompts * longest:
+                if burst and _final_tokens(reqs, wants) + n + MAX_DECODE > live_prompts * longest:
                     break
-                prompt = system + random_tokens(rng, max(1, n - len(system)))
+                prompt = system + random_tokens(rng, n - len(system))
                 rid = f"p{added}"
                 added += 1
                 wants[rid] = len(prompt) + rng.randint(1, MAX_DECODE)
@@ -252,6 +253,11 @@ def workload(
                 running = [q for q, s in checker.model.requests.items() if s.running]
                 if running:
                     yield Preempt(running[-1])
+
+
+def _final_tokens(reqs: Mapping[str, object], wants: Mapping[str, int]) -> int:
+    """The tokens the requests in flight will hold when they finish."""
+    return sum(wants[rid] for rid in reqs)
 
 
 def run_production(
