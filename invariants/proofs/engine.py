@@ -2,8 +2,10 @@
 
 Each theorem is a named function whose docstring is its statement. It returns
 `proved` (Z3 showed the negation unsatisfiable), `refuted` (with a
-counterexample in domain terms) or `unknown` (a step timed out). Variables are
-unbounded integers unless the result names a bound.
+counterexample in domain terms) or `unknown` (a step undecided within its
+resource limit on every seed). Variables are unbounded integers unless the
+result names a bound. The verdict does not depend on the machine's load: a
+step is limited by Z3's resource count, not by the clock.
 
 Proof style. A theorem is a chain of steps; each step is one validity check
 `hyps => claim`. A proved step is a tautology, so later steps may use it as a
