@@ -250,6 +250,13 @@ def test_scratch_never_flushes_cache(plain):
         after, ref_cnt=tuple(refs), block_hash={k: v for k, v in after.block_hash.items() if k != cached_free}
     )
     fails("scratch_never_flushes_cache", replace(ctx, before=b4, after=a2))
+    # The uncached block served the step after all: a copy-on-write destination
+    # that came back holding the moved keys (a Mamba state copied mid-block).
+    key = next(iter(after.block_hash.values()))
+    moved = replace(a2, block_hash={**a2.block_hash, uncached_free: key})
+    holds("scratch_never_flushes_cache", replace(ctx, before=b4, after=moved))
+    copied = replace(ctx.obs, copies=((cached_free, uncached_free),))
+    holds("scratch_never_flushes_cache", replace(ctx, before=b4, after=a2, obs=copied))
 
 
 def test_events_match_hash_map(plain):

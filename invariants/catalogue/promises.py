@@ -164,7 +164,11 @@ def eagle_extra_block_kept(ctx: CheckContext) -> list[str]:
 
 def scratch_never_flushes_cache(ctx: CheckContext) -> list[str]:
     """A step never reuses a cached free block while an uncached free block is
-    left over (concurrent SWA scratch must not flush cached prefixes; #43447)."""
+    left over (concurrent SWA scratch must not flush cached prefixes; #43447).
+
+    Left over: free and uncached before and after the step, and no endpoint of
+    its copies. A block the step took and gave back (a copy-on-write
+    destination that returns holding the moved keys) served the step."""
     if not isinstance(ctx.op, Schedule):
         return []
     if ctx.delta is not None:
@@ -178,14 +182,24 @@ def scratch_never_flushes_cache(ctx: CheckContext) -> list[str]:
     if not flushed:
         return []
     now_free = set(now.free_queue)
+    served = _copy_endpoints(ctx)
     spared = [
         b
         for b in b4.free_queue
-        if b not in b4.block_hash and b in now_free and b not in ctx.history.evicted_in_place
+        if b not in b4.block_hash
+        and b in now_free
+        and b not in now.block_hash
+        and b not in served
+        and b not in ctx.history.evicted_in_place
     ]
     if spared:
         return [f"cached blocks {flushed[:5]} reused while uncached blocks {spared[:5]} stayed free"]
     return []
+
+
+def _copy_endpoints(ctx: CheckContext) -> set[int]:
+    """The blocks the step's copy-on-write copies read or wrote."""
+    return {b for copy in getattr(ctx.obs, "copies", ()) for b in copy}
 
 
 def _scratch_on_delta(ctx: CheckContext) -> list[str]:
@@ -204,11 +218,17 @@ def _scratch_on_delta(ctx: CheckContext) -> list[str]:
     if not flushed:
         return []
     exempt = ctx.history.evicted_in_place
-    # Free and uncached before, still free: untouched ones are where they were.
+    served = _copy_endpoints(ctx)
+    # Free and uncached before, still so after: untouched ones are where they were.
     touched = [
         b
         for b, (_, key, prev, _) in d.before_blocks.items()
-        if prev != NOT_FREE and key is None and b in d.blocks and d.is_free(b)
+        if prev != NOT_FREE
+        and key is None
+        and b in d.blocks
+        and d.is_free(b)
+        and d.blocks[b][1] is None
+        and b not in served
     ]
     untouched = (b for b in d.free_uncached if b not in d.blocks)
     spared = [b for b in touched if b not in exempt]
