@@ -15,7 +15,7 @@ from invariants.harness.trace import read_trace
 from invariants.targets.model_target import ModelTarget
 from model.config import Config, GroupSpec
 from model.observation import Done, Observation
-from model.ops import AddRequest, Finish, Op, Schedule
+from model.ops import AddRequest, Finish, Op, Schedule, Step
 
 CFG = Config(groups=(GroupSpec("full", 4),), num_blocks=12)
 
@@ -111,6 +111,21 @@ def test_shrink_finds_the_minimum_when_time_allows():
 
     best, _ = shrink(ops, fails, time.monotonic() + 10)
     assert len(best) == 2 and isinstance(best[1], Schedule)
+
+
+def test_shrink_takes_a_dropped_request_out_of_the_steps_it_shared():
+    """Requests batched with the culprit go, although every step names them."""
+    ops: list[Op] = [AddRequest(f"r{i}", (i + 1,)) for i in range(16)] + [AddRequest("a", (1, 2, 3, 4))]
+    ops += [Step(tuple(f"r{i}" for i in range(j, j + 4)) + ("a",), 8) for j in range(0, 16, 4)]
+
+    def fails(candidate: list[Op]) -> int | None:  # fails at the fourth step that schedules "a"
+        if not any(op == AddRequest("a", (1, 2, 3, 4)) for op in candidate):
+            return None
+        steps = [i for i, op in enumerate(candidate) if isinstance(op, Step) and "a" in op.rids]
+        return steps[3] if len(steps) >= 4 else None
+
+    best, _ = shrink(ops, fails, time.monotonic() + 10)
+    assert best == [AddRequest("a", (1, 2, 3, 4))] + [Step(("a",), 8)] * 4
 
 
 def test_budget_decides_without_steps(capsys):

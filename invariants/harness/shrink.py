@@ -11,7 +11,8 @@ with a broken free path kept it busy for minutes after a 60 s budget), and
 the user sees nothing meanwhile. Here every pass is one idea, tried from the
 coarsest to the finest so that the early passes do most of the work:
 
-1. drop a whole request (every operation naming its rid);
+1. drop whole requests (every operation naming them, and their places in the
+   batch steps they shared), half of them, then quarters, ... one at a time;
 2. drop runs of operations (halves, quarters, ... single operations);
 3. shorten prompts and probes, lower budgets, set sampled tokens to 1.
 """
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from model.ops import AddRequest, Op, Probe, Sample, Schedule
+from model.ops import AddRequest, Op, Probe, Sample, Schedule, Step
 
 Replay = Callable[[list[Op]], int | None]
 """Replays a candidate; the index of the failing operation, or None when clean/invalid."""
@@ -66,8 +67,17 @@ def shrink(
     changed = True
     while changed and budget.left():
         changed = False
-        for rid in _rids(best):
-            changed |= attempt([op for op in best if getattr(op, "rid", None) != rid])
+        rids = _rids(best)
+        size = max(len(rids) // 2, 1)
+        while size >= 1 and budget.left():
+            i = 0
+            while i < len(rids) and budget.left():
+                if attempt(_without(best, set(rids[i : i + size]))):
+                    changed = True
+                    rids = [r for r in rids if r in set(_rids(best))]
+                else:
+                    i += size
+            size //= 2
         size = max(len(best) // 2, 1)
         while size >= 1 and budget.left():
             i = 0
@@ -89,6 +99,20 @@ def shrink(
 
 def _rids(ops: list[Op]) -> list[str]:
     return list(dict.fromkeys(op.rid for op in ops if isinstance(op, AddRequest)))
+
+
+def _without(ops: list[Op], rids: set[str]) -> list[Op]:
+    """The trace with these requests never arriving: their operations dropped, and
+    they are taken out of the batch steps they shared (a step left empty goes)."""
+    out: list[Op] = []
+    for op in ops:
+        if isinstance(op, Step):
+            rest = tuple(r for r in op.rids if r not in rids)
+            if rest:
+                out.append(op if len(rest) == len(op.rids) else replace(op, rids=rest))
+        elif getattr(op, "rid", None) not in rids:
+            out.append(op)
+    return out
 
 
 def _simpler(op: Op) -> list[Op]:
