@@ -114,3 +114,17 @@ def test_the_fine_grained_settings_take_vllms_partial_hash_hit_path() -> None:
 def test_control_the_default_unit_never_takes_it() -> None:
     partial, copies = _copies_in_a_squeezed_kimi_episode(fine=False, ops=200)
     assert not partial and copies == 0
+
+
+def test_the_production_bench_says_where_the_checked_time_goes() -> None:
+    """The phases partition the checked time: they add up to it, audits on their own."""
+    from invariants.harness.bench import run_production_bench
+
+    lines: list[str] = []
+    assert run_production_bench(ops=40, log=lines.append) == 0
+    where = next(line for line in lines if line.startswith("where checked time goes: "))
+    shares = dict(re.findall(r"([a-z][a-z ,()]+?) (\d+)%", where.split(": ", 1)[1]))
+    assert {"target apply", "model apply", "checks and history"} <= set(shares)
+    assert any(k.startswith("audits") for k in shares)
+    assert 95 <= sum(int(v) for v in shares.values()) <= 105  # each share rounded
+    assert any("vs raw vLLM" in line for line in lines)

@@ -188,7 +188,8 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
     checked: the production workload through the Checker on vLLM (model,
     deltas, audits every PRODUCTION_AUDIT_EVERY steps); raw: the same operations
     replayed on a fresh vLLM target with no model and no checks (the adapter's
-    own cost counts as raw, which flatters raw, never the checker)."""
+    own cost counts as raw, which flatters raw, never the checker). Then where
+    the checked time goes (CPU time per phase, audits on their own)."""
     from invariants.harness.production import PRODUCTION_AUDIT_EVERY, settings_for, workload
 
     setting = next(
@@ -201,18 +202,28 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
         f"retention {cfg.retention_interval}, prompts up to {setting.longest:,} tokens, seed {seed}"
     )
     checker = Checker(factory(cfg), audit_every=PRODUCTION_AUDIT_EVERY)
+    # Phase clocks in the same run: an operation here costs milliseconds, the clocks microseconds.
+    phase: dict[str, float] = defaultdict(float)
+    checker.target = _Timed(checker.target, phase, "target")  # type: ignore[assignment]
+    checker.model = _Timed(checker.model, phase, "model")  # type: ignore[assignment]
+    checker._model_target = _Timed(checker._model_target, phase, "model")  # type: ignore[assignment]
+    audit_step, audit_all = checker._audited_step, checker.audit
+    checker._audited_step = _audit_clock(audit_step, phase)  # type: ignore[method-assign]
     gen = workload(cfg, random.Random(seed), checker, setting.longest)
-    checked_s, tokens = 0.0, 0
+    checked_s, checked_cpu, tokens = 0.0, 0.0, 0
     while len(checker.ops) < ops:
         op = next(gen)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), CLOCK()
         found = [v for v in checker.step(op) if not is_known_violation("vllm", v)]
         checked_s += time.perf_counter() - t
+        checked_cpu += CLOCK() - c
         assert not found, (op, found)
         tokens += getattr(checker.last_obs, "scheduled", 0)
-    t = time.perf_counter()
-    assert not [v for v in checker.audit() if not is_known_violation("vllm", v)]
+    t, c = time.perf_counter(), CLOCK()
+    assert not [v for v in _audit_clock(audit_all, phase)() if not is_known_violation("vllm", v)]
     checked_s += time.perf_counter() - t
+    checked_cpu += CLOCK() - c
+    phase["checks and history"] = checked_cpu - sum(phase.values())
     raw_target = factory(cfg)
     t = time.perf_counter()
     for op in checker.ops:
@@ -229,7 +240,23 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
     ]
     log(table(["run", "ops/s", "tokens/s", "vs raw vLLM"], rows))
     log(f"pool {cfg.num_blocks:,} blocks, {checker.audits} audits, peak RSS {_peak_rss_mib():,.0f} MiB")
+    parts = ", ".join(f"{k} {v / checked_cpu:.0%}" for k, v in sorted(phase.items(), key=lambda kv: -kv[1]))
+    log(f"where checked time goes: {parts}")
+    log("goal: checked/raw >= 0.33 (checking costs at most 2x the work it checks)")
     return 0
+
+
+def _audit_clock(audit: Callable[..., Any], phase: dict[str, float]) -> Callable[..., Any]:
+    """`audit` with its own time (what the phases inside it do not account for) as "audits"."""
+
+    def timed(*args: Any) -> Any:
+        inside, t = sum(phase.values()), CLOCK()
+        try:
+            return audit(*args)
+        finally:
+            phase["audits (whole snapshots, every invariant)"] += CLOCK() - t - (sum(phase.values()) - inside)
+
+    return timed
 
 
 def _peak_rss_mib() -> float:
