@@ -182,10 +182,10 @@ def test_production_settings_and_a_clean_episode():
     from invariants.harness.production import (
         CONCURRENCY,
         FINE_HASH,
-        fine_grained,
         run_production,
         settings_for,
     )
+    from model.fine_mamba import fine_hits_enabled
 
     plan = settings_for(0)
     assert {s.name for s in plan if s.squeezed} == {"dsv4-flash", "gemma-like", "kimi-linear-like"}
@@ -195,11 +195,11 @@ def test_production_settings_and_a_clean_episode():
     first = plan[:3]  # a short budget meets every preset and every retention kind
     assert len({s.name for s in first}) == 3
     # ... and vLLM's fine-grained prefix matching, which only kimi's aligned Mamba groups allow
-    fine = [s for s in plan if fine_grained(s.config)]
+    fine = [s for s in plan if fine_hits_enabled(s.config)]
     assert {s.name for s in fine} == {"kimi-linear-like"} and {s.config.hash_block_size for s in fine} == {
         FINE_HASH
     }
-    assert len(fine) == 6 and any(fine_grained(s.config) for s in first)  # 3 retentions x 2 pools
+    assert len(fine) == 6 and any(fine_hits_enabled(s.config) for s in first)  # 3 retentions x 2 pools
     # ... and serving without prefix caching, Mamba groups in 'none' mode
     off = [s for s in plan if not s.config.enable_caching]
     assert {s.name for s in off} == {"kimi-linear-like"} and {s.squeezed for s in off} == {True, False}

@@ -80,14 +80,15 @@ def _copies_in_a_squeezed_kimi_episode(fine: bool, ops: int) -> tuple[bool, int]
     import random
 
     from invariants.harness.checker import Checker, InvalidOp
-    from invariants.harness.production import fine_grained, settings_for, workload
+    from invariants.harness.production import settings_for, workload
     from invariants.targets.vllm_target import VllmTarget
+    from model.fine_mamba import fine_hits_enabled
     from model.observation import ScheduleResult, StepResult
 
     setting = next(
         s
         for s in settings_for(0)
-        if s.name == "kimi-linear-like" and s.squeezed and fine_grained(s.config) == fine
+        if s.name == "kimi-linear-like" and s.squeezed and fine_hits_enabled(s.config) == fine
     )
     target = VllmTarget(setting.config)
     checker = Checker(target)

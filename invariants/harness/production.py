@@ -46,7 +46,7 @@ import random
 import resource
 import time
 from array import array
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
@@ -97,11 +97,6 @@ def max_prompt(cfg: Config) -> int:
     return cfg.max_model_len - MAX_DECODE
 
 
-def fine_grained(cfg: Config) -> bool:
-    """Whether vLLM matches prefixes in units finer than the Mamba block (its partial hash hits)."""
-    return fine_hits_enabled(cfg)
-
-
 def _layouts(name: str) -> list[Config]:
     """A preset as vLLM builds it; where it has aligned Mamba groups, the same layout with
     prefixes matched every `FINE_HASH` tokens (fine-grained Mamba hits and copy-on-write);
@@ -110,7 +105,7 @@ def _layouts(name: str) -> list[Config]:
     base = preset(name)
     out = [base]
     fine = replace(base, hash_block_size=FINE_HASH)
-    if fine_grained(fine):
+    if fine_hits_enabled(fine):
         out.append(fine)
     if any(g.kind == "mamba" for g in base.groups):
         groups = tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in base.groups)
@@ -139,7 +134,7 @@ def settings_for(seed: int) -> list[Setting]:
     # and the fine-grained path (the one a user turns on to get Mamba hits
     # between block boundaries) rather than the preset's default unit.
     firsts: list[Setting] = []
-    for s in sorted(out, key=lambda s: not fine_grained(s.config)):
+    for s in sorted(out, key=lambda s: not fine_hits_enabled(s.config)):
         if all(s.name != f.name and _kind(s) != _kind(f) for f in firsts):
             firsts.append(s)
     # Then each layout variant not met yet (the default unit, caching off).
@@ -207,12 +202,18 @@ def workload(
     inflight = rng.randint(16, 32)
     wants: dict[str, int] = {}
     added = 0
+
+    def fits(n: int) -> bool:
+        """Whether one more request of `n` prompt tokens keeps the requests in flight, each at
+        its final length (prompt and decode), within the budget."""
+        return sum(wants[rid] for rid in checker.model.requests) + n + MAX_DECODE <= live_prompts * longest
+
     while True:
         reqs = checker.model.requests
         n = 0
         if len(reqs) < inflight and (not reqs or rng.random() < 0.3):
             n = int(math.exp(rng.uniform(math.log(4), math.log(longest))))
-            if reqs and _final_tokens(reqs, wants) + n + MAX_DECODE > live_prompts * longest:
+            if reqs and not fits(n):
                 n = 0  # full: the request waits until some finish
         if n:
             system = rng.choice(systems)[: rng.randint(0, n - 1)]
@@ -221,7 +222,7 @@ def workload(
             # another caches in that very step.
             burst: list[str] = []
             for _ in range(rng.randint(2, BURST) if rng.random() < BURST_P else 1):
-                if burst and _final_tokens(reqs, wants) + n + MAX_DECODE > live_prompts * longest:
+                if burst and not fits(n):
                     break
                 prompt = system + random_tokens(rng, n - len(system))
                 rid = f"p{added}"
@@ -253,11 +254,6 @@ def workload(
                 running = [q for q, s in checker.model.requests.items() if s.running]
                 if running:
                     yield Preempt(running[-1])
-
-
-def _final_tokens(reqs: Mapping[str, object], wants: Mapping[str, int]) -> int:
-    """The tokens the requests in flight will hold when they finish."""
-    return sum(wants[rid] for rid in reqs)
 
 
 def run_production(
@@ -299,7 +295,7 @@ def run_production(
             f"episode {stats.episodes}: {setting.name}, {cfg.num_blocks:,} blocks"
             f"{' (squeezed)' if setting.squeezed else ''}, retention {cfg.retention_interval}, "
             f"{f'Eagle/MTP {cfg.num_lookahead_tokens} draft tokens, ' if cfg.eagle else ''}"
-            f"{f'prefixes matched every {cfg.hash_block_size} tokens, ' if fine_grained(cfg) else ''}"
+            f"{f'prefixes matched every {cfg.hash_block_size} tokens, ' if fine_hits_enabled(cfg) else ''}"
             f"{'' if cfg.enable_caching else 'prefix caching off, '}"
             f"prompts up to {setting.longest:,} tokens; resident {current_rss_kb() / 1024:,.0f} MiB"
         )
@@ -348,7 +344,7 @@ def run_production(
                 failures.append((setting, checker, end))
         label = (
             f"{setting.name} {cfg.num_blocks} r{cfg.retention_interval}{' eagle' if cfg.eagle else ''}"
-            f"{f' unit{cfg.hash_block_size}' if fine_grained(cfg) else ''}{'' if cfg.enable_caching else ' nocache'}"
+            f"{f' unit{cfg.hash_block_size}' if fine_hits_enabled(cfg) else ''}{'' if cfg.enable_caching else ' nocache'}"
         )
         now = current_rss_kb()
         stats.rss_by_setting_kb[label] = (stats.rss_by_setting_kb.get(label, (now, now))[0], now)

@@ -74,7 +74,8 @@ def shrink(
             while i < len(rids) and budget.left():
                 if attempt(_without(best, set(rids[i : i + size]))):
                     changed = True
-                    rids = [r for r in rids if r in set(_rids(best))]
+                    left = set(_rids(best))
+                    rids = [r for r in rids if r in left]
                 else:
                     i += size
             size //= 2

@@ -153,19 +153,16 @@ def check_on_seeds(
     s: z3.Solver, timeout_ms: int, seeds: Sequence[int] = STEP_SEEDS
 ) -> tuple[z3.CheckSatResult, str]:
     """Z3's verdict on `s`, trying each seed in turn until one decides; with the last reason when none does."""
-    reasons = []
-    r = z3.unknown
+    reason = ""
     for seed in seeds:
         s.set("timeout", timeout_ms)
         s.set("rlimit", STEP_RLIMIT)
         s.set("random_seed", seed)
         r = s.check()
         if r != z3.unknown:
-            break
-        reasons.append(s.reason_unknown())
-    if r != z3.unknown:
-        return r, ""
-    return r, f"undecided on seeds {', '.join(map(str, seeds))} (last: {reasons[-1]})"
+            return r, ""
+        reason = s.reason_unknown()
+    return z3.unknown, f"undecided on seeds {', '.join(map(str, seeds))} (last: {reason})"
 
 
 def run_steps(
