@@ -129,3 +129,35 @@ def test_the_production_bench_says_where_the_checked_time_goes() -> None:
     assert any(k.startswith("audits") for k in shares)
     assert 95 <= sum(int(v) for v in shares.values()) <= 105  # each share rounded
     assert any("vs raw vLLM" in line for line in lines)
+    # raw is vLLM's own time: the adapter that drives it is no part of it
+    rows = "\n".join(lines).splitlines()
+    driven = next(row for row in rows if row.startswith("vllm driven by the adapter"))
+    assert 0 < float(driven.split()[-1]) <= 1
+
+
+def test_the_vllm_clock_counts_only_time_inside_vllm() -> None:
+    """`_VllmClock` adds the time of vLLM's calls and nothing the adapter does around them."""
+    from invariants.harness.bench import BENCH_CONFIG, _VllmClock
+    from invariants.targets import target_factory
+    from model.ops import AddRequest, Finish, Probe, Schedule
+
+    target = target_factory("vllm")(BENCH_CONFIG)
+    clock = _VllmClock.attach(target)
+    target.apply(AddRequest("a", tuple(range(1, 100))))
+    assert clock.seconds > 0  # the request was built (and hashed) by vLLM
+    built = clock.seconds
+    t = time.perf_counter()
+    for op in (Schedule("a", 4096), Finish("a"), Probe(tuple(range(1, 100)))):
+        target.apply(op)
+    assert built < clock.seconds < built + (time.perf_counter() - t)
+
+
+def test_control_time_outside_vllm_is_not_counted() -> None:
+    from invariants.harness.bench import BENCH_CONFIG, _VllmClock
+    from invariants.targets import target_factory
+
+    target = target_factory("vllm")(BENCH_CONFIG)
+    clock = _VllmClock.attach(target)
+    target.snapshot()  # reads vLLM's state: adapter work (a name table, a walk of the free queue)
+    time.sleep(0.05)
+    assert clock.seconds < 0.05

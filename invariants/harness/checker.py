@@ -236,9 +236,10 @@ class Checker:
             return [Violation("crash", f"{type(exc).__name__}: {exc}")]
         self.last_obs = obs
         found: list[Violation] = []
-        if obs != expected_obs:
+        same = obs == expected_obs
+        if not same:
             found.append(Violation("observation", f"model {expected_obs}, {self.target.name} {obs}"))
-        for o in (obs, expected_obs):
+        for o in (obs,) if same else (obs, expected_obs):
             for result in o.results if isinstance(o, StepResult) else ((None, o),):
                 r = result[1]
                 for ids in (getattr(r, "hit_blocks", None) or ()) + (getattr(r, "new_blocks", None) or ()):
