@@ -92,10 +92,16 @@ def step_blocks_stay_held(ctx: CheckContext) -> list[str]:
     still reads it. (A block another request of the step allocated and cached
     may be hit and read: attention KV is written before it is read.)"""
     handed = _new_blocks(ctx.obs)
+    held: dict[str, set[int]] = {}
+
+    def held_before(rid: str) -> set[int]:  # a whole table: read only when a block was handed on
+        if rid not in held:
+            held[rid] = {b for group in ctx.before.tables.get(rid, ()) for b in group if b}
+        return held[rid]
+
     problems = []
     for rid, start, end in _chunks(ctx):
         tables = ctx.after.tables.get(rid, ())
-        held_before = {b for group in ctx.before.tables.get(rid, ()) for b in group if b}
         for g, spec in enumerate(ctx.config.groups):
             table = tables[g] if g < len(tables) else ()
             for idx in _reads(spec, start, end):
@@ -105,7 +111,7 @@ def step_blocks_stay_held(ctx: CheckContext) -> list[str]:
                         f"{rid} computes tokens [{start}, {end}) but group {g} block index {idx} "
                         f"is {'the null block' if b == 0 else f'block {b}, freed'} after the step"
                     )
-                elif b in held_before and handed.get(b, rid) != rid:
+                elif handed.get(b, rid) != rid and b in held_before(rid):
                     problems.append(
                         f"block {b}, which {rid} reads in this step (group {g} index {idx}), "
                         f"was handed to {handed[b]} as a new block in the same step"
