@@ -3,7 +3,9 @@
 - prompts hold one int object per token id (not one per token);
 - the heap freed by one episode goes back to the system before the next;
 - the summary compares each setting's resident memory at the end of its first
-  and latest episode (the same pool and workload shape must cost the same).
+  and latest episode (the same pool and workload shape must cost about the same),
+  and the resident memory once an episode is gone, after the first and the
+  latest (nothing of an episode outlives it).
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def test_the_summary_compares_a_setting_with_itself():
     out = format_production("model", 0, stats, 1.0, "clean")
     line = next(ln for ln in out.splitlines() if ln.startswith("memory by setting"))
     assert "gemma-like 96 r0: 100 -> 130 MiB (+30.0%)" in line and "1 settings seen again" in line
+
+
+def test_the_summary_reports_what_episodes_leave_behind():
+    stats = ProductionStats(ops=10, episodes=5, rss_between_kb=(1024 * 500, 1024 * 520))
+    out = format_production("model", 0, stats, 1.0, "clean")
+    line = next(ln for ln in out.splitlines() if ln.startswith("memory between episodes"))
+    assert "after the first 500 MiB, after the latest 520 MiB (+4.0%)" in line
+
+
+def test_control_one_episode_leaves_nothing_to_compare():
+    out = format_production("model", 0, ProductionStats(ops=10, episodes=1), 1.0, "clean")
+    assert "memory between episodes" not in out
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc")

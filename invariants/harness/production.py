@@ -170,8 +170,13 @@ class ProductionStats:
     rss_now_at_tenth_kb: int = 0  # resident memory then, and at the end
     rss_now_at_end_kb: int = 0
     # Resident memory at the end of each setting's episodes: (first visit, latest visit).
-    # The same pool and workload shape again must cost the same: growth here is a leak.
+    # The same pool and workload shape again must cost about the same (the requests in
+    # flight at the end differ from visit to visit).
     rss_by_setting_kb: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Resident memory once an episode is gone (its model, target, history and chains
+    # collected, the freed heap handed back): (after the first episode, after the latest).
+    # Nothing of an episode should outlive it: growth here is a leak.
+    rss_between_kb: tuple[int, int] = (0, 0)
 
     @staticmethod
     def peak_rss_kb() -> int:
@@ -279,10 +284,10 @@ def run_production(
 
     spool = OpSpool()
     while not done() and not failures:
-        gc.unfreeze()
-        clear_memo()  # the remembered chains hold the previous episode's token tuples
-        gc.collect()  # the previous episode's model, target and history go before the next is built
-        _trim_heap()
+        _release_episode()
+        if stats.episodes:
+            now = current_rss_kb()
+            stats.rss_between_kb = (stats.rss_between_kb[0] or now, now)
         spool.clear()
         setting = plan[stats.episodes % len(plan)]
         stats.episodes += 1
@@ -353,6 +358,14 @@ def run_production(
     spool.close()
     stats.rss_now_at_end_kb = current_rss_kb()
     return stats, failures, time.monotonic() - start
+
+
+def _release_episode() -> None:
+    """Let go of everything the last episode built before the next is built."""
+    gc.unfreeze()
+    clear_memo()  # the remembered chains hold the previous episode's token tuples
+    gc.collect()  # the previous episode's model, target and history
+    _trim_heap()
 
 
 def _trim_heap() -> None:
@@ -432,5 +445,11 @@ def format_production(target: str, seed: int, stats: ProductionStats, seconds: f
             f"\nmemory by setting (resident at an episode's end, first vs latest visit, {len(again)} "
             f"settings seen again): largest change {worst}: {first / 1024:,.0f} -> {last / 1024:,.0f} MiB "
             f"({last / first - 1:+.1%})"
+        )
+    first, latest = stats.rss_between_kb
+    if first:
+        out += (
+            f"\nmemory between episodes (resident once an episode is gone): after the first "
+            f"{first / 1024:,.0f} MiB, after the latest {latest / 1024:,.0f} MiB ({latest / first - 1:+.1%})"
         )
     return out
