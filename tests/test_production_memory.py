@@ -48,10 +48,13 @@ def test_the_summary_compares_a_setting_with_itself():
 
 
 def test_the_summary_reports_what_episodes_leave_behind():
-    stats = ProductionStats(ops=10, episodes=5, rss_between_kb=(1024 * 500, 1024 * 520))
+    stats = ProductionStats(
+        ops=10, episodes=5, rss_between_kb=(1024 * 500, 1024 * 520), blocks_between=(2_000_000, 2_002_000)
+    )
     out = format_production("model", 0, stats, 1.0, "clean")
     line = next(ln for ln in out.splitlines() if ln.startswith("memory between episodes"))
     assert "after the first 500 MiB, after the latest 520 MiB (+4.0%)" in line
+    assert "live objects (allocated blocks) 2,000,000 -> 2,002,000 (+0.1%)" in line
 
 
 def test_control_one_episode_leaves_nothing_to_compare():

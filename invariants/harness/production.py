@@ -44,6 +44,7 @@ import gc
 import math
 import random
 import resource
+import sys
 import time
 from array import array
 from collections.abc import Callable, Iterator
@@ -177,6 +178,9 @@ class ProductionStats:
     # collected, the freed heap handed back): (after the first episode, after the latest).
     # Nothing of an episode should outlive it: growth here is a leak.
     rss_between_kb: tuple[int, int] = (0, 0)
+    # The same for the interpreter's allocated memory blocks (`sys.getallocatedblocks`):
+    # live objects, apart from what the C heap keeps of what they freed.
+    blocks_between: tuple[int, int] = (0, 0)
 
     @staticmethod
     def peak_rss_kb() -> int:
@@ -286,8 +290,9 @@ def run_production(
     while not done() and not failures:
         _release_episode()
         if stats.episodes:
-            now = current_rss_kb()
+            now, live = current_rss_kb(), sys.getallocatedblocks()
             stats.rss_between_kb = (stats.rss_between_kb[0] or now, now)
+            stats.blocks_between = (stats.blocks_between[0] or live, live)
         spool.clear()
         setting = plan[stats.episodes % len(plan)]
         stats.episodes += 1
@@ -450,6 +455,8 @@ def format_production(target: str, seed: int, stats: ProductionStats, seconds: f
     if first:
         out += (
             f"\nmemory between episodes (resident once an episode is gone): after the first "
-            f"{first / 1024:,.0f} MiB, after the latest {latest / 1024:,.0f} MiB ({latest / first - 1:+.1%})"
+            f"{first / 1024:,.0f} MiB, after the latest {latest / 1024:,.0f} MiB ({latest / first - 1:+.1%}); "
+            f"live objects (allocated blocks) {stats.blocks_between[0]:,} -> {stats.blocks_between[1]:,} "
+            f"({stats.blocks_between[1] / max(1, stats.blocks_between[0]) - 1:+.1%})"
         )
     return out
