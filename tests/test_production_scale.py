@@ -161,3 +161,21 @@ def test_control_time_outside_vllm_is_not_counted() -> None:
     target.snapshot()  # reads vLLM's state: adapter work (a name table, a walk of the free queue)
     time.sleep(0.05)
     assert clock.seconds < 0.05
+
+
+def test_verify_runs_vllm_at_production_scale_and_fails_on_a_violation(tmp_path: Path) -> None:
+    """`make verify` has a production-scale row: a broken free order fails it, with a trace."""
+    from invariants.cli.verify import production_row
+
+    with activate("cached_blocks_prepended"):
+        check, target, verdict, figure, seconds, good, trace = production_row(20.0, 0, tmp_path)
+    assert (check, target) == ("fuzz (production scale)", "vllm")
+    assert not good and verdict.startswith("VIOLATION") and trace is not None and trace.exists()
+
+
+def test_control_the_production_row_holds_on_unmutated_vllm(tmp_path: Path) -> None:
+    from invariants.cli.verify import production_row
+
+    check, target, verdict, figure, seconds, good, trace = production_row(4.0, 0, tmp_path)
+    assert good and verdict.startswith("clean") and trace is None and not list(tmp_path.iterdir())
+    assert int(figure.split()[0].replace(",", "")) > 0  # it ran operations

@@ -130,8 +130,9 @@ def test_verify_junit_has_one_case_per_row_and_the_failure_trace(
     assert (tmp_path / trace).exists() and json.loads((tmp_path / trace).read_text())["target"] == "broken"
     assert by_name["fuzz [reference]"].find("failure") is None
     assert by_name["fuzz [vllm]"].find("skipped") is not None
+    assert by_name["fuzz (production scale) [vllm]"].find("skipped") is not None
     assert by_name["no_such_module [-]"].find("error") is not None
-    assert suite.get("failures") == "1" and suite.get("errors") == "1" and suite.get("skipped") == "1"
+    assert suite.get("failures") == "1" and suite.get("errors") == "1" and suite.get("skipped") == "2"
     data = json.loads((tmp_path / "out" / "verify.json").read_text())
     assert data["exit_code"] == 1 and [c["name"] for c in data["cases"]] == names
 

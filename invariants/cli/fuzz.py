@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from invariants.errors import UsageError
@@ -37,8 +39,33 @@ def _say(line: str) -> None:
     print(f"kvretain fuzz: {line}", flush=True)
 
 
-def cmd_fuzz_production(args: argparse.Namespace) -> int:
-    """`fuzz --scale production`: real layouts and pool sizes, a serving workload."""
+@dataclass
+class ProductionOutcome:
+    """What a production-scale run ended with: the verdict line, its figures, and
+    the (shrunk) trace of a violation."""
+
+    verdict: str
+    summary: str
+    ops: int
+    ops_per_s: float
+    seconds: float
+    trace: Path | None = None
+    violation: str | None = None
+
+
+def fuzz_production(
+    target: str,
+    *,
+    seed: int,
+    steps: int | None,
+    budget_s: float | None,
+    shrink_s: float | None,
+    out: Path,
+    audit_every: int | None = None,
+    say: Callable[[str], None] = _say,
+) -> ProductionOutcome:
+    """Episodes of the production workload on `target` (see `run_production`); a
+    violation is written as a trace at once, then shrunk within the budget."""
     import time
 
     from invariants.harness.fuzz import _tolerance, shrink_failure
@@ -47,6 +74,46 @@ def cmd_fuzz_production(args: argparse.Namespace) -> int:
     from invariants.harness.trace import Trace, write_trace
     from invariants.targets import target_factory
 
+    factory, tolerated = target_factory(target), _tolerance(target)
+    start = time.monotonic()
+    kw = {"audit_every": audit_every} if audit_every else {}
+    stats, failures, seconds = run_production(
+        factory, seed=seed, steps=steps, budget_s=budget_s, tolerated=tolerated, log=say, **kw
+    )
+    verdict = "clean" + (f" (known: {', '.join(sorted(stats.known))})" if stats.known else "")
+    path = violation = None
+    if failures:
+        setting, checker, found = failures[0]
+        verdict = "VIOLATION"
+        path = out / f"kvretain-{target}-production-seed{seed}.json"
+        write_trace(Trace(setting.config, checker.ops, seed, target, str(found[0])), path)
+        say(f"violation: {found[0]} after {stats.ops:,} operations; unshrunk trace {path}")
+        budget_left = None if budget_s is None else max(budget_s - (time.monotonic() - start), 0.0)
+        failure = shrink_failure(
+            ViolationFound(found, setting.config, checker.ops),
+            factory,
+            tolerated,
+            time.monotonic(),
+            budget_left,
+            shrink_s or 60.0,
+            say,
+        )
+        violation = str(failure.violations[0])
+        write_trace(Trace(setting.config, failure.ops, seed, target, violation), path)
+        print(f"VIOLATION: {violation}\nshrunk trace ({len(failure.ops)} operations): {path}")
+    return ProductionOutcome(
+        verdict,
+        format_production(target, seed, stats, seconds, verdict),
+        stats.ops,
+        stats.ops / seconds if seconds else 0.0,
+        seconds,
+        path,
+        violation,
+    )
+
+
+def cmd_fuzz_production(args: argparse.Namespace) -> int:
+    """`fuzz --scale production`: real layouts and pool sizes, a serving workload."""
     if args.config:
         raise UsageError(
             "--config: --scale production runs its own presets (dsv4-flash, gemma-like, kimi-linear-like)"
@@ -57,35 +124,17 @@ def cmd_fuzz_production(args: argparse.Namespace) -> int:
         f"steps {steps or 'until the budget'}, budget {args.budget_s or 'none'} s",
         flush=True,
     )
-    factory, tolerated = target_factory(args.target), _tolerance(args.target)
-    start = time.monotonic()
-    kw = {"audit_every": args.audit_every} if args.audit_every else {}
-    stats, failures, seconds = run_production(
-        factory, seed=args.seed, steps=steps, budget_s=args.budget_s, tolerated=tolerated, log=_say, **kw
+    outcome = fuzz_production(
+        args.target,
+        seed=args.seed,
+        steps=steps,
+        budget_s=args.budget_s,
+        shrink_s=args.shrink_s,
+        out=Path(args.out),
+        audit_every=args.audit_every,
     )
-    verdict = "clean" + (f" (known: {', '.join(sorted(stats.known))})" if stats.known else "")
-    if failures:
-        setting, checker, found = failures[0]
-        verdict = "VIOLATION"
-        path = Path(args.out) / f"kvretain-{args.target}-production-seed{args.seed}.json"
-        write_trace(Trace(setting.config, checker.ops, args.seed, args.target, str(found[0])), path)
-        _say(f"violation: {found[0]} after {stats.ops:,} operations; unshrunk trace {path}")
-        budget_left = None if args.budget_s is None else max(args.budget_s - (time.monotonic() - start), 0.0)
-        failure = shrink_failure(
-            ViolationFound(found, setting.config, checker.ops),
-            factory,
-            tolerated,
-            time.monotonic(),
-            budget_left,
-            args.shrink_s or 60.0,
-            _say,
-        )
-        write_trace(
-            Trace(setting.config, failure.ops, args.seed, args.target, str(failure.violations[0])), path
-        )
-        print(f"VIOLATION: {failure.violations[0]}\nshrunk trace ({len(failure.ops)} operations): {path}")
-    print(format_production(args.target, args.seed, stats, seconds, verdict))
-    return 1 if failures else 0
+    print(outcome.summary)
+    return 1 if outcome.violation is not None else 0
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
