@@ -148,17 +148,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
 
     vllm_missing = available_targets().get("vllm")
-    if vllm_missing is not None:
-        rows.append(("fuzz (production scale)", "vllm", "skipped", vllm_missing[:70], "0.0"))
-        cases.append(
-            CaseResult(
-                "fuzz (production scale) [vllm]", "fuzz (production scale)", "skipped", 0.0, vllm_missing
-            )
-        )
-    else:
+    if vllm_missing is None:
         record(*production_row(20.0 if args.quick else args.budget_s, args.seed, Path(args.out)))
 
-    if vllm_missing is None:
         from invariants.harness.conformance import run_conformance
 
         t = time.monotonic()
@@ -178,6 +170,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             time.monotonic() - t,
             rc == 0,
             next((r.trace for r in conf_rows if r.trace), None),
+        )
+    else:
+        rows.append(("fuzz (production scale)", "vllm", "skipped", vllm_missing[:70], "0.0"))
+        cases.append(
+            CaseResult(
+                "fuzz (production scale) [vllm]", "fuzz (production scale)", "skipped", 0.0, vllm_missing
+            )
         )
 
     from invariants.harness.known_findings import recheck_known_findings
