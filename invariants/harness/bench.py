@@ -7,7 +7,8 @@ unique tail, each admitted in one chunk and then finished), measured in one run:
 - raw: vLLM's `KVCacheManager` driven directly (build the request, look up,
   allocate, free): request cycles per second, no checking;
 - checked: the same cycles as kvretain operations through the Checker (model,
-  target, snapshot, every invariant), on the vLLM and reference targets;
+  target, each operation's delta and invariants, an audit every
+  DEFAULT_AUDIT_EVERY operations), on the vLLM and reference targets;
 - the ratio checked / raw (goal >= 1/3: checking costs at most 2x the work),
   and where the checked time goes.
 
@@ -167,7 +168,7 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
         breakdowns[name] = phase
         rows.append(
             (
-                f"checked on {name} (model + snapshot + invariants)",
+                f"checked on {name} (model, deltas, invariants, audits)",
                 f"{cyc:,.0f}",
                 f"{ops:,.0f}",
                 f"{cyc / raw:.2f}" if raw else "-",
