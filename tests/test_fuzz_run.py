@@ -148,6 +148,10 @@ def test_numeric_arguments_are_validated(capsys):
         assert main(["fuzz", "--target", "model", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and argv[0] in err[0], err
+    for argv in (["--steps", "0"], ["--budget-s", "-5"]):  # verify's budgets too (it runs nothing)
+        assert main(["verify", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and argv[0] in err[0], err
 
 
 def test_failures_are_remembered(tmp_path):

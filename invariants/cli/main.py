@@ -110,11 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prove)
 
     v = sub.add_parser(
-        "verify", help="the main job: proofs, fuzzing of every installed target, summary table"
+        "verify",
+        help="the main job: proofs, fuzzing of every installed target (vLLM also at production scale), summary table",
     )
     v.add_argument("--quick", action="store_true", help="small budgets (used by the tests)")
-    v.add_argument("--steps", type=int, default=20000, help="fuzz steps per target")
-    v.add_argument("--budget-s", type=float, default=60.0, help="fuzz time budget per target")
+    v.add_argument("--steps", type=positive_int, default=20000, help="fuzz steps per target")
+    v.add_argument(
+        "--budget-s",
+        type=positive_float,
+        default=60.0,
+        help="fuzz time budget per target, and for the production-scale vLLM run",
+    )
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--out", default="kvretain-traces")
     add_output_flags(v)
