@@ -148,10 +148,19 @@ def test_numeric_arguments_are_validated(capsys):
         assert main(["fuzz", "--target", "model", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and argv[0] in err[0], err
-    for argv in (["--steps", "0"], ["--budget-s", "-5"]):  # verify's budgets too (it runs nothing)
-        assert main(["verify", *argv]) == 2
+    # The other commands' counts and budgets too: each of these ran before (verify and the
+    # zoo the whole job; conformance with -3 steps; plan issued "-1 prefixes").
+    for argv in (
+        ["verify", "--steps", "0"],
+        ["verify", "--budget-s", "-5"],
+        ["conformance", "--steps", "-3"],
+        ["conformance", "--budget-s", "-1"],
+        ["zoo", "--shrink-s", "-1"],
+        ["plan", "--preset", "dsv4-tiny", "--pool-blocks", "100", "--max-prefixes", "-1"],
+    ):
+        assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and argv[0] in err[0], err
+        assert len(err) == 1 and argv[-2] in err[0], err
 
 
 def test_failures_are_remembered(tmp_path):

@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     c = sub.add_parser("conformance", help="vLLM vs the model, feature by feature")
-    c.add_argument("--steps", type=int, default=1500, help="fuzz steps per feature")
-    c.add_argument("--budget-s", type=float, default=30.0, help="time budget per feature")
+    c.add_argument("--steps", type=positive_int, default=1500, help="fuzz steps per feature")
+    c.add_argument("--budget-s", type=positive_float, default=30.0, help="time budget per feature")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--out", default="kvretain-traces")
     add_output_flags(c)

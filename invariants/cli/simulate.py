@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from invariants.cli.fuzz import positive_int
 from invariants.report import table
 from invariants.simulate.loop import LoopConfig, Request, SchedulerLoop, SchedulerStalled
 from invariants.simulate.scenarios import SCENARIOS, Ctx, Row, Scenario, run_scenario
@@ -347,7 +348,7 @@ def add_parser(subparsers: Any) -> None:
     )
     q.add_argument("--target", default="reference")
     q.add_argument("--token-budget", type=int, default=8192)
-    q.add_argument("--max-prefixes", type=int, default=400)
+    q.add_argument("--max-prefixes", type=positive_int, default=400)
     q.add_argument("--seed", type=int, default=None)
     q.set_defaults(func=run_plan)
 

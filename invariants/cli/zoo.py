@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from invariants.cli.fuzz import positive_float
 from invariants.results import CaseResult, add_output_flags, write_results, zoo_cases
 from invariants.zoo.runner import (
     MutantResult,
@@ -74,7 +75,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="first Hypothesis seed (batch i uses seed + i)")
     p.add_argument(
-        "--shrink-s", type=float, default=None, help="shrinking budget per kill (default 10, --quick 3)"
+        "--shrink-s",
+        type=positive_float,
+        default=None,
+        help="shrinking budget per kill (default 10, --quick 3)",
     )
     p.add_argument("--out", default="kvretain-traces/zoo", help="where shrunk traces are written")
     p.add_argument("--no-control", action="store_true", help="skip the unmutated control run")
