@@ -149,7 +149,8 @@ def test_numeric_arguments_are_validated(capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and argv[0] in err[0], err
     # The other commands' counts and budgets too: each of these ran before (verify and the
-    # zoo the whole job; conformance with -3 steps; plan issued "-1 prefixes").
+    # zoo the whole job; conformance with -3 steps; plan issued "-1 prefixes"; prove ran
+    # CrossHair for -3 s and failed its controls).
     for argv in (
         ["verify", "--steps", "0"],
         ["verify", "--budget-s", "-5"],
@@ -157,6 +158,7 @@ def test_numeric_arguments_are_validated(capsys):
         ["conformance", "--budget-s", "-1"],
         ["zoo", "--shrink-s", "-1"],
         ["plan", "--preset", "dsv4-tiny", "--pool-blocks", "100", "--max-prefixes", "-1"],
+        ["prove", "--crosshair", "-3"],
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -35,6 +35,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (0 turns the option off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def _say(line: str) -> None:
     print(f"kvretain fuzz: {line}", flush=True)
 

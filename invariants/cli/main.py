@@ -12,7 +12,15 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from invariants.cli.fuzz import cmd_bench, cmd_conformance, cmd_fuzz, cmd_replay, positive_float, positive_int
+from invariants.cli.fuzz import (
+    cmd_bench,
+    cmd_conformance,
+    cmd_fuzz,
+    cmd_replay,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from invariants.cli.prove import cmd_prove
 from invariants.cli.verify import cmd_verify
 from invariants.errors import UsageError
@@ -102,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--crosshair",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         metavar="SECONDS",
         help="also run CrossHair contracts and diffbehavior twins, SECONDS per function",
