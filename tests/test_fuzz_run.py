@@ -229,3 +229,10 @@ def test_production_settings_and_a_clean_episode():
 def test_production_rejects_a_preset_argument(capsys):
     assert main(["fuzz", "--scale", "production", "--config", "dsv4-tiny"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_an_unknown_preset_is_one_line_and_nothing_else(capsys, tmp_path):
+    assert main(["fuzz", "--target", "model", "--config", "no-such-preset", "--out", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "no-such-preset" in err
+    assert not list(tmp_path.iterdir())

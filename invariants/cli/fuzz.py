@@ -159,6 +159,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
     if args.scale == "production":
         return cmd_fuzz_production(args)
+    if args.config:
+        from invariants.layouts.presets import preset
+
+        preset(args.config)  # an unknown name is the one line, before any other output
 
     steps = args.steps if args.steps is not None else (None if args.budget_s else DEFAULT_STEPS)
     print(
