@@ -46,6 +46,11 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def _steps(args: argparse.Namespace, default: int) -> int | None:
+    """--steps when given; else the budget decides (None); else `default`."""
+    return args.steps if args.steps is not None else (None if args.budget_s else default)
+
+
 def _say(line: str) -> None:
     print(f"kvretain fuzz: {line}", flush=True)
 
@@ -129,7 +134,7 @@ def cmd_fuzz_production(args: argparse.Namespace) -> int:
         raise UsageError(
             "--config: --scale production runs its own presets (dsv4-flash, gemma-like, kimi-linear-like)"
         )
-    steps = args.steps if args.steps is not None else (None if args.budget_s else 20_000)
+    steps = _steps(args, 20_000)
     print(
         f"kvretain fuzz --scale production: target {args.target}, seed {args.seed}, "
         f"steps {steps or 'until the budget'}, budget {args.budget_s or 'none'} s",
@@ -164,7 +169,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
         preset(args.config)  # an unknown name is the one line, before any other output
 
-    steps = args.steps if args.steps is not None else (None if args.budget_s else DEFAULT_STEPS)
+    steps = _steps(args, DEFAULT_STEPS)
     print(
         f"kvretain fuzz: target {args.target}, config {args.config or 'generated'}, seed {args.seed}, "
         f"steps {steps or 'until the budget'}, budget {args.budget_s or 'none'} s",

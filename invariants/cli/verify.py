@@ -88,6 +88,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         print(f"[verify] {check} {target}: {verdict} ({figure})", file=sys.stderr, flush=True)
 
+    def skipped(check: str, target: str, reason: str) -> None:
+        rows.append((check, target, "skipped", reason[:70], "0.0"))
+        cases.append(CaseResult(f"{check} [{target}]", check, "skipped", 0.0, reason))
+        print(f"[verify] {check} {target}: skipped: {reason}", file=sys.stderr, flush=True)
+
     def imported(module: str) -> Any:
         return import_row_module(module, record)
 
@@ -128,9 +133,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if name == "model":
             continue
         if reason is not None:
-            rows.append(("fuzz", name, "skipped", reason[:70], "0.0"))
-            cases.append(CaseResult(f"fuzz [{name}]", "fuzz", "skipped", 0.0, reason))
-            print(f"[verify] fuzz {name}: skipped: {reason}", file=sys.stderr, flush=True)
+            skipped("fuzz", name, reason)
             continue
         report = run_fuzz(
             name, steps=steps, seed=args.seed, budget_s=budget, out_dir=Path(args.out), progress=True
@@ -172,12 +175,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             next((r.trace for r in conf_rows if r.trace), None),
         )
     else:
-        rows.append(("fuzz (production scale)", "vllm", "skipped", vllm_missing[:70], "0.0"))
-        cases.append(
-            CaseResult(
-                "fuzz (production scale) [vllm]", "fuzz (production scale)", "skipped", 0.0, vllm_missing
-            )
-        )
+        skipped("fuzz (production scale)", "vllm", vllm_missing)
 
     from invariants.harness.known_findings import recheck_known_findings
 
