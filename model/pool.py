@@ -98,7 +98,7 @@ class Pool:
                 self.pinned.discard(b)
         taken = self.queue.popleft_n(n)
         for b in taken:
-            if self.enable_caching:
+            if self.enable_caching and b in self.primary:  # secondary keys come after a primary
                 self.drop_keys(b)
             assert self.ref[b] == 0
             self.ref[b] = 1

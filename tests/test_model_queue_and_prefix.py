@@ -1,8 +1,8 @@
 """The model's fast structures agree with their definitions.
 
 - `LinkedFreeQueue` (O(1) per block) against `FreeQueue` (the list
-  definition) on random operation sequences; a queue that prepends in the
-  wrong order is caught.
+  definition) on random operation sequences, links both ways; a queue that
+  prepends in the wrong order is caught.
 - Interned prefix naming (`model.prefix`) against naming by tuple: two names
   are the same object exactly when their tokens are equal; a naming that
   forgets the tail of a prefix is caught.
@@ -53,6 +53,9 @@ def first_disagreement(
             return i
         if any((b in fast) != (b in ref) for b in range(-2, 42)):
             return i
+        order = [None, *ref.blocks, None]
+        if any(fast.neighbours(b) != (order[j], order[j + 2]) for j, b in enumerate(ref.blocks)):
+            return i  # the backward links too: a remove from the middle follows them
     return None
 
 

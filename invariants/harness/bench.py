@@ -26,6 +26,7 @@ breakdown from one more run with them.
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from collections import defaultdict
@@ -234,7 +235,13 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
     adapter is part of the checking, and counting it as raw would flatter the
     checker. Then where the checked time goes (CPU time per phase, audits on
     their own)."""
-    from invariants.harness.production import PRODUCTION_AUDIT_EVERY, settings_for, workload
+    from invariants.harness.production import (
+        PRODUCTION_AUDIT_EVERY,
+        YOUNG_GENERATION,
+        episode_collector,
+        settings_for,
+        workload,
+    )
 
     setting = next(
         s for s in settings_for(seed) if s.name == "dsv4-flash" and not s.squeezed and not s.config.eagle
@@ -245,36 +252,44 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
         f"kvretain bench --scale production: {ops} operations, dsv4-flash, {cfg.num_blocks:,} blocks, "
         f"retention {cfg.retention_interval}, prompts up to {setting.longest:,} tokens, seed {seed}"
     )
-    checker = Checker(factory(cfg), audit_every=PRODUCTION_AUDIT_EVERY)
-    # Phase clocks in the same run: an operation here costs milliseconds, the clocks microseconds.
-    phase: dict[str, float] = defaultdict(float)
-    checker.target = _Timed(checker.target, phase, "target")  # type: ignore[assignment]
-    checker.model = _Timed(checker.model, phase, "model")  # type: ignore[assignment]
-    checker._model_target = _Timed(checker._model_target, phase, "model")  # type: ignore[assignment]
-    audit_step, audit_all = checker._audited_step, checker.audit
-    checker._audited_step = _audit_clock(audit_step, phase)  # type: ignore[method-assign]
-    gen = workload(cfg, random.Random(seed), checker, setting.longest)
-    checked_s, checked_cpu, tokens = 0.0, 0.0, 0
-    while len(checker.ops) < ops:
-        op = next(gen)
+    # Both sides under the collector `fuzz --scale production` runs with: its
+    # young generation, the pools frozen once built.
+    with episode_collector():
+        checker = Checker(factory(cfg), audit_every=PRODUCTION_AUDIT_EVERY)
+        # Phase clocks in the same run: an operation here costs milliseconds, the clocks microseconds.
+        phase: dict[str, float] = defaultdict(float)
+        checker.target = _Timed(checker.target, phase, "target")  # type: ignore[assignment]
+        checker.model = _Timed(checker.model, phase, "model")  # type: ignore[assignment]
+        checker._model_target = _Timed(checker._model_target, phase, "model")  # type: ignore[assignment]
+        audit_step, audit_all = checker._audited_step, checker.audit
+        checker._audited_step = _audit_clock(audit_step, phase)  # type: ignore[method-assign]
+        gc.freeze()
+        gen = workload(cfg, random.Random(seed), checker, setting.longest)
+        checked_s, checked_cpu, tokens = 0.0, 0.0, 0
+        while len(checker.ops) < ops:
+            op = next(gen)
+            t, c = time.perf_counter(), CLOCK()
+            found = [v for v in checker.step(op) if not is_known_violation("vllm", v)]
+            checked_s += time.perf_counter() - t
+            checked_cpu += CLOCK() - c
+            assert not found, (op, found)
+            tokens += getattr(checker.last_obs, "scheduled", 0)
         t, c = time.perf_counter(), CLOCK()
-        found = [v for v in checker.step(op) if not is_known_violation("vllm", v)]
+        assert not [v for v in _audit_clock(audit_all, phase)() if not is_known_violation("vllm", v)]
         checked_s += time.perf_counter() - t
         checked_cpu += CLOCK() - c
-        assert not found, (op, found)
-        tokens += getattr(checker.last_obs, "scheduled", 0)
-    t, c = time.perf_counter(), CLOCK()
-    assert not [v for v in _audit_clock(audit_all, phase)() if not is_known_violation("vllm", v)]
-    checked_s += time.perf_counter() - t
-    checked_cpu += CLOCK() - c
-    phase["checks and history"] = checked_cpu - sum(phase.values())
-    raw_target = factory(cfg)
-    own = _VllmClock.attach(raw_target)
-    t = time.perf_counter()
-    for op in checker.ops:
-        raw_target.apply(op)
-    driven_s = time.perf_counter() - t
-    raw_s = own.seconds
+        phase["checks and history"] = checked_cpu - sum(phase.values())
+        gc.unfreeze()
+        gc.collect()
+        raw_target = factory(cfg)
+        gc.freeze()
+        own = _VllmClock.attach(raw_target)
+        t = time.perf_counter()
+        for op in checker.ops:
+            raw_target.apply(op)
+        driven_s = time.perf_counter() - t
+        raw_s = own.seconds
+        gc.unfreeze()
     rows = [
         ("vllm raw (its own calls, no checking)", f"{ops / raw_s:,.0f}", f"{tokens / raw_s:,.0f}", "1.00"),
         (
@@ -291,7 +306,10 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
         ),
     ]
     log(table(["run", "ops/s", "tokens/s", "vs raw vLLM"], rows))
-    log(f"pool {cfg.num_blocks:,} blocks, {checker.audits} audits, peak RSS {_peak_rss_mib():,.0f} MiB")
+    log(
+        f"pool {cfg.num_blocks:,} blocks, {checker.audits} audits, peak RSS {_peak_rss_mib():,.0f} MiB; "
+        f"both sides with the production run's collector (young generation {YOUNG_GENERATION:,}, pools frozen)"
+    )
     parts = ", ".join(f"{k} {v / checked_cpu:.0%}" for k, v in sorted(phase.items(), key=lambda kv: -kv[1]))
     log(f"where checked time goes: {parts}")
     log("goal: checked/raw >= 0.33 (checking costs at most 2x the work it checks)")
