@@ -771,8 +771,7 @@ class AllocatorModel:
             for d in (g.num_cached, g.last_state, g.retired, g.partial):
                 d.pop(rid, None)
             g.allocated.discard(rid)
-            while table and table[0] == 0:
-                table.pop(0)
+            # Null blocks (positions that left a window or a Mamba state) are skipped by the pool.
             # Before #43447 a finished request's blocks went to the tail, except SWA's
             # own split in "caller" (model.profile free_order).
             order = self.profile.free_order

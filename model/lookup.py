@@ -59,37 +59,42 @@ def swa_hit(
     def run_cached(lo: int, hi: int) -> bool:
         return all(cached(j) for j in range(max(lo, 0), hi))
 
+    # Each "largest x such that" below is the first x met counting down.
     if not drop_eagle:
-        ends = [e for e in range(1, nb + 1) if _aligned(e, block_size, alignment) and run_cached(e - need, e)]
-        if not ends:
+        ends = (e for e in range(nb, 0, -1) if _aligned(e, block_size, alignment) and run_cached(e - need, e))
+        e = next(ends, None)
+        if e is None:
             return []
-        e = max(ends)
         return [j if j >= e - need else None for j in range(e)]
     # Eagle: the run's last block s is the peek block; the hit ends at s.
-    peeks = [
+    peeks = (
         s
-        for s in range(nb)
+        for s in range(nb - 1, -1, -1)
         if _aligned(s, block_size, alignment) and s + 1 >= need and run_cached(s + 1 - need, s + 1)
-    ]
-    if peeks:
-        s = max(peeks)
+    )
+    s = next(peeks, None)
+    if s is not None:
         return [j if j >= s + 1 - need else None for j in range(s)]
-    short = [
-        s for s in range(nb) if _aligned(s, block_size, alignment) and s + 1 < need and run_cached(0, s + 1)
-    ]
-    if not short:
+    short = (
+        s
+        for s in range(nb - 1, -1, -1)
+        if _aligned(s, block_size, alignment) and s + 1 < need and run_cached(0, s + 1)
+    )
+    s = next(short, None)
+    if s is None:
         return []
-    s = max(short)
     if block_size != alignment:  # alignment_quirk (module docstring)
         s = max(s - alignment // block_size, 0)
     return list(range(s))
 
 
 def mamba_hit(cached: Cached, max_length: int, block_size: int, alignment: int) -> Layout:
-    ends = [
-        i for i in range(max_length // block_size) if _aligned(i + 1, block_size, alignment) and cached(i)
-    ]
-    if not ends:
+    ends = (
+        i
+        for i in range(max_length // block_size - 1, -1, -1)
+        if _aligned(i + 1, block_size, alignment) and cached(i)
+    )
+    i = next(ends, None)
+    if i is None:
         return []
-    i = max(ends)
     return [None] * i + [i]

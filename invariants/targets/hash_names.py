@@ -94,10 +94,18 @@ class HashNames:
         """Amortised: prune when the table doubled since the last prune."""
         return len(self._source) > 2 * self._kept + self._slack
 
-    def prune(self, keep: Iterable[bytes]) -> None:
-        wanted = {h for h in keep if h in self._source}
-        self._source = {h: self._source[h] for h in wanted}
-        self._named = {h: p for h, p in self._named.items() if h in wanted}
-        self._hash_of = {p: h for h, p in self._named.items()}
-        self._by_int = {v: h for v, h in self._by_int.items() if h in wanted}
-        self._kept = len(wanted)
+    def prune(self, keep: Iterable[bytes]) -> int:
+        """Forget every hash outside `keep`, at the cost of what is forgotten (the
+        live requests' hashes, most of the table while long prompts run, stay put);
+        return how many were forgotten."""
+        gone = self._source.keys() - (keep if isinstance(keep, (set, frozenset)) else set(keep))
+        for h in gone:
+            del self._source[h]
+            named = self._named.pop(h, None)
+            if named is not None and self._hash_of.get(named) == h:
+                del self._hash_of[named]
+            low = int.from_bytes(h[-_LOW_64:], "big")
+            if self._by_int.get(low) == h:
+                del self._by_int[low]
+        self._kept = len(self._source)
+        return len(gone)

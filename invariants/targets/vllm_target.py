@@ -67,6 +67,7 @@ import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
+from operator import itemgetter
 from typing import Any
 
 from model.config import Config, ConfigError
@@ -315,16 +316,17 @@ class VllmTarget:
         """Forget the prefixes of hashes vLLM removed (after their events were read)."""
         if not self.track_prefixes or not self._names.should_prune():
             return
-        keep = {
-            bytes(h)
-            for rid, r in self.requests.items()
-            for h in r.block_hashes[: self._pending[rid][1] if rid in self._pending else len(r.block_hashes)]
-        }
+        keep: set[bytes] = set()
+        for rid, r in self.requests.items():
+            learnt = self._pending[rid][1] if rid in self._pending else len(r.block_hashes)
+            keep.update(map(bytes, r.block_hashes[:learnt]))  # C loops: 1M-token requests hold 250k
         width = len(self._names.any_hash() or b"")
-        for key in self.pool.cached_block_hash_to_block._cache:
-            keep.add(bytes(key[:-4]))
-            keep.add(bytes(key[:-4][-width:]))
-        self._names.prune(keep)
+        cache = self.pool.cached_block_hash_to_block._cache
+        keep.update(map(bytes, map(itemgetter(slice(None, -4)), cache)))  # the group id is 4 bytes
+        if self.caps.coarse_hash == "concat":  # and the last fine hash of a joined key
+            keep.update(map(bytes, map(itemgetter(slice(-4 - width, -4)), cache)))
+        if not self._names.prune(keep):
+            return
         self._keys = {
             k: v for k, v in self._keys.items() if bytes(k[:-4]) in keep or bytes(k[:-4][-width:]) in keep
         }
