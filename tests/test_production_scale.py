@@ -135,6 +135,18 @@ def test_the_production_bench_says_where_the_checked_time_goes() -> None:
     assert 0 < float(driven.split()[-1]) <= 1
 
 
+def test_the_production_bench_runs_one_configuration_whatever_the_seed() -> None:
+    """Each seed's plan orders (and drafts) its settings differently; the bench's stays put."""
+    from invariants.harness.bench import run_production_bench
+
+    heads = []
+    for seed in (1, 2):
+        lines: list[str] = []
+        assert run_production_bench(ops=10, seed=seed, log=lines.append) == 0
+        heads.append(lines[0].rsplit(", seed", 1)[0])
+    assert heads[0] == heads[1] and "dsv4-flash, 156,281 blocks, retention 1024" in heads[0]
+
+
 def test_the_vllm_clock_counts_only_time_inside_vllm() -> None:
     """`_VllmClock` adds the time of vLLM's calls and nothing the adapter does around them."""
     from invariants.harness.bench import BENCH_CONFIG, _VllmClock
