@@ -234,8 +234,9 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
     over: the whole replay (vLLM and the adapter that drives it) and vLLM's own
     calls within it (`_VllmClock`). The ratio is against vLLM's own time: the
     adapter is part of the checking, and counting it as raw would flatter the
-    checker. Then where the checked time goes (CPU time per phase, audits on
-    their own)."""
+    checker. Both sides run under the production run's collector
+    (`episode_collector`, the pools frozen once built). Then where the checked
+    time goes (CPU time per phase, audits on their own)."""
     from invariants.harness.production import (
         PRODUCTION_AUDIT_EVERY,
         YOUNG_GENERATION,
