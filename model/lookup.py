@@ -4,7 +4,8 @@ Each finder takes `cached(j)`: whether block j of the group (the block covering
 tokens `[j*bs, (j+1)*bs)`) is in the hash map, and returns the hit *layout*: a
 list whose length is the hit in blocks, holding j where block j is read and
 None where the table holds the null block. Hit tokens = len(layout) * bs.
-Written as brute-force definitions, not as the scans vLLM uses.
+Written as definitions (the largest boundary that qualifies, met counting
+down), not as the scans vLLM uses.
 
 - Full attention (#43447): the longest run of cached blocks from block 0,
   floored to the alignment A; Eagle drops one block (min(A, bs) tokens) first.
