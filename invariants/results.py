@@ -146,6 +146,7 @@ def fuzz_case(report: Any, group: str = "fuzz") -> CaseResult:
             "steps": report.stats.steps,
             "ops_per_s": round(report.ops_per_s),
             "hit_rate": round(report.stats.hit_rate, 4),
+            "known": report.stats.known.to_json(),
         },
     )
 

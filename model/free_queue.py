@@ -95,6 +95,12 @@ class LinkedFreeQueue:
             b = self._next[b]
         return out
 
+    def ends(self) -> tuple[int, int] | None:
+        """(head, tail): the next block to be reused and the last; None when empty (O(1))."""
+        if not len(self):
+            return None
+        return self._next[_HEAD], self._prev[_TAIL]
+
     def neighbours(self, block_id: int) -> tuple[int | None, int | None]:
         """The blocks before and after `block_id` (None at an end of the queue)."""
         p, n = self._prev[block_id], self._next[block_id]

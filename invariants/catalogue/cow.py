@@ -13,8 +13,11 @@ destination nobody reads is a lost hit.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
 from invariants.catalogue.context import CheckContext
-from model.observation import ScheduleResult, StepResult
+from model.observation import BlockKey, ScheduleResult, StepResult
 
 
 def _results(obs: object) -> list[ScheduleResult]:
@@ -25,8 +28,61 @@ def _results(obs: object) -> list[ScheduleResult]:
     return []
 
 
-def _holders(tables: dict[str, tuple[tuple[int, ...], ...]], b: int) -> set[str]:
+def _holders(tables: Mapping[str, tuple[tuple[int, ...], ...]], b: int) -> set[str]:
     return {rid for rid, table in tables.items() if any(b in group for group in table)}
+
+
+def _entries(tables: Mapping[str, tuple[tuple[int, ...], ...]], b: int) -> int:
+    return sum(group.count(b) for table in tables.values() for group in table)
+
+
+@dataclass(frozen=True)
+class _StepView:
+    """What the copy rules read of the state around one step, from full
+    snapshots (an audit) or from the delta (the fast path): the requests that
+    held a block both before and after the step, the block-table entries that
+    read it after, and a block's key before and after."""
+
+    kept: Callable[[int], list[str]]
+    uses: Callable[[int], int]
+    key_before: Callable[[int], BlockKey | None]
+    key_after: Callable[[int], BlockKey | None]
+
+
+def _snapshot_view(ctx: CheckContext) -> _StepView:
+    before, after = ctx.before.tables, ctx.after.tables
+    return _StepView(
+        kept=lambda b: sorted(_holders(before, b) & _holders(after, b)),
+        uses=lambda b: _entries(after, b),
+        key_before=ctx.before.block_hash.get,
+        key_after=ctx.after.block_hash.get,
+    )
+
+
+def _delta_view(ctx: CheckContext) -> _StepView:
+    """A step changes only the tables of the requests it names (`ctx.before` /
+    `ctx.after` hold those); every other request's table reads the same blocks
+    before and after, so its entries are the delta's `uses` minus the named ones.
+    A copy's endpoints are touched blocks: their keys are in the delta."""
+    d = ctx.delta
+    assert d is not None
+    before, after = ctx.before.tables, ctx.after.tables
+
+    def kept(b: int) -> list[str]:
+        named = sorted(_holders(before, b) & _holders(after, b))
+        others = d.uses.get(b, 0) - _entries(after, b)
+        return named + (["a request the step did not name"] if others > 0 else [])
+
+    def key(blocks: Mapping[int, tuple[int, BlockKey | None, int, int]], b: int) -> BlockKey | None:
+        state = blocks.get(b)
+        return None if state is None else state[1]
+
+    return _StepView(
+        kept=kept,
+        uses=lambda b: d.uses.get(b, 0),
+        key_before=lambda b: key(d.before_blocks, b),
+        key_after=lambda b: key(d.blocks, b),
+    )
 
 
 def copies_sound(ctx: CheckContext) -> list[str]:
@@ -41,24 +97,27 @@ def copies_sound(ctx: CheckContext) -> list[str]:
     the source is never handed out as a new block in the same
     step (the copy would read what another request wrote); a key the source
     lost in the step moved to the destination (the key follows the state it
-    names). Reads whole block tables: audited operations only, like the step
-    invariants."""
+    names). Runs on every operation: on the fast path from the step's delta
+    (the endpoints are touched blocks), in an audit from whole snapshots."""
     copies = getattr(ctx.obs, "copies", ())
+    if not copies:
+        return _partial_hits_copied(ctx, set())
+    view = _snapshot_view(ctx) if ctx.delta is None else _delta_view(ctx)
     new: list[int] = [b for r in _results(ctx.obs) for g in r.new_blocks or () for b in g if b]
-    key_before, key_after = ctx.before.block_hash, ctx.after.block_hash
     out = []
     for src, dst in copies:
         name = f"copy {src} -> {dst}"
         if not src or not dst or src == dst:
             out.append(f"{name}: endpoints must be two distinct real blocks")
             continue
-        kept = _holders(ctx.before.tables, dst) & _holders(ctx.after.tables, dst)
+        kept = view.kept(dst)
         if kept:
-            out.append(f"{name}: destination is still held by {sorted(kept)}, which held it before the step")
-        uses = sum(group.count(dst) for table in ctx.after.tables.values() for group in table)
+            out.append(f"{name}: destination is still held by {kept}, which held it before the step")
+        uses = view.uses(dst)
         if uses > 1:
             out.append(f"{name}: destination read by {uses} block-table entries")
-        if uses and src not in key_before and src not in key_after:
+        lost, after = view.key_before(src), view.key_after(src)
+        if uses and lost is None and after is None:
             out.append(f"{name}: source carries no key (the copy reads no cached state)")
         if src in new:
             out.append(
@@ -66,8 +125,7 @@ def copies_sound(ctx: CheckContext) -> list[str]:
             )
         if new.count(dst) > 1:
             out.append(f"{name}: destination handed out {new.count(dst)} times in the step")
-        lost = key_before.get(src)
-        if lost is not None and src not in key_after and key_after.get(dst) != lost:
+        if lost is not None and after is None and view.key_after(dst) != lost:
             out.append(f"{name}: source lost its key {lost.short()} but the destination does not carry it")
     return out + _partial_hits_copied(ctx, set(copies))
 

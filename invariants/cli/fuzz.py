@@ -85,6 +85,7 @@ def fuzz_production(
     import time
 
     from invariants.harness.fuzz import _tolerance, shrink_failure
+    from invariants.harness.known_findings import clean_verdict
     from invariants.harness.machine import ViolationFound
     from invariants.harness.production import format_production, run_production
     from invariants.harness.trace import Trace, write_trace
@@ -96,7 +97,7 @@ def fuzz_production(
     stats, failures, seconds = run_production(
         factory, seed=seed, steps=steps, budget_s=budget_s, tolerated=tolerated, log=say, **kw
     )
-    verdict = "clean" + (f" (known: {', '.join(sorted(stats.known))})" if stats.known else "")
+    verdict = clean_verdict(stats.known)
     path = violation = None
     if failures:
         setting, checker, found = failures[0]
@@ -161,6 +162,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         format_summary,
         run_fuzz,
     )
+    from invariants.harness.known_findings import format_known
 
     if args.scale == "production":
         return cmd_fuzz_production(args)
@@ -190,6 +192,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     if report.failure is not None:
         print(format_failure(report))
     print(format_summary([report]))
+    if report.stats.known:
+        print(format_known(report.stats.known))
     print(format_features([report]))
     rc = 1 if report.failure is not None else 0
     write_results(args, "fuzz", [fuzz_case(report)], rc)

@@ -20,7 +20,7 @@ every example, before any "clean" verdict). `audit_every=1` is the audit alone.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from invariants.catalogue import (
     CachedView,
@@ -39,6 +39,7 @@ from invariants.catalogue import (
 from invariants.targets.base import PartialState, Tables, Target, table_changes
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
+from model.config import Config
 from model.observation import (
     BlockIds,
     BlockKey,
@@ -68,8 +69,14 @@ NOT_FREE = -1
 
 @dataclass(frozen=True)
 class Violation:
+    """A check that failed, with where it failed: the run's configuration and the
+    operation (None: an audit between operations), which a known finding's
+    precondition reads. Two violations are equal when check and message are."""
+
     check: str
     message: str
+    config: Config | None = field(default=None, compare=False, repr=False)
+    op: Op | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         return f"{self.check}: {self.message}"
@@ -177,16 +184,28 @@ class Checker:
         self._since_audit += 1
         # Reset and evict act on the whole pool: no delta names what they touch.
         if self._since_audit >= self.audit_every or isinstance(op, (ResetPrefixCache, EvictBlocks)):
-            return self._audited_step(op)
-        return self._fast_step(op)
+            found = self._audited_step(op)
+        else:
+            found = self._fast_step(op)
+        return [replace(v, config=self.config, op=op) for v in found] if found else found
 
     def _audited_step(self, op: Op) -> list[Violation]:
         """The definition: full snapshots before and after, every invariant as written."""
         self._since_audit, self.audits = 0, self.audits + 1
-        try:
-            before = self.target.snapshot() if self.audit_every > 1 else self.last
-        except Exception as exc:
-            return [Violation("crash", f"{type(exc).__name__}: {exc}")]
+        found: list[Violation] = []
+        if self.audit_every > 1:
+            # The state the fast path left is compared whole too: a corruption of
+            # blocks no operation since the last audit touched shows here.
+            try:
+                before = self.target.snapshot()
+            except Exception as exc:
+                return [Violation("crash", f"{type(exc).__name__}: {exc}")]
+            found += [
+                Violation("snapshot", f"before the operation: {line}")
+                for line in diff_snapshots(self.model.snapshot(), before)
+            ]
+        else:
+            before = self.last
         expected_obs = self.model.apply(op)
         expected = self.model.snapshot()
         try:
@@ -195,7 +214,6 @@ class Checker:
         except Exception as exc:  # the target crashing is itself a finding
             return [Violation("crash", f"{type(exc).__name__}: {exc}")]
         self.last_obs = obs
-        found: list[Violation] = []
         if obs != expected_obs:
             found.append(Violation("observation", f"model {expected_obs}, {self.target.name} {obs}"))
         found += [Violation("snapshot", line) for line in diff_snapshots(expected, snap)]
@@ -365,7 +383,7 @@ class Checker:
             found += [Violation(name, msg) for name, msg in check_state(ctx)]
         self.last = snap
         self._mirror(snap)
-        return found
+        return [replace(v, config=self.config) for v in found]
 
     def _probe(self, tokens: tuple[int, ...]) -> ProbeResult:
         result = self.target.apply(Probe(tokens))
@@ -380,6 +398,9 @@ def _diff_partial(want: object, got: object) -> list[str]:
         a, b = getattr(want, name), getattr(got, name)
         if a != b:
             lines.append(f"{name}: expected {_short(a)}, got {_short(b)}")
+    ends_want, ends_got = getattr(want, "ends", None), getattr(got, "ends", None)
+    if ends_want is not None and ends_got is not None and ends_want != ends_got:
+        lines.append(f"free queue (head, tail): expected {ends_want}, got {ends_got}")
     for name in ("blocks", "holders"):
         a, b = getattr(want, name), getattr(got, name)
         if a != b:

@@ -18,6 +18,7 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from invariants.harness.fuzz import format_failure, run_fuzz
+from invariants.harness.known_findings import known_summary
 from invariants.harness.strategies import configs
 from invariants.report import table
 from invariants.targets import target_factory
@@ -178,7 +179,7 @@ def run_conformance(
             print(format_failure(report))
         verdict = "agrees" if report.failure is None else f"FINDING: {report.failure.violations[0]}"[:90]
         if report.failure is None and report.stats.known:
-            verdict += " (known: " + ", ".join(sorted(report.stats.known)) + ")"
+            verdict += f" (known: {known_summary(report.stats.known)})"
         unreached = [f for f in REQUIRED.get(feature, ()) if not report.stats.features[f]]
         if report.failure is None and unreached:
             verdict = f"NOT EXERCISED: {', '.join(unreached)}"[:90]

@@ -30,10 +30,12 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
+from hypothesis.errors import Flaky
 from hypothesis.stateful import get_state_machine_test
 
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, InvalidOp, Violation
-from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
+from invariants.harness.known_findings import clean_verdict, explain
+from invariants.harness.machine import BudgetSpent, FuzzStats, Tolerance, ViolationFound, build_machine
 from invariants.harness.shrink import shrink
 from invariants.harness.strategies import configs
 from invariants.harness.trace import Trace, write_trace
@@ -74,19 +76,16 @@ class FuzzReport:
     def verdict(self) -> str:
         if self.failure is not None:
             return "VIOLATION"
-        return "clean (known: " + ", ".join(sorted(self.stats.known)) + ")" if self.stats.known else "clean"
+        return clean_verdict(self.stats.known)
 
 
-def _tolerance(target: str) -> Callable[[Violation], bool]:
-    try:
-        from invariants.harness.known_findings import is_known_violation
-    except ImportError:
-        return lambda v: False
-    return lambda v: bool(is_known_violation(target, v))
+def _tolerance(target: str) -> Tolerance:
+    """`target`'s known findings: a violation -> the finding whose claim it meets, or None."""
+    return lambda v: explain(target, v)
 
 
 def replayer(
-    factory: Callable[[Config], Target], config: Config, check: str, tolerated: Callable[[Violation], bool]
+    factory: Callable[[Config], Target], config: Config, check: str, tolerated: Tolerance
 ) -> Callable[[list[Op]], int | None]:
     """A shrink predicate: the index of the first step with a new violation, if it is `check`."""
 
@@ -153,7 +152,7 @@ def run_fuzz(
     audit_every: int | None = None,
     log: Callable[[str], None] | None = None,
     factory: Callable[[Config], Target] | None = None,
-    tolerated: Callable[[Violation], bool] | None = None,
+    tolerated: Tolerance | None = None,
     trace_name: str | None = None,
 ) -> FuzzReport:
     """Fuzz `target` (built by `factory`, default the registered one; `tolerated`
@@ -221,8 +220,12 @@ def run_fuzz(
             batch += 1
             try:
                 test()
-            except Exception:  # a violation, the budget, or Hypothesis noting a cut-off replay
-                if stats.last_failure is None and not stats.out_of_time():
+            except (ViolationFound, BudgetSpent):
+                pass  # a violation (recorded in stats) or the budget: the run's own signals
+            except Flaky:
+                # Hypothesis replays a failing example once more; past the deadline the
+                # replay meets BudgetSpent instead. Anything else is a harness error.
+                if not stats.out_of_time() and stats.last_failure is None:
                     raise
             if stats.last_failure is not None:
                 break
@@ -231,6 +234,7 @@ def run_fuzz(
                 f"hit rate {stats.hit_rate:.1%}"
             )
     failure = stats.last_failure
+    stats.known.write_examples(out_dir, target, seed)
     report = FuzzReport(target, config_name or "generated", seed, batch, stats, 0.0, failure)
     if failure is not None:
         report.first_seen_s = first_seen[0] if first_seen else None
@@ -247,7 +251,7 @@ def run_fuzz(
 def shrink_failure(
     failure: ViolationFound,
     factory: Callable[[Config], Target],
-    tolerated: Callable[[Violation], bool],
+    tolerated: Tolerance,
     start: float,
     budget_s: float | None,
     shrink_s: float,

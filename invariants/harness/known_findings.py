@@ -3,19 +3,24 @@ invariant flags, kept with a replayable trace and the upstream reference.
 
 `known_findings.json` (beside this module) holds them:
 
-    {"format": "kvretain-known-findings", "version": 1,
-     "findings": [{"id", "target", "property", "vllm_versions": [...],
-                   "message_pattern" (optional regex searched in the message),
+    {"format": "kvretain-known-findings", "version": 2,
+     "findings": [{"id", "target" | "targets", "property", "vllm_versions": [...],
+                   "message_pattern" (a regex the WHOLE message must match),
+                   "precondition": {"config": [condition, ...],
+                                    "operations": [operation kind, ...],
+                                    "shape": name (optional)},
                    "upstream": [...], "where", "description",
                    "trace": {kvretain trace, version 1}}]}
 
-A finding names one `target` or a list of `targets` (a finding in vLLM's design
-that the model and the reference follow too lists all three). A violation is
-known when its target, the target's version (vLLM only) and the violated
-property (and, if the finding gives one, the message pattern) match a finding.
-`kvretain replay` / `fuzz` report known violations apart from new ones; a
-known finding that stops reproducing is worth a look too (the bug may be fixed
-upstream: drop the entry).
+A finding is a precise claim (`invariants.harness.claims`): a violation is
+known only when its target, release (vLLM only), property and whole message
+match, the run's configuration satisfies every condition the finding lists,
+the violating operation is of a listed kind and the numbers the pattern
+captured have the finding's shape. Anything else is a new violation, however
+close. A run counts what it tolerated per finding (`KnownLedger`): how often,
+the first message, and where an example trace was written; `kvretain replay` /
+`fuzz` report known violations apart from new ones; a known finding that stops
+reproducing is worth a look too (the bug may be fixed upstream: drop the entry).
 """
 
 from __future__ import annotations
@@ -23,14 +28,18 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from invariants.harness.trace import Trace, TraceError, trace_from_json
+from invariants.harness.claims import CONDITIONS, OPERATIONS, SHAPES, Precondition, operation_kind
+from invariants.harness.trace import Trace, TraceError, trace_from_json, write_trace
+from model.config import Config
+from model.ops import Op
 
 FINDINGS_FORMAT = "kvretain-known-findings"
-FINDINGS_VERSION = 1
+FINDINGS_VERSION = 2
 DEFAULT_PATH = Path(__file__).with_name("known_findings.json")
 
 
@@ -48,19 +57,33 @@ class KnownFinding:
     where: str
     description: str
     trace: Trace
-    message_pattern: str | None = None
+    message_pattern: str
+    precondition: Precondition
 
-    def matches(self, target: str, version: str | None, prop: str, message: str | None = None) -> bool:
+    def matches(
+        self,
+        target: str,
+        version: str | None,
+        prop: str,
+        message: str,
+        config: Config | None,
+        op: Op | None,
+    ) -> bool:
+        """Does this finding explain `prop` violated with `message` on `target` at
+        `version`, in a run of `config`, at operation `op` (None: an audit)?"""
         if target not in self.targets or prop != self.property:
             return False
         # Versions name vLLM releases; the model and reference follow 0.33.0 semantics.
         if target == "vllm" and "*" not in self.versions and version not in self.versions:
             return False
-        return (
-            self.message_pattern is None
-            or message is None
-            or re.search(self.message_pattern, message) is not None
-        )
+        m = self._compiled.fullmatch(message)
+        if m is None:
+            return False
+        return self.precondition.holds(config, operation_kind(op), m.groupdict())
+
+    @functools.cached_property
+    def _compiled(self) -> re.Pattern[str]:
+        return re.compile(self.message_pattern)
 
 
 def _parse(entry: Any, i: int) -> KnownFinding:
@@ -84,11 +107,13 @@ def _parse(entry: Any, i: int) -> KnownFinding:
     if not isinstance(upstream, list) or not all(isinstance(u, str) for u in upstream):
         raise KnownFindingsError(f"{where}.upstream: must be a string or a list of strings")
     pattern = entry.get("message_pattern")
-    if pattern is not None:
-        try:
-            re.compile(pattern)
-        except (re.error, TypeError) as exc:
-            raise KnownFindingsError(f"{where}.message_pattern: not a regular expression ({exc})") from None
+    if not isinstance(pattern, str) or not pattern:
+        raise KnownFindingsError(f"{where}.message_pattern: must be a non-empty regular expression")
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise KnownFindingsError(f"{where}.message_pattern: not a regular expression ({exc})") from None
+    precondition = _parse_precondition(entry.get("precondition"), f"{where}.precondition", compiled)
     try:
         trace = trace_from_json(entry.get("trace"))
     except TraceError as exc:
@@ -103,7 +128,35 @@ def _parse(entry: Any, i: int) -> KnownFinding:
         description=entry["description"],
         trace=trace,
         message_pattern=pattern,
+        precondition=precondition,
     )
+
+
+def _parse_precondition(data: Any, where: str, pattern: re.Pattern[str]) -> Precondition:
+    if not isinstance(data, dict):
+        raise KnownFindingsError(f"{where}: must be an object with 'config', 'operations' and optional 'shape'")
+    conditions = data.get("config", [])
+    if not isinstance(conditions, list) or not all(isinstance(c, str) for c in conditions):
+        raise KnownFindingsError(f"{where}.config: must be a list of condition names")
+    unknown = sorted(set(conditions) - set(CONDITIONS))
+    if unknown:
+        raise KnownFindingsError(f"{where}.config: unknown condition(s) {unknown} (known: {sorted(CONDITIONS)})")
+    operations = data.get("operations")
+    if not isinstance(operations, list) or not operations or not all(isinstance(o, str) for o in operations):
+        raise KnownFindingsError(f"{where}.operations: must be a non-empty list of operation kinds")
+    bad = sorted(set(operations) - OPERATIONS)
+    if bad:
+        raise KnownFindingsError(f"{where}.operations: unknown kind(s) {bad} (known: {sorted(OPERATIONS)})")
+    shape = data.get("shape")
+    if shape is not None:
+        if shape not in SHAPES:
+            raise KnownFindingsError(f"{where}.shape: unknown shape {shape!r} (known: {sorted(SHAPES)})")
+        missing = sorted(set(SHAPES[shape][1]) - set(pattern.groupindex))
+        if missing:
+            raise KnownFindingsError(
+                f"{where}.shape: {shape!r} reads the named group(s) {missing}, which the pattern does not capture"
+            )
+    return Precondition(tuple(conditions), frozenset(operations), shape)
 
 
 def parse_known_findings(data: Any) -> list[KnownFinding]:
@@ -153,19 +206,15 @@ def _load(path: Path) -> list[KnownFinding]:
 def known_finding(
     target: str,
     version: str | None,
-    prop: str,
-    message: str | None = None,
+    violation: Any,
     findings: list[KnownFinding] | None = None,
 ) -> KnownFinding | None:
-    """The known finding that explains `prop` violated on `target` at `version`, or None."""
+    """The known finding that explains `violation` (an `invariants.harness.checker.Violation`,
+    which carries its configuration and operation) on `target` at `version`, or None."""
     for f in _default_findings() if findings is None else findings:
-        if f.matches(target, version, prop, message):
+        if f.matches(target, version, violation.check, violation.message, violation.config, violation.op):
             return f
     return None
-
-
-def is_known_finding(target: str, version: str | None, prop: str, message: str | None = None) -> bool:
-    return known_finding(target, version, prop, message) is not None
 
 
 @functools.cache
@@ -181,12 +230,18 @@ def target_version(target: str) -> str | None:
     return None
 
 
-def is_known_violation(target: str, violation: Any) -> bool:
-    """Is this `invariants.checker.Violation` a known finding on `target`? (microseconds:
-    the version is read once, properties no finding names are rejected by a set lookup)"""
+def explain(target: str, violation: Any) -> KnownFinding | None:
+    """The known finding on `target` that explains this `Violation`, or None
+    (microseconds: the version is read once, properties no finding names are
+    rejected by a set lookup)."""
     if violation.check not in _known_properties():
-        return False
-    return is_known_finding(target, target_version(target), violation.check, violation.message)
+        return None
+    return known_finding(target, target_version(target), violation)
+
+
+def is_known_violation(target: str, violation: Any) -> bool:
+    """Is this `Violation` a known finding on `target`? (see `explain`)"""
+    return explain(target, violation) is not None
 
 
 @functools.cache
@@ -198,12 +253,121 @@ __all__ = [
     "DEFAULT_PATH",
     "KnownFinding",
     "KnownFindingsError",
-    "is_known_finding",
+    "KnownLedger",
+    "Tolerated",
+    "clean_verdict",
+    "format_known",
+    "known_summary",
+    "explain",
     "is_known_violation",
     "known_finding",
     "load_known_findings",
     "parse_known_findings",
 ]
+
+
+@dataclass
+class Tolerated:
+    """What one run tolerated as one known finding."""
+
+    finding: str
+    count: int
+    first: str
+    config: Config | None = None
+    ops: list[Op] | None = None  # up to the first tolerated violation (None: not kept)
+    example: Path | None = None  # where that trace was written
+
+
+class KnownLedger:
+    """The known findings a run tolerated: per finding, how many violations, the
+    first message, and an example trace (the operations up to the first one).
+
+    Iterating gives the finding ids, so `sorted(ledger)` names what was
+    tolerated; `rows()` and `to_json()` give the counts a summary must show."""
+
+    def __init__(self, keep_examples: bool = True) -> None:
+        self.entries: dict[str, Tolerated] = {}
+        self.keep_examples = keep_examples
+
+    def record(self, finding: str, violation: Any, ops: list[Op] | None = None) -> None:
+        entry = self.entries.get(finding)
+        if entry is not None:
+            entry.count += 1
+            return
+        kept = list(ops) if ops is not None and self.keep_examples else None
+        self.entries[finding] = Tolerated(finding, 1, str(violation), violation.config, kept)
+
+    def merge(self, other: KnownLedger) -> None:
+        for name, e in other.entries.items():
+            mine = self.entries.get(name)
+            if mine is None:
+                self.entries[name] = Tolerated(e.finding, e.count, e.first, e.config, e.ops, e.example)
+            else:
+                mine.count += e.count
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.entries))
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def total(self) -> int:
+        return sum(e.count for e in self.entries.values())
+
+    def write_examples(self, out_dir: Path, target: str, seed: int | None) -> None:
+        """Write each finding's example trace once (`known-<finding>-<target>-seed<seed>.json`)."""
+        for e in self.entries.values():
+            if e.example is None and e.ops is not None and e.config is not None:
+                path = out_dir / f"known-{e.finding}-{target}-seed{seed}.json"
+                e.example = write_trace(Trace(e.config, e.ops, seed, target, e.first), path)
+
+    def rows(self) -> list[tuple[str, int, str, str]]:
+        return [
+            (e.finding, e.count, _clip(e.first), str(e.example) if e.example else "-")
+            for e in (self.entries[n] for n in self)
+        ]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "finding": e.finding,
+                "count": e.count,
+                "first": e.first,
+                "example": str(e.example) if e.example else None,
+            }
+            for e in (self.entries[n] for n in self)
+        ]
+
+
+def known_summary(ledger: KnownLedger) -> str:
+    """Every tolerated finding with its count: "<finding> xN, ..." ("" when none)."""
+    return ", ".join(f"{name} x{ledger.entries[name].count}" for name in ledger)
+
+
+def clean_verdict(ledger: KnownLedger) -> str:
+    """"clean", or "clean (known: <finding> xN, ...)"."""
+    return f"clean (known: {known_summary(ledger)})" if ledger else "clean"
+
+
+def format_known(ledger: KnownLedger) -> str:
+    """The per-finding tolerance table a run prints (empty when nothing was tolerated)."""
+    if not ledger:
+        return ""
+    from invariants.report import table
+
+    rows = ledger.rows()
+    return (
+        f"known findings tolerated ({ledger.total} violation(s); each matched its finding's precondition):\n"
+        + table(["finding", "tolerated", "first message", "example trace"], rows)
+    )
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def recheck_known_findings(available: set[str]) -> list[tuple[str, str, bool]]:
@@ -222,9 +386,6 @@ def recheck_known_findings(available: set[str]) -> list[tuple[str, str, bool]]:
             if target == "vllm" and "*" not in f.versions and target_version(target) not in f.versions:
                 continue  # another release's finding: the release matrix replays it there
             result = replay(f.trace, target)
-            hit = any(
-                v.check == f.property and f.matches(target, target_version(target), v.check, v.message)
-                for _, v in result.known
-            )
+            hit = any(explain(target, v) is f for _, v in result.known)
             out.append((f.id, target, hit))
     return out

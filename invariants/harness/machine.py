@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
+from invariants.harness.known_findings import KnownLedger
 from invariants.targets.base import Target
 from model.config import Config
 from model.fine_mamba import fine_hits_enabled
@@ -96,7 +97,7 @@ class FuzzStats:
     prompt_tokens: int = 0
     hit_tokens: int = 0
     states: set[tuple[object, ...]] = field(default_factory=set)
-    known: set[str] = field(default_factory=set)
+    known: KnownLedger = field(default_factory=KnownLedger)
     last_failure: ViolationFound | None = None
     # Feature -> how often it was exercised: configuration features per example,
     # model rules per firing, cross-request reuse per step.
@@ -115,15 +116,20 @@ class FuzzStats:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+Tolerance = Callable[[Violation], object]
+"""A violation -> the known finding that explains it (or any truthy value naming
+none), or a falsy value for a new violation."""
+
+
 def build_machine(
     target_factory: Callable[[Config], Target],
     config_strategy: st.SearchStrategy[Config],
     stats: FuzzStats | None = None,
-    tolerated: Callable[[Violation], bool] | None = None,
+    tolerated: Tolerance | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A state machine class that judges targets built by `target_factory`."""
     run_stats = stats if stats is not None else FuzzStats()
-    is_tolerated = tolerated or (lambda v: False)
+    is_tolerated: Tolerance = tolerated or (lambda v: None)
 
     class AllocatorMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -208,10 +214,12 @@ def build_machine(
                 self._fail(found)
 
         def _known(self, v: Violation) -> bool:
-            if is_tolerated(v):
-                run_stats.known.add(v.check)
-                return True
-            return False
+            finding = is_tolerated(v)
+            if not finding:
+                return False
+            ops = self.checker.ops if self.checker is not None else None
+            run_stats.known.record(str(getattr(finding, "id", v.check)), v, ops)
+            return True
 
         # -- rules --------------------------------------------------------
         @precondition(lambda self: self.checker is not None and len(self.checker.model.requests) < 4)

@@ -52,6 +52,8 @@ from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
 from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.known_findings import KnownLedger, format_known
+from invariants.harness.machine import Tolerance
 from invariants.harness.spool import OpSpool
 from invariants.layouts.presets import MAX_CONTEXT, pool_blocks, preset
 from invariants.targets.base import Target
@@ -186,7 +188,8 @@ class ProductionStats:
     tokens: int = 0
     preemptions: int = 0
     episodes: int = 0
-    known: set[str] = field(default_factory=set)
+    # Production traces are spooled and long: counts and first messages, no example traces.
+    known: KnownLedger = field(default_factory=lambda: KnownLedger(keep_examples=False))
     rss_at_tenth_kb: int = 0  # peak RSS when a tenth of the run was behind
     rss_now_at_tenth_kb: int = 0  # resident memory then, and at the end
     rss_now_at_end_kb: int = 0
@@ -291,7 +294,7 @@ def run_production(
     seed: int,
     steps: int | None,
     budget_s: float | None,
-    tolerated: Callable[[Violation], bool],
+    tolerated: Tolerance,
     audit_every: int = PRODUCTION_AUDIT_EVERY,
     log: Callable[[str], None] = print,
 ) -> tuple[ProductionStats, list[tuple[Setting, Checker, list[Violation]]], float]:
@@ -415,11 +418,12 @@ def _tenth_done(ops: int, steps: int | None, elapsed: float, budget_s: float | N
     return (steps is not None and ops >= steps // 10) or (budget_s is not None and elapsed >= budget_s / 10)
 
 
-def _known(v: Violation, tolerated: Callable[[Violation], bool], stats: ProductionStats) -> bool:
-    if tolerated(v):
-        stats.known.add(v.check)
-        return True
-    return False
+def _known(v: Violation, tolerated: Tolerance, stats: ProductionStats) -> bool:
+    finding = tolerated(v)
+    if not finding:
+        return False
+    stats.known.record(str(getattr(finding, "id", v.check)), v)
+    return True
 
 
 def format_production(target: str, seed: int, stats: ProductionStats, seconds: float, verdict: str) -> str:
@@ -480,4 +484,6 @@ def format_production(target: str, seed: int, stats: ProductionStats, seconds: f
             f"live objects (allocated blocks) {stats.blocks_between[0]:,} -> {stats.blocks_between[1]:,} "
             f"({stats.blocks_between[1] / max(1, stats.blocks_between[0]) - 1:+.1%})"
         )
+    if stats.known:
+        out += "\n" + format_known(stats.known)
     return out

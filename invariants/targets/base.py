@@ -59,7 +59,12 @@ class PartialState:
       the regular free queue, `NOT_FREE` when b is not in it, `END` past an end);
     - `holders[key]`: the blocks the hash map lists for key, () when absent;
     - `tables[rid]`: the request's per-group block table, () when it holds none;
-    - `free_len`: length of the regular free queue; `events`: drained KV events.
+    - `free_len`: length of the regular free queue; `events`: drained KV events;
+    - `ends`: the regular free queue's (head, tail), (`END`, `END`) when empty;
+      None from a target that does not report it. Read in O(1) on every
+      operation, it catches a corruption of blocks the operation did not touch
+      at either end of the queue (the next block to be reused and the last)
+      on the next operation, not at the next audit.
 
     Contract (`partial(blocks, rids, keys, before=None)`): it reports every
     asked block, request and key; the blocks in the reported tables (given
@@ -77,6 +82,7 @@ class PartialState:
     tables: dict[str, tuple[BlockIds, ...]]
     free_len: int
     events: tuple[Event, ...] = field(default=())
+    ends: tuple[int, int] | None = None
 
 
 def event_keys(events: Iterable[Event]) -> set[BlockKey]:
@@ -171,4 +177,5 @@ def partial_from_snapshot(
             nxt = q[i + 1] if i + 1 < len(q) else END
         out[b] = (snap.ref_cnt[b], key, prev, nxt)
     holders = {k: snap.cached.get(k, ()) for k in want_keys}
-    return PartialState(out, holders, tables, len(q), snap.events)
+    ends = (q[0], q[-1]) if q else (END, END)
+    return PartialState(out, holders, tables, len(q), snap.events, ends)

@@ -74,4 +74,4 @@ def model_partial(
             nxt = END if right is None else right
         out[b] = (ref[b], key, prev, nxt)
     holders = {k: tuple(cached.get(k, ())) for k in want_keys}
-    return PartialState(out, holders, tables, len(pool.queue), events)
+    return PartialState(out, holders, tables, len(pool.queue), events, pool.queue.ends() or (END, END))

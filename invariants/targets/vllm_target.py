@@ -656,7 +656,9 @@ class VllmTarget:
             if k not in holders:
                 holders[k] = held(k)
         self._prune_names()
-        return PartialState(out, holders, tables, queue.num_free_blocks, events)
+        first, last = head.next_free_block, tail.prev_free_block
+        ends = (END, END) if first is tail or first is None else (first.block_id, last.block_id)
+        return PartialState(out, holders, tables, queue.num_free_blocks, events, ends)
 
     def _prefix(self, h: bytes) -> Prefix:
         if not self.track_prefixes:

@@ -1,0 +1,169 @@
+"""What a known finding claims: the configurations, operations and message
+shapes under which a violation is that finding and nothing else.
+
+A known finding tolerates a violation only when all of these hold:
+
+- the violated property and the target (and, for vLLM, the release) match;
+- its `message_pattern` matches the whole message (anchored, so a pattern
+  names one direction and one shape of its invariant's messages);
+- every **configuration condition** it lists holds of the run's `Config`
+  (`CONDITIONS`: group kinds, block-size relations, Eagle, retention);
+- the violating operation is of a kind it lists (`OPERATIONS`: a `Finish`
+  for a lost promise, a batched `Step` for a same-step copy, ...);
+- its **shape**, if it names one, holds of the numbers the pattern captured
+  (`SHAPES`: a `BlockStored` that carries *more* token ids than its hashes
+  cover, a replay hit that lost exactly one aligned segment, ...).
+
+A violation that matches a pattern but not the rest of the claim is a new
+violation: the claim is what was understood, not a wildcard over an invariant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from model.config import Config
+from model.ops import Op
+
+Condition = Callable[[Config], bool]
+Shape = Callable[[Mapping[str, str], Config], bool]
+
+
+def _kinds(cfg: Config, kind: str) -> list[int]:
+    return [g.block_size for g in cfg.groups if g.kind == kind]
+
+
+def _mamba_align(cfg: Config) -> list[int]:
+    return [g.block_size for g in cfg.groups if g.kind == "mamba" and g.mamba_cache_mode == "align"]
+
+
+# name -> (condition, the sentence a report prints for it)
+CONDITIONS: dict[str, tuple[Condition, str]] = {
+    "caching": (lambda c: c.enable_caching, "prefix caching on"),
+    "eagle": (lambda c: c.eagle, "Eagle/MTP on"),
+    "no_eagle": (lambda c: not c.eagle, "Eagle/MTP off"),
+    "swa": (lambda c: bool(_kinds(c, "swa")), "an SWA group"),
+    "mamba_align": (lambda c: bool(_mamba_align(c)), "a Mamba group in align mode"),
+    "skipping_group": (
+        lambda c: bool(_kinds(c, "swa") or _mamba_align(c)),
+        "an SWA or align-mode Mamba group (tables with null entries or masked blocks)",
+    ),
+    "swa_block_below_alignment": (
+        lambda c: any(bs < c.scheduler_block_size for bs in _kinds(c, "swa")),
+        "an SWA block smaller than the scheduler block",
+    ),
+    "swa_block_above_hash_block": (
+        lambda c: any(bs > c.hash_block_size for bs in _kinds(c, "swa")),
+        "an SWA block wider than the hash block",
+    ),
+    "mamba_block_above_hash_block": (
+        lambda c: any(bs > c.hash_block_size for bs in _mamba_align(c)),
+        "an align-mode Mamba block wider than the hash block (fine-grained hits)",
+    ),
+    "retention_dense": (lambda c: c.effective_retention is None, "dense retention (interval None)"),
+    "retention_sparse": (lambda c: c.effective_retention is not None, "sparse retention (interval 0 or k)"),
+    "retention_interval": (
+        lambda c: (c.effective_retention or 0) > 0,
+        "a retention interval k > 0",
+    ),
+}
+
+# The operation kinds a claim may name; "audit" is a check between operations.
+OPERATIONS = frozenset(
+    {"add", "schedule", "step", "sample", "finish", "preempt", "probe", "reset", "evict", "audit"}
+)
+_OP_NAMES = {
+    "AddRequest": "add",
+    "Schedule": "schedule",
+    "Step": "step",
+    "Sample": "sample",
+    "Finish": "finish",
+    "Preempt": "preempt",
+    "Probe": "probe",
+    "ResetPrefixCache": "reset",
+    "EvictBlocks": "evict",
+}
+
+
+def operation_kind(op: Op | None) -> str:
+    """The claim vocabulary's name for an operation (None: an audit between operations)."""
+    return "audit" if op is None else _OP_NAMES.get(type(op).__name__, type(op).__name__.lower())
+
+
+def _int(groups: Mapping[str, str], name: str) -> int:
+    return int(groups[name])
+
+
+def _token_ids_span_skipped_blocks(g: Mapping[str, str], cfg: Config) -> bool:
+    """#44451: the event's token ids cover the whole computed range, skipped
+    blocks included, so there are MORE token ids than the stored hashes cover,
+    a whole number of blocks; the group is one that skips blocks."""
+    group, hashes, bs, tokens = _int(g, "group"), _int(g, "hashes"), _int(g, "bs"), _int(g, "tokens")
+    if not 0 <= group < len(cfg.groups):
+        return False
+    spec = cfg.groups[group]
+    skips = spec.kind == "swa" or (spec.kind == "mamba" and spec.mamba_cache_mode == "align")
+    return skips and tokens > hashes * bs and tokens % bs == 0
+
+
+def _one_aligned_segment_lost(g: Mapping[str, str], cfg: Config) -> bool:
+    """The Eagle pop and the re-alignment of a short SWA run lose exactly one
+    aligned segment, and the promised prefix is shorter than the window of an
+    SWA group whose block is smaller than the alignment."""
+    hit, promised, sbs = _int(g, "hit"), _int(g, "promised"), cfg.scheduler_block_size
+    short = any(
+        s.kind == "swa" and s.block_size < sbs and promised < (s.sliding_window or 0) for s in cfg.groups
+    )
+    return short and hit == promised - sbs
+
+
+def _aligned_resend_hits_zero(g: Mapping[str, str], cfg: Config) -> bool:
+    """The resend of a prompt lands below the extension boundary: it hits 0, and
+    the promised boundary is scheduler-block aligned."""
+    return _int(g, "hit") == 0 and _int(g, "promised") % cfg.scheduler_block_size == 0
+
+
+def _full_group_short_of_hit(g: Mapping[str, str], cfg: Config) -> bool:
+    """A full-attention group returns fewer blocks than the hit covers (never more)."""
+    group, blocks, hit = _int(g, "group"), _int(g, "blocks"), _int(g, "hit")
+    if not 0 <= group < len(cfg.groups) or cfg.groups[group].kind != "full":
+        return False
+    return blocks * cfg.groups[group].block_size < hit
+
+
+SHAPES: dict[str, tuple[Shape, tuple[str, ...]]] = {
+    "token_ids_span_skipped_blocks": (_token_ids_span_skipped_blocks, ("group", "hashes", "bs", "tokens")),
+    "one_aligned_segment_lost": (_one_aligned_segment_lost, ("hit", "promised")),
+    "aligned_resend_hits_zero": (_aligned_resend_hits_zero, ("hit", "promised")),
+    "full_group_short_of_hit": (_full_group_short_of_hit, ("group", "blocks", "hit")),
+}
+
+
+@dataclass(frozen=True)
+class Precondition:
+    """Where a finding is the known defect: configuration conditions, operation
+    kinds, and a named shape over the message's captured numbers."""
+
+    conditions: tuple[str, ...]
+    operations: frozenset[str]
+    shape: str | None = None
+
+    def holds(self, config: Config | None, op_kind: str, groups: Mapping[str, str]) -> bool:
+        if op_kind not in self.operations:
+            return False
+        if config is None:  # no configuration to judge: the claim cannot be checked
+            return False
+        if not all(CONDITIONS[name][0](config) for name in self.conditions):
+            return False
+        return self.shape is None or SHAPES[self.shape][0](groups, config)
+
+    def describe(self) -> str:
+        parts = [CONDITIONS[name][1] for name in self.conditions]
+        parts.append("on " + "/".join(sorted(self.operations)))
+        if self.shape is not None:
+            parts.append(f"shape {self.shape}")
+        return "; ".join(parts)
+
+
+__all__ = ["CONDITIONS", "OPERATIONS", "SHAPES", "Precondition", "operation_kind"]
