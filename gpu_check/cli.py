@@ -4,6 +4,10 @@ Exit codes: 0 every mode matches the no-cache run bit for bit (and every
 caching mode served tokens from cache); 1 a mismatch, a vacuous mode, or a
 fault; 2 bad usage (e.g. --device cuda without CUDA, an unavailable target),
 reported in one line.
+
+`kvretain` finds this module through the `kvretain.commands` entry point
+(pyproject.toml): `add_parser` gives it the subcommand and `verify_row` the row
+of `kvretain verify`, and invariants/ never imports gpu_check/.
 """
 
 from __future__ import annotations

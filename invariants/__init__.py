@@ -22,7 +22,9 @@ XML and JSON for CI) are leaves that any room may use. A room imports only the r
 the judge reads bottom-up: the catalogue and targets know nothing of the
 harness, and nothing but `cli/` knows the command line. `tests/test_layers.py`
 enforces this map, and the layer rules between `model/`, `reference_impl/`,
-`invariants/` and `gpu_check/`.
+`invariants/` and `gpu_check/`. `gpu_check/` imports the judge, never the
+reverse: `kvretain gpu-check` and its `verify` row come through the
+`kvretain.commands` entry point (pyproject.toml), which is all `cli/` knows.
 """
 
 LEAVES: frozenset[str] = frozenset({"errors", "report", "results"})

@@ -2,13 +2,22 @@
 
 The judge and the judged share no code (`reference_impl/` never imports
 `model/`), the specification stands alone, and inside `invariants/` a room
-imports only what `invariants.ROOMS` lists for it. Each rule has a control: a
-planted upward import that the checker must report.
+imports only what `invariants.ROOMS` lists for it. Imports are read as Python
+resolves them: relative ones against the file's package, and a module loaded by
+name (`importlib.import_module`, `__import__`, a lazy loader's table) is seen
+through the string that names it. Each rule has a control: a planted upward
+import that the checker must report.
+
+The command line reaches `gpu_check/` (which imports `invariants/`) only
+through the `kvretain.commands` entry point declared in pyproject.toml.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -29,17 +38,74 @@ LAYERS: dict[str, frozenset[str]] = {
 GPU_CHECK_ROOMS = frozenset({"targets", "simulate", "zoo", "harness"})
 
 
-def imported_modules(source: str) -> list[str]:
-    """Every absolute module a source file imports, at any depth (lazy imports too)."""
-    names: list[str] = []
+# A string that names a project module (`gpu_check.cli`, `invariants.cli.zoo:add_parser`).
+MODULE_NAME = re.compile(r"(?:model|reference_impl|invariants|gpu_check)(?:\.\w+)+(?::[\w.]+)?")
+IMPORTERS = frozenset({"import_module", "__import__"})
+
+
+def package_of(path: Path) -> list[str]:
+    """The package a project file belongs to (its own for an `__init__.py`), for relative imports."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return parts[:-1]
+
+
+def _relative(package: list[str], level: int, module: str | None) -> str:
+    """`from ..x import y` in `package` as an absolute module (`level` dots, `module` after them)."""
+    base = package[: len(package) - (level - 1)] if level <= len(package) else []
+    return ".".join([*base, *([module] if module else [])])
+
+
+def imported_modules(path: Path, source: str) -> list[tuple[str, int]]:
+    """Every project module a source file imports, with its line, at any depth (lazy
+    imports too): `import` statements, relative ones resolved against the file's
+    package, and modules loaded by name. A string constant that names a project
+    module counts as an import wherever it stands (an argument of
+    `importlib.import_module` or `__import__`, a table a lazy loader iterates, a
+    helper that wraps the import): the checker does not follow a string to the call
+    that loads it, so a name hidden in data is still seen."""
+    package = package_of(path)
+    names: list[tuple[str, int]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names.extend(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-            if node.module in PROJECT or node.module == "invariants":
-                names.extend(f"{node.module}.{a.name}" for a in node.names)
-    return names
+            names.extend((a.name, node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = _relative(package, node.level, node.module) if node.level else (node.module or "")
+            names.append((module, node.lineno))
+            # `from invariants import harness`, `from .. import harness`: the names are modules.
+            if module in PROJECT:
+                names.extend((f"{module}.{a.name}", node.lineno) for a in node.names)
+        elif isinstance(node, ast.Call) and _callee(node.func) in IMPORTERS and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                names.append((_by_name(arg.value, node, package), node.lineno))
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and MODULE_NAME.fullmatch(node.value)
+        ):
+            names.append((node.value.split(":")[0], node.lineno))
+    return list(dict.fromkeys(names))  # a literal argument is seen as a call and as a string
+
+
+def _callee(func: ast.expr) -> str | None:
+    """`import_module` for `importlib.import_module(...)` and `import_module(...)` alike."""
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else None
+
+
+def _by_name(name: str, call: ast.Call, package: list[str]) -> str:
+    """The module `import_module(name, package)` loads: a relative name is resolved
+    against the package argument when that is a literal, else against the file's
+    own package (what `__package__` holds)."""
+    if not name.startswith("."):
+        return name
+    anchors = [*call.args[1:2], *(k.value for k in call.keywords if k.arg == "package")]
+    anchor = anchors[0] if anchors else None
+    if isinstance(anchor, ast.Constant) and isinstance(anchor.value, str):
+        package = anchor.value.split(".")
+    level = len(name) - len(name.lstrip("."))
+    return _relative(package, level, name.lstrip(".") or None)
 
 
 def room_of(path: Path) -> str | None:
@@ -52,26 +118,26 @@ def room_of(path: Path) -> str | None:
 
 
 def violations(path: Path, source: str) -> list[str]:
+    """Each import in `source` (the text of project file `path`) that breaks the layers or the rooms."""
     package = path.relative_to(ROOT).parts[0]
     found = []
-    for module in imported_modules(source):
+    for module, line in imported_modules(path, source):
+        where = f"{path.relative_to(ROOT)}:{line}"
         top = module.split(".")[0]
         if top not in PROJECT or top == package:
             if top == "invariants" == package:
-                found.extend(_room_violations(path, module))
+                found.extend(_room_violations(path, where, module))
             continue
         if top not in LAYERS[package]:
-            found.append(f"{path.relative_to(ROOT)} imports {module}: {package}/ may not import {top}/")
+            found.append(f"{where} imports {module}: {package}/ may not import {top}/")
         elif package == "gpu_check" and top == "invariants":
             room = module.split(".")[1] if "." in module else ""
             if room not in GPU_CHECK_ROOMS | invariants.LEAVES:
-                found.append(
-                    f"{path.relative_to(ROOT)} imports {module}: gpu_check uses only {sorted(GPU_CHECK_ROOMS)}"
-                )
+                found.append(f"{where} imports {module}: gpu_check uses only {sorted(GPU_CHECK_ROOMS)}")
     return found
 
 
-def _room_violations(path: Path, module: str) -> list[str]:
+def _room_violations(path: Path, where: str, module: str) -> list[str]:
     here = room_of(path)
     parts = module.split(".")
     if len(parts) < 2 or here is None:
@@ -80,11 +146,11 @@ def _room_violations(path: Path, module: str) -> list[str]:
     if there == here or there in invariants.LEAVES:
         return []
     if here in invariants.LEAVES:
-        return [f"{path.relative_to(ROOT)} imports {module}: {here} is a leaf and imports no room"]
+        return [f"{where} imports {module}: {here} is a leaf and imports no room"]
     if here not in invariants.ROOMS:
-        return [f"{path.relative_to(ROOT)}: room {here!r} is not in invariants.ROOMS (add it to the map)"]
+        return [f"{where}: room {here!r} is not in invariants.ROOMS (add it to the map)"]
     if there not in invariants.ROOMS[here]:
-        return [f"{path.relative_to(ROOT)} imports {module}: room {here} may not import room {there}"]
+        return [f"{where} imports {module}: room {here} may not import room {there}"]
     return []
 
 
@@ -118,6 +184,22 @@ def test_every_room_on_disk_is_on_the_map() -> None:
         ("model/pool.py", "from reference_impl.block import KVCacheBlock", "may not import reference_impl/"),
         ("reference_impl/block_pool.py", "from model.free_queue import FreeQueue", "may not import model/"),
         ("gpu_check/forward_pass.py", "from invariants.cli.main import main", "gpu_check uses only"),
+        # Relative imports, resolved against the file's package.
+        ("invariants/catalogue/structure.py", "from ..harness import checker", "may not import room harness"),
+        ("invariants/harness/fuzz.py", "from ..cli.main import main", "may not import room cli"),
+        # Modules loaded by name: a literal, a relative name with its package, a table a loader iterates.
+        ("invariants/cli/main.py", 'importlib.import_module("gpu_check.cli")', "may not import gpu_check/"),
+        ("model/pool.py", '__import__("reference_impl")', "may not import reference_impl/"),
+        (
+            "invariants/targets/base.py",
+            'importlib.import_module(".checker", package="invariants.harness")',
+            "may not import room harness",
+        ),
+        (
+            "invariants/harness/fuzz.py",
+            'COMMANDS = ("invariants.cli.zoo", "gpu_check.cli:add_parser")',
+            "may not import room cli",
+        ),
     ],
 )
 def test_control_planted_upward_import_is_reported(where: str, planted: str, why: str) -> None:
@@ -128,6 +210,44 @@ def test_control_planted_upward_import_is_reported(where: str, planted: str, why
     bad = source + f"\n\ndef _planted() -> None:\n    {planted}\n"
     found = violations(path, bad)
     assert found and why in found[0], found
+
+
+def test_relative_and_by_name_imports_resolve_to_absolute_modules() -> None:
+    source = (
+        "from . import zoo\n"
+        "from ..harness.fuzz import run_fuzz\n"
+        "from .. import proofs\n"
+        "importlib.import_module('.trace', __package__)\n"
+        "for name in ('gpu_check.cli', 'invariants.cli.zoo:add_parser'):\n"
+        "    importlib.import_module(name)\n"
+        "HELP = 'model cli, not a module name'\n"
+    )
+    found = {m for m, _ in imported_modules(ROOT / "invariants" / "cli" / "main.py", source)}
+    assert found == {
+        "invariants.cli",
+        "invariants.harness.fuzz",
+        "invariants",
+        "invariants.proofs",
+        "invariants.cli.trace",
+        "gpu_check.cli",
+        "invariants.cli.zoo",
+    }
+
+
+def test_gpu_check_reaches_the_command_line_through_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """invariants/ names only the entry-point group; pyproject.toml names gpu_check.cli. A
+    checkout run without installed metadata (`--vllm-python`) still finds it there."""
+    from invariants.cli import main
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"][main.COMMAND_GROUP] == {"gpu-check": "gpu_check.cli"}
+    main.command_plugins.cache_clear()
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])
+    try:
+        assert [ep.module for ep in main.command_plugins().values()] == ["gpu_check.cli"]
+        assert "gpu-check" in main.build_parser().format_help()
+    finally:
+        main.command_plugins.cache_clear()
 
 
 def test_size_limits() -> None:

@@ -7,8 +7,11 @@ input or a missing target (one line on stderr naming what is wrong).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import importlib.metadata
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -33,6 +36,37 @@ from model.config import ConfigError
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+
+# Command groups that live in invariants/cli/, each a module with `add_parser(subparsers)`.
+_BUILTIN_COMMANDS = (
+    "invariants.cli.zoo",
+    "invariants.cli.simulate",
+    "invariants.cli.export",
+    "invariants.cli.matrix",
+)
+COMMAND_GROUP = "kvretain.commands"
+
+
+@functools.cache
+def command_plugins() -> dict[str, importlib.metadata.EntryPoint]:
+    """Command groups that packages register under the `kvretain.commands` entry
+    point (`name = "package.module"`: a module with `add_parser(subparsers)` and,
+    for a row of `kvretain verify`, `verify_row(quick=...)` returning that row), by
+    name, not loaded yet.
+
+    This is how `gpu-check` reaches the command line while invariants/ never
+    imports gpu_check/ (gpu_check/ imports invariants/, not the reverse). A
+    checkout this interpreter has not installed (`--vllm-python` re-runs kvretain
+    from PYTHONPATH) has no entry-point metadata, so its own pyproject.toml is read
+    as well; an installed entry point wins over it."""
+    found = {ep.name: ep for ep in importlib.metadata.entry_points(group=COMMAND_GROUP)}
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    project = tomllib.loads(pyproject.read_text()).get("project", {}) if pyproject.is_file() else {}
+    if project.get("name") == "kvretain":
+        for name, value in project.get("entry-points", {}).get(COMMAND_GROUP, {}).items():
+            found.setdefault(name, importlib.metadata.EntryPoint(name, value, COMMAND_GROUP))
+    return dict(sorted(found.items()))
 
 
 def _command_module(module: str) -> object:
@@ -153,13 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(func=cmd_bench)
 
-    for module in (
-        "invariants.cli.zoo",
-        "invariants.cli.simulate",
-        "invariants.cli.export",
-        "invariants.cli.matrix",
-        "gpu_check.cli",
-    ):
+    for module in (*_BUILTIN_COMMANDS, *(ep.module for ep in command_plugins().values())):
         _command_module(module).add_parser(sub)  # type: ignore[attr-defined]
     return parser
 

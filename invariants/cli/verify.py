@@ -204,10 +204,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         record(check, target, verdict, f"report in {Path(args.out) / 'simulate'}", seconds, good)
 
-    gpu = imported("gpu_check.cli")
-    if gpu is not None:
-        check, target, verdict, figure, seconds, good = gpu.verify_row(quick=args.quick)
-        record(check, target, verdict, figure, seconds, good)
+    # The GPU check's row comes through the kvretain.commands entry point (gpu_check
+    # imports invariants, never the reverse); a group without verify_row adds no row.
+    from invariants.cli.main import command_plugins
+
+    for plugin in command_plugins().values():
+        verify_row = getattr(imported(plugin.module), "verify_row", None)
+        if verify_row is not None:
+            check, target, verdict, figure, seconds, good = verify_row(quick=args.quick)
+            record(check, target, verdict, figure, seconds, good)
 
     print(table(["check", "target", "verdict", "figure", "seconds"], rows))
     print("kvretain verify: " + ("everything holds" if ok else "FAILED"))
