@@ -117,6 +117,9 @@ def results_json(command: str, cases: list[CaseResult], exit_code: int | None = 
         "command": command,
         "exit_code": exit_code,
         "ok": all(c.outcome in ("passed", "skipped") for c in cases),
+        # A run that skipped a row did not check it: `ok` with skips is not `complete`.
+        "complete": not any(c.outcome == "skipped" for c in cases),
+        "counts": {o: sum(c.outcome == o for c in cases) for o in ("passed", "failed", "error", "skipped")},
         "cases": [asdict(c) for c in cases],
     }
     return (json.dumps(payload, indent=1, default=str) + "\n").encode()

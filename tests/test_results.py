@@ -72,7 +72,7 @@ def cheap_verify(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     real_import = verify.import_row_module
 
     def rows(module: str, record: Any) -> Any:
-        if module == "invariants.proofs.theorems":
+        if module == "invariants.proofs.runner":
             return SimpleNamespace(
                 run_theorems=lambda progress: [SimpleNamespace(name="t", expected_ok=True)]
             )
@@ -131,8 +131,10 @@ def test_verify_junit_has_one_case_per_row_and_the_failure_trace(
     assert by_name["fuzz [reference]"].find("failure") is None
     assert by_name["fuzz [vllm]"].find("skipped") is not None
     assert by_name["fuzz (production scale) [vllm]"].find("skipped") is not None
+    assert by_name["conformance [vllm]"].find("skipped") is not None
+    assert by_name["production link [vllm]"].find("skipped") is not None
     assert by_name["no_such_module [-]"].find("error") is not None
-    assert suite.get("failures") == "1" and suite.get("errors") == "1" and suite.get("skipped") == "2"
+    assert suite.get("failures") == "1" and suite.get("errors") == "1" and suite.get("skipped") == "4"
     data = json.loads((tmp_path / "out" / "verify.json").read_text())
     assert data["exit_code"] == 1 and [c["name"] for c in data["cases"]] == names
 

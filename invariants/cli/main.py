@@ -165,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--out", default="kvretain-traces")
+    v.add_argument(
+        "--require",
+        action="append",
+        choices=TARGET_NAMES,
+        metavar="TARGET",
+        help="fail (exit 1) when TARGET's rows are skipped (repeatable; `make verify` requires vllm); "
+        "without it a run with skipped rows exits 3, never 0",
+    )
     add_output_flags(v)
     v.set_defaults(func=cmd_verify)
 

@@ -71,10 +71,17 @@ class KnownFinding:
     ) -> bool:
         """Does this finding explain `prop` violated with `message` on `target` at
         `version`, in a run of `config`, at operation `op` (None: an audit)?"""
-        if target not in self.targets or prop != self.property:
+        if target not in self.targets:
             return False
         # Versions name vLLM releases; the model and reference follow 0.33.0 semantics.
         if target == "vllm" and "*" not in self.versions and version not in self.versions:
+            return False
+        return self.claims(prop, message, config, op)
+
+    def claims(self, prop: str, message: str, config: Config | None, op: Op | None) -> bool:
+        """The claim alone, whatever the target and release: the property, the whole
+        message, and the precondition (configuration, operation kind, shape)."""
+        if prop != self.property:
             return False
         m = self._compiled.fullmatch(message)
         if m is None:
@@ -134,13 +141,17 @@ def _parse(entry: Any, i: int) -> KnownFinding:
 
 def _parse_precondition(data: Any, where: str, pattern: re.Pattern[str]) -> Precondition:
     if not isinstance(data, dict):
-        raise KnownFindingsError(f"{where}: must be an object with 'config', 'operations' and optional 'shape'")
+        raise KnownFindingsError(
+            f"{where}: must be an object with 'config', 'operations' and optional 'shape'"
+        )
     conditions = data.get("config", [])
     if not isinstance(conditions, list) or not all(isinstance(c, str) for c in conditions):
         raise KnownFindingsError(f"{where}.config: must be a list of condition names")
     unknown = sorted(set(conditions) - set(CONDITIONS))
     if unknown:
-        raise KnownFindingsError(f"{where}.config: unknown condition(s) {unknown} (known: {sorted(CONDITIONS)})")
+        raise KnownFindingsError(
+            f"{where}.config: unknown condition(s) {unknown} (known: {sorted(CONDITIONS)})"
+        )
     operations = data.get("operations")
     if not isinstance(operations, list) or not operations or not all(isinstance(o, str) for o in operations):
         raise KnownFindingsError(f"{where}.operations: must be a non-empty list of operation kinds")
@@ -349,7 +360,7 @@ def known_summary(ledger: KnownLedger) -> str:
 
 
 def clean_verdict(ledger: KnownLedger) -> str:
-    """"clean", or "clean (known: <finding> xN, ...)"."""
+    """ "clean", or "clean (known: <finding> xN, ...)"."""
     return f"clean (known: {known_summary(ledger)})" if ledger else "clean"
 
 

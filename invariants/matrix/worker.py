@@ -37,7 +37,7 @@ from hypothesis.stateful import get_state_machine_test
 from invariants.harness.checker import Violation
 from invariants.harness.conformance import FEATURES, FINE_MAMBA_ROW
 from invariants.harness.fuzz import EXAMPLES_PER_BATCH, STEPS_PER_EXAMPLE
-from invariants.harness.known_findings import is_known_violation, load_known_findings
+from invariants.harness.known_findings import explain, load_known_findings
 from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
 from invariants.harness.replay import replay
 from invariants.harness.strategies import configs
@@ -85,8 +85,9 @@ def feature_applies(feature: str, caps: Capabilities) -> str | None:
 
 def _judge(version: str, caps: Capabilities, tolerate: frozenset[str]) -> Judge:
     def judge(v: Violation) -> tuple[str, bool]:
-        if is_known_violation("vllm", v):
-            return "known", True
+        finding = explain("vllm", v)
+        if finding is not None:
+            return f"known: {finding.id}", True
         kind = classify(v.check, v.message, caps).kind
         return kind, kind in tolerate
 
@@ -195,7 +196,11 @@ def run_known(caps: Capabilities) -> list[dict[str, Any]]:
         except ConfigError as exc:
             rows.append({"id": f.id, "expected": expected, "reproduces": None, "note": str(exc)[:120]})
             continue
-        hit = any(v.check == f.property for _, v in [*result.known, *result.violations])
+        # Reproducing means meeting the finding's claim (pattern and precondition),
+        # not any violation of the same property.
+        hit = any(
+            f.claims(v.check, v.message, v.config, v.op) for _, v in [*result.known, *result.violations]
+        )
         rows.append({"id": f.id, "expected": expected, "reproduces": hit, "note": ""})
     return rows
 
