@@ -12,6 +12,7 @@ imported.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import tempfile
@@ -32,10 +33,10 @@ _OK, _REASON = vllm_available()
 if not _OK:
     pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
 
-from invariants.harness.checker import Checker  # noqa: E402
+from invariants.harness.checker import Checker, Violation  # noqa: E402
 from invariants.harness.known_findings import (  # noqa: E402
+    DEFAULT_PATH,
     KnownFindingsError,
-    is_known_finding,
     is_known_violation,
     known_finding,
     load_known_findings,
@@ -505,14 +506,17 @@ def test_known_finding_replays_on_vllm() -> None:
 
 
 def test_known_finding_matching() -> None:
+    [finding] = [f for f in load_known_findings() if f.id == "vllm-blockstored-token-range"]
+    cfg, op = finding.trace.config, finding.trace.ops[-1]
     prop = "stored_tokens_match_hashes"
     msg = "BlockStored(group 1) has 2 hash(es) of 16 tokens but 96 token ids"
-    assert is_known_finding("vllm", "0.33.0", prop, msg)
-    assert known_finding("vllm", "0.33.0", prop) is not None
-    assert not is_known_finding("vllm", "0.34.0", prop, msg)
-    assert not is_known_finding("reference", "0.33.0", prop, msg)
-    assert not is_known_finding("vllm", "0.33.0", "no_waste", msg)
-    assert not is_known_finding("vllm", "0.33.0", prop, "BlockStored(group 1) hash 0 does not chain")
+    v = Violation(prop, msg, cfg, op)
+    assert known_finding("vllm", "0.33.0", v) is finding
+    assert known_finding("vllm", "0.34.0", v) is None
+    assert known_finding("reference", "0.33.0", v) is None
+    assert known_finding("vllm", "0.33.0", Violation("no_waste", msg, cfg, op)) is None
+    chain = Violation(prop, "BlockStored(group 1) hash 0 does not chain from its parent and tokens", cfg, op)
+    assert known_finding("vllm", "0.33.0", chain) is None
 
 
 def test_known_findings_file_errors_name_the_field() -> None:
@@ -520,8 +524,29 @@ def test_known_findings_file_errors_name_the_field() -> None:
         parse_known_findings({"format": "x", "version": 1, "findings": []})
     with pytest.raises(KnownFindingsError, match=r"findings\[0\]\.property"):
         parse_known_findings(
-            {"format": "kvretain-known-findings", "version": 1, "findings": [{"id": "a", "target": "vllm"}]}
+            {"format": "kvretain-known-findings", "version": 2, "findings": [{"id": "a", "target": "vllm"}]}
         )
+    # A finding is a claim: a pattern, and a precondition whose names are known.
+    [finding] = [f for f in load_known_findings() if f.id == "vllm-blockstored-token-range"]
+    raw = json.loads(DEFAULT_PATH.read_text())
+    entry = next(e for e in raw["findings"] if e["id"] == finding.id)
+    for edit, field in (
+        ({"message_pattern": None}, "message_pattern"),
+        ({"precondition": None}, "precondition"),
+        ({"precondition": {"config": ["no_such"], "operations": ["step"]}}, r"precondition\.config"),
+        ({"precondition": {"config": [], "operations": []}}, r"precondition\.operations"),
+        ({"precondition": {"config": [], "operations": ["step"], "shape": "nope"}}, r"precondition\.shape"),
+        (
+            {
+                "message_pattern": "x",
+                "precondition": {"operations": ["step"], "shape": "token_ids_span_skipped_blocks"},
+            },
+            r"precondition\.shape.*does not capture",
+        ),
+    ):
+        bad = {**raw, "findings": [{**entry, **edit}]}
+        with pytest.raises(KnownFindingsError, match=field):
+            parse_known_findings(bad)
 
 
 # --------------------------------------------------------------------------- environment
