@@ -5,6 +5,11 @@ property's message and passes once the defect is fixed (a fix applied to
 vLLM as a monkeypatch here); a test exported from a zoo mutant's trace fails
 with the mutant and passes without it. The checked-in files under
 docs/findings/ are exactly what the exporter writes today.
+
+Only the property is an assertion: a setup step that no longer gives the
+trace's value raises the file's own `SetupDiverged`, so under docs/findings'
+conftest (strict expected failures on AssertionError) a vLLM change that
+moves a setup value fails the suite instead of staying an expected failure.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import importlib.util
 import itertools
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +29,7 @@ from typing import Any
 import pytest
 
 from invariants.cli.main import main
+from invariants.export.issue import run_exported
 from invariants.export.plan import ExportError, plan_export
 from invariants.export.pytest_file import exported_test_name, render_test, tokens_literal
 from invariants.harness.known_findings import load_known_findings
@@ -263,7 +270,10 @@ def test_step_chunks_are_checked_against_the_scheduler_split(
         "_mamba_block_aligned_split",
         lambda self, req, n, *a: max(orig(self, req, n, *a) - 1, 0),
     )
-    with pytest.raises(AssertionError, match="r1: Scheduler's Mamba split gives 2 tokens, expected 3"):
+    # A setup step: the file's own SetupDiverged, not the property's AssertionError.
+    diverged = test.__globals__["SetupDiverged"]
+    assert not issubclass(diverged, AssertionError)
+    with pytest.raises(diverged, match=r"r1: Scheduler's Mamba split \(tokens\): got 2, expected 3"):
         test()
 
 
@@ -279,6 +289,9 @@ def test_batched_step_is_exported_call_by_call() -> None:
     source = render_test(plan)
     assert "NUM_LOOKAHEAD_TOKENS = 1" in source and "num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS" in source
     assert "admit(manager, req_r8, expected_hit=4, num_new_tokens=8, left=48, step_budget=64)" in source
+    # The copy is the property; the step's decisions are setup: checked with expect.
+    assert 'expect("r8: admitted (room for its first 8 token(s))", blocks is not None, True)' in source
+    assert "final" not in source
     assert source.count("manager.new_step_starts()") == 3 + source.count("def schedule_step")
 
 
@@ -308,6 +321,13 @@ def test_step_with_preemption_is_exported_in_scheduler_order(tmp_path: Path) -> 
     ]
     source = render_test(plan)
     assert "preempt(manager, req_c)" in source and "admit(manager, req_c" in source
+    # A differential export: the last step's decisions are its property (asserted), the
+    # first step's are setup (SetupDiverged).
+    first, last = source.split("# One scheduler step")[1:]
+    assert 'expect("a: admitted (room for its first 4 token(s))", blocks is not None, True)' in first
+    assert "final=True" not in first
+    assert "expect(" not in last and "blocks = run_chunk(manager, req_b, 1)" in last
+    assert 'assert blocks is None, "b: room for its next 1 token(s): expected False"' in last
     if vllm_available()[0]:
         load_exported(source, tmp_path)()  # vLLM makes the same decisions
 
@@ -552,4 +572,156 @@ def test_state_exports_of_fuzzed_traces_pass_on_vllm(seed: int, tmp_path: Path) 
                 test()
             except AssertionError:
                 failed += 1
+            except test.__globals__["SetupDiverged"]:
+                failed += 1  # the mutant moved a value an earlier operation checks
     assert failed >= 1
+
+
+# ------------------------------------------------------------------ the findings suite's verdicts
+on_found_vllm = pytest.mark.skipif(
+    _vllm_version() != "0.33.0", reason="strict only on the vLLM the findings were found on"
+)
+
+
+def fix_cow_no_hit_in_same_step_block(mp: pytest.MonkeyPatch) -> None:
+    """A plausible fix of vllm-cow-copy-of-same-step-block that moves a setup value: the
+    lookup takes no hit from a block handed out in the current step (this step's forward
+    pass writes it after the copies run), so such a request misses instead. In the
+    finding's trace r8's hit, 4 inside r7's new block, becomes 0."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    handed_out: set[int] = set()  # block ids allocate_slots returned since new_step_starts
+    new_step_starts = KVCacheManager.new_step_starts
+    allocate_slots = KVCacheManager.allocate_slots
+    get_computed_blocks = KVCacheManager.get_computed_blocks
+
+    def new_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handed_out.clear()
+        return new_step_starts(self, *args, **kwargs)
+
+    def allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks = allocate_slots(self, *args, **kwargs)
+        if blocks is not None:
+            handed_out.update(b for ids in blocks.get_block_ids() for b in ids if b)
+        return blocks
+
+    def lookup(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks, hit, boundary = get_computed_blocks(self, request, *args, **kwargs)
+        if handed_out & {b for ids in blocks.get_block_ids() for b in ids if b}:
+            return self.empty_kv_cache_blocks, 0, 0
+        return blocks, hit, boundary
+
+    mp.setattr(KVCacheManager, "new_step_starts", new_step)
+    mp.setattr(KVCacheManager, "allocate_slots", allocate)
+    mp.setattr(KVCacheManager, "get_computed_blocks", lookup)
+
+
+class _TestReports:
+    """A pytest plugin: each test's report (its call, or the phase that failed), by file stem."""
+
+    def __init__(self) -> None:
+        self.by_file: dict[str, pytest.TestReport] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or report.failed:
+            self.by_file[Path(report.nodeid.partition("::")[0]).stem] = report
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        assert not report.failed, f"collecting {report.nodeid}: {report.longrepr}"
+
+
+def run_as_findings(sources: dict[str, str], tmp_path: Path) -> tuple[int, dict[str, pytest.TestReport]]:
+    """Run exported files as `make test` runs docs/findings (under its conftest), in this
+    process so that a fix the caller monkeypatched into vLLM applies: pytest's exit code
+    and each test's report, by file stem (the keys of `sources`)."""
+    findings = tmp_path / "findings"  # the conftest marks the tests of a folder so named
+    findings.mkdir()
+    shutil.copy(ROOT / "docs" / "findings" / "conftest.py", findings / "conftest.py")
+    # Unique file names: the outer session may hold docs/findings' modules by their names.
+    stems = {f"{stem}_run{next(_counter)}": stem for stem in sources}
+    for unique, stem in stems.items():
+        (findings / f"{unique}.py").write_text(sources[stem])
+    reports = _TestReports()
+    modules, path = dict(sys.modules), list(sys.path)
+    try:
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "-rxX", str(findings)], plugins=[reports])
+    finally:
+        # The run imported its conftest and test files under bare names (unloading ours):
+        # undo that, so that the next run imports its own files and we keep our conftest.
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", None) or "").startswith(str(findings)):
+                del sys.modules[name]
+        sys.modules.update({k: v for k, v in modules.items() if k not in sys.modules})
+        sys.path[:] = path
+    return int(code), {stems[unique]: report for unique, report in reports.by_file.items()}
+
+
+def _verdict(report: pytest.TestReport) -> str:
+    """'xfailed', 'XPASS(strict)', 'xpassed', 'passed' or 'failed', as `pytest -rxX` says."""
+    if hasattr(report, "wasxfail"):
+        return "xfailed" if report.skipped else "xpassed"
+    if report.failed and str(report.longrepr).startswith("[XPASS(strict)]"):
+        return "XPASS(strict)"
+    return report.outcome
+
+
+@needs_vllm
+@on_found_vllm
+def test_exported_unpatched_findings_xfail(tmp_path: Path) -> None:
+    """Unpatched, each checked-in finding is an expected failure: it reaches the finding's
+    state and fails the property's assertion (raises=AssertionError; a setup divergence
+    would be a failure)."""
+    sources = {p.stem: p.read_text() for p in sorted((ROOT / "docs" / "findings").glob("test_*.py"))}
+    assert len(sources) == len(FINDINGS)
+    code, reports = run_as_findings(sources, tmp_path)
+    assert {stem: _verdict(r) for stem, r in reports.items()} == dict.fromkeys(sources, "xfailed")
+    assert code == 0
+
+
+@needs_vllm
+@on_found_vllm
+def test_exported_setup_divergence_fails_not_xfails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative control of issue 24: a plausible vLLM fix that moves a setup value
+    (no hit from a block handed out in the same step: r8's hit 4 becomes 0) fails the
+    findings suite with SetupDiverged, naming the step and both values, instead of
+    passing as an expected failure. Control: the same file with its setup checks
+    assertions again (as exported before) stays an expected failure under the same fix,
+    the blind spot this closes."""
+    source = render_test(plan_export(FINDINGS["vllm-cow-copy-of-same-step-block"].trace))
+    as_before = source.replace("class SetupDiverged(Exception):", "class SetupDiverged(AssertionError):")
+    assert as_before != source
+    fix_cow_no_hit_in_same_step_block(monkeypatch)
+    code, reports = run_as_findings({"test_setup_diverged": source, "test_as_before": as_before}, tmp_path)
+    diverged = reports["test_setup_diverged"]
+    assert _verdict(diverged) == "failed", diverged.longrepr
+    assert "SetupDiverged: r8: prefix-cache hit: got 0, expected 4" in str(diverged.longrepr)
+    assert "the trace no longer reaches the finding's state: re-derive the finding" in str(diverged.longrepr)
+    assert _verdict(reports["test_as_before"]) == "xfailed"
+    assert code == 1
+
+
+@needs_vllm
+@on_found_vllm
+def test_report_says_when_the_trace_no_longer_reaches_the_finding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upstream report's verdict row tells a setup divergence from a failure."""
+    source = render_test(plan_export(FINDINGS["vllm-cow-copy-of-same-step-block"].trace))
+    assert run_exported(source).startswith("fails on vLLM 0.33.0: copies (source, destination)")
+    fix_cow_no_hit_in_same_step_block(monkeypatch)
+    assert run_exported(source).startswith(
+        "does not reach the finding's state on vLLM 0.33.0: r8: prefix-cache hit: got 0, expected 4"
+    )
+
+
+@needs_vllm
+@on_found_vllm
+@pytest.mark.parametrize("fid", sorted(FIXES))
+def test_exported_property_fix_is_a_strict_xpass(
+    fid: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fix of the property itself (setup values unchanged): the exported test passes,
+    which under the findings' conftest is an XPASS(strict), a failure of the suite."""
+    plan = plan_export(FINDINGS[fid].trace)
+    FIXES[fid][0](monkeypatch)
+    code, reports = run_as_findings({exported_test_name(plan): render_test(plan)}, tmp_path)
+    assert [_verdict(r) for r in reports.values()] == ["XPASS(strict)"]
+    assert code == 1

@@ -23,6 +23,8 @@ than once).
 Exported by kvretain from a 3-operation trace (target vllm, seed 0); kvretain
 reported: promise_kept: Eagle SWA short run loses an extra aligned segment
 It fails on the vLLM it was found on and passes once the allocator keeps the property.
+Only the property is an `assert`: a setup step that no longer gives the value the trace
+relies on raises SetupDiverged instead (the trace no longer reaches the finding's state).
 Run with: pytest -q THIS_FILE (needs vllm and pytest only).
 """
 
@@ -45,6 +47,23 @@ HASH_BLOCK_SIZE = 4
 SCHEDULER_BLOCK_SIZE = 8
 USE_EAGLE = True
 NUM_LOOKAHEAD_TOKENS = 0
+
+
+class SetupDiverged(Exception):
+    """A setup step of the trace gave another value than on the vLLM the finding was
+    found on: the trace no longer reaches the finding's state, so this test says
+    nothing about the finding (re-derive it). Not an AssertionError on purpose: the
+    expected failure is the property's assertion at the end, and nothing else."""
+
+
+def expect(step: str, got: object, expected: object) -> None:
+    """A value the rest of the trace relies on: raise SetupDiverged, naming the step
+    and both values, unless `got == expected`."""
+    if got != expected:
+        raise SetupDiverged(
+            f"{step}: got {got!r}, expected {expected!r} "
+            "(the trace no longer reaches the finding's state: re-derive the finding)"
+        )
 
 
 def make_kv_cache_config() -> KVCacheConfig:
@@ -132,7 +151,8 @@ def schedule_step(manager: KVCacheManager, request: Request, token_budget: int) 
     _, retained = manager.take_kv_cache_block_copies()
     if retained:
         manager.block_pool.free_blocks(retained)
-    return SimpleNamespace(num_hit_tokens=hit, new_block_ids=new_block_ids)
+    num_scheduled = n if blocks is not None else 0
+    return SimpleNamespace(num_hit_tokens=hit, num_scheduled=num_scheduled, new_block_ids=new_block_ids)
 
 
 def finish(manager: KVCacheManager, request: Request) -> None:
@@ -151,7 +171,9 @@ def preempt(manager: KVCacheManager, request: Request) -> None:
 def test_eagle_swa_short_run_double_pop():
     manager = make_manager()
     req_a = make_request("a", [1] * 17)
-    schedule_step(manager, req_a, token_budget=64)
+    result = schedule_step(manager, req_a, token_budget=64)
+    expect("a: prefix-cache hit", result.num_hit_tokens, 0)
+    expect("a: tokens scheduled", result.num_scheduled, 17)
     finish(manager, req_a)
     # The replay boundary retention promises for this prompt: 8 tokens. Each
     # [group, tokens before the block's end, role] below must be in the hash map.

@@ -40,7 +40,9 @@ def _expected(plan: ExportPlan) -> str:
 
 def run_exported(test_source: str) -> str:
     """What the exported test says on the vLLM installed here: its failure's first
-    line, or why it did not fail. The test is our own generated code."""
+    line, that a setup step diverged (the file's `SetupDiverged`: the trace does not
+    reach the finding's state here), or why it did not fail. The test is our own
+    generated code."""
     ok, reason = vllm_available()
     if not ok:
         return f"not run here ({reason})"
@@ -53,6 +55,9 @@ def run_exported(test_source: str) -> str:
         first = (str(exc).splitlines() or ["assertion failed"])[0]
         return f"fails on vLLM {vllm_version()}: {first}"
     except Exception as exc:  # the allocator raising is a result too
+        diverged = namespace.get("SetupDiverged")
+        if isinstance(diverged, type) and isinstance(exc, diverged):
+            return f"does not reach the finding's state on vLLM {vllm_version()}: {str(exc)[:200]}"
         return f"raises on vLLM {vllm_version()}: {type(exc).__name__}: {str(exc)[:200]}"
     return (
         f"passes on the installed vLLM {vllm_version()} (fixed there, or the trace needs the "

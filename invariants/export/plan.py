@@ -18,6 +18,12 @@ of four assertions a vLLM engineer can read without kvretain:
 - `copies` (copies_sound, a copy whose source was handed out in the same
   step): no copy the last step queued reads a block that step allocated.
 
+Everything before the broken property is setup: the plan keeps the model's
+result of every `Schedule` (`ExportPlan.schedules`) and the decisions of
+every batched `Step`, so the exported test can check that vLLM still walks
+the trace the finding was derived on (a divergence there is no verdict on the
+property; see `pytest_file`).
+
 A batched `Step` is one `Scheduler.schedule` over several requests. The plan
 records the decisions the model took in it (`StepAction`: which request gets
 how many tokens, whose allocation fails, who is preempted, which waiting
@@ -109,6 +115,8 @@ class ExportPlan:
     message: str
     # op index of each batched Step -> the calls it stands for, in order
     steps: dict[int, tuple[StepAction, ...]] = field(default_factory=dict)
+    # op index of each Schedule -> the model's result (hit, tokens scheduled, block ids)
+    schedules: dict[int, ScheduleResult] = field(default_factory=dict)
 
 
 def violated_property(trace: Trace) -> tuple[str, str]:
@@ -160,6 +168,7 @@ def plan_export(trace: Trace) -> ExportPlan:
     before: Snapshot = model.snapshot()
     obs: Observation | None = None
     steps: dict[int, tuple[StepAction, ...]] = {}
+    schedules: dict[int, ScheduleResult] = {}
     for i, op in enumerate(trace.ops):
         before = model.snapshot()
         try:
@@ -171,6 +180,8 @@ def plan_export(trace: Trace) -> ExportPlan:
                 obs = model.apply(op)
         except (InvalidOp, AssertionError, KeyError) as exc:
             raise ExportError(f"trace.ops[{i}]: not well formed ({exc})") from None
+        if isinstance(op, Schedule) and isinstance(obs, ScheduleResult):
+            schedules[i] = obs
         if isinstance(op, AddRequest):
             history[op.rid] = RequestHistory(op.prompt)
         elif isinstance(op, Sample):
@@ -221,7 +232,7 @@ def plan_export(trace: Trace) -> ExportPlan:
             cached=tuple(sorted((k.group, b) for b, k in after.block_hash.items())),
             **base,
         )
-    return ExportPlan(trace, exp, finding, message, steps)
+    return ExportPlan(trace, exp, finding, message, steps, schedules)
 
 
 def _replay_step(model: AllocatorModel, op: Step) -> tuple[StepResult, tuple[StepAction, ...]]:

@@ -13,6 +13,18 @@ vLLM's lookup); every `allocate_slots` passes the configuration's
 `num_lookahead_tokens`. Mamba prefill chunks are clipped by
 vLLM's own `Scheduler._mamba_block_aligned_split`, so a fix in the scheduler's
 split shows in the test too.
+
+Setup and property are told apart by the exception. Every value the trace
+relies on before the broken property (each `Schedule`'s hit and tokens
+scheduled, and its block ids in a `state` export; each step call's hit,
+Mamba split and whether it found room) is checked by the file's `expect`,
+which raises the file's own `SetupDiverged`; only the property is an `assert`.
+Findings run as strict expected failures on `AssertionError`
+(docs/findings/conftest.py), so a vLLM change that moves a setup value is a
+failure that says "the trace no longer reaches the finding's state:
+re-derive the finding", never an expected failure that hides the fix. In the
+last step of a `state` or `crash` export the step's own values are the
+property (the differential check compares them), so there they are asserted.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import textwrap
 from invariants.export.plan import Expectation, ExportPlan, StepAction
 from model.config import Config
 from model.fine_mamba import fine_hits_enabled
+from model.observation import ScheduleResult
 from model.ops import (
     AddRequest,
     EvictBlocks,
@@ -97,9 +110,12 @@ def _group_spec(cfg: Config, i: int) -> str:
 
 
 def _step_lines(
-    op: Step, actions: tuple[StepAction, ...], names: dict[str, str], mamba: bool = False
+    op: Step, actions: tuple[StepAction, ...], names: dict[str, str], mamba: bool, setup: bool
 ) -> list[str]:
-    """One `Scheduler.schedule` over the step's requests, call by call."""
+    """One `Scheduler.schedule` over the step's requests, call by call. `setup`: the
+    decisions are checked with `expect` (SetupDiverged); otherwise this is the step
+    under test of a differential export and they are asserted (`final=True`)."""
+    final = "" if setup else ", final=True"
     lines = [
         f"# One scheduler step over {list(op.rids)}, token budget {op.budget} (Scheduler.schedule:",
         "# running requests first, the newest preempted when an allocation fails, then",
@@ -110,46 +126,66 @@ def _step_lines(
     left = op.budget
     for a in actions:
         var = _var(a.rid, names)
-        # With a Mamba group the scheduler's own split must give the same chunk.
-        split = f", left={left}, step_budget={op.budget}" if mamba else ""
+        # With a Mamba group the scheduler's own split must give the same chunk (the only
+        # check run_chunk makes, so it takes `final` only then).
+        split = f", left={left}, step_budget={op.budget}{final}" if mamba else ""
         if a.fits and a.kind != "preempt":
             left -= a.tokens
         if a.kind == "preempt":
             lines += [f"preempt(manager, {var})  # no room: preempt the newest running request, retry"]
-        elif a.kind == "run" and not a.fits:
-            lines += [
-                f"blocks = run_chunk(manager, {var}, {a.tokens}{split})  # running queue first",
-                f'assert blocks is None, "{a.rid}: the specification finds no room for its {a.tokens} token(s)"',
-            ]
         elif a.kind == "run":
             lines += [
-                f"blocks = run_chunk(manager, {var}, {a.tokens}{split})  # running queue first: the next chunk",
-                f'assert blocks is not None, "{a.rid}: no room for {a.tokens} token(s); the specification has it"',
-                "step_new += blocks",
-            ]
-        elif not a.fits:
-            lines += [
-                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens}{split})  # waiting, in order",
-                f'assert blocks is None, "{a.rid}: the specification does not admit it (ends the waiting pass)"',
+                f"blocks = run_chunk(manager, {var}, {a.tokens}{split})  # running queue first"
+                + (": the next chunk" if a.fits else ""),
+                _room(f"{a.rid}: room for its next {a.tokens} token(s)", a.fits, setup),
+                *(["step_new += blocks"] if a.fits else []),
             ]
         else:
             lines += [
-                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens}{split})  # waiting, in order",
-                f'assert blocks is not None, "{a.rid}: not admitted; the specification admits it"',
-                "step_new += blocks",
+                f"blocks = admit(manager, {var}, expected_hit={a.hit}, num_new_tokens={a.tokens}{split or final})  # waiting, in order",
+                # An admission that does not fit ends the waiting pass.
+                _room(f"{a.rid}: admitted (room for its first {a.tokens} token(s))", a.fits, setup),
+                *(["step_new += blocks"] if a.fits else []),
             ]
     return lines + ["copies = take_copies(manager)  # once per step, as Scheduler.schedule does"]
 
 
-def _op_lines(
-    op: Op, names: dict[str, str], actions: tuple[StepAction, ...] = (), mamba: bool = False
-) -> list[str]:
+def _room(what: str, fits: bool, setup: bool) -> str:
+    """The check that an allocation found room (or, as the specification says, none)."""
+    if setup:
+        return f"expect({json.dumps(what)}, blocks is not None, {fits})"
+    return f"assert blocks is {'not ' if fits else ''}None, {json.dumps(f'{what}: expected {fits}')}"
+
+
+def _schedule_checks(res: ScheduleResult, rid: str, ids: bool) -> list[str]:
+    """The model's result of a `Schedule` that the rest of the trace relies on."""
+    lines = []
+    if res.hit is not None:  # a running request does no lookup
+        lines.append(f'expect("{rid}: prefix-cache hit", result.num_hit_tokens, {res.hit})')
+    lines.append(f'expect("{rid}: tokens scheduled", result.num_scheduled, {res.scheduled})')
+    if ids:
+        new = None if res.new_blocks is None else [list(g) for g in res.new_blocks]
+        lines.append(f'expect("{rid}: new block ids per group", result.new_block_ids, {new!r})')
+    return lines
+
+
+def _op_lines(plan: ExportPlan, i: int, names: dict[str, str], setup: bool = True) -> list[str]:
+    """The calls of operation `i`. `setup`: with the checks of the values the rest of
+    the trace relies on (`expect`); False for the last operation of a `state` or
+    `crash` export, whose values are the property (asserted after it, or inside its step)."""
+    op = plan.trace.ops[i]
     if isinstance(op, Step):
-        return _step_lines(op, actions, names, mamba)
+        # vLLM splits Mamba chunks only in 'align' mode (Scheduler.need_mamba_block_aligned_split).
+        return _step_lines(op, plan.steps.get(i, ()), names, plan.trace.config.has_mamba_align, setup)
     if isinstance(op, AddRequest):
         return [f"{_var(op.rid, names)} = make_request({json.dumps(op.rid)}, {tokens_literal(op.prompt)})"]
     if isinstance(op, Schedule):
-        return [f"schedule_step(manager, {_var(op.rid, names)}, token_budget={op.budget})"]
+        call = f"schedule_step(manager, {_var(op.rid, names)}, token_budget={op.budget})"
+        res = plan.schedules.get(i)
+        if not setup or res is None:
+            return [call]
+        # Block ids are the finding's state only in a state export; elsewhere they may move.
+        return [f"result = {call}", *_schedule_checks(res, op.rid, plan.expectation.kind == "state")]
     if isinstance(op, Sample):
         return [f"{_var(op.rid, names)}.append_output_token_ids({op.token})"]
     if isinstance(op, Finish):
@@ -218,7 +254,7 @@ def _assertion(
             ")",
         ]
     if exp.kind == "stored_tokens":
-        lines = ["manager.take_events()  # only this step's events count", last_line]
+        lines = ["manager.take_events()  # only this step's events count", *last_lines]
         lines.append("stored = stored_token_ids(manager.take_events())")
         for g, toks in sorted(exp.stored.items()):
             nblocks = len(toks) // cfg.groups[g].block_size
@@ -274,6 +310,8 @@ DOC = '''"""Regression test for vLLM's prefix-cache allocator (vllm/v1/core).
 Exported by kvretain from a {nops}-operation trace (target {target}, seed {seed}); kvretain
 reported: {violation}
 It fails on the vLLM it was found on and passes once the allocator keeps the property.
+Only the property is an `assert`: a setup step that no longer gives the value the trace
+relies on raises SetupDiverged instead (the trace no longer reaches the finding's state).
 Run with: pytest -q THIS_FILE (needs vllm and pytest only).
 """
 '''
@@ -371,7 +409,8 @@ SCHEDULE = '''def schedule_step(manager: KVCacheManager, request: Request, token
     _, retained = manager.take_kv_cache_block_copies()
     if retained:
         manager.block_pool.free_blocks(retained)
-    return SimpleNamespace(num_hit_tokens=hit, new_block_ids=new_block_ids)
+    num_scheduled = n if blocks is not None else 0
+    return SimpleNamespace(num_hit_tokens=hit, num_scheduled=num_scheduled, new_block_ids=new_block_ids)
 
 
 def finish(manager: KVCacheManager, request: Request) -> None:
@@ -387,7 +426,7 @@ def preempt(manager: KVCacheManager, request: Request) -> None:
     request.num_preemptions += 1
 '''
 
-STEP = '''def run_chunk(manager: KVCacheManager, request: Request, num_new_tokens: int@RUN_SIG) -> list[int] | None:
+STEP = '''@RUN_DEF
     """Scheduler.schedule, running queue: allocate a running request's next chunk;
     the ids of the blocks it handed out, or None when there is no room."""
 @RUN_SPLIT
@@ -398,12 +437,10 @@ STEP = '''def run_chunk(manager: KVCacheManager, request: Request, num_new_token
     return [b for ids in blocks.get_block_ids() for b in ids if b]
 
 
-def admit(
-    manager: KVCacheManager, request: Request, expected_hit: int, num_new_tokens: int@RUN_SIG
-) -> list[int] | None:
+@ADMIT_DEF
     """Scheduler.schedule, waiting queue: the prefix-cache lookup, then the first chunk."""
     computed, hit, request.shared_prefix_boundary = manager.get_computed_blocks(request)
-    assert hit == expected_hit, f"{request.request_id}: prefix-cache hit {hit}, expected {expected_hit}"
+    expect(f"{request.request_id}: prefix-cache hit", hit, expected_hit@FINAL_ARG)
 @ADMIT_SPLIT
     if num_new_tokens <= 0:
         return None
@@ -430,20 +467,74 @@ def take_copies(manager: KVCacheManager) -> list[tuple[int, int]]:
 '''
 
 
-def _step_helpers(mamba: bool) -> str:
+def _def(name: str, params: list[str], returns: str, width: int = 110) -> str:
+    """A `def` laid out as ruff format lays it out: on one line, else its parameters on
+    one indented line, else one parameter a line."""
+    one = f"def {name}({', '.join(params)}) -> {returns}:"
+    if len(one) <= width:
+        return one
+    inner = "    " + ", ".join(params)
+    if len(inner) <= width:
+        return f"def {name}(\n{inner}\n) -> {returns}:"
+    return f"def {name}(\n" + "".join(f"    {p},\n" for p in params) + f") -> {returns}:"
+
+
+def _step_helpers(mamba: bool, final: bool) -> str:
     """The step helpers; with a Mamba group each checks its chunk against the
-    scheduler's split of the tokens left in the step's budget."""
-    check = (
-        "    assert split == num_new_tokens, (\n"
-        '        f"{request.request_id}: Scheduler\'s Mamba split gives {split} tokens, expected {num_new_tokens}"\n'
-        "    )\n"
-    )
+    scheduler's split of the tokens left in the step's budget. `final`: they take
+    the `final` flag of `expect` (a state export whose last operation is a step)."""
+    arg = ", final" if final else ""
+    split = ["left: int", "step_budget: int"] if mamba else []
+    flag = ["final: bool = False"] if final else []
+    returns = "list[int] | None"
+    # run_chunk checks nothing but the Mamba split: it takes the flag only with one.
+    run_params = ["manager: KVCacheManager", "request: Request", "num_new_tokens: int", *split]
+    run_def = _def("run_chunk", run_params + (flag if mamba else []), returns)
+    admit_params = ["manager: KVCacheManager", "request: Request", "expected_hit: int", "num_new_tokens: int"]
+    admit_def = _def("admit", [*admit_params, *split, *flag], returns)
+    check = f'    expect(f"{{request.request_id}}: Scheduler\'s Mamba split (tokens)", split, num_new_tokens{arg})\n'
     run = "    split = mamba_chunk(request, min(request.num_tokens - request.num_computed_tokens, left), 0, step_budget)\n"
     adm = "    split = mamba_chunk(request, min(request.num_tokens - hit, left), hit, step_budget)\n"
     return (
-        STEP.replace("@RUN_SIG", ", left: int, step_budget: int" if mamba else "")
+        STEP.replace("@RUN_DEF", run_def)
+        .replace("@ADMIT_DEF", admit_def)
+        .replace("@FINAL_ARG", arg)
         .replace("@RUN_SPLIT\n", run + check if mamba else "")
         .replace("@ADMIT_SPLIT\n", adm + check if mamba else "")
+    )
+
+
+SETUP = '''class SetupDiverged(Exception):
+    """A setup step of the trace gave another value than on the vLLM the finding was
+    found on: the trace no longer reaches the finding's state, so this test says
+    nothing about the finding (re-derive it). Not an AssertionError on purpose: the
+    expected failure is the property's assertion at the end, and nothing else."""
+
+
+def expect(step: str, got: object, expected: object@FINAL_SIG) -> None:
+    """A value the rest of the trace relies on: raise SetupDiverged, naming the step
+    and both values, unless `got == expected`.@FINAL_DOC"""
+@FINAL_BODY    if got != expected:
+        raise SetupDiverged(
+            f"{step}: got {got!r}, expected {expected!r} "
+            "(the trace no longer reaches the finding's state: re-derive the finding)"
+        )
+'''
+
+
+def _setup_helpers(final: bool) -> str:
+    """`SetupDiverged` and `expect`; `final`: `expect` also asserts the values of the
+    step under test (a state export whose last operation is a step)."""
+    doc = " With `final=True` the value\n    belongs to the step under test: it is the property, asserted."
+    body = (
+        "    if final:\n"
+        '        assert got == expected, f"{step}: got {got!r}, expected {expected!r}"\n'
+        "        return\n"
+    )
+    return (
+        SETUP.replace("@FINAL_SIG", ", final: bool = False" if final else "")
+        .replace("@FINAL_DOC", doc if final else "")
+        .replace("@FINAL_BODY", body if final else "")
     )
 
 
@@ -501,13 +592,15 @@ def render_test(plan: ExportPlan) -> str:
     cfg = trace.config
     names: dict[str, str] = {}
     body: list[str] = []
-    # vLLM splits Mamba chunks only in 'align' mode (Scheduler.need_mamba_block_aligned_split).
-    split = cfg.has_mamba_align
-    for i, op in enumerate(trace.ops[:-1]):
-        body += _op_lines(op, names, plan.steps.get(i, ()), split)
+    for i in range(len(trace.ops) - 1):
+        body += _op_lines(plan, i, names)
     last = len(trace.ops) - 1
-    last_lines = _op_lines(trace.ops[last], names, plan.steps.get(last, ()), split)
+    # The last operation's own values are the property of a differential export.
+    last_is_property = exp.kind in ("state", "crash")
+    last_lines = _op_lines(plan, last, names, setup=not last_is_property)
     body += _assertion(cfg, exp, trace.ops[last], last_lines, names)
+    final_step = last_is_property and isinstance(trace.ops[last], Step)
+    checks = bool(plan.steps) or any(line.startswith("expect(") for line in body)
     what = (
         f"Known finding {plan.finding.id}: {plan.finding.description}"
         if plan.finding
@@ -532,6 +625,7 @@ def render_test(plan: ExportPlan) -> str:
             eagle=cfg.eagle,
             lookahead=cfg.num_lookahead_tokens,
         ),
+        *([_setup_helpers(final_step)] if checks else []),
         CORE.format(
             num_blocks=cfg.num_blocks,
             groups="\n".join(_group_spec(cfg, i) for i in range(len(cfg.groups))),
@@ -546,7 +640,7 @@ def render_test(plan: ExportPlan) -> str:
             mamba_running="        n = mamba_chunk(request, n, 0, token_budget)\n" if mamba else "",
             mamba_waiting="        n = mamba_chunk(request, n, hit, token_budget)\n" if mamba else "",
         ),
-        *([_step_helpers(cfg.has_mamba_align)] if plan.steps else []),
+        *([_step_helpers(cfg.has_mamba_align, final_step)] if plan.steps else []),
         *([CACHED] if exp.kind == "state" else []),
         *([STORED] if exp.kind == "stored_tokens" else []),
         TEST_DEF.format(name=exported_test_name(plan)),
