@@ -28,7 +28,7 @@ verify: setup
 # The older vLLM release whose cached environment (~/.cache/kvretain, the matrix's
 # builder) `make test` installs, so the tests that run a real older release run:
 # 0.23.0 predates three profile switches (tests/test_release_profile.py) and is one
-# the adapter and capability tests read. About 0.6 GB and 30 s, once. Add releases
+# the adapter and capability tests read. About 0.6 GB and 30-60 s, once. Add releases
 # with `make test TEST_RELEASES="0.23.0 0.25.0"`.
 TEST_RELEASES ?= 0.23.0
 

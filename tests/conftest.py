@@ -1,9 +1,17 @@
-"""Hypothesis profiles: `dev` (default, quick), `ci` (make test), `nightly` (deep)."""
+"""Hypothesis profiles: `dev` (default, quick), `ci` (make test), `nightly` (deep).
+
+The `release_envs` fixture: the cached older vLLM releases a test runs on.
+"""
 
 import os
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from invariants.targets.vllm_env import cache_root
 
 COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True)
 settings.register_profile("dev", max_examples=10, stateful_step_count=30, **COMMON)
@@ -11,3 +19,38 @@ settings.register_profile("ci", max_examples=25, stateful_step_count=40, **COMMO
 settings.register_profile("nightly", max_examples=1000, stateful_step_count=80, **COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 warnings.filterwarnings("ignore", message="retention_interval is ignored")
+
+
+@dataclass(frozen=True)
+class ReleaseEnvs:
+    """The cached environments of older vLLM releases (`invariants.targets.vllm_env`).
+
+    `required`: the releases `make test` installs (its TEST_RELEASES, passed as
+    KVRETAIN_TEST_RELEASES); `ci`: the CI variable is set (not "", "0" or "false").
+    """
+
+    required: frozenset[str]
+    ci: bool
+
+    def python(self, version: str) -> Path:
+        """The release's interpreter. A missing (or half-made) environment skips the
+        test with the reason, or fails it where it must be there: a required release
+        under CI, where a skip would pass unseen."""
+        root = cache_root() / f"vllm-{version}"
+        if (root / ".kvretain-ready").exists():
+            return root / "bin" / "python"
+        reason = (
+            f"vLLM {version} is not installed under {root} "
+            f"(make release-envs TEST_RELEASES={version}, or kvretain matrix, installs it)"
+        )
+        if self.ci and version in self.required:
+            pytest.fail(f"{reason}; under CI `make test` must have installed it")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def release_envs() -> ReleaseEnvs:
+    """Which release environments the run requires, from the environment variables."""
+    required = os.environ.get("KVRETAIN_TEST_RELEASES", "").replace(",", " ").split()
+    ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+    return ReleaseEnvs(frozenset(required), ci)

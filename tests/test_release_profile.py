@@ -8,9 +8,12 @@ the older rule predict different things. Three checks per switch:
   out here from that release's source);
 - detection: the fake release with the mechanism gets the 0.33.0 rule, the
   one without it the older rule (the control);
-- on the cached release that predates the mechanism (skipped, with the
-  reason, where its environment is absent): its detected profile agrees with
-  it on the trace, while the 0.33.0 profile disagrees (the control).
+- on the cached release that predates the mechanism: its detected profile
+  agrees with it on the trace, while the 0.33.0 profile disagrees (the control).
+  `make test` installs 0.23.0's environment (the Makefile's TEST_RELEASES);
+  a release whose environment is absent is skipped with the reason, except
+  a release `make test` installs under CI, which fails (conftest's
+  `release_envs`).
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from conftest import ReleaseEnvs
 from test_matrix import _fake_namespace
 
 from invariants.harness.trace import Trace, write_trace
 from invariants.targets.vllm_capabilities import detect_from
-from invariants.targets.vllm_env import cache_root
 from model.allocator import AllocatorModel
 from model.config import Config, GroupSpec
 from model.observation import BlockStored, Observation, ProbeResult, ScheduleResult, Snapshot
@@ -511,14 +514,25 @@ print(json.dumps(out))
 """
 
 
+def test_make_test_installs_a_release_the_cases_run_on(release_envs: ReleaseEnvs) -> None:
+    # Under CI a run outside `make test` (no required release) would skip every
+    # case below unseen; so would a TEST_RELEASES that no case names.
+    releases = sorted({c.release for c in CASES.values()})
+    if not release_envs.required:
+        if not release_envs.ci:
+            pytest.skip("no release environment is required (KVRETAIN_TEST_RELEASES unset: not `make test`)")
+        pytest.fail("KVRETAIN_TEST_RELEASES is unset: under CI the suite must run through `make test`")
+    assert release_envs.required & set(releases), (
+        f"`make test` installs {sorted(release_envs.required)}, none of the releases the cases run on {releases}"
+    )
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_the_release_before_the_mechanism_agrees_with_its_profile_only(name: str, tmp_path: Path) -> None:
+def test_the_release_before_the_mechanism_agrees_with_its_profile_only(
+    name: str, tmp_path: Path, release_envs: ReleaseEnvs
+) -> None:
     case = CASES[name]
-    python = cache_root() / f"vllm-{case.release}" / "bin" / "python"
-    if not python.exists():
-        pytest.skip(
-            f"vLLM {case.release} is not installed under {python.parent.parent} (kvretain matrix installs it)"
-        )
+    python = release_envs.python(case.release)
     trace = write_trace(Trace(case.config, list(case.ops), 0, "vllm", ""), tmp_path / "t.json")
     proc = subprocess.run(
         [str(python), "-c", _CHECK, str(trace)],

@@ -250,6 +250,21 @@ def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
     return ReleaseEnv(version, root, python, time.monotonic() - start, disk, tuple(extras))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m invariants.targets.vllm_env VERSION...`: prepare each release's
+    environment (cached; `make test` uses it). One line per release; exit 1 with
+    the reason at the first that cannot be prepared."""
+    for version in argv if argv is not None else sys.argv[1:]:
+        try:
+            env = prepare_release(version)
+        except ReleaseEnvError as exc:
+            print(f"vLLM {version}: {exc}", file=sys.stderr)
+            return 1
+        how = f"installed in {env.install_s:.0f} s" if env.install_s else "cached"
+        print(f"vLLM {version}: {env.python} ({how}, {env.disk_bytes / 1e6:.0f} MB)")
+    return 0
+
+
 _MODULES: dict[str, Any] = {}  # filled on first use
 
 
@@ -293,3 +308,7 @@ def vllm_modules() -> dict[str, Any]:
         RequestStatus=RequestStatus,
     )
     return _MODULES
+
+
+if __name__ == "__main__":
+    sys.exit(main())
