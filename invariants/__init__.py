@@ -15,6 +15,8 @@
 | `export/`    | a finding as a standalone vLLM pytest file and an upstream report       |
 | `matrix/`    | the release matrix: one cached environment per vLLM release, checks run |
 |              | there, every disagreement classified (defect, predates, semantics, ...) |
+| `explore/`   | exhaustive small-scope search: every operation sequence to a depth over |
+|              | a grid of small instances, fingerprints, shortest traces, certificates  |
 | `cli/`       | the `kvretain` command, one module per command group                    |
 
 `errors` (usage errors), `report` (tables, progress lines) and `results` (JUnit
@@ -40,7 +42,19 @@ ROOMS: dict[str, frozenset[str]] = {
     "simulate": frozenset({"targets", "layouts", "harness", "zoo"}),
     "export": frozenset({"catalogue", "targets", "harness"}),
     "matrix": frozenset({"targets", "layouts", "harness"}),
+    "explore": frozenset({"catalogue", "targets", "harness"}),
     "cli": frozenset(
-        {"catalogue", "targets", "layouts", "harness", "proofs", "zoo", "simulate", "export", "matrix"}
+        {
+            "catalogue",
+            "targets",
+            "layouts",
+            "harness",
+            "proofs",
+            "zoo",
+            "simulate",
+            "export",
+            "matrix",
+            "explore",
+        }
     ),
 }

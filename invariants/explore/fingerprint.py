@@ -1,0 +1,149 @@
+"""The canonical fingerprint of a checked state: when two operation sequences may be merged.
+
+Two paths are merged (the second is not expanded) only when their fingerprints
+are equal, so the fingerprint must capture everything that decides what any
+continuation does and what any check says about it:
+
+- the model's whole object graph (`AllocatorModel`: pool, free queues, ref
+  counts, hash map, per-group tables, request progress, and any field added
+  later: the walk is generic and refuses a type it does not know rather than
+  skip it). Dict insertion order is kept (the model iterates dicts, and an
+  iteration order can decide an event order); sets are compared as sets (no rule may
+  depend on a set's iteration order, which hash randomisation already varies);
+  a free queue is its order head to tail, never its link dicts.
+- the checker's history (`invariants.catalogue.History`), which the invariants
+  read: request facts, the hash map as events rebuilt it, every key ever
+  cached, blocks evicted in place, and the free ticks as ranks (the checks
+  only compare ticks with each other, and every later tick is larger).
+- once the target has diverged from the model (a tolerated known finding on
+  the path), the target's own snapshot.
+
+Canonical under renaming of request ids, and only that: a live request is named
+by its place in arrival order (`L0`, `L1`, ...), a finished one by its place in
+finish order (`F0`, ...); any other string is kept as it is. Token values are
+not renamed (a 2-token alphabet makes that symmetry worth little).
+
+What merging assumes: the target's behaviour is decided by its observable state
+(the snapshot); a defect that depends on hidden adapter state reached only by a
+merged-away path is outside what the search covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+from invariants.catalogue import History
+from model.allocator import AllocatorModel
+from model.config import Config, GroupSpec
+from model.free_queue import FreeQueue, LinkedFreeQueue
+from model.observation import BlockKey, Snapshot
+from model.prefix import Prefix
+
+# Attributes that are fixed by the configuration (or caches, or counters for reports).
+_SKIP = frozenset({"cfg", "profile", "exercised", "spec_meta", "_joined"})
+# Immutable and free of request ids: their own image. (A key is a group and an interned prefix.)
+_ATOMS = frozenset({int, float, bool, type(None), bytes, Prefix, BlockKey, GroupSpec, Config})
+
+Names = Mapping[str, str]
+
+
+class UnknownStateType(TypeError):
+    """The model holds an object the fingerprint does not know how to canonicalise."""
+
+
+def canonical(obj: Any, names: Names) -> Hashable:
+    """A hashable, rid-renamed image of `obj` (see the module docstring)."""
+    kind = type(obj)
+    if kind in _ATOMS:
+        return obj
+    if kind is str:
+        return names.get(obj, obj)
+    if kind is list or kind is tuple:
+        # Most sequences are block ids: no call per element.
+        return tuple([x if type(x) in _ATOMS else canonical(x, names) for x in obj])
+    if kind is dict:
+        return (
+            "{",
+            tuple(
+                [
+                    (
+                        k if type(k) in _ATOMS else canonical(k, names),
+                        v if type(v) in _ATOMS else canonical(v, names),
+                    )
+                    for k, v in obj.items()
+                ]
+            ),
+        )
+    if kind is set or kind is frozenset:
+        return frozenset([x if type(x) in _ATOMS else canonical(x, names) for x in obj])
+    if kind is LinkedFreeQueue or kind is FreeQueue:
+        return ("queue", tuple(obj.blocks))
+    if isinstance(obj, tuple):  # a named tuple or another tuple subclass
+        return (kind.__name__, tuple([canonical(x, names) for x in obj]))
+    attrs = getattr(obj, "__dict__", None)
+    if attrs is None:
+        raise UnknownStateType(f"fingerprint: cannot canonicalise a {kind.__qualname__}")
+    return (
+        kind.__name__,
+        # In the order the attributes were set (a constructor's order): sound, and no sort.
+        tuple([(k, canonical(v, names)) for k, v in attrs.items() if k not in _SKIP]),
+    )
+
+
+def request_names(model: AllocatorModel, history: History) -> dict[str, str]:
+    """Live requests by arrival order, finished ones by finish order."""
+    names = {rid: f"L{i}" for i, rid in enumerate(model.requests)}
+    for i, rid in enumerate(history.finished):
+        names.setdefault(rid, f"F{i}")
+    return names
+
+
+def history_image(history: History, free_blocks: tuple[int, ...], names: Names) -> Hashable:
+    """What of the history a later check can read, with ticks as ranks.
+
+    `free_tick` is written whenever a block enters the regular free queue and
+    read only for blocks in it, so only those entries count; ranks keep every
+    comparison between them (a missing entry reads as 0, the lowest)."""
+    ticks = history.free_tick
+    values = sorted({0, *(ticks.get(b, 0) for b in free_blocks)})
+    rank = {v: i for i, v in enumerate(values)}
+    return (
+        tuple([rank[ticks.get(b, 0)] for b in free_blocks]),
+        frozenset(history.evicted_in_place),
+        frozenset(history.ever_cached),
+        frozenset(history.shadow.items()),
+        canonical(history.requests, names),
+        canonical(history.finished, names),
+        history.forget_at,
+    )
+
+
+def fingerprint(
+    model: AllocatorModel,
+    history: History,
+    target_snapshot: Snapshot | None = None,
+    *,
+    image: Callable[[Any, Names], Hashable] = canonical,
+) -> Hashable:
+    """The state's fingerprint: model, history, and (when given: the target diverged) its snapshot."""
+    names = request_names(model, history)
+    free = tuple(model.pool.queue.blocks)
+    state = image(model, names)
+    seen = history_image(history, free, names)
+    if target_snapshot is None:
+        return (state, seen)
+    return (state, seen, _snapshot_image(target_snapshot, names))
+
+
+def _snapshot_image(snap: Snapshot, names: Names) -> Hashable:
+    """A target snapshot without its drained events (they belong to the last step)."""
+    return (
+        snap.free_queue,
+        snap.pinned_queue,
+        snap.ref_cnt,
+        snap.pinned,
+        frozenset(snap.cached.items()),
+        frozenset(snap.block_hash.items()),
+        frozenset((names.get(r, r), t) for r, t in snap.tables.items()),
+    )

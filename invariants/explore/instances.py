@@ -1,0 +1,98 @@
+"""The grid of small instances the exhaustive search covers.
+
+An instance is a configuration plus the bounds of its operation alphabet: how
+many requests may be live at once, which prompt lengths `add` draws, which
+token budgets `schedule` and `step` offer. The grid spans every group layout
+the model supports (full only, SWA only, full+SWA with equal and unequal block
+sizes, full+Mamba in align mode, fine-grained Mamba, three groups), retention
+None / 0 / k, Eagle off and on, lookahead slots, pools of 3 to 8 blocks (the
+null block included) and 1 to 3 live requests. Every configuration passes
+`model.config.validate` (checked when the grid is built, and by a test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.config import Config, GroupSpec, validate
+
+# Requests never grow past this: the search is about allocation, not long decodes.
+MAX_MODEL_LEN = 24
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One bounded instance. `prompt_lengths` are in tokens; `budgets` serve both
+    `schedule` (per request) and `step` (shared by the batch)."""
+
+    name: str
+    config: Config
+    max_requests: int = 2
+    prompt_lengths: tuple[int, ...] = ()
+    budgets: tuple[int, ...] = ()
+    note: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        validate(self.config)
+        sbs = self.config.scheduler_block_size
+        if not self.prompt_lengths:
+            object.__setattr__(self, "prompt_lengths", (sbs, 2 * sbs + 1))
+        if not self.budgets:
+            object.__setattr__(self, "budgets", (sbs, 64))
+        if self.max_requests < 1:
+            raise ValueError(f"instance {self.name}: max_requests must be >= 1")
+
+
+def _cfg(groups: tuple[GroupSpec, ...], num_blocks: int, **kw: object) -> Config:
+    return validate(Config(groups=groups, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, **kw))  # type: ignore[arg-type]
+
+
+FULL2 = GroupSpec("full", 2)
+FULL4 = GroupSpec("full", 4)
+SWA2 = GroupSpec("swa", 2, sliding_window=3)
+SWA2_W2 = GroupSpec("swa", 2, sliding_window=2)
+MAMBA2 = GroupSpec("mamba", 2)
+MAMBA4 = GroupSpec("mamba", 4)
+
+
+def default_grid() -> list[Instance]:
+    """The grid `kvretain explore` runs by default, smallest first."""
+    return [
+        Instance("full-p3-r1", _cfg((FULL2,), 3), max_requests=1, budgets=(1, 64), note="3-block pool"),
+        Instance("full-p5-r2", _cfg((FULL2,), 5, retention_interval=0), max_requests=2),
+        Instance("swa-p5-r2", _cfg((SWA2,), 5, retention_interval=0), max_requests=2),
+        Instance("full+swa-p7-dense", _cfg((FULL2, SWA2), 7), max_requests=2),
+        Instance("full+swa-p7-r0-eagle", _cfg((FULL2, SWA2_W2), 7, retention_interval=0, eagle=True)),
+        Instance(
+            "full4+swa2-p8-k4",
+            _cfg((FULL4, SWA2), 8, retention_interval=4),
+            prompt_lengths=(4, 9),
+            budgets=(2, 64),
+            note="unequal block sizes",
+        ),
+        Instance(
+            "full+swa-p8-lookahead", _cfg((FULL2, SWA2), 8, retention_interval=0, num_lookahead_tokens=1)
+        ),
+        Instance("full+mamba-p6-r0", _cfg((FULL2, MAMBA2), 6, retention_interval=0)),
+        Instance(
+            "full+mamba4-fine-p8",
+            _cfg((FULL2, MAMBA4), 8, hash_block_size=2),
+            prompt_lengths=(4, 9),
+            budgets=(2, 64),
+            note="fine-grained Mamba hits",
+        ),
+        Instance("three-groups-p8-k2", _cfg((FULL2, SWA2, MAMBA2), 8, retention_interval=2)),
+        Instance("full-p8-r3", _cfg((FULL2,), 8), max_requests=3, prompt_lengths=(3,), budgets=(64,)),
+    ]
+
+
+def grid_by_name(names: list[str] | None = None) -> list[Instance]:
+    """The default grid, or the named instances of it (KeyError naming an unknown one)."""
+    grid = default_grid()
+    if not names:
+        return grid
+    by_name = {i.name: i for i in grid}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise KeyError(f"unknown instance(s) {unknown} (known: {', '.join(by_name)})")
+    return [by_name[n] for n in names]

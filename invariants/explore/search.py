@@ -1,0 +1,258 @@
+"""Breadth-first search over every operation sequence of a small instance.
+
+Contract of `explore(instance, factory, ...)`: starting from an empty
+allocator, every operation of the alphabet (`invariants.explore.alphabet`) is
+applied to every state of depth d before any of depth d + 1, through the
+`Checker` with a full audit on every operation (the model differential on
+observation and snapshot, then every invariant of the catalogue). A state
+whose fingerprint (`invariants.explore.fingerprint`) was seen before is not
+expanded again. The first violation that no known finding explains ends the
+search: its path is a shortest one (every shorter sequence was checked first),
+written as an ordinary replayable trace and re-run from scratch to confirm it.
+Known findings are tolerated exactly as fuzzing tolerates them (`tolerate`,
+by default `known_findings.explain`) and counted in the certificate.
+
+The search stops at `depth`, at `max_states` distinct states, or at the
+deadline, whichever comes first, and the certificate says which (a partial
+layer is never counted as a completed depth). Once per instance a frozen
+fork is compared with a re-execution of its path from scratch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from invariants.explore.alphabet import alphabet
+from invariants.explore.certificate import Certificate
+from invariants.explore.fingerprint import fingerprint
+from invariants.explore.fork import Freezer
+from invariants.explore.instances import Instance
+from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.known_findings import explain
+from invariants.harness.trace import Trace, write_trace
+from invariants.report import Progress
+from invariants.targets.base import Target
+from model.config import Config
+from model.ops import AddRequest, Op
+
+Tolerate = Callable[[Violation], object]
+"""A violation -> the known finding explaining it (its `id` is counted), or None."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How far one instance's search may go; `deadline` is a `time.monotonic()` value."""
+
+    depth: int
+    max_states: int = 20_000
+    deadline: float | None = None
+
+
+@dataclass
+class _Node:
+    path: tuple[Op, ...]
+    frozen: bytes
+    next_rid: int
+    diverged: bool  # a tolerated finding on the path: the target's state joins the fingerprint
+    state: Hashable  # its fingerprint
+
+
+class _Stop(Exception):
+    """The search ends early; the message says why."""
+
+
+class _Found(Exception):
+    def __init__(self, path: tuple[Op, ...], violations: list[Violation]) -> None:
+        super().__init__(str(violations[0]))
+        self.path, self.violations = path, violations
+
+
+def new_checker(factory: Callable[[Config], Target], config: Config) -> Checker:
+    """A checker that audits every operation (the definition, not the fast path)."""
+    return Checker(factory(config), audit_every=1)
+
+
+def _state_of(checker: Checker, diverged: bool) -> Hashable:
+    return fingerprint(checker.model, checker.history, checker.last if diverged else None)
+
+
+def _is_valid(checker: Checker) -> Callable[[Op], bool]:
+    def valid(op: Op) -> bool:
+        try:
+            checker.validate(op)
+        except InvalidOp:
+            return False
+        return True
+
+    return valid
+
+
+class _Search:
+    def __init__(
+        self,
+        instance: Instance,
+        factory: Callable[[Config], Target],
+        cert: Certificate,
+        limits: Limits,
+        tolerate: Tolerate,
+        progress: Progress | None,
+    ) -> None:
+        self.instance, self.factory, self.cert = instance, factory, cert
+        self.limits, self.tolerate, self.progress = limits, tolerate, progress
+        self.freezer = Freezer()
+        self.seen: set[Hashable] = set()
+
+    def run(self) -> list[_Node]:
+        """Search layer by layer; returns the last completed layer's states."""
+        root = new_checker(self.factory, self.instance.config)
+        state = _state_of(root, False)
+        self.seen.add(state)
+        frontier = [_Node((), self.freezer.freeze(root), 0, False, state)]
+        last = frontier
+        for depth in range(1, self.limits.depth + 1):
+            layer: list[_Node] = []
+            for i, node in enumerate(frontier):
+                self._tick(depth, i, len(frontier))
+                try:
+                    layer += self._children(node)
+                except _Stop as stop:
+                    self.cert.stopped = f"{stop} in depth {depth} ({i} of {len(frontier)} states expanded)"
+                    return last
+            self.cert.depth_completed = depth
+            self.cert.new_states.append(len(layer))
+            if not layer:
+                self.cert.stopped = f"exhausted at depth {depth}: no new state, every depth covered"
+                self.cert.depth_completed = self.limits.depth
+                return last
+            frontier = last = layer
+        self.cert.stopped = "depth reached"
+        return last
+
+    def _tick(self, depth: int, i: int, n: int) -> None:
+        if self.progress is None:
+            return
+        elapsed = self.progress.elapsed()
+        rate = len(self.seen) / elapsed if elapsed > 0 else 0.0
+        self.progress.tick(
+            f"{self.instance.name}: depth {depth}, frontier {i}/{n}, states {len(self.seen)}, "
+            f"transitions {self.cert.transitions}, {rate:.0f} states/s"
+        )
+
+    def _children(self, node: _Node) -> list[_Node]:
+        """Try every operation from `node`; the new states it reaches."""
+        checker: Checker | None = self.freezer.thaw(node.frozen)
+        assert checker is not None
+        ops = alphabet(self.instance, checker.model, node.next_rid, _is_valid(checker))
+        out = []
+        for op in ops:
+            if self.limits.deadline is not None and time.monotonic() > self.limits.deadline:
+                raise _Stop("budget spent")
+            if checker is None:
+                checker = self.freezer.thaw(node.frozen)
+            child, state = self._step(node, checker, op)
+            if child is not None:
+                out.append(child)
+            if state != node.state:
+                checker = None  # moved on; a self-loop (a probe, a no-op) leaves a reusable copy
+        return out
+
+    def _step(self, node: _Node, checker: Checker, op: Op) -> tuple[_Node | None, Hashable]:
+        """Apply `op`; the child when its state is new, and its fingerprint."""
+        path = (*node.path, op)
+        try:
+            found = checker.step(op)
+        except Exception as exc:  # the model itself raised: a finding about the specification
+            found = [Violation("crash", f"model: {type(exc).__name__}: {exc}", checker.config, op)]
+        self.cert.transitions += 1
+        diverged = node.diverged
+        new = []
+        for v in found:
+            finding = self.tolerate(v)
+            if finding:
+                self.cert.known.record(str(getattr(finding, "id", v.check)), v)
+                diverged = True
+            else:
+                new.append(v)
+        if new:
+            raise _Found(path, new)
+        state = _state_of(checker, diverged)
+        if state in self.seen:
+            return None, state
+        if len(self.seen) >= self.limits.max_states:
+            raise _Stop(f"max states ({self.limits.max_states}) reached")
+        self.seen.add(state)
+        frozen = self.freezer.freeze(checker)
+        return _Node(path, frozen, node.next_rid + isinstance(op, AddRequest), diverged, state), state
+
+
+def replay(
+    factory: Callable[[Config], Target], config: Config, ops: tuple[Op, ...], tolerate: Tolerate
+) -> tuple[Checker, list[Violation]]:
+    """Re-execute `ops` from scratch; the checker and the untolerated violations of the last op."""
+    checker = new_checker(factory, config)
+    found: list[Violation] = []
+    for op in ops:
+        found = [v for v in checker.step(op) if not tolerate(v)]
+    return checker, found
+
+
+def _fork_differs(search: _Search, node: _Node) -> str | None:
+    """Compare a thawed fork with a re-execution of its path; None when they agree."""
+    thawed = search.freezer.thaw(node.frozen)
+    fresh, _ = replay(search.factory, search.instance.config, node.path, search.tolerate)
+    if thawed.target.snapshot() != fresh.target.snapshot():
+        return f"the target's snapshot after {len(node.path)} operations differs from re-execution"
+    if _state_of(thawed, node.diverged) != _state_of(fresh, node.diverged):
+        return f"the fingerprint after {len(node.path)} operations differs from re-execution"
+    return None
+
+
+def explore(
+    instance: Instance,
+    factory: Callable[[Config], Target],
+    target: str,
+    limits: Limits,
+    *,
+    tolerate: Tolerate | None = None,
+    out_dir: Path | None = None,
+    progress: Progress | None = None,
+) -> Certificate:
+    """Search `instance` against the target built by `factory`; the certificate (see module docstring)."""
+    tol: Tolerate = tolerate or (lambda v: explain(target, v))
+    cert = Certificate(instance.name, target, limits.depth)
+    start = time.monotonic()
+    search = _Search(instance, factory, cert, limits, tol, progress)
+    try:
+        last = search.run()
+        for node in _fork_samples(last):
+            cert.fork_checks += 1
+            cert.error = cert.error or _fork_differs(search, node)
+    except _Found as found:
+        _counterexample(search, found, target, out_dir)
+    cert.states = len(search.seen)
+    cert.seconds = time.monotonic() - start
+    return cert
+
+
+def _fork_samples(layer: list[_Node]) -> Iterator[_Node]:
+    """The first and the last state of the deepest layer (the last has the longest path)."""
+    if layer and layer[-1].path:
+        yield layer[-1]
+    if len(layer) > 1 and layer[0].path:
+        yield layer[0]
+
+
+def _counterexample(search: _Search, found: _Found, target: str, out_dir: Path | None) -> None:
+    cert = search.cert
+    cert.violation = "; ".join(str(v) for v in found.violations[:3])
+    cert.trace_length = len(found.path)
+    cert.stopped = f"violation at depth {len(found.path)}"
+    cert.depth_completed = len(found.path) - 1
+    _, again = replay(search.factory, search.instance.config, found.path, search.tolerate)
+    cert.reproduced = bool(again)
+    if out_dir is not None:
+        trace = Trace(search.instance.config, list(found.path), None, target, str(found.violations[0]))
+        cert.trace = write_trace(trace, out_dir / f"kvretain-explore-{target}-{search.instance.name}.json")
