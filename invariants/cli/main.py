@@ -44,6 +44,7 @@ _BUILTIN_COMMANDS = (
     "invariants.cli.simulate",
     "invariants.cli.export",
     "invariants.cli.matrix",
+    "invariants.cli.explore",
 )
 COMMAND_GROUP = "kvretain.commands"
 

@@ -21,6 +21,7 @@ CLEAN = "clean"
 KNOWN = "known findings"
 VIOLATION = "VIOLATION"
 ERROR = "ERROR"
+SKIPPED = "skipped"
 
 
 @dataclass
@@ -44,9 +45,12 @@ class Certificate:
     reproduced: bool | None = None
     fork_checks: int = 0
     error: str | None = None
+    skipped: str | None = None  # why the instance was not searched at all
 
     @property
     def verdict(self) -> str:
+        if self.skipped:
+            return SKIPPED
         if self.error:
             return ERROR
         if self.violation:
@@ -62,6 +66,8 @@ class Certificate:
 
     def verdict_text(self) -> str:
         """The verdict cell: counts for known findings, the trace for a violation."""
+        if self.skipped:
+            return f"skipped: {self.skipped}"
         if self.error:
             return f"ERROR: {self.error}"
         if self.violation:
@@ -79,7 +85,7 @@ class Certificate:
             self.transitions,
             f"{self.seconds:.1f}",
             f"{self.states_per_s():.0f}",
-            self.verdict_text(),
+            _clip(self.verdict_text()),
             self.stopped,
         ]
 
@@ -103,7 +109,12 @@ class Certificate:
             "reproduced_on_replay": self.reproduced,
             "fork_checks": self.fork_checks,
             "error": self.error,
+            "skipped": self.skipped,
         }
+
+
+def _clip(text: str, limit: int = 90) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 HEADERS = ["instance", "depth", "states", "transitions", "time s", "states/s", "verdict", "stopped"]

@@ -35,7 +35,7 @@ from invariants.harness.known_findings import explain
 from invariants.harness.trace import Trace, write_trace
 from invariants.report import Progress
 from invariants.targets.base import Target
-from model.config import Config
+from model.config import Config, ConfigError
 from model.ops import AddRequest, Op
 
 Tolerate = Callable[[Violation], object]
@@ -104,6 +104,7 @@ class _Search:
         self.limits, self.tolerate, self.progress = limits, tolerate, progress
         self.freezer = Freezer()
         self.seen: set[Hashable] = set()
+        self.start = time.monotonic()
 
     def run(self) -> list[_Node]:
         """Search layer by layer; returns the last completed layer's states."""
@@ -134,7 +135,7 @@ class _Search:
     def _tick(self, depth: int, i: int, n: int) -> None:
         if self.progress is None:
             return
-        elapsed = self.progress.elapsed()
+        elapsed = time.monotonic() - self.start
         rate = len(self.seen) / elapsed if elapsed > 0 else 0.0
         self.progress.tick(
             f"{self.instance.name}: depth {depth}, frontier {i}/{n}, states {len(self.seen)}, "
@@ -226,7 +227,12 @@ def explore(
     start = time.monotonic()
     search = _Search(instance, factory, cert, limits, tol, progress)
     try:
-        last = search.run()
+        try:
+            last = search.run()
+        except ConfigError as exc:  # raised building the target: it refuses this configuration
+            cert.skipped = f"{target} refuses this configuration: {exc}"
+            cert.states, cert.new_states = 0, []
+            return cert
         for node in _fork_samples(last):
             cert.fork_checks += 1
             cert.error = cert.error or _fork_differs(search, node)

@@ -1,0 +1,95 @@
+"""Searching a grid of instances under one time budget.
+
+The budget is a promise: the run ends within it. Each instance in turn gets an
+equal share of what is left (time an instance does not use passes to the
+next), so a budget too small for the requested depth lowers the depth reached
+rather than skipping instances; an instance that no time is left for is
+listed as skipped, never dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from invariants.explore.certificate import Certificate
+from invariants.explore.instances import Instance
+from invariants.explore.search import Limits, Tolerate, explore
+from invariants.report import Progress
+from invariants.targets.base import Target
+from model.config import Config
+
+# Below this a share cannot build a target and check a layer: the instance is skipped.
+MIN_SHARE_S = 0.05
+
+
+@dataclass
+class GridReport:
+    """Every instance's certificate, in grid order (skipped ones included)."""
+
+    target: str
+    certificates: list[Certificate] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def violations(self) -> list[Certificate]:
+        return [c for c in self.certificates if c.violation or c.error]
+
+    @property
+    def skipped(self) -> list[Certificate]:
+        return [c for c in self.certificates if c.skipped]
+
+    @property
+    def states(self) -> int:
+        return sum(c.states for c in self.certificates)
+
+    @property
+    def transitions(self) -> int:
+        return sum(c.transitions for c in self.certificates)
+
+    def min_depth(self) -> int:
+        """The depth every searched instance completed (0 when none was searched)."""
+        done = [c.depth_completed for c in self.certificates if not c.skipped]
+        return min(done) if done else 0
+
+
+def explore_grid(
+    instances: list[Instance],
+    factory: Callable[[Config], Target],
+    target: str,
+    *,
+    depth: int,
+    max_states: int,
+    budget_s: float | None,
+    out_dir: Path | None = None,
+    tolerate: Tolerate | None = None,
+    progress: Progress | None = None,
+    on_certificate: Callable[[Certificate], None] | None = None,
+) -> GridReport:
+    """Search each instance in order (see the module docstring for the budget)."""
+    report = GridReport(target)
+    start = time.monotonic()
+    end = start + budget_s if budget_s is not None else None
+    for i, instance in enumerate(instances):
+        deadline = None
+        if end is not None:
+            share = (end - time.monotonic()) / (len(instances) - i)
+            if share < MIN_SHARE_S:
+                cert = Certificate(instance.name, target, depth, depth_completed=0, states=0)
+                cert.skipped = "the time budget was spent"
+                report.certificates.append(cert)
+                if on_certificate is not None:
+                    on_certificate(cert)
+                continue
+            deadline = time.monotonic() + share
+        limits = Limits(depth, max_states, deadline)
+        cert = explore(
+            instance, factory, target, limits, tolerate=tolerate, out_dir=out_dir, progress=progress
+        )
+        report.certificates.append(cert)
+        if on_certificate is not None:
+            on_certificate(cert)
+    report.seconds = time.monotonic() - start
+    return report
