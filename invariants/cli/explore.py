@@ -1,7 +1,7 @@
 """`kvretain explore`: every operation sequence to a depth, over a grid of small instances.
 
     kvretain explore [--target model|reference|vllm] [--depth D] [--max-states N]
-                     [--budget-s T] [--instance NAME ...] [--list] [--out DIR] [--json PATH]
+                     [--budget-s T] [--instance NAME ...] [--jobs N] [--list] [--out DIR] [--json PATH]
 
 Breadth-first search (`invariants.explore`): every operation the alphabet
 offers from every reached state, each transition checked by the harness's
@@ -36,7 +36,7 @@ from invariants.results import CaseResult, add_output_flags, write_results
 from invariants.targets import TARGET_NAMES, target_factory
 
 DEFAULT_DEPTH = 6
-DEFAULT_MAX_STATES = 20_000
+DEFAULT_MAX_STATES = 50_000
 DEFAULT_BUDGET_S = 600.0
 
 
@@ -64,6 +64,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--instance", action="append", metavar="NAME", help="search only this instance (repeatable, or a,b)"
+    )
+    p.add_argument(
+        "--jobs", type=positive_int, default=1, help="instances searched at once (processes; 2 on 2 cores)"
     )
     p.add_argument("--list", action="store_true", help="list the grid's instances and exit")
     p.add_argument("--out", default="kvretain-traces/explore", help="where counterexample traces are written")
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     factory = target_factory(args.target)
     print(
         f"kvretain explore: target {args.target}, depth {args.depth}, {len(instances)} instance(s), "
-        f"max {args.max_states} states each, budget {args.budget_s:.0f}s",
+        f"max {args.max_states} states each, budget {args.budget_s:.0f}s, {args.jobs} job(s)",
         flush=True,
     )
     report = explore_grid(
@@ -138,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         budget_s=args.budget_s,
         out_dir=Path(args.out),
         progress=Progress("explore", enabled=not args.quiet),
+        jobs=args.jobs,
     )
     print(certificate_text(report))
     code = 1 if report.violations else 3 if report.skipped else 0

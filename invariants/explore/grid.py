@@ -9,8 +9,11 @@ listed as skipped, never dropped.
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,17 +70,33 @@ def explore_grid(
     tolerate: Tolerate | None = None,
     progress: Progress | None = None,
     on_certificate: Callable[[Certificate], None] | None = None,
+    jobs: int = 1,
 ) -> GridReport:
-    """Search each instance in order (see the module docstring for the budget)."""
+    """Search each instance in order (see the module docstring for the budget);
+    `jobs` > 1: that many instances at once, in forked processes."""
     report = GridReport(target)
     start = time.monotonic()
     end = start + budget_s if budget_s is not None else None
+    if jobs > 1 and len(instances) > 1:
+        run = functools.partial(
+            _one, factory=factory, target=target, depth=depth, max_states=max_states, out_dir=out_dir
+        )
+        share = None if budget_s is None else budget_s * jobs / len(instances)
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(jobs, len(instances)), mp_context=ctx) as pool:
+            futures = [pool.submit(run, inst, end, share, tolerate, progress) for inst in instances]
+            for future in futures:  # grid order, whatever order they finish in
+                report.certificates.append(future.result())
+                if on_certificate is not None:
+                    on_certificate(report.certificates[-1])
+        report.seconds = time.monotonic() - start
+        return report
     for i, instance in enumerate(instances):
         deadline = None
         if end is not None:
             share = (end - time.monotonic()) / (len(instances) - i)
             if share < MIN_SHARE_S:
-                cert = Certificate(instance.name, target, depth, depth_completed=0, states=0)
+                cert = Certificate(instance.name, target, depth, depth_completed=0, states=0, new_states=[])
                 cert.skipped = "the time budget was spent"
                 report.certificates.append(cert)
                 if on_certificate is not None:
@@ -93,3 +112,30 @@ def explore_grid(
             on_certificate(cert)
     report.seconds = time.monotonic() - start
     return report
+
+
+def _one(
+    instance: Instance,
+    end: float | None,
+    share: float | None,
+    tolerate: Tolerate | None,
+    progress: Progress | None,
+    *,
+    factory: Callable[[Config], Target],
+    target: str,
+    depth: int,
+    max_states: int,
+    out_dir: Path | None,
+) -> Certificate:
+    """One instance in a worker: its share of the budget from when it starts, never past `end`
+    (a monotonic clock is system-wide, so the parent's `end` holds here)."""
+    deadline = None
+    if end is not None and share is not None:
+        now = time.monotonic()
+        deadline = min(end, now + share)
+        if deadline - now < MIN_SHARE_S:
+            cert = Certificate(instance.name, target, depth, depth_completed=0, states=0, new_states=[])
+            cert.skipped = "the time budget was spent"
+            return cert
+    limits = Limits(depth, max_states, deadline)
+    return explore(instance, factory, target, limits, tolerate=tolerate, out_dir=out_dir, progress=progress)

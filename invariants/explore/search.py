@@ -47,7 +47,7 @@ class Limits:
     """How far one instance's search may go; `deadline` is a `time.monotonic()` value."""
 
     depth: int
-    max_states: int = 20_000
+    max_states: int = 50_000
     deadline: float | None = None
 
 
@@ -105,15 +105,16 @@ class _Search:
         self.freezer = Freezer()
         self.seen: set[Hashable] = set()
         self.start = time.monotonic()
+        self.leaves = False
 
     def run(self) -> list[_Node]:
-        """Search layer by layer; returns the last completed layer's states."""
+        """Search layer by layer; returns the deepest layer whose states were kept frozen."""
         root = new_checker(self.factory, self.instance.config)
         state = _state_of(root, False)
         self.seen.add(state)
         frontier = [_Node((), self.freezer.freeze(root), 0, False, state)]
-        last = frontier
         for depth in range(1, self.limits.depth + 1):
+            self.leaves = depth == self.limits.depth  # never expanded: not frozen
             layer: list[_Node] = []
             for i, node in enumerate(frontier):
                 self._tick(depth, i, len(frontier))
@@ -121,16 +122,17 @@ class _Search:
                     layer += self._children(node)
                 except _Stop as stop:
                     self.cert.stopped = f"{stop} in depth {depth} ({i} of {len(frontier)} states expanded)"
-                    return last
+                    return frontier
             self.cert.depth_completed = depth
             self.cert.new_states.append(len(layer))
             if not layer:
                 self.cert.stopped = f"exhausted at depth {depth}: no new state, every depth covered"
                 self.cert.depth_completed = self.limits.depth
-                return last
-            frontier = last = layer
+                return frontier
+            if not self.leaves:
+                frontier = layer
         self.cert.stopped = "depth reached"
-        return last
+        return frontier
 
     def _tick(self, depth: int, i: int, n: int) -> None:
         if self.progress is None:
@@ -185,7 +187,7 @@ class _Search:
         if len(self.seen) >= self.limits.max_states:
             raise _Stop(f"max states ({self.limits.max_states}) reached")
         self.seen.add(state)
-        frozen = self.freezer.freeze(checker)
+        frozen = b"" if self.leaves else self.freezer.freeze(checker)
         return _Node(path, frozen, node.next_rid + isinstance(op, AddRequest), diverged, state), state
 
 
