@@ -122,6 +122,7 @@ class AllocatorModel:
             config.enable_caching,
             events,
             caching_off_to_head=profile.caching_off_free_to_head,
+            groups=config.groups,  # the spec kind and window of each group's events
         )
         self.groups = [GroupState(i, g) for i, g in enumerate(config.groups)]
         self.requests: dict[str, RequestState] = {}

@@ -14,7 +14,7 @@ block 0, a fresh free queue in id order), so the model predicts them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple, Union
 
 from model.prefix import Prefix, Tokens, prefix
@@ -55,36 +55,91 @@ def _interned(p: Prefix | Tokens) -> Prefix:
     return p if isinstance(p, Prefix) else prefix(tuple(p))
 
 
-@dataclass(frozen=True)
+# vLLM's `kv_events.MEDIUM_GPU`: the medium `BlockPool` reports (its constructor's default;
+# `KVCacheManager` builds its pool without one).
+MEDIUM_GPU = "GPU"
+
+
+@dataclass(frozen=True, repr=False)
 class BlockStored:
-    """Blocks entered the hash map. `block_hashes` are the keys' prefixes, in block order."""
+    """Blocks entered the hash map. `block_hashes` are the keys' prefixes, in block order.
+
+    The fields after `block_size` are vLLM 0.33.0's `kv_events.BlockStored`
+    fields of the same names, and every target's event carries the values its
+    allocator emitted, so events compare field by field. The spec kind, window
+    and extra keys depend on the group and the hashes (the model sets them:
+    `model.pool`); the others default to what vLLM sets on a GPU pool's event
+    for a request without LoRA, cache salt, multimodal inputs or session id.
+    """
 
     group: int
     block_hashes: tuple[Prefix, ...]
     parent: Prefix | None
     token_ids: Tokens
     block_size: int
+    # The group's spec, named by `KVCacheManager.take_events` (`get_kv_cache_spec_kind`,
+    # `get_kv_cache_spec_sliding_window`); None where it knows no such group.
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    # One entry per hash, None without extra keys (`to_event_extra_keys`); None: no hash.
+    extra_keys: tuple[tuple[object, ...] | None, ...] | None = None
+    medium: str | None = MEDIUM_GPU  # `BlockPool._build_block_stored_event`: `self.medium`
+    lora_id: int | None = None  # `_build_block_stored_event`: the request's `lora_request`
+    lora_name: str | None = None
+    # Per hash, the tokens past its block that it covers; None while
+    # `num_hash_lookahead_tokens` is 0 (`BlockPool.cache_full_blocks`).
+    lookahead_token_ids: tuple[Tokens, ...] | None = None
+    session_id: str | None = None  # `_build_block_stored_event`: `request.session_id`
+    locality: str | None = None  # set by offloading connectors only, never by `BlockPool`
+    ownership: str | None = None  # likewise
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hashes", tuple(_interned(h) for h in self.block_hashes))
         if self.parent is not None:
             object.__setattr__(self, "parent", _interned(self.parent))
 
+    def __repr__(self) -> str:
+        return _event_repr(self, ("group", "block_size"), ("block_hashes", "parent", "token_ids"))
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, repr=False)
 class BlockRemoved:
-    """One key left the hash map."""
+    """One key left the hash map (vLLM's `BlockRemoved` lists one hash per event from
+    `BlockPool._emit_block_removed_events`; the rest as `BlockStored`)."""
 
     group: int
     block_hash: Prefix
+    medium: str | None = MEDIUM_GPU  # `_emit_block_removed_events`: `self.medium`
+    locality: str | None = None  # set by offloading connectors only
+    ownership: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hash", _interned(self.block_hash))
+
+    def __repr__(self) -> str:
+        return _event_repr(self, ("group",), ("block_hash",))
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
     pass
+
+
+def _event_repr(ev: object, first: tuple[str, ...], last: tuple[str, ...]) -> str:
+    """`first`, the other fields not at their defaults (vLLM's wire format omits
+    those too), then `last`: a difference message is cut at a few hundred
+    characters, so the short fields come before the token lists."""
+    parts = [f"{name}={getattr(ev, name)!r}" for name in first]
+    for f in fields(ev):  # type: ignore[arg-type]
+        value = getattr(ev, f.name)
+        if f.name in first or f.name in last or value == f.default:
+            continue
+        if isinstance(value, tuple) and len(value) > 1 and all(v is None for v in value):
+            parts.append(f"{f.name}=(None,) * {len(value)}")
+        else:
+            parts.append(f"{f.name}={value!r}")
+    parts += [f"{name}={getattr(ev, name)!r}" for name in last]
+    return f"{type(ev).__name__}({', '.join(parts)})"
 
 
 Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
@@ -182,7 +237,8 @@ def diff_snapshots(expected: Snapshot, actual: Snapshot) -> list[str]:
     for name in ("free_queue", "pinned_queue", "pinned", "events"):
         a, b = getattr(expected, name), getattr(actual, name)
         if a != b:
-            lines.append(f"{name}: expected {_fmt(a)}, got {_fmt(b)}")
+            where = _first_event_difference(a, b) if name == "events" else ""
+            lines.append(f"{name}: {where}expected {_fmt(a)}, got {_fmt(b)}")
     if expected.ref_cnt != actual.ref_cnt:
         bad = [
             f"block {i}: {x} != {y}"
@@ -202,6 +258,19 @@ def diff_snapshots(expected: Snapshot, actual: Snapshot) -> list[str]:
                     va, vb = a.get(k), b.get(k)
                     lines.append(f"{name}[{label}]: expected {_fmt(va)}, got {_fmt(vb)}")
     return lines
+
+
+def _first_event_difference(expected: tuple[Event, ...], actual: tuple[Event, ...]) -> str:
+    """For the first pair of events of one kind that differ, `event i (Kind) field:
+    expected x, got y; `: a field at the end of a long event is cut from the whole tuples."""
+    for i, (x, y) in enumerate(zip(expected, actual)):
+        if x != y:
+            if type(x) is not type(y):
+                return ""
+            names = [f.name for f in fields(x) if getattr(x, f.name) != getattr(y, f.name)]  # type: ignore[arg-type]
+            parts = (f"{n}: expected {_fmt(getattr(x, n), 80)}, got {_fmt(getattr(y, n), 80)}" for n in names)
+            return f"event {i} ({type(x).__name__}) " + "; ".join(parts) + "; "
+    return ""
 
 
 def _fmt(value: object, limit: int = 300) -> str:

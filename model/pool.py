@@ -13,17 +13,38 @@ Events follow a named profile: "seed" (what the #42258 review asked for: one
 BlockStored per contiguous run of stored blocks, token ids exactly those
 blocks') or "vllm-0.33.0" (one BlockStored per caching call over the whole
 token range, masked blocks included: `block_pool.py` `cache_full_blocks`).
+Either profile fills the rest of vLLM 0.33.0's event fields as vLLM does
+(`model.observation.BlockStored`): the group's spec kind and window
+(`spec_metadata`), one empty extra key per hash (`no_extra_keys`), and the
+defaults for the GPU medium, no LoRA, no lookahead hashing, no session.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from model.config import GroupSpec
 from model.free_queue import LinkedFreeQueue, demote_n
 from model.observation import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, Event, Tokens, block_key
-from model.prefix import prefix
+from model.prefix import Prefix, prefix
 
 EVENT_PROFILES = ("seed", "vllm-0.33.0")
+
+# vLLM's `get_kv_cache_spec_kind` of the spec each group kind stands for
+# (FullAttentionSpec, SlidingWindowSpec, MambaSpec: `KVCacheSpecKind` values).
+SPEC_KINDS = {"full": "full_attention", "swa": "sliding_window", "mamba": "mamba"}
+
+
+def spec_metadata(groups: Sequence[GroupSpec]) -> tuple[tuple[str, int | None], ...]:
+    """Per group, the (kind, sliding window) its events carry: `KVCacheManager.__init__`'s
+    `kv_cache_event_metadata` (`get_kv_cache_spec_sliding_window`: SWA specs only)."""
+    return tuple((SPEC_KINDS[g.kind], g.sliding_window if g.kind == "swa" else None) for g in groups)
+
+
+def no_extra_keys(num_hashes: int) -> tuple[None, ...] | None:
+    """`extra_keys` of an event of `num_hashes` hashes without salt, LoRA or multimodal
+    inputs: one None per hash, None for none (`to_event_extra_keys`)."""
+    return (None,) * num_hashes or None
 
 
 class Pool:
@@ -34,8 +55,11 @@ class Pool:
         enable_caching: bool,
         events: str = "seed",
         caching_off_to_head: bool = True,
+        groups: Sequence[GroupSpec] = (),
     ) -> None:
         assert events in EVENT_PROFILES
+        # Per group, the spec kind and window its BlockStored events carry.
+        self.spec_meta = spec_metadata(groups)
         # Caching off: freed blocks to the head (#51482) or, before it, the tail (model.profile).
         self.caching_off_to_head = caching_off_to_head
         self.num_blocks = num_blocks
@@ -84,7 +108,7 @@ class Pool:
                 holders.remove(block)
                 if not holders:
                     del self.cached[key]
-                self.events.append(BlockRemoved(key.group, key.tokens))
+                self.events.append(BlockRemoved(key.group, key.tokens))  # medium: the GPU default
         self.primary.pop(block, None)
         self.primary_tokens.pop(block, None)
         self.secondary.pop(block, None)
@@ -167,7 +191,7 @@ class Pool:
             stored.append(i)
         if self.event_profile == "vllm-0.33.0":
             self.events.append(
-                BlockStored(
+                self._stored(
                     group,
                     tuple(prefix(tokens, (i + 1) * block_size) for i in stored),
                     prefix(tokens, num_cached * block_size) if num_cached else None,
@@ -179,7 +203,7 @@ class Pool:
         for run in _runs(stored):
             lo, hi = run[0], run[-1] + 1
             self.events.append(
-                BlockStored(
+                self._stored(
                     group,
                     tuple(prefix(tokens, (i + 1) * block_size) for i in run),
                     prefix(tokens, lo * block_size) if lo else None,
@@ -187,6 +211,16 @@ class Pool:
                     block_size,
                 )
             )
+
+    def _stored(
+        self, group: int, hashes: tuple[Prefix, ...], parent: Prefix | None, tokens: Tokens, block_size: int
+    ) -> BlockStored:
+        """A BlockStored with vLLM's other fields: `KVCacheManager.take_events` names the
+        group's spec (None for a group it does not know), `to_event_extra_keys` one None per hash."""
+        kind, window = self.spec_meta[group] if group < len(self.spec_meta) else (None, None)
+        return BlockStored(
+            group, hashes, parent, tokens, block_size, kind, window, no_extra_keys(len(hashes))
+        )
 
     def cache_partial_block(self, tokens: Tokens, block: int, num_tokens: int, group: int) -> BlockKey | None:
         """Key `block` also by the prefix of `num_tokens` (a multiple of hbs)."""
@@ -200,7 +234,7 @@ class Pool:
         if not already:
             lo = num_tokens - self.hbs
             self.events.append(
-                BlockStored(
+                self._stored(
                     group, (key.tokens,), prefix(tokens, lo) if lo else None, tokens[lo:num_tokens], self.hbs
                 )
             )

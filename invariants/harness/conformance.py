@@ -83,21 +83,41 @@ EXCLUDED = [
     (
         "KV connectors (num_external_computed_tokens, delay_cache_blocks, deferred frees)",
         "their effects depend on the connector's load outcome, which no allocator-level "
-        "operation can state; kvretain drives vLLM without a connector",
+        "operation can state; kvretain drives vLLM without a connector (the KV events' locality "
+        "and ownership, which only offloading connectors set, are compared as None)",
     ),
     (
         "extra hash keys (cache_salt, LoRA name, multimodal features)",
         "they enter only the request's block hashes (kv_cache_utils); to the allocator a salted "
-        "request is one with different hashes, which distinct prompts already exercise",
+        "request is one with different hashes, which distinct prompts already exercise; the KV "
+        "events' extra_keys, lora_id and lora_name are compared at their values without them "
+        "(one None per hash; None)",
     ),
     (
-        "num_hash_lookahead_tokens / num_prefill_lookahead (multi-module MTP re-prefill)",
-        "set by the speculative config of MTP models only; kvretain's Eagle flag models one draft module",
+        "request session ids",
+        "a frontend label BlockPool copies into BlockStored.session_id; kvretain's requests have "
+        "none, so the field is compared as None",
+    ),
+    (
+        "lookahead block hashes (num_hash_lookahead_tokens) and num_prefill_lookahead",
+        "vLLM 0.33.0 hashes each block with the tokens an Eagle-family drafter reads past it "
+        "(VllmConfig.num_hash_lookahead_tokens: 1, num_speculative_tokens for multi-module MTP) "
+        "unless disable_lookahead_block_hashes is set (and with them drops no trailing block); kvretain's "
+        "Eagle flag is that setting (the trailing-block drop, no lookahead hashes), so the KV events' "
+        "lookahead_token_ids are compared as None; num_prefill_lookahead above 1 (re-prefill) comes "
+        "from multi-module MTP only, and kvretain's Eagle flag models one draft module",
     ),
     (
         "DCP/PCP, HiSparse, async scheduling",
         "DCP/PCP shard blocks across ranks and HiSparse uses a host pool: neither exists in one "
         "process's pool; async scheduling changes when tokens are known, not what the allocator does",
+    ),
+    (
+        "on an older release, the KV event fields it lacks (before 0.22.0 kv_cache_spec_kind and "
+        "kv_cache_spec_sliding_window; before 0.26.0 locality, 0.29.0 ownership, 0.30.0 session_id, "
+        "0.33.0 lookahead_token_ids)",
+        "there is nothing to read: the adapter gives each the model's value, so it agrees uncompared, "
+        "and lists it in VllmTarget.uncompared_event_fields; on 0.33.0 every event field is compared",
     ),
 ]
 

@@ -68,6 +68,10 @@ from .hash_names import HashNames
 Mutant = Callable[[AllocatorComponents], AllocatorComponents]
 
 
+# vLLM's `KVCacheSpecKind` value of the spec a reference group kind stands for.
+_SPEC_KINDS = {"full": "full_attention", "swa": "sliding_window", "mamba": "mamba"}
+
+
 def to_allocator_config(config: Config) -> AllocatorConfig:
     return AllocatorConfig(
         groups=tuple(
@@ -231,14 +235,23 @@ class ReferenceTarget:
         return snap
 
     def _event(self, event: kv_events.KVCacheEvent) -> Event:
+        """The reference's event as the model's. `reference_impl`'s events carry only
+        hashes, parent, tokens, block size and group; the adapter fills vLLM's other
+        fields as vLLM would for this allocator: the spec kind and window of the
+        reference's own group config, one empty extra key per hash, and the event
+        class's defaults (GPU medium, no LoRA, lookahead, session, locality, ownership)."""
         if isinstance(event, kv_events.BlockStored):
             parent = event.parent_block_hash
+            group = self.allocator.config.groups[event.group_idx]
             return BlockStored(
                 group=event.group_idx,
                 block_hashes=tuple(self._prefix(h) for h in event.block_hashes),
                 parent=self._prefix(parent) if parent is not None else None,
                 token_ids=event.token_ids,
                 block_size=event.block_size,
+                kv_cache_spec_kind=_SPEC_KINDS[group.kind],
+                kv_cache_spec_sliding_window=group.sliding_window if group.kind == "swa" else None,
+                extra_keys=(None,) * len(event.block_hashes) or None,
             )
         if isinstance(event, kv_events.BlockRemoved):
             return BlockRemoved(group=event.group_idx, block_hash=self._prefix(event.block_hashes[0]))

@@ -57,12 +57,14 @@ where the release reads it (a `KVCacheConfig` field, or the environment
 variable while the coordinator is built; a release without one accepts only
 dense retention), reads a junction only where `get_computed_blocks` returns
 one, drains CoW copies only where the release makes them, and names a wide
-block keyed by its joined fine hashes by the last of them.
+block keyed by its joined fine hashes by the last of them. A KV event field
+it lacks takes the model's value (`uncompared_event_fields` names it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -106,7 +108,7 @@ from .base import END, NOT_FREE, PartialState, Tables, TargetCrash, TargetUnavai
 from .hash_names import HashNames
 from .vllm_capabilities import RETENTION_ENV, Capabilities, detect
 from .vllm_env import MODELED_VERSION, version_warning, vllm_available, vllm_modules, vllm_version
-from .vllm_hashing import continuing, shared_hashes
+from .vllm_hashing import EventGaps, continuing, event_fields, event_gaps, shared_hashes
 
 VLLM_EVENT_PROFILE = "vllm-0.33.0"
 NO_PINNED_TIER = "vLLM 0.33.0 has no pinned tier (#40676 was never merged)"
@@ -718,23 +720,28 @@ class VllmTarget:
         return self._prefix(h)
 
     def _event(self, ev: Any) -> list[Event]:
-        kv = self._v
+        """vLLM's KV event as the model's, every field translated (`vllm_hashing.event_fields`)."""
+        kv, gaps = self._v, self._event_gaps
         if isinstance(ev, kv["BlockStored"]):
             parent = None if ev.parent_block_hash is None else self._event_prefix(ev.parent_block_hash)
-            return [
-                BlockStored(
-                    group=ev.group_idx,
-                    block_hashes=tuple(self._event_prefix(h) for h in ev.block_hashes),
-                    parent=parent,
-                    token_ids=tuple(ev.token_ids),
-                    block_size=ev.block_size,
-                )
-            ]
+            hashes = tuple(self._event_prefix(h) for h in ev.block_hashes)
+            meta = event_fields(ev, BlockStored, gaps, self.config, len(hashes))
+            return [BlockStored(ev.group_idx, hashes, parent, tuple(ev.token_ids), ev.block_size, **meta)]
         if isinstance(ev, kv["BlockRemoved"]):
-            return [BlockRemoved(ev.group_idx, self._event_prefix(h)) for h in ev.block_hashes]
+            meta = event_fields(ev, BlockRemoved, gaps, self.config, 1)
+            return [BlockRemoved(ev.group_idx, self._event_prefix(h), **meta) for h in ev.block_hashes]
         if isinstance(ev, kv["AllBlocksCleared"]):
             return [AllBlocksCleared()]
         raise TargetCrash(f"unexpected KV event {type(ev).__name__}")
+
+    @functools.cached_property
+    def _event_gaps(self) -> EventGaps:
+        return event_gaps(self.caps.event_fields, self._v["BlockRemoved"])
+
+    @property
+    def uncompared_event_fields(self) -> tuple[str, ...]:
+        """The KV event fields no comparison sees on this release; none on vLLM 0.33.0."""
+        return self._event_gaps.uncompared()
 
 
 # ----------------------------------------------------------------------------- helpers
