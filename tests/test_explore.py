@@ -289,3 +289,13 @@ def test_all_alphabet_ops_are_valid_and_ordered() -> None:
     assert _kinds(ops)[:2] == ["AddRequest", "AddRequest"]
     assert all(_is_valid(checker)(op) for op in ops)
     assert not any(isinstance(op, Schedule) for op in ops)  # r00 owes a sample first
+
+
+def test_parallel_grid_gives_the_sequential_certificates() -> None:
+    grid = default_grid()[:3]
+    one = explore_grid(grid, ModelTarget, "model", depth=3, max_states=10**6, budget_s=60.0)
+    two = explore_grid(grid, ModelTarget, "model", depth=3, max_states=10**6, budget_s=60.0, jobs=2)
+    assert [c.instance for c in two.certificates] == [i.name for i in grid]
+    assert [(c.states, c.transitions, c.new_states) for c in one.certificates] == [
+        (c.states, c.transitions, c.new_states) for c in two.certificates
+    ]

@@ -194,4 +194,42 @@ def _case(c: Certificate) -> CaseResult:
     )
 
 
-__all__ = ["add_parser", "certificate_text", "run"]
+# `kvretain verify`'s row: the whole grid as deep as about a minute allows on 2 cores.
+VERIFY_DEPTH = 6
+VERIFY_BUDGET_S = 60.0
+VERIFY_QUICK_BUDGET_S = 10.0
+
+
+def verify_row(
+    target: str, quick: bool = False, out: Path | None = None
+) -> tuple[str, str, str, str, float, bool, Any]:
+    """(check, target, verdict, figure, seconds, good, trace) for `kvretain verify`: every
+    instance of the default grid searched to `VERIFY_DEPTH` or as deep as its share of
+    the budget allows (two processes); the figure names the depth every instance reached."""
+    report = explore_grid(
+        default_grid(),
+        target_factory(target),
+        target,
+        depth=VERIFY_DEPTH,
+        max_states=DEFAULT_MAX_STATES,
+        budget_s=VERIFY_QUICK_BUDGET_S if quick else VERIFY_BUDGET_S,
+        out_dir=out,
+        jobs=2,
+    )
+    searched = [c for c in report.certificates if not c.skipped]
+    depths = "/".join(str(c.depth_completed) for c in searched)
+    figure = (
+        f"depth >= {report.min_depth()} on {len(searched)} instances ({depths}), {report.states:,} states"
+        + (f", {len(report.skipped)} skipped" if report.skipped else "")
+    )
+    bad = report.violations
+    known = sum(c.known.total for c in report.certificates)
+    if bad:
+        verdict = f"VIOLATION: {bad[0].instance}: {bad[0].violation or bad[0].error}"[:70]
+    else:
+        verdict = "clean" + (f" (known findings tolerated x{known})" if known else "")
+    trace = next((c.trace for c in bad if c.trace), None)
+    return ("explore", target, verdict, figure, report.seconds, not bad, trace)
+
+
+__all__ = ["add_parser", "certificate_text", "run", "verify_row"]

@@ -214,6 +214,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if zoo is not None:
         record(*zoo.verify_row(quick=args.quick))
 
+    explore = imported("invariants.cli.explore")
+    if explore is not None and vllm_missing is not None:
+        skipped("explore", "vllm", vllm_missing)
+    elif explore is not None:  # every sequence of the small grid, model against vLLM
+        record(*explore.verify_row("vllm", quick=args.quick, out=Path(args.out) / "explore"))
+
     sim = imported("invariants.cli.simulate")
     if sim is not None:
         # Small scale keeps verify fast; `kvretain simulate all --scale full` gives the real sizes.

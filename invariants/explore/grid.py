@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from invariants.explore.certificate import Certificate
 from invariants.explore.instances import Instance
@@ -78,17 +79,12 @@ def explore_grid(
     start = time.monotonic()
     end = start + budget_s if budget_s is not None else None
     if jobs > 1 and len(instances) > 1:
-        run = functools.partial(
-            _one, factory=factory, target=target, depth=depth, max_states=max_states, out_dir=out_dir
+        report.certificates = _parallel(
+            instances, factory, target, depth, max_states, end, out_dir, tolerate, progress, jobs
         )
-        share = None if budget_s is None else budget_s * jobs / len(instances)
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(min(jobs, len(instances)), mp_context=ctx) as pool:
-            futures = [pool.submit(run, inst, end, share, tolerate, progress) for inst in instances]
-            for future in futures:  # grid order, whatever order they finish in
-                report.certificates.append(future.result())
-                if on_certificate is not None:
-                    on_certificate(report.certificates[-1])
+        if on_certificate is not None:
+            for cert in report.certificates:
+                on_certificate(cert)
         report.seconds = time.monotonic() - start
         return report
     for i, instance in enumerate(instances):
@@ -114,10 +110,50 @@ def explore_grid(
     return report
 
 
+# In a worker: how many instances have started (shared by the forked pool).
+_STARTED: Any = None
+
+
+def _init_worker(started: Any) -> None:
+    global _STARTED
+    _STARTED = started
+
+
+def _parallel(
+    instances: list[Instance],
+    factory: Callable[[Config], Target],
+    target: str,
+    depth: int,
+    max_states: int,
+    end: float | None,
+    out_dir: Path | None,
+    tolerate: Tolerate | None,
+    progress: Progress | None,
+    jobs: int,
+) -> list[Certificate]:
+    """The instances on `jobs` forked processes, certificates in grid order."""
+    ctx = multiprocessing.get_context("fork")
+    started = ctx.Value("i", 0)
+    run = functools.partial(
+        _one,
+        factory=factory,
+        target=target,
+        depth=depth,
+        max_states=max_states,
+        out_dir=out_dir,
+        total=len(instances),
+        jobs=min(jobs, len(instances)),
+    )
+    with ProcessPoolExecutor(
+        min(jobs, len(instances)), mp_context=ctx, initializer=_init_worker, initargs=(started,)
+    ) as pool:
+        futures = [pool.submit(run, inst, end, tolerate, progress) for inst in instances]
+        return [f.result() for f in futures]
+
+
 def _one(
     instance: Instance,
     end: float | None,
-    share: float | None,
     tolerate: Tolerate | None,
     progress: Progress | None,
     *,
@@ -126,13 +162,20 @@ def _one(
     depth: int,
     max_states: int,
     out_dir: Path | None,
+    total: int,
+    jobs: int,
 ) -> Certificate:
-    """One instance in a worker: its share of the budget from when it starts, never past `end`
-    (a monotonic clock is system-wide, so the parent's `end` holds here)."""
+    """One instance in a worker. Its share: what is left until `end` over the rounds of
+    `jobs` instances still to run, this one included (time an earlier instance left
+    passes on; a monotonic clock is system-wide, so the parent's `end` holds here)."""
     deadline = None
-    if end is not None and share is not None:
+    if end is not None:
+        with _STARTED.get_lock():
+            before = _STARTED.value
+            _STARTED.value += 1
         now = time.monotonic()
-        deadline = min(end, now + share)
+        rounds = -(-(total - before) // jobs)
+        deadline = min(end, now + (end - now) / rounds)
         if deadline - now < MIN_SHARE_S:
             cert = Certificate(instance.name, target, depth, depth_completed=0, states=0, new_states=[])
             cert.skipped = "the time budget was spent"
