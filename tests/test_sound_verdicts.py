@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from invariants.catalogue import AUDIT_ONLY, INVARIANTS, STATE_INVARIANTS, coverage_gaps
@@ -381,3 +382,39 @@ def _match(f: Any, message: str) -> dict[str, str]:
     m = re.fullmatch(f.message_pattern, message)
     assert m is not None
     return m.groupdict()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 3), min_size=1, max_size=120),
+    st.sampled_from([1, 2, 4, 16, 40]),
+    st.integers(0, 40),
+    st.data(),
+)
+def test_the_fast_range_walk_agrees_with_the_exact_subsequence_walk(
+    tokens: list[int], bs: int, plen: int, data: st.DataObject
+) -> None:
+    """`_name_blocks_of_range` (no prefix named, chunk compares) is the exact walk's
+    fast twin: True exactly when the hashes are an in-order subsequence of the
+    range's blocks. Corrupted hashes (a shifted block, a swapped pair) are drawn too."""
+    from invariants.catalogue.events import _name_blocks_of_range
+
+    parent = extend(None, [3] * plen) if plen else None
+    blocks = len(tokens) // bs
+    chain, p = [], parent
+    for i in range(blocks):
+        p = extend(p, tokens[i * bs : (i + 1) * bs])
+        chain.append(p)
+    picked = sorted(data.draw(st.sets(st.integers(0, max(blocks - 1, 0)), max_size=blocks)))
+    hashes = [chain[i] for i in picked]
+    how = data.draw(st.sampled_from(["as is", "shift", "swap"]))
+    if how == "shift" and hashes:
+        hashes[-1] = extend(parent, [t % 3 + 1 for t in tokens[: len(hashes[-1]) - (plen or 0)]])
+    elif how == "swap" and len(hashes) > 1:
+        hashes[0], hashes[1] = hashes[1], hashes[0]
+    j = 0
+    for b in chain:
+        if j < len(hashes) and hashes[j] is b:
+            j += 1
+    exact = j == len(hashes)
+    assert _name_blocks_of_range(parent, hashes, tuple(tokens), bs) == exact

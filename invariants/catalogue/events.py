@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from invariants.catalogue.context import CheckContext
 from model.observation import BlockStored
-from model.prefix import extend
+from model.prefix import Prefix, extend
 
 
 def events_match_hash_map(ctx: CheckContext) -> list[str]:
@@ -43,6 +45,8 @@ def stored_tokens_match_hashes(ctx: CheckContext) -> list[str]:
             )
         # With exactly the stored token ids the i-th hash is the i-th block; with
         # more, the hashes must be a subsequence of the range's blocks.
+        if len(tokens) != len(hashes) * bs and _name_blocks_of_range(ev.parent, hashes, tokens, bs):
+            continue
         chained, matched = ev.parent, 0
         for i in range(len(tokens) // bs):
             if matched == len(hashes):
@@ -57,3 +61,31 @@ def stored_tokens_match_hashes(ctx: CheckContext) -> list[str]:
                 f"BlockStored(group {ev.group}) hash {matched} does not chain from its parent and tokens"
             )
     return out
+
+
+def _name_blocks_of_range(
+    parent: Prefix | None, hashes: Sequence[Prefix], tokens: Sequence[int], bs: int
+) -> bool:
+    """Do `hashes` name, in order, whole blocks of `parent + tokens`? The fast
+    form of the subsequence walk for an event carrying a long range (a 1M-token
+    prompt's masked SWA blocks): the longest hash's content is compared chunk by
+    chunk against the tokens (no prefix is named), each shorter hash must be its
+    head. False sends the caller to the exact walk, which names the bad hash."""
+    if not hashes:
+        return True
+    base = 0 if parent is None else len(parent)
+    lengths = [len(h) - base for h in hashes]
+    if any(n <= 0 or n % bs or n > len(tokens) for n in lengths) or lengths != sorted(set(lengths)):
+        return False
+    last = hashes[-1]
+    below = last.head(base)
+    if below is not parent and not (parent is None and len(below) == 0):
+        return False
+    node: Prefix | None = last
+    while node is not None and node.length > base:
+        start = node.length - len(node.chunk)
+        lo = max(start, base)
+        if node.chunk[lo - start :] != tuple(tokens[lo - base : node.length - base]):
+            return False
+        node = node.parent
+    return all(hashes[i + 1].head(len(hashes[i])) is hashes[i] for i in range(len(hashes) - 1))
