@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -121,214 +122,252 @@ Tolerance = Callable[[Violation], object]
 none), or a falsy value for a new violation."""
 
 
+def _tolerate_nothing(v: Violation) -> object:
+    return None
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """The stateful fuzzer over one run's targets, written as Hypothesis's own examples write it.
+
+    The class is abstract over the run: a run binds its settings as class
+    attributes of a subclass, and the subclass's `setup` initialize rule is made
+    from its `config_strategy` when the subclass is created (`__init_subclass__`):
+
+        class DSV4Machine(AllocatorMachine):
+            target_factory = make_target          # Config -> Target
+            config_strategy = st.just(dsv4_tiny)  # the configurations examples draw
+            run_stats = FuzzStats()               # shared by every example (fresh if omitted)
+            tolerated = is_known                  # Violation -> known finding, or falsy (default: none)
+
+        TestDSV4 = DSV4Machine.TestCase
+
+    `build_machine(...)` does exactly this for a run's arguments. Every example
+    builds its target from the configuration it draws, then each rule applies an
+    operation through a `Checker`; a new violation raises `ViolationFound`, a
+    step past `run_stats.deadline` raises `BudgetSpent`, a tolerated one is
+    recorded in `run_stats.known`, and the end of each example is audited in full.
+    """
+
+    target_factory: ClassVar[Callable[[Config], Target]]
+    config_strategy: ClassVar[st.SearchStrategy[Config]]
+    run_stats: ClassVar[FuzzStats]
+    tolerated: ClassVar[Tolerance] = _tolerate_nothing
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "config_strategy" in cls.__dict__:
+            # The run's initialize rule; the base's `setup` is the plain method it wraps.
+            cls.setup = initialize(config=cls.config_strategy, data=st.data())(AllocatorMachine.setup)  # type: ignore[method-assign]
+        if not hasattr(cls, "run_stats"):
+            cls.run_stats = FuzzStats()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checker: Checker | None = None
+        self.failed = False
+        self.prefixes: list[tuple[int, ...]] = []
+        self.next_rid = 0
+
+    def setup(self, config: Config, data: st.DataObject) -> None:
+        """The initialize rule (bound per run in `__init_subclass__`): build the target, draw prompts."""
+        stats = self.run_stats
+        if stats.out_of_time():
+            raise BudgetSpent()
+        stats.examples += 1
+        try:
+            target = type(self).target_factory(config)
+        except Exception as exc:  # a target that cannot be built for a valid config: a finding
+            crash = Violation("crash", f"target construction: {type(exc).__name__}: {exc}")
+            raise self._report(ViolationFound([crash], config, [])) from exc
+        self.checker = Checker(target, audit_every=stats.audit_every)
+        stats.features.update(f"config: {name}" for name in config_features(config))
+        sbs = config.scheduler_block_size
+        self.prefixes = [
+            tuple(data.draw(st.lists(TOKENS, min_size=sbs + 1, max_size=3 * sbs), label="system prompt"))
+            for _ in range(2)
+        ]
+
+    # -- helpers ------------------------------------------------------
+    @property
+    def cfg(self) -> Config:
+        assert self.checker is not None
+        return self.checker.config
+
+    def _requests(self, pred: Callable[[object], bool]) -> list[str]:
+        assert self.checker is not None
+        return sorted(rid for rid, r in self.checker.model.requests.items() if pred(r))
+
+    def _do(self, op: Op) -> None:
+        assert self.checker is not None
+        stats = self.run_stats
+        if stats.out_of_time():
+            raise BudgetSpent()
+        before = self.checker.tables()
+        found = [v for v in self.checker.step(op) if not self._known(v)]
+        stats.steps += 1
+        free_len, pinned_len, cached, tables = self.checker.shape()
+        stats.features.update(self.checker.model.exercised)
+        self.checker.model.exercised.clear()
+        if isinstance(op, Step) and reused_across_requests(before, self.checker.last_obs):
+            stats.features["block freed by one request reused by another in one step"] += 1
+        stats.states.add((type(op).__name__, free_len // 2, pinned_len, min(cached, 12), tables))
+        if found:
+            self._fail(found)
+
+    def _report(self, failure: ViolationFound) -> ViolationFound:
+        """Mark this example failed and tell the run (its last failure, its listener)."""
+        self.failed = True
+        self.run_stats.last_failure = failure
+        if self.run_stats.on_violation is not None:
+            self.run_stats.on_violation(failure)
+        return failure
+
+    def _fail(self, found: list[Violation]) -> None:
+        assert self.checker is not None
+        raise self._report(ViolationFound(found, self.cfg, self.checker.ops))
+
+    def teardown(self) -> None:
+        """The end of every example is audited in full (nothing the fast path missed survives it)."""
+        if self.checker is None or self.failed or self.checker.audit_every == 1:
+            return
+        found = [v for v in self.checker.audit() if not self._known(v)]
+        if found:
+            self._fail(found)
+
+    def _known(self, v: Violation) -> bool:
+        finding = type(self).tolerated(v)
+        if not finding:
+            return False
+        ops = self.checker.ops if self.checker is not None else None
+        self.run_stats.known.record(str(getattr(finding, "id", v.check)), v, ops)
+        return True
+
+    def _count_hit(self, rid: str, hit: int) -> None:
+        """An admitted request's prompt and hit, for the run's hit rate."""
+        assert self.checker is not None
+        self.run_stats.prompt_tokens += len(self.checker.history.requests[rid].tokens)
+        self.run_stats.hit_tokens += hit
+
+    # -- rules --------------------------------------------------------
+    @precondition(lambda self: self.checker is not None and len(self.checker.model.requests) < 4)
+    @rule(data=st.data())
+    def add_request(self, data: st.DataObject) -> None:
+        sbs = self.cfg.scheduler_block_size
+        prefix = data.draw(st.sampled_from([*self.prefixes, ()]), label="prefix")
+        suffix = data.draw(st.lists(TOKENS, min_size=0 if prefix else 1, max_size=2 * sbs), label="suffix")
+        rid = f"r{self.next_rid}"
+        self.next_rid += 1
+        self._do(AddRequest(rid, tuple(prefix) + tuple(suffix)))
+
+    def _schedulable(self) -> list[str]:
+        return self._requests(lambda r: r.num_tokens < MAX_REQUEST_TOKENS)  # type: ignore[attr-defined]
+
+    @precondition(lambda self: self.checker is not None and bool(self._schedulable()))
+    @rule(data=st.data())
+    def advance(self, data: st.DataObject) -> None:
+        """A few scheduler steps for one request: chunks, decodes, samples."""
+        assert self.checker is not None
+        rid = data.draw(st.sampled_from(self._schedulable()), label="rid")
+        sbs = self.cfg.scheduler_block_size
+        budget = data.draw(st.sampled_from([1, 3, sbs, 2 * sbs, 4 * sbs, 64]), label="budget")
+        for _ in range(data.draw(st.integers(1, 6), label="steps")):
+            r = self.checker.model.requests[rid]
+            if r.num_tokens >= MAX_REQUEST_TOKENS:
+                return
+            if r.running and r.num_computed == r.num_tokens:
+                self._do(Sample(rid, data.draw(TOKENS, label="token")))
+                continue
+            self._do(Schedule(rid, budget))
+            obs = self.checker.last_obs
+            if isinstance(obs, ScheduleResult) and obs.hit is not None:
+                if not obs.admitted:
+                    return
+                self._count_hit(rid, obs.hit)
+
+    @precondition(lambda self: self.checker is not None and bool(self._schedulable()))
+    @rule(data=st.data())
+    def step_batch(self, data: st.DataObject) -> None:
+        """A few scheduler steps over every live request (FCFS, shared budget), each
+        followed by a sample for every request that computed all its tokens."""
+        assert self.checker is not None
+        sbs = self.cfg.scheduler_block_size
+        budget = data.draw(st.sampled_from([3, sbs, 2 * sbs, 4 * sbs, 64]), label="step budget")
+        for _ in range(data.draw(st.integers(1, 4), label="steps")):
+            for rid in self._arrival_order(self._requests(lambda r: r.running)):  # type: ignore[attr-defined]
+                r = self.checker.model.requests[rid]
+                if r.num_computed == r.num_tokens and r.num_tokens < MAX_REQUEST_TOKENS:
+                    self._do(Sample(rid, data.draw(TOKENS, label="token")))
+            # Below the size cap and not owing a sample (those reached the cap).
+            model_reqs = self.checker.model.requests
+            queue = [
+                rid
+                for rid in self._arrival_order(list(model_reqs))
+                if model_reqs[rid].num_tokens < MAX_REQUEST_TOKENS
+                and not (
+                    model_reqs[rid].running and model_reqs[rid].num_computed >= model_reqs[rid].num_tokens
+                )
+            ]
+            if not queue:
+                return
+            self._do(Step(tuple(queue), budget))
+            obs = self.checker.last_obs
+            if isinstance(obs, StepResult):
+                for rid, result in obs.results:
+                    if result.admitted and result.hit is not None:
+                        self._count_hit(rid, result.hit)
+
+    def _arrival_order(self, rids: list[str]) -> list[str]:
+        return sorted(rids, key=lambda rid: int(rid[1:]))
+
+    @precondition(lambda self: self.checker is not None and bool(self._requests(lambda r: True)))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        self._do(Finish(data.draw(st.sampled_from(self._requests(lambda r: True)), label="rid")))
+
+    @precondition(lambda self: self.checker is not None and bool(self._requests(lambda r: r.running)))  # type: ignore[attr-defined]
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        running = self._requests(lambda r: r.running)  # type: ignore[attr-defined]
+        self._do(Preempt(data.draw(st.sampled_from(running), label="rid")))
+
+    @precondition(lambda self: self.checker is not None and bool(self.checker.history.finished))
+    @rule(data=st.data())
+    def probe(self, data: st.DataObject) -> None:
+        assert self.checker is not None
+        known = [r.prompt for r in self.checker.history.all_requests()] + self.prefixes
+        base = data.draw(st.sampled_from(known), label="probe base")
+        extra = data.draw(st.lists(TOKENS, max_size=self.cfg.scheduler_block_size), label="probe extension")
+        self._do(Probe(tuple(base) + tuple(extra)))
+
+    @precondition(lambda self: self.checker is not None and self.checker.history.tick % 5 == 4)
+    @rule(data=st.data())
+    def maintenance(self, data: st.DataObject) -> None:
+        """Rare pool-wide operations: reset the prefix cache, evict blocks."""
+        if data.draw(st.integers(0, 3), label="reset?") == 0:
+            self._do(ResetPrefixCache())
+            return
+        ids = data.draw(
+            st.lists(st.integers(1, self.cfg.num_blocks - 1), min_size=1, max_size=3, unique=True),
+            label="blocks",
+        )
+        self._do(EvictBlocks(tuple(ids)))
+
+
 def build_machine(
     target_factory: Callable[[Config], Target],
     config_strategy: st.SearchStrategy[Config],
     stats: FuzzStats | None = None,
     tolerated: Tolerance | None = None,
-) -> type[RuleBasedStateMachine]:
-    """A state machine class that judges targets built by `target_factory`."""
-    run_stats = stats if stats is not None else FuzzStats()
-    is_tolerated: Tolerance = tolerated or (lambda v: None)
-
-    class AllocatorMachine(RuleBasedStateMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.checker: Checker | None = None
-            self.failed = False
-            self.prefixes: list[tuple[int, ...]] = []
-            self.next_rid = 0
-
-        @initialize(config=config_strategy, data=st.data())
-        def setup(self, config: Config, data: st.DataObject) -> None:
-            if run_stats.out_of_time():
-                raise BudgetSpent()
-            run_stats.examples += 1
-            try:
-                target = target_factory(config)
-            except Exception as exc:  # a target that cannot be built for a valid config: a finding
-                crash = Violation("crash", f"target construction: {type(exc).__name__}: {exc}")
-                self.failed = True
-                failure = ViolationFound([crash], config, [])
-                run_stats.last_failure = failure
-                if run_stats.on_violation is not None:
-                    run_stats.on_violation(failure)
-                raise failure from exc
-            self.checker = Checker(target, audit_every=run_stats.audit_every)
-            run_stats.features.update(f"config: {name}" for name in config_features(config))
-            sbs = config.scheduler_block_size
-            self.prefixes = [
-                tuple(data.draw(st.lists(TOKENS, min_size=sbs + 1, max_size=3 * sbs), label="system prompt"))
-                for _ in range(2)
-            ]
-
-        # -- helpers ------------------------------------------------------
-        @property
-        def cfg(self) -> Config:
-            assert self.checker is not None
-            return self.checker.config
-
-        def _requests(self, pred: Callable[[object], bool]) -> list[str]:
-            assert self.checker is not None
-            return sorted(rid for rid, r in self.checker.model.requests.items() if pred(r))
-
-        def _do(self, op: Op) -> None:
-            assert self.checker is not None
-            if run_stats.out_of_time():
-                raise BudgetSpent()
-            before = self.checker.tables()
-            found = [v for v in self.checker.step(op) if not self._known(v)]
-            run_stats.steps += 1
-            free_len, pinned_len, cached, tables = self.checker.shape()
-            run_stats.features.update(self.checker.model.exercised)
-            self.checker.model.exercised.clear()
-            if isinstance(op, Step) and reused_across_requests(before, self.checker.last_obs):
-                run_stats.features["block freed by one request reused by another in one step"] += 1
-            run_stats.states.add(
-                (
-                    type(op).__name__,
-                    free_len // 2,
-                    pinned_len,
-                    min(cached, 12),
-                    tables,
-                )
-            )
-            if found:
-                self._fail(found)
-
-        def _fail(self, found: list[Violation]) -> None:
-            assert self.checker is not None
-            self.failed = True
-            failure = ViolationFound(found, self.cfg, self.checker.ops)
-            run_stats.last_failure = failure
-            if run_stats.on_violation is not None:
-                run_stats.on_violation(failure)
-            raise failure
-
-        def teardown(self) -> None:
-            """The end of every example is audited in full (nothing the fast path missed survives it)."""
-            if self.checker is None or self.failed or self.checker.audit_every == 1:
-                return
-            found = [v for v in self.checker.audit() if not self._known(v)]
-            if found:
-                self._fail(found)
-
-        def _known(self, v: Violation) -> bool:
-            finding = is_tolerated(v)
-            if not finding:
-                return False
-            ops = self.checker.ops if self.checker is not None else None
-            run_stats.known.record(str(getattr(finding, "id", v.check)), v, ops)
-            return True
-
-        # -- rules --------------------------------------------------------
-        @precondition(lambda self: self.checker is not None and len(self.checker.model.requests) < 4)
-        @rule(data=st.data())
-        def add_request(self, data: st.DataObject) -> None:
-            sbs = self.cfg.scheduler_block_size
-            prefix = data.draw(st.sampled_from([*self.prefixes, ()]), label="prefix")
-            suffix = data.draw(
-                st.lists(TOKENS, min_size=0 if prefix else 1, max_size=2 * sbs), label="suffix"
-            )
-            rid = f"r{self.next_rid}"
-            self.next_rid += 1
-            self._do(AddRequest(rid, tuple(prefix) + tuple(suffix)))
-
-        def _schedulable(self) -> list[str]:
-            return self._requests(lambda r: r.num_tokens < MAX_REQUEST_TOKENS)  # type: ignore[attr-defined]
-
-        @precondition(lambda self: self.checker is not None and bool(self._schedulable()))
-        @rule(data=st.data())
-        def advance(self, data: st.DataObject) -> None:
-            """A few scheduler steps for one request: chunks, decodes, samples."""
-            assert self.checker is not None
-            rid = data.draw(st.sampled_from(self._schedulable()), label="rid")
-            sbs = self.cfg.scheduler_block_size
-            budget = data.draw(st.sampled_from([1, 3, sbs, 2 * sbs, 4 * sbs, 64]), label="budget")
-            for _ in range(data.draw(st.integers(1, 6), label="steps")):
-                r = self.checker.model.requests[rid]
-                if r.num_tokens >= MAX_REQUEST_TOKENS:
-                    return
-                if r.running and r.num_computed == r.num_tokens:
-                    self._do(Sample(rid, data.draw(TOKENS, label="token")))
-                    continue
-                self._do(Schedule(rid, budget))
-                obs = self.checker.last_obs
-                if isinstance(obs, ScheduleResult) and obs.hit is not None:
-                    if not obs.admitted:
-                        return
-                    run_stats.prompt_tokens += len(self.checker.history.requests[rid].tokens)
-                    run_stats.hit_tokens += obs.hit
-
-        @precondition(lambda self: self.checker is not None and bool(self._schedulable()))
-        @rule(data=st.data())
-        def step_batch(self, data: st.DataObject) -> None:
-            """A few scheduler steps over every live request (FCFS, shared budget), each
-            followed by a sample for every request that computed all its tokens."""
-            assert self.checker is not None
-            sbs = self.cfg.scheduler_block_size
-            budget = data.draw(st.sampled_from([3, sbs, 2 * sbs, 4 * sbs, 64]), label="step budget")
-            for _ in range(data.draw(st.integers(1, 4), label="steps")):
-                for rid in self._arrival_order(self._requests(lambda r: r.running)):  # type: ignore[attr-defined]
-                    r = self.checker.model.requests[rid]
-                    if r.num_computed == r.num_tokens and r.num_tokens < MAX_REQUEST_TOKENS:
-                        self._do(Sample(rid, data.draw(TOKENS, label="token")))
-                # Below the size cap and not owing a sample (those reached the cap).
-                model_reqs = self.checker.model.requests
-                queue = [
-                    rid
-                    for rid in self._arrival_order(list(model_reqs))
-                    if model_reqs[rid].num_tokens < MAX_REQUEST_TOKENS
-                    and not (
-                        model_reqs[rid].running and model_reqs[rid].num_computed >= model_reqs[rid].num_tokens
-                    )
-                ]
-                if not queue:
-                    return
-                self._do(Step(tuple(queue), budget))
-                obs = self.checker.last_obs
-                if isinstance(obs, StepResult):
-                    for rid, result in obs.results:
-                        if result.admitted and result.hit is not None:
-                            run_stats.prompt_tokens += len(self.checker.history.requests[rid].tokens)
-                            run_stats.hit_tokens += result.hit
-
-        def _arrival_order(self, rids: list[str]) -> list[str]:
-            return sorted(rids, key=lambda rid: int(rid[1:]))
-
-        @precondition(lambda self: self.checker is not None and bool(self._requests(lambda r: True)))
-        @rule(data=st.data())
-        def finish(self, data: st.DataObject) -> None:
-            self._do(Finish(data.draw(st.sampled_from(self._requests(lambda r: True)), label="rid")))
-
-        @precondition(lambda self: self.checker is not None and bool(self._requests(lambda r: r.running)))  # type: ignore[attr-defined]
-        @rule(data=st.data())
-        def preempt(self, data: st.DataObject) -> None:
-            running = self._requests(lambda r: r.running)  # type: ignore[attr-defined]
-            self._do(Preempt(data.draw(st.sampled_from(running), label="rid")))
-
-        @precondition(lambda self: self.checker is not None and bool(self.checker.history.finished))
-        @rule(data=st.data())
-        def probe(self, data: st.DataObject) -> None:
-            assert self.checker is not None
-            known = [r.prompt for r in self.checker.history.all_requests()] + self.prefixes
-            base = data.draw(st.sampled_from(known), label="probe base")
-            extra = data.draw(
-                st.lists(TOKENS, max_size=self.cfg.scheduler_block_size), label="probe extension"
-            )
-            self._do(Probe(tuple(base) + tuple(extra)))
-
-        @precondition(lambda self: self.checker is not None and self.checker.history.tick % 5 == 4)
-        @rule(data=st.data())
-        def maintenance(self, data: st.DataObject) -> None:
-            """Rare pool-wide operations: reset the prefix cache, evict blocks."""
-            if data.draw(st.integers(0, 3), label="reset?") == 0:
-                self._do(ResetPrefixCache())
-                return
-            ids = data.draw(
-                st.lists(st.integers(1, self.cfg.num_blocks - 1), min_size=1, max_size=3, unique=True),
-                label="blocks",
-            )
-            self._do(EvictBlocks(tuple(ids)))
-
-    return AllocatorMachine
+) -> type[AllocatorMachine]:
+    """A state machine class that judges targets built by `target_factory`: the
+    subclass of `AllocatorMachine` binding this run's settings (see its docstring)."""
+    bound: dict[str, object] = {
+        "target_factory": staticmethod(target_factory),
+        "config_strategy": config_strategy,
+        "run_stats": stats if stats is not None else FuzzStats(),
+        "__module__": __name__,
+        "__qualname__": "AllocatorMachine",
+    }
+    if tolerated is not None:
+        bound["tolerated"] = staticmethod(tolerated)
+    return type("AllocatorMachine", (AllocatorMachine,), bound)
