@@ -2,6 +2,11 @@
 conformance, known findings, the zoo, the simulator and the GPU check, as one
 table.
 
+The table is `ROWS`: each entry a small function that runs one check (or one
+check per target) and records its row(s) on the `VerifyRun`; they run in the
+listed order. A row that cannot run says why as a skipped row, never by
+disappearing.
+
 Exit codes: 0 "everything holds" (every row ran and held); 1 a row failed, or
 a row of a target named by `--require` was skipped; 3 "holds, N row(s)
 skipped": what ran held, but a target could not be imported, so its rows did
@@ -15,6 +20,7 @@ import importlib
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,20 +74,37 @@ def production_row(budget_s: float, seed: int, out: Path) -> tuple[str, str, str
     )
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    """The main job: proofs, fuzzing against every installed target, GPU check on CPU."""
-    rows: list[tuple[object, ...]] = []
-    cases: list[CaseResult] = []  # the same rows, for --junit-xml / --json
-    ok = True
+@dataclass
+class VerifyRun:
+    """One `kvretain verify`: its arguments and the rows recorded so far (the
+    table, the JUnit/JSON cases, the skipped rows, whether everything held)."""
+
+    args: argparse.Namespace
+    rows: list[tuple[object, ...]] = field(default_factory=list)
+    cases: list[CaseResult] = field(default_factory=list)  # the same rows, for --junit-xml / --json
+    skips: list[str] = field(default_factory=list)
+    ok: bool = True
+    modules: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.args.out)
 
     def record(
-        check: str, target: str, verdict: str, figure: str, seconds: float, good: bool, trace: Any = None
+        self,
+        check: str,
+        target: str,
+        verdict: str,
+        figure: str,
+        seconds: float,
+        good: bool,
+        trace: Any = None,
     ) -> None:
-        nonlocal ok
-        ok &= good
-        rows.append((check, target, verdict, figure, f"{seconds:.1f}"))
+        """A row that ran: held (`good`), failed, or an ERROR (a verdict starting so)."""
+        self.ok &= good
+        self.rows.append((check, target, verdict, figure, f"{seconds:.1f}"))
         outcome: Outcome = "passed" if good else ("error" if verdict.startswith("ERROR") else "failed")
-        cases.append(
+        self.cases.append(
             CaseResult(
                 f"{check} [{target}]",
                 check,
@@ -94,70 +117,107 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         print(f"[verify] {check} {target}: {verdict} ({figure})", file=sys.stderr, flush=True)
 
-    skips: list[str] = []
-
-    def skipped(check: str, target: str, reason: str) -> None:
-        nonlocal ok
-        required = target in (args.require or ())
-        ok &= not required
+    def skipped(self, check: str, target: str, reason: str) -> None:
+        """A row that did not run; a failure when `--require` names its target."""
+        required = target in (self.args.require or ())
+        self.ok &= not required
         verdict = "FAILED: required but skipped" if required else "skipped"
-        rows.append((check, target, verdict, reason[:70], "0.0"))
-        cases.append(
+        self.rows.append((check, target, verdict, reason[:70], "0.0"))
+        self.cases.append(
             CaseResult(f"{check} [{target}]", check, "failed" if required else "skipped", 0.0, reason)
         )
-        skips.append(f"{check} [{target}]")
+        self.skips.append(f"{check} [{target}]")
         print(f"[verify] {check} {target}: skipped: {reason}", file=sys.stderr, flush=True)
 
-    def imported(module: str) -> Any:
-        return import_row_module(module, record)
+    def imported(self, module: str) -> Any:
+        """The module behind a row, imported once (a failure is one ERROR row, then None)."""
+        if module not in self.modules:
+            self.modules[module] = import_row_module(module, self.record)
+        return self.modules[module]
 
-    theorems = imported("invariants.proofs.runner")
-    if theorems is not None:
-        t = time.monotonic()
-        results = theorems.run_theorems(progress=None)  # type: ignore[attr-defined]
-        proved = sum(r.expected_ok for r in results)
-        bad = [r.name for r in results if not r.expected_ok]
-        record(
-            "prove",
-            "model",
-            "holds" if not bad else "FAILED: " + ", ".join(bad[:3]),
-            f"{proved}/{len(results)} as expected",
-            time.monotonic() - t,
-            not bad,
-        )
-        if available_targets().get("vllm") is not None:
-            skipped("production link", "vllm", str(available_targets()["vllm"]))
-        else:
-            from invariants.proofs.production_link import run_production_link
+    def missing(self, target: str) -> str | None:
+        """Why `target` cannot run here, or None when it can."""
+        return available_targets().get(target)
 
-            t = time.monotonic()
-            link = run_production_link(quick=args.quick)
-            bad = [r.name for r in link if not r.expected_ok]
-            record(
-                "production link",
-                "vllm",
-                "holds" if not bad else "FAILED: " + ", ".join(bad),
-                f"{len(link)} vLLM formulas = model, exhaustive",
-                time.monotonic() - t,
-                not bad,
+    def finish(self) -> int:
+        """Print the table and the verdict line, write JUnit/JSON; the exit code."""
+        print(table(["check", "target", "verdict", "figure", "seconds"], self.rows))
+        rc = 1 if not self.ok else 3 if self.skips else 0
+        if rc == 0:
+            print("kvretain verify: everything holds")
+        elif rc == 3:
+            print(
+                f"kvretain verify: holds, {len(self.skips)} row(s) skipped (not checked): {', '.join(self.skips)}"
             )
+        else:
+            print("kvretain verify: FAILED")
+        write_results(self.args, "verify", self.cases, rc)
+        return rc
 
+
+# -- the rows -----------------------------------------------------------------
+
+
+def row_prove(run: VerifyRun) -> None:
+    """Every Z3 theorem, as expected (proved, or refuted where a refutation is the point)."""
+    theorems = run.imported("invariants.proofs.runner")
+    if theorems is None:
+        return
+    t = time.monotonic()
+    results = theorems.run_theorems(progress=None)
+    proved = sum(r.expected_ok for r in results)
+    bad = [r.name for r in results if not r.expected_ok]
+    run.record(
+        "prove",
+        "model",
+        "holds" if not bad else "FAILED: " + ", ".join(bad[:3]),
+        f"{proved}/{len(results)} as expected",
+        time.monotonic() - t,
+        not bad,
+    )
+
+
+def row_production_link(run: VerifyRun) -> None:
+    """vLLM's own formulas equal the model's, exhaustively (with the proofs only)."""
+    if run.imported("invariants.proofs.runner") is None:
+        return
+    missing = run.missing("vllm")
+    if missing is not None:
+        run.skipped("production link", "vllm", str(missing))
+        return
+    from invariants.proofs.production_link import run_production_link
+
+    t = time.monotonic()
+    link = run_production_link(quick=run.args.quick)
+    bad = [r.name for r in link if not r.expected_ok]
+    run.record(
+        "production link",
+        "vllm",
+        "holds" if not bad else "FAILED: " + ", ".join(bad),
+        f"{len(link)} vLLM formulas = model, exhaustive",
+        time.monotonic() - t,
+        not bad,
+    )
+
+
+def row_fuzz(run: VerifyRun) -> None:
+    """One fuzz row per target but the model (skipped where it cannot be imported)."""
     from invariants.harness.fuzz import format_failure, run_fuzz
 
-    budget = 20.0 if args.quick else args.budget_s
-    steps = 400 if args.quick else args.steps
+    budget = 20.0 if run.args.quick else run.args.budget_s
+    steps = 400 if run.args.quick else run.args.steps
     for name, reason in available_targets().items():
         if name == "model":
             continue
         if reason is not None:
-            skipped("fuzz", name, reason)
+            run.skipped("fuzz", name, reason)
             continue
         report = run_fuzz(
-            name, steps=steps, seed=args.seed, budget_s=budget, out_dir=Path(args.out), progress=True
+            name, steps=steps, seed=run.args.seed, budget_s=budget, out_dir=run.out, progress=True
         )
         if report.failure is not None:
             print(format_failure(report))
-        record(
+        run.record(
             "fuzz",
             name,
             report.verdict,
@@ -167,41 +227,53 @@ def cmd_verify(args: argparse.Namespace) -> int:
             report.trace_path,
         )
 
-    vllm_missing = available_targets().get("vllm")
-    if vllm_missing is None:
-        record(*production_row(20.0 if args.quick else args.budget_s, args.seed, Path(args.out)))
 
-        from invariants.harness.conformance import run_conformance
+def row_production_scale(run: VerifyRun) -> None:
+    """vLLM at its own presets' sizes (`production_row`)."""
+    missing = run.missing("vllm")
+    if missing is not None:
+        run.skipped("fuzz (production scale)", "vllm", missing)
+        return
+    run.record(*production_row(20.0 if run.args.quick else run.args.budget_s, run.args.seed, run.out))
 
-        t = time.monotonic()
-        conf_rows: list[Any] = []
-        rc = run_conformance(
-            steps=300 if args.quick else 1500,
-            budget_s=10.0 if args.quick else 30.0,
-            seed=args.seed,
-            out=Path(args.out),
-            sink=conf_rows,
-        )
-        record(
-            "conformance",
-            "vllm",
-            "agrees with the model" if rc == 0 else "FINDING (see above)",
-            f"{len(conf_rows)} feature rows",
-            time.monotonic() - t,
-            rc == 0,
-            next((r.trace for r in conf_rows if r.trace), None),
-        )
-    else:
-        skipped("fuzz (production scale)", "vllm", vllm_missing)
-        skipped("conformance", "vllm", vllm_missing)
 
+def row_conformance(run: VerifyRun) -> None:
+    """vLLM against the model, feature by feature."""
+    missing = run.missing("vllm")
+    if missing is not None:
+        run.skipped("conformance", "vllm", missing)
+        return
+    from invariants.harness.conformance import run_conformance
+
+    t = time.monotonic()
+    conf_rows: list[Any] = []
+    rc = run_conformance(
+        steps=300 if run.args.quick else 1500,
+        budget_s=10.0 if run.args.quick else 30.0,
+        seed=run.args.seed,
+        out=run.out,
+        sink=conf_rows,
+    )
+    run.record(
+        "conformance",
+        "vllm",
+        "agrees with the model" if rc == 0 else "FINDING (see above)",
+        f"{len(conf_rows)} feature rows",
+        time.monotonic() - t,
+        rc == 0,
+        next((r.trace for r in conf_rows if r.trace), None),
+    )
+
+
+def row_known_findings(run: VerifyRun) -> None:
+    """Every known finding still reproduces on every usable target (a fixed one must be retired)."""
     from invariants.harness.known_findings import recheck_known_findings
 
     t = time.monotonic()
     usable = {n for n, why in available_targets().items() if why is None}
     rechecked = recheck_known_findings(usable)
     gone = [f"{fid} on {tgt}" for fid, tgt, still in rechecked if not still]
-    record(
+    run.record(
         "known findings",
         ",".join(sorted(usable)),
         "all reproduce" if not gone else "NO LONGER REPRODUCE: " + "; ".join(gone),
@@ -210,41 +282,65 @@ def cmd_verify(args: argparse.Namespace) -> int:
         not gone,
     )
 
-    zoo = imported("invariants.cli.zoo")
+
+def row_zoo(run: VerifyRun) -> None:
+    """Every mutant of the zoo killed."""
+    zoo = run.imported("invariants.cli.zoo")
     if zoo is not None:
-        record(*zoo.verify_row(quick=args.quick))
+        run.record(*zoo.verify_row(quick=run.args.quick))
 
-    explore = imported("invariants.cli.explore")
-    if explore is not None and vllm_missing is not None:
-        skipped("explore", "vllm", vllm_missing)
-    elif explore is not None:  # every sequence of the small grid, model against vLLM
-        record(*explore.verify_row("vllm", quick=args.quick, out=Path(args.out) / "explore"))
 
-    sim = imported("invariants.cli.simulate")
-    if sim is not None:
-        # Small scale keeps verify fast; `kvretain simulate all --scale full` gives the real sizes.
-        check, target, verdict, figure, seconds, good = sim.verify_row(
-            quick=True, out=Path(args.out) / "simulate"
-        )
-        record(check, target, verdict, f"report in {Path(args.out) / 'simulate'}", seconds, good)
+def row_explore(run: VerifyRun) -> None:
+    """Every sequence of the small grid, model against vLLM."""
+    explore = run.imported("invariants.cli.explore")
+    if explore is None:
+        return
+    missing = run.missing("vllm")
+    if missing is not None:
+        run.skipped("explore", "vllm", missing)
+    else:
+        run.record(*explore.verify_row("vllm", quick=run.args.quick, out=run.out / "explore"))
 
-    # The GPU check's row comes through the kvretain.commands entry point (gpu_check
-    # imports invariants, never the reverse); a group without verify_row adds no row.
+
+def row_simulate(run: VerifyRun) -> None:
+    """The seed scenarios at small scale (`kvretain simulate all --scale full` gives the real sizes)."""
+    sim = run.imported("invariants.cli.simulate")
+    if sim is None:
+        return
+    check, target, verdict, figure, seconds, good = sim.verify_row(quick=True, out=run.out / "simulate")
+    run.record(check, target, verdict, f"report in {run.out / 'simulate'}", seconds, good)
+
+
+def row_plugins(run: VerifyRun) -> None:
+    """The GPU check's row comes through the kvretain.commands entry point (gpu_check
+    imports invariants, never the reverse); a group without verify_row adds no row."""
     from invariants.cli.main import command_plugins
 
     for plugin in command_plugins().values():
-        verify_row = getattr(imported(plugin.module), "verify_row", None)
+        verify_row = getattr(run.imported(plugin.module), "verify_row", None)
         if verify_row is not None:
-            check, target, verdict, figure, seconds, good = verify_row(quick=args.quick)
-            record(check, target, verdict, figure, seconds, good)
+            check, target, verdict, figure, seconds, good = verify_row(quick=run.args.quick)
+            run.record(check, target, verdict, figure, seconds, good)
 
-    print(table(["check", "target", "verdict", "figure", "seconds"], rows))
-    rc = 1 if not ok else 3 if skips else 0
-    if rc == 0:
-        print("kvretain verify: everything holds")
-    elif rc == 3:
-        print(f"kvretain verify: holds, {len(skips)} row(s) skipped (not checked): {', '.join(skips)}")
-    else:
-        print("kvretain verify: FAILED")
-    write_results(args, "verify", cases, rc)
-    return rc
+
+ROWS: list[Callable[[VerifyRun], None]] = [
+    row_prove,
+    row_production_link,
+    row_fuzz,
+    row_production_scale,
+    row_conformance,
+    row_known_findings,
+    row_zoo,
+    row_explore,
+    row_simulate,
+    row_plugins,
+]
+"""The verify table, in order: each function records its row(s) on the run."""
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """The main job: proofs, fuzzing against every installed target, GPU check on CPU."""
+    run = VerifyRun(args)
+    for row in ROWS:
+        row(run)
+    return run.finish()
