@@ -24,7 +24,6 @@ from model.fine_mamba import (
     Copy,
     KeyLayout,
     coarse_keys,
-    eagle_margin,
     ends_inside_block,
     fine_full_hit,
     fine_hits_enabled,
@@ -32,8 +31,9 @@ from model.fine_mamba import (
     is_fine_lookup,
     retained_endpoints,
 )
+from model.hybrid_hit import HitRules, reconcile
 from model.lookup import full_hit, mamba_hit, swa_hit
-from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks, swa_tail_blocks
+from model.masks import cdiv, swa_tail_blocks
 from model.observation import (
     BlockKey,
     Done,
@@ -60,8 +60,8 @@ from model.ops import (
 )
 from model.pool import Pool
 from model.prefix import joined
-from model.profile import MODELED, Profile
-from model.scheduling import mamba_checkpoint_position, mamba_chunk
+from model.profile import MODELED, Profile, rules_of
+from model.scheduling import mamba_chunk
 
 
 @dataclass
@@ -116,12 +116,14 @@ class AllocatorModel:
     def __init__(self, config: Config, events: str = "seed", profile: Profile = MODELED) -> None:
         self.cfg = validate(config)
         self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
+        # The rule of each mechanism for that release: the model composes these, never reads a switch.
+        self.rules = rules_of(profile)
         self.pool = Pool(
             config.num_blocks,
             config.hash_block_size,
             config.enable_caching,
             events,
-            caching_off_to_head=profile.caching_off_free_to_head,
+            caching_off_to_head=self.rules.caching_off.to_head,
             groups=config.groups,  # the spec kind and window of each group's events
         )
         self.groups = [GroupState(i, g) for i, g in enumerate(config.groups)]
@@ -129,6 +131,13 @@ class AllocatorModel:
         self.hybrid = len(config.groups) > 1
         self.fine = fine_hits_enabled(config)
         self.alignment = config.hash_block_size if self.fine else config.scheduler_block_size
+        self.hit_rules = HitRules(
+            self.cfg,
+            looks_past=self.rules.looks_past,
+            margin_reach=self.rules.margin_reach,
+            full_bound=self.rules.full_bound,
+            junction=self.rules.junction,
+        )
         # How often each rule that only some traces reach fired (the fuzz summary reports them).
         self.exercised: Counter[str] = Counter()
 
@@ -366,82 +375,14 @@ class AllocatorModel:
             return {0: layout}, hit, 0
         return self._reconcile_hybrid_hit(tokens, max_len)
 
-    def _spec_groups(self) -> list[list[int]]:
-        """Group ids sharing one spec (looked up together), full attention first.
-
-        Full attention goes first because its hit is downward closed: the
-        tightest first bound, and later rounds only trim it.
-        """
-        by_spec: dict[tuple[object, ...], list[int]] = {}
-        for g in self.groups:
-            by_spec.setdefault((g.spec.kind, g.spec.block_size, g.spec.sliding_window), []).append(g.gid)
-        return sorted(by_spec.values(), key=lambda gids: self.groups[gids[0]].spec.kind != "full")
-
     def _reconcile_hybrid_hit(self, tokens: Tokens, max_len: int) -> tuple[dict[int, KeyLayout], int, int]:
-        """Lower the candidate hit until every spec group serves it (a fixed point).
+        """The hybrid fixed point (`model.hybrid_hit.reconcile`) over this model's finders."""
 
-        Each spec group either accepts the candidate or lowers it; a lowered
-        candidate restarts the round, since a group that accepted the longer
-        one may not serve the shorter (SWA and Mamba hits are not downward
-        closed). The longest hit any group reached alone, when it exceeds the
-        reconciled hit, is the junction: a shared prefix that a sparse-retention
-        group has not cached yet.
-        """
+        def find(spec: GroupSpec, gids: list[int], limit: int, drop: bool) -> tuple[KeyLayout, int]:
+            return self._finder(tokens, spec, gids, limit, drop, self.alignment)
+
         hashed_len = len(tokens) // self.cfg.hash_block_size * self.cfg.hash_block_size
-        spec_groups = self._spec_groups()
-        full_first = self.groups[spec_groups[0][0]].spec.kind == "full"
-        # Full attention plus one other spec: the other group's answer is final.
-        single_round = len(spec_groups) == 2 and full_first
-        layouts: dict[int, KeyLayout] = {}
-        group_hit: dict[int, int] = {}
-        hit = max_len
-        longest_group_hit = 0
-        # Spec groups whose Eagle block was already dropped at the current candidate:
-        # dropping it again would lower the hit twice.
-        eagle_dropped: set[int] = set()
-        while True:
-            candidate = hit
-            for idx, gids in enumerate(spec_groups):
-                spec = self.groups[gids[0]].spec
-                if spec.kind == "full" and gids[0] in layouts:
-                    # Downward closed: a shorter candidate only trims the layout found first.
-                    if self.profile.eagle_margin_skips_mamba:
-                        candidate = min(candidate, group_hit[gids[0]])
-                    else:  # before #46384 only re-aligned (model.profile)
-                        candidate = candidate // spec.block_size * spec.block_size
-                    continue
-                drop_eagle = self.cfg.eagle and idx not in eagle_dropped
-                limit = candidate
-                # Mamba's finder never drops: no margin for it since #46384 (model.profile).
-                margin = spec.kind != "mamba" or not self.profile.eagle_margin_skips_mamba
-                if drop_eagle and margin:
-                    # Look one drop unit past the candidate so the Eagle drop lands back on
-                    # it, but never past the hashed tokens (0.32.0 on; before, the lookup
-                    # limit).
-                    reach = hashed_len if self.profile.eagle_margin_to_hashed else max_len
-                    limit = min(candidate + eagle_margin(self.cfg, spec.kind, spec.block_size), reach)
-                layout, this_hit = self._finder(tokens, spec, gids, limit, drop_eagle, self.alignment)
-                if drop_eagle:
-                    eagle_dropped.add(idx)
-                elif this_hit < candidate:
-                    # A lower candidate voids the earlier groups' Eagle drops.
-                    eagle_dropped.clear()
-                candidate = this_hit
-                for gid in gids:
-                    layouts[gid], group_hit[gid] = layout, this_hit
-                longest_group_hit = max(longest_group_hit, candidate)
-            if candidate >= hit:
-                break  # nobody lowered it: every group serves `hit`
-            hit = candidate
-            if single_round:
-                break
-        for g in self.groups:
-            if g.spec.kind == "full":
-                layouts[g.gid] = layouts[g.gid][: cdiv(hit, g.bs)]
-        shared_prefix_boundary = longest_group_hit if longest_group_hit > hit else 0
-        if not self.profile.shared_prefix_junction:  # no junction before 0.26.0 (model.profile)
-            shared_prefix_boundary = 0
-        return layouts, hit, shared_prefix_boundary
+        return reconcile([g.spec for g in self.groups], find, max_len, hashed_len, self.hit_rules)
 
     def _hit_blocks(self, tokens: Tokens, layouts: dict[int, KeyLayout]) -> tuple[tuple[int, ...], ...]:
         out = []
@@ -496,21 +437,18 @@ class AllocatorModel:
         if _align(g):
             table = g.table(rid)
             if skipped > 0:
-                first = g.retired.get(rid, 0)
                 last = min(skipped // g.bs, len(table))
-                if not self.profile.mamba_retire_past_nulls:  # before 0.30.0 (model.profile)
-                    first = next((i + 1 for i in range(last - 1, -1, -1) if not table[i]), 0)
+                first = self.rules.retirement(table, g.retired.get(rid, 0), last)  # model.mamba
                 if first < last:
                     freed = [table[i] for i in range(last - 1, first - 1, -1) if table[i]]
                     for i in range(first, last):
                         table[i] = 0
                     if freed:
-                        self.pool.free(freed, append_all=self.profile.free_order == "append")
+                        self.pool.free(freed, append_all=self.rules.free_order.skipped_to_tail)
                     g.retired[rid] = last
             prev = g.last_state.get(rid)
             if prev is not None and prev < cdiv(computed, g.bs) - 1 and table[prev]:
-                # Before #43447 the stale state went to the tail (model.profile free_order).
-                self.pool.free([table[prev]], append_all=self.profile.free_order != "pool")
+                self.pool.free([table[prev]], append_all=self.rules.free_order.stale_state_to_tail)
                 table[prev] = 0
             return
         if skipped <= 0:
@@ -527,7 +465,7 @@ class AllocatorModel:
         if g.spec.kind == "swa" and self.cfg.pin_swa_on_drop and len(freed) >= self.cfg.pin_min_drop_blocks:
             assert g.spec.sliding_window is not None
             self.pool.pin(freed[: swa_tail_blocks(g.spec.sliding_window, g.bs, self.cfg.eagle)])
-        self.pool.free(freed, append_all=self.profile.free_order == "append")
+        self.pool.free(freed, append_all=self.rules.free_order.skipped_to_tail)
 
     def _blocks_to_allocate(
         self, g: GroupState, rid: str, num_tokens: int, hits: tuple[int, ...], local: int, main: int
@@ -570,9 +508,7 @@ class AllocatorModel:
         copy = ends_inside_block(len(hits), local, g.bs) or rid in g.partial
         if copy:
             new = max(new, 0) + 1
-        if not self.profile.mamba_count_capped and new > 0:  # 0.26.0 .. 0.30.0 (model.profile)
-            return 1 + copy + self._num_evictable(hits)
-        return min(new, 1 + copy) + self._num_evictable(hits)
+        return self.rules.count(new, copy) + self._num_evictable(hits)  # model.mamba
 
     def _num_evictable(self, blocks: tuple[int, ...]) -> int:
         """Hit blocks still in a free queue (ref 0); the null block is not one."""
@@ -662,19 +598,11 @@ class AllocatorModel:
         if not self.hybrid or self.fine:
             # Fine-grained hits may end at any hash boundary: nothing to floor.
             return n
-        if not self.profile.block_mask:  # before #42258 no group floors to the hit grid (model.profile)
-            return n
-        sbs = self.cfg.scheduler_block_size
-        aligned = n // sbs * sbs
-        # Eagle's peek block past the boundary: with #44082 (model.profile eagle_aware_mask).
-        if self.cfg.eagle and aligned > 0 and self.profile.eagle_aware_mask:
-            return min(n, aligned + g.bs)
-        return aligned
+        return self.rules.cacheable(n, self.cfg.scheduler_block_size, g.bs, self.cfg.eagle)  # model.masks
 
     def _cache_blocks(self, req: RequestState, num_tokens: int) -> None:
         cfg = self.cfg
-        eagle_aware = cfg.eagle and self.profile.eagle_replay_boundaries  # 0.30.0 on (model.profile)
-        boundaries = list(replay_boundaries(len(req.prompt), cfg.scheduler_block_size, eagle_aware))
+        boundaries = list(self.rules.replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle))
         tokens = req.tokens
         hashed = req.num_tokens // cfg.hash_block_size * cfg.hash_block_size
         for g in self.groups:
@@ -684,17 +612,14 @@ class AllocatorModel:
             if before < num_full:
                 reach = list(boundaries)
                 if req.shared_prefix_boundary:
-                    reach.append(req.shared_prefix_boundary)
-                    if cfg.eagle and self.profile.eagle_junction_peek:  # 0.33.0 on (model.profile)
-                        reach.append(req.shared_prefix_boundary - g.bs)
+                    reach += self.rules.junction_reach(req.shared_prefix_boundary, g.bs, cfg.eagle)
                 kept = self._kept(g, before, num_full, reach)
                 self.pool.cache_full_blocks(tokens, g.table(req.rid), before, num_full, g.bs, g.gid, kept)
                 g.num_cached[req.rid] = num_full
-            partial = self.profile.partial_tail  # partial entries: #46384 (model.profile)
-            if g.spec.kind == "full" and g.bs != cfg.hash_block_size and partial:
+            if g.spec.kind == "full" and g.bs != cfg.hash_block_size:
                 self._cache_full_partial_tail(g, req, n)
             if g.spec.kind == "mamba":
-                key = self._cache_mamba_partial_tail(g, req, n) if partial else None
+                key = self._cache_mamba_partial_tail(g, req, n)
                 if key is not None:
                     g.cached_this_step.add(key)
                 table = g.table(req.rid)
@@ -703,33 +628,32 @@ class AllocatorModel:
                         g.cached_this_step.add(self.pool.primary[table[i]])
 
     def _kept(self, g: GroupState, start: int, end: int, boundaries: list[int]) -> set[int] | None:
+        """The blocks in [start, end) the group caches (None: all), by the release's masks (`model.masks`)."""
         r = self.cfg.retention_interval
-        if not self.profile.block_mask:  # before #42258 every full block is cached (model.profile)
-            return None
         if g.spec.kind == "swa":
             assert g.spec.sliding_window is not None
-            return swa_kept_blocks(
+            return self.rules.swa_mask(
                 start,
                 end,
                 block_size=g.bs,
                 window=g.spec.sliding_window,
                 alignment=self.alignment,
-                eagle=self.cfg.eagle and self.profile.eagle_aware_mask,  # #44082 (model.profile)
+                eagle=self.cfg.eagle,
                 retention=r,
                 boundaries=boundaries,
             )
-        if g.spec.kind == "mamba" and self.profile.mamba_retention:  # #45845 (model.profile)
-            return mamba_kept_blocks(
+        if g.spec.kind == "mamba":
+            return self.rules.mamba_mask(
                 start, end, block_size=g.bs, alignment=self.alignment, retention=r, boundaries=boundaries
             )
         return None
 
     def _cache_full_partial_tail(self, g: GroupState, req: RequestState, num_tokens: int) -> None:
-        """Full attention with bs != hbs keys the prompt's last hash boundary inside its block."""
-        hbs = self.cfg.hash_block_size
-        excludes_last = not self.cfg.eagle and self.profile.partial_tail_excludes_last_token  # 0.32.0 on
-        limit = len(req.prompt) - 1 if excludes_last else len(req.prompt)
-        boundary = min(limit // hbs, req.num_tokens // hbs) * hbs
+        """Full attention with bs != hbs keys the prompt's last hash boundary inside its block
+        (`model.partial_tails`)."""
+        boundary = self.rules.full_tail(
+            len(req.prompt), req.num_tokens, self.cfg.hash_block_size, self.cfg.eagle
+        )
         if boundary == 0 or boundary > num_tokens or boundary % g.bs == 0:
             return
         table = g.table(req.rid)
@@ -741,15 +665,8 @@ class AllocatorModel:
         hbs = self.cfg.hash_block_size
         if num_tokens <= 0 or num_tokens % hbs:
             return None
-        rule = self.profile.mamba_checkpoint
-        if rule == "any_block":
-            checkpoint = mamba_checkpoint_position(len(req.prompt), hbs, self.cfg.eagle)
-        else:  # 0.26.0 .. 0.31.0: inside a block only, floored from the whole prompt (model.profile)
-            if num_tokens % g.bs == 0:
-                return None
-            drop = hbs if self.cfg.eagle and rule == "in_block_drop" else 0
-            checkpoint = max(len(req.prompt) // hbs * hbs - drop, 0)
-        if num_tokens != checkpoint:
+        checkpoint = self.rules.checkpoint(num_tokens, len(req.prompt), hbs, g.bs, self.cfg.eagle)
+        if num_tokens != checkpoint:  # model.partial_tails
             return None
         idx = cdiv(num_tokens, g.bs) - 1
         table = g.table(req.rid)
@@ -773,10 +690,7 @@ class AllocatorModel:
                 d.pop(rid, None)
             g.allocated.discard(rid)
             # Null blocks (positions that left a window or a Mamba state) are skipped by the pool.
-            # Before #43447 a finished request's blocks went to the tail, except SWA's
-            # own split in "caller" (model.profile free_order).
-            order = self.profile.free_order
-            append_all = order == "append" or (order == "caller" and g.spec.kind != "swa")
+            append_all = g.spec.kind in self.rules.free_order.finished_to_tail  # model.routing
             self.pool.free(reversed(table), append_all=append_all)
 
 

@@ -19,11 +19,28 @@ Mamba (#45845, vLLM `MambaManager.reachable_block_mask`): one state block per
 retained boundary, no Eagle shift. Dense keeps all; retention k keeps the last
 block of every k-token segment (dense when a segment is one block); the
 reachable boundaries are kept for 0 and k.
+
+Cacheable length (#42258, the hybrid coordinator's `cache_blocks`): in a
+hybrid model no group caches past the hit grid (the scheduler block), since no
+hit can end there; with Eagle (#44082) each group may cache its peek block
+past the grid (`floor_with_peek`). Fine-grained hits (`model.fine_mamba`) put
+the grid at every hash block: nothing is floored.
+
+Release variants, keyed by the `model.profile.Profile` switches that select
+them (each rule's docstring names its releases):
+- `CACHEABLE[block_mask, eagle_aware_mask]`: the cacheable length;
+- `SWA_MASKS[block_mask, eagle_aware_mask]`: the SWA mask;
+- `MAMBA_MASKS[block_mask, mamba_retention]`: the Mamba mask.
+Before the mask (0.21.0) every full block of every group is cached
+(`every_block`), whatever the other two switches say.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+
+# The boundaries a replay resumes at are an Eagle rule; their home is `model.eagle`.
+from model.eagle import replay_boundaries as replay_boundaries
 
 
 def cdiv(a: int, b: int) -> int:
@@ -51,6 +68,7 @@ def swa_kept_blocks(
     retention: int | None,
     boundaries: Iterable[int] = (),
 ) -> set[int] | None:
+    """The SWA mask (module docstring): 0.23.0 on (#42258, Eagle-aware since #44082)."""
     if alignment % block_size:
         return None
     need = swa_tail_blocks(window, block_size, eagle)
@@ -79,6 +97,7 @@ def mamba_kept_blocks(
     retention: int | None,
     boundaries: Iterable[int] = (),
 ) -> set[int] | None:
+    """The Mamba mask (module docstring): 0.24.0 on (#45845)."""
     if retention is None:
         return None
     kept: set[int] = set()
@@ -94,16 +113,76 @@ def mamba_kept_blocks(
     return kept
 
 
-def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, eagle: bool) -> tuple[int, ...]:
-    """Where a later request replaying this prompt can resume (vLLM `replay_boundaries`).
+# ------------------------------------------------------------------ variants
+def every_block(start: int, end: int, **_: object) -> set[int] | None:
+    """0.21.0 (before #42258) for every group; 0.22.0, 0.23.0 (before #45845) for
+    Mamba: no mask, every full block is cached (dense)."""
+    return None
 
-    A resend is capped at P-1 tokens. With Eagle the hit lands one block below
-    the last aligned boundary, for the resend and for a longer sibling; the two
-    differ only when P is block-aligned.
-    """
-    if not eagle:
-        return (num_prompt_tokens - 1,)
-    sbs = scheduler_block_size
-    resend = (num_prompt_tokens - 1) // sbs * sbs
-    extension = num_prompt_tokens // sbs * sbs
-    return tuple(sorted({max(resend - sbs, 0), max(extension - sbs, 0)}))
+
+def swa_kept_blocks_eagle_blind(
+    start: int,
+    end: int,
+    *,
+    block_size: int,
+    window: int,
+    alignment: int,
+    eagle: bool,
+    retention: int | None,
+    boundaries: Iterable[int] = (),
+) -> set[int] | None:
+    """0.22.0 (#42258, before #44082): the SWA mask ignores Eagle: no peek block,
+    no shift (the known finding `vllm-swa-mask-drops-eagle-peek`)."""
+    return swa_kept_blocks(
+        start,
+        end,
+        block_size=block_size,
+        window=window,
+        alignment=alignment,
+        eagle=False,
+        retention=retention,
+        boundaries=boundaries,
+    )
+
+
+Mask = Callable[..., "set[int] | None"]
+"""(start, end, *, block_size, [window,] alignment, [eagle,] retention, boundaries) -> kept or None."""
+
+SWA_MASKS: dict[tuple[bool, bool], Mask] = {
+    (True, True): swa_kept_blocks,  # 0.23.0 on (#44082)
+    (True, False): swa_kept_blocks_eagle_blind,
+    (False, True): every_block,
+    (False, False): every_block,
+}
+MAMBA_MASKS: dict[tuple[bool, bool], Mask] = {
+    (True, True): mamba_kept_blocks,  # 0.24.0 on (#45845)
+    (True, False): every_block,
+    (False, True): every_block,
+    (False, False): every_block,
+}
+
+
+def floor_with_peek(n: int, scheduler_block_size: int, block_size: int, eagle: bool) -> int:
+    """0.23.0 on (#44082): floored to the hit grid, and under Eagle up to one of
+    the group's blocks past it (the peek block)."""
+    aligned = n // scheduler_block_size * scheduler_block_size
+    return min(n, aligned + block_size) if eagle and aligned > 0 else aligned
+
+
+def floor_to_grid(n: int, scheduler_block_size: int, block_size: int, eagle: bool) -> int:
+    """0.22.0 (#42258, before #44082): floored to the hit grid, whatever Eagle."""
+    return n // scheduler_block_size * scheduler_block_size
+
+
+def all_tokens(n: int, scheduler_block_size: int, block_size: int, eagle: bool) -> int:
+    """0.21.0 (before #42258): no group floors to the hit grid."""
+    return n
+
+
+Cacheable = Callable[[int, int, int, bool], int]
+CACHEABLE: dict[tuple[bool, bool], Cacheable] = {
+    (True, True): floor_with_peek,
+    (True, False): floor_to_grid,
+    (False, True): all_tokens,
+    (False, False): all_tokens,
+}

@@ -3,9 +3,31 @@
 The model predicts vLLM 0.33.0's design by default. An older release predates
 some mechanisms; the release matrix builds the model with that release's
 profile so that a remaining disagreement is a defect of the release, not a
-mechanism it did not have yet. Every switch names the rule it changes and the
-upstream change that introduced the 0.33.0 behaviour; the rule that reads it
-keeps a one-line comment pointing back here.
+mechanism it did not have yet.
+
+A profile is data. Each switch selects, from the variant tables of the
+mechanism modules, the rules of the releases that share its value
+(`rules_of`, the one table from switches to rules); `AllocatorModel` composes
+the `Rules` it gets and never reads a switch. Each variant's docstring (or
+`since`) names the releases that have it and the upstream change, where one is
+known:
+
+| switch                             | module                 | rules it selects          |
+|------------------------------------|------------------------|---------------------------|
+| `free_order`                       | `model.routing`        | `FREE_ORDERS`             |
+| `caching_off_free_to_head`         | `model.routing`        | `CACHING_OFF_ORDERS`      |
+| `block_mask`, `eagle_aware_mask`   | `model.masks`          | `CACHEABLE`, `SWA_MASKS`  |
+| `block_mask`, `mamba_retention`    | `model.masks`          | `MAMBA_MASKS`             |
+| `eagle_replay_boundaries`          | `model.eagle`          | `REPLAY_BOUNDARIES`       |
+| `eagle_junction_peek`              | `model.eagle`          | `JUNCTION_REACH`          |
+| `eagle_margin_to_hashed`           | `model.eagle`          | `MARGIN_REACH`            |
+| `eagle_margin_skips_mamba`         | `model.eagle`,         | `LOOKS_PAST`,             |
+|                                    | `model.hybrid_hit`     | `FULL_BOUNDS`             |
+| `shared_prefix_junction`           | `model.hybrid_hit`     | `JUNCTIONS`               |
+| `partial_tail`, `partial_tail_excludes_last_token` | `model.partial_tails` | `FULL_TAILS` |
+| `partial_tail`, `mamba_checkpoint` | `model.partial_tails`  | `CHECKPOINTS`             |
+| `mamba_retire_past_nulls`          | `model.mamba`          | `RETIREMENTS`             |
+| `mamba_count_capped`               | `model.mamba`          | `COUNTS`                  |
 
 Contract: `Profile()` is vLLM 0.33.0 exactly (the default everywhere); a switch
 only ever selects an older rule, never a new one. Which profile a release gets
@@ -16,6 +38,8 @@ vLLM adapter, not here.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
+from model import eagle, hybrid_hit, mamba, masks, partial_tails, routing
 
 FREE_ORDERS = ("pool", "caller", "append")
 MAMBA_CHECKPOINTS = ("any_block", "in_block_drop", "in_block")
@@ -120,3 +144,45 @@ class Profile:
 
 
 MODELED = Profile()
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The rule of each mechanism a profile selects: what `AllocatorModel` composes."""
+
+    free_order: routing.FreeOrder
+    caching_off: routing.CachingOff
+    cacheable: masks.Cacheable
+    swa_mask: masks.Mask
+    mamba_mask: masks.Mask
+    replay_boundaries: eagle.ReplayBoundaries
+    junction_reach: eagle.JunctionReach
+    margin_reach: eagle.MarginReach
+    looks_past: eagle.LooksPast
+    full_bound: hybrid_hit.FullBound
+    junction: hybrid_hit.Junction
+    full_tail: partial_tails.FullTail
+    checkpoint: partial_tails.Checkpoint
+    retirement: mamba.Retirement
+    count: mamba.Count
+
+
+def rules_of(p: Profile) -> Rules:
+    """The profile table: each switch looked up in its mechanism module's variants."""
+    return Rules(
+        free_order=routing.FREE_ORDERS[p.free_order],
+        caching_off=routing.CACHING_OFF_ORDERS[p.caching_off_free_to_head],
+        cacheable=masks.CACHEABLE[p.block_mask, p.eagle_aware_mask],
+        swa_mask=masks.SWA_MASKS[p.block_mask, p.eagle_aware_mask],
+        mamba_mask=masks.MAMBA_MASKS[p.block_mask, p.mamba_retention],
+        replay_boundaries=eagle.REPLAY_BOUNDARIES[p.eagle_replay_boundaries],
+        junction_reach=eagle.JUNCTION_REACH[p.eagle_junction_peek],
+        margin_reach=eagle.MARGIN_REACH[p.eagle_margin_to_hashed],
+        looks_past=eagle.LOOKS_PAST[p.eagle_margin_skips_mamba],
+        full_bound=hybrid_hit.FULL_BOUNDS[p.eagle_margin_skips_mamba],
+        junction=hybrid_hit.JUNCTIONS[p.shared_prefix_junction],
+        full_tail=partial_tails.FULL_TAILS[p.partial_tail, p.partial_tail_excludes_last_token],
+        checkpoint=partial_tails.CHECKPOINTS[p.partial_tail, p.mamba_checkpoint],
+        retirement=mamba.RETIREMENTS[p.mamba_retire_past_nulls],
+        count=mamba.COUNTS[p.mamba_count_capped],
+    )
