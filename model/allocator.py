@@ -17,7 +17,10 @@ block awaiting a copy-on-write copy (`model.fine_mamba`).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from model.config import Config, GroupSpec, validate
 from model.fine_mamba import (
@@ -62,6 +65,16 @@ from model.pool import Pool
 from model.prefix import joined
 from model.profile import MODELED, Profile, rules_of
 from model.scheduling import mamba_chunk
+
+
+class Decision(NamedTuple):
+    """One scheduler decision inside an operation (`AllocatorModel.recording`)."""
+
+    kind: str  # "alloc": an allocation attempt; "preempt": a request preempted (its blocks freed)
+    rid: str
+    tokens: int = 0  # alloc: the chunk the attempt asked blocks for
+    admission: bool = False  # alloc: it carried the request's prefix-cache hit (an admission)
+    fits: bool = False  # alloc: the blocks were granted
 
 
 @dataclass
@@ -113,6 +126,19 @@ class GroupState:
 
 
 class AllocatorModel:
+    """The specification as a state machine: `apply` an operation, read its observation.
+
+    Public, for the harness, the explorer and the exporter (documented seams;
+    everything else is the model's own):
+    - `requests`: the live requests by id (`RequestState`: prompt, outputs,
+      computed tokens, running, junction); read-only;
+    - `exercised`: how often each rule that only some traces reach fired (the
+      fuzz summary reports and may clear them);
+    - `recording()`: the scheduler decisions (`Decision`) of the operations
+      applied inside it, in order;
+    - `snapshot()`, and read-only `cfg`, `profile`, `rules`, `pool`, `groups`.
+    """
+
     def __init__(self, config: Config, events: str = "seed", profile: Profile = MODELED) -> None:
         self.cfg = validate(config)
         self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
@@ -140,6 +166,20 @@ class AllocatorModel:
         )
         # How often each rule that only some traces reach fired (the fuzz summary reports them).
         self.exercised: Counter[str] = Counter()
+        self._decisions: list[Decision] | None = None  # `recording`
+
+    @contextmanager
+    def recording(self) -> Iterator[list[Decision]]:
+        """Record the scheduler decisions of the operations applied inside the block:
+        each allocation attempt and each preemption, in the order they happen. A
+        step's result alone cannot tell during whose allocation a request was
+        preempted, nor the chunk of an admission that did not fit (the exporter
+        reads them here)."""
+        outer, self._decisions = self._decisions, []
+        try:
+            yield self._decisions
+        finally:
+            self._decisions = outer
 
     # ------------------------------------------------------------------ ops
     def apply(self, op: Op) -> Observation:
@@ -307,6 +347,8 @@ class AllocatorModel:
         req = self.requests[rid]
         self._free(rid)
         req.running, req.num_computed = False, 0
+        if self._decisions is not None:
+            self._decisions.append(Decision("preempt", rid))
 
     def _chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:
         if not self.cfg.has_mamba_align:
@@ -396,6 +438,15 @@ class AllocatorModel:
 
     # ----------------------------------------------------------- allocation
     def _allocate_slots(
+        self, req: RequestState, n: int, hit: int, hit_blocks: tuple[tuple[int, ...], ...] | None
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """An allocation attempt (`_allocate`), recorded when `recording`."""
+        new = self._allocate(req, n, hit, hit_blocks)
+        if self._decisions is not None:
+            self._decisions.append(Decision("alloc", req.rid, n, hit_blocks is not None, new is not None))
+        return new
+
+    def _allocate(
         self, req: RequestState, n: int, hit: int, hit_blocks: tuple[tuple[int, ...], ...] | None
     ) -> tuple[tuple[int, ...], ...] | None:
         """vLLM `KVCacheManager.allocate_slots` (order of effects matters)."""

@@ -13,8 +13,10 @@ two together.
 
 Release variants:
 - `FREE_ORDERS` (profile switch `free_order`): before the pool routed every
-  free, callers decided, and some appended whatever the hash: `FreeOrder`
-  names, per kind of free, whether every block goes to the tail.
+  free (#42656), callers decided, and some appended whatever the hash:
+  `FreeOrder` names, per kind of free, whether every block goes to the tail.
+  (`model.profile`, docs/matrix.md and `Capabilities` still credit the pool
+  order to #43447; issue 25 item 4 corrects that attribution.)
 - `CACHING_OFF_ORDERS` (profile switch `caching_off_free_to_head`): with
   prefix caching off, freed blocks went to the tail (FIFO) before #51482.
 """
@@ -60,14 +62,16 @@ class FreeOrder:
 
 
 POOL_ROUTES = FreeOrder(
-    "0.24.0 (#43447): the pool routes every freed block (uncached to the head, cached to the tail)",
+    "0.24.0 (#42656 'Apply LRU policy only to proper cache entries'): the pool routes every freed"
+    " block, uncached to the head, cached to the tail",
     finished_to_tail=frozenset(),
     skipped_to_tail=False,
     stale_state_to_tail=False,
 )
 CALLER_ROUTES = FreeOrder(
-    "0.23.0: callers choose `prepend=`; a finished request's full-attention and Mamba blocks and a"
-    " stale Mamba state are appended, SWA splits its own frees into cached and uncached",
+    "0.23.0 (#43447, SWA's own frees): callers choose `prepend=`; SWA splits its frees into"
+    " uncached (head) and cached (tail), a finished request's full-attention and Mamba blocks"
+    " and a stale Mamba state are appended",
     finished_to_tail=frozenset({"full", "mamba"}),
     skipped_to_tail=False,
     stale_state_to_tail=True,

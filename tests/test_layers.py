@@ -18,6 +18,7 @@ import ast
 import importlib.metadata
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,149 @@ def test_size_limits() -> None:
         if len(p.read_text().splitlines()) > 800
     ]
     assert not flat and not big, f"too long: {[str(p.relative_to(ROOT)) for p in flat + big]}"
+
+
+# ----------------------------------------------------------------------------- private reach
+# No room reads another room's private attribute or patches it: what one room
+# needs of another is a public, documented name. Rooms: model, reference_impl,
+# gpu_check, and each room of invariants/ (a module directly under it is its own).
+# An access `x._name` (or `getattr`/`setattr`/`delattr`/`hasattr(x, "_name")`)
+# with `x` not self, cls or super() counts when `_name` is defined (a method, a
+# class attribute, a `self._name = ...` assignment) only in other rooms. Names
+# the project never defines (vLLM's, Hypothesis's) are out of scope.
+_ALLOWED = (
+    # (room, name or "*", why): accesses to objects outside the project that share a project name.
+    ("invariants.targets", "_cache_partial_tail_block", "vLLM's manager method, read to detect a capability"),
+    (
+        "invariants.targets",
+        "_cache",
+        "vLLM's `cached_block_hash_to_block._cache` (reference_impl mirrors it)",
+    ),
+    (
+        "invariants.zoo",
+        "*",
+        "mutants re-create bug classes by patching reference_impl's and vLLM's internals",
+    ),
+    # Waiting for a public seam of the vLLM adapter's split (issue 25, item 3).
+    ("invariants.harness", "_v", "bench times vLLM's Request construction through VllmTarget's table"),
+)
+PRIVATE_REACH_ALLOWED: dict[tuple[str, str], str] = {(room, name): why for room, name, why in _ALLOWED}
+ATTR_FUNCTIONS = frozenset({"getattr", "setattr", "delattr", "hasattr"})
+
+
+def project_room(path: Path) -> str:
+    """model, reference_impl, gpu_check, or invariants.<room> (`room_of`)."""
+    top = path.relative_to(ROOT).parts[0]
+    if top != "invariants":
+        return top
+    room = room_of(path)
+    return "invariants" if room is None else f"invariants.{room}"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_definitions(sources: dict[Path, str]) -> dict[str, set[str]]:
+    """Private name -> the rooms that define it on a class or an instance."""
+    defined: dict[str, set[str]] = {}
+    for path, source in sources.items():
+        room = project_room(path)
+        for node in ast.walk(ast.parse(source)):
+            names: list[str] = []
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                        names.append(item.name)
+                    elif isinstance(item, ast.Assign | ast.AnnAssign):
+                        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                        names += [t.id for t in targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _on_self(node.value):
+                names.append(node.attr)
+            for name in filter(_private, names):
+                defined.setdefault(name, set()).add(room)
+    return defined
+
+
+def _on_self(owner: ast.expr) -> bool:
+    """`self`, `cls` or `super()`: the object's own names."""
+    if isinstance(owner, ast.Call):
+        return isinstance(owner.func, ast.Name) and owner.func.id == "super"
+    return isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+
+
+def _reached(node: ast.AST) -> str | None:
+    """The private name `node` reaches on another object, if any."""
+    if isinstance(node, ast.Attribute) and _private(node.attr):
+        return None if _on_self(node.value) else node.attr
+    if isinstance(node, ast.Call) and _callee(node.func) in ATTR_FUNCTIONS and len(node.args) >= 2:
+        name = node.args[1]
+        if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
+            return name.value
+    return None
+
+
+def private_reaches(
+    path: Path,
+    source: str,
+    defined: dict[str, set[str]],
+    allowed: Mapping[tuple[str, str], str] | None = None,
+) -> list[str]:
+    """Each access in `source` to a private name only other rooms define (`allowed` aside)."""
+    allowed = PRIVATE_REACH_ALLOWED if allowed is None else allowed
+    room = project_room(path)
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        name = _reached(node)
+        owners = defined.get(name, set()) if name else set()
+        if not owners or room in owners:
+            continue
+        if (room, name) in allowed or (room, "*") in allowed:
+            continue
+        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+        found.append(f"{where} ({room}) reaches {name}, private to {sorted(owners)}")
+    return found
+
+
+def _project_sources() -> dict[Path, str]:
+    return {p: p.read_text() for p in project_files()}
+
+
+def test_no_room_reaches_another_rooms_private_names() -> None:
+    sources = _project_sources()
+    defined = private_definitions(sources)
+    found = [v for p, s in sources.items() for v in private_reaches(p, s, defined)]
+    assert not found, "\n".join(found)
+
+
+def test_every_allowed_private_reach_is_still_needed() -> None:
+    sources = _project_sources()
+    defined = private_definitions(sources)
+    found = [v for p, s in sources.items() for v in private_reaches(p, s, defined, allowed={})]
+    for room, name in PRIVATE_REACH_ALLOWED:
+        seen = [v for v in found if f"({room}) reaches {'' if name == '*' else name}" in v]
+        assert seen, f"allow-list entry ({room}, {name}) matches no access: remove it"
+
+
+@pytest.mark.parametrize(
+    ("where", "planted", "reported"),
+    [
+        # The shapes this rule replaced: a monkeypatched step, a reached-into target.
+        ("invariants/export/plan.py", "model._allocate_slots = None", "_allocate_slots"),
+        ("invariants/export/plan.py", 'setattr(model, "_preempt", None)', "_preempt"),
+        ("invariants/harness/checker.py", "return target._model", "_model"),
+        ("gpu_check/forward_pass.py", "return model.pool._insert", "_insert"),
+        ("model/pool.py", "return manager._maybe_evict_cached_block", "_maybe_evict_cached_block"),
+    ],
+)
+def test_control_planted_private_reach_is_reported(where: str, planted: str, reported: str) -> None:
+    sources = _project_sources()
+    path = ROOT / where
+    defined = private_definitions(sources)
+    assert not private_reaches(path, sources[path], defined), "the unmodified file must be clean"
+    bad = sources[path] + f"\n\ndef _planted(model, target, manager):  # noqa\n    {planted}\n"
+    found = private_reaches(path, bad, defined)
+    assert found and reported in found[0], found
+    # Its own room's names and self's are not reach: the same access on self is clean.
+    own = sources[path] + f"\n\ndef _planted(self):\n    return self.{reported}\n"
+    assert not private_reaches(path, own, defined)

@@ -21,7 +21,10 @@ from typing import Any
 import pytest
 
 from model import eagle, hybrid_hit, mamba, masks, partial_tails, routing
+from model.allocator import AllocatorModel, Decision
+from model.config import Config, GroupSpec
 from model.observation import block_key
+from model.ops import AddRequest, Preempt, Sample, Step
 from model.pool import Pool
 from model.profile import FREE_ORDERS, MAMBA_CHECKPOINTS, MODELED, Profile, Rules, rules_of
 
@@ -140,3 +143,27 @@ def test_the_pool_routes_freed_blocks_as_route_says(order: str, caching: bool, t
         pool.free(freed, append_all=appended)
         assert pool.queue.blocks == to[routing.HEAD] + old_queue + to[routing.TAIL]
         assert pool.pinned_tier.blocks == old_pinned + to[routing.PINNED]
+
+
+def test_recording_names_a_steps_attempts_and_preemptions_in_order() -> None:
+    """`AllocatorModel.recording`: the exporter's seam (it used to monkeypatch the model)."""
+    model = AllocatorModel(Config(groups=(GroupSpec("full", 4),), num_blocks=8))
+    with model.recording() as first:
+        for op in [AddRequest("a", (1,) * 12), AddRequest("b", (2,) * 8), AddRequest("c", (3,) * 8)]:
+            model.apply(op)
+        model.apply(Step(("a", "b", "c"), 64))  # the pool's 7 blocks: 3 + 2 + 2
+    assert first == [Decision("alloc", rid, n, True, True) for rid, n in (("a", 12), ("b", 8), ("c", 8))]
+    for rid, token in (("a", 1), ("b", 2), ("c", 3)):
+        model.apply(Sample(rid, token))
+    with model.recording() as second:
+        model.apply(Step(("a", "b", "c"), 64))
+    # a's next block does not fit: the newest running request gives way, a retries.
+    assert second == [
+        Decision("alloc", "a", 1, False, False),
+        Decision("preempt", "c"),
+        Decision("alloc", "a", 1, False, True),
+        Decision("alloc", "b", 1, False, True),
+    ]
+    assert len(first) == 3  # the first block recorded nothing more
+    model.apply(Preempt("b"))  # outside any block: recorded nowhere
+    assert len(second) == 4

@@ -243,7 +243,7 @@ def test_a_corruption_undone_before_the_next_audit_is_seen() -> None:
     assert "free queue (head, tail)" in found[0][1].message
     # Control: without the ends on every operation the default cadence misses it.
     blind = Checker(TailToHeadForTwoOps(FULL_ONLY), audit_every=DEFAULT_AUDIT_EVERY)
-    blind._model_target.partial = _without_ends(blind._model_target.partial)  # type: ignore[method-assign]
+    blind.model_target.partial = _without_ends(blind.model_target.partial)  # type: ignore[method-assign]
     blind.target.partial = _without_ends(blind.target.partial)  # type: ignore[attr-defined]
     assert _violations(blind, OPS) == [] and blind.audit() == []
 

@@ -237,46 +237,31 @@ def plan_export(trace: Trace) -> ExportPlan:
 
 def _replay_step(model: AllocatorModel, op: Step) -> tuple[StepResult, tuple[StepAction, ...]]:
     """Apply a batched step to the model, recording its allocation attempts and
-    preemptions (the StepResult alone cannot tell during whose allocation a
-    request was preempted, nor the chunk of an admission that did not fit)."""
-    log: list[tuple[str, str, int, bool, bool]] = []
-    allocate, preempt = model._allocate_slots, model._preempt
-
-    def allocate_logged(req: Any, n: int, local: int, hit_blocks: Any) -> Any:
-        new = allocate(req, n, local, hit_blocks)
-        log.append(("alloc", req.rid, n, hit_blocks is not None, new is not None))
-        return new
-
-    def preempt_logged(rid: str) -> None:
-        preempt(rid)
-        log.append(("preempt", rid, 0, False, False))
-
-    setattr(model, "_allocate_slots", allocate_logged)  # noqa: B010 (a per-instance wrapper)
-    setattr(model, "_preempt", preempt_logged)  # noqa: B010
-    try:
+    preemptions (`AllocatorModel.recording`: the StepResult alone cannot tell
+    during whose allocation a request was preempted, nor the chunk of an
+    admission that did not fit)."""
+    with model.recording() as log:
         result = model.apply(op)
-    finally:
-        del model._allocate_slots, model._preempt
     assert isinstance(result, StepResult)
     actions: list[StepAction] = []
     p = 0
     for rid, res in result.results:
         if res.hit is None:  # running pass: attempts and preemptions until it fits or gave way
-            while p < len(log) and (log[p][0] == "preempt" or (log[p][1] == rid and not log[p][3])):
-                kind, who, n, _, fits = log[p]
+            while p < len(log) and (log[p].kind == "preempt" or (log[p].rid == rid and not log[p].admission)):
+                d = log[p]
                 p += 1
-                if kind == "preempt":
-                    actions.append(StepAction("preempt", who))
-                    if who == rid:
+                if d.kind == "preempt":
+                    actions.append(StepAction("preempt", d.rid))
+                    if d.rid == rid:
                         break
                 else:
-                    actions.append(StepAction("run", rid, n, fits=fits))
-                    if fits:
+                    actions.append(StepAction("run", rid, d.tokens, fits=d.fits))
+                    if d.fits:
                         break
         else:  # waiting pass: the lookup, then the first chunk if there is one
             n, fits = 0, False
-            if p < len(log) and log[p][1] == rid and log[p][3]:
-                _, _, n, _, fits = log[p]
+            if p < len(log) and log[p].rid == rid and log[p].admission:
+                n, fits = log[p].tokens, log[p].fits
                 p += 1
             actions.append(StepAction("admit", rid, n, res.hit, fits))
     assert p == len(log), f"unattributed scheduler calls in the step: {log[p:]}"

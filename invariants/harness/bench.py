@@ -39,6 +39,7 @@ from invariants.harness.known_findings import is_known_violation
 from invariants.report import table
 from invariants.targets import TargetUnavailable, target_factory
 from invariants.targets.model_target import ModelTarget
+from invariants.targets.vllm_env import vllm_modules
 from model.config import Config, GroupSpec
 from model.ops import AddRequest, Finish, Op, Schedule
 
@@ -61,7 +62,7 @@ def workload(n: int, seed: int) -> list[tuple[int, ...]]:
 def raw_vllm_cycles(prompts: list[tuple[int, ...]]) -> float:
     """Cycles/s of vLLM's allocator alone (the adapter only builds it)."""
     target: Any = target_factory("vllm")(BENCH_CONFIG)
-    manager, v = target.manager, target._v
+    manager, v = target.manager, vllm_modules()
     hasher = v["get_request_block_hasher"](BENCH_CONFIG.hash_block_size, v["sha256"])
     start = CLOCK()
     for i, prompt in enumerate(prompts):
@@ -145,7 +146,7 @@ def checked_cycles(
     if timed:
         checker.target = _Timed(checker.target, phase, "target")  # type: ignore[assignment]
         checker.model = _Timed(checker.model, phase, "model")  # type: ignore[assignment]
-        checker._model_target = _Timed(checker._model_target, phase, "model")  # type: ignore[assignment]
+        checker.model_target = _Timed(checker.model_target, phase, "model")  # type: ignore[assignment]
     start = CLOCK()
     for i, prompt in enumerate(prompts):
         for op in cycle_ops(i, prompt):
@@ -266,9 +267,9 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
         phase: dict[str, float] = defaultdict(float)
         checker.target = _Timed(checker.target, phase, "target")  # type: ignore[assignment]
         checker.model = _Timed(checker.model, phase, "model")  # type: ignore[assignment]
-        checker._model_target = _Timed(checker._model_target, phase, "model")  # type: ignore[assignment]
-        audit_step, audit_all = checker._audited_step, checker.audit
-        checker._audited_step = _audit_clock(audit_step, phase)  # type: ignore[method-assign]
+        checker.model_target = _Timed(checker.model_target, phase, "model")  # type: ignore[assignment]
+        audit_step, audit_all = checker.audited_step, checker.audit
+        checker.audited_step = _audit_clock(audit_step, phase)  # type: ignore[method-assign]
         gc.freeze()
         gen = workload(cfg, random.Random(seed), checker, setting.longest)
         checked_s, checked_cpu, tokens = 0.0, 0.0, 0

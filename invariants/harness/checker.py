@@ -92,12 +92,15 @@ class Checker:
     ) -> None:
         self.target = target
         self.config = target.config
-        self._model_target = ModelTarget(
+        # The model the target is judged against: `model_target` answers the fast
+        # path's partial states, `model` is its AllocatorModel (the fuzzer reads its
+        # public seams: `requests`, `exercised`).
+        self.model_target = ModelTarget(
             target.config,
             events=getattr(target, "event_profile", "seed"),
             profile=getattr(target, "profile", MODELED),
         )
-        self.model: AllocatorModel = self._model_target._model
+        self.model: AllocatorModel = self.model_target.model
         self.history = History()
         self.check_invariants = check_invariants
         # Pinned-tier moves are pool-wide; a target without `partial` has no fast path.
@@ -184,13 +187,16 @@ class Checker:
         self._since_audit += 1
         # Reset and evict act on the whole pool: no delta names what they touch.
         if self._since_audit >= self.audit_every or isinstance(op, (ResetPrefixCache, EvictBlocks)):
-            found = self._audited_step(op)
+            found = self.audited_step(op)
         else:
             found = self._fast_step(op)
         return [replace(v, config=self.config, op=op) for v in found] if found else found
 
-    def _audited_step(self, op: Op) -> list[Violation]:
-        """The definition: full snapshots before and after, every invariant as written."""
+    def audited_step(self, op: Op) -> list[Violation]:
+        """The definition: full snapshots before and after, every invariant as written.
+
+        `step` takes this path every `audit_every` operations (and for pool-wide
+        operations), the fast path otherwise; the bench times it apart."""
         self._since_audit, self.audits = 0, self.audits + 1
         found: list[Violation] = []
         if self.audit_every > 1:
@@ -310,13 +316,13 @@ class Checker:
         """(target's, model's) partial states over the same blocks and keys (the union of
         what either side says the operation touched); events are drained once."""
         got = self.target.partial(blocks, rids, keys, before)  # type: ignore[attr-defined]
-        want = self._model_target.partial(blocks | set(got.blocks), rids, keys | set(got.holders), before)
+        want = self.model_target.partial(blocks | set(got.blocks), rids, keys | set(got.holders), before)
         for _ in range(4):
             if want.blocks.keys() == got.blocks.keys() and want.holders.keys() == got.holders.keys():
                 break
             blocks, keys = want.blocks.keys() | got.blocks.keys(), want.holders.keys() | got.holders.keys()
             got = replace(self.target.partial(blocks, rids, keys, before), events=got.events)  # type: ignore[attr-defined]
-            want = replace(self._model_target.partial(blocks, rids, keys, before), events=want.events)
+            want = replace(self.model_target.partial(blocks, rids, keys, before), events=want.events)
         return got, want
 
     def _advance(self, got: PartialState) -> Delta:

@@ -25,6 +25,13 @@ class ModelTarget:
         self.config = config
         self._model = AllocatorModel(config, events=events, profile=profile)
 
+    @property
+    def model(self) -> AllocatorModel:
+        """The executable model this target drives. The checker predicts with it,
+        and the fuzzer reads its public seams (`AllocatorModel.requests`,
+        `.exercised`); drive it through `apply`, not behind the target's back."""
+        return self._model
+
     def apply(self, op: Op) -> Observation:
         return self._model.apply(op)
 
