@@ -262,6 +262,31 @@ def test_size_limits() -> None:
     assert not flat and not big, f"too long: {[str(p.relative_to(ROOT)) for p in flat + big]}"
 
 
+# Rooms whose functions stay readable in one screen (issue 25: harness/ and
+# targets/ join when their rewrites land).
+SHORT_FUNCTION_ROOMS = ("model",)
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(path: Path, source: str) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+
+
+def test_no_function_over_80_lines() -> None:
+    paths = [p for room in SHORT_FUNCTION_ROOMS for p in sorted((ROOT / room).rglob("*.py"))]
+    found = [f for p in paths for f in long_functions(p, p.read_text())]
+    assert not found, "\n".join(found)
+    # Control: an 81-line function is reported.
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(ROOT / "model" / "pool.py", f"def f():\n{body}")
+
+
 # ----------------------------------------------------------------------------- private reach
 # No room reads another room's private attribute or patches it: what one room
 # needs of another is a public, documented name. Rooms: model, reference_impl,
