@@ -43,7 +43,7 @@ def test_vllm_adapter_rehashes_exactly_and_prunes_removed_hashes():
 
     cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=6)
     target = VllmTarget(cfg)
-    target._names = HashNames(target._rehash, slack=-1 << 30)  # prune at every read
+    target.names.table = HashNames(target.names.rehash, slack=-1 << 30)  # prune at every read
     checker = Checker(target, audit_every=1)
     a, b = tuple(range(1, 18)), tuple(range(100, 117))
     ops = [AddRequest("a", a), Schedule("a", 32), Finish("a"), AddRequest("b", b), Schedule("b", 32)]
@@ -53,17 +53,17 @@ def test_vllm_adapter_rehashes_exactly_and_prunes_removed_hashes():
     vllm_a = VllmTarget(cfg)
     vllm_a.apply(AddRequest("a", a))
     a_hashes = [bytes(h) for h in vllm_a.requests["a"].block_hashes]
-    assert a_hashes and not any(h in target._names for h in a_hashes)
-    assert all(bytes(h) in target._names for h in target.requests["b"].block_hashes)
+    assert a_hashes and not any(h in target.names.table for h in a_hashes)
+    assert all(bytes(h) in target.names.table for h in target.requests["b"].block_hashes)
     # Control: with the default slack nothing is pruned yet on so short a run, and the check sees it.
     lazy = VllmTarget(cfg)
     for op in ops:
         lazy.apply(op)
         lazy.snapshot()
-    assert any(h in lazy._names for h in a_hashes)
+    assert any(h in lazy.names.table for h in a_hashes)
     # A prefix the table no longer holds goes back to vLLM's hash of it, exactly.
-    assert target._names.hash_of(prefix(a, 8)) == a_hashes[1]
-    assert target._rehash(prefix(a, 6)) is None  # not a whole number of hash blocks
+    assert target.names.table.hash_of(prefix(a, 8)) == a_hashes[1]
+    assert target.names.rehash(prefix(a, 6)) is None  # not a whole number of hash blocks
 
 
 @vllm
@@ -82,7 +82,7 @@ def test_sampled_blocks_are_named_without_keeping_a_copy_of_the_request():
     req = target.requests["a"]
     tokens = prompt + tuple(range(50, 60))
     for i, h in enumerate(req.block_hashes):
-        assert target._names.name(bytes(h)) is prefix(tokens, 4 * (i + 1))
+        assert target.names.table.name(bytes(h)) is prefix(tokens, 4 * (i + 1))
     # Every hash is named from the prompt or by extension: no tuple other than the prompt is held.
-    held = {id(src[0]) for src in target._names._source.values() if isinstance(src, tuple)}
+    held = {id(src[0]) for src in target.names.table._source.values() if isinstance(src, tuple)}
     assert held == {id(prompt)}

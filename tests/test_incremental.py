@@ -335,7 +335,7 @@ def test_the_promise_probe_after_a_finish_answers_as_a_fresh_request():
         reused, fresh = target.apply(Probe(prompt)), target.apply(Probe(prompt))
         assert reused == fresh == model.apply(Probe(prompt))
         assert reused.hit > 0
-        assert target._probe_seq == (2 if sample else 1)  # without outputs, no new request was built
+        assert target.driver.probe_seq == (2 if sample else 1)  # without outputs, no new request was built
 
 
 def test_checks_skipped_on_an_untouched_delta_have_nothing_to_report(monkeypatch):

@@ -380,25 +380,25 @@ class TestAdapterFollowsCapabilities:
         self._target(monkeypatch, cfg)  # control: 0.33.0 takes it
 
     def test_env_retention_is_set_only_while_building(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import invariants.targets.vllm_target as vt
+        import invariants.targets.vllm_build as vb
 
         seen = []
-        real = vt._retention_env
+        real = vb._retention_env
 
-        monkeypatch.setenv(vt.RETENTION_ENV, "999")
+        monkeypatch.setenv(vb.RETENTION_ENV, "999")
 
         def spy(interval: int | None) -> Any:
             seen.append(interval)
             return real(interval)
 
-        monkeypatch.setattr(vt, "_retention_env", spy)
+        monkeypatch.setattr(vb, "_retention_env", spy)
         self._target(monkeypatch, self._cfg(retention_interval=8), retention="env")
-        assert seen == [8] and os.environ[vt.RETENTION_ENV] == "999"
+        assert seen == [8] and os.environ[vb.RETENTION_ENV] == "999"
         with real(16):
-            assert os.environ[vt.RETENTION_ENV] == "16"
+            assert os.environ[vb.RETENTION_ENV] == "16"
         with real(None):
-            assert vt.RETENTION_ENV not in os.environ
-        assert os.environ[vt.RETENTION_ENV] == "999"
+            assert vb.RETENTION_ENV not in os.environ
+        assert os.environ[vb.RETENTION_ENV] == "999"
 
     def test_constructor_gets_only_the_arguments_the_release_takes(
         self, monkeypatch: pytest.MonkeyPatch
@@ -446,11 +446,11 @@ class TestAdapterFollowsCapabilities:
         t = self._target(monkeypatch, self._cfg(), coarse_hash="concat")
         t.apply(AddRequest("r", (1, 2, 3, 4, 5, 6, 7, 8)))
         first, second = (bytes(h) for h in t.requests["r"].block_hashes[:2])
-        assert t._prefix(first + second) == (1, 2, 3, 4, 5, 6, 7, 8)
+        assert t.keys.prefix(first + second) == (1, 2, 3, 4, 5, 6, 7, 8)
         t2 = self._target(monkeypatch, self._cfg())  # control: "last" releases never join
         t2.apply(AddRequest("r", (1, 2, 3, 4, 5, 6, 7, 8)))
         with pytest.raises(TargetCrash):
-            t2._prefix(first + second)
+            t2.keys.prefix(first + second)
 
 
 # ----------------------------------------------------------------------------- classification

@@ -48,7 +48,7 @@ from invariants.targets.vllm_target import VllmTarget
 trace = read_trace(sys.argv[1])
 target = VllmTarget(trace.config)
 if sys.argv[2] == "last":  # the control: look a key up by its last fine hash only
-    target._map_key = lambda k: target._names.hash_of(k.tokens) + k.group.to_bytes(4, "big")
+    target.keys.map_key = lambda k: target.names.table.hash_of(k.tokens) + k.group.to_bytes(4, "big")
 for op in trace.ops:
     target.apply(op)
 snap = target.snapshot()
@@ -100,9 +100,9 @@ def test_the_map_key_joins_the_fine_hashes_only_on_concat_releases(monkeypatch: 
         first, second = (bytes(h) for h in t.requests["r"].block_hashes[:2])
         wide, fine = block_key(0, tokens, 8), block_key(1, tokens, 8)
         joined = first + second if coarse == "concat" else second  # control: "last" never joins
-        assert t._map_key(wide) == joined + (0).to_bytes(4, "big")
-        assert t._map_key(fine) == second + (1).to_bytes(4, "big")  # a hash-block-wide group: one hash
-        assert t._key(joined + (0).to_bytes(4, "big")) == wide  # the inverse of the snapshot's naming
+        assert t.keys.map_key(wide) == joined + (0).to_bytes(4, "big")
+        assert t.keys.map_key(fine) == second + (1).to_bytes(4, "big")  # a hash-block-wide group: one hash
+        assert t.keys.key(joined + (0).to_bytes(4, "big")) == wide  # the inverse of the snapshot's naming
 
 
 @pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")

@@ -574,13 +574,13 @@ def test_a_crash_names_who_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(req: object) -> tuple[object, int, int]:
         raise ValueError("adapter bookkeeping")
 
-    monkeypatch.setattr(target, "_computed_blocks", broken)
+    monkeypatch.setattr(target.scheduler, "computed_blocks", broken)
     with pytest.raises(TargetCrash, match=r"the vLLM adapter \(test_vllm_target\.py:\d+"):
         target.apply(Step(("r0",), 8))
     try:
         target.manager.free(None)  # vLLM itself raises on a request it cannot read
     except Exception as exc:
-        assert target._raiser(exc).startswith("vLLM ")
+        assert target.driver.raiser(exc).startswith("vLLM ")
     else:
         pytest.fail("KVCacheManager.free(None) did not raise")
 
@@ -596,8 +596,8 @@ def test_a_probe_takes_shared_hashes_and_vllm_hashes_the_rest() -> None:
     target.apply(AddRequest("a", base))
     target.apply(AddRequest("b", base[:13] + (99,) + base[14:]))  # differs in block 3
     for tokens in (base, base[:22], base[:9] + (7,) * 20, base[:13] + (99,) + base[14:30], (5,) * 12):
-        fresh = target._new_request("fresh", tokens, known=[])
-        probe = target._probe_request(tokens)
+        fresh = target.driver.new_request("fresh", tokens, known=[])
+        probe = target.driver.probe_request(tokens)
         assert probe.block_hashes == fresh.block_hashes, tokens
     # The loan itself: the longest shared run of full blocks, from the start.
     from invariants.targets.vllm_hashing import shared_hashes

@@ -66,6 +66,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from invariants.targets.base import TargetUnavailable
+from invariants.targets.vllm_build import group_specs
 from model.config import Config, ConfigError, GroupKind, GroupSpec, validate
 
 FAMILIES = ("dsv4", "gemma3", "kimi-linear")
@@ -616,32 +617,8 @@ def dsv4_main_view(d: Derivation) -> tuple[GroupSpec, ...]:
 
 # --------------------------------------------------------------------------- capacity (vLLM's figure)
 def _specs_for_config(cfg: Config) -> list[Any]:
-    """Plain vLLM group specs for a kvretain Config (as the vLLM target builds them)."""
-    v = _vllm()
-    torch = v["torch"]
-    groups = []
-    for i, g in enumerate(cfg.groups):
-        if g.kind == "full":
-            spec = v["FullAttentionSpec"](
-                block_size=g.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-            )
-        elif g.kind == "swa":
-            spec = v["SlidingWindowSpec"](
-                block_size=g.block_size,
-                num_kv_heads=1,
-                head_size=1,
-                dtype=torch.float32,
-                sliding_window=g.sliding_window,
-            )
-        else:
-            spec = v["MambaSpec"](
-                block_size=g.block_size,
-                shapes=((1,),),
-                dtypes=(torch.float32,),
-                mamba_cache_mode=g.mamba_cache_mode,
-            )
-        groups.append(v["KVCacheGroupSpec"]([f"layer{i}"], spec))
-    return groups
+    """Plain vLLM group specs for a kvretain Config (those the vLLM target builds)."""
+    return group_specs(cfg, _vllm())
 
 
 def vllm_per_request_blocks(

@@ -1,0 +1,38 @@
+"""The live vLLM objects one `VllmTarget` drives, shared by the adapter's parts.
+
+Building (`vllm_build`), naming hashes (`vllm_names`), emulating the scheduler
+(`vllm_schedule`), applying operations (`vllm_drive`) and reading snapshots and
+events (`vllm_snapshot`) each read the manager, its block pool, the request
+objects and vLLM's classes from one `VllmSession`, at the moment they use them:
+an object replaced here (a benchmark's timing wrapper, a test's changed
+capabilities) is what every part sees next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.config import Config
+
+from .vllm_capabilities import Capabilities
+
+
+@dataclass
+class VllmSession:
+    """One target's vLLM: its configuration, the installed release's modules
+    (`vllm_env.vllm_modules`) and capabilities, the `KVCacheManager` and its
+    `BlockPool`, and the live requests by id."""
+
+    config: Config
+    v: dict[str, Any]
+    caps: Capabilities
+    version: str
+    manager: Any
+    pool: Any
+    requests: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hbs(self) -> int:
+        """The hash block size (vLLM hashes a request in blocks of this many tokens)."""
+        return self.config.hash_block_size
