@@ -308,8 +308,6 @@ _ALLOWED = (
         "*",
         "mutants re-create bug classes by patching reference_impl's and vLLM's internals",
     ),
-    # Waiting for a public seam of the vLLM adapter's split (issue 25, item 3).
-    ("invariants.harness", "_v", "bench times vLLM's Request construction through VllmTarget's table"),
 )
 PRIVATE_REACH_ALLOWED: dict[tuple[str, str], str] = {(room, name): why for room, name, why in _ALLOWED}
 ATTR_FUNCTIONS = frozenset({"getattr", "setattr", "delattr", "hasattr"})

@@ -338,7 +338,8 @@ class _VllmClock:
         clock = cls()
         target.manager = clock.wrap(target.manager)
         target.pool = clock.wrap(target.pool)
-        target._v = {**target._v, "Request": clock.timed(target._v["Request"])}
+        v = target.session.v  # the vLLM modules every part of the adapter reads (vllm_session)
+        target.session.v = {**v, "Request": clock.timed(v["Request"])}
         return clock
 
     def wrap(self, obj: Any) -> Any:

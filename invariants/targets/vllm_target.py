@@ -141,15 +141,6 @@ class VllmTarget:
         self.session.pool = value
 
     @property
-    def _v(self) -> dict[str, Any]:
-        """vLLM's modules (`vllm_env.vllm_modules`)."""
-        return self.session.v
-
-    @_v.setter
-    def _v(self, value: dict[str, Any]) -> None:
-        self.session.v = value
-
-    @property
     def caps(self) -> Capabilities:
         """What the installed release does (`vllm_capabilities.detect`)."""
         return self.session.caps
