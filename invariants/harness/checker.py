@@ -61,7 +61,6 @@ from model.ops import (
     Schedule,
     Step,
 )
-from model.profile import MODELED
 
 DEFAULT_AUDIT_EVERY = 32
 NOT_FREE = -1
@@ -97,14 +96,14 @@ class Checker:
         # public seams: `requests`, `exercised`).
         self.model_target = ModelTarget(
             target.config,
-            events=getattr(target, "event_profile", "seed"),
-            profile=getattr(target, "profile", MODELED),
+            events=target.event_profile,
+            profile=target.profile,
         )
         self.model: AllocatorModel = self.model_target.model
         self.history = History()
         self.check_invariants = check_invariants
-        # Pinned-tier moves are pool-wide; a target without `partial` has no fast path.
-        fast = hasattr(target, "partial") and not target.config.pin_swa_on_drop
+        # Pinned-tier moves are pool-wide; a target without `features.partial` has no fast path.
+        fast = target.features.partial and not target.config.pin_swa_on_drop
         self.audit_every = max(1, audit_every or 1) if fast else 1
         self.ops: list[Op] = []
         self.last_obs: object = None

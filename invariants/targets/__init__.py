@@ -5,8 +5,10 @@ Besides the built-in targets, any installed package may register one under
 the `kvretain.targets` entry-point group (`name = "package.module:Factory"`,
 where `Factory(config)` returns a `Target`; see docs/targets.md), so a fork
 ships its allocator's adapter in its own package and `--target name` fuzzes
-it. A plug-in cannot shadow a built-in name. A plug-in whose factory sets
-`supports_pinning = True` is fuzzed with the #40676 pinned tier too.
+it. A plug-in cannot shadow a built-in name. A plug-in class states its
+optional capabilities as `features = TargetFeatures(...)` (`base.Target`
+declares them with their defaults): `pinning=True` fuzzes it with the #40676
+pinned tier too, `fine_mamba=True` with vLLM's fine-grained Mamba hits.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import functools
 import importlib
 import importlib.metadata
 from collections.abc import Callable
+from typing import cast
 
-from invariants.targets.base import Target, TargetCrash, TargetUnavailable
+from invariants.targets.base import Target, TargetCrash, TargetFeatures, TargetUnavailable, adopt
 from model.config import Config
 
 ENTRY_POINT_GROUP = "kvretain.targets"
@@ -40,7 +43,9 @@ def plugin_targets() -> dict[str, importlib.metadata.EntryPoint]:
 
 
 TARGET_NAMES = BUILTIN_TARGETS + tuple(plugin_targets())
-# Targets that implement the #40676 pinned tier (vLLM never merged it).
+# Targets that implement the #40676 pinned tier (vLLM never merged it): the built-in
+# classes stating `TargetFeatures(pinning=True)` (a test holds these sets to them),
+# plus the plug-ins that state it once loaded.
 PINNING_TARGETS = {"model", "reference"}
 # Targets that model vLLM's fine-grained Mamba hits and their CoW copies (the seeds
 # do not describe them, so the reference allocator refuses such configurations).
@@ -60,11 +65,13 @@ def _load_plugin(name: str) -> Callable[[Config], Target]:
     if missing:
         names = ", ".join(f"{m}()" for m in missing)
         raise TargetUnavailable(f"{where} does not implement the Target protocol: no {names}")
-    if getattr(factory, "supports_pinning", False):
+    loaded = adopt(factory)  # its targets have every optional member of the protocol
+    # A class states its features; a function's targets have the defaults.
+    features = cast("type[Target]", loaded).features if isinstance(loaded, type) else TargetFeatures()
+    if features.pinning:
         PINNING_TARGETS.add(name)
-    if getattr(factory, "supports_fine_mamba", False):
+    if features.fine_mamba:
         FINE_MAMBA_TARGETS.add(name)
-    loaded: Callable[[Config], Target] = factory
     return loaded
 
 
@@ -108,8 +115,10 @@ __all__ = [
     "FINE_MAMBA_TARGETS",
     "TARGET_NAMES",
     "Target",
+    "TargetFeatures",
     "TargetCrash",
     "TargetUnavailable",
+    "adopt",
     "available_targets",
     "plugin_targets",
     "target_factory",

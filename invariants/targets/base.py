@@ -15,17 +15,22 @@ Contract for implementers:
   requests); an internal allocator error is re-raised as `TargetCrash`.
 - `snapshot()` is cheap enough to call after every operation on a small pool,
   and drains the KV events emitted since the previous call.
+- Optional capabilities are declared, never probed: `Target` lists them with
+  their defaults (`features: TargetFeatures`, `event_profile`, `profile`,
+  `version_note`, `partial`), and a target class states what differs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 from model.config import Config
 from model.observation import BlockIds, BlockKey, BlockRemoved, BlockStored, Event, Observation, Snapshot
 from model.ops import Op
+from model.profile import MODELED, Profile
 
 
 class TargetUnavailable(RuntimeError):
@@ -36,14 +41,84 @@ class TargetCrash(RuntimeError):
     """The allocator raised while applying a well-formed operation."""
 
 
+@dataclass(frozen=True)
+class TargetFeatures:
+    """What a target can do beyond the required members, stated by its class as
+    `features = TargetFeatures(...)`. A target that states nothing has every
+    default: no fast path, no pinned tier, no fine-grained Mamba hits."""
+
+    # `partial(...)` reports what each operation touched: the checker's fast path
+    # compares deltas and audits every K operations (without it, every operation is audited).
+    partial: bool = False
+    # The #40676 pinned tier: generated configurations include it.
+    pinning: bool = False
+    # vLLM's fine-grained Mamba hits (Mamba blocks wider than the hash block) and their
+    # copy-on-write copies, reported as each step's `copies`: generated configurations include them.
+    fine_mamba: bool = False
+
+
 @runtime_checkable
 class Target(Protocol):
+    """An allocator under test (see the module docstring for the contract).
+
+    Required: `name`, `config`, `apply`, `snapshot`. The optional members are
+    declared here with the value a target has when it does not state them; a
+    target class inherits these defaults by subclassing `Target` (every
+    built-in target does, and the registry adopts a plug-in class that does
+    not: `adopt`), so every target has them and nobody asks whether it does.
+    """
+
     name: str
     config: Config
+    # What the target can do beyond the required members (see `TargetFeatures`).
+    features: ClassVar[TargetFeatures] = TargetFeatures()
+    # The model's KV-event profile the target is judged against (`model.pool.EVENT_PROFILES`):
+    # "seed", or "vllm-0.33.0", which carries vLLM's known BlockStored token-range behaviour.
+    event_profile: str = "seed"
+    # The model's semantics profile the target is judged against (an older release's rules).
+    profile: Profile = MODELED
+    # One line for the CLI to print (e.g. a version-drift warning), or None.
+    version_note: str | None = None
 
     def apply(self, op: Op) -> Observation: ...
 
     def snapshot(self) -> Snapshot: ...
+
+    def partial(
+        self,
+        blocks: Iterable[int],
+        rids: Iterable[str],
+        keys: Iterable[BlockKey],
+        before: Tables | None = None,
+    ) -> PartialState:
+        """What an operation touched (`PartialState`); called only where `features.partial`."""
+        raise NotImplementedError(f"{type(self).__name__} states no partial (features.partial is False)")
+
+
+def adopt(factory: Callable[[Config], Any]) -> Callable[[Config], Target]:
+    """A target factory whose targets have every optional member of `Target`: a
+    class that subclasses `Target` as it is; another class as a subclass of it
+    and `Target` (the protocol's defaults fill in what it does not state); a
+    function as one that adopts each target it returns the same way."""
+    if isinstance(factory, type):
+        if Target in factory.__mro__:
+            return factory
+        namespace = {
+            "__module__": factory.__module__,
+            "__qualname__": factory.__qualname__,
+            "__doc__": factory.__doc__,
+        }
+        adopted: Callable[[Config], Target] = type(factory.__name__, (factory, Target), namespace)
+        return adopted
+
+    @functools.wraps(factory)
+    def build(config: Config) -> Target:
+        target = factory(config)
+        if Target not in type(target).__mro__:
+            target.__class__ = adopt(type(target))
+        return cast(Target, target)
+
+    return build
 
 
 # ----------------------------------------------------------------------------- deltas

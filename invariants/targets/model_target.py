@@ -15,14 +15,16 @@ from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
 from model.profile import MODELED, Profile
 
-from .base import END, NOT_FREE, PartialState, Tables, closure, event_keys
+from .base import END, NOT_FREE, PartialState, Tables, Target, TargetFeatures, closure, event_keys
 
 
-class ModelTarget:
+class ModelTarget(Target):
     name = "model"
+    features = TargetFeatures(partial=True, pinning=True, fine_mamba=True)
 
     def __init__(self, config: Config, events: str = "seed", profile: Profile = MODELED) -> None:
         self.config = config
+        self.event_profile, self.profile = events, profile
         self._model = AllocatorModel(config, events=events, profile=profile)
 
     @property

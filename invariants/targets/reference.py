@@ -62,7 +62,7 @@ from reference_impl.kv_cache_manager import KVCacheManager
 from reference_impl.request import Request
 from reference_impl.scheduler import ScheduleOutcome, Scheduler
 
-from .base import PartialState, Tables, TargetCrash, partial_from_snapshot
+from .base import PartialState, Tables, Target, TargetCrash, TargetFeatures, partial_from_snapshot
 from .hash_names import HashNames
 
 Mutant = Callable[[AllocatorComponents], AllocatorComponents]
@@ -99,8 +99,10 @@ FINE_MAMBA_UNSUPPORTED = (
 )
 
 
-class ReferenceTarget:
+class ReferenceTarget(Target):
     name = "reference"
+    # The seeds' allocator has the #40676 pinned tier, not vLLM's fine-grained Mamba hits.
+    features = TargetFeatures(partial=True, pinning=True)
     MUTANTS: ClassVar[dict[str, Mutant]] = {}
     # Default for `track_prefixes` when the constructor is not told (subclasses may flip it).
     TRACK_PREFIXES: ClassVar[bool] = True

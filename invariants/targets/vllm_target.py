@@ -46,7 +46,7 @@ from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
 from model.pool import EVENT_PROFILES
 
-from .base import PartialState, Tables, TargetUnavailable
+from .base import PartialState, Tables, Target, TargetFeatures, TargetUnavailable
 from .vllm_build import NO_PINNED_TIER, UnsupportedConfig, build_manager
 from .vllm_capabilities import Capabilities, detect
 from .vllm_drive import OpDriver
@@ -59,10 +59,12 @@ from .vllm_snapshot import EventTranslator, SnapshotReader
 VLLM_EVENT_PROFILE = "vllm-0.33.0"
 
 
-class VllmTarget:
+class VllmTarget(Target):
     """Drives vLLM's `KVCacheManager` with kvretain operations (see module docstring)."""
 
     name = "vllm"
+    # vLLM has no pinned tier (#40676 was never merged).
+    features = TargetFeatures(partial=True, fine_mamba=True)
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
         ok, reason = vllm_available()

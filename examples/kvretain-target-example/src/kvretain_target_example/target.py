@@ -10,13 +10,16 @@ Contract (docs/targets.md): `ExampleTarget(config)` raises
 `model.config.ConfigError` for a config the allocator rejects; `apply(op)`
 returns the operation's `Observation` and raises `TargetCrash` when the
 allocator fails on a well-formed sequence; `snapshot()` returns the
-observable state and drains the KV events since the last call.
+observable state and drains the KV events since the last call. Optional
+capabilities are stated, never probed for: `features` below, and the
+`Target` protocol's defaults (inherited through `ReferenceTarget`) for the rest.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from invariants.targets.base import TargetFeatures
 from invariants.targets.reference import ReferenceTarget
 from model.config import Config
 from reference_impl.block_pool import BlockPool
@@ -35,8 +38,10 @@ def fork_components(components: AllocatorComponents) -> AllocatorComponents:
 
 class ExampleTarget(ReferenceTarget):
     name = "example"
-    # The fork keeps the #40676 pinned tier of the reference allocator.
-    supports_pinning = True
+    # What the adapter can do beyond the required members (docs/targets.md): it
+    # reports deltas (the checker's fast path), and the fork keeps the #40676
+    # pinned tier of the reference allocator, so generated configurations include it.
+    features = TargetFeatures(partial=True, pinning=True)
     MUTANTS = {"fork": fork_components}
 
     def __init__(self, config: Config) -> None:
