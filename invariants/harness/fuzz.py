@@ -222,10 +222,11 @@ def run_fuzz(
                 test()
             except (ViolationFound, BudgetSpent):
                 pass  # a violation (recorded in stats) or the budget: the run's own signals
-            except Flaky:
-                # Hypothesis replays a failing example once more; past the deadline the
-                # replay meets BudgetSpent instead. Anything else is a harness error.
-                if not stats.out_of_time() and stats.last_failure is None:
+            except Flaky as exc:
+                # Hypothesis replays a failing example once more and reports a replay that
+                # ends otherwise as flaky; past the deadline the replay meets BudgetSpent.
+                # Flaky about anything but the run's own signals is a harness error.
+                if not _own_signals(exc, stats):
                     raise
             if stats.last_failure is not None:
                 break
@@ -246,6 +247,17 @@ def run_fuzz(
         report.trace_path = write_trace(trace, trace_path)
     report.seconds = time.monotonic() - start
     return report
+
+
+def _own_signals(exc: Flaky, stats: FuzzStats) -> bool:
+    """Is this flaky report about the run's own signals only? A replay that ended
+    otherwise than the failure did, where the failure was a violation or a
+    cut-off: the replay is cut at once (`check_budget`), so it draws less data
+    than the failure did, and Hypothesis calls the strategy flaky."""
+    inner = getattr(exc, "exceptions", ())
+    if inner:
+        return all(isinstance(e, (ViolationFound, BudgetSpent)) for e in inner)
+    return stats.cut_off or stats.last_failure is not None
 
 
 def shrink_failure(

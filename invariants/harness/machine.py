@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hypothesis import strategies as st
+from hypothesis.control import current_build_context
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
@@ -89,6 +91,27 @@ class BudgetSpent(Exception):
     """Raised by every step past the run's deadline: the batch ends at the next step."""
 
 
+def check_budget(stats: FuzzStats) -> None:
+    """Raise `BudgetSpent` past the deadline, except in Hypothesis's final replay
+    of a failure that was neither a violation nor a cut-off.
+
+    That replay must run as the failure did: were it cut off by the budget, a
+    harness error that struck just before the deadline would come back as
+    `BudgetSpent`, one of the run's own signals, and read as "clean". A
+    violation is already recorded and a cut-off is one; their replays are cut
+    at once (a cut-off replayed further would draw past its recorded data)."""
+    if not stats.out_of_time():
+        return
+    if stats.last_failure is None and not stats.cut_off:
+        try:
+            if current_build_context().is_final:
+                return
+        except InvalidArgument:  # outside a Hypothesis test
+            pass
+    stats.cut_off = True
+    raise BudgetSpent()
+
+
 @dataclass
 class FuzzStats:
     """Figures a fuzz run reports; shared by every example of the run."""
@@ -108,6 +131,9 @@ class FuzzStats:
     deadline: float | None = None
     on_violation: Callable[[ViolationFound], None] | None = None
     audit_every: int | None = DEFAULT_AUDIT_EVERY
+
+    # Set once a step was refused for the budget (`check_budget`).
+    cut_off: bool = False
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
@@ -171,8 +197,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def setup(self, config: Config, data: st.DataObject) -> None:
         """The initialize rule (bound per run in `__init_subclass__`): build the target, draw prompts."""
         stats = self.run_stats
-        if stats.out_of_time():
-            raise BudgetSpent()
+        check_budget(stats)
         stats.examples += 1
         try:
             target = type(self).target_factory(config)
@@ -200,8 +225,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _do(self, op: Op) -> None:
         assert self.checker is not None
         stats = self.run_stats
-        if stats.out_of_time():
-            raise BudgetSpent()
+        check_budget(stats)
         before = self.checker.tables()
         found = [v for v in self.checker.step(op) if not self._known(v)]
         stats.steps += 1
