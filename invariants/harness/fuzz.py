@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.errors import Flaky
-from hypothesis.stateful import get_state_machine_test
+from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, InvalidOp, Violation
 from invariants.harness.known_findings import clean_verdict, explain
@@ -174,7 +174,6 @@ def run_fuzz(
     start = time.monotonic()
     stats = FuzzStats(audit_every=audit_every or DEFAULT_AUDIT_EVERY)
     stats.deadline = start + budget_s if budget_s is not None else None
-    batch = 0
     trace_path = out_dir / (trace_name or f"kvretain-{target}-seed{seed}.json")
     first_seen: list[float] = []
 
@@ -184,9 +183,9 @@ def run_fuzz(
         first_seen.append(time.monotonic() - start)
         stats.deadline = time.monotonic()  # stop the batch now: no replay, no explain
         v = failure.violations[0]
-        write_trace(Trace(failure.config, failure.ops, seed + batch - 1, target, str(v)), trace_path)
+        write_trace(Trace(failure.config, failure.ops, seed + stats.batches - 1, target, str(v)), trace_path)
         say(
-            f"violation: {v.check} at step {len(failure.ops)} of an example (batch seed {seed + batch - 1}, "
+            f"violation: {v.check} at step {len(failure.ops)} of an example (batch seed {seed + stats.batches - 1}, "
             f"seed {seed}), {first_seen[0]:.1f}s; unshrunk trace {trace_path}"
         )
 
@@ -194,6 +193,36 @@ def run_fuzz(
     machine = build_machine(factory, strategy, stats, tolerated=tolerated)
     db, db_key = _database(database, stats, target, config_name)
     prog = Progress(f"fuzz {target}", enabled=progress)
+    for batch in _batches(machine, stats, db, db_key, seed, steps):
+        prog.tick(
+            f"batch {batch}: {stats.steps} steps, {stats.steps / max(prog.elapsed(), 1e-9):.0f} ops/s, "
+            f"hit rate {stats.hit_rate:.1%}"
+        )
+    failure = stats.last_failure
+    stats.known.write_examples(out_dir, target, seed)
+    report = FuzzReport(target, config_name or "generated", seed, stats.batches, stats, 0.0, failure)
+    if failure is not None:
+        report.first_seen_s = first_seen[0] if first_seen else None
+        report.unshrunk_ops = len(failure.ops)
+        report.failure = shrink_failure(failure, factory, tolerated, start, budget_s, shrink_s, say)
+        report.shrink_s = time.monotonic() - start - (report.first_seen_s or 0.0)
+        trace = Trace(report.failure.config, report.failure.ops, seed + stats.batches - 1, target, None)
+        trace.violation = str(report.failure.violations[0])
+        report.trace_path = write_trace(trace, trace_path)
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _batches(
+    machine: type[RuleBasedStateMachine],
+    stats: FuzzStats,
+    db: ExampleDatabase | None,
+    db_key: bytes,
+    seed: int,
+    steps: int | None,
+) -> Iterator[int]:
+    """Run Hypothesis batches (batch i seeded `seed + i`) until `steps`, the budget or a
+    violation; yields each clean batch's number. Swallows only the run's own signals."""
     s = settings(
         max_examples=EXAMPLES_PER_BATCH,
         stateful_step_count=STEPS_PER_EXAMPLE,
@@ -205,6 +234,7 @@ def run_fuzz(
         phases=(Phase.explicit, Phase.reuse, Phase.generate),
         suppress_health_check=list(HealthCheck),
     )
+    batch = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         while (steps is None or stats.steps < steps) and not stats.out_of_time():
@@ -218,6 +248,7 @@ def run_fuzz(
                 database=db,
             )
             batch += 1
+            stats.batches = batch
             try:
                 test()
             except (ViolationFound, BudgetSpent):
@@ -229,24 +260,8 @@ def run_fuzz(
                 if not _own_signals(exc, stats):
                     raise
             if stats.last_failure is not None:
-                break
-            prog.tick(
-                f"batch {batch}: {stats.steps} steps, {stats.steps / max(prog.elapsed(), 1e-9):.0f} ops/s, "
-                f"hit rate {stats.hit_rate:.1%}"
-            )
-    failure = stats.last_failure
-    stats.known.write_examples(out_dir, target, seed)
-    report = FuzzReport(target, config_name or "generated", seed, batch, stats, 0.0, failure)
-    if failure is not None:
-        report.first_seen_s = first_seen[0] if first_seen else None
-        report.unshrunk_ops = len(failure.ops)
-        report.failure = shrink_failure(failure, factory, tolerated, start, budget_s, shrink_s, say)
-        report.shrink_s = time.monotonic() - start - (report.first_seen_s or 0.0)
-        trace = Trace(report.failure.config, report.failure.ops, seed + batch - 1, target, None)
-        trace.violation = str(report.failure.violations[0])
-        report.trace_path = write_trace(trace, trace_path)
-    report.seconds = time.monotonic() - start
-    return report
+                return
+            yield batch
 
 
 def _own_signals(exc: Flaky, stats: FuzzStats) -> bool:

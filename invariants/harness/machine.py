@@ -134,6 +134,7 @@ class FuzzStats:
 
     # Set once a step was refused for the budget (`check_budget`).
     cut_off: bool = False
+    batches: int = 0  # Hypothesis batches started (the fuzz runner's)
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline

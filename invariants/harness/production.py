@@ -314,9 +314,7 @@ def run_production(
         while not done() and not failures:
             _release_episode()
             if stats.episodes:
-                now, live = current_rss_kb(), sys.getallocatedblocks()
-                stats.rss_between_kb = (stats.rss_between_kb[0] or now, now)
-                stats.blocks_between = (stats.blocks_between[0] or live, live)
+                _measure_between_episodes(stats)
             spool.clear()
             setting = plan[stats.episodes % len(plan)]
             stats.episodes += 1
@@ -325,14 +323,7 @@ def run_production(
             # The pools just built (156k blocks on each side) live all episode: keep
             # the cyclic collector from walking them again and again.
             gc.freeze()
-            log(
-                f"episode {stats.episodes}: {setting.name}, {cfg.num_blocks:,} blocks"
-                f"{' (squeezed)' if setting.squeezed else ''}, retention {cfg.retention_interval}, "
-                f"{f'Eagle/MTP {cfg.num_lookahead_tokens} draft tokens, ' if cfg.eagle else ''}"
-                f"{f'prefixes matched every {cfg.hash_block_size} tokens, ' if fine_hits_enabled(cfg) else ''}"
-                f"{'' if cfg.enable_caching else 'prefix caching off, '}"
-                f"prompts up to {setting.longest:,} tokens; resident {current_rss_kb() / 1024:,.0f} MiB"
-            )
+            log(_episode_banner(stats.episodes, setting))
             ops = workload(cfg, rng, checker, setting.longest)
             episode_end = None if budget_s is None else time.monotonic() + budget_s / len(PRODUCTION_PRESETS)
             for _ in range(EPISODE_OPS):
@@ -352,13 +343,7 @@ def run_production(
                 ):
                     stats.rss_at_tenth_kb = stats.peak_rss_kb()
                     stats.rss_now_at_tenth_kb = current_rss_kb()
-                obs = checker.last_obs
-                if isinstance(obs, ScheduleResult):
-                    stats.tokens += obs.scheduled
-                elif isinstance(obs, StepResult):
-                    stats.tokens += sum(r.scheduled for _, r in obs.results)
-                    stats.preemptions += len(obs.preempted)
-                stats.preemptions += isinstance(op, Preempt)
+                _count_work(stats, op, checker.last_obs)
                 new = [v for v in found if not _known(v, tolerated, stats)]
                 if new:
                     checker.ops[:0] = spool.ops()
@@ -376,17 +361,56 @@ def run_production(
                 if end:
                     checker.ops[:0] = spool.ops()
                     failures.append((setting, checker, end))
-            label = (
-                f"{setting.name} {cfg.num_blocks} r{cfg.retention_interval}{' eagle' if cfg.eagle else ''}"
-                f"{f' unit{cfg.hash_block_size}' if fine_hits_enabled(cfg) else ''}{'' if cfg.enable_caching else ' nocache'}"
-            )
-            now = current_rss_kb()
-            stats.rss_by_setting_kb[label] = (stats.rss_by_setting_kb.get(label, (now, now))[0], now)
+            _measure_setting(stats, setting)
             del checker, ops
     gc.unfreeze()
     spool.close()
     stats.rss_now_at_end_kb = current_rss_kb()
     return stats, failures, time.monotonic() - start
+
+
+def _measure_between_episodes(stats: ProductionStats) -> None:
+    """Resident memory and live objects once an episode is gone: the first and the latest."""
+    now, live = current_rss_kb(), sys.getallocatedblocks()
+    stats.rss_between_kb = (stats.rss_between_kb[0] or now, now)
+    stats.blocks_between = (stats.blocks_between[0] or live, live)
+
+
+def _measure_setting(stats: ProductionStats, setting: Setting) -> None:
+    """Resident memory at an episode's end, by setting: its first visit and its latest."""
+    label, now = _setting_label(setting), current_rss_kb()
+    stats.rss_by_setting_kb[label] = (stats.rss_by_setting_kb.get(label, (now, now))[0], now)
+
+
+def _episode_banner(episode: int, setting: Setting) -> str:
+    cfg = setting.config
+    return (
+        f"episode {episode}: {setting.name}, {cfg.num_blocks:,} blocks"
+        f"{' (squeezed)' if setting.squeezed else ''}, retention {cfg.retention_interval}, "
+        f"{f'Eagle/MTP {cfg.num_lookahead_tokens} draft tokens, ' if cfg.eagle else ''}"
+        f"{f'prefixes matched every {cfg.hash_block_size} tokens, ' if fine_hits_enabled(cfg) else ''}"
+        f"{'' if cfg.enable_caching else 'prefix caching off, '}"
+        f"prompts up to {setting.longest:,} tokens; resident {current_rss_kb() / 1024:,.0f} MiB"
+    )
+
+
+def _setting_label(setting: Setting) -> str:
+    """A setting's row in the memory-by-setting figures."""
+    cfg = setting.config
+    return (
+        f"{setting.name} {cfg.num_blocks} r{cfg.retention_interval}{' eagle' if cfg.eagle else ''}"
+        f"{f' unit{cfg.hash_block_size}' if fine_hits_enabled(cfg) else ''}{'' if cfg.enable_caching else ' nocache'}"
+    )
+
+
+def _count_work(stats: ProductionStats, op: Op, obs: object) -> None:
+    """The tokens an operation scheduled and the preemptions it made."""
+    if isinstance(obs, ScheduleResult):
+        stats.tokens += obs.scheduled
+    elif isinstance(obs, StepResult):
+        stats.tokens += sum(r.scheduled for _, r in obs.results)
+        stats.preemptions += len(obs.preempted)
+    stats.preemptions += isinstance(op, Preempt)
 
 
 def _release_episode() -> None:
