@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_incremental import reorder_free_queue
 
 from invariants.catalogue import AUDIT_ONLY, INVARIANTS, STATE_INVARIANTS, coverage_gaps
 from invariants.catalogue.events import stored_tokens_match_hashes
@@ -265,11 +266,7 @@ class SwapsMiddleUndoneByTheAuditedOp(ModelTarget):
         self.pair: tuple[int, int] = (0, 0)
 
     def _swap(self, a: int, b: int) -> None:
-        q = self._model.pool.queue
-        blocks = q.blocks
-        for x in blocks:
-            q.remove(x)
-        q.append_n([b if x == a else a if x == b else x for x in blocks])
+        reorder_free_queue(self, lambda blocks: [b if x == a else a if x == b else x for x in blocks])
 
     def apply(self, op: Op) -> Observation:
         self.n += 1
