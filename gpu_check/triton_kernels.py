@@ -87,7 +87,10 @@ def _build() -> Any:
         o = tl.arange(0, BS)
         q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d).to(tl.float32)
         m = tl.zeros([1], dtype=tl.float32) - float("inf")
-        for j in range(t0, t1 + 1):
+        # while, not range(t0, t1 + 1): Triton 3.6's interpreter cannot take tensor bounds
+        # in range(); both loops run the same blocks in the same order either way.
+        j = t0
+        while j <= t1:
             blk = tl.load(tab_ptr + sq * stride_tab + j).to(tl.int64)
             kp = j * BS + o
             valid = (kp >= lo) & (kp <= pos)
@@ -96,9 +99,11 @@ def _build() -> Any:
             s = tl.sum(k * q[None, :], axis=1) * scale
             s = tl.where(valid, s, float("-inf"))
             m = tl.maximum(m, tl.max(s, axis=0))
+            j += 1
         den = tl.zeros([1], dtype=tl.float32)
         acc = tl.zeros([DH], dtype=tl.float32)
-        for j in range(t0, t1 + 1):
+        j = t0
+        while j <= t1:
             blk = tl.load(tab_ptr + sq * stride_tab + j).to(tl.int64)
             kp = j * BS + o
             valid = (kp >= lo) & (kp <= pos)
@@ -110,6 +115,7 @@ def _build() -> Any:
             v = tl.load(vptr, mask=valid[:, None], other=0.0).to(tl.float32)
             den += tl.sum(p, axis=0)
             acc += tl.sum(p[:, None] * v, axis=0)
+            j += 1
         tl.store(out_ptr + t * stride_ot + h * stride_oh + d, acc / den)
 
     return paged_attn
