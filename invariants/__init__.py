@@ -38,7 +38,7 @@ ROOMS: dict[str, frozenset[str]] = {
     "layouts": frozenset({"targets"}),
     "proofs": frozenset(),
     "harness": frozenset({"catalogue", "targets", "layouts"}),
-    "zoo": frozenset({"catalogue", "targets", "layouts", "harness"}),
+    "zoo": frozenset({"catalogue", "targets", "layouts", "harness", "explore"}),
     "simulate": frozenset({"targets", "layouts", "harness", "zoo"}),
     "export": frozenset({"catalogue", "targets", "harness"}),
     "matrix": frozenset({"targets", "layouts", "harness"}),

@@ -182,7 +182,7 @@ def test_merging_check_catches_an_unsound_fingerprint(monkeypatch: pytest.Monkey
     """Control: a fingerprint that merges states with different futures (it keeps only
     counts) makes the search miss states that brute force reaches."""
 
-    def coarse(model: object, history: object, snap: object = None) -> object:
+    def coarse(model: object, history: object, snap: object = None, **_: object) -> object:
         reqs = model.requests.values()  # type: ignore[attr-defined]
         return (len(model.pool.queue), tuple(sorted(r.num_computed for r in reqs)))  # type: ignore[attr-defined]
 

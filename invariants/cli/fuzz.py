@@ -6,11 +6,15 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from invariants.errors import UsageError
 from invariants.harness.trace import read_trace
 from invariants.report import table
 from invariants.results import CaseResult, fuzz_case, write_results
+
+if TYPE_CHECKING:
+    from invariants.harness.fuzz import FuzzReport
 
 
 def positive_int(text: str) -> int:
@@ -191,6 +195,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     )
     if report.failure is not None:
         print(format_failure(report))
+        _hand_over(report, args.budget_s)
     print(format_summary([report]))
     if report.stats.known:
         print(format_known(report.stats.known))
@@ -198,6 +203,43 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     rc = 1 if report.failure is not None else 0
     write_results(args, "fuzz", [fuzz_case(report)], rc)
     return rc
+
+
+HANDOVER_S = 30.0
+"""Without a budget, the hand-over to explore gets this long."""
+
+
+def _hand_over(report: FuzzReport, budget_s: float | None) -> None:
+    """Search the shrunk trace's operations exhaustively for a shorter one, within what
+    is left of the budget; print it, its sentence, and write it beside the fuzz trace."""
+    import time
+
+    from invariants.explore.handover import shortest_trace
+    from invariants.harness.fuzz import _tolerance
+    from invariants.harness.trace import Trace, write_trace
+    from invariants.targets import target_factory
+
+    failure = report.failure
+    assert failure is not None
+    left = HANDOVER_S if budget_s is None else budget_s - report.seconds
+    if left <= 0.5:
+        print("hand-over to explore: skipped, the budget is spent (the trace above is the fuzzer's)")
+        return
+    h = shortest_trace(
+        failure.config,
+        failure.ops,
+        failure.violations[0],
+        target_factory(report.target),
+        report.target,
+        tolerate=_tolerance(report.target),
+        deadline=time.monotonic() + left,
+    )
+    print(f"hand-over to explore: {h.summary()}")
+    print(f"first difference: {h.sentence}")
+    if h.shorter and report.trace_path is not None:
+        path = report.trace_path.with_name(report.trace_path.stem + "-shortest.json")
+        write_trace(Trace(failure.config, list(h.ops), report.seed, report.target, str(h.violation)), path)
+        print(f"shortest trace ({len(h.ops)} operations) written to {path}; kvretain replay {path}")
 
 
 # ---------------------------------------------------------------- replay

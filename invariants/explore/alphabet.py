@@ -14,7 +14,8 @@ deterministic and its first counterexample is the same on every run):
 4. `probe` of the two longest prompts, `reset`, and `evict` of each block that
    carries a hash (blocks without one: `evict` is a no-op there).
 
-Every operation passes `Checker.validate`; those it rejects are dropped.
+Every operation passes `Checker.validate`; those it rejects are dropped. An
+instance with a `vocabulary` offers that, in its order, instead.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def alphabet(
     instance: Instance, model: AllocatorModel, next_rid: int, valid: Callable[[Op], bool]
 ) -> list[Op]:
     """Every operation to try from this state, in the module docstring's order."""
+    if instance.vocabulary:
+        return [op for op in instance.vocabulary if valid(op)]
     reqs = model.requests
     ops: list[Op] = []
     if len(reqs) < instance.max_requests:

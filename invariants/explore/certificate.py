@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from invariants.harness.checker import Violation
 from invariants.harness.known_findings import KnownLedger, known_summary
+from model.ops import Op
 
 CLEAN = "clean"
 KNOWN = "known findings"
@@ -46,6 +48,9 @@ class Certificate:
     fork_checks: int = 0
     error: str | None = None
     skipped: str | None = None  # why the instance was not searched at all
+    other_violations: int = 0  # paths pruned by a violation the search was not after
+    path: tuple[Op, ...] = ()  # the counterexample's operations
+    found: list[Violation] = field(default_factory=list)  # and what its last operation raised
 
     @property
     def verdict(self) -> str:
@@ -110,6 +115,7 @@ class Certificate:
             "fork_checks": self.fork_checks,
             "error": self.error,
             "skipped": self.skipped,
+            "other_violations": self.other_violations,
         }
 
 

@@ -125,9 +125,14 @@ def fingerprint(
     target_snapshot: Snapshot | None = None,
     *,
     image: Callable[[Any, Names], Hashable] = canonical,
+    rename: bool = True,
 ) -> Hashable:
-    """The state's fingerprint: model, history, and (when given: the target diverged) its snapshot."""
-    names = request_names(model, history)
+    """The state's fingerprint: model, history, and (when given: the target diverged) its snapshot.
+
+    `rename` False keeps request ids as they are: for a search whose operations
+    name fixed requests (a vocabulary), renaming would merge states whose
+    continuations differ."""
+    names = request_names(model, history) if rename else {}
     free = tuple(model.pool.queue.blocks)
     state = image(model, names)
     seen = history_image(history, free, names)

@@ -21,7 +21,12 @@ from typing import Any
 
 from invariants.harness.checker import Checker
 
-_SHARED_TYPES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType)
+# Classes too: a mutant's class defined inside a function has no importable name.
+_SHARED_TYPES = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType)
+
+
+def _bound(func: Any, owner: Any) -> types.MethodType:
+    return types.MethodType(func, owner)
 
 
 class _SharingPickler(pickle.Pickler):
@@ -34,6 +39,14 @@ class _SharingPickler(pickle.Pickler):
             self.shared[id(obj)] = obj  # kept alive here, so the id stays valid
             return id(obj)
         return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        # A method bound on one object (a mutant rebinding an instance attribute):
+        # plain pickle saves it as getattr(owner, function name), which names another
+        # attribute. Rebuild it from the shared function and the copied owner instead.
+        if type(obj) is types.MethodType and not isinstance(obj.__self__, type):
+            return _bound, (obj.__func__, obj.__self__)
+        return NotImplemented
 
 
 class _SharingUnpickler(pickle.Unpickler):
@@ -57,6 +70,8 @@ class Freezer:
         if self.plain is not False:
             try:
                 data = pickle.dumps(checker, protocol=pickle.HIGHEST_PROTOCOL)
+                if self.plain is None:
+                    pickle.loads(data)  # a pickle that does not load back is no copy
                 self.plain = True
                 return data
             except (pickle.PicklingError, TypeError, AttributeError):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from model.config import Config, GroupSpec, validate
+from model.ops import Op
 
 # Requests never grow past this: the search is about allocation, not long decodes.
 MAX_MODEL_LEN = 24
@@ -23,7 +24,9 @@ MAX_MODEL_LEN = 24
 @dataclass(frozen=True)
 class Instance:
     """One bounded instance. `prompt_lengths` are in tokens; `budgets` serve both
-    `schedule` (per request) and `step` (shared by the batch)."""
+    `schedule` (per request) and `step` (shared by the batch). A `vocabulary`
+    replaces the generated alphabet: every state offers exactly those operations
+    (the valid ones), request ids as written (`invariants.explore.handover`)."""
 
     name: str
     config: Config
@@ -31,6 +34,7 @@ class Instance:
     prompt_lengths: tuple[int, ...] = ()
     budgets: tuple[int, ...] = ()
     note: str = field(default="", compare=False)
+    vocabulary: tuple[Op, ...] = ()
 
     def __post_init__(self) -> None:
         validate(self.config)

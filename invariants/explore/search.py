@@ -40,6 +40,8 @@ from model.ops import AddRequest, Op
 
 Tolerate = Callable[[Violation], object]
 """A violation -> the known finding explaining it (its `id` is counted), or None."""
+Wanted = Callable[[Violation], bool]
+"""Which new violations end the search; any other prunes its path (counted)."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,8 @@ def new_checker(factory: Callable[[Config], Target], config: Config) -> Checker:
     return Checker(factory(config), audit_every=1)
 
 
-def _state_of(checker: Checker, diverged: bool) -> Hashable:
-    return fingerprint(checker.model, checker.history, checker.last if diverged else None)
+def _state_of(checker: Checker, diverged: bool, rename: bool = True) -> Hashable:
+    return fingerprint(checker.model, checker.history, checker.last if diverged else None, rename=rename)
 
 
 def _is_valid(checker: Checker) -> Callable[[Op], bool]:
@@ -99,9 +101,12 @@ class _Search:
         limits: Limits,
         tolerate: Tolerate,
         progress: Progress | None,
+        wanted: Wanted | None = None,
     ) -> None:
         self.instance, self.factory, self.cert = instance, factory, cert
         self.limits, self.tolerate, self.progress = limits, tolerate, progress
+        self.wanted = wanted
+        self.rename = not instance.vocabulary
         self.freezer = Freezer()
         self.seen: set[Hashable] = set()
         self.start = time.monotonic()
@@ -110,7 +115,7 @@ class _Search:
     def run(self) -> list[_Node]:
         """Search layer by layer; returns the deepest layer whose states were kept frozen."""
         root = new_checker(self.factory, self.instance.config)
-        state = _state_of(root, False)
+        state = _state_of(root, False, self.rename)
         self.seen.add(state)
         frontier = [_Node((), self.freezer.freeze(root), 0, False, state)]
         for depth in range(1, self.limits.depth + 1):
@@ -180,8 +185,11 @@ class _Search:
             else:
                 new.append(v)
         if new:
-            raise _Found(path, new)
-        state = _state_of(checker, diverged)
+            if self.wanted is None or any(self.wanted(v) for v in new):
+                raise _Found(path, new)
+            self.cert.other_violations += 1
+            return None, object()  # pruned: a different defect; the checker moved on
+        state = _state_of(checker, diverged, self.rename)
         if state in self.seen:
             return None, state
         if len(self.seen) >= self.limits.max_states:
@@ -208,7 +216,8 @@ def _fork_differs(search: _Search, node: _Node) -> str | None:
     fresh, _ = replay(search.factory, search.instance.config, node.path, search.tolerate)
     if thawed.target.snapshot() != fresh.target.snapshot():
         return f"the target's snapshot after {len(node.path)} operations differs from re-execution"
-    if _state_of(thawed, node.diverged) != _state_of(fresh, node.diverged):
+    rename = search.rename
+    if _state_of(thawed, node.diverged, rename) != _state_of(fresh, node.diverged, rename):
         return f"the fingerprint after {len(node.path)} operations differs from re-execution"
     return None
 
@@ -222,12 +231,14 @@ def explore(
     tolerate: Tolerate | None = None,
     out_dir: Path | None = None,
     progress: Progress | None = None,
+    wanted: Wanted | None = None,
 ) -> Certificate:
-    """Search `instance` against the target built by `factory`; the certificate (see module docstring)."""
+    """Search `instance` against the target built by `factory`; the certificate (see module
+    docstring). `wanted`: only violations it accepts end the search (default: any)."""
     tol: Tolerate = tolerate or (lambda v: explain(target, v))
     cert = Certificate(instance.name, target, limits.depth)
     start = time.monotonic()
-    search = _Search(instance, factory, cert, limits, tol, progress)
+    search = _Search(instance, factory, cert, limits, tol, progress, wanted)
     try:
         try:
             last = search.run()
@@ -257,6 +268,7 @@ def _counterexample(search: _Search, found: _Found, target: str, out_dir: Path |
     cert = search.cert
     cert.violation = "; ".join(str(v) for v in found.violations[:3])
     cert.trace_length = len(found.path)
+    cert.path, cert.found = found.path, list(found.violations)
     cert.stopped = f"violation at depth {len(found.path)}"
     cert.depth_completed = len(found.path) - 1
     _, again = replay(search.factory, search.instance.config, found.path, search.tolerate)

@@ -6,7 +6,10 @@ the fuzzer exactly as `kvretain fuzz --budget-s T` runs it
 differential against the model, over the mutant's config strategy; batch i
 uses `hypothesis.seed(seed + i)`, printed). Two times are reported from the
 mutant's start: to the first violation line, and to the shrunk trace (the
-fuzzer's own shrinker, bounded by `shrink_s` and by the budget).
+fuzzer's own shrinker, bounded by `shrink_s` and by the budget). The shrunk
+trace is then handed to `explore` (`invariants.explore.handover`) for what is
+left of the mutant's budget: the shortest trace over its operations, and the
+sentence naming the first observable that differs.
 
 The trace's `target` is the unmutated target's name (so `kvretain replay`
 runs it: clean on the unmutated target is the expected answer); its
@@ -24,6 +27,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from invariants.explore.handover import Handover, shortest_trace
 from invariants.harness.checker import Violation
 from invariants.harness.fuzz import run_fuzz
 from invariants.harness.trace import Trace, write_trace
@@ -32,6 +36,7 @@ from invariants.targets.base import Target
 from invariants.zoo import checks as direct
 from invariants.zoo.configs import strategy as config_strategy
 from model.config import Config
+from model.ops import Op
 
 Factory = Callable[[Config], Target]
 
@@ -69,10 +74,21 @@ class MutantResult:
     detail: str = ""
     steps: int = 0
     note: str = ""
+    fuzz_ops: int | None = None  # the fuzz trace's length after shrinking
+    handover: Handover | None = None  # explore's shortest trace, when the fuzzer killed it
 
     @property
     def verdict(self) -> str:
         return "killed" if self.killed else "SURVIVED"
+
+    def trace_lengths(self) -> str:
+        """`37 -> 5 (<=4 all)`: the fuzz trace, explore's, and the depth checked exhaustively."""
+        if self.fuzz_ops is None:
+            return "-"
+        h = self.handover
+        if h is None:
+            return f"{self.fuzz_ops} (no budget left)"
+        return f"{self.fuzz_ops} -> {len(h.ops)} (<={h.depth_completed} all)"
 
 
 def run_entry(
@@ -141,13 +157,23 @@ def run_entry(
                 result.seconds_to_trace = hunt_start - start + report.seconds
                 result.detail = str(best.violations[0])
                 result.seeds = str(seed + report.batches - 1)
+                result.fuzz_ops = len(best.ops)
+                ops, v = _hand_over(
+                    entry,
+                    factory,
+                    best.config,
+                    tuple(best.ops),
+                    best.violations[0],
+                    result,
+                    deadline=start + budget_s,
+                )
                 if out_dir is not None:
                     trace = Trace(
                         best.config,
-                        best.ops,
+                        list(ops),
                         seed + report.batches - 1,
                         entry.target,
-                        f"mutant {entry.name}: {best.violations[0]}",
+                        f"mutant {entry.name}: {v}",
                     )
                     result.trace_path = write_trace(trace, out_dir / f"zoo-{entry.target}-{entry.name}.json")
     result.seconds = time.monotonic() - start
@@ -156,6 +182,30 @@ def run_entry(
     else:
         prog.tick(f"SURVIVED {result.seconds:.1f}s ({result.steps} steps)", force=progress)
     return result
+
+
+def _hand_over(
+    entry: ZooEntry,
+    factory: Factory,
+    config: Config,
+    ops: tuple[Op, ...],
+    violation: Violation,
+    result: MutantResult,
+    deadline: float,
+) -> tuple[tuple[Op, ...], Violation]:
+    """The shortest trace explore finds within the budget left (the fuzz trace if none)."""
+    if time.monotonic() >= deadline:
+        return ops, violation
+    tolerate = entry.tolerated or (lambda v: False)
+    try:
+        result.handover = shortest_trace(
+            config, ops, violation, factory, entry.target, tolerate=tolerate, deadline=deadline
+        )
+    except Exception as exc:  # the kill stands on the fuzz trace; the table says why it was not shortened
+        result.note = f"hand-over to explore failed: {type(exc).__name__}: {exc}"
+        return ops, violation
+    result.detail = result.handover.sentence
+    return result.handover.ops, result.handover.violation
 
 
 @dataclass
@@ -182,7 +232,20 @@ class ZooReport:
         return (
             f"zoo {self.target}: {killed}/{len(self.results)} killed ({rate:.0%}), "
             f"median time to kill {med} s, max {mx} s, {len(self.not_applicable)} not applicable, "
-            f"{self.seconds:.0f} s in all"
+            f"{self.seconds:.0f} s in all" + self.lengths_summary()
+        )
+
+    def lengths_summary(self) -> str:
+        """The fuzz-killed mutants' trace lengths before and after the hand-over to explore."""
+        pairs = [(r.fuzz_ops, len(r.handover.ops)) for r in self.results if r.fuzz_ops and r.handover]
+        if not pairs:
+            return ""
+        before = sorted(p[0] for p in pairs)
+        after = sorted(p[1] for p in pairs)
+        return (
+            f"; fuzz traces handed to explore: {len(pairs)}, operations median "
+            f"{statistics.median(before):g} -> {statistics.median(after):g}, max {before[-1]} -> {after[-1]} "
+            f"(lengths after: {', '.join(map(str, after))})"
         )
 
     def table(self) -> str:
@@ -196,13 +259,14 @@ class ZooReport:
                     first,
                     f"{r.seconds_to_kill:.2f}" if r.seconds_to_kill is not None else "-",
                     f"{r.seconds_to_trace:.2f}" if r.seconds_to_trace is not None else "-",
+                    r.trace_lengths(),
                     r.strategy,
                     r.seeds,
                     str(r.trace_path) if r.trace_path else "-",
                 )
             )
         for name, why in self.not_applicable:
-            rows.append((name, "n/a", why, "-", "-", "-", "-", "-"))
+            rows.append((name, "n/a", why, "-", "-", "-", "-", "-", "-"))
         return table(
             [
                 "mutant",
@@ -210,6 +274,7 @@ class ZooReport:
                 "first check (+ others on that step)",
                 "first violation s",
                 "shrunk trace s",
+                "ops fuzz -> explore",
                 "configs",
                 "seed",
                 "trace",

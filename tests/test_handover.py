@@ -1,0 +1,199 @@
+"""The hand-over from fuzzing to explore (`invariants.explore.handover`, `sentence`).
+
+- a long trace that reaches a planted defect comes back as the shortest
+  sequence over its own operations, same check, replayable; a trace that is
+  already shortest is said to be, with every shorter sequence checked;
+- a violation of another check prunes its path, counted, and never stands in
+  for the one handed over;
+- the sentence names the operation and the first field that differs;
+- ids are not renamed in a vocabulary search (control: renaming would merge
+  states whose continuations differ);
+- a checker holding a mutant's rebound method or local class forks correctly;
+- the zoo hands its fuzz traces over and reports both lengths.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from pathlib import Path
+
+from invariants.explore.fingerprint import fingerprint
+from invariants.explore.fork import Freezer
+from invariants.explore.handover import shortest_trace, vocabulary
+from invariants.explore.search import new_checker, replay
+from invariants.explore.sentence import describe_op, first_field_difference
+from invariants.harness.checker import Checker, Violation
+from invariants.harness.trace import read_trace
+from invariants.targets.model_target import ModelTarget
+from invariants.zoo.runner import reference_entries, run_entry
+from model.config import Config, GroupSpec, validate
+from model.observation import Done, Observation, ScheduleResult, StepResult
+from model.ops import AddRequest, Finish, Op, Preempt, Probe, Schedule, Step
+
+CFG = validate(Config(groups=(GroupSpec("full", 2),), num_blocks=6, max_model_len=24))
+
+
+class LeaksAfterResume(ModelTarget):
+    """Planted defect: finishing a request that was preempted and re-admitted drops
+    it without freeing its blocks (shortest: add, admit, preempt, re-admit, finish)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.preempted: set[str] = set()
+
+    def apply(self, op: Op) -> Observation:
+        if isinstance(op, Preempt):
+            self.preempted.add(op.rid)
+        req = self.model.requests.get(getattr(op, "rid", ""))
+        if isinstance(op, Finish) and op.rid in self.preempted and req is not None and req.running:
+            del self.model.requests[op.rid]
+            return Done()
+        return super().apply(op)
+
+
+PADDED: list[Op] = [
+    AddRequest("a", (1, 2, 1)),
+    Probe((1, 2)),
+    AddRequest("b", (2, 2)),
+    Step(("a", "b"), 64),
+    Finish("b"),
+    Probe((1, 2, 1)),
+    Preempt("a"),
+    Schedule("a", 64),
+    Finish("a"),
+]
+
+
+def _violation(ops: list[Op]) -> Violation:
+    _, found = replay(LeaksAfterResume, CFG, tuple(ops), lambda v: None)
+    assert found, "the padded trace must reach the planted defect"
+    return found[0]
+
+
+def _deadline() -> float:
+    return time.monotonic() + 60
+
+
+def test_a_long_trace_comes_back_shortest_over_its_operations() -> None:
+    v = _violation(PADDED)
+    h = shortest_trace(
+        CFG, PADDED, v, LeaksAfterResume, "model", tolerate=lambda v: None, deadline=_deadline()
+    )
+    assert h.shorter and len(h.ops) == 5 and h.original == len(PADDED)
+    assert h.depth_completed == 4  # every sequence of <= 4 of its operations was clean
+    kinds = [type(op).__name__ for op in h.ops]
+    assert kinds[0::2] == ["AddRequest", "Preempt", "Finish"]
+    assert {kinds[1], kinds[3]} <= {"Step", "Schedule"}  # admitted alone, or by a step over it alone
+    assert h.violation.check == v.check
+    _, again = replay(LeaksAfterResume, CFG, h.ops, lambda v: None)
+    assert again and again[0].check == v.check
+    _, clean = replay(ModelTarget, CFG, h.ops, lambda v: None)
+    assert not clean
+    assert h.sentence.startswith("op 4 (finish a)")
+    assert "shortest trace 5 operations (fuzz: 9)" in h.summary()
+
+
+def test_a_shortest_trace_is_said_to_be_one() -> None:
+    ops: list[Op] = [
+        AddRequest("a", (1, 2, 1)),
+        Schedule("a", 64),
+        Preempt("a"),
+        Schedule("a", 64),
+        Finish("a"),
+    ]
+    h = shortest_trace(
+        CFG, ops, _violation(ops), LeaksAfterResume, "model", tolerate=lambda v: None, deadline=_deadline()
+    )
+    assert not h.shorter and h.depth_completed == 4 and list(h.ops) == ops
+    assert "are shortest over its vocabulary" in h.summary()
+
+
+def test_another_check_prunes_its_path_and_is_counted() -> None:
+    v = _violation(PADDED)
+    other = Violation("not_" + v.check, "x")
+    h = shortest_trace(
+        CFG, PADDED, other, LeaksAfterResume, "model", tolerate=lambda v: None, deadline=_deadline()
+    )
+    assert not h.shorter and h.other_violations > 0
+    assert h.violation is other
+
+
+def test_the_budget_is_kept() -> None:
+    v = _violation(PADDED)
+    start = time.monotonic()
+    h = shortest_trace(
+        CFG, PADDED, v, LeaksAfterResume, "model", tolerate=lambda v: None, deadline=start + 0.01
+    )
+    assert time.monotonic() - start < 5 and "budget spent" in h.stopped
+    assert list(h.ops) == PADDED
+
+
+def test_vocabulary_adds_each_step_over_fewer_requests() -> None:
+    vocab = vocabulary([AddRequest("a", (1,)), Step(("a", "b", "c"), 4), AddRequest("a", (1,))])
+    steps = [op.rids for op in vocab if isinstance(op, Step)]
+    assert steps == [("a", "b", "c"), ("a", "b"), ("a", "c"), ("b", "c"), ("a",), ("b",), ("c",)]
+    assert sum(isinstance(op, AddRequest) for op in vocab) == 1
+
+
+def test_first_field_difference_names_the_field() -> None:
+    want = StepResult((("r0", ScheduleResult(4, True, hit=2)), ("r1", ScheduleResult(2, True, hit=0))))
+    got = StepResult((("r0", ScheduleResult(4, True, hit=2)), ("r1", ScheduleResult(2, True, hit=2))))
+    assert first_field_difference(want, got) == ("results[r1].hit", 0, 2)
+    assert first_field_difference(want, want) is None
+    assert first_field_difference(ScheduleResult(1, True), None) == (
+        "the result",
+        ScheduleResult(1, True),
+        None,
+    )
+    assert describe_op(Step(("r0", "r1"), 8)) == "step r0,r1 budget 8"
+
+
+def test_a_vocabulary_search_does_not_rename_requests() -> None:
+    """Control: with renaming, a state holding request a and one holding request b
+    (same prompt) merge, though an operation naming a only applies to one of them."""
+
+    def after(ops: list[Op]) -> Checker:
+        checker = new_checker(ModelTarget, CFG)
+        for op in ops:
+            assert checker.step(op) == []
+        return checker
+
+    a, b = after([AddRequest("a", (1, 2))]), after([AddRequest("b", (1, 2))])
+    assert fingerprint(a.model, a.history) == fingerprint(b.model, b.history)
+    assert fingerprint(a.model, a.history, rename=False) != fingerprint(b.model, b.history, rename=False)
+
+
+class Holder:
+    n = 0
+
+
+def test_a_rebound_method_and_a_local_class_fork_with_their_copy() -> None:
+    """A mutant rebinds a method on one object (plain pickle saves it by a name that
+    does not exist) or defines its class in a function: the fork still works, and
+    the copy's method acts on the copy."""
+
+    class Local(Holder):
+        pass
+
+    def bump(self: Holder) -> None:
+        self.n += 1
+
+    for obj in (Holder(), Local()):
+        obj.step = types.MethodType(bump, obj)  # type: ignore[attr-defined]
+        freezer = Freezer()
+        twin = freezer.thaw(freezer.freeze(obj))  # type: ignore[arg-type]
+        twin.step()  # type: ignore[attr-defined]
+        assert (twin.n, obj.n) == (1, 0) and type(twin) is type(obj)
+        assert freezer.plain is False
+
+
+def test_the_zoo_hands_a_fuzz_trace_over(tmp_path: Path) -> None:
+    entry = reference_entries(["negative_block_count"])[0]
+    r = run_entry(entry, budget_s=30, shrink_s=5, out_dir=tmp_path, progress=False)
+    assert r.killed and r.fuzz_ops is not None and r.handover is not None
+    assert len(r.handover.ops) <= r.fuzz_ops
+    assert r.trace_lengths().startswith(f"{r.fuzz_ops} -> {len(r.handover.ops)} (<=")
+    assert r.detail == r.handover.sentence and r.detail.startswith("op ")
+    trace = read_trace(r.trace_path)  # type: ignore[arg-type]
+    assert len(trace.ops) == len(r.handover.ops)
