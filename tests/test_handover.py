@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 from invariants.explore.fingerprint import fingerprint
 from invariants.explore.fork import Freezer
@@ -182,8 +183,8 @@ def test_a_rebound_method_and_a_local_class_fork_with_their_copy() -> None:
     for obj in (Holder(), Local()):
         obj.step = types.MethodType(bump, obj)  # type: ignore[attr-defined]
         freezer = Freezer()
-        twin = freezer.thaw(freezer.freeze(obj))  # type: ignore[arg-type]
-        twin.step()  # type: ignore[attr-defined]
+        twin: Any = freezer.thaw(freezer.freeze(obj))  # type: ignore[arg-type]
+        twin.step()
         assert (twin.n, obj.n) == (1, 0) and type(twin) is type(obj)
         assert freezer.plain is False
 
