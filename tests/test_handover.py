@@ -22,12 +22,14 @@ from typing import Any
 from invariants.explore.fingerprint import fingerprint
 from invariants.explore.fork import Freezer
 from invariants.explore.handover import shortest_trace, vocabulary
+from invariants.explore.instances import default_grid
 from invariants.explore.search import new_checker, replay
 from invariants.explore.sentence import describe_op, first_field_difference
 from invariants.harness.checker import Checker, Violation
 from invariants.harness.trace import read_trace
 from invariants.targets.model_target import ModelTarget
-from invariants.zoo.runner import reference_entries, run_entry
+from invariants.zoo.explore_hunt import format_kills, hunt
+from invariants.zoo.runner import reference_entries, run_entry, unmutated_entry
 from model.config import Config, GroupSpec, validate
 from model.observation import Done, Observation, ScheduleResult, StepResult
 from model.ops import AddRequest, Finish, Op, Preempt, Probe, Schedule, Step
@@ -198,3 +200,19 @@ def test_the_zoo_hands_a_fuzz_trace_over(tmp_path: Path) -> None:
     assert r.detail == r.handover.sentence and r.detail.startswith("op ")
     trace = read_trace(r.trace_path)  # type: ignore[arg-type]
     assert len(trace.ops) == len(r.handover.ops)
+
+
+def test_zoo_explore_gives_the_shortest_depth_over_the_grid(tmp_path: Path) -> None:
+    grid = default_grid()
+    entry = reference_entries(["reuse_without_evict"])[0]
+    k = hunt(entry, grid, depth=4, budget_s=60, out_dir=tmp_path)
+    assert k.killed and k.length == 2 and k.instance == grid[0].name
+    assert k.trace is not None and read_trace(k.trace).violation
+    # Iterative deepening: every instance was clean to depth 1 before the depth-2 kill.
+    assert all(d >= 1 or verdict == "skipped" for _, d, verdict in k.covered)
+    assert len(k.covered) == len(grid)
+    # Control: the unmutated reference is clean over the same grid to depth 2.
+    clean = hunt(unmutated_entry("reference", "generated", ()), grid, depth=2, budget_s=60)
+    assert not clean.killed and clean.skipped == 0
+    assert {verdict for _, _, verdict in clean.covered} <= {"clean", "skipped"}
+    assert "1/2 killed by exhaustive search alone" in format_kills([k, clean])

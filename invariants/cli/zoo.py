@@ -2,6 +2,7 @@
 
     kvretain zoo [--target reference|vllm] [--budget-s T] [--quick] [--only NAME] [--seed N] [--out DIR]
     kvretain zoo --target vllm --scale production [--budget-s T] [--only NAME]
+    kvretain zoo --target vllm --explore [--depth D] [--budget-s T] [--only NAME]
 
 Prints a progress line per mutant, then a table (mutant, killed/SURVIVED,
 the first check that killed it and the other checks that fired on the same
@@ -16,6 +17,12 @@ the control flagged); 2 bad usage or an unavailable target (one line).
 run instead (`invariants.zoo.production`) and reports which ones the serving
 workload meets and how fast; only the control decides the exit code there
 (a mutant in a path the presets never take is reported, not failed).
+
+`--explore` hunts each mutant by exhaustive search alone (`invariants.zoo.
+explore_hunt`): the explore grid, smallest instance first, breadth first to
+`--depth` (default 6), each later instance only as deep as the shortest
+counterexample found so far minus one; the table gives each mutant's shortest
+counterexample depth and instance. Exit 1 when a mutant survives.
 """
 
 from __future__ import annotations
@@ -88,6 +95,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="small",
         help="production: each vLLM mutant through `fuzz --scale production` (real presets and pool sizes)",
     )
+    p.add_argument(
+        "--explore", action="store_true", help="hunt each mutant by exhaustive search (the explore grid) alone"
+    )
+    p.add_argument("--depth", type=int, default=6, help="--explore: the deepest search (default 6)")
     add_output_flags(p)
     p.set_defaults(func=run)
     return p
@@ -168,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
     shrink = args.shrink_s if args.shrink_s is not None else (3.0 if args.quick else 10.0)
     if budget <= 0:
         return _err("--budget-s: must be positive")
+    if args.depth < 1:
+        return _err(f"--depth: must be >= 1, got {args.depth}")
     out = Path(args.out)
     try:
         entries, na = _entries(args.target, only)
@@ -182,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvretain zoo: start-up (importing {args.target}) {time.monotonic() - t_start:.1f} s", flush=True)
     if args.scale == "production":
         return _production(args, [e.name for e in entries], budget)
+    if args.explore:
+        return _explore(args, entries, budget, out)
     print(
         f"kvretain zoo: target {args.target}, {len(entries)} mutant(s), budget {budget:.0f} s each, "
         f"shrink {shrink:.0f} s, seed {args.seed} (batch i uses seed + i)",
@@ -224,6 +239,41 @@ def run(args: argparse.Namespace) -> int:
             print(f"SURVIVOR {r.name}: {r.note or 'no check fired within the budget'}")
     rc = 0 if report.ok and control_ok else 1
     write_results(args, "zoo", zoo_cases(report, None if args.no_control else control_ok), rc)
+    return rc
+
+
+def _explore(args: argparse.Namespace, entries: list[ZooEntry], budget: float, out: Path) -> int:
+    """`zoo --explore`: each mutant's shortest counterexample over the explore grid."""
+    from invariants.explore.instances import default_grid
+    from invariants.zoo.explore_hunt import format_kills, hunt
+
+    grid = default_grid()
+    print(
+        f"kvretain zoo --explore: target {args.target}, {len(entries)} mutant(s), grid of {len(grid)} "
+        f"instances, depth {args.depth}, budget {budget:.0f} s each",
+        flush=True,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    kills = []
+    for entry in entries:
+        k = hunt(entry, grid, depth=args.depth, budget_s=budget, out_dir=out)
+        kills.append(k)
+        verdict = f"killed at depth {k.length} on {k.instance}" if k.killed else "SURVIVED"
+        print(f"[zoo explore] {entry.name}: {verdict} ({k.seconds:.1f} s)", file=sys.stderr, flush=True)
+    print(format_kills(kills))
+    rc = 0 if kills and all(k.killed for k in kills) else 1
+    cases = [
+        CaseResult(
+            k.name,
+            f"{args.target}-explore",
+            "passed" if k.killed else "failed",
+            k.seconds,
+            f"depth {k.length} on {k.instance}: {k.violation[:160]}" if k.killed else "survived",
+            figures={"depth": k.length, "instances": len(k.covered), "not_reached": k.skipped},
+        )
+        for k in kills
+    ]
+    write_results(args, "zoo", cases, rc)
     return rc
 
 

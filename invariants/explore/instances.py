@@ -5,7 +5,7 @@ many requests may be live at once, which prompt lengths `add` draws, which
 token budgets `schedule` and `step` offer. The grid spans every group layout
 the model supports (full only, SWA only, full+SWA with equal and unequal block
 sizes, full+Mamba in align mode, fine-grained Mamba, three groups), retention
-None / 0 / k, Eagle off and on, lookahead slots, pools of 3 to 8 blocks (the
+None / 0 / k, Eagle off and on, lookahead slots, prefix caching off, pools of 3 to 8 blocks (the
 null block included) and 1 to 3 live requests. Every configuration passes
 `model.config.validate` (checked when the grid is built, and by a test).
 """
@@ -87,6 +87,11 @@ def default_grid() -> list[Instance]:
         ),
         Instance("three-groups-p8-k2", _cfg((FULL2, SWA2, MAMBA2), 8, retention_interval=2)),
         Instance("full-p8-r3", _cfg((FULL2,), 8), max_requests=3, prompt_lengths=(3,), budgets=(64,)),
+        Instance(
+            "full+swa-p7-nocache",
+            _cfg((FULL2, SWA2), 7, enable_caching=False),
+            note="prefix caching off: the free order alone decides reuse",
+        ),
     ]
 
 
