@@ -88,9 +88,9 @@ def default_grid() -> list[Instance]:
         Instance("three-groups-p8-k2", _cfg((FULL2, SWA2, MAMBA2), 8, retention_interval=2)),
         Instance("full-p8-r3", _cfg((FULL2,), 8), max_requests=3, prompt_lengths=(3,), budgets=(64,)),
         Instance(
-            "full+swa-p7-nocache",
-            _cfg((FULL2, SWA2), 7, enable_caching=False),
-            note="prefix caching off: the free order alone decides reuse",
+            "three-groups-p8-nocache",
+            _cfg((FULL2, SWA2, MAMBA2), 8, enable_caching=False),
+            note="prefix caching off: the free order alone decides reuse; Mamba in 'none' mode",
         ),
     ]
 
