@@ -57,6 +57,7 @@ SWA2 = GroupSpec("swa", 2, sliding_window=3)
 SWA2_W2 = GroupSpec("swa", 2, sliding_window=2)
 MAMBA2 = GroupSpec("mamba", 2)
 MAMBA4 = GroupSpec("mamba", 4)
+MAMBA2_NONE = GroupSpec("mamba", 2, mamba_cache_mode="none")
 
 
 def default_grid() -> list[Instance]:
@@ -89,7 +90,7 @@ def default_grid() -> list[Instance]:
         Instance("full-p8-r3", _cfg((FULL2,), 8), max_requests=3, prompt_lengths=(3,), budgets=(64,)),
         Instance(
             "three-groups-p8-nocache",
-            _cfg((FULL2, SWA2, MAMBA2), 8, enable_caching=False),
+            _cfg((FULL2, SWA2, MAMBA2_NONE), 8, enable_caching=False),
             note="prefix caching off: the free order alone decides reuse; Mamba in 'none' mode",
         ),
     ]
