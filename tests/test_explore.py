@@ -299,3 +299,34 @@ def test_parallel_grid_gives_the_sequential_certificates() -> None:
     assert [(c.states, c.transitions, c.new_states) for c in one.certificates] == [
         (c.states, c.transitions, c.new_states) for c in two.certificates
     ]
+
+
+class LeaksOnOnePrompt(LeaksAfterResume):
+    """Planted defect needing one specific 5-operation sequence: the leak of
+    `LeaksAfterResume`, for a request whose prompt is exactly (1, 2, 1, 1, 2)."""
+
+    PROMPT = (1, 2, 1, 1, 2)
+
+    def apply(self, op: Op) -> Observation:
+        req = self._model.requests.get(getattr(op, "rid", ""))
+        if isinstance(op, Finish) and req is not None and tuple(req.prompt) != self.PROMPT:
+            self.preempted.discard(op.rid)
+        return super().apply(op)
+
+
+def test_a_defect_fuzzing_does_not_draw_is_found_with_its_shortest_trace(tmp_path: Path) -> None:
+    """Seed-0 fuzzing ran 60 s (about 36,000 operations) without drawing it (the slow
+    test below); the search finds it with its 5 operations."""
+    cert = explore(TINY, LeaksOnOnePrompt, "model", Limits(5), out_dir=tmp_path)
+    assert cert.verdict == VIOLATION and cert.trace_length == 5 and cert.reproduced
+    first = cert.path[0]
+    assert isinstance(first, AddRequest) and first.prompt == LeaksOnOnePrompt.PROMPT
+    assert _kinds(list(cert.path))[2::2] == ["Preempt", "Finish"]
+
+
+@pytest.mark.slow
+def test_seed_0_fuzzing_does_not_draw_the_one_prompt_defect_in_60_s(tmp_path: Path) -> None:
+    from invariants.harness.fuzz import run_fuzz
+
+    report = run_fuzz("model", factory=LeaksOnOnePrompt, budget_s=60, seed=0, progress=False, out_dir=tmp_path)
+    assert report.failure is None and report.stats.steps > 10_000
