@@ -15,7 +15,9 @@ too:
 - `HybridKVCacheCoordinator.find_longest_cache_hit` (the fixed point, built
   by vLLM's own `KVCacheManager`) vs `hybrid_hit.reconcile` with the model's
   finders: hit, per-group layouts and junction (`coordinator_link`, whose
-  docstring states its domain and what it fakes).
+  docstring states its domain and what it fakes);
+- `replay_boundaries` and `HybridKVCacheCoordinator.get_num_cacheable_tokens`
+  vs the model's replay boundaries and cacheable lengths (`boundary_link`).
 
 The boundaries passed to the masks are the ones the allocator passes: the
 prompt's replay boundaries (`masks.replay_boundaries`) and, for some prompts,
@@ -26,13 +28,14 @@ are reported as skipped with the reason.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from invariants.proofs import coordinator_link
+from invariants.proofs import boundary_link, coordinator_link
 from invariants.proofs.engine import TheoremResult
 from model import lookup, masks
 
@@ -45,18 +48,21 @@ class Domain:
     alignment_multiples: tuple[int, ...]
     blocks: int  # masks: blocks [start, blocks)
     hit_blocks: int  # hits: every cached subset of this many blocks
-    coordinator: coordinator_link.Domain  # the hybrid fixed point
+    coordinator: coordinator_link.Domain  # the hybrid fixed point, the cacheable lengths
+    replay: tuple[int, int]  # replay boundaries: prompts up to, scheduler blocks up to
 
 
-FULL = Domain((1, 2, 4, 8, 16), (1, 2, 3, 4), 24, 8, coordinator_link.FULL)
-QUICK = Domain((1, 2, 4), (1, 2, 3), 12, 6, coordinator_link.QUICK)
+FULL = Domain((1, 2, 4, 8, 16), (1, 2, 3, 4), 24, 8, coordinator_link.FULL, boundary_link.REPLAY_FULL)
+QUICK = Domain((1, 2, 4), (1, 2, 3), 12, 6, coordinator_link.QUICK, boundary_link.REPLAY_QUICK)
 
 
 def _vllm() -> tuple[dict[str, Any] | None, str]:
+    # Quiet vLLM's logging (a warning_once about fine-grained hits, expected here) unless the user chose a level.
+    user_level = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         import torch
-        from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+        from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator, replay_boundaries
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.single_type_kv_cache_manager import (
             FullAttentionManager,
@@ -73,6 +79,8 @@ def _vllm() -> tuple[dict[str, Any] | None, str]:
     except Exception as exc:  # any import failure: skip with the reason
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         return None, f"vLLM cannot be imported: {type(exc).__name__}: {first}"
+    if user_level is None:
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     try:
         import vllm
 
@@ -92,6 +100,7 @@ def _vllm() -> tuple[dict[str, Any] | None, str]:
         "KVCacheConfig": KVCacheConfig,
         "KVCacheGroupSpec": KVCacheGroupSpec,
         "HybridKVCacheCoordinator": HybridKVCacheCoordinator,
+        "replay_boundaries": replay_boundaries,
     }, ""
 
 
@@ -325,6 +334,22 @@ CHECKS: list[tuple[str, str, Check, Callable[[Domain], str]]] = [
         "vLLM MambaManager.find_longest_cache_hit equals lookup.mamba_hit (length and layout)",
         lambda v, d: (*_check_hits(v, d, "mamba"), ""),
         _hit_bound("max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}"),
+    ),
+    (
+        "vllm_replay_bounds",
+        "vLLM replay_boundaries equals the model's (eagle.replay_boundaries)",
+        lambda v, d: (*boundary_link.check_replay_boundaries(v, d.replay), ""),
+        lambda d: f"prompts 1..{d.replay[0]} tokens, scheduler blocks 1..{d.replay[1]}, Eagle both",
+    ),
+    (
+        "vllm_cacheable",
+        "vLLM HybridKVCacheCoordinator.get_num_cacheable_tokens equals the model's cacheable length "
+        "(masks.floor_with_peek; every token under fine-grained hits)",
+        lambda v, d: (*boundary_link.check_cacheable(v, d.coordinator), ""),
+        lambda d: (
+            "every configuration of the hybrid-hit domain below, every group, computed tokens "
+            "0..3*scheduler block+2"
+        ),
     ),
     (
         "vllm_hybrid_hit",
