@@ -18,7 +18,7 @@ import pytest
 
 from invariants.proofs import coordinator_link as cl
 from invariants.proofs import production_link as pl
-from invariants.targets import vllm_build
+from invariants.targets import vllm_build, vllm_capabilities
 from model import hybrid_hit, lookup
 from model.allocator import AllocatorModel
 from model.observation import ProbeResult, block_key
@@ -70,11 +70,31 @@ def test_production_link_runs_it() -> None:
     assert "every max length in [0, T + hbs - 2]" in described
 
 
-def test_specs_are_the_vllm_targets(vllm: dict[str, Any]) -> None:
-    """The coordinator is built from the specs the vLLM target builds (proofs may not import targets)."""
-    configs = {i.cfg.groups: i.cfg for i in cl.instances(cl.FULL)}
-    for cfg in configs.values():
+def test_built_as_the_vllm_target_builds(vllm: dict[str, Any]) -> None:
+    """Proofs may not import targets: the check builds the manager itself. It gets the
+    specs the vLLM target builds, and a coordinator whose lookup-relevant state (spec
+    groups and their order, Eagle bits, alignment, fine-grained switch, block sizes)
+    equals that of the target's `build_manager`, on every configuration of the domain."""
+
+    def lookup_state(coord: Any) -> tuple[Any, ...]:
+        return (
+            [(g.spec, g.group_ids, g.manager_cls, g.use_eagle) for g in coord.attention_groups],
+            coord.hash_block_size,
+            coord.scheduler_block_size,
+            coord.enable_partial_hash_hits,
+            [
+                (m.block_size, m.use_eagle, m.dcp_world_size, m.pcp_world_size)
+                for m in coord.single_type_managers
+            ],
+        )
+
+    caps = vllm_capabilities.detect()
+    configs = {i.cfg: i for i in cl.instances(cl.FULL)}
+    for cfg, inst in configs.items():
         assert cl.group_specs(cfg, vllm) == vllm_build.group_specs(cfg, vllm), cfg
+        target = vllm_build.build_manager(cfg, vllm, caps, vllm["version"]).coordinator
+        ours, _ = cl.build_coordinator(inst, vllm)
+        assert lookup_state(ours) == lookup_state(target), inst.describe()
 
 
 def _key_sets(inst: cl.Instance) -> Iterator[tuple[set[int], ...]]:
@@ -128,6 +148,18 @@ def test_one_round_is_caught(vllm: dict[str, Any], monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(hybrid_hit, "reconcile", _mutant("if single_round:", "if True:"))
     bad = _counterexample(vllm, cl.QUICK)
     assert "groups [swa" in bad
+
+
+def test_untrimmed_layout_is_caught(vllm: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layouts are compared, not only lengths: full attention's layout left longer than the hit."""
+    monkeypatch.setattr(
+        hybrid_hit,
+        "reconcile",
+        _mutant("layouts[gid] = layouts[gid][: -(-hit // spec.block_size)]", "pass"),
+    )
+    bad = _counterexample(vllm, cl.QUICK)
+    vllm_hit, model_hit = bad.split(": vLLM hit ")[1].split("; the model hit ")
+    assert vllm_hit.split(",")[0] == model_hit.split(",")[0]  # the same hit, another layout
 
 
 @pytest.mark.parametrize(
