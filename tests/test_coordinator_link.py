@@ -58,6 +58,7 @@ def test_quick_domain_agrees(vllm: dict[str, Any]) -> None:
     assert tally.configs == sum(1 for _ in cl.instances(cl.QUICK)) > 100
     # Not vacuous: hits and junctions occur (most cached subsets serve no common hit).
     assert tally.cases > 20_000 and tally.with_hit > 500 and tally.with_junction > 500
+    assert tally.with_rounds > 500
     assert tally.describe().startswith(f"{tally.cases} cases over {tally.configs} configurations, ")
 
 
