@@ -15,6 +15,8 @@
 | `free_queue`      | free-queue order and pinned-tier theorems over `queues`                  |
 | `runner`          | runs the catalogue in worker processes; the table                        |
 | `production_link` | vLLM's mask and hit functions against the model, exhaustively (bounded)  |
+| `coordinator_link`| vLLM's hybrid hit fixed point against `reconcile`, exhaustively (bounded) |
+| `boundary_link`   | vLLM's replay boundaries and cacheable lengths against the model          |
 | `crosshair`       | CrossHair contracts and twins                                            |
 
 Every symbolic term a theorem uses is evaluated against the executable model

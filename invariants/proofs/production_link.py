@@ -11,7 +11,13 @@ too:
 - `FullAttentionManager` / `SlidingWindowManager` / `MambaManager`
   `.find_longest_cache_hit` vs `lookup.full_hit` / `swa_hit` / `mamba_hit`
   (hit length and block layout), through a small fake pool exposing
-  `get_cached_block`, `null_block` and `hash_block_size`.
+  `get_cached_block`, `null_block` and `hash_block_size`;
+- `HybridKVCacheCoordinator.find_longest_cache_hit` (the fixed point, built
+  by vLLM's own `KVCacheManager`) vs `hybrid_hit.reconcile` with the model's
+  finders: hit, per-group layouts and junction (`coordinator_link`, whose
+  docstring states its domain and what it fakes);
+- `replay_boundaries` and `HybridKVCacheCoordinator.get_num_cacheable_tokens`
+  vs the model's replay boundaries and cacheable lengths (`boundary_link`).
 
 The boundaries passed to the masks are the ones the allocator passes: the
 prompt's replay boundaries (`masks.replay_boundaries`) and, for some prompts,
@@ -22,12 +28,14 @@ are reported as skipped with the reason.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from invariants.proofs import boundary_link, coordinator_link
 from invariants.proofs.engine import TheoremResult
 from model import lookup, masks
 
@@ -40,25 +48,39 @@ class Domain:
     alignment_multiples: tuple[int, ...]
     blocks: int  # masks: blocks [start, blocks)
     hit_blocks: int  # hits: every cached subset of this many blocks
+    coordinator: coordinator_link.Domain  # the hybrid fixed point, the cacheable lengths
+    replay: tuple[int, int]  # replay boundaries: prompts up to, scheduler blocks up to
 
 
-FULL = Domain((1, 2, 4, 8, 16), (1, 2, 3, 4), 24, 8)
-QUICK = Domain((1, 2, 4), (1, 2, 3), 12, 6)
+FULL = Domain((1, 2, 4, 8, 16), (1, 2, 3, 4), 24, 8, coordinator_link.FULL, boundary_link.REPLAY_FULL)
+QUICK = Domain((1, 2, 4), (1, 2, 3), 12, 6, coordinator_link.QUICK, boundary_link.REPLAY_QUICK)
 
 
 def _vllm() -> tuple[dict[str, Any] | None, str]:
+    # Quiet vLLM's logging (a warning_once about fine-grained hits, expected here) unless the user chose a level.
+    user_level = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         import torch
+        from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator, replay_boundaries
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.single_type_kv_cache_manager import (
             FullAttentionManager,
             MambaManager,
             SlidingWindowManager,
         )
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            MambaSpec,
+            SlidingWindowSpec,
+        )
     except Exception as exc:  # any import failure: skip with the reason
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         return None, f"vLLM cannot be imported: {type(exc).__name__}: {first}"
+    if user_level is None:
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     try:
         import vllm
 
@@ -74,6 +96,11 @@ def _vllm() -> tuple[dict[str, Any] | None, str]:
         "FullAttentionSpec": FullAttentionSpec,
         "SlidingWindowSpec": SlidingWindowSpec,
         "MambaSpec": MambaSpec,
+        "KVCacheManager": KVCacheManager,
+        "KVCacheConfig": KVCacheConfig,
+        "KVCacheGroupSpec": KVCacheGroupSpec,
+        "HybridKVCacheCoordinator": HybridKVCacheCoordinator,
+        "replay_boundaries": replay_boundaries,
     }, ""
 
 
@@ -251,36 +278,85 @@ def _check_hits(v: dict[str, Any], dom: Domain, kind: str) -> tuple[int, str | N
     return cases, None
 
 
-CHECKS: list[tuple[str, str, Callable[[dict[str, Any], Domain], tuple[int, str | None]], str]] = [
+def _check_coordinator(v: dict[str, Any], dom: Domain) -> tuple[int, str | None, str]:
+    tally, bad = coordinator_link.check_coordinator(v, dom.coordinator)
+    return tally.cases, bad, tally.describe()
+
+
+def _single(dom: Domain, where: str, extra: str) -> str:
+    return f"bs in {sorted(dom.block_sizes)}, A/bs in {sorted(dom.alignment_multiples)}, {where}; {extra}"
+
+
+def _mask_bound(extra: str) -> Callable[[Domain], str]:
+    return lambda dom: _single(dom, f"blocks [start, {dom.blocks})", extra)
+
+
+def _hit_bound(extra: str) -> Callable[[Domain], str]:
+    return lambda dom: _single(dom, f"every cached subset of n={dom.hit_blocks} blocks, A/bs <= 3", extra)
+
+
+def _coordinator_bound(dom: Domain) -> str:
+    return dom.coordinator.describe()
+
+
+# (v, domain) -> (cases, first disagreement or None, what the cases covered or "")
+Check = Callable[[dict[str, Any], Domain], tuple[int, str | None, str]]
+CHECKS: list[tuple[str, str, Check, Callable[[Domain], str]]] = [
     (
         "vllm_swa_mask",
         "vLLM SlidingWindowManager.reachable_block_mask equals masks.swa_kept_blocks",
-        lambda v, d: _check_masks(v, d, "swa"),
-        "windows {1,2,bs,bs+1,2bs,2bs+1,3bs+2}, retention {None,0,A,2A,3A}, Eagle both, start {0,5}, prompts 1..end*bs",
+        lambda v, d: (*_check_masks(v, d, "swa"), ""),
+        _mask_bound(
+            "windows {1,2,bs,bs+1,2bs,2bs+1,3bs+2}, retention {None,0,A,2A,3A}, Eagle both, start {0,5}, "
+            "prompts 1..end*bs"
+        ),
     ),
     (
         "vllm_mamba_mask",
         "vLLM MambaManager.reachable_block_mask equals masks.mamba_kept_blocks",
-        lambda v, d: _check_masks(v, d, "mamba"),
-        "retention {None,0,A,2A,3A,5A}, Eagle both, start {0,5}, prompts 1..end*bs",
+        lambda v, d: (*_check_masks(v, d, "mamba"), ""),
+        _mask_bound("retention {None,0,A,2A,3A,5A}, Eagle both, start {0,5}, prompts 1..end*bs"),
     ),
     (
         "vllm_full_hit",
         "vLLM FullAttentionManager.find_longest_cache_hit equals lookup.full_hit (length and layout)",
-        lambda v, d: _check_hits(v, d, "full"),
-        "max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}, Eagle both",
+        lambda v, d: (*_check_hits(v, d, "full"), ""),
+        _hit_bound("max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}, Eagle both"),
     ),
     (
         "vllm_swa_hit",
         "vLLM SlidingWindowManager.find_longest_cache_hit equals lookup.swa_hit (length and layout)",
-        lambda v, d: _check_hits(v, d, "swa"),
-        "windows as above, max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}, Eagle both",
+        lambda v, d: (*_check_hits(v, d, "swa"), ""),
+        _hit_bound("windows as above, max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}, Eagle both"),
     ),
     (
         "vllm_mamba_hit",
         "vLLM MambaManager.find_longest_cache_hit equals lookup.mamba_hit (length and layout)",
-        lambda v, d: _check_hits(v, d, "mamba"),
-        "max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}",
+        lambda v, d: (*_check_hits(v, d, "mamba"), ""),
+        _hit_bound("max length {3bs, n*bs-1, n*bs, (n+1)*bs-1}"),
+    ),
+    (
+        "vllm_replay_bounds",
+        "vLLM replay_boundaries equals the model's (eagle.replay_boundaries)",
+        lambda v, d: (*boundary_link.check_replay_boundaries(v, d.replay), ""),
+        lambda d: f"prompts 1..{d.replay[0]} tokens, scheduler blocks 1..{d.replay[1]}, Eagle both",
+    ),
+    (
+        "vllm_cacheable",
+        "vLLM HybridKVCacheCoordinator.get_num_cacheable_tokens equals the model's cacheable length "
+        "(masks.floor_with_peek; every token under fine-grained hits)",
+        lambda v, d: (*boundary_link.check_cacheable(v, d.coordinator), ""),
+        lambda d: (
+            "every configuration of the hybrid-hit domain below, every group, computed tokens "
+            "0..3*scheduler block+2"
+        ),
+    ),
+    (
+        "vllm_hybrid_hit",
+        "vLLM HybridKVCacheCoordinator.find_longest_cache_hit equals hybrid_hit.reconcile with the "
+        "model's finders (hit, per-group layouts, junction)",
+        _check_coordinator,
+        _coordinator_bound,
     ),
 ]
 
@@ -291,26 +367,18 @@ def run_production_link(quick: bool = False) -> list[TheoremResult]:
     dom = QUICK if quick else FULL
     v, reason = _vllm()
     results = []
-    for name, statement, fn, extra in CHECKS:
-        where = (
-            f"blocks [start, {dom.blocks})"
-            if "mask" in name
-            else f"every cached subset of n={dom.hit_blocks} blocks, A/bs <= 3"
-        )
-        bound_base = (
-            f"bs in {sorted(dom.block_sizes)}, A/bs in {sorted(dom.alignment_multiples)}, {where}; {extra}"
-        )
+    for name, statement, fn, bound in CHECKS:
         if v is None:
             results.append(TheoremResult(name, statement, "skipped", None, 0.0, None, detail=reason))
             continue
         t0 = time.monotonic()
-        cases, bad = fn(v, dom)
+        cases, bad, covered = fn(v, dom)
         results.append(
             TheoremResult(
                 name,
                 f"{statement} (vLLM {v['version']})",
                 "refuted" if bad else "proved",
-                f"{cases} cases: {bound_base}",
+                f"{covered or f'{cases} cases'}: {bound(dom)}",
                 time.monotonic() - t0,
                 bad,
                 detail=f"exhaustive over {cases} cases",
