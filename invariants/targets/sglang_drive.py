@@ -17,7 +17,12 @@ scheduler drops it, and the result says so.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import sys
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +31,22 @@ import torch
 from invariants.targets.sglang_build import SglangParts, build_cache
 from model.radix.config import RadixLayout
 from model.radix.ops import Abort, Admit, Decode, Evict, Extend, Finish, RadixOp
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Silence file descriptor 1 (Python and native writers) for the block."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 @dataclass
@@ -128,6 +149,12 @@ class SglangDriver:
     def _new_slots(self, req: Any, start: int, count: int) -> torch.Tensor | None:
         """`count` slots for positions [start, start+count) of `req`'s row, evicting under pressure."""
         page = self.layout.page_size
+        # SGLang prints its tree on out-of-memory (the Rust core from native code);
+        # a rejection is an outcome here, not news.
+        with _quiet_stdout():
+            return self._alloc_quietly(req, start, count, page)
+
+    def _alloc_quietly(self, req: Any, start: int, count: int, page: int) -> torch.Tensor | None:
         try:
             if page == 1:
                 return self._alloc.alloc_token_slots(self.cache, count)
@@ -172,6 +199,8 @@ class SglangDriver:
         if req.kv.kv_allocated_len == 0:
             req.kv.kv_allocated_len = req.kv.kv_committed_len = run.prefilled
         if not self._grow(run, count):
+            if first:
+                return self._undo_admission(run)
             return self._reject(run, "out of memory (extend)")
         run.prefilled += count
         req.prefix_len = run.prefilled
@@ -190,6 +219,20 @@ class SglangDriver:
             if self.layout.has_swa and req.decode_batch_idx >= 1:
                 self.cache.evict_sliding_windows(req, req.seqlen - 1)
         return OpResult()
+
+    def _undo_admission(self, run: RunningReq) -> OpResult:
+        """The first chunk found no room: the scheduler would not have admitted it.
+        Give back the lock, the component state (Mamba) and the row."""
+        req = run.req
+        self.running.pop(int(req.rid))
+        self.cache.unlock(req.lock)
+        req.lock = None
+        self.cache.on_release(req, checkpointed=False)
+        if req.kv.holds_mamba:
+            self.parts.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+            req.kv.mamba_pool_idx = None
+        self.parts.req_to_token_pool.free(req)
+        return OpResult(rejected="out of memory (admission)")
 
     def _reject(self, run: RunningReq, why: str) -> OpResult:
         """The scheduler aborts a request it cannot serve: release without caching."""

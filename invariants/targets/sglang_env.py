@@ -64,7 +64,8 @@ def sglang_available() -> tuple[bool, str]:
                 return False, (
                     f"sglang {version} is installed but {name} cannot be imported: {type(exc).__name__}: {first}"
                 )
-    logging.getLogger("sglang").setLevel(logging.ERROR)
+    # "Prefill out of memory" is logged at ERROR; the target reports rejections itself.
+    logging.getLogger("sglang").setLevel(logging.CRITICAL)
     return True, f"SGLang {version}"
 
 

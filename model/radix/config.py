@@ -59,11 +59,14 @@ class RadixLayout:
 
 
 # The layouts a fuzz run covers: every component combination SGLang 0.5.23's
-# UnifiedRadixCache serves on this path, with page 1 and page > 1.
+# UnifiedRadixCache serves on this path, with page 1 and page > 1; pools small
+# enough that allocation evicts and sometimes fails. A Mamba pool holds two
+# states per running request (a chunk checkpoint forks the request's state),
+# as SGLang's scheduler reserves.
 LAYOUTS: dict[str, RadixLayout] = {
-    "full-p1": RadixLayout(("full",), 1),
-    "full-p4": RadixLayout(("full",), 4),
-    "swa-p1": RadixLayout(("full", "swa"), 1, sliding_window=8),
-    "swa-p4": RadixLayout(("full", "swa"), 4, sliding_window=8),
-    "mamba-p1": RadixLayout(("full", "mamba"), 1),
+    "full-p1": RadixLayout(("full",), 1, kv_size=96),
+    "full-p4": RadixLayout(("full",), 4, kv_size=128),
+    "swa-p1": RadixLayout(("full", "swa"), 1, sliding_window=8, kv_size=96),
+    "swa-p4": RadixLayout(("full", "swa"), 4, sliding_window=8, kv_size=128),
+    "mamba-p1": RadixLayout(("full", "mamba"), 1, kv_size=96, mamba_size=18),
 }
