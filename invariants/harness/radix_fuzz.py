@@ -80,7 +80,10 @@ class LayoutRun:
 def run_history(checker: RadixChecker, ops: list[RadixOp]) -> tuple[Violation | None, list[RadixOp]]:
     """Apply `ops` in order; the first violation and the ops up to and including it."""
     for i, op in enumerate(ops):
-        found = checker.step(op)
+        try:
+            found = checker.step(op)
+        except Exception as exc:  # SGLang's own asserts (leak, double free) are findings too
+            return ("sglang_raised", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"), ops[: i + 1]
         if found:
             return found[0], ops[: i + 1]
     return None, ops
