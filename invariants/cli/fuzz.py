@@ -164,6 +164,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     )
     from invariants.harness.known_findings import format_known
 
+    if args.target == "sglang":  # its own ops, model and checks (invariants/cli/sglang.py)
+        from invariants.cli.sglang import cmd_fuzz_sglang
+
+        return cmd_fuzz_sglang(args)
     if args.scale == "production":
         return cmd_fuzz_production(args)
     if args.config:
@@ -253,6 +257,10 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from invariants.harness.bench import run_bench
 
+    if args.target == "sglang":
+        from invariants.cli.sglang import cmd_bench_sglang
+
+        return cmd_bench_sglang(args)
     if args.scale == "production":
         from invariants.harness.bench import run_production_bench
 

@@ -1,0 +1,151 @@
+"""`--target sglang` of `kvretain fuzz`, `zoo` and `bench`, and SGLang's `verify` row.
+
+SGLang's radix cache has its own ops, observations and model (`model/radix/`),
+so its commands live here and the generic commands hand over to them when
+`--target sglang` is given. When SGLang cannot be imported each command says
+why in one line and exits 2 (`verify` instead counts the row as skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from invariants.report import table
+
+
+def _unavailable() -> str | None:
+    from invariants.targets.sglang_env import sglang_available
+
+    ok, why = sglang_available()
+    return None if ok else why
+
+
+def _layouts(names: str | None) -> dict[str, Any]:
+    from model.radix.config import LAYOUTS
+
+    if not names:
+        return dict(LAYOUTS)
+    picked = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in picked if n not in LAYOUTS]
+    if unknown:
+        raise ValueError(f"--layout: unknown {', '.join(unknown)} (known: {', '.join(LAYOUTS)})")
+    return {n: LAYOUTS[n] for n in picked}
+
+
+def fuzz_sglang(budget_s: float, seed: int, out: Path, layouts: str | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """Fuzz every layout (both tree cores in lockstep) for budget_s / len(layouts) each."""
+    from invariants.harness.radix_fuzz import fuzz_layout, write_trace
+
+    chosen = _layouts(layouts)
+    rows, runs = [], []
+    for name, layout in chosen.items():
+        run = fuzz_layout(name, layout, budget_s / len(chosen), seed)
+        runs.append(run.to_json())
+        verdict = "clean" if run.violation is None else f"VIOLATION {run.violation[0]}"
+        if run.violation is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            path = out / f"kvretain-sglang-{name}-seed{run.seed}.json"
+            write_trace(run, layout, path)
+            verdict += f" (trace {path}): {run.violation[1]}"
+        rows.append([name, str(run.seeds), str(run.ops), f"{run.ops / max(run.seconds, 1e-9):.0f}", verdict])
+    print(table(["layout", "seeds", "ops", "ops/s", "verdict"], rows))
+    return (1 if any(r["violation"] for r in runs) else 0), runs
+
+
+def cmd_fuzz_sglang(args: argparse.Namespace) -> int:
+    why = _unavailable()
+    if why is not None:
+        print(f"kvretain fuzz: target sglang: {why}")
+        return 2
+    try:
+        _layouts(getattr(args, "layout", None))
+    except ValueError as exc:
+        print(f"kvretain fuzz: {exc}")
+        return 2
+    budget = args.budget_s or 60.0
+    print(f"kvretain fuzz: target sglang (Python and Rust tree cores in lockstep), seed {args.seed}, budget {budget} s")
+    rc, runs = fuzz_sglang(budget, args.seed, Path(args.out), getattr(args, "layout", None))
+    if getattr(args, "json", None):
+        Path(args.json).write_text(json.dumps({"target": "sglang", "seed": args.seed, "layouts": runs}, indent=1))
+    return rc
+
+
+def cmd_zoo_sglang(args: argparse.Namespace) -> int:
+    why = _unavailable()
+    if why is not None:
+        print(f"kvretain zoo: target sglang: {why}")
+        return 2
+    from invariants.zoo.mutants_sglang import SGLANG_MUTANTS, hunt
+
+    only = list(args.only or SGLANG_MUTANTS)
+    unknown = [n for n in only if n not in SGLANG_MUTANTS]
+    if unknown:
+        print(f"kvretain zoo: --only: unknown mutant(s) {', '.join(unknown)} (known: {', '.join(SGLANG_MUTANTS)})")
+        return 2
+    budget = args.budget_s or 30.0
+    rows, survivors = [], 0
+    for name in only:
+        row = hunt(name, budget, args.seed)
+        survivors += row.killed_by is None
+        rows.append(
+            [name, SGLANG_MUTANTS[name].doc, row.layout, row.killed_by or "SURVIVED", f"{row.seconds:.2f}", str(row.ops)]
+        )
+    print(table(["mutant", "bug class", "layout", "killed by", "seconds", "ops"], rows))
+    print(f"{len(only) - survivors}/{len(only)} SGLang mutants killed (seed {args.seed}, budget {budget} s each)")
+    return 1 if survivors else 0
+
+
+def bench_sglang(seed: int, ops: int) -> dict[str, float]:
+    """ops/s of the same history: raw (no checks) per core, and checked (both cores, every check)."""
+    from invariants.harness.radix_check import RadixChecker
+    from invariants.harness.radix_fuzz import generate_ops
+    from invariants.targets.sglang_drive import SglangDriver
+    from model.radix.config import LAYOUTS
+
+    layout = LAYOUTS["swa-p1"]
+    history = generate_ops(seed, layout, ops)
+    figures: dict[str, float] = {}
+    for core in ("python", "rust"):
+        driver = SglangDriver(layout, core)
+        start = time.perf_counter()
+        for op in history:
+            driver.apply(op)
+        figures[f"raw {core}"] = len(history) / (time.perf_counter() - start)
+    for cores in (("python",), ("python", "rust")):
+        checker = RadixChecker(layout, cores)
+        start = time.perf_counter()
+        for op in history:
+            checker.step(op)
+        figures[f"checked {'+'.join(cores)}"] = len(history) / (time.perf_counter() - start)
+    return figures
+
+
+def cmd_bench_sglang(args: argparse.Namespace) -> int:
+    why = _unavailable()
+    if why is not None:
+        print(f"kvretain bench: target sglang: {why}")
+        return 2
+    figures = bench_sglang(args.seed, args.requests * 3)
+    rows = [[name, f"{value:.0f}"] for name, value in figures.items()]
+    print(table(["SGLang swa-p1 history", "ops/s"], rows))
+    ratio = figures["checked python"] / figures["raw python"]
+    lockstep = figures["checked python+rust"] / figures["raw python"]
+    print(f"checked/raw (Python core): {ratio:.2f}; both cores in lockstep / raw Python: {lockstep:.2f} (goal >= 0.33)")
+    return 0
+
+
+def verify_row(budget_s: float, seed: int, out: Path) -> tuple[str, str, int]:
+    """(verdict, detail, rc) of SGLang's `verify` row; verdict 'skipped' when SGLang is absent."""
+    why = _unavailable()
+    if why is not None:
+        return "skipped", why, 0
+    rc, runs = fuzz_sglang(budget_s, seed, out)
+    ops = sum(r["ops"] for r in runs)
+    bad = [r["layout"] for r in runs if r["violation"]]
+    if bad:
+        return "FAIL", f"violations on {', '.join(bad)} ({ops} ops)", 1
+    return "pass", f"{len(runs)} layouts x 2 tree cores, {ops} ops, clean", 0
