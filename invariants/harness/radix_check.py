@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 from invariants.catalogue import radix as inv
 from invariants.targets.sglang_drive import OpResult, SglangDriver
-from invariants.targets.sglang_snapshot import EventReplay, pool_accounts, slot_sets, tree_view
+from invariants.targets.sglang_snapshot import EventReplay, PoolAccount, pool_accounts, slot_sets, tree_view
 from model.radix.config import RadixLayout
 from model.radix.ops import Admit, Evict, Finish, RadixOp
+from model.radix.tree import TreeView
 
 Violation = tuple[str, str]
 
@@ -46,25 +47,28 @@ class RadixChecker:
     def step(self, op: RadixOp) -> list[Violation]:
         """Apply `op` to every core and return what broke."""
         self._note_finish(op)
-        before = tree_view(self.primary)
+        # The tree changes only through ops, so the last op's after-view is this one's before-view.
+        before = self._view if self._view is not None else tree_view(self.primary)
         results = {core: d.apply(op) for core, d in self.drivers.items()}
         self.checked_ops += 1
         out: list[Violation] = []
+        accounts = {}
         for core, d in self.drivers.items():
             try:
                 d.cache.sanity_check()
             except AssertionError as exc:
                 out.append(("sglang_sanity_check", f"[{core}] {str(exc).splitlines()[0][:300]}"))
-            out += [("radix_pool_conservation", f"[{core}] {m}") for m in inv.radix_pool_conservation(pool_accounts(d))]
+            accounts[core] = pool_accounts(d)
+            out += [("radix_pool_conservation", f"[{core}] {m}") for m in inv.radix_pool_conservation(accounts[core])]
         out += self._primary_checks(op, results[self.cores[0]], before)
-        out += self._cores_agree(op, results)
+        out += self._cores_agree(op, results, accounts)
         return out
 
-    def _primary_checks(self, op: RadixOp, res: OpResult, before: object) -> list[Violation]:
+    def _primary_checks(self, op: RadixOp, res: OpResult, before: TreeView | None) -> list[Violation]:
         d = self.primary
         out: list[Violation] = [("radix_slots_disjoint", m) for m in inv.radix_slots_disjoint(slot_sets(d))]
-        after = tree_view(d)
-        if after is None or not isinstance(before, type(after)):
+        after = self._view = tree_view(d)
+        if after is None or before is None:
             return out
         self.replay.feed(d.take_events())
         locked = {rid: int(run.req.last_node) for rid, run in d.running.items() if run.req.lock is not None}
@@ -80,6 +84,7 @@ class RadixChecker:
         return out
 
     _last_finished: tuple[int, ...] | None = None
+    _view: TreeView | None = None
 
     def _note_finish(self, op: RadixOp) -> None:
         """Remember the tokens of the request `op` finishes (for the promise check)."""
@@ -89,7 +94,9 @@ class RadixChecker:
             if run is not None and run.prefilled >= len(run.tokens):
                 self._last_finished = tuple(run.tokens) + tuple(run.decoded)
 
-    def _cores_agree(self, op: RadixOp, results: dict[str, OpResult]) -> list[Violation]:
+    def _cores_agree(
+        self, op: RadixOp, results: dict[str, OpResult], accounts: dict[str, list[PoolAccount]]
+    ) -> list[Violation]:
         if len(self.cores) < 2:
             return []
         out: list[Violation] = []
@@ -100,8 +107,8 @@ class RadixChecker:
             theirs = (r.hit, r.evicted, r.rejected is None, r.skipped)
             if mine != theirs:
                 out.append(("radix_cores_agree", f"{type(op).__name__}: {first} {mine} != {core} {theirs}"))
-            a = [(x.pool, x.available, x.evictable, x.protected) for x in pool_accounts(self.drivers[first])]
-            b = [(x.pool, x.available, x.evictable, x.protected) for x in pool_accounts(self.drivers[core])]
+            a = [(x.pool, x.available, x.evictable, x.protected) for x in accounts[first]]
+            b = [(x.pool, x.available, x.evictable, x.protected) for x in accounts[core]]
             if a != b:
                 out.append(("radix_cores_agree", f"pools after {type(op).__name__}: {first} {a} != {core} {b}"))
         return out
