@@ -21,12 +21,20 @@ from model.radix.tree import TreeView
 
 
 class Account(Protocol):
-    pool: str
-    available: int
-    evictable: int
-    protected: int
-    held: int
-    size: int
+    """One pool's four parts and its size (read-only)."""
+
+    @property
+    def pool(self) -> str: ...
+    @property
+    def available(self) -> int: ...
+    @property
+    def evictable(self) -> int: ...
+    @property
+    def protected(self) -> int: ...
+    @property
+    def held(self) -> int: ...
+    @property
+    def size(self) -> int: ...
 
 
 def radix_pool_conservation(accounts: Iterable[Account]) -> list[str]:
@@ -118,7 +126,10 @@ def radix_eviction_lru(before: TreeView, after: TreeView) -> list[str]:
     kept = [
         n
         for n in before.nodes.values()
-        if before.is_leaf(n.node_id) and n.full_lock == 0 and n.node_id in after.nodes and after.nodes[n.node_id].full
+        if before.is_leaf(n.node_id)
+        and n.full_lock == 0
+        and n.node_id in after.nodes
+        and after.nodes[n.node_id].full
     ]
     newest_removed = max(n.last_access for n in removed)
     older = [n.node_id for n in kept if n.last_access < newest_removed]

@@ -186,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_conformance)
 
     b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
-    b.add_argument("--target", choices=("default", "sglang"), default="default", help="sglang: its radix cache")
+    b.add_argument(
+        "--target", choices=("default", "sglang"), default="default", help="sglang: its radix cache"
+    )
     b.add_argument("--requests", type=positive_int, default=300)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument(

@@ -36,7 +36,9 @@ def _layouts(names: str | None) -> dict[str, Any]:
     return {n: LAYOUTS[n] for n in picked}
 
 
-def fuzz_sglang(budget_s: float, seed: int, out: Path, layouts: str | None = None) -> tuple[int, list[dict[str, Any]]]:
+def fuzz_sglang(
+    budget_s: float, seed: int, out: Path, layouts: str | None = None
+) -> tuple[int, list[dict[str, Any]]]:
     """Fuzz every layout (both tree cores in lockstep) for budget_s / len(layouts) each."""
     from invariants.harness.radix_fuzz import fuzz_layout, write_trace
 
@@ -51,8 +53,12 @@ def fuzz_sglang(budget_s: float, seed: int, out: Path, layouts: str | None = Non
             path = out / f"kvretain-sglang-{name}-seed{run.seed}.json"
             write_trace(run, layout, path)
             verdict += f" (trace {path}): {run.violation[1]}"
-        rows.append([name, str(run.seeds), str(run.ops), f"{run.ops / max(run.seconds, 1e-9):.0f}", verdict])
-    print(table(["layout", "seeds", "ops", "ops/s", "verdict"], rows))
+        cov = run.coverage
+        reached = f"{cov['hit']}/{cov['rejected']}/{cov['evicted']}/{cov['tombstone']}"
+        rows.append(
+            [name, str(run.seeds), str(run.ops), f"{run.ops / max(run.seconds, 1e-9):.0f}", reached, verdict]
+        )
+    print(table(["layout", "seeds", "ops", "ops/s", "hits/rejected/evictions/tombstoned", "verdict"], rows))
     return (1 if any(r["violation"] for r in runs) else 0), runs
 
 
@@ -67,10 +73,14 @@ def cmd_fuzz_sglang(args: argparse.Namespace) -> int:
         print(f"kvretain fuzz: {exc}")
         return 2
     budget = args.budget_s or 60.0
-    print(f"kvretain fuzz: target sglang (Python and Rust tree cores in lockstep), seed {args.seed}, budget {budget} s")
+    print(
+        f"kvretain fuzz: target sglang (Python and Rust tree cores in lockstep), seed {args.seed}, budget {budget} s"
+    )
     rc, runs = fuzz_sglang(budget, args.seed, Path(args.out), getattr(args, "layout", None))
     if getattr(args, "json", None):
-        Path(args.json).write_text(json.dumps({"target": "sglang", "seed": args.seed, "layouts": runs}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"target": "sglang", "seed": args.seed, "layouts": runs}, indent=1)
+        )
     return rc
 
 
@@ -84,7 +94,9 @@ def cmd_zoo_sglang(args: argparse.Namespace) -> int:
     only = list(args.only or SGLANG_MUTANTS)
     unknown = [n for n in only if n not in SGLANG_MUTANTS]
     if unknown:
-        print(f"kvretain zoo: --only: unknown mutant(s) {', '.join(unknown)} (known: {', '.join(SGLANG_MUTANTS)})")
+        print(
+            f"kvretain zoo: --only: unknown mutant(s) {', '.join(unknown)} (known: {', '.join(SGLANG_MUTANTS)})"
+        )
         return 2
     budget = args.budget_s or 30.0
     rows, survivors = [], 0
@@ -92,10 +104,19 @@ def cmd_zoo_sglang(args: argparse.Namespace) -> int:
         row = hunt(name, budget, args.seed)
         survivors += row.killed_by is None
         rows.append(
-            [name, SGLANG_MUTANTS[name].doc, row.layout, row.killed_by or "SURVIVED", f"{row.seconds:.2f}", str(row.ops)]
+            [
+                name,
+                SGLANG_MUTANTS[name].doc,
+                row.layout,
+                row.killed_by or "SURVIVED",
+                f"{row.seconds:.2f}",
+                str(row.ops),
+            ]
         )
     print(table(["mutant", "bug class", "layout", "killed by", "seconds", "ops"], rows))
-    print(f"{len(only) - survivors}/{len(only)} SGLang mutants killed (seed {args.seed}, budget {budget} s each)")
+    print(
+        f"{len(only) - survivors}/{len(only)} SGLang mutants killed (seed {args.seed}, budget {budget} s each)"
+    )
     return 1 if survivors else 0
 
 

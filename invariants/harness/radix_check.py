@@ -19,6 +19,7 @@ Violations are returned as `(invariant name, message)` pairs.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from invariants.catalogue import radix as inv
@@ -37,6 +38,9 @@ class RadixChecker:
     cores: tuple[str, ...] = ("python", "rust")
     drivers: dict[str, SglangDriver] = field(default_factory=dict)
     checked_ops: int = 0
+    # What the run reached (hits, rejections, evictions, splits seen as tombstones, ...),
+    # so a clean verdict says what it covered.
+    coverage: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         for core in self.cores:
@@ -59,9 +63,13 @@ class RadixChecker:
             except AssertionError as exc:
                 out.append(("sglang_sanity_check", f"[{core}] {str(exc).splitlines()[0][:300]}"))
             accounts[core] = pool_accounts(d)
-            out += [("radix_pool_conservation", f"[{core}] {m}") for m in inv.radix_pool_conservation(accounts[core])]
+            out += [
+                ("radix_pool_conservation", f"[{core}] {m}")
+                for m in inv.radix_pool_conservation(accounts[core])
+            ]
+        self._count(results[self.cores[0]])
         out += self._primary_checks(op, results[self.cores[0]], before)
-        out += self._cores_agree(op, results, accounts)
+        out += self.cores_agree(op, results, accounts)
         return out
 
     def _primary_checks(self, op: RadixOp, res: OpResult, before: TreeView | None) -> list[Violation]:
@@ -71,20 +79,33 @@ class RadixChecker:
         if after is None or before is None:
             return out
         self.replay.feed(d.take_events())
+        self.coverage["tombstone"] += any(n.swa is False for n in after.nodes.values())
         locked = {rid: int(run.req.last_node) for rid, run in d.running.items() if run.req.lock is not None}
         out += [("radix_locked_paths_kept", m) for m in inv.radix_locked_paths_kept(after, locked)]
-        out += [("radix_events_replay", m) for m in inv.radix_events_replay(self.replay.pages(), after, d.layout.page_size)]
+        out += [
+            ("radix_events_replay", m)
+            for m in inv.radix_events_replay(self.replay.pages(), after, d.layout.page_size)
+        ]
         if isinstance(op, Admit) and res.hit is not None and res.max_len is not None:
             msgs = inv.radix_hit_matches_model(before, op.tokens, self.layout, res.max_len, res.hit)
             out += [("radix_hit_matches_model", m) for m in msgs]
         if isinstance(op, Evict) and op.swa == 0 and op.mamba == 0 and not self.layout.has_mamba:
             out += [("radix_eviction_lru", m) for m in inv.radix_eviction_lru(before, after)]
         if isinstance(op, Finish) and self._last_finished is not None and self.layout.components == ("full",):
-            out += [("radix_full_promise_kept", m) for m in inv.radix_full_promise_kept(after, self._last_finished, self.layout)]
+            out += [
+                ("radix_full_promise_kept", m)
+                for m in inv.radix_full_promise_kept(after, self._last_finished, self.layout)
+            ]
         return out
 
     _last_finished: tuple[int, ...] | None = None
     _view: TreeView | None = None
+
+    def _count(self, res: OpResult) -> None:
+        self.coverage["hit"] += bool(res.hit)
+        self.coverage["rejected"] += res.rejected is not None
+        if res.evicted is not None:
+            self.coverage["evicted"] += sum(res.evicted) > 0
 
     def _note_finish(self, op: RadixOp) -> None:
         """Remember the tokens of the request `op` finishes (for the promise check)."""
@@ -94,7 +115,7 @@ class RadixChecker:
             if run is not None and run.prefilled >= len(run.tokens):
                 self._last_finished = tuple(run.tokens) + tuple(run.decoded)
 
-    def _cores_agree(
+    def cores_agree(
         self, op: RadixOp, results: dict[str, OpResult], accounts: dict[str, list[PoolAccount]]
     ) -> list[Violation]:
         if len(self.cores) < 2:
@@ -106,9 +127,11 @@ class RadixChecker:
             mine = (ref.hit, ref.evicted, ref.rejected is None, ref.skipped)
             theirs = (r.hit, r.evicted, r.rejected is None, r.skipped)
             if mine != theirs:
-                out.append(("radix_cores_agree", f"{type(op).__name__}: {first} {mine} != {core} {theirs}"))
+                out.append(("radixcores_agree", f"{type(op).__name__}: {first} {mine} != {core} {theirs}"))
             a = [(x.pool, x.available, x.evictable, x.protected) for x in accounts[first]]
             b = [(x.pool, x.available, x.evictable, x.protected) for x in accounts[core]]
             if a != b:
-                out.append(("radix_cores_agree", f"pools after {type(op).__name__}: {first} {a} != {core} {b}"))
+                out.append(
+                    ("radixcores_agree", f"pools after {type(op).__name__}: {first} {a} != {core} {b}")
+                )
         return out

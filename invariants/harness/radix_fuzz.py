@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ def generate_ops(seed: int, layout: RadixLayout, n: int) -> list[RadixOp]:
     page = layout.page_size
     bank = [tuple(rng.randrange(1, 6) for _ in range(48)) for _ in range(3)]
     live: list[int] = []
-    next_rid, ops = 0, []
+    next_rid = 0
+    ops: list[RadixOp] = []
     for _ in range(n):
         roll = rng.random()
         if (roll < 0.3 or not live) and len(live) < layout.max_reqs - 1:
@@ -43,7 +45,9 @@ def generate_ops(seed: int, layout: RadixLayout, n: int) -> list[RadixOp]:
         elif roll < 0.45:
             ops.append(Extend(rng.choice(live), rng.choice([page * 2, page * 4])))
         elif roll < 0.65:
-            ops.append(Decode(rng.choice(live), tuple(rng.randrange(1, 6) for _ in range(rng.randrange(1, 6)))))
+            ops.append(
+                Decode(rng.choice(live), tuple(rng.randrange(1, 6) for _ in range(rng.randrange(1, 6))))
+            )
         elif roll < 0.85:
             rid = live.pop(rng.randrange(len(live)))
             ops.append(Finish(rid))
@@ -64,6 +68,7 @@ class LayoutRun:
     violation: Violation | None = None
     seed: int | None = None
     trace: list[RadixOp] = field(default_factory=list)
+    coverage: Counter[str] = field(default_factory=Counter)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,8 +76,11 @@ class LayoutRun:
             "seeds": self.seeds,
             "ops": self.ops,
             "seconds": round(self.seconds, 2),
-            "violation": None if self.violation is None else {"invariant": self.violation[0], "message": self.violation[1]},
+            "violation": None
+            if self.violation is None
+            else {"invariant": self.violation[0], "message": self.violation[1]},
             "seed": self.seed,
+            "coverage": dict(self.coverage),
             "trace": [to_json(op) for op in self.trace],
         }
 
@@ -83,14 +91,22 @@ def run_history(checker: RadixChecker, ops: list[RadixOp]) -> tuple[Violation | 
         try:
             found = checker.step(op)
         except Exception as exc:  # SGLang's own asserts (leak, double free) are findings too
-            return ("sglang_raised", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"), ops[: i + 1]
+            return (
+                "sglang_raised",
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+            ), ops[: i + 1]
         if found:
             return found[0], ops[: i + 1]
     return None, ops
 
 
 def fuzz_layout(
-    name: str, layout: RadixLayout, budget_s: float, seed: int, cores: tuple[str, ...] = ("python", "rust"), ops_per_seed: int = 60
+    name: str,
+    layout: RadixLayout,
+    budget_s: float,
+    seed: int,
+    cores: tuple[str, ...] = ("python", "rust"),
+    ops_per_seed: int = 60,
 ) -> LayoutRun:
     """Histories on `layout` for `budget_s` seconds (at least one), seeds seed, seed+1, ..."""
     run = LayoutRun(layout=name)
@@ -102,6 +118,7 @@ def fuzz_layout(
         violation, trace = run_history(checker, ops)
         run.seeds += 1
         run.ops += checker.checked_ops
+        run.coverage.update(checker.coverage)
         if violation is not None:
             run.violation, run.seed, run.trace = violation, s, trace
             break

@@ -60,7 +60,13 @@ def _req_pool(layout: RadixLayout) -> Any:
     mamba_layers = [i for i in range(_LAYERS) if i not in _FULL_LAYERS]
     with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
         shape = Mamba2StateShape.create(
-            tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=16, state_size=4, conv_kernel=4
+            tp_world_size=1,
+            intermediate_size=32,
+            n_groups=1,
+            num_heads=2,
+            head_dim=16,
+            state_size=4,
+            conv_kernel=4,
         )
         params = Mamba2CacheParams(shape=shape, layers=mamba_layers)
     return HybridReqToTokenPool(
@@ -114,12 +120,23 @@ def _allocator(layout: RadixLayout, req_pool: Any) -> Any:
         )
     else:
         kv = MHATokenToKVPool(
-            size=layout.kv_size, page_size=layout.page_size, layer_num=_LAYERS, enable_memory_saver=False, **common
+            size=layout.kv_size,
+            page_size=layout.page_size,
+            layer_num=_LAYERS,
+            enable_memory_saver=False,
+            **common,
         )
     if layout.page_size == 1:
-        return TokenToKVPoolAllocator(size=layout.kv_size, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False)
+        return TokenToKVPoolAllocator(
+            size=layout.kv_size, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False
+        )
     return PagedTokenToKVPoolAllocator(
-        size=layout.kv_size, page_size=layout.page_size, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False
+        size=layout.kv_size,
+        page_size=layout.page_size,
+        dtype=torch.bfloat16,
+        device="cpu",
+        kvcache=kv,
+        need_sort=False,
     )
 
 

@@ -95,7 +95,9 @@ class SglangDriver:
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
             res = self.cache.evict(EvictParams(num_tokens=op.full, swa_num_tokens=op.swa, mamba_num=op.mamba))
-            return OpResult(evicted=(res.num_tokens_evicted, res.swa_num_tokens_evicted, res.mamba_num_evicted))
+            return OpResult(
+                evicted=(res.num_tokens_evicted, res.swa_num_tokens_evicted, res.mamba_num_evicted)
+            )
         run = self.running.get(op.rid)
         if run is None:
             return OpResult(skipped=True)
@@ -159,7 +161,11 @@ class SglangDriver:
             if page == 1:
                 return self._alloc.alloc_token_slots(self.cache, count)
             row = self.parts.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-            last = row[start - 1 : start].to(torch.int64) if start > 0 else torch.full((1,), -1, dtype=torch.int64)
+            last = (
+                row[start - 1 : start].to(torch.int64)
+                if start > 0
+                else torch.full((1,), -1, dtype=torch.int64)
+            )
             pre = torch.tensor([start], dtype=torch.int64)
             seq = torch.tensor([start + count], dtype=torch.int64)
             return self._alloc.alloc_paged_token_slots_extend(
@@ -181,7 +187,9 @@ class SglangDriver:
         slots = self._new_slots(req, start, count)
         if slots is None:
             return False
-        self.parts.req_to_token_pool.write((req.kv.req_pool_idx, slice(start, start + count)), slots.to(torch.int32))
+        self.parts.req_to_token_pool.write(
+            (req.kv.req_pool_idx, slice(start, start + count)), slots.to(torch.int32)
+        )
         req.kv.kv_allocated_len = start + count
         req.kv.kv_committed_len = start + count
         return True

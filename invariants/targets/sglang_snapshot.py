@@ -45,10 +45,7 @@ def pool_accounts(driver: SglangDriver) -> list[PoolAccount]:
     cache, alloc, page = driver.cache, driver.parts.allocator, driver.layout.page_size
     reqs = [run.req for run in driver.running.values() if run.req.kv.holds_kv]
     held_full = sum(_ceil(r.kv.kv_allocated_len, page) - r.kv.cache_protected_len for r in reqs)
-    if driver.layout.has_swa:
-        full_available = alloc.full_available_size()
-    else:
-        full_available = alloc.available_size()
+    full_available = alloc.full_available_size() if driver.layout.has_swa else alloc.available_size()
     out = [
         PoolAccount(
             "full",
@@ -100,18 +97,18 @@ def slot_sets(driver: SglangDriver) -> dict[str, set[int]]:
     """Full-attention slots: free (allocator), cached (tree values), held (request rows past the prefix)."""
     alloc, page = driver.parts.allocator, driver.layout.page_size
     full_alloc = alloc.full_attn_allocator if driver.layout.has_swa else alloc
-    pages = full_alloc.get_all_free_pages() if page > 1 else None
-    if page > 1:
-        free = {int(p) * page + i for p in pages.tolist() for i in range(page)}
-    else:
-        free = set(full_alloc.free_pages.tolist()) | set(full_alloc.release_pages.tolist())
+    # The free list holds page ids (slot ids at page size 1).
+    free_pages = full_alloc.get_all_free_pages().tolist()
+    free = {int(p) * page + i for p in free_pages for i in range(page)}
     cached = set(driver.cache.all_values_flatten().tolist())
     held: set[int] = set()
     rows = driver.parts.req_to_token_pool.req_to_token
     for run in driver.running.values():
         kv = run.req.kv
         if kv.holds_kv:
-            held.update(int(x) for x in rows[kv.req_pool_idx, kv.cache_protected_len : kv.kv_allocated_len].tolist())
+            held.update(
+                int(x) for x in rows[kv.req_pool_idx, kv.cache_protected_len : kv.kv_allocated_len].tolist()
+            )
     return {"free": free, "cached": cached, "held": held}
 
 

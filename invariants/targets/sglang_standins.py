@@ -91,7 +91,9 @@ class _StandinFinder(importlib.abc.MetaPathFinder):
     def __init__(self, roots: frozenset[str]) -> None:
         self.roots = roots
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname.split(".")[0] not in self.roots:
             return None
         return importlib.machinery.ModuleSpec(fullname, _StandinLoader(), is_package=True)

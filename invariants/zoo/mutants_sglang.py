@@ -113,12 +113,33 @@ def _lock_not_taken(stack: contextlib.ExitStack) -> None:
 SGLANG_MUTANTS: dict[str, SglangMutant] = {
     m.name: m
     for m in (
-        SglangMutant("swa_evicted_seqlen_dropped", "#30845 chunk insert forgets swa_evicted_seqlen", "swa-p1", _swa_evicted_seqlen_dropped),
-        SglangMutant("mamba_slot_leaked_on_abort", "#12693 aborted request's Mamba slot leaked", "mamba-p1", _mamba_slot_leaked_on_abort),
-        SglangMutant("swa_window_off_by_one", "#17061/#29351 SWA hit needs window+1", "swa-p1", _swa_window_off_by_one),
-        SglangMutant("eviction_mru", "#12007/#31643 eviction evicts most recent first", "full-p1", _eviction_mru),
-        SglangMutant("block_removed_not_emitted", "#29750 no BlockRemoved on removal", "full-p1", _block_removed_not_emitted),
-        SglangMutant("lock_not_taken", "#29352 matched path not locked while running", "full-p1", _lock_not_taken),
+        SglangMutant(
+            "swa_evicted_seqlen_dropped",
+            "#30845 chunk insert forgets swa_evicted_seqlen",
+            "swa-p1",
+            _swa_evicted_seqlen_dropped,
+        ),
+        SglangMutant(
+            "mamba_slot_leaked_on_abort",
+            "#12693 aborted request's Mamba slot leaked",
+            "mamba-p1",
+            _mamba_slot_leaked_on_abort,
+        ),
+        SglangMutant(
+            "swa_window_off_by_one", "#17061/#29351 SWA hit needs window+1", "swa-p1", _swa_window_off_by_one
+        ),
+        SglangMutant(
+            "eviction_mru", "#12007/#31643 eviction evicts most recent first", "full-p1", _eviction_mru
+        ),
+        SglangMutant(
+            "block_removed_not_emitted",
+            "#29750 no BlockRemoved on removal",
+            "full-p1",
+            _block_removed_not_emitted,
+        ),
+        SglangMutant(
+            "lock_not_taken", "#29352 matched path not locked while running", "full-p1", _lock_not_taken
+        ),
     )
 }
 

@@ -45,7 +45,11 @@ def expected_hit(view: TreeView, tokens: tuple[int, ...], layout: RadixLayout, m
     swa_run = math.inf
     while offset < len(key):
         child_id = next(
-            (c for c in view.children.get(node_id, []) if view.nodes[c].tokens[:page] == key[offset : offset + page]),
+            (
+                c
+                for c in view.children.get(node_id, [])
+                if view.nodes[c].tokens[:page] == key[offset : offset + page]
+            ),
             None,
         )
         if child_id is None or not view.nodes[child_id].full:
