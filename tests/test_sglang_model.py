@@ -14,6 +14,7 @@ import pytest
 
 from invariants.catalogue import radix as inv
 from model.radix.config import LAYOUTS, RadixLayout
+from model.radix.evict import evict_full
 from model.radix.match import expected_hit
 from model.radix.ops import Admit, Decode, Evict, from_json, to_json
 from model.radix.tree import NodeView, TreeView
@@ -119,3 +120,22 @@ def test_events_and_eviction_order_controls() -> None:
     mru = TreeView(0, {0: nodes[0], 1: nodes[1]})
     assert inv.radix_eviction_lru(before, lru_ok) == []
     assert inv.radix_eviction_lru(before, mru)  # the newer leaf went first
+
+
+def test_full_eviction_model_lru_with_cascade() -> None:
+    nodes = {
+        0: NodeView(0, None, (), True),
+        1: NodeView(1, 0, (1, 1), True, last_access=5.0),
+        2: NodeView(2, 1, (2, 2, 2), True, last_access=1.0),
+        3: NodeView(3, 0, (3,), True, last_access=3.0),
+        4: NodeView(4, 0, (4,), True, full_lock=1, last_access=0.0),
+    }
+    view = TreeView(0, nodes)
+    assert evict_full(view, 3) == ([2], 3)  # oldest leaf, whole node
+    assert evict_full(view, 4) == ([2, 3], 4)
+    assert evict_full(view, 100) == ([2, 3, 1], 6)  # node 1 became a leaf; locked node 4 stays
+    after = TreeView(0, {k: v for k, v in nodes.items() if k not in (2,)})
+    assert inv.radix_full_eviction_matches_model(view, after, 3, 3) == []
+    assert inv.radix_full_eviction_matches_model(view, after, 3, 2)  # miscounted
+    wrong = TreeView(0, {k: v for k, v in nodes.items() if k not in (3,)})
+    assert inv.radix_full_eviction_matches_model(view, wrong, 1, 1)  # newer leaf removed

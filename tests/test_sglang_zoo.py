@@ -18,13 +18,14 @@ if not _OK:
 
 from invariants.zoo.mutants_sglang import SGLANG_MUTANTS, hunt  # noqa: E402
 
+# mutant -> the invariants written for its bug class (the first violation found must be one)
 EXPECTED = {
-    "swa_evicted_seqlen_dropped": "radix_pool_conservation",
-    "mamba_slot_leaked_on_abort": "radix_pool_conservation",
-    "swa_window_off_by_one": "radix_hit_matches_model",
-    "eviction_mru": "radix_eviction_lru",
-    "block_removed_not_emitted": "radix_events_replay",
-    "lock_not_taken": "radix_locked_paths_kept",
+    "swa_evicted_seqlen_dropped": ("radix_pool_conservation",),
+    "mamba_slot_leaked_on_abort": ("radix_pool_conservation",),
+    "swa_window_off_by_one": ("radix_hit_matches_model",),
+    "eviction_mru": ("radix_eviction_lru", "radix_full_eviction_matches_model"),
+    "block_removed_not_emitted": ("radix_events_replay",),
+    "lock_not_taken": ("radix_locked_paths_kept",),
 }
 
 
@@ -39,5 +40,5 @@ def test_mutant_killed_and_restored(name: str) -> None:
 
     originals = (UnifiedRadixCache.lock, UnifiedRadixCache.on_release, LRUStrategy.get_priority)
     row = hunt(name, budget_s=10.0)
-    assert row.killed_by == EXPECTED[name], row
+    assert row.killed_by in EXPECTED[name], row
     assert (UnifiedRadixCache.lock, UnifiedRadixCache.on_release, LRUStrategy.get_priority) == originals

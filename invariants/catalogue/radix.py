@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from model.radix.config import RadixLayout
+from model.radix.evict import evict_full
 from model.radix.match import expected_hit
 from model.radix.tree import TreeView
 
@@ -136,3 +137,18 @@ def radix_eviction_lru(before: TreeView, after: TreeView) -> list[str]:
     if older:
         return [f"eviction removed a node used at {newest_removed} but kept older unlocked leaves {older}"]
     return []
+
+
+def radix_full_eviction_matches_model(
+    before: TreeView, after: TreeView, num_tokens: int, evicted: int
+) -> list[str]:
+    """Full-attention layouts: `evict(num_tokens)` removes exactly the nodes, and reports
+    exactly the token count, that LRU over unlocked leaves predicts (`model/radix/evict.py`)."""
+    want_nodes, want_tokens = evict_full(before, num_tokens)
+    gone = sorted(n for n in before.nodes if n not in after.nodes)
+    out = []
+    if gone != sorted(want_nodes):
+        out.append(f"evict({num_tokens}) removed nodes {gone}, LRU predicts {sorted(want_nodes)}")
+    if evicted != want_tokens:
+        out.append(f"evict({num_tokens}) reported {evicted} tokens, LRU predicts {want_tokens}")
+    return out

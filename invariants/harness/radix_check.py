@@ -91,6 +91,9 @@ class RadixChecker:
             out += [("radix_hit_matches_model", m) for m in msgs]
         if isinstance(op, Evict) and op.swa == 0 and op.mamba == 0 and not self.layout.has_mamba:
             out += [("radix_eviction_lru", m) for m in inv.radix_eviction_lru(before, after)]
+        if isinstance(op, Evict) and self.layout.components == ("full",) and res.evicted is not None:
+            msgs = inv.radix_full_eviction_matches_model(before, after, op.full, res.evicted[0])
+            out += [("radix_full_eviction_matches_model", m) for m in msgs]
         if isinstance(op, Finish) and self._last_finished is not None and self.layout.components == ("full",):
             out += [
                 ("radix_full_promise_kept", m)

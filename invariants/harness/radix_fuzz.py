@@ -55,7 +55,11 @@ def generate_ops(seed: int, layout: RadixLayout, n: int) -> list[RadixOp]:
             rid = live.pop(rng.randrange(len(live)))
             ops.append(Abort(rid))
         else:
-            ops.append(Evict(rng.choice([0, page, 4 * page]), rng.choice([0, page, 8]), rng.choice([0, 1])))
+            ops.append(
+                Evict(
+                    rng.choice([0, page, 4 * page, 12 * page]), rng.choice([0, page, 8]), rng.choice([0, 1])
+                )
+            )
     return ops
 
 

@@ -73,7 +73,7 @@ def pool_accounts(driver: SglangDriver) -> list[PoolAccount]:
         )
     if driver.layout.has_mamba:
         pool = driver.parts.req_to_token_pool
-        held_mamba = sum(1 for run in driver.running.values() if run.req.kv.holds_mamba)
+        held_mamba = sum(_mamba_slots(run.req.kv) for run in driver.running.values())
         out.append(
             PoolAccount(
                 "mamba",
@@ -85,6 +85,15 @@ def pool_accounts(driver: SglangDriver) -> list[PoolAccount]:
             )
         )
     return out
+
+
+def _mamba_slots(kv: Any) -> int:
+    """Mamba slots a request holds: its state, plus (extra-buffer mode, page > 1) the
+    ping-pong tracking slots in use."""
+    held = kv.mamba_pool_idx.numel() if kv.holds_mamba else 0
+    if kv.mamba_ping_pong_track_buffer is not None:
+        held += sum(1 for empty in kv.mamba_ping_pong_empty if not empty)
+    return int(held)
 
 
 def _swa_type() -> Any:
