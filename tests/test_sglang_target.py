@@ -129,3 +129,19 @@ def test_verify_row_passes_and_skips_with_its_reason(monkeypatch: pytest.MonkeyP
     assert (verdict, rc) == ("pass", 0) and "clean" in detail
     monkeypatch.setattr("invariants.targets.sglang_env.sglang_available", lambda: (False, "no sglang here"))
     assert cli_sglang.verify_row(2.0, 0, tmp_path) == ("skipped", "no sglang here", 0)
+
+
+def test_replay_of_a_mutant_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from invariants.harness.radix_fuzz import fuzz_layout
+    from invariants.zoo.mutants_sglang import activate
+
+    layout = LAYOUTS["full-p1"]
+    with activate("lock_not_taken"):
+        run = fuzz_layout("full-p1", layout, 5.0, 0, cores=("python",))
+    assert run.violation is not None
+    path = tmp_path / "trace.json"
+    write_trace(run, layout, path)
+    assert main(["replay", str(path)]) == 0  # the real SGLang is clean on it
+    with activate("lock_not_taken"):
+        assert main(["replay", str(path)]) == 1
+    assert "radix_locked_paths_kept" in capsys.readouterr().out

@@ -206,8 +206,11 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- replay
 def cmd_replay(args: argparse.Namespace) -> int:
+    from invariants.cli.sglang import cmd_replay_sglang, is_radix_trace
     from invariants.harness.replay import replay
 
+    if is_radix_trace(Path(args.trace)):  # a `fuzz --target sglang` trace
+        return cmd_replay_sglang(Path(args.trace))
     trace = read_trace(args.trace)
     targets = args.target or [trace.target or "reference"]
     print(

@@ -163,6 +163,37 @@ def cmd_bench_sglang(args: argparse.Namespace) -> int:
     return 0
 
 
+def is_radix_trace(path: Path) -> bool:
+    """Whether `path` is a trace written by `fuzz --target sglang` (it names its radix layout)."""
+    try:
+        return "layout_fields" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False  # the generic reader reports the problem
+
+
+def cmd_replay_sglang(path: Path) -> int:
+    """Re-run a radix trace on both tree cores with every check; exit 1 if it still fails."""
+    why = _unavailable()
+    if why is not None:
+        print(f"kvretain replay: target sglang: {why}")
+        return 2
+    from invariants.harness.radix_check import RadixChecker
+    from invariants.harness.radix_fuzz import read_trace, run_history
+
+    try:
+        layout, ops = read_trace(path)
+        layout.validate()
+    except (KeyError, ValueError) as exc:
+        print(f"kvretain replay: {path}: not a valid radix trace: {exc}")
+        return 2
+    violation, done = run_history(RadixChecker(layout), ops)
+    if violation is None:
+        print(f"kvretain replay: {path}: {len(ops)} ops on SGLang ({layout.name}): clean")
+        return 0
+    print(f"kvretain replay: {path}: op {len(done) - 1}: {violation[0]}: {violation[1]}")
+    return 1
+
+
 def verify_row(budget_s: float, seed: int, out: Path) -> tuple[str, str, int]:
     """(verdict, detail, rc) of SGLang's `verify` row; verdict 'skipped' when SGLang is absent."""
     why = _unavailable()
