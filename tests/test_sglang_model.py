@@ -139,3 +139,8 @@ def test_full_eviction_model_lru_with_cascade() -> None:
     assert inv.radix_full_eviction_matches_model(view, after, 3, 2)  # miscounted
     wrong = TreeView(0, {k: v for k, v in nodes.items() if k not in (3,)})
     assert inv.radix_full_eviction_matches_model(view, wrong, 1, 1)  # newer leaf removed
+
+
+def test_refusal_justified_control() -> None:
+    assert inv.radix_refusal_justified({"full": (8, 2, 4), "swa": (8, 8, 0)}) == []  # full short
+    assert inv.radix_refusal_justified({"full": (8, 2, 6), "swa": (8, 1, 9)})  # both could serve

@@ -26,6 +26,7 @@ EXPECTED = {
     "eviction_mru": ("radix_eviction_lru", "radix_full_eviction_matches_model"),
     "block_removed_not_emitted": ("radix_events_replay",),
     "lock_not_taken": ("radix_locked_paths_kept",),
+    "swa_evicted_by_full_count": ("radix_refusal_justified",),
 }
 
 

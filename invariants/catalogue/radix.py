@@ -152,3 +152,14 @@ def radix_full_eviction_matches_model(
     if evicted != want_tokens:
         out.append(f"evict({num_tokens}) reported {evicted} tokens, LRU predicts {want_tokens}")
     return out
+
+
+def radix_refusal_justified(pools: Mapping[str, tuple[int, int, int]]) -> list[str]:
+    """An allocation is refused only when some pool cannot serve it even after evicting all
+    it may: for some pool, tokens needed > available + evictable, measured right after the
+    refusal (SGLang #29662: decode pre-allocation evicted by full-token count only, so the
+    SWA pool ran out while SWA was still evictable)."""
+    if any(need > available + evictable for need, available, evictable in pools.values()):
+        return []
+    shown = ", ".join(f"{p}: need {n}, available {a}, evictable {e}" for p, (n, a, e) in pools.items())
+    return [f"allocation refused although every pool could serve it ({shown})"]

@@ -75,6 +75,8 @@ class RadixChecker:
     def _primary_checks(self, op: RadixOp, res: OpResult, before: TreeView | None) -> list[Violation]:
         d = self.primary
         out: list[Violation] = [("radix_slots_disjoint", m) for m in inv.radix_slots_disjoint(slot_sets(d))]
+        if d.last_refusal is not None:
+            out += [("radix_refusal_justified", m) for m in inv.radix_refusal_justified(d.last_refusal)]
         after = self._view = tree_view(d)
         if after is None or before is None:
             return out

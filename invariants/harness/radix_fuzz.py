@@ -139,6 +139,7 @@ def write_trace(run: LayoutRun, layout: RadixLayout, path: Path) -> None:
         "page_size": layout.page_size,
         "sliding_window": layout.sliding_window,
         "kv_size": layout.kv_size,
+        "swa_size": layout.swa_size,
         "mamba_size": layout.mamba_size,
         "max_reqs": layout.max_reqs,
     }
@@ -153,6 +154,7 @@ def read_trace(path: Path) -> tuple[RadixLayout, list[RadixOp]]:
         page_size=fields["page_size"],
         sliding_window=fields["sliding_window"],
         kv_size=fields["kv_size"],
+        swa_size=fields.get("swa_size"),
         mamba_size=fields["mamba_size"],
         max_reqs=fields["max_reqs"],
     )

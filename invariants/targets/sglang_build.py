@@ -94,7 +94,7 @@ def _allocator(layout: RadixLayout, req_pool: Any) -> Any:
     if layout.has_swa:
         kv = SWAKVPool(
             size=layout.kv_size,
-            size_swa=layout.kv_size,
+            size_swa=layout.swa_pool_size,
             page_size=layout.page_size,
             swa_attention_layer_ids=swa_layers,
             full_attention_layer_ids=list(_FULL_LAYERS),
@@ -102,7 +102,7 @@ def _allocator(layout: RadixLayout, req_pool: Any) -> Any:
         )
         return SWATokenToKVPoolAllocator(
             size=layout.kv_size,
-            size_swa=layout.kv_size,
+            size_swa=layout.swa_pool_size,
             page_size=layout.page_size,
             dtype=torch.bfloat16,
             device="cpu",

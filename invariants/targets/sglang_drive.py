@@ -85,10 +85,13 @@ class SglangDriver:
         self._finish_length, self._finish_abort = FINISH_LENGTH, FINISH_ABORT
         self._alloc, self._common = allocation, common
         self.events: list[Any] = []
+        # Set when SGLang refuses an allocation during the current op (see _refusal).
+        self.last_refusal: dict[str, tuple[int, int, int]] | None = None
 
     # -- ops -------------------------------------------------------------------
 
     def apply(self, op: RadixOp) -> OpResult:
+        self.last_refusal = None
         if isinstance(op, Admit):
             return self._admit(op)
         if isinstance(op, Evict):
@@ -154,7 +157,22 @@ class SglangDriver:
         # SGLang prints its tree on out-of-memory (the Rust core from native code);
         # a rejection is an outcome here, not news.
         with _quiet_stdout():
-            return self._alloc_quietly(req, start, count, page)
+            slots = self._alloc_quietly(req, start, count, page)
+        if slots is None:
+            self.last_refusal = self._refusal(start, count)
+        return slots
+
+    def _refusal(self, start: int, count: int) -> dict[str, tuple[int, int, int]]:
+        """Per KV pool, right after SGLang refused: (tokens needed, available, evictable)."""
+        page = self.layout.page_size
+        need = (-(-(start + count) // page) - -(-start // page)) * page
+        alloc, cache = self.parts.allocator, self.cache
+        if not self.layout.has_swa:
+            return {"full": (need, alloc.available_size(), cache.full_evictable_size())}
+        return {
+            "full": (need, alloc.full_available_size(), cache.full_evictable_size()),
+            "swa": (need, alloc.swa_available_size(), cache.swa_evictable_size()),
+        }
 
     def _alloc_quietly(self, req: Any, start: int, count: int, page: int) -> torch.Tensor | None:
         try:

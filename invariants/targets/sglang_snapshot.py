@@ -53,7 +53,7 @@ def pool_accounts(driver: SglangDriver) -> list[PoolAccount]:
             cache.full_evictable_size(),
             cache.full_protected_size(),
             held_full,
-            alloc.size,
+            alloc.size_full if driver.layout.has_swa else alloc.size,
         )
     ]
     if driver.layout.has_swa:

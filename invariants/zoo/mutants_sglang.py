@@ -13,6 +13,13 @@ core is the one mutated, so the hunt runs the Python core alone.
 | `eviction_mru` | #12007/#31643: eviction order degraded (most recently used leaf first) |
 | `block_removed_not_emitted` | #29750: a removed node emits no `BlockRemoved` |
 | `lock_not_taken` | #29352: a running request's matched path is not locked and can be evicted under it |
+| `swa_evicted_by_full_count` | #29662: pre-allocation evicts by the full-attention shortfall only; the SWA pool runs out while SWA is evictable |
+
+Not in the zoo: a #27586-style mutant that leaves the full-to-SWA mapping entry
+of a freed slot in place (`clear_full_to_swa_mapping` a no-op) survived 30 s of
+fuzzing on swa-p4 and 15 s on swa-p1 and swa-small-p1 (seed 0): in 0.5.23 the
+next allocation of the slot overwrites the entry before anything reads it, so
+on the paths kvretain drives the defect is equivalent to the original.
 """
 
 from __future__ import annotations
@@ -110,6 +117,20 @@ def _lock_not_taken(stack: contextlib.ExitStack) -> None:
     _patch(stack, UnifiedRadixCache, "lock", mutant)
 
 
+def _swa_evicted_by_full_count(stack: contextlib.ExitStack) -> None:
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    def mutant(self: Any, tree_cache: Any, num_tokens: int) -> None:
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return
+        full_shortfall = max(0, num_tokens - self.full_available_size())
+        if full_shortfall:  # the defect: the SWA shortfall is never asked for
+            tree_cache.evict_for_alloc(EvictParams(num_tokens=full_shortfall))
+
+    _patch(stack, SWATokenToKVPoolAllocator, "evict_to_free_tokens", mutant)
+
+
 SGLANG_MUTANTS: dict[str, SglangMutant] = {
     m.name: m
     for m in (
@@ -139,6 +160,12 @@ SGLANG_MUTANTS: dict[str, SglangMutant] = {
         ),
         SglangMutant(
             "lock_not_taken", "#29352 matched path not locked while running", "full-p1", _lock_not_taken
+        ),
+        SglangMutant(
+            "swa_evicted_by_full_count",
+            "#29662 pre-allocation ignores the SWA shortfall",
+            "swa-small-p1",
+            _swa_evicted_by_full_count,
         ),
     )
 }

@@ -24,9 +24,14 @@ class RadixLayout:
     page_size: int = 1
     sliding_window: int | None = None
     kv_size: int = 256
+    swa_size: int | None = None  # SWA pool tokens (None: as large as the full pool)
     mamba_size: int = 16
     max_reqs: int = 8
     max_context: int = 512
+
+    @property
+    def swa_pool_size(self) -> int:
+        return self.kv_size if self.swa_size is None else self.swa_size
 
     @property
     def has_swa(self) -> bool:
@@ -56,6 +61,8 @@ class RadixLayout:
             raise ValueError("sliding_window: an SWA layout needs a window >= 1")
         if self.kv_size < self.page_size:
             raise ValueError(f"kv_size: must hold a page ({self.page_size}), got {self.kv_size}")
+        if self.has_swa and self.swa_pool_size < self.page_size:
+            raise ValueError(f"swa_size: must hold a page ({self.page_size}), got {self.swa_pool_size}")
 
 
 # The layouts a fuzz run covers: every component combination SGLang 0.5.23's
@@ -68,5 +75,7 @@ LAYOUTS: dict[str, RadixLayout] = {
     "full-p4": RadixLayout(("full",), 4, kv_size=128),
     "swa-p1": RadixLayout(("full", "swa"), 1, sliding_window=8, kv_size=96),
     "swa-p4": RadixLayout(("full", "swa"), 4, sliding_window=8, kv_size=128),
+    # SWA pool smaller than the full pool, as deployments size it: SWA pressure of its own.
+    "swa-small-p1": RadixLayout(("full", "swa"), 1, sliding_window=8, kv_size=128, swa_size=48),
     "mamba-p1": RadixLayout(("full", "mamba"), 1, kv_size=96, mamba_size=18),
 }
