@@ -145,3 +145,17 @@ def test_replay_of_a_mutant_trace(tmp_path: Path, capsys: pytest.CaptureFixture[
     with activate("lock_not_taken"):
         assert main(["replay", str(path)]) == 1
     assert "radix_locked_paths_kept" in capsys.readouterr().out
+
+
+def test_shrunk_trace_still_fails_and_is_shorter() -> None:
+    from invariants.harness.radix_fuzz import fuzz_layout
+    from invariants.zoo.mutants_sglang import activate
+
+    layout = LAYOUTS["full-p1"]
+    with activate("block_removed_not_emitted"):
+        raw = fuzz_layout("full-p1", layout, 5.0, 0, cores=("python",))
+        small = fuzz_layout("full-p1", layout, 5.0, 0, cores=("python",), shrink_s=10.0)
+        assert raw.violation is not None and small.violation is not None
+        assert small.violation[0] == raw.violation[0] == "radix_events_replay"
+        assert len(small.trace) < len(raw.trace)
+        assert run_history(RadixChecker(layout, ("python",)), small.trace)[0] is not None

@@ -37,15 +37,16 @@ def _layouts(names: str | None) -> dict[str, Any]:
 
 
 def fuzz_sglang(
-    budget_s: float, seed: int, out: Path, layouts: str | None = None
+    budget_s: float, seed: int, out: Path, layouts: str | None = None, shrink_s: float = 20.0
 ) -> tuple[int, list[dict[str, Any]]]:
-    """Fuzz every layout (both tree cores in lockstep) for budget_s / len(layouts) each."""
+    """Fuzz every layout (both tree cores in lockstep) for budget_s / len(layouts) each;
+    a failing history is shrunk for up to `shrink_s` seconds before its trace is written."""
     from invariants.harness.radix_fuzz import fuzz_layout, write_trace
 
     chosen = _layouts(layouts)
     rows, runs = [], []
     for name, layout in chosen.items():
-        run = fuzz_layout(name, layout, budget_s / len(chosen), seed)
+        run = fuzz_layout(name, layout, budget_s / len(chosen), seed, shrink_s=shrink_s)
         runs.append(run.to_json())
         verdict = "clean" if run.violation is None else f"VIOLATION {run.violation[0]}"
         if run.violation is not None:
@@ -76,7 +77,8 @@ def cmd_fuzz_sglang(args: argparse.Namespace) -> int:
     print(
         f"kvretain fuzz: target sglang (Python and Rust tree cores in lockstep), seed {args.seed}, budget {budget} s"
     )
-    rc, runs = fuzz_sglang(budget, args.seed, Path(args.out), getattr(args, "layout", None))
+    shrink = 20.0 if args.shrink_s is None else args.shrink_s
+    rc, runs = fuzz_sglang(budget, args.seed, Path(args.out), getattr(args, "layout", None), shrink)
     if getattr(args, "json", None):
         Path(args.json).write_text(
             json.dumps({"target": "sglang", "seed": args.seed, "layouts": runs}, indent=1)

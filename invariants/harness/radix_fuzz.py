@@ -104,6 +104,28 @@ def run_history(checker: RadixChecker, ops: list[RadixOp]) -> tuple[Violation | 
     return None, ops
 
 
+def shrink(
+    layout: RadixLayout, ops: list[RadixOp], invariant: str, cores: tuple[str, ...], budget_s: float
+) -> list[RadixOp]:
+    """A shorter history on which `invariant` still fails: drop chunks of ops (halves,
+    quarters, ... single ops) while the same invariant is still the first violation."""
+    deadline = time.perf_counter() + budget_s
+    best = list(ops)
+    size = max(1, len(best) // 2)
+    while size >= 1 and time.perf_counter() < deadline:
+        i, shrunk = 0, False
+        while i < len(best) and time.perf_counter() < deadline:
+            candidate = best[:i] + best[i + size :]
+            found, done = run_history(RadixChecker(layout, cores), candidate)
+            if found is not None and found[0] == invariant:
+                best, shrunk = done, True
+            else:
+                i += size
+        if not shrunk:
+            size //= 2
+    return best
+
+
 def fuzz_layout(
     name: str,
     layout: RadixLayout,
@@ -111,6 +133,7 @@ def fuzz_layout(
     seed: int,
     cores: tuple[str, ...] = ("python", "rust"),
     ops_per_seed: int = 60,
+    shrink_s: float = 0.0,
 ) -> LayoutRun:
     """Histories on `layout` for `budget_s` seconds (at least one), seeds seed, seed+1, ..."""
     run = LayoutRun(layout=name)
@@ -124,6 +147,9 @@ def fuzz_layout(
         run.ops += checker.checked_ops
         run.coverage.update(checker.coverage)
         if violation is not None:
+            if shrink_s > 0:
+                trace = shrink(layout, trace, violation[0], cores, shrink_s)
+                violation = run_history(RadixChecker(layout, cores), trace)[0] or violation
             run.violation, run.seed, run.trace = violation, s, trace
             break
         s += 1
