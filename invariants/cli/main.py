@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--require",
         action="append",
-        choices=TARGET_NAMES,
+        choices=(*TARGET_NAMES, "sglang"),
         metavar="TARGET",
         help="fail (exit 1) when TARGET's rows are skipped (repeatable; `make verify` requires vllm); "
         "without it a run with skipped rows exits 3, never 0",

@@ -230,11 +230,12 @@ def row_fuzz(run: VerifyRun) -> None:
 
 def row_sglang(run: VerifyRun) -> None:
     """SGLang's radix cache, every layout, both tree cores (skipped where SGLang cannot be imported)."""
-    from invariants.cli.sglang import verify_row
-
+    sglang = run.imported("invariants.cli.sglang")
+    if sglang is None:
+        return
     budget = 20.0 if run.args.quick else run.args.budget_s
     start = time.perf_counter()
-    verdict, detail, rc = verify_row(budget, run.args.seed, run.out / "sglang")
+    verdict, detail, rc = sglang.verify_row(budget, run.args.seed, run.out / "sglang")
     if verdict == "skipped":
         run.skipped("fuzz", "sglang", detail)
     else:
