@@ -144,3 +144,8 @@ def test_full_eviction_model_lru_with_cascade() -> None:
 def test_refusal_justified_control() -> None:
     assert inv.radix_refusal_justified({"full": (8, 2, 4), "swa": (8, 8, 0)}) == []  # full short
     assert inv.radix_refusal_justified({"full": (8, 2, 6), "swa": (8, 1, 9)})  # both could serve
+
+
+def test_free_list_unique_control() -> None:
+    assert inv.radix_free_list_unique({"full": [1, 2, 3], "mamba": [4]}) == []
+    assert inv.radix_free_list_unique({"full": [1, 2, 1]})  # freed twice

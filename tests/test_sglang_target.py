@@ -159,3 +159,21 @@ def test_shrunk_trace_still_fails_and_is_shorter() -> None:
         assert small.violation[0] == raw.violation[0] == "radix_events_replay"
         assert len(small.trace) < len(raw.trace)
         assert run_history(RadixChecker(layout, ("python",)), small.trace)[0] is not None
+
+
+def test_control_mamba_double_free() -> None:
+    import torch
+
+    checker = RadixChecker(LAYOUTS["mamba-p1"], ("python",))
+    checker.step(Admit(0, (1, 2, 3, 4), 4))
+    checker.step(Finish(0))
+    mamba = checker.primary.parts.req_to_token_pool.mamba_allocator
+    cached = checker.primary.cache.all_mamba_values_flatten()[:1]
+    mamba.free(cached.clone())  # a cached state's slot freed behind the tree's back
+    found = checker.step(Admit(1, (9, 9), 2))
+    assert any(name == "radix_slots_disjoint" and "mamba" in msg for name, msg in found)
+    checker = RadixChecker(LAYOUTS["mamba-p1"], ("python",))
+    mamba = checker.primary.parts.req_to_token_pool.mamba_allocator
+    mamba.free(torch.tensor([int(mamba.free_slots[-1])]))  # a free slot freed again
+    found = checker.step(Admit(0, (9, 9), 2))
+    assert any(name == "radix_free_list_unique" for name, _ in found)

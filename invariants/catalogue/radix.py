@@ -67,6 +67,16 @@ def radix_slots_disjoint(sets: Mapping[str, set[int]]) -> list[str]:
     return out
 
 
+def radix_free_list_unique(free_lists: Mapping[str, list[int]]) -> list[str]:
+    """No free list holds a slot (page) twice: a double free (#12693/#16067 class for Mamba)."""
+    out = []
+    for pool, ids in free_lists.items():
+        if len(ids) != len(set(ids)):
+            dups = sorted({i for i in ids if ids.count(i) > 1})
+            out.append(f"{pool} free list holds {dups[:8]} more than once")
+    return out
+
+
 def radix_hit_matches_model(
     before: TreeView, tokens: tuple[int, ...], layout: RadixLayout, max_len: int, hit: int
 ) -> list[str]:

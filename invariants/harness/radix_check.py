@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 
 from invariants.catalogue import radix as inv
 from invariants.targets.sglang_drive import OpResult, SglangDriver
-from invariants.targets.sglang_snapshot import EventReplay, PoolAccount, pool_accounts, slot_sets, tree_view
+from invariants.targets.sglang_snapshot import (
+    EventReplay,
+    PoolAccount,
+    free_lists,
+    mamba_slot_sets,
+    pool_accounts,
+    slot_sets,
+    tree_view,
+)
 from model.radix.config import RadixLayout
 from model.radix.ops import Admit, Evict, Finish, RadixOp
 from model.radix.tree import TreeView
@@ -75,6 +83,10 @@ class RadixChecker:
     def _primary_checks(self, op: RadixOp, res: OpResult, before: TreeView | None) -> list[Violation]:
         d = self.primary
         out: list[Violation] = [("radix_slots_disjoint", m) for m in inv.radix_slots_disjoint(slot_sets(d))]
+        if self.layout.has_mamba:
+            msgs = inv.radix_slots_disjoint(mamba_slot_sets(d))
+            out += [("radix_slots_disjoint", f"mamba: {m}") for m in msgs]
+        out += [("radix_free_list_unique", m) for m in inv.radix_free_list_unique(free_lists(d))]
         if d.last_refusal is not None:
             out += [("radix_refusal_justified", m) for m in inv.radix_refusal_justified(d.last_refusal)]
         after = self._view = tree_view(d)

@@ -121,6 +121,35 @@ def slot_sets(driver: SglangDriver) -> dict[str, set[int]]:
     return {"free": free, "cached": cached, "held": held}
 
 
+def free_lists(driver: SglangDriver) -> dict[str, list[int]]:
+    """The raw free lists (full pages; Mamba slots), duplicates kept: a slot freed twice shows twice."""
+    alloc = driver.parts.allocator
+    full_alloc = alloc.full_attn_allocator if driver.layout.has_swa else alloc
+    out = {"full": [int(p) for p in full_alloc.get_all_free_pages().tolist()]}
+    if driver.layout.has_mamba:
+        slots = driver.parts.req_to_token_pool.mamba_allocator.free_slots
+        out["mamba"] = [int(x) for x in slots.tolist()]
+    return out
+
+
+def mamba_slot_sets(driver: SglangDriver) -> dict[str, set[int]]:
+    """Mamba slots: free, cached (tree states), held by running requests (state and ping-pong)."""
+    pool = driver.parts.req_to_token_pool
+    held: set[int] = set()
+    for run in driver.running.values():
+        kv = run.req.kv
+        if kv.holds_mamba:
+            held.update(int(x) for x in kv.mamba_pool_idx.reshape(-1).tolist())
+        if kv.mamba_ping_pong_track_buffer is not None:
+            buf = kv.mamba_ping_pong_track_buffer.reshape(-1).tolist()
+            held.update(int(x) for x, empty in zip(buf, kv.mamba_ping_pong_empty, strict=False) if not empty)
+    return {
+        "free": {int(x) for x in pool.mamba_allocator.free_slots.tolist()},
+        "cached": {int(x) for x in driver.cache.all_mamba_values_flatten().tolist()},
+        "held": held,
+    }
+
+
 def tree_view(driver: SglangDriver) -> TreeView | None:
     """The Python tree core's nodes as a `TreeView`; None on the Rust core."""
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
