@@ -78,4 +78,8 @@ LAYOUTS: dict[str, RadixLayout] = {
     # SWA pool smaller than the full pool, as deployments size it: SWA pressure of its own.
     "swa-small-p1": RadixLayout(("full", "swa"), 1, sliding_window=8, kv_size=128, swa_size=48),
     "mamba-p1": RadixLayout(("full", "mamba"), 1, kv_size=96, mamba_size=18),
+    # A page wider than the window (SGLang #29860: all-tombstone leaves).
+    "swa-p4-w2": RadixLayout(("full", "swa"), 4, sliding_window=2, kv_size=128),
+    # All three components in one tree.
+    "swa-mamba-p1": RadixLayout(("full", "swa", "mamba"), 1, sliding_window=8, kv_size=96, mamba_size=18),
 }
