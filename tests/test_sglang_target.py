@@ -177,3 +177,16 @@ def test_control_mamba_double_free() -> None:
     mamba.free(torch.tensor([int(mamba.free_slots[-1])]))  # a free slot freed again
     found = checker.step(Admit(0, (9, 9), 2))
     assert any(name == "radix_free_list_unique" for name, _ in found)
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (
+        ["fuzz", "--target", "sglang", "--config", "nope"],
+        ["fuzz", "--target", "sglang", "--scale", "production"],
+        ["fuzz", "--target", "sglang", "--steps", "10"],
+    ):
+        assert main(argv) == 2, argv
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1, out
+    assert main(["fuzz", "--target", "sglang", "--config", "full-p1", "--budget-s", "1"]) == 0
+    assert "full-p1" in capsys.readouterr().out

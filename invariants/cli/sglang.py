@@ -32,7 +32,7 @@ def _layouts(names: str | None) -> dict[str, Any]:
     picked = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in picked if n not in LAYOUTS]
     if unknown:
-        raise ValueError(f"--layout: unknown {', '.join(unknown)} (known: {', '.join(LAYOUTS)})")
+        raise ValueError(f"unknown radix layout {', '.join(unknown)} (known: {', '.join(LAYOUTS)})")
     return {n: LAYOUTS[n] for n in picked}
 
 
@@ -63,22 +63,36 @@ def fuzz_sglang(
     return (1 if any(r["violation"] for r in runs) else 0), runs
 
 
+def _unsupported(args: argparse.Namespace) -> str | None:
+    """Options of `kvretain fuzz` that mean nothing for the radix target."""
+    if args.scale != "small":
+        return "--scale production: not available for --target sglang"
+    if args.steps is not None:
+        return "--steps: --target sglang runs for --budget-s seconds"
+    return None
+
+
 def cmd_fuzz_sglang(args: argparse.Namespace) -> int:
+    """`kvretain fuzz --target sglang [--config LAYOUT[,LAYOUT]] [--budget-s T] [--seed N]`."""
     why = _unavailable()
     if why is not None:
         print(f"kvretain fuzz: target sglang: {why}")
         return 2
+    bad = _unsupported(args)
+    if bad is not None:
+        print(f"kvretain fuzz: {bad}")
+        return 2
     try:
-        _layouts(getattr(args, "layout", None))
+        _layouts(args.config)
     except ValueError as exc:
-        print(f"kvretain fuzz: {exc}")
+        print(f"kvretain fuzz: --config: {exc}")
         return 2
     budget = args.budget_s or 60.0
     print(
         f"kvretain fuzz: target sglang (Python and Rust tree cores in lockstep), seed {args.seed}, budget {budget} s"
     )
     shrink = 20.0 if args.shrink_s is None else args.shrink_s
-    rc, runs = fuzz_sglang(budget, args.seed, Path(args.out), getattr(args, "layout", None), shrink)
+    rc, runs = fuzz_sglang(budget, args.seed, Path(args.out), args.config, shrink)
     if getattr(args, "json", None):
         Path(args.json).write_text(
             json.dumps({"target": "sglang", "seed": args.seed, "layouts": runs}, indent=1)
