@@ -8,7 +8,7 @@ export HYPOTHESIS_PROFILE
 
 .PHONY: setup verify test release-envs lint gpu-check matrix clean
 
-$(STAMP): pyproject.toml requirements/dev.txt $(wildcard requirements/vllm*.txt)
+$(STAMP): pyproject.toml requirements/dev.txt $(wildcard requirements/vllm*.txt) $(wildcard requirements/sglang*.txt)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements/dev.txt
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml requirements/dev.txt $(wildcard requirements/vllm*.txt)
 	  $(BIN)/python -m pip install -q -r requirements/vllm.txt && \
 	  $(BIN)/python -m pip install -q --no-deps -r requirements/vllm-nodeps.txt || \
 	  echo "note: vLLM could not be installed; the vllm target will be reported as skipped"; \
+	fi
+	@if [ -f requirements/sglang-nodeps.txt ]; then \
+	  $(BIN)/python -m pip install -q --no-deps -r requirements/sglang-nodeps.txt || \
+	  echo "note: SGLang could not be installed; the sglang target will be reported as skipped"; \
 	fi
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)

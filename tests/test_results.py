@@ -84,6 +84,8 @@ def cheap_verify(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             return SimpleNamespace(
                 verify_row=lambda quick, out: ("simulate", "reference", "ok", "-", 0.1, True)
             )
+        if module == "invariants.cli.sglang":
+            return SimpleNamespace(verify_row=lambda budget, seed, out: ("pass", "stub", 0))
         if module == "gpu_check.cli":
             return real_import("gpu_check.no_such_module", record)  # a real ERROR row
         return real_import(module, record)

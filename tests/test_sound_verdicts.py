@@ -337,6 +337,8 @@ def verify_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
         if module in ("invariants.cli.zoo", "invariants.cli.simulate") or module.startswith("gpu_check"):
             row = ("stub", "model", "ok", "-", 0.0, True)
             return SimpleNamespace(verify_row=lambda **kw: row)
+        if module == "invariants.cli.sglang":
+            return SimpleNamespace(verify_row=lambda *a: ("pass", "stub", 0))
         return real_import(module, record)
 
     monkeypatch.setattr(verify, "import_row_module", rows)
@@ -363,6 +365,33 @@ def test_verify_with_skipped_rows_is_not_everything_holds(
     # A CI that must judge vLLM says so: the skip is then a failure.
     assert main(["verify", "--quick", "--require", "vllm"]) == 1
     assert "FAILED: required but skipped" in capsys.readouterr().out
+
+
+def test_verify_counts_a_skipped_sglang_row(
+    verify_without_vllm: None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without SGLang its row is skipped with the reason, counted, and --require sglang fails."""
+    from invariants.cli import verify
+    from invariants.cli.main import main
+
+    stubbed = verify.import_row_module
+
+    def rows(module: str, record: Any) -> Any:
+        if module == "invariants.cli.sglang":
+            return SimpleNamespace(verify_row=lambda *a: ("skipped", "sglang is not installed here", 0))
+        return stubbed(module, record)
+
+    monkeypatch.setattr(verify, "import_row_module", rows)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["verify", "--quick", "--json", "v.json"])
+    out = capsys.readouterr().out
+    assert rc == 3 and "fuzz [sglang]" in out and "sglang is not installed here" in out
+    data = json.loads((tmp_path / "v.json").read_text())
+    assert data["counts"]["skipped"] == 6  # five vLLM rows and SGLang's
+    assert main(["verify", "--quick", "--require", "sglang"]) == 1
 
 
 @pytest.mark.skipif(available_targets().get("vllm") is not None, reason="needs vLLM")

@@ -168,6 +168,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     )
     from invariants.harness.known_findings import format_known
 
+    if args.target == "sglang":  # its own ops, model and checks (invariants/cli/sglang.py)
+        from invariants.cli.sglang import cmd_fuzz_sglang
+
+        return cmd_fuzz_sglang(args)
     if args.scale == "production":
         return cmd_fuzz_production(args)
     if args.config:
@@ -244,8 +248,11 @@ def _hand_over(report: FuzzReport, budget_s: float | None) -> None:
 
 # ---------------------------------------------------------------- replay
 def cmd_replay(args: argparse.Namespace) -> int:
+    from invariants.cli.sglang import cmd_replay_sglang, is_radix_trace
     from invariants.harness.replay import replay
 
+    if is_radix_trace(Path(args.trace)):  # a `fuzz --target sglang` trace
+        return cmd_replay_sglang(Path(args.trace))
     trace = read_trace(args.trace)
     targets = args.target or [trace.target or "reference"]
     print(
@@ -295,6 +302,10 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from invariants.harness.bench import run_bench
 
+    if args.target == "sglang":
+        from invariants.cli.sglang import cmd_bench_sglang
+
+        return cmd_bench_sglang(args)
     if args.scale == "production":
         from invariants.harness.bench import run_production_bench
 

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fuzz", help="stateful fuzzing of one target against the model")
     f.add_argument(
         "--target",
-        choices=TARGET_NAMES,
+        choices=(*TARGET_NAMES, "sglang"),
         default="reference",
         help="the allocator under test: built-in "
         + ", ".join(BUILTIN_TARGETS)
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--require",
         action="append",
-        choices=TARGET_NAMES,
+        choices=(*TARGET_NAMES, "sglang"),
         metavar="TARGET",
         help="fail (exit 1) when TARGET's rows are skipped (repeatable; `make verify` requires vllm); "
         "without it a run with skipped rows exits 3, never 0",
@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_conformance)
 
     b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
+    b.add_argument(
+        "--target", choices=("default", "sglang"), default="default", help="sglang: its radix cache"
+    )
     b.add_argument("--requests", type=positive_int, default=300)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument(

@@ -228,6 +228,20 @@ def row_fuzz(run: VerifyRun) -> None:
         )
 
 
+def row_sglang(run: VerifyRun) -> None:
+    """SGLang's radix cache, every layout, both tree cores (skipped where SGLang cannot be imported)."""
+    sglang = run.imported("invariants.cli.sglang")
+    if sglang is None:
+        return
+    budget = 20.0 if run.args.quick else run.args.budget_s
+    start = time.perf_counter()
+    verdict, detail, rc = sglang.verify_row(budget, run.args.seed, run.out / "sglang")
+    if verdict == "skipped":
+        run.skipped("fuzz", "sglang", detail)
+    else:
+        run.record("fuzz", "sglang", verdict, detail, time.perf_counter() - start, rc == 0)
+
+
 def row_production_scale(run: VerifyRun) -> None:
     """vLLM at its own presets' sizes (`production_row`)."""
     missing = run.missing("vllm")
@@ -327,6 +341,7 @@ ROWS: list[Callable[[VerifyRun], None]] = [
     row_prove,
     row_production_link,
     row_fuzz,
+    row_sglang,
     row_production_scale,
     row_conformance,
     row_known_findings,

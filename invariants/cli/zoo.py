@@ -1,6 +1,6 @@
 """`kvretain zoo`: run every check against each mutant; what is caught, how fast, by which check.
 
-    kvretain zoo [--target reference|vllm] [--budget-s T] [--quick] [--only NAME] [--seed N] [--out DIR]
+    kvretain zoo [--target reference|vllm|sglang] [--budget-s T] [--quick] [--only NAME] [--seed N] [--out DIR]
     kvretain zoo --target vllm --scale production [--budget-s T] [--only NAME]
     kvretain zoo --target vllm --explore [--depth D] [--budget-s T] [--only NAME]
 
@@ -69,7 +69,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", choices=("reference", "vllm"), default="reference")
+    p.add_argument("--target", choices=("reference", "vllm", "sglang"), default="reference")
     p.add_argument(
         "--budget-s",
         type=float,
@@ -159,6 +159,12 @@ def control(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.target == "sglang":  # its own mutants and hunt (invariants/cli/sglang.py)
+        from invariants.cli.sglang import cmd_zoo_sglang
+
+        if args.only:
+            args.only = [n for item in args.only for n in item.split(",") if n]
+        return cmd_zoo_sglang(args)
     from invariants.targets import TargetUnavailable, available_targets
 
     t_start = time.monotonic()

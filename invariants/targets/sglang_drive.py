@@ -1,0 +1,281 @@
+"""Driving SGLang's real radix cache the way its scheduler does, one `RadixOp` at a time.
+
+Each op calls SGLang's own scheduler-side functions, not copies of them:
+`Req.init_next_round_input` (match_prefix and Mamba copy-on-write),
+`UnifiedRadixCache.lock`, `alloc_req_slots`, `alloc_token_slots` /
+`alloc_paged_token_slots_extend` / `alloc_paged_token_slots_decode` (which
+evict under pressure), `checkpoint_kv_cache` (an unfinished request's chunk),
+`release_kv_cache` (finish with checkpoint, abort without),
+`evict_sliding_windows` (a running request's SWA window) and `evict`.
+
+The only glue written here is what a `ScheduleBatch` does around those calls
+for a batch of one: writing the prefix and the new slots into the request's
+row and advancing its lengths. An op the pools cannot serve (SGLang raises
+"out of memory") is *rejected*: the request is rolled back the way the
+scheduler drops it, and the result says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from invariants.targets.sglang_build import SglangParts, build_cache
+from model.radix.config import RadixLayout
+from model.radix.ops import Abort, Admit, Decode, Evict, Extend, Finish, RadixOp
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Silence file descriptor 1 (Python and native writers) for the block."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+@dataclass
+class OpResult:
+    """What one op did, as the scheduler sees it."""
+
+    hit: int | None = None  # Admit: device prefix length reported by match_prefix
+    max_len: int | None = None  # Admit: the match limit (input length - 1)
+    evicted: tuple[int, int, int] | None = None  # Evict: (full tokens, SWA tokens, Mamba states)
+    rejected: str | None = None  # the pools could not serve it (SGLang's out-of-memory)
+    skipped: bool = False  # the op named no live request (nothing done)
+    locked_node: Any = None  # Admit: the node the request locked
+
+
+@dataclass
+class RunningReq:
+    req: Any
+    tokens: tuple[int, ...]
+    prefilled: int = 0
+    decoded: list[int] = field(default_factory=list)
+
+
+class SglangDriver:
+    """One real cache instance plus the requests running on it."""
+
+    def __init__(self, layout: RadixLayout, core: str = "python") -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+        from sglang.srt.mem_cache import allocation, common
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        self.layout = layout
+        self.parts: SglangParts = build_cache(layout, core)
+        self.cache = self.parts.cache
+        self.running: dict[int, RunningReq] = {}
+        self._req_cls, self._sampling = Req, SamplingParams
+        self._finish_length, self._finish_abort = FINISH_LENGTH, FINISH_ABORT
+        self._alloc, self._common = allocation, common
+        self.events: list[Any] = []
+        # Set when SGLang refuses an allocation during the current op (see _refusal).
+        self.last_refusal: dict[str, tuple[int, int, int]] | None = None
+
+    # -- ops -------------------------------------------------------------------
+
+    def apply(self, op: RadixOp) -> OpResult:
+        self.last_refusal = None
+        if isinstance(op, Admit):
+            return self._admit(op)
+        if isinstance(op, Evict):
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+            res = self.cache.evict(EvictParams(num_tokens=op.full, swa_num_tokens=op.swa, mamba_num=op.mamba))
+            return OpResult(
+                evicted=(res.num_tokens_evicted, res.swa_num_tokens_evicted, res.mamba_num_evicted)
+            )
+        run = self.running.get(op.rid)
+        if run is None:
+            return OpResult(skipped=True)
+        if isinstance(op, Extend):
+            return self._extend(run, op.chunk)
+        if isinstance(op, Decode):
+            return self._decode(run, op.tokens)
+        if isinstance(op, Finish):
+            return self._release(op.rid, checkpoint=True)
+        if isinstance(op, Abort):
+            return self._release(op.rid, checkpoint=False)
+        raise TypeError(f"unknown op {op!r}")
+
+    def _admit(self, op: Admit) -> OpResult:
+        if op.rid in self.running or len(op.tokens) < 1:
+            return OpResult(skipped=True)
+        if self.parts.req_to_token_pool.available_size() < 1:
+            return OpResult(rejected="no request slot")
+        req = self._req_cls(
+            rid=str(op.rid),
+            origin_input_text="",
+            origin_input_ids=array("q", op.tokens),
+            sampling_params=self._sampling(temperature=0, max_new_tokens=1 << 20),
+        )
+        req.init_next_round_input(self.cache)
+        hit = req.prefix_len
+        req.lock = self.cache.lock(req.last_node)
+        run = RunningReq(req=req, tokens=op.tokens, prefilled=hit)
+        prefix = self.cache.prefix_device_indices(req) if hit else torch.empty(0, dtype=torch.int64)
+        try:
+            self._alloc.alloc_req_slots(self.parts.req_to_token_pool, [req], self.cache)
+        except RuntimeError as exc:
+            self._drop_unbound(req)
+            return OpResult(hit=hit, max_len=len(op.tokens) - 1, rejected=str(exc).splitlines()[0])
+        if hit:
+            self.parts.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, hit)), prefix.to(torch.int32))
+        req.kv.cache_protected_len = hit
+        self.running[op.rid] = run
+        result = self._extend(run, max(1, op.chunk), first=True)
+        result.hit, result.max_len, result.locked_node = hit, len(op.tokens) - 1, req.last_node
+        return result
+
+    def _drop_unbound(self, req: Any) -> None:
+        """Undo an admission that got no request row: unlock, give back a CoW'd Mamba slot."""
+        self.cache.unlock(req.lock)
+        req.lock = None
+        if req.kv.holds_mamba:
+            self.parts.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+            req.kv.mamba_pool_idx = None
+
+    def _new_slots(self, req: Any, start: int, count: int) -> torch.Tensor | None:
+        """`count` slots for positions [start, start+count) of `req`'s row, evicting under pressure."""
+        page = self.layout.page_size
+        # SGLang prints its tree on out-of-memory (the Rust core from native code);
+        # a rejection is an outcome here, not news.
+        with _quiet_stdout():
+            slots = self._alloc_quietly(req, start, count, page)
+        if slots is None:
+            self.last_refusal = self._refusal(start, count)
+        return slots
+
+    def _refusal(self, start: int, count: int) -> dict[str, tuple[int, int, int]]:
+        """Per KV pool, right after SGLang refused: (tokens needed, available, evictable)."""
+        page = self.layout.page_size
+        need = (-(-(start + count) // page) - -(-start // page)) * page
+        alloc, cache = self.parts.allocator, self.cache
+        if not self.layout.has_swa:
+            return {"full": (need, alloc.available_size(), cache.full_evictable_size())}
+        return {
+            "full": (need, alloc.full_available_size(), cache.full_evictable_size()),
+            "swa": (need, alloc.swa_available_size(), cache.swa_evictable_size()),
+        }
+
+    def _alloc_quietly(self, req: Any, start: int, count: int, page: int) -> torch.Tensor | None:
+        try:
+            if page == 1:
+                return self._alloc.alloc_token_slots(self.cache, count)
+            row = self.parts.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            last = (
+                row[start - 1 : start].to(torch.int64)
+                if start > 0
+                else torch.full((1,), -1, dtype=torch.int64)
+            )
+            pre = torch.tensor([start], dtype=torch.int64)
+            seq = torch.tensor([start + count], dtype=torch.int64)
+            return self._alloc.alloc_paged_token_slots_extend(
+                tree_cache=self.cache,
+                prefix_lens=pre,
+                prefix_lens_cpu=pre,
+                seq_lens=seq,
+                seq_lens_cpu=seq,
+                last_loc=last,
+                extend_num_tokens=count,
+            )
+        except RuntimeError:
+            return None
+
+    def _grow(self, run: RunningReq, count: int) -> bool:
+        """Allocate and bind `count` more positions of the request's row."""
+        req = run.req
+        start = req.kv.kv_allocated_len
+        slots = self._new_slots(req, start, count)
+        if slots is None:
+            return False
+        self.parts.req_to_token_pool.write(
+            (req.kv.req_pool_idx, slice(start, start + count)), slots.to(torch.int32)
+        )
+        req.kv.kv_allocated_len = start + count
+        req.kv.kv_committed_len = start + count
+        return True
+
+    def _extend(self, run: RunningReq, chunk: int, first: bool = False) -> OpResult:
+        req = run.req
+        remaining = len(run.tokens) - run.prefilled
+        if remaining <= 0:
+            return OpResult(skipped=not first)
+        if not first:
+            # The previous chunk is published before the next one runs (cache_unfinished_req).
+            req.extend_end = run.prefilled
+            self._common.checkpoint_kv_cache(req, self.cache)
+        count = min(chunk, remaining)
+        if req.kv.kv_allocated_len == 0:
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = run.prefilled
+        if not self._grow(run, count):
+            if first:
+                return self._undo_admission(run)
+            return self._reject(run, "out of memory (extend)")
+        run.prefilled += count
+        req.prefix_len = run.prefilled
+        return OpResult()
+
+    def _decode(self, run: RunningReq, tokens: tuple[int, ...]) -> OpResult:
+        req = run.req
+        if run.prefilled < len(run.tokens):
+            return OpResult(skipped=True)  # still prefilling
+        for token in tokens:
+            if not self._grow(run, 1):
+                return self._reject(run, "out of memory (decode)")
+            req.output_ids.append(token)
+            run.decoded.append(token)
+            req.decode_batch_idx += 1
+            if self.layout.has_swa and req.decode_batch_idx >= 1:
+                self.cache.evict_sliding_windows(req, req.seqlen - 1)
+        return OpResult()
+
+    def _undo_admission(self, run: RunningReq) -> OpResult:
+        """The first chunk found no room: the scheduler would not have admitted it.
+        Give back the lock, the component state (Mamba) and the row."""
+        req = run.req
+        self.running.pop(int(req.rid))
+        self.cache.unlock(req.lock)
+        req.lock = None
+        self.cache.on_release(req, checkpointed=False)
+        if req.kv.holds_mamba:
+            self.parts.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+            req.kv.mamba_pool_idx = None
+        self.parts.req_to_token_pool.free(req)
+        return OpResult(rejected="out of memory (admission)")
+
+    def _reject(self, run: RunningReq, why: str) -> OpResult:
+        """The scheduler aborts a request it cannot serve: release without caching."""
+        self._release(int(run.req.rid), checkpoint=False)
+        return OpResult(rejected=why)
+
+    def _release(self, rid: int, checkpoint: bool) -> OpResult:
+        run = self.running.pop(rid)
+        req = run.req
+        if checkpoint and run.prefilled < len(run.tokens):
+            checkpoint = False  # a request finishes only after its prompt ran
+        req.finished_reason = self._finish_length(length=0) if checkpoint else self._finish_abort()
+        if not checkpoint and not req.kv.holds_kv:
+            self._drop_unbound(req)
+            return OpResult()
+        self._common.release_kv_cache(req, self.cache, checkpoint=checkpoint)
+        return OpResult()
+
+    def take_events(self) -> list[Any]:
+        return list(self.cache.take_events())

@@ -1,0 +1,200 @@
+"""Mutants of the installed SGLang (0.5.23) radix cache, and the hunt that kills them.
+
+Each mutant is one plausible one-line defect applied to SGLang's real class by
+a monkeypatch inside `activate(name)`, which restores the original on exit.
+PROCESS-GLOBAL WHILE ACTIVE (SGLang's classes are shared). The Python tree
+core is the one mutated, so the hunt runs the Python core alone.
+
+| mutant | bug class it re-creates |
+|---|---|
+| `swa_evicted_seqlen_dropped` | #30845/#36909/#29350: a chunk's insert forgets the request's `swa_evicted_seqlen`, so freed SWA slots are cached as live KV |
+| `mamba_slot_leaked_on_abort` | #12693/#16067/#21404: an aborted request's Mamba slot is never given back |
+| `swa_window_off_by_one` | #17061/#29351: the SWA match needs one token more than the window, a valid hit is lost |
+| `eviction_mru` | #12007/#31643: eviction order degraded (most recently used leaf first) |
+| `block_removed_not_emitted` | #29750: a removed node emits no `BlockRemoved` |
+| `lock_not_taken` | #29352: a running request's matched path is not locked and can be evicted under it |
+| `swa_evicted_by_full_count` | #29662: pre-allocation evicts by the full-attention shortfall only; the SWA pool runs out while SWA is evictable |
+
+Not in the zoo: a #27586-style mutant that leaves the full-to-SWA mapping entry
+of a freed slot in place (`clear_full_to_swa_mapping` a no-op) survived 30 s of
+fuzzing on swa-p4 and 15 s on swa-p1 and swa-small-p1 (seed 0): in 0.5.23 the
+next allocation of the slot overwrites the entry before anything reads it, so
+on the paths kvretain drives the defect is equivalent to the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from invariants.harness.radix_fuzz import fuzz_layout
+from model.radix.config import LAYOUTS
+
+
+@dataclass(frozen=True)
+class SglangMutant:
+    name: str
+    doc: str
+    layout: str
+    install: Callable[[contextlib.ExitStack], None]
+
+
+def _patch(stack: contextlib.ExitStack, owner: Any, attr: str, new: Any) -> None:
+    old = owner.__dict__[attr]
+    setattr(owner, attr, new)
+    stack.callback(setattr, owner, attr, old)
+
+
+def _swa_evicted_seqlen_dropped(stack: contextlib.ExitStack) -> None:
+    from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
+
+    orig = SWAComponent.prepare_for_caching_req
+
+    def mutant(self: Any, req: Any, insert_params: Any, token_ids_len: int, is_finished: bool) -> Any:
+        result = orig(self, req, insert_params, token_ids_len, is_finished)
+        insert_params.set_evicted_seqlen(self.component_type, 0)  # the defect: boundary forgotten
+        return result
+
+    _patch(stack, SWAComponent, "prepare_for_caching_req", mutant)
+
+
+def _mamba_slot_leaked_on_abort(stack: contextlib.ExitStack) -> None:
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    def mutant(self: Any, req: Any, *, checkpointed: bool) -> None:
+        return None  # the defect: components never clean up a released, uncached request
+
+    _patch(stack, UnifiedRadixCache, "on_release", mutant)
+
+
+def _swa_window_off_by_one(stack: contextlib.ExitStack) -> None:
+    from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
+
+    orig = SWAComponent.create_match_validator
+
+    def mutant(self: Any, match_device_only: bool = False) -> Any:
+        inner = orig(self, match_device_only)
+        window = self.sliding_window_size
+        run = {"len": 0}
+
+        def validator(node: Any) -> bool:
+            ok = inner(node)
+            cd = node.component_data[self.component_type]
+            run["len"] = 0 if cd.value is None else run["len"] + len(node.key)
+            return ok and (run["len"] > window or not ok)  # the defect: '>' for '>='
+
+        return validator
+
+    _patch(stack, SWAComponent, "create_match_validator", mutant)
+
+
+def _eviction_mru(stack: contextlib.ExitStack) -> None:
+    from sglang.srt.mem_cache.evict_policy import LRUStrategy
+
+    _patch(stack, LRUStrategy, "get_priority", lambda self, node: -node.last_access_time)  # the defect: sign
+
+
+def _block_removed_not_emitted(stack: contextlib.ExitStack) -> None:
+    from sglang.srt.mem_cache.events import KVCacheEventRecorder
+
+    _patch(stack, KVCacheEventRecorder, "record_remove", lambda self, node, medium=None: None)
+
+
+def _lock_not_taken(stack: contextlib.ExitStack) -> None:
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    orig = UnifiedRadixCache.lock
+
+    def mutant(self: Any, node_id: Any, skip_lock_components: Any = ()) -> Any:
+        lock = orig(self, node_id, skip_lock_components)
+        self.unlock(lock)  # the defect: the admission lock is dropped at once
+        lock.swa_released = True
+        return lock
+
+    _patch(stack, UnifiedRadixCache, "lock", mutant)
+
+
+def _swa_evicted_by_full_count(stack: contextlib.ExitStack) -> None:
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    def mutant(self: Any, tree_cache: Any, num_tokens: int) -> None:
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return
+        full_shortfall = max(0, num_tokens - self.full_available_size())
+        if full_shortfall:  # the defect: the SWA shortfall is never asked for
+            tree_cache.evict_for_alloc(EvictParams(num_tokens=full_shortfall))
+
+    _patch(stack, SWATokenToKVPoolAllocator, "evict_to_free_tokens", mutant)
+
+
+SGLANG_MUTANTS: dict[str, SglangMutant] = {
+    m.name: m
+    for m in (
+        SglangMutant(
+            "swa_evicted_seqlen_dropped",
+            "#30845 chunk insert forgets swa_evicted_seqlen",
+            "swa-p1",
+            _swa_evicted_seqlen_dropped,
+        ),
+        SglangMutant(
+            "mamba_slot_leaked_on_abort",
+            "#12693 aborted request's Mamba slot leaked",
+            "mamba-p1",
+            _mamba_slot_leaked_on_abort,
+        ),
+        SglangMutant(
+            "swa_window_off_by_one", "#17061/#29351 SWA hit needs window+1", "swa-p1", _swa_window_off_by_one
+        ),
+        SglangMutant(
+            "eviction_mru", "#12007/#31643 eviction evicts most recent first", "full-p1", _eviction_mru
+        ),
+        SglangMutant(
+            "block_removed_not_emitted",
+            "#29750 no BlockRemoved on removal",
+            "full-p1",
+            _block_removed_not_emitted,
+        ),
+        SglangMutant(
+            "lock_not_taken", "#29352 matched path not locked while running", "full-p1", _lock_not_taken
+        ),
+        SglangMutant(
+            "swa_evicted_by_full_count",
+            "#29662 pre-allocation ignores the SWA shortfall",
+            "swa-small-p1",
+            _swa_evicted_by_full_count,
+        ),
+    )
+}
+
+
+@contextlib.contextmanager
+def activate(name: str) -> Iterator[SglangMutant]:
+    """Patch SGLang with mutant `name` for the block; originals restored on exit."""
+    mutant = SGLANG_MUTANTS[name]
+    with contextlib.ExitStack() as stack:
+        mutant.install(stack)
+        yield mutant
+
+
+@dataclass
+class KillRow:
+    mutant: str
+    layout: str
+    killed_by: str | None
+    seconds: float
+    seed: int | None
+    ops: int
+
+
+def hunt(name: str, budget_s: float, seed: int = 0) -> KillRow:
+    """Fuzz the mutant's layout on the Python core until a violation or the budget ends."""
+    mutant = SGLANG_MUTANTS[name]
+    start = time.perf_counter()
+    with activate(name):
+        run = fuzz_layout(mutant.layout, LAYOUTS[mutant.layout], budget_s, seed, cores=("python",))
+    killed = None if run.violation is None else run.violation[0]
+    return KillRow(name, mutant.layout, killed, time.perf_counter() - start, run.seed, run.ops)

@@ -1,0 +1,45 @@
+"""The SGLang zoo: each mutant of the real classes is killed, by the invariant written for its bug class.
+
+This is the negative control of the radix invariants on the real engine: the
+unmutated cache runs the same seeds clean (tests/test_sglang_target.py), and
+after the hunt every original method is back. Skipped, with the reason, when
+SGLang cannot be imported.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from invariants.targets.sglang_env import sglang_available
+
+_OK, _REASON = sglang_available()
+if not _OK:
+    pytest.skip(f"sglang zoo: {_REASON}", allow_module_level=True)
+
+from invariants.zoo.mutants_sglang import SGLANG_MUTANTS, hunt  # noqa: E402
+
+# mutant -> the invariants written for its bug class (the first violation found must be one)
+EXPECTED = {
+    "swa_evicted_seqlen_dropped": ("radix_pool_conservation",),
+    "mamba_slot_leaked_on_abort": ("radix_pool_conservation",),
+    "swa_window_off_by_one": ("radix_hit_matches_model",),
+    "eviction_mru": ("radix_eviction_lru", "radix_full_eviction_matches_model"),
+    "block_removed_not_emitted": ("radix_events_replay",),
+    "lock_not_taken": ("radix_locked_paths_kept",),
+    "swa_evicted_by_full_count": ("radix_refusal_justified",),
+}
+
+
+def test_every_mutant_has_an_expected_killer() -> None:
+    assert set(EXPECTED) == set(SGLANG_MUTANTS)
+
+
+@pytest.mark.parametrize("name", sorted(SGLANG_MUTANTS))
+def test_mutant_killed_and_restored(name: str) -> None:
+    from sglang.srt.mem_cache.evict_policy import LRUStrategy
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    originals = (UnifiedRadixCache.lock, UnifiedRadixCache.on_release, LRUStrategy.get_priority)
+    row = hunt(name, budget_s=10.0)
+    assert row.killed_by in EXPECTED[name], row
+    assert (UnifiedRadixCache.lock, UnifiedRadixCache.on_release, LRUStrategy.get_priority) == originals
