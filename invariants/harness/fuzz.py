@@ -41,7 +41,13 @@ from invariants.harness.strategies import configs
 from invariants.harness.trace import Trace, write_trace
 from invariants.layouts.presets import preset
 from invariants.report import Progress, table
-from invariants.targets import FINE_MAMBA_TARGETS, PINNING_TARGETS, Target, target_factory
+from invariants.targets import (
+    FINE_MAMBA_TARGETS,
+    PINNING_TARGETS,
+    REAL_SCHEDULER_TARGETS,
+    Target,
+    target_factory,
+)
 from model.config import Config
 from model.ops import Op, op_to_json
 
@@ -168,7 +174,11 @@ def run_fuzz(
         strategy = (
             st.just(preset(config_name))
             if config_name
-            else configs(allow_pinning=target in PINNING_TARGETS, allow_fine=target in FINE_MAMBA_TARGETS)
+            else configs(
+                allow_pinning=target in PINNING_TARGETS,
+                allow_fine=target in FINE_MAMBA_TARGETS,
+                engine_speculation=target in REAL_SCHEDULER_TARGETS,
+            )
         )
     tolerated = tolerated or _tolerance(target)
     start = time.monotonic()

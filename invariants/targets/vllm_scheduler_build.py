@@ -20,7 +20,11 @@ needed:
   only limit, and `max_num_batched_tokens = max_model_len` so the
   sliding-window admission cap vLLM derives from the in-flight bound equals the
   one `vllm_build.build_manager` gets (its `max_in_flight_tokens` defaults to
-  `max_model_len`).
+  `max_model_len`). Two admission policies of vLLM's are off, as the model has
+  neither (`model.scheduling`: a request is admitted when its first chunk fits):
+  `scheduler_reserve_full_isl=False` (vLLM 0.33.0's default True admits a
+  request only if its whole sequence fits the free pool:
+  `allocate_slots(full_sequence_must_fit=True)`) and `watermark=0.0`.
 - Speculative decoding (`SpeculativeConfig`) where the configuration reserves
   lookahead slots: Eagle (`method="eagle"`: the manager drops the volatile last
   block) or a draft model (`method="draft_model"`), with
@@ -82,6 +86,7 @@ def scheduler_modules() -> dict[str, Any]:
     )
     from vllm.model_executor.models.registry import ModelRegistry
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.request_queue import create_request_queue
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.structured_output import StructuredOutputManager
@@ -101,6 +106,7 @@ def scheduler_modules() -> dict[str, Any]:
         "Scheduler": Scheduler,
         "AsyncScheduler": AsyncScheduler,
         "ModelRunnerOutput": ModelRunnerOutput,
+        "create_request_queue": create_request_queue,
         "StructuredOutputManager": StructuredOutputManager,
     }
 
@@ -180,6 +186,8 @@ def vllm_config(cfg: Config, *, async_scheduling: bool = False) -> Any:
         long_prefill_token_threshold=0,
         is_encoder_decoder=False,
         watermark=0.0,
+        # The model admits a request when its first chunk fits (see the module docstring).
+        scheduler_reserve_full_isl=False,
         async_scheduling=async_scheduling,
     )
     parallel = m["ParallelConfig"]()
