@@ -25,8 +25,8 @@ if not _OK:
 from invariants.harness.checker import Checker, Violation  # noqa: E402
 from invariants.harness.fuzz import run_fuzz  # noqa: E402
 from invariants.harness.known_findings import is_known_violation  # noqa: E402
-from invariants.harness.strategies import configs  # noqa: E402
 from invariants.targets import target_factory  # noqa: E402
+from invariants.targets.vllm_scheduler_build import SchedulerUnsupported  # noqa: E402
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
 from model.config import Config, GroupSpec  # noqa: E402
 from model.observation import StepResult  # noqa: E402
@@ -128,6 +128,13 @@ def test_preemption_inside_a_step_agrees() -> None:
     assert d.preempted, "the trace never preempted: it checks nothing about preemption"
 
 
+def test_speculative_configurations_are_refused_with_the_reason() -> None:
+    with pytest.raises(SchedulerUnsupported, match="speculative decoding"):
+        VllmSchedulerTarget(FULL_SWA.with_(num_lookahead_tokens=2))
+    with pytest.raises(SchedulerUnsupported, match="speculative decoding"):
+        VllmSchedulerTarget(FULL_SWA.with_(eagle=True))
+
+
 def test_schedule_is_a_step_of_one() -> None:
     d = Drive(FULL_MAMBA).do(AddRequest("r0", PROMPT), Schedule("r0", 6), Schedule("r0", 64))
     assert d.found == []
@@ -164,8 +171,7 @@ def test_mutant_preempted_request_keeps_computed_tokens_is_caught(monkeypatch: p
 
 
 def test_fuzzer_sends_real_schedulers_whole_steps(tmp_path: Path) -> None:
-    """A short generated run (no lookahead slots: see the report's spec-decode gap) is
-    clean, and every scheduling operation it sent was a `Step`."""
+    """A short generated run is clean, and every scheduling operation it sent was a `Step`."""
     sent: list[Op] = []
     factory = target_factory("vllm-scheduler")
 
@@ -180,15 +186,8 @@ def test_fuzzer_sends_real_schedulers_whole_steps(tmp_path: Path) -> None:
         target.apply = apply_and_record  # type: ignore[method-assign]
         return target  # type: ignore[return-value]
 
-    strategy = configs(allow_pinning=False, lookahead=False, eagle=False, engine_speculation=True)
     report = run_fuzz(
-        "vllm-scheduler",
-        steps=300,
-        seed=3,
-        out_dir=tmp_path,
-        progress=False,
-        strategy=strategy,
-        factory=recording,
+        "vllm-scheduler", steps=300, seed=3, out_dir=tmp_path, progress=False, factory=recording
     )
     assert report.failure is None, report.failure
     assert any(isinstance(op, Step) for op in sent)

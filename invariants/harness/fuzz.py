@@ -177,7 +177,9 @@ def run_fuzz(
             else configs(
                 allow_pinning=target in PINNING_TARGETS,
                 allow_fine=target in FINE_MAMBA_TARGETS,
-                engine_speculation=target in REAL_SCHEDULER_TARGETS,
+                # A real scheduler speculates: the model has no spec-decode steps yet.
+                eagle=False if target in REAL_SCHEDULER_TARGETS else None,
+                lookahead=False if target in REAL_SCHEDULER_TARGETS else None,
             )
         )
     tolerated = tolerated or _tolerance(target)

@@ -41,7 +41,6 @@ def configs(
     lookahead: bool | None = None,
     allow_fine: bool = True,
     fine: bool | None = None,
-    engine_speculation: bool = False,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -53,9 +52,6 @@ def configs(
     `fine`: True = a Mamba block 2 or 4 hash blocks wide (fine-grained hits where
     the other groups allow them), False = Mamba block == hash block, None = either
     (unless `allow_fine` is False: targets that refuse such configurations).
-    `engine_speculation`: only what a serving engine can run: Eagle always reserves
-    lookahead slots (vLLM's Eagle drafts at least one token; targets driven by a real
-    scheduler, `TargetFeatures.real_scheduler`).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -95,8 +91,6 @@ def configs(
         # The hash block stays one `base` wide (vLLM `--prefix-match-unit`) when the Mamba block is wider.
         hash_block_size=base if wide_mamba else 0,
     )
-    if engine_speculation and cfg.eagle and cfg.num_lookahead_tokens == 0 and lookahead is not False:
-        cfg = cfg.with_(num_lookahead_tokens=_lookahead(draw, True))
     if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
         cfg = cfg.with_(
             groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)

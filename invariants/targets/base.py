@@ -57,8 +57,9 @@ class TargetFeatures:
     fine_mamba: bool = False
     # A real engine scheduler decides each step (vLLM's `Scheduler`): the fuzzer sends it
     # whole steps (`Step((rid,), budget)`, never the model's single-request `Schedule`,
-    # whose failed allocation preempts nobody), and only speculative configurations an
-    # engine can run (Eagle drafts at least one token: lookahead slots >= 1).
+    # whose failed allocation preempts nobody), and no speculative decoding (Eagle,
+    # lookahead slots): a real scheduler then pads and rolls back draft tokens, which the
+    # model's steps do not describe yet.
     real_scheduler: bool = False
 
 

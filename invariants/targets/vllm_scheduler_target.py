@@ -19,6 +19,14 @@ read by the same snapshot, partial-state and hash-naming parts as "vllm".
 
 KV events come from the scheduler's publisher (`update_from_output` publishes
 them) and then the manager (`RealStepScheduler.take_events`).
+
+Not judged yet: speculative decoding. A configuration with lookahead slots (and
+so Eagle, which always drafts) raises `SchedulerUnsupported`: vLLM's scheduler
+then pads a newly admitted one-token request to `1 + num_spec_tokens` tokens
+(`Scheduler.schedule`, `pad_spec_decode`) and rolls rejected drafts back in
+`update_from_output`, and the model's steps describe neither (the
+`KVCacheManager`-driven "vllm" target covers these configurations).
+`vllm_scheduler_build` builds such schedulers.
 """
 
 from __future__ import annotations
@@ -32,10 +40,16 @@ from model.ops import AddRequest, Finish, Op, Preempt, ResetPrefixCache, Sample
 from .base import TargetFeatures
 from .vllm_capabilities import Capabilities
 from .vllm_drive import OpDriver
-from .vllm_scheduler_build import build_scheduler, scheduler_modules
+from .vllm_scheduler_build import SchedulerUnsupported, build_scheduler, scheduler_modules
 from .vllm_scheduler_drive import RealStepScheduler
 from .vllm_snapshot import EventTranslator, SnapshotReader
 from .vllm_target import VLLM_EVENT_PROFILE, VllmTarget
+
+NO_SPEC_DECODE_STEPS = (
+    "num_lookahead_tokens/eagle: the vllm-scheduler target does not judge speculative decoding yet "
+    "(vLLM's scheduler pads new decode requests with draft slots and rolls rejected drafts back; the "
+    "model's steps describe neither); use --target vllm for such configurations"
+)
 
 
 class SchedulerOpDriver(OpDriver):
@@ -91,6 +105,8 @@ class VllmSchedulerTarget(VllmTarget):
     features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True)
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
+        if config.num_lookahead_tokens or config.eagle:
+            raise SchedulerUnsupported(NO_SPEC_DECODE_STEPS)
         self.vllm_scheduler: Any = None
         super().__init__(config, events, track_prefixes)
         self.steps = RealStepScheduler(self.session, self.names, self.vllm_scheduler, scheduler_modules())
