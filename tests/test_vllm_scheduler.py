@@ -4,9 +4,9 @@ Scripted traces (admission with a hit, chunked prefill, samples delivered by
 `update_from_output`, preemption inside a step, a manual preemption, finish,
 reset) must give, after every operation, the model's observation and
 snapshot; the fuzzer sends real-scheduler targets whole steps; a short fuzz
-run is clean. Negative controls: two defects planted in vLLM's scheduler (the
-Mamba split skipped, a preempted request keeping its computed tokens) are
-caught on traces the unmutated scheduler passes. Skipped, with the reason,
+run is clean. Negative controls: every zoo mutant of vLLM's scheduler
+(`invariants.zoo.mutants_scheduler`) is caught on a trace the unmutated
+scheduler passes. Skipped, with the reason,
 when vLLM cannot be imported.
 """
 
@@ -28,6 +28,7 @@ from invariants.harness.known_findings import is_known_violation  # noqa: E402
 from invariants.targets import target_factory  # noqa: E402
 from invariants.targets.vllm_scheduler_build import SchedulerUnsupported  # noqa: E402
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
+from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate  # noqa: E402
 from model.config import Config, GroupSpec  # noqa: E402
 from model.observation import StepResult  # noqa: E402
 from model.ops import (  # noqa: E402
@@ -63,8 +64,8 @@ class Drive:
     """The model and vllm-scheduler side by side; the violations no known finding
     explains, and the target's observations."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.checker = Checker(VllmSchedulerTarget(cfg), audit_every=1)
+    def __init__(self, cfg: Config, factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> None:
+        self.checker = Checker(factory(cfg), audit_every=1)
         self.found: list[Violation] = []
         self.seen: list[object] = []
         self.token = 0
@@ -92,8 +93,8 @@ class Drive:
         return [r for obs in self.seen if isinstance(obs, StepResult) for r in obs.preempted]
 
 
-def lifecycle(cfg: Config) -> Drive:
-    d = Drive(cfg).do(AddRequest("r0", PROMPT), AddRequest("r1", (*PROMPT, 1)))
+def lifecycle(cfg: Config, factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
+    d = Drive(cfg, factory).do(AddRequest("r0", PROMPT), AddRequest("r1", (*PROMPT, 1)))
     d.steps(("r0", "r1"), 8, 3).steps(("r0", "r1"), 64, 3)
     d.do(Finish("r0"), Probe(PROMPT), AddRequest("r2", PROMPT))
     d.steps(("r1", "r2"), 64, 2).do(Preempt("r1"))
@@ -140,34 +141,36 @@ def test_schedule_is_a_step_of_one() -> None:
     assert d.found == []
 
 
-def mamba_trace() -> Drive:
-    d = Drive(FULL_MAMBA).do(AddRequest("r0", PROMPT)).steps(("r0",), 6, 2).steps(("r0",), 64, 2)
+def mamba_trace(factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
+    d = Drive(FULL_MAMBA, factory).do(AddRequest("r0", PROMPT)).steps(("r0",), 6, 2).steps(("r0",), 64, 2)
     return d.do(Finish("r0"), Probe(PROMPT))
 
 
-def test_mutant_mamba_split_skipped_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: vLLM's scheduler without its Mamba block-aligned split."""
-    assert mamba_trace().found == []
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    monkeypatch.setattr(Scheduler, "_mamba_block_aligned_split", lambda self, request, n, *a, **k: n)
-    assert mamba_trace().found != []
+def preemption_trace(factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
+    d = Drive(FULL_SWA.with_(num_blocks=9), factory)
+    d.do(AddRequest("r0", PROMPT[:7]), AddRequest("r1", PROMPT[::-1][:7]))
+    return d.steps(("r0", "r1"), 64, 8)
 
 
-def test_mutant_preempted_request_keeps_computed_tokens_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: `_preempt_request` that forgets to reset `num_computed_tokens`."""
-    assert lifecycle(FULL_SWA).found == []
-    from vllm.v1.core.sched.scheduler import Scheduler
+TRACE_FOR_MUTANT = {
+    "mamba_split_skipped": lambda f: mamba_trace(f),
+    "preempt_keeps_computed_tokens": lambda f: lifecycle(FULL_SWA, f),
+    "preempt_oldest": lambda f: preemption_trace(f),
+    "in_flight_tokens_not_settled": lambda f: lifecycle(FULL_SWA, f),
+}
 
-    original = Scheduler._preempt_request
 
-    def keeps_computed(self, request, *args, **kwargs):  # type: ignore[no-untyped-def]
-        computed = request.num_computed_tokens
-        original(self, request, *args, **kwargs)
-        request.num_computed_tokens = computed
+def test_every_scheduler_mutant_has_a_trace() -> None:
+    assert set(TRACE_FOR_MUTANT) == set(SCHEDULER_MUTANTS)
 
-    monkeypatch.setattr(Scheduler, "_preempt_request", keeps_computed)
-    assert lifecycle(FULL_SWA).found != []
+
+@pytest.mark.parametrize("name", sorted(TRACE_FOR_MUTANT))
+def test_scheduler_mutant_is_caught(name: str) -> None:
+    """Negative controls: each zoo mutant of vLLM's `Scheduler` (a one-line defect of
+    `scheduler.py`) is caught on a trace the unmutated scheduler passes."""
+    assert TRACE_FOR_MUTANT[name](VllmSchedulerTarget).found == []
+    with activate(name) as factory:
+        assert TRACE_FOR_MUTANT[name](factory).found != []
 
 
 def test_fuzzer_sends_real_schedulers_whole_steps(tmp_path: Path) -> None:

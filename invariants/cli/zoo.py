@@ -1,6 +1,6 @@
 """`kvretain zoo`: run every check against each mutant; what is caught, how fast, by which check.
 
-    kvretain zoo [--target reference|vllm] [--budget-s T] [--quick] [--only NAME] [--seed N] [--out DIR]
+    kvretain zoo [--target reference|vllm|vllm-scheduler] [--budget-s T] [--quick] [--only NAME] [--seed N] [--out DIR]
     kvretain zoo --target vllm --scale production [--budget-s T] [--only NAME]
 
 Prints a progress line per mutant, then a table (mutant, killed/SURVIVED,
@@ -35,6 +35,7 @@ from invariants.zoo.runner import (
     reference_entries,
     run_entry,
     run_zoo,
+    scheduler_entries,
     unmutated_entry,
     vllm_entries,
 )
@@ -62,7 +63,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", choices=("reference", "vllm"), default="reference")
+    p.add_argument("--target", choices=("reference", "vllm", "vllm-scheduler"), default="reference")
     p.add_argument(
         "--budget-s",
         type=float,
@@ -101,6 +102,8 @@ def _err(msg: str) -> int:
 def _entries(target: str, only: list[str] | None) -> tuple[list[ZooEntry], list[tuple[str, str]]]:
     if target == "reference":
         return reference_entries(only), []
+    if target == "vllm-scheduler":
+        return scheduler_entries(only), []
     return vllm_entries(only)
 
 
@@ -109,6 +112,10 @@ def _known(target: str) -> set[str]:
 
     if target == "reference":
         return set(REFERENCE_MUTANTS)
+    if target == "vllm-scheduler":
+        from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
+
+        return set(SCHEDULER_MUTANTS)
     from invariants.zoo.mutants_vllm import NOT_APPLICABLE, VLLM_MUTANTS
 
     return set(VLLM_MUTANTS) | set(NOT_APPLICABLE)
