@@ -8,7 +8,8 @@ unique tail, each admitted in one chunk and then finished), measured in one run:
   allocate, free): request cycles per second, no checking;
 - checked: the same cycles as kvretain operations through the Checker (model,
   target, each operation's delta and invariants, an audit every
-  DEFAULT_AUDIT_EVERY operations), on the vLLM and reference targets;
+  DEFAULT_AUDIT_EVERY operations), on the vLLM, vllm-scheduler (the same
+  allocator, vLLM's real `Scheduler` deciding each step) and reference targets;
 - the floor: the model and vLLM (through its adapter) applying the same
   operations with only their observations compared, no deltas, invariants or
   audits. No checker that runs the model beside vLLM on every operation can
@@ -194,7 +195,8 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
             )
         )
     breakdowns = {}
-    for name in ("vllm", "reference"):
+    # vllm-scheduler: the same allocator with vLLM's real Scheduler running each Schedule as a step.
+    for name in ("vllm", "vllm-scheduler", "reference"):
         try:
             cyc, ops, phase = best[name] if name in best else checked_cycles(name, prompts)
         except TargetUnavailable as exc:
