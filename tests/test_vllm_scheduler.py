@@ -23,7 +23,7 @@ if not _OK:
     pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
 
 from invariants.harness.checker import Checker, Violation  # noqa: E402
-from invariants.harness.fuzz import run_fuzz  # noqa: E402
+from invariants.harness.fuzz import format_features, run_fuzz  # noqa: E402
 from invariants.harness.known_findings import is_known_violation  # noqa: E402
 from invariants.targets import target_factory  # noqa: E402
 from invariants.targets.vllm_scheduler_build import SchedulerUnsupported  # noqa: E402
@@ -193,5 +193,10 @@ def test_fuzzer_sends_real_schedulers_whole_steps(tmp_path: Path) -> None:
         "vllm-scheduler", steps=300, seed=3, out_dir=tmp_path, progress=False, factory=recording
     )
     assert report.failure is None, report.failure
+    # What the run left out is stated with its count (0 examples) and reason.
+    assert report.stats.features["config: eagle"] == report.stats.features["config: lookahead slots"] == 0
+    assert "not generated (0 examples)" in format_features([report]) and "speculative" in format_features(
+        [report]
+    )
     assert any(isinstance(op, Step) for op in sent)
     assert not any(isinstance(op, Schedule) for op in sent)

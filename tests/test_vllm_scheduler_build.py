@@ -125,3 +125,14 @@ def test_vllm_rejection_is_a_config_error() -> None:
     bad = SHAPES["eagle"].with_(retention_interval=6)  # not a multiple of the scheduler block size
     with pytest.raises(ConfigError, match="rejects the configuration"):
         build_scheduler(bad, vllm_modules(), detect(), "0.33.0")
+
+
+def test_async_scheduler_builds_with_the_same_manager() -> None:
+    """`AsyncScheduler` (not driven yet) takes the same configuration."""
+    cfg = SHAPES["dsv4-tiny"]
+    v, caps = vllm_modules(), detect()
+    scheduler = build_scheduler(cfg, v, caps, "0.33.0", async_scheduling=True)
+    assert type(scheduler).__name__ == "AsyncScheduler"
+    assert manager_signature(scheduler.kv_cache_manager) == manager_signature(
+        build_manager(cfg, v, caps, "0.33.0")
+    )

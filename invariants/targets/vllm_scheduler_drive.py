@@ -35,7 +35,7 @@ an engine never does) is appended as `update_from_output` appends a token
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,7 +198,7 @@ class RealStepScheduler:
             self.names.learn_computed(self.s.requests[rid])
         return observe(calls, [r.request_id for r in running], out, budget)
 
-    def _queue(self, requests: Iterator[Any] | Any) -> Any:
+    def _queue(self, requests: Iterable[Any]) -> Any:
         queue = self.m["create_request_queue"](self.sched.policy)
         for r in requests:
             queue.add_request(r)
