@@ -200,3 +200,25 @@ def test_fuzzer_sends_real_schedulers_whole_steps(tmp_path: Path) -> None:
     )
     assert any(isinstance(op, Step) for op in sent)
     assert not any(isinstance(op, Schedule) for op in sent)
+
+
+def test_known_findings_reproduce_through_the_real_scheduler() -> None:
+    """Every known vLLM finding of the installed release whose trace the real scheduler can
+    run (no speculative decoding) reproduces on vllm-scheduler; the others are named."""
+    from invariants.harness.known_findings import explain, load_known_findings, target_version
+    from invariants.harness.replay import replay
+
+    version = target_version("vllm")
+    ran, refused = [], []
+    for f in load_known_findings():
+        if "vllm" not in f.targets or ("*" not in f.versions and version not in f.versions):
+            continue
+        if f.trace.config.eagle or f.trace.config.num_lookahead_tokens:
+            refused.append(f.id)
+            continue
+        result = replay(f.trace, "vllm-scheduler")
+        assert any(explain("vllm-scheduler", v) is f for _, v in result.known), f.id
+        assert result.clean, (f.id, result.violations[:1])
+        ran.append(f.id)
+    assert "vllm-blockstored-token-range" in ran
+    assert "eagle-swa-short-run-double-pop" in refused
