@@ -119,6 +119,20 @@ def test_samples_ride_on_update_from_output() -> None:
     assert list(target.requests["r0"].all_token_ids) == [1, 2, 3, 7]
 
 
+def test_a_late_sample_rides_on_its_own_steps_output() -> None:
+    """Another step runs between a request's last chunk and its sample: the request's
+    share of its step's output waits (still in flight) and its sample delivers it."""
+    d = Drive(FULL_SWA).do(AddRequest("r0", (1, 2, 3)), AddRequest("r1", PROMPT))
+    d.do(Step(("r0",), 8), Step(("r1",), 8))
+    target = d.checker.target
+    assert target.requests["r0"].num_in_flight_tokens == 3
+    d.do(Sample("r0", 7))
+    assert list(target.requests["r0"].all_token_ids) == [1, 2, 3, 7]
+    assert target.requests["r0"].num_in_flight_tokens == 0
+    d.do(Step(("r0", "r1"), 8), Preempt("r0"), Step(("r0", "r1"), 8), Finish("r1"))
+    assert d.found == []
+
+
 def test_preemption_inside_a_step_agrees() -> None:
     """A pool too small for two growing requests: the real scheduler preempts the newest."""
     d = Drive(FULL_SWA.with_(num_blocks=9)).do(

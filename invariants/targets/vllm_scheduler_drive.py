@@ -25,11 +25,12 @@ The model runner's half of a step is `update_from_output` with a synthetic
 `ModelRunnerOutput`: it runs just before the next `schedule()` (never sooner,
 as a model runner returns a step's output before the next step is scheduled)
 and carries, for every request the step scheduled, the token a `Sample`
-operation gave it (an empty list for a prefill chunk or a request not
-sampled). A `Sample` for a request whose step's output was already processed
-(kvretain lets other steps run between a request's last chunk and its sample;
-an engine never does) is appended as `update_from_output` appends a token
-(`Request.append_output_token_ids`).
+operation gave it (an empty list for a prefill chunk). kvretain lets other
+steps run between a request's last chunk and its sample (an engine samples in
+the same step): such a request's share of the output (the output restricted
+to it) waits, and is delivered with its token by the `Sample`, as an
+asynchronous engine delivers a step's output after later steps were
+scheduled; a `Preempt` or `Finish` first delivers it without a token.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from model.observation import ScheduleResult, StepResult
@@ -123,8 +124,10 @@ class RealStepScheduler:
         scheduler.kv_event_publisher = self.capture
         # The last step's output, until the model runner's half of the step runs (`flush`).
         self.pending: Any = None
-        # rid -> the token a `Sample` gave it, delivered by `flush`.
+        # rid -> the token a `Sample` gave it, delivered with its step's output.
         self.samples: dict[str, int] = {}
+        # rid -> the step output whose share for it waits for its sample (see `flush`).
+        self.held: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the manager, as before
     def computed_blocks(self, req: Any) -> tuple[Any, int, int]:
@@ -143,9 +146,10 @@ class RealStepScheduler:
         if self.pending is not None and rid in self.pending.num_scheduled_tokens:
             self.samples[rid] = token
             return
-        start = self.names.before_sample(req)
-        req.append_output_token_ids(token)
-        self.names.after_sample(req, start)
+        if rid not in self.held:
+            raise TargetCrash(f"the vLLM scheduler adapter holds no step output for {rid!r}'s sample")
+        self.samples[rid] = token
+        self._deliver(self.held.pop(rid), [rid])
 
     def awaits_sample(self, rid: str) -> bool:
         """`rid` was sampled and its token waits for the step's output."""
@@ -154,10 +158,12 @@ class RealStepScheduler:
     def preempt(self, req: Any) -> None:
         """Preempt a running request as `Scheduler.reset_prefix_cache(reset_running_requests=True)`
         does: out of `running`, then `Scheduler._preempt_request`."""
+        self.settle(req.request_id)
         self.sched.running.remove(req)
         self.sched._preempt_request(req, time.monotonic())
 
     def finish(self, req: Any) -> None:
+        self.settle(req.request_id)
         self.sched.finish_requests(req.request_id, self.s.v["RequestStatus"].FINISHED_ABORTED)
 
     def schedule(self, req: Any, budget: int) -> ScheduleResult:
@@ -206,22 +212,55 @@ class RealStepScheduler:
 
     def flush(self) -> None:
         """The model runner's half of the last step: `update_from_output` with the
-        sampled tokens (see the module docstring)."""
+        sampled tokens; a request's share waits for its sample (see the module docstring)."""
         out, self.pending = self.pending, None
         if out is None:
             return
-        rids = list(out.num_scheduled_tokens)
-        sampled = [[self.samples[r]] if r in self.samples else [] for r in rids]
-        starts = {
-            r: self.names.before_sample(self.s.requests[r]) for r in self.samples if r in self.s.requests
-        }
-        self.samples = {}
+        running = self.s.v["RequestStatus"].RUNNING
+        now = []
+        for rid in out.num_scheduled_tokens:
+            req = self.s.requests.get(rid)
+            owes = (
+                req is not None
+                and rid not in self.samples
+                and req.status == running
+                and req.num_computed_tokens >= req.num_tokens
+            )
+            if owes:
+                self.held[rid] = out
+            else:
+                now.append(rid)
+        self._deliver(out, now)
+
+    def _deliver(self, out: Any, rids: list[str]) -> None:
+        """`update_from_output` for the share of step output `out` that belongs to `rids`,
+        with their sampled tokens."""
+        if not rids:
+            return
+        scheduled = {r: out.num_scheduled_tokens[r] for r in rids}
+        share = replace(
+            out,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            scheduled_spec_decode_tokens={
+                r: t for r, t in out.scheduled_spec_decode_tokens.items() if r in scheduled
+            },
+        )
+        sampled = [[self.samples.pop(r)] if r in self.samples else [] for r in rids]
+        live = self.s.requests
+        starts = {r: self.names.before_sample(live[r]) for r, t in zip(rids, sampled) if t and r in live}
         runner_out = self.m["ModelRunnerOutput"](
             req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)}, sampled_token_ids=sampled
         )
-        self.sched.update_from_output(out, runner_out)
+        self.sched.update_from_output(share, runner_out)
         for rid, start in starts.items():
             self.names.after_sample(self.s.requests[rid], start)
+
+    def settle(self, rid: str) -> None:
+        """Deliver `rid`'s waiting share without a token (it is preempted or finished unsampled)."""
+        out = self.held.pop(rid, None)
+        if out is not None:
+            self._deliver(out, [rid])
 
     def take_events(self) -> list[Any]:
         """The KV events `update_from_output` published, then those still in the manager."""
