@@ -26,7 +26,13 @@ then pads a newly admitted one-token request to `1 + num_spec_tokens` tokens
 (`Scheduler.schedule`, `pad_spec_decode`) and rolls rejected drafts back in
 `update_from_output`, and the model's steps describe neither (the
 `KVCacheManager`-driven "vllm" target covers these configurations).
-`vllm_scheduler_build` builds such schedulers.
+`vllm_scheduler_build` builds such schedulers, and `AsyncScheduler` too,
+which is not driven yet: driven in lockstep (each step's output delivered
+before the next schedule) it agreed with the model for a few thousand fuzzing
+steps, then cached a block when a held step output's token arrived
+(`update_from_output` calls `cache_blocks` for a request with output
+placeholders, as it does with spec tokens), where the model caches at the next
+allocation.
 """
 
 from __future__ import annotations
