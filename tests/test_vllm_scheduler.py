@@ -166,7 +166,14 @@ def preemption_trace(factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -
     return d.steps(("r0", "r1"), 64, 8)
 
 
+def mamba_hit_trace(factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
+    """A prompt cached by one request, then re-admitted with a hit and chunked past it."""
+    d = Drive(FULL_MAMBA, factory).do(AddRequest("r0", PROMPT)).steps(("r0",), 64, 2).do(Finish("r0"))
+    return d.do(AddRequest("r1", PROMPT + PROMPT[::-1])).steps(("r1",), 64, 3)
+
+
 TRACE_FOR_MUTANT = {
+    "mamba_split_ignores_hit": lambda f: mamba_hit_trace(f),
     "mamba_split_skipped": lambda f: mamba_trace(f),
     "preempt_keeps_computed_tokens": lambda f: lifecycle(FULL_SWA, f),
     "preempt_oldest": lambda f: preemption_trace(f),

@@ -126,3 +126,17 @@ def in_flight_tokens_not_settled(stack: contextlib.ExitStack, sched: Any) -> Non
         return out
 
     _set(stack, sched, "update_from_output", update_from_output)
+
+
+@mutant("mamba_split_ignores_hit", strategy="scheduler-mamba")
+def mamba_split_ignores_hit(stack: contextlib.ExitStack, sched: Any) -> None:
+    """The waiting pass's Mamba split starts at 0 instead of after the prefix-cache hit
+    (`num_new_local_computed_tokens` not passed to `_mamba_block_aligned_split`)."""
+    original = vars(sched)["_mamba_block_aligned_split"]
+
+    def split(
+        self: Any, request: Any, n: int, num_new_local_computed_tokens: int = 0, *a: Any, **k: Any
+    ) -> int:
+        return int(original(self, request, n, 0, *a, **k))
+
+    _set(stack, sched, "_mamba_block_aligned_split", split)
