@@ -43,8 +43,10 @@ What vLLM rejects is re-raised as `ConfigError` carrying vLLM's message.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from functools import cache
 from typing import Any
@@ -135,8 +137,10 @@ def _stand_in_class() -> type:
 
 @cache
 def model_dir(max_positions: int) -> str:
-    """A private directory holding the stand-in's `config.json` (one per process and length)."""
+    """A private directory holding the stand-in's `config.json` (one per process and
+    length, removed when the process exits)."""
     path = tempfile.mkdtemp(prefix="kvretain-model-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     hf_config = {
         "architectures": [STAND_IN_ARCH],
         "model_type": "opt",
