@@ -136,3 +136,16 @@ def test_async_scheduler_builds_with_the_same_manager() -> None:
     assert manager_signature(scheduler.kv_cache_manager) == manager_signature(
         build_manager(cfg, v, caps, "0.33.0")
     )
+
+
+def test_a_removed_model_directory_is_made_again() -> None:
+    """A temp cleaner (or a test) removing the stand-in's directory does not break later builds."""
+    import shutil
+
+    from invariants.targets.vllm_scheduler_build import model_dir
+
+    first = model_dir(4096)
+    shutil.rmtree(first)
+    second = model_dir(4096)
+    assert second != first
+    _build(SHAPES["eagle"])

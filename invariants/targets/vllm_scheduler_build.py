@@ -135,10 +135,15 @@ def _stand_in_class() -> type:
     return KvretainStandIn
 
 
-@cache
+_MODEL_DIRS: dict[int, str] = {}
+
+
 def model_dir(max_positions: int) -> str:
     """A private directory holding the stand-in's `config.json` (one per process and
-    length, removed when the process exits)."""
+    length, made again if something removed it, and removed when the process exits)."""
+    path = _MODEL_DIRS.get(max_positions)
+    if path is not None and os.path.isfile(os.path.join(path, "config.json")):
+        return path
     path = tempfile.mkdtemp(prefix="kvretain-model-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     hf_config = {
@@ -154,6 +159,7 @@ def model_dir(max_positions: int) -> str:
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f)
+    _MODEL_DIRS[max_positions] = path
     return path
 
 
