@@ -5,7 +5,8 @@ ends, so the hit a later request can get depends on the scheduler's split
 (vLLM `Scheduler._mamba_block_aligned_split`). With fine-grained hits
 (`model.fine_mamba`) a chunk also stops at the prompt's reusable hash-block
 boundary, so its state exists to be keyed. Internal prefill checkpoints are
-not modeled.
+not modeled, nor two admission policies of vLLM's `Scheduler.schedule`
+(`scheduler_reserve_full_isl`, spec-decode padding: docs/semantics.md).
 """
 
 from __future__ import annotations

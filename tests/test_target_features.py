@@ -13,6 +13,7 @@ from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker
 from invariants.targets.base import Target, TargetFeatures, adopt
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.reference import ReferenceTarget
+from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 from invariants.targets.vllm_target import VllmTarget
 from model.config import Config, GroupSpec
 from model.observation import Done, Observation, Snapshot
@@ -27,13 +28,18 @@ def test_the_registry_sets_are_what_the_builtin_classes_state() -> None:
         "model": ModelTarget,
         "reference": ReferenceTarget,
         "vllm": VllmTarget,
+        "vllm-scheduler": VllmSchedulerTarget,
     }
+    assert set(builtins) == set(registry.BUILTIN_TARGETS)
     assert {n for n, cls in builtins.items() if cls.features.pinning} <= registry.PINNING_TARGETS
     assert {n for n in registry.BUILTIN_TARGETS if n in registry.PINNING_TARGETS} == {
         n for n, cls in builtins.items() if cls.features.pinning
     }
     assert {n for n in registry.BUILTIN_TARGETS if n in registry.FINE_MAMBA_TARGETS} == {
         n for n, cls in builtins.items() if cls.features.fine_mamba
+    }
+    assert {n for n in registry.BUILTIN_TARGETS if n in registry.REAL_SCHEDULER_TARGETS} == {
+        n for n, cls in builtins.items() if cls.features.real_scheduler
     }
     assert all(cls.features.partial for cls in builtins.values())
 

@@ -1,6 +1,7 @@
 """`kvretain zoo`: run every check against each mutant; what is caught, how fast, by which check.
 
-    kvretain zoo [--target reference|vllm|sglang] [--budget-s T] [--quick] [--only NAME] [--seed N] [--out DIR]
+    kvretain zoo [--target reference|vllm|vllm-scheduler|sglang] [--budget-s T] [--quick] [--only NAME] [--seed N]
+                 [--out DIR]
     kvretain zoo --target vllm --scale production [--budget-s T] [--only NAME]
     kvretain zoo --target vllm --explore [--depth D] [--budget-s T] [--only NAME]
 
@@ -42,6 +43,7 @@ from invariants.zoo.runner import (
     reference_entries,
     run_entry,
     run_zoo,
+    scheduler_entries,
     unmutated_entry,
     vllm_entries,
 )
@@ -69,7 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", choices=("reference", "vllm", "sglang"), default="reference")
+    p.add_argument("--target", choices=("reference", "vllm", "vllm-scheduler", "sglang"), default="reference")
     p.add_argument(
         "--budget-s",
         type=float,
@@ -96,7 +98,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="production: each vLLM mutant through `fuzz --scale production` (real presets and pool sizes)",
     )
     p.add_argument(
-        "--explore", action="store_true", help="hunt each mutant by exhaustive search (the explore grid) alone"
+        "--explore",
+        action="store_true",
+        help="hunt each mutant by exhaustive search (the explore grid) alone",
     )
     p.add_argument("--depth", type=int, default=6, help="--explore: the deepest search (default 6)")
     add_output_flags(p)
@@ -112,6 +116,8 @@ def _err(msg: str) -> int:
 def _entries(target: str, only: list[str] | None) -> tuple[list[ZooEntry], list[tuple[str, str]]]:
     if target == "reference":
         return reference_entries(only), []
+    if target == "vllm-scheduler":
+        return scheduler_entries(only), []
     return vllm_entries(only)
 
 
@@ -120,6 +126,10 @@ def _known(target: str) -> set[str]:
 
     if target == "reference":
         return set(REFERENCE_MUTANTS)
+    if target == "vllm-scheduler":
+        from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
+
+        return set(SCHEDULER_MUTANTS)
     from invariants.zoo.mutants_vllm import NOT_APPLICABLE, VLLM_MUTANTS
 
     return set(VLLM_MUTANTS) | set(NOT_APPLICABLE)
@@ -161,6 +171,11 @@ def control(
 def run(args: argparse.Namespace) -> int:
     if args.target == "sglang":  # its own mutants and hunt (invariants/cli/sglang.py)
         from invariants.cli.sglang import cmd_zoo_sglang
+
+        if args.explore:
+            return _err(
+                "--explore: the explore grid drives vLLM-shaped allocators; SGLang has no instances yet"
+            )
 
         if args.only:
             args.only = [n for item in args.only for n in item.split(",") if n]

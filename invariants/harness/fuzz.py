@@ -41,7 +41,13 @@ from invariants.harness.strategies import configs
 from invariants.harness.trace import Trace, write_trace
 from invariants.layouts.presets import preset
 from invariants.report import Progress, table
-from invariants.targets import FINE_MAMBA_TARGETS, PINNING_TARGETS, Target, target_factory
+from invariants.targets import (
+    FINE_MAMBA_TARGETS,
+    PINNING_TARGETS,
+    REAL_SCHEDULER_TARGETS,
+    Target,
+    target_factory,
+)
 from model.config import Config
 from model.ops import Op, op_to_json
 
@@ -67,6 +73,8 @@ class FuzzReport:
     first_seen_s: float | None = None
     unshrunk_ops: int = 0
     shrink_s: float = 0.0
+    # Features the generated configurations leave out for this target, each with why.
+    not_generated: tuple[str, ...] = ()
 
     @property
     def ops_per_s(self) -> float:
@@ -77,6 +85,24 @@ class FuzzReport:
         if self.failure is not None:
             return "VIOLATION"
         return clean_verdict(self.stats.known)
+
+
+NO_SPECULATION_ON_REAL_SCHEDULER = (
+    "Eagle / MTP and lookahead slots (speculative decoding: a real scheduler pads new decode "
+    "requests with draft slots and rolls rejected drafts back, which the model's steps do not describe yet)"
+)
+
+
+def _generated(target: str) -> st.SearchStrategy[Config]:
+    """The configurations a run generates for `target` (what it can be judged on)."""
+    real_scheduler = target in REAL_SCHEDULER_TARGETS
+    return configs(
+        allow_pinning=target in PINNING_TARGETS,
+        allow_fine=target in FINE_MAMBA_TARGETS,
+        # A real scheduler speculates: the model has no spec-decode steps yet.
+        eagle=False if real_scheduler else None,
+        lookahead=False if real_scheduler else None,
+    )
 
 
 def _tolerance(target: str) -> Tolerance:
@@ -164,12 +190,9 @@ def run_fuzz(
         steps = DEFAULT_STEPS
     if shrink_s is None:
         shrink_s = max(budget_s * SHRINK_SHARE, 1.0) if budget_s is not None else 30.0
+    generated = strategy is None and not config_name
     if strategy is None:
-        strategy = (
-            st.just(preset(config_name))
-            if config_name
-            else configs(allow_pinning=target in PINNING_TARGETS, allow_fine=target in FINE_MAMBA_TARGETS)
-        )
+        strategy = st.just(preset(config_name)) if config_name else _generated(target)
     tolerated = tolerated or _tolerance(target)
     start = time.monotonic()
     stats = FuzzStats(audit_every=audit_every or DEFAULT_AUDIT_EVERY)
@@ -201,6 +224,8 @@ def run_fuzz(
     failure = stats.last_failure
     stats.known.write_examples(out_dir, target, seed)
     report = FuzzReport(target, config_name or "generated", seed, stats.batches, stats, 0.0, failure)
+    if generated and target in REAL_SCHEDULER_TARGETS:
+        report.not_generated = (NO_SPECULATION_ON_REAL_SCHEDULER,)
     if failure is not None:
         report.first_seen_s = first_seen[0] if first_seen else None
         report.unshrunk_ops = len(failure.ops)
@@ -362,7 +387,11 @@ def format_features(reports: list[FuzzReport]) -> str:
     for r in reports:
         total.update(r.stats.features)
     rows = [(name, count) for name, count in sorted(total.items())]
-    return "features exercised:\n" + table(["feature", "count"], rows)
+    out = "features exercised:\n" + table(["feature", "count"], rows)
+    left_out = sorted({f"{r.target}: {why}" for r in reports for why in r.not_generated})
+    if left_out:
+        out += "\nnot generated (0 examples):\n" + "\n".join(f"  - {line}" for line in left_out)
+    return out
 
 
 def first_violation(report: FuzzReport) -> Violation | None:

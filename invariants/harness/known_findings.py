@@ -247,7 +247,16 @@ def explain(target: str, violation: Any) -> KnownFinding | None:
     rejected by a set lookup)."""
     if violation.check not in _known_properties():
         return None
+    target = _allocator_of(target)
     return known_finding(target, target_version(target), violation)
+
+
+def _allocator_of(target: str) -> str:
+    """The target whose allocator code `target` drives (`vllm-scheduler` drives vLLM's own
+    `KVCacheManager` through its real scheduler: vLLM's findings are its findings)."""
+    from invariants.targets import SAME_ALLOCATOR
+
+    return SAME_ALLOCATOR.get(target, target)
 
 
 def is_known_violation(target: str, violation: Any) -> bool:

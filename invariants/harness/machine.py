@@ -302,8 +302,12 @@ class AllocatorMachine(RuleBasedStateMachine):
             if r.running and r.num_computed == r.num_tokens:
                 self._do(Sample(rid, data.draw(TOKENS, label="token")))
                 continue
-            self._do(Schedule(rid, budget))
-            obs = self.checker.last_obs
+            if self.checker.target.features.real_scheduler:
+                # A real scheduler runs whole steps: this request's own step.
+                self._do(Step((rid,), budget))
+            else:
+                self._do(Schedule(rid, budget))
+            obs = self._own_result(rid, self.checker.last_obs)
             if isinstance(obs, ScheduleResult) and obs.hit is not None:
                 if not obs.admitted:
                     return
@@ -340,6 +344,13 @@ class AllocatorMachine(RuleBasedStateMachine):
                 for rid, result in obs.results:
                     if result.admitted and result.hit is not None:
                         self._count_hit(rid, result.hit)
+
+    @staticmethod
+    def _own_result(rid: str, obs: object) -> object:
+        """`rid`'s `ScheduleResult` in a `Schedule`'s or a `Step`'s observation (None if not reached)."""
+        if isinstance(obs, StepResult):
+            return next((r for r_id, r in obs.results if r_id == rid), None)
+        return obs
 
     def _arrival_order(self, rids: list[str]) -> list[str]:
         return sorted(rids, key=lambda rid: int(rid[1:]))

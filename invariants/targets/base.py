@@ -55,6 +55,12 @@ class TargetFeatures:
     # vLLM's fine-grained Mamba hits (Mamba blocks wider than the hash block) and their
     # copy-on-write copies, reported as each step's `copies`: generated configurations include them.
     fine_mamba: bool = False
+    # A real engine scheduler decides each step (vLLM's `Scheduler`): the fuzzer sends it
+    # whole steps (`Step((rid,), budget)`, never the model's single-request `Schedule`,
+    # whose failed allocation preempts nobody), and no speculative decoding (Eagle,
+    # lookahead slots): a real scheduler then pads and rolls back draft tokens, which the
+    # model's steps do not describe yet.
+    real_scheduler: bool = False
 
 
 @runtime_checkable

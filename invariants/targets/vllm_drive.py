@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
-from model.observation import Done, Observation, ProbeResult, ResetResult, Tokens
+from model.observation import Done, Observation, ProbeResult, ResetResult, ScheduleResult, StepResult, Tokens
 from model.ops import (
     AddRequest,
     EvictBlocks,
@@ -38,14 +38,28 @@ from model.ops import (
 from .base import TargetCrash, TargetUnavailable
 from .vllm_hashing import continuing, shared_hashes
 from .vllm_names import HashLearner
-from .vllm_schedule import StepScheduler, block_ids
+from .vllm_schedule import block_ids
 from .vllm_session import VllmSession
+
+
+class Scheduling(Protocol):
+    """What `OpDriver` asks of the part that schedules (`vllm_schedule.StepScheduler`,
+    which re-creates the scheduler's calls, or `vllm_scheduler_drive.RealStepScheduler`,
+    vLLM's own `Scheduler`)."""
+
+    def schedule(self, req: Any, budget: int) -> ScheduleResult: ...
+
+    def step(self, rids: tuple[str, ...], budget: int) -> StepResult: ...
+
+    def preempt(self, req: Any) -> None: ...
+
+    def computed_blocks(self, req: Any) -> tuple[Any, int, int]: ...
 
 
 class OpDriver:
     """Applies kvretain operations to one session's vLLM objects."""
 
-    def __init__(self, session: VllmSession, names: HashLearner, scheduler: StepScheduler) -> None:
+    def __init__(self, session: VllmSession, names: HashLearner, scheduler: Scheduling) -> None:
         self.s = session
         self.names = names
         self.scheduler = scheduler

@@ -49,7 +49,7 @@ from model.pool import EVENT_PROFILES
 from .base import PartialState, Tables, Target, TargetFeatures, TargetUnavailable
 from .vllm_build import NO_PINNED_TIER, UnsupportedConfig, build_manager
 from .vllm_capabilities import Capabilities, detect
-from .vllm_drive import OpDriver
+from .vllm_drive import OpDriver, Scheduling
 from .vllm_env import MODELED_VERSION, version_warning, vllm_available, vllm_modules, vllm_version
 from .vllm_names import HashLearner, KeyTranslator
 from .vllm_schedule import StepScheduler
@@ -90,7 +90,7 @@ class VllmTarget(Target):
         self.session = VllmSession(config, v, caps, self.version, manager, manager.block_pool)
         self.names = HashLearner(self.session, track_prefixes)
         self.keys = KeyTranslator(self.session, self.names)
-        self.scheduler = StepScheduler(self.session, self.names)
+        self.scheduler: Scheduling = StepScheduler(self.session, self.names)
         self.driver = OpDriver(self.session, self.names, self.scheduler)
         self.event_translator = EventTranslator(self.session, self.keys)
         self.reader = SnapshotReader(self.session, self.keys, self.event_translator)

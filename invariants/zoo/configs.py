@@ -81,6 +81,13 @@ def strategy(name: str, *, allow_pinning: bool, allow_fine: bool = True) -> st.S
         "pinning": lambda: zoo_configs(shapes=SWA_SHAPES, pin=True),
         "mamba-sparse": lambda: zoo_configs(shapes=MAMBA_SHAPES, retention="sparse"),
         "mamba-coarse": lambda: zoo_configs(shapes=(("full", "mamba"),), retention="zero", coarse_mamba=True),
+        # A real scheduler (vllm-scheduler): no speculative decoding, which it does not judge yet.
+        "scheduler": lambda: configs(
+            allow_pinning=False, allow_fine=allow_fine, eagle=False, lookahead=False
+        ),
+        "scheduler-mamba": lambda: configs(
+            allow_pinning=False, shapes=MAMBA_SHAPES, allow_fine=allow_fine, eagle=False, lookahead=False
+        ),
         # Full attention + a Mamba block 2 or 4 hash blocks wide: fine-grained hits and copies.
         "mamba-fine": lambda: configs(
             allow_pinning=False, shapes=(("full", "mamba"),), caching=True, eagle=False, fine=True
@@ -102,4 +109,6 @@ STRATEGY_NAMES = (
     "mamba-sparse",
     "mamba-coarse",
     "mamba-fine",
+    "scheduler",
+    "scheduler-mamba",
 )

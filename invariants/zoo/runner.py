@@ -361,6 +361,28 @@ def known_tolerance(target: str) -> Callable[[Violation], bool] | None:
     return lambda v: bool(is_known_violation(target, v))
 
 
+def scheduler_entries(only: list[str] | None = None) -> list[ZooEntry]:
+    """The mutants of vLLM's `Scheduler`, on the vllm-scheduler target."""
+    from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate
+
+    tolerated = known_tolerance("vllm-scheduler")
+    entries = []
+    for name in only or list(SCHEDULER_MUTANTS):
+        if name not in SCHEDULER_MUTANTS:
+            continue
+        m = SCHEDULER_MUTANTS[name]
+
+        @contextlib.contextmanager
+        def ctx(name: str = name) -> Iterator[Factory]:
+            with activate(name) as factory:
+                yield factory
+
+        entries.append(
+            ZooEntry(name, "vllm-scheduler", m.summary, m.strategy, (), ctx, doc=m.doc, tolerated=tolerated)
+        )
+    return entries
+
+
 def vllm_entries(only: list[str] | None = None) -> tuple[list[ZooEntry], list[tuple[str, str]]]:
     from invariants.zoo.mutants_vllm import NOT_APPLICABLE, VLLM_MUTANTS, activate
 

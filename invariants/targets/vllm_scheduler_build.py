@@ -1,0 +1,255 @@
+"""Building vLLM's real `Scheduler` offline, on the CPU, for a kvretain `Config`.
+
+vLLM's own scheduler tests (`tests/v1/core/utils.py`, `create_scheduler`) build
+a `Scheduler` from configuration objects alone; `build_scheduler` does the same
+with kvretain's configuration, so no weights, tokenizer or hub access are
+needed:
+
+- `ModelConfig` reads a small `config.json` in a private temporary directory
+  (`skip_tokenizer_init=True`, `HF_HUB_OFFLINE=1`). Its architecture is a
+  stand-in registered with vLLM's `ModelRegistry` (`register_model`, the
+  out-of-tree model API): the scheduler never runs a model, and inspecting an
+  in-tree architecture would import vLLM's attention layers (and their extra
+  dependencies) for nothing.
+- `KVCacheConfig` holds the groups `vllm_build.group_specs` makes (the same
+  specs the `KVCacheManager`-driven adapter and `layouts/derive.py` use), the
+  pool size and the retention interval.
+- `CacheConfig`: the scheduler block size, prefix caching on or off, the Mamba
+  cache mode; `SchedulerConfig`: chunked prefill, no long-prefill threshold, a
+  batch large enough that kvretain's per-step budget (set on each step) is the
+  only limit, and `max_num_batched_tokens = max_model_len` so the
+  sliding-window admission cap vLLM derives from the in-flight bound equals the
+  one `vllm_build.build_manager` gets (its `max_in_flight_tokens` defaults to
+  `max_model_len`). Two admission policies of vLLM's are off, as the model has
+  neither (`model.scheduling`: a request is admitted when its first chunk fits):
+  `scheduler_reserve_full_isl=False` (vLLM 0.33.0's default True admits a
+  request only if its whole sequence fits the free pool:
+  `allocate_slots(full_sequence_must_fit=True)`) and `watermark=0.0`.
+- Speculative decoding (`SpeculativeConfig`) where the configuration reserves
+  lookahead slots: Eagle (`method="eagle"`: the manager drops the volatile last
+  block) or a draft model (`method="draft_model"`), with
+  `num_speculative_tokens = num_lookahead_tokens`, so `vllm_config.num_lookahead_tokens`
+  is kvretain's. Eagle keeps the legacy block hashes
+  (`disable_lookahead_block_hashes=True`): kvretain models Eagle as the
+  manager's trailing-block drop (`use_eagle`), which vLLM 0.33.0 turns off when
+  a hash covers lookahead tokens (`num_hash_lookahead_tokens`, not modeled).
+  vLLM's Eagle always drafts at least one token: an Eagle configuration without
+  lookahead slots cannot be built (`SchedulerUnsupported`).
+
+KV cache events are on (`KVEventsConfig(enable_kv_cache_events=True,
+publisher="null")`); the driver replaces the publisher to read them.
+What vLLM rejects is re-raised as `ConfigError` carrying vLLM's message.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from functools import cache
+from typing import Any
+
+from model.config import Config, ConfigError
+
+from .vllm_build import group_specs
+from .vllm_capabilities import Capabilities
+
+STAND_IN_ARCH = "KvretainStandInForCausalLM"
+# vLLM's Eagle config names the draft architecture "Eagle" + the target's.
+EAGLE_STAND_IN_ARCH = "Eagle" + STAND_IN_ARCH
+# Requests at once: more than any kvretain trace keeps live.
+MAX_NUM_SEQS = 256
+EAGLE_NEEDS_LOOKAHEAD = (
+    "num_lookahead_tokens: vLLM's Eagle drafts at least one token, so its scheduler "
+    "reserves at least one lookahead slot; an Eagle configuration with 0 cannot be built"
+)
+
+
+class SchedulerUnsupported(ConfigError):
+    """A configuration the real scheduler cannot express (not a vLLM rejection)."""
+
+
+@cache
+def scheduler_modules() -> dict[str, Any]:
+    """vLLM's configuration and scheduler classes (imported once), the stand-in
+    architectures registered."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.request_queue import create_request_queue
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    stand_in = _stand_in_class()
+    ModelRegistry.register_model(STAND_IN_ARCH, stand_in)
+    ModelRegistry.register_model(EAGLE_STAND_IN_ARCH, stand_in)
+    return {
+        "CacheConfig": CacheConfig,
+        "DeviceConfig": DeviceConfig,
+        "KVEventsConfig": KVEventsConfig,
+        "ModelConfig": ModelConfig,
+        "ParallelConfig": ParallelConfig,
+        "SchedulerConfig": SchedulerConfig,
+        "SpeculativeConfig": SpeculativeConfig,
+        "VllmConfig": VllmConfig,
+        "Scheduler": Scheduler,
+        "AsyncScheduler": AsyncScheduler,
+        "ModelRunnerOutput": ModelRunnerOutput,
+        "create_request_queue": create_request_queue,
+        "StructuredOutputManager": StructuredOutputManager,
+    }
+
+
+def _stand_in_class() -> type:
+    """A model class vLLM's registry accepts as a text-generation model; never run."""
+    from torch import nn
+
+    class KvretainStandIn(nn.Module):
+        """Stands for the model: the scheduler reads only its configuration."""
+
+        def __init__(self, *, vllm_config: Any = None, prefix: str = "") -> None:
+            super().__init__()
+
+        def embed_input_ids(self, input_ids: Any) -> Any:
+            raise NotImplementedError("kvretain's stand-in model never runs")
+
+        def forward(self, input_ids: Any, positions: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError("kvretain's stand-in model never runs")
+
+        def compute_logits(self, hidden_states: Any) -> Any:
+            raise NotImplementedError("kvretain's stand-in model never runs")
+
+    return KvretainStandIn
+
+
+_MODEL_DIRS: dict[int, str] = {}
+
+
+def model_dir(max_positions: int) -> str:
+    """A private directory holding the stand-in's `config.json` (one per process and
+    length, made again if something removed it, and removed when the process exits)."""
+    path = _MODEL_DIRS.get(max_positions)
+    if path is not None and os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    path = tempfile.mkdtemp(prefix="kvretain-model-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    hf_config = {
+        "architectures": [STAND_IN_ARCH],
+        "model_type": "opt",
+        "hidden_size": 16,
+        "num_attention_heads": 1,
+        "num_hidden_layers": 1,
+        "ffn_dim": 16,
+        "vocab_size": 64,
+        "word_embed_proj_dim": 16,
+        "max_position_embeddings": max_positions,
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    _MODEL_DIRS[max_positions] = path
+    return path
+
+
+def check_scheduler_supported(cfg: Config) -> None:
+    """Raise `SchedulerUnsupported` for what vLLM's scheduler cannot be configured to do."""
+    if cfg.eagle and cfg.num_lookahead_tokens == 0:
+        raise SchedulerUnsupported(EAGLE_NEEDS_LOOKAHEAD)
+
+
+def vllm_config(cfg: Config, *, async_scheduling: bool = False) -> Any:
+    """The `VllmConfig` of `cfg` (see the module docstring)."""
+    m = scheduler_modules()
+    model = m["ModelConfig"](
+        model=model_dir(max(cfg.max_model_len, 1)),
+        skip_tokenizer_init=True,
+        max_model_len=cfg.max_model_len,
+        dtype="float32",
+    )
+    mamba_modes = {g.mamba_cache_mode for g in cfg.groups if g.kind == "mamba"}
+    if len(mamba_modes) > 1:
+        raise SchedulerUnsupported("groups: vLLM's CacheConfig has one Mamba cache mode for all groups")
+    cache_args: dict[str, Any] = {"mamba_cache_mode": mamba_modes.pop()} if mamba_modes else {}
+    cache = m["CacheConfig"](
+        block_size=cfg.scheduler_block_size,
+        enable_prefix_caching=cfg.enable_caching,
+        **cache_args,
+    )
+    cache.num_gpu_blocks = cfg.num_blocks
+    sched = m["SchedulerConfig"](
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=cfg.max_model_len,
+        max_model_len=cfg.max_model_len,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=0,
+        is_encoder_decoder=False,
+        watermark=0.0,
+        # The model admits a request when its first chunk fits (see the module docstring).
+        scheduler_reserve_full_isl=False,
+        async_scheduling=async_scheduling,
+    )
+    parallel = m["ParallelConfig"]()
+    spec = None
+    if cfg.num_lookahead_tokens:
+        spec = m["SpeculativeConfig"](
+            method="eagle" if cfg.eagle else "draft_model",
+            model=model.model,
+            num_speculative_tokens=cfg.num_lookahead_tokens,
+            target_model_config=model,
+            target_parallel_config=parallel,
+            # kvretain's Eagle is the block drop (`use_eagle`); lookahead hashes are not modeled.
+            disable_lookahead_block_hashes=True,
+        )
+    return m["VllmConfig"](
+        model_config=model,
+        scheduler_config=sched,
+        cache_config=cache,
+        parallel_config=parallel,
+        device_config=m["DeviceConfig"](device="cpu"),
+        speculative_config=spec,
+        kv_events_config=m["KVEventsConfig"](enable_kv_cache_events=True, publisher="null"),
+    )
+
+
+def build_scheduler(
+    cfg: Config, v: dict[str, Any], caps: Capabilities, version: str, *, async_scheduling: bool = False
+) -> Any:
+    """vLLM's `Scheduler` (`AsyncScheduler` with `async_scheduling`) for `cfg`."""
+    from .vllm_build import check_supported
+
+    check_supported(cfg, caps, version)
+    check_scheduler_supported(cfg)
+    specs = group_specs(cfg, v)
+    m = scheduler_modules()
+    try:
+        vcfg = vllm_config(cfg, async_scheduling=async_scheduling)
+        kv_cfg = v["KVCacheConfig"](
+            num_blocks=cfg.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=specs,
+            prefix_cache_retention_interval=cfg.retention_interval,
+        )
+        cls = m["AsyncScheduler"] if async_scheduling else m["Scheduler"]
+        return cls(
+            vllm_config=vcfg,
+            kv_cache_config=kv_cfg,
+            structured_output_manager=m["StructuredOutputManager"](vcfg),
+            block_size=cfg.scheduler_block_size,
+            hash_block_size=cfg.hash_block_size,
+            log_stats=False,
+        )
+    except (ValueError, AssertionError, TypeError) as exc:
+        kind = "" if isinstance(exc, ValueError) else f" ({type(exc).__name__})"
+        raise ConfigError(f"vLLM {version}'s scheduler rejects the configuration{kind}: {exc}") from exc

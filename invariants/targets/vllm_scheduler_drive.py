@@ -1,0 +1,316 @@
+"""kvretain's scheduling operations run by vLLM's real `Scheduler`.
+
+A `Step(rids, budget)` is one `Scheduler.schedule()` call: the scheduler's
+queues hold exactly the requests `rids` names, in that order (its running
+requests in `running`, the others in `waiting`; the requests the step leaves
+out wait aside and come back after it), and its per-step token budget
+(`max_num_scheduled_tokens`) is `budget`. Everything else is vLLM's own code:
+the running pass, preemption, the waiting pass, the Mamba split, spec-decode
+padding, CoW copies. `Schedule(rid, budget)` is `Step((rid,), budget)`: a real
+scheduler preempts a running request whose allocation fails, where the
+model's single-request `Schedule` leaves it unscheduled (the fuzzer sends
+real-scheduler targets `Step`s only: `TargetFeatures.real_scheduler`).
+
+The step's decisions are read, never re-derived: a `StepRecorder` wraps the
+`KVCacheManager`'s `get_computed_blocks`, `allocate_slots` and `free` for the
+duration of `schedule()` and records each call (request, arguments, result);
+the `SchedulerOutput` gives the tokens each request was scheduled and the
+copies. `observe` arranges them as the model's `StepResult`: the running
+requests the pass reached in queue order (a running request with nothing to
+compute is reached but calls nothing, exactly as in `Scheduler.schedule`),
+then the waiting requests in lookup order; the preempted requests in the order
+their blocks were freed.
+
+The model runner's half of a step is `update_from_output` with a synthetic
+`ModelRunnerOutput`: it runs just before the next `schedule()` (never sooner,
+as a model runner returns a step's output before the next step is scheduled)
+and carries, for every request the step scheduled, the token a `Sample`
+operation gave it (an empty list for a prefill chunk). kvretain lets other
+steps run between a request's last chunk and its sample (an engine samples in
+the same step): such a request's share of the output (the output restricted
+to it) waits, and is delivered with its token by the `Sample`, as an
+asynchronous engine delivers a step's output after later steps were
+scheduled; a `Preempt` or `Finish` first delivers it without a token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from model.observation import ScheduleResult, StepResult
+
+from .base import TargetCrash
+from .vllm_names import HashLearner
+from .vllm_session import VllmSession
+
+
+@dataclass
+class Call:
+    """One manager call during `schedule()`: `kind` is "lookup", "allocate" or "free"."""
+
+    kind: str
+    rid: str
+    result: Any = None
+
+
+@dataclass
+class StepRecorder:
+    """Records the `KVCacheManager` calls of one `schedule()` (observation only: each
+    wrapper calls vLLM's method with the same arguments and returns its result)."""
+
+    manager: Any
+    calls: list[Call] = field(default_factory=list)
+    active: bool = False
+
+    def __post_init__(self) -> None:
+        m = self.manager
+        m.get_computed_blocks = self._wrap(m.get_computed_blocks, "lookup")
+        m.allocate_slots = self._wrap(m.allocate_slots, "allocate")
+        m.free = self._wrap(m.free, "free")
+
+    def _wrap(self, method: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        def recorded(request: Any, *args: Any, **kwargs: Any) -> Any:
+            result = method(request, *args, **kwargs)
+            if self.active:
+                self.calls.append(Call(kind, request.request_id, result))
+            return result
+
+        return recorded
+
+    @contextmanager
+    def recording(self) -> Iterator[list[Call]]:
+        self.calls = []
+        self.active = True
+        try:
+            yield self.calls
+        finally:
+            self.active = False
+
+
+class EventCapture:
+    """Stands in for the scheduler's KV-event publisher: keeps the batches
+    `update_from_output` publishes, for the adapter's event reader."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def take(self) -> list[Any]:
+        out, self.events = self.events, []
+        return out
+
+    def shutdown(self) -> None:
+        pass
+
+
+class RealStepScheduler:
+    """Runs kvretain's scheduling operations through one vLLM `Scheduler` (see the module docstring)."""
+
+    def __init__(
+        self, session: VllmSession, names: HashLearner, scheduler: Any, modules: dict[str, Any]
+    ) -> None:
+        self.s = session
+        self.names = names
+        self.sched = scheduler
+        self.m = modules
+        self.recorder = StepRecorder(scheduler.kv_cache_manager)
+        self.capture = EventCapture()
+        scheduler.kv_event_publisher = self.capture
+        # The last step's output, until the model runner's half of the step runs (`flush`).
+        self.pending: Any = None
+        # rid -> the token a `Sample` gave it, delivered with its step's output.
+        self.samples: dict[str, int] = {}
+        # rid -> the step output whose share for it waits for its sample (see `flush`).
+        self.held: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ the manager, as before
+    def computed_blocks(self, req: Any) -> tuple[Any, int, int]:
+        """`get_computed_blocks` (a probe's lookup; pure)."""
+        out = self.s.manager.get_computed_blocks(req)
+        return out if self.s.caps.shared_prefix_junction else (*out, 0)
+
+    # ------------------------------------------------------------------ operations
+    def add(self, req: Any) -> None:
+        self.sched.add_request(req)
+
+    def sample(self, req: Any, token: int) -> None:
+        """A sampled token: delivered with its step's output, or appended now when that
+        output was already processed (see the module docstring)."""
+        rid = req.request_id
+        if self.pending is not None and rid in self.pending.num_scheduled_tokens:
+            self.samples[rid] = token
+            return
+        if rid not in self.held:
+            raise TargetCrash(f"the vLLM scheduler adapter holds no step output for {rid!r}'s sample")
+        self.samples[rid] = token
+        self._deliver(self.held.pop(rid), [rid])
+
+    def awaits_sample(self, rid: str) -> bool:
+        """`rid` was sampled and its token waits for the step's output."""
+        return rid in self.samples
+
+    def preempt(self, req: Any) -> None:
+        """Preempt a running request as `Scheduler.reset_prefix_cache(reset_running_requests=True)`
+        does: out of `running`, then `Scheduler._preempt_request`."""
+        self.settle(req.request_id)
+        self.sched.running.remove(req)
+        self.sched._preempt_request(req, time.monotonic())
+
+    def finish(self, req: Any) -> None:
+        self.settle(req.request_id)
+        self.sched.finish_requests(req.request_id, self.s.v["RequestStatus"].FINISHED_ABORTED)
+
+    def schedule(self, req: Any, budget: int) -> ScheduleResult:
+        """`Schedule(rid, budget)`: a step of one request."""
+        step = self.step((req.request_id,), budget)
+        result = next((r for rid, r in step.results if rid == req.request_id), ScheduleResult(0, False))
+        return ScheduleResult(
+            result.scheduled,
+            result.admitted,
+            result.hit,
+            result.shared_prefix_boundary,
+            result.hit_blocks,
+            result.new_blocks,
+            step.copies,
+        )
+
+    def step(self, rids: tuple[str, ...], budget: int) -> StepResult:
+        """One `Scheduler.schedule()` over exactly the requests `rids`, with `budget` tokens."""
+        self.flush()
+        sched, running_status = self.sched, self.s.v["RequestStatus"].RUNNING
+        named = set(rids)
+        reqs = [self.s.requests[r] for r in rids]
+        running = [r for r in reqs if r.status == running_status]
+        aside_running = [r for r in sched.running if r.request_id not in named]
+        aside_waiting = [r for r in sched.waiting if r.request_id not in named]
+        sched.running = list(running)
+        sched.waiting = self._queue(r for r in reqs if r.status != running_status)
+        sched.max_num_scheduled_tokens = budget
+        try:
+            with self.recorder.recording() as calls:
+                out = sched.schedule()
+        finally:
+            sched.running.extend(aside_running)
+            for r in aside_waiting:
+                sched.waiting.add_request(r)
+        self.pending = out
+        for rid in out.num_scheduled_tokens:
+            self.names.learn_computed(self.s.requests[rid])
+        return observe(calls, [r.request_id for r in running], out, budget)
+
+    def _queue(self, requests: Iterable[Any]) -> Any:
+        queue = self.m["create_request_queue"](self.sched.policy)
+        for r in requests:
+            queue.add_request(r)
+        return queue
+
+    def flush(self) -> None:
+        """The model runner's half of the last step: `update_from_output` with the
+        sampled tokens; a request's share waits for its sample (see the module docstring)."""
+        out, self.pending = self.pending, None
+        if out is None:
+            return
+        running = self.s.v["RequestStatus"].RUNNING
+        now = []
+        for rid in out.num_scheduled_tokens:
+            req = self.s.requests.get(rid)
+            owes = (
+                req is not None
+                and rid not in self.samples
+                and req.status == running
+                and req.num_computed_tokens >= req.num_tokens
+            )
+            if owes:
+                self.held[rid] = out
+            else:
+                now.append(rid)
+        self._deliver(out, now)
+
+    def _deliver(self, out: Any, rids: list[str]) -> None:
+        """`update_from_output` for the share of step output `out` that belongs to `rids`,
+        with their sampled tokens."""
+        if not rids:
+            return
+        scheduled = {r: out.num_scheduled_tokens[r] for r in rids}
+        share = replace(
+            out,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            scheduled_spec_decode_tokens={
+                r: t for r, t in out.scheduled_spec_decode_tokens.items() if r in scheduled
+            },
+        )
+        sampled = [[self.samples.pop(r)] if r in self.samples else [] for r in rids]
+        live = self.s.requests
+        starts = {r: self.names.before_sample(live[r]) for r, t in zip(rids, sampled) if t and r in live}
+        runner_out = self.m["ModelRunnerOutput"](
+            req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)}, sampled_token_ids=sampled
+        )
+        self.sched.update_from_output(share, runner_out)
+        for rid, start in starts.items():
+            self.names.after_sample(self.s.requests[rid], start)
+
+    def settle(self, rid: str) -> None:
+        """Deliver `rid`'s waiting share without a token (it is preempted or finished unsampled)."""
+        out = self.held.pop(rid, None)
+        if out is not None:
+            self._deliver(out, [rid])
+
+    def take_events(self) -> list[Any]:
+        """The KV events `update_from_output` published, then those still in the manager."""
+        return [*self.capture.take(), *self.s.manager.take_events()]
+
+
+def observe(calls: list[Call], running: list[str], out: Any, budget: int) -> StepResult:
+    """The model's `StepResult` of one `schedule()`, from its recorded manager calls
+    and its output (see the module docstring)."""
+    scheduled: dict[str, int] = dict(out.num_scheduled_tokens)
+    results: list[tuple[str, ScheduleResult]] = []
+    allocated: dict[str, Any] = {}
+    # (victim, the request whose allocation preempted it), in preemption order.
+    preemptions: list[tuple[str, str]] = []
+    for c in calls:
+        if c.kind == "allocate":
+            allocated[c.rid] = c.result
+            serving = c.rid
+        elif c.kind == "free":
+            preemptions.append((c.rid, serving))
+    queue, i, left = list(running), 0, budget
+    while i < len(queue) and left > 0:
+        rid = queue[i]
+        if rid in scheduled:
+            results.append((rid, ScheduleResult(scheduled[rid], False, new_blocks=block_ids(allocated[rid]))))
+            left -= scheduled[rid]
+        else:
+            results.append((rid, ScheduleResult(0, False)))
+            if (rid, rid) in preemptions:
+                break  # it preempted itself: the pass ends
+        # Its victims left the queue's end.
+        queue = [r for r in queue if (r, rid) not in preemptions or r == rid]
+        i += 1
+    for c in calls:
+        if c.kind != "lookup":
+            continue
+        blocks, hit, spb = c.result if len(c.result) == 3 else (*c.result, 0)
+        n = scheduled.get(c.rid, 0)
+        new = block_ids(allocated[c.rid]) if n and allocated.get(c.rid) is not None else None
+        results.append((c.rid, ScheduleResult(n, bool(n), hit, spb, block_ids(blocks), new)))
+    seen = {rid for rid, _ in results}
+    missed = [rid for rid in scheduled if rid not in seen]
+    if missed:
+        raise TargetCrash(
+            f"the vLLM scheduler adapter could not place scheduled requests {missed} in the step"
+        )
+    copies = tuple((c.src_block_id, c.dst_block_id) for c in out.kv_cache_block_copies or ())
+    return StepResult(tuple(results), tuple(v for v, _ in preemptions), copies)
+
+
+def block_ids(blocks: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `KVCacheBlocks` as block ids per group."""
+    return tuple(tuple(ids) for ids in blocks.get_block_ids())

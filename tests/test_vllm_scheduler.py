@@ -1,0 +1,245 @@
+"""vLLM's real `Scheduler` driving its allocator ("vllm-scheduler") against the model.
+
+Scripted traces (admission with a hit, chunked prefill, samples delivered by
+`update_from_output`, preemption inside a step, a manual preemption, finish,
+reset) must give, after every operation, the model's observation and
+snapshot; the fuzzer sends real-scheduler targets whole steps; a short fuzz
+run is clean. Negative controls: every zoo mutant of vLLM's scheduler
+(`invariants.zoo.mutants_scheduler`) is caught on a trace the unmutated
+scheduler passes. Skipped, with the reason,
+when vLLM cannot be imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from invariants.targets.vllm_env import vllm_available
+
+_OK, _REASON = vllm_available()
+if not _OK:
+    pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
+
+from invariants.harness.checker import Checker, Violation  # noqa: E402
+from invariants.harness.fuzz import format_features, run_fuzz  # noqa: E402
+from invariants.harness.known_findings import is_known_violation  # noqa: E402
+from invariants.targets import target_factory  # noqa: E402
+from invariants.targets.vllm_scheduler_build import SchedulerUnsupported  # noqa: E402
+from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
+from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate  # noqa: E402
+from model.config import Config, GroupSpec  # noqa: E402
+from model.observation import StepResult  # noqa: E402
+from model.ops import (  # noqa: E402
+    AddRequest,
+    Finish,
+    Op,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    Sample,
+    Schedule,
+    Step,
+)
+
+pytestmark = pytest.mark.vllm
+
+FULL_SWA = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)),
+    num_blocks=20,
+    retention_interval=0,
+    max_model_len=4096,
+)
+FULL_MAMBA = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)),
+    num_blocks=24,
+    retention_interval=0,
+    max_model_len=4096,
+)
+PROMPT = (1, 2, 3) * 6
+
+
+class Drive:
+    """The model and vllm-scheduler side by side; the violations no known finding
+    explains, and the target's observations."""
+
+    def __init__(self, cfg: Config, factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> None:
+        self.checker = Checker(factory(cfg), audit_every=1)
+        self.found: list[Violation] = []
+        self.seen: list[object] = []
+        self.token = 0
+
+    def do(self, *ops: Op) -> Drive:
+        for op in ops:
+            self.found += [v for v in self.checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+            self.seen.append(self.checker.last_obs)
+        return self
+
+    def steps(self, rids: tuple[str, ...], budget: int, n: int = 1) -> Drive:
+        """`n` steps over `rids`, each after a sample for every request that computed all its tokens."""
+        for _ in range(n):
+            reqs = self.checker.model.requests
+            for rid in rids:
+                r = reqs[rid]
+                if r.running and r.num_computed == r.num_tokens:
+                    self.token = self.token % 3 + 1
+                    self.do(Sample(rid, self.token))
+            self.do(Step(rids, budget))
+        return self
+
+    @property
+    def preempted(self) -> list[str]:
+        return [r for obs in self.seen if isinstance(obs, StepResult) for r in obs.preempted]
+
+
+def lifecycle(cfg: Config, factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
+    d = Drive(cfg, factory).do(AddRequest("r0", PROMPT), AddRequest("r1", (*PROMPT, 1)))
+    d.steps(("r0", "r1"), 8, 3).steps(("r0", "r1"), 64, 3)
+    d.do(Finish("r0"), Probe(PROMPT), AddRequest("r2", PROMPT))
+    d.steps(("r1", "r2"), 64, 2).do(Preempt("r1"))
+    d.steps(("r1", "r2"), 64, 2).do(Finish("r1"), Finish("r2"), ResetPrefixCache())
+    return d
+
+
+def test_lifecycle_agrees_with_the_model() -> None:
+    d = lifecycle(FULL_SWA)
+    assert d.found == []
+    assert d.checker.target.vllm_scheduler.requests == {}  # type: ignore[attr-defined]
+
+
+def test_samples_ride_on_update_from_output() -> None:
+    """A sample is delivered by the next step's `update_from_output`, not before."""
+    target = VllmSchedulerTarget(FULL_SWA)
+    target.apply(AddRequest("r0", (1, 2, 3)))
+    target.apply(Step(("r0",), 8))
+    target.apply(Sample("r0", 7))
+    assert target.requests["r0"].num_tokens == 3  # waits for the model runner's output
+    target.apply(Step(("r0",), 8))
+    assert list(target.requests["r0"].all_token_ids) == [1, 2, 3, 7]
+
+
+def test_a_late_sample_rides_on_its_own_steps_output() -> None:
+    """Another step runs between a request's last chunk and its sample: the request's
+    share of its step's output waits (still in flight) and its sample delivers it."""
+    d = Drive(FULL_SWA).do(AddRequest("r0", (1, 2, 3)), AddRequest("r1", PROMPT))
+    d.do(Step(("r0",), 8), Step(("r1",), 8))
+    target = d.checker.target
+    assert target.requests["r0"].num_in_flight_tokens == 3
+    d.do(Sample("r0", 7))
+    assert list(target.requests["r0"].all_token_ids) == [1, 2, 3, 7]
+    assert target.requests["r0"].num_in_flight_tokens == 0
+    d.do(Step(("r0", "r1"), 8), Preempt("r0"), Step(("r0", "r1"), 8), Finish("r1"))
+    assert d.found == []
+
+
+def test_preemption_inside_a_step_agrees() -> None:
+    """A pool too small for two growing requests: the real scheduler preempts the newest."""
+    d = Drive(FULL_SWA.with_(num_blocks=9)).do(
+        AddRequest("r0", PROMPT[:7]), AddRequest("r1", PROMPT[::-1][:7])
+    )
+    d.steps(("r0", "r1"), 64, 8)
+    assert d.found == []
+    assert d.preempted, "the trace never preempted: it checks nothing about preemption"
+
+
+def test_speculative_configurations_are_refused_with_the_reason() -> None:
+    with pytest.raises(SchedulerUnsupported, match="speculative decoding"):
+        VllmSchedulerTarget(FULL_SWA.with_(num_lookahead_tokens=2))
+    with pytest.raises(SchedulerUnsupported, match="speculative decoding"):
+        VllmSchedulerTarget(FULL_SWA.with_(eagle=True))
+
+
+def test_schedule_is_a_step_of_one() -> None:
+    d = Drive(FULL_MAMBA).do(AddRequest("r0", PROMPT), Schedule("r0", 6), Schedule("r0", 64))
+    assert d.found == []
+
+
+def mamba_trace(factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
+    d = Drive(FULL_MAMBA, factory).do(AddRequest("r0", PROMPT)).steps(("r0",), 6, 2).steps(("r0",), 64, 2)
+    return d.do(Finish("r0"), Probe(PROMPT))
+
+
+def preemption_trace(factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
+    d = Drive(FULL_SWA.with_(num_blocks=9), factory)
+    d.do(AddRequest("r0", PROMPT[:7]), AddRequest("r1", PROMPT[::-1][:7]))
+    return d.steps(("r0", "r1"), 64, 8)
+
+
+def mamba_hit_trace(factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
+    """A prompt cached by one request, then re-admitted with a hit and chunked past it."""
+    d = Drive(FULL_MAMBA, factory).do(AddRequest("r0", PROMPT)).steps(("r0",), 64, 2).do(Finish("r0"))
+    return d.do(AddRequest("r1", PROMPT + PROMPT[::-1])).steps(("r1",), 64, 3)
+
+
+TRACE_FOR_MUTANT = {
+    "mamba_split_ignores_hit": lambda f: mamba_hit_trace(f),
+    "mamba_split_skipped": lambda f: mamba_trace(f),
+    "preempt_keeps_computed_tokens": lambda f: lifecycle(FULL_SWA, f),
+    "preempt_oldest": lambda f: preemption_trace(f),
+    "in_flight_tokens_not_settled": lambda f: lifecycle(FULL_SWA, f),
+}
+
+
+def test_every_scheduler_mutant_has_a_trace() -> None:
+    assert set(TRACE_FOR_MUTANT) == set(SCHEDULER_MUTANTS)
+
+
+@pytest.mark.parametrize("name", sorted(TRACE_FOR_MUTANT))
+def test_scheduler_mutant_is_caught(name: str) -> None:
+    """Negative controls: each zoo mutant of vLLM's `Scheduler` (a one-line defect of
+    `scheduler.py`) is caught on a trace the unmutated scheduler passes."""
+    assert TRACE_FOR_MUTANT[name](VllmSchedulerTarget).found == []
+    with activate(name) as factory:
+        assert TRACE_FOR_MUTANT[name](factory).found != []
+
+
+def test_fuzzer_sends_real_schedulers_whole_steps(tmp_path: Path) -> None:
+    """A short generated run is clean, and every scheduling operation it sent was a `Step`."""
+    sent: list[Op] = []
+    factory = target_factory("vllm-scheduler")
+
+    def recording(cfg: Config) -> VllmSchedulerTarget:
+        target = factory(cfg)
+        apply = target.apply
+
+        def apply_and_record(op: Op):  # type: ignore[no-untyped-def]
+            sent.append(op)
+            return apply(op)
+
+        target.apply = apply_and_record  # type: ignore[method-assign]
+        return target  # type: ignore[return-value]
+
+    report = run_fuzz(
+        "vllm-scheduler", steps=300, seed=3, out_dir=tmp_path, progress=False, factory=recording
+    )
+    assert report.failure is None, report.failure
+    # What the run left out is stated with its count (0 examples) and reason.
+    assert report.stats.features["config: eagle"] == report.stats.features["config: lookahead slots"] == 0
+    assert "not generated (0 examples)" in format_features([report]) and "speculative" in format_features(
+        [report]
+    )
+    assert any(isinstance(op, Step) for op in sent)
+    assert not any(isinstance(op, Schedule) for op in sent)
+
+
+def test_known_findings_reproduce_through_the_real_scheduler() -> None:
+    """Every known vLLM finding of the installed release whose trace the real scheduler can
+    run (no speculative decoding) reproduces on vllm-scheduler; the others are named."""
+    from invariants.harness.known_findings import explain, load_known_findings, target_version
+    from invariants.harness.replay import replay
+
+    version = target_version("vllm")
+    ran, refused = [], []
+    for f in load_known_findings():
+        if "vllm" not in f.targets or ("*" not in f.versions and version not in f.versions):
+            continue
+        if f.trace.config.eagle or f.trace.config.num_lookahead_tokens:
+            refused.append(f.id)
+            continue
+        result = replay(f.trace, "vllm-scheduler")
+        assert any(explain("vllm-scheduler", v) is f for _, v in result.known), f.id
+        assert result.clean, (f.id, result.violations[:1])
+        ran.append(f.id)
+    assert "vllm-blockstored-token-range" in ran
+    assert "eagle-swa-short-run-double-pop" in refused
