@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml requirements/dev.txt $(wildcard requirements/vllm*.txt)
 setup: $(STAMP)
 
 verify: setup
-	$(BIN)/kvretain verify --require vllm
+	$(BIN)/kvretain verify --require vllm --require sglang
 
 # The older vLLM release whose cached environment (~/.cache/kvretain, the matrix's
 # builder) `make test` installs, so the tests that run a real older release run:

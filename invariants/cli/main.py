@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         choices=(*TARGET_NAMES, "sglang"),
         metavar="TARGET",
-        help="fail (exit 1) when TARGET's rows are skipped (repeatable; `make verify` requires vllm); "
+        help="fail (exit 1) when TARGET's rows are skipped (repeatable; `make verify` requires vllm and sglang); "
         "without it a run with skipped rows exits 3, never 0",
     )
     add_output_flags(v)
