@@ -32,7 +32,7 @@ from invariants.zoo.explore_hunt import format_kills, hunt
 from invariants.zoo.runner import reference_entries, run_entry, unmutated_entry
 from model.config import Config, GroupSpec, validate
 from model.observation import Done, Observation, ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Op, Preempt, Probe, Schedule, Step
+from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
 
 CFG = validate(Config(groups=(GroupSpec("full", 2),), num_blocks=6, max_model_len=24))
 
@@ -115,8 +115,9 @@ def test_a_shortest_trace_is_said_to_be_one() -> None:
 def test_another_check_prunes_its_path_and_is_counted() -> None:
     v = _violation(PADDED)
     other = Violation("not_" + v.check, "x")
+    deadline = time.monotonic() + 5  # the second search (explore alphabet) would go on to depth 6
     h = shortest_trace(
-        CFG, PADDED, other, LeaksAfterResume, "model", tolerate=lambda v: None, deadline=_deadline()
+        CFG, PADDED, other, LeaksAfterResume, "model", tolerate=lambda v: None, deadline=deadline
     )
     assert not h.shorter and h.other_violations > 0
     assert h.violation is other
@@ -216,3 +217,31 @@ def test_zoo_explore_gives_the_shortest_depth_over_the_grid(tmp_path: Path) -> N
     assert not clean.killed and clean.skipped == 0
     assert {verdict for _, _, verdict in clean.covered} <= {"clean", "skipped"}
     assert "1/2 killed by exhaustive search alone" in format_kills([k, clean])
+
+
+class LeaksPastFiveTokens(ModelTarget):
+    """Planted defect: finishing a request that computed 5 or more tokens drops it
+    without freeing its blocks (by decoding, or by a longer prompt)."""
+
+    def apply(self, op: Op) -> Observation:
+        req = self.model.requests.get(getattr(op, "rid", ""))
+        if isinstance(op, Finish) and req is not None and req.num_computed >= 5:
+            del self.model.requests[op.rid]
+            return Done()
+        return super().apply(op)
+
+
+def test_the_explore_alphabet_finds_what_the_traces_own_operations_cannot() -> None:
+    """The trace decodes past 5 tokens; a 5-token prompt gets there in 3 operations,
+    which no sequence of the trace's own operations does."""
+    ops: list[Op] = [AddRequest("a", (1, 2, 1)), Schedule("a", 64)]
+    ops += [Sample("a", 2), Schedule("a", 64)] * 2 + [Finish("a")]
+    _, found = replay(LeaksPastFiveTokens, CFG, tuple(ops), lambda v: None)
+    assert found
+    h = shortest_trace(
+        CFG, ops, found[0], LeaksPastFiveTokens, "model", tolerate=lambda v: None, deadline=_deadline()
+    )
+    assert len(h.ops) == 3 and "the explore alphabet found 3" in h.stopped
+    first = h.ops[0]
+    assert isinstance(first, AddRequest) and len(first.prompt) == 5
+    assert h.depth_completed == len(ops) - 1  # the trace's own operations: nothing shorter

@@ -14,6 +14,13 @@ until the deadline, and the result says how deep it completed: when nothing
 shorter exists within the vocabulary, the fuzz trace is returned and said to
 be shortest there.
 
+With budget left, a second search runs on the same configuration over the
+explore alphabet (`invariants.explore.alphabet`: prompts over a 2-token
+alphabet cut at the scheduler block, twice it plus one, and the trace's own
+prompt lengths; two live requests), to one less than the shortest length
+known (and at most `ALPHABET_DEPTH`): a different prompt can reach the same defect sooner than the trace's
+own (a prompt that ends past a block boundary instead of decodes that cross it).
+
 The result also carries one sentence naming the first observable that
 differs (`invariants.explore.sentence`).
 """
@@ -25,14 +32,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from invariants.explore.certificate import Certificate
 from invariants.explore.instances import Instance
 from invariants.explore.search import Limits, Tolerate, explore
 from invariants.explore.sentence import first_difference
 from invariants.harness.checker import Violation
 from invariants.targets.base import Target
 from model.config import Config
-from model.ops import Op, Step
+from model.ops import AddRequest, Op, Step
 
+# The second search (the explore alphabet) goes at most this deep: its states grow 4-6x a level.
+ALPHABET_DEPTH = 6
 # Subsets of a step's requests are offered up to this many requests (2^4 - 1 steps).
 MAX_SUBSET_REQUESTS = 4
 
@@ -98,6 +108,25 @@ def vocabulary(ops: tuple[Op, ...] | list[Op]) -> tuple[Op, ...]:
     return tuple(out)
 
 
+def _search(
+    instance: Instance,
+    factory: Callable[[Config], Target],
+    target: str,
+    depth: int,
+    tolerate: Tolerate,
+    deadline: float,
+    violation: Violation,
+) -> Certificate:
+    return explore(
+        instance,
+        factory,
+        target,
+        Limits(depth, max_states=200_000, deadline=deadline),
+        tolerate=tolerate,
+        wanted=lambda v: v.check == violation.check,
+    )
+
+
 def shortest_trace(
     config: Config,
     ops: tuple[Op, ...] | list[Op],
@@ -115,18 +144,32 @@ def shortest_trace(
     found_ops, found_v, depth, states, stopped, pruned = ops, violation, 0, 0, "nothing to shorten", 0
     if len(ops) > 1:
         instance = Instance("hand-over", config, vocabulary=vocab)
-        cert = explore(
-            instance,
-            factory,
-            target,
-            Limits(len(ops) - 1, max_states=200_000, deadline=deadline),
-            tolerate=tolerate,
-            wanted=lambda v: v.check == violation.check,
+        cert = _search(instance, factory, target, len(ops) - 1, tolerate, deadline, violation)
+        depth, states, stopped, pruned = (
+            cert.depth_completed,
+            cert.states,
+            cert.stopped,
+            cert.other_violations,
         )
-        depth, states, stopped, pruned = cert.depth_completed, cert.states, cert.stopped, cert.other_violations
         if cert.path:
             found_ops = cert.path
             found_v = next(v for v in cert.found if v.check == violation.check)
+    if len(found_ops) > 2 and time.monotonic() < deadline:
+        lengths = (config.scheduler_block_size, 2 * config.scheduler_block_size + 1)
+        own = tuple(len(op.prompt) for op in ops if isinstance(op, AddRequest))
+        generated = Instance(
+            "hand-over-alphabet",
+            config,
+            max_requests=2,
+            prompt_lengths=tuple(dict.fromkeys(lengths + own[:1])),
+        )
+        depth2 = min(len(found_ops) - 1, ALPHABET_DEPTH)
+        cert = _search(generated, factory, target, depth2, tolerate, deadline, violation)
+        states, pruned = states + cert.states, pruned + cert.other_violations
+        if cert.path:
+            found_ops = cert.path
+            found_v = next(v for v in cert.found if v.check == violation.check)
+            stopped = f"{stopped}; the explore alphabet found {len(found_ops)}"
     sentence = first_difference(factory, config, found_ops, found_v)
     return Handover(
         found_ops,
