@@ -235,7 +235,8 @@ def test_the_explore_alphabet_finds_what_the_traces_own_operations_cannot() -> N
     """The trace decodes past 5 tokens; a 5-token prompt gets there in 3 operations,
     which no sequence of the trace's own operations does."""
     ops: list[Op] = [AddRequest("a", (1, 2, 1)), Schedule("a", 64)]
-    ops += [Sample("a", 2), Schedule("a", 64)] * 2 + [Finish("a")]
+    decode: list[Op] = [Sample("a", 2), Schedule("a", 64)]
+    ops += decode * 2 + [Finish("a")]
     _, found = replay(LeaksPastFiveTokens, CFG, tuple(ops), lambda v: None)
     assert found
     h = shortest_trace(
