@@ -19,6 +19,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+from invariants.explore.configs import check_configurations
 from invariants.explore.fingerprint import fingerprint
 from invariants.explore.fork import Freezer
 from invariants.explore.handover import shortest_trace, vocabulary
@@ -28,6 +29,7 @@ from invariants.explore.sentence import describe_op, first_field_difference
 from invariants.harness.checker import Checker, Violation
 from invariants.harness.trace import read_trace
 from invariants.targets.model_target import ModelTarget
+from invariants.targets.reference import ReferenceTarget
 from invariants.zoo.explore_hunt import format_kills, hunt
 from invariants.zoo.runner import reference_entries, run_entry, unmutated_entry
 from model.config import Config, GroupSpec, validate
@@ -210,8 +212,9 @@ def test_zoo_explore_gives_the_shortest_depth_over_the_grid(tmp_path: Path) -> N
     assert k.killed and k.length == 2 and k.instance == grid[0].name
     assert k.trace is not None and read_trace(k.trace).violation
     # Iterative deepening: every instance was clean to depth 1 before the depth-2 kill.
-    assert all(d >= 1 or verdict == "skipped" for _, d, verdict in k.covered)
-    assert len(k.covered) == len(grid)
+    assert k.covered[0] == ("configurations", 0, "clean")
+    assert all(d >= 1 or verdict == "skipped" for _, d, verdict in k.covered[1:])
+    assert len(k.covered) == len(grid) + 1  # and the configurations, depth 0
     # Control: the unmutated reference is clean over the same grid to depth 2.
     clean = hunt(unmutated_entry("reference", "generated", ()), grid, depth=2, budget_s=60)
     assert not clean.killed and clean.skipped == 0
@@ -246,3 +249,21 @@ def test_the_explore_alphabet_finds_what_the_traces_own_operations_cannot() -> N
     first = h.ops[0]
     assert isinstance(first, AddRequest) and len(first.prompt) == 5
     assert h.depth_completed == len(ops) - 1  # the trace's own operations: nothing shorter
+
+
+def test_a_laxer_configuration_rule_dies_at_depth_0() -> None:
+    """The configurations are operation zero: the reference's retention-validation
+    mutant builds what the model rejects; the unmutated reference builds none of it."""
+    entry = reference_entries(["retention_validation_lax"])[0]
+    k = hunt(entry, default_grid(), depth=1, budget_s=60)
+    assert k.killed and k.length == 0 and k.instance == "configurations"
+    assert "accepted a configuration the model rejects: prefix_cache_retention_interval" in k.violation
+    report = check_configurations(ReferenceTarget)
+    assert report.ok and report.checked == 1232
+    assert report.valid > 0 and report.checked - report.valid > 0  # both kinds are in the domain
+
+    def crashes(config: Config) -> ReferenceTarget:
+        raise RuntimeError("boom")
+
+    bad = check_configurations(crashes, keep=1)
+    assert not bad.ok and "raised RuntimeError: boom, not ConfigError" in bad.violations[0][1].message

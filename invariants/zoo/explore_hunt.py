@@ -8,7 +8,9 @@ violation is the length of the shortest counterexample over the grid (every
 instance was clean to d - 1). An instance whose states are exhausted below d
 is not searched again. Each search costs about its last layer, so the repeated
 shallow layers cost little next to the deepest one. The mutant's own tolerance (none, for most) decides which
-violations count. No fuzzing, no direct check: `killed` means a breadth-first
+violations count. Before any operation, every small configuration is built
+(`invariants.explore.configs`): a mutant that builds one the model rejects dies
+at depth 0. No fuzzing, no direct check: `killed` means a breadth-first
 search reached the defect, and `length` is then the depth of its shortest
 counterexample among the instances searched within the budget.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from invariants.explore.certificate import Certificate
+from invariants.explore.configs import check_configurations
 from invariants.explore.instances import Instance
 from invariants.explore.search import Limits, explore
 from invariants.report import table
@@ -61,7 +64,14 @@ def hunt(
     covered: dict[str, tuple[int, str]] = {}
     live = list(grid)  # instances not exhausted yet
     with entry.activate() as factory:
+        configs = check_configurations(factory, keep=1)
+        covered["configurations"] = (0, "clean" if configs.ok else "VIOLATION")
+        if not configs.ok:
+            cfg, v = configs.violations[0]
+            kill.length, kill.instance, kill.violation = 0, "configurations", f"{v}: {cfg}"
         for d in range(1, depth + 1):
+            if kill.killed:
+                break
             exhausted: set[str] = set()
             for instance in live:
                 if time.monotonic() >= deadline:
