@@ -265,6 +265,10 @@ def test_cli_certificate_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     data = json.loads(out.read_text())
     case = data["cases"][0]
     assert case["outcome"] == "passed" and case["figures"]["depth_completed"] == 2
+    assert "configurations: 1232 checked" in text
+    configs = data["cases"][-1]
+    assert configs["name"] == "configurations" and configs["outcome"] == "passed"
+    assert configs["figures"]["checked"] == 1232 and configs["figures"]["refused"] == 0
 
 
 @pytest.mark.parametrize(

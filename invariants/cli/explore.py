@@ -12,23 +12,30 @@ distinct states, transitions, time, and the verdict (clean, known findings
 with counts, or VIOLATION with the path of its shortest replayable trace),
 then the distinct states first reached at each depth.
 
+Before the grid, operation zero: every configuration of a small domain, valid
+or not, is built (`invariants.explore.configs`); the target must build exactly
+what the model accepts. Its time counts against the budget.
+
 `--budget-s` is a promise: the run ends within it; the table says, per
 instance, where the search stopped and why.
 
 Exit codes: 0 every instance clean (known findings allowed, counted); 1 a
-violation (or a fork that disagreed with re-execution); 2 bad usage, an unknown
+violation (or a fork that disagreed with re-execution, or a configuration the
+model rejects that the target builds); 2 bad usage, an unknown
 instance or target (one line); 3 clean but some instances skipped (named).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
 from invariants.cli.fuzz import positive_float, positive_int
 from invariants.errors import UsageError
 from invariants.explore.certificate import HEADERS, Certificate
+from invariants.explore.configs import ConfigReport, check_configurations
 from invariants.explore.grid import GridReport, explore_grid
 from invariants.explore.instances import default_grid, grid_by_name
 from invariants.report import Progress, table
@@ -127,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyError as exc:
         raise UsageError(str(exc.args[0])) from None
     factory = target_factory(args.target)
+    started = time.monotonic()
+    configs = check_configurations(factory)
     print(
         f"kvretain explore: target {args.target}, depth {args.depth}, {len(instances)} instance(s), "
         f"max {args.max_states} states each, budget {args.budget_s:.0f}s, {args.jobs} job(s)",
@@ -138,15 +147,27 @@ def run(args: argparse.Namespace) -> int:
         args.target,
         depth=args.depth,
         max_states=args.max_states,
-        budget_s=args.budget_s,
+        budget_s=max(args.budget_s - (time.monotonic() - started), 1.0),
         out_dir=Path(args.out),
         progress=Progress("explore", enabled=not args.quiet),
         jobs=args.jobs,
     )
     print(certificate_text(report))
-    code = 1 if report.violations else 3 if report.skipped else 0
-    write_results(args, "explore", [_case(c) for c in report.certificates], code)
+    print(configs.summary())
+    code = 1 if report.violations or not configs.ok else 3 if report.skipped else 0
+    cases = [_case(c) for c in report.certificates] + [_configs_case(configs)]
+    write_results(args, "explore", cases, code)
     return code
+
+
+def _configs_case(report: ConfigReport) -> CaseResult:
+    return CaseResult(
+        name="configurations",
+        group="explore",
+        outcome="passed" if report.ok else "failed",
+        message=report.summary(),
+        figures={"checked": report.checked, "valid": report.valid, "refused": report.refused},
+    )
 
 
 def certificate_text(report: GridReport) -> str:
