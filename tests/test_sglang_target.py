@@ -190,3 +190,22 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]
         assert out.count("\n") == 1, out
     assert main(["fuzz", "--target", "sglang", "--config", "full-p1", "--budget-s", "1"]) == 0
     assert "full-p1" in capsys.readouterr().out
+
+
+def test_the_standins_leave_other_libraries_working() -> None:
+    """verify runs SGLang's rows and the simulator's plots in one process: matplotlib
+    probes `IPython.get_ipython()` on its first figure, and must hear "not a notebook"."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ipython = sys.modules.get("IPython")
+    if (
+        ipython is not None
+        and "IPython" in STANDIN_ROOTS
+        and getattr(ipython, "__doc__", "").startswith("kvretain")
+    ):
+        assert ipython.get_ipython() is None
+    fig, _ = plt.subplots()
+    plt.close(fig)

@@ -14,7 +14,10 @@ finder), never installed into the environment:
 | `datasets`   | only SGLang's own test kit              | `sglang.test`                    |
 
 A stand-in is installed only when the real module cannot be found, so a
-machine that has the real package keeps it. Any attribute of a stand-in is an
+machine that has the real package keeps it. The stand-ins stay for the
+process (SGLang imports more of itself later), so a probe another library
+makes of them must get the answer "absent": `IPython.get_ipython()` is None
+(and its `version_info` a tuple, which matplotlib compares before asking). Any attribute of a stand-in is an
 inert placeholder class (attribute access and calls return placeholders);
 calling into one from the cache would be a bug in the target, and the cache's
 own code paths exercised by kvretain never do.
@@ -33,7 +36,9 @@ from typing import Any
 STANDIN_ROOTS: dict[str, dict[str, Any]] = {
     "torchvision": {"__version__": "0.0.0+kvretain-standin"},
     "sgl_kernel": {},
-    "IPython": {},
+    # Others probe `IPython.get_ipython()` to ask "am I in a notebook?" (matplotlib's
+    # pyplot does on its first figure): the stand-in answers no.
+    "IPython": {"get_ipython": lambda: None, "version_info": (0, 0, 0)},
     "datasets": {},
 }
 
