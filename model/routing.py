@@ -15,8 +15,9 @@ Release variants:
 - `FREE_ORDERS` (profile switch `free_order`): before the pool routed every
   free (#42656), callers decided, and some appended whatever the hash:
   `FreeOrder` names, per kind of free, whether every block goes to the tail.
-  (`model.profile`, docs/matrix.md and `Capabilities` still credit the pool
-  order to #43447; issue 25 item 4 corrects that attribution.)
+  Read from the releases' `BlockPool.free_blocks`: 0.22.0 appends every
+  block, 0.23.0 takes the caller's `prepend=` (#43447 passes it for SWA's
+  own frees), 0.24.0 splits every free itself (#42656).
 - `CACHING_OFF_ORDERS` (profile switch `caching_off_free_to_head`): with
   prefix caching off, freed blocks went to the tail (FIFO) before #51482.
 """
