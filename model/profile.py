@@ -67,8 +67,8 @@ class Profile:
       boundary, for a resend and a longer sibling (`replay_boundaries`). Before
       it every group kept the tail of `prompt - 1` whatever Eagle (0.30.0).
     - `caching_off_free_to_head`: with prefix caching off, freed blocks go to
-      the head of the free queue (reused first, LIFO) (#51482). Before it they
-      were appended to the tail (0.27.0, 0.28.0).
+      the head of the free queue (reused first, LIFO) (#51482, 0.28.0). Before
+      it they were appended to the tail (0.27.0, 0.27.1: #48017).
     - `block_mask`: SWA and Mamba cache only the blocks some boundary can use
       (#42258). Before it every full block of every group was cached (0.21.0).
     - `eagle_aware_mask`: the SWA mask keeps Eagle's peek block and shifts the
