@@ -681,6 +681,7 @@ class AllocatorModel:
     def _kept(self, g: GroupState, start: int, end: int, boundaries: list[int]) -> set[int] | None:
         """The blocks in [start, end) the group caches (None: all), by the release's masks (`model.masks`)."""
         r = self.cfg.retention_interval
+        alignment = self.rules.mask_grid.alignment(self.alignment, self.cfg.scheduler_block_size)
         if g.spec.kind == "swa":
             assert g.spec.sliding_window is not None
             return self.rules.swa_mask(
@@ -688,14 +689,14 @@ class AllocatorModel:
                 end,
                 block_size=g.bs,
                 window=g.spec.sliding_window,
-                alignment=self.alignment,
+                alignment=alignment,
                 eagle=self.cfg.eagle,
                 retention=r,
                 boundaries=boundaries,
             )
         if g.spec.kind == "mamba":
             return self.rules.mamba_mask(
-                start, end, block_size=g.bs, alignment=self.alignment, retention=r, boundaries=boundaries
+                start, end, block_size=g.bs, alignment=alignment, retention=r, boundaries=boundaries
             )
         return None
 

@@ -30,7 +30,10 @@ Release variants, keyed by the `model.profile.Profile` switches that select
 them (each rule's docstring names its releases):
 - `CACHEABLE[block_mask, eagle_aware_mask]`: the cacheable length;
 - `SWA_MASKS[block_mask, eagle_aware_mask]`: the SWA mask;
-- `MAMBA_MASKS[block_mask, mamba_retention]`: the Mamba mask.
+- `MAMBA_MASKS[block_mask, mamba_retention]`: the Mamba mask;
+- `MASK_GRIDS[masks_on_hit_grid]`: the grid both masks floor a boundary to
+  (`MaskGrid`): the lookup's hit grid (the hash block under fine-grained hits)
+  or the scheduler block.
 Before the mask (0.21.0) every full block of every group is cached
 (`every_block`), whatever the other two switches say.
 """
@@ -38,6 +41,7 @@ Before the mask (0.21.0) every full block of every group is cached
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 # The boundaries a replay resumes at are an Eagle rule; their home is `model.eagle`.
 from model.eagle import replay_boundaries as replay_boundaries
@@ -177,6 +181,36 @@ def floor_to_grid(n: int, scheduler_block_size: int, block_size: int, eagle: boo
 def all_tokens(n: int, scheduler_block_size: int, block_size: int, eagle: bool) -> int:
     """0.21.0 (before #42258): no group floors to the hit grid."""
     return n
+
+
+@dataclass(frozen=True)
+class MaskGrid:
+    """The grid the SWA and Mamba masks floor a boundary to (their `alignment`).
+
+    Without fine-grained hits both grids are the scheduler block, so the
+    variants differ only where a Mamba block is wider than the hash block.
+    """
+
+    since: str
+    on_hit_grid: bool
+
+    def alignment(self, hit_grid: int, scheduler_block_size: int) -> int:
+        """`hit_grid`: the lookup's grid (hash block under fine-grained hits, else the scheduler block)."""
+        return hit_grid if self.on_hit_grid else scheduler_block_size
+
+
+HIT_GRID = MaskGrid(
+    "0.29.0 on (`cache_blocks` passes the coordinator's `cache_hit_alignment_tokens`, lowered to the"
+    " hash block under fine-grained hits): a mask keeps the tail a hit at the boundary can use",
+    on_hit_grid=True,
+)
+SCHEDULER_GRID = MaskGrid(
+    "0.26.0 .. 0.28.0 (fine-grained hits of #46384, masks still on `scheduler_block_size`): the"
+    " boundary is floored to the scheduler block while lookups land on the hash block, so the kept"
+    " tail sits below the hit that needs it (known finding `vllm-fine-grained-mask-on-scheduler-grid`)",
+    on_hit_grid=False,
+)
+MASK_GRIDS: dict[bool, MaskGrid] = {True: HIT_GRID, False: SCHEDULER_GRID}
 
 
 Cacheable = Callable[[int, int, int, bool], int]

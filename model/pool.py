@@ -137,7 +137,7 @@ class Pool:
             self.ref[b] += 1
 
     def free(self, ordered: Iterable[int], append_all: bool = False) -> None:
-        """Route freed blocks; `append_all`: every one to the tail (releases before #43447)."""
+        """Route freed blocks; `append_all`: every one to the tail (releases before #42656)."""
         to_head: list[int] = []
         to_tail: list[int] = []
         to_pinned: list[int] = []

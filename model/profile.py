@@ -18,6 +18,7 @@ known:
 | `caching_off_free_to_head`         | `model.routing`        | `CACHING_OFF_ORDERS`      |
 | `block_mask`, `eagle_aware_mask`   | `model.masks`          | `CACHEABLE`, `SWA_MASKS`  |
 | `block_mask`, `mamba_retention`    | `model.masks`          | `MAMBA_MASKS`             |
+| `masks_on_hit_grid`                | `model.masks`          | `MASK_GRIDS`              |
 | `eagle_replay_boundaries`          | `model.eagle`          | `REPLAY_BOUNDARIES`       |
 | `eagle_junction_peek`              | `model.eagle`          | `JUNCTION_REACH`          |
 | `eagle_margin_to_hashed`           | `model.eagle`          | `MARGIN_REACH`            |
@@ -66,19 +67,20 @@ class Profile:
       boundary, for a resend and a longer sibling (`replay_boundaries`). Before
       it every group kept the tail of `prompt - 1` whatever Eagle (0.30.0).
     - `caching_off_free_to_head`: with prefix caching off, freed blocks go to
-      the head of the free queue (reused first, LIFO) (#51482). Before it they
-      were appended to the tail (0.27.0, 0.28.0).
+      the head of the free queue (reused first, LIFO) (#51482, 0.28.0). Before
+      it they were appended to the tail (0.27.0, 0.27.1: #48017).
     - `block_mask`: SWA and Mamba cache only the blocks some boundary can use
       (#42258). Before it every full block of every group was cached (0.21.0).
     - `eagle_aware_mask`: the SWA mask keeps Eagle's peek block and shifts the
       tail up one block (#44082). Before it the mask ignored Eagle (0.22.0).
     - `mamba_retention`: the retention interval thins Mamba states too
       (#45845). Before it every Mamba state was cached (0.23.0).
-    - `free_order`: where freed blocks go in the free queue (#43447): "pool"
-      (the pool puts uncached blocks at the head, cached ones at the tail),
-      "caller" (a finished request's full-attention and Mamba blocks and a
-      stale Mamba state are appended; SWA splits cached/uncached) (0.23.0) or
-      "append" (every freed block to the tail) (0.21.0, 0.22.0).
+    - `free_order`: where freed blocks go in the free queue: "pool" (the
+      pool puts uncached blocks at the head, cached ones at the tail: #42656
+      "Apply LRU policy only to proper cache entries", 0.24.0), "caller" (SWA
+      splits its own frees cached/uncached, #43447; a finished request's
+      full-attention and Mamba blocks and a stale Mamba state are appended)
+      (0.23.0) or "append" (every freed block to the tail) (0.21.0, 0.22.0).
     - `shared_prefix_junction`: a hybrid lookup reports the junction (the
       longest hit a group reached alone) and caching keeps its tail. Before
       it there was no junction (0.25.0 and older).
@@ -105,6 +107,11 @@ class Profile:
       blocks capped at one running state plus a copy destination (0.31.0).
       Before it any positive need was raised to that cap, so a partial hit
       needing only its copy block asked for two (0.26.0 .. 0.30.0).
+    - `masks_on_hit_grid`: the SWA and Mamba masks floor a boundary to the
+      lookup's hit grid, the hash block under fine-grained hits (0.29.0).
+      Before it they floored to the scheduler block while lookups landed on
+      the hash block (0.26.0 .. 0.28.0; the known finding
+      `vllm-fine-grained-mask-on-scheduler-grid`).
     - `mamba_retire_past_nulls`: Mamba 'align' frees the states it skipped
       past the null gaps prefill leaves between them (a retired-block mark).
       Before it the walk down from the last skipped block stopped at the first
@@ -127,6 +134,7 @@ class Profile:
     mamba_checkpoint: str = "any_block"
     mamba_count_capped: bool = True
     mamba_retire_past_nulls: bool = True
+    masks_on_hit_grid: bool = True
 
     def __post_init__(self) -> None:
         assert self.free_order in FREE_ORDERS, f"free_order: one of {FREE_ORDERS}"
@@ -155,6 +163,7 @@ class Rules:
     cacheable: masks.Cacheable
     swa_mask: masks.Mask
     mamba_mask: masks.Mask
+    mask_grid: masks.MaskGrid
     replay_boundaries: eagle.ReplayBoundaries
     junction_reach: eagle.JunctionReach
     margin_reach: eagle.MarginReach
@@ -175,6 +184,7 @@ def rules_of(p: Profile) -> Rules:
         cacheable=masks.CACHEABLE[p.block_mask, p.eagle_aware_mask],
         swa_mask=masks.SWA_MASKS[p.block_mask, p.eagle_aware_mask],
         mamba_mask=masks.MAMBA_MASKS[p.block_mask, p.mamba_retention],
+        mask_grid=masks.MASK_GRIDS[p.masks_on_hit_grid],
         replay_boundaries=eagle.REPLAY_BOUNDARIES[p.eagle_replay_boundaries],
         junction_reach=eagle.JUNCTION_REACH[p.eagle_junction_peek],
         margin_reach=eagle.MARGIN_REACH[p.eagle_margin_to_hashed],

@@ -15,10 +15,12 @@ Release variants:
 - `FREE_ORDERS` (profile switch `free_order`): before the pool routed every
   free (#42656), callers decided, and some appended whatever the hash:
   `FreeOrder` names, per kind of free, whether every block goes to the tail.
-  (`model.profile`, docs/matrix.md and `Capabilities` still credit the pool
-  order to #43447; issue 25 item 4 corrects that attribution.)
+  Read from the releases' `BlockPool.free_blocks`: 0.22.0 appends every
+  block, 0.23.0 takes the caller's `prepend=` (#43447 passes it for SWA's
+  own frees), 0.24.0 splits every free itself (#42656).
 - `CACHING_OFF_ORDERS` (profile switch `caching_off_free_to_head`): with
-  prefix caching off, freed blocks went to the tail (FIFO) before #51482.
+  prefix caching off, freed blocks went to the tail (FIFO) in 0.27.x only
+  (#48017's fast path appended them; #51482 restored the head in 0.28.0).
 """
 
 from __future__ import annotations
@@ -93,6 +95,13 @@ class CachingOff:
     to_head: bool
 
 
-LIFO = CachingOff("0.29.0 (#51482): caching off, freed blocks go to the head (reused first)", to_head=True)
-FIFO = CachingOff("0.27.0, 0.28.0: caching off, freed blocks are appended to the tail", to_head=False)
+LIFO = CachingOff(
+    "0.24.0 .. 0.26.0 (#42656: no block carries a hash, so each goes to the head) and 0.28.0 on"
+    " (#51482): caching off, freed blocks go to the head (reused first)",
+    to_head=True,
+)
+FIFO = CachingOff(
+    "0.27.0, 0.27.1 (#48017's caching-off fast path appends): caching off, freed blocks go to the tail",
+    to_head=False,
+)
 CACHING_OFF_ORDERS: dict[bool, CachingOff] = {True: LIFO, False: FIFO}

@@ -105,3 +105,61 @@ def test_vllm_agrees_with_model_apart_from_known_findings():
     )
     run_state_machine_as_test(machine)
     assert stats.steps > 0
+
+
+class RaisesOnFirstSchedule(ModelTarget):
+    """A target that raises on its first Schedule (as vLLM does on a known
+    assertion) and, having skipped it, disagrees with the model from then on."""
+
+    def apply(self, op):  # type: ignore[no-untyped-def]
+        from model.ops import Schedule
+
+        if isinstance(op, Schedule) and not getattr(self, "raised", False):
+            self.raised = True
+            raise RuntimeError("planted: the release asserts here")
+        return super().apply(op)
+
+
+def _run_tolerating(check: str) -> FuzzStats:
+    from hypothesis import HealthCheck
+    from hypothesis import strategies as st
+
+    stats = FuzzStats()
+    machine = build_machine(
+        RaisesOnFirstSchedule,
+        st.just(configs_example()),
+        stats,
+        tolerated=lambda v: v.check == check,
+    )
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=20, stateful_step_count=12, database=None, suppress_health_check=list(HealthCheck)
+        ),
+    )
+    return stats
+
+
+def configs_example():  # type: ignore[no-untyped-def]
+    from model.config import Config, GroupSpec
+
+    return Config((GroupSpec("full", 4),), 16)
+
+
+def test_a_tolerated_crash_ends_the_examples_checking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the target raised (a tolerated known crash) its state is undefined:
+    the example checks nothing more, so no difference that follows is reported.
+    Controls: the crash itself is not tolerated unless listed; a machine that
+    keeps checking after it reports the divergence that follows."""
+    from invariants.harness.machine import AllocatorMachine
+
+    stats = _run_tolerating("crash")
+    assert stats.features["example ended by a tolerated crash"] > 0
+    with pytest.raises(ViolationFound):
+        _run_tolerating("snapshot")
+    monkeypatch.setattr(
+        AllocatorMachine, "halted", property(lambda self: False, lambda self, v: None), raising=False
+    )
+    with pytest.raises(ViolationFound) as err:
+        _run_tolerating("crash")
+    assert all(v.check != "crash" for v in err.value.violations)

@@ -178,7 +178,11 @@ def _fake_namespace(**new: bool) -> dict[str, Any]:
                 return None
 
     class SingleTypeKVCacheManager:
-        if new.get("junction_peek"):
+        if new.get("hit_grid_mask"):
+
+            def cache_blocks(self, request, boundaries):  # type: ignore[no-untyped-def]
+                return self.reachable_block_mask(alignment_tokens=self.cache_hit_alignment_tokens)  # type: ignore[attr-defined]
+        elif new.get("junction_peek"):
 
             def cache_blocks(self, request, boundaries):  # type: ignore[no-untyped-def]
                 return [*boundaries, request.shared_prefix_boundary - self.block_size]  # type: ignore[attr-defined]
@@ -271,6 +275,7 @@ def test_fake_release_before_every_mechanism_has_none() -> None:
         ("mamba_any_block", "mamba_checkpoint", "any_block"),
         ("mamba_in_block_drop", "mamba_checkpoint", "in_block_drop"),
         ("mamba_capped", "mamba_count_capped", True),
+        ("hit_grid_mask", "mask_hit_grid", True),
     ],
 )
 def test_each_capability_is_read_from_the_code(flag: str, field: str, value: object) -> None:
@@ -313,9 +318,10 @@ EXPECTED = {
     "0.22.0": dict(block_mask=True, free_order="append", retention="none", eagle_aware_mask=False),
     "0.23.0": dict(free_order="caller", retention="env", eagle_aware_mask=True, mamba_retention=False),
     "0.24.0": dict(free_order="pool", retention="env", mamba_retention=True, shared_prefix_junction=False),
-    "0.27.0": dict(caching_off_order="fifo", retention="env"),
+    "0.27.0": dict(caching_off_order="fifo", retention="env", mask_hit_grid=False),
+    "0.28.0": dict(caching_off_order="lifo", retention="env", mask_hit_grid=False),
     "0.26.0": dict(shared_prefix_junction=True, cow_copies=True, retention="env"),
-    "0.29.0": dict(retention="config", coarse_hash="last", caching_off_order="lifo"),
+    "0.29.0": dict(retention="config", coarse_hash="last", caching_off_order="lifo", mask_hit_grid=True),
     "0.25.0": dict(eagle_margin_skips_mamba=False, partial_tail=False),
     "0.30.0": dict(eagle_margin_skips_mamba=True, mamba_checkpoint="in_block_drop", mamba_count_capped=False),
     "0.31.0": dict(mamba_checkpoint="in_block_drop", mamba_count_capped=True),
@@ -571,6 +577,30 @@ def test_table_and_markdown_from_results() -> None:
     assert (
         md.count("model profile: `0.33.0 but ") == 2 and "block_mask=False" in md.split("## vLLM 0.33.0")[0]
     )
+
+
+def test_the_known_design_is_stated_once_per_release() -> None:
+    """Every check counts breaks of invariants of mechanisms the release lacks
+    (class predates) and runs on; the report states them once per release, with
+    the invariants not judged and the total. Control: a release that lacks no
+    guarded mechanism gets no such line."""
+    from invariants.matrix.markdown import render
+
+    old = _run("0.21.0", "clean")
+    for c in [*old.result["checks"], *old.result["conformance"]]:
+        c["tolerated"] = {"predates": 5}
+        c["tolerated_first"] = {"predates": "uncached_reused_before_cached: uncached block 6 sits behind 3"}
+    old.result["capabilities"] = _caps().to_json()
+    new = _run("0.33.0", "clean")
+    new.result["capabilities"] = _caps(
+        block_mask=True, pool_order=True, env_retention=True, mamba_retention=True, junction=True
+    ).to_json()
+    md = render([old, new], "kvretain matrix")
+    first, second = md.split("## vLLM 0.33.0")
+    assert first.count("known design") == 1 and "tolerated predates" not in first
+    assert "20 break(s) over 4 check(s)" in first and "`uncached_reused_before_cached`" in first
+    assert "free_order (#42656" in first
+    assert "known design" not in second
 
 
 def test_bad_releases_exit_2_with_one_line(tmp_path: Path) -> None:

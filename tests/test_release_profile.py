@@ -216,6 +216,22 @@ CASES = {
         Config((GroupSpec("full", 4), GroupSpec("swa", 8, 9)), 16, eagle=True),
         (AddRequest("a", (1, 2, 2, 2, 2, 2, 1, 1, 2, 1, 1, 2, 2)), Schedule("a", 64)),
     ),
+    "masks_on_hit_grid": Case(
+        "masks_on_hit_grid",
+        "mask_hit_grid",
+        "0.28.0",
+        Config(
+            (GroupSpec("full", 16), GroupSpec("swa", 4, 11), GroupSpec("mamba", 16)),
+            13,
+            retention_interval=0,
+            hash_block_size=4,
+            scheduler_block_size=16,
+        ),
+        (
+            AddRequest("a", (2, 2, 2, 3, 2, 2, 1, 3, 1, 2, 3, 2, 3, 2, 3, 1, 1, 1, 3, 3, 2, 3)),
+            Schedule("a", 64),
+        ),
+    ),
     "mamba_retire_past_nulls": Case(
         "mamba_retire_past_nulls",
         "mamba_retired_mark",
@@ -248,6 +264,7 @@ FAKE_FLAG: dict[str, tuple[str, object, object]] = {
     "mamba_checkpoint": ("mamba_any_block", "any_block", "in_block"),
     "mamba_count_capped": ("mamba_capped", True, False),
     "mamba_retired_mark": ("mamba_retire", True, False),
+    "mask_hit_grid": ("hit_grid_mask", True, False),
 }
 
 
@@ -484,6 +501,17 @@ def test_before_the_retired_mark_a_state_below_a_null_leaves_as_the_stale_state(
     assert new.free_queue[0] == 4 and old.free_queue[-1] == 4
 
 
+def test_before_the_hit_grid_masks_keep_the_tail_of_the_scheduler_block() -> None:
+    # Full 16 + SWA 4 (window 11) + Mamba 16, hash block 4 (fine-grained hits),
+    # retention 0, a 22-token prompt: the replay boundary 21 floored to the hit
+    # grid is 20, whose SWA tail ends at 12, 16, 20 (20 is not computed yet in
+    # the first 16-token chunk). 0.28.0 floors it to the scheduler block (16) and
+    # keeps the tail ending at 8, 12, 16.
+    case = CASES["masks_on_hit_grid"]
+    new, old = (_stored(_run(case, pr), 1) for pr in (MODELED, _older(case)))
+    assert [len(p) for p in new] == [12, 16] and [len(p) for p in old] == [8, 12, 16]
+
+
 @pytest.mark.parametrize("capability", sorted(FAKE_FLAG))
 def test_each_switch_follows_its_detected_capability(capability: str) -> None:
     switch = next(c.switch for c in CASES.values() if c.capability == capability)
@@ -546,3 +574,37 @@ def test_the_release_before_the_mechanism_agrees_with_its_profile_only(
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["detected"] == []
     assert found["modeled"], "control: the 0.33.0 profile should disagree with this release"
+
+
+_CHECK_OLDER = (
+    _CHECK.replace('for label in ("detected", "modeled"):', 'for label in ("detected", "older"):')
+    .replace(
+        'if label == "modeled":\n        target.profile = MODELED',
+        'if label == "older":\n        target.profile = replace(target.profile, **json.loads(sys.argv[2]))',
+    )
+    .replace("from model.profile import MODELED", "from dataclasses import replace")
+)
+
+
+@pytest.mark.parametrize(("name", "release"), [("masks_on_hit_grid", "0.29.0")])
+def test_the_release_with_the_mechanism_disagrees_with_the_older_rule(
+    name: str, release: str, tmp_path: Path, release_envs: Any
+) -> None:
+    """The other direction: on the first release with the mechanism, its detected
+    profile agrees and the same profile with the older rule disagrees."""
+    case = CASES[name]
+    assert "older" in _CHECK_OLDER and "MODELED" not in _CHECK_OLDER  # the script was rewritten
+    python = release_envs.python(release)
+    trace = write_trace(Trace(case.config, list(case.ops), 0, "vllm", ""), tmp_path / "t.json")
+    proc = subprocess.run(
+        [str(python), "-c", _CHECK_OLDER, str(trace), json.dumps({case.switch: case.old})],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["detected"] == []
+    assert found["older"], f"control: the older rule of {case.switch} should disagree with {release}"

@@ -192,6 +192,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.checker: Checker | None = None
         self.failed = False
+        # A tolerated crash (a known finding where the target raised) leaves the
+        # target's state undefined: the example checks nothing after it.
+        self.halted = False
         self.prefixes: list[tuple[int, ...]] = []
         self.next_rid = 0
 
@@ -227,9 +230,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.checker is not None
         stats = self.run_stats
         check_budget(stats)
+        if self.halted:
+            return
         before = self.checker.tables()
-        found = [v for v in self.checker.step(op) if not self._known(v)]
+        violations = self.checker.step(op)
+        found = [v for v in violations if not self._known(v)]
         stats.steps += 1
+        if not found and any(v.check == "crash" for v in violations):
+            self.halted = True
+            stats.features["example ended by a tolerated crash"] += 1
         free_len, pinned_len, cached, tables = self.checker.shape()
         stats.features.update(self.checker.model.exercised)
         self.checker.model.exercised.clear()
@@ -253,7 +262,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """The end of every example is audited in full (nothing the fast path missed survives it)."""
-        if self.checker is None or self.failed or self.checker.audit_every == 1:
+        if self.checker is None or self.failed or self.halted or self.checker.audit_every == 1:
             return
         found = [v for v in self.checker.audit() if not self._known(v)]
         if found:

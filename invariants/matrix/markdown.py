@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from invariants.matrix.classify import GUARDED_BY, KNOWN_DESIGN
 from invariants.matrix.runner import HEADERS, ReleaseRun, matrix_rows
-from invariants.targets.vllm_capabilities import Capabilities
+from invariants.targets.vllm_capabilities import MECHANISM_PR, Capabilities
 
 
 def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -47,6 +48,29 @@ def _check_lines(version: str, python: str, check: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _known_design_lines(caps: Capabilities, checks: list[dict[str, Any]]) -> list[str]:
+    """The release's known design, once: the invariants of mechanisms it lacks
+    (not judged, their breaks counted by every check) and how often they broke."""
+    missing = set(caps.missing())
+    unjudged = sorted(inv for inv, needs in GUARDED_BY.items() if missing & set(needs))
+    counted = [
+        (c["check"], (c.get("tolerated") or {}).get(kind, 0), c.get("tolerated_first") or {})
+        for c in checks
+        for kind in KNOWN_DESIGN
+    ]
+    total = sum(n for _, n, _ in counted)
+    if not unjudged and not total:
+        return []
+    lacks = ", ".join(f"{m} ({MECHANISM_PR.get(m, m)})" for m in sorted(missing)) or "nothing"
+    first = next((f[k] for _, n, f in counted if n for k in KNOWN_DESIGN if k in f), None)
+    line = (
+        f"- known design (class predates, counted by every check, not judged): mechanisms the release "
+        f"lacks: {lacks}; invariants not judged: {', '.join(f'`{i}`' for i in unjudged) or 'none'}; "
+        f"{total} break(s) over {sum(1 for _, n, _ in counted if n)} check(s)"
+    )
+    return [line + (f", first: `{first}`" if first else "")]
+
+
 def render(runs: list[ReleaseRun], command: str) -> str:
     out = [
         "# vLLM release matrix",
@@ -70,9 +94,13 @@ def render(runs: list[ReleaseRun], command: str) -> str:
         profile = Capabilities.from_json(r.result["capabilities"]).profile()
         out += [f"model profile: `{profile.describe()}`", ""]
         python = "~/.cache/kvretain/vllm-" + r.version + "/bin/python"
-        for check in [*r.result["checks"], *r.result["conformance"]]:
+        checks = [*r.result["checks"], *r.result["conformance"]]
+        out += _known_design_lines(Capabilities.from_json(r.result["capabilities"]), checks)
+        for check in checks:
             out += _check_lines(r.version, python, check)
             for kind, first in sorted((check.get("tolerated_first") or {}).items()):
+                if kind in KNOWN_DESIGN:
+                    continue  # stated once for the release (`_known_design_lines`)
                 n = check["tolerated"][kind]
                 out.append(f"- {check['check']}: {n} tolerated {kind} violation(s), first: `{first}`")
         for k in r.result["known"]:

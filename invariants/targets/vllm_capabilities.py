@@ -10,8 +10,9 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |--------------------------|------------------------------------------------------------|--------|
 | `block_mask`             | `BlockPool.cache_full_blocks(..., block_mask)`             | #42258 |
 | `free_order`             | `BlockPool.free_blocks`: "append" (every freed block to    | #43447 |
-|                          | the tail), "caller" (callers choose `prepend=`), "pool"    |        |
-|                          | (the pool prepends unhashed, appends hashed blocks)        |        |
+|                          | the tail), "caller" (callers choose `prepend=`: SWA's own  | #42656 |
+|                          | frees, #43447, 0.23.0), "pool" (the pool prepends unhashed,|        |
+|                          | appends hashed blocks: #42656, 0.24.0)                     |        |
 | `caching_off_order`      | caching off: freed blocks "lifo" (to the head) or "fifo"   | #51482 |
 | `retention`              | "none", "env" (`VLLM_PREFIX_CACHE_RETENTION_INTERVAL` read | #43447 |
 |                          | by the coordinator) or "config" (`KVCacheConfig` field)    | #52216 |
@@ -44,6 +45,9 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 |                          | (`min(num_new_blocks, physical_block_cap)`)                |        |
 | `mamba_retired_mark`     | `MambaManager._remove_blocks_in_range` (align mode frees   |        |
 |                          | skipped states past null gaps)                             |        |
+| `mask_hit_grid`          | `SingleTypeKVCacheManager.cache_blocks` floors the masks'  |        |
+|                          | boundaries to `cache_hit_alignment_tokens` (the hit grid), |        |
+|                          | else to `scheduler_block_size`                             |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -71,7 +75,7 @@ RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 # Mechanism -> the upstream PR that introduced it (for "gone in X.Y.Z" lines).
 MECHANISM_PR: dict[str, str] = {
     "block_mask": "#42258",
-    "free_order": "#43447",
+    "free_order": "#42656 pool-wide; #43447 only SWA's own frees, 0.23.0",
     "caching_off_order": "#51482",
     "retention": "#43447",
     "mamba_retention": "#45845",
@@ -107,6 +111,7 @@ class Capabilities:
     mamba_checkpoint: str = "any_block"
     mamba_count_capped: bool = True
     mamba_retired_mark: bool = True
+    mask_hit_grid: bool = True
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -126,6 +131,7 @@ class Capabilities:
             mamba_checkpoint=self.mamba_checkpoint,
             mamba_count_capped=self.mamba_count_capped,
             mamba_retire_past_nulls=self.mamba_retired_mark,
+            masks_on_hit_grid=self.mask_hit_grid,
         )
 
     @property
@@ -135,7 +141,7 @@ class Capabilities:
 
     @property
     def has_free_order_fix(self) -> bool:
-        """Every freed unhashed block goes to the head of the free queue (#43447 as merged)."""
+        """Every freed unhashed block goes to the head of the free queue (#42656, 0.24.0)."""
         return self.free_order == "pool"
 
     def missing(self) -> list[str]:
@@ -259,6 +265,7 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
         mamba_count_capped="min(num_new_blocks, physical_block_cap)"
         in _source(getattr(ns["MambaManager"], "get_num_blocks_to_allocate", None)),
         mamba_retired_mark="_remove_blocks_in_range" in vars(ns["MambaManager"]),
+        mask_hit_grid="cache_hit_alignment_tokens" in _source(getattr(single_type, "cache_blocks", None)),
     )
 
 
