@@ -332,5 +332,7 @@ def test_a_defect_fuzzing_does_not_draw_is_found_with_its_shortest_trace(tmp_pat
 def test_seed_0_fuzzing_does_not_draw_the_one_prompt_defect_in_60_s(tmp_path: Path) -> None:
     from invariants.harness.fuzz import run_fuzz
 
-    report = run_fuzz("model", factory=LeaksOnOnePrompt, budget_s=60, seed=0, progress=False, out_dir=tmp_path)
+    report = run_fuzz(
+        "model", factory=LeaksOnOnePrompt, budget_s=60, seed=0, progress=False, out_dir=tmp_path
+    )
     assert report.failure is None and report.stats.steps > 10_000

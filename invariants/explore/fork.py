@@ -22,7 +22,13 @@ from typing import Any
 from invariants.harness.checker import Checker
 
 # Classes too: a mutant's class defined inside a function has no importable name.
-_SHARED_TYPES = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType)
+_SHARED_TYPES = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodWrapperType,
+)
 
 
 def _bound(func: Any, owner: Any) -> types.MethodType:
