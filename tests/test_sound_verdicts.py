@@ -108,12 +108,18 @@ def test_eagle_replay_claim_needs_its_precondition_and_shape() -> None:
     assert explain("model", _v(prop, msg.format(0, 8), wide_swa, fin)) is None  # no SWA block < sbs
 
 
-def test_waste_of_a_kind_is_known_only_with_eagle_and_an_interval() -> None:
+def test_waste_of_a_kind_is_known_only_with_eagle_and_sparse_retention() -> None:
+    """The claim covers retention 0 and k (the matrix replays it on both); dense
+    retention or no Eagle is a new violation."""
     f = FINDINGS["vllm-eagle-mamba-interval-waste"]
     cfg, op = f.trace.config, Schedule("r3", 3)
     waste = _v("no_waste", "mamba g1:4t cached but no retained boundary of any request needs it", cfg, op)
     assert known_finding("vllm", "0.29.0", waste) is f
-    for other in (cfg.with_(eagle=False), cfg.with_(retention_interval=0)):
+    assert (
+        known_finding("vllm", "0.29.0", _v(waste.check, waste.message, cfg.with_(retention_interval=0), op))
+        is f
+    )
+    for other in (cfg.with_(eagle=False), cfg.with_(retention_interval=None)):
         assert known_finding("vllm", "0.29.0", _v(waste.check, waste.message, other, op)) is None
 
 
