@@ -24,7 +24,11 @@ out as a new block in the same step (the copy would read what another request wr
 key the source lost in the step moved to the destination (the key follows the state it
 names). Runs on every operation: on the fast path from the step's delta (the endpoints
 are touched blocks), in an audit from whole snapshots.
-Asked for by: kvretain's invariant catalogue.
+Asked for by: introducing PR: not identified (0.32.0 is the first release the matrix
+reproduces it on); fixing PR: none found (vLLM's PR threads searched 2026-11-27);
+https://github.com/vllm-project/vllm/pull/56525 (related, open: guard Mamba state-block
+hits behind the writing step's commit fence; the same class, a hit on content its step
+has not written yet).
 
 Exported by kvretain from a 6-operation trace (target vllm, seed 29); kvretain
 reported: copies_sound: copy 3 -> 6: source was allocated in the same step (the copy runs before
