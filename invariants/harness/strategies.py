@@ -41,6 +41,7 @@ def configs(
     lookahead: bool | None = None,
     allow_fine: bool = True,
     fine: bool | None = None,
+    eagle_drafts: bool = False,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -52,6 +53,8 @@ def configs(
     `fine`: True = a Mamba block 2 or 4 hash blocks wide (fine-grained hits where
     the other groups allow them), False = Mamba block == hash block, None = either
     (unless `allow_fine` is False: targets that refuse such configurations).
+    `eagle_drafts`: an Eagle configuration always reserves lookahead slots (a
+    real scheduler's Eagle drafts at least one token).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -77,17 +80,18 @@ def configs(
     elif retention == "interval":
         choices = [sbs, 2 * sbs, 3 * sbs]
     interval = draw(st.sampled_from(choices))
+    use_eagle = draw(st.booleans()) if eagle is None else eagle
     pin = allow_pinning and "swa" in shape and draw(st.booleans())
     cfg = Config(
         groups=tuple(groups),
         num_blocks=draw(st.integers(6, 28)),
         retention_interval=interval,
-        eagle=draw(st.booleans()) if eagle is None else eagle,
+        eagle=use_eagle,
         enable_caching=draw(st.sampled_from([True, True, True, True, False])) if caching is None else caching,
         pin_swa_on_drop=pin,
         pin_min_drop_blocks=draw(st.integers(0, 3)) if pin else 1,
         max_model_len=4096,
-        num_lookahead_tokens=_lookahead(draw, lookahead),
+        num_lookahead_tokens=_lookahead(draw, True if eagle_drafts and use_eagle else lookahead),
         # The hash block stays one `base` wide (vLLM `--prefix-match-unit`) when the Mamba block is wider.
         hash_block_size=base if wide_mamba else 0,
     )
