@@ -53,8 +53,10 @@ def configs(
     `fine`: True = a Mamba block 2 or 4 hash blocks wide (fine-grained hits where
     the other groups allow them), False = Mamba block == hash block, None = either
     (unless `allow_fine` is False: targets that refuse such configurations).
-    `eagle_drafts`: an Eagle configuration always reserves lookahead slots (a
-    real scheduler's Eagle drafts at least one token).
+    `eagle_drafts`: a real scheduler's speculative decoding: an Eagle
+    configuration always reserves lookahead slots (vLLM's Eagle drafts at least
+    one token), and one with a Mamba group neither (its speculative state blocks
+    are not modeled: `vllm_scheduler_build.MAMBA_NEEDS_SPECULATIVE_BLOCKS`).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -81,6 +83,8 @@ def configs(
         choices = [sbs, 2 * sbs, 3 * sbs]
     interval = draw(st.sampled_from(choices))
     use_eagle = draw(st.booleans()) if eagle is None else eagle
+    no_spec = eagle_drafts and "mamba" in shape
+    use_eagle = use_eagle and not no_spec
     pin = allow_pinning and "swa" in shape and draw(st.booleans())
     cfg = Config(
         groups=tuple(groups),
@@ -91,7 +95,9 @@ def configs(
         pin_swa_on_drop=pin,
         pin_min_drop_blocks=draw(st.integers(0, 3)) if pin else 1,
         max_model_len=4096,
-        num_lookahead_tokens=_lookahead(draw, True if eagle_drafts and use_eagle else lookahead),
+        num_lookahead_tokens=_lookahead(
+            draw, False if no_spec else True if eagle_drafts and use_eagle else lookahead
+        ),
         # The hash block stays one `base` wide (vLLM `--prefix-match-unit`) when the Mamba block is wider.
         hash_block_size=base if wide_mamba else 0,
     )
