@@ -56,7 +56,7 @@ def configs(
     `eagle_drafts`: a real scheduler's speculative decoding: an Eagle
     configuration always reserves lookahead slots (vLLM's Eagle drafts at least
     one token), and one with a Mamba group neither (its speculative state blocks
-    are not modeled: `vllm_scheduler_build.MAMBA_NEEDS_SPECULATIVE_BLOCKS`).
+    are not modeled: `vllm_scheduler_spec.MAMBA_NEEDS_SPECULATIVE_BLOCKS`).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))

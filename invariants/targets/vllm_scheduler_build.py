@@ -65,12 +65,6 @@ EAGLE_NEEDS_LOOKAHEAD = (
     "num_lookahead_tokens: vLLM's Eagle drafts at least one token, so its scheduler "
     "reserves at least one lookahead slot; an Eagle configuration with 0 cannot be built"
 )
-MAMBA_NEEDS_SPECULATIVE_BLOCKS = (
-    "groups: a Mamba group with speculative decoding (num_lookahead_tokens > 0): vLLM sizes the Mamba "
-    "state's draft blocks from the model (MambaSpec.num_speculative_blocks = num_speculative_tokens, "
-    "0 only under ReplaySSM), which kvretain's specs and model do not describe; the real scheduler's "
-    "rollback of drafts then leaves no state at the rolled-back position (not judged)"
-)
 
 
 class SchedulerUnsupported(ConfigError):
@@ -173,8 +167,6 @@ def check_scheduler_supported(cfg: Config) -> None:
     """Raise `SchedulerUnsupported` for what vLLM's scheduler cannot be configured to do."""
     if cfg.eagle and cfg.num_lookahead_tokens == 0:
         raise SchedulerUnsupported(EAGLE_NEEDS_LOOKAHEAD)
-    if cfg.num_lookahead_tokens and cfg.has_mamba:
-        raise SchedulerUnsupported(MAMBA_NEEDS_SPECULATIVE_BLOCKS)
 
 
 def vllm_config(cfg: Config, *, async_scheduling: bool = False) -> Any:

@@ -47,7 +47,7 @@ from .vllm_capabilities import Capabilities
 from .vllm_drive import OpDriver
 from .vllm_scheduler_build import build_scheduler, scheduler_modules
 from .vllm_scheduler_drive import RealStepScheduler
-from .vllm_scheduler_spec import SpecStepScheduler
+from .vllm_scheduler_spec import SpecStepScheduler, check_speculation_judged
 from .vllm_snapshot import EventTranslator, SnapshotReader
 from .vllm_target import VLLM_EVENT_PROFILE, VllmTarget
 
@@ -105,6 +105,7 @@ class VllmSchedulerTarget(VllmTarget):
     features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True)
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
+        check_speculation_judged(config)
         self.vllm_scheduler: Any = None
         super().__init__(config, events, track_prefixes)
         # With lookahead slots the scheduler speculates (`vllm_scheduler_spec`).
