@@ -86,9 +86,7 @@ class RequestState:
     num_computed: int = 0
     running: bool = False
     shared_prefix_boundary: int = 0
-    # Speculative decoding (`model.spec_decode`): drafts proposed for the next step,
-    # drafts the last step verified (awaiting the sample), and whether the last step
-    # that ran the request left known tokens uncomputed (vLLM `is_prefill_chunk`).
+    # `model.spec_decode`: drafts for the next step, drafts the last step verified, vLLM `is_prefill_chunk`.
     drafts: tuple[int, ...] = ()
     verifying: tuple[int, ...] = ()
     prefill_chunk: bool = False
@@ -155,8 +153,7 @@ class AllocatorModel:
         self, config: Config, events: str = "seed", profile: Profile = MODELED, num_spec_tokens: int = 0
     ) -> None:
         self.cfg = validate(config)
-        # Drafts a step may verify: a real scheduler's speculative decoding (`model.spec_decode`); 0: none.
-        self.num_spec_tokens = num_spec_tokens
+        self.num_spec_tokens = num_spec_tokens  # drafts a step verifies (`model.spec_decode`); 0: none
         self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
         # The rule of each mechanism for that release: the model composes these, never reads a switch.
         self.rules = rules_of(profile)
@@ -265,20 +262,14 @@ class AllocatorModel:
         return copies
 
     def _sample(self, req: RequestState, op: Sample) -> None:
-        """The step's output: accepted drafts and the sampled token, the rejected drafts
-        rolled back, then the drafter's next proposal (`model.spec_decode`)."""
-        assert req.awaits_sample, f"{op.rid} is not waiting for a sample"
-        assert op.accepted <= acceptable(req.verifying), f"{op.rid}: more drafts accepted than verified"
+        """Accepted drafts and the token appended, rejected ones rolled back, blocks cached (`model.spec_decode`)."""
+        assert req.awaits_sample and op.accepted <= acceptable(req.verifying), f"{op.rid}: no such sample"
         assert len(op.drafts) <= self.num_spec_tokens, f"{op.rid}: more drafts than num_spec_tokens"
         req.num_computed -= len(req.verifying) - op.accepted
         req.outputs.extend((*req.verifying[: op.accepted], op.token))
-        req.verifying = ()
-        if self.num_spec_tokens:
-            if op.accepted:
-                self.exercised["draft tokens accepted"] += 1
-            if self.cfg.enable_caching:
-                self._cache_blocks(req, req.num_computed)
-        req.drafts = op.drafts
+        req.verifying, req.drafts = (), op.drafts
+        if self.num_spec_tokens and self.cfg.enable_caching:
+            self._cache_blocks(req, req.num_computed)
 
     def _ran(self, req: RequestState, n: int) -> None:
         """`req` computes `n` more tokens this step: the drafts they reach are verified."""
@@ -313,23 +304,19 @@ class AllocatorModel:
         self, req: RequestState, left: int, budget: int, ran_running: bool = False, ran_prefill: bool = False
     ) -> ScheduleResult:
         """Admit a waiting request: lookup, then its first chunk of at most `left` tokens
-        (`ran_running`, `ran_prefill`: the step's running pass ran a request, a prefill
-        chunk: they decide the spec-decode padding, `model.spec_decode`)."""
+        (`ran_running`, `ran_prefill`: the step ran a request, a prefill chunk; `model.spec_decode`)."""
         layouts, hit, spb = self._find_hit(req.tokens, req.num_tokens - 1)
         hit_blocks = self._hit_blocks(req.tokens, layouts)
         req.shared_prefix_boundary = spb
         if hit % self.cfg.scheduler_block_size:
             self.exercised["fine-grained hit (inside a scheduler block)"] += 1
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
-        wanted = padded_admission(
-            req.num_tokens - hit, self.num_spec_tokens, hit, ran_running=ran_running, ran_prefill=ran_prefill
-        )
-        padded = wanted > req.num_tokens - hit
-        if padded and wanted > left:
+        pad = padded_admission(req.num_tokens - hit, self.num_spec_tokens, hit, ran_running, ran_prefill)
+        if pad and 1 + pad > left:
             return result  # vLLM prefers not scheduling to scheduling unpadded
-        n = self._chunk(req, hit, min(wanted, left), budget)
-        if padded and 0 < n != wanted:
-            n, padded = 1, False  # a Mamba split clipped the padding: drop it
+        n = self._chunk(req, hit, min(req.num_tokens - hit + pad, left), budget)
+        if pad and 0 < n != 1 + pad:
+            n, pad = 1, 0  # a Mamba split clipped the padding: drop it
         if n <= 0:
             return result
         new = self._allocate_slots(req, n, hit, hit_blocks)
@@ -337,8 +324,8 @@ class AllocatorModel:
             return result
         req.running, req.num_computed = True, hit + n
         req.prefill_chunk = req.num_computed < req.num_tokens
-        req.verifying = (PLACEHOLDER,) * self.num_spec_tokens if padded else ()
-        if padded:
+        req.verifying = (PLACEHOLDER,) * pad
+        if pad:
             self.exercised["one-token admission padded with draft slots"] += 1
         return ScheduleResult(n, True, hit, spb, hit_blocks, new)
 

@@ -63,10 +63,10 @@ def verified_drafts(
 
 
 def padded_admission(
-    num_new: int, num_spec_tokens: int, hit: int, *, ran_running: bool, ran_prefill: bool
+    num_new: int, num_spec_tokens: int, hit: int, ran_running: bool, ran_prefill: bool
 ) -> int:
-    """The tokens an admission asks for before the budget: `1 + k` for a one-token
-    admission that `pad_spec_decode` pads (see the module docstring), else `num_new`."""
+    """The placeholder drafts an admission of `num_new` tokens is padded with: k for a
+    one-token admission that `pad_spec_decode` pads (see the module docstring), else 0."""
     if num_spec_tokens and num_new == 1 and not ran_prefill and (ran_running or hit > 0):
-        return 1 + num_spec_tokens
-    return num_new
+        return num_spec_tokens
+    return 0

@@ -55,12 +55,12 @@ def test_contract_functions() -> None:
     assert verified_drafts((5, 6), num_computed=9, num_tokens=10, scheduled=3) == (5, 6)
     assert verified_drafts((5, 6), num_computed=9, num_tokens=10, scheduled=2) == (5,)
     assert verified_drafts((5, 6), num_computed=9, num_tokens=10, scheduled=1) == ()
-    assert padded_admission(1, 3, hit=16, ran_running=False, ran_prefill=False) == 4
-    assert padded_admission(1, 3, hit=0, ran_running=True, ran_prefill=False) == 4
-    assert padded_admission(1, 3, hit=0, ran_running=False, ran_prefill=False) == 1  # nothing ran, no hit
-    assert padded_admission(1, 3, hit=16, ran_running=True, ran_prefill=True) == 1  # a prefill chunk ran
-    assert padded_admission(2, 3, hit=16, ran_running=True, ran_prefill=False) == 2
-    assert padded_admission(1, 0, hit=16, ran_running=True, ran_prefill=False) == 1  # no speculation
+    assert padded_admission(1, 3, hit=16, ran_running=False, ran_prefill=False) == 3
+    assert padded_admission(1, 3, hit=0, ran_running=True, ran_prefill=False) == 3
+    assert padded_admission(1, 3, hit=0, ran_running=False, ran_prefill=False) == 0  # nothing ran, no hit
+    assert padded_admission(1, 3, hit=16, ran_running=True, ran_prefill=True) == 0  # a prefill chunk ran
+    assert padded_admission(2, 3, hit=16, ran_running=True, ran_prefill=False) == 0
+    assert padded_admission(1, 0, hit=16, ran_running=True, ran_prefill=False) == 0  # no speculation
 
 
 def _model(cfg: Config, k: int) -> AllocatorModel:
@@ -180,7 +180,6 @@ def padding_trace(factory: object = None) -> Drive:
 def test_spec_traces_agree_with_the_model(trace) -> None:  # type: ignore[no-untyped-def]
     d = trace()
     assert d.found == []
-    assert d.checker.model.exercised["draft tokens accepted"] > 0
     if trace is padding_trace:
         assert d.checker.model.exercised["one-token admission padded with draft slots"] >= 2
     else:

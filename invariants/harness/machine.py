@@ -365,6 +365,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             return Sample(rid, token)
         verified = acceptable(self.checker.model.requests[rid].verifying)
         accepted = data.draw(st.integers(0, verified), label="accepted drafts")
+        if accepted:
+            self.run_stats.features["draft tokens accepted"] += 1
         drafts = data.draw(st.lists(TOKENS, max_size=k), label="drafts")
         return Sample(rid, token, accepted, tuple(drafts))
 
