@@ -82,13 +82,13 @@ def configs(
     elif retention == "interval":
         choices = [sbs, 2 * sbs, 3 * sbs]
     interval = draw(st.sampled_from(choices))
-    use_eagle = draw(st.booleans()) if eagle is None else eagle
-    no_spec = eagle_drafts and "mamba" in shape
-    use_eagle = use_eagle and not no_spec
     pin = allow_pinning and "swa" in shape and draw(st.booleans())
+    num_blocks = draw(st.integers(6, 28))
+    no_spec = eagle_drafts and "mamba" in shape
+    use_eagle = (draw(st.booleans()) if eagle is None else eagle) and not no_spec
     cfg = Config(
         groups=tuple(groups),
-        num_blocks=draw(st.integers(6, 28)),
+        num_blocks=num_blocks,
         retention_interval=interval,
         eagle=use_eagle,
         enable_caching=draw(st.sampled_from([True, True, True, True, False])) if caching is None else caching,
