@@ -65,6 +65,7 @@ from model.pool import Pool
 from model.prefix import joined
 from model.profile import MODELED, Profile, rules_of
 from model.scheduling import mamba_chunk
+from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
 
 
 class Decision(NamedTuple):
@@ -85,6 +86,10 @@ class RequestState:
     num_computed: int = 0
     running: bool = False
     shared_prefix_boundary: int = 0
+    # `model.spec_decode`: drafts for the next step, drafts the last step verified, vLLM `is_prefill_chunk`.
+    drafts: tuple[int, ...] = ()
+    verifying: tuple[int, ...] = ()
+    prefill_chunk: bool = False
 
     # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
@@ -101,6 +106,11 @@ class RequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.outputs)
+
+    @property
+    def awaits_sample(self) -> bool:
+        """Running with every known token and every verified draft computed."""
+        return self.running and self.num_computed >= self.num_tokens + len(self.verifying)
 
 
 @dataclass
@@ -139,8 +149,11 @@ class AllocatorModel:
     - `snapshot()`, and read-only `cfg`, `profile`, `rules`, `pool`, `groups`.
     """
 
-    def __init__(self, config: Config, events: str = "seed", profile: Profile = MODELED) -> None:
+    def __init__(
+        self, config: Config, events: str = "seed", profile: Profile = MODELED, num_spec_tokens: int = 0
+    ) -> None:
         self.cfg = validate(config)
+        self.num_spec_tokens = num_spec_tokens  # drafts a step verifies (`model.spec_decode`); 0: none
         self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
         # The rule of each mechanism for that release: the model composes these, never reads a switch.
         self.rules = rules_of(profile)
@@ -196,9 +209,7 @@ class AllocatorModel:
             step = self._step(op.rids, op.budget)
             return replace(step, copies=self._take_copies())
         if isinstance(op, Sample):
-            req = self.requests[op.rid]
-            assert req.running and req.num_computed == req.num_tokens, f"{op.rid} is not waiting for a sample"
-            req.outputs.append(op.token)
+            self._sample(self.requests[op.rid], op)
             return Done()
         if isinstance(op, Finish):
             self._free(op.rid)
@@ -250,6 +261,25 @@ class AllocatorModel:
             self.pool.free(retained_endpoints(list(copies)))
         return copies
 
+    def _sample(self, req: RequestState, op: Sample) -> None:
+        """Accepted drafts and the token appended, rejected ones rolled back, blocks cached (`model.spec_decode`)."""
+        assert req.awaits_sample and op.accepted <= acceptable(req.verifying), f"{op.rid}: no such sample"
+        assert len(op.drafts) <= self.num_spec_tokens, f"{op.rid}: more drafts than num_spec_tokens"
+        req.num_computed -= len(req.verifying) - op.accepted
+        req.outputs.extend((*req.verifying[: op.accepted], op.token))
+        req.verifying, req.drafts = (), op.drafts
+        if self.num_spec_tokens and self.cfg.enable_caching:
+            self._cache_blocks(req, req.num_computed)
+
+    def _ran(self, req: RequestState, n: int) -> None:
+        """`req` computes `n` more tokens this step: the drafts they reach are verified."""
+        req.verifying = verified_drafts(req.drafts, req.num_computed, req.num_tokens, n)
+        if len(req.verifying) < len(req.drafts):
+            self.exercised["drafts cut by the step's budget"] += 1
+        req.drafts = ()
+        req.num_computed += n
+        req.prefill_chunk = req.num_computed < req.num_tokens
+
     def _schedule(self, req: RequestState, budget: int) -> ScheduleResult:
         if req.running:
             return self._continue(req, budget, budget)
@@ -257,7 +287,8 @@ class AllocatorModel:
 
     def _next_chunk(self, req: RequestState, left: int, budget: int) -> int:
         """Tokens a running request computes next: at most `left` of the step's `budget`."""
-        return self._chunk(req, req.num_computed, min(req.num_tokens - req.num_computed, left), budget)
+        wanted = req.num_tokens + len(req.drafts) - req.num_computed
+        return self._chunk(req, req.num_computed, min(wanted, left), budget)
 
     def _continue(self, req: RequestState, left: int, budget: int) -> ScheduleResult:
         n = self._next_chunk(req, left, budget)
@@ -266,24 +297,36 @@ class AllocatorModel:
         new = self._allocate_slots(req, n, 0, None)
         if new is None:
             return ScheduleResult(scheduled=0, admitted=False)
-        req.num_computed += n
+        self._ran(req, n)
         return ScheduleResult(scheduled=n, admitted=False, new_blocks=new)
 
-    def _admit(self, req: RequestState, left: int, budget: int) -> ScheduleResult:
-        """Admit a waiting request: lookup, then its first chunk of at most `left` tokens."""
+    def _admit(
+        self, req: RequestState, left: int, budget: int, ran_running: bool = False, ran_prefill: bool = False
+    ) -> ScheduleResult:
+        """Admit a waiting request: lookup, then its first chunk of at most `left` tokens
+        (`ran_running`, `ran_prefill`: the step ran a request, a prefill chunk; `model.spec_decode`)."""
         layouts, hit, spb = self._find_hit(req.tokens, req.num_tokens - 1)
         hit_blocks = self._hit_blocks(req.tokens, layouts)
         req.shared_prefix_boundary = spb
         if hit % self.cfg.scheduler_block_size:
             self.exercised["fine-grained hit (inside a scheduler block)"] += 1
-        n = self._chunk(req, hit, min(req.num_tokens - hit, left), budget)
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
+        pad = padded_admission(req.num_tokens - hit, self.num_spec_tokens, hit, ran_running, ran_prefill)
+        if pad and 1 + pad > left:
+            return result  # vLLM prefers not scheduling to scheduling unpadded
+        n = self._chunk(req, hit, min(req.num_tokens - hit + pad, left), budget)
+        if pad and 0 < n != 1 + pad:
+            n, pad = 1, 0  # a Mamba split clipped the padding: drop it
         if n <= 0:
             return result
         new = self._allocate_slots(req, n, hit, hit_blocks)
         if new is None:
             return result
         req.running, req.num_computed = True, hit + n
+        req.prefill_chunk = req.num_computed < req.num_tokens
+        req.verifying = (PLACEHOLDER,) * pad
+        if pad:
+            self.exercised["one-token admission padded with draft slots"] += 1
         return ScheduleResult(n, True, hit, spb, hit_blocks, new)
 
     def _step(self, rids: tuple[str, ...], budget: int) -> StepResult:
@@ -302,6 +345,7 @@ class AllocatorModel:
         results: list[tuple[str, ScheduleResult]] = []
         preempted: list[str] = []
         left = budget
+        ran_prefill = False
         i = 0
         while i < len(running) and left > 0:
             req = self.requests[running[i]]
@@ -323,15 +367,17 @@ class AllocatorModel:
             if new is None:
                 results.append((req.rid, ScheduleResult(0, False)))
                 break
-            req.num_computed += n
+            ran_prefill |= req.prefill_chunk
+            self._ran(req, n)
             left -= n
             results.append((req.rid, ScheduleResult(n, False, new_blocks=new)))
             i += 1
         if not preempted:
+            ran_running = any(r.scheduled for _, r in results)
             for rid in waiting:
                 if left <= 0:
                     break
-                result = self._admit(self.requests[rid], left, budget)
+                result = self._admit(self.requests[rid], left, budget, ran_running, ran_prefill)
                 results.append((rid, result))
                 if not result.admitted:
                     break
@@ -347,6 +393,7 @@ class AllocatorModel:
         req = self.requests[rid]
         self._free(rid)
         req.running, req.num_computed = False, 0
+        req.drafts, req.verifying = (), ()
         if self._decisions is not None:
             self._decisions.append(Decision("preempt", rid))
 

@@ -11,9 +11,14 @@ Contract of each operation (see `docs/semantics.md` for the full text):
   tokens. A waiting (new or preempted) request is admitted: prefix-cache
   lookup, then `allocate_slots` for the hit plus the first chunk. A running
   request gets its next prefill chunk or one decode token.
-- `Sample(rid, token)`: the step computed every known token of `rid`, and the
-  model sampled `token` (vLLM's `update_from_output`): it is appended to the
-  request. Valid only for a running request with no uncomputed token.
+- `Sample(rid, token, accepted=0, drafts=())`: the step computed every known
+  token of `rid` (and the drafts it verified), and the model sampled `token`
+  (vLLM's `update_from_output`): the first `accepted` verified drafts and
+  `token` are appended to the request, the other verified drafts are rolled
+  back, and the drafter proposes `drafts` for the next step
+  (`update_draft_token_ids`). Valid only for a running request with no
+  uncomputed token. Drafts exist only where a real scheduler speculates
+  (`model.spec_decode`); elsewhere `accepted` is 0 and `drafts` empty.
 - `Finish(rid)`: the request ends; all its blocks are freed.
 - `Preempt(rid)`: a running request loses its blocks and waits again with its
   tokens (prompt and outputs) kept, to be re-admitted by a later `Schedule`.
@@ -31,7 +36,7 @@ Contract of each operation (see `docs/semantics.md` for the full text):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any, Union
 
@@ -58,6 +63,9 @@ class Step:
 class Sample:
     rid: str
     token: int
+    # Speculative decoding (`model.spec_decode`); at their defaults they are left out of JSON.
+    accepted: int = 0
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,9 +112,17 @@ _OP_NAMES = {cls: name for name, cls in OP_TYPES.items()}
 def op_to_json(op: Op) -> dict[str, Any]:
     """A JSON-ready dict: {"op": name, **fields}; tuples become lists."""
     out: dict[str, Any] = {"op": _OP_NAMES[type(op)]}
+    defaults = _defaults(type(op))
     for key, value in vars(op).items():
+        if key in defaults and value == defaults[key]:
+            continue  # an optional field at its default: traces without it stay as they were
         out[key] = list(value) if isinstance(value, tuple) else value
     return out
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The optional fields of an operation and their defaults."""
+    return {f.name: f.default for f in dataclass_fields(cls) if f.default is not MISSING}
 
 
 def op_from_json(data: Any) -> Op:
@@ -119,9 +135,13 @@ def op_from_json(data: Any) -> Op:
         raise ValueError(f"unknown operation {name!r} (expected one of {sorted(OP_TYPES)})")
     fields = {k: v for k, v in data.items() if k != "op"}
     expected = {f.name for f in dataclass_fields(cls)}
-    if set(fields) != expected:
-        raise ValueError(f"operation {name!r} needs fields {sorted(expected)}, got {sorted(fields)}")
-    for key in ("prompt", "tokens", "block_ids"):
+    required = expected - set(_defaults(cls))
+    if not required <= set(fields) <= expected:
+        optional = f" (optional: {sorted(expected - required)})" if expected != required else ""
+        raise ValueError(
+            f"operation {name!r} needs fields {sorted(required)}{optional}, got {sorted(fields)}"
+        )
+    for key in ("prompt", "tokens", "block_ids", "drafts"):
         if key in fields:
             value = fields[key]
             if not isinstance(value, list) or not all(
@@ -129,9 +149,11 @@ def op_from_json(data: Any) -> Op:
             ):
                 raise ValueError(f"operation {name!r}: field {key!r} must be a list of integers")
             fields[key] = tuple(value)
-    for key in ("budget", "token"):
+    for key in ("budget", "token", "accepted"):
         if key in fields and (not isinstance(fields[key], int) or isinstance(fields[key], bool)):
             raise ValueError(f"operation {name!r}: field {key!r} must be an integer")
+    if fields.get("accepted", 0) < 0:
+        raise ValueError(f"operation {name!r}: field 'accepted' must be >= 0")
     if "budget" in fields and fields["budget"] < 1:
         raise ValueError(f"operation {name!r}: field 'budget' must be >= 1")
     if "rids" in fields:

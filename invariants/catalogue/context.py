@@ -24,6 +24,9 @@ class RequestHistory:
     ever_preempted: bool = False
     boundaries: set[int] = field(default_factory=set)
     hit: int = 0  # the prefix hit at its latest admission
+    # Speculative decoding (`model.spec_decode`): drafts proposed, drafts the last step verified.
+    drafts: tuple[int, ...] = ()
+    verifying: tuple[int, ...] = ()
 
     # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)

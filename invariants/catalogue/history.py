@@ -18,6 +18,7 @@ from model.observation import (
     block_key,
 )
 from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Sample
+from model.spec_decode import PLACEHOLDER, verified_drafts
 
 
 def replay_events(shadow: dict[BlockKey, int], events: tuple[Event, ...]) -> list[str]:
@@ -127,10 +128,11 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
     if isinstance(op, AddRequest):
         history.requests[op.rid] = RequestHistory(op.prompt)
     elif isinstance(op, Sample):
-        history.requests[op.rid].outputs.append(op.token)
+        _sampled(history.requests[op.rid], op)
     elif isinstance(op, Preempt):
         r = history.requests[op.rid]
         r.running, r.num_computed, r.ever_preempted = False, 0, True
+        r.drafts, r.verifying = (), ()
     elif isinstance(op, Finish):
         r = history.requests.pop(op.rid)
         history.finished[op.rid] = r
@@ -149,13 +151,26 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
         for rid in obs.preempted:
             r = history.requests[rid]
             r.running, r.num_computed, r.ever_preempted = False, 0, True
+            r.drafts, r.verifying = (), ()
+
+
+def _sampled(r: RequestHistory, op: Sample) -> None:
+    """Accepted drafts and the token appended, rejected drafts rolled back (`model.spec_decode`)."""
+    r.num_computed -= len(r.verifying) - op.accepted
+    r.outputs.extend((*r.verifying[: op.accepted], op.token))
+    r.verifying, r.drafts = (), op.drafts
 
 
 def _scheduled(r: RequestHistory, obs: ScheduleResult) -> None:
+    num_tokens = len(r.prompt) + len(r.outputs)
     if obs.hit is not None:
         if obs.shared_prefix_boundary:
             r.boundaries.add(obs.shared_prefix_boundary)
         if obs.admitted:
             r.running, r.num_computed, r.hit = True, obs.hit + obs.scheduled, obs.hit
+            # Scheduled past its tokens: the admission was padded with placeholder drafts.
+            r.verifying = (PLACEHOLDER,) * max(r.num_computed - num_tokens, 0)
     elif obs.scheduled:
+        r.verifying = verified_drafts(r.drafts, r.num_computed, num_tokens, obs.scheduled)
+        r.drafts = ()
         r.num_computed += obs.scheduled

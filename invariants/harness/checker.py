@@ -61,6 +61,7 @@ from model.ops import (
     Schedule,
     Step,
 )
+from model.spec_decode import acceptable
 
 DEFAULT_AUDIT_EVERY = 32
 NOT_FREE = -1
@@ -98,6 +99,8 @@ class Checker:
             target.config,
             events=target.event_profile,
             profile=target.profile,
+            # Only a real scheduler speculates: it verifies num_lookahead_tokens drafts a step.
+            num_spec_tokens=target.config.num_lookahead_tokens if target.features.real_scheduler else 0,
         )
         self.model: AllocatorModel = self.model_target.model
         self.history = History()
@@ -170,15 +173,31 @@ class Checker:
                 if req.num_tokens >= self.config.max_model_len:
                     raise InvalidOp(f"step: {name!r} reached max_model_len")
         elif isinstance(op, Sample):
-            r = reqs[op.rid]
-            if not r.running or r.num_computed != r.num_tokens:
-                raise InvalidOp(f"sample: {op.rid!r} is not waiting for a sampled token")
+            self._validate_sample(op)
         elif isinstance(op, Preempt) and not reqs[op.rid].running:
             raise InvalidOp(f"preempt: {op.rid!r} is not running")
         elif isinstance(op, Probe) and not op.tokens:
             raise InvalidOp("probe: empty token list")
         elif isinstance(op, EvictBlocks) and any(not 0 < b < self.config.num_blocks for b in op.block_ids):
             raise InvalidOp(f"evict: block ids must be in 1..{self.config.num_blocks - 1}")
+
+    def _validate_sample(self, op: Sample) -> None:
+        r = self.model.requests[op.rid]
+        if not r.awaits_sample:
+            raise InvalidOp(f"sample: {op.rid!r} is not waiting for a sampled token")
+        k = self.model.num_spec_tokens
+        if (op.accepted or op.drafts) and not k:
+            raise InvalidOp(
+                f"sample: {op.rid!r} carries drafts, but target {self.target.name!r} does not speculate "
+                "(only a real scheduler with num_lookahead_tokens > 0 does)"
+            )
+        if op.accepted > acceptable(r.verifying):
+            raise InvalidOp(
+                f"sample: {op.rid!r} accepts {op.accepted} drafts; its step verified "
+                f"{acceptable(r.verifying)} acceptable ones"
+            )
+        if len(op.drafts) > k:
+            raise InvalidOp(f"sample: {op.rid!r} proposes {len(op.drafts)} drafts; num_spec_tokens is {k}")
 
     def step(self, op: Op) -> list[Violation]:
         self.validate(op)

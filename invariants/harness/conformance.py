@@ -58,8 +58,10 @@ FEATURES: dict[str, st.SearchStrategy[Config]] = {
 }
 
 # The same judgment with vLLM's real `Scheduler` deciding every step (target "vllm-scheduler",
-# `invariants.targets.vllm_scheduler_target`); speculative decoding is not judged there yet.
+# `invariants.targets.vllm_scheduler_target`), speculative decoding included (`model.spec_decode`).
 SCHEDULER_FINE_ROW = "real Scheduler: fine-grained Mamba hits, CoW copies"
+SCHEDULER_EAGLE_ROW = "real Scheduler: Eagle/MTP drafts, lookahead, rejection rollback (Full/SWA)"
+SCHEDULER_DRAFT_ROW = "real Scheduler: draft-model drafts, one-token admission padding (Full/SWA)"
 
 
 def _no_spec(**narrow: object) -> st.SearchStrategy[Config]:
@@ -78,6 +80,12 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
         shapes=(("full", "mamba"), ("full", "swa", "mamba")), caching=True, fine=True
     ),
     "real Scheduler: preemption, finish/abort, reset, caching off (all shapes)": _no_spec(),
+    SCHEDULER_EAGLE_ROW: configs(
+        allow_pinning=False, shapes=SWA_SHAPES + (("full",),), eagle=True, caching=True, eagle_drafts=True
+    ),
+    SCHEDULER_DRAFT_ROW: configs(
+        allow_pinning=False, shapes=SWA_SHAPES + (("full",),), eagle=False, lookahead=True, eagle_drafts=True
+    ),
 }
 
 # Rows that only count when the run reached these model rules (`AllocatorModel.exercised`).
@@ -88,6 +96,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "CoW copy of a request's own tail (move_block_hashes)",
     ),
     SCHEDULER_FINE_ROW: ("fine-grained hit (inside a scheduler block)", "CoW copy of a hit read in part"),
+    SCHEDULER_EAGLE_ROW: ("draft tokens accepted", "drafts cut by the step's budget"),
+    SCHEDULER_DRAFT_ROW: ("draft tokens accepted", "one-token admission padded with draft slots"),
 }
 
 # How the vLLM target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
@@ -106,15 +116,13 @@ SCHEDULER_SETTINGS = [
 
 EXCLUDED = [
     (
-        "speculative decoding through the real Scheduler (Eagle, lookahead slots): vllm-scheduler rows",
-        "vLLM's scheduler pads a newly admitted one-token request to 1 + num_spec_tokens and rolls "
-        "rejected drafts back in update_from_output; the model's steps describe neither yet (the "
-        "vllm rows above cover these configurations through KVCacheManager)",
-    ),
-    (
-        "Mamba internal prefill checkpoints and speculative blocks",
+        "Mamba internal prefill checkpoints and speculative blocks; on vllm-scheduler, a Mamba group "
+        "with speculative decoding",
         "both are sized by the model spec (num_prefill_checkpoint_blocks, num_speculative_blocks), "
-        "which KVCacheManager takes from MambaSpec; kvretain's specs set neither",
+        "which KVCacheManager takes from MambaSpec; kvretain's specs set neither, so the real "
+        "scheduler's draft rollback would leave no Mamba state at the rolled-back position "
+        "(vllm_scheduler_spec.MAMBA_NEEDS_SPECULATIVE_BLOCKS; the vllm rows above, which send no "
+        "drafts, cover Mamba with lookahead slots)",
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (

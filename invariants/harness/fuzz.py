@@ -87,9 +87,11 @@ class FuzzReport:
         return clean_verdict(self.stats.known)
 
 
-NO_SPECULATION_ON_REAL_SCHEDULER = (
-    "Eagle / MTP and lookahead slots (speculative decoding: a real scheduler pads new decode "
-    "requests with draft slots and rolls rejected drafts back, which the model's steps do not describe yet)"
+NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER = (
+    "Eagle / MTP without lookahead slots (vLLM's Eagle drafts at least one token, so its scheduler "
+    "cannot be built with none: Eagle configurations there reserve 1..3 lookahead slots), and "
+    "speculative decoding with a Mamba group (its speculative state blocks, MambaSpec.num_speculative_blocks, "
+    "are not modeled)"
 )
 
 
@@ -99,9 +101,8 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
     return configs(
         allow_pinning=target in PINNING_TARGETS,
         allow_fine=target in FINE_MAMBA_TARGETS,
-        # A real scheduler speculates: the model has no spec-decode steps yet.
-        eagle=False if real_scheduler else None,
-        lookahead=False if real_scheduler else None,
+        # A real scheduler's Eagle always drafts (`model.spec_decode`).
+        eagle_drafts=real_scheduler,
     )
 
 
@@ -225,7 +226,7 @@ def run_fuzz(
     stats.known.write_examples(out_dir, target, seed)
     report = FuzzReport(target, config_name or "generated", seed, stats.batches, stats, 0.0, failure)
     if generated and target in REAL_SCHEDULER_TARGETS:
-        report.not_generated = (NO_SPECULATION_ON_REAL_SCHEDULER,)
+        report.not_generated = (NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER,)
     if failure is not None:
         report.first_seen_s = first_seen[0] if first_seen else None
         report.unshrunk_ops = len(failure.ops)

@@ -39,6 +39,7 @@ from model.ops import (
     Schedule,
     Step,
 )
+from model.spec_decode import acceptable
 
 TOKENS = st.integers(1, 3)
 MAX_REQUEST_TOKENS = 160
@@ -308,8 +309,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             r = self.checker.model.requests[rid]
             if r.num_tokens >= MAX_REQUEST_TOKENS:
                 return
-            if r.running and r.num_computed == r.num_tokens:
-                self._do(Sample(rid, data.draw(TOKENS, label="token")))
+            if r.awaits_sample:
+                self._do(self._sample(rid, data))
                 continue
             if self.checker.target.features.real_scheduler:
                 # A real scheduler runs whole steps: this request's own step.
@@ -333,8 +334,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         for _ in range(data.draw(st.integers(1, 4), label="steps")):
             for rid in self._arrival_order(self._requests(lambda r: r.running)):  # type: ignore[attr-defined]
                 r = self.checker.model.requests[rid]
-                if r.num_computed == r.num_tokens and r.num_tokens < MAX_REQUEST_TOKENS:
-                    self._do(Sample(rid, data.draw(TOKENS, label="token")))
+                if r.awaits_sample and r.num_tokens < MAX_REQUEST_TOKENS:
+                    self._do(self._sample(rid, data))
             # Below the size cap and not owing a sample (those reached the cap).
             model_reqs = self.checker.model.requests
             queue = [
@@ -353,6 +354,21 @@ class AllocatorMachine(RuleBasedStateMachine):
                 for rid, result in obs.results:
                     if result.admitted and result.hit is not None:
                         self._count_hit(rid, result.hit)
+
+    def _sample(self, rid: str, data: st.DataObject) -> Sample:
+        """`rid`'s sample; where the target speculates, with how many of the step's
+        drafts were accepted and the drafter's next proposal (`model.spec_decode`)."""
+        assert self.checker is not None
+        token = data.draw(TOKENS, label="token")
+        k = self.checker.model.num_spec_tokens
+        if not k:
+            return Sample(rid, token)
+        verified = acceptable(self.checker.model.requests[rid].verifying)
+        accepted = data.draw(st.integers(0, verified), label="accepted drafts")
+        if accepted:
+            self.run_stats.features["draft tokens accepted"] += 1
+        drafts = data.draw(st.lists(TOKENS, max_size=k), label="drafts")
+        return Sample(rid, token, accepted, tuple(drafts))
 
     @staticmethod
     def _own_result(rid: str, obs: object) -> object:

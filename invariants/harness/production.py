@@ -270,7 +270,7 @@ def workload(
             continue
         rid = rng.choice(sorted(reqs))
         r = reqs[rid]
-        if r.running and r.num_computed == r.num_tokens:
+        if r.awaits_sample:  # every known token computed (and any padded drafts)
             yield Finish(rid) if r.num_tokens >= wants[rid] else Sample(rid, rng.randrange(1, VOCAB))
         elif r.running and rng.random() < 0.01:
             yield Preempt(rid)

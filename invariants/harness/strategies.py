@@ -41,6 +41,7 @@ def configs(
     lookahead: bool | None = None,
     allow_fine: bool = True,
     fine: bool | None = None,
+    eagle_drafts: bool = False,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -52,6 +53,10 @@ def configs(
     `fine`: True = a Mamba block 2 or 4 hash blocks wide (fine-grained hits where
     the other groups allow them), False = Mamba block == hash block, None = either
     (unless `allow_fine` is False: targets that refuse such configurations).
+    `eagle_drafts`: a real scheduler's speculative decoding: an Eagle
+    configuration always reserves lookahead slots (vLLM's Eagle drafts at least
+    one token), and one with a Mamba group neither (its speculative state blocks
+    are not modeled: `vllm_scheduler_spec.MAMBA_NEEDS_SPECULATIVE_BLOCKS`).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -78,16 +83,21 @@ def configs(
         choices = [sbs, 2 * sbs, 3 * sbs]
     interval = draw(st.sampled_from(choices))
     pin = allow_pinning and "swa" in shape and draw(st.booleans())
+    num_blocks = draw(st.integers(6, 28))
+    no_spec = eagle_drafts and "mamba" in shape
+    use_eagle = (draw(st.booleans()) if eagle is None else eagle) and not no_spec
     cfg = Config(
         groups=tuple(groups),
-        num_blocks=draw(st.integers(6, 28)),
+        num_blocks=num_blocks,
         retention_interval=interval,
-        eagle=draw(st.booleans()) if eagle is None else eagle,
+        eagle=use_eagle,
         enable_caching=draw(st.sampled_from([True, True, True, True, False])) if caching is None else caching,
         pin_swa_on_drop=pin,
         pin_min_drop_blocks=draw(st.integers(0, 3)) if pin else 1,
         max_model_len=4096,
-        num_lookahead_tokens=_lookahead(draw, lookahead),
+        num_lookahead_tokens=_lookahead(
+            draw, False if no_spec else True if eagle_drafts and use_eagle else lookahead
+        ),
         # The hash block stays one `base` wide (vLLM `--prefix-match-unit`) when the Mamba block is wider.
         hash_block_size=base if wide_mamba else 0,
     )

@@ -57,9 +57,9 @@ class TargetFeatures:
     fine_mamba: bool = False
     # A real engine scheduler decides each step (vLLM's `Scheduler`): the fuzzer sends it
     # whole steps (`Step((rid,), budget)`, never the model's single-request `Schedule`,
-    # whose failed allocation preempts nobody), and no speculative decoding (Eagle,
-    # lookahead slots): a real scheduler then pads and rolls back draft tokens, which the
-    # model's steps do not describe yet.
+    # whose failed allocation preempts nobody). With lookahead slots it speculates: the
+    # model is judged with `num_spec_tokens = num_lookahead_tokens` (drafts, padding and
+    # rollback, `model.spec_decode`), and the fuzzer's samples carry drafts.
     real_scheduler: bool = False
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from model.observation import ScheduleResult, StepResult
+from model.ops import Sample
 
 from .base import TargetCrash
 from .vllm_names import HashLearner
@@ -151,6 +152,14 @@ class RealStepScheduler:
         self.samples[rid] = token
         self._deliver(self.held.pop(rid), [rid])
 
+    def sample_op(self, req: Any, op: Sample) -> None:
+        """A `Sample` operation (drafts are `SpecStepScheduler`'s, `vllm_scheduler_spec`)."""
+        self.sample(req, op.token)
+
+    def sampled_tokens(self, out: Any, rid: str) -> list[int]:
+        """`rid`'s sampled tokens in step output `out` (none if unsampled)."""
+        return [self.samples.pop(rid)] if rid in self.samples else []
+
     def awaits_sample(self, rid: str) -> bool:
         """`rid` was sampled and its token waits for the step's output."""
         return rid in self.samples
@@ -246,7 +255,7 @@ class RealStepScheduler:
                 r: t for r, t in out.scheduled_spec_decode_tokens.items() if r in scheduled
             },
         )
-        sampled = [[self.samples.pop(r)] if r in self.samples else [] for r in rids]
+        sampled = [self.sampled_tokens(out, r) for r in rids]
         live = self.s.requests
         starts = {r: self.names.before_sample(live[r]) for r, t in zip(rids, sampled) if t and r in live}
         runner_out = self.m["ModelRunnerOutput"](

@@ -11,7 +11,7 @@ read by the same snapshot, partial-state and hash-naming parts as "vllm".
 |---|---|
 | `AddRequest` | `Scheduler.add_request` (a WAITING request, hashed as `VllmTarget` hashes it) |
 | `Step`, `Schedule` | `update_from_output` of the previous step, then `Scheduler.schedule` (`RealStepScheduler.step`) |
-| `Sample` | the token of the step's synthetic `ModelRunnerOutput` |
+| `Sample` | the token (and accepted drafts) of the step's synthetic `ModelRunnerOutput`; its drafts go to `update_draft_token_ids` |
 | `Finish` | `Scheduler.finish_requests(rid, FINISHED_ABORTED)` |
 | `Preempt` | `Scheduler._preempt_request`, as `reset_prefix_cache(reset_running_requests=True)` preempts |
 | `ResetPrefixCache` | `Scheduler.reset_prefix_cache()` |
@@ -20,15 +20,14 @@ read by the same snapshot, partial-state and hash-naming parts as "vllm".
 KV events come from the scheduler's publisher (`update_from_output` publishes
 them) and then the manager (`RealStepScheduler.take_events`).
 
-Not judged yet: speculative decoding. A configuration with lookahead slots (and
-so Eagle, which always drafts) raises `SchedulerUnsupported`: vLLM's scheduler
-then pads a newly admitted one-token request to `1 + num_spec_tokens` tokens
-(`Scheduler.schedule`, `pad_spec_decode`) and rolls rejected drafts back in
-`update_from_output`, and the model's steps describe neither (the
-`KVCacheManager`-driven "vllm" target covers these configurations).
-`vllm_scheduler_build` builds such schedulers, and `AsyncScheduler` too,
-which is not driven yet: driven in lockstep (each step's output delivered
-before the next schedule) it agreed with the model for a few thousand fuzzing
+Speculative decoding: a configuration with lookahead slots builds the scheduler
+with a `SpeculativeConfig` (Eagle/MTP, or a draft model) and is driven by
+`vllm_scheduler_spec.SpecStepScheduler`: `Sample` carries the accepted drafts
+and the drafter's next proposal, vLLM pads and rolls back (`model.spec_decode`
+states the contract). An Eagle configuration without lookahead slots cannot be
+built (`SchedulerUnsupported`: vLLM's Eagle drafts at least one token).
+`vllm_scheduler_build` builds `AsyncScheduler` too, which is not driven yet:
+driven in lockstep (each step's output delivered before the next schedule) it agreed with the model for a few thousand fuzzing
 steps, then cached a block when a held step output's token arrived
 (`update_from_output` calls `cache_blocks` for a request with output
 placeholders, as it does with spec tokens), where the model caches at the next
@@ -46,16 +45,11 @@ from model.ops import AddRequest, Finish, Op, Preempt, ResetPrefixCache, Sample
 from .base import TargetFeatures
 from .vllm_capabilities import Capabilities
 from .vllm_drive import OpDriver
-from .vllm_scheduler_build import SchedulerUnsupported, build_scheduler, scheduler_modules
+from .vllm_scheduler_build import build_scheduler, scheduler_modules
 from .vllm_scheduler_drive import RealStepScheduler
+from .vllm_scheduler_spec import SpecStepScheduler, check_speculation_judged
 from .vllm_snapshot import EventTranslator, SnapshotReader
 from .vllm_target import VLLM_EVENT_PROFILE, VllmTarget
-
-NO_SPEC_DECODE_STEPS = (
-    "num_lookahead_tokens/eagle: the vllm-scheduler target does not judge speculative decoding yet "
-    "(vLLM's scheduler pads new decode requests with draft slots and rolls rejected drafts back; the "
-    "model's steps describe neither); use --target vllm for such configurations"
-)
 
 
 class SchedulerOpDriver(OpDriver):
@@ -77,7 +71,7 @@ class SchedulerOpDriver(OpDriver):
             self.real.add(requests[op.rid])
             return Done()
         if isinstance(op, Sample):
-            self.real.sample(requests[op.rid], op.token)
+            self.real.sample_op(requests[op.rid], op)
             return Done()
         if isinstance(op, Finish):
             req = requests.pop(op.rid)
@@ -111,11 +105,12 @@ class VllmSchedulerTarget(VllmTarget):
     features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True)
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
-        if config.num_lookahead_tokens or config.eagle:
-            raise SchedulerUnsupported(NO_SPEC_DECODE_STEPS)
+        check_speculation_judged(config)
         self.vllm_scheduler: Any = None
         super().__init__(config, events, track_prefixes)
-        self.steps = RealStepScheduler(self.session, self.names, self.vllm_scheduler, scheduler_modules())
+        # With lookahead slots the scheduler speculates (`vllm_scheduler_spec`).
+        stepper = SpecStepScheduler if config.num_lookahead_tokens else RealStepScheduler
+        self.steps = stepper(self.session, self.names, self.vllm_scheduler, scheduler_modules())
         self.scheduler = self.steps
         self.driver = SchedulerOpDriver(self.session, self.names, self.steps)
         self.event_translator = SchedulerEventTranslator(self.session, self.keys, self.steps)

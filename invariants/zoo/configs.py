@@ -20,6 +20,8 @@ from model.config import Config, GroupSpec, validate
 SWA_SHAPES: tuple[tuple[str, ...], ...] = (("swa",), ("full", "swa"), ("full", "swa"), ("full", "swa", "swa"))
 RETENTION_SHAPES: tuple[tuple[str, ...], ...] = (*SWA_SHAPES, ("full", "mamba"), ("full", "swa", "mamba"))
 MAMBA_SHAPES: tuple[tuple[str, ...], ...] = (("full", "mamba"), ("full", "swa", "mamba"))
+# Speculative decoding through a real scheduler: no Mamba (its speculative state blocks are not modeled).
+SPEC_SHAPES: tuple[tuple[str, ...], ...] = (("full",), *SWA_SHAPES)
 # 3 spec groups (the coordinator's fixed point iterates).
 MULTI_SHAPES: tuple[tuple[str, ...], ...] = (("full", "swa", "swa"),)
 
@@ -81,9 +83,13 @@ def strategy(name: str, *, allow_pinning: bool, allow_fine: bool = True) -> st.S
         "pinning": lambda: zoo_configs(shapes=SWA_SHAPES, pin=True),
         "mamba-sparse": lambda: zoo_configs(shapes=MAMBA_SHAPES, retention="sparse"),
         "mamba-coarse": lambda: zoo_configs(shapes=(("full", "mamba"),), retention="zero", coarse_mamba=True),
-        # A real scheduler (vllm-scheduler): no speculative decoding, which it does not judge yet.
+        # A real scheduler (vllm-scheduler), speculative decoding left to "scheduler-spec".
         "scheduler": lambda: configs(
             allow_pinning=False, allow_fine=allow_fine, eagle=False, lookahead=False
+        ),
+        # A real scheduler speculating: Full/SWA shapes, drafts (Eagle/MTP or a draft model).
+        "scheduler-spec": lambda: configs(
+            allow_pinning=False, shapes=SPEC_SHAPES, lookahead=True, eagle_drafts=True, caching=True
         ),
         "scheduler-mamba": lambda: configs(
             allow_pinning=False, shapes=MAMBA_SHAPES, allow_fine=allow_fine, eagle=False, lookahead=False
@@ -111,4 +117,5 @@ STRATEGY_NAMES = (
     "mamba-fine",
     "scheduler",
     "scheduler-mamba",
+    "scheduler-spec",
 )

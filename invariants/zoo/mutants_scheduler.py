@@ -140,3 +140,47 @@ def mamba_split_ignores_hit(stack: contextlib.ExitStack, sched: Any) -> None:
         return int(original(self, request, n, 0, *a, **k))
 
     _set(stack, sched, "_mamba_block_aligned_split", split)
+
+
+# Speculative decoding (`model.spec_decode`): strategy "scheduler-spec", Full/SWA shapes with drafts.
+
+
+@mutant("admission_without_lookahead", strategy="scheduler-spec")
+def admission_without_lookahead(stack: contextlib.ExitStack, sched: Any) -> None:
+    """The waiting pass reserves no lookahead slots for drafts: `limit_lookahead_tokens =
+    self.num_lookahead_tokens > 0` (the `load_kv_async and` dropped), so every admission's
+    `allocate_slots` gets `num_lookahead_tokens=0`."""
+    original = vars(sched)["schedule"]
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        manager = self.kv_cache_manager
+        allocate = manager.allocate_slots
+
+        def admission_without(request: Any, *a: Any, **k: Any) -> Any:
+            if "new_computed_blocks" in k:  # only the waiting pass passes its hit
+                k["num_lookahead_tokens"] = 0
+            return allocate(request, *a, **k)
+
+        manager.allocate_slots = admission_without
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            manager.allocate_slots = allocate
+
+    _set(stack, sched, "schedule", schedule)
+
+
+@mutant("rejected_drafts_not_rolled_back", strategy="scheduler-spec")
+def rejected_drafts_not_rolled_back(stack: contextlib.ExitStack, sched: Any) -> None:
+    """`update_from_output` forgets `request.num_computed_tokens -= num_rejected`: a rejected
+    draft's position counts as computed, so the next step starts one draft too far."""
+    original = vars(sched)["update_from_output"]
+
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        from dataclasses import replace
+
+        # Without the verified drafts the rejection branch, the rollback's only home, never runs.
+        blind = replace(scheduler_output, scheduled_spec_decode_tokens={})
+        return original(self, blind, model_runner_output)
+
+    _set(stack, sched, "update_from_output", update_from_output)

@@ -1,0 +1,95 @@
+"""Speculative decoding through vLLM's real `Scheduler` (the "vllm-scheduler" target).
+
+Where the configuration reserves lookahead slots, `vllm_scheduler_build`
+builds the scheduler with a `SpeculativeConfig` (Eagle/MTP, or a draft model,
+`num_speculative_tokens = num_lookahead_tokens`), and the target drives it
+with these subclasses. Everything that decides is vLLM's own code: the
+running pass schedules a request's drafts (`num_tokens_with_spec`), the
+waiting pass pads a one-token admission (`pad_spec_decode`), every
+`allocate_slots` reserves the lookahead, and `update_from_output` rolls
+rejected drafts back and caches the request's blocks. The model states the
+same contract (`model.spec_decode`).
+
+A `Sample(rid, token, accepted, drafts)` is the model runner's output for
+`rid`'s step and the drafter's next proposal, delivered at once (not at the
+next `schedule()`, as the plain driver does), because `update_from_output`
+then caches blocks and the model caches them at the sample:
+
+- `update_from_output` with the request's share of its step's output, whose
+  sampled tokens are the first `accepted` drafts the step verified
+  (`scheduled_spec_decode_tokens`, placeholders never accepted) followed by
+  `token`;
+- then `Scheduler.update_draft_token_ids(DraftTokenIds([rid], [drafts]))`, as
+  `EngineCore.post_step` does after a step.
+
+Not judged: a Mamba group with speculative decoding (`check_speculation_judged`).
+vLLM's scheduler builds and runs it, but vLLM sizes the Mamba state's draft
+blocks from the model (`MambaSpec.num_speculative_blocks =
+num_speculative_tokens`, 0 only under ReplaySSM), which kvretain's specs and
+model leave out: once drafts roll back, no state block sits at the
+rolled-back position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from model.config import Config
+from model.ops import Sample
+
+from .base import TargetCrash
+from .vllm_scheduler_build import SchedulerUnsupported
+from .vllm_scheduler_drive import RealStepScheduler
+
+MAMBA_NEEDS_SPECULATIVE_BLOCKS = (
+    "groups: a Mamba group with speculative decoding (num_lookahead_tokens > 0) is not judged on "
+    "vllm-scheduler: vLLM sizes the Mamba state's draft blocks from the model "
+    "(MambaSpec.num_speculative_blocks = num_speculative_tokens), which kvretain's specs and model leave "
+    "out; use --target vllm for such configurations"
+)
+
+
+def check_speculation_judged(config: Config) -> None:
+    """Raise `SchedulerUnsupported` for speculative configurations the target does not judge."""
+    if config.num_lookahead_tokens and config.has_mamba:
+        raise SchedulerUnsupported(MAMBA_NEEDS_SPECULATIVE_BLOCKS)
+
+
+class SpecStepScheduler(RealStepScheduler):
+    """`RealStepScheduler` whose samples carry drafts (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # rid -> the verified drafts its waiting sample accepts.
+        self.accepted: dict[str, int] = {}
+
+    def sample_drafts(self, req: Any, op: Sample) -> None:
+        """`op`'s output for `req`, delivered now, then its drafts proposed."""
+        rid = req.request_id
+        out = self.pending
+        if out is not None and rid in out.num_scheduled_tokens:
+            rest = {r: n for r, n in out.num_scheduled_tokens.items() if r != rid}
+            self.pending = replace(
+                out, num_scheduled_tokens=rest, total_num_scheduled_tokens=sum(rest.values())
+            )
+        else:
+            out = self.held.pop(rid, None)
+            if out is None:
+                raise TargetCrash(f"the vLLM scheduler adapter holds no step output for {rid!r}'s sample")
+        self.samples[rid] = op.token
+        self.accepted[rid] = op.accepted
+        self._deliver(out, [rid])
+        from vllm.v1.outputs import DraftTokenIds
+
+        self.sched.update_draft_token_ids(DraftTokenIds([rid], [list(op.drafts)]))
+
+    def sample_op(self, req: Any, op: Sample) -> None:
+        self.sample_drafts(req, op)
+
+    def sampled_tokens(self, out: Any, rid: str) -> list[int]:
+        """The accepted drafts of `rid`'s step, then its sampled token (none if unsampled)."""
+        if rid not in self.samples:
+            return []
+        verified = out.scheduled_spec_decode_tokens.get(rid, ())
+        return [*verified[: self.accepted.pop(rid, 0)], self.samples.pop(rid)]

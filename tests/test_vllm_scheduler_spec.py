@@ -1,0 +1,258 @@
+"""Speculative decoding through vLLM's real `Scheduler` ("vllm-scheduler") against the model.
+
+The model's contract (`model.spec_decode`): drafts scheduled and verified,
+one-token admissions padded with placeholder drafts, rejected drafts rolled
+back, blocks cached at the sample; the operation's JSON form. Scripted traces
+(Eagle and draft model, drafts accepted in full, in part and not at all, cut
+by the budget, padding, preemption) must give the model's observation and
+snapshot after every operation; a short generated run is clean. Negative
+controls: the zoo's speculative-decoding mutants of vLLM's scheduler are each
+caught on a trace the unmutated scheduler passes; drafts the target cannot
+take are refused. The vLLM parts are skipped, with the reason, when vLLM
+cannot be imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.known_findings import is_known_violation
+from invariants.harness.strategies import configs
+from invariants.targets.model_target import ModelTarget
+from invariants.targets.vllm_env import vllm_available
+from model.allocator import AllocatorModel
+from model.config import Config, GroupSpec
+from model.observation import StepResult
+from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Step, op_from_json, op_to_json
+from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
+
+_OK, _REASON = vllm_available()
+needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
+
+FULL_SWA_EAGLE = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)),
+    num_blocks=30,
+    retention_interval=0,
+    eagle=True,
+    num_lookahead_tokens=2,
+    max_model_len=4096,
+)
+FULL_DRAFT_MODEL = Config(
+    groups=(GroupSpec("full", 4),), num_blocks=30, num_lookahead_tokens=3, max_model_len=4096
+)
+PROMPT = (1, 2, 3) * 6
+
+
+# ---------------------------------------------------------------- the contract, on the model alone
+def test_contract_functions() -> None:
+    assert acceptable((2, 3, 1)) == 3
+    assert acceptable((2, PLACEHOLDER, 1)) == 1
+    assert acceptable((PLACEHOLDER,) * 3) == 0
+    # A decode step of 1 + 2 tokens verifies both drafts; a budget of 2 only the first.
+    assert verified_drafts((5, 6), num_computed=9, num_tokens=10, scheduled=3) == (5, 6)
+    assert verified_drafts((5, 6), num_computed=9, num_tokens=10, scheduled=2) == (5,)
+    assert verified_drafts((5, 6), num_computed=9, num_tokens=10, scheduled=1) == ()
+    assert padded_admission(1, 3, hit=16, ran_running=False, ran_prefill=False) == 3
+    assert padded_admission(1, 3, hit=0, ran_running=True, ran_prefill=False) == 3
+    assert padded_admission(1, 3, hit=0, ran_running=False, ran_prefill=False) == 0  # nothing ran, no hit
+    assert padded_admission(1, 3, hit=16, ran_running=True, ran_prefill=True) == 0  # a prefill chunk ran
+    assert padded_admission(2, 3, hit=16, ran_running=True, ran_prefill=False) == 0
+    assert padded_admission(1, 0, hit=16, ran_running=True, ran_prefill=False) == 0  # no speculation
+
+
+def _model(cfg: Config, k: int) -> AllocatorModel:
+    return AllocatorModel(cfg, num_spec_tokens=k)
+
+
+def test_model_verifies_rolls_back_and_caches_at_the_sample() -> None:
+    m = _model(FULL_DRAFT_MODEL, 3)
+    m.apply(AddRequest("r0", PROMPT))
+    m.apply(Step(("r0",), 64))
+    m.apply(Sample("r0", 1, 0, (2, 3, 1)))
+    r = m.requests["r0"]
+    assert (r.num_computed, r.num_tokens, r.drafts) == (18, 19, (2, 3, 1))
+    step = m.apply(Step(("r0",), 64))
+    assert isinstance(step, StepResult) and step.results[0][1].scheduled == 4  # 1 + 3 drafts
+    # Slots for 18 + 4 tokens and 3 lookahead: 25 tokens, 7 blocks of 4.
+    assert len(m.groups[0].tables["r0"]) == 7
+    assert (r.num_computed, r.verifying) == (22, (2, 3, 1))
+    cached_before = len(m.pool.cached)
+    m.apply(Sample("r0", 2, 2, ()))  # two drafts accepted, one rejected
+    assert r.outputs == [1, 2, 3, 2] and (r.num_computed, r.num_tokens) == (21, 22)
+    assert len(m.groups[0].tables["r0"]) == 7  # rejection frees nothing
+    assert len(m.pool.cached) == cached_before + 1  # block [16, 20) cached at the sample
+
+
+def test_model_pads_a_one_token_admission_and_a_small_budget_waits() -> None:
+    m = _model(FULL_DRAFT_MODEL, 3)
+    m.apply(AddRequest("r0", PROMPT))
+    m.apply(Step(("r0",), 64))
+    m.apply(Finish("r0"))
+    m.apply(AddRequest("r1", PROMPT[:17]))  # 16 tokens hit: one token left
+    small = m.apply(Step(("r1",), 3))
+    assert isinstance(small, StepResult) and not small.results[0][1].admitted  # 1 + 3 > 3
+    step = m.apply(Step(("r1",), 64))
+    assert isinstance(step, StepResult) and step.results[0][1].scheduled == 4
+    r = m.requests["r1"]
+    assert r.verifying == (PLACEHOLDER,) * 3 and r.awaits_sample
+    m.apply(Sample("r1", 1))
+    assert (r.num_computed, r.num_tokens) == (17, 18)
+
+
+def test_model_without_speculation_pads_nothing() -> None:
+    m = _model(FULL_DRAFT_MODEL, 0)
+    m.apply(AddRequest("r0", PROMPT))
+    m.apply(Step(("r0",), 64))
+    m.apply(Finish("r0"))
+    m.apply(AddRequest("r1", PROMPT[:17]))
+    step = m.apply(Step(("r1",), 64))
+    assert isinstance(step, StepResult) and step.results[0][1].scheduled == 1
+
+
+def test_sample_json_round_trip_and_old_form() -> None:
+    spec = Sample("r0", 2, 1, (3, 1))
+    assert op_from_json(op_to_json(spec)) == spec
+    plain = Sample("r0", 2)
+    assert op_to_json(plain) == {"op": "sample", "rid": "r0", "token": 2}  # traces without drafts unchanged
+    assert op_from_json({"op": "sample", "rid": "r0", "token": 2}) == plain
+    for bad in ({"accepted": -1}, {"accepted": True}, {"drafts": [1, "x"]}, {"extra": 1}):
+        with pytest.raises(ValueError):
+            op_from_json({"op": "sample", "rid": "r0", "token": 2, **bad})
+
+
+def test_drafts_are_refused_where_nothing_speculates() -> None:
+    """Negative control for the checker: a target whose scheduler does not speculate
+    (here the model as a target) cannot be sent drafts, nor accept more than were verified."""
+    c = Checker(ModelTarget(FULL_DRAFT_MODEL))
+    c.step(AddRequest("r0", PROMPT))
+    c.step(Step(("r0",), 64))
+    with pytest.raises(InvalidOp, match="does not speculate"):
+        c.step(Sample("r0", 1, 0, (2,)))
+    with pytest.raises(InvalidOp, match="does not speculate"):
+        c.step(Sample("r0", 1, 1))
+
+
+# ---------------------------------------------------------------- through vLLM's real scheduler
+class Drive:
+    """The model and vllm-scheduler side by side; the violations no known finding explains."""
+
+    def __init__(self, cfg: Config, factory: object = None) -> None:
+        from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+        make = factory or VllmSchedulerTarget
+        self.checker = Checker(make(cfg), audit_every=1)  # type: ignore[operator]
+        self.found: list[Violation] = []
+
+    def do(self, *ops: Op) -> Drive:
+        for op in ops:
+            self.found += [v for v in self.checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+        return self
+
+
+def eagle_trace(factory: object = None) -> Drive:
+    """Drafts accepted in full, in part, not at all, cut by the budget; a second request
+    admitted behind a decoding one; a preemption drops drafts."""
+    d = Drive(FULL_SWA_EAGLE, factory).do(AddRequest("r0", PROMPT), Step(("r0",), 64))
+    d.do(Sample("r0", 1, 0, (2, 3)), Step(("r0",), 64), Sample("r0", 1, 2, (3, 3)))
+    d.do(Step(("r0",), 64), Sample("r0", 2, 1, (1, 2)), Step(("r0",), 64), Sample("r0", 3, 0, (1, 2)))
+    d.do(Step(("r0",), 2), Sample("r0", 1, 1, (2, 2)), AddRequest("r1", PROMPT + (1,)))
+    d.do(Step(("r0", "r1"), 64), Sample("r0", 1, 1, (3, 1)), Sample("r1", 2, 0, (1, 1)))
+    d.do(Preempt("r0"), Step(("r0", "r1"), 64), Finish("r0"), Finish("r1"), Probe(PROMPT))
+    return d
+
+
+def padding_trace(factory: object = None) -> Drive:
+    """Draft model: one-token admissions padded (a full hit alone, and behind a decode),
+    a budget too small for the padding, drafts then accepted."""
+    d = Drive(FULL_DRAFT_MODEL, factory).do(AddRequest("r0", PROMPT), Step(("r0",), 64), Finish("r0"))
+    d.do(AddRequest("r1", PROMPT[:17]), Step(("r1",), 3), Step(("r1",), 64), Sample("r1", 1, 0, (1, 2, 3)))
+    d.do(AddRequest("r2", PROMPT[:13]), Step(("r1", "r2"), 64), Sample("r1", 1, 3, (2,)), Sample("r2", 3))
+    d.do(Step(("r1", "r2"), 64), Sample("r1", 1, 0, ()), Sample("r2", 1, 0, (1, 1)))
+    return d.do(Step(("r1", "r2"), 64), Finish("r1"), Finish("r2"), Probe(PROMPT + (1, 2)))
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("trace", [eagle_trace, padding_trace])
+def test_spec_traces_agree_with_the_model(trace) -> None:  # type: ignore[no-untyped-def]
+    d = trace()
+    assert d.found == []
+    if trace is padding_trace:
+        assert d.checker.model.exercised["one-token admission padded with draft slots"] >= 2
+    else:
+        assert d.checker.model.exercised["drafts cut by the step's budget"] > 0
+
+
+SPEC_TRACE_FOR_MUTANT = {
+    "admission_without_lookahead": padding_trace,
+    "rejected_drafts_not_rolled_back": eagle_trace,
+}
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_every_spec_mutant_has_a_trace() -> None:
+    from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
+
+    spec = {n for n, m in SCHEDULER_MUTANTS.items() if m.strategy == "scheduler-spec"}
+    assert set(SPEC_TRACE_FOR_MUTANT) == spec
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", sorted(SPEC_TRACE_FOR_MUTANT))
+def test_spec_mutant_is_caught(name: str) -> None:
+    """Negative controls: each speculative-decoding mutant of vLLM's `Scheduler` is caught
+    on a trace the unmutated scheduler passes."""
+    from invariants.zoo.mutants_scheduler import activate
+
+    assert SPEC_TRACE_FOR_MUTANT[name]().found == []
+    with activate(name) as factory:
+        assert SPEC_TRACE_FOR_MUTANT[name](factory).found != []
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_mamba_with_drafts_is_refused_with_the_reason() -> None:
+    from invariants.targets.vllm_scheduler_build import SchedulerUnsupported
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = Config(groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)), num_blocks=24, num_lookahead_tokens=1)
+    with pytest.raises(SchedulerUnsupported, match="num_speculative_blocks"):
+        VllmSchedulerTarget(cfg)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_generated_spec_run_is_clean(tmp_path: Path) -> None:
+    from invariants.harness.fuzz import run_fuzz
+
+    strategy = configs(
+        allow_pinning=False, shapes=(("full",), ("full", "swa")), lookahead=True, eagle_drafts=True
+    )
+    report = run_fuzz(
+        "vllm-scheduler", steps=250, seed=5, out_dir=tmp_path, progress=False, strategy=strategy
+    )
+    assert report.failure is None, report.failure
+    assert report.stats.features["draft tokens accepted"] > 0
+    assert report.stats.features["config: eagle"] > 0
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_eagle_finding_reconfirmed_through_the_real_scheduler() -> None:
+    """`eagle-swa-short-run-double-pop` (0.21.0 .. 0.33.0) reproduces through the real
+    scheduler, with the one lookahead slot vLLM's Eagle needs (docs/semantics.md)."""
+    from dataclasses import replace
+
+    from invariants.harness.known_findings import explain, load_known_findings
+    from invariants.harness.replay import replay
+
+    f = next(f for f in load_known_findings() if f.id == "eagle-swa-short-run-double-pop")
+    trace = replace(f.trace, config=f.trace.config.with_(num_lookahead_tokens=1))
+    result = replay(trace, "vllm-scheduler")
+    assert result.clean, result.violations[:1]
+    assert any(explain("vllm-scheduler", v) is f for _, v in result.known)
