@@ -9,9 +9,9 @@ scheduler's calls itself, so a defect in `scheduler.py` is invisible to it).
 and restores every original on exit. PROCESS-GLOBAL WHILE ACTIVE: every vLLM
 scheduler built in this process meanwhile is mutated.
 
-Strategies: "scheduler" (generated configurations without speculative
-decoding, which the target does not judge yet) and "scheduler-mamba" (the
-same, Full+Mamba shapes only).
+Strategies: "scheduler" (the configurations the fuzzer generates for a real
+scheduler), "scheduler-mamba" (Full+Mamba shapes only) and "scheduler-spec"
+(speculative decoding: drafts, accepted counts, one-token admission padding).
 """
 
 from __future__ import annotations
