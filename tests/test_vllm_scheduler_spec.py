@@ -256,3 +256,23 @@ def test_eagle_finding_reconfirmed_through_the_real_scheduler() -> None:
     result = replay(trace, "vllm-scheduler")
     assert result.clean, result.violations[:1]
     assert any(explain("vllm-scheduler", v) is f for _, v in result.known)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_a_speculating_scheduler_forks_for_the_search() -> None:
+    """The explore search (and the fuzz -> explore hand-over) freezes checkers by pickle.
+    A speculating scheduler holds a thread pool (the structured-output manager's) that
+    pickle refuses (the control); the freezer shares it, and the thawed copy is independent."""
+    import pickle
+
+    from invariants.explore.fork import Freezer
+
+    d = Drive(FULL_SWA_EAGLE).do(AddRequest("r0", PROMPT), Step(("r0",), 64))
+    with pytest.raises(TypeError, match="pickle"):
+        pickle.dumps(d.checker.target)
+    freezer = Freezer()
+    thawed = freezer.thaw(freezer.freeze(d.checker))
+    assert thawed.target.snapshot() == d.checker.target.snapshot()
+    thawed.step(Sample("r0", 1, 0, (2, 3)))
+    assert thawed.target.snapshot() != d.checker.target.snapshot()
