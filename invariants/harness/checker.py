@@ -98,6 +98,7 @@ class Checker:
             target.config,
             events=target.event_profile,
             profile=target.profile,
+            async_scheduling=target.features.async_scheduling,
         )
         self.model: AllocatorModel = self.model_target.model
         self.history = History()

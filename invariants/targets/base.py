@@ -61,6 +61,10 @@ class TargetFeatures:
     # lookahead slots): a real scheduler then pads and rolls back draft tokens, which the
     # model's steps do not describe yet.
     real_scheduler: bool = False
+    # The engine schedules one step ahead of the model runner (vLLM's `AsyncScheduler`, as
+    # `EngineCore.step_with_batch_queue` drives it): the Checker builds its model with
+    # `async_scheduling` (`model.async_scheduling`: when a sampled token reaches the scheduler).
+    async_scheduling: bool = False
 
 
 @runtime_checkable
