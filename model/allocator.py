@@ -143,7 +143,12 @@ class AllocatorModel:
     """
 
     def __init__(
-        self, config: Config, events: str = "seed", profile: Profile = MODELED, *, async_scheduling: bool = False
+        self,
+        config: Config,
+        events: str = "seed",
+        profile: Profile = MODELED,
+        *,
+        async_scheduling: bool = False,
     ) -> None:
         self.cfg = validate(config)
         # Async scheduling (vLLM `AsyncScheduler`): a sampled token reaches the scheduler a step late.

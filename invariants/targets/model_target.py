@@ -23,11 +23,18 @@ class ModelTarget(Target):
     features = TargetFeatures(partial=True, pinning=True, fine_mamba=True)
 
     def __init__(
-        self, config: Config, events: str = "seed", profile: Profile = MODELED, *, async_scheduling: bool = False
+        self,
+        config: Config,
+        events: str = "seed",
+        profile: Profile = MODELED,
+        *,
+        async_scheduling: bool = False,
     ) -> None:
         self.config = config
         self.event_profile, self.profile = events, profile
-        self._model = AllocatorModel(config, events=events, profile=profile, async_scheduling=async_scheduling)
+        self._model = AllocatorModel(
+            config, events=events, profile=profile, async_scheduling=async_scheduling
+        )
 
     @property
     def model(self) -> AllocatorModel:

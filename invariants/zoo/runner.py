@@ -400,7 +400,9 @@ def async_scheduler_entries(only: list[str] | None = None) -> list[ZooEntry]:
                 yield factory
 
         entries.append(
-            ZooEntry(name, "vllm-async-scheduler", m.summary, m.strategy, (), ctx, doc=m.doc, tolerated=tolerated)
+            ZooEntry(
+                name, "vllm-async-scheduler", m.summary, m.strategy, (), ctx, doc=m.doc, tolerated=tolerated
+            )
         )
     return entries
 
