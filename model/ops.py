@@ -13,7 +13,9 @@ Contract of each operation (see `docs/semantics.md` for the full text):
   request gets its next prefill chunk or one decode token.
 - `Sample(rid, token)`: the step computed every known token of `rid`, and the
   model sampled `token` (vLLM's `update_from_output`): it is appended to the
-  request. Valid only for a running request with no uncomputed token.
+  request. Valid only for a running request with no uncomputed token. With
+  async scheduling the scheduler receives it a step later
+  (`model.async_scheduling`).
 - `Finish(rid)`: the request ends; all its blocks are freed.
 - `Preempt(rid)`: a running request loses its blocks and waits again with its
   tokens (prompt and outputs) kept, to be re-admitted by a later `Schedule`.

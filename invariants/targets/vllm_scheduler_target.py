@@ -27,12 +27,11 @@ then pads a newly admitted one-token request to `1 + num_spec_tokens` tokens
 `update_from_output`, and the model's steps describe neither (the
 `KVCacheManager`-driven "vllm" target covers these configurations).
 `vllm_scheduler_build` builds such schedulers, and `AsyncScheduler` too,
-which is not driven yet: driven in lockstep (each step's output delivered
-before the next schedule) it agreed with the model for a few thousand fuzzing
-steps, then cached a block when a held step output's token arrived
+which "vllm-async-scheduler" drives one step ahead
+(`vllm_async_scheduler_target`): there a token's arrival caches blocks
 (`update_from_output` calls `cache_blocks` for a request with output
-placeholders, as it does with spec tokens), where the model caches at the next
-allocation.
+placeholders), which the model states as async scheduling's semantics
+(`model.async_scheduling`), not a finding.
 """
 
 from __future__ import annotations
