@@ -510,8 +510,10 @@ class AllocatorModel:
             for g in self.groups:
                 self._add_hit_blocks(g, rid, hits[g.gid], local)
         new = tuple(tuple(self._allocate_new(g, rid, need_slot, main)) for g in self.groups)
+        in_flight = self.in_flight is not None and self.in_flight.in_flight(rid)
+        if in_flight:
+            self.exercised["async: a step scheduled a sampled token's position ahead of it"] += 1
         if self.cfg.enable_caching:
-            in_flight = self.in_flight is not None and self.in_flight.in_flight(rid)
             self._cache_blocks(req, caching_limit(total, n, req.num_tokens, in_flight))
         return new
 

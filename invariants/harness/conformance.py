@@ -83,9 +83,9 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
 # vLLM's real `AsyncScheduler` driven one step ahead, as the engine core drives it (target
 # "vllm-async-scheduler", `invariants.targets.vllm_async_scheduler_target`): output placeholders,
 # caching on a token's arrival, windows freed on processed tokens (`model.async_scheduling`).
-ASYNC_ARRIVAL_ROW = "AsyncScheduler: placeholders, one-step-ahead outputs (Full/SWA)"
+ASYNC_PLACEHOLDER_ROW = "AsyncScheduler: placeholders, one-step-ahead outputs (Full/SWA)"
 ASYNC_SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
-    ASYNC_ARRIVAL_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), caching=True),
+    ASYNC_PLACEHOLDER_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), caching=True),
     "AsyncScheduler: Mamba split and states (align)": _no_spec(
         shapes=(("full", "mamba"), ("full", "swa", "mamba")), caching=True, fine=False
     ),
@@ -100,7 +100,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "CoW copy of a request's own tail (move_block_hashes)",
     ),
     SCHEDULER_FINE_ROW: ("fine-grained hit (inside a scheduler block)", "CoW copy of a hit read in part"),
-    ASYNC_ARRIVAL_ROW: ("async: a sampled token's arrival cached blocks",),
+    ASYNC_PLACEHOLDER_ROW: ("async: a step scheduled a sampled token's position ahead of it",),
 }
 
 # How the vLLM target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
