@@ -197,3 +197,23 @@ def test_a_short_fuzz_run_is_clean_and_reaches_the_async_rules(tmp_path: Path) -
     assert report.failure is None, report.failure
     assert report.stats.features["async: a step scheduled a sampled token's position ahead of it"] > 0
     assert report.stats.features["async: a sampled token's arrival cached blocks"] > 0
+
+
+def test_known_findings_reproduce_through_the_async_scheduler() -> None:
+    """Every known vLLM finding of the installed release whose trace a real scheduler can
+    run (no speculative decoding) reproduces on vllm-async-scheduler too."""
+    from invariants.harness.known_findings import explain, load_known_findings, target_version
+    from invariants.harness.replay import replay
+
+    version = target_version("vllm")
+    ran = []
+    for f in load_known_findings():
+        if "vllm" not in f.targets or ("*" not in f.versions and version not in f.versions):
+            continue
+        if f.trace.config.eagle or f.trace.config.num_lookahead_tokens:
+            continue
+        result = replay(f.trace, "vllm-async-scheduler")
+        assert any(explain("vllm-async-scheduler", v) is f for _, v in result.known), f.id
+        assert result.clean, (f.id, result.violations[:1])
+        ran.append(f.id)
+    assert "vllm-blockstored-token-range" in ran
