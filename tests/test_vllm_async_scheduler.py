@@ -70,16 +70,17 @@ ASIDE: list[Op] = [
     AddRequest("r2", (7,)),
     Step(("r2",), 8),
 ]
-# A manual preemption with a token in flight, then the request resumes and decodes.
+# A manual preemption with a token in flight (6), then the request resumes at once: its
+# admission caches block [4, 6), which holds that token (known again: stale output delivered).
 PREEMPT: list[Op] = [
-    AddRequest("r1", (1, 2, 3)),
-    Step(R1, 8),
-    Sample("r1", 4),
+    AddRequest("r1", (1, 2, 3, 4)),
     Step(R1, 8),
     Sample("r1", 5),
-    Preempt("r1"),
     Step(R1, 8),
     Sample("r1", 6),
+    Preempt("r1"),
+    Step(R1, 8),
+    Sample("r1", 7),
     Step(R1, 8),
     Finish("r1"),
 ]
@@ -175,6 +176,14 @@ def test_each_async_rule_of_the_model_is_needed(rule: str) -> None:
     assert violations(FULL_SWA, trace) == []
     with synchronous(rule):
         assert violations(FULL_SWA, trace) != []
+
+
+def test_a_preempted_requests_in_flight_token_is_no_longer_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a model that kept a preempted request's token in flight (no
+    `InFlight.forget`) would cap the resumed admission's caching below that token."""
+    assert violations(FULL, PREEMPT) == []
+    monkeypatch.setattr(allocator.InFlight, "forget", lambda self, rid: None)
+    assert violations(FULL, PREEMPT) != []
 
 
 def test_the_synchronous_model_disagrees_with_the_async_scheduler() -> None:
