@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from model.async_scheduling import InFlight, arrival_limit, caching_limit, processed_limit
 from model.config import Config, GroupSpec, validate
 from model.fine_mamba import (
     Copy,
@@ -146,14 +147,24 @@ class AllocatorModel:
       fuzz summary reports and may clear them);
     - `recording()`: the scheduler decisions (`Decision`) of the operations
       applied inside it, in order;
-    - `snapshot()`, and read-only `cfg`, `profile`, `rules`, `pool`, `groups`.
+    - `snapshot()`, and read-only `cfg`, `profile`, `rules`, `pool`, `groups`,
+      `in_flight` (None, or with `async_scheduling` the outputs a one-step-ahead
+      scheduler has not processed: `model.async_scheduling`).
     """
 
     def __init__(
-        self, config: Config, events: str = "seed", profile: Profile = MODELED, num_spec_tokens: int = 0
+        self,
+        config: Config,
+        events: str = "seed",
+        profile: Profile = MODELED,
+        num_spec_tokens: int = 0,
+        *,
+        async_scheduling: bool = False,
     ) -> None:
         self.cfg = validate(config)
         self.num_spec_tokens = num_spec_tokens  # drafts a step verifies (`model.spec_decode`); 0: none
+        # Async scheduling (vLLM `AsyncScheduler`): a sampled token reaches the scheduler a step late.
+        self.in_flight = InFlight() if async_scheduling else None
         self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
         # The rule of each mechanism for that release: the model composes these, never reads a switch.
         self.rules = rules_of(profile)
@@ -203,15 +214,24 @@ class AllocatorModel:
         if isinstance(op, Schedule):
             self._new_step()
             result = self._schedule(self.requests[op.rid], op.budget)
-            return replace(result, copies=self._take_copies())
+            result = replace(result, copies=self._take_copies())
+            self._outputs_arrive({op.rid: result.scheduled})
+            return result
         if isinstance(op, Step):
             assert all(rid in self.requests for rid in op.rids), f"unknown request in {op.rids}"
             step = self._step(op.rids, op.budget)
-            return replace(step, copies=self._take_copies())
+            step = replace(step, copies=self._take_copies())
+            self._outputs_arrive({rid: r.scheduled for rid, r in step.results})
+            return step
         if isinstance(op, Sample):
-            self._sample(self.requests[op.rid], op)
+            req = self.requests[op.rid]
+            self._sample(req, op)
+            if self.in_flight is not None and not self.in_flight.sampled(op.rid):
+                self._token_arrives(req, 0)
             return Done()
         if isinstance(op, Finish):
+            if self.in_flight is not None:
+                self.in_flight.forget(op.rid)
             self._free(op.rid)
             del self.requests[op.rid]
             return Done()
@@ -250,6 +270,23 @@ class AllocatorModel:
     def _new_step(self) -> None:
         for g in self.groups:
             g.cached_this_step.clear()
+
+    def _outputs_arrive(self, scheduled: dict[str, int]) -> None:
+        """Async scheduling: a step was scheduled, so the previous step's output is
+        processed and its sampled tokens arrive (`model.async_scheduling`)."""
+        if self.in_flight is None:
+            return
+        for rid, since in self.in_flight.scheduled(scheduled):
+            self._token_arrives(self.requests[rid], since)
+
+    def _token_arrives(self, req: RequestState, scheduled_since: int) -> None:
+        """A running request's sampled token reaches the scheduler: the blocks the
+        processed steps computed are cached (`update_from_output`'s `cache_blocks`)."""
+        if req.running and self.cfg.enable_caching:
+            before = sum(g.num_cached.get(req.rid, 0) for g in self.groups)
+            self._cache_blocks(req, arrival_limit(req.num_computed, scheduled_since))
+            if sum(g.num_cached.get(req.rid, 0) for g in self.groups) > before:
+                self.exercised["async: a sampled token's arrival cached blocks"] += 1
 
     def _take_copies(self) -> tuple[Copy, ...]:
         """The step's copies; their endpoints' extra references are released
@@ -391,6 +428,8 @@ class AllocatorModel:
     def _preempt(self, rid: str) -> None:
         """Free every block; the request waits again with its tokens (`Scheduler._preempt_request`)."""
         req = self.requests[rid]
+        if self.in_flight is not None:
+            self.in_flight.forget(rid)  # its in-flight output is stale: it caches nothing
         self._free(rid)
         req.running, req.num_computed = False, 0
         req.drafts, req.verifying = (), ()
@@ -505,8 +544,9 @@ class AllocatorModel:
         # Speculative slots past the chunk: attention groups reserve them, Mamba (align)
         # sizes by `main` only (draft models have no Mamba layers).
         need_slot = min(main + self.cfg.num_lookahead_tokens, self.cfg.max_model_len)
+        unprocessed = self.in_flight.unprocessed(rid) if self.in_flight is not None else 0
         for g in self.groups:
-            self._remove_skipped(g, rid, total)
+            self._remove_skipped(g, rid, processed_limit(total, unprocessed))
         need = sum(
             self._blocks_to_allocate(g, rid, need_slot, hits[g.gid] if hits else (), local, main)
             for g in self.groups
@@ -517,8 +557,11 @@ class AllocatorModel:
             for g in self.groups:
                 self._add_hit_blocks(g, rid, hits[g.gid], local)
         new = tuple(tuple(self._allocate_new(g, rid, need_slot, main)) for g in self.groups)
+        in_flight = self.in_flight is not None and self.in_flight.in_flight(rid)
+        if in_flight:
+            self.exercised["async: a step scheduled a sampled token's position ahead of it"] += 1
         if self.cfg.enable_caching:
-            self._cache_blocks(req, min(total + n, req.num_tokens))
+            self._cache_blocks(req, caching_limit(total, n, req.num_tokens, in_flight))
         return new
 
     def _skipped_tokens(self, g: GroupState, computed: int) -> int:

@@ -156,6 +156,7 @@ def test_conformance_row_agrees_and_sees_a_mutant(monkeypatch, capsys, tmp_path)
     row = conformance.FINE_MAMBA_ROW
     monkeypatch.setattr(conformance, "FEATURES", {row: conformance.FEATURES[row]})
     monkeypatch.setattr(conformance, "SCHEDULER_FEATURES", {})  # the vllm-scheduler rows have their own tests
+    monkeypatch.setattr(conformance, "ASYNC_SCHEDULER_FEATURES", {})  # and the vllm-async-scheduler rows
     monkeypatch.setattr(conformance, "check_validation", lambda: (0, []))
     rows: list = []
     assert conformance.run_conformance(steps=300, budget_s=20.0, out=tmp_path, sink=rows) == 0

@@ -13,6 +13,7 @@ from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker
 from invariants.targets.base import Target, TargetFeatures, adopt
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.reference import ReferenceTarget
+from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 from invariants.targets.vllm_target import VllmTarget
 from model.config import Config, GroupSpec
@@ -29,6 +30,7 @@ def test_the_registry_sets_are_what_the_builtin_classes_state() -> None:
         "reference": ReferenceTarget,
         "vllm": VllmTarget,
         "vllm-scheduler": VllmSchedulerTarget,
+        "vllm-async-scheduler": VllmAsyncSchedulerTarget,
     }
     assert set(builtins) == set(registry.BUILTIN_TARGETS)
     assert {n for n, cls in builtins.items() if cls.features.pinning} <= registry.PINNING_TARGETS

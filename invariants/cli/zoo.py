@@ -1,6 +1,6 @@
 """`kvretain zoo`: run every check against each mutant; what is caught, how fast, by which check.
 
-    kvretain zoo [--target reference|vllm|vllm-scheduler|sglang] [--budget-s T] [--quick] [--only NAME] [--seed N]
+    kvretain zoo [--target reference|vllm|vllm-scheduler|vllm-async-scheduler|sglang] [--budget-s T] [--quick] [--only NAME] [--seed N]
                  [--out DIR]
     kvretain zoo --target vllm --scale production [--budget-s T] [--only NAME]
     kvretain zoo --target vllm --explore [--depth D] [--budget-s T] [--only NAME]
@@ -40,6 +40,7 @@ from invariants.zoo.runner import (
     MutantResult,
     ZooEntry,
     ZooReport,
+    async_scheduler_entries,
     reference_entries,
     run_entry,
     run_zoo,
@@ -71,7 +72,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", choices=("reference", "vllm", "vllm-scheduler", "sglang"), default="reference")
+    p.add_argument(
+        "--target",
+        choices=("reference", "vllm", "vllm-scheduler", "vllm-async-scheduler", "sglang"),
+        default="reference",
+    )
     p.add_argument(
         "--budget-s",
         type=float,
@@ -118,6 +123,8 @@ def _entries(target: str, only: list[str] | None) -> tuple[list[ZooEntry], list[
         return reference_entries(only), []
     if target == "vllm-scheduler":
         return scheduler_entries(only), []
+    if target == "vllm-async-scheduler":
+        return async_scheduler_entries(only), []
     return vllm_entries(only)
 
 
@@ -130,6 +137,10 @@ def _known(target: str) -> set[str]:
         from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
 
         return set(SCHEDULER_MUTANTS)
+    if target == "vllm-async-scheduler":
+        from invariants.zoo.mutants_scheduler import ASYNC_SCHEDULER_MUTANTS
+
+        return set(ASYNC_SCHEDULER_MUTANTS)
     from invariants.zoo.mutants_vllm import NOT_APPLICABLE, VLLM_MUTANTS
 
     return set(VLLM_MUTANTS) | set(NOT_APPLICABLE)

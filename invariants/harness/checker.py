@@ -101,6 +101,7 @@ class Checker:
             profile=target.profile,
             # Only a real scheduler speculates: it verifies num_lookahead_tokens drafts a step.
             num_spec_tokens=target.config.num_lookahead_tokens if target.features.real_scheduler else 0,
+            async_scheduling=target.features.async_scheduling,
         )
         self.model: AllocatorModel = self.model_target.model
         self.history = History()

@@ -88,6 +88,18 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     ),
 }
 
+# vLLM's real `AsyncScheduler` driven one step ahead, as the engine core drives it (target
+# "vllm-async-scheduler", `invariants.targets.vllm_async_scheduler_target`): output placeholders,
+# caching on a token's arrival, windows freed on processed tokens (`model.async_scheduling`).
+ASYNC_PLACEHOLDER_ROW = "AsyncScheduler: placeholders, one-step-ahead outputs (Full/SWA)"
+ASYNC_SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
+    ASYNC_PLACEHOLDER_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), caching=True),
+    "AsyncScheduler: Mamba split and states (align)": _no_spec(
+        shapes=(("full", "mamba"), ("full", "swa", "mamba")), caching=True, fine=False
+    ),
+    "AsyncScheduler: preemption, finish/abort, reset, caching off (all shapes)": _no_spec(),
+}
+
 # Rows that only count when the run reached these model rules (`AllocatorModel.exercised`).
 REQUIRED: dict[str, tuple[str, ...]] = {
     FINE_MAMBA_ROW: (
@@ -98,12 +110,14 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     SCHEDULER_FINE_ROW: ("fine-grained hit (inside a scheduler block)", "CoW copy of a hit read in part"),
     SCHEDULER_EAGLE_ROW: ("draft tokens accepted", "drafts cut by the step's budget"),
     SCHEDULER_DRAFT_ROW: ("draft tokens accepted", "one-token admission padded with draft slots"),
+    ASYNC_PLACEHOLDER_ROW: ("async: a step scheduled a sampled token's position ahead of it",),
 }
 
 # How the vLLM target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
 STEP_DIFFERENCES = [
     "FCFS policy only (no priority scheduling); max_num_seqs never binds (at most 4 requests)",
-    "no long_prefill_token_threshold, watermark, encoder budget, async placeholders or connector",
+    "no long_prefill_token_threshold, watermark, encoder budget or connector; synchronous "
+    "(async scheduling's placeholders: the vllm-async-scheduler rows)",
     "the harness samples every request that computed all its tokens before the next step",
 ]
 
@@ -112,6 +126,14 @@ SCHEDULER_SETTINGS = [
     "scheduler_reserve_full_isl=False and watermark 0: the model admits a request when its first "
     "chunk fits (vLLM 0.33.0's default admits only if the whole sequence fits)",
     "each step's queues hold exactly the step's requests; its budget is max_num_scheduled_tokens",
+]
+
+# How the vllm-async-scheduler target runs vLLM's `AsyncScheduler` (beyond the settings above).
+ASYNC_SCHEDULER_SETTINGS = [
+    "async_scheduling=True, in the engine core's order (step_with_batch_queue, two batches in "
+    "flight): each step is scheduled before the previous step's output is processed",
+    "a Sample is the token of the request's latest step; it arrives with that step's output, or "
+    "at once if the request sat out the steps since",
 ]
 
 EXCLUDED = [
@@ -153,9 +175,9 @@ EXCLUDED = [
         "from multi-module MTP only, and kvretain's Eagle flag models one draft module",
     ),
     (
-        "DCP/PCP, HiSparse, async scheduling",
+        "DCP/PCP, HiSparse",
         "DCP/PCP shard blocks across ranks and HiSparse uses a host pool: neither exists in one "
-        "process's pool; async scheduling changes when tokens are known, not what the allocator does",
+        "process's pool",
     ),
     (
         "on an older release, the KV event fields it lacks (before 0.22.0 kv_cache_spec_kind and "
@@ -236,7 +258,11 @@ def run_conformance(
             not bad,
         )
     )
-    for target, features in (("vllm", FEATURES), ("vllm-scheduler", SCHEDULER_FEATURES)):
+    for target, features in (
+        ("vllm", FEATURES),
+        ("vllm-scheduler", SCHEDULER_FEATURES),
+        ("vllm-async-scheduler", ASYNC_SCHEDULER_FEATURES),
+    ):
         for feature, strategy in features.items():
             rows.append(_fuzz_row(target, feature, strategy, steps, budget_s, seed, out))
     print(
@@ -250,6 +276,9 @@ def run_conformance(
         print(f"  - {line}")
     print("vllm-scheduler runs vLLM's Scheduler with:")
     for line in SCHEDULER_SETTINGS:
+        print(f"  - {line}")
+    print("vllm-async-scheduler runs vLLM's AsyncScheduler with those and:")
+    for line in ASYNC_SCHEDULER_SETTINGS:
         print(f"  - {line}")
     print("excluded from generation:")
     for what, why in EXCLUDED:

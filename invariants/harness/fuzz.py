@@ -42,6 +42,7 @@ from invariants.harness.trace import Trace, write_trace
 from invariants.layouts.presets import preset
 from invariants.report import Progress, table
 from invariants.targets import (
+    ASYNC_SCHEDULER_TARGETS,
     FINE_MAMBA_TARGETS,
     PINNING_TARGETS,
     REAL_SCHEDULER_TARGETS,
@@ -95,15 +96,33 @@ NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER = (
 )
 
 
+NO_SPECULATION_ON_ASYNC_SCHEDULER = (
+    "Eagle / MTP and lookahead slots (vllm-async-scheduler refuses speculative decoding: drafts "
+    "in flight one step ahead are not modeled)"
+)
+
+
 def _generated(target: str) -> st.SearchStrategy[Config]:
     """The configurations a run generates for `target` (what it can be judged on)."""
-    real_scheduler = target in REAL_SCHEDULER_TARGETS
+    if target in ASYNC_SCHEDULER_TARGETS:
+        return configs(
+            allow_pinning=False, allow_fine=target in FINE_MAMBA_TARGETS, eagle=False, lookahead=False
+        )
     return configs(
         allow_pinning=target in PINNING_TARGETS,
         allow_fine=target in FINE_MAMBA_TARGETS,
         # A real scheduler's Eagle always drafts (`model.spec_decode`).
-        eagle_drafts=real_scheduler,
+        eagle_drafts=target in REAL_SCHEDULER_TARGETS,
     )
+
+
+def _not_generated(target: str) -> tuple[str, ...]:
+    """What `_generated` leaves out for `target`, said in its report."""
+    if target in ASYNC_SCHEDULER_TARGETS:
+        return (NO_SPECULATION_ON_ASYNC_SCHEDULER,)
+    if target in REAL_SCHEDULER_TARGETS:
+        return (NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER,)
+    return ()
 
 
 def _tolerance(target: str) -> Tolerance:
@@ -225,8 +244,8 @@ def run_fuzz(
     failure = stats.last_failure
     stats.known.write_examples(out_dir, target, seed)
     report = FuzzReport(target, config_name or "generated", seed, stats.batches, stats, 0.0, failure)
-    if generated and target in REAL_SCHEDULER_TARGETS:
-        report.not_generated = (NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER,)
+    if generated:
+        report.not_generated = _not_generated(target)
     if failure is not None:
         report.first_seen_s = first_seen[0] if first_seen else None
         report.unshrunk_ops = len(failure.ops)

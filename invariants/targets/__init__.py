@@ -29,6 +29,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "reference": ("invariants.targets.reference", "ReferenceTarget"),
     "vllm": ("invariants.targets.vllm_target", "VllmTarget"),
     "vllm-scheduler": ("invariants.targets.vllm_scheduler_target", "VllmSchedulerTarget"),
+    "vllm-async-scheduler": ("invariants.targets.vllm_async_scheduler_target", "VllmAsyncSchedulerTarget"),
 }
 BUILTIN_TARGETS = tuple(_BUILTIN)
 
@@ -50,12 +51,14 @@ TARGET_NAMES = BUILTIN_TARGETS + tuple(plugin_targets())
 PINNING_TARGETS = {"model", "reference"}
 # Targets that model vLLM's fine-grained Mamba hits and their CoW copies (the seeds
 # do not describe them, so the reference allocator refuses such configurations).
-FINE_MAMBA_TARGETS = {"model", "vllm", "vllm-scheduler"}
+FINE_MAMBA_TARGETS = {"model", "vllm", "vllm-scheduler", "vllm-async-scheduler"}
 # Targets whose steps a real engine scheduler decides (`TargetFeatures(real_scheduler=True)`):
 # the fuzzer sends them whole steps and only configurations an engine can run.
-REAL_SCHEDULER_TARGETS = {"vllm-scheduler"}
+REAL_SCHEDULER_TARGETS = {"vllm-scheduler", "vllm-async-scheduler"}
+# Real schedulers driven one step ahead (`TargetFeatures(async_scheduling=True)`): no drafts yet.
+ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler"}
 # Targets that drive another target's allocator code: its known findings are theirs too.
-SAME_ALLOCATOR = {"vllm-scheduler": "vllm"}
+SAME_ALLOCATOR = {"vllm-scheduler": "vllm", "vllm-async-scheduler": "vllm"}
 
 
 def _load_plugin(name: str) -> Callable[[Config], Target]:
@@ -88,7 +91,7 @@ def target_factory(name: str) -> Callable[[Config], Target]:
     if name not in _BUILTIN:
         raise TargetUnavailable(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
     module_name, cls_name = _BUILTIN[name]
-    if name in ("vllm", "vllm-scheduler"):
+    if name in ("vllm", "vllm-scheduler", "vllm-async-scheduler"):
         from invariants.targets.vllm_env import vllm_available
 
         ok, reason = vllm_available()
@@ -119,6 +122,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "PINNING_TARGETS",
     "REAL_SCHEDULER_TARGETS",
+    "ASYNC_SCHEDULER_TARGETS",
     "SAME_ALLOCATOR",
     "FINE_MAMBA_TARGETS",
     "TARGET_NAMES",

@@ -61,6 +61,10 @@ class TargetFeatures:
     # model is judged with `num_spec_tokens = num_lookahead_tokens` (drafts, padding and
     # rollback, `model.spec_decode`), and the fuzzer's samples carry drafts.
     real_scheduler: bool = False
+    # The engine schedules one step ahead of the model runner (vLLM's `AsyncScheduler`, as
+    # `EngineCore.step_with_batch_queue` drives it): the Checker builds its model with
+    # `async_scheduling` (`model.async_scheduling`: when a sampled token reaches the scheduler).
+    async_scheduling: bool = False
 
 
 @runtime_checkable

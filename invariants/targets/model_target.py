@@ -23,11 +23,23 @@ class ModelTarget(Target):
     features = TargetFeatures(partial=True, pinning=True, fine_mamba=True)
 
     def __init__(
-        self, config: Config, events: str = "seed", profile: Profile = MODELED, num_spec_tokens: int = 0
+        self,
+        config: Config,
+        events: str = "seed",
+        profile: Profile = MODELED,
+        num_spec_tokens: int = 0,
+        *,
+        async_scheduling: bool = False,
     ) -> None:
         self.config = config
         self.event_profile, self.profile = events, profile
-        self._model = AllocatorModel(config, events=events, profile=profile, num_spec_tokens=num_spec_tokens)
+        self._model = AllocatorModel(
+            config,
+            events=events,
+            profile=profile,
+            num_spec_tokens=num_spec_tokens,
+            async_scheduling=async_scheduling,
+        )
 
     @property
     def model(self) -> AllocatorModel:

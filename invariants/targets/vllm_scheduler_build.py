@@ -59,8 +59,10 @@ from .vllm_capabilities import Capabilities
 STAND_IN_ARCH = "KvretainStandInForCausalLM"
 # vLLM's Eagle config names the draft architecture "Eagle" + the target's.
 EAGLE_STAND_IN_ARCH = "Eagle" + STAND_IN_ARCH
-# Requests at once: more than any kvretain trace keeps live.
-MAX_NUM_SEQS = 256
+# Requests at once: more than any kvretain trace keeps live, and no more than
+# `StructuredOutputManager.fill_bitmask_parallel_threshold` (128): above it vLLM starts a
+# bitmask thread pool per scheduler, which explore's hand-over cannot fork (pickle).
+MAX_NUM_SEQS = 128
 EAGLE_NEEDS_LOOKAHEAD = (
     "num_lookahead_tokens: vLLM's Eagle drafts at least one token, so its scheduler "
     "reserves at least one lookahead slot; an Eagle configuration with 0 cannot be built"

@@ -26,12 +26,12 @@ with a `SpeculativeConfig` (Eagle/MTP, or a draft model) and is driven by
 and the drafter's next proposal, vLLM pads and rolls back (`model.spec_decode`
 states the contract). An Eagle configuration without lookahead slots cannot be
 built (`SchedulerUnsupported`: vLLM's Eagle drafts at least one token).
-`vllm_scheduler_build` builds `AsyncScheduler` too, which is not driven yet:
-driven in lockstep (each step's output delivered before the next schedule) it agreed with the model for a few thousand fuzzing
-steps, then cached a block when a held step output's token arrived
+`vllm_scheduler_build` builds `AsyncScheduler` too,
+which "vllm-async-scheduler" drives one step ahead
+(`vllm_async_scheduler_target`): there a token's arrival caches blocks
 (`update_from_output` calls `cache_blocks` for a request with output
-placeholders, as it does with spec tokens), where the model caches at the next
-allocation.
+placeholders), which the model states as async scheduling's semantics
+(`model.async_scheduling`), not a finding.
 """
 
 from __future__ import annotations

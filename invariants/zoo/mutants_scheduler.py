@@ -184,3 +184,56 @@ def rejected_drafts_not_rolled_back(stack: contextlib.ExitStack, sched: Any) -> 
         return original(self, blind, model_runner_output)
 
     _set(stack, sched, "update_from_output", update_from_output)
+
+
+# ------------------------------------------------------------------ AsyncScheduler (vllm-async-scheduler)
+# Mutants of the async path, run on the "vllm-async-scheduler" target: each patches
+# `AsyncScheduler` (vLLM's subclass; the synchronous `Scheduler` is untouched) and
+# `activate_async` yields that target's factory.
+ASYNC_SCHEDULER_MUTANTS: dict[str, SchedulerMutant] = {}
+
+
+def async_mutant(
+    name: str, *, strategy: str = "scheduler"
+) -> Callable[[Callable[[contextlib.ExitStack, Any], None]], Any]:
+    def deco(fn: Callable[[contextlib.ExitStack, Any], None]) -> Callable[[contextlib.ExitStack, Any], None]:
+        ASYNC_SCHEDULER_MUTANTS[name] = SchedulerMutant(name, fn.__doc__ or "", fn, strategy)
+        return fn
+
+    return deco
+
+
+@contextlib.contextmanager
+def activate_async(name: str) -> Iterator[Factory]:
+    """Apply async-scheduler mutant `name` until exit; yields the vllm-async-scheduler target factory."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget
+
+    m = ASYNC_SCHEDULER_MUTANTS[name]
+    with contextlib.ExitStack() as stack:
+        m.install(stack, AsyncScheduler)
+        yield VllmAsyncSchedulerTarget
+
+
+@async_mutant("arrival_caches_in_flight_tokens")
+def arrival_caches_in_flight_tokens(stack: contextlib.ExitStack, sched: Any) -> None:
+    """`update_from_output` caches a request with output placeholders up to
+    `request.num_computed_tokens` instead of `num_computed_tokens - num_in_flight_tokens`:
+    a block is cached while the step that writes its last token is still in flight."""
+    original = sched.update_from_output
+
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        manager = self.kv_cache_manager
+        own = vars(manager).get("cache_blocks")
+        cache_blocks = manager.cache_blocks
+        manager.cache_blocks = lambda request, n: cache_blocks(request, request.num_computed_tokens)
+        try:
+            return original(self, scheduler_output, model_runner_output)
+        finally:
+            if own is None:
+                del manager.cache_blocks  # the class's method again
+            else:
+                manager.cache_blocks = own
+
+    _set(stack, sched, "update_from_output", update_from_output)

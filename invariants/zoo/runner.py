@@ -383,6 +383,30 @@ def scheduler_entries(only: list[str] | None = None) -> list[ZooEntry]:
     return entries
 
 
+def async_scheduler_entries(only: list[str] | None = None) -> list[ZooEntry]:
+    """The mutants of vLLM's `AsyncScheduler` path, on the vllm-async-scheduler target."""
+    from invariants.zoo.mutants_scheduler import ASYNC_SCHEDULER_MUTANTS, activate_async
+
+    tolerated = known_tolerance("vllm-async-scheduler")
+    entries = []
+    for name in only or list(ASYNC_SCHEDULER_MUTANTS):
+        if name not in ASYNC_SCHEDULER_MUTANTS:
+            continue
+        m = ASYNC_SCHEDULER_MUTANTS[name]
+
+        @contextlib.contextmanager
+        def ctx(name: str = name) -> Iterator[Factory]:
+            with activate_async(name) as factory:
+                yield factory
+
+        entries.append(
+            ZooEntry(
+                name, "vllm-async-scheduler", m.summary, m.strategy, (), ctx, doc=m.doc, tolerated=tolerated
+            )
+        )
+    return entries
+
+
 def vllm_entries(only: list[str] | None = None) -> tuple[list[ZooEntry], list[tuple[str, str]]]:
     from invariants.zoo.mutants_vllm import NOT_APPLICABLE, VLLM_MUTANTS, activate
 

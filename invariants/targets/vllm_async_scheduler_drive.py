@@ -1,0 +1,88 @@
+"""kvretain's scheduling operations run by vLLM's real `AsyncScheduler`, one step ahead.
+
+vLLM's engine core with async scheduling keeps two steps in flight
+(`EngineCore.step_with_batch_queue`, batch queue of two): it schedules step
+N+1, and only then processes step N's output (`update_from_output`). So a
+`Step` here is `schedule()` first (as `RealStepScheduler.step` arranges the
+queues and records the manager calls), then `update_from_output` of the step
+before it, with the tokens `Sample` gave its requests. A request whose step
+reached the end of its known tokens and has no `Sample` yet has its share of
+that output held until its `Sample` (it arrives then), exactly as the
+synchronous driver holds it. `model.async_scheduling` states what the model
+predicts of this order.
+
+Operations between steps:
+- `Sample(rid, token)`: the token of `rid`'s latest step; it rides on that
+  step's output (processed after the next `schedule()`), or arrives at once
+  when that output was already processed (a held share);
+- `Preempt(rid)`: `Scheduler._preempt_request`, then `rid`'s share of the
+  unprocessed output, now stale (its token is appended, nothing is cached),
+  so the request waits with every token it sampled, as the model's `Preempt`
+  keeps them;
+- `Finish(rid)`: `finish_requests`; its share of the unprocessed output is
+  ignored when that output is processed, as vLLM ignores a finished request's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from model.observation import StepResult
+
+from .vllm_scheduler_drive import RealStepScheduler
+
+
+class AsyncStepScheduler(RealStepScheduler):
+    """`RealStepScheduler` in the engine's async order (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The requests of the unprocessed output (`pending`) whose share is still to be delivered.
+        self.undelivered: list[str] = []
+        # Those of them whose step reached the end of their known tokens (they owe a sample).
+        self.samplers: set[str] = set()
+
+    def step(self, rids: tuple[str, ...], budget: int) -> StepResult:
+        """`schedule()` over `rids`, then `update_from_output` of the step before."""
+        previous, undelivered, samplers = self.pending, self.undelivered, self.samplers
+        self.pending = None  # `RealStepScheduler.step` would process it first
+        result = super().step(rids, budget)
+        out = self.pending
+        self.undelivered = list(out.num_scheduled_tokens)
+        self.samplers = {r for r in self.undelivered if self._reached_end(r)}
+        if previous is not None:
+            self._process(previous, undelivered, samplers)
+        return result
+
+    def _reached_end(self, rid: str) -> bool:
+        req = self.s.requests[rid]
+        return bool(req.num_computed_tokens >= req.num_tokens)
+
+    def _process(self, out: Any, rids: list[str], samplers: set[str]) -> None:
+        """`update_from_output` of `out` for `rids`; a sampler without its token is held."""
+        running = self.s.v["RequestStatus"].RUNNING
+        now = []
+        for rid in rids:
+            req = self.s.requests.get(rid)
+            if rid in samplers and rid not in self.samples and req is not None and req.status == running:
+                self.held[rid] = out
+            else:
+                now.append(rid)
+        self._deliver(out, now)
+
+    def sample(self, req: Any, token: int) -> None:
+        rid = req.request_id
+        if rid in self.undelivered:
+            self.samples[rid] = token
+            return
+        super().sample(req, token)
+
+    def preempt(self, req: Any) -> None:
+        super().preempt(req)
+        self._deliver_now(req.request_id)
+
+    def _deliver_now(self, rid: str) -> None:
+        """`rid`'s share of the unprocessed output, delivered at once."""
+        if rid in self.undelivered:
+            self.undelivered.remove(rid)
+            self._deliver(self.pending, [rid])

@@ -1,0 +1,65 @@
+"""The vLLM target with vLLM's real `AsyncScheduler`, driven one step ahead.
+
+`VllmAsyncSchedulerTarget(config)` ("vllm-async-scheduler") is the
+"vllm-scheduler" target with async scheduling on: `vllm_scheduler_build`
+builds `AsyncScheduler` (`SchedulerConfig(async_scheduling=True)`, the class
+`SchedulerConfig.get_scheduler_cls` picks for it), and
+`vllm_async_scheduler_drive` runs each `Step` in the engine core's async
+order: `schedule()` of this step, then `update_from_output` of the step
+before (`EngineCore.step_with_batch_queue`). Its requests carry output
+placeholders (`num_output_placeholders`) between the two. The Checker judges
+it against the model built with `async_scheduling` (`model.async_scheduling`:
+allocation caches only known tokens, a token's arrival caches what the
+processed steps computed).
+
+A target of its own rather than a flag: every command already takes
+`--target` (fuzz, replay, zoo, conformance), the engine loop is the driver's
+job, and a finding or conformance row names the target it came from; vLLM
+itself makes the same choice by class (`AsyncScheduler` is a `Scheduler`
+subclass the configuration selects).
+
+Not judged: speculative decoding, as for "vllm-scheduler" (`SchedulerUnsupported`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from model.config import Config
+
+from .base import TargetFeatures
+from .vllm_async_scheduler_drive import AsyncStepScheduler
+from .vllm_capabilities import Capabilities
+from .vllm_scheduler_build import SchedulerUnsupported, build_scheduler, scheduler_modules
+from .vllm_scheduler_target import SchedulerEventTranslator, SchedulerOpDriver, VllmSchedulerTarget
+from .vllm_snapshot import SnapshotReader
+from .vllm_target import VLLM_EVENT_PROFILE, VllmTarget
+
+NO_SPEC_DECODE_STEPS = (
+    "num_lookahead_tokens/eagle: the vllm-async-scheduler target does not judge speculative decoding "
+    "(drafts in flight one step ahead are not modeled); use --target vllm-scheduler for such configurations"
+)
+
+
+class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
+    """vLLM's real `AsyncScheduler` driving its `KVCacheManager` (see the module docstring)."""
+
+    name = "vllm-async-scheduler"
+    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, async_scheduling=True)
+
+    def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
+        if config.num_lookahead_tokens or config.eagle:
+            raise SchedulerUnsupported(NO_SPEC_DECODE_STEPS)
+        self.vllm_scheduler: Any = None
+        # The synchronous target's driver is not built: this one replaces it.
+        VllmTarget.__init__(self, config, events, track_prefixes)
+        self.steps = AsyncStepScheduler(self.session, self.names, self.vllm_scheduler, scheduler_modules())
+        self.scheduler = self.steps
+        self.driver = SchedulerOpDriver(self.session, self.names, self.steps)
+        self.event_translator = SchedulerEventTranslator(self.session, self.keys, self.steps)
+        self.reader = SnapshotReader(self.session, self.keys, self.event_translator)
+
+    def build_manager(self, config: Config, v: dict[str, Any], caps: Capabilities) -> Any:
+        """The real `AsyncScheduler`'s `KVCacheManager` (the scheduler is kept as `vllm_scheduler`)."""
+        self.vllm_scheduler = build_scheduler(config, v, caps, self.version, async_scheduling=True)
+        return self.vllm_scheduler.kv_cache_manager

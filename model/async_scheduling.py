@@ -1,0 +1,116 @@
+"""Async scheduling: the scheduler runs one step ahead of the model runner (vLLM 0.33.0).
+
+With async scheduling (`SchedulerConfig.async_scheduling`, vLLM's default where
+the executor supports it) the engine schedules step N+1 before it processes
+step N's output (`EngineCore.step_with_batch_queue`, a batch queue of two:
+`schedule()`, then `update_from_output()` of the step before). A token a step
+samples is unknown while the next step is scheduled; vLLM's `AsyncScheduler`
+stands in for it with an output placeholder (`Request.num_output_placeholders`,
+raised by `AsyncScheduler._update_after_schedule` for every request whose step
+reaches the end of its known tokens, lowered as its tokens arrive in
+`Scheduler._update_request_with_output`).
+
+In kvretain's operations a `Sample(rid, token)` is the token of `rid`'s latest
+step. Where that step's output has not been processed (no step was scheduled
+since), the token is in flight: the scheduler receives it right after the next
+step is scheduled. Otherwise (the request sat out the steps since, its output
+held for the token) it arrives at once. What the allocator sees differs from
+synchronous scheduling in four ways, and nowhere else:
+
+1. What a step may schedule ahead: a running request whose sampled token is
+   in flight is scheduled that token's position anyway, as a placeholder
+   (`Scheduler.schedule`: `num_tokens_with_spec + num_output_placeholders -
+   num_computed_tokens`): the same one token the model schedules once the
+   token is sampled, so chunks and budgets are unchanged. A request is never
+   named in a step before its `Sample` (as without async: `Checker.validate`),
+   so no request runs more than one token ahead.
+2. Caching at allocation stops at the known tokens: `allocate_slots` caches
+   `min(computed + new, request.num_tokens)` (`KVCacheManager.allocate_slots`),
+   and `request.num_tokens` leaves the in-flight token out
+   (`caching_limit`).
+3. A token's arrival caches: `update_from_output` calls `cache_blocks(request,
+   num_computed_tokens - num_in_flight_tokens)` for a running request that had
+   output placeholders when its sampled token arrives, so the blocks computed
+   by the steps whose outputs have arrived are cached then, not at the
+   request's next allocation (`arrival_limit`). This is documented semantics,
+   not a finding: vLLM caches only tokens it knows, and caches them as soon as
+   it knows them. A request preempted (inside a step, or by `Preempt`) or
+   finished before its token arrives caches nothing then: its output is stale
+   (`Scheduler._preempt_request` marks it, `update_from_output` skips
+   `cache_blocks` for it) or dropped (a finished request's output is ignored).
+4. Blocks leave a sliding window (and Mamba states are retired) on the
+   processed tokens: `allocate_slots` calls `remove_skipped_blocks` with
+   `num_computed_tokens - num_in_flight_tokens`, and while step N+1 is
+   scheduled step N's tokens are still in flight (`processed_limit`), so a
+   window lets go of its blocks one step later than without async.
+
+`InFlight` is that bookkeeping; `AllocatorModel` (built with
+`async_scheduling=True`) applies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def caching_limit(num_computed: int, num_new: int, num_tokens: int, in_flight: bool) -> int:
+    """Tokens an allocation caches up to: the chunk's end, at most the tokens the
+    scheduler knows (an in-flight token is not one of them)."""
+    return min(num_computed + num_new, num_tokens - (1 if in_flight else 0))
+
+
+def arrival_limit(num_computed: int, scheduled_since: int) -> int:
+    """Tokens cached when a request's sampled token arrives: those computed by the
+    steps whose outputs arrived (`num_computed_tokens - num_in_flight_tokens`,
+    where `scheduled_since` is what the step scheduled just before the arrival
+    gave the request)."""
+    return num_computed - scheduled_since
+
+
+def processed_limit(num_computed: int, unprocessed: int) -> int:
+    """Tokens whose blocks `remove_skipped_blocks` may free: the computed ones less
+    those of the step whose output is unprocessed."""
+    return max(0, num_computed - unprocessed)
+
+
+@dataclass
+class InFlight:
+    """The step outputs a one-step-ahead scheduler has not processed yet.
+
+    - `latest`: the requests the latest step scheduled (its output is still to
+      be processed), with how many tokens each;
+    - `tokens`: the running requests whose sampled token rides on that output.
+    """
+
+    latest: dict[str, int] = field(default_factory=dict)
+    tokens: set[str] = field(default_factory=set)
+
+    def in_flight(self, rid: str) -> bool:
+        """`rid`'s last sampled token has not reached the scheduler."""
+        return rid in self.tokens
+
+    def unprocessed(self, rid: str) -> int:
+        """Tokens of `rid` whose step output is still to be processed."""
+        return self.latest.get(rid, 0)
+
+    def sampled(self, rid: str) -> bool:
+        """A `Sample` for `rid`: True when its token rides on the latest step's output
+        (it arrives after the next step is scheduled), False when it arrives now."""
+        if rid in self.latest:
+            self.tokens.add(rid)
+            return True
+        return False
+
+    def scheduled(self, step: dict[str, int]) -> list[tuple[str, int]]:
+        """A step was scheduled (`step`: tokens per request): the previous step's output
+        is processed. Returns the requests whose tokens arrive, each with what
+        this step scheduled for it (for `arrival_limit`)."""
+        arrived = [(rid, step.get(rid, 0)) for rid in sorted(self.tokens, key=list(self.latest).index)]
+        self.latest = {rid: n for rid, n in step.items() if n > 0}
+        self.tokens = set()
+        return arrived
+
+    def forget(self, rid: str) -> None:
+        """`rid` was finished or preempted: its output is dropped or stale (it caches nothing)."""
+        self.latest.pop(rid, None)
+        self.tokens.discard(rid)

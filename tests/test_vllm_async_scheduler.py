@@ -1,0 +1,228 @@
+"""vLLM's real `AsyncScheduler` driving its allocator one step ahead ("vllm-async-scheduler").
+
+The target runs the engine core's async order (each step scheduled before the
+previous step's output is processed) and the Checker judges it against the
+model built with `async_scheduling` (`model.async_scheduling`). Scripted traces
+agree after every operation; each async rule of the model has a negative
+control: the same trace with that rule replaced by its synchronous form
+disagrees with vLLM. The zoo's async mutant is caught on a trace the unmutated
+scheduler passes, and a short fuzz run is clean and reaches the placeholder and
+arrival rules.
+Skipped, with the reason, when vLLM cannot be imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from invariants.targets.vllm_env import vllm_available
+
+_OK, _REASON = vllm_available()
+if not _OK:
+    pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
+
+import model.allocator as allocator  # noqa: E402
+from invariants.harness.checker import Checker, Violation  # noqa: E402
+from invariants.harness.fuzz import run_fuzz  # noqa: E402
+from invariants.harness.known_findings import is_known_violation  # noqa: E402
+from invariants.targets import REAL_SCHEDULER_TARGETS, SAME_ALLOCATOR, target_factory  # noqa: E402
+from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget  # noqa: E402
+from invariants.targets.vllm_scheduler_build import SchedulerUnsupported  # noqa: E402
+from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
+from invariants.zoo.mutants_scheduler import ASYNC_SCHEDULER_MUTANTS, activate_async  # noqa: E402
+from model.config import Config, GroupSpec  # noqa: E402
+from model.ops import AddRequest, Finish, Op, Preempt, Sample, Step  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+FULL = Config(groups=(GroupSpec("full", 2),), num_blocks=16, max_model_len=4096)
+FULL_SWA = Config(
+    groups=(GroupSpec("full", 2), GroupSpec("swa", 2, sliding_window=2)),
+    num_blocks=24,
+    retention_interval=0,
+    max_model_len=4096,
+)
+
+R1 = ("r1",)
+# r1 decodes its placeholder position (step 2), then sits out r2's step, so its
+# step-2 output is held until its Sample: the token's arrival caches block [2, 4).
+HELD: list[Op] = [
+    AddRequest("r1", (1, 2, 3)),
+    Step(R1, 8),
+    Sample("r1", 4),
+    Step(R1, 8),
+    AddRequest("r2", (7,)),
+    Step(("r2",), 8),
+    Sample("r1", 5),
+]
+# The same, with r1's token sampled before r2's step: it arrives when that step is scheduled.
+ASIDE: list[Op] = [
+    AddRequest("r1", (1, 2, 3)),
+    Step(R1, 8),
+    Sample("r1", 4),
+    Step(R1, 8),
+    Sample("r1", 5),
+    AddRequest("r2", (7,)),
+    Step(("r2",), 8),
+]
+# A manual preemption with a token in flight (6), then the request resumes at once: its
+# admission caches block [4, 6), which holds that token (known again: stale output delivered).
+PREEMPT: list[Op] = [
+    AddRequest("r1", (1, 2, 3, 4)),
+    Step(R1, 8),
+    Sample("r1", 5),
+    Step(R1, 8),
+    Sample("r1", 6),
+    Preempt("r1"),
+    Step(R1, 8),
+    Sample("r1", 7),
+    Step(R1, 8),
+    Finish("r1"),
+]
+
+# Each async rule of the model replaced by its synchronous form (the negative controls).
+SYNCHRONOUS_FORM: dict[str, tuple[str, Any]] = {
+    "caching stops at the known tokens": (
+        "caching_limit",
+        lambda computed, new, tokens, _: min(computed + new, tokens),
+    ),
+    "a token's arrival caches": ("arrival_limit", lambda computed, since: 0),
+    "windows free on processed tokens": ("processed_limit", lambda computed, unprocessed: computed),
+}
+# A trace on which each rule decides the verdict (FULL_SWA: a window of 2 tokens).
+TRACE_FOR_RULE = {
+    "caching stops at the known tokens": ASIDE,
+    "a token's arrival caches": HELD,
+    "windows free on processed tokens": ASIDE,
+}
+
+
+def violations(cfg: Config, ops: list[Op], factory: Any = VllmAsyncSchedulerTarget) -> list[Violation]:
+    """The violations no known finding explains, on `factory`'s target, after every operation."""
+    checker = Checker(factory(cfg), audit_every=1)
+    found: list[Violation] = []
+    for op in ops:
+        found += [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)]
+    return found
+
+
+@contextlib.contextmanager
+def synchronous(rule: str) -> Iterator[None]:
+    name, sync_form = SYNCHRONOUS_FORM[rule]
+    original = getattr(allocator, name)
+    setattr(allocator, name, sync_form)
+    try:
+        yield
+    finally:
+        setattr(allocator, name, original)
+
+
+def test_the_target_is_registered_as_a_real_scheduler_over_vllms_allocator() -> None:
+    assert target_factory("vllm-async-scheduler") is VllmAsyncSchedulerTarget
+    assert "vllm-async-scheduler" in REAL_SCHEDULER_TARGETS
+    assert SAME_ALLOCATOR["vllm-async-scheduler"] == "vllm"
+    target = VllmAsyncSchedulerTarget(FULL)
+    assert type(target.vllm_scheduler).__name__ == "AsyncScheduler"
+    # The Checker judges it with the async model, and the synchronous target without.
+    assert Checker(target).model.in_flight is not None
+    assert Checker(VllmSchedulerTarget(FULL)).model.in_flight is None
+
+
+def test_speculative_decoding_is_refused_with_one_line() -> None:
+    with pytest.raises(SchedulerUnsupported, match="vllm-async-scheduler"):
+        VllmAsyncSchedulerTarget(FULL.with_(num_lookahead_tokens=2))
+
+
+def test_steps_run_in_the_engine_cores_async_order() -> None:
+    """schedule() of step N+1 runs before update_from_output of step N, and a request
+    decoding ahead of its token carries an output placeholder meanwhile."""
+    target = VllmAsyncSchedulerTarget(FULL)
+    sched, calls = target.vllm_scheduler, []
+    for method in ("schedule", "update_from_output"):
+        original = getattr(sched, method)
+
+        def record(*args: Any, _m: str = method, _f: Any = original, **kwargs: Any) -> Any:
+            calls.append(_m)
+            return _f(*args, **kwargs)
+
+        setattr(sched, method, record)
+    for op in ASIDE[:2]:
+        target.apply(op)
+    req = sched.requests["r1"]
+    assert (req.num_computed_tokens, req.num_tokens, req.num_output_placeholders) == (3, 3, 1)
+    for op in ASIDE[2:4]:
+        target.apply(op)
+    # Step 2 scheduled position 3 before its token (4) was known; then step 1's output arrived.
+    assert calls == ["schedule", "schedule", "update_from_output"]
+    assert (req.num_computed_tokens, req.num_tokens, req.num_output_placeholders) == (4, 4, 1)
+
+
+@pytest.mark.parametrize(
+    "cfg, ops", [(FULL, HELD), (FULL, ASIDE), (FULL_SWA, HELD), (FULL_SWA, ASIDE), (FULL_SWA, PREEMPT)]
+)
+def test_scripted_traces_agree_with_the_async_model(cfg: Config, ops: list[Op]) -> None:
+    assert violations(cfg, ops) == []
+
+
+@pytest.mark.parametrize("rule", list(SYNCHRONOUS_FORM))
+def test_each_async_rule_of_the_model_is_needed(rule: str) -> None:
+    """Negative controls: with one rule in its synchronous form the model disagrees with vLLM."""
+    trace = TRACE_FOR_RULE[rule]
+    assert violations(FULL_SWA, trace) == []
+    with synchronous(rule):
+        assert violations(FULL_SWA, trace) != []
+
+
+def test_a_preempted_requests_in_flight_token_is_no_longer_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a model that kept a preempted request's token in flight (no
+    `InFlight.forget`) would cap the resumed admission's caching below that token."""
+    assert violations(FULL, PREEMPT) == []
+    monkeypatch.setattr(allocator.InFlight, "forget", lambda self, rid: None)
+    assert violations(FULL, PREEMPT) != []
+
+
+def test_the_synchronous_model_disagrees_with_the_async_scheduler() -> None:
+    class JudgedSynchronously(VllmAsyncSchedulerTarget):
+        features = VllmSchedulerTarget.features
+
+    assert violations(FULL, HELD, JudgedSynchronously) != []
+
+
+@pytest.mark.parametrize("name", list(ASYNC_SCHEDULER_MUTANTS))
+def test_async_scheduler_mutants_are_caught(name: str) -> None:
+    assert violations(FULL, ASIDE) == []
+    with activate_async(name) as factory:
+        assert violations(FULL, ASIDE, factory) != []
+    assert violations(FULL, ASIDE) == []  # restored
+
+
+def test_a_short_fuzz_run_is_clean_and_reaches_the_async_rules(tmp_path: Path) -> None:
+    report = run_fuzz("vllm-async-scheduler", steps=400, seed=1, out_dir=tmp_path, progress=False)
+    assert report.failure is None, report.failure
+    assert report.stats.features["async: a step scheduled a sampled token's position ahead of it"] > 0
+    assert report.stats.features["async: a sampled token's arrival cached blocks"] > 0
+
+
+def test_known_findings_reproduce_through_the_async_scheduler() -> None:
+    """Every known vLLM finding of the installed release whose trace a real scheduler can
+    run (no speculative decoding) reproduces on vllm-async-scheduler too."""
+    from invariants.harness.known_findings import explain, load_known_findings, target_version
+    from invariants.harness.replay import replay
+
+    version = target_version("vllm")
+    ran = []
+    for f in load_known_findings():
+        if "vllm" not in f.targets or ("*" not in f.versions and version not in f.versions):
+            continue
+        if f.trace.config.eagle or f.trace.config.num_lookahead_tokens:
+            continue
+        result = replay(f.trace, "vllm-async-scheduler")
+        assert any(explain("vllm-async-scheduler", v) is f for _, v in result.known), f.id
+        assert result.clean, (f.id, result.violations[:1])
+        ran.append(f.id)
+    assert "vllm-blockstored-token-range" in ran
