@@ -4,9 +4,8 @@ The search keeps one frozen copy per frontier state and thaws a fresh one for
 each operation it tries from there. A copy is a pickle (four to ten times
 faster than `copy.deepcopy` of the same checker, and compact while it waits
 in the frontier). Objects pickle cannot carry by value (modules, functions and
-closures such as vLLM's request block hasher, and thread pools such as the
-structured-output manager's of a speculating scheduler) are shared by
-reference: they hold no allocator state.
+closures such as vLLM's request block hasher) are shared by reference, which
+is what `copy.deepcopy` does with them too: they hold no allocator state.
 
 A fork is checked against re-execution of the path that reached it
 (`invariants.explore.search` does this once per instance): the thawed copy and
@@ -18,15 +17,12 @@ from __future__ import annotations
 import io
 import pickle
 import types
-from concurrent.futures import Executor
 from typing import Any
 
 from invariants.harness.checker import Checker
 
 # Classes too: a mutant's class defined inside a function has no importable name.
-# Executors: a thread pool's queue cannot be pickled, and its workers are no state.
 _SHARED_TYPES = (
-    Executor,
     type,
     types.ModuleType,
     types.FunctionType,

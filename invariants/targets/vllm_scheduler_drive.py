@@ -59,6 +59,23 @@ class Call:
 
 
 @dataclass
+class Recorded:
+    """One recorded manager method. An object, not a closure: a fork of the target
+    (explore's pickle) copies it with its recorder and its manager, where a closure
+    would be shared and keep recording into the original."""
+
+    recorder: StepRecorder
+    method: Callable[..., Any]
+    kind: str
+
+    def __call__(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = self.method(request, *args, **kwargs)
+        if self.recorder.active:
+            self.recorder.calls.append(Call(self.kind, request.request_id, result))
+        return result
+
+
+@dataclass
 class StepRecorder:
     """Records the `KVCacheManager` calls of one `schedule()` (observation only: each
     wrapper calls vLLM's method with the same arguments and returns its result)."""
@@ -74,13 +91,7 @@ class StepRecorder:
         m.free = self._wrap(m.free, "free")
 
     def _wrap(self, method: Callable[..., Any], kind: str) -> Callable[..., Any]:
-        def recorded(request: Any, *args: Any, **kwargs: Any) -> Any:
-            result = method(request, *args, **kwargs)
-            if self.active:
-                self.calls.append(Call(kind, request.request_id, result))
-            return result
-
-        return recorded
+        return Recorded(self, method, kind)
 
     @contextmanager
     def recording(self) -> Iterator[list[Call]]:
