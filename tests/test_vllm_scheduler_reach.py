@@ -123,3 +123,83 @@ def test_a_source_mutant_whose_line_is_gone_fails_loudly() -> None:
         )
         assert Scheduler.schedule is not original
     assert Scheduler.schedule is original
+
+
+# ------------------------------------------------------------------ export of a vllm-scheduler finding
+EXPORTED_IMPORTS = {"json", "os", "tempfile", "time", "dataclasses", "torch", "vllm"}
+
+
+def test_a_planted_scheduler_finding_exports_as_a_standalone_real_scheduler_test(tmp_path: Any) -> None:
+    """A finding on vllm-scheduler (planted: the shipped-table mutant) exports as a pytest
+    file that imports only vLLM and torch, builds vLLM's `Scheduler`, passes on vLLM and
+    fails with an assertion (not a setup divergence) under the mutant."""
+    import ast
+    import importlib.util
+
+    from invariants.export.plan import plan_export
+    from invariants.export.pytest_file import render_test
+    from invariants.harness.checker import Checker
+    from invariants.harness.known_findings import is_known_violation
+    from invariants.harness.trace import Trace
+
+    name = "admission_ships_new_blocks_only"
+    ops = [AddRequest("r1", PROMPT8), AddRequest("r3", (*PROMPT8, 2)), Step(("r1",), 32), Step(("r3",), 16)]
+    with activate(name) as factory:
+        checker = Checker(factory(FULL_SWA_SWA), audit_every=1)
+        found = [v for op in ops for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+    assert found and found[0].check == "observation" and found[0].op == ops[-1]
+    trace = Trace(FULL_SWA_SWA, ops, seed=0, target="vllm-scheduler", violation=f"mutant {name}: {found[0]}")
+    source = render_test(plan_export(trace))
+    roots = {
+        (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+        for n in ast.parse(source).body
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+    }
+    assert roots <= EXPORTED_IMPORTS and "vllm" in roots, roots
+    assert "Scheduler(" in source and "driver.step(('r3',), 16)" in source
+    path = tmp_path / "test_exported_scheduler_finding.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("exported_scheduler_finding", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    test = next(getattr(module, n) for n in dir(module) if n.startswith("test_"))
+    test()  # vLLM 0.33.0 ships what the specification says
+    with activate(name), pytest.raises(AssertionError):
+        test()
+
+
+# ------------------------------------------------------------------ bench --scale production
+def test_the_production_bench_clock_counts_nested_vllm_calls_once() -> None:
+    """The scheduler's calls into the manager are inside its own time: counted once."""
+    import time as _time
+
+    from invariants.harness.bench import _VllmClock
+
+    clock = _VllmClock()
+
+    def inner() -> None:
+        _time.sleep(0.02)
+
+    timed_inner = clock.timed(inner)
+
+    def outer() -> None:
+        timed_inner()
+        _time.sleep(0.02)
+
+    clock.timed(outer)()
+    assert 0.04 <= clock.seconds < 0.06, clock.seconds
+    timed_inner()
+    assert clock.seconds >= 0.06
+
+
+def test_the_production_bench_sends_a_real_scheduler_steps() -> None:
+    from invariants.harness.bench import _as_step, scheduled_tokens
+    from model.observation import ScheduleResult, StepResult
+    from model.ops import Schedule
+
+    assert _as_step(Schedule("r0", 64)) == Step(("r0",), 64)
+    assert _as_step(AddRequest("r0", (1,))) == AddRequest("r0", (1,))
+    step = StepResult((("a", ScheduleResult(3, True)), ("b", ScheduleResult(0, False))))
+    assert scheduled_tokens(step) == 3 and scheduled_tokens(ScheduleResult(5, False)) == 5
