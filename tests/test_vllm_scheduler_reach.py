@@ -203,3 +203,65 @@ def test_the_production_bench_sends_a_real_scheduler_steps() -> None:
     assert _as_step(AddRequest("r0", (1,))) == AddRequest("r0", (1,))
     step = StepResult((("a", ScheduleResult(3, True)), ("b", ScheduleResult(0, False))))
     assert scheduled_tokens(step) == 3 and scheduled_tokens(ScheduleResult(5, False)) == 5
+
+
+# ------------------------------------------------------------------ the release matrix's scheduler API
+def _fake_schedule(self: Any) -> int:
+    return int(self.max_num_scheduled_tokens)  # the per-step budget the driver sets
+
+
+def _fake_scheduler_namespace(drop: str = "") -> dict[str, Any]:
+    """Classes shaped like vLLM's, with everything `SCHEDULER_API` names (less `drop`)."""
+    from invariants.targets.vllm_capabilities import SCHEDULER_API
+
+    ns: dict[str, Any] = {}
+    for owner, names in SCHEDULER_API.items():
+        cls_name, _, method = owner.partition(".")
+        if method:
+            continue
+        body: dict[str, Any] = {n: None for n in names if f"{cls_name}.{n}" != drop}
+        if cls_name == "Scheduler":
+            params = ", ".join(
+                n for n in SCHEDULER_API["Scheduler.__init__"] if f"Scheduler.__init__({n})" != drop
+            )
+            exec(f"def __init__(self, {params}): pass", body)  # noqa: S102 - a fake's signature
+            body["schedule"] = _fake_schedule
+        ns[cls_name] = type(cls_name, (), body)
+    return ns
+
+
+@pytest.mark.parametrize(
+    "drop",
+    [
+        "Scheduler.__init__(hash_block_size)",
+        "SchedulerOutput.kv_cache_block_copies",
+        "CachedRequestData.new_block_ids",
+    ],
+)
+def test_the_scheduler_api_detection_names_what_a_release_lacks(drop: str) -> None:
+    from invariants.targets.vllm_capabilities import scheduler_api_missing
+
+    assert scheduler_api_missing(_fake_scheduler_namespace()) == ()
+    assert scheduler_api_missing(_fake_scheduler_namespace(drop)) == (drop,)
+
+
+def test_this_vllm_has_the_scheduler_api_and_a_release_without_it_is_refused(monkeypatch: Any) -> None:
+    """vLLM 0.33.0 has everything; a release that lacks a piece makes the target
+    unavailable with the reason (and the matrix report says it)."""
+    import dataclasses
+
+    import invariants.targets.vllm_capabilities as capabilities
+    from invariants.matrix.markdown import scheduler_line
+    from invariants.targets import TargetUnavailable, target_factory
+
+    caps = capabilities.detect()
+    assert caps.scheduler_missing == ()
+    assert capabilities.Capabilities.from_json(caps.to_json()) == caps
+    assert scheduler_line(caps) == "vllm-scheduler: can drive this release's Scheduler"
+    old = dataclasses.replace(caps, version="0.21.0", scheduler_missing=("SchedulerConfig.watermark",))
+    monkeypatch.setattr(capabilities, "detect", lambda: old)
+    with pytest.raises(
+        TargetUnavailable, match=r"vLLM 0\.21\.0's Scheduler lacks .*SchedulerConfig\.watermark"
+    ):
+        target_factory("vllm-scheduler")
+    assert "cannot" in scheduler_line(old)

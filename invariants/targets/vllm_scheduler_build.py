@@ -54,7 +54,7 @@ from typing import Any
 from model.config import Config, ConfigError
 
 from .vllm_build import group_specs
-from .vllm_capabilities import Capabilities
+from .vllm_capabilities import Capabilities, scheduler_unsupported
 
 STAND_IN_ARCH = "KvretainStandInForCausalLM"
 # vLLM's Eagle config names the draft architecture "Eagle" + the target's.
@@ -231,6 +231,9 @@ def build_scheduler(
 
     check_supported(cfg, caps, version)
     check_scheduler_supported(cfg)
+    why = scheduler_unsupported(caps)
+    if why is not None:  # the release's scheduler API (`vllm_capabilities.scheduler_api_missing`)
+        raise SchedulerUnsupported(why)
     specs = group_specs(cfg, v)
     m = scheduler_modules()
     try:
