@@ -259,7 +259,9 @@ def admission_ships_new_blocks_only(stack: contextlib.ExitStack, sched: Any) -> 
 def running_ships_whole_table(stack: contextlib.ExitStack, sched: Any) -> None:
     """The block ids a step ships for a cached request: the running pass sends the
     request's whole table (`self.kv_cache_manager.get_blocks(request_id)`) as its
-    `new_block_ids`, which the worker appends to the table it already holds."""
+    `new_block_ids`, which the worker appends to the table it already holds. (A scheduler
+    test that asserts a decode's `new_block_ids` may catch it upstream: the cached-request
+    counterpart of `admission_ships_new_blocks_only`.)"""
     _rewrite(
         stack,
         sched,
