@@ -123,7 +123,10 @@ def violated_property(trace: Trace) -> tuple[str, str]:
     """(check name, message) of the trace's recorded violation."""
     if not trace.violation:
         raise ExportError("trace.violation: the trace records no violation; nothing to export")
-    name, _, message = trace.violation.partition(":")
+    violation = trace.violation
+    if violation.startswith("mutant "):  # a zoo trace: "mutant NAME: check: message"
+        violation = violation.partition(":")[2]
+    name, _, message = violation.partition(":")
     name = name.strip()
     if name not in BY_NAME and name not in DIFFERENTIAL:
         raise ExportError(f"trace.violation: unknown check {name!r} (not in the catalogue)")

@@ -587,7 +587,12 @@ def _has_mamba(cfg: Config) -> bool:
 
 
 def render_test(plan: ExportPlan) -> str:
-    """The pytest file's source (see the module docstring)."""
+    """The pytest file's source (see the module docstring); a vllm-scheduler trace drives
+    vLLM's real `Scheduler` instead (`scheduler_file`)."""
+    if plan.trace.target == "vllm-scheduler":
+        from invariants.export.scheduler_file import render_scheduler_test
+
+        return render_scheduler_test(plan)
     trace, exp = plan.trace, plan.expectation
     cfg = trace.config
     names: dict[str, str] = {}

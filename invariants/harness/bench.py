@@ -17,6 +17,10 @@ unique tail, each admitted in one chunk and then finished), measured in one run:
 - the ratio checked / raw (goal >= 1/3: checking costs at most 2x the work),
   and where the checked time goes.
 
+`--scale production` (`run_production_bench`) measures a dsv4-flash episode
+at vLLM's pool size on "vllm" and on "vllm-scheduler", whose raw side is vLLM's
+real `Scheduler` and allocator (their own calls).
+
 Both sides are timed in this process's CPU time (`time.process_time`), so other
 processes on a shared machine slow neither, and raw and checked on vLLM (both vLLM targets) are
 measured in ROUNDS alternating rounds, the best of each kept: a cold first
@@ -32,17 +36,18 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker
 from invariants.harness.known_findings import is_known_violation
 from invariants.report import table
-from invariants.targets import TargetUnavailable, target_factory
+from invariants.targets import REAL_SCHEDULER_TARGETS, TargetUnavailable, target_factory
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_modules
 from model.config import Config, GroupSpec
-from model.ops import AddRequest, Finish, Op, Schedule
+from model.observation import StepResult
+from model.ops import AddRequest, Finish, Op, Schedule, Step
 
 BENCH_CONFIG = Config(
     groups=(GroupSpec("full", 16), GroupSpec("swa", 16, sliding_window=32)),
@@ -231,24 +236,22 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
 
 
 def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], None] = print) -> int:
-    """`bench --scale production`: one dsv4-flash episode at vLLM's pool size.
+    """`bench --scale production`: one dsv4-flash episode at vLLM's pool size, on "vllm"
+    (the adapter calling vLLM's `KVCacheManager`) and on "vllm-scheduler" (vLLM's real
+    `Scheduler` deciding each step over the same allocator).
 
-    checked: the production workload through the Checker on vLLM (model,
-    deltas, audits every PRODUCTION_AUDIT_EVERY steps); raw: the same operations
-    replayed on a fresh vLLM target with no model and no checks, timed twice
-    over: the whole replay (vLLM and the adapter that drives it) and vLLM's own
-    calls within it (`_VllmClock`). The ratio is against vLLM's own time: the
-    adapter is part of the checking, and counting it as raw would flatter the
-    checker. Both sides run under the production run's collector
-    (`episode_collector`, the pools frozen once built). Then where the checked
-    time goes (CPU time per phase, audits on their own)."""
-    from invariants.harness.production import (
-        PRODUCTION_AUDIT_EVERY,
-        YOUNG_GENERATION,
-        episode_collector,
-        settings_for,
-        workload,
-    )
+    checked: the production workload through the Checker (model, deltas, audits every
+    PRODUCTION_AUDIT_EVERY steps); raw: the same operations replayed on a fresh target
+    with no model and no checks, timed twice over: the whole replay (vLLM and the
+    adapter that drives it) and vLLM's own calls within it (`_VllmClock`: the manager,
+    the block pool, request construction and, on "vllm-scheduler", the scheduler's
+    methods, each timed once however they nest). The ratio is against vLLM's own time:
+    the adapter is part of the checking, and counting it as raw would flatter the
+    checker. A real scheduler is sent each `Schedule` as the one-request `Step` it runs
+    (`TargetFeatures.real_scheduler`). Both sides run under the production run's
+    collector (`episode_collector`, the pools frozen once built). Then where the
+    checked time goes (CPU time per phase, audits on their own)."""
+    from invariants.harness.production import YOUNG_GENERATION, settings_for
 
     # One configuration whatever the seed (the seed draws the workload): every
     # plan holds dsv4-flash at full size with interval retention; no drafts.
@@ -258,13 +261,50 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
         if s.name == "dsv4-flash" and not s.squeezed and s.config.retention_interval
     )
     cfg = replace(setting.config, eagle=False, num_lookahead_tokens=0)
-    factory = target_factory("vllm")
     log(
         f"kvretain bench --scale production: {ops} operations, dsv4-flash, {cfg.num_blocks:,} blocks, "
         f"retention {cfg.retention_interval}, prompts up to {setting.longest:,} tokens, seed {seed}"
     )
-    # Both sides under the collector `fuzz --scale production` runs with: its
-    # young generation, the pools frozen once built.
+    for target in ("vllm", "vllm-scheduler"):
+        try:
+            run = _production_run(target, cfg, setting.longest, ops, seed)
+        except TargetUnavailable as exc:
+            log(f"{target}: skipped ({exc})")
+            continue
+        log(f"on {target}:")
+        log(_production_table(target, ops, run.tokens, run.raw_s, run.driven_s, run.checked_s))
+        log(
+            f"pool {cfg.num_blocks:,} blocks, {run.audits} audits, peak RSS {_peak_rss_mib():,.0f} MiB; "
+            f"both sides with the production run's collector (young generation {YOUNG_GENERATION:,}, pools frozen)"
+        )
+        parts = ", ".join(
+            f"{k} {v / run.checked_cpu:.0%}" for k, v in sorted(run.phase.items(), key=lambda kv: -kv[1])
+        )
+        log(f"where checked time goes on {target}: {parts}")
+    log("goal: checked/raw >= 0.33 (checking costs at most 2x the work it checks)")
+    return 0
+
+
+@dataclass
+class _ProductionRun:
+    """One target's production bench: seconds checked (wall and CPU), raw (vLLM's own
+    calls) and driven (the adapter with vLLM, no checks), tokens scheduled, phases."""
+
+    checked_s: float
+    checked_cpu: float
+    raw_s: float
+    driven_s: float
+    tokens: int
+    audits: int
+    phase: dict[str, float]
+
+
+def _production_run(target: str, cfg: Config, longest: int, ops: int, seed: int) -> _ProductionRun:
+    """The checked run of `ops` workload operations on `target`, then their raw replay."""
+    from invariants.harness.production import PRODUCTION_AUDIT_EVERY, episode_collector, workload
+
+    factory = target_factory(target)
+    real_scheduler = target in REAL_SCHEDULER_TARGETS
     with episode_collector():
         checker = Checker(factory(cfg), audit_every=PRODUCTION_AUDIT_EVERY)
         # Phase clocks in the same run: an operation here costs milliseconds, the clocks microseconds.
@@ -275,18 +315,18 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
         audit_step, audit_all = checker.audited_step, checker.audit
         checker.audited_step = _audit_clock(audit_step, phase)  # type: ignore[method-assign]
         gc.freeze()
-        gen = workload(cfg, random.Random(seed), checker, setting.longest)
+        gen = workload(cfg, random.Random(seed), checker, longest)
         checked_s, checked_cpu, tokens = 0.0, 0.0, 0
         while len(checker.ops) < ops:
-            op = next(gen)
+            op = _as_step(next(gen)) if real_scheduler else next(gen)
             t, c = time.perf_counter(), CLOCK()
-            found = [v for v in checker.step(op) if not is_known_violation("vllm", v)]
+            found = [v for v in checker.step(op) if not is_known_violation(target, v)]
             checked_s += time.perf_counter() - t
             checked_cpu += CLOCK() - c
             assert not found, (op, found)
-            tokens += getattr(checker.last_obs, "scheduled", 0)
+            tokens += scheduled_tokens(checker.last_obs)
         t, c = time.perf_counter(), CLOCK()
-        assert not [v for v in _audit_clock(audit_all, phase)() if not is_known_violation("vllm", v)]
+        assert not [v for v in _audit_clock(audit_all, phase)() if not is_known_violation(target, v)]
         checked_s += time.perf_counter() - t
         checked_cpu += CLOCK() - c
         phase["checks and history"] = checked_cpu - sum(phase.values())
@@ -299,27 +339,33 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
         for op in checker.ops:
             raw_target.apply(op)
         driven_s = time.perf_counter() - t
-        raw_s = own.seconds
         gc.unfreeze()
-    log(_production_table(ops, tokens, raw_s, driven_s, checked_s))
-    log(
-        f"pool {cfg.num_blocks:,} blocks, {checker.audits} audits, peak RSS {_peak_rss_mib():,.0f} MiB; "
-        f"both sides with the production run's collector (young generation {YOUNG_GENERATION:,}, pools frozen)"
-    )
-    parts = ", ".join(f"{k} {v / checked_cpu:.0%}" for k, v in sorted(phase.items(), key=lambda kv: -kv[1]))
-    log(f"where checked time goes: {parts}")
-    log("goal: checked/raw >= 0.33 (checking costs at most 2x the work it checks)")
-    return 0
+    return _ProductionRun(checked_s, checked_cpu, own.seconds, driven_s, tokens, checker.audits, dict(phase))
 
 
-def _production_table(ops: int, tokens: int, raw_s: float, driven_s: float, checked_s: float) -> str:
+def _as_step(op: Op) -> Op:
+    """A real scheduler runs a `Schedule` as the one-request step it is (see `VllmSchedulerTarget`)."""
+    return Step((op.rid,), op.budget) if isinstance(op, Schedule) else op
+
+
+def scheduled_tokens(obs: Any) -> int:
+    """Tokens an operation's observation says were scheduled (a step: all its requests')."""
+    if isinstance(obs, StepResult):
+        return sum(r.scheduled for _, r in obs.results)
+    return int(getattr(obs, "scheduled", 0))
+
+
+def _production_table(
+    target: str, ops: int, tokens: int, raw_s: float, driven_s: float, checked_s: float
+) -> str:
     """The production bench's rows: vLLM's own time, the adapter driving it, checked."""
-    rows = [
-        ("vllm raw (its own calls, no checking)", f"{ops / raw_s:,.0f}", f"{tokens / raw_s:,.0f}", "1.00")
-    ]
+    raw = "vllm raw (its own calls, no checking)"
+    if target in REAL_SCHEDULER_TARGETS:
+        raw = "vllm raw: its Scheduler and allocator (their own calls, no checking)"
+    rows = [(raw, f"{ops / raw_s:,.0f}", f"{tokens / raw_s:,.0f}", "1.00")]
     for name, seconds in (
-        ("vllm driven by the adapter, no checking", driven_s),
-        ("checked on vllm", checked_s),
+        (f"{target} driven by the adapter, no checking", driven_s),
+        (f"checked on {target}", checked_s),
     ):
         rows.append((name, f"{ops / seconds:,.0f}", f"{tokens / seconds:,.0f}", f"{raw_s / seconds:.2f}"))
     return table(["run", "ops/s", "tokens/s", "vs raw vLLM"], rows)
@@ -332,8 +378,19 @@ class _VllmClock:
     its own) is left out, and so is what vLLM does inside a request's own
     methods (a sampled token's hashing): both count against the checker."""
 
+    # The real scheduler's entry points the "vllm-scheduler" adapter calls.
+    SCHEDULER_METHODS = (
+        "add_request",
+        "schedule",
+        "update_from_output",
+        "finish_requests",
+        "_preempt_request",
+        "reset_prefix_cache",
+    )
+
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.depth = 0  # a vLLM call inside a timed one (the scheduler's into the manager) counts once
 
     @classmethod
     def attach(cls, target: Any) -> _VllmClock:
@@ -342,6 +399,10 @@ class _VllmClock:
         target.pool = clock.wrap(target.pool)
         v = target.session.v  # the vLLM modules every part of the adapter reads (vllm_session)
         target.session.v = {**v, "Request": clock.timed(v["Request"])}
+        scheduler = getattr(target, "vllm_scheduler", None)
+        if scheduler is not None:
+            for name in cls.SCHEDULER_METHODS:  # instance attributes shadow the class's methods
+                setattr(scheduler, name, clock.timed(getattr(scheduler, name)))
         return clock
 
     def wrap(self, obj: Any) -> Any:
@@ -356,11 +417,15 @@ class _VllmClock:
 
     def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t
+                self.depth -= 1
 
         return call
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from invariants.matrix.classify import GUARDED_BY, KNOWN_DESIGN
 from invariants.matrix.runner import HEADERS, ReleaseRun, matrix_rows
-from invariants.targets.vllm_capabilities import MECHANISM_PR, Capabilities
+from invariants.targets.vllm_capabilities import MECHANISM_PR, Capabilities, scheduler_unsupported
 
 
 def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -93,6 +93,7 @@ def render(runs: list[ReleaseRun], command: str) -> str:
         out += ["capabilities: `" + json.dumps(caps, separators=(", ", ": ")) + "`", ""]
         profile = Capabilities.from_json(r.result["capabilities"]).profile()
         out += [f"model profile: `{profile.describe()}`", ""]
+        out += [scheduler_line(Capabilities.from_json(r.result["capabilities"])), ""]
         python = "~/.cache/kvretain/vllm-" + r.version + "/bin/python"
         checks = [*r.result["checks"], *r.result["conformance"]]
         out += _known_design_lines(Capabilities.from_json(r.result["capabilities"]), checks)
@@ -109,3 +110,15 @@ def render(runs: list[ReleaseRun], command: str) -> str:
             out.append(f"- known finding `{k['id']}`: {state} ({listed}) {k.get('note') or ''}".rstrip())
         out.append("")
     return "\n".join(out)
+
+
+def scheduler_line(caps: Capabilities) -> str:
+    """Whether the vllm-scheduler target (vLLM's real `Scheduler`) can drive this release."""
+    if caps.scheduler_missing is None:
+        return "vllm-scheduler: the release's scheduler API was not detected"
+    why = scheduler_unsupported(caps)
+    return (
+        "vllm-scheduler: can drive this release's Scheduler"
+        if why is None
+        else f"vllm-scheduler: cannot: {why}"
+    )

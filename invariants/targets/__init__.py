@@ -97,6 +97,12 @@ def target_factory(name: str) -> Callable[[Config], Target]:
         ok, reason = vllm_available()
         if not ok:
             raise TargetUnavailable(reason)
+        if name == "vllm-scheduler":
+            from invariants.targets.vllm_capabilities import detect, scheduler_unsupported
+
+            why = scheduler_unsupported(detect())
+            if why is not None:
+                raise TargetUnavailable(why)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

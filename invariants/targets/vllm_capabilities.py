@@ -48,6 +48,9 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 | `mask_hit_grid`          | `SingleTypeKVCacheManager.cache_blocks` floors the masks'  |        |
 |                          | boundaries to `cache_hit_alignment_tokens` (the hit grid), |        |
 |                          | else to `scheduler_block_size`                             |        |
+| `scheduler_missing`      | what the vllm-scheduler target drives that the release's   |        |
+|                          | `Scheduler` API lacks (`scheduler_api_missing`; empty: it  |        |
+|                          | runs; None: not detected, e.g. a namespace of fakes)       |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -112,6 +115,7 @@ class Capabilities:
     mamba_count_capped: bool = True
     mamba_retired_mark: bool = True
     mask_hit_grid: bool = True
+    scheduler_missing: tuple[str, ...] | None = None
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -179,6 +183,8 @@ class Capabilities:
         kwargs["event_fields"] = frozenset(kwargs.get("event_fields", ()))
         kwargs.setdefault("coarse_hash", "last")
         kwargs.setdefault("caching_off_order", "lifo")
+        if kwargs.get("scheduler_missing") is not None:
+            kwargs["scheduler_missing"] = tuple(kwargs["scheduler_missing"])
         return cls(**kwargs)
 
 
@@ -269,6 +275,106 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
     )
 
 
+# What the vllm-scheduler target (`vllm_scheduler_build`, `vllm_scheduler_drive`) calls or
+# reads of vLLM's scheduler, by class: constructor parameters, methods, fields.
+SCHEDULER_API: dict[str, tuple[str, ...]] = {
+    "Scheduler.__init__": (
+        "vllm_config",
+        "kv_cache_config",
+        "structured_output_manager",
+        "block_size",
+        "hash_block_size",
+        "log_stats",
+    ),
+    "Scheduler": (
+        "add_request",
+        "schedule",
+        "update_from_output",
+        "finish_requests",
+        "reset_prefix_cache",
+        "_preempt_request",
+        "_mamba_block_aligned_split",
+    ),
+    "SchedulerConfig": (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "enable_chunked_prefill",
+        "long_prefill_token_threshold",
+        "is_encoder_decoder",
+        "watermark",
+        "scheduler_reserve_full_isl",
+        "async_scheduling",
+    ),
+    "CacheConfig": ("block_size", "enable_prefix_caching", "mamba_cache_mode"),
+    "SchedulerOutput": (
+        "num_scheduled_tokens",
+        "scheduled_new_reqs",
+        "scheduled_cached_reqs",
+        "scheduled_spec_decode_tokens",
+        "kv_cache_block_copies",
+    ),
+    "CachedRequestData": ("req_ids", "new_block_ids"),
+    "ModelRunnerOutput": ("req_ids", "req_id_to_index", "sampled_token_ids"),
+}
+
+
+def scheduler_api_missing(ns: Mapping[str, Any]) -> tuple[str, ...]:
+    """What of `SCHEDULER_API` the release's classes in `ns` lack, as "Class.name" (empty:
+    the vllm-scheduler target can drive this release's scheduler). A class absent from
+    `ns` is missing whole; the per-step token budget is the scheduler's
+    `max_num_scheduled_tokens`, which `schedule()` must read."""
+    missing: list[str] = []
+    for owner, names in SCHEDULER_API.items():
+        cls_name, _, method = owner.partition(".")
+        cls = ns.get(cls_name)
+        if cls is None:
+            missing.append(cls_name)
+            continue
+        have = (
+            _params(getattr(cls, method))
+            if method
+            # constructor parameters (a config's InitVars too), fields, attributes
+            else _params(cls) | _fields(cls) | frozenset(n for n in dir(cls) if not n.startswith("__"))
+        )
+        missing += [f"{owner}({n})" if method else f"{cls_name}.{n}" for n in names if n not in have]
+    schedule = getattr(ns.get("Scheduler"), "schedule", None)
+    if schedule is not None and "self.max_num_scheduled_tokens" not in _source(schedule):
+        missing.append("Scheduler.schedule reading self.max_num_scheduled_tokens")
+    return tuple(missing)
+
+
+def scheduler_unsupported(caps: Capabilities) -> str | None:
+    """Why the vllm-scheduler target cannot drive this release's scheduler (None: it can)."""
+    if not caps.scheduler_missing:
+        return None
+    return f"vLLM {caps.version}'s Scheduler lacks what the vllm-scheduler target drives: " + ", ".join(
+        caps.scheduler_missing
+    )
+
+
+def detect_scheduler_api() -> tuple[str, ...]:
+    """`scheduler_api_missing` of this interpreter's vLLM; a scheduler module that does not
+    import is missing whole (named with the import error)."""
+    try:
+        from vllm.config import CacheConfig, SchedulerConfig
+        from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.outputs import ModelRunnerOutput
+    except ImportError as exc:
+        return (f"vllm.v1.core.sched ({type(exc).__name__}: {exc})",)
+    return scheduler_api_missing(
+        {
+            "Scheduler": Scheduler,
+            "SchedulerConfig": SchedulerConfig,
+            "CacheConfig": CacheConfig,
+            "SchedulerOutput": SchedulerOutput,
+            "CachedRequestData": CachedRequestData,
+            "ModelRunnerOutput": ModelRunnerOutput,
+        }
+    )
+
+
 @functools.cache
 def detect() -> Capabilities:
     """The capabilities of this interpreter's vLLM (imports it; call after
@@ -300,4 +406,5 @@ def detect() -> Capabilities:
         "SingleTypeKVCacheManager": SingleTypeKVCacheManager,
         "FullAttentionManager": FullAttentionManager,
     }
-    return detect_from(ns, importlib.metadata.version("vllm"))
+    caps = detect_from(ns, importlib.metadata.version("vllm"))
+    return dataclasses.replace(caps, scheduler_missing=detect_scheduler_api())

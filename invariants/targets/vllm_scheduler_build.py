@@ -54,7 +54,7 @@ from typing import Any
 from model.config import Config, ConfigError
 
 from .vllm_build import group_specs
-from .vllm_capabilities import Capabilities
+from .vllm_capabilities import Capabilities, scheduler_unsupported
 
 STAND_IN_ARCH = "KvretainStandInForCausalLM"
 # vLLM's Eagle config names the draft architecture "Eagle" + the target's.
@@ -229,29 +229,37 @@ def build_scheduler(
     cfg: Config, v: dict[str, Any], caps: Capabilities, version: str, *, async_scheduling: bool = False
 ) -> Any:
     """vLLM's `Scheduler` (`AsyncScheduler` with `async_scheduling`) for `cfg`."""
+    from .vllm_build import _retention_env as retention_env
     from .vllm_build import check_supported
 
     check_supported(cfg, caps, version)
     check_scheduler_supported(cfg)
+    why = scheduler_unsupported(caps)
+    if why is not None:  # the release's scheduler API (`vllm_capabilities.scheduler_api_missing`)
+        raise SchedulerUnsupported(why)
     specs = group_specs(cfg, v)
     m = scheduler_modules()
     try:
         vcfg = vllm_config(cfg, async_scheduling=async_scheduling)
+        # The retention interval as the release takes it (`vllm_build.build_manager`): a
+        # `KVCacheConfig` field, or the environment while the coordinator is built.
+        retention = (
+            {"prefix_cache_retention_interval": cfg.retention_interval} if caps.retention == "config" else {}
+        )
         kv_cfg = v["KVCacheConfig"](
-            num_blocks=cfg.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=specs,
-            prefix_cache_retention_interval=cfg.retention_interval,
+            num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=specs, **retention
         )
         cls = m["AsyncScheduler"] if async_scheduling else m["Scheduler"]
-        return cls(
-            vllm_config=vcfg,
-            kv_cache_config=kv_cfg,
-            structured_output_manager=m["StructuredOutputManager"](vcfg),
-            block_size=cfg.scheduler_block_size,
-            hash_block_size=cfg.hash_block_size,
-            log_stats=False,
-        )
+        env_r = cfg.retention_interval if any(g.kind != "full" for g in cfg.groups) else None
+        with retention_env(env_r if caps.retention == "env" else None):
+            return cls(
+                vllm_config=vcfg,
+                kv_cache_config=kv_cfg,
+                structured_output_manager=m["StructuredOutputManager"](vcfg),
+                block_size=cfg.scheduler_block_size,
+                hash_block_size=cfg.hash_block_size,
+                log_stats=False,
+            )
     except (ValueError, AssertionError, TypeError) as exc:
         kind = "" if isinstance(exc, ValueError) else f" ({type(exc).__name__})"
         raise ConfigError(f"vLLM {version}'s scheduler rejects the configuration{kind}: {exc}") from exc

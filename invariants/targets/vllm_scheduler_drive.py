@@ -21,6 +21,15 @@ compute is reached but calls nothing, exactly as in `Scheduler.schedule`),
 then the waiting requests in lookup order; the preempted requests in the order
 their blocks were freed.
 
+The block ids of a scheduled request are the ones the step ships to the worker
+(`SchedulerOutput`), not the allocator's return value, so a scheduler that
+hands the worker the wrong table differs from the model: a running request's
+`new_blocks` is its `CachedRequestData.new_block_ids` (None: nothing new); an
+admitted request ships its whole table (`NewRequestData.block_ids`, or a
+resumed request's `new_block_ids`), whose entries past the hit are its
+`new_blocks` and whose first entries must be the hit's blocks, except where the
+allocator nulled a block the window left behind (`shipped_admission`).
+
 The model runner's half of a step is `update_from_output` with a synthetic
 `ModelRunnerOutput`: it runs just before the next `schedule()` (never sooner,
 as a model runner returns a step's output before the next step is scheduled)
@@ -301,11 +310,14 @@ def observe(calls: list[Call], running: list[str], out: Any, budget: int) -> Ste
             serving = c.rid
         elif c.kind == "free":
             preemptions.append((c.rid, serving))
+    shipped = shipped_blocks(out)
+    cow = {(c.src_block_id, c.dst_block_id) for c in out.kv_cache_block_copies or ()}
     queue, i, left = list(running), 0, budget
     while i < len(queue) and left > 0:
         rid = queue[i]
         if rid in scheduled:
-            results.append((rid, ScheduleResult(scheduled[rid], False, new_blocks=block_ids(allocated[rid]))))
+            new_blocks = shipped_new_blocks(shipped.get(rid), block_ids(allocated[rid]))
+            results.append((rid, ScheduleResult(scheduled[rid], False, new_blocks=new_blocks)))
             left -= scheduled[rid]
         else:
             results.append((rid, ScheduleResult(0, False)))
@@ -319,8 +331,11 @@ def observe(calls: list[Call], running: list[str], out: Any, budget: int) -> Ste
             continue
         blocks, hit, spb = c.result if len(c.result) == 3 else (*c.result, 0)
         n = scheduled.get(c.rid, 0)
+        hit_ids = block_ids(blocks)
         new = block_ids(allocated[c.rid]) if n and allocated.get(c.rid) is not None else None
-        results.append((c.rid, ScheduleResult(n, bool(n), hit, spb, block_ids(blocks), new)))
+        if new is not None:
+            hit_ids, new = shipped_admission(shipped.get(c.rid), hit_ids, new, cow)
+        results.append((c.rid, ScheduleResult(n, bool(n), hit, spb, hit_ids, new)))
     seen = {rid for rid, _ in results}
     missed = [rid for rid in scheduled if rid not in seen]
     if missed:
@@ -334,3 +349,46 @@ def observe(calls: list[Call], running: list[str], out: Any, budget: int) -> Ste
 def block_ids(blocks: Any) -> tuple[tuple[int, ...], ...]:
     """vLLM's `KVCacheBlocks` as block ids per group."""
     return tuple(tuple(ids) for ids in blocks.get_block_ids())
+
+
+Table = tuple[tuple[int, ...], ...]
+NULL_BLOCK_ID = 0
+
+
+def shipped_blocks(out: Any) -> dict[str, Table | None]:
+    """rid -> the block ids step output `out` ships to the worker: a new request's
+    whole table, a cached request's `new_block_ids` (a resumed request's whole
+    table; None when no group got a block)."""
+    shipped: dict[str, Table | None] = {}
+    for data in out.scheduled_new_reqs:
+        shipped[data.req_id] = tuple(tuple(ids) for ids in data.block_ids)
+    cached = out.scheduled_cached_reqs
+    for rid, ids in zip(cached.req_ids, cached.new_block_ids):
+        shipped[rid] = None if ids is None else tuple(tuple(g) for g in ids)
+    return shipped
+
+
+def shipped_new_blocks(shipped: Table | None, allocated: Table) -> Table:
+    """A running request's shipped new blocks, None as empty groups (as many as `allocated`)."""
+    return tuple(() for _ in allocated) if shipped is None else shipped
+
+
+def shipped_admission(
+    shipped: Table | None, hit: Table, allocated: Table, cow: set[tuple[int, int]]
+) -> tuple[Table, Table]:
+    """An admitted request's (hit blocks, new blocks) as its shipped whole table
+    shows them: per group, the entries under the hit, then the rest. Under the
+    hit, a null entry where the hit had a block stands for that block (the
+    allocator nulls the blocks a window left behind; the worker never reads
+    them), and so does the destination of a copy-on-write of that block, which
+    is also a new block (`cow`: the step's copies, as (source, destination))."""
+    if shipped is None:
+        return tuple(() for _ in hit), tuple(() for _ in allocated)
+    hits = tuple(
+        tuple(h if t == NULL_BLOCK_ID or (h, t) in cow else t for h, t in zip(hg, tg))
+        for hg, tg in zip(hit, shipped)
+    )
+    new = tuple(
+        (*(t for h, t in zip(hg, tg) if (h, t) in cow), *tg[len(hg) :]) for hg, tg in zip(hit, shipped)
+    )
+    return hits, new

@@ -237,3 +237,132 @@ def arrival_caches_in_flight_tokens(stack: contextlib.ExitStack, sched: Any) -> 
                 manager.cache_blocks = own
 
     _set(stack, sched, "update_from_output", update_from_output)
+
+
+# ---------------------------------------------------------------------------------------------
+# One-line source mutants: vLLM's own method with one line changed. `_rewrite` recompiles the
+# installed method's source with `old` replaced by `new` (in the method's module, so its names
+# resolve as before) and patches it in; `old` must occur exactly once, so a release that
+# rewrote the line makes the mutant fail loudly instead of silently mutating nothing.
+
+
+class StaleMutant(RuntimeError):
+    """The line a source mutant changes is not in the installed vLLM (exactly once)."""
+
+
+def _rewrite(stack: contextlib.ExitStack, owner: Any, method: str, old: str, new: str) -> None:
+    import inspect
+    import sys
+    import textwrap
+
+    fn = vars(owner)[method]
+    source = textwrap.dedent(inspect.getsource(fn))
+    old, new = textwrap.dedent(old).strip("\n"), textwrap.dedent(new).strip("\n")
+    # Match at the method's own indentation: `old` is given dedented to its first line.
+    lines = [ln for ln in source.splitlines() if ln.strip()]
+    found = [i for i in range(len(lines)) if _matches(lines, i, old.splitlines())]
+    if len(found) != 1:
+        raise StaleMutant(
+            f"{owner.__name__}.{method}: {old.splitlines()[0].strip()!r} found {len(found)} times"
+        )
+    i = found[0]
+    indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+    width = len(old.splitlines())
+    mutated = lines[:i] + [indent + ln if ln else ln for ln in new.splitlines()] + lines[i + width :]
+    namespace: dict[str, Any] = {}
+    module = sys.modules[fn.__module__]
+    exec(
+        compile("\n".join(mutated) + "\n", f"<kvretain mutant of {fn.__qualname__}>", "exec"),
+        vars(module),
+        namespace,
+    )
+    _set(stack, owner, method, namespace[method])
+
+
+def _matches(lines: list[str], i: int, old: list[str]) -> bool:
+    if i + len(old) > len(lines):
+        return False
+    base = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+    return all(lines[i + k] == base + o for k, o in enumerate(old))
+
+
+@mutant("mamba_split_budget_is_chunk", strategy="scheduler-mamba")
+def mamba_split_budget_is_chunk(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Chunking under the token budget: the Mamba split's "block wider than the budget"
+    escape compares the block with the clipped chunk (`block_size <= num_new_tokens`)
+    instead of the step's token limit (`max_prefill_tokens`), so a request left less than
+    a block of the step's budget runs a sub-block prefill chunk instead of waiting."""
+    _rewrite(
+        stack,
+        sched,
+        "_mamba_block_aligned_split",
+        "if aligned_end > start or block_size <= max_prefill_tokens:",
+        "if aligned_end > start or block_size <= num_new_tokens:",
+    )
+
+
+@mutant("admission_drops_hit_tokens")
+def admission_drops_hit_tokens(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Admission with a prefix hit: the waiting pass forgets
+    `request.num_computed_tokens = num_computed_tokens`, so an admitted request counts
+    only its first chunk as computed, not the hit under it (no hit: nothing changes)."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        """
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        """,
+        """
+        request.status = RequestStatus.RUNNING
+        """,
+    )
+
+
+@mutant("resume_chunk_stops_at_prompt")
+def resume_chunk_stops_at_prompt(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Preemption and replay: the waiting pass sizes a re-admitted request's chunk from
+    `request.num_prompt_tokens` instead of `request.num_tokens`, so a preempted request
+    replays its prompt without the tokens it had generated (a new request: no change)."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "num_new_tokens = request.num_tokens - num_computed_tokens",
+        "num_new_tokens = request.num_prompt_tokens - num_computed_tokens",
+    )
+
+
+@mutant("admission_ships_new_blocks_only")
+def admission_ships_new_blocks_only(stack: contextlib.ExitStack, sched: Any) -> None:
+    """The block table a step ships: an admitted request's `NewRequestData` carries the
+    blocks `allocate_slots` returned (`req_to_new_blocks[request_id] = new_blocks`, as the
+    running pass does) instead of its whole table, so the worker misses the hit's blocks."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        """
+        req_to_new_blocks[request_id] = self.kv_cache_manager.get_blocks(
+            request_id
+        )
+        """,
+        "req_to_new_blocks[request_id] = new_blocks",
+    )
+
+
+@mutant("running_ships_whole_table")
+def running_ships_whole_table(stack: contextlib.ExitStack, sched: Any) -> None:
+    """The block ids a step ships for a cached request: the running pass sends the
+    request's whole table (`self.kv_cache_manager.get_blocks(request_id)`) as its
+    `new_block_ids`, which the worker appends to the table it already holds. (A scheduler
+    test that asserts a decode's `new_block_ids` may catch it upstream: the cached-request
+    counterpart of `admission_ships_new_blocks_only`.)"""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "req_to_new_blocks[request_id] = new_blocks",
+        "req_to_new_blocks[request_id] = self.kv_cache_manager.get_blocks(request_id)",
+    )
