@@ -94,6 +94,12 @@ def test_conservation_and_slot_disjointness_controls() -> None:
     assert inv.radix_slots_disjoint({"free": {1, 2}, "cached": {2}, "held": set()})  # free and cached
 
 
+def test_running_prefix_backed_control() -> None:
+    assert inv.radix_running_prefix_backed({0: {3, 4}}, free={1, 2}, cached={3, 4, 5}) == []
+    assert inv.radix_running_prefix_backed({0: {3, 4}}, free={4}, cached={3, 5})  # its KV was freed
+    assert inv.radix_running_prefix_backed({0: {3, 4}}, free=set(), cached={3})  # no longer in the tree
+
+
 def test_hit_locked_promise_controls() -> None:
     view = chain(((1, 2, 3), {"full_lock": 1}))
     assert inv.radix_hit_matches_model(view, (1, 2, 3, 4), FULL1, 3, 3) == []

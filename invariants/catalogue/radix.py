@@ -67,6 +67,22 @@ def radix_slots_disjoint(sets: Mapping[str, set[int]]) -> list[str]:
     return out
 
 
+def radix_running_prefix_backed(
+    prefixes: Mapping[int, set[int]], free: set[int], cached: set[int]
+) -> list[str]:
+    """A running request's matched prefix (its row's slots before `cache_protected_len`, which
+    it reads and never wrote) stays cached in the tree and is never free: the KV it attends to
+    cannot be handed to another request (#29352: tombstone recovery on insert freed
+    full-attention KV a running request still held)."""
+    out = []
+    for rid, slots in sorted(prefixes.items()):
+        if slots & free:
+            out.append(f"request {rid}'s prefix slots {sorted(slots & free)[:8]} are free")
+        elif slots - cached:
+            out.append(f"request {rid}'s prefix slots {sorted(slots - cached)[:8]} are not in the tree")
+    return out
+
+
 def radix_free_list_unique(free_lists: Mapping[str, list[int]]) -> list[str]:
     """No free list holds a slot (page) twice: a double free (#12693/#16067 class for Mamba)."""
     out = []

@@ -47,6 +47,7 @@ STATE_CHECKS = (
     "radix_locked_paths_kept",
     "radix_events_replay",
     "radix_eviction_lru",
+    "radix_running_prefix_backed",
 )
 # Checked at the op that broke them, against a literal from the specification.
 LITERAL_CHECKS = ("radix_hit_matches_model", "radix_full_eviction_matches_model", "radix_full_promise_kept")

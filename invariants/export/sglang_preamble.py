@@ -582,6 +582,21 @@ def check_locked_paths(r: Replay, **_: Any) -> None:
                 assert node["full"] and node["full_lock"] > 0, f"request {rid}'s locked path lost KV or lock"
 
 
+def check_prefix_backed(r: Replay, **_: Any) -> None:
+    """A running request's matched prefix (row slots before cache_protected_len) is cached, never free."""
+    sets, rows = r.slot_sets()["full"], r.req_pool.req_to_token
+    for rid, run in r.running.items():
+        kv = run["req"].kv
+        if kv.holds_kv and kv.cache_protected_len > 0:
+            prefix = {int(x) for x in rows[kv.req_pool_idx, : kv.cache_protected_len].tolist()}
+            assert not prefix & sets["free"], (
+                f"request {rid}'s prefix slots {sorted(prefix & sets['free'])[:8]} are free"
+            )
+            assert prefix <= sets["cached"], (
+                f"request {rid}'s prefix slots {sorted(prefix - sets['cached'])[:8]} left the tree"
+            )
+
+
 def check_events(r: Replay, **_: Any) -> None:
     replayed, cached = r.event_pages(), r.tree_pages()
     assert replayed == cached, (
@@ -617,6 +632,7 @@ CHECKS = {
     "radix_refusal_justified": check_refusal,
     "radix_locked_paths_kept": check_locked_paths,
     "radix_events_replay": check_events,
+    "radix_running_prefix_backed": check_prefix_backed,
     "radix_eviction_lru": check_eviction_lru,
 }
 

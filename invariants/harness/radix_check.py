@@ -30,6 +30,7 @@ from invariants.targets.sglang_snapshot import (
     free_lists,
     mamba_slot_sets,
     pool_accounts,
+    prefix_slots,
     slot_sets,
     tree_view,
 )
@@ -82,7 +83,12 @@ class RadixChecker:
 
     def _primary_checks(self, op: RadixOp, res: OpResult, before: TreeView | None) -> list[Violation]:
         d = self.primary
-        out: list[Violation] = [("radix_slots_disjoint", m) for m in inv.radix_slots_disjoint(slot_sets(d))]
+        sets = slot_sets(d)
+        out: list[Violation] = [("radix_slots_disjoint", m) for m in inv.radix_slots_disjoint(sets)]
+        out += [
+            ("radix_running_prefix_backed", m)
+            for m in inv.radix_running_prefix_backed(prefix_slots(d), sets["free"], sets["cached"])
+        ]
         if self.layout.has_mamba:
             msgs = inv.radix_slots_disjoint(mamba_slot_sets(d))
             out += [("radix_slots_disjoint", f"mamba: {m}") for m in msgs]
@@ -94,6 +100,11 @@ class RadixChecker:
             return out
         self.replay.feed(d.take_events())
         self.coverage["tombstone"] += any(n.swa is False for n in after.nodes.values())
+        # An insert that brought a tombstone's SWA back (the recovery paths of #27586/#29352).
+        self.coverage["recovered"] += any(
+            n.swa is False and n.node_id in after.nodes and after.nodes[n.node_id].swa
+            for n in before.nodes.values()
+        )
         locked = {rid: int(run.req.last_node) for rid, run in d.running.items() if run.req.lock is not None}
         out += [("radix_locked_paths_kept", m) for m in inv.radix_locked_paths_kept(after, locked)]
         out += [
