@@ -33,6 +33,10 @@ import types
 from array import array
 from typing import Any
 
+# SGLANG_SWA_EVICTION_INTERVAL for decode steps: SGLang's default (128) never slides a window
+# as short as a small history's; 1 slides it at every due step (as kvretain's target does).
+SWA_EVICTION_INTERVAL = 1
+
 STANDIN_ROOTS: dict[str, dict[str, Any]] = {
     "torchvision": {"__version__": "0.0.0+standin"},
     "sgl_kernel": {},
@@ -321,13 +325,17 @@ class Replay:
                     extend_num_tokens=count,
                 )
         except RuntimeError:
-            need = (-(-(start + count) // self.page) - -(-start // self.page)) * self.page
-            full_free = self.allocator.full_available_size() if self.swa else self.allocator.available_size()
-            self.refusal = {"full": (need, full_free, self.cache.full_evictable_size())}
-            if self.swa:
-                swa_free = self.allocator.swa_available_size()
-                self.refusal["swa"] = (need, swa_free, self.cache.swa_evictable_size())
+            self._note_refusal(start, count)
             return None
+
+    def _note_refusal(self, start: int, count: int) -> None:
+        """Per KV pool, right after SGLang refused: (tokens needed, available, evictable)."""
+        need = (-(-(start + count) // self.page) - -(-start // self.page)) * self.page
+        full_free = self.allocator.full_available_size() if self.swa else self.allocator.available_size()
+        self.refusal = {"full": (need, full_free, self.cache.full_evictable_size())}
+        if self.swa:
+            swa_free = self.allocator.swa_available_size()
+            self.refusal["swa"] = (need, swa_free, self.cache.swa_evictable_size())
 
     def _grow(self, req: Any, count: int) -> bool:
         import torch
@@ -363,19 +371,63 @@ class Replay:
         return {}
 
     def _decode(self, run: dict[str, Any], tokens: tuple[int, ...]) -> dict[str, Any]:
+        """The first sampled token comes from the prefill (no slot); each later one is a decode
+        step: `check_decode_mem` (no fit: the request is retracted), `alloc_for_decode_default`."""
         req = run["req"]
         if run["prefilled"] < len(run["tokens"]):
             return {"skipped": True}
         for token in tokens:
-            if not self._grow(req, 1):
+            if run["decoded"] and not self._decode_step(req):
                 self._release(int(req.rid), checkpoint=False)
                 return {"rejected": "out of memory (decode)"}
             req.output_ids.append(token)
             run["decoded"].append(token)
-            req.decode_batch_idx += 1
-            if self.swa:
-                self.cache.evict_sliding_windows(req, req.seqlen - 1)
         return {}
+
+    def _decode_step(self, req: Any) -> bool:
+        import torch
+        from sglang.srt.environ import envs
+        from sglang.srt.managers.schedule_batch import ForwardMode, ScheduleBatch
+        from sglang.srt.mem_cache import allocation
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        seq = torch.tensor([req.kv.kv_allocated_len], dtype=torch.int64)
+        idx = torch.tensor([req.kv.req_pool_idx], dtype=torch.int64)
+        batch = types.SimpleNamespace(  # a decode batch of one, as SGLang's functions read it
+            reqs=[req],
+            tree_cache=self.cache,
+            token_to_kv_pool_allocator=self.allocator,
+            req_to_token_pool=self.req_pool,
+            seq_lens=seq,
+            seq_lens_cpu=seq.clone(),
+            req_pool_indices=idx,
+            req_pool_indices_cpu=idx.clone(),
+            model_config=types.SimpleNamespace(is_encoder_decoder=False),
+            forward_mode=ForwardMode.DECODE,
+            forward_iter=0,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
+        for name in (
+            "maybe_evict_swa",
+            "_swa_eviction_trigger",
+            "_evict_swa",
+            "check_decode_mem",
+            "new_tokens_required_next_decode",
+        ):
+            setattr(batch, name, types.MethodType(getattr(ScheduleBatch, name), batch))
+        start = req.kv.kv_allocated_len
+        with _quiet():
+            fits = batch.check_decode_mem()
+        try:
+            if not fits:
+                raise RuntimeError("retracted")
+            with _quiet(), envs.SGLANG_SWA_EVICTION_INTERVAL.override(SWA_EVICTION_INTERVAL):
+                allocation.alloc_for_decode_default(batch, token_per_req=1)
+        except RuntimeError:
+            self._note_refusal(start, 1)
+            return False
+        req.decode_batch_idx += 1
+        return True
 
     def _undo_admission(self, run: dict[str, Any]) -> dict[str, Any]:
         req = run["req"]
