@@ -155,3 +155,14 @@ def test_refusal_justified_control() -> None:
 def test_free_list_unique_control() -> None:
     assert inv.radix_free_list_unique({"full": [1, 2, 3], "mamba": [4]}) == []
     assert inv.radix_free_list_unique({"full": [1, 2, 1]})  # freed twice
+
+
+def test_mamba_eviction_lru_control() -> None:
+    before = chain(((1,), {"mamba": True}), ((2,), {"mamba": True}), ((3,), {"mamba": True}))
+    oldest_gone = chain(((1,), {"mamba": False}), ((2,), {"mamba": True}), ((3,), {"mamba": True}))
+    newest_gone = chain(((1,), {"mamba": True}), ((2,), {"mamba": True}), ((3,), {"mamba": False}))
+    use = {1: 1, 2: 2, 3: 3}
+    assert inv.radix_mamba_eviction_lru(before, oldest_gone, use) == []
+    assert inv.radix_mamba_eviction_lru(before, newest_gone, use)  # kept older states 1 and 2
+    locked = chain(((1,), {"mamba": True, "mamba_lock": 1}), ((2,), {"mamba": True}), ((3,), {"mamba": True}))
+    assert inv.radix_mamba_eviction_lru(locked, oldest_gone, {1: 1, 2: 2, 3: 3}) == []

@@ -16,6 +16,7 @@ core is the one mutated, so the hunt runs the Python core alone.
 | `swa_evicted_by_full_count` | #29662: pre-allocation evicts by the full-attention shortfall only; the SWA pool runs out while SWA is evictable |
 | `swa_tombstone_stale_mapping_freed` | #27586: recovering an SWA tombstone on insert frees its old base through `free_swa`, trusting a stale full-to-SWA entry that names a live SWA slot |
 | `tombstone_recovery_frees_locked_full` | #29352: tombstone recovery replaces and frees full-attention KV a running request holds locked |
+| `mamba_hit_refreshes_path` | #31643/#31648: a hit moves every Mamba state on the matched path to most recent, not only the state it copies |
 
 The stale entry of #27586 alone (`clear_full_to_swa_mapping` a no-op, no other
 change) is an equivalent mutant on the paths kvretain drives: nothing reads an
@@ -28,8 +29,9 @@ path, generate_ops) in under a second.
 Not in the zoo yet (not attempted): #29860 (an all-tombstone leaf when the page is
 wider than the window; 0.5.23 keeps SWA-tombstone leaves by design, see
 docs/sglang.md, so the old symptom is not a violation here), #22935 (a node split
-without a Mamba state on the n-1 lookup), and #12007/#31643 as mutants of their
-own (the eviction-order mutant stands for the class).
+without a Mamba state on the n-1 lookup), and #12007 as a mutant of its own (a
+corrupted LRU list; SGLang's own sanity check walks the lists, and the eviction-order
+mutants stand for the class).
 """
 
 from __future__ import annotations
@@ -182,6 +184,26 @@ def _tombstone_recovery_frees_locked_full(stack: contextlib.ExitStack) -> None:
     _patch(stack, SWAComponent, "_recover_from_incoming", recover)
 
 
+def _mamba_hit_refreshes_path(stack: contextlib.ExitStack) -> None:
+    """#31643/#31648: a hit refreshes every Mamba state on the matched path, not only the
+    state it copies, so a session's old states stay hot and eviction order degrades."""
+    from sglang.srt.mem_cache.unified_cache.components.base import LRURefreshPhase
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+    orig = MambaComponent.refresh_lru
+
+    def refresh(self: Any, phase: Any, node: Any, root_node: Any) -> None:
+        if phase != LRURefreshPhase.MATCH_END:
+            return orig(self, phase, node, root_node)
+        ct = self.component_type
+        self.tree_core.lru_lists[ct].reset_node_and_parents_mru(  # the defect: the whole path
+            node, root_node, lambda n: n.component_data[ct].value is not None
+        )
+        return None
+
+    _patch(stack, MambaComponent, "refresh_lru", refresh)
+
+
 SGLANG_MUTANTS: dict[str, SglangMutant] = {
     m.name: m
     for m in (
@@ -229,6 +251,12 @@ SGLANG_MUTANTS: dict[str, SglangMutant] = {
             "#29352 tombstone recovery frees full KV a running request holds",
             "swa-small-p1",
             _tombstone_recovery_frees_locked_full,
+        ),
+        SglangMutant(
+            "mamba_hit_refreshes_path",
+            "#31643 a hit refreshes the whole Mamba path",
+            "mamba-p1",
+            _mamba_hit_refreshes_path,
         ),
     )
 }
