@@ -94,6 +94,12 @@ def test_conservation_and_slot_disjointness_controls() -> None:
     assert inv.radix_slots_disjoint({"free": {1, 2}, "cached": {2}, "held": set()})  # free and cached
 
 
+def test_running_prefix_backed_control() -> None:
+    assert inv.radix_running_prefix_backed({0: {3, 4}}, free={1, 2}, cached={3, 4, 5}) == []
+    assert inv.radix_running_prefix_backed({0: {3, 4}}, free={4}, cached={3, 5})  # its KV was freed
+    assert inv.radix_running_prefix_backed({0: {3, 4}}, free=set(), cached={3})  # no longer in the tree
+
+
 def test_hit_locked_promise_controls() -> None:
     view = chain(((1, 2, 3), {"full_lock": 1}))
     assert inv.radix_hit_matches_model(view, (1, 2, 3, 4), FULL1, 3, 3) == []
@@ -149,3 +155,14 @@ def test_refusal_justified_control() -> None:
 def test_free_list_unique_control() -> None:
     assert inv.radix_free_list_unique({"full": [1, 2, 3], "mamba": [4]}) == []
     assert inv.radix_free_list_unique({"full": [1, 2, 1]})  # freed twice
+
+
+def test_mamba_eviction_lru_control() -> None:
+    before = chain(((1,), {"mamba": True}), ((2,), {"mamba": True}), ((3,), {"mamba": True}))
+    oldest_gone = chain(((1,), {"mamba": False}), ((2,), {"mamba": True}), ((3,), {"mamba": True}))
+    newest_gone = chain(((1,), {"mamba": True}), ((2,), {"mamba": True}), ((3,), {"mamba": False}))
+    use = {1: 1, 2: 2, 3: 3}
+    assert inv.radix_mamba_eviction_lru(before, oldest_gone, use) == []
+    assert inv.radix_mamba_eviction_lru(before, newest_gone, use)  # kept older states 1 and 2
+    locked = chain(((1,), {"mamba": True, "mamba_lock": 1}), ((2,), {"mamba": True}), ((3,), {"mamba": True}))
+    assert inv.radix_mamba_eviction_lru(locked, oldest_gone, {1: 1, 2: 2, 3: 3}) == []

@@ -29,7 +29,7 @@ from invariants.harness.radix_fuzz import LayoutRun, generate_ops, read_trace, r
 from invariants.targets.sglang_drive import OpResult, SglangDriver  # noqa: E402
 from invariants.targets.sglang_standins import STANDIN_ROOTS, install_standins  # noqa: E402
 from model.radix.config import LAYOUTS  # noqa: E402
-from model.radix.ops import Admit, Finish  # noqa: E402
+from model.radix.ops import Admit, Decode, Finish  # noqa: E402
 
 
 def test_standins_are_in_process_only() -> None:
@@ -62,6 +62,27 @@ def test_chunked_prefill_then_replay_hits_the_cached_prefix() -> None:
     driver.apply(Admit(1, tokens, len(tokens)))
     driver.apply(Finish(1))
     assert driver.apply(Admit(2, tokens, len(tokens))).hit == 20  # (21 - 1) floored to pages of 4
+
+
+def test_decode_allocates_the_last_sampled_tokens_slot_as_the_scheduler_does() -> None:
+    """The prefill samples the first token (no slot); each decode step allocates the slot of
+    the last sampled token (SGLang's alloc_for_decode_default) after sliding the SWA window
+    from the second step on (ScheduleBatch.maybe_evict_swa)."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    driver = SglangDriver(LAYOUTS["swa-p1"], "python")
+    driver.apply(Admit(0, tuple(range(1, 21)), 20))
+    kv = driver.running[0].req.kv
+    driver.apply(Decode(0, (7,)))
+    assert (kv.kv_allocated_len, kv.get_evicted_seqlen(ComponentType.SWA)) == (20, 0)
+    driver.apply(Decode(0, (8,)))  # first decode step: one slot, no window slid yet
+    assert (kv.kv_allocated_len, kv.get_evicted_seqlen(ComponentType.SWA)) == (21, 0)
+    driver.apply(Decode(0, (9, 10)))
+    assert kv.kv_allocated_len == 23 and len(driver.running[0].req.output_ids) == 4
+    assert kv.get_evicted_seqlen(ComponentType.SWA) > 0  # the window slid
+    driver.apply(Finish(0))
+    # Cached: the prompt and the decoded tokens whose KV was written (not the last sample).
+    assert driver.apply(Admit(1, tuple(range(1, 21)) + (7, 8, 9, 10), 24)).hit == 23
 
 
 def test_control_leaked_slot_breaks_conservation() -> None:

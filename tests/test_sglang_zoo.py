@@ -27,6 +27,9 @@ EXPECTED = {
     "block_removed_not_emitted": ("radix_events_replay",),
     "lock_not_taken": ("radix_locked_paths_kept",),
     "swa_evicted_by_full_count": ("radix_refusal_justified",),
+    "swa_tombstone_stale_mapping_freed": ("radix_pool_conservation",),
+    "tombstone_recovery_frees_locked_full": ("radix_running_prefix_backed",),
+    "mamba_hit_refreshes_path": ("radix_mamba_eviction_lru",),
 }
 
 

@@ -67,6 +67,22 @@ def radix_slots_disjoint(sets: Mapping[str, set[int]]) -> list[str]:
     return out
 
 
+def radix_running_prefix_backed(
+    prefixes: Mapping[int, set[int]], free: set[int], cached: set[int]
+) -> list[str]:
+    """A running request's matched prefix (its row's slots before `cache_protected_len`, which
+    it reads and never wrote) stays cached in the tree and is never free: the KV it attends to
+    cannot be handed to another request (#29352: tombstone recovery on insert freed
+    full-attention KV a running request still held)."""
+    out = []
+    for rid, slots in sorted(prefixes.items()):
+        if slots & free:
+            out.append(f"request {rid}'s prefix slots {sorted(slots & free)[:8]} are free")
+        elif slots - cached:
+            out.append(f"request {rid}'s prefix slots {sorted(slots - cached)[:8]} are not in the tree")
+    return out
+
+
 def radix_free_list_unique(free_lists: Mapping[str, list[int]]) -> list[str]:
     """No free list holds a slot (page) twice: a double free (#12693/#16067 class for Mamba)."""
     out = []
@@ -173,3 +189,29 @@ def radix_refusal_justified(pools: Mapping[str, tuple[int, int, int]]) -> list[s
         return []
     shown = ", ".join(f"{p}: need {n}, available {a}, evictable {e}" for p, (n, a, e) in pools.items())
     return [f"allocation refused although every pool could serve it ({shown})"]
+
+
+def radix_mamba_eviction_lru(before: TreeView, after: TreeView, last_use: Mapping[int, int]) -> list[str]:
+    """A Mamba-only eviction removes the least recently *used* unlocked Mamba states first:
+    a state is used when a lookup ends on it (the state is copied) or an insert ends on it,
+    not when a lookup merely passes through its node (#31643/#31648: a hit that refreshed
+    the whole Mamba path degraded eviction order). `last_use`: node id -> logical time."""
+    removed = [
+        n.node_id
+        for n in before.nodes.values()
+        if n.mamba and (n.node_id not in after.nodes or not after.nodes[n.node_id].mamba)
+    ]
+    if not removed:
+        return []
+    kept = [
+        n.node_id
+        for n in before.nodes.values()
+        if n.mamba and n.mamba_lock == 0 and n.node_id in after.nodes and after.nodes[n.node_id].mamba
+    ]
+    newest = max(last_use.get(r, 0) for r in removed)
+    older = sorted(k for k in kept if last_use.get(k, 0) < newest)
+    if older:
+        return [
+            f"Mamba eviction removed a state used at {newest} but kept older unlocked states at nodes {older}"
+        ]
+    return []

@@ -7,7 +7,9 @@ trace through vLLM's public API and asserts the property that broke, with
 the specification's value as a literal; `--issue` also writes the upstream
 report. Bad input (an unreadable or malformed trace, one that records no
 violation, an output path that is not a .py file): one line, exit code 2, no
-file written.
+file written. A trace of `fuzz --target sglang` (it names a radix layout) is
+exported by `invariants/export/sglang_file.py` as a file that imports only
+SGLang and torch.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ def _write(path: Path, text: str) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from invariants.cli.sglang import is_radix_trace
+
+    if is_radix_trace(Path(args.trace)):
+        return _export_sglang(args)
     trace = read_trace(args.trace)
     try:
         plan = plan_export(trace)
@@ -64,4 +70,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     if report is not None:
         _write(Path(args.issue), report)
         print(f"kvretain export: upstream report -> {args.issue}")
+    return 0
+
+
+def _export_sglang(args: argparse.Namespace) -> int:
+    """An SGLang finding (a `fuzz --target sglang` trace): a pytest file that imports only SGLang."""
+    from invariants.cli.sglang import _unavailable
+    from invariants.export.sglang_file import plan_sglang_export, render_sglang_test, test_name
+
+    if args.issue:
+        raise UsageError("--issue: not available for SGLang findings yet (the pytest file only)")
+    why = _unavailable()
+    if why is not None:
+        raise UsageError(f"target sglang: {why}")
+    try:
+        plan = plan_sglang_export(Path(args.trace))
+    except ExportError as exc:
+        raise UsageError(f"{args.trace}: {exc}") from None
+    out = Path(args.out) if args.out else Path(args.trace).with_name(f"{test_name(plan)}.py")
+    if out.suffix != ".py":
+        raise UsageError(f"--out: a pytest file must end in .py, got {str(out)!r}")
+    _write(out, render_sglang_test(plan))
+    print(f"kvretain export: {plan.invariant} (SGLang {plan.layout.name}, {plan.core} core) -> {out}")
     return 0

@@ -30,11 +30,12 @@ from invariants.targets.sglang_snapshot import (
     free_lists,
     mamba_slot_sets,
     pool_accounts,
+    prefix_slots,
     slot_sets,
     tree_view,
 )
 from model.radix.config import RadixLayout
-from model.radix.ops import Admit, Evict, Finish, RadixOp
+from model.radix.ops import Admit, Evict, Extend, Finish, RadixOp
 from model.radix.tree import TreeView
 
 Violation = tuple[str, str]
@@ -51,6 +52,7 @@ class RadixChecker:
     coverage: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
+        self._mamba_use: dict[int, int] = {}
         for core in self.cores:
             self.drivers[core] = SglangDriver(self.layout, core)
         self.replay = EventReplay(self.layout.page_size)
@@ -59,6 +61,7 @@ class RadixChecker:
     def step(self, op: RadixOp) -> list[Violation]:
         """Apply `op` to every core and return what broke."""
         self._note_finish(op)
+        self._insert_key = self._key_inserted_by(op) if self.layout.has_mamba else None
         # The tree changes only through ops, so the last op's after-view is this one's before-view.
         before = self._view if self._view is not None else tree_view(self.primary)
         results = {core: d.apply(op) for core, d in self.drivers.items()}
@@ -82,7 +85,12 @@ class RadixChecker:
 
     def _primary_checks(self, op: RadixOp, res: OpResult, before: TreeView | None) -> list[Violation]:
         d = self.primary
-        out: list[Violation] = [("radix_slots_disjoint", m) for m in inv.radix_slots_disjoint(slot_sets(d))]
+        sets = slot_sets(d)
+        out: list[Violation] = [("radix_slots_disjoint", m) for m in inv.radix_slots_disjoint(sets)]
+        out += [
+            ("radix_running_prefix_backed", m)
+            for m in inv.radix_running_prefix_backed(prefix_slots(d), sets["free"], sets["cached"])
+        ]
         if self.layout.has_mamba:
             msgs = inv.radix_slots_disjoint(mamba_slot_sets(d))
             out += [("radix_slots_disjoint", f"mamba: {m}") for m in msgs]
@@ -94,6 +102,11 @@ class RadixChecker:
             return out
         self.replay.feed(d.take_events())
         self.coverage["tombstone"] += any(n.swa is False for n in after.nodes.values())
+        # An insert that brought a tombstone's SWA back (the recovery paths of #27586/#29352).
+        self.coverage["recovered"] += any(
+            n.swa is False and n.node_id in after.nodes and after.nodes[n.node_id].swa
+            for n in before.nodes.values()
+        )
         locked = {rid: int(run.req.last_node) for rid, run in d.running.items() if run.req.lock is not None}
         out += [("radix_locked_paths_kept", m) for m in inv.radix_locked_paths_kept(after, locked)]
         out += [
@@ -105,6 +118,8 @@ class RadixChecker:
             out += [("radix_hit_matches_model", m) for m in msgs]
         if isinstance(op, Evict) and op.swa == 0 and op.mamba == 0 and not self.layout.has_mamba:
             out += [("radix_eviction_lru", m) for m in inv.radix_eviction_lru(before, after)]
+        if self.layout.has_mamba:
+            out += self._mamba_order(op, res, before, after)
         if isinstance(op, Evict) and self.layout.components == ("full",) and res.evicted is not None:
             msgs = inv.radix_full_eviction_matches_model(before, after, op.full, res.evicted[0])
             out += [("radix_full_eviction_matches_model", m) for m in msgs]
@@ -116,6 +131,41 @@ class RadixChecker:
         return out
 
     _last_finished: tuple[int, ...] | None = None
+    _insert_key: tuple[int, ...] | None = None
+    _clock: int = 0
+
+    def _key_inserted_by(self, op: RadixOp) -> tuple[int, ...] | None:
+        """The key an op's insert ends on (a chunk checkpoint or a finish), read before the op."""
+        run = self.primary.running.get(getattr(op, "rid", -1))
+        if run is None or isinstance(op, Admit):
+            return None
+        seq = tuple(run.tokens) + tuple(run.decoded)
+        if isinstance(op, Extend) and run.prefilled < len(run.tokens):
+            return seq[: run.prefilled]
+        if isinstance(op, Finish) and run.prefilled >= len(run.tokens):
+            return seq[: run.req.kv.kv_committed_len]
+        return None
+
+    def _mamba_order(self, op: RadixOp, res: OpResult, before: TreeView, after: TreeView) -> list[Violation]:
+        """Track each Mamba state's last use (it appeared, a lookup ended on it, an insert
+        ended on it) and check a Mamba-only eviction against it."""
+        self._clock += 1
+        use = self._mamba_use
+        out: list[Violation] = []
+        if isinstance(op, Evict) and op.full == 0 and op.swa == 0 and op.mamba > 0:
+            out = [("radix_mamba_eviction_lru", m) for m in inv.radix_mamba_eviction_lru(before, after, use)]
+        ends = set()
+        if isinstance(op, Admit) and res.hit:
+            ends.add(op.tokens[: res.hit])
+        if self._insert_key:
+            ends.add(self._insert_key)
+        for nid, node in after.nodes.items():
+            if not node.mamba:
+                use.pop(nid, None)
+            elif nid not in use or (ends and after.prefix(nid) in ends):
+                use[nid] = self._clock
+        return out
+
     _view: TreeView | None = None
 
     def _count(self, res: OpResult) -> None:

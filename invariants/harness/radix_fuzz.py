@@ -2,8 +2,10 @@
 
 `generate_ops(seed, layout, n)` draws a history a scheduler could produce:
 requests whose prompts share prefixes from a small bank (so lookups hit, split
-nodes and meet tombstones), chunked prefill, decode with SWA window eviction,
-finish, abort and explicit eviction under a small pool (so allocation evicts).
+nodes and meet tombstones) or repeat a finished request's prompt (a next turn:
+its insert runs over the whole cached path, SWA tombstones included), chunked prefill, decode with SWA window eviction,
+finish, abort and explicit eviction (SWA evictions of up to 32 tokens,
+which tombstone interior nodes) under a small pool (so allocation evicts).
 `fuzz_layout` runs histories on one layout for a time budget through a
 `RadixChecker` (both tree cores in lockstep) and stops at the first violation,
 returning it with the seed and the ops that led there (a replayable trace).
@@ -30,16 +32,21 @@ def generate_ops(seed: int, layout: RadixLayout, n: int) -> list[RadixOp]:
     page = layout.page_size
     bank = [tuple(rng.randrange(1, 6) for _ in range(48)) for _ in range(3)]
     live: list[int] = []
+    prompts: dict[int, tuple[int, ...]] = {}
+    done: list[tuple[int, ...]] = []
     next_rid = 0
     ops: list[RadixOp] = []
     for _ in range(n):
         roll = rng.random()
         if (roll < 0.3 or not live) and len(live) < layout.max_reqs - 1:
-            base = rng.choice(bank)
-            cut = rng.randrange(1, len(base))
+            # A prompt that repeats a finished one (a conversation's next turn) overlaps its
+            # whole cached path, tombstones included; otherwise a shared-prefix prompt.
+            base = rng.choice(done) if done and rng.random() < 0.3 else rng.choice(bank)
+            cut = rng.randrange(1, len(base) + 1)
             tail = tuple(rng.randrange(1, 6) for _ in range(rng.randrange(0, 3 * page + 2)))
             tokens = base[:cut] + tail
             ops.append(Admit(next_rid, tokens, rng.choice([len(tokens), page * 2, page * 3 + 1])))
+            prompts[next_rid] = tokens
             live.append(next_rid)
             next_rid += 1
         elif roll < 0.45:
@@ -51,13 +58,16 @@ def generate_ops(seed: int, layout: RadixLayout, n: int) -> list[RadixOp]:
         elif roll < 0.85:
             rid = live.pop(rng.randrange(len(live)))
             ops.append(Finish(rid))
+            done.append(prompts[rid])
         elif roll < 0.92:
             rid = live.pop(rng.randrange(len(live)))
             ops.append(Abort(rid))
         else:
             ops.append(
                 Evict(
-                    rng.choice([0, page, 4 * page, 12 * page]), rng.choice([0, page, 8]), rng.choice([0, 1])
+                    rng.choice([0, page, 4 * page, 12 * page]),
+                    rng.choice([0, page, 8, 32]),
+                    rng.choice([0, 1]),
                 )
             )
     return ops

@@ -3,10 +3,12 @@
 Each op calls SGLang's own scheduler-side functions, not copies of them:
 `Req.init_next_round_input` (match_prefix and Mamba copy-on-write),
 `UnifiedRadixCache.lock`, `alloc_req_slots`, `alloc_token_slots` /
-`alloc_paged_token_slots_extend` / `alloc_paged_token_slots_decode` (which
-evict under pressure), `checkpoint_kv_cache` (an unfinished request's chunk),
-`release_kv_cache` (finish with checkpoint, abort without),
-`evict_sliding_windows` (a running request's SWA window) and `evict`.
+`alloc_paged_token_slots_extend` (which evict under pressure),
+`alloc_for_decode_default` (a decode step: `ScheduleBatch.maybe_evict_swa`, the
+running request's SWA window, then one slot, by `alloc_token_slots` or
+`alloc_paged_token_slots_decode`), `checkpoint_kv_cache` (an unfinished
+request's chunk), `release_kv_cache` (finish with checkpoint, abort without)
+and `evict`.
 
 The only glue written here is what a `ScheduleBatch` does around those calls
 for a batch of one: writing the prefix and the new slots into the request's
@@ -72,12 +74,15 @@ class RunningReq:
 class SglangDriver:
     """One real cache instance plus the requests running on it."""
 
-    def __init__(self, layout: RadixLayout, core: str = "python") -> None:
+    def __init__(self, layout: RadixLayout, core: str = "python", swa_eviction_interval: int = 1) -> None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
         from sglang.srt.mem_cache import allocation, common
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         self.layout = layout
+        # SGLANG_SWA_EVICTION_INTERVAL: SGLang's default (128 tokens) never slides windows
+        # as short as these layouts' histories; 1 slides them at every due step.
+        self.swa_eviction_interval = swa_eviction_interval
         self.parts: SglangParts = build_cache(layout, core)
         self.cache = self.parts.cache
         self.running: dict[int, RunningReq] = {}
@@ -233,18 +238,72 @@ class SglangDriver:
         return OpResult()
 
     def _decode(self, run: RunningReq, tokens: tuple[int, ...]) -> OpResult:
+        """Each token is one sampled token. The first of a request is sampled by its prefill's
+        forward (no slot: SGLang writes a token's KV at the next step); every later one is a
+        decode step for a batch of one: `ScheduleBatch.check_decode_mem` (a step that does
+        not fit retracts the request: released uncached, a rejection), then SGLang's
+        `alloc_for_decode_default`: SWA window eviction of the request
+        (`ScheduleBatch.maybe_evict_swa`, from the second step on), one slot for the
+        position of the last sampled token; then the new token."""
         req = run.req
         if run.prefilled < len(run.tokens):
             return OpResult(skipped=True)  # still prefilling
         for token in tokens:
-            if not self._grow(run, 1):
+            if run.decoded and not self._decode_step(run):
                 return self._reject(run, "out of memory (decode)")
             req.output_ids.append(token)
             run.decoded.append(token)
-            req.decode_batch_idx += 1
-            if self.layout.has_swa and req.decode_batch_idx >= 1:
-                self.cache.evict_sliding_windows(req, req.seqlen - 1)
         return OpResult()
+
+    def _decode_step(self, run: RunningReq) -> bool:
+        from sglang.srt.environ import envs
+
+        req, start = run.req, run.req.kv.kv_allocated_len
+        batch = self._batch_of_one(req)
+        # The scheduler first asks whether the step fits (evicting what it may); when it
+        # does not, it retracts the request rather than letting the allocation fail.
+        with _quiet_stdout():
+            fits = batch.check_decode_mem()
+        if not fits:
+            self.last_refusal = self._refusal(start, 1)
+            return False
+        try:
+            with _quiet_stdout(), envs.SGLANG_SWA_EVICTION_INTERVAL.override(self.swa_eviction_interval):
+                self._alloc.alloc_for_decode_default(batch, token_per_req=1)
+        except RuntimeError:
+            self.last_refusal = self._refusal(start, 1)
+            return False
+        req.decode_batch_idx += 1  # ScheduleBatch.prepare_for_decode, after the allocation
+        return True
+
+    def _batch_of_one(self, req: Any) -> Any:
+        """The attributes of a decode `ScheduleBatch` holding only `req` that SGLang's
+        decode allocation reads, with ScheduleBatch's own SWA-eviction methods bound to it."""
+        import types
+
+        from sglang.srt.managers.schedule_batch import ForwardMode, ScheduleBatch
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        seq = torch.tensor([req.kv.kv_allocated_len], dtype=torch.int64)
+        idx = torch.tensor([req.kv.req_pool_idx], dtype=torch.int64)
+        batch = types.SimpleNamespace(
+            reqs=[req],
+            tree_cache=self.cache,
+            token_to_kv_pool_allocator=self.parts.allocator,
+            req_to_token_pool=self.parts.req_to_token_pool,
+            seq_lens=seq,
+            seq_lens_cpu=seq.clone(),
+            req_pool_indices=idx,
+            req_pool_indices_cpu=idx.clone(),
+            model_config=types.SimpleNamespace(is_encoder_decoder=False),
+            forward_mode=ForwardMode.DECODE,
+            forward_iter=0,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
+        methods = ("maybe_evict_swa", "_swa_eviction_trigger", "_evict_swa")
+        for name in (*methods, "check_decode_mem", "new_tokens_required_next_decode"):
+            setattr(batch, name, types.MethodType(getattr(ScheduleBatch, name), batch))
+        return batch
 
     def _undo_admission(self, run: RunningReq) -> OpResult:
         """The first chunk found no room: the scheduler would not have admitted it.

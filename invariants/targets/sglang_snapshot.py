@@ -121,6 +121,17 @@ def slot_sets(driver: SglangDriver) -> dict[str, set[int]]:
     return {"free": free, "cached": cached, "held": held}
 
 
+def prefix_slots(driver: SglangDriver) -> dict[int, set[int]]:
+    """Per running request, the full-attention slots of its matched prefix (row[0:cache_protected_len])."""
+    rows = driver.parts.req_to_token_pool.req_to_token
+    out: dict[int, set[int]] = {}
+    for rid, run in driver.running.items():
+        kv = run.req.kv
+        if kv.holds_kv and kv.cache_protected_len > 0:
+            out[rid] = {int(x) for x in rows[kv.req_pool_idx, : kv.cache_protected_len].tolist()}
+    return out
+
+
 def free_lists(driver: SglangDriver) -> dict[str, list[int]]:
     """The raw free lists (full pages; Mamba slots), duplicates kept: a slot freed twice shows twice."""
     alloc = driver.parts.allocator

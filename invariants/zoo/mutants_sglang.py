@@ -14,12 +14,24 @@ core is the one mutated, so the hunt runs the Python core alone.
 | `block_removed_not_emitted` | #29750: a removed node emits no `BlockRemoved` |
 | `lock_not_taken` | #29352: a running request's matched path is not locked and can be evicted under it |
 | `swa_evicted_by_full_count` | #29662: pre-allocation evicts by the full-attention shortfall only; the SWA pool runs out while SWA is evictable |
+| `swa_tombstone_stale_mapping_freed` | #27586: recovering an SWA tombstone on insert frees its old base through `free_swa`, trusting a stale full-to-SWA entry that names a live SWA slot |
+| `tombstone_recovery_frees_locked_full` | #29352: tombstone recovery replaces and frees full-attention KV a running request holds locked |
+| `mamba_hit_refreshes_path` | #31643/#31648: a hit moves every Mamba state on the matched path to most recent, not only the state it copies |
 
-Not in the zoo: a #27586-style mutant that leaves the full-to-SWA mapping entry
-of a freed slot in place (`clear_full_to_swa_mapping` a no-op) survived 30 s of
-fuzzing on swa-p4 and 15 s on swa-p1 and swa-small-p1 (seed 0): in 0.5.23 the
-next allocation of the slot overwrites the entry before anything reads it, so
-on the paths kvretain drives the defect is equivalent to the original.
+The stale entry of #27586 alone (`clear_full_to_swa_mapping` a no-op, no other
+change) is an equivalent mutant on the paths kvretain drives: nothing reads an
+entry of a freed slot before its next allocation overwrites it (30 s of fuzzing
+on swa-p4, 15 s on swa-p1 and swa-small-p1 found nothing). The bug needs the
+reader too, the pre-fix recovery that frees a tombstone's base through the
+mapping; with both, the fuzz reaches it (a next-turn prompt over a tombstoned
+path, generate_ops) in under a second.
+
+Not in the zoo yet (not attempted): #29860 (an all-tombstone leaf when the page is
+wider than the window; 0.5.23 keeps SWA-tombstone leaves by design, see
+docs/sglang.md, so the old symptom is not a violation here), #22935 (a node split
+without a Mamba state on the n-1 lookup), and #12007 as a mutant of its own (a
+corrupted LRU list; SGLang's own sanity check walks the lists, and the eviction-order
+mutants stand for the class).
 """
 
 from __future__ import annotations
@@ -131,6 +143,67 @@ def _swa_evicted_by_full_count(stack: contextlib.ExitStack) -> None:
     _patch(stack, SWATokenToKVPoolAllocator, "evict_to_free_tokens", mutant)
 
 
+def _swa_tombstone_stale_mapping_freed(stack: contextlib.ExitStack) -> None:
+    """#27586: recovering an SWA tombstone on insert frees the node's old base value through
+    `free_swa`, trusting its full-to-SWA mapping entry; the entry is stale (a tombstone owns no
+    SWA slot, but nothing cleared it) and names an SWA slot since reused, so a live slot is freed."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.unified_cache.cache_action import FreeDeviceKV, FreeDeviceKVFullOnly
+    from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
+
+    orig = SWAComponent._recover_from_incoming
+
+    def recover(self: Any, *, cache_actions: list[Any], **kw: Any) -> None:
+        first = len(cache_actions)
+        orig(self, cache_actions=cache_actions, **kw)
+        for i in range(first, len(cache_actions)):
+            if isinstance(cache_actions[i], FreeDeviceKVFullOnly):  # the defect: SWA freed too
+                cache_actions[i] = FreeDeviceKV(list(cache_actions[i].indices))
+
+    # The stale entry the old recovery trusted (HiCache left it in the original report).
+    _patch(stack, SWATokenToKVPoolAllocator, "clear_full_to_swa_mapping", lambda self, full_indices: None)
+    _patch(stack, SWAComponent, "_recover_from_incoming", recover)
+
+
+def _tombstone_recovery_frees_locked_full(stack: contextlib.ExitStack) -> None:
+    """#29352: recovering an SWA tombstone on insert replaces (and frees) the node's
+    full-attention KV even while a running request holds it locked."""
+    from sglang.srt.mem_cache.unified_cache.components import BASE_COMPONENT_TYPE
+    from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
+
+    orig = SWAComponent._recover_from_incoming
+
+    def recover(self: Any, *, node: Any, **kw: Any) -> None:
+        full = node.component_data[BASE_COMPONENT_TYPE]
+        saved, full.lock_ref = full.lock_ref, 0  # the defect: the lock is not consulted
+        try:
+            orig(self, node=node, **kw)
+        finally:
+            full.lock_ref = saved
+
+    _patch(stack, SWAComponent, "_recover_from_incoming", recover)
+
+
+def _mamba_hit_refreshes_path(stack: contextlib.ExitStack) -> None:
+    """#31643/#31648: a hit refreshes every Mamba state on the matched path, not only the
+    state it copies, so a session's old states stay hot and eviction order degrades."""
+    from sglang.srt.mem_cache.unified_cache.components.base import LRURefreshPhase
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+    orig = MambaComponent.refresh_lru
+
+    def refresh(self: Any, phase: Any, node: Any, root_node: Any) -> None:
+        if phase != LRURefreshPhase.MATCH_END:
+            return orig(self, phase, node, root_node)
+        ct = self.component_type
+        self.tree_core.lru_lists[ct].reset_node_and_parents_mru(  # the defect: the whole path
+            node, root_node, lambda n: n.component_data[ct].value is not None
+        )
+        return None
+
+    _patch(stack, MambaComponent, "refresh_lru", refresh)
+
+
 SGLANG_MUTANTS: dict[str, SglangMutant] = {
     m.name: m
     for m in (
@@ -167,6 +240,24 @@ SGLANG_MUTANTS: dict[str, SglangMutant] = {
             "swa-small-p1",
             _swa_evicted_by_full_count,
         ),
+        SglangMutant(
+            "swa_tombstone_stale_mapping_freed",
+            "#27586 tombstone recovery frees a live SWA slot via a stale mapping",
+            "swa-small-p1",
+            _swa_tombstone_stale_mapping_freed,
+        ),
+        SglangMutant(
+            "tombstone_recovery_frees_locked_full",
+            "#29352 tombstone recovery frees full KV a running request holds",
+            "swa-small-p1",
+            _tombstone_recovery_frees_locked_full,
+        ),
+        SglangMutant(
+            "mamba_hit_refreshes_path",
+            "#31643 a hit refreshes the whole Mamba path",
+            "mamba-p1",
+            _mamba_hit_refreshes_path,
+        ),
     )
 }
 
@@ -188,6 +279,17 @@ class KillRow:
     seconds: float
     seed: int | None
     ops: int
+
+
+def warm_up() -> float:
+    """Build one cache before the hunts and return the seconds it took: SGLang's first build
+    in a process imports and initializes kernels' CPU fallbacks (tens of seconds on a loaded
+    machine), a one-time cost that would otherwise be charged to the first mutant's kill time."""
+    from invariants.targets.sglang_drive import SglangDriver
+
+    start = time.perf_counter()
+    SglangDriver(LAYOUTS["swa-mamba-p1"], "python")
+    return time.perf_counter() - start
 
 
 def hunt(name: str, budget_s: float, seed: int = 0) -> KillRow:

@@ -8,8 +8,9 @@ scheduler does at one point of a request's life:
 | `Admit`  | `Req.init_next_round_input` (match_prefix, Mamba copy-on-write), `lock`,    |
 |          | request slot, KV for the first `chunk` tokens (evicting under pressure)     |
 | `Extend` | `checkpoint_kv_cache` of the chunk so far (cache_unfinished_req), next chunk |
-| `Decode` | `n` decode steps (one slot each), then `evict_sliding_windows` (SWA window  |
-|          | eviction of a running request)                                              |
+| `Decode` | `n` sampled tokens: the first after the prompt comes from the prefill (no  |
+|          | slot); each later one is a decode step (`check_decode_mem`, SWA window      |
+|          | eviction, one slot for the last sampled token: `alloc_for_decode_default`)  |
 | `Finish` | `release_kv_cache(checkpoint=True)` (cache_finished_req)                    |
 | `Abort`  | `release_kv_cache(checkpoint=False)`                                        |
 | `Evict`  | `evict(num_tokens, swa_num_tokens, mamba_num)` under pressure                |
