@@ -12,6 +12,7 @@ Per-group state mirrors vLLM's single-type managers: the block table (null =
 0), how many leading blocks have been through caching, for Mamba the index
 of the previous state block and how many leading blocks were retired, and the
 block awaiting a copy-on-write copy (`model.fine_mamba`).
+Which blocks an allocation caches, and under which keys: `model.caching`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from model.async_scheduling import InFlight, arrival_limit, caching_limit, processed_limit
+from model.caching import BlockCaching
 from model.config import Config, GroupSpec, validate
 from model.fine_mamba import (
     Copy,
@@ -136,7 +138,7 @@ class GroupState:
         return self.tables.setdefault(rid, [])
 
 
-class AllocatorModel:
+class AllocatorModel(BlockCaching):
     """The specification as a state machine: `apply` an operation, read its observation.
 
     Public, for the harness, the explorer and the exporter (documented seams;
@@ -733,96 +735,6 @@ class AllocatorModel:
         if dst in self.pool.primary:
             g.cached_this_step.add(self.pool.primary[dst])
         self.exercised["CoW copy of a request's own tail (move_block_hashes)"] += 1
-
-    # -------------------------------------------------------------- caching
-    def _cacheable_tokens(self, g: GroupState, n: int) -> int:
-        if not self.hybrid or self.fine:
-            # Fine-grained hits may end at any hash boundary: nothing to floor.
-            return n
-        return self.rules.cacheable(n, self.cfg.scheduler_block_size, g.bs, self.cfg.eagle)  # model.masks
-
-    def _cache_blocks(self, req: RequestState, num_tokens: int) -> None:
-        cfg = self.cfg
-        boundaries = list(self.rules.replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle))
-        tokens = req.tokens
-        hashed = req.num_tokens // cfg.hash_block_size * cfg.hash_block_size
-        for g in self.groups:
-            n = self._cacheable_tokens(g, num_tokens)
-            before = g.num_cached.get(req.rid, 0)
-            num_full = min(n, hashed) // g.bs
-            if before < num_full:
-                reach = list(boundaries)
-                if req.shared_prefix_boundary:
-                    reach += self.rules.junction_reach(req.shared_prefix_boundary, g.bs, cfg.eagle)
-                kept = self._kept(g, before, num_full, reach)
-                self.pool.cache_full_blocks(tokens, g.table(req.rid), before, num_full, g.bs, g.gid, kept)
-                g.num_cached[req.rid] = num_full
-            if g.spec.kind == "full" and g.bs != cfg.hash_block_size:
-                self._cache_full_partial_tail(g, req, n)
-            if g.spec.kind == "mamba":
-                key = self._cache_mamba_partial_tail(g, req, n)
-                if key is not None:
-                    g.cached_this_step.add(key)
-                table = g.table(req.rid)
-                for i in range(before, g.num_cached.get(req.rid, 0)):
-                    if table[i] and table[i] in self.pool.primary:
-                        g.cached_this_step.add(self.pool.primary[table[i]])
-
-    def _kept(self, g: GroupState, start: int, end: int, boundaries: list[int]) -> set[int] | None:
-        """The blocks in [start, end) the group caches (None: all), by the release's masks (`model.masks`)."""
-        r = self.cfg.retention_interval
-        alignment = self.rules.mask_grid.alignment(self.alignment, self.cfg.scheduler_block_size)
-        if g.spec.kind == "swa":
-            assert g.spec.sliding_window is not None
-            return self.rules.swa_mask(
-                start,
-                end,
-                block_size=g.bs,
-                window=g.spec.sliding_window,
-                alignment=alignment,
-                eagle=self.cfg.eagle,
-                retention=r,
-                boundaries=boundaries,
-            )
-        if g.spec.kind == "mamba":
-            return self.rules.mamba_mask(
-                start, end, block_size=g.bs, alignment=alignment, retention=r, boundaries=boundaries
-            )
-        return None
-
-    def _cache_full_partial_tail(self, g: GroupState, req: RequestState, num_tokens: int) -> None:
-        """Full attention with bs != hbs keys the prompt's last hash boundary inside its block
-        (`model.partial_tails`)."""
-        boundary = self.rules.full_tail(
-            len(req.prompt), req.num_tokens, self.cfg.hash_block_size, self.cfg.eagle
-        )
-        if boundary == 0 or boundary > num_tokens or boundary % g.bs == 0:
-            return
-        table = g.table(req.rid)
-        if boundary // g.bs < len(table):
-            self.pool.cache_partial_block(req.tokens, table[boundary // g.bs], boundary, g.gid)
-
-    def _cache_mamba_partial_tail(self, g: GroupState, req: RequestState, num_tokens: int) -> BlockKey | None:
-        """Key the state at the prompt's reusable checkpoint (vLLM `_cache_partial_tail_block`)."""
-        hbs = self.cfg.hash_block_size
-        if num_tokens <= 0 or num_tokens % hbs:
-            return None
-        checkpoint = self.rules.checkpoint(num_tokens, len(req.prompt), hbs, g.bs, self.cfg.eagle)
-        if num_tokens != checkpoint:  # model.partial_tails
-            return None
-        idx = cdiv(num_tokens, g.bs) - 1
-        table = g.table(req.rid)
-        if idx >= len(table) or table[idx] == 0:
-            return None
-        block = table[idx]
-        if self.pool.primary_tokens.get(block) == num_tokens:
-            return None
-        key = self.pool.cache_partial_block(req.tokens, block, num_tokens, g.gid)
-        if key is not None and num_tokens % g.bs:
-            # Keyed mid-block: the next allocation moves the key to a copy (producer).
-            g.partial[req.rid] = (idx, block)
-            g.num_cached[req.rid] = idx
-        return key
 
     # ----------------------------------------------------------------- free
     def _free(self, rid: str) -> None:
