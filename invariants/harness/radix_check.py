@@ -110,7 +110,9 @@ class RadixChecker:
 
     def _primary_checks(self, op: RadixOp, res: OpResult, before: TreeView | None) -> list[Violation]:
         d = self.primary
-        out: list[Violation] = [("radix_slots_disjoint", m) for m in inv.radix_slots_disjoint(self.reader.slot_sets(d))]
+        out: list[Violation] = [
+            ("radix_slots_disjoint", m) for m in inv.radix_slots_disjoint(self.reader.slot_sets(d))
+        ]
         if self.layout.has_mamba:
             msgs = inv.radix_slots_disjoint(self.reader.mamba_slot_sets(d))
             out += [("radix_slots_disjoint", f"mamba: {m}") for m in msgs]
@@ -121,8 +123,12 @@ class RadixChecker:
         if after is None or before is None:
             return out
         self.replay.feed(d.take_events())
-        self.coverage["tombstone"] += any(n.swa is False for n in after.nodes.values())
-        locked = {rid: self.reader.node_id(run.req.last_node) for rid, run in d.running.items() if run.req.lock is not None}
+        self.coverage["tombstone"] += any(n.swa is False for i, n in after.nodes.items() if i != after.root)
+        locked = {
+            rid: self.reader.node_id(run.req.last_node)
+            for rid, run in d.running.items()
+            if run.req.lock is not None
+        }
         out += [("radix_locked_paths_kept", m) for m in inv.radix_locked_paths_kept(after, locked)]
         out += [
             ("radix_events_replay", m)

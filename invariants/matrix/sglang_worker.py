@@ -165,13 +165,16 @@ def run(budget_s: float, seed: int, out: Path) -> dict[str, Any]:
     runs, skipped = plan(caps)
     result["skipped"] = skipped
     diff_layouts = [n for f, n in runs if f == "legacy"]
-    fuzz_budget = budget_s * (1 - DIFF_SHARE) if diff_layouts else budget_s
-    for family, name in runs:
-        result["fuzz"].append(fuzz_family(caps, family, name, fuzz_budget / len(runs), seed, out))
-    for name in diff_layouts:
-        result["legacy_vs_unified"].append(
-            legacy_vs_unified(caps, name, budget_s * DIFF_SHARE / len(diff_layouts), seed)
-        )
+    # Each job gets an equal share of what is left, so a slow first job (the one
+    # that builds SGLang's native extensions) does not push the worker past its budget.
+    deadline = time.monotonic() + budget_s
+    fuzz_deadline = deadline - (budget_s * DIFF_SHARE if diff_layouts else 0.0)
+    for i, (family, name) in enumerate(runs):
+        share = max(0.0, fuzz_deadline - time.monotonic()) / (len(runs) - i)
+        result["fuzz"].append(fuzz_family(caps, family, name, share, seed, out))
+    for i, name in enumerate(diff_layouts):
+        share = max(0.0, deadline - time.monotonic()) / (len(diff_layouts) - i)
+        result["legacy_vs_unified"].append(legacy_vs_unified(caps, name, share, seed))
     return result
 
 

@@ -135,8 +135,8 @@ def sanity_check(driver: SglangDriver) -> str | None:
 
 
 def legacy_slot_sets(driver: SglangDriver) -> dict[str, set[int]]:
-    """`sglang_snapshot.slot_sets`, reading tree values node by node (the legacy
-    `all_values_flatten` fails on an empty tree)."""
+    """`sglang_snapshot.slot_sets`, with the cached set read node by node on the legacy
+    caches (their `all_values_flatten` fails on an empty tree)."""
     if driver.parts.core != LEGACY:
         return slot_sets(driver)
     cached: set[int] = set()
@@ -146,23 +146,18 @@ def legacy_slot_sets(driver: SglangDriver) -> dict[str, set[int]]:
         if node is not driver.cache.root_node and node.value is not None:
             cached.update(int(x) for x in node.value.tolist())
         stack.extend(node.children.values())
-    out = slot_sets(_NoTree(driver))
-    out["cached"] = cached
-    return out
-
-
-class _NoTree:
-    """A driver whose cache reports no values (so `slot_sets` reads only pools and rows)."""
-
-    def __init__(self, driver: SglangDriver) -> None:
-        self.parts, self.layout, self.running = driver.parts, driver.layout, driver.running
-        self.cache = self
-
-    @staticmethod
-    def all_values_flatten() -> Any:
-        import torch
-
-        return torch.empty(0, dtype=torch.int64)
+    alloc, page = driver.parts.allocator, driver.layout.page_size
+    full_alloc = alloc.full_attn_allocator if driver.layout.has_swa else alloc
+    free = {int(p) * page + i for p in full_alloc.get_all_free_pages().tolist() for i in range(page)}
+    held: set[int] = set()
+    rows = driver.parts.req_to_token_pool.req_to_token
+    for run in driver.running.values():
+        kv = run.req.kv
+        if kv.holds_kv:
+            held.update(
+                int(x) for x in rows[kv.req_pool_idx, kv.cache_protected_len : kv.kv_allocated_len].tolist()
+            )
+    return {"free": free, "cached": cached, "held": held}
 
 
 class LegacyReader:
