@@ -27,7 +27,7 @@ from invariants.targets.sglang_capabilities import (
     Facts,
     derive,
 )
-from invariants.targets.sglang_release_env import release_python
+from invariants.targets.sglang_release_env import release_env_vars, release_python
 from model.radix.config import LAYOUTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +184,7 @@ def test_legacy_adapter_is_clean_and_catches_a_planted_swa_leak() -> None:
         [str(_PY20), "-c", _PLANTED],
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=release_env_vars("0.5.20", dict(os.environ, PYTHONPATH=str(ROOT))),
         timeout=300,
     )
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -20,6 +20,7 @@ from typing import Any
 from invariants.errors import UsageError
 from invariants.matrix.runner import VERSION, ReleaseRun, parse_version
 from invariants.report import table
+from invariants.targets.sglang_release_env import release_env_vars
 
 # 0.5.20: last release with SWARadixCache / MambaRadixCache (beside the unified cache);
 # 0.5.21 removed them; 0.5.23 is the release kvretain's radix model describes.
@@ -68,6 +69,8 @@ def run_release(version: str, budget_s: float, seed: int, out: Path) -> ReleaseR
     run.python = python
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    if python != sys.executable:
+        env = release_env_vars(version, env)
     cmd = [python, "-m", "invariants.matrix.sglang_worker", "--budget-s", str(budget_s), "--seed", str(seed)]
     start = time.monotonic()
     try:

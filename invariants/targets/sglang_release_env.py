@@ -20,6 +20,7 @@ families that release ships (`sglang_capabilities.family_modules`).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -136,9 +137,49 @@ def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
         raise ReleaseEnvError(
             f"sglang {version} still misses modules after {MAX_EXTRA_ROUNDS} extra packages"
         )
+    build_native_extensions(version, python)
     disk = sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
     stamp.write_text(json.dumps({"version": version, "disk_bytes": disk, "extras": extras}))
     return ReleaseEnv(version, root, python, time.monotonic() - start, disk, tuple(extras))
+
+
+def release_env_vars(version: str, base: dict[str, str]) -> dict[str, str]:
+    """`base` plus what a process of release `version` needs: its own directory for
+    SGLang's JIT-built native extensions. Every release builds its KV-event hash
+    extension under the same name from different sources, so sharing torch's default
+    directory makes releases rebuild over each other (and fail when two build at once)."""
+    out = dict(base)
+    out.setdefault("TORCH_EXTENSIONS_DIR", str(env_root(version) / "torch_extensions"))
+    return out
+
+
+_BUILD = """
+import importlib.util, sys
+sys.path.insert(0, {root!r})
+from invariants.targets.sglang_env import sglang_available
+ok, line = sglang_available()
+if not ok:
+    raise SystemExit(line)
+if importlib.util.find_spec("sglang.srt.mem_cache.cpp_utils.native_hash") is None:
+    raise SystemExit(0)  # a release without the extension: nothing to build
+from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
+_load_native_hash_module()
+"""
+
+
+def build_native_extensions(version: str, python: Path) -> bool:
+    """Build the release's KV-event hash extension into its own directory now, so the
+    first check does not spend its budget compiling. False when the build failed (the
+    cache then fails its first event; the matrix reports it)."""
+    proc = subprocess.run(
+        [str(python), "-c", _BUILD.format(root=str(REPO_ROOT))],
+        capture_output=True,
+        text=True,
+        env=release_env_vars(version, dict(os.environ)),
+        timeout=600,
+        check=False,
+    )
+    return proc.returncode == 0
 
 
 def release_python(version: str) -> Path | None:
