@@ -20,7 +20,9 @@ Violations are returned as `(invariant name, message)` pairs.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from invariants.catalogue import radix as inv
 from invariants.targets.sglang_drive import OpResult, SglangDriver
@@ -41,6 +43,31 @@ from model.radix.tree import TreeView
 Violation = tuple[str, str]
 
 
+class UnifiedReader:
+    """How the checker reads a driver's state: `sglang_snapshot`'s functions (0.5.23).
+    Another release's driver comes with its own reader (e.g. `sglang_legacy_snapshot`)."""
+
+    pool_accounts = staticmethod(pool_accounts)
+    slot_sets = staticmethod(slot_sets)
+    free_lists = staticmethod(free_lists)
+    mamba_slot_sets = staticmethod(mamba_slot_sets)
+    prefix_slots = staticmethod(prefix_slots)
+    tree_view = staticmethod(tree_view)
+
+    @staticmethod
+    def node_id(node: Any) -> int:
+        return int(node)
+
+    @staticmethod
+    def sanity_check(driver: SglangDriver) -> str | None:
+        """SGLang's own `sanity_check()`: None when it holds, else its first line."""
+        try:
+            driver.cache.sanity_check()
+        except AssertionError as exc:
+            return str(exc).splitlines()[0][:300]
+        return None
+
+
 @dataclass
 class RadixChecker:
     layout: RadixLayout
@@ -50,11 +77,14 @@ class RadixChecker:
     # What the run reached (hits, rejections, evictions, splits seen as tombstones, ...),
     # so a clean verdict says what it covered.
     coverage: Counter[str] = field(default_factory=Counter)
+    # What builds a driver per core, and how its state is read (defaults: 0.5.23's).
+    make_driver: Callable[[RadixLayout, str], SglangDriver] = SglangDriver
+    reader: Any = UnifiedReader
 
     def __post_init__(self) -> None:
         self._mamba_use: dict[int, int] = {}
         for core in self.cores:
-            self.drivers[core] = SglangDriver(self.layout, core)
+            self.drivers[core] = self.make_driver(self.layout, core)
         self.replay = EventReplay(self.layout.page_size)
         self.primary = self.drivers[self.cores[0]]
 
@@ -63,17 +93,16 @@ class RadixChecker:
         self._note_finish(op)
         self._insert_key = self._key_inserted_by(op) if self.layout.has_mamba else None
         # The tree changes only through ops, so the last op's after-view is this one's before-view.
-        before = self._view if self._view is not None else tree_view(self.primary)
+        before = self._view if self._view is not None else self.reader.tree_view(self.primary)
         results = {core: d.apply(op) for core, d in self.drivers.items()}
         self.checked_ops += 1
         out: list[Violation] = []
         accounts = {}
         for core, d in self.drivers.items():
-            try:
-                d.cache.sanity_check()
-            except AssertionError as exc:
-                out.append(("sglang_sanity_check", f"[{core}] {str(exc).splitlines()[0][:300]}"))
-            accounts[core] = pool_accounts(d)
+            broken = self.reader.sanity_check(d)
+            if broken is not None:
+                out.append(("sglang_sanity_check", f"[{core}] {broken}"))
+            accounts[core] = self.reader.pool_accounts(d)
             out += [
                 ("radix_pool_conservation", f"[{core}] {m}")
                 for m in inv.radix_pool_conservation(accounts[core])
@@ -85,29 +114,35 @@ class RadixChecker:
 
     def _primary_checks(self, op: RadixOp, res: OpResult, before: TreeView | None) -> list[Violation]:
         d = self.primary
-        sets = slot_sets(d)
+        sets = self.reader.slot_sets(d)
         out: list[Violation] = [("radix_slots_disjoint", m) for m in inv.radix_slots_disjoint(sets)]
         out += [
             ("radix_running_prefix_backed", m)
-            for m in inv.radix_running_prefix_backed(prefix_slots(d), sets["free"], sets["cached"])
+            for m in inv.radix_running_prefix_backed(
+                self.reader.prefix_slots(d), sets["free"], sets["cached"]
+            )
         ]
         if self.layout.has_mamba:
-            msgs = inv.radix_slots_disjoint(mamba_slot_sets(d))
+            msgs = inv.radix_slots_disjoint(self.reader.mamba_slot_sets(d))
             out += [("radix_slots_disjoint", f"mamba: {m}") for m in msgs]
-        out += [("radix_free_list_unique", m) for m in inv.radix_free_list_unique(free_lists(d))]
+        out += [("radix_free_list_unique", m) for m in inv.radix_free_list_unique(self.reader.free_lists(d))]
         if d.last_refusal is not None:
             out += [("radix_refusal_justified", m) for m in inv.radix_refusal_justified(d.last_refusal)]
-        after = self._view = tree_view(d)
+        after = self._view = self.reader.tree_view(d)
         if after is None or before is None:
             return out
         self.replay.feed(d.take_events())
-        self.coverage["tombstone"] += any(n.swa is False for n in after.nodes.values())
+        self.coverage["tombstone"] += any(n.swa is False for i, n in after.nodes.items() if i != after.root)
         # An insert that brought a tombstone's SWA back (the recovery paths of #27586/#29352).
         self.coverage["recovered"] += any(
             n.swa is False and n.node_id in after.nodes and after.nodes[n.node_id].swa
             for n in before.nodes.values()
         )
-        locked = {rid: int(run.req.last_node) for rid, run in d.running.items() if run.req.lock is not None}
+        locked = {
+            rid: self.reader.node_id(run.req.last_node)
+            for rid, run in d.running.items()
+            if run.req.lock is not None
+        }
         out += [("radix_locked_paths_kept", m) for m in inv.radix_locked_paths_kept(after, locked)]
         out += [
             ("radix_events_replay", m)
