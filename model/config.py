@@ -48,6 +48,8 @@ class Config:
     `pin_swa_on_drop` / `pin_min_drop_blocks`: the #40676 pinned tier.
     `num_lookahead_tokens`: slots every allocation reserves past the scheduled
     tokens for speculative tokens (vLLM's scheduler passes its spec-token count).
+    `kv_connector`: a KV connector is attached (`model.connector`): offers and
+    loads can be stated, and a finish first frees the blocks out of its windows.
     """
 
     groups: tuple[GroupSpec, ...]
@@ -61,6 +63,7 @@ class Config:
     scheduler_block_size: int = 0
     max_model_len: int = 1 << 20
     num_lookahead_tokens: int = 0
+    kv_connector: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
