@@ -24,6 +24,8 @@ class RequestHistory:
     ever_preempted: bool = False
     boundaries: set[int] = field(default_factory=set)
     hit: int = 0  # the prefix hit at its latest admission
+    offered: int = 0  # a KV connector's standing offer (`model.ops.Offer`), until an admission
+    external: int = 0  # the tokens a KV connector supplied past the hit at its latest admission
 
     # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)

@@ -17,7 +17,7 @@ from model.observation import (
     StepResult,
     block_key,
 )
-from model.ops import AddRequest, EvictBlocks, Finish, Loaded, Op, Preempt, Sample
+from model.ops import AddRequest, EvictBlocks, Finish, Loaded, Offer, Op, Preempt, Sample
 
 
 def replay_events(shadow: dict[BlockKey, int], events: tuple[Event, ...]) -> list[str]:
@@ -131,6 +131,8 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
     elif isinstance(op, Preempt):
         r = history.requests[op.rid]
         r.running, r.num_computed, r.ever_preempted = False, 0, True
+    elif isinstance(op, Offer):
+        history.requests[op.rid].offered = op.num_tokens
     elif isinstance(op, Loaded) and not op.ok and op.rid in history.requests:
         history.requests[op.rid].num_computed = 0  # a failed connector load keeps nothing
     elif isinstance(op, Finish):
@@ -157,6 +159,8 @@ def _scheduled(r: RequestHistory, obs: ScheduleResult) -> None:
     if obs.hit is not None:
         if obs.shared_prefix_boundary:
             r.boundaries.add(obs.shared_prefix_boundary)
+        if obs.admitted or obs.external:
+            r.offered, r.external = 0, obs.external  # the offer is consumed by the admission
         if obs.admitted:
             r.running, r.num_computed, r.hit = True, obs.hit + obs.external + obs.scheduled, obs.hit
         elif obs.external:  # an async connector load holds the hit and external tokens' blocks

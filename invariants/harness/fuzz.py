@@ -42,6 +42,7 @@ from invariants.harness.trace import Trace, write_trace
 from invariants.layouts.presets import preset
 from invariants.report import Progress, table
 from invariants.targets import (
+    CONNECTOR_TARGETS,
     FINE_MAMBA_TARGETS,
     PINNING_TARGETS,
     REAL_SCHEDULER_TARGETS,
@@ -93,6 +94,16 @@ NO_SPECULATION_ON_REAL_SCHEDULER = (
 )
 
 
+NO_CONNECTOR = (
+    "KV connectors (offers, async loads, failed loads, deferred frees): the target cannot attach one "
+    "(model.connector; targets model and vllm-scheduler run them)"
+)
+CONNECTOR_NOT_MAMBA = (
+    "KV connectors with a Mamba group, block-level load failures, the 'fail' policy, saving "
+    "connectors that defer frees (model.connector does not state them)"
+)
+
+
 def _generated(target: str) -> st.SearchStrategy[Config]:
     """The configurations a run generates for `target` (what it can be judged on)."""
     real_scheduler = target in REAL_SCHEDULER_TARGETS
@@ -102,6 +113,7 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
         # A real scheduler speculates: the model has no spec-decode steps yet.
         eagle=False if real_scheduler else None,
         lookahead=False if real_scheduler else None,
+        connector=None if target in CONNECTOR_TARGETS else False,
     )
 
 
@@ -213,7 +225,9 @@ def run_fuzz(
         )
 
     stats.on_violation = seen
-    machine = build_machine(factory, strategy, stats, tolerated=tolerated)
+    machine = build_machine(
+        factory, strategy, stats, tolerated=tolerated, connector=target in CONNECTOR_TARGETS
+    )
     db, db_key = _database(database, stats, target, config_name)
     prog = Progress(f"fuzz {target}", enabled=progress)
     for batch in _batches(machine, stats, db, db_key, seed, steps):
@@ -226,6 +240,8 @@ def run_fuzz(
     report = FuzzReport(target, config_name or "generated", seed, stats.batches, stats, 0.0, failure)
     if generated and target in REAL_SCHEDULER_TARGETS:
         report.not_generated = (NO_SPECULATION_ON_REAL_SCHEDULER,)
+    if generated:
+        report.not_generated += (NO_CONNECTOR if target not in CONNECTOR_TARGETS else CONNECTOR_NOT_MAMBA,)
     if failure is not None:
         report.first_seen_s = first_seen[0] if first_seen else None
         report.unshrunk_ops = len(failure.ops)

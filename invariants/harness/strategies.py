@@ -41,6 +41,7 @@ def configs(
     lookahead: bool | None = None,
     allow_fine: bool = True,
     fine: bool | None = None,
+    connector: bool | None = False,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -52,8 +53,11 @@ def configs(
     `fine`: True = a Mamba block 2 or 4 hash blocks wide (fine-grained hits where
     the other groups allow them), False = Mamba block == hash block, None = either
     (unless `allow_fine` is False: targets that refuse such configurations).
+    `connector`: True = a KV connector attached (`Config.kv_connector`; Mamba shapes
+    are left out: `model.connector` does not state them), False = none, None = either
+    where the shape has no Mamba group.
     """
-    allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
+    allowed = [s for s in (shapes or SHAPES) if (allow_mamba and connector is not True) or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
     base = draw(st.sampled_from([2, 4]))
     wide_mamba = allow_fine and "mamba" in shape and (draw(st.booleans()) if fine is None else fine)
@@ -91,6 +95,8 @@ def configs(
         # The hash block stays one `base` wide (vLLM `--prefix-match-unit`) when the Mamba block is wider.
         hash_block_size=base if wide_mamba else 0,
     )
+    if connector or (connector is None and not cfg.has_mamba and draw(st.booleans())):
+        cfg = cfg.with_(kv_connector=True)
     if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
         cfg = cfg.with_(
             groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)

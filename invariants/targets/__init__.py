@@ -54,6 +54,9 @@ FINE_MAMBA_TARGETS = {"model", "vllm", "vllm-scheduler"}
 # Targets whose steps a real engine scheduler decides (`TargetFeatures(real_scheduler=True)`):
 # the fuzzer sends them whole steps and only configurations an engine can run.
 REAL_SCHEDULER_TARGETS = {"vllm-scheduler"}
+# Targets that can run a KV connector (`TargetFeatures(connector=True)`, `model.connector`):
+# generated configurations include one; the others are never sent one, and say so.
+CONNECTOR_TARGETS = {"model", "vllm-scheduler"}
 # Targets that drive another target's allocator code: its known findings are theirs too.
 SAME_ALLOCATOR = {"vllm-scheduler": "vllm"}
 

@@ -61,6 +61,9 @@ class TargetFeatures:
     # lookahead slots): a real scheduler then pads and rolls back draft tokens, which the
     # model's steps do not describe yet.
     real_scheduler: bool = False
+    # A KV connector can be attached (`Config.kv_connector`, `model.connector`): generated
+    # configurations include one, and the fuzzer states its offers and load reports.
+    connector: bool = False
 
 
 @runtime_checkable

@@ -135,7 +135,7 @@ class VllmSchedulerTarget(VllmTarget):
     """vLLM's real `Scheduler` driving its `KVCacheManager` (see the module docstring)."""
 
     name = "vllm-scheduler"
-    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True)
+    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, connector=True)
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
         if config.num_lookahead_tokens or config.eagle:
