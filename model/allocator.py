@@ -164,6 +164,9 @@ class AllocatorModel:
         self.requests: dict[str, RequestState] = {}
         # Finished while their load was in flight: their blocks wait for `Loaded` (`model.connector`).
         self.held: set[str] = set()
+        # rid -> tokens the latest step scheduled whose output is not delivered yet
+        # (the next step or load report delivers it: `model.connector`, deferred frees).
+        self.undelivered: dict[str, int] = {}
         self.hybrid = len(config.groups) > 1
         self.fine = fine_hits_enabled(config)
         self.alignment = config.hash_block_size if self.fine else config.scheduler_block_size
@@ -200,10 +203,12 @@ class AllocatorModel:
         if isinstance(op, Schedule):
             self._new_step()
             result = self._schedule(self.requests[op.rid], op.budget)
+            self.undelivered = {op.rid: result.scheduled} if result.scheduled else {}
             return replace(result, copies=self._take_copies())
         if isinstance(op, Step):
             assert all(rid in self.requests for rid in op.rids), f"unknown request in {op.rids}"
             step = self._step(op.rids, op.budget)
+            self.undelivered = {rid: r.scheduled for rid, r in step.results if r.scheduled}
             return replace(step, copies=self._take_copies())
         if isinstance(op, Sample):
             req = self.requests[op.rid]
@@ -219,6 +224,7 @@ class AllocatorModel:
             req.offer = (op.num_tokens, op.load == "async")
             return Done()
         if isinstance(op, Loaded):
+            self.undelivered = {}
             self._loaded(op.rid, op.ok)
             return Done()
         if isinstance(op, Preempt):
@@ -364,12 +370,14 @@ class AllocatorModel:
                 req.prefilling = False
 
     def _finish(self, req: RequestState) -> None:
-        """Free a finished request (`model.connector`: with a connector its out-of-window
-        blocks go first, and a load in flight keeps the rest until it reports)."""
+        """Free a finished request (`model.connector`: with a connector the blocks out of
+        the windows of its processed tokens go first, and a load in flight keeps the rest
+        until it reports)."""
         if self.cfg.kv_connector:
+            processed = max(req.num_computed - self.undelivered.get(req.rid, 0), 0)
             for g in self.groups:
                 if g.tables.get(req.rid):
-                    self._remove_skipped(g, req.rid, req.num_computed)
+                    self._remove_skipped(g, req.rid, processed)
         if req.load == LOADING:
             self.held.add(req.rid)
             self.exercised["connector: free deferred until the load reports"] += 1

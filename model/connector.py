@@ -42,8 +42,9 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   blocks until the load reports (`Scheduler.finish_requests`:
   `delay_free_blocks`, then `_update_from_kv_xfer_finished`). With a connector,
   every finish first frees the blocks that left the request's windows
-  (`Scheduler._connector_finished`: `remove_skipped_blocks` on its computed
-  tokens), then the rest.
+  (`Scheduler._connector_finished`: `remove_skipped_blocks` on its processed
+  tokens: computed, less those of the latest step when no step or load report
+  has delivered its output yet, `Request.num_in_flight_tokens`), then the rest.
 
 Not stated (generation avoids them): Mamba groups (vLLM's Mamba managers claim
 a ring block for external tokens), block-level load failures
