@@ -60,6 +60,8 @@ FEATURES: dict[str, st.SearchStrategy[Config]] = {
 # The same judgment with vLLM's real `Scheduler` deciding every step (target "vllm-scheduler",
 # `invariants.targets.vllm_scheduler_target`); speculative decoding is not judged there yet.
 SCHEDULER_FINE_ROW = "real Scheduler: fine-grained Mamba hits, CoW copies"
+CONNECTOR_ROW = "real Scheduler + KV connector: external hits, async loads, delayed caching, failures, deferred frees"
+CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
 
 
 def _no_spec(**narrow: object) -> st.SearchStrategy[Config]:
@@ -78,6 +80,8 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
         shapes=(("full", "mamba"), ("full", "swa", "mamba")), caching=True, fine=True
     ),
     "real Scheduler: preemption, finish/abort, reset, caching off (all shapes)": _no_spec(),
+    CONNECTOR_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True),
+    CONNECTOR_CACHING_OFF_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, caching=False),
 }
 
 # Rows that only count when the run reached these model rules (`AllocatorModel.exercised`).
@@ -88,6 +92,14 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "CoW copy of a request's own tail (move_block_hashes)",
     ),
     SCHEDULER_FINE_ROW: ("fine-grained hit (inside a scheduler block)", "CoW copy of a hit read in part"),
+    CONNECTOR_ROW: (
+        "connector: sync external hit admitted",
+        "connector: async external hit admitted",
+        "connector: async load cached at promotion",
+        "connector: failed load rolled back",
+        "connector: free deferred until the load reports",
+    ),
+    CONNECTOR_CACHING_OFF_ROW: ("connector: sync external hit admitted", "connector: async external hit admitted"),
 }
 
 # How the vLLM target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
@@ -118,10 +130,13 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors (num_external_computed_tokens, delay_cache_blocks, deferred frees)",
-        "their effects depend on the connector's load outcome, which no allocator-level "
-        "operation can state; kvretain drives vLLM without a connector (the KV events' locality "
-        "and ownership, which only offloading connectors set, are compared as None)",
+        "KV connectors with a Mamba group, block-level load failures (invalid_block_ids), the 'fail' "
+        "load-failure policy, connectors that defer a finished request's free to save it",
+        "model.connector states external hits, sync and async loads, delayed caching, failed loads "
+        "(recompute) and the frees deferred while a load is in flight, for Full/SWA layouts (the "
+        "connector rows above); vLLM's Mamba managers claim a ring block for external tokens and "
+        "invalid_block_ids is single-group only; the KV events' locality and ownership, which only "
+        "offloading connectors set, are compared as None",
     ),
     (
         "extra hash keys (cache_salt, LoRA name, multimodal features)",
