@@ -22,8 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from model import connector as conn
 from model.config import Config, GroupSpec, validate
-from model.connector import FAILED, LOADED, LOADING, external_tokens, remaining_blocks
+from model.connector import LOADING, NO_LOAD, Load, external_tokens
 from model.fine_mamba import (
     Copy,
     KeyLayout,
@@ -68,6 +69,9 @@ from model.pool import Pool
 from model.prefix import joined
 from model.profile import MODELED, Profile, rules_of
 from model.scheduling import mamba_chunk
+
+Ids = tuple[int, ...]
+Blocks = tuple[Ids, ...]  # block ids per group
 
 
 class Decision(NamedTuple):
@@ -164,8 +168,7 @@ class AllocatorModel:
         self.requests: dict[str, RequestState] = {}
         # Finished while their load was in flight: their blocks wait for `Loaded` (`model.connector`).
         self.held: set[str] = set()
-        # rid -> tokens the latest step scheduled whose output is not delivered yet
-        # (the next step or load report delivers it: `model.connector`, deferred frees).
+        # rid -> tokens of the latest step whose output is undelivered (`model.connector`).
         self.undelivered: dict[str, int] = {}
         self.hybrid = len(config.groups) > 1
         self.fine = fine_hits_enabled(config)
@@ -216,7 +219,7 @@ class AllocatorModel:
             req.outputs.append(op.token)
             return Done()
         if isinstance(op, Finish):
-            self._finish(self.requests.pop(op.rid))
+            conn.finish(self, self.requests.pop(op.rid))
             return Done()
         if isinstance(op, Offer):
             req = self.requests[op.rid]
@@ -225,7 +228,7 @@ class AllocatorModel:
             return Done()
         if isinstance(op, Loaded):
             self.undelivered = {}
-            self._loaded(op.rid, op.ok)
+            conn.loaded(self, op.rid, op.ok)
             return Done()
         if isinstance(op, Preempt):
             assert self.requests[op.rid].running, f"preempting {op.rid}, which is not running"
@@ -277,8 +280,8 @@ class AllocatorModel:
         if req.running:
             result = self._continue(req, budget, budget)
         else:
-            result = self._wait_turn(req, budget, budget) or ScheduleResult(0, False)
-        self._settle_prefill([req.rid])
+            result = conn.wait_turn(self, req, budget, budget) or ScheduleResult(0, False)
+        conn.settle_prefill(self, [req.rid])
         return result
 
     def _next_chunk(self, req: RequestState, left: int, budget: int) -> int:
@@ -310,8 +313,14 @@ class AllocatorModel:
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
         if n <= 0 and not load_async:
             return result
-        reserve = self._in_flight_reserve() if load_async else 0
-        new = self._allocate_slots(req, n, hit, hit_blocks, ext, load_async, reserve)
+        reserve = (
+            conn.in_flight_reserve(
+                self,
+            )
+            if load_async
+            else 0
+        )
+        new = self._allocate_slots(req, n, hit, hit_blocks, Load(ext, load_async, reserve))
         if new is None:
             return result
         req.offer, req.num_computed, req.prefilling = None, computed + n, computed + n < req.num_tokens
@@ -322,79 +331,6 @@ class AllocatorModel:
             return replace(result, external=ext)
         req.running = True
         return ScheduleResult(n, True, hit, spb, hit_blocks, new, external=ext)
-
-    def _wait_turn(self, req: RequestState, left: int, budget: int) -> ScheduleResult | None:
-        """A waiting request's turn in a step's waiting pass (`model.connector`): None
-        when its load has not reported (passed over); a reported load is promoted
-        first (cached, or freed when it failed); a request holding blocks takes its
-        next chunk without a lookup, any other is admitted."""
-        if req.load == LOADING:
-            return None
-        if req.load == FAILED:
-            self._free(req.rid)
-            req.num_computed = 0
-            self.exercised["connector: failed load rolled back"] += 1
-        elif req.load == LOADED and self.cfg.enable_caching:
-            self._cache_blocks(req, req.num_computed)
-            self.exercised["connector: async load cached at promotion"] += 1
-        req.load = ""
-        if not req.num_computed:
-            return self._admit(req, left, budget)
-        n = self._next_chunk(req, left, budget)
-        if n <= 0:
-            return ScheduleResult(0, False)
-        new = self._allocate_slots(req, n, 0, None)
-        if new is None:
-            return ScheduleResult(0, False)
-        req.running, req.num_computed = True, req.num_computed + n
-        return ScheduleResult(n, True, new_blocks=new)
-
-    def _in_flight_reserve(self) -> int:
-        """Blocks the in-flight prefills still need: an async load's admission leaves them free."""
-        sizes = [g.bs for g in self.groups]
-        return sum(
-            remaining_blocks(
-                min(r.num_tokens, self.cfg.max_model_len),
-                sizes,
-                [len(g.tables.get(r.rid, ())) for g in self.groups],
-            )
-            for r in self.requests.values()
-            if r.prefilling
-        )
-
-    def _settle_prefill(self, rids: list[str]) -> None:
-        """A scheduled request that computed every known token is no longer an in-flight prefill."""
-        for rid in rids:
-            req = self.requests.get(rid)
-            if req is not None and req.running and req.num_computed >= req.num_tokens:
-                req.prefilling = False
-
-    def _finish(self, req: RequestState) -> None:
-        """Free a finished request (`model.connector`: with a connector the blocks out of
-        the windows of its processed tokens go first, and a load in flight keeps the rest
-        until it reports)."""
-        if self.cfg.kv_connector:
-            processed = max(req.num_computed - self.undelivered.get(req.rid, 0), 0)
-            for g in self.groups:
-                if g.tables.get(req.rid):
-                    self._remove_skipped(g, req.rid, processed)
-        if req.load == LOADING:
-            self.held.add(req.rid)
-            self.exercised["connector: free deferred until the load reports"] += 1
-            return
-        self._free(req.rid)
-
-    def _loaded(self, rid: str, ok: bool) -> None:
-        """The async load of `rid` reported; a finished request's deferred free happens now."""
-        if rid in self.held:
-            self.held.discard(rid)
-            self._free(rid)
-            return
-        req = self.requests[rid]
-        assert req.load == LOADING, f"{rid} has no load in flight"
-        req.load = LOADED if ok else FAILED
-        if not ok:
-            req.num_computed = 0  # nothing loaded counts (`Scheduler._handle_failed_recving`)
 
     def _step(self, rids: tuple[str, ...], budget: int) -> StepResult:
         """One scheduler step over a batch: vLLM `sched/scheduler.py` `Scheduler.schedule`, FCFS.
@@ -438,35 +374,13 @@ class AllocatorModel:
             results.append((req.rid, ScheduleResult(n, False, new_blocks=new)))
             i += 1
         if not preempted:
-            self._waiting_pass(waiting, left, budget, results)
-        self._settle_prefill([rid for rid, r in results if r.scheduled])
+            conn.waiting_pass(self, waiting, left, budget, results)
+        conn.settle_prefill(self, [rid for rid, r in results if r.scheduled])
         if len(results) > 1:
             self.exercised["step over several requests"] += 1
         if any(r.admitted for _, r in results) and any(not r.admitted and r.scheduled for _, r in results):
             self.exercised["admission after running chunks in one step"] += 1
         return StepResult(tuple(results), tuple(preempted))
-
-    def _waiting_pass(
-        self, waiting: list[str], left: int, budget: int, results: list[tuple[str, ScheduleResult]]
-    ) -> None:
-        """The waiting requests' turns (`_wait_turn`) under what is `left` of the budget:
-        those holding blocks first (`model.connector`), then the others, in queue order.
-        A request passed over or gone to its async load lets the next one go; a failed
-        admission ends the pass."""
-        reqs = self.requests
-        holding = [rid for rid in waiting if reqs[rid].load or reqs[rid].num_computed]
-        for rid in holding + [rid for rid in waiting if rid not in holding]:
-            if left <= 0:
-                break
-            result = self._wait_turn(reqs[rid], left, budget)
-            if result is None:
-                continue
-            results.append((rid, result))
-            if reqs[rid].load == LOADING:
-                continue
-            if not result.admitted:
-                break
-            left -= result.scheduled
 
     def _preempt(self, rid: str) -> None:
         """Free every block; the request waits again with its tokens (`Scheduler._preempt_request`)."""
@@ -564,33 +478,20 @@ class AllocatorModel:
 
     # ----------------------------------------------------------- allocation
     def _allocate_slots(
-        self,
-        req: RequestState,
-        n: int,
-        hit: int,
-        hit_blocks: tuple[tuple[int, ...], ...] | None,
-        ext: int = 0,
-        delay_cache: bool = False,
-        reserve: int = 0,
-    ) -> tuple[tuple[int, ...], ...] | None:
+        self, req: RequestState, n: int, hit: int, hit_blocks: Blocks | None, load: Load = NO_LOAD
+    ) -> Blocks | None:
         """An allocation attempt (`_allocate`), recorded when `recording`."""
-        new = self._allocate(req, n, hit, hit_blocks, ext, delay_cache, reserve)
+        new = self._allocate(req, n, hit, hit_blocks, load)
         if self._decisions is not None:
             self._decisions.append(Decision("alloc", req.rid, n, hit_blocks is not None, new is not None))
         return new
 
     def _allocate(
-        self,
-        req: RequestState,
-        n: int,
-        hit: int,
-        hit_blocks: tuple[tuple[int, ...], ...] | None,
-        ext: int = 0,
-        delay_cache: bool = False,
-        reserve: int = 0,
-    ) -> tuple[tuple[int, ...], ...] | None:
-        """vLLM `KVCacheManager.allocate_slots` (order of effects matters); `ext`
-        external tokens, `delay_cache` and `reserve` are the connector's (`model.connector`)."""
+        self, req: RequestState, n: int, hit: int, hit_blocks: Blocks | None, load: Load = NO_LOAD
+    ) -> Blocks | None:
+        """vLLM `KVCacheManager.allocate_slots` (order of effects matters); `load`: a
+        connector's external tokens, delayed caching and reserve (`model.connector`)."""
+        ext, delay_cache, reserve = load
         rid = req.rid
         hits = hit_blocks if hit_blocks is not None and any(hit_blocks) else None
         local = req.num_computed + hit
@@ -611,7 +512,7 @@ class AllocatorModel:
             for g in self.groups:
                 self._add_hit_blocks(g, rid, hits[g.gid] if hits else (), local, total)
             for g in self.groups if ext else ():
-                self._add_external_blocks(g, rid, total, ext)
+                conn.add_external_blocks(self, g, rid, total, ext)
         new = tuple(tuple(self._allocate_new(g, rid, need_slot, main)) for g in self.groups)
         if self.cfg.enable_caching and not delay_cache:
             self._cache_blocks(req, min(total + n, req.num_tokens))
@@ -662,18 +563,11 @@ class AllocatorModel:
         self.pool.free(freed, append_all=self.rules.free_order.skipped_to_tail)
 
     def _blocks_to_allocate(
-        self,
-        g: GroupState,
-        rid: str,
-        num_tokens: int,
-        hits: tuple[int, ...],
-        local: int,
-        main: int,
-        computed: int | None = None,
+        self, g: GroupState, rid: str, num_tokens: int, hits: Ids, local: int, main: int, computed: int
     ) -> int:
         """Free blocks group `g` takes for this step: its new blocks plus the hit
         blocks it adopts from the free queue (touching one removes it from there).
-        `computed` (default `local`) adds a connector's external tokens.
+        `computed`: `local` plus a connector's external tokens.
 
         vLLM `single_type_kv_cache_manager.py` `get_num_blocks_to_allocate`.
         """
@@ -686,7 +580,7 @@ class AllocatorModel:
             return max(required - held, 0)
         # Blocks wholly before the window stay null: they are neither allocated
         # nor, when they are hit blocks, adopted.
-        out_of_window = self._skipped_tokens(g, local if computed is None else computed) // g.bs
+        out_of_window = self._skipped_tokens(g, computed) // g.bs
         new = max(required - max(out_of_window, len(hits) + held), 0)
         adopted_hits = hits[max(0, out_of_window - held) :]
         # A hit ending inside a block takes one more block: the reader's private copy.
@@ -732,15 +626,6 @@ class AllocatorModel:
             # and caching resumes at that block once the copy is full.
             g.partial[rid] = (local // g.bs, kept[-1])
             g.num_cached[rid] = local // g.bs
-
-    def _add_external_blocks(self, g: GroupState, rid: str, computed: int, ext: int) -> None:
-        """Fresh blocks for the external tokens inside the window (vLLM
-        `SingleTypeKVCacheManager.allocate_external_computed_blocks`); Mamba is not stated."""
-        assert not _align(g), "the connector contract does not state Mamba groups (model.connector)"
-        if min(computed - max(self._skipped_tokens(g, computed), 0), ext) <= 0:
-            return
-        table = g.table(rid)
-        table.extend(self.pool.get_new_blocks(max(0, cdiv(computed, g.bs) - len(table))))
 
     def _allocate_new(self, g: GroupState, rid: str, num_tokens: int, main: int) -> list[int]:
         table = g.table(rid)

@@ -56,9 +56,28 @@ True).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, NamedTuple
+
+from model.masks import cdiv
+from model.observation import ScheduleResult
+
+if TYPE_CHECKING:
+    from model.allocator import AllocatorModel, GroupState, RequestState
 
 # The states of a request's connector load (`RequestLoad`), "" = none.
 LOADING, LOADED, FAILED = "loading", "loaded", "failed"
+
+
+class Load(NamedTuple):
+    """An allocation's connector side (`KVCacheManager.allocate_slots` arguments):
+    external tokens, `delay_cache_blocks`, `reserved_blocks`."""
+
+    external: int = 0
+    delay_cache: bool = False
+    reserve: int = 0
+
+
+NO_LOAD = Load()
 
 
 def external_tokens(offered: int, num_tokens: int, hit: int) -> int:
@@ -71,3 +90,120 @@ def remaining_blocks(num_tokens: int, block_sizes: Iterable[int], held: Iterable
     """Blocks a request holding `held` blocks per group still needs for its whole
     sequence (`Scheduler._request_remaining_blocks` for a request with blocks)."""
     return sum(max(-(-num_tokens // bs) - h, 0) for bs, h in zip(block_sizes, held))
+
+
+# ---------------------------------------------------------------- the contract, on `AllocatorModel`
+# The model's steps call these (its own room: they read its state as its methods do).
+
+
+def wait_turn(m: AllocatorModel, req: RequestState, left: int, budget: int) -> ScheduleResult | None:
+    """A waiting request's turn in a step's waiting pass (`model.connector`): None
+    when its load has not reported (passed over); a reported load is promoted
+    first (cached, or freed when it failed); a request holding blocks takes its
+    next chunk without a lookup, any other is admitted."""
+    if req.load == LOADING:
+        return None
+    if req.load == FAILED:
+        m._free(req.rid)
+        req.num_computed = 0
+        m.exercised["connector: failed load rolled back"] += 1
+    elif req.load == LOADED and m.cfg.enable_caching:
+        m._cache_blocks(req, req.num_computed)
+        m.exercised["connector: async load cached at promotion"] += 1
+    req.load = ""
+    if not req.num_computed:
+        return m._admit(req, left, budget)
+    n = m._next_chunk(req, left, budget)
+    if n <= 0:
+        return ScheduleResult(0, False)
+    new = m._allocate_slots(req, n, 0, None)
+    if new is None:
+        return ScheduleResult(0, False)
+    req.running, req.num_computed = True, req.num_computed + n
+    return ScheduleResult(n, True, new_blocks=new)
+
+
+def in_flight_reserve(m: AllocatorModel) -> int:
+    """Blocks the in-flight prefills still need: an async load's admission leaves them free."""
+    sizes = [g.bs for g in m.groups]
+    return sum(
+        remaining_blocks(
+            min(r.num_tokens, m.cfg.max_model_len),
+            sizes,
+            [len(g.tables.get(r.rid, ())) for g in m.groups],
+        )
+        for r in m.requests.values()
+        if r.prefilling
+    )
+
+
+def settle_prefill(m: AllocatorModel, rids: list[str]) -> None:
+    """A scheduled request that computed every known token is no longer an in-flight prefill."""
+    for rid in rids:
+        req = m.requests.get(rid)
+        if req is not None and req.running and req.num_computed >= req.num_tokens:
+            req.prefilling = False
+
+
+def finish(m: AllocatorModel, req: RequestState) -> None:
+    """Free a finished request (`model.connector`: with a connector the blocks out of
+    the windows of its processed tokens go first, and a load in flight keeps the rest
+    until it reports)."""
+    if m.cfg.kv_connector:
+        processed = max(req.num_computed - m.undelivered.get(req.rid, 0), 0)
+        for g in m.groups:
+            if g.tables.get(req.rid):
+                m._remove_skipped(g, req.rid, processed)
+    if req.load == LOADING:
+        m.held.add(req.rid)
+        m.exercised["connector: free deferred until the load reports"] += 1
+        return
+    m._free(req.rid)
+
+
+def loaded(m: AllocatorModel, rid: str, ok: bool) -> None:
+    """The async load of `rid` reported; a finished request's deferred free happens now."""
+    if rid in m.held:
+        m.held.discard(rid)
+        m._free(rid)
+        return
+    req = m.requests[rid]
+    assert req.load == LOADING, f"{rid} has no load in flight"
+    req.load = LOADED if ok else FAILED
+    if not ok:
+        req.num_computed = 0  # nothing loaded counts (`Scheduler._handle_failed_recving`)
+
+
+def waiting_pass(
+    m: AllocatorModel, waiting: list[str], left: int, budget: int, results: list[tuple[str, ScheduleResult]]
+) -> None:
+    """The waiting requests' turns (`_wait_turn`) under what is `left` of the budget:
+    those holding blocks first (`model.connector`), then the others, in queue order.
+    A request passed over or gone to its async load lets the next one go; a failed
+    admission ends the pass."""
+    reqs = m.requests
+    holding = [rid for rid in waiting if reqs[rid].load or reqs[rid].num_computed]
+    for rid in holding + [rid for rid in waiting if rid not in holding]:
+        if left <= 0:
+            break
+        result = wait_turn(m, reqs[rid], left, budget)
+        if result is None:
+            continue
+        results.append((rid, result))
+        if reqs[rid].load == LOADING:
+            continue
+        if not result.admitted:
+            break
+        left -= result.scheduled
+
+
+def add_external_blocks(m: AllocatorModel, g: GroupState, rid: str, computed: int, ext: int) -> None:
+    """Fresh blocks for the external tokens inside the window (vLLM
+    `SingleTypeKVCacheManager.allocate_external_computed_blocks`); Mamba is not stated."""
+    assert not (g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align"), (
+        "the connector contract does not state Mamba groups (model.connector)"
+    )
+    if min(computed - max(m._skipped_tokens(g, computed), 0), ext) <= 0:
+        return
+    table = g.table(rid)
+    table.extend(m.pool.get_new_blocks(max(0, cdiv(computed, g.bs) - len(table))))
