@@ -34,10 +34,13 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   reported, or a promotion whose chunk did not fit) are reached before the
   other waiting requests (`Scheduler.kv_holding_waiting`); one whose load has
   not reported is passed over and the step goes on.
-- **Failed load** (`kv_load_failure_policy="recompute"`, reported as
-  `failed_recving`): nothing loaded is kept. At promotion every block of the
-  request is freed (`KVCacheManager.free`), its computed tokens are 0 and it is
-  admitted afresh in the same turn (a new lookup; the consumed offer is gone).
+- **Failed load** (reported as `failed_recving`). "recompute" policy: nothing
+  loaded is kept. At promotion every block of the request is freed
+  (`KVCacheManager.free`), its computed tokens are 0 and it is admitted afresh
+  in the same turn (a new lookup; the consumed offer is gone). "fail" policy:
+  the report ends the request with an error (`update_from_output`:
+  `finish_requests(FINISHED_ERROR)`, then the receive frees its blocks), freed
+  as a finish is.
 - **Deferred free.** A request finished while its load is in flight keeps its
   blocks until the load reports (`Scheduler.finish_requests`:
   `delay_free_blocks`, then `_update_from_kv_xfer_finished`). With a connector,
@@ -48,7 +51,7 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
 
 Not stated (generation avoids them): Mamba groups (vLLM's Mamba managers claim
 a ring block for external tokens), block-level load failures
-(`invalid_block_ids`, single-group only), the "fail" policy, and connectors
+(`invalid_block_ids`, single-group only), and connectors
 that defer a finished request's free to save it (`request_finished` returning
 True).
 """
@@ -169,6 +172,12 @@ def loaded(m: AllocatorModel, rid: str, ok: bool) -> None:
         return
     req = m.requests[rid]
     assert req.load == LOADING, f"{rid} has no load in flight"
+    if not ok and m.cfg.kv_load_failure_policy == "fail":
+        # The request ends with an error; its load has reported, so nothing waits.
+        req.load = ""
+        finish(m, m.requests.pop(rid))
+        m.exercised["connector: failed load ends the request ('fail')"] += 1
+        return
     req.load = LOADED if ok else FAILED
     if not ok:
         req.num_computed = 0  # nothing loaded counts (`Scheduler._handle_failed_recving`)

@@ -93,6 +93,18 @@ def test_failed_load_frees_everything_and_readmits() -> None:
     assert m.exercised["connector: failed load rolled back"] == 1
 
 
+def test_fail_policy_ends_the_request_and_frees_it() -> None:
+    m = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    c = Checker(ModelTarget(FULL.with_(kv_load_failure_policy="fail")))
+    for op in (AddRequest("r0", PROMPT), Offer("r0", 13, "async"), Step(("r0",), 64), Loaded("r0", False)):
+        m.apply(op)
+        assert c.step(op) == []
+    assert "r0" not in m.requests and "r0" not in m.snapshot().tables and not m.held
+    assert "r0" not in c.history.requests
+    with pytest.raises(ConfigError, match="kv_load_failure_policy"):
+        AllocatorModel(FULL.with_(kv_load_failure_policy="retry"))  # type: ignore[arg-type]
+
+
 def test_finish_during_a_load_defers_the_free_until_it_reports() -> None:
     m = AllocatorModel(FULL)
     m.apply(AddRequest("r0", PROMPT))
@@ -197,6 +209,38 @@ def test_real_scheduler_agrees_on_every_connector_path(cfg: Config) -> None:
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 
     assert drive(VllmSchedulerTarget, cfg) == []
+
+
+def fail_policy_ops() -> list[Op]:
+    """Under "fail" a failed load ends its request (freed then), a good one is promoted."""
+    return [
+        AddRequest("r0", PROMPT),
+        Offer("r0", 13, "async"),
+        AddRequest("r1", PROMPT + (9, 9)),
+        Offer("r1", 15, "async"),
+        Step(("r0", "r1"), 64),
+        Loaded("r0", False),
+        Loaded("r1", True),
+        Step(("r1",), 64),
+        Probe(PROMPT),
+        Finish("r1"),
+    ]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_real_scheduler_agrees_under_the_fail_policy() -> None:
+    from invariants.harness.known_findings import is_known_violation
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = FULL_SWA.with_(kv_load_failure_policy="fail")
+    target = VllmSchedulerTarget(cfg)
+    checker = Checker(target, audit_every=1)
+    found = [
+        v for op in fail_policy_ops() for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)
+    ]
+    assert found == [] and checker.audit() == []
+    assert "r0" not in target.vllm_scheduler.requests and "r0" not in target.session.requests
 
 
 @needs_vllm

@@ -64,6 +64,8 @@ class History:
     finished_tokens: int = 0  # prompt and output tokens of `finished`
     # `forget` runs when ever_cached grows past this (then twice what it kept).
     forget_at: int = 4096
+    # A failed KV connector load ends its request (`kv_load_failure_policy="fail"`).
+    failed_load_ends: bool = False
 
     def all_requests(self) -> Iterator[RequestHistory]:
         """Live requests first, then finished ones (a lazy walk: callers often stop early)."""

@@ -134,7 +134,10 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
     elif isinstance(op, Offer):
         history.requests[op.rid].offered = op.num_tokens
     elif isinstance(op, Loaded) and not op.ok and op.rid in history.requests:
-        history.requests[op.rid].num_computed = 0  # a failed connector load keeps nothing
+        if history.failed_load_ends:
+            history.requests.pop(op.rid)  # ended with an error (`model.connector`)
+        else:
+            history.requests[op.rid].num_computed = 0  # a failed connector load keeps nothing
     elif isinstance(op, Finish):
         r = history.requests.pop(op.rid)
         history.finished[op.rid] = r

@@ -102,7 +102,7 @@ class Checker:
             profile=target.profile,
         )
         self.model: AllocatorModel = self.model_target.model
-        self.history = History()
+        self.history = History(failed_load_ends=self.config.kv_load_failure_policy == "fail")
         self.check_invariants = check_invariants
         # Pinned-tier moves are pool-wide; a target without `features.partial` has no fast path.
         fast = target.features.partial and not target.config.pin_swa_on_drop

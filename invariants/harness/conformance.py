@@ -60,7 +60,10 @@ FEATURES: dict[str, st.SearchStrategy[Config]] = {
 # The same judgment with vLLM's real `Scheduler` deciding every step (target "vllm-scheduler",
 # `invariants.targets.vllm_scheduler_target`); speculative decoding is not judged there yet.
 SCHEDULER_FINE_ROW = "real Scheduler: fine-grained Mamba hits, CoW copies"
-CONNECTOR_ROW = "real Scheduler + KV connector: external hits, async loads, delayed caching, failures, deferred frees"
+CONNECTOR_ROW = (
+    "real Scheduler + KV connector: external hits, async loads, delayed caching, failures, deferred frees"
+)
+CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fail'"
 CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
 
 
@@ -80,7 +83,8 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
         shapes=(("full", "mamba"), ("full", "swa", "mamba")), caching=True, fine=True
     ),
     "real Scheduler: preemption, finish/abort, reset, caching off (all shapes)": _no_spec(),
-    CONNECTOR_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True),
+    CONNECTOR_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="recompute"),
+    CONNECTOR_FAIL_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="fail"),
     CONNECTOR_CACHING_OFF_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, caching=False),
 }
 
@@ -99,7 +103,11 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: failed load rolled back",
         "connector: free deferred until the load reports",
     ),
-    CONNECTOR_CACHING_OFF_ROW: ("connector: sync external hit admitted", "connector: async external hit admitted"),
+    CONNECTOR_FAIL_ROW: ("connector: failed load ends the request ('fail')",),
+    CONNECTOR_CACHING_OFF_ROW: (
+        "connector: sync external hit admitted",
+        "connector: async external hit admitted",
+    ),
 }
 
 # How the vLLM target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
@@ -130,10 +138,10 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors with a Mamba group, block-level load failures (invalid_block_ids), the 'fail' "
-        "load-failure policy, connectors that defer a finished request's free to save it",
+        "KV connectors with a Mamba group, block-level load failures (invalid_block_ids), connectors "
+        "that defer a finished request's free to save it",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
-        "(recompute) and the frees deferred while a load is in flight, for Full/SWA layouts (the "
+        "(both policies) and the frees deferred while a load is in flight, for Full/SWA layouts (the "
         "connector rows above); vLLM's Mamba managers claim a ring block for external tokens and "
         "invalid_block_ids is single-group only; the KV events' locality and ownership, which only "
         "offloading connectors set, are compared as None",

@@ -99,8 +99,8 @@ NO_CONNECTOR = (
     "(model.connector; targets model and vllm-scheduler run them)"
 )
 CONNECTOR_NOT_MAMBA = (
-    "KV connectors with a Mamba group, block-level load failures, the 'fail' policy, saving "
-    "connectors that defer frees (model.connector does not state them)"
+    "KV connectors with a Mamba group, block-level load failures, saving connectors that defer "
+    "frees (model.connector does not state them)"
 )
 
 

@@ -42,6 +42,7 @@ def configs(
     allow_fine: bool = True,
     fine: bool | None = None,
     connector: bool | None = False,
+    load_failure: str | None = None,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -55,7 +56,8 @@ def configs(
     (unless `allow_fine` is False: targets that refuse such configurations).
     `connector`: True = a KV connector attached (`Config.kv_connector`; Mamba shapes
     are left out: `model.connector` does not state them), False = none, None = either
-    where the shape has no Mamba group.
+    where the shape has no Mamba group; `load_failure`: its `kv_load_failure_policy`
+    ("recompute", "fail"; None = either, mostly "recompute").
     """
     allowed = [s for s in (shapes or SHAPES) if (allow_mamba and connector is not True) or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -96,7 +98,8 @@ def configs(
         hash_block_size=base if wide_mamba else 0,
     )
     if connector or (connector is None and not cfg.has_mamba and draw(st.booleans())):
-        cfg = cfg.with_(kv_connector=True)
+        policy = load_failure or draw(st.sampled_from(["recompute", "recompute", "fail"]))
+        cfg = cfg.with_(kv_connector=True, kv_load_failure_policy=policy)
     if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
         cfg = cfg.with_(
             groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)

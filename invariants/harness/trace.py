@@ -43,7 +43,7 @@ def config_to_json(cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name == "kv_connector" and not value:
+        if (f.name, value) in (("kv_connector", False), ("kv_load_failure_policy", "recompute")):
             continue  # absent = no connector (traces from before connectors read the same)
         if f.name == "groups":
             value = [

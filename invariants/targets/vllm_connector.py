@@ -4,7 +4,7 @@
 layouts keep their groups), registered the way vLLM registers connectors
 (`KVConnectorFactory.register_connector(CONNECTOR_NAME, module, class)`) and
 selected by a `KVTransferConfig` (`transfer_config`): kv_role "kv_consumer",
-`kv_load_failure_policy="recompute"`. It runs on the scheduler's side only:
+`kv_load_failure_policy` as `Config.kv_load_failure_policy`. It runs on the scheduler's side only:
 the scheduler never builds a worker, and the worker-side methods raise.
 
 It holds no KV. kvretain's operations script it (`model.connector` states the
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -127,13 +127,13 @@ def register() -> None:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, KvretainConnector.__name__)
 
 
-def transfer_config() -> Any:
+def transfer_config(failure_policy: Literal["recompute", "fail"] = "recompute") -> Any:
     """The `KVTransferConfig` selecting the connector (registered first)."""
     from vllm.config import KVTransferConfig
 
     register()
     return KVTransferConfig(
-        kv_connector=CONNECTOR_NAME, kv_role="kv_consumer", kv_load_failure_policy="recompute"
+        kv_connector=CONNECTOR_NAME, kv_role="kv_consumer", kv_load_failure_policy=failure_policy
     )
 
 

@@ -107,7 +107,8 @@ class SchedulerOpDriver(OpDriver):
             from .vllm_connector import connector_output
 
             self.real.report_load(connector_output(op.rid, op.ok))
-            if op.rid in self.held_by_load:
+            # Its free deferred, or ended with an error ('fail' policy): gone from vLLM.
+            if op.rid in self.held_by_load or op.rid not in self.real.sched.requests:
                 self.held_by_load.discard(op.rid)
                 requests.pop(op.rid)
                 self.names.forget(op.rid)
