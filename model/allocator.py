@@ -92,11 +92,12 @@ class RequestState:
     num_computed: int = 0
     running: bool = False
     shared_prefix_boundary: int = 0
-    # The connector (`model.connector`): the standing offer (tokens, async), the load's
-    # state ("" none, LOADING, LOADED, FAILED), and whether its prefill is in flight.
+    # `model.connector`: the offer (tokens, async), the load ("" none, LOADING, LOADED, FAILED),
+    # whether its prefill is in flight, whether it waits among the requests holding blocks.
     offer: tuple[int, bool] | None = None
     load: str = ""
     prefilling: bool = False
+    holding: bool = False
 
     # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
@@ -313,13 +314,7 @@ class AllocatorModel:
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
         if n <= 0 and not load_async:
             return result
-        reserve = (
-            conn.in_flight_reserve(
-                self,
-            )
-            if load_async
-            else 0
-        )
+        reserve = conn.in_flight_reserve(self) if load_async else 0
         new = self._allocate_slots(req, n, hit, hit_blocks, Load(ext, load_async, reserve))
         if new is None:
             return result
@@ -327,9 +322,9 @@ class AllocatorModel:
         if ext:
             self.exercised[f"connector: {'async' if load_async else 'sync'} external hit admitted"] += 1
         if load_async:
-            req.load = LOADING  # waits for `Loaded`; blocks cached at its promotion
+            req.load, req.holding = LOADING, True  # waits for `Loaded`; cached at its promotion
             return replace(result, external=ext)
-        req.running = True
+        req.running, req.holding = True, False
         return ScheduleResult(n, True, hit, spb, hit_blocks, new, external=ext)
 
     def _step(self, rids: tuple[str, ...], budget: int) -> StepResult:

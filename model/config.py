@@ -149,10 +149,7 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.num_blocks < 2:
         raise ConfigError(f"num_blocks: must be >= 2 (block 0 is the null block), got {cfg.num_blocks}")
-    if cfg.kv_load_failure_policy not in ("recompute", "fail"):
-        raise ConfigError(
-            f"kv_load_failure_policy: must be 'recompute' or 'fail', got {cfg.kv_load_failure_policy!r}"
-        )
+    _check_load_failure_policy(cfg.kv_load_failure_policy)
     if cfg.pin_min_drop_blocks < 0:
         raise ConfigError("pin_min_drop_blocks: must be non-negative")
     if isinstance(cfg.num_lookahead_tokens, bool) or not isinstance(cfg.num_lookahead_tokens, int):
@@ -181,3 +178,8 @@ def validate(cfg: Config) -> Config:
                 stacklevel=2,
             )
     return cfg
+
+
+def _check_load_failure_policy(policy: object) -> None:
+    if policy not in ("recompute", "fail"):
+        raise ConfigError(f"kv_load_failure_policy: must be 'recompute' or 'fail', got {policy!r}")

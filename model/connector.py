@@ -30,10 +30,12 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   the step that first reaches it after the load reported promotes it
   (`Scheduler._update_waiting_for_remote_kv`: `cache_blocks(num_computed)`);
   it then takes its next chunk without a lookup.
-- **Order.** Requests holding blocks while waiting (a load in flight or
-  reported, or a promotion whose chunk did not fit) are reached before the
-  other waiting requests (`Scheduler.kv_holding_waiting`); one whose load has
-  not reported is passed over and the step goes on.
+- **Order.** A request admitted to an async load waits among the requests
+  holding blocks (`Scheduler.kv_holding_waiting`), reached before the other
+  waiting requests, until it runs: also when its promoted chunk did not fit,
+  and when its failed load was freed and its fresh admission did not fit (it
+  stays in that queue). One whose load has not reported is passed over and the
+  step goes on.
 - **Failed load** (reported as `failed_recving`). "recompute" policy: nothing
   loaded is kept. At promotion every block of the request is freed
   (`KVCacheManager.free`), its computed tokens are 0 and it is admitted afresh
@@ -122,7 +124,7 @@ def wait_turn(m: AllocatorModel, req: RequestState, left: int, budget: int) -> S
     new = m._allocate_slots(req, n, 0, None)
     if new is None:
         return ScheduleResult(0, False)
-    req.running, req.num_computed = True, req.num_computed + n
+    req.running, req.num_computed, req.holding = True, req.num_computed + n, False
     return ScheduleResult(n, True, new_blocks=new)
 
 
@@ -191,7 +193,7 @@ def waiting_pass(
     A request passed over or gone to its async load lets the next one go; a failed
     admission ends the pass."""
     reqs = m.requests
-    holding = [rid for rid in waiting if reqs[rid].load or reqs[rid].num_computed]
+    holding = [rid for rid in waiting if reqs[rid].holding]
     for rid in holding + [rid for rid in waiting if rid not in holding]:
         if left <= 0:
             break

@@ -60,10 +60,8 @@ FEATURES: dict[str, st.SearchStrategy[Config]] = {
 # The same judgment with vLLM's real `Scheduler` deciding every step (target "vllm-scheduler",
 # `invariants.targets.vllm_scheduler_target`); speculative decoding is not judged there yet.
 SCHEDULER_FINE_ROW = "real Scheduler: fine-grained Mamba hits, CoW copies"
-CONNECTOR_ROW = (
-    "real Scheduler + KV connector: external hits, async loads, delayed caching, failures, deferred frees"
-)
-CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fail'"
+CONNECTOR_ROW = "real Scheduler + KV connector: external hits, async loads, delayed caching, failed loads"
+CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fail', deferred frees"
 CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
 
 
@@ -101,9 +99,11 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: async external hit admitted",
         "connector: async load cached at promotion",
         "connector: failed load rolled back",
+    ),
+    CONNECTOR_FAIL_ROW: (
+        "connector: failed load ends the request ('fail')",
         "connector: free deferred until the load reports",
     ),
-    CONNECTOR_FAIL_ROW: ("connector: failed load ends the request ('fail')",),
     CONNECTOR_CACHING_OFF_ROW: (
         "connector: sync external hit admitted",
         "connector: async external hit admitted",

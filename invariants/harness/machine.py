@@ -428,9 +428,22 @@ class ConnectorMachine(AllocatorMachine):
             return
         rid = data.draw(st.sampled_from(offerable), label="rid")
         assert self.checker is not None
-        size = self.checker.model.requests[rid].num_tokens
+        model = self.checker.model
+        size = model.requests[rid].num_tokens
         tokens = data.draw(st.integers(1, size + self.cfg.scheduler_block_size), label="offered tokens")
         self._do(Offer(rid, tokens, data.draw(st.sampled_from(LOAD_MODES), label="load")))
+        if not data.draw(st.sampled_from([True, True, True, False]), label="admit it now?"):
+            return
+        # The offer's whole life at once: its admission, its load's report, its promotion.
+        self._do(Step((rid,), 64))
+        if rid not in model.requests or model.requests[rid].load != "loading":  # type: ignore[attr-defined]
+            return
+        outcome = data.draw(st.sampled_from(["ok", "failed", "finished first"]), label="load outcome")
+        if outcome == "finished first":  # its free waits for the report
+            self._do(Finish(rid))
+        self._do(Loaded(rid, outcome != "failed"))
+        if rid in model.requests and not model.requests[rid].running:  # type: ignore[attr-defined]
+            self._do(Step((rid,), 64))
 
 
 def build_machine(
