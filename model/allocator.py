@@ -23,9 +23,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from model import connector as conn
 from model.async_scheduling import InFlight, arrival_limit, caching_limit, processed_limit
 from model.caching import BlockCaching
 from model.config import Config, GroupSpec, validate
+from model.connector import LOADING, NO_LOAD, Load, external_tokens
 from model.fine_mamba import (
     Copy,
     KeyLayout,
@@ -56,6 +58,8 @@ from model.ops import (
     AddRequest,
     EvictBlocks,
     Finish,
+    Loaded,
+    Offer,
     Op,
     Preempt,
     Probe,
@@ -69,6 +73,9 @@ from model.prefix import joined
 from model.profile import MODELED, Profile, rules_of
 from model.scheduling import mamba_chunk
 from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
+
+Ids = tuple[int, ...]
+Blocks = tuple[Ids, ...]  # block ids per group
 
 
 class Decision(NamedTuple):
@@ -93,6 +100,12 @@ class RequestState:
     drafts: tuple[int, ...] = ()
     verifying: tuple[int, ...] = ()
     prefill_chunk: bool = False
+    # `model.connector`: the offer (tokens, async), the load ("" none, LOADING, LOADED, FAILED),
+    # whether its prefill is in flight, whether it waits among the requests holding blocks.
+    offer: tuple[int, bool] | None = None
+    load: str = ""
+    prefilling: bool = False
+    holding: bool = False
 
     # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
@@ -180,6 +193,10 @@ class AllocatorModel(BlockCaching):
         )
         self.groups = [GroupState(i, g) for i, g in enumerate(config.groups)]
         self.requests: dict[str, RequestState] = {}
+        # Finished while their load was in flight: their blocks wait for `Loaded` (`model.connector`).
+        self.held: set[str] = set()
+        # rid -> tokens of the latest step whose output is undelivered (`model.connector`).
+        self.undelivered: dict[str, int] = {}
         self.hybrid = len(config.groups) > 1
         self.fine = fine_hits_enabled(config)
         self.alignment = config.hash_block_size if self.fine else config.scheduler_block_size
@@ -217,12 +234,14 @@ class AllocatorModel(BlockCaching):
             self._new_step()
             result = self._schedule(self.requests[op.rid], op.budget)
             result = replace(result, copies=self._take_copies())
+            self.undelivered = {op.rid: result.scheduled} if result.scheduled else {}
             self._outputs_arrive({op.rid: result.scheduled})
             return result
         if isinstance(op, Step):
             assert all(rid in self.requests for rid in op.rids), f"unknown request in {op.rids}"
             step = self._step(op.rids, op.budget)
             step = replace(step, copies=self._take_copies())
+            self.undelivered = {rid: r.scheduled for rid, r in step.results if r.scheduled}
             self._outputs_arrive({rid: r.scheduled for rid, r in step.results})
             return step
         if isinstance(op, Sample):
@@ -234,8 +253,14 @@ class AllocatorModel(BlockCaching):
         if isinstance(op, Finish):
             if self.in_flight is not None:
                 self.in_flight.forget(op.rid)
-            self._free(op.rid)
-            del self.requests[op.rid]
+            conn.finish(self, self.requests.pop(op.rid))
+            return Done()
+        if isinstance(op, Offer):
+            conn.offer(self.requests[op.rid], op.num_tokens, op.load == "async")
+            return Done()
+        if isinstance(op, Loaded):
+            self.undelivered = {}
+            conn.loaded(self, op.rid, op.ok)
             return Done()
         if isinstance(op, Preempt):
             assert self.requests[op.rid].running, f"preempting {op.rid}, which is not running"
@@ -321,8 +346,11 @@ class AllocatorModel(BlockCaching):
 
     def _schedule(self, req: RequestState, budget: int) -> ScheduleResult:
         if req.running:
-            return self._continue(req, budget, budget)
-        return self._admit(req, budget, budget)
+            result = self._continue(req, budget, budget)
+        else:
+            result = conn.wait_turn(self, req, budget, budget) or ScheduleResult(0, False)
+        conn.settle_prefill(self, [req.rid])
+        return result
 
     def _next_chunk(self, req: RequestState, left: int, budget: int) -> int:
         """Tokens a running request computes next: at most `left` of the step's `budget`."""
@@ -342,31 +370,46 @@ class AllocatorModel(BlockCaching):
     def _admit(
         self, req: RequestState, left: int, budget: int, ran_running: bool = False, ran_prefill: bool = False
     ) -> ScheduleResult:
-        """Admit a waiting request: lookup, then its first chunk of at most `left` tokens
-        (`ran_running`, `ran_prefill`: the step ran a request, a prefill chunk; `model.spec_decode`)."""
+        """Admit a waiting request: lookup (and the connector's offer: `model.connector`),
+        then its first chunk of at most `left` tokens, or its async load (`ran_running`,
+        `ran_prefill`: the step ran a request, a prefill chunk; `model.spec_decode`)."""
         layouts, hit, spb = self._find_hit(req.tokens, req.num_tokens - 1)
         hit_blocks = self._hit_blocks(req.tokens, layouts)
         req.shared_prefix_boundary = spb
         if hit % self.cfg.scheduler_block_size:
             self.exercised["fine-grained hit (inside a scheduler block)"] += 1
+        ext = external_tokens(req.offer[0], req.num_tokens, hit) if req.offer else 0
+        load_async = ext > 0 and req.offer is not None and req.offer[1]
+        computed = hit + ext
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
-        pad = padded_admission(req.num_tokens - hit, self.num_spec_tokens, hit, ran_running, ran_prefill)
+        pad = padded_admission(req.num_tokens - computed, self.num_spec_tokens, hit, ran_running, ran_prefill)
         if pad and 1 + pad > left:
             return result  # vLLM prefers not scheduling to scheduling unpadded
-        n = self._chunk(req, hit, min(req.num_tokens - hit + pad, left), budget)
+        n = (
+            0
+            if load_async
+            else self._chunk(req, computed, min(req.num_tokens - computed + pad, left), budget)
+        )
         if pad and 0 < n != 1 + pad:
             n, pad = 1, 0  # a Mamba split clipped the padding: drop it
-        if n <= 0:
+        if n <= 0 and not load_async:
             return result
-        new = self._allocate_slots(req, n, hit, hit_blocks)
+        reserve = conn.in_flight_reserve(self) if load_async else 0
+        new = self._allocate_slots(req, n, hit, hit_blocks, Load(ext, load_async, reserve))
         if new is None:
             return result
-        req.running, req.num_computed = True, hit + n
+        req.offer, req.num_computed, req.prefilling = None, computed + n, computed + n < req.num_tokens
+        if ext:
+            self.exercised[f"connector: {'async' if load_async else 'sync'} external hit admitted"] += 1
+        if load_async:
+            req.load, req.holding = LOADING, True  # waits for `Loaded`; cached at its promotion
+            return replace(result, external=ext)
+        req.running, req.holding = True, False
         req.prefill_chunk = req.num_computed < req.num_tokens
         req.verifying = (PLACEHOLDER,) * pad
         if pad:
             self.exercised["one-token admission padded with draft slots"] += 1
-        return ScheduleResult(n, True, hit, spb, hit_blocks, new)
+        return ScheduleResult(n, True, hit, spb, hit_blocks, new, external=ext)
 
     def _step(self, rids: tuple[str, ...], budget: int) -> StepResult:
         """One scheduler step over a batch: vLLM `sched/scheduler.py` `Scheduler.schedule`, FCFS.
@@ -376,7 +419,7 @@ class AllocatorModel(BlockCaching):
         the running pass): the newest request gives way to the older ones.
         Waiting requests are admitted only if nobody was preempted (the blocks
         just freed are for the running ones), and a failed admission ends the
-        step: a younger request never overtakes an older one.
+        step: a younger request never overtakes an older one (`_waiting_pass`).
         """
         self._new_step()
         running = [rid for rid in rids if self.requests[rid].running]
@@ -413,14 +456,8 @@ class AllocatorModel(BlockCaching):
             i += 1
         if not preempted:
             ran_running = any(r.scheduled for _, r in results)
-            for rid in waiting:
-                if left <= 0:
-                    break
-                result = self._admit(self.requests[rid], left, budget, ran_running, ran_prefill)
-                results.append((rid, result))
-                if not result.admitted:
-                    break
-                left -= result.scheduled
+            conn.waiting_pass(self, waiting, left, budget, results, (ran_running, ran_prefill))
+        conn.settle_prefill(self, [rid for rid, r in results if r.scheduled])
         if len(results) > 1:
             self.exercised["step over several requests"] += 1
         if any(r.admitted for _, r in results) and any(not r.admitted and r.scheduled for _, r in results):
@@ -433,7 +470,7 @@ class AllocatorModel(BlockCaching):
         if self.in_flight is not None:
             self.in_flight.forget(rid)  # its in-flight output is stale: it caches nothing
         self._free(rid)
-        req.running, req.num_computed = False, 0
+        req.running, req.num_computed, req.prefilling = False, 0, False
         req.drafts, req.verifying = (), ()
         if self._decisions is not None:
             self._decisions.append(Decision("preempt", rid))
@@ -526,22 +563,24 @@ class AllocatorModel(BlockCaching):
 
     # ----------------------------------------------------------- allocation
     def _allocate_slots(
-        self, req: RequestState, n: int, hit: int, hit_blocks: tuple[tuple[int, ...], ...] | None
-    ) -> tuple[tuple[int, ...], ...] | None:
+        self, req: RequestState, n: int, hit: int, hit_blocks: Blocks | None, load: Load = NO_LOAD
+    ) -> Blocks | None:
         """An allocation attempt (`_allocate`), recorded when `recording`."""
-        new = self._allocate(req, n, hit, hit_blocks)
+        new = self._allocate(req, n, hit, hit_blocks, load)
         if self._decisions is not None:
             self._decisions.append(Decision("alloc", req.rid, n, hit_blocks is not None, new is not None))
         return new
 
     def _allocate(
-        self, req: RequestState, n: int, hit: int, hit_blocks: tuple[tuple[int, ...], ...] | None
-    ) -> tuple[tuple[int, ...], ...] | None:
-        """vLLM `KVCacheManager.allocate_slots` (order of effects matters)."""
+        self, req: RequestState, n: int, hit: int, hit_blocks: Blocks | None, load: Load = NO_LOAD
+    ) -> Blocks | None:
+        """vLLM `KVCacheManager.allocate_slots` (order of effects matters); `load`: a
+        connector's external tokens, delayed caching and reserve (`model.connector`)."""
+        ext, delay_cache, reserve = load
         rid = req.rid
         hits = hit_blocks if hit_blocks is not None and any(hit_blocks) else None
         local = req.num_computed + hit
-        total = min(local, self.cfg.max_model_len)
+        total = min(local + ext, self.cfg.max_model_len)
         main = total + n
         # Speculative slots past the chunk: attention groups reserve them, Mamba (align)
         # sizes by `main` only (draft models have no Mamba layers).
@@ -550,19 +589,21 @@ class AllocatorModel(BlockCaching):
         for g in self.groups:
             self._remove_skipped(g, rid, processed_limit(total, unprocessed))
         need = sum(
-            self._blocks_to_allocate(g, rid, need_slot, hits[g.gid] if hits else (), local, main)
+            self._blocks_to_allocate(g, rid, need_slot, hits[g.gid] if hits else (), local, main, total)
             for g in self.groups
         )
-        if need > self.pool.num_free():
+        if need > self.pool.num_free() - reserve:
             return None
-        if hits is not None and not any(rid in g.num_cached for g in self.groups):
+        if (hits is not None or ext) and not any(rid in g.num_cached for g in self.groups):
             for g in self.groups:
-                self._add_hit_blocks(g, rid, hits[g.gid], local)
+                self._add_hit_blocks(g, rid, hits[g.gid] if hits else (), local, total)
+            for g in self.groups if ext else ():
+                conn.add_external_blocks(self, g, rid, total, ext)
         new = tuple(tuple(self._allocate_new(g, rid, need_slot, main)) for g in self.groups)
         in_flight = self.in_flight is not None and self.in_flight.in_flight(rid)
         if in_flight:
             self.exercised["async: a step scheduled a sampled token's position ahead of it"] += 1
-        if self.cfg.enable_caching:
+        if self.cfg.enable_caching and not delay_cache:
             self._cache_blocks(req, caching_limit(total, n, req.num_tokens, in_flight))
         return new
 
@@ -611,10 +652,11 @@ class AllocatorModel(BlockCaching):
         self.pool.free(freed, append_all=self.rules.free_order.skipped_to_tail)
 
     def _blocks_to_allocate(
-        self, g: GroupState, rid: str, num_tokens: int, hits: tuple[int, ...], local: int, main: int
+        self, g: GroupState, rid: str, num_tokens: int, hits: Ids, local: int, main: int, computed: int
     ) -> int:
         """Free blocks group `g` takes for this step: its new blocks plus the hit
         blocks it adopts from the free queue (touching one removes it from there).
+        `computed`: `local` plus a connector's external tokens.
 
         vLLM `single_type_kv_cache_manager.py` `get_num_blocks_to_allocate`.
         """
@@ -627,7 +669,7 @@ class AllocatorModel(BlockCaching):
             return max(required - held, 0)
         # Blocks wholly before the window stay null: they are neither allocated
         # nor, when they are hit blocks, adopted.
-        out_of_window = self._skipped_tokens(g, local) // g.bs
+        out_of_window = self._skipped_tokens(g, computed) // g.bs
         new = max(required - max(out_of_window, len(hits) + held), 0)
         adopted_hits = hits[max(0, out_of_window - held) :]
         # A hit ending inside a block takes one more block: the reader's private copy.
@@ -657,10 +699,12 @@ class AllocatorModel(BlockCaching):
         """Hit blocks still in a free queue (ref 0); the null block is not one."""
         return sum(1 for b in blocks if b and self.pool.ref[b] == 0)
 
-    def _add_hit_blocks(self, g: GroupState, rid: str, hits: tuple[int, ...], local: int) -> None:
+    def _add_hit_blocks(
+        self, g: GroupState, rid: str, hits: tuple[int, ...], local: int, computed: int | None = None
+    ) -> None:
         table = g.table(rid)
         assert not table
-        skipped = self._skipped_tokens(g, local) // g.bs
+        skipped = self._skipped_tokens(g, local if computed is None else computed) // g.bs
         kept = list(hits[skipped:]) if skipped > 0 else list(hits)
         if self.cfg.enable_caching:
             self.pool.touch(kept)

@@ -48,6 +48,10 @@ class Config:
     `pin_swa_on_drop` / `pin_min_drop_blocks`: the #40676 pinned tier.
     `num_lookahead_tokens`: slots every allocation reserves past the scheduled
     tokens for speculative tokens (vLLM's scheduler passes its spec-token count).
+    `kv_connector`: a KV connector is attached (`model.connector`): offers and
+    loads can be stated, and a finish first frees the blocks out of its windows.
+    `kv_load_failure_policy`: what a failed load does, "recompute" (the request is
+    admitted afresh) or "fail" (the request ends with an error), as vLLM's.
     """
 
     groups: tuple[GroupSpec, ...]
@@ -61,6 +65,8 @@ class Config:
     scheduler_block_size: int = 0
     max_model_len: int = 1 << 20
     num_lookahead_tokens: int = 0
+    kv_connector: bool = False
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +149,7 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.num_blocks < 2:
         raise ConfigError(f"num_blocks: must be >= 2 (block 0 is the null block), got {cfg.num_blocks}")
+    _check_load_failure_policy(cfg.kv_load_failure_policy)
     if cfg.pin_min_drop_blocks < 0:
         raise ConfigError("pin_min_drop_blocks: must be non-negative")
     if isinstance(cfg.num_lookahead_tokens, bool) or not isinstance(cfg.num_lookahead_tokens, int):
@@ -171,3 +178,8 @@ def validate(cfg: Config) -> Config:
                 stacklevel=2,
             )
     return cfg
+
+
+def _check_load_failure_policy(policy: object) -> None:
+    if policy not in ("recompute", "fail"):
+        raise ConfigError(f"kv_load_failure_policy: must be 'recompute' or 'fail', got {policy!r}")

@@ -159,6 +159,8 @@ class ScheduleResult:
     `copies`: the copy-on-write copies (source block, destination block) the
     step queued, in vLLM's order (`take_kv_cache_block_copies`); a copy's
     endpoints are released when the step ends.
+    `external`: the tokens past the hit a KV connector supplied at this
+    admission (`model.connector`; with an async load, `scheduled` is 0).
     """
 
     scheduled: int
@@ -168,6 +170,7 @@ class ScheduleResult:
     hit_blocks: tuple[BlockIds, ...] | None = None
     new_blocks: tuple[BlockIds, ...] | None = None
     copies: tuple[tuple[int, int], ...] = ()
+    external: int = 0
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,11 @@ Contract of each operation (see `docs/semantics.md` for the full text):
 - `ResetPrefixCache()`: drop every cached hash if no block is in use.
 - `EvictBlocks(block_ids)`: drop the hashes of the given blocks (KV offload /
   corruption recovery path); ref counts and queue positions are untouched.
+- `Offer(rid, num_tokens, load)`: a KV connector holds the first `num_tokens`
+  tokens of waiting request `rid` and offers them at its next admission,
+  loading "sync" (in the admitting step) or "async" (the request waits for
+  `Loaded`). `Loaded(rid, ok)`: that async load reports, `ok` or failed.
+  Their contract is `model.connector`.
 """
 
 from __future__ import annotations
@@ -95,7 +100,25 @@ class EvictBlocks:
     block_ids: tuple[int, ...]
 
 
-Op = Union[AddRequest, Schedule, Step, Sample, Finish, Preempt, Probe, ResetPrefixCache, EvictBlocks]
+@dataclass(frozen=True)
+class Offer:
+    rid: str
+    num_tokens: int
+    load: str  # "sync" | "async"
+
+
+@dataclass(frozen=True)
+class Loaded:
+    rid: str
+    ok: bool
+
+
+Op = Union[
+    AddRequest, Schedule, Step, Sample, Finish, Preempt, Probe, ResetPrefixCache, EvictBlocks, Offer, Loaded
+]
+
+# How a connector's offered tokens are loaded (`Offer.load`).
+LOAD_MODES = ("sync", "async")
 
 OP_TYPES: dict[str, type] = {
     "add": AddRequest,
@@ -107,6 +130,8 @@ OP_TYPES: dict[str, type] = {
     "probe": Probe,
     "reset": ResetPrefixCache,
     "evict": EvictBlocks,
+    "offer": Offer,
+    "loaded": Loaded,
 }
 _OP_NAMES = {cls: name for name, cls in OP_TYPES.items()}
 
@@ -165,6 +190,16 @@ def op_from_json(data: Any) -> Op:
         if len(set(rids)) != len(rids):
             raise ValueError(f"operation {name!r}: field 'rids' names a request twice")
         fields["rids"] = tuple(rids)
+    if "num_tokens" in fields and (
+        not isinstance(fields["num_tokens"], int)
+        or isinstance(fields["num_tokens"], bool)
+        or fields["num_tokens"] < 1
+    ):
+        raise ValueError(f"operation {name!r}: field 'num_tokens' must be an integer >= 1")
+    if "load" in fields and fields["load"] not in LOAD_MODES:
+        raise ValueError(f"operation {name!r}: field 'load' must be one of {list(LOAD_MODES)}")
+    if "ok" in fields and not isinstance(fields["ok"], bool):
+        raise ValueError(f"operation {name!r}: field 'ok' must be true or false")
     if "rid" in fields and not isinstance(fields["rid"], str):
         raise ValueError(f"operation {name!r}: field 'rid' must be a string")
     op: Op = cls(**fields)

@@ -109,6 +109,10 @@ def test_shipped_admission_reads_the_table_the_worker_gets() -> None:
     assert shipped_admission(((1, 2, 7), (5, 6, 8)), hit, ((7,), (8,)), {(4, 7)}) == (hit, ((7,), (8,)))
     got_hit, got_new = shipped_admission(((7,), (8,)), hit, new, set())
     assert got_hit != hit and got_new != new
+    # A connector's external blocks (9; 0 in the windowed group) sit between hit and chunk.
+    assert shipped_admission(((1, 2, 4, 9, 7), (5, 6, 0, 8)), hit, new, set(), external=True) == (hit, new)
+    assert shipped_admission(((1, 2, 4, 9, 7), (5, 6, 0, 8)), hit, new, set()) != (hit, new)
+    assert shipped_admission(((1, 2, 9, 7), (5, 6, 0, 8)), hit, new, set(), external=True) != (hit, new)
 
 
 def test_a_source_mutant_whose_line_is_gone_fails_loudly() -> None:

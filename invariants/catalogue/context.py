@@ -27,6 +27,8 @@ class RequestHistory:
     # Speculative decoding (`model.spec_decode`): drafts proposed, drafts the last step verified.
     drafts: tuple[int, ...] = ()
     verifying: tuple[int, ...] = ()
+    offered: int = 0  # a KV connector's standing offer (`model.ops.Offer`), until an admission
+    external: int = 0  # the tokens a KV connector supplied past the hit at its latest admission
 
     # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
@@ -65,6 +67,8 @@ class History:
     finished_tokens: int = 0  # prompt and output tokens of `finished`
     # `forget` runs when ever_cached grows past this (then twice what it kept).
     forget_at: int = 4096
+    # A failed KV connector load ends its request (`kv_load_failure_policy="fail"`).
+    failed_load_ends: bool = False
 
     def all_requests(self) -> Iterator[RequestHistory]:
         """Live requests first, then finished ones (a lazy walk: callers often stop early)."""

@@ -17,7 +17,7 @@ from model.observation import (
     StepResult,
     block_key,
 )
-from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, Sample
+from model.ops import AddRequest, EvictBlocks, Finish, Loaded, Offer, Op, Preempt, Sample
 from model.spec_decode import PLACEHOLDER, verified_drafts
 
 
@@ -133,6 +133,13 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
         r = history.requests[op.rid]
         r.running, r.num_computed, r.ever_preempted = False, 0, True
         r.drafts, r.verifying = (), ()
+    elif isinstance(op, Offer):
+        history.requests[op.rid].offered = op.num_tokens
+    elif isinstance(op, Loaded) and not op.ok and op.rid in history.requests:
+        if history.failed_load_ends:
+            history.requests.pop(op.rid)  # ended with an error (`model.connector`)
+        else:
+            history.requests[op.rid].num_computed = 0  # a failed connector load keeps nothing
     elif isinstance(op, Finish):
         r = history.requests.pop(op.rid)
         history.finished[op.rid] = r
@@ -166,11 +173,16 @@ def _scheduled(r: RequestHistory, obs: ScheduleResult) -> None:
     if obs.hit is not None:
         if obs.shared_prefix_boundary:
             r.boundaries.add(obs.shared_prefix_boundary)
+        if obs.admitted or obs.external:
+            r.offered, r.external = 0, obs.external  # the offer is consumed by the admission
         if obs.admitted:
-            r.running, r.num_computed, r.hit = True, obs.hit + obs.scheduled, obs.hit
+            r.running, r.num_computed, r.hit = True, obs.hit + obs.external + obs.scheduled, obs.hit
             # Scheduled past its tokens: the admission was padded with placeholder drafts.
             r.verifying = (PLACEHOLDER,) * max(r.num_computed - num_tokens, 0)
+        elif obs.external:  # an async connector load holds the hit and external tokens' blocks
+            r.num_computed, r.hit = obs.hit + obs.external, obs.hit
     elif obs.scheduled:
         r.verifying = verified_drafts(r.drafts, r.num_computed, num_tokens, obs.scheduled)
         r.drafts = ()
         r.num_computed += obs.scheduled
+        r.running = r.running or obs.admitted  # a connector's load promoted (no lookup)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext
+from model.connector import external_tokens
 from model.fine_mamba import fine_hits_enabled
 from model.masks import cdiv
 from model.observation import ScheduleResult
@@ -16,18 +17,23 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     pinned blocks or retained scratch; #40676 admission demotion). The
     blocks an admission needs include what its hit costs: the Mamba state it
     resumes from, and with fine-grained hits one private copy per group whose
-    hit ends inside a block."""
+    hit ends inside a block. A KV connector's standing offer moves the chunk
+    past its external tokens (`model.connector`), whose blocks count too; an
+    async load's admission (`external`, nothing scheduled) is an admission."""
     obs, op, cfg = ctx.obs, ctx.op, ctx.config
     if not (isinstance(op, Schedule) and isinstance(obs, ScheduleResult)) or obs.hit is None or obs.admitted:
+        return []
+    if obs.external:
         return []
     busy = not ctx.delta.idle_before if ctx.delta is not None else any(r > 0 for r in ctx.before.ref_cnt)
     if busy:
         return []
     req = ctx.history.requests[op.rid]
-    n = min(len(req.tokens) - obs.hit, op.budget)
+    ext = external_tokens(req.offered, len(req.tokens), obs.hit) if req.offered else 0
+    n = min(len(req.tokens) - obs.hit - ext, op.budget)
     if cfg.has_mamba_align:
         n = mamba_chunk(
-            start=obs.hit,
+            start=obs.hit + ext,
             num_new=n,
             budget=op.budget,
             num_prompt_tokens=len(req.prompt),
@@ -41,7 +47,7 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
         return []
     # Mamba: the new state block, plus the hit state it resumes from; attention
     # groups also reserve the lookahead slots.
-    slots = min(obs.hit + n + cfg.num_lookahead_tokens, cfg.max_model_len)
+    slots = min(obs.hit + ext + n + cfg.num_lookahead_tokens, cfg.max_model_len)
     need = sum(
         (1 + (obs.hit > 0))
         if g.kind == "mamba" and g.mamba_cache_mode == "align"

@@ -71,13 +71,17 @@ def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
     The replay repeats the admission lookup and lands at least where it did.
     With fine-grained Mamba hits the boundary is the hash boundary at or below
     P-1 (`_fine_promise`).
+    A KV connector's external tokens are like a hit (`model.connector`): their
+    blocks exist only inside the windows of the load's end
+    (`allocate_external_computed_blocks`), so with a windowed group nothing is
+    promised for a boundary below where the request's latest admission loaded to.
     """
     cfg, req = ctx.config, ctx.finished_request
     assert req is not None
     if fine_hits_enabled(cfg):
         return _fine_promise(ctx)
     e = promised_boundary(cfg, len(req.prompt), ctx.profile)
-    if e == 0:
+    if e == 0 or (req.external and cfg.has_retention_group and e < req.hit + req.external):
         return 0, {}
     return e, replay_keys(cfg, req.tokens, max(e, req.hit))
 

@@ -53,6 +53,8 @@ from model.ops import (
     AddRequest,
     EvictBlocks,
     Finish,
+    Loaded,
+    Offer,
     Op,
     Preempt,
     Probe,
@@ -104,7 +106,7 @@ class Checker:
             async_scheduling=target.features.async_scheduling,
         )
         self.model: AllocatorModel = self.model_target.model
-        self.history = History()
+        self.history = History(failed_load_ends=self.config.kv_load_failure_policy == "fail")
         self.check_invariants = check_invariants
         # Pinned-tier moves are pool-wide; a target without `features.partial` has no fast path.
         fast = target.features.partial and not target.config.pin_swa_on_drop
@@ -177,6 +179,8 @@ class Checker:
             self._validate_sample(op)
         elif isinstance(op, Preempt) and not reqs[op.rid].running:
             raise InvalidOp(f"preempt: {op.rid!r} is not running")
+        elif isinstance(op, (Offer, Loaded)):
+            connector_op_problem(self.model, self.config, op)
         elif isinstance(op, Probe) and not op.tokens:
             raise InvalidOp("probe: empty token list")
         elif isinstance(op, EvictBlocks) and any(not 0 < b < self.config.num_blocks for b in op.block_ids):
@@ -442,3 +446,22 @@ def _short(value: object, limit: int = 300) -> str:
 
 
 __all__ = ["DEFAULT_AUDIT_EVERY", "Checker", "InvalidOp", "ScheduleResult", "Violation"]
+
+
+def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Loaded) -> None:
+    """Raise `InvalidOp` for a connector operation `model.connector` does not state here."""
+    name = type(op).__name__.lower()
+    if not config.kv_connector:
+        raise InvalidOp(f"{name}: the configuration has no KV connector (kv_connector: false)")
+    if config.has_mamba:
+        raise InvalidOp(f"{name}: the connector contract does not state Mamba groups (model.connector)")
+    if isinstance(op, Loaded):
+        req = model.requests.get(op.rid)
+        if op.rid not in model.held and (req is None or req.load != "loading"):
+            raise InvalidOp(f"loaded: {op.rid!r} has no connector load in flight")
+        return
+    req = model.requests.get(op.rid)
+    if req is None:
+        raise InvalidOp(f"offer: unknown request {op.rid!r}")
+    if req.running or req.load or req.num_computed:
+        raise InvalidOp(f"offer: {op.rid!r} is not waiting for admission")

@@ -62,6 +62,9 @@ FEATURES: dict[str, st.SearchStrategy[Config]] = {
 SCHEDULER_FINE_ROW = "real Scheduler: fine-grained Mamba hits, CoW copies"
 SCHEDULER_EAGLE_ROW = "real Scheduler: Eagle/MTP drafts, lookahead, rejection rollback (Full/SWA)"
 SCHEDULER_DRAFT_ROW = "real Scheduler: draft-model drafts, one-token admission padding (Full/SWA)"
+CONNECTOR_ROW = "real Scheduler + KV connector: external hits, async loads, delayed caching, failed loads"
+CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fail', deferred frees"
+CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
 
 
 def _no_spec(**narrow: object) -> st.SearchStrategy[Config]:
@@ -86,6 +89,9 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     SCHEDULER_DRAFT_ROW: configs(
         allow_pinning=False, shapes=SWA_SHAPES + (("full",),), eagle=False, lookahead=True, eagle_drafts=True
     ),
+    CONNECTOR_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="recompute"),
+    CONNECTOR_FAIL_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="fail"),
+    CONNECTOR_CACHING_OFF_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, caching=False),
 }
 
 # vLLM's real `AsyncScheduler` driven one step ahead, as the engine core drives it (target
@@ -111,6 +117,20 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     SCHEDULER_EAGLE_ROW: ("draft tokens accepted", "drafts cut by the step's budget"),
     SCHEDULER_DRAFT_ROW: ("draft tokens accepted", "one-token admission padded with draft slots"),
     ASYNC_PLACEHOLDER_ROW: ("async: a step scheduled a sampled token's position ahead of it",),
+    CONNECTOR_ROW: (
+        "connector: sync external hit admitted",
+        "connector: async external hit admitted",
+        "connector: async load cached at promotion",
+        "connector: failed load rolled back",
+    ),
+    CONNECTOR_FAIL_ROW: (
+        "connector: failed load ends the request ('fail')",
+        "connector: free deferred until the load reports",
+    ),
+    CONNECTOR_CACHING_OFF_ROW: (
+        "connector: sync external hit admitted",
+        "connector: async external hit admitted",
+    ),
 }
 
 # How the vLLM target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
@@ -148,10 +168,13 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors (num_external_computed_tokens, delay_cache_blocks, deferred frees)",
-        "their effects depend on the connector's load outcome, which no allocator-level "
-        "operation can state; kvretain drives vLLM without a connector (the KV events' locality "
-        "and ownership, which only offloading connectors set, are compared as None)",
+        "KV connectors with a Mamba group, block-level load failures (invalid_block_ids), connectors "
+        "that defer a finished request's free to save it",
+        "model.connector states external hits, sync and async loads, delayed caching, failed loads "
+        "(both policies) and the frees deferred while a load is in flight, for Full/SWA layouts (the "
+        "connector rows above); vLLM's Mamba managers claim a ring block for external tokens and "
+        "invalid_block_ids is single-group only; the KV events' locality and ownership, which only "
+        "offloading connectors set, are compared as None",
     ),
     (
         "extra hash keys (cache_salt, LoRA name, multimodal features)",

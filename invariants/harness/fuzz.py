@@ -43,6 +43,7 @@ from invariants.layouts.presets import preset
 from invariants.report import Progress, table
 from invariants.targets import (
     ASYNC_SCHEDULER_TARGETS,
+    CONNECTOR_TARGETS,
     FINE_MAMBA_TARGETS,
     PINNING_TARGETS,
     REAL_SCHEDULER_TARGETS,
@@ -102,6 +103,16 @@ NO_SPECULATION_ON_ASYNC_SCHEDULER = (
 )
 
 
+NO_CONNECTOR = (
+    "KV connectors (offers, async loads, failed loads, deferred frees): the target cannot attach one "
+    "(model.connector; targets model and vllm-scheduler run them)"
+)
+CONNECTOR_NOT_MAMBA = (
+    "KV connectors with a Mamba group or with speculative decoding, block-level load failures, "
+    "saving connectors that defer frees (model.connector does not state them)"
+)
+
+
 def _generated(target: str) -> st.SearchStrategy[Config]:
     """The configurations a run generates for `target` (what it can be judged on)."""
     if target in ASYNC_SCHEDULER_TARGETS:
@@ -113,16 +124,18 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
         allow_fine=target in FINE_MAMBA_TARGETS,
         # A real scheduler's Eagle always drafts (`model.spec_decode`).
         eagle_drafts=target in REAL_SCHEDULER_TARGETS,
+        connector=None if target in CONNECTOR_TARGETS else False,
     )
 
 
 def _not_generated(target: str) -> tuple[str, ...]:
     """What `_generated` leaves out for `target`, said in its report."""
+    connector = CONNECTOR_NOT_MAMBA if target in CONNECTOR_TARGETS else NO_CONNECTOR
     if target in ASYNC_SCHEDULER_TARGETS:
-        return (NO_SPECULATION_ON_ASYNC_SCHEDULER,)
+        return (NO_SPECULATION_ON_ASYNC_SCHEDULER, connector)
     if target in REAL_SCHEDULER_TARGETS:
-        return (NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER,)
-    return ()
+        return (NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER, connector)
+    return (connector,)
 
 
 def _tolerance(target: str) -> Tolerance:
@@ -233,7 +246,9 @@ def run_fuzz(
         )
 
     stats.on_violation = seen
-    machine = build_machine(factory, strategy, stats, tolerated=tolerated)
+    machine = build_machine(
+        factory, strategy, stats, tolerated=tolerated, connector=target in CONNECTOR_TARGETS
+    )
     db, db_key = _database(database, stats, target, config_name)
     prog = Progress(f"fuzz {target}", enabled=progress)
     for batch in _batches(machine, stats, db, db_key, seed, steps):

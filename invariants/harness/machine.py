@@ -28,9 +28,12 @@ from model.config import Config
 from model.fine_mamba import fine_hits_enabled
 from model.observation import BlockIds, ScheduleResult, StepResult
 from model.ops import (
+    LOAD_MODES,
     AddRequest,
     EvictBlocks,
     Finish,
+    Loaded,
+    Offer,
     Op,
     Preempt,
     Probe,
@@ -414,14 +417,61 @@ class AllocatorMachine(RuleBasedStateMachine):
         self._do(EvictBlocks(tuple(ids)))
 
 
+class ConnectorMachine(AllocatorMachine):
+    """`AllocatorMachine` plus a KV connector's operations (`model.connector`), drawn
+    where the configuration has one (`Config.kv_connector`): an offer for a request
+    waiting for admission, or the report of an async load in flight (ok, or failed
+    one time in three). A separate class, so runs without a connector draw exactly
+    as before."""
+
+    def _connector_choices(self) -> tuple[list[str], list[str]]:
+        """(requests an offer may name, loads in flight, finished requests' included)."""
+        assert self.checker is not None
+        model = self.checker.model
+        offerable = self._requests(lambda r: not (r.running or r.load or r.num_computed))  # type: ignore[attr-defined]
+        loading = self._requests(lambda r: r.load == "loading") + sorted(model.held)  # type: ignore[attr-defined]
+        return offerable, loading
+
+    @precondition(
+        lambda self: self.checker is not None and self.cfg.kv_connector and any(self._connector_choices())
+    )
+    @rule(data=st.data())
+    def connector(self, data: st.DataObject) -> None:
+        offerable, loading = self._connector_choices()
+        if loading and (not offerable or data.draw(st.booleans(), label="report a load?")):
+            rid = data.draw(st.sampled_from(loading), label="rid")
+            self._do(Loaded(rid, data.draw(st.sampled_from([True, True, False]), label="load ok?")))
+            return
+        rid = data.draw(st.sampled_from(offerable), label="rid")
+        assert self.checker is not None
+        model = self.checker.model
+        size = model.requests[rid].num_tokens
+        tokens = data.draw(st.integers(1, size + self.cfg.scheduler_block_size), label="offered tokens")
+        self._do(Offer(rid, tokens, data.draw(st.sampled_from(LOAD_MODES), label="load")))
+        if not data.draw(st.sampled_from([True, True, True, False]), label="admit it now?"):
+            return
+        # The offer's whole life at once: its admission, its load's report, its promotion.
+        self._do(Step((rid,), 64))
+        if rid not in model.requests or model.requests[rid].load != "loading":  # type: ignore[attr-defined]
+            return
+        outcome = data.draw(st.sampled_from(["ok", "failed", "finished first"]), label="load outcome")
+        if outcome == "finished first":  # its free waits for the report
+            self._do(Finish(rid))
+        self._do(Loaded(rid, outcome != "failed"))
+        if rid in model.requests and not model.requests[rid].running:  # type: ignore[attr-defined]
+            self._do(Step((rid,), 64))
+
+
 def build_machine(
     target_factory: Callable[[Config], Target],
     config_strategy: st.SearchStrategy[Config],
     stats: FuzzStats | None = None,
     tolerated: Tolerance | None = None,
+    connector: bool = False,
 ) -> type[AllocatorMachine]:
     """A state machine class that judges targets built by `target_factory`: the
-    subclass of `AllocatorMachine` binding this run's settings (see its docstring)."""
+    subclass of `AllocatorMachine` binding this run's settings (see its docstring);
+    `connector`: of `ConnectorMachine`, with a KV connector's operations."""
     bound: dict[str, object] = {
         "target_factory": staticmethod(target_factory),
         "config_strategy": config_strategy,
@@ -431,4 +481,5 @@ def build_machine(
     }
     if tolerated is not None:
         bound["tolerated"] = staticmethod(tolerated)
-    return type("AllocatorMachine", (AllocatorMachine,), bound)
+    base = ConnectorMachine if connector else AllocatorMachine
+    return type("AllocatorMachine", (base,), bound)

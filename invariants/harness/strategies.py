@@ -42,6 +42,8 @@ def configs(
     allow_fine: bool = True,
     fine: bool | None = None,
     eagle_drafts: bool = False,
+    connector: bool | None = False,
+    load_failure: str | None = None,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -57,31 +59,18 @@ def configs(
     configuration always reserves lookahead slots (vLLM's Eagle drafts at least
     one token), and one with a Mamba group neither (its speculative state blocks
     are not modeled: `vllm_scheduler_spec.MAMBA_NEEDS_SPECULATIVE_BLOCKS`).
+    `connector`: True = a KV connector attached (`Config.kv_connector`; Mamba shapes
+    are left out: `model.connector` does not state them), False = none, None = either
+    where the shape has no Mamba group and nothing speculates (the connector's
+    contract is stated without drafts); `load_failure`: its `kv_load_failure_policy`
+    ("recompute", "fail"; None = either, mostly "recompute").
     """
-    allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
+    allowed = [s for s in (shapes or SHAPES) if (allow_mamba and connector is not True) or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
     base = draw(st.sampled_from([2, 4]))
     wide_mamba = allow_fine and "mamba" in shape and (draw(st.booleans()) if fine is None else fine)
-    groups = []
-    for kind in shape:
-        if kind == "mamba" and wide_mamba:
-            bs = base * draw(st.sampled_from([2, 4]))
-        elif kind == "mamba" or len(shape) == 1:
-            bs = base * (1 if kind == "mamba" else draw(st.sampled_from([1, 2])))
-        else:
-            bs = base * draw(st.sampled_from([1, 2, 4]))
-        window = draw(st.integers(2, 3 * bs)) if kind == "swa" else None
-        groups.append(GroupSpec(kind, bs, sliding_window=window))  # type: ignore[arg-type]
-    sbs = math.lcm(*(g.block_size for g in groups))
-    has_retention_group = any(g.kind != "full" for g in groups)
-    choices: list[int | None] = [None, 0, 0, sbs, 2 * sbs, 3 * sbs] if has_retention_group else [None, 0]
-    if retention == "dense":
-        choices = [None]
-    elif retention == "zero":
-        choices = [0]
-    elif retention == "interval":
-        choices = [sbs, 2 * sbs, 3 * sbs]
-    interval = draw(st.sampled_from(choices))
+    groups = _groups(draw, shape, base, wide_mamba)
+    interval = _retention(draw, groups, retention)
     pin = allow_pinning and "swa" in shape and draw(st.booleans())
     num_blocks = draw(st.integers(6, 28))
     no_spec = eagle_drafts and "mamba" in shape
@@ -101,11 +90,42 @@ def configs(
         # The hash block stays one `base` wide (vLLM `--prefix-match-unit`) when the Mamba block is wider.
         hash_block_size=base if wide_mamba else 0,
     )
+    speculates = cfg.eagle or cfg.num_lookahead_tokens > 0
+    if connector or (connector is None and not cfg.has_mamba and not speculates and draw(st.booleans())):
+        policy = load_failure or draw(st.sampled_from(["recompute", "recompute", "fail"]))
+        cfg = cfg.with_(kv_connector=True, kv_load_failure_policy=policy)
     if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
         cfg = cfg.with_(
             groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)
         )
     return validate(cfg)
+
+
+def _groups(draw: st.DrawFn, shape: tuple[str, ...], base: int, wide_mamba: bool) -> list[GroupSpec]:
+    groups = []
+    for kind in shape:
+        if kind == "mamba" and wide_mamba:
+            bs = base * draw(st.sampled_from([2, 4]))
+        elif kind == "mamba" or len(shape) == 1:
+            bs = base * (1 if kind == "mamba" else draw(st.sampled_from([1, 2])))
+        else:
+            bs = base * draw(st.sampled_from([1, 2, 4]))
+        window = draw(st.integers(2, 3 * bs)) if kind == "swa" else None
+        groups.append(GroupSpec(kind, bs, sliding_window=window))  # type: ignore[arg-type]
+    return groups
+
+
+def _retention(draw: st.DrawFn, groups: list[GroupSpec], retention: str | None) -> int | None:
+    sbs = math.lcm(*(g.block_size for g in groups))
+    has_retention_group = any(g.kind != "full" for g in groups)
+    choices: list[int | None] = [None, 0, 0, sbs, 2 * sbs, 3 * sbs] if has_retention_group else [None, 0]
+    if retention == "dense":
+        choices = [None]
+    elif retention == "zero":
+        choices = [0]
+    elif retention == "interval":
+        choices = [sbs, 2 * sbs, 3 * sbs]
+    return draw(st.sampled_from(choices))
 
 
 def _lookahead(draw: st.DrawFn, lookahead: bool | None) -> int:

@@ -43,6 +43,8 @@ def config_to_json(cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
+        if (f.name, value) in (("kv_connector", False), ("kv_load_failure_policy", "recompute")):
+            continue  # absent = no connector (traces from before connectors read the same)
         if f.name == "groups":
             value = [
                 {
@@ -87,7 +89,7 @@ def config_from_json(data: Any) -> Config:
     ):
         if key in kwargs and (not isinstance(kwargs[key], int) or isinstance(kwargs[key], bool)):
             raise ConfigError(f"config.{key}: must be an integer")
-    for key in ("eagle", "enable_caching", "pin_swa_on_drop"):
+    for key in ("eagle", "enable_caching", "pin_swa_on_drop", "kv_connector"):
         if key in kwargs and not isinstance(kwargs[key], bool):
             raise ConfigError(f"config.{key}: must be true or false")
     return validate(Config(groups=tuple(groups), **kwargs))

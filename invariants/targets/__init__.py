@@ -57,6 +57,9 @@ FINE_MAMBA_TARGETS = {"model", "vllm", "vllm-scheduler", "vllm-async-scheduler"}
 REAL_SCHEDULER_TARGETS = {"vllm-scheduler", "vllm-async-scheduler"}
 # Real schedulers driven one step ahead (`TargetFeatures(async_scheduling=True)`): no drafts yet.
 ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler"}
+# Targets that can run a KV connector (`TargetFeatures(connector=True)`, `model.connector`):
+# generated configurations include one; the others are never sent one, and say so.
+CONNECTOR_TARGETS = {"model", "vllm-scheduler"}
 # Targets that drive another target's allocator code: its known findings are theirs too.
 SAME_ALLOCATOR = {"vllm-scheduler": "vllm", "vllm-async-scheduler": "vllm"}
 

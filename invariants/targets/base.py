@@ -65,6 +65,9 @@ class TargetFeatures:
     # `EngineCore.step_with_batch_queue` drives it): the Checker builds its model with
     # `async_scheduling` (`model.async_scheduling`: when a sampled token reaches the scheduler).
     async_scheduling: bool = False
+    # A KV connector can be attached (`Config.kv_connector`, `model.connector`): generated
+    # configurations include one, and the fuzzer states its offers and load reports.
+    connector: bool = False
 
 
 @runtime_checkable

@@ -99,6 +99,12 @@ FINE_MAMBA_UNSUPPORTED = (
 )
 
 
+NO_KV_CONNECTOR = (
+    "kv_connector: the seeds' allocator has no scheduler to ask a KV connector (use --target model "
+    "or vllm-scheduler)"
+)
+
+
 class ReferenceTarget(Target):
     name = "reference"
     # The seeds' allocator has the #40676 pinned tier, not vLLM's fine-grained Mamba hits.
@@ -120,6 +126,8 @@ class ReferenceTarget(Target):
     def __init__(self, config: Config, mutant: str | None = None, track_prefixes: bool | None = None) -> None:
         if fine_hits_enabled(config):
             raise ConfigError(f"groups: {FINE_MAMBA_UNSUPPORTED}")
+        if config.kv_connector:
+            raise ConfigError(NO_KV_CONNECTOR)
         self.config = config
         self.track_prefixes = self.TRACK_PREFIXES if track_prefixes is None else track_prefixes
         self.mutant = mutant

@@ -36,6 +36,9 @@ needed:
   vLLM's Eagle always drafts at least one token: an Eagle configuration without
   lookahead slots cannot be built (`SchedulerUnsupported`).
 
+With `Config.kv_connector` the scheduler gets kvretain's scripted KV connector
+(`vllm_connector.transfer_config`).
+
 KV cache events are on (`KVEventsConfig(enable_kv_cache_events=True,
 publisher="null")`); the driver replaces the publisher to read them.
 What vLLM rejects is re-raised as `ConfigError` carrying vLLM's message.
@@ -49,7 +52,7 @@ import os
 import shutil
 import tempfile
 from functools import cache
-from typing import Any
+from typing import Any, Literal
 
 from model.config import Config, ConfigError
 
@@ -222,7 +225,15 @@ def vllm_config(cfg: Config, *, async_scheduling: bool = False) -> Any:
         device_config=m["DeviceConfig"](device="cpu"),
         speculative_config=spec,
         kv_events_config=m["KVEventsConfig"](enable_kv_cache_events=True, publisher="null"),
+        kv_transfer_config=_transfer_config(cfg.kv_load_failure_policy) if cfg.kv_connector else None,
     )
+
+
+def _transfer_config(failure_policy: Literal["recompute", "fail"]) -> Any:
+    """kvretain's scripted KV connector (`vllm_connector`), for `Config.kv_connector`."""
+    from .vllm_connector import transfer_config
+
+    return transfer_config(failure_policy)
 
 
 def build_scheduler(

@@ -149,6 +149,8 @@ class RealStepScheduler:
         self.samples: dict[str, int] = {}
         # rid -> the step output whose share for it waits for its sample (see `flush`).
         self.held: dict[str, Any] = {}
+        # The last step's output (a connector's report is delivered with an empty share of it).
+        self.last_out: Any = None
 
     # ------------------------------------------------------------------ the manager, as before
     def computed_blocks(self, req: Any) -> tuple[Any, int, int]:
@@ -216,10 +218,14 @@ class RealStepScheduler:
         named = set(rids)
         reqs = [self.s.requests[r] for r in rids]
         running = [r for r in reqs if r.status == running_status]
+        # Waiting requests holding blocks (a connector's load) have their own queue.
+        holding = [r for r in reqs if r in sched.kv_holding_waiting]
         aside_running = [r for r in sched.running if r.request_id not in named]
         aside_waiting = [r for r in sched.waiting if r.request_id not in named]
+        aside_holding = [r for r in sched.kv_holding_waiting if r.request_id not in named]
         sched.running = list(running)
-        sched.waiting = self._queue(r for r in reqs if r.status != running_status)
+        sched.waiting = self._queue(r for r in reqs if r.status != running_status and r not in holding)
+        sched.kv_holding_waiting = self._queue(holding)
         sched.max_num_scheduled_tokens = budget
         try:
             with self.recorder.recording() as calls:
@@ -228,10 +234,13 @@ class RealStepScheduler:
             sched.running.extend(aside_running)
             for r in aside_waiting:
                 sched.waiting.add_request(r)
-        self.pending = out
+            for r in aside_holding:
+                sched.kv_holding_waiting.add_request(r)
+        self.pending = self.last_out = out
         for rid in out.num_scheduled_tokens:
             self.names.learn_computed(self.s.requests[rid])
-        return observe(calls, [r.request_id for r in running], out, budget)
+        computed = {rid: self.s.requests[rid].num_computed_tokens for rid in rids}
+        return observe(calls, [r.request_id for r in running], out, budget, computed)
 
     def _queue(self, requests: Iterable[Any]) -> Any:
         queue = self.m["create_request_queue"](self.sched.policy)
@@ -291,24 +300,47 @@ class RealStepScheduler:
         if out is not None:
             self._deliver(out, [rid])
 
+    def report_load(self, connector_output: Any) -> None:
+        """The worker's report of a connector load (`model.ops.Loaded`): after the
+        last step's output, `update_from_output` with no request's share and
+        `connector_output` (`vllm_connector.connector_output`)."""
+        self.flush()
+        if self.last_out is None:
+            raise TargetCrash("the vLLM scheduler adapter has no step output to carry a load report")
+        empty = replace(
+            self.last_out,
+            num_scheduled_tokens={},
+            total_num_scheduled_tokens=0,
+            scheduled_spec_decode_tokens={},
+        )
+        runner_out = self.m["ModelRunnerOutput"](
+            req_ids=[], req_id_to_index={}, sampled_token_ids=[], kv_connector_output=connector_output
+        )
+        self.sched.update_from_output(empty, runner_out)
+
     def take_events(self) -> list[Any]:
         """The KV events `update_from_output` published, then those still in the manager."""
         return [*self.capture.take(), *self.s.manager.take_events()]
 
 
-def observe(calls: list[Call], running: list[str], out: Any, budget: int) -> StepResult:
+def observe(
+    calls: list[Call], running: list[str], out: Any, budget: int, computed: dict[str, int] | None = None
+) -> StepResult:
     """The model's `StepResult` of one `schedule()`, from its recorded manager calls
-    and its output (see the module docstring)."""
+    and its output (see the module docstring); `computed`: each request's computed
+    tokens after the step, from which an admission's external tokens (a KV
+    connector's) are read."""
     scheduled: dict[str, int] = dict(out.num_scheduled_tokens)
     results: list[tuple[str, ScheduleResult]] = []
     allocated: dict[str, Any] = {}
     # (victim, the request whose allocation preempted it), in preemption order.
     preemptions: list[tuple[str, str]] = []
+    serving = ""
     for c in calls:
         if c.kind == "allocate":
             allocated[c.rid] = c.result
             serving = c.rid
-        elif c.kind == "free":
+        elif c.kind == "free" and c.rid in running:
             preemptions.append((c.rid, serving))
     shipped = shipped_blocks(out)
     cow = {(c.src_block_id, c.dst_block_id) for c in out.kv_cache_block_copies or ()}
@@ -326,16 +358,27 @@ def observe(calls: list[Call], running: list[str], out: Any, budget: int) -> Ste
         # Its victims left the queue's end.
         queue = [r for r in queue if (r, rid) not in preemptions or r == rid]
         i += 1
+    looked_up: set[str] = set()
     for c in calls:
+        if c.kind == "allocate" and c.rid not in running and c.rid not in looked_up:
+            # A waiting request holding blocks (a connector's load) takes its chunk without a lookup.
+            n = scheduled.get(c.rid, 0)
+            new = block_ids(c.result) if n and c.result is not None else None
+            results.append((c.rid, ScheduleResult(n, bool(n), new_blocks=new)))
+            continue
         if c.kind != "lookup":
             continue
+        looked_up.add(c.rid)
         blocks, hit, spb = c.result if len(c.result) == 3 else (*c.result, 0)
         n = scheduled.get(c.rid, 0)
+        granted = allocated.get(c.rid) is not None
         hit_ids = block_ids(blocks)
-        new = block_ids(allocated[c.rid]) if n and allocated.get(c.rid) is not None else None
+        new = block_ids(allocated[c.rid]) if n and granted else None
+        # Past the hit and the chunk: what the connector supplied (0 unless granted).
+        ext = max((computed or {}).get(c.rid, 0) - hit - n, 0) if granted else 0
         if new is not None:
-            hit_ids, new = shipped_admission(shipped.get(c.rid), hit_ids, new, cow)
-        results.append((c.rid, ScheduleResult(n, bool(n), hit, spb, hit_ids, new)))
+            hit_ids, new = shipped_admission(shipped.get(c.rid), hit_ids, new, cow, external=ext > 0)
+        results.append((c.rid, ScheduleResult(n, bool(n), hit, spb, hit_ids, new, external=ext)))
     seen = {rid for rid, _ in results}
     missed = [rid for rid in scheduled if rid not in seen]
     if missed:
@@ -374,16 +417,24 @@ def shipped_new_blocks(shipped: Table | None, allocated: Table) -> Table:
 
 
 def shipped_admission(
-    shipped: Table | None, hit: Table, allocated: Table, cow: set[tuple[int, int]]
+    shipped: Table | None, hit: Table, allocated: Table, cow: set[tuple[int, int]], external: bool = False
 ) -> tuple[Table, Table]:
     """An admitted request's (hit blocks, new blocks) as its shipped whole table
     shows them: per group, the entries under the hit, then the rest. Under the
     hit, a null entry where the hit had a block stands for that block (the
     allocator nulls the blocks a window left behind; the worker never reads
     them), and so does the destination of a copy-on-write of that block, which
-    is also a new block (`cow`: the step's copies, as (source, destination))."""
+    is also a new block (`cow`: the step's copies, as (source, destination)).
+    With a KV connector's `external` tokens the blocks holding them come between
+    the hit and the chunk's new blocks; they are the request's table, which the
+    snapshot compares, so the new blocks are the table's last entries."""
     if shipped is None:
         return tuple(() for _ in hit), tuple(() for _ in allocated)
+    if external:
+        shipped = tuple(
+            (*tg[: len(hg)], *tg[len(tg) - len(ag) :]) if len(tg) >= len(hg) + len(ag) else tg
+            for hg, ag, tg in zip(hit, allocated, shipped)
+        )
     hits = tuple(
         tuple(h if t == NULL_BLOCK_ID or (h, t) in cow else t for h, t in zip(hg, tg))
         for hg, tg in zip(hit, shipped)

@@ -40,7 +40,7 @@ from typing import Any
 
 from model.config import Config
 from model.observation import Done, Observation, ResetResult
-from model.ops import AddRequest, Finish, Op, Preempt, ResetPrefixCache, Sample
+from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, ResetPrefixCache, Sample
 
 from .base import TargetFeatures
 from .vllm_capabilities import Capabilities
@@ -58,8 +58,16 @@ class SchedulerOpDriver(OpDriver):
     def __init__(self, session: Any, names: Any, scheduler: RealStepScheduler) -> None:
         super().__init__(session, names, scheduler)
         self.real = scheduler
+        # Finished while their connector load was in flight: kept (with their blocks) until it reports.
+        self.held_by_load: set[str] = set()
 
     def check_well_formed(self, op: Op) -> None:
+        if isinstance(op, (Offer, Loaded)) and self.real.sched.connector is None:
+            raise ValueError(
+                f"{type(op).__name__.lower()}: the configuration has no KV connector (kv_connector)"
+            )
+        if isinstance(op, Loaded) and op.rid in self.held_by_load:
+            return
         super().check_well_formed(op)
         if isinstance(op, Sample) and self.real.awaits_sample(op.rid):
             raise ValueError(f"sample: {op.rid!r} is not waiting for a sample")
@@ -74,10 +82,30 @@ class SchedulerOpDriver(OpDriver):
             self.real.sample_op(requests[op.rid], op)
             return Done()
         if isinstance(op, Finish):
-            req = requests.pop(op.rid)
-            self.names.forget(op.rid)
+            req = requests[op.rid]
+            loading = req.status == self.s.v["RequestStatus"].WAITING_FOR_REMOTE_KVS
             self.real.finish(req)
+            if loading and op.rid in self.real.sched.requests:
+                # vLLM defers the free until the load reports (`model.connector`): the
+                # request stays, so its table stays observed.
+                self.held_by_load.add(op.rid)
+            else:
+                requests.pop(op.rid)
+                self.names.forget(op.rid)
             self.finished = req
+            return Done()
+        if isinstance(op, Offer):
+            self.real.sched.connector.offer(op.rid, op.num_tokens, op.load == "async")
+            return Done()
+        if isinstance(op, Loaded):
+            from .vllm_connector import connector_output
+
+            self.real.report_load(connector_output(op.rid, op.ok))
+            # Its free deferred, or ended with an error ('fail' policy): gone from vLLM.
+            if op.rid in self.held_by_load or op.rid not in self.real.sched.requests:
+                self.held_by_load.discard(op.rid)
+                requests.pop(op.rid)
+                self.names.forget(op.rid)
             return Done()
         if isinstance(op, Preempt):
             self.real.preempt(requests[op.rid])
@@ -102,7 +130,7 @@ class VllmSchedulerTarget(VllmTarget):
     """vLLM's real `Scheduler` driving its `KVCacheManager` (see the module docstring)."""
 
     name = "vllm-scheduler"
-    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True)
+    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, connector=True)
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
         check_speculation_judged(config)

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from model.config import Config
+from model.config import Config, ConfigError
 from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
 from model.pool import EVENT_PROFILES
@@ -57,6 +57,12 @@ from .vllm_session import VllmSession
 from .vllm_snapshot import EventTranslator, SnapshotReader
 
 VLLM_EVENT_PROFILE = "vllm-0.33.0"
+
+
+NO_KV_CONNECTOR = (
+    "kv_connector: the KVCacheManager-driven target has no scheduler to ask a KV connector "
+    "(use --target vllm-scheduler)"
+)
 
 
 class VllmTarget(Target):
@@ -99,6 +105,8 @@ class VllmTarget(Target):
         """The `KVCacheManager` to drive (`vllm_build.build_manager`): the seam a fork of
         vLLM overrides to build its own manager (`v`: the modules `vllm_env.vllm_modules`
         imported; `caps`: what `vllm_capabilities.detect` found)."""
+        if config.kv_connector:
+            raise ConfigError(NO_KV_CONNECTOR)
         return build_manager(config, v, caps, self.version)
 
     # ------------------------------------------------------------------ the Target protocol

@@ -94,6 +94,14 @@ def strategy(name: str, *, allow_pinning: bool, allow_fine: bool = True) -> st.S
         "scheduler-mamba": lambda: configs(
             allow_pinning=False, shapes=MAMBA_SHAPES, allow_fine=allow_fine, eagle=False, lookahead=False
         ),
+        # A real scheduler with kvretain's KV connector (`model.connector`: Full/SWA shapes).
+        "scheduler-connector": lambda: configs(
+            allow_pinning=False,
+            shapes=SWA_SHAPES + (("full",),),
+            eagle=False,
+            lookahead=False,
+            connector=True,
+        ),
         # Full attention + a Mamba block 2 or 4 hash blocks wide: fine-grained hits and copies.
         "mamba-fine": lambda: configs(
             allow_pinning=False, shapes=(("full", "mamba"),), caching=True, eagle=False, fine=True
@@ -118,4 +126,5 @@ STRATEGY_NAMES = (
     "scheduler",
     "scheduler-mamba",
     "scheduler-spec",
+    "scheduler-connector",
 )

@@ -366,3 +366,70 @@ def running_ships_whole_table(stack: contextlib.ExitStack, sched: Any) -> None:
         "req_to_new_blocks[request_id] = new_blocks",
         "req_to_new_blocks[request_id] = self.kv_cache_manager.get_blocks(request_id)",
     )
+
+
+# ---------------------------------------------------------------- KV connector glue (model.connector)
+
+
+@mutant("async_load_cached_at_admission", strategy="scheduler-connector")
+def async_load_cached_at_admission(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Delayed caching lost: the waiting pass calls `allocate_slots(...,
+    delay_cache_blocks=False)` for an async KV load, so its blocks are cached before
+    the load has written them."""
+    original = vars(sched)["schedule"]
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        manager = self.kv_cache_manager
+        allocate = manager.allocate_slots
+
+        def eager(request: Any, *a: Any, **k: Any) -> Any:
+            k["delay_cache_blocks"] = False
+            return allocate(request, *a, **k)
+
+        manager.allocate_slots = eager
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            manager.allocate_slots = allocate
+
+    _set(stack, sched, "schedule", schedule)
+
+
+@mutant("failed_load_keeps_computed_tokens", strategy="scheduler-connector")
+def failed_load_keeps_computed_tokens(stack: contextlib.ExitStack, sched: Any) -> None:
+    """`_handle_failed_recving` forgets `request.num_computed_tokens = 0` under the
+    "recompute" policy: the promotion caches the failed load's blocks as valid KV."""
+    original = vars(sched)["_handle_failed_recving"]
+
+    def handle(self: Any, failed_req_ids: set[str]) -> Any:
+        computed = {r: self.requests[r].num_computed_tokens for r in failed_req_ids if r in self.requests}
+        out = original(self, failed_req_ids)
+        for rid, n in computed.items():
+            self.requests[rid].num_computed_tokens = n
+        return out
+
+    _set(stack, sched, "_handle_failed_recving", handle)
+
+
+@mutant("loading_request_freed_at_finish", strategy="scheduler-connector")
+def loading_request_freed_at_finish(stack: contextlib.ExitStack, sched: Any) -> None:
+    """`finish_requests` sets `delay_free_blocks = False` for a request in
+    WAITING_FOR_REMOTE_KVS: the blocks an in-flight load writes go back to the pool."""
+    original = vars(sched)["finish_requests"]
+
+    def finish_requests(self: Any, request_ids: Any, finished_status: Any) -> Any:
+        out = original(self, request_ids, finished_status)
+        for request in out:
+            if self.requests.get(request.request_id) is request:  # its free was deferred
+                self._free_blocks(request)
+        return out
+
+    _set(stack, sched, "finish_requests", finish_requests)
+
+
+@mutant("async_load_ignores_in_flight_reserve", strategy="scheduler-connector")
+def async_load_ignores_in_flight_reserve(stack: contextlib.ExitStack, sched: Any) -> None:
+    """An async KV load is admitted on the whole free pool (`reserved_blocks=0`), taking
+    the blocks the prefills already in flight still need
+    (`_inflight_prefill_reserved_blocks` left out)."""
+    _set(stack, sched, "_inflight_prefill_reserved_blocks", lambda self: 0)

@@ -1,0 +1,145 @@
+"""A scripted KV connector for vLLM's real `Scheduler` (the "vllm-scheduler" target).
+
+`KvretainConnector` is a `KVConnectorBase_V1` (and `SupportsHMA`, so hybrid
+layouts keep their groups), registered the way vLLM registers connectors
+(`KVConnectorFactory.register_connector(CONNECTOR_NAME, module, class)`) and
+selected by a `KVTransferConfig` (`transfer_config`): kv_role "kv_consumer",
+`kv_load_failure_policy` as `Config.kv_load_failure_policy`. It runs on the scheduler's side only:
+the scheduler never builds a worker, and the worker-side methods raise.
+
+It holds no KV. kvretain's operations script it (`model.connector` states the
+contract the model derives from them):
+
+- `offer(rid, n, async_load)` (`Offer`): at `rid`'s admission lookups,
+  `get_num_new_matched_tokens` offers the first `n` tokens past the local hit
+  (never the last token), loaded asynchronously or not; the offer stands until
+  `update_state_after_alloc` consumes it (the admission succeeded).
+- A load's outcome (`Loaded`) is not the connector's to report: it is the
+  worker's `KVConnectorOutput` (`finished_recving`, `failed_recving`), which
+  the driver delivers in a synthetic `ModelRunnerOutput` (`report`).
+
+It records what the scheduler asked of it: the loads it was given blocks for
+(`loads`), the tokens of each step it would save (`saves`, from
+`build_connector_meta`, the last `SAVES_KEPT` steps) and the finished requests
+handed to it (`finished`). `request_finished` never defers a free.
+
+Imports only vLLM (and the standard library).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    SupportsHMA,
+)
+
+CONNECTOR_NAME = "KvretainConnector"
+SAVES_KEPT = 64
+WORKER_SIDE = "kvretain's connector runs on the scheduler's side only (no worker is built)"
+
+
+@dataclass(frozen=True)
+class Load:
+    """A load the scheduler allocated blocks for: the request, its external
+    tokens and the block ids per group it holds then."""
+
+    rid: str
+    num_external_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+class KvretainMetadata(KVConnectorMetadata):
+    """The (empty) metadata a step hands the worker side."""
+
+
+class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
+    """The scripted connector (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.offers: dict[str, tuple[int, bool]] = {}
+        self.loads: list[Load] = []
+        self.saves: deque[dict[str, int]] = deque(maxlen=SAVES_KEPT)
+        self.finished: list[str] = []
+
+    # ------------------------------------------------------------------ kvretain's script
+    def offer(self, rid: str, num_tokens: int, async_load: bool) -> None:
+        self.offers[rid] = (num_tokens, async_load)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a preempted request's output is never held back."""
+        return False
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        offer = self.offers.get(request.request_id)
+        if offer is None:
+            return 0, False
+        n = max(0, min(offer[0], request.num_tokens - 1) - num_computed_tokens)
+        return n, offer[1] and n > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.offers.pop(request.request_id, None)
+        if num_external_tokens:
+            ids = tuple(tuple(g) for g in blocks.get_block_ids())
+            self.loads.append(Load(request.request_id, num_external_tokens, ids))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        self.saves.append(dict(scheduler_output.num_scheduled_tokens))
+        return KvretainMetadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.finished.append(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.finished.append(request.request_id)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(WORKER_SIDE)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        raise NotImplementedError(WORKER_SIDE)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(WORKER_SIDE)
+
+    def wait_for_save(self) -> None:
+        raise NotImplementedError(WORKER_SIDE)
+
+
+def register() -> None:
+    """Register the connector with vLLM's factory (once per process)."""
+    # ValueError: registered already, by an earlier target of this process.
+    with suppress(ValueError):
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, KvretainConnector.__name__)
+
+
+def transfer_config(failure_policy: Literal["recompute", "fail"] = "recompute") -> Any:
+    """The `KVTransferConfig` selecting the connector (registered first)."""
+    from vllm.config import KVTransferConfig
+
+    register()
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_NAME, kv_role="kv_consumer", kv_load_failure_policy=failure_policy
+    )
+
+
+def connector_output(rid: str, ok: bool) -> Any:
+    """The worker's report of `rid`'s async load: received, and failed unless `ok`
+    (a failed receive is also a finished one: `KVConnectorTransferResults`)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(finished_recving={rid}, failed_recving=set() if ok else {rid})

@@ -1,0 +1,236 @@
+"""What a KV connector may do to the allocator: external hits, async loads, deferred frees.
+
+A KV connector (vLLM `vllm/distributed/kv_transfer/kv_connector/v1/base.py`,
+`KVConnectorBase_V1`) holds KV outside the pool. The scheduler asks it, at a
+waiting request's admission lookup, how many tokens past the local
+prefix-cache hit it can load (`get_num_new_matched_tokens`), and whether the
+load is synchronous (done before the step's forward pass) or asynchronous
+(between steps). kvretain states the connector's answer as operations
+(`model.ops.Offer`, `model.ops.Loaded`); this module states what the
+allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
+`KVCacheManager.allocate_slots` do (`vllm/v1/core/sched/scheduler.py`,
+`vllm/v1/core/kv_cache_manager.py`):
+
+- **External hit.** An offer of the first `n` tokens gives
+  `external_tokens(n, num_tokens, hit)` tokens past the local hit `hit` (never
+  the last token, which is always computed). The admission's allocation holds
+  the hit blocks, then one fresh block per group for each external block inside
+  the window (`allocate_external_computed_blocks`, every group's after every
+  group's hit blocks), then the chunk's blocks; the chunk starts after the
+  external tokens. A sync load caches hit, external and chunk tokens at once,
+  as a local hit would. An offer stands until the request's next admission
+  succeeds (`update_state_after_alloc` consumes it).
+- **Async load (delayed caching).** The admission allocates for the hit and the
+  external tokens only (`allocate_slots(num_new_tokens=0,
+  delay_cache_blocks=True)`), caches nothing, and the request waits
+  (`WAITING_FOR_REMOTE_KVS`) with its computed tokens set; the step goes on to
+  the next waiting request. Its allocation must leave free the blocks every
+  in-flight prefill still needs (`in_flight_reserve`,
+  `Scheduler._inflight_prefill_reserved_blocks`). Its blocks are cached when
+  the step that first reaches it after the load reported promotes it
+  (`Scheduler._update_waiting_for_remote_kv`: `cache_blocks(num_computed)`);
+  it then takes its next chunk without a lookup.
+- **Order.** A request admitted to an async load waits among the requests
+  holding blocks (`Scheduler.kv_holding_waiting`), reached before the other
+  waiting requests, until it runs: also when its promoted chunk did not fit,
+  and when its failed load was freed and its fresh admission did not fit (it
+  stays in that queue). One whose load has not reported is passed over and the
+  step goes on.
+- **Failed load** (reported as `failed_recving`). "recompute" policy: nothing
+  loaded is kept. At promotion every block of the request is freed
+  (`KVCacheManager.free`), its computed tokens are 0 and it is admitted afresh
+  in the same turn (a new lookup; the consumed offer is gone). "fail" policy:
+  the report ends the request with an error (`update_from_output`:
+  `finish_requests(FINISHED_ERROR)`, then the receive frees its blocks), freed
+  as a finish is.
+- **Deferred free.** A request finished while its load is in flight keeps its
+  blocks until the load reports (`Scheduler.finish_requests`:
+  `delay_free_blocks`, then `_update_from_kv_xfer_finished`). With a connector,
+  every finish first frees the blocks that left the request's windows
+  (`Scheduler._connector_finished`: `remove_skipped_blocks` on its processed
+  tokens: computed, less those of the latest step when no step or load report
+  has delivered its output yet, `Request.num_in_flight_tokens`), then the rest.
+
+Not stated (generation avoids them): Mamba groups (vLLM's Mamba managers claim
+a ring block for external tokens), block-level load failures
+(`invalid_block_ids`, single-group only), and connectors
+that defer a finished request's free to save it (`request_finished` returning
+True).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, NamedTuple
+
+from model.masks import cdiv
+from model.observation import ScheduleResult
+
+if TYPE_CHECKING:
+    from model.allocator import AllocatorModel, GroupState, RequestState
+
+# The states of a request's connector load (`RequestLoad`), "" = none.
+LOADING, LOADED, FAILED = "loading", "loaded", "failed"
+
+
+class Load(NamedTuple):
+    """An allocation's connector side (`KVCacheManager.allocate_slots` arguments):
+    external tokens, `delay_cache_blocks`, `reserved_blocks`."""
+
+    external: int = 0
+    delay_cache: bool = False
+    reserve: int = 0
+
+
+NO_LOAD = Load()
+
+
+def external_tokens(offered: int, num_tokens: int, hit: int) -> int:
+    """Tokens an offer of the first `offered` tokens adds past a local hit of `hit`:
+    never the request's last token (it is computed to sample the next one)."""
+    return max(0, min(offered, num_tokens - 1) - hit)
+
+
+def remaining_blocks(num_tokens: int, block_sizes: Iterable[int], held: Iterable[int]) -> int:
+    """Blocks a request holding `held` blocks per group still needs for its whole
+    sequence (`Scheduler._request_remaining_blocks` for a request with blocks)."""
+    return sum(max(-(-num_tokens // bs) - h, 0) for bs, h in zip(block_sizes, held))
+
+
+# ---------------------------------------------------------------- the contract, on `AllocatorModel`
+# The model's steps call these (its own room: they read its state as its methods do).
+
+
+def offer(req: RequestState, num_tokens: int, load_async: bool) -> None:
+    """The connector holds the first `num_tokens` tokens of a waiting request and offers
+    them at its next admission (`Offer`)."""
+    assert not req.running and not req.load and not req.num_computed, f"{req.rid} is not waiting"
+    req.offer = (num_tokens, load_async)
+
+
+def wait_turn(
+    m: AllocatorModel, req: RequestState, left: int, budget: int, ran: tuple[bool, bool] = (False, False)
+) -> ScheduleResult | None:
+    """A waiting request's turn in a step's waiting pass (`model.connector`): None
+    when its load has not reported (passed over); a reported load is promoted
+    first (cached, or freed when it failed); a request holding blocks takes its
+    next chunk without a lookup, any other is admitted (`ran`: whether the step
+    ran a request, a prefill chunk, for the admission's draft padding:
+    `model.spec_decode`)."""
+    if req.load == LOADING:
+        return None
+    if req.load == FAILED:
+        m._free(req.rid)
+        req.num_computed = 0
+        m.exercised["connector: failed load rolled back"] += 1
+    elif req.load == LOADED and m.cfg.enable_caching:
+        m._cache_blocks(req, req.num_computed)
+        m.exercised["connector: async load cached at promotion"] += 1
+    req.load = ""
+    if not req.num_computed:
+        return m._admit(req, left, budget, *ran)
+    n = m._next_chunk(req, left, budget)
+    if n <= 0:
+        return ScheduleResult(0, False)
+    new = m._allocate_slots(req, n, 0, None)
+    if new is None:
+        return ScheduleResult(0, False)
+    req.running, req.num_computed, req.holding = True, req.num_computed + n, False
+    return ScheduleResult(n, True, new_blocks=new)
+
+
+def in_flight_reserve(m: AllocatorModel) -> int:
+    """Blocks the in-flight prefills still need: an async load's admission leaves them free."""
+    sizes = [g.bs for g in m.groups]
+    return sum(
+        remaining_blocks(
+            min(r.num_tokens, m.cfg.max_model_len),
+            sizes,
+            [len(g.tables.get(r.rid, ())) for g in m.groups],
+        )
+        for r in m.requests.values()
+        if r.prefilling
+    )
+
+
+def settle_prefill(m: AllocatorModel, rids: list[str]) -> None:
+    """A scheduled request that computed every known token is no longer an in-flight prefill."""
+    for rid in rids:
+        req = m.requests.get(rid)
+        if req is not None and req.running and req.num_computed >= req.num_tokens:
+            req.prefilling = False
+
+
+def finish(m: AllocatorModel, req: RequestState) -> None:
+    """Free a finished request (`model.connector`: with a connector the blocks out of
+    the windows of its processed tokens go first, and a load in flight keeps the rest
+    until it reports)."""
+    if m.cfg.kv_connector:
+        processed = max(req.num_computed - m.undelivered.get(req.rid, 0), 0)
+        for g in m.groups:
+            if g.tables.get(req.rid):
+                m._remove_skipped(g, req.rid, processed)
+    if req.load == LOADING:
+        m.held.add(req.rid)
+        m.exercised["connector: free deferred until the load reports"] += 1
+        return
+    m._free(req.rid)
+
+
+def loaded(m: AllocatorModel, rid: str, ok: bool) -> None:
+    """The async load of `rid` reported; a finished request's deferred free happens now."""
+    if rid in m.held:
+        m.held.discard(rid)
+        m._free(rid)
+        return
+    req = m.requests[rid]
+    assert req.load == LOADING, f"{rid} has no load in flight"
+    if not ok and m.cfg.kv_load_failure_policy == "fail":
+        # The request ends with an error; its load has reported, so nothing waits.
+        req.load = ""
+        finish(m, m.requests.pop(rid))
+        m.exercised["connector: failed load ends the request ('fail')"] += 1
+        return
+    req.load = LOADED if ok else FAILED
+    if not ok:
+        req.num_computed = 0  # nothing loaded counts (`Scheduler._handle_failed_recving`)
+
+
+def waiting_pass(
+    m: AllocatorModel,
+    waiting: list[str],
+    left: int,
+    budget: int,
+    results: list[tuple[str, ScheduleResult]],
+    ran: tuple[bool, bool] = (False, False),
+) -> None:
+    """The waiting requests' turns (`_wait_turn`) under what is `left` of the budget:
+    those holding blocks first (`model.connector`), then the others, in queue order.
+    A request passed over or gone to its async load lets the next one go; a failed
+    admission ends the pass."""
+    reqs = m.requests
+    holding = [rid for rid in waiting if reqs[rid].holding]
+    for rid in holding + [rid for rid in waiting if rid not in holding]:
+        if left <= 0:
+            break
+        result = wait_turn(m, reqs[rid], left, budget, ran)
+        if result is None:
+            continue
+        results.append((rid, result))
+        if reqs[rid].load == LOADING:
+            continue
+        if not result.admitted:
+            break
+        left -= result.scheduled
+
+
+def add_external_blocks(m: AllocatorModel, g: GroupState, rid: str, computed: int, ext: int) -> None:
+    """Fresh blocks for the external tokens inside the window (vLLM
+    `SingleTypeKVCacheManager.allocate_external_computed_blocks`); Mamba is not stated."""
+    assert not (g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align"), (
+        "the connector contract does not state Mamba groups (model.connector)"
+    )
+    if min(computed - max(m._skipped_tokens(g, computed), 0), ext) <= 0:
+        return
+    table = g.table(rid)
+    table.extend(m.pool.get_new_blocks(max(0, cdiv(computed, g.bs) - len(table))))

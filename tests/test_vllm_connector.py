@@ -1,0 +1,341 @@
+"""KV connectors: the model's contract (`model.connector`) and kvretain's scripted
+connector in vLLM's real `Scheduler` ("vllm-scheduler" with `Config.kv_connector`).
+
+Model tests need no vLLM: what an external hit allocates, when an async load's
+blocks are cached, what a failed load rolls back, when a finish's free is
+deferred, the offer/loaded JSON round trip and bad input. The vLLM tests drive
+scripted traces against the model (every observation and snapshot must agree),
+check the connector is vLLM's own registered kind and records what it was asked,
+and run the zoo's connector mutants as negative controls (each caught on a
+trace the unmutated scheduler passes), plus the checks' own controls.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.trace import config_from_json, config_to_json
+from invariants.targets.model_target import ModelTarget
+from invariants.targets.vllm_env import vllm_available
+from model.allocator import AllocatorModel
+from model.config import Config, ConfigError, GroupSpec
+from model.connector import external_tokens, remaining_blocks
+from model.observation import ScheduleResult, StepResult
+from model.ops import AddRequest, Finish, Loaded, Offer, Op, Probe, Sample, Step, op_from_json, op_to_json
+
+FULL_SWA = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)),
+    num_blocks=24,
+    max_model_len=4096,
+    kv_connector=True,
+)
+FULL = Config(groups=(GroupSpec("full", 4),), num_blocks=16, max_model_len=4096, kv_connector=True)
+PROMPT = tuple(range(1, 14))  # 13 tokens
+
+_OK, _REASON = vllm_available()
+needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
+
+
+def own(obs: object, rid: str) -> ScheduleResult:
+    assert isinstance(obs, StepResult)
+    return next(r for r_id, r in obs.results if r_id == rid)
+
+
+# ------------------------------------------------------------------ the contract, on the model
+def test_external_tokens_never_cover_the_last_token() -> None:
+    assert external_tokens(20, 13, 0) == 12
+    assert external_tokens(9, 13, 4) == 5
+    assert external_tokens(4, 13, 8) == 0
+    assert remaining_blocks(13, [4, 2], [2, 7]) == 2 + 0
+
+
+def test_sync_hit_allocates_external_blocks_and_caches_them() -> None:
+    m = AllocatorModel(FULL)
+    m.apply(AddRequest("r0", PROMPT))
+    m.apply(Offer("r0", 9, "sync"))
+    r = own(m.apply(Step(("r0",), 64)), "r0")
+    assert (r.hit, r.external, r.scheduled, r.admitted) == (0, 9, 4, True)
+    assert m.requests["r0"].num_computed == 13 and m.requests["r0"].offer is None
+    # The external blocks were cached with the chunk's: a replay hits them.
+    assert len(m.snapshot().tables["r0"][0]) == 4
+    assert m.apply(Probe(PROMPT)).hit == 12  # type: ignore[union-attr]
+
+
+def test_async_load_is_cached_only_at_promotion() -> None:
+    m = AllocatorModel(FULL)
+    m.apply(AddRequest("r0", PROMPT))
+    m.apply(Offer("r0", 13, "async"))
+    r = own(m.apply(Step(("r0",), 64)), "r0")
+    assert (r.scheduled, r.admitted, r.external) == (0, False, 12)
+    assert m.requests["r0"].load == "loading" and len(m.snapshot().tables["r0"][0]) == 3
+    assert m.apply(Probe(PROMPT)).hit == 0  # type: ignore[union-attr]  # delayed caching
+    assert m.apply(Step(("r0",), 64)) == StepResult((), ())  # not reported: passed over
+    assert m.requests["r0"].load == "loading"
+    m.apply(Loaded("r0", True))
+    assert m.apply(Probe(PROMPT)).hit == 0  # type: ignore[union-attr]  # cached at promotion, not report
+    r = own(m.apply(Step(("r0",), 64)), "r0")
+    assert (r.scheduled, r.admitted, r.hit) == (1, True, None)
+    assert m.apply(Probe(PROMPT)).hit == 12  # type: ignore[union-attr]
+
+
+def test_failed_load_frees_everything_and_readmits() -> None:
+    m = AllocatorModel(FULL)
+    m.apply(AddRequest("r0", PROMPT))
+    m.apply(Offer("r0", 13, "async"))
+    m.apply(Step(("r0",), 64))
+    loaded_blocks = set(m.snapshot().tables["r0"][0])
+    m.apply(Loaded("r0", False))
+    r = own(m.apply(Step(("r0",), 64)), "r0")
+    assert (r.hit, r.external, r.scheduled, r.admitted) == (0, 0, 13, True)
+    # The failed blocks went back to the pool before the re-admission took new ones.
+    assert set(m.snapshot().tables["r0"][0]) <= loaded_blocks | set(range(1, 16))
+    assert m.exercised["connector: failed load rolled back"] == 1
+
+
+def test_fail_policy_ends_the_request_and_frees_it() -> None:
+    m = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    c = Checker(ModelTarget(FULL.with_(kv_load_failure_policy="fail")))
+    for op in (AddRequest("r0", PROMPT), Offer("r0", 13, "async"), Step(("r0",), 64), Loaded("r0", False)):
+        m.apply(op)
+        assert c.step(op) == []
+    assert "r0" not in m.requests and "r0" not in m.snapshot().tables and not m.held
+    assert "r0" not in c.history.requests
+    with pytest.raises(ConfigError, match="kv_load_failure_policy"):
+        AllocatorModel(FULL.with_(kv_load_failure_policy="retry"))  # type: ignore[arg-type]
+
+
+def test_finish_during_a_load_defers_the_free_until_it_reports() -> None:
+    m = AllocatorModel(FULL)
+    m.apply(AddRequest("r0", PROMPT))
+    m.apply(Offer("r0", 13, "async"))
+    m.apply(Step(("r0",), 64))
+    m.apply(Finish("r0"))
+    snap = m.snapshot()
+    assert "r0" in snap.tables and m.held == {"r0"}
+    m.apply(Loaded("r0", True))
+    assert "r0" not in m.snapshot().tables and not m.held
+    assert m.apply(Probe(PROMPT)).hit == 0  # type: ignore[union-attr]  # never cached
+
+
+def test_connector_ops_round_trip_and_bad_input() -> None:
+    for op in (Offer("r0", 5, "async"), Loaded("r1", False)):
+        assert op_from_json(op_to_json(op)) == op
+    with pytest.raises(ValueError, match="'load'"):
+        op_from_json({"op": "offer", "rid": "r0", "num_tokens": 3, "load": "later"})
+    with pytest.raises(ValueError, match="'num_tokens'"):
+        op_from_json({"op": "offer", "rid": "r0", "num_tokens": 0, "load": "sync"})
+    with pytest.raises(ValueError, match="'ok'"):
+        op_from_json({"op": "loaded", "rid": "r0", "ok": 1})
+    assert config_from_json(config_to_json(FULL)) == FULL
+    assert "kv_connector" not in config_to_json(FULL.with_(kv_connector=False))
+    with pytest.raises(ConfigError, match="kv_connector"):
+        config_from_json({**config_to_json(FULL), "kv_connector": "yes"})
+
+
+def test_checker_refuses_connector_ops_it_cannot_judge() -> None:
+    c = Checker(ModelTarget(FULL.with_(kv_connector=False)))
+    c.step(AddRequest("r0", PROMPT))
+    with pytest.raises(InvalidOp, match="no KV connector"):
+        c.step(Offer("r0", 4, "sync"))
+    mamba = Config(groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)), num_blocks=16, kv_connector=True)
+    c = Checker(ModelTarget(mamba))
+    c.step(AddRequest("r0", PROMPT))
+    with pytest.raises(InvalidOp, match="Mamba"):
+        c.step(Offer("r0", 4, "sync"))
+    c = Checker(ModelTarget(FULL))
+    c.step(AddRequest("r0", PROMPT))
+    with pytest.raises(InvalidOp, match="no connector load"):
+        c.step(Loaded("r0", True))
+
+
+def test_targets_without_a_connector_refuse_one() -> None:
+    from invariants.targets.reference import ReferenceTarget
+
+    with pytest.raises(ConfigError, match="kv_connector"):
+        ReferenceTarget(FULL)
+
+
+# ------------------------------------------------------------------ vLLM's scheduler
+def trace_ops() -> list[Op]:
+    """Every connector path: sync hit, async load promoted, failed load, finish during a load."""
+    return [
+        AddRequest("r0", PROMPT),
+        Offer("r0", 9, "sync"),
+        Step(("r0",), 64),
+        AddRequest("r1", PROMPT + (50, 51)),
+        Offer("r1", 14, "async"),
+        Step(("r1",), 64),
+        Sample("r0", 7),
+        Step(("r0", "r1"), 64),
+        Loaded("r1", True),
+        Sample("r0", 8),
+        Step(("r0", "r1"), 64),
+        AddRequest("r2", tuple(range(30, 45))),
+        Offer("r2", 12, "async"),
+        Step(("r2",), 64),
+        Loaded("r2", False),
+        Step(("r2",), 64),
+        AddRequest("r3", tuple(range(60, 75))),
+        Offer("r3", 12, "async"),
+        Step(("r3",), 64),
+        Finish("r3"),
+        Loaded("r3", True),
+        Finish("r0"),
+        Finish("r1"),
+        Finish("r2"),
+        Probe(PROMPT),
+    ]
+
+
+def drive(factory: object, cfg: Config = FULL_SWA) -> list[Violation]:
+    from invariants.harness.known_findings import is_known_violation
+
+    checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]
+    found: list[Violation] = []
+    for op in trace_ops():
+        found += [v for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+        if found:
+            break
+    return found + [v for v in checker.audit() if not is_known_violation("vllm-scheduler", v)]
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "cfg", [FULL_SWA, FULL, FULL_SWA.with_(enable_caching=False, num_blocks=40)], ids=["swa", "full", "off"]
+)
+def test_real_scheduler_agrees_on_every_connector_path(cfg: Config) -> None:
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    assert drive(VllmSchedulerTarget, cfg) == []
+
+
+def fail_policy_ops() -> list[Op]:
+    """Under "fail" a failed load ends its request (freed then), a good one is promoted."""
+    return [
+        AddRequest("r0", PROMPT),
+        Offer("r0", 13, "async"),
+        AddRequest("r1", PROMPT + (9, 9)),
+        Offer("r1", 15, "async"),
+        Step(("r0", "r1"), 64),
+        Loaded("r0", False),
+        Loaded("r1", True),
+        Step(("r1",), 64),
+        Probe(PROMPT),
+        Finish("r1"),
+    ]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_real_scheduler_agrees_under_the_fail_policy() -> None:
+    from invariants.harness.known_findings import is_known_violation
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = FULL_SWA.with_(kv_load_failure_policy="fail")
+    target = VllmSchedulerTarget(cfg)
+    checker = Checker(target, audit_every=1)
+    found = [
+        v for op in fail_policy_ops() for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)
+    ]
+    assert found == [] and checker.audit() == []
+    assert "r0" not in target.vllm_scheduler.requests and "r0" not in target.session.requests
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_connector_is_registered_and_records_what_it_was_asked() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from invariants.targets.vllm_connector import CONNECTOR_NAME, KvretainConnector
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    target = VllmSchedulerTarget(FULL_SWA)
+    assert KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME) is KvretainConnector
+    connector = target.vllm_scheduler.connector
+    assert isinstance(connector, KvretainConnector)
+    for op in trace_ops()[:6]:
+        target.apply(op)
+    assert [(ld.rid, ld.num_external_tokens) for ld in connector.loads] == [("r0", 9), ("r1", 2)]
+    assert {"r0": 4} in connector.saves  # r0's chunk after its 9 external tokens
+    target.apply(Finish("r0"))
+    assert connector.finished == ["r0"]
+    assert VllmSchedulerTarget(FULL_SWA.with_(kv_connector=False)).vllm_scheduler.connector is None
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_plain_vllm_target_refuses_a_connector() -> None:
+    from invariants.targets.vllm_target import VllmTarget
+
+    with pytest.raises(ConfigError, match="kv_connector"):
+        VllmTarget(FULL)
+
+
+CONNECTOR_MUTANTS = (
+    "async_load_cached_at_admission",
+    "failed_load_keeps_computed_tokens",
+    "loading_request_freed_at_finish",
+    "async_load_ignores_in_flight_reserve",
+)
+
+
+def reserve_trace() -> list[Op]:
+    """An async load while a prefill is in flight (8 of 24 tokens in 2 blocks of 8
+    usable): the load's 3 blocks fit the 6 free ones, not the 2 left once the 4
+    the prefill still needs are reserved, so it is not admitted."""
+    return [
+        AddRequest("r0", tuple(range(100, 124))),
+        Step(("r0",), 8),
+        AddRequest("r1", PROMPT),
+        Offer("r1", 13, "async"),
+        Step(("r1",), 64),
+    ]
+
+
+def test_async_load_leaves_in_flight_prefills_their_blocks() -> None:
+    m = AllocatorModel(FULL.with_(num_blocks=9))
+    obs = [m.apply(op) for op in reserve_trace()]
+    r = own(obs[-1], "r1")
+    assert (r.admitted, r.external, m.requests["r1"].load) == (False, 0, "")
+    m2 = AllocatorModel(FULL.with_(num_blocks=10))
+    obs = [m2.apply(op) for op in reserve_trace()]
+    assert own(obs[-1], "r1").external == 12
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_every_connector_mutant_is_in_the_zoo() -> None:
+    from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
+
+    assert {n for n, m in SCHEDULER_MUTANTS.items() if m.strategy == "scheduler-connector"} == set(
+        CONNECTOR_MUTANTS
+    )
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", CONNECTOR_MUTANTS)
+def test_connector_mutant_is_caught(name: str) -> None:
+    """Negative controls: each connector mutant of vLLM's scheduler is caught on a
+    trace the unmutated scheduler passes."""
+    from invariants.harness.known_findings import is_known_violation
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+    from invariants.zoo.mutants_scheduler import activate
+
+    cfg, ops = (FULL.with_(num_blocks=9), reserve_trace()) if "reserve" in name else (FULL_SWA, trace_ops())
+
+    def run(factory: object) -> list[Violation]:
+        checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]
+        found: list[Violation] = []
+        try:
+            for op in ops:
+                found += [v for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+        except InvalidOp as exc:  # the mutant changed the request's state under the trace
+            found.append(Violation("invalid", str(exc)))
+        return found
+
+    assert run(VllmSchedulerTarget) == []
+    with activate(name) as factory:
+        assert run(factory) != []
