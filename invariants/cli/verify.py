@@ -222,7 +222,7 @@ def row_fuzz(run: VerifyRun) -> None:
             name,
             report.verdict,
             f"{report.stats.steps} steps, {report.ops_per_s:.0f} ops/s, hit {report.stats.hit_rate:.0%}"
-            + ("; no Eagle without drafts, no Mamba with drafts generated" if report.not_generated else ""),
+            + "".join(f"; not generated: {why.split(' (')[0]}" for why in report.not_generated),
             report.seconds,
             report.failure is None,
             report.trace_path,
