@@ -9,7 +9,10 @@ blocks included, and parent_block_hash is the hash of block num_cached-1 even if
 block was never stored. A consumer cannot tell which token chunk a hash stands for.
 Here: Full16+SWA16(w=32), R=0, a 100-token prompt in one chunk: the SWA group stores
 only blocks 4 and 5 (the tail before the replay boundary 99) but the event carries 96
-token ids. The model reproduces it under the event profile 'vllm-0.33.0'.
+token ids. The model reproduces it under the event profile 'vllm-0.33.0'. Under async
+scheduling (vllm-async-scheduler) vLLM also caches when a sampled token arrives
+(update_from_output's cache_blocks: model/async_scheduling.py), so the same event comes
+from a Sample too.
 
 Property stored_tokens_match_hashes: Each BlockStored names only stored blocks, and its
 token ids chain from its parent to exactly its hashes (#42258 review: with masked SWA
