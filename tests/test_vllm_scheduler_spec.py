@@ -348,3 +348,88 @@ def test_mamba_specs_without_draft_blocks_disagree() -> None:
         speculative_blocks = False
 
     assert mamba_drafts_trace(WithoutDraftBlocks).found != []
+
+
+# ---------------------------------------------------------------- where a drafting Mamba request's state lies
+NARROW_MAMBA_DRAFTS = Config(
+    groups=(GroupSpec("full", 8), GroupSpec("mamba", 2)),
+    num_blocks=28,
+    retention_interval=0,
+    eagle=True,
+    hash_block_size=2,
+    num_lookahead_tokens=2,
+    max_model_len=4096,
+)
+NARROW_PROMPT = (1, 1, 2, 1, 1, 3, 3, 2, 3, 2, 1, 3, 1, 1, 2, 2, 1, 1)
+
+
+def narrow_rejection(last_drafts: tuple[int, ...]) -> list[Op]:
+    """Three tokens a step over 2-token Mamba blocks: the state jumps a block and
+    moves a draft block; every draft rejected; then a step with `last_drafts`."""
+    return [
+        AddRequest("r0", NARROW_PROMPT),
+        Step(("r0",), 32),
+        Step(("r0",), 32),
+        Sample("r0", 1, 0, (1, 3)),
+        Step(("r0",), 32),
+        Sample("r0", 1, 0, last_drafts),
+        Step(("r0",), 32),
+    ]
+
+
+def _captured(ops: list[Op]) -> tuple[list[Violation], list[object]]:
+    """The violations no known finding explains, and every step's check context."""
+    import invariants.harness.checker as checker_mod
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    contexts: list[object] = []
+    real = checker_mod.check_all
+
+    def capture(ctx):  # type: ignore[no-untyped-def]
+        contexts.append(ctx)
+        return real(ctx)
+
+    checker_mod.check_all = capture
+    try:
+        chk = Checker(VllmSchedulerTarget(NARROW_MAMBA_DRAFTS), audit_every=1)
+        found = [v for op in ops for v in chk.step(op) if not is_known_violation("vllm-scheduler", v)]
+    finally:
+        checker_mod.check_all = real
+    return found, contexts
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_a_drafting_mamba_request_resumes_from_its_draft_state_blocks() -> None:
+    """After a rejection the state sits in the previous step's state column, past the
+    block holding token `start - 1` (null here): `step_blocks_stay_held` reads it
+    there. Negative controls: read by position (no draft blocks) it flags the step;
+    a state block dropped from the table after the step is flagged."""
+    from dataclasses import replace
+
+    from invariants.catalogue import BY_NAME
+
+    found, contexts = _captured(narrow_rejection((1, 2)))
+    assert found == []
+    ctx = contexts[-1]
+    check = BY_NAME["step_blocks_stay_held"].check
+    assert check(ctx) == []
+    assert any("block index 9 is the null block" in p for p in check(replace(ctx, draft_blocks=0)))
+    full, mamba = ctx.after.tables["r0"]
+    state = ctx.before.tables["r0"][1][10]
+    dropped = tuple(0 if b == state else b for b in mamba)
+    after = replace(ctx.after, tables={**ctx.after.tables, "r0": (full, dropped)})
+    assert any(f"block {state}" in p for p in check(replace(ctx, after=after)))
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_a_step_without_drafts_after_a_rejection_writes_its_state_to_the_null_block() -> None:
+    """A candidate finding (not registered): after every draft is rejected, a step
+    scheduling fewer tokens (no drafts proposed, or the budget cut them) ends in a
+    block the previous step's move of a draft block nulled, and vLLM's worker takes
+    that column as the running state (`preprocess_mamba`: `cdiv(num_computed +
+    num_scheduled, bs) - 1`), copying the state into the null block."""
+    found, _ = _captured(narrow_rejection(()))
+    assert [v.check for v in found] == ["step_blocks_stay_held"]
+    assert "r0 computes tokens [19, 20) but group 1 block index 9 is the null block" in found[0].message
