@@ -404,7 +404,9 @@ def test_a_drafting_mamba_request_resumes_from_its_draft_state_blocks() -> None:
     """After a rejection the state sits in the previous step's state column, past the
     block holding token `start - 1` (null here): `step_blocks_stay_held` reads it
     there. Negative controls: read by position (no draft blocks) it flags the step;
-    a state block dropped from the table after the step is flagged."""
+    a state block dropped from the table after the step is flagged. A step without
+    drafts then ends in the position a moved draft block left null: not judged
+    (the worker's append-only table still holds the moved block there)."""
     from dataclasses import replace
 
     from invariants.catalogue import BY_NAME
@@ -420,16 +422,6 @@ def test_a_drafting_mamba_request_resumes_from_its_draft_state_blocks() -> None:
     dropped = tuple(0 if b == state else b for b in mamba)
     after = replace(ctx.after, tables={**ctx.after.tables, "r0": (full, dropped)})
     assert any(f"block {state}" in p for p in check(replace(ctx, after=after)))
-
-
-@needs_vllm
-@pytest.mark.vllm
-def test_a_step_without_drafts_after_a_rejection_writes_its_state_to_the_null_block() -> None:
-    """A candidate finding (not registered): after every draft is rejected, a step
-    scheduling fewer tokens (no drafts proposed, or the budget cut them) ends in a
-    block the previous step's move of a draft block nulled, and vLLM's worker takes
-    that column as the running state (`preprocess_mamba`: `cdiv(num_computed +
-    num_scheduled, bs) - 1`), copying the state into the null block."""
-    found, _ = _captured(narrow_rejection(()))
-    assert [v.check for v in found] == ["step_blocks_stay_held"]
-    assert "r0 computes tokens [19, 20) but group 1 block index 9 is the null block" in found[0].message
+    found, contexts = _captured(narrow_rejection(()))
+    assert found == []
+    assert contexts[-1].after.tables["r0"][1][9] == 0  # the step's end position, nulled by the move
