@@ -41,6 +41,8 @@ from model.fine_mamba import (
 )
 from model.hybrid_hit import HitRules, reconcile
 from model.lookup import full_hit, mamba_hit, swa_hit
+from model.mamba import cap_of
+from model.mamba_states import MambaStates
 from model.masks import cdiv, swa_tail_blocks
 from model.observation import (
     BlockKey,
@@ -151,7 +153,7 @@ class GroupState:
         return self.tables.setdefault(rid, [])
 
 
-class AllocatorModel(BlockCaching):
+class AllocatorModel(BlockCaching, MambaStates):
     """The specification as a state machine: `apply` an operation, read its observation.
 
     Public, for the harness, the explorer and the exporter (documented seams;
@@ -663,7 +665,7 @@ class AllocatorModel(BlockCaching):
         held = len(g.tables.get(rid, ()))
         if _align(g):
             return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid)
-        required = cdiv(num_tokens, g.bs)
+        required = cdiv(num_tokens + g.bs * self._draft_blocks(g), g.bs)
         if rid in g.num_cached:
             # Running: no new hit, and a table already longer than needed is fine.
             return max(required - held, 0)
@@ -687,13 +689,15 @@ class AllocatorModel(BlockCaching):
             return self.cfg.num_blocks + 1
         # Only the chunk's last state is kept: one new block at most, whatever the chunk
         # length (vLLM caps only a positive count, and min() leaves the rest alone).
-        new = cdiv(main, g.bs) - len(hits) - held
+        s = self._draft_blocks(g)
+        new = cdiv(main, g.bs) + s - len(hits) - held
         # A state to copy (a hit ending inside a block, or this request's own
         # mid-block key) takes one more block: the copy's destination.
         copy = ends_inside_block(len(hits), local, g.bs) or rid in g.partial
         if copy:
             new = max(new, 0) + 1
-        return self.rules.count(new, copy) + self._num_evictable(hits)  # model.mamba
+        cap = cap_of(copy, s, rid in g.allocated)
+        return self.rules.count(new, cap) + self._num_evictable(hits)  # model.mamba
 
     def _num_evictable(self, blocks: tuple[int, ...]) -> int:
         """Hit blocks still in a free queue (ref 0); the null block is not one."""
@@ -723,62 +727,13 @@ class AllocatorModel(BlockCaching):
             if rid in g.partial:
                 copied = self.pool.get_new_blocks(1)
                 self._consumer_copy(g, rid, copied[0])
-            new = cdiv(num_tokens, g.bs) - len(table)
+            new = cdiv(num_tokens + g.bs * self._draft_blocks(g), g.bs) - len(table)
             if new <= 0:
                 return copied
             blocks = self.pool.get_new_blocks(new)
             table.extend(blocks)
             return copied + blocks
-        # Mamba align: one state block at the position of the chunk's last token.
-        required = cdiv(main, g.bs)
-        partial = g.partial.pop(rid, None)
-        if required <= len(table) and partial is None:
-            g.allocated.add(rid)
-            return []
-        prev = len(table)
-        running = rid in g.allocated
-        if prev > 0:
-            g.last_state[rid] = prev - 1
-        if prev < required - 1:
-            table.extend([0] * (required - 1 - prev))
-        blocks = self.pool.get_new_blocks(max(required - len(table), 0) + (partial is not None))
-        returned = table[prev:]
-        if partial is not None:
-            dst, blocks = blocks[0], blocks[1:]
-            if running:
-                self._producer_copy(g, partial[1], dst)
-            else:
-                self._consumer_copy(g, rid, dst, partial)
-                returned = [dst] + returned
-        table.extend(blocks)
-        g.allocated.add(rid)
-        return returned + blocks
-
-    def _consumer_copy(
-        self, g: GroupState, rid: str, dst: int, partial: tuple[int, int] | None = None
-    ) -> None:
-        """A hit read in part: the table points at the private `dst`, which the copy
-        fills from the shared block (`_apply_cow`); `dst` holds one extra reference
-        until the copy is taken, the source keeps the reference of the hit's touch."""
-        idx, src = partial if partial is not None else g.partial.pop(rid)
-        table = g.table(rid)
-        assert table[idx] == src and self.pool.ref[src] > 0
-        table[idx] = dst
-        g.copies.append((src, dst))
-        self.pool.ref[dst] += 1
-        self.exercised["CoW copy of a hit read in part"] += 1
-
-    def _producer_copy(self, g: GroupState, src: int, dst: int) -> None:
-        """The request keyed its own state mid-block and goes on writing it: the
-        keys move to `dst`, which the copy fills (`MambaManager.allocate_new_blocks`,
-        `BlockPool.move_block_hashes`); `src` holds one extra reference until the
-        copy is taken, and a hit on the moved key waits for the next step."""
-        self.pool.move_keys(src, dst)
-        g.copies.append((src, dst))
-        self.pool.ref[src] += 1
-        if dst in self.pool.primary:
-            g.cached_this_step.add(self.pool.primary[dst])
-        self.exercised["CoW copy of a request's own tail (move_block_hashes)"] += 1
+        return self._allocate_state(g, rid, main)
 
     # ----------------------------------------------------------------- free
     def _free(self, rid: str) -> None:

@@ -14,7 +14,16 @@ the block holding that position. When the next chunk is allocated:
   state block at most, plus the destination of a copy-on-write copy when a
   hit or its own key ends inside a block (`model.fine_mamba`); a smaller need
   (0, or negative when the table is already long enough) is kept as it is
-  (`capped`).
+  (`capped`);
+- draft state blocks (`MambaSpec.num_speculative_blocks`, s): with
+  speculative decoding a Mamba layer keeps s more blocks past its state, one
+  per draft token (`MambaBase.get_kv_cache_spec`: s = num_speculative_tokens,
+  0 only under ReplaySSM). The table is `cdiv(main, bs) + s` long, the
+  running state sits s blocks before its end, a request's first allocation
+  may take s more blocks than the cap, and when a later chunk moves the state
+  forward the draft blocks it passes over move to the table's end, their
+  positions nulled (`allocate_new_blocks`, `_relocate_speculative_block`).
+  In `none` mode the table is `s` blocks longer (`s * bs` more tokens).
 
 Release variants, keyed by the `model.profile.Profile` switches that select
 them (each rule's docstring names its releases):
@@ -46,19 +55,27 @@ the first table index to retire."""
 RETIREMENTS: dict[bool, Retirement] = {True: retire_from_mark, False: retire_down_to_null}
 
 
-def capped(new: int, copy: bool) -> int:
+def capped(new: int, cap: int) -> int:
     """0.31.0 on (PR not identified): `min(num_new_blocks, physical_block_cap)`,
-    the cap one running state plus a copy's destination."""
-    return min(new, 1 + copy)
+    the cap one running state plus a copy's destination (plus the draft blocks
+    on a first allocation, `cap_of`)."""
+    return min(new, cap)
 
 
-def raised_to_cap(new: int, copy: bool) -> int:
+def raised_to_cap(new: int, cap: int) -> int:
     """0.26.0 .. 0.30.0: any positive need is raised to the cap, so a partial hit
     needing only its copy block asks for two."""
-    return 1 + copy if new > 0 else min(new, 1 + copy)
+    return cap if new > 0 else min(new, cap)
 
 
-Count = Callable[[int, bool], int]
-"""(new state blocks the chunk needs, whether a copy destination is among them) -> the blocks asked."""
+def cap_of(copy: bool, draft_blocks: int, allocated: bool) -> int:
+    """The most new blocks one allocation takes: the state, a copy's destination,
+    and on the request's first allocation its draft blocks (vLLM 0.33.0
+    `physical_block_cap`; the draft blocks are only non-zero with drafts)."""
+    return 1 + copy + (0 if allocated else draft_blocks)
+
+
+Count = Callable[[int, int], int]
+"""(new state blocks the chunk needs, the cap of `cap_of`) -> the blocks asked."""
 
 COUNTS: dict[bool, Count] = {True: capped, False: raised_to_cap}

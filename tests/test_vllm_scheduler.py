@@ -144,13 +144,11 @@ def test_preemption_inside_a_step_agrees() -> None:
 
 
 def test_unbuildable_speculative_configurations_are_refused_with_the_reason() -> None:
-    """Eagle without lookahead slots (vLLM's Eagle always drafts) and a Mamba group with
-    drafts (its speculative state blocks are not modeled) are refused, each with its reason;
-    speculative decoding itself is judged (tests/test_vllm_scheduler_spec.py)."""
+    """Eagle without lookahead slots (vLLM's Eagle always drafts) is refused with its
+    reason; speculative decoding itself, with a Mamba group too, is judged
+    (tests/test_vllm_scheduler_spec.py)."""
     with pytest.raises(SchedulerUnsupported, match="drafts at least one token"):
         VllmSchedulerTarget(FULL_SWA.with_(eagle=True))
-    with pytest.raises(SchedulerUnsupported, match="num_speculative_blocks"):
-        VllmSchedulerTarget(FULL_MAMBA.with_(num_lookahead_tokens=2))
 
 
 def test_schedule_is_a_step_of_one() -> None:

@@ -5,10 +5,12 @@ one-token admissions padded with placeholder drafts, rejected drafts rolled
 back, blocks cached at the sample; the operation's JSON form. Scripted traces
 (Eagle and draft model, drafts accepted in full, in part and not at all, cut
 by the budget, padding, preemption) must give the model's observation and
-snapshot after every operation; a short generated run is clean. Negative
-controls: the zoo's speculative-decoding mutants of vLLM's scheduler are each
+snapshot after every operation; a short generated run is clean. A Mamba group
+keeps its draft state blocks (`model.mamba`). Negative controls: the zoo's
+speculative-decoding mutants of vLLM's scheduler are each
 caught on a trace the unmutated scheduler passes; drafts the target cannot
-take are refused. The vLLM parts are skipped, with the reason, when vLLM
+take are refused; the scheduler built with Mamba specs
+that lack their draft blocks disagrees. The vLLM parts are skipped, with the reason, when vLLM
 cannot be imported.
 """
 
@@ -216,17 +218,6 @@ def test_spec_mutant_is_caught(name: str) -> None:
 
 @needs_vllm
 @pytest.mark.vllm
-def test_mamba_with_drafts_is_refused_with_the_reason() -> None:
-    from invariants.targets.vllm_scheduler_build import SchedulerUnsupported
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
-    cfg = Config(groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)), num_blocks=24, num_lookahead_tokens=1)
-    with pytest.raises(SchedulerUnsupported, match="num_speculative_blocks"):
-        VllmSchedulerTarget(cfg)
-
-
-@needs_vllm
-@pytest.mark.vllm
 def test_generated_spec_run_is_clean(tmp_path: Path) -> None:
     from invariants.harness.fuzz import run_fuzz
 
@@ -282,3 +273,155 @@ def test_a_speculating_scheduler_forks_for_the_search() -> None:
     assert d.checker.target.snapshot() == before
     d.do(*rest)
     assert d.found == [] and d.checker.target.snapshot() == thawed.target.snapshot() != before
+
+
+# ---------------------------------------------------------------- Mamba draft state blocks
+FULL_MAMBA_DRAFTS = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)),
+    num_blocks=30,
+    num_lookahead_tokens=2,
+    max_model_len=4096,
+)
+
+
+def test_model_keeps_mamba_draft_blocks_and_moves_them_past() -> None:
+    """vLLM 0.33.0 `MambaManager.allocate_new_blocks` with `num_speculative_blocks = 2`:
+    the table is `cdiv(main, bs) + 2` long, the state 2 blocks before its end; a chunk
+    that moves the state past a draft block moves that block to the table's end."""
+    m = _model(FULL_MAMBA_DRAFTS, 2)
+    m.apply(AddRequest("r0", PROMPT))
+    m.apply(Step(("r0",), 4))
+    state, d1, d2 = m.groups[1].tables["r0"]  # the state at block 0, then 2 draft blocks
+    m.apply(Step(("r0",), 8))  # 12 tokens: the state moves to block 2, past d1 (moved to the end)
+    table = m.groups[1].tables["r0"]
+    assert table[:4] == [state, 0, d2, d1] and len(table) == 3 + 2
+    assert m.exercised["Mamba draft block moved past by its state"] == 1
+    m.apply(Step(("r0",), 64))  # 16 tokens: the state is d1's place (block 3); nothing moves
+    table = m.groups[1].tables["r0"]
+    assert table[:5] == [0, 0, d2, d1, table[4]] and len(table) == 4 + 2
+    assert m.exercised["Mamba draft block moved past by its state"] == 1
+    # Without drafts the same chunks keep no draft blocks.
+    plain = _model(FULL_MAMBA_DRAFTS, 0)
+    plain.apply(AddRequest("r0", PROMPT))
+    plain.apply(Step(("r0",), 4))
+    assert len(plain.groups[1].tables["r0"]) == 1
+
+
+def mamba_drafts_trace(factory: object = None) -> Drive:
+    """Full + Mamba (align) with 2 drafts a step: prefill chunks move the state past a
+    draft block; drafts accepted in full, in part, not at all roll the state back; a second request hits the
+    first's cached states; a preemption; then both finish."""
+    d = Drive(FULL_MAMBA_DRAFTS, factory).do(AddRequest("r0", PROMPT), Step(("r0",), 4), Step(("r0",), 8))
+    d.do(
+        Step(("r0",), 64),
+        Step(("r0",), 64),
+        Sample("r0", 1, 0, (2, 3)),
+        Step(("r0",), 64),
+        Sample("r0", 1, 2, (3, 3)),
+    )
+    d.do(Step(("r0",), 64), Sample("r0", 2, 1, (1, 2)), Step(("r0",), 64), Sample("r0", 3, 0, (1, 2)))
+    d.do(Step(("r0",), 64), Sample("r0", 1, 2, (2, 2)), AddRequest("r1", PROMPT + (1, 5)))
+    d.do(Step(("r0", "r1"), 64), Sample("r0", 1, 1, (3, 1)), Sample("r1", 2, 0, (1, 1)))
+    d.do(Step(("r0", "r1"), 64), Sample("r0", 2, 2, (1, 1)), Sample("r1", 1, 1, (2, 2)))
+    d.do(Preempt("r1"), Step(("r0", "r1"), 64), Finish("r0"), Finish("r1"), Probe(PROMPT))
+    return d
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_mamba_drafts_trace_agrees_with_the_model() -> None:
+    d = mamba_drafts_trace()
+    assert d.found == []
+    assert d.checker.model.exercised["Mamba draft block moved past by its state"] > 0
+    manager = d.checker.target.vllm_scheduler.kv_cache_manager.coordinator.single_type_managers[1]
+    assert manager.num_speculative_blocks == 2  # what a real Mamba layer declares
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_mamba_specs_without_draft_blocks_disagree() -> None:
+    """Negative control: the real scheduler built with Mamba specs that lack
+    `num_speculative_blocks` (what kvretain built before) is caught on the same trace."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    class WithoutDraftBlocks(VllmSchedulerTarget):
+        speculative_blocks = False
+
+    assert mamba_drafts_trace(WithoutDraftBlocks).found != []
+
+
+# ---------------------------------------------------------------- where a drafting Mamba request's state lies
+NARROW_MAMBA_DRAFTS = Config(
+    groups=(GroupSpec("full", 8), GroupSpec("mamba", 2)),
+    num_blocks=28,
+    retention_interval=0,
+    eagle=True,
+    hash_block_size=2,
+    num_lookahead_tokens=2,
+    max_model_len=4096,
+)
+NARROW_PROMPT = (1, 1, 2, 1, 1, 3, 3, 2, 3, 2, 1, 3, 1, 1, 2, 2, 1, 1)
+
+
+def narrow_rejection(last_drafts: tuple[int, ...]) -> list[Op]:
+    """Three tokens a step over 2-token Mamba blocks: the state jumps a block and
+    moves a draft block; every draft rejected; then a step with `last_drafts`."""
+    return [
+        AddRequest("r0", NARROW_PROMPT),
+        Step(("r0",), 32),
+        Step(("r0",), 32),
+        Sample("r0", 1, 0, (1, 3)),
+        Step(("r0",), 32),
+        Sample("r0", 1, 0, last_drafts),
+        Step(("r0",), 32),
+    ]
+
+
+def _captured(ops: list[Op]) -> tuple[list[Violation], list[object]]:
+    """The violations no known finding explains, and every step's check context."""
+    import invariants.harness.checker as checker_mod
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    contexts: list[object] = []
+    real = checker_mod.check_all
+
+    def capture(ctx):  # type: ignore[no-untyped-def]
+        contexts.append(ctx)
+        return real(ctx)
+
+    checker_mod.check_all = capture
+    try:
+        chk = Checker(VllmSchedulerTarget(NARROW_MAMBA_DRAFTS), audit_every=1)
+        found = [v for op in ops for v in chk.step(op) if not is_known_violation("vllm-scheduler", v)]
+    finally:
+        checker_mod.check_all = real
+    return found, contexts
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_a_drafting_mamba_request_resumes_from_its_draft_state_blocks() -> None:
+    """After a rejection the state sits in the previous step's state column, past the
+    block holding token `start - 1` (null here): `step_blocks_stay_held` reads it
+    there. Negative controls: read by position (no draft blocks) it flags the step;
+    a state block dropped from the table after the step is flagged. A step without
+    drafts then ends in the position a moved draft block left null: not judged
+    (the worker's append-only table still holds the moved block there)."""
+    from dataclasses import replace
+
+    from invariants.catalogue import BY_NAME
+
+    found, contexts = _captured(narrow_rejection((1, 2)))
+    assert found == []
+    ctx = contexts[-1]
+    check = BY_NAME["step_blocks_stay_held"].check
+    assert check(ctx) == []
+    assert any("block index 9 is the null block" in p for p in check(replace(ctx, draft_blocks=0)))
+    full, mamba = ctx.after.tables["r0"]
+    state = ctx.before.tables["r0"][1][10]
+    dropped = tuple(0 if b == state else b for b in mamba)
+    after = replace(ctx.after, tables={**ctx.after.tables, "r0": (full, dropped)})
+    assert any(f"block {state}" in p for p in check(replace(ctx, after=after)))
+    found, contexts = _captured(narrow_rejection(()))
+    assert found == []
+    assert contexts[-1].after.tables["r0"][1][9] == 0  # the step's end position, nulled by the move

@@ -173,6 +173,8 @@ class CheckContext:
     delta: Delta | None = None
     # The design the target is judged by (an older release's in the matrix).
     profile: Profile = MODELED
+    # Draft state blocks per Mamba group (`model.mamba`): the drafts a step verifies, 0 without.
+    draft_blocks: int = 0
 
     @property
     def alignment(self) -> int:

@@ -12,7 +12,18 @@ chunk `[start, end)`, per group:
 - Mamba (align) reads the state of the block holding token `start - 1` and
   writes the state of the block holding token `end - 1`; Mamba 'none' keeps
   the plain layout and reads from the block holding token `start - 1`
-  (`MambaManager.get_num_skipped_tokens` = computed - 1).
+  (`MambaManager.get_num_skipped_tokens` = computed - 1). With s draft state
+  blocks (`model.mamba`) a running request's state is not where token
+  `start - 1` lies: the worker reads it from the previous step's state column
+  plus the accepted drafts (`preprocess_mamba`, `num_accepted_tokens - 1`),
+  at or past that block, where a chunk's state may have moved the draft
+  blocks; so every non-null block of its table from there on must stay held
+  (wherever it lies after the step), and the block holding token `end - 1`
+  must be held where the allocator's table has one. Where that position is
+  null it is not judged: the worker's table only grows (`allocate_new_blocks`
+  ships a moved draft block again at the end and nulls only the allocator's
+  entry), so the worker may still hold the moved block there, and kvretain
+  does not rebuild the worker's table across steps.
 
 Attention KV written by one request may be read by another in the same step
 (each layer writes the batch's KV before its attention reads it: that is why
@@ -104,8 +115,13 @@ def step_blocks_stay_held(ctx: CheckContext) -> list[str]:
         tables = ctx.after.tables.get(rid, ())
         for g, spec in enumerate(ctx.config.groups):
             table = tables[g] if g < len(tables) else ()
-            for idx in _reads(spec, start, end):
+            drafts = _draft_states(ctx, rid, g, spec, start)
+            if drafts is not None:
+                problems += _moved_states_held(ctx, rid, g, drafts, table)
+            for idx in _reads(spec, start, end) if drafts is None else (cdiv(end, spec.block_size) - 1,):
                 b = table[idx] if idx < len(table) else 0
+                if drafts is not None and b == 0:
+                    continue  # the worker's table may hold a moved draft block here (module docstring)
                 if b == 0 or ctx.after.ref_cnt[b] <= 0:
                     problems.append(
                         f"{rid} computes tokens [{start}, {end}) but group {g} block index {idx} "
@@ -117,6 +133,30 @@ def step_blocks_stay_held(ctx: CheckContext) -> list[str]:
                         f"was handed to {handed[b]} as a new block in the same step"
                     )
     return problems[:3]
+
+
+def _draft_states(ctx: CheckContext, rid: str, g: int, spec: GroupSpec, start: int) -> tuple[int, ...] | None:
+    """The blocks a running request's previous state and draft states may lie in
+    (Mamba align with draft blocks, see the module docstring); None otherwise."""
+    before = ctx.before.tables.get(rid, ())
+    if not (ctx.draft_blocks and spec.kind == "mamba" and spec.mamba_cache_mode == "align") or g >= len(
+        before
+    ):
+        return None
+    if not before[g] or start <= 0:
+        return None  # admitted this step: it reads its hit's state, by position
+    return tuple(b for b in before[g][max(cdiv(start, spec.block_size) - 1, 0) :] if b)
+
+
+def _moved_states_held(
+    ctx: CheckContext, rid: str, g: int, blocks: tuple[int, ...], table: tuple[int, ...]
+) -> list[str]:
+    return [
+        f"{rid} resumes from a state or draft state in block {b} (group {g}), which is "
+        f"{'freed' if b in table else 'out of its table'} after the step"
+        for b in blocks
+        if b not in table or ctx.after.ref_cnt[b] <= 0
+    ]
 
 
 def mamba_state_not_read_while_written(ctx: CheckContext) -> list[str]:

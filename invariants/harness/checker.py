@@ -260,6 +260,7 @@ class Checker:
                 self._probe,
                 finished,
                 profile=self.model.profile,
+                draft_blocks=self.model.num_spec_tokens,
             )
             found += [Violation(name, msg) for name, msg in check_all(ctx)]
         forget(self.history, snap.cached)  # after the checks: they read the finishing request's keys
@@ -328,6 +329,7 @@ class Checker:
                 finished,
                 delta,  # type: ignore[arg-type]
                 self.model.profile,
+                self.model.num_spec_tokens,
             )
             found += [Violation(name, msg) for name, msg in check_delta(ctx)]
         forget(self.history, self._holders)  # after the checks: they read the finishing request's keys

@@ -91,9 +91,7 @@ class FuzzReport:
 
 NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER = (
     "Eagle / MTP without lookahead slots (vLLM's Eagle drafts at least one token, so its scheduler "
-    "cannot be built with none: Eagle configurations there reserve 1..3 lookahead slots), and "
-    "speculative decoding with a Mamba group (its speculative state blocks, MambaSpec.num_speculative_blocks, "
-    "are not modeled)"
+    "cannot be built with none: Eagle configurations there reserve 1..3 lookahead slots)"
 )
 
 

@@ -57,8 +57,7 @@ def configs(
     (unless `allow_fine` is False: targets that refuse such configurations).
     `eagle_drafts`: a real scheduler's speculative decoding: an Eagle
     configuration always reserves lookahead slots (vLLM's Eagle drafts at least
-    one token), and one with a Mamba group neither (its speculative state blocks
-    are not modeled: `vllm_scheduler_spec.MAMBA_NEEDS_SPECULATIVE_BLOCKS`).
+    one token); a Mamba group's draft state blocks follow (`model.mamba`).
     `connector`: True = a KV connector attached (`Config.kv_connector`; Mamba shapes
     are left out: `model.connector` does not state them), False = none, None = either
     where the shape has no Mamba group and nothing speculates (the connector's
@@ -73,8 +72,7 @@ def configs(
     interval = _retention(draw, groups, retention)
     pin = allow_pinning and "swa" in shape and draw(st.booleans())
     num_blocks = draw(st.integers(6, 28))
-    no_spec = eagle_drafts and "mamba" in shape
-    use_eagle = (draw(st.booleans()) if eagle is None else eagle) and not no_spec
+    use_eagle = draw(st.booleans()) if eagle is None else eagle
     cfg = Config(
         groups=tuple(groups),
         num_blocks=num_blocks,
@@ -84,9 +82,7 @@ def configs(
         pin_swa_on_drop=pin,
         pin_min_drop_blocks=draw(st.integers(0, 3)) if pin else 1,
         max_model_len=4096,
-        num_lookahead_tokens=_lookahead(
-            draw, False if no_spec else True if eagle_drafts and use_eagle else lookahead
-        ),
+        num_lookahead_tokens=_lookahead(draw, True if eagle_drafts and use_eagle else lookahead),
         # The hash block stays one `base` wide (vLLM `--prefix-match-unit`) when the Mamba block is wider.
         hash_block_size=base if wide_mamba else 0,
     )

@@ -35,10 +35,14 @@ class UnsupportedConfig(ConfigError):
     """A configuration option of kvretain's that vLLM does not have (not a vLLM rejection)."""
 
 
-def group_specs(cfg: Config, v: dict[str, Any]) -> list[Any]:
+def group_specs(cfg: Config, v: dict[str, Any], draft_blocks: int = 0) -> list[Any]:
     """vLLM `KVCacheGroupSpec`s for `cfg`'s groups, in order (`v`: vLLM's modules,
-    with `torch`, `FullAttentionSpec`, `SlidingWindowSpec`, `MambaSpec`, `KVCacheGroupSpec`)."""
+    with `torch`, `FullAttentionSpec`, `SlidingWindowSpec`, `MambaSpec`, `KVCacheGroupSpec`).
+    `draft_blocks`: each Mamba group's `num_speculative_blocks` (a Mamba layer
+    declares one per speculative token, `MambaBase.get_kv_cache_spec`); only the
+    scheduler target speculates."""
     torch = v["torch"]
+    drafts = {"num_speculative_blocks": draft_blocks} if draft_blocks else {}
     specs = []
     for i, g in enumerate(cfg.groups):
         if g.kind == "full":
@@ -59,6 +63,7 @@ def group_specs(cfg: Config, v: dict[str, Any]) -> list[Any]:
                 shapes=((1,),),
                 dtypes=(torch.float32,),
                 mamba_cache_mode=g.mamba_cache_mode,
+                **drafts,
             )
         else:
             raise ConfigError(f"groups[{i}].kind: must be 'full', 'swa' or 'mamba', got {g.kind!r}")

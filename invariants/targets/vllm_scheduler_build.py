@@ -237,9 +237,17 @@ def _transfer_config(failure_policy: Literal["recompute", "fail"]) -> Any:
 
 
 def build_scheduler(
-    cfg: Config, v: dict[str, Any], caps: Capabilities, version: str, *, async_scheduling: bool = False
+    cfg: Config,
+    v: dict[str, Any],
+    caps: Capabilities,
+    version: str,
+    *,
+    async_scheduling: bool = False,
+    speculative_blocks: bool = True,
 ) -> Any:
-    """vLLM's `Scheduler` (`AsyncScheduler` with `async_scheduling`) for `cfg`."""
+    """vLLM's `Scheduler` (`AsyncScheduler` with `async_scheduling`) for `cfg`.
+    `speculative_blocks=False` leaves the Mamba specs without their draft blocks
+    (a planted defect for the tests: a real model never builds that)."""
     from .vllm_build import _retention_env as retention_env
     from .vllm_build import check_supported
 
@@ -248,7 +256,8 @@ def build_scheduler(
     why = scheduler_unsupported(caps)
     if why is not None:  # the release's scheduler API (`vllm_capabilities.scheduler_api_missing`)
         raise SchedulerUnsupported(why)
-    specs = group_specs(cfg, v)
+    # With lookahead slots the scheduler speculates, so its Mamba layers keep draft blocks.
+    specs = group_specs(cfg, v, draft_blocks=cfg.num_lookahead_tokens if speculative_blocks else 0)
     m = scheduler_modules()
     try:
         vcfg = vllm_config(cfg, async_scheduling=async_scheduling)

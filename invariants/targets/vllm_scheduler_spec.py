@@ -22,12 +22,11 @@ then caches blocks and the model caches them at the sample:
 - then `Scheduler.update_draft_token_ids(DraftTokenIds([rid], [drafts]))`, as
   `EngineCore.post_step` does after a step.
 
-Not judged: a Mamba group with speculative decoding (`check_speculation_judged`).
-vLLM's scheduler builds and runs it, but vLLM sizes the Mamba state's draft
-blocks from the model (`MambaSpec.num_speculative_blocks =
-num_speculative_tokens`, 0 only under ReplaySSM), which kvretain's specs and
-model leave out: once drafts roll back, no state block sits at the
-rolled-back position.
+A Mamba group speculates too: `vllm_scheduler_build` gives its `MambaSpec`
+`num_speculative_blocks = num_lookahead_tokens`, as a real Mamba layer
+declares (`MambaBase.get_kv_cache_spec`; 0 only under ReplaySSM, which
+kvretain does not build), and the model keeps the same draft state blocks
+(`model.mamba`).
 """
 
 from __future__ import annotations
@@ -35,25 +34,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from model.config import Config
 from model.ops import Sample
 
 from .base import TargetCrash
-from .vllm_scheduler_build import SchedulerUnsupported
 from .vllm_scheduler_drive import RealStepScheduler
-
-MAMBA_NEEDS_SPECULATIVE_BLOCKS = (
-    "groups: a Mamba group with speculative decoding (num_lookahead_tokens > 0) is not judged on "
-    "vllm-scheduler: vLLM sizes the Mamba state's draft blocks from the model "
-    "(MambaSpec.num_speculative_blocks = num_speculative_tokens), which kvretain's specs and model leave "
-    "out; use --target vllm for such configurations"
-)
-
-
-def check_speculation_judged(config: Config) -> None:
-    """Raise `SchedulerUnsupported` for speculative configurations the target does not judge."""
-    if config.num_lookahead_tokens and config.has_mamba:
-        raise SchedulerUnsupported(MAMBA_NEEDS_SPECULATIVE_BLOCKS)
 
 
 class SpecStepScheduler(RealStepScheduler):

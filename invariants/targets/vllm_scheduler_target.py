@@ -47,7 +47,7 @@ from .vllm_capabilities import Capabilities
 from .vllm_drive import OpDriver
 from .vllm_scheduler_build import build_scheduler, scheduler_modules
 from .vllm_scheduler_drive import RealStepScheduler
-from .vllm_scheduler_spec import SpecStepScheduler, check_speculation_judged
+from .vllm_scheduler_spec import SpecStepScheduler
 from .vllm_snapshot import EventTranslator, SnapshotReader
 from .vllm_target import VLLM_EVENT_PROFILE, VllmTarget
 
@@ -131,9 +131,11 @@ class VllmSchedulerTarget(VllmTarget):
 
     name = "vllm-scheduler"
     features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, connector=True)
+    # Mamba specs keep their draft blocks when the scheduler speculates (`vllm_scheduler_spec`);
+    # False only in the tests' planted defect.
+    speculative_blocks = True
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
-        check_speculation_judged(config)
         self.vllm_scheduler: Any = None
         super().__init__(config, events, track_prefixes)
         # With lookahead slots the scheduler speculates (`vllm_scheduler_spec`).
@@ -146,5 +148,7 @@ class VllmSchedulerTarget(VllmTarget):
 
     def build_manager(self, config: Config, v: dict[str, Any], caps: Capabilities) -> Any:
         """The real scheduler's `KVCacheManager` (the scheduler is kept as `vllm_scheduler`)."""
-        self.vllm_scheduler = build_scheduler(config, v, caps, self.version)
+        self.vllm_scheduler = build_scheduler(
+            config, v, caps, self.version, speculative_blocks=self.speculative_blocks
+        )
         return self.vllm_scheduler.kv_cache_manager

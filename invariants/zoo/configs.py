@@ -20,7 +20,8 @@ from model.config import Config, GroupSpec, validate
 SWA_SHAPES: tuple[tuple[str, ...], ...] = (("swa",), ("full", "swa"), ("full", "swa"), ("full", "swa", "swa"))
 RETENTION_SHAPES: tuple[tuple[str, ...], ...] = (*SWA_SHAPES, ("full", "mamba"), ("full", "swa", "mamba"))
 MAMBA_SHAPES: tuple[tuple[str, ...], ...] = (("full", "mamba"), ("full", "swa", "mamba"))
-# Speculative decoding through a real scheduler: no Mamba (its speculative state blocks are not modeled).
+# Speculative decoding through a real scheduler: the spec-decoding mutants are caught without Mamba
+# (the Mamba draft blocks are judged by the conformance row and tests/test_vllm_scheduler_spec.py).
 SPEC_SHAPES: tuple[tuple[str, ...], ...] = (("full",), *SWA_SHAPES)
 # 3 spec groups (the coordinator's fixed point iterates).
 MULTI_SHAPES: tuple[tuple[str, ...], ...] = (("full", "swa", "swa"),)
