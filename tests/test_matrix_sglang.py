@@ -389,3 +389,29 @@ def test_0522_finish_after_a_window_slide_trips_checkpoint_into_tree() -> None:
     assert found is not None and found[0] == "sglang_raised", result
     assert "new_prefix_len=4, len(new_indices)=0" in found[1]
     assert result["with_finish"]["last"] == "Finish"
+
+
+class _RaisesAtThirdOp:
+    """A checker whose cache raises on the third op (as 0.5.22's checkpoint_into_tree does)."""
+
+    def __init__(self) -> None:
+        self.checked_ops = 0
+        self.coverage: dict[str, int] = {}
+
+    def step(self, op: object) -> None:
+        if self.checked_ops == 2:
+            raise AssertionError("new_prefix_len=4, len(new_indices)=0")
+        self.checked_ops += 1
+
+
+def test_a_raising_op_is_the_last_op_of_the_written_trace(tmp_path: Path, monkeypatch) -> None:
+    from invariants.harness.radix_fuzz import generate_ops, read_trace
+    from invariants.matrix import sglang_worker
+
+    monkeypatch.setattr(sglang_worker, "_checker", lambda *a, **k: _RaisesAtThirdOp())
+    caps = derive(V22)
+    row = sglang_worker.fuzz_family(caps, "unified", "full-p1", 0.0, 5, tmp_path)
+    assert row["verdict"] == "defect" and row["check"] == "sglang_raised"
+    _, ops = read_trace(Path(row["trace"]))
+    # The replayable trace ends with the op SGLang raised on, not the one before it.
+    assert ops == generate_ops(5, LAYOUTS["full-p1"], sglang_worker.OPS_PER_SEED)[:3]
