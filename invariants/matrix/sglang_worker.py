@@ -68,9 +68,10 @@ def fuzz_family(caps: Any, family: str, name: str, budget_s: float, seed: int, o
     row: dict[str, Any] = {"family": family, "layout": name}
     while run.seeds == 0 or time.perf_counter() - start < budget_s:
         ops = generate_ops(s, layout, OPS_PER_SEED)
+        applied = 0
         try:
             checker = _checker(caps, family, layout)
-            found, _, _ = _history(checker, ops)
+            found, applied, _ = _history(checker, ops)
         except Exception as exc:  # building the cache failed: the adapter's gap
             found, checker = ("sglang_raised", f"{type(exc).__name__}: {str(exc)[:200]}"), None
         run.seeds += 1
@@ -80,7 +81,8 @@ def fuzz_family(caps: Any, family: str, name: str, budget_s: float, seed: int, o
         if found is not None:
             verdict = classify(found[0], found[1], family)
             run.violation, run.seed = found, s
-            run.trace = ops[: (checker.checked_ops if checker is not None else 0)]
+            # Up to and including the op that broke (one SGLang raised on is not "checked").
+            run.trace = ops[:applied]
             out.mkdir(parents=True, exist_ok=True)
             path = out / f"sglang-{caps.version}-{family}-{name}-seed{s}.json"
             write_trace(run, layout, path)

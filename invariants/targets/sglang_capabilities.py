@@ -8,7 +8,9 @@ the adapter its API fits and judges only the cache families it ships:
 | `unified`       | `sglang.srt.mem_cache.unified_radix_cache` exists               | 0.5.20 .. 0.5.23 |
 | `legacy_swa`    | `sglang.srt.mem_cache.swa_radix_cache` exists (`SWARadixCache`) | 0.5.20 (removed in 0.5.21) |
 | `legacy_mamba`  | `sglang.srt.mem_cache.mamba_radix_cache` exists (`MambaRadixCache`) | 0.5.20 (removed in 0.5.21) |
-| `scheduler_api` | `checkpoint`: `common.checkpoint_kv_cache` and `release_kv_cache(..., checkpoint=)` (driven by `sglang_drive`); `cache_unfinished`: `common.maybe_cache_unfinished_req` and `release_kv_cache(..., is_insert=)` with no per-request `on_release` hook (driven by `sglang_legacy`); else none | 0.5.23; 0.5.20 |
+| `scheduler_api` | `checkpoint`: `common.checkpoint_kv_cache`, `release_kv_cache(..., checkpoint=)` and `on_release(..., checkpointed=)` (driven by `sglang_drive`); `cache_unfinished`: `common.maybe_cache_unfinished_req` and `release_kv_cache(..., is_insert=)`, with no `on_release` hook or one keyed `inserted=` (driven by `sglang_legacy`); else none | 0.5.22, 0.5.23; 0.5.20, 0.5.21 |
+| `release_hook`  | the keyword of `UnifiedRadixCache.on_release(req, *, ...)`, the per-request hook `release_kv_cache` calls last and a driver calls itself when it undoes an admission: none, `inserted` or `checkpointed` | 0.5.20; 0.5.21; 0.5.22, 0.5.23 |
+| `window_eviction` | how a decode step slides a request's SWA window: `cache` (`ScheduleBatch.maybe_evict_swa` -> `tree_cache.evict_sliding_windows`, gated by `_swa_eviction_trigger`) or `common` (0.5.20: `_evict_swa` calls `common.free_swa_out_of_window_slots`, gated inline) | 0.5.21 .. 0.5.23; 0.5.20 |
 | `paged_cpu`     | a page-size-4 `PagedTokenToKVPoolAllocator` serves `alloc_extend` on this CPU (0.5.20's runs a Triton kernel only) | 0.5.23 |
 
 `derive` is the pure part (facts in, capabilities out) so it is tested without
@@ -26,6 +28,10 @@ from model.radix.config import RadixLayout
 
 API_CHECKPOINT = "checkpoint"
 API_CACHE_UNFINISHED = "cache_unfinished"
+HOOK_INSERTED = "inserted"  # 0.5.21: on_release(req, *, inserted)
+HOOK_CHECKPOINTED = "checkpointed"  # 0.5.22, 0.5.23: on_release(req, *, checkpointed)
+WINDOW_CACHE = "cache"  # the scheduler's decode path reaches tree_cache.evict_sliding_windows
+WINDOW_COMMON = "common"  # 0.5.20: ScheduleBatch._evict_swa calls common.free_swa_out_of_window_slots
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,8 @@ class Facts:
     modules: frozenset[str]  # of: unified, legacy_swa, legacy_mamba
     common_functions: frozenset[str]  # public names of sglang.srt.mem_cache.common
     release_params: frozenset[str]  # parameters of common.release_kv_cache
-    unified_on_release: bool  # UnifiedRadixCache has the per-request on_release hook
+    release_hook: str | None  # keyword of UnifiedRadixCache.on_release, None without the hook
+    window_eviction: str  # WINDOW_CACHE or WINDOW_COMMON
     paged_cpu: bool
 
 
@@ -47,6 +54,8 @@ class Capabilities:
     legacy_swa: bool
     legacy_mamba: bool
     scheduler_api: str | None
+    release_hook: str | None
+    window_eviction: str
     paged_cpu: bool
 
     def families(self) -> tuple[str, ...]:
@@ -79,12 +88,16 @@ class Capabilities:
 def derive(facts: Facts) -> Capabilities:
     """The capabilities a release's facts imply."""
     api: str | None = None
-    if "checkpoint_kv_cache" in facts.common_functions and "checkpoint" in facts.release_params:
+    if (
+        "checkpoint_kv_cache" in facts.common_functions
+        and "checkpoint" in facts.release_params
+        and facts.release_hook == HOOK_CHECKPOINTED
+    ):
         api = API_CHECKPOINT
     elif (
         "maybe_cache_unfinished_req" in facts.common_functions
         and "is_insert" in facts.release_params
-        and not facts.unified_on_release
+        and facts.release_hook in (None, HOOK_INSERTED)
     ):
         api = API_CACHE_UNFINISHED
     return Capabilities(
@@ -93,6 +106,8 @@ def derive(facts: Facts) -> Capabilities:
         legacy_swa="legacy_swa" in facts.modules,
         legacy_mamba="legacy_mamba" in facts.modules,
         scheduler_api=api,
+        release_hook=facts.release_hook,
+        window_eviction=facts.window_eviction,
         paged_cpu=facts.paged_cpu,
     )
 
@@ -131,6 +146,24 @@ def _paged_cpu() -> bool:
     return out is not None
 
 
+def release_hook(cache_cls: Any) -> str | None:
+    """The keyword-only parameter of `cache_cls.on_release` (`inserted`, `checkpointed`), or
+    None when the class has no such hook (0.5.20's base class has none)."""
+    hook = getattr(cache_cls, "on_release", None)
+    if hook is None:
+        return None
+    params = inspect.signature(hook).parameters.values()
+    keywords = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return keywords[0] if keywords else None
+
+
+def window_eviction() -> str:
+    """How the imported release's decode step slides a request's SWA window."""
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+    return WINDOW_CACHE if hasattr(BasePrefixCache, "evict_sliding_windows") else WINDOW_COMMON
+
+
 def detect() -> Capabilities:
     """The imported release's capabilities (call after `sglang_available()`)."""
     from sglang.srt.mem_cache import common
@@ -138,17 +171,18 @@ def detect() -> Capabilities:
     from invariants.targets.sglang_env import sglang_version
 
     modules = frozenset(k for k, m in _MODULES.items() if importlib.util.find_spec(m) is not None)
-    on_release = False
+    hook = None
     if "unified" in modules:
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-        on_release = "on_release" in vars(UnifiedRadixCache)
+        hook = release_hook(UnifiedRadixCache)
     facts = Facts(
         version=sglang_version() or "?",
         modules=modules,
         common_functions=frozenset(n for n in vars(common) if not n.startswith("_")),
         release_params=frozenset(inspect.signature(common.release_kv_cache).parameters),
-        unified_on_release=on_release,
+        release_hook=hook,
+        window_eviction=window_eviction(),
         paged_cpu=_paged_cpu(),
     )
     return derive(facts)

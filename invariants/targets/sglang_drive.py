@@ -269,12 +269,18 @@ class SglangDriver:
             return False
         try:
             with _quiet_stdout(), envs.SGLANG_SWA_EVICTION_INTERVAL.override(self.swa_eviction_interval):
-                self._alloc.alloc_for_decode_default(batch, token_per_req=1)
+                self._decode_alloc()(batch, token_per_req=1)
         except RuntimeError:
             self.last_refusal = self._refusal(start, 1)
             return False
         req.decode_batch_idx += 1  # ScheduleBatch.prepare_for_decode, after the allocation
         return True
+
+    def _decode_alloc(self) -> Any:
+        """The release's decode allocation for a CPU batch: `alloc_for_decode_default`
+        (0.5.22, 0.5.23, where `alloc_for_decode` dispatches on the device), else
+        `alloc_for_decode` (0.5.20, 0.5.21: the same body under its first name)."""
+        return getattr(self._alloc, "alloc_for_decode_default", None) or self._alloc.alloc_for_decode
 
     def _batch_of_one(self, req: Any) -> Any:
         """The attributes of a decode `ScheduleBatch` holding only `req` that SGLang's

@@ -1,25 +1,41 @@
-"""Driving SGLang 0.5.20's caches: the legacy `SWARadixCache` / `MambaRadixCache` and that
-release's `UnifiedRadixCache`, through 0.5.20's scheduler API.
+"""Driving SGLang 0.5.20's caches (the legacy `SWARadixCache` / `MambaRadixCache` and that
+release's `UnifiedRadixCache`) and 0.5.21's `UnifiedRadixCache`, through their scheduler API.
 
 0.5.20 ships both cache families (the unified cache is its default; the two
-legacy classes are still in the wheel and are removed in 0.5.21), and its
-scheduler-side API differs from 0.5.23's, which `sglang_drive` speaks:
+legacy classes are still in the wheel and are removed in 0.5.21). 0.5.20 and
+0.5.21 speak the same scheduler-side calls, which differ from 0.5.22's and
+0.5.23's (`sglang_drive`):
 
-| scheduler step        | 0.5.20 (here)                                   | 0.5.23 (`sglang_drive`)              |
+| scheduler step        | 0.5.20, 0.5.21 (here)                           | 0.5.22, 0.5.23 (`sglang_drive`)      |
 |-----------------------|-------------------------------------------------|--------------------------------------|
 | lock after a match    | `inc_lock_ref(last_node).to_dec_params()` -> `req.lock_receipt` | `cache.lock(node)`  |
 | publish a chunk       | `cache_unfinished_req(req, chunked=True)`      | `checkpoint_kv_cache(req, cache)`     |
 | finish / abort        | `release_kv_cache(req, cache, is_insert=...)`  | `release_kv_cache(req, cache, checkpoint=...)` |
-| SWA window of a running request | `free_swa_out_of_window_slots` (the body of `ScheduleBatch._evict_swa`) gated like `maybe_evict_swa` | `cache.evict_sliding_windows` |
 | tree core choice      | `SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND` (env) | `CacheInitParams.tree_core_backend`  |
 
-`LegacyDriver` keeps `SglangDriver`'s contract (one `RadixOp` in, one
-`OpResult` out, rejections rolled back) and reuses its allocation path
-(`alloc_token_slots` / `alloc_paged_token_slots_extend`, evicting under
-pressure), so the same checker and invariants judge every family. A "core"
-names what is driven: `python` / `rust` (0.5.20's unified cache on that tree
-core) or `legacy` (`SWARadixCache` for full + SWA, `MambaRadixCache` for
-full + Mamba; neither serves all three components, nor full attention alone).
+Two steps differ between 0.5.20 and 0.5.21, each switched on a capability read
+from the release (`sglang_capabilities`), not on its version:
+
+- `release_hook`: 0.5.21's unified cache has `on_release(req, *, inserted)`,
+  the last step of `release_kv_cache`; an admission undone before any
+  release (its first chunk found no room) calls it itself, as `sglang_drive`
+  calls 0.5.23's `on_release(req, *, checkpointed)`. 0.5.20 has no hook.
+- `window_eviction`: a decode step. 0.5.20 (`common`): one slot per sampled
+  token, then `free_swa_out_of_window_slots` (the body of 0.5.20's
+  `ScheduleBatch._evict_swa`) behind `maybe_evict_swa`'s gate. 0.5.21
+  (`cache`): `SglangDriver`'s decode step, unchanged: `check_decode_mem`, then
+  the release's decode allocation, whose `maybe_evict_swa` slides the window
+  through `tree_cache.evict_sliding_windows`.
+
+Both slide a window at every due step (`swa_eviction_interval` 1, as
+`SglangDriver`). `LegacyDriver` keeps `SglangDriver`'s contract (one
+`RadixOp` in, one `OpResult` out, rejections rolled back) and reuses its
+allocation path (`alloc_token_slots` / `alloc_paged_token_slots_extend`,
+evicting under pressure), so the same checker and invariants judge every
+family. A "core" names what is driven: `python` / `rust` (the release's
+unified cache on that tree core) or `legacy` (0.5.20's `SWARadixCache` for
+full + SWA, `MambaRadixCache` for full + Mamba; neither serves all three
+components, nor full attention alone).
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ from typing import Any
 import torch
 
 from invariants.targets.sglang_build import SglangParts, _allocator, _req_pool, _server_args
+from invariants.targets.sglang_capabilities import HOOK_INSERTED, WINDOW_CACHE, release_hook, window_eviction
 from invariants.targets.sglang_drive import OpResult, RunningReq, SglangDriver
 from model.radix.config import RadixLayout
 from model.radix.ops import Admit
@@ -91,10 +108,9 @@ def build_v20(layout: RadixLayout, core: str) -> SglangParts:
 
 
 class LegacyDriver(SglangDriver):
-    """`SglangDriver` over 0.5.20's scheduler API (see the module table)."""
+    """`SglangDriver` over 0.5.20's and 0.5.21's scheduler API (see the module table)."""
 
     def __init__(self, layout: RadixLayout, core: str = "python") -> None:
-        from sglang.srt.environ import envs
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
         from sglang.srt.mem_cache import allocation, common
         from sglang.srt.sampling.sampling_params import SamplingParams
@@ -108,7 +124,11 @@ class LegacyDriver(SglangDriver):
         self._alloc, self._common = allocation, common
         self.events = []
         self.last_refusal = None
-        self._swa_interval = max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get())
+        # As in SglangDriver: slide a window at every due step (SGLang's default, 128, never
+        # slides these short histories).
+        self.swa_eviction_interval = 1
+        self._release_hook = release_hook(type(self.cache))
+        self._window = window_eviction()
 
     def _admit(self, op: Admit) -> OpResult:
         if op.rid in self.running or len(op.tokens) < 1:
@@ -147,6 +167,9 @@ class LegacyDriver(SglangDriver):
 
     def _drop_unbound(self, req: Any) -> None:
         self._unlock(req)
+        self._drop_mamba(req)
+
+    def _drop_mamba(self, req: Any) -> None:
         if req.kv.holds_mamba:
             self.parts.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
             req.kv.mamba_pool_idx = None
@@ -171,6 +194,10 @@ class LegacyDriver(SglangDriver):
         return OpResult()
 
     def _decode(self, run: RunningReq, tokens: tuple[int, ...]) -> OpResult:
+        if self._window == WINDOW_CACHE:
+            # 0.5.21: the scheduler's decode path is 0.5.23's (check_decode_mem, then
+            # alloc_for_decode sliding the window through tree_cache.evict_sliding_windows).
+            return SglangDriver._decode(self, run, tokens)
         req = run.req
         if run.prefilled < len(run.tokens):
             return OpResult(skipped=True)
@@ -188,7 +215,7 @@ class LegacyDriver(SglangDriver):
         """`ScheduleBatch.maybe_evict_swa` for one decoding request (its gate, then `_evict_swa`)."""
         window = self.layout.sliding_window or 0
         pos = req.seqlen - 1
-        if req.decode_batch_idx < 1 or pos - window < req.kv.swa_evicted_seqlen + self._swa_interval:
+        if req.decode_batch_idx < 1 or pos - window < req.kv.swa_evicted_seqlen + self.swa_eviction_interval:
             return
         self._common.free_swa_out_of_window_slots(
             req,
@@ -204,7 +231,12 @@ class LegacyDriver(SglangDriver):
     def _undo_admission(self, run: RunningReq) -> OpResult:
         req = run.req
         self.running.pop(int(req.rid))
-        self._drop_unbound(req)
+        self._unlock(req)
+        if self._release_hook == HOOK_INSERTED:
+            # 0.5.21: release_kv_cache ends with this hook; an undone admission skips
+            # release_kv_cache, so it is called here (0.5.23's driver calls its own).
+            self.cache.on_release(req, inserted=False)
+        self._drop_mamba(req)
         self.parts.req_to_token_pool.free(req)
         return OpResult(rejected="out of memory (admission)")
 

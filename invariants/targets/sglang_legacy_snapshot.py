@@ -1,8 +1,9 @@
-"""Reading SGLang 0.5.20's caches in kvretain's terms (the `LegacyDriver`'s snapshot reader).
+"""Reading SGLang 0.5.20's and 0.5.21's caches in kvretain's terms (the `LegacyDriver`'s
+snapshot reader).
 
 Same observations as `sglang_snapshot` (pool accounts, slot sets, free lists,
 tree view), for what differs in 0.5.20: a running request's freed SWA prefix is
-`req.kv.swa_evicted_seqlen` (0.5.23: `get_evicted_seqlen(SWA)`), a request's
+`req.kv.swa_evicted_seqlen` (0.5.21, 0.5.23: `get_evicted_seqlen(SWA)`), a request's
 last node is a node object rather than a node id, and the legacy caches keep
 their own node class (`value`, `swa_tombstone`, `mamba_value`, per-component
 lock refs) instead of the unified tree core's `component_data`.
@@ -48,7 +49,7 @@ def pool_accounts(driver: SglangDriver) -> list[PoolAccount]:
     if swa:
         held_swa = 0
         for r in reqs:
-            freed = max(0, r.kv.swa_evicted_seqlen - r.kv.swa_dead_lo(page))
+            freed = max(0, swa_evicted_seqlen(r.kv) - r.kv.swa_dead_lo(page))
             held_swa += _ceil(r.kv.kv_allocated_len, page) - r.kv.cache_protected_len - freed
         out.append(
             PoolAccount(
@@ -78,6 +79,16 @@ def pool_accounts(driver: SglangDriver) -> list[PoolAccount]:
             )
         )
     return out
+
+
+def swa_evicted_seqlen(kv: Any) -> int:
+    """The end of a running request's freed SWA prefix: a field in 0.5.20, read per
+    component in 0.5.21 (as in 0.5.23)."""
+    if hasattr(kv, "get_evicted_seqlen"):
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        return int(kv.get_evicted_seqlen(ComponentType.SWA))
+    return int(kv.swa_evicted_seqlen)
 
 
 def node_id(node: Any) -> int:
