@@ -654,3 +654,14 @@ def test_two_release_matrix_table_and_json(tmp_path: Path) -> None:
     assert by["0.33.0"]["capabilities"]["free_order"] == "pool"
     assert all(r["error"] is None and r["checks"] for r in data["releases"])
     assert "## vLLM 0.22.0" in md.read_text()
+
+
+def test_missing_module_reads_the_probe_line() -> None:
+    """Both engines' release environments install what a failed import probe names;
+    any other failure is an error, never a package to install."""
+    from invariants.targets.vllm_env import ReleaseEnvError, missing_module
+
+    assert missing_module(True, "vllm 0.30.0") is None
+    assert missing_module(False, "ModuleNotFoundError: No module named 'einops.layers'") == "einops"
+    with pytest.raises(ReleaseEnvError, match="cannot import name"):
+        missing_module(False, "ImportError: cannot import name 'X' from 'vllm'")

@@ -26,7 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-from invariants.targets.vllm_env import ReleaseEnv, ReleaseEnvError, cache_root
+from invariants.targets.vllm_env import (
+    ReleaseEnv,
+    ReleaseEnvError,
+    cache_root,
+    missing_module,
+    pip_install_target,
+)
 
 # module -> pinned requirement, for a module an older release imports that the shared set lacks
 EXTRA_PACKAGES: dict[str, str] = {}
@@ -69,38 +75,9 @@ def probe(python: str, timeout: float = 180.0) -> tuple[bool, str, str | None]:
     return bool(info["ok"]), str(info["line"]), info.get("version")
 
 
-def _pip_target(site: Path, requirement: str) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "--no-compile",
-            "--target",
-            str(site),
-            requirement,
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip() and "is ignored" not in line]
-        raise ReleaseEnvError(f"pip could not install {requirement}: {(lines or ['no output'])[-1].strip()}")
-
-
 def _missing_module(python: Path) -> str | None:
     ok, line, _ = probe(str(python))
-    if ok:
-        return None
-    marker = "No module named "
-    if marker in line:
-        return line.split(marker, 1)[1].strip().strip("'\"").split(".")[0]
-    raise ReleaseEnvError(line)
+    return missing_module(ok, line)
 
 
 def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
@@ -120,7 +97,7 @@ def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
         shutil.rmtree(root)
     venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
     site = root / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-    _pip_target(site, f"sglang=={version}")
+    pip_install_target(site, f"sglang=={version}")
     (site / "kvretain-shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     extras: list[str] = []
     for _ in range(MAX_EXTRA_ROUNDS):
@@ -131,7 +108,7 @@ def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
             raise ReleaseEnvError(
                 f"sglang {version} needs module {missing!r}, which no pinned extra package provides"
             )
-        _pip_target(site, EXTRA_PACKAGES[missing])
+        pip_install_target(site, EXTRA_PACKAGES[missing])
         extras.append(EXTRA_PACKAGES[missing])
     else:
         raise ReleaseEnvError(

@@ -182,27 +182,49 @@ def _disk_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def _pip(args: list[str], what: str) -> None:
+def pip_install_target(site: Path, requirement: str, what: str | None = None) -> None:
+    """`pip install --no-deps` of `requirement` into the directory `site` (a release
+    environment's own site-packages); a failure raises `ReleaseEnvError` with pip's last line."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(site),
+            requirement,
+        ],
         capture_output=True,
         text=True,
         check=False,
     )
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.strip() and "is ignored" not in line]
-        raise ReleaseEnvError(f"pip could not install {what}: {(lines or ['no output'])[-1].strip()}")
+        raise ReleaseEnvError(
+            f"pip could not install {what or requirement}: {(lines or ['no output'])[-1].strip()}"
+        )
 
 
-def _missing_module(python: Path) -> str | None:
-    """The first module the release's allocator imports that is not installed, else None."""
-    ok, line, _ = probe_python(str(python))
+def missing_module(ok: bool, line: str) -> str | None:
+    """From an import probe's (ok, line): the top-level module it found not installed,
+    None if the probe passed; any other failure raises `ReleaseEnvError`."""
     if ok:
         return None
     marker = "No module named "
     if marker in line:
         return line.split(marker, 1)[1].strip().strip("'\"").split(".")[0]
     raise ReleaseEnvError(line)
+
+
+def _missing_module(python: Path) -> str | None:
+    """The first module the release's allocator imports that is not installed, else None."""
+    ok, line, _ = probe_python(str(python))
+    return missing_module(ok, line)
 
 
 def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
@@ -230,7 +252,7 @@ def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
         shutil.rmtree(root)
     venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
     site = _site_dir(root)
-    _pip(["--no-deps", "--no-compile", "--target", str(site), f"vllm=={version}"], f"vllm=={version}")
+    pip_install_target(site, f"vllm=={version}")
     (site / "kvretain-shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     extras: list[str] = []
     for _ in range(MAX_EXTRA_ROUNDS):
@@ -241,7 +263,7 @@ def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
             raise ReleaseEnvError(
                 f"vllm {version} needs module {missing!r}, which no pinned extra package provides"
             )
-        _pip(["--no-deps", "--no-compile", "--target", str(site), EXTRA_PACKAGES[missing]], missing)
+        pip_install_target(site, EXTRA_PACKAGES[missing], missing)
         extras.append(EXTRA_PACKAGES[missing])
     else:
         raise ReleaseEnvError(f"vllm {version} still misses modules after {MAX_EXTRA_ROUNDS} extra packages")
