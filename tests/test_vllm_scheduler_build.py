@@ -10,6 +10,7 @@ with the reason, when vLLM cannot be imported.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -64,8 +65,11 @@ SHAPES: dict[str, Config] = {
 }
 
 
-def manager_signature(m: Any) -> list[object]:
-    """What the allocator's behaviour depends on, read from a `KVCacheManager`."""
+def manager_signature(m: Any, speculative_blocks: int = 0) -> list[object]:
+    """What the allocator's behaviour depends on, read from a `KVCacheManager`; a
+    Mamba spec's `num_speculative_blocks` must be `speculative_blocks` and is then
+    read as 0 (the real scheduler sizes them for its drafts, `vllm_scheduler_spec`;
+    the KVCacheManager-driven target sends none)."""
     c = m.coordinator
     out: list[object] = [
         type(c).__name__,
@@ -76,11 +80,15 @@ def manager_signature(m: Any) -> list[object]:
         [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()],
     ]
     for s in c.single_type_managers:
+        spec = s.kv_cache_spec
+        if hasattr(spec, "num_speculative_blocks"):
+            assert spec.num_speculative_blocks == speculative_blocks, spec
+            spec = dataclasses.replace(spec, num_speculative_blocks=0)
         out.append(
             (
                 type(s).__name__,
                 s.block_size,
-                s.kv_cache_spec,
+                spec,
                 getattr(s, "max_admission_blocks_per_request", None),
                 s.cache_hit_alignment_tokens,
                 getattr(s, "use_eagle", None),
@@ -98,7 +106,8 @@ def _build(cfg: Config) -> tuple[Any, Any]:
 def test_scheduler_manager_matches_build_manager(name: str) -> None:
     cfg = SHAPES[name]
     scheduler, manager = _build(cfg)
-    assert manager_signature(scheduler.kv_cache_manager) == manager_signature(manager)
+    drafts = cfg.num_lookahead_tokens
+    assert manager_signature(scheduler.kv_cache_manager, drafts) == manager_signature(manager)
     assert scheduler.num_lookahead_tokens == cfg.num_lookahead_tokens
     assert scheduler.block_size == cfg.scheduler_block_size
     assert scheduler.hash_block_size == cfg.hash_block_size
