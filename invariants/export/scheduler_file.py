@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 
 from invariants.export.plan import ExportError, ExportPlan
-from invariants.export.pytest_file import _group_spec, _wrap, exported_test_name, tokens_literal
+from invariants.export.pytest_file import _SPECS, _group_spec, _wrap, exported_test_name, tokens_literal
 from model.allocator import AllocatorModel
 from model.config import Config
 from model.observation import StepResult
@@ -42,8 +42,6 @@ from model.ops import (
     Schedule,
     Step,
 )
-
-_SPECS = {"full": "FullAttentionSpec", "swa": "SlidingWindowSpec", "mamba": "MambaSpec"}
 
 DOC = '''"""Regression test exported by kvretain from a trace on vLLM's real Scheduler.
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from invariants.explore.handover import Handover, shortest_trace
 from invariants.harness.checker import Violation
@@ -37,6 +38,9 @@ from invariants.zoo import checks as direct
 from invariants.zoo.configs import strategy as config_strategy
 from model.config import Config
 from model.ops import Op
+
+if TYPE_CHECKING:
+    from invariants.zoo.mutants_scheduler import SchedulerMutant
 
 Factory = Callable[[Config], Target]
 
@@ -365,45 +369,37 @@ def scheduler_entries(only: list[str] | None = None) -> list[ZooEntry]:
     """The mutants of vLLM's `Scheduler`, on the vllm-scheduler target."""
     from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate
 
-    tolerated = known_tolerance("vllm-scheduler")
-    entries = []
-    for name in only or list(SCHEDULER_MUTANTS):
-        if name not in SCHEDULER_MUTANTS:
-            continue
-        m = SCHEDULER_MUTANTS[name]
-
-        @contextlib.contextmanager
-        def ctx(name: str = name) -> Iterator[Factory]:
-            with activate(name) as factory:
-                yield factory
-
-        entries.append(
-            ZooEntry(name, "vllm-scheduler", m.summary, m.strategy, (), ctx, doc=m.doc, tolerated=tolerated)
-        )
-    return entries
+    return _mutant_entries("vllm-scheduler", SCHEDULER_MUTANTS, activate, only)
 
 
 def async_scheduler_entries(only: list[str] | None = None) -> list[ZooEntry]:
     """The mutants of vLLM's `AsyncScheduler` path, on the vllm-async-scheduler target."""
     from invariants.zoo.mutants_scheduler import ASYNC_SCHEDULER_MUTANTS, activate_async
 
-    tolerated = known_tolerance("vllm-async-scheduler")
+    return _mutant_entries("vllm-async-scheduler", ASYNC_SCHEDULER_MUTANTS, activate_async, only)
+
+
+def _mutant_entries(
+    target: str,
+    mutants: dict[str, SchedulerMutant],
+    activate: Callable[[str], AbstractContextManager[Factory]],
+    only: list[str] | None,
+) -> list[ZooEntry]:
+    """One entry per mutant of `mutants` (those named in `only`), run on `target`
+    with `activate(name)` yielding its factory."""
+    tolerated = known_tolerance(target)
     entries = []
-    for name in only or list(ASYNC_SCHEDULER_MUTANTS):
-        if name not in ASYNC_SCHEDULER_MUTANTS:
+    for name in only or list(mutants):
+        if name not in mutants:
             continue
-        m = ASYNC_SCHEDULER_MUTANTS[name]
+        m = mutants[name]
 
         @contextlib.contextmanager
         def ctx(name: str = name) -> Iterator[Factory]:
-            with activate_async(name) as factory:
+            with activate(name) as factory:
                 yield factory
 
-        entries.append(
-            ZooEntry(
-                name, "vllm-async-scheduler", m.summary, m.strategy, (), ctx, doc=m.doc, tolerated=tolerated
-            )
-        )
+        entries.append(ZooEntry(name, target, m.summary, m.strategy, (), ctx, doc=m.doc, tolerated=tolerated))
     return entries
 
 
