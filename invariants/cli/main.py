@@ -235,7 +235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         args = build_parser().parse_args(args_list)
-        if getattr(args, "target", None) == "vllm" or args.command in ("verify", "conformance"):
+        if str(getattr(args, "target", None) or "").startswith("vllm") or args.command in (
+            "verify",
+            "conformance",
+        ):
             from invariants.targets.vllm_env import version_warning
 
             warning = version_warning()

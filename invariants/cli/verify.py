@@ -51,7 +51,7 @@ def import_row_module(module: str, record: Record) -> Any:
 def production_row(budget_s: float, seed: int, out: Path) -> tuple[str, str, str, str, float, bool, Any]:
     """vLLM's own presets at the sizes vLLM gives them (1M-token prompts, bursts, the
     fine-grained Mamba unit, caching off: what small configurations never reach),
-    for `budget_s`, shrinking included."""
+    through vLLM's real `Scheduler`, for `budget_s`, shrinking included."""
     from invariants.cli.fuzz import fuzz_production
 
     outcome = fuzz_production(
@@ -119,7 +119,8 @@ class VerifyRun:
 
     def skipped(self, check: str, target: str, reason: str) -> None:
         """A row that did not run; a failure when `--require` names its target."""
-        required = target in (self.args.require or ())
+        # `--require vllm` covers every vLLM target (vllm-manager, vllm-async-scheduler).
+        required = any(target == r or target.startswith(f"{r}-") for r in self.args.require or ())
         self.ok &= not required
         verdict = "FAILED: required but skipped" if required else "skipped"
         self.rows.append((check, target, verdict, reason[:70], "0.0"))
@@ -310,11 +311,11 @@ def row_explore(run: VerifyRun) -> None:
     explore = run.imported("invariants.cli.explore")
     if explore is None:
         return
-    missing = run.missing("vllm")
+    missing = run.missing("vllm-manager")
     if missing is not None:
-        run.skipped("explore", "vllm", missing)
+        run.skipped("explore", "vllm-manager", missing)
     else:
-        run.record(*explore.verify_row("vllm", quick=run.args.quick, out=run.out / "explore"))
+        run.record(*explore.verify_row("vllm-manager", quick=run.args.quick, out=run.out / "explore"))
 
 
 def row_simulate(run: VerifyRun) -> None:

@@ -1,9 +1,9 @@
 """`kvretain zoo`: run every check against each mutant; what is caught, how fast, by which check.
 
-    kvretain zoo [--target reference|vllm|vllm-scheduler|vllm-async-scheduler|sglang] [--budget-s T] [--quick] [--only NAME] [--seed N]
+    kvretain zoo [--target reference|vllm|vllm-async-scheduler|vllm-manager|sglang] [--budget-s T] [--quick] [--only NAME] [--seed N]
                  [--out DIR]
-    kvretain zoo --target vllm --scale production [--budget-s T] [--only NAME]
-    kvretain zoo --target vllm --explore [--depth D] [--budget-s T] [--only NAME]
+    kvretain zoo --target vllm-manager --scale production [--budget-s T] [--only NAME]
+    kvretain zoo --target vllm-manager --explore [--depth D] [--budget-s T] [--only NAME]
 
 Prints a progress line per mutant, then a table (mutant, killed/SURVIVED,
 the first check that killed it and the other checks that fired on the same
@@ -74,7 +74,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--target",
-        choices=("reference", "vllm", "vllm-scheduler", "vllm-async-scheduler", "sglang"),
+        choices=("reference", "vllm", "vllm-async-scheduler", "vllm-manager", "sglang"),
         default="reference",
     )
     p.add_argument(
@@ -121,8 +121,9 @@ def _err(msg: str) -> int:
 def _entries(target: str, only: list[str] | None) -> tuple[list[ZooEntry], list[tuple[str, str]]]:
     if target == "reference":
         return reference_entries(only), []
-    if target == "vllm-scheduler":
-        return scheduler_entries(only), []
+    if target == "vllm":  # the scheduler's mutants, then the allocator's, all through the real Scheduler
+        allocator, na = vllm_entries(only, target="vllm")
+        return scheduler_entries(only) + allocator, na
     if target == "vllm-async-scheduler":
         return async_scheduler_entries(only), []
     return vllm_entries(only)
@@ -133,10 +134,11 @@ def _known(target: str) -> set[str]:
 
     if target == "reference":
         return set(REFERENCE_MUTANTS)
-    if target == "vllm-scheduler":
+    if target == "vllm":
         from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
+        from invariants.zoo.mutants_vllm import NOT_APPLICABLE, VLLM_MUTANTS
 
-        return set(SCHEDULER_MUTANTS)
+        return set(SCHEDULER_MUTANTS) | set(VLLM_MUTANTS) | set(NOT_APPLICABLE)
     if target == "vllm-async-scheduler":
         from invariants.zoo.mutants_scheduler import ASYNC_SCHEDULER_MUTANTS
 
@@ -218,9 +220,9 @@ def run(args: argparse.Namespace) -> int:
         entries, na = _entries(args.target, only)
     except TargetUnavailable as exc:
         return _err(str(exc))
-    if args.scale == "production" and args.target != "vllm":
-        return _err("--scale production: runs the vLLM mutants (give --target vllm)")
-    if args.target == "vllm":
+    if args.scale == "production" and args.target != "vllm-manager":
+        return _err("--scale production: runs the vLLM mutants (give --target vllm-manager)")
+    if args.target.startswith("vllm"):
         from invariants.targets.vllm_env import vllm_modules
 
         vllm_modules()

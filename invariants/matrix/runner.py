@@ -183,7 +183,7 @@ def _caps_cell(caps: dict[str, Any]) -> str:
         ("mamba-R", caps.get("mamba_retention")),
         ("junction", caps.get("shared_prefix_junction")),
         ("fine-mamba", caps.get("fine_grained_mamba")),
-        ("scheduler", caps.get("scheduler_missing") == []),  # vllm-scheduler can drive it
+        ("scheduler", caps.get("scheduler_missing") == []),  # vllm can drive it
     ]
     have = " ".join(name for name, ok in flags if ok)
     return f"free={caps.get('free_order')} R={caps.get('retention')} {have}".strip()
@@ -196,6 +196,7 @@ HEADERS = [
     "disk MB",
     "capabilities",
     "fuzz",
+    "scheduler",
     "invariants",
     "conformance",
     "known",
@@ -207,7 +208,7 @@ def matrix_rows(runs: list[ReleaseRun]) -> list[list[str]]:
     for r in runs:
         head = [r.version, f"{r.install_s:.0f}", f"{r.check_s:.0f}", f"{r.disk_bytes / 1e6:.0f}"]
         if r.error:
-            rows.append([*head, f"ERROR: {r.error}"[:80], "-", "-", "-", "-"])
+            rows.append([*head, f"ERROR: {r.error}"[:80], "-", "-", "-", "-", "-"])
             continue
         checks = {c["check"]: c for c in r.result["checks"]}
         rows.append(
@@ -215,6 +216,8 @@ def matrix_rows(runs: list[ReleaseRun]) -> list[list[str]]:
                 *head,
                 _caps_cell(r.result["capabilities"]),
                 _cell(checks["fuzz"]),
+                # reports from before the scheduler check have no such row
+                _cell(checks.get("scheduler", {"verdict": "n/a: not run"})),
                 _cell(checks["invariants"]),
                 _conformance_cell(r.result["conformance"]),
                 _known_cell(r.result["known"]),

@@ -24,13 +24,18 @@ from model.config import Config
 
 ENTRY_POINT_GROUP = "kvretain.targets"
 
+# "vllm" is vLLM's real `Scheduler` driving its `KVCacheManager`; "vllm-manager" is the
+# `KVCacheManager` alone, its calls re-created by kvretain (releases whose scheduler
+# cannot be built offline, and allocator calls no scheduler makes).
 _BUILTIN: dict[str, tuple[str, str]] = {
     "model": ("invariants.targets.model_target", "ModelTarget"),
     "reference": ("invariants.targets.reference", "ReferenceTarget"),
-    "vllm": ("invariants.targets.vllm_target", "VllmTarget"),
-    "vllm-scheduler": ("invariants.targets.vllm_scheduler_target", "VllmSchedulerTarget"),
+    "vllm": ("invariants.targets.vllm_scheduler_target", "VllmSchedulerTarget"),
     "vllm-async-scheduler": ("invariants.targets.vllm_async_scheduler_target", "VllmAsyncSchedulerTarget"),
+    "vllm-manager": ("invariants.targets.vllm_target", "VllmManagerTarget"),
 }
+# Names earlier releases of kvretain used: a trace or command naming one is told the new name.
+RENAMED = {"vllm-scheduler": "vllm (the real Scheduler; the KVCacheManager emulation is vllm-manager)"}
 BUILTIN_TARGETS = tuple(_BUILTIN)
 
 
@@ -51,17 +56,17 @@ TARGET_NAMES = BUILTIN_TARGETS + tuple(plugin_targets())
 PINNING_TARGETS = {"model", "reference"}
 # Targets that model vLLM's fine-grained Mamba hits and their CoW copies (the seeds
 # do not describe them, so the reference allocator refuses such configurations).
-FINE_MAMBA_TARGETS = {"model", "vllm", "vllm-scheduler", "vllm-async-scheduler"}
+FINE_MAMBA_TARGETS = {"model", "vllm-manager", "vllm", "vllm-async-scheduler"}
 # Targets whose steps a real engine scheduler decides (`TargetFeatures(real_scheduler=True)`):
 # the fuzzer sends them whole steps and only configurations an engine can run.
-REAL_SCHEDULER_TARGETS = {"vllm-scheduler", "vllm-async-scheduler"}
+REAL_SCHEDULER_TARGETS = {"vllm", "vllm-async-scheduler"}
 # Real schedulers driven one step ahead (`TargetFeatures(async_scheduling=True)`): no drafts yet.
 ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler"}
 # Targets that can run a KV connector (`TargetFeatures(connector=True)`, `model.connector`):
 # generated configurations include one; the others are never sent one, and say so.
-CONNECTOR_TARGETS = {"model", "vllm-scheduler"}
+CONNECTOR_TARGETS = {"model", "vllm"}
 # Targets that drive another target's allocator code: its known findings are theirs too.
-SAME_ALLOCATOR = {"vllm-scheduler": "vllm", "vllm-async-scheduler": "vllm"}
+SAME_ALLOCATOR = {"vllm": "vllm-manager", "vllm-async-scheduler": "vllm-manager"}
 
 
 def _load_plugin(name: str) -> Callable[[Config], Target]:
@@ -91,16 +96,18 @@ def target_factory(name: str) -> Callable[[Config], Target]:
     """The constructor of target `name`; TargetUnavailable if it cannot load."""
     if name in plugin_targets():
         return _load_plugin(name)
+    if name in RENAMED:
+        raise TargetUnavailable(f"target {name!r} is now called {RENAMED[name]}")
     if name not in _BUILTIN:
         raise TargetUnavailable(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
     module_name, cls_name = _BUILTIN[name]
-    if name in ("vllm", "vllm-scheduler", "vllm-async-scheduler"):
+    if name in ("vllm-manager", "vllm", "vllm-async-scheduler"):
         from invariants.targets.vllm_env import vllm_available
 
         ok, reason = vllm_available()
         if not ok:
             raise TargetUnavailable(reason)
-        if name == "vllm-scheduler":
+        if name in REAL_SCHEDULER_TARGETS:
             from invariants.targets.vllm_capabilities import detect, scheduler_unsupported
 
             why = scheduler_unsupported(detect())
@@ -131,6 +138,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "PINNING_TARGETS",
     "REAL_SCHEDULER_TARGETS",
+    "RENAMED",
     "ASYNC_SCHEDULER_TARGETS",
     "SAME_ALLOCATOR",
     "FINE_MAMBA_TARGETS",

@@ -1,7 +1,7 @@
 """The vLLM target with vLLM's real `AsyncScheduler`, driven one step ahead.
 
 `VllmAsyncSchedulerTarget(config)` ("vllm-async-scheduler") is the
-"vllm-scheduler" target with async scheduling on: `vllm_scheduler_build`
+"vllm" target with async scheduling on: `vllm_scheduler_build`
 builds `AsyncScheduler` (`SchedulerConfig(async_scheduling=True)`, the class
 `SchedulerConfig.get_scheduler_cls` picks for it), and
 `vllm_async_scheduler_drive` runs each `Step` in the engine core's async
@@ -18,7 +18,7 @@ job, and a finding or conformance row names the target it came from; vLLM
 itself makes the same choice by class (`AsyncScheduler` is a `Scheduler`
 subclass the configuration selects).
 
-Not judged: speculative decoding, as for "vllm-scheduler" (`SchedulerUnsupported`).
+Not judged: speculative decoding, as for "vllm" (`SchedulerUnsupported`).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from .vllm_capabilities import Capabilities
 from .vllm_scheduler_build import SchedulerUnsupported, build_scheduler, scheduler_modules
 from .vllm_scheduler_target import SchedulerEventTranslator, SchedulerOpDriver, VllmSchedulerTarget
 from .vllm_snapshot import SnapshotReader
-from .vllm_target import VLLM_EVENT_PROFILE, VllmTarget
+from .vllm_target import VLLM_EVENT_PROFILE, VllmManagerTarget
 
 NO_SPEC_DECODE_STEPS = (
     "num_lookahead_tokens/eagle: the vllm-async-scheduler target does not judge speculative decoding "
-    "(drafts in flight one step ahead are not modeled); use --target vllm-scheduler for such configurations"
+    "(drafts in flight one step ahead are not modeled); use --target vllm for such configurations"
 )
 
 
@@ -52,7 +52,7 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
             raise SchedulerUnsupported(NO_SPEC_DECODE_STEPS)
         self.vllm_scheduler: Any = None
         # The synchronous target's driver is not built: this one replaces it.
-        VllmTarget.__init__(self, config, events, track_prefixes)
+        VllmManagerTarget.__init__(self, config, events, track_prefixes)
         self.steps = AsyncStepScheduler(self.session, self.names, self.vllm_scheduler, scheduler_modules())
         self.scheduler = self.steps
         self.driver = SchedulerOpDriver(self.session, self.names, self.steps)

@@ -10,6 +10,7 @@ could draw, except that `mamba-coarse` forces full block > Mamba block).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from hypothesis import strategies as st
@@ -70,10 +71,29 @@ def zoo_configs(
     return validate(cfg)
 
 
-def strategy(name: str, *, allow_pinning: bool, allow_fine: bool = True) -> st.SearchStrategy[Config]:
+def engine_runnable(config: Config, lookahead: int) -> Config:
+    """`config` as a real scheduler runs it: vLLM's Eagle drafts at least one token, so an
+    Eagle configuration without lookahead slots gets `lookahead` (1..3) of them; any
+    other configuration is returned unchanged."""
+    if not config.eagle or config.num_lookahead_tokens > 0:
+        return config
+    return validate(dataclasses.replace(config, num_lookahead_tokens=lookahead))
+
+
+def strategy(
+    name: str, *, allow_pinning: bool, allow_fine: bool = True, real_scheduler: bool = False
+) -> st.SearchStrategy[Config]:
     """The named strategy (KeyError naming the known ones). `allow_fine`: whether
     generated configurations may turn on fine-grained Mamba hits (the reference
-    allocator refuses them)."""
+    allocator refuses them). `real_scheduler`: only configurations a real scheduler
+    can be built with (`engine_runnable`)."""
+    base = _strategy(name, allow_pinning=allow_pinning, allow_fine=allow_fine)
+    if not real_scheduler:
+        return base
+    return st.builds(engine_runnable, base, st.integers(1, 3))
+
+
+def _strategy(name: str, *, allow_pinning: bool, allow_fine: bool) -> st.SearchStrategy[Config]:
     table = {
         "generated": lambda: configs(allow_pinning=allow_pinning, allow_fine=allow_fine),
         "swa": lambda: zoo_configs(shapes=SWA_SHAPES),
@@ -84,7 +104,7 @@ def strategy(name: str, *, allow_pinning: bool, allow_fine: bool = True) -> st.S
         "pinning": lambda: zoo_configs(shapes=SWA_SHAPES, pin=True),
         "mamba-sparse": lambda: zoo_configs(shapes=MAMBA_SHAPES, retention="sparse"),
         "mamba-coarse": lambda: zoo_configs(shapes=(("full", "mamba"),), retention="zero", coarse_mamba=True),
-        # A real scheduler (vllm-scheduler), speculative decoding left to "scheduler-spec".
+        # A real scheduler (vllm), speculative decoding left to "scheduler-spec".
         "scheduler": lambda: configs(
             allow_pinning=False, allow_fine=allow_fine, eagle=False, lookahead=False
         ),

@@ -33,6 +33,7 @@ from invariants.harness.checker import Violation
 from invariants.harness.fuzz import run_fuzz
 from invariants.harness.trace import Trace, write_trace
 from invariants.report import Progress, table
+from invariants.targets import REAL_SCHEDULER_TARGETS
 from invariants.targets.base import Target
 from invariants.zoo import checks as direct
 from invariants.zoo.configs import strategy as config_strategy
@@ -139,6 +140,7 @@ def run_entry(
                     entry.strategy,
                     allow_pinning=entry.target == "reference",
                     allow_fine=entry.target != "reference",
+                    real_scheduler=entry.target in REAL_SCHEDULER_TARGETS,
                 ),
                 tolerated=entry.tolerated or (lambda v: False),
                 steps=None if max_batches is None else max_batches * EXAMPLES_PER_BATCH * STEPS_PER_EXAMPLE,
@@ -352,10 +354,6 @@ def unmutated_entry(target: str, strategy_name: str, checks: tuple[str, ...] = (
     )
 
 
-def _vllm_tolerance() -> Callable[[Violation], bool] | None:
-    return known_tolerance("vllm")
-
-
 def known_tolerance(target: str) -> Callable[[Violation], bool] | None:
     """Known findings of `target` do not count as kills (nor flag the control)."""
     try:
@@ -366,10 +364,10 @@ def known_tolerance(target: str) -> Callable[[Violation], bool] | None:
 
 
 def scheduler_entries(only: list[str] | None = None) -> list[ZooEntry]:
-    """The mutants of vLLM's `Scheduler`, on the vllm-scheduler target."""
+    """The mutants of vLLM's `Scheduler`, on the vllm target."""
     from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate
 
-    return _mutant_entries("vllm-scheduler", SCHEDULER_MUTANTS, activate, only)
+    return _mutant_entries("vllm", SCHEDULER_MUTANTS, activate, only)
 
 
 def async_scheduler_entries(only: list[str] | None = None) -> list[ZooEntry]:
@@ -403,10 +401,15 @@ def _mutant_entries(
     return entries
 
 
-def vllm_entries(only: list[str] | None = None) -> tuple[list[ZooEntry], list[tuple[str, str]]]:
+def vllm_entries(
+    only: list[str] | None = None, *, target: str = "vllm-manager"
+) -> tuple[list[ZooEntry], list[tuple[str, str]]]:
+    """The mutants of vLLM's allocator (`mutants_vllm`), hunted on `target`: "vllm-manager"
+    (kvretain re-creates the scheduler's calls) or "vllm" (the real `Scheduler` makes them,
+    so a kill there is a defect a serving engine meets)."""
     from invariants.zoo.mutants_vllm import NOT_APPLICABLE, VLLM_MUTANTS, activate
 
-    tolerated = _vllm_tolerance()
+    tolerated = known_tolerance(target)
     names = only or list(VLLM_MUTANTS)
     entries = []
     for name in names:
@@ -416,11 +419,11 @@ def vllm_entries(only: list[str] | None = None) -> tuple[list[ZooEntry], list[tu
 
         @contextlib.contextmanager
         def ctx(name: str = name) -> Iterator[Factory]:
-            with activate(name) as factory:
+            with activate(name, target) as factory:
                 yield factory
 
         entries.append(
-            ZooEntry(name, "vllm", m.summary, m.strategy, m.checks, ctx, doc=m.doc, tolerated=tolerated)
+            ZooEntry(name, target, m.summary, m.strategy, m.checks, ctx, doc=m.doc, tolerated=tolerated)
         )
     na = [(n, why) for n, why in NOT_APPLICABLE.items() if only is None or n in only]
     return entries, na

@@ -4,7 +4,7 @@ The fork is kvretain's reference allocator (`reference_impl`, vLLM-shaped)
 with its block pool's free queue replaced; `ReferenceTarget` already
 translates configs, operations, hashes and events for that allocator, so the
 adapter only says which components the fork uses. A fork of vLLM itself
-would subclass `invariants.targets.vllm_target.VllmTarget` the same way.
+would subclass `invariants.targets.vllm_target.VllmManagerTarget` (or `vllm_scheduler_target.VllmSchedulerTarget`) the same way.
 
 Contract (docs/targets.md): `ExampleTarget(config)` raises
 `model.config.ConfigError` for a config the allocator rejects; `apply(op)`
