@@ -579,6 +579,58 @@ def test_table_and_markdown_from_results() -> None:
     )
 
 
+def test_scheduler_column_and_known_findings_through_the_scheduler() -> None:
+    """The table's scheduler column and the known findings replayed through a release's own
+    Scheduler reach the table and the report. Control: a report from before the scheduler
+    check (no such row, no such field) still renders, saying it was not run."""
+    from invariants.matrix.markdown import render
+    from invariants.matrix.runner import format_table
+
+    run = _run("0.33.0", "clean")
+    run.result["checks"].insert(1, {"check": "scheduler", "verdict": "adapter", "message": "TargetCrash: x"})
+    run.result["known"] = [
+        {"id": "f1", "expected": True, "reproduces": True, "scheduler": True, "scheduler_note": ""},
+        {"id": "f2", "expected": True, "reproduces": True, "scheduler": False, "scheduler_note": ""},
+        {"id": "f3", "expected": True, "reproduces": True, "scheduler": None, "scheduler_note": "refused: y"},
+    ]
+    text = format_table([run])
+    assert "adapter: TargetCrash" in text and "3 listed repro (1/2 via Scheduler)" in text
+    md = render([run], "kvretain matrix")
+    assert "`f2`: reproduces (listed for this release); through the real Scheduler: does not reproduce" in md
+    assert "through the real Scheduler: not applicable (refused: y)" in md
+    old = format_table([_run("0.33.0", "clean")])
+    assert "n/a" in old.splitlines()[2] and "via Scheduler" not in old
+
+
+def test_scheduler_check_is_na_where_the_scheduler_cannot_be_built(tmp_path: Path) -> None:
+    """A release whose Scheduler lacks what the vllm target drives gets an n/a row naming
+    what is missing, without building anything."""
+    from invariants.matrix.worker import scheduler_check
+
+    caps = dataclasses.replace(
+        _caps(), version="0.24.0", scheduler_missing=("SchedulerOutput.kv_cache_block_copies",)
+    )
+    row = scheduler_check(caps, seed=0, budget_s=1.0, out=tmp_path)
+    assert row["check"] == "scheduler" and row["verdict"].startswith("n/a: ")
+    assert "kv_cache_block_copies" in row["verdict"] and not list(tmp_path.iterdir())
+
+
+@needs_vllm
+def test_scheduler_check_fuzzes_the_installed_scheduler(tmp_path: Path) -> None:
+    """On the installed release the scheduler check drives the real Scheduler (target vllm)
+    and judges it; its known findings replay there too. Control: a listed finding reproduces
+    through the real scheduler, and the release's own tolerance lets nothing else through."""
+    from invariants.matrix.worker import run_known, scheduler_check
+    from invariants.targets.vllm_capabilities import detect
+
+    caps = detect()
+    row = scheduler_check(caps, seed=0, budget_s=4.0, out=tmp_path)
+    assert row["check"] == "scheduler" and row["verdict"] == "clean" and row["steps"] > 0, row
+    known = {k["id"]: k for k in run_known(caps)}
+    assert known["vllm-blockstored-token-range"]["scheduler"] is True
+    assert all(k["scheduler"] is not False or not k["expected"] for k in known.values()), known
+
+
 def test_the_known_design_is_stated_once_per_release() -> None:
     """Every check counts breaks of invariants of mechanisms the release lacks
     (class predates) and runs on; the report states them once per release, with

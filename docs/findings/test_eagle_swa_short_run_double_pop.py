@@ -20,7 +20,7 @@ Asked for by: https://github.com/vllm-project/vllm/pull/44082 (Eagle-aware SWA
 mask/hit); https://github.com/vllm-project/vllm/issues/33270 (Eagle drop applied more
 than once).
 
-Exported by kvretain from a 3-operation trace (target vllm, seed 0); kvretain
+Exported by kvretain from a 3-operation trace (target vllm-manager, seed 0); kvretain
 reported: promise_kept: Eagle SWA short run loses an extra aligned segment
 It fails on the vLLM it was found on and passes once the allocator keeps the property.
 Only the property is an `assert`: a setup step that no longer gives the value the trace

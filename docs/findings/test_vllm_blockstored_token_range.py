@@ -25,7 +25,7 @@ consistent with block_mask); https://github.com/vllm-project/vllm/issues/44451 (
 BlockStored token_ids span skipped blocks);
 https://github.com/vllm-project/vllm/pull/44488 (open fix: BlockStored.block_offsets).
 
-Exported by kvretain from a 2-operation trace (target vllm, seed 0); kvretain
+Exported by kvretain from a 2-operation trace (target vllm-manager, seed 0); kvretain
 reported: stored_tokens_match_hashes: BlockStored(group 1) has 2 hash(es) of 16 tokens but 96
 token ids
 It fails on the vLLM it was found on and passes once the allocator keeps the property.

@@ -30,7 +30,7 @@ https://github.com/vllm-project/vllm/pull/56525 (related, open: guard Mamba stat
 hits behind the writing step's commit fence; the same class, a hit on content its step
 has not written yet).
 
-Exported by kvretain from a 6-operation trace (target vllm, seed 29); kvretain
+Exported by kvretain from a 6-operation trace (target vllm-manager, seed 29); kvretain
 reported: copies_sound: copy 3 -> 6: source was allocated in the same step (the copy runs before
 its content is written)
 It fails on the vLLM it was found on and passes once the allocator keeps the property.

@@ -129,3 +129,12 @@ def _lookahead(draw: st.DrawFn, lookahead: bool | None) -> int:
         return 0
     choices = [1, 2, 3] if lookahead else [0, 0, 0, 1, 2, 3]
     return draw(st.sampled_from(choices))
+
+
+def engine_runnable(config: Config, lookahead: int = 1) -> Config:
+    """`config` as a real scheduler runs it: vLLM's Eagle drafts at least one token, so an
+    Eagle configuration without lookahead slots gets `lookahead` (1..3) of them; any
+    other configuration is returned unchanged."""
+    if not config.eagle or config.num_lookahead_tokens > 0:
+        return config
+    return validate(replace(config, num_lookahead_tokens=lookahead))

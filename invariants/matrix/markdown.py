@@ -105,11 +105,20 @@ def render(runs: list[ReleaseRun], command: str) -> str:
                 n = check["tolerated"][kind]
                 out.append(f"- {check['check']}: {n} tolerated {kind} violation(s), first: `{first}`")
         for k in r.result["known"]:
-            state = {True: "reproduces", False: "does not reproduce", None: "not applicable"}[k["reproduces"]]
-            listed = "listed for this release" if k["expected"] else "not listed for this release"
-            out.append(f"- known finding `{k['id']}`: {state} ({listed}) {k.get('note') or ''}".rstrip())
+            out.append(_known_line(k))
         out.append("")
     return "\n".join(out)
+
+
+def _known_line(k: dict[str, Any]) -> str:
+    """A known finding on the release: as recorded, then through its real scheduler."""
+    state = {True: "reproduces", False: "does not reproduce", None: "not applicable"}
+    listed = "listed for this release" if k["expected"] else "not listed for this release"
+    line = f"- known finding `{k['id']}`: {state[k['reproduces']]} ({listed}) {k.get('note') or ''}".rstrip()
+    if "scheduler" in k:  # reports from before the scheduler replay have no such field
+        line += f"; through the real Scheduler: {state[k['scheduler']]}"
+        line += f" ({k['scheduler_note']})" if k.get("scheduler_note") else ""
+    return line
 
 
 def scheduler_line(caps: Capabilities) -> str:

@@ -173,7 +173,12 @@ def _conformance_cell(rows: list[dict[str, Any]]) -> str:
 def _known_cell(rows: list[dict[str, Any]]) -> str:
     odd = [r["id"] for r in rows if r.get("reproduces") is not None and r["reproduces"] != r["expected"]]
     listed = sum(1 for r in rows if r.get("expected") and r.get("reproduces"))
-    return f"{listed} listed repro" + (f"; unlisted/stale: {', '.join(odd)}" if odd else "")
+    cell = f"{listed} listed repro"
+    # Through the real scheduler: of the listed findings it could run, how many reproduce.
+    ran = [r for r in rows if r.get("expected") and r.get("scheduler") is not None]
+    if ran:
+        cell += f" ({sum(1 for r in ran if r['scheduler'])}/{len(ran)} via Scheduler)"
+    return cell + (f"; unlisted/stale: {', '.join(odd)}" if odd else "")
 
 
 def _caps_cell(caps: dict[str, Any]) -> str:

@@ -19,7 +19,8 @@ The known design: a break of an invariant guarding a mechanism the release
 lacks ("predates", e.g. the free order before #42656) is the release's design
 of the time, which its profile models. Every check counts such breaks and runs
 past them (`KNOWN_DESIGN`); the report states them once per release.
-- `known findings`: every vLLM finding's trace replayed on this release.
+- `known findings`: every vLLM finding's trace replayed on this release, as
+  recorded and through the release's own `Scheduler`.
 
 A failure is shrunk (`shrink`), classified (`classify`) and written as a trace
 under DIR. The last stdout line is the JSON result.
@@ -28,6 +29,7 @@ under DIR. The last stdout line is the JSON result.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -46,15 +48,15 @@ from hypothesis.stateful import get_state_machine_test
 from invariants.harness.checker import Violation
 from invariants.harness.conformance import FEATURES, FINE_MAMBA_ROW
 from invariants.harness.fuzz import EXAMPLES_PER_BATCH, STEPS_PER_EXAMPLE
-from invariants.harness.known_findings import explain, load_known_findings
+from invariants.harness.known_findings import KnownFinding, explain, load_known_findings
 from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
 from invariants.harness.replay import replay
-from invariants.harness.strategies import configs
-from invariants.harness.trace import Trace, write_trace
+from invariants.harness.strategies import configs, engine_runnable
+from invariants.harness.trace import Trace, TraceError, write_trace
 from invariants.matrix.classify import KNOWN_DESIGN, Verdict, classify
 from invariants.matrix.shrink import Judge, shrink
 from invariants.report import Progress
-from invariants.targets import target_factory
+from invariants.targets import TargetUnavailable, target_factory
 from invariants.targets.vllm_capabilities import Capabilities, detect, scheduler_unsupported
 from invariants.targets.vllm_env import vllm_available, vllm_version
 from model.config import Config, ConfigError
@@ -214,25 +216,36 @@ def scheduler_check(caps: Capabilities, *, seed: int, budget_s: float, out: Path
 
 
 def run_known(caps: Capabilities) -> list[dict[str, Any]]:
-    """Every vLLM known finding replayed here: does it reproduce, and should it?"""
+    """Every vLLM known finding replayed here: does it reproduce, and should it? Once as
+    recorded ("vllm-manager": `reproduces`), once through the release's own `Scheduler`
+    (target "vllm", the configuration made engine-runnable: `scheduler`, None where the
+    scheduler cannot be built or refuses the trace, with the reason in `scheduler_note`)."""
     version = caps.version
+    scheduler_why = scheduler_unsupported(caps)
     rows = []
     for f in load_known_findings():
         if "vllm-manager" not in f.targets:
             continue
-        expected = "*" in f.versions or version in f.versions
-        try:
-            result = replay(f.trace, "vllm-manager")
-        except ConfigError as exc:
-            rows.append({"id": f.id, "expected": expected, "reproduces": None, "note": str(exc)[:120]})
-            continue
-        # Reproducing means meeting the finding's claim (pattern and precondition),
-        # not any violation of the same property.
-        hit = any(
-            f.claims(v.check, v.message, v.config, v.op) for _, v in [*result.known, *result.violations]
-        )
-        rows.append({"id": f.id, "expected": expected, "reproduces": hit, "note": ""})
+        row: dict[str, Any] = {"id": f.id, "expected": "*" in f.versions or version in f.versions}
+        row["reproduces"], row["note"] = _reproduces(f, f.trace, "vllm-manager")
+        if scheduler_why is not None:
+            row["scheduler"], row["scheduler_note"] = None, "the release's Scheduler cannot be built"
+        else:
+            runnable = dataclasses.replace(f.trace, config=engine_runnable(f.trace.config))
+            row["scheduler"], row["scheduler_note"] = _reproduces(f, runnable, "vllm")
+        rows.append(row)
     return rows
+
+
+def _reproduces(f: KnownFinding, trace: Trace, target: str) -> tuple[bool | None, str]:
+    """Does `trace` on `target` meet the finding's claim (pattern and precondition, not any
+    violation of the same property)? None, with why, when the target refuses the trace."""
+    try:
+        result = replay(trace, target)
+    except (ConfigError, TargetUnavailable, TraceError) as exc:
+        return None, str(exc).splitlines()[0][:120]
+    seen = [*result.known, *result.violations]
+    return any(f.claims(v.check, v.message, v.config, v.op) for _, v in seen), ""
 
 
 def run_release(budget_s: float, seed: int, out: Path) -> dict[str, Any]:

@@ -47,6 +47,7 @@ What vLLM rejects is re-raised as `ConfigError` carrying vLLM's message.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -208,14 +209,16 @@ def vllm_config(cfg: Config, *, async_scheduling: bool = False) -> Any:
     parallel = m["ParallelConfig"]()
     spec = None
     if cfg.num_lookahead_tokens:
+        # kvretain's Eagle is the block drop (`use_eagle`); lookahead hashes are not modeled.
+        # Releases before 0.33.0 have no lookahead hashes, nor the field that turns them off.
+        off = {"disable_lookahead_block_hashes": True}
         spec = m["SpeculativeConfig"](
             method="eagle" if cfg.eagle else "draft_model",
             model=model.model,
             num_speculative_tokens=cfg.num_lookahead_tokens,
             target_model_config=model,
             target_parallel_config=parallel,
-            # kvretain's Eagle is the block drop (`use_eagle`); lookahead hashes are not modeled.
-            disable_lookahead_block_hashes=True,
+            **{k: v for k, v in off.items() if k in _field_names(m["SpeculativeConfig"])},
         )
     return m["VllmConfig"](
         model_config=model,
@@ -283,3 +286,8 @@ def build_scheduler(
     except (ValueError, AssertionError, TypeError) as exc:
         kind = "" if isinstance(exc, ValueError) else f" ({type(exc).__name__})"
         raise ConfigError(f"vLLM {version}'s scheduler rejects the configuration{kind}: {exc}") from exc
+
+
+def _field_names(cls: Any) -> frozenset[str]:
+    """The fields a vLLM config dataclass takes in the installed release."""
+    return frozenset(f.name for f in dataclasses.fields(cls))

@@ -218,14 +218,19 @@ class RealStepScheduler:
         named = set(rids)
         reqs = [self.s.requests[r] for r in rids]
         running = [r for r in reqs if r.status == running_status]
-        # Waiting requests holding blocks (a connector's load) have their own queue.
-        holding = [r for r in reqs if r in sched.kv_holding_waiting]
+        # Waiting requests holding blocks (a connector's load) have their own queue, from
+        # the release that added it (0.31+; before it they wait in `waiting`).
+        has_holding = hasattr(sched, "kv_holding_waiting")
+        holding = [r for r in reqs if r in sched.kv_holding_waiting] if has_holding else []
         aside_running = [r for r in sched.running if r.request_id not in named]
         aside_waiting = [r for r in sched.waiting if r.request_id not in named]
-        aside_holding = [r for r in sched.kv_holding_waiting if r.request_id not in named]
+        aside_holding = (
+            [r for r in sched.kv_holding_waiting if r.request_id not in named] if has_holding else []
+        )
         sched.running = list(running)
         sched.waiting = self._queue(r for r in reqs if r.status != running_status and r not in holding)
-        sched.kv_holding_waiting = self._queue(holding)
+        if has_holding:
+            sched.kv_holding_waiting = self._queue(holding)
         sched.max_num_scheduled_tokens = budget
         try:
             with self.recorder.recording() as calls:

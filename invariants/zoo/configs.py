@@ -10,12 +10,11 @@ could draw, except that `mamba-coarse` forces full block > Mamba block).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from hypothesis import strategies as st
 
-from invariants.harness.strategies import configs
+from invariants.harness.strategies import configs, engine_runnable
 from model.config import Config, GroupSpec, validate
 
 SWA_SHAPES: tuple[tuple[str, ...], ...] = (("swa",), ("full", "swa"), ("full", "swa"), ("full", "swa", "swa"))
@@ -71,22 +70,13 @@ def zoo_configs(
     return validate(cfg)
 
 
-def engine_runnable(config: Config, lookahead: int) -> Config:
-    """`config` as a real scheduler runs it: vLLM's Eagle drafts at least one token, so an
-    Eagle configuration without lookahead slots gets `lookahead` (1..3) of them; any
-    other configuration is returned unchanged."""
-    if not config.eagle or config.num_lookahead_tokens > 0:
-        return config
-    return validate(dataclasses.replace(config, num_lookahead_tokens=lookahead))
-
-
 def strategy(
     name: str, *, allow_pinning: bool, allow_fine: bool = True, real_scheduler: bool = False
 ) -> st.SearchStrategy[Config]:
     """The named strategy (KeyError naming the known ones). `allow_fine`: whether
     generated configurations may turn on fine-grained Mamba hits (the reference
     allocator refuses them). `real_scheduler`: only configurations a real scheduler
-    can be built with (`engine_runnable`)."""
+    can be built with (`strategies.engine_runnable`)."""
     base = _strategy(name, allow_pinning=allow_pinning, allow_fine=allow_fine)
     if not real_scheduler:
         return base

@@ -63,7 +63,11 @@ NOT_APPLICABLE: dict[str, str] = {
     "pin_lost_on_hit": "no pinned tier in vLLM 0.33.0 (#40676 never merged)",
     "pinned_not_demoted": "no pinned tier in vLLM 0.33.0 (#40676 never merged)",
     "mask_flag_not_restored": "vLLM passes block_mask; the is_null trick is vllm-ascend's",
-    "negative_block_count": "vLLM clamps (#52707 fix); its negative source (rejected drafts) is not in kvretain's ops",
+    "negative_block_count": (
+        "vLLM clamps (#52707 fix); its negative source, rejected drafts, only the vllm target "
+        "sends, and there the unclamped count changes an outcome only where it offsets another "
+        "group's need under a full pool (dropping the clamp survived 70 s of scheduler-spec)"
+    ),
 }
 
 
