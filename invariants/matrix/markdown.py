@@ -41,7 +41,7 @@ def _check_lines(version: str, python: str, check: dict[str, Any]) -> list[str]:
         name = check["trace"]
         lines.append(
             f"  - replay ({check.get('ops', '?')} operations, batch seed {check.get('batch_seed')}): "
-            f"`kvretain replay --vllm-python {python} {name} --target vllm-manager`"
+            f"`kvretain replay --vllm-python {python} {name} --target {check.get('target', 'vllm-manager')}`"
         )
         if verdict == "defect":
             lines += ["", *("    " + x if x else "" for x in _trace_ops(check["trace"])), ""]

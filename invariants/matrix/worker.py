@@ -162,6 +162,7 @@ def run_check(
             prog.tick(f"batch {batch}: {stats.steps} steps")
     result: dict[str, Any] = {
         "check": name,
+        "target": target,
         "examples": stats.examples,
         "steps": stats.steps,
         "batches": batch,
