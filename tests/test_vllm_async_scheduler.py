@@ -8,6 +8,9 @@ control: the same trace with that rule replaced by its synchronous form
 disagrees with vLLM. The zoo's async mutant is caught on a trace the unmutated
 scheduler passes, and a short fuzz run is clean and reaches the placeholder and
 arrival rules.
+Speculative decoding runs one step ahead too (`model.async_scheduling`, 5):
+scripted draft traces agree, each draft rule's synchronous form disagrees, and
+the draft mutant is caught.
 Skipped, with the reason, when vLLM cannot be imported.
 """
 
@@ -313,6 +316,20 @@ def test_a_short_fuzz_run_is_clean_and_reaches_the_async_rules(tmp_path: Path) -
     assert report.failure is None, report.failure
     assert report.stats.features["async: a step scheduled a sampled token's position ahead of it"] > 0
     assert report.stats.features["async: a sampled token's arrival cached blocks"] > 0
+    assert report.stats.features["draft tokens accepted"] > 0
+    assert report.stats.features["async: a step allocated past drafts still to be rolled back"] > 0
+
+
+def test_the_history_follows_draft_slots_one_step_ahead() -> None:
+    """The checks' own bookkeeping (`catalogue.history`) reads a step's verified draft
+    positions from what it scheduled: k slots under async scheduling, however many drafts
+    were proposed, so its computed tokens stay the model's (a shorter count once made
+    step_blocks_stay_held report blocks past the request's real position)."""
+    checker = Checker(VllmAsyncSchedulerTarget(SPEC_FULL), audit_every=1)
+    for op in DRAFTS[:-1]:
+        assert [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)] == []
+        for rid, r in checker.model.requests.items():
+            assert checker.history.requests[rid].num_computed == r.num_computed, (op, rid)
 
 
 def test_known_findings_reproduce_through_the_async_scheduler() -> None:
