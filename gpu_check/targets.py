@@ -7,11 +7,11 @@ from collections.abc import Callable
 from invariants.targets.base import Target
 from model.config import Config
 
-TARGET_NAMES = ("reference", "model", "vllm")
+TARGET_NAMES = ("reference", "model", "vllm-manager")
 
 
 def target_factory(name: str) -> Callable[[Config], Target]:
-    """'reference' (default), 'model' (the executable spec) or 'vllm' (needs vllm installed).
+    """'reference' (default), 'model' (the executable spec) or 'vllm-manager' (needs vllm installed).
 
     The vLLM target raises `TargetUnavailable` from its constructor when vLLM
     cannot be imported; callers check that once before a long run.
@@ -24,8 +24,8 @@ def target_factory(name: str) -> Callable[[Config], Target]:
         from invariants.targets.model_target import ModelTarget
 
         return ModelTarget
-    if name == "vllm":
-        from invariants.targets.vllm_target import VllmTarget
+    if name == "vllm-manager":
+        from invariants.targets.vllm_target import VllmManagerTarget
 
-        return VllmTarget
+        return VllmManagerTarget
     raise ValueError(f"target: expected one of {', '.join(TARGET_NAMES)}, got {name!r}")

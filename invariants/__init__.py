@@ -4,7 +4,7 @@
 |--------------|-------------------------------------------------------------------------|
 | `catalogue/` | the invariants: each a named function, its reason and its PR            |
 | `targets/`   | one adapter protocol over every allocator under test (model, reference, |
-|              | vllm, vllm-scheduler: vLLM's real Scheduler, entry-point plug-ins);     |
+|              | vllm, vllm: vLLM's real Scheduler, entry-point plug-ins);     |
 |              | SGLang's radix cache (`sglang_*.py`)                                    |
 | `layouts/`   | presets, and their derivation from vLLM's own grouping code             |
 | `harness/`   | checker, stateful machine, strategies, fuzz runner, traces, replay,     |

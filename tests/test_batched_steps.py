@@ -81,12 +81,12 @@ def test_budget_is_shared_and_ends_the_step():
     assert [(rid, r.scheduled) for rid, r in step.results] == [("a", 10), ("b", 2)]
 
 
-@pytest.mark.parametrize("target", ["model", "reference", "vllm"])
+@pytest.mark.parametrize("target", ["model", "reference", "vllm-manager"])
 @pytest.mark.parametrize(
     "cfg,ops", [(FULL_MAMBA, GUARD_TRACE), (TIGHT, PREEMPT_TRACE)], ids=["mamba-guard", "preemption"]
 )
 def test_targets_agree_with_the_model(target, cfg, ops):
-    if target == "vllm" and not vllm_available()[0]:
+    if target == "vllm-manager" and not vllm_available()[0]:
         pytest.skip(f"vllm target: {vllm_available()[1]}")
     chk = Checker(target_factory(target)(cfg))
     for op in ops:

@@ -128,8 +128,8 @@ def test_conformance_rows_agree(capsys):
 
     from invariants.targets import available_targets
 
-    if available_targets().get("vllm") is not None:
-        pytest.skip(f"vllm target unavailable: {available_targets()['vllm']}")
+    if available_targets().get("vllm-manager") is not None:
+        pytest.skip(f"vllm target unavailable: {available_targets()['vllm-manager']}")
     from invariants.harness.conformance import run_conformance
 
     assert run_conformance(steps=60, budget_s=5.0) == 0

@@ -139,9 +139,9 @@ def test_the_model_events_carry_every_translated_field() -> None:
 @needs_vllm
 @pytest.mark.vllm
 def test_vllm_0_33_0_leaves_no_event_field_uncompared() -> None:
-    from invariants.targets.vllm_target import VllmTarget
+    from invariants.targets.vllm_target import VllmManagerTarget
 
-    assert VllmTarget(HYBRID).uncompared_event_fields == ()
+    assert VllmManagerTarget(HYBRID).uncompared_event_fields == ()
 
 
 # ----------------------------------------------------------------------------- agreement
@@ -168,14 +168,14 @@ def _expected_metadata() -> set[tuple[Any, ...]]:
 def test_vllm_events_agree_with_the_model_field_by_field() -> None:
     """Not vacuous: vLLM's events carry each group's kind and window, the GPU medium
     and one empty extra key per hash, and the model predicts the same."""
-    from invariants.targets.vllm_target import VllmTarget
+    from invariants.targets.vllm_target import VllmManagerTarget
 
-    found, seen = _check(VllmTarget(HYBRID))
+    found, seen = _check(VllmManagerTarget(HYBRID))
     assert not found, [str(v) for v in found[:5]]
     assert _metadata(seen) == _expected_metadata()
     removed = [e for e in seen if isinstance(e, BlockRemoved)]
     assert removed and all(e.medium == "GPU" for e in removed)
-    found, _ = _check(VllmTarget(HYBRID), DEFAULT_AUDIT_EVERY)  # the fast path (partial states) too
+    found, _ = _check(VllmManagerTarget(HYBRID), DEFAULT_AUDIT_EVERY)  # the fast path (partial states) too
     assert not found, [str(v) for v in found[:5]]
 
 
@@ -245,13 +245,13 @@ def _break_take_events(monkeypatch: pytest.MonkeyPatch, kind: str, edit: Callabl
 @pytest.mark.parametrize("field", sorted(BREAK))
 def test_a_wrong_event_field_is_reported(monkeypatch: pytest.MonkeyPatch, field: str) -> None:
     from invariants.targets.vllm_hashing import REMOVED_FIELDS, STORED_FIELDS
-    from invariants.targets.vllm_target import VllmTarget
+    from invariants.targets.vllm_target import VllmManagerTarget
 
     assert {f for f in STORED_FIELDS[5:]} | {f"removed {f}" for f in REMOVED_FIELDS[2:]} == set(BREAK)
     kind, edit = BREAK[field]
     _break_take_events(monkeypatch, kind, edit)
     for audit_every in (1, DEFAULT_AUDIT_EVERY):  # whole snapshots, then the fast path
-        found, _ = _check(VllmTarget(HYBRID), audit_every)
+        found, _ = _check(VllmManagerTarget(HYBRID), audit_every)
         events = [v for v in found if v.check == "snapshot" and v.message.startswith(("events", "before"))]
         assert events, f"{field} (audit_every={audit_every}): not reported: {[str(v) for v in found[:3]]}"
         if audit_every == 1:
@@ -266,7 +266,7 @@ def test_a_field_a_release_lacks_takes_the_model_value_and_is_listed(monkeypatch
     `locality` (BlockRemoved): the adapter never reads them (here they are garbage),
     the checker sees the model's values, and the target lists them as uncompared."""
     from invariants.targets import vllm_hashing
-    from invariants.targets.vllm_target import VllmTarget
+    from invariants.targets.vllm_target import VllmManagerTarget
 
     lacks = {"kv_cache_spec_kind", "lookahead_token_ids"}
     _break_take_events(monkeypatch, "BlockStored", BREAK["kv_cache_spec_kind"][1])
@@ -277,7 +277,7 @@ def test_a_field_a_release_lacks_takes_the_model_value_and_is_listed(monkeypatch
         "struct_fields",
         lambda cls: original(cls) - {"locality"} if cls.__name__ == "BlockRemoved" else original(cls),
     )
-    target = VllmTarget(HYBRID)
+    target = VllmManagerTarget(HYBRID)
     target.caps = dataclasses.replace(target.caps, event_fields=target.caps.event_fields - lacks)
     assert target.uncompared_event_fields == (
         "BlockRemoved.locality",

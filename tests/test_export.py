@@ -224,7 +224,7 @@ def test_exported_file_imports_only_vllm_and_pytest(fid: str) -> None:
             tops |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             tops.add(node.module.split(".")[0])
-    assert tops <= {"vllm", "torch", "pytest", "types"}, tops
+    assert tops <= {"vllm-manager", "torch", "pytest", "types"}, tops
 
 
 @needs_vllm
@@ -309,7 +309,9 @@ def test_step_with_preemption_is_exported_in_scheduler_order(tmp_path: Path) -> 
         Sample("c", 23),
         Step(("a", "b", "c"), 64),
     ]
-    trace = Trace(cfg, ops, seed=0, target="vllm", violation="snapshot: (none: a differential control)")
+    trace = Trace(
+        cfg, ops, seed=0, target="vllm-manager", violation="snapshot: (none: a differential control)"
+    )
     plan = plan_export(trace)
     # a finds no room: c (newest) gives way, a retries; b finds none: b gives way.
     assert [(a.kind, a.rid, a.fits) for a in plan.steps[7]] == [
@@ -340,9 +342,9 @@ def _mutant_trace(name: str) -> Trace:
 
     cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=8)
     ops: list[Op] = [AddRequest("r0", tuple(range(1, 10))), Schedule("r0", 16), Finish("r0")]
-    trace = Trace(cfg, list(ops), seed=0, target="vllm")
+    trace = Trace(cfg, list(ops), seed=0, target="vllm-manager")
     with activate(name):
-        result = replay(trace, "vllm", stop_at_first=True)
+        result = replay(trace, "vllm-manager", stop_at_first=True)
     assert result.violations, f"{name}: the trace does not show the mutant"
     i, v = result.violations[0]
     trace.ops = trace.ops[: i + 1]
@@ -538,7 +540,7 @@ def _recorded_traces(seed: int, examples: int) -> list[Trace]:
     )
     hypothesis_seed(seed)(get_state_machine_test(machine, settings=s))()
     return [
-        Trace(cfg, ops[:40], seed, "vllm", "snapshot: (none: a differential control)")
+        Trace(cfg, ops[:40], seed, "vllm-manager", "snapshot: (none: a differential control)")
         for cfg, ops in recorded
         if ops
     ]

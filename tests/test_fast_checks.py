@@ -123,7 +123,7 @@ def compared(monkeypatch: pytest.MonkeyPatch) -> Compared:
     return c
 
 
-@pytest.mark.parametrize("name", ["model", "reference", "vllm"])
+@pytest.mark.parametrize("name", ["model", "reference", "vllm-manager"])
 def test_shortcuts_agree_with_plain_definitions_on_random_runs(name: str, compared: Compared) -> None:
     reason = available_targets().get(name)
     if reason is not None:

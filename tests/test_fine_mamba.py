@@ -113,7 +113,7 @@ def test_fine_mamba_mutants_need_fine_configs(mutant):
     from invariants.zoo.mutants_vllm import activate
     from invariants.zoo.runner import known_tolerance
 
-    known = known_tolerance("vllm") or (lambda v: False)
+    known = known_tolerance("vllm-manager") or (lambda v: False)
     coarse = Config((GroupSpec("full", 16), GroupSpec("mamba", 16)), num_blocks=40, retention_interval=0)
     with activate(mutant) as factory:
         found = {mode: [] for mode in ("fine", "coarse")}
@@ -123,7 +123,7 @@ def test_fine_mamba_mutants_need_fine_configs(mutant):
     assert found["coarse"] == []
 
 
-@pytest.mark.parametrize("target", ["model", "vllm"])
+@pytest.mark.parametrize("target", ["model", "vllm-manager"])
 def test_same_step_copy_finding_replays(target):
     """The known finding: a copy whose source the same step allocated (its KV is
     written by the forward pass that runs after the copy). Both targets show it,
@@ -133,7 +133,7 @@ def test_same_step_copy_finding_replays(target):
     from invariants.targets import target_factory
     from invariants.targets.vllm_env import vllm_available
 
-    if target == "vllm" and not vllm_available()[0]:
+    if target == "vllm-manager" and not vllm_available()[0]:
         pytest.skip(f"vllm target: {vllm_available()[1]}")
     [finding] = [f for f in load_known_findings() if f.id == "vllm-cow-copy-of-same-step-block"]
     chk = Checker(target_factory(target)(finding.trace.config), audit_every=1)
@@ -155,7 +155,7 @@ def test_conformance_row_agrees_and_sees_a_mutant(monkeypatch, capsys, tmp_path)
 
     row = conformance.FINE_MAMBA_ROW
     monkeypatch.setattr(conformance, "FEATURES", {row: conformance.FEATURES[row]})
-    monkeypatch.setattr(conformance, "SCHEDULER_FEATURES", {})  # the vllm-scheduler rows have their own tests
+    monkeypatch.setattr(conformance, "SCHEDULER_FEATURES", {})  # the vllm rows have their own tests
     monkeypatch.setattr(conformance, "ASYNC_SCHEDULER_FEATURES", {})  # and the vllm-async-scheduler rows
     monkeypatch.setattr(conformance, "check_validation", lambda: (0, []))
     rows: list = []

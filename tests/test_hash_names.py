@@ -39,24 +39,24 @@ vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 def test_vllm_adapter_rehashes_exactly_and_prunes_removed_hashes():
     from invariants.harness.checker import Checker
     from invariants.harness.known_findings import is_known_violation
-    from invariants.targets.vllm_target import VllmTarget
+    from invariants.targets.vllm_target import VllmManagerTarget
 
     cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=6)
-    target = VllmTarget(cfg)
+    target = VllmManagerTarget(cfg)
     target.names.table = HashNames(target.names.rehash, slack=-1 << 30)  # prune at every read
     checker = Checker(target, audit_every=1)
     a, b = tuple(range(1, 18)), tuple(range(100, 117))
     ops = [AddRequest("a", a), Schedule("a", 32), Finish("a"), AddRequest("b", b), Schedule("b", 32)]
     for op in ops:
-        assert not [v for v in checker.step(op) if not is_known_violation("vllm", v)], op
+        assert not [v for v in checker.step(op) if not is_known_violation("vllm-manager", v)], op
     # a's blocks were reused by b: vLLM removed a's hashes, and so did the table.
-    vllm_a = VllmTarget(cfg)
+    vllm_a = VllmManagerTarget(cfg)
     vllm_a.apply(AddRequest("a", a))
     a_hashes = [bytes(h) for h in vllm_a.requests["a"].block_hashes]
     assert a_hashes and not any(h in target.names.table for h in a_hashes)
     assert all(bytes(h) in target.names.table for h in target.requests["b"].block_hashes)
     # Control: with the default slack nothing is pruned yet on so short a run, and the check sees it.
-    lazy = VllmTarget(cfg)
+    lazy = VllmManagerTarget(cfg)
     for op in ops:
         lazy.apply(op)
         lazy.snapshot()
@@ -68,11 +68,11 @@ def test_vllm_adapter_rehashes_exactly_and_prunes_removed_hashes():
 
 @vllm
 def test_sampled_blocks_are_named_without_keeping_a_copy_of_the_request():
-    from invariants.targets.vllm_target import VllmTarget
+    from invariants.targets.vllm_target import VllmManagerTarget
     from model.ops import Sample
 
     cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=40)
-    target = VllmTarget(cfg)
+    target = VllmManagerTarget(cfg)
     prompt = tuple(range(1, 19))
     target.apply(AddRequest("a", prompt))
     target.apply(Schedule("a", 64))

@@ -27,7 +27,7 @@ from model.config import Config, GroupSpec
 from model.observation import Observation, StepResult
 from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
 
-TARGETS = ["model", "reference", "vllm"]
+TARGETS = ["model", "reference", "vllm-manager"]
 CFG = Config(
     groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=14, retention_interval=0
 )
@@ -322,7 +322,7 @@ def test_a_batched_step_is_judged_on_the_fast_path_as_by_the_audit():
 def test_the_promise_probe_after_a_finish_answers_as_a_fresh_request():
     """The vLLM adapter serves the probe right after a Finish from the finished request
     (its hashes, no rehash): the answer equals a fresh request's and the model's."""
-    factory = _target("vllm")
+    factory = _target("vllm-manager")
     cfg = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=32)
     prompt = (1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2)
     for sample in (False, True):

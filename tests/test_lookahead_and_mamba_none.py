@@ -74,10 +74,10 @@ def test_mamba_none_needs_caching_off():
         validate(MAMBA_NONE.with_(enable_caching=True))
 
 
-@pytest.mark.parametrize("target", ["model", "reference", "vllm"])
+@pytest.mark.parametrize("target", ["model", "reference", "vllm-manager"])
 @pytest.mark.parametrize("cfg", [LOOKAHEAD, MAMBA_NONE], ids=["lookahead", "mamba-none"])
 def test_targets_agree_with_the_model(target, cfg):
-    if target == "vllm" and not vllm_available()[0]:
+    if target == "vllm-manager" and not vllm_available()[0]:
         pytest.skip(f"vllm target: {vllm_available()[1]}")
     assert drive(Checker(target_factory(target)(cfg))) == []
 
@@ -86,7 +86,7 @@ def test_vllm_rejects_mamba_none_with_caching_like_the_model():
     if not vllm_available()[0]:
         pytest.skip(f"vllm target: {vllm_available()[1]}")
     with pytest.raises(ConfigError, match="Mamba prefix caching requires mamba_cache_mode='align'"):
-        target_factory("vllm")(MAMBA_NONE.with_(enable_caching=True))
+        target_factory("vllm-manager")(MAMBA_NONE.with_(enable_caching=True))
 
 
 @pytest.mark.parametrize(

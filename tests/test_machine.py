@@ -93,15 +93,15 @@ def test_vllm_agrees_with_model_apart_from_known_findings():
     from invariants.harness.known_findings import is_known_violation
     from invariants.targets import available_targets
 
-    reason = available_targets().get("vllm")
+    reason = available_targets().get("vllm-manager")
     if reason is not None:
         pytest.skip(f"vllm target unavailable: {reason}")
     stats = FuzzStats()
     machine = build_machine(
-        target_factory("vllm"),
+        target_factory("vllm-manager"),
         configs(allow_pinning=False),
         stats,
-        tolerated=lambda v: is_known_violation("vllm", v),
+        tolerated=lambda v: is_known_violation("vllm-manager", v),
     )
     run_state_machine_as_test(machine)
     assert stats.steps > 0

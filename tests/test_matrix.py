@@ -356,7 +356,7 @@ class TestAdapterFollowsCapabilities:
         from invariants.targets.vllm_capabilities import detect
 
         monkeypatch.setattr(vt, "detect", lambda: dataclasses.replace(detect(), **changes))
-        return vt.VllmTarget(cfg)
+        return vt.VllmManagerTarget(cfg)
 
     @staticmethod
     def _cfg(**kw: Any) -> Any:
@@ -664,4 +664,4 @@ def test_missing_module_reads_the_probe_line() -> None:
     assert missing_module(True, "vllm 0.30.0") is None
     assert missing_module(False, "ModuleNotFoundError: No module named 'einops.layers'") == "einops"
     with pytest.raises(ReleaseEnvError, match="cannot import name"):
-        missing_module(False, "ImportError: cannot import name 'X' from 'vllm'")
+        missing_module(False, "ImportError: cannot import name 'X' from 'vllm-manager'")

@@ -39,7 +39,7 @@ FULL_SIZE = ("dsv4-flash", "dsv4-like", "gemma-like", "kimi-linear-like")
 def test_preset_validates_and_builds_on_every_target(name: str) -> None:
     cfg = validate(preset(name))
     assert cfg.name == name
-    targets = ["model", "reference"] + (["vllm"] if _VLLM_OK else [])
+    targets = ["model", "reference"] + (["vllm-manager"] if _VLLM_OK else [])
     for t in targets:
         target_factory(t)(cfg)  # raises UnsupportedConfig / ConfigError if a target refuses it
 

@@ -23,7 +23,7 @@ if not _OK:
 from invariants.cli.main import main  # noqa: E402
 from invariants.zoo.mutants_vllm import activate  # noqa: E402
 
-ARGS = ["fuzz", "--target", "vllm", "--scale", "production", "--seed", "0", "--no-db"]
+ARGS = ["fuzz", "--target", "vllm-manager", "--scale", "production", "--seed", "0", "--no-db"]
 
 
 def test_unmutated_vllm_runs_clean_at_production_scale(
@@ -62,7 +62,7 @@ def test_production_zoo_reports_each_mutant_and_a_clean_control(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "zoo.json"
-    argv = ["zoo", "--target", "vllm", "--scale", "production", "--budget-s", "8"]
+    argv = ["zoo", "--target", "vllm-manager", "--scale", "production", "--budget-s", "8"]
     assert main([*argv, "--only", "cached_blocks_prepended", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "caught 1/1 at production scale" in text and "control (unmutated vllm" in text
@@ -81,7 +81,7 @@ def _copies_in_a_squeezed_kimi_episode(fine: bool, ops: int) -> tuple[bool, int]
 
     from invariants.harness.checker import Checker, InvalidOp
     from invariants.harness.production import settings_for, workload
-    from invariants.targets.vllm_target import VllmTarget
+    from invariants.targets.vllm_target import VllmManagerTarget
     from model.fine_mamba import fine_hits_enabled
     from model.observation import ScheduleResult, StepResult
 
@@ -90,7 +90,7 @@ def _copies_in_a_squeezed_kimi_episode(fine: bool, ops: int) -> tuple[bool, int]
         for s in settings_for(0)
         if s.name == "kimi-linear-like" and s.squeezed and fine_hits_enabled(s.config) == fine
     )
-    target = VllmTarget(setting.config)
+    target = VllmManagerTarget(setting.config)
     checker = Checker(target)
     stream = workload(setting.config, random.Random(3), checker, setting.longest)
     copies = 0
@@ -123,7 +123,7 @@ def test_the_production_bench_says_where_the_checked_time_goes() -> None:
 
     lines: list[str] = []
     assert run_production_bench(ops=40, log=lines.append) == 0
-    for target in ("vllm", "vllm-scheduler"):  # the real Scheduler on both sides of the second
+    for target in ("vllm-manager", "vllm"):  # the real Scheduler on both sides of the second
         where = next(line for line in lines if line.startswith(f"where checked time goes on {target}: "))
         shares = dict(re.findall(r"([a-z][a-z ,()]+?) (\d+)%", where.split(": ", 1)[1]))
         assert {"target apply", "model apply", "checks and history"} <= set(shares)
@@ -157,7 +157,7 @@ def test_the_vllm_clock_counts_only_time_inside_vllm() -> None:
     from invariants.targets import target_factory
     from model.ops import AddRequest, Finish, Probe, Schedule
 
-    target = target_factory("vllm")(BENCH_CONFIG)
+    target = target_factory("vllm-manager")(BENCH_CONFIG)
     clock = _VllmClock.attach(target)
     target.apply(AddRequest("a", tuple(range(1, 100))))
     assert clock.seconds > 0  # the request was built (and hashed) by vLLM
@@ -172,7 +172,7 @@ def test_control_time_outside_vllm_is_not_counted() -> None:
     from invariants.harness.bench import BENCH_CONFIG, _VllmClock
     from invariants.targets import target_factory
 
-    target = target_factory("vllm")(BENCH_CONFIG)
+    target = target_factory("vllm-manager")(BENCH_CONFIG)
     clock = _VllmClock.attach(target)
     target.snapshot()  # reads vLLM's state: adapter work (a name table, a walk of the free queue)
     time.sleep(0.05)
@@ -185,7 +185,7 @@ def test_verify_runs_vllm_at_production_scale_and_fails_on_a_violation(tmp_path:
 
     with activate("cached_blocks_prepended"):
         check, target, verdict, figure, seconds, good, trace = production_row(20.0, 0, tmp_path)
-    assert (check, target) == ("fuzz (production scale)", "vllm")
+    assert (check, target) == ("fuzz (production scale)", "vllm-manager")
     assert not good and verdict.startswith("VIOLATION") and trace is not None and trace.exists()
 
 

@@ -87,7 +87,7 @@ def test_unmutated_model_keeps_the_promise(path: Path) -> None:
 @needs_vllm
 @pytest.mark.parametrize("path", [SIBLING_HIT, HIT_ABOVE], ids=["sibling-hit", "hit-above"])
 def test_unmutated_vllm_keeps_the_promise(path: Path) -> None:
-    assert promise_violations(read_trace(path), "vllm") == []
+    assert promise_violations(read_trace(path), "vllm-manager") == []
 
 
 def test_replay_reaches_the_promised_boundary() -> None:

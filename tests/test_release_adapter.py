@@ -1,6 +1,6 @@
 """The vLLM adapter on older releases: its incremental read agrees with its full one.
 
-The Checker's fast path reads what an operation touched (`VllmTarget.partial`)
+The Checker's fast path reads what an operation touched (`VllmManagerTarget.partial`)
 and audits with full snapshots; both must name the same holders for every
 key, whatever the release. 0.21.0 .. 0.23.0 key a group block wider than the
 hash block by the fine hashes it spans, joined ("concat"); a lookup by the
@@ -44,9 +44,9 @@ OPS = (
 _READ = """
 import json, sys
 from invariants.harness.trace import read_trace
-from invariants.targets.vllm_target import VllmTarget
+from invariants.targets.vllm_target import VllmManagerTarget
 trace = read_trace(sys.argv[1])
-target = VllmTarget(trace.config)
+target = VllmManagerTarget(trace.config)
 if sys.argv[2] == "last":  # the control: look a key up by its last fine hash only
     target.keys.map_key = lambda k: target.names.table.hash_of(k.tokens) + k.group.to_bytes(4, "big")
 for op in trace.ops:
@@ -77,7 +77,7 @@ def test_partial_and_snapshot_agree_on_wide_block_holders(version: str, tmp_path
     python = cache_root() / f"vllm-{version}" / "bin" / "python"
     if not (cache_root() / f"vllm-{version}" / ".kvretain-ready").exists():
         pytest.skip(f"vLLM {version} is not installed under {cache_root()} (kvretain matrix installs it)")
-    trace = write_trace(Trace(WIDE, list(OPS), 0, "vllm", ""), tmp_path / "t.json")
+    trace = write_trace(Trace(WIDE, list(OPS), 0, "vllm-manager", ""), tmp_path / "t.json")
     got = _read(python, trace, "map")
     assert got["caps"] == "concat" and isinstance(got["wide"], int) and got["wide"] > 0
     assert got["differ"] == []
@@ -95,7 +95,7 @@ def test_the_map_key_joins_the_fine_hashes_only_on_concat_releases(monkeypatch: 
     tokens = (1, 2, 3, 4, 5, 6, 7, 8)
     for coarse in ("concat", "last"):
         monkeypatch.setattr(vt, "detect", lambda c=coarse: dataclasses.replace(detect(), coarse_hash=c))
-        t = vt.VllmTarget(cfg)
+        t = vt.VllmManagerTarget(cfg)
         t.apply(AddRequest("r", tokens))
         first, second = (bytes(h) for h in t.requests["r"].block_hashes[:2])
         wide, fine = block_key(0, tokens, 8), block_key(1, tokens, 8)
@@ -119,10 +119,10 @@ def test_a_scheduler_block_off_the_lcm_is_refused_where_the_release_takes_none(
     monkeypatch.setattr(vt, "detect", lambda: older)
     groups = (GroupSpec("full", 4), GroupSpec("swa", 4, 4))
     with pytest.raises(vt.UnsupportedConfig, match="scheduler_block_size"):
-        vt.VllmTarget(Config(groups, 16, scheduler_block_size=8))
+        vt.VllmManagerTarget(Config(groups, 16, scheduler_block_size=8))
     # control: the lcm (4) passes the guard (0.33.0's constructor then wants the argument it was not given)
     with pytest.raises(ConfigError, match="rejects the configuration") as refused:
-        vt.VllmTarget(Config(groups, 16))
+        vt.VllmManagerTarget(Config(groups, 16))
     assert not isinstance(refused.value, vt.UnsupportedConfig)
     monkeypatch.setattr(vt, "detect", lambda: caps)
-    vt.VllmTarget(Config(groups, 16, scheduler_block_size=8))  # control: a release that takes it
+    vt.VllmManagerTarget(Config(groups, 16, scheduler_block_size=8))  # control: a release that takes it

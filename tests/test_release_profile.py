@@ -527,12 +527,12 @@ _CHECK = """
 import json, sys
 from invariants.harness.checker import Checker
 from invariants.harness.trace import read_trace
-from invariants.targets.vllm_target import VllmTarget
+from invariants.targets.vllm_target import VllmManagerTarget
 from model.profile import MODELED
 trace = read_trace(sys.argv[1])
 out = {}
 for label in ("detected", "modeled"):
-    target = VllmTarget(trace.config)
+    target = VllmManagerTarget(trace.config)
     if label == "modeled":
         target.profile = MODELED
     checker = Checker(target, check_invariants=False)
@@ -561,7 +561,7 @@ def test_the_release_before_the_mechanism_agrees_with_its_profile_only(
 ) -> None:
     case = CASES[name]
     python = release_envs.python(case.release)
-    trace = write_trace(Trace(case.config, list(case.ops), 0, "vllm", ""), tmp_path / "t.json")
+    trace = write_trace(Trace(case.config, list(case.ops), 0, "vllm-manager", ""), tmp_path / "t.json")
     proc = subprocess.run(
         [str(python), "-c", _CHECK, str(trace)],
         capture_output=True,
@@ -595,7 +595,7 @@ def test_the_release_with_the_mechanism_disagrees_with_the_older_rule(
     case = CASES[name]
     assert "older" in _CHECK_OLDER and "MODELED" not in _CHECK_OLDER  # the script was rewritten
     python = release_envs.python(release)
-    trace = write_trace(Trace(case.config, list(case.ops), 0, "vllm", ""), tmp_path / "t.json")
+    trace = write_trace(Trace(case.config, list(case.ops), 0, "vllm-manager", ""), tmp_path / "t.json")
     proc = subprocess.run(
         [str(python), "-c", _CHECK_OLDER, str(trace), json.dumps({case.switch: case.old})],
         capture_output=True,

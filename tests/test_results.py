@@ -67,7 +67,12 @@ def cheap_verify(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(
         verify,
         "available_targets",
-        lambda: {"model": None, "reference": None, "broken": None, "vllm": "vllm: not used by this test"},
+        lambda: {
+            "model": None,
+            "reference": None,
+            "broken": None,
+            "vllm-manager": "vllm: not used by this test",
+        },
     )
     real_import = verify.import_row_module
 

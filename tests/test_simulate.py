@@ -55,7 +55,7 @@ def test_pre43447_mutant_matches_on_vllm() -> None:
 
     from invariants.targets import available_targets
 
-    if "vllm" not in available_targets():
+    if "vllm-manager" not in available_targets():
         pytest.skip("vLLM not importable")
     p = Params(length=4096, num_blocks=0, count=3, token_budget=512, pool_x=7.5)
     sc = SCENARIOS["sequential"]
@@ -63,10 +63,10 @@ def test_pre43447_mutant_matches_on_vllm() -> None:
         t: run_scenario("sequential", preset(sc.preset), p, Ctx(t, SEED, None), ("pre43447",))[0].extra[
             "hits"
         ]
-        for t in ("reference", "vllm")
+        for t in ("reference", "vllm-manager")
     }
-    assert hits["reference"] == hits["vllm"]
-    assert hits["vllm"][-1] == 0
+    assert hits["reference"] == hits["vllm-manager"]
+    assert hits["vllm-manager"][-1] == 0
 
 
 def test_agentic_retention_beats_dense_and_prefix_order() -> None:

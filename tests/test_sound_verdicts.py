@@ -62,18 +62,18 @@ def test_blockstored_with_too_few_token_ids_is_a_new_violation() -> None:
     cfg = FINDINGS["vllm-blockstored-token-range"].trace.config
     prop, op = "stored_tokens_match_hashes", Schedule("A", 100)
     known = "BlockStored(group 1) has 2 hash(es) of 16 tokens but 96 token ids"
-    assert explain("vllm", _v(prop, known, cfg, op)) is not None
+    assert explain("vllm-manager", _v(prop, known, cfg, op)) is not None
     too_few = "BlockStored(group 1) has 3 hash(es) of 16 tokens but 16 token ids"
-    assert explain("vllm", _v(prop, too_few, cfg, op)) is None
+    assert explain("vllm-manager", _v(prop, too_few, cfg, op)) is None
     ragged = "BlockStored(group 1) has 2 hash(es) of 16 tokens but 97 token ids"
-    assert explain("vllm", _v(prop, ragged, cfg, op)) is None
+    assert explain("vllm-manager", _v(prop, ragged, cfg, op)) is None
     full_group = "BlockStored(group 0) has 2 hash(es) of 16 tokens but 96 token ids"
-    assert explain("vllm", _v(prop, full_group, cfg, op)) is None  # full attention skips nothing
-    assert explain("vllm", _v(prop, known.replace("group 1", "group 0"), FULL_ONLY, op)) is None
-    assert explain("vllm", _v(prop, known, cfg, Probe((1,)))) is None  # a probe caches nothing
-    assert explain("vllm", _v(prop, known + " (and more)", cfg, op)) is None  # whole message
-    assert explain("vllm", _v(prop, known, cfg, None)) is None  # no operation: an audit
-    assert explain("vllm", _v(prop, known, None, op)) is None  # no configuration to judge
+    assert explain("vllm-manager", _v(prop, full_group, cfg, op)) is None  # full attention skips nothing
+    assert explain("vllm-manager", _v(prop, known.replace("group 1", "group 0"), FULL_ONLY, op)) is None
+    assert explain("vllm-manager", _v(prop, known, cfg, Probe((1,)))) is None  # a probe caches nothing
+    assert explain("vllm-manager", _v(prop, known + " (and more)", cfg, op)) is None  # whole message
+    assert explain("vllm-manager", _v(prop, known, cfg, None)) is None  # no operation: an audit
+    assert explain("vllm-manager", _v(prop, known, None, op)) is None  # no configuration to judge
 
 
 def test_a_tolerated_length_mismatch_still_checks_the_hash_chain() -> None:
@@ -114,13 +114,15 @@ def test_waste_of_a_kind_is_known_only_with_eagle_and_sparse_retention() -> None
     f = FINDINGS["vllm-eagle-mamba-interval-waste"]
     cfg, op = f.trace.config, Schedule("r3", 3)
     waste = _v("no_waste", "mamba g1:4t cached but no retained boundary of any request needs it", cfg, op)
-    assert known_finding("vllm", "0.29.0", waste) is f
+    assert known_finding("vllm-manager", "0.29.0", waste) is f
     assert (
-        known_finding("vllm", "0.29.0", _v(waste.check, waste.message, cfg.with_(retention_interval=0), op))
+        known_finding(
+            "vllm-manager", "0.29.0", _v(waste.check, waste.message, cfg.with_(retention_interval=0), op)
+        )
         is f
     )
     for other in (cfg.with_(eagle=False), cfg.with_(retention_interval=None)):
-        assert known_finding("vllm", "0.29.0", _v(waste.check, waste.message, other, op)) is None
+        assert known_finding("vllm-manager", "0.29.0", _v(waste.check, waste.message, other, op)) is None
 
 
 def test_every_finding_states_a_precondition_its_own_trace_meets() -> None:
@@ -331,7 +333,7 @@ def verify_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     from invariants.cli import verify
 
     monkeypatch.setattr(
-        verify, "available_targets", lambda: {"model": None, "vllm": "vllm: not installed here"}
+        verify, "available_targets", lambda: {"model": None, "vllm-manager": "vllm: not installed here"}
     )
     real_import = verify.import_row_module
 
@@ -400,21 +402,21 @@ def test_verify_counts_a_skipped_sglang_row(
     assert main(["verify", "--quick", "--require", "sglang"]) == 1
 
 
-@pytest.mark.skipif(available_targets().get("vllm") is not None, reason="needs vLLM")
+@pytest.mark.skipif(available_targets().get("vllm-manager") is not None, reason="needs vLLM")
 def test_a_short_vllm_fuzz_tolerates_only_what_its_findings_claim(tmp_path: Path) -> None:
     """Every finding a vLLM fuzz tolerated: its example trace replays to a violation
     that meets the finding's precondition, checked here from the trace alone."""
     from invariants.harness.fuzz import run_fuzz
     from invariants.harness.replay import replay
 
-    report = run_fuzz("vllm", seed=1, budget_s=20, out_dir=tmp_path, progress=False, database=None)
+    report = run_fuzz("vllm-manager", seed=1, budget_s=20, out_dir=tmp_path, progress=False, database=None)
     assert report.failure is None, report.failure
     assert report.stats.known, "the sample needs tolerated violations (seed 1 meets them within seconds)"
     for entry in report.stats.known.entries.values():
         f = FINDINGS[entry.finding]
         assert entry.example is not None and entry.count >= 1
         trace = read_trace(entry.example)
-        result = replay(trace, "vllm")
+        result = replay(trace, "vllm-manager")
         i, v = next((i, v) for i, v in result.known if str(v) == entry.first)
         assert f.precondition.holds(trace.config, operation_kind(trace.ops[i]), _match(f, v.message))
 

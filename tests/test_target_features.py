@@ -15,7 +15,7 @@ from invariants.targets.model_target import ModelTarget
 from invariants.targets.reference import ReferenceTarget
 from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-from invariants.targets.vllm_target import VllmTarget
+from invariants.targets.vllm_target import VllmManagerTarget
 from model.config import Config, GroupSpec
 from model.observation import Done, Observation, Snapshot
 from model.ops import Op
@@ -28,8 +28,8 @@ def test_the_registry_sets_are_what_the_builtin_classes_state() -> None:
     builtins: dict[str, type[Target]] = {
         "model": ModelTarget,
         "reference": ReferenceTarget,
-        "vllm": VllmTarget,
-        "vllm-scheduler": VllmSchedulerTarget,
+        "vllm-manager": VllmManagerTarget,
+        "vllm": VllmSchedulerTarget,
         "vllm-async-scheduler": VllmAsyncSchedulerTarget,
     }
     assert set(builtins) == set(registry.BUILTIN_TARGETS)

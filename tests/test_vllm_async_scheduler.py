@@ -189,7 +189,7 @@ def synchronous(rule: str) -> Iterator[None]:
 def test_the_target_is_registered_as_a_real_scheduler_over_vllms_allocator() -> None:
     assert target_factory("vllm-async-scheduler") is VllmAsyncSchedulerTarget
     assert "vllm-async-scheduler" in REAL_SCHEDULER_TARGETS
-    assert SAME_ALLOCATOR["vllm-async-scheduler"] == "vllm"
+    assert SAME_ALLOCATOR["vllm-async-scheduler"] == "vllm-manager"
     target = VllmAsyncSchedulerTarget(FULL)
     assert type(target.vllm_scheduler).__name__ == "AsyncScheduler"
     # The Checker judges it with the async model, and the synchronous target without.
@@ -344,7 +344,7 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
     version = target_version("vllm")
     ran = []
     for f in load_known_findings():
-        if "vllm" not in f.targets or ("*" not in f.versions and version not in f.versions):
+        if "vllm-manager" not in f.targets or ("*" not in f.versions and version not in f.versions):
             continue
         trace = f.trace
         if trace.config.eagle and not trace.config.num_lookahead_tokens:

@@ -1,5 +1,5 @@
 """KV connectors: the model's contract (`model.connector`) and kvretain's scripted
-connector in vLLM's real `Scheduler` ("vllm-scheduler" with `Config.kv_connector`).
+connector in vLLM's real `Scheduler` ("vllm" with `Config.kv_connector`).
 
 Model tests need no vLLM: what an external hit allocates, when an async load's
 blocks are cached, what a failed load rolls back, when a finish's free is
@@ -194,10 +194,10 @@ def drive(factory: object, cfg: Config = FULL_SWA) -> list[Violation]:
     checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]
     found: list[Violation] = []
     for op in trace_ops():
-        found += [v for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+        found += [v for v in checker.step(op) if not is_known_violation("vllm", v)]
         if found:
             break
-    return found + [v for v in checker.audit() if not is_known_violation("vllm-scheduler", v)]
+    return found + [v for v in checker.audit() if not is_known_violation("vllm", v)]
 
 
 @needs_vllm
@@ -236,9 +236,7 @@ def test_real_scheduler_agrees_under_the_fail_policy() -> None:
     cfg = FULL_SWA.with_(kv_load_failure_policy="fail")
     target = VllmSchedulerTarget(cfg)
     checker = Checker(target, audit_every=1)
-    found = [
-        v for op in fail_policy_ops() for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)
-    ]
+    found = [v for op in fail_policy_ops() for v in checker.step(op) if not is_known_violation("vllm", v)]
     assert found == [] and checker.audit() == []
     assert "r0" not in target.vllm_scheduler.requests and "r0" not in target.session.requests
 
@@ -267,10 +265,10 @@ def test_connector_is_registered_and_records_what_it_was_asked() -> None:
 @needs_vllm
 @pytest.mark.vllm
 def test_plain_vllm_target_refuses_a_connector() -> None:
-    from invariants.targets.vllm_target import VllmTarget
+    from invariants.targets.vllm_target import VllmManagerTarget
 
     with pytest.raises(ConfigError, match="kv_connector"):
-        VllmTarget(FULL)
+        VllmManagerTarget(FULL)
 
 
 CONNECTOR_MUTANTS = (
@@ -331,7 +329,7 @@ def test_connector_mutant_is_caught(name: str) -> None:
         found: list[Violation] = []
         try:
             for op in ops:
-                found += [v for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+                found += [v for v in checker.step(op) if not is_known_violation("vllm", v)]
         except InvalidOp as exc:  # the mutant changed the request's state under the trace
             found.append(Violation("invalid", str(exc)))
         return found

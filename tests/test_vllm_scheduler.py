@@ -1,4 +1,4 @@
-"""vLLM's real `Scheduler` driving its allocator ("vllm-scheduler") against the model.
+"""vLLM's real `Scheduler` driving its allocator ("vllm") against the model.
 
 Scripted traces (admission with a hit, chunked prefill, samples delivered by
 `update_from_output`, preemption inside a step, a manual preemption, finish,
@@ -61,7 +61,7 @@ PROMPT = (1, 2, 3) * 6
 
 
 class Drive:
-    """The model and vllm-scheduler side by side; the violations no known finding
+    """The model and vllm side by side; the violations no known finding
     explains, and the target's observations."""
 
     def __init__(self, cfg: Config, factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> None:
@@ -72,7 +72,7 @@ class Drive:
 
     def do(self, *ops: Op) -> Drive:
         for op in ops:
-            self.found += [v for v in self.checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+            self.found += [v for v in self.checker.step(op) if not is_known_violation("vllm", v)]
             self.seen.append(self.checker.last_obs)
         return self
 
@@ -204,7 +204,7 @@ def test_scheduler_mutant_is_caught(name: str) -> None:
 def test_fuzzer_sends_real_schedulers_whole_steps(tmp_path: Path) -> None:
     """A short generated run is clean, and every scheduling operation it sent was a `Step`."""
     sent: list[Op] = []
-    factory = target_factory("vllm-scheduler")
+    factory = target_factory("vllm")
 
     def recording(cfg: Config) -> VllmSchedulerTarget:
         target = factory(cfg)
@@ -217,9 +217,7 @@ def test_fuzzer_sends_real_schedulers_whole_steps(tmp_path: Path) -> None:
         target.apply = apply_and_record  # type: ignore[method-assign]
         return target  # type: ignore[return-value]
 
-    report = run_fuzz(
-        "vllm-scheduler", steps=300, seed=3, out_dir=tmp_path, progress=False, factory=recording
-    )
+    report = run_fuzz("vllm", steps=300, seed=3, out_dir=tmp_path, progress=False, factory=recording)
     assert report.failure is None, report.failure
     # What the run left out is stated with its count (0 examples) and reason.
     assert "not generated (0 examples)" in format_features([report])
@@ -230,20 +228,20 @@ def test_fuzzer_sends_real_schedulers_whole_steps(tmp_path: Path) -> None:
 
 def test_known_findings_reproduce_through_the_real_scheduler() -> None:
     """Every known vLLM finding of the installed release whose trace the real scheduler can
-    run (no speculative decoding) reproduces on vllm-scheduler; the others are named."""
+    run (no speculative decoding) reproduces on vllm; the others are named."""
     from invariants.harness.known_findings import explain, load_known_findings, target_version
     from invariants.harness.replay import replay
 
     version = target_version("vllm")
     ran, refused = [], []
     for f in load_known_findings():
-        if "vllm" not in f.targets or ("*" not in f.versions and version not in f.versions):
+        if "vllm-manager" not in f.targets or ("*" not in f.versions and version not in f.versions):
             continue
         if f.trace.config.eagle or f.trace.config.num_lookahead_tokens:
             refused.append(f.id)  # tests/test_vllm_scheduler_spec.py replays these
             continue
-        result = replay(f.trace, "vllm-scheduler")
-        assert any(explain("vllm-scheduler", v) is f for _, v in result.known), f.id
+        result = replay(f.trace, "vllm")
+        assert any(explain("vllm", v) is f for _, v in result.known), f.id
         assert result.clean, (f.id, result.violations[:1])
         ran.append(f.id)
     assert "vllm-blockstored-token-range" in ran

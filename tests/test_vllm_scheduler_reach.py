@@ -1,7 +1,7 @@
-"""The vllm-scheduler target's reach: the scheduler mutants of each scheduler decision
+"""The vllm target's reach: the scheduler mutants of each scheduler decision
 (chunking under the budget, admission with a hit, preemption and replay, the block
 tables a step ships), the shipped-table observation that catches the last, the
-export of a vllm-scheduler finding, the production bench and the release matrix's
+export of a vllm finding, the production bench and the release matrix's
 scheduler capability.
 
 Negative controls: each mutant below is caught on a trace the unmutated scheduler
@@ -129,12 +129,12 @@ def test_a_source_mutant_whose_line_is_gone_fails_loudly() -> None:
     assert Scheduler.schedule is original
 
 
-# ------------------------------------------------------------------ export of a vllm-scheduler finding
-EXPORTED_IMPORTS = {"json", "os", "tempfile", "time", "dataclasses", "torch", "vllm"}
+# ------------------------------------------------------------------ export of a vllm finding
+EXPORTED_IMPORTS = {"json", "os", "tempfile", "time", "dataclasses", "torch", "vllm-manager"}
 
 
 def test_a_planted_scheduler_finding_exports_as_a_standalone_real_scheduler_test(tmp_path: Any) -> None:
-    """A finding on vllm-scheduler (planted: the shipped-table mutant) exports as a pytest
+    """A finding on vllm (planted: the shipped-table mutant) exports as a pytest
     file that imports only vLLM and torch, builds vLLM's `Scheduler`, passes on vLLM and
     fails with an assertion (not a setup divergence) under the mutant."""
     import ast
@@ -150,9 +150,9 @@ def test_a_planted_scheduler_finding_exports_as_a_standalone_real_scheduler_test
     ops = [AddRequest("r1", PROMPT8), AddRequest("r3", (*PROMPT8, 2)), Step(("r1",), 32), Step(("r3",), 16)]
     with activate(name) as factory:
         checker = Checker(factory(FULL_SWA_SWA), audit_every=1)
-        found = [v for op in ops for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+        found = [v for op in ops for v in checker.step(op) if not is_known_violation("vllm", v)]
     assert found and found[0].check == "observation" and found[0].op == ops[-1]
-    trace = Trace(FULL_SWA_SWA, ops, seed=0, target="vllm-scheduler", violation=f"mutant {name}: {found[0]}")
+    trace = Trace(FULL_SWA_SWA, ops, seed=0, target="vllm", violation=f"mutant {name}: {found[0]}")
     source = render_test(plan_export(trace))
     roots = {
         (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
@@ -160,7 +160,7 @@ def test_a_planted_scheduler_finding_exports_as_a_standalone_real_scheduler_test
         if isinstance(n, ast.Import | ast.ImportFrom)
         for a in n.names
     }
-    assert roots <= EXPORTED_IMPORTS and "vllm" in roots, roots
+    assert roots <= EXPORTED_IMPORTS and "vllm-manager" in roots, roots
     assert "Scheduler(" in source and "driver.step(('r3',), 16)" in source
     path = tmp_path / "test_exported_scheduler_finding.py"
     path.write_text(source)
@@ -261,11 +261,11 @@ def test_this_vllm_has_the_scheduler_api_and_a_release_without_it_is_refused(mon
     caps = capabilities.detect()
     assert caps.scheduler_missing == ()
     assert capabilities.Capabilities.from_json(caps.to_json()) == caps
-    assert scheduler_line(caps) == "vllm-scheduler: can drive this release's Scheduler"
+    assert scheduler_line(caps) == "vllm: can drive this release's Scheduler"
     old = dataclasses.replace(caps, version="0.21.0", scheduler_missing=("SchedulerConfig.watermark",))
     monkeypatch.setattr(capabilities, "detect", lambda: old)
     with pytest.raises(
         TargetUnavailable, match=r"vLLM 0\.21\.0's Scheduler lacks .*SchedulerConfig\.watermark"
     ):
-        target_factory("vllm-scheduler")
+        target_factory("vllm")
     assert "cannot" in scheduler_line(old)

@@ -1,4 +1,4 @@
-"""Speculative decoding through vLLM's real `Scheduler` ("vllm-scheduler") against the model.
+"""Speculative decoding through vLLM's real `Scheduler` ("vllm") against the model.
 
 The model's contract (`model.spec_decode`): drafts scheduled and verified,
 one-token admissions padded with placeholder drafts, rejected drafts rolled
@@ -139,7 +139,7 @@ def test_drafts_are_refused_where_nothing_speculates() -> None:
 
 # ---------------------------------------------------------------- through vLLM's real scheduler
 class Drive:
-    """The model and vllm-scheduler side by side; the violations no known finding explains."""
+    """The model and vllm side by side; the violations no known finding explains."""
 
     def __init__(self, cfg: Config, factory: object = None) -> None:
         from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
@@ -150,7 +150,7 @@ class Drive:
 
     def do(self, *ops: Op) -> Drive:
         for op in ops:
-            self.found += [v for v in self.checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+            self.found += [v for v in self.checker.step(op) if not is_known_violation("vllm", v)]
         return self
 
 
@@ -224,9 +224,7 @@ def test_generated_spec_run_is_clean(tmp_path: Path) -> None:
     strategy = configs(
         allow_pinning=False, shapes=(("full",), ("full", "swa")), lookahead=True, eagle_drafts=True
     )
-    report = run_fuzz(
-        "vllm-scheduler", steps=250, seed=5, out_dir=tmp_path, progress=False, strategy=strategy
-    )
+    report = run_fuzz("vllm", steps=250, seed=5, out_dir=tmp_path, progress=False, strategy=strategy)
     assert report.failure is None, report.failure
     assert report.stats.features["draft tokens accepted"] > 0
     assert report.stats.features["config: eagle"] > 0
@@ -244,9 +242,9 @@ def test_eagle_finding_reconfirmed_through_the_real_scheduler() -> None:
 
     f = next(f for f in load_known_findings() if f.id == "eagle-swa-short-run-double-pop")
     trace = replace(f.trace, config=f.trace.config.with_(num_lookahead_tokens=1))
-    result = replay(trace, "vllm-scheduler")
+    result = replay(trace, "vllm")
     assert result.clean, result.violations[:1]
-    assert any(explain("vllm-scheduler", v) is f for _, v in result.known)
+    assert any(explain("vllm", v) is f for _, v in result.known)
 
 
 @needs_vllm
@@ -392,7 +390,7 @@ def _captured(ops: list[Op]) -> tuple[list[Violation], list[object]]:
     checker_mod.check_all = capture
     try:
         chk = Checker(VllmSchedulerTarget(NARROW_MAMBA_DRAFTS), audit_every=1)
-        found = [v for op in ops for v in chk.step(op) if not is_known_violation("vllm-scheduler", v)]
+        found = [v for op in ops for v in chk.step(op) if not is_known_violation("vllm", v)]
     finally:
         checker_mod.check_all = real
     return found, contexts

@@ -1,6 +1,6 @@
 """The vLLM target against the executable model, operation by operation.
 
-`AllocatorModel(config, events="vllm-0.33.0")` and `VllmTarget(config)` are
+`AllocatorModel(config, events="vllm-0.33.0")` and `VllmManagerTarget(config)` are
 driven with the same operations (the scenarios of shared/vllm_notes.md: 02
 Full+SWA, 04 Eagle, 05/06 Mamba, 07 events, 08 sharing/preemption, 09
 junction, 11 full-attention partial tail, 12 hit rules, plus seeded random
@@ -47,7 +47,7 @@ from invariants.targets.base import TargetCrash  # noqa: E402
 from invariants.targets.vllm_target import (  # noqa: E402
     NO_PINNED_TIER,
     UnsupportedConfig,
-    VllmTarget,
+    VllmManagerTarget,
 )
 from model.allocator import AllocatorModel  # noqa: E402
 from model.config import Config, ConfigError, GroupSpec  # noqa: E402
@@ -85,7 +85,7 @@ class Lockstep:
 
     def __init__(self, cfg: Config) -> None:
         self.model = AllocatorModel(cfg, events="vllm-0.33.0")
-        self.target = VllmTarget(cfg)
+        self.target = VllmManagerTarget(cfg)
         self.ops: list[Op] = []
         self.problems: list[str] = []
         self.next_token = 50000
@@ -430,14 +430,14 @@ def test_vllm_rejection_becomes_config_error() -> None:
     with pytest.raises(
         ConfigError, match=r"must be non-negative and a multiple of scheduler_block_size \(16\)"
     ):
-        VllmTarget(Config((full(16), swa(16, 32)), num_blocks=16, retention_interval=40))
+        VllmManagerTarget(Config((full(16), swa(16, 32)), num_blocks=16, retention_interval=40))
     with pytest.raises(ConfigError, match="no sliding-window or Mamba KV cache group"):
-        VllmTarget(Config((full(16),), num_blocks=16, retention_interval=64))
+        VllmManagerTarget(Config((full(16),), num_blocks=16, retention_interval=64))
 
 
 def test_pinned_tier_is_unsupported() -> None:
     with pytest.raises(UnsupportedConfig, match="no pinned tier"):
-        VllmTarget(Config((full(16), swa(16, 32)), num_blocks=16, pin_swa_on_drop=True))
+        VllmManagerTarget(Config((full(16), swa(16, 32)), num_blocks=16, pin_swa_on_drop=True))
     assert "#40676" in NO_PINNED_TIER
     assert issubclass(UnsupportedConfig, ConfigError)
 
@@ -471,7 +471,7 @@ def test_fine_grained_mamba_fuzz_agrees() -> None:
 
     shapes = (("full", "mamba"), ("full", "swa", "mamba"))
     report = run_fuzz(
-        "vllm",
+        "vllm-manager",
         seed=5,
         steps=400,
         strategy=configs(allow_pinning=False, fine=True, shapes=shapes),
@@ -486,8 +486,8 @@ def test_fine_grained_mamba_fuzz_agrees() -> None:
 
 
 def test_registry_builds_the_vllm_target() -> None:
-    target = target_factory("vllm")(Config((full(16), swa(16, 32)), num_blocks=16))
-    assert target.name == "vllm"
+    target = target_factory("vllm-manager")(Config((full(16), swa(16, 32)), num_blocks=16))
+    assert target.name == "vllm-manager"
     assert getattr(target, "version_note", "x") is None  # vLLM 0.33.0: no drift warning
     assert getattr(target, "event_profile", None) == "vllm-0.33.0"
 
@@ -495,12 +495,12 @@ def test_registry_builds_the_vllm_target() -> None:
 # --------------------------------------------------------------------------- known findings
 def test_known_finding_replays_on_vllm() -> None:
     [finding] = [f for f in load_known_findings() if f.id == "vllm-blockstored-token-range"]
-    assert "vllm" in finding.targets and MODELED_VERSION in finding.versions
-    checker = Checker(VllmTarget(finding.trace.config))
+    assert "vllm-manager" in finding.targets and MODELED_VERSION in finding.versions
+    checker = Checker(VllmManagerTarget(finding.trace.config))
     found = [v for op in finding.trace.ops for v in checker.step(op)]
     assert found, "the known finding no longer reproduces (fixed upstream?)"
     assert {v.check for v in found} == {finding.property}, found
-    assert all(is_known_violation("vllm", v) for v in found)
+    assert all(is_known_violation("vllm-manager", v) for v in found)
     events = [e for e in checker.last.events if isinstance(e, BlockStored) and e.group == 1]
     assert [(len(e.block_hashes), len(e.token_ids)) for e in events] == [(2, 96)]
 
@@ -511,12 +511,12 @@ def test_known_finding_matching() -> None:
     prop = "stored_tokens_match_hashes"
     msg = "BlockStored(group 1) has 2 hash(es) of 16 tokens but 96 token ids"
     v = Violation(prop, msg, cfg, op)
-    assert known_finding("vllm", "0.33.0", v) is finding
-    assert known_finding("vllm", "0.34.0", v) is None
+    assert known_finding("vllm-manager", "0.33.0", v) is finding
+    assert known_finding("vllm-manager", "0.34.0", v) is None
     assert known_finding("reference", "0.33.0", v) is None
-    assert known_finding("vllm", "0.33.0", Violation("no_waste", msg, cfg, op)) is None
+    assert known_finding("vllm-manager", "0.33.0", Violation("no_waste", msg, cfg, op)) is None
     chain = Violation(prop, "BlockStored(group 1) hash 0 does not chain from its parent and tokens", cfg, op)
-    assert known_finding("vllm", "0.33.0", chain) is None
+    assert known_finding("vllm-manager", "0.33.0", chain) is None
 
 
 def test_known_findings_file_errors_name_the_field() -> None:
@@ -524,7 +524,11 @@ def test_known_findings_file_errors_name_the_field() -> None:
         parse_known_findings({"format": "x", "version": 1, "findings": []})
     with pytest.raises(KnownFindingsError, match=r"findings\[0\]\.property"):
         parse_known_findings(
-            {"format": "kvretain-known-findings", "version": 2, "findings": [{"id": "a", "target": "vllm"}]}
+            {
+                "format": "kvretain-known-findings",
+                "version": 2,
+                "findings": [{"id": "a", "target": "vllm-manager"}],
+            }
         )
     # A finding is a claim: a pattern, and a precondition whose names are known.
     [finding] = [f for f in load_known_findings() if f.id == "vllm-blockstored-token-range"]
@@ -568,7 +572,7 @@ def test_probe_python_reports_a_missing_interpreter() -> None:
 def test_a_crash_names_who_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failure inside the adapter is kvretain's gap, never a defect of vLLM;
     one inside vLLM's package is vLLM's."""
-    target = VllmTarget(Config(groups=(full(4),), num_blocks=8))
+    target = VllmManagerTarget(Config(groups=(full(4),), num_blocks=8))
     target.apply(AddRequest("r0", (1, 2, 3, 4, 5)))
 
     def broken(req: object) -> tuple[object, int, int]:
@@ -590,7 +594,7 @@ def test_a_probe_takes_shared_hashes_and_vllm_hashes_the_rest() -> None:
     lends the shared blocks; a donor that differs mid-way lends only the blocks
     before the difference (a wrong loan would change the lookup's hashes)."""
     cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=64)
-    target = VllmTarget(cfg)
+    target = VllmManagerTarget(cfg)
     rng = random.Random(5)
     base = tuple(rng.randrange(1, 50) for _ in range(40))
     target.apply(AddRequest("a", base))

@@ -285,7 +285,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     from invariants.harness.conformance import run_conformance
     from invariants.targets import target_factory
 
-    target_factory("vllm")  # one line and exit 2 when vLLM cannot be imported
+    target_factory("vllm-manager")  # one line and exit 2 when vLLM cannot be imported
     rows: list = []
     rc = run_conformance(
         steps=args.steps, budget_s=args.budget_s, seed=args.seed, out=Path(args.out), sink=rows

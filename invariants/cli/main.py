@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         args = build_parser().parse_args(args_list)
-        if getattr(args, "target", None) == "vllm" or args.command in ("verify", "conformance"):
+        if getattr(args, "target", None) == "vllm-manager" or args.command in ("verify", "conformance"):
             from invariants.targets.vllm_env import version_warning
 
             warning = version_warning()

@@ -1,9 +1,9 @@
 """`kvretain zoo`: run every check against each mutant; what is caught, how fast, by which check.
 
-    kvretain zoo [--target reference|vllm|vllm-scheduler|vllm-async-scheduler|sglang] [--budget-s T] [--quick] [--only NAME] [--seed N]
+    kvretain zoo [--target reference|vllm|vllm|vllm-async-scheduler|sglang] [--budget-s T] [--quick] [--only NAME] [--seed N]
                  [--out DIR]
-    kvretain zoo --target vllm --scale production [--budget-s T] [--only NAME]
-    kvretain zoo --target vllm --explore [--depth D] [--budget-s T] [--only NAME]
+    kvretain zoo --target vllm-manager --scale production [--budget-s T] [--only NAME]
+    kvretain zoo --target vllm-manager --explore [--depth D] [--budget-s T] [--only NAME]
 
 Prints a progress line per mutant, then a table (mutant, killed/SURVIVED,
 the first check that killed it and the other checks that fired on the same
@@ -74,7 +74,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--target",
-        choices=("reference", "vllm", "vllm-scheduler", "vllm-async-scheduler", "sglang"),
+        choices=("reference", "vllm-manager", "vllm", "vllm-async-scheduler", "sglang"),
         default="reference",
     )
     p.add_argument(
@@ -121,7 +121,7 @@ def _err(msg: str) -> int:
 def _entries(target: str, only: list[str] | None) -> tuple[list[ZooEntry], list[tuple[str, str]]]:
     if target == "reference":
         return reference_entries(only), []
-    if target == "vllm-scheduler":
+    if target == "vllm":
         return scheduler_entries(only), []
     if target == "vllm-async-scheduler":
         return async_scheduler_entries(only), []
@@ -133,7 +133,7 @@ def _known(target: str) -> set[str]:
 
     if target == "reference":
         return set(REFERENCE_MUTANTS)
-    if target == "vllm-scheduler":
+    if target == "vllm":
         from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
 
         return set(SCHEDULER_MUTANTS)
@@ -218,9 +218,9 @@ def run(args: argparse.Namespace) -> int:
         entries, na = _entries(args.target, only)
     except TargetUnavailable as exc:
         return _err(str(exc))
-    if args.scale == "production" and args.target != "vllm":
-        return _err("--scale production: runs the vLLM mutants (give --target vllm)")
-    if args.target == "vllm":
+    if args.scale == "production" and args.target != "vllm-manager":
+        return _err("--scale production: runs the vLLM mutants (give --target vllm-manager)")
+    if args.target == "vllm-manager":
         from invariants.targets.vllm_env import vllm_modules
 
         vllm_modules()

@@ -587,9 +587,9 @@ def _has_mamba(cfg: Config) -> bool:
 
 
 def render_test(plan: ExportPlan) -> str:
-    """The pytest file's source (see the module docstring); a vllm-scheduler trace drives
+    """The pytest file's source (see the module docstring); a vllm trace drives
     vLLM's real `Scheduler` instead (`scheduler_file`)."""
-    if plan.trace.target == "vllm-scheduler":
+    if plan.trace.target == "vllm":
         from invariants.export.scheduler_file import render_scheduler_test
 
         return render_scheduler_test(plan)

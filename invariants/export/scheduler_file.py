@@ -1,7 +1,7 @@
-"""Render a vllm-scheduler trace as a standalone pytest file that runs vLLM's real `Scheduler`.
+"""Render a vllm trace as a standalone pytest file that runs vLLM's real `Scheduler`.
 
 The file imports only vLLM, torch and pytest. It builds the `Scheduler` the
-"vllm-scheduler" target builds (`invariants.targets.vllm_scheduler_build`: a
+"vllm" target builds (`invariants.targets.vllm_scheduler_build`: a
 `VllmConfig` whose `ModelConfig` reads a small `config.json` written to a
 temporary directory, a stand-in architecture registered with vLLM's
 `ModelRegistry`, the trace's `KVCacheConfig`) and drives it as the target does
@@ -306,7 +306,7 @@ def {name}() -> None:
 
 
 def render_scheduler_test(plan: ExportPlan) -> str:
-    """The pytest file's source for a vllm-scheduler trace (see the module docstring)."""
+    """The pytest file's source for a vllm trace (see the module docstring)."""
     trace = plan.trace
     cfg = trace.config
     ops = [Step((op.rid,), op.budget) if isinstance(op, Schedule) else op for op in trace.ops]
@@ -316,7 +316,7 @@ def render_scheduler_test(plan: ExportPlan) -> str:
         )
     if not isinstance(ops[-1], Step):
         raise ExportError(
-            "trace.ops: a vllm-scheduler trace is exported when it ends with a step "
+            "trace.ops: a vllm trace is exported when it ends with a step "
             f"(its scheduled tokens and shipped tables are the property); it ends with {type(ops[-1]).__name__}"
         )
     model = AllocatorModel(cfg)

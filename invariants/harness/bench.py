@@ -8,7 +8,7 @@ unique tail, each admitted in one chunk and then finished), measured in one run:
   allocate, free): request cycles per second, no checking;
 - checked: the same cycles as kvretain operations through the Checker (model,
   target, each operation's delta and invariants, an audit every
-  DEFAULT_AUDIT_EVERY operations), on the vLLM, vllm-scheduler (the same
+  DEFAULT_AUDIT_EVERY operations), on the vLLM, vllm (the same
   allocator, vLLM's real `Scheduler` deciding each step) and reference targets;
 - the floor: the model and vLLM (through its adapter) applying the same
   operations with only their observations compared, no deltas, invariants or
@@ -18,7 +18,7 @@ unique tail, each admitted in one chunk and then finished), measured in one run:
   and where the checked time goes.
 
 `--scale production` (`run_production_bench`) measures a dsv4-flash episode
-at vLLM's pool size on "vllm" and on "vllm-scheduler", whose raw side is vLLM's
+at vLLM's pool size on "vllm-manager" and on "vllm", whose raw side is vLLM's
 real `Scheduler` and allocator (their own calls).
 
 Both sides are timed in this process's CPU time (`time.process_time`), so other
@@ -67,7 +67,7 @@ def workload(n: int, seed: int) -> list[tuple[int, ...]]:
 
 def raw_vllm_cycles(prompts: list[tuple[int, ...]]) -> float:
     """Cycles/s of vLLM's allocator alone (the adapter only builds it)."""
-    target: Any = target_factory("vllm")(BENCH_CONFIG)
+    target: Any = target_factory("vllm-manager")(BENCH_CONFIG)
     manager, v = target.manager, vllm_modules()
     hasher = v["get_request_block_hasher"](BENCH_CONFIG.hash_block_size, v["sha256"])
     start = CLOCK()
@@ -98,7 +98,7 @@ def cycle_ops(i: int, prompt: tuple[int, ...]) -> tuple[Op, ...]:
 def lockstep_cycles(prompts: list[tuple[int, ...]]) -> float:
     """Cycles/s of the model and vLLM applying the same operations, observations
     compared and nothing else: the floor of any per-operation differential check."""
-    target: Any = target_factory("vllm")(BENCH_CONFIG)
+    target: Any = target_factory("vllm-manager")(BENCH_CONFIG)
     model = ModelTarget(BENCH_CONFIG, events=target.event_profile, profile=target.profile)
     start = CLOCK()
     for i, prompt in enumerate(prompts):
@@ -173,7 +173,7 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
         f"Full16+SWA16(w=32), retention 0, 256 blocks, seed {seed}"
     )
     log(
-        f"clock: CPU time of this process; raw and checked on vllm and vllm-scheduler: best of {ROUNDS} alternating rounds "
+        f"clock: CPU time of this process; raw and checked on vllm and vllm: best of {ROUNDS} alternating rounds "
         "(phase clocks off; the breakdown comes from one more run with them on)"
     )
     rows: list[tuple[object, ...]] = []
@@ -183,11 +183,11 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
         for _ in range(ROUNDS):
             raw = max(raw, raw_vllm_cycles(prompts))
             floor = max(floor, lockstep_cycles(prompts))
-            for name in ("vllm", "vllm-scheduler"):
+            for name in ("vllm-manager", "vllm"):
                 run = checked_cycles(name, prompts, timed=False)
                 if name not in best or run[0] > best[name][0]:
                     best[name] = run
-        for name in ("vllm", "vllm-scheduler"):
+        for name in ("vllm-manager", "vllm"):
             best[name] = (*best[name][:2], checked_cycles(name, prompts)[2])
     except TargetUnavailable as exc:
         log(f"vLLM unavailable ({exc}); no raw baseline")
@@ -202,8 +202,8 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
             )
         )
     breakdowns = {}
-    # vllm-scheduler: the same allocator with vLLM's real Scheduler running each Schedule as a step.
-    for name in ("vllm", "vllm-scheduler", "reference"):
+    # vllm: the same allocator with vLLM's real Scheduler running each Schedule as a step.
+    for name in ("vllm-manager", "vllm", "reference"):
         try:
             cyc, ops, phase = best[name] if name in best else checked_cycles(name, prompts)
         except TargetUnavailable as exc:
@@ -224,9 +224,9 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
         parts = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(phase.items(), key=lambda kv: -kv[1]))
         log(f"where checked time goes on {name}: {parts}")
     log("goal: checked/raw >= 0.33 (checking costs at most 2x the work it checks)")
-    if raw and floor and "vllm" in best:
+    if raw and floor and "vllm-manager" in best:
         room = 1e6 * (3 / raw - 1 / floor)  # µs per cycle the goal leaves above the floor
-        spent = 1e6 * (1 / best["vllm"][0] - 1 / floor)
+        spent = 1e6 * (1 / best["vllm-manager"][0] - 1 / floor)
         log(
             f"above the floor (the model and the adapter, {1e6 / floor:,.0f} µs a cycle against vLLM's "
             f"{1e6 / raw:,.0f}), the goal leaves the deltas, invariants and audits {room:,.0f} µs a cycle; "
@@ -236,15 +236,15 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
 
 
 def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], None] = print) -> int:
-    """`bench --scale production`: one dsv4-flash episode at vLLM's pool size, on "vllm"
-    (the adapter calling vLLM's `KVCacheManager`) and on "vllm-scheduler" (vLLM's real
+    """`bench --scale production`: one dsv4-flash episode at vLLM's pool size, on "vllm-manager"
+    (the adapter calling vLLM's `KVCacheManager`) and on "vllm" (vLLM's real
     `Scheduler` deciding each step over the same allocator).
 
     checked: the production workload through the Checker (model, deltas, audits every
     PRODUCTION_AUDIT_EVERY steps); raw: the same operations replayed on a fresh target
     with no model and no checks, timed twice over: the whole replay (vLLM and the
     adapter that drives it) and vLLM's own calls within it (`_VllmClock`: the manager,
-    the block pool, request construction and, on "vllm-scheduler", the scheduler's
+    the block pool, request construction and, on "vllm", the scheduler's
     methods, each timed once however they nest). The ratio is against vLLM's own time:
     the adapter is part of the checking, and counting it as raw would flatter the
     checker. A real scheduler is sent each `Schedule` as the one-request `Step` it runs
@@ -265,7 +265,7 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
         f"kvretain bench --scale production: {ops} operations, dsv4-flash, {cfg.num_blocks:,} blocks, "
         f"retention {cfg.retention_interval}, prompts up to {setting.longest:,} tokens, seed {seed}"
     )
-    for target in ("vllm", "vllm-scheduler"):
+    for target in ("vllm-manager", "vllm"):
         try:
             run = _production_run(target, cfg, setting.longest, ops, seed)
         except TargetUnavailable as exc:
@@ -378,7 +378,7 @@ class _VllmClock:
     its own) is left out, and so is what vLLM does inside a request's own
     methods (a sampled token's hashing): both count against the checker."""
 
-    # The real scheduler's entry points the "vllm-scheduler" adapter calls.
+    # The real scheduler's entry points the "vllm" adapter calls.
     SCHEDULER_METHODS = (
         "add_request",
         "schedule",

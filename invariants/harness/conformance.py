@@ -57,7 +57,7 @@ FEATURES: dict[str, st.SearchStrategy[Config]] = {
     ),
 }
 
-# The same judgment with vLLM's real `Scheduler` deciding every step (target "vllm-scheduler",
+# The same judgment with vLLM's real `Scheduler` deciding every step (target "vllm",
 # `invariants.targets.vllm_scheduler_target`), speculative decoding included (`model.spec_decode`).
 SCHEDULER_FINE_ROW = "real Scheduler: fine-grained Mamba hits, CoW copies"
 SCHEDULER_EAGLE_ROW = "real Scheduler: Eagle/MTP drafts, lookahead, rejection rollback (Full/SWA)"
@@ -160,7 +160,7 @@ STEP_DIFFERENCES = [
     "the harness samples every request that computed all its tokens before the next step",
 ]
 
-# How the vllm-scheduler target's configuration of vLLM's `Scheduler` differs from its defaults.
+# How the vllm target's configuration of vLLM's `Scheduler` differs from its defaults.
 SCHEDULER_SETTINGS = [
     "scheduler_reserve_full_isl=False and watermark 0: the model admits a request when its first "
     "chunk fits (vLLM 0.33.0's default admits only if the whole sequence fits)",
@@ -180,7 +180,7 @@ ASYNC_SCHEDULER_SETTINGS = [
 
 EXCLUDED = [
     (
-        "judging the Mamba state position of a drafting request (vllm-scheduler, "
+        "judging the Mamba state position of a drafting request (vllm, "
         "vllm-async-scheduler) where the "
         "allocator's table is null (step_blocks_stay_held leaves it out)",
         "a draft block the state moved past is nulled in the allocator's table but kept in the "
@@ -236,7 +236,7 @@ EXCLUDED = [
         "kv_cache_spec_sliding_window; before 0.26.0 locality, 0.29.0 ownership, 0.30.0 session_id, "
         "0.33.0 lookahead_token_ids)",
         "there is nothing to read: the adapter gives each the model's value, so it agrees uncompared, "
-        "and lists it in VllmTarget.uncompared_event_fields; on 0.33.0 every event field is compared",
+        "and lists it in VllmManagerTarget.uncompared_event_fields; on 0.33.0 every event field is compared",
     ),
 ]
 
@@ -253,7 +253,7 @@ def validation_cases() -> list[Config]:
 
 def check_validation() -> tuple[int, list[str]]:
     """(cases, disagreements): model validate() vs vLLM's constructor."""
-    factory = target_factory("vllm")
+    factory = target_factory("vllm-manager")
     bad = []
     cases = validation_cases()
     for cfg in cases:
@@ -311,8 +311,8 @@ def run_conformance(
         )
     )
     for target, features in (
-        ("vllm", FEATURES),
-        ("vllm-scheduler", SCHEDULER_FEATURES),
+        ("vllm-manager", FEATURES),
+        ("vllm", SCHEDULER_FEATURES),
         ("vllm-async-scheduler", ASYNC_SCHEDULER_FEATURES),
     ):
         for feature, strategy in features.items():
@@ -326,7 +326,7 @@ def run_conformance(
     print("batched steps (Step) differ from Scheduler.schedule in:")
     for line in STEP_DIFFERENCES:
         print(f"  - {line}")
-    print("vllm-scheduler runs vLLM's Scheduler with:")
+    print("vllm runs vLLM's Scheduler with:")
     for line in SCHEDULER_SETTINGS:
         print(f"  - {line}")
     print("vllm-async-scheduler runs vLLM's AsyncScheduler with those and:")

@@ -97,7 +97,7 @@ NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER = (
 
 NO_CONNECTOR = (
     "KV connectors (offers, async loads, failed loads, deferred frees): the target cannot attach one "
-    "(model.connector; targets model and vllm-scheduler run them)"
+    "(model.connector; targets model and vllm run them)"
 )
 CONNECTOR_NOT_MAMBA = (
     "KV connectors with a Mamba group or with speculative decoding, block-level load failures, "

@@ -74,7 +74,7 @@ class KnownFinding:
         if target not in self.targets:
             return False
         # Versions name vLLM releases; the model and reference follow 0.33.0 semantics.
-        if target == "vllm" and "*" not in self.versions and version not in self.versions:
+        if target == "vllm-manager" and "*" not in self.versions and version not in self.versions:
             return False
         return self.claims(prop, message, config, op)
 
@@ -234,7 +234,7 @@ def target_version(target: str) -> str | None:
 
     Read once per process: the package metadata lookup costs milliseconds, and
     matching runs for every violation a fuzz run tolerates."""
-    if target == "vllm":
+    if target == "vllm-manager":
         from invariants.targets.vllm_env import vllm_version
 
         return vllm_version()
@@ -252,7 +252,7 @@ def explain(target: str, violation: Any) -> KnownFinding | None:
 
 
 def _allocator_of(target: str) -> str:
-    """The target whose allocator code `target` drives (`vllm-scheduler` drives vLLM's own
+    """The target whose allocator code `target` drives (`vllm` drives vLLM's own
     `KVCacheManager` through its real scheduler: vLLM's findings are its findings)."""
     from invariants.targets import SAME_ALLOCATOR
 
@@ -403,7 +403,11 @@ def recheck_known_findings(available: set[str]) -> list[tuple[str, str, bool]]:
         for target in f.targets:
             if target not in available:
                 continue
-            if target == "vllm" and "*" not in f.versions and target_version(target) not in f.versions:
+            if (
+                target == "vllm-manager"
+                and "*" not in f.versions
+                and target_version(target) not in f.versions
+            ):
                 continue  # another release's finding: the release matrix replays it there
             result = replay(f.trace, target)
             hit = any(explain(target, v) is f for _, v in result.known)

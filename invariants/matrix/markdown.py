@@ -41,7 +41,7 @@ def _check_lines(version: str, python: str, check: dict[str, Any]) -> list[str]:
         name = check["trace"]
         lines.append(
             f"  - replay ({check.get('ops', '?')} operations, batch seed {check.get('batch_seed')}): "
-            f"`kvretain replay --vllm-python {python} {name} --target vllm`"
+            f"`kvretain replay --vllm-python {python} {name} --target vllm-manager`"
         )
         if verdict == "defect":
             lines += ["", *("    " + x if x else "" for x in _trace_ops(check["trace"])), ""]
@@ -113,12 +113,8 @@ def render(runs: list[ReleaseRun], command: str) -> str:
 
 
 def scheduler_line(caps: Capabilities) -> str:
-    """Whether the vllm-scheduler target (vLLM's real `Scheduler`) can drive this release."""
+    """Whether the vllm target (vLLM's real `Scheduler`) can drive this release."""
     if caps.scheduler_missing is None:
-        return "vllm-scheduler: the release's scheduler API was not detected"
+        return "vllm: the release's scheduler API was not detected"
     why = scheduler_unsupported(caps)
-    return (
-        "vllm-scheduler: can drive this release's Scheduler"
-        if why is None
-        else f"vllm-scheduler: cannot: {why}"
-    )
+    return "vllm: can drive this release's Scheduler" if why is None else f"vllm: cannot: {why}"

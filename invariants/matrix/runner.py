@@ -183,7 +183,7 @@ def _caps_cell(caps: dict[str, Any]) -> str:
         ("mamba-R", caps.get("mamba_retention")),
         ("junction", caps.get("shared_prefix_junction")),
         ("fine-mamba", caps.get("fine_grained_mamba")),
-        ("scheduler", caps.get("scheduler_missing") == []),  # vllm-scheduler can drive it
+        ("scheduler", caps.get("scheduler_missing") == []),  # vllm can drive it
     ]
     have = " ".join(name for name, ok in flags if ok)
     return f"free={caps.get('free_order')} R={caps.get('retention')} {have}".strip()

@@ -91,7 +91,7 @@ def feature_applies(feature: str, caps: Capabilities) -> str | None:
 
 def _judge(version: str, caps: Capabilities, tolerate: frozenset[str]) -> Judge:
     def judge(v: Violation) -> tuple[str, bool]:
-        finding = explain("vllm", v)
+        finding = explain("vllm-manager", v)
         if finding is not None:
             return f"known: {finding.id}", True
         kind = classify(v.check, v.message, caps).kind
@@ -112,7 +112,7 @@ def run_check(
 ) -> dict[str, Any]:
     """Fuzz until `budget_s` is spent or a violation the judge does not tolerate
     (`tolerate`: the classes counted instead; the known design by default)."""
-    factory = target_factory("vllm")
+    factory = target_factory("vllm-manager")
     version = vllm_version() or "?"
     judge = _judge(version, caps, tolerate)
     counts: Counter[str] = Counter()
@@ -174,7 +174,7 @@ def run_check(
         v = failure.violations[0]
         kind = judge(v)[0]
         ops = shrink(factory, failure.config, failure.ops, judge, (v.check, kind), start + budget_s)
-        trace = Trace(failure.config, ops, seed + batch - 1, "vllm", str(v))
+        trace = Trace(failure.config, ops, seed + batch - 1, "vllm-manager", str(v))
         slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
         path = write_trace(trace, out / f"vllm-{version}-{slug}.json")
         verdict: Verdict = classify(v.check, v.message, caps)
@@ -195,11 +195,11 @@ def run_known(caps: Capabilities) -> list[dict[str, Any]]:
     version = caps.version
     rows = []
     for f in load_known_findings():
-        if "vllm" not in f.targets:
+        if "vllm-manager" not in f.targets:
             continue
         expected = "*" in f.versions or version in f.versions
         try:
-            result = replay(f.trace, "vllm")
+            result = replay(f.trace, "vllm-manager")
         except ConfigError as exc:
             rows.append({"id": f.id, "expected": expected, "reproduces": None, "note": str(exc)[:120]})
             continue

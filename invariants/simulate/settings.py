@@ -23,7 +23,7 @@ from invariants.targets.reference import ReferenceTarget
 from model.config import Config
 
 MUTANT = "swa_slide_appends_uncached"
-MUTANT_TARGETS = ("reference", "vllm")
+MUTANT_TARGETS = ("reference", "vllm-manager")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class _FastReference(ReferenceTarget):
 @contextlib.contextmanager
 def setting_scope(target: str, setting: Setting) -> Iterator[None]:
     """Hold the setting's process-wide patches (vLLM mutants) while its targets run."""
-    if setting.mutant is None or target != "vllm":
+    if setting.mutant is None or target != "vllm-manager":
         yield
         return
     from invariants.zoo.mutants_vllm import activate
@@ -90,11 +90,11 @@ def make_target(target: str, setting: Setting) -> Target:
         raise ValueError(f"setting {setting.name}: no mutant {setting.mutant!r} for target {target!r}")
     if target == "reference":
         return _FastReference(setting.config)
-    if target == "vllm":
-        from invariants.targets.vllm_target import VllmTarget
+    if target == "vllm-manager":
+        from invariants.targets.vllm_target import VllmManagerTarget
 
         target_factory(target)  # TargetUnavailable when vLLM cannot load
-        return VllmTarget(setting.config, track_prefixes=False)
+        return VllmManagerTarget(setting.config, track_prefixes=False)
     return target_factory(target)(setting.config)
 
 

@@ -27,8 +27,8 @@ ENTRY_POINT_GROUP = "kvretain.targets"
 _BUILTIN: dict[str, tuple[str, str]] = {
     "model": ("invariants.targets.model_target", "ModelTarget"),
     "reference": ("invariants.targets.reference", "ReferenceTarget"),
-    "vllm": ("invariants.targets.vllm_target", "VllmTarget"),
-    "vllm-scheduler": ("invariants.targets.vllm_scheduler_target", "VllmSchedulerTarget"),
+    "vllm-manager": ("invariants.targets.vllm_target", "VllmManagerTarget"),
+    "vllm": ("invariants.targets.vllm_scheduler_target", "VllmSchedulerTarget"),
     "vllm-async-scheduler": ("invariants.targets.vllm_async_scheduler_target", "VllmAsyncSchedulerTarget"),
 }
 BUILTIN_TARGETS = tuple(_BUILTIN)
@@ -51,17 +51,17 @@ TARGET_NAMES = BUILTIN_TARGETS + tuple(plugin_targets())
 PINNING_TARGETS = {"model", "reference"}
 # Targets that model vLLM's fine-grained Mamba hits and their CoW copies (the seeds
 # do not describe them, so the reference allocator refuses such configurations).
-FINE_MAMBA_TARGETS = {"model", "vllm", "vllm-scheduler", "vllm-async-scheduler"}
+FINE_MAMBA_TARGETS = {"model", "vllm-manager", "vllm", "vllm-async-scheduler"}
 # Targets whose steps a real engine scheduler decides (`TargetFeatures(real_scheduler=True)`):
 # the fuzzer sends them whole steps and only configurations an engine can run.
-REAL_SCHEDULER_TARGETS = {"vllm-scheduler", "vllm-async-scheduler"}
+REAL_SCHEDULER_TARGETS = {"vllm", "vllm-async-scheduler"}
 # Real schedulers driven one step ahead (`TargetFeatures(async_scheduling=True)`), drafts included.
 ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler"}
 # Targets that can run a KV connector (`TargetFeatures(connector=True)`, `model.connector`):
 # generated configurations include one; the others are never sent one, and say so.
-CONNECTOR_TARGETS = {"model", "vllm-scheduler"}
+CONNECTOR_TARGETS = {"model", "vllm"}
 # Targets that drive another target's allocator code: its known findings are theirs too.
-SAME_ALLOCATOR = {"vllm-scheduler": "vllm", "vllm-async-scheduler": "vllm"}
+SAME_ALLOCATOR = {"vllm": "vllm-manager", "vllm-async-scheduler": "vllm-manager"}
 
 
 def _load_plugin(name: str) -> Callable[[Config], Target]:
@@ -94,13 +94,13 @@ def target_factory(name: str) -> Callable[[Config], Target]:
     if name not in _BUILTIN:
         raise TargetUnavailable(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
     module_name, cls_name = _BUILTIN[name]
-    if name in ("vllm", "vllm-scheduler", "vllm-async-scheduler"):
+    if name in ("vllm-manager", "vllm", "vllm-async-scheduler"):
         from invariants.targets.vllm_env import vllm_available
 
         ok, reason = vllm_available()
         if not ok:
             raise TargetUnavailable(reason)
-        if name == "vllm-scheduler":
+        if name == "vllm":
             from invariants.targets.vllm_capabilities import detect, scheduler_unsupported
 
             why = scheduler_unsupported(detect())

@@ -100,8 +100,7 @@ FINE_MAMBA_UNSUPPORTED = (
 
 
 NO_KV_CONNECTOR = (
-    "kv_connector: the seeds' allocator has no scheduler to ask a KV connector (use --target model "
-    "or vllm-scheduler)"
+    "kv_connector: the seeds' allocator has no scheduler to ask a KV connector (use --target model or vllm)"
 )
 
 

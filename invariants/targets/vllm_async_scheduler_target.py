@@ -1,7 +1,7 @@
 """The vLLM target with vLLM's real `AsyncScheduler`, driven one step ahead.
 
 `VllmAsyncSchedulerTarget(config)` ("vllm-async-scheduler") is the
-"vllm-scheduler" target with async scheduling on: `vllm_scheduler_build`
+"vllm" target with async scheduling on: `vllm_scheduler_build`
 builds `AsyncScheduler` (`SchedulerConfig(async_scheduling=True)`, the class
 `SchedulerConfig.get_scheduler_cls` picks for it), and
 `vllm_async_scheduler_drive` runs each `Step` in the engine core's async
@@ -20,7 +20,7 @@ subclass the configuration selects).
 
 Speculative decoding: a configuration with lookahead slots builds the
 `AsyncScheduler` with a `SpeculativeConfig` (Eagle/MTP, or a draft model, as
-for "vllm-scheduler"); the driver runs it as the engine core does under async
+for "vllm"); the driver runs it as the engine core does under async
 scheduling (the scheduler schedules placeholder drafts and never sees the
 drafter's; `vllm_async_scheduler_drive`), and the model states what that
 changes (`model.async_scheduling`, 5).
@@ -38,7 +38,7 @@ from .vllm_capabilities import Capabilities
 from .vllm_scheduler_build import build_scheduler, scheduler_modules
 from .vllm_scheduler_target import SchedulerEventTranslator, SchedulerOpDriver, VllmSchedulerTarget
 from .vllm_snapshot import SnapshotReader
-from .vllm_target import VLLM_EVENT_PROFILE, VllmTarget
+from .vllm_target import VLLM_EVENT_PROFILE, VllmManagerTarget
 
 
 class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
@@ -50,7 +50,7 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
         self.vllm_scheduler: Any = None
         # The synchronous target's driver is not built: this one replaces it.
-        VllmTarget.__init__(self, config, events, track_prefixes)
+        VllmManagerTarget.__init__(self, config, events, track_prefixes)
         self.steps = AsyncStepScheduler(self.session, self.names, self.vllm_scheduler, scheduler_modules())
         self.scheduler = self.steps
         self.driver = SchedulerOpDriver(self.session, self.names, self.steps)

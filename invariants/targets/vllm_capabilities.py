@@ -48,7 +48,7 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 | `mask_hit_grid`          | `SingleTypeKVCacheManager.cache_blocks` floors the masks'  |        |
 |                          | boundaries to `cache_hit_alignment_tokens` (the hit grid), |        |
 |                          | else to `scheduler_block_size`                             |        |
-| `scheduler_missing`      | what the vllm-scheduler target drives that the release's   |        |
+| `scheduler_missing`      | what the vllm target drives that the release's   |        |
 |                          | `Scheduler` API lacks (`scheduler_api_missing`; empty: it  |        |
 |                          | runs; None: not detected, e.g. a namespace of fakes)       |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
@@ -275,7 +275,7 @@ def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
     )
 
 
-# What the vllm-scheduler target (`vllm_scheduler_build`, `vllm_scheduler_drive`) calls or
+# What the vllm target (`vllm_scheduler_build`, `vllm_scheduler_drive`) calls or
 # reads of vLLM's scheduler, by class: constructor parameters, methods, fields.
 SCHEDULER_API: dict[str, tuple[str, ...]] = {
     "Scheduler.__init__": (
@@ -321,7 +321,7 @@ SCHEDULER_API: dict[str, tuple[str, ...]] = {
 
 def scheduler_api_missing(ns: Mapping[str, Any]) -> tuple[str, ...]:
     """What of `SCHEDULER_API` the release's classes in `ns` lack, as "Class.name" (empty:
-    the vllm-scheduler target can drive this release's scheduler). A class absent from
+    the vllm target can drive this release's scheduler). A class absent from
     `ns` is missing whole; the per-step token budget is the scheduler's
     `max_num_scheduled_tokens`, which `schedule()` must read."""
     missing: list[str] = []
@@ -345,10 +345,10 @@ def scheduler_api_missing(ns: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def scheduler_unsupported(caps: Capabilities) -> str | None:
-    """Why the vllm-scheduler target cannot drive this release's scheduler (None: it can)."""
+    """Why the vllm target cannot drive this release's scheduler (None: it can)."""
     if not caps.scheduler_missing:
         return None
-    return f"vLLM {caps.version}'s Scheduler lacks what the vllm-scheduler target drives: " + ", ".join(
+    return f"vLLM {caps.version}'s Scheduler lacks what the vllm target drives: " + ", ".join(
         caps.scheduler_missing
     )
 

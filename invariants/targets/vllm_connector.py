@@ -1,4 +1,4 @@
-"""A scripted KV connector for vLLM's real `Scheduler` (the "vllm-scheduler" target).
+"""A scripted KV connector for vLLM's real `Scheduler` (the "vllm" target).
 
 `KvretainConnector` is a `KVConnectorBase_V1` (and `SupportsHMA`, so hybrid
 layouts keep their groups), registered the way vLLM registers connectors

@@ -1,4 +1,4 @@
-"""Speculative decoding through vLLM's real `Scheduler` (the "vllm-scheduler" target).
+"""Speculative decoding through vLLM's real `Scheduler` (the "vllm" target).
 
 Where the configuration reserves lookahead slots, `vllm_scheduler_build`
 builds the scheduler with a `SpeculativeConfig` (Eagle/MTP, or a draft model,

@@ -1,21 +1,21 @@
 """The vLLM target with vLLM's real `Scheduler` driving the allocator.
 
-`VllmSchedulerTarget(config)` ("vllm-scheduler") builds vLLM's own `Scheduler`
+`VllmSchedulerTarget(config)` ("vllm") builds vLLM's own `Scheduler`
 offline (`vllm_scheduler_build`) and drives it with kvretain's operations
 (`vllm_scheduler_drive`): a bug in `vllm/v1/core/sched/scheduler.py` is now
-inside what is checked, where `VllmTarget` ("vllm") re-creates the scheduler's
+inside what is checked, where `VllmManagerTarget` ("vllm-manager") re-creates the scheduler's
 calls (`vllm_schedule`). The allocator is the scheduler's `KVCacheManager`,
-read by the same snapshot, partial-state and hash-naming parts as "vllm".
+read by the same snapshot, partial-state and hash-naming parts as "vllm-manager".
 
 | operation | vLLM |
 |---|---|
-| `AddRequest` | `Scheduler.add_request` (a WAITING request, hashed as `VllmTarget` hashes it) |
+| `AddRequest` | `Scheduler.add_request` (a WAITING request, hashed as `VllmManagerTarget` hashes it) |
 | `Step`, `Schedule` | `update_from_output` of the previous step, then `Scheduler.schedule` (`RealStepScheduler.step`) |
 | `Sample` | the token (and accepted drafts) of the step's synthetic `ModelRunnerOutput`; its drafts go to `update_draft_token_ids` |
 | `Finish` | `Scheduler.finish_requests(rid, FINISHED_ABORTED)` |
 | `Preempt` | `Scheduler._preempt_request`, as `reset_prefix_cache(reset_running_requests=True)` preempts |
 | `ResetPrefixCache` | `Scheduler.reset_prefix_cache()` |
-| `Probe`, `EvictBlocks` | the manager's `get_computed_blocks` / `evict_blocks`, as for "vllm" |
+| `Probe`, `EvictBlocks` | the manager's `get_computed_blocks` / `evict_blocks`, as for "vllm-manager" |
 
 KV events come from the scheduler's publisher (`update_from_output` publishes
 them) and then the manager (`RealStepScheduler.take_events`).
@@ -49,7 +49,7 @@ from .vllm_scheduler_build import build_scheduler, scheduler_modules
 from .vllm_scheduler_drive import RealStepScheduler
 from .vllm_scheduler_spec import SpecStepScheduler
 from .vllm_snapshot import EventTranslator, SnapshotReader
-from .vllm_target import VLLM_EVENT_PROFILE, VllmTarget
+from .vllm_target import VLLM_EVENT_PROFILE, VllmManagerTarget
 
 
 class SchedulerOpDriver(OpDriver):
@@ -126,10 +126,10 @@ class SchedulerEventTranslator(EventTranslator):
         return tuple(e for ev in self.scheduler.take_events() for e in self.translate(ev))
 
 
-class VllmSchedulerTarget(VllmTarget):
+class VllmSchedulerTarget(VllmManagerTarget):
     """vLLM's real `Scheduler` driving its `KVCacheManager` (see the module docstring)."""
 
-    name = "vllm-scheduler"
+    name = "vllm"
     features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, connector=True)
     # Mamba specs keep their draft blocks when the scheduler speculates (`vllm_scheduler_spec`);
     # False only in the tests' planted defect.

@@ -1,4 +1,4 @@
-"""The live vLLM objects one `VllmTarget` drives, shared by the adapter's parts.
+"""The live vLLM objects one `VllmManagerTarget` drives, shared by the adapter's parts.
 
 Building (`vllm_build`), naming hashes (`vllm_names`), emulating the scheduler
 (`vllm_schedule`), applying operations (`vllm_drive`) and reading snapshots and

@@ -1,6 +1,6 @@
 """The vLLM target: kvretain operations driven through vLLM's real `KVCacheManager`.
 
-`VllmTarget(config)` builds a `KVCacheManager` (vLLM 0.33.0, `vllm/v1/core/`) for a
+`VllmManagerTarget(config)` builds a `KVCacheManager` (vLLM 0.33.0, `vllm/v1/core/`) for a
 `model.config.Config` and applies `model.ops` operations through the manager's
 public methods, exactly as `docs/semantics.md` says and as vLLM's scheduler does.
 The adapter is split along its jobs, each a module of `targets/` with one class
@@ -18,7 +18,7 @@ per job, sharing one `VllmSession` (the live vLLM objects):
 
 This class only composes them and states the `Target` protocol.
 
-`VllmTarget(cfg, track_prefixes=False)` records nothing, and snapshots and
+`VllmManagerTarget(cfg, track_prefixes=False)` records nothing, and snapshots and
 events name each hash by a stand-in instead of its prefix (see `vllm_names`):
 use them for counting, never for differential checks.
 
@@ -61,14 +61,14 @@ VLLM_EVENT_PROFILE = "vllm-0.33.0"
 
 NO_KV_CONNECTOR = (
     "kv_connector: the KVCacheManager-driven target has no scheduler to ask a KV connector "
-    "(use --target vllm-scheduler)"
+    "(use --target vllm)"
 )
 
 
-class VllmTarget(Target):
+class VllmManagerTarget(Target):
     """Drives vLLM's `KVCacheManager` with kvretain operations (see module docstring)."""
 
-    name = "vllm"
+    name = "vllm-manager"
     # vLLM has no pinned tier (#40676 was never merged).
     features = TargetFeatures(partial=True, fine_mamba=True)
 
@@ -174,5 +174,5 @@ __all__ = [
     "NO_PINNED_TIER",
     "VLLM_EVENT_PROFILE",
     "UnsupportedConfig",
-    "VllmTarget",
+    "VllmManagerTarget",
 ]

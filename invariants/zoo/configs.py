@@ -84,7 +84,7 @@ def strategy(name: str, *, allow_pinning: bool, allow_fine: bool = True) -> st.S
         "pinning": lambda: zoo_configs(shapes=SWA_SHAPES, pin=True),
         "mamba-sparse": lambda: zoo_configs(shapes=MAMBA_SHAPES, retention="sparse"),
         "mamba-coarse": lambda: zoo_configs(shapes=(("full", "mamba"),), retention="zero", coarse_mamba=True),
-        # A real scheduler (vllm-scheduler), speculative decoding left to "scheduler-spec".
+        # A real scheduler (vllm), speculative decoding left to "scheduler-spec".
         "scheduler": lambda: configs(
             allow_pinning=False, allow_fine=allow_fine, eagle=False, lookahead=False
         ),

@@ -1,9 +1,9 @@
 """Mutants of vLLM 0.33.0's `Scheduler` (`vllm/v1/core/sched/scheduler.py`), for the
-"vllm-scheduler" target: monkeypatches inside a context manager, as
+"vllm" target: monkeypatches inside a context manager, as
 `mutants_vllm` patches the allocator.
 
 Each re-creates a plausible one-line defect of the scheduler loop that only a
-target driven by the real scheduler can meet (the "vllm" target re-creates the
+target driven by the real scheduler can meet (the "vllm-manager" target re-creates the
 scheduler's calls itself, so a defect in `scheduler.py` is invisible to it).
 `activate(name)` patches `Scheduler`, yields the `VllmSchedulerTarget` factory
 and restores every original on exit. PROCESS-GLOBAL WHILE ACTIVE: every vLLM
@@ -56,7 +56,7 @@ def mutant(
 
 @contextlib.contextmanager
 def activate(name: str) -> Iterator[Factory]:
-    """Apply scheduler mutant `name` until exit; yields the vllm-scheduler target factory."""
+    """Apply scheduler mutant `name` until exit; yields the vllm target factory."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget

@@ -1,7 +1,7 @@
 """Mutants of the installed vLLM (0.33.0): monkeypatches inside a context manager.
 
 `activate(name)` patches vLLM's classes / module functions, yields the
-`VllmTarget` factory, and restores every original on exit (also on an
+`VllmManagerTarget` factory, and restores every original on exit (also on an
 exception). PROCESS-GLOBAL WHILE ACTIVE: vLLM's `BlockPool`, managers and
 coordinator are shared classes, so every vLLM allocator built in this process
 while the context is open is mutated; run nothing else on vLLM meanwhile.
@@ -116,12 +116,12 @@ def _wrap_classmethod_args(
 @contextlib.contextmanager
 def activate(name: str) -> Iterator[Factory]:
     """Apply mutant `name` to vLLM until exit; yields the vLLM target factory."""
-    from invariants.targets.vllm_target import VllmTarget
+    from invariants.targets.vllm_target import VllmManagerTarget
 
     m = VLLM_MUTANTS[name]
     with contextlib.ExitStack() as stack:
         m.install(stack)
-        yield VllmTarget
+        yield VllmManagerTarget
 
 
 # ------------------------------------------------------------------ free queue

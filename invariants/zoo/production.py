@@ -1,7 +1,7 @@
 """The vLLM zoo at production scale: which mutants the serving workload meets.
 
-`kvretain zoo --target vllm --scale production` runs each vLLM mutant as a
-user runs `kvretain fuzz --target vllm --scale production --budget-s T`: the
+`kvretain zoo --target vllm-manager --scale production` runs each vLLM mutant as a
+user runs `kvretain fuzz --target vllm-manager --scale production --budget-s T`: the
 real presets at vLLM's pool sizes, every invariant and the model
 differential on, stopping at the first violation. A mutant is caught when a
 violation beyond the known findings shows up within the budget. One that is
@@ -46,7 +46,7 @@ def hunt(
     """Each named vLLM mutant through one production run of `budget_s`."""
     from invariants.zoo.mutants_vllm import activate
 
-    tolerated = _tolerance("vllm")
+    tolerated = _tolerance("vllm-manager")
     out = []
     for name in names:
         start = time.monotonic()
@@ -63,15 +63,15 @@ def hunt(
 
 def control(*, seed: int, budget_s: float) -> ProductionHunt:
     """The unmutated vLLM through the same run: it must come out clean."""
-    from invariants.targets.vllm_target import VllmTarget
+    from invariants.targets.vllm_target import VllmManagerTarget
 
     start = time.monotonic()
     stats, failures, _ = run_production(
-        VllmTarget,
+        VllmManagerTarget,
         seed=seed,
         steps=None,
         budget_s=budget_s,
-        tolerated=_tolerance("vllm"),
+        tolerated=_tolerance("vllm-manager"),
         log=lambda line: None,
     )
     found = str(failures[0][2][0]) if failures else ""

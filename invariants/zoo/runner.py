@@ -353,7 +353,7 @@ def unmutated_entry(target: str, strategy_name: str, checks: tuple[str, ...] = (
 
 
 def _vllm_tolerance() -> Callable[[Violation], bool] | None:
-    return known_tolerance("vllm")
+    return known_tolerance("vllm-manager")
 
 
 def known_tolerance(target: str) -> Callable[[Violation], bool] | None:
@@ -366,10 +366,10 @@ def known_tolerance(target: str) -> Callable[[Violation], bool] | None:
 
 
 def scheduler_entries(only: list[str] | None = None) -> list[ZooEntry]:
-    """The mutants of vLLM's `Scheduler`, on the vllm-scheduler target."""
+    """The mutants of vLLM's `Scheduler`, on the vllm target."""
     from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate
 
-    return _mutant_entries("vllm-scheduler", SCHEDULER_MUTANTS, activate, only)
+    return _mutant_entries("vllm", SCHEDULER_MUTANTS, activate, only)
 
 
 def async_scheduler_entries(only: list[str] | None = None) -> list[ZooEntry]:
@@ -420,7 +420,9 @@ def vllm_entries(only: list[str] | None = None) -> tuple[list[ZooEntry], list[tu
                 yield factory
 
         entries.append(
-            ZooEntry(name, "vllm", m.summary, m.strategy, m.checks, ctx, doc=m.doc, tolerated=tolerated)
+            ZooEntry(
+                name, "vllm-manager", m.summary, m.strategy, m.checks, ctx, doc=m.doc, tolerated=tolerated
+            )
         )
     na = [(n, why) for n, why in NOT_APPLICABLE.items() if only is None or n in only]
     return entries, na
