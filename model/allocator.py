@@ -24,7 +24,14 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from model import connector as conn
-from model.async_scheduling import InFlight, arrival_limit, caching_limit, processed_limit
+from model.async_scheduling import (
+    InFlight,
+    arrival_limit,
+    caching_limit,
+    draft_slots,
+    processed_limit,
+    scheduler_position,
+)
 from model.caching import BlockCaching
 from model.config import Config, GroupSpec, validate
 from model.connector import LOADING, NO_LOAD, Load, external_tokens
@@ -248,8 +255,8 @@ class AllocatorModel(BlockCaching, MambaStates):
             return step
         if isinstance(op, Sample):
             req = self.requests[op.rid]
-            self._sample(req, op)
-            if self.in_flight is not None and not self.in_flight.sampled(op.rid):
+            rejected = self._sample(req, op)
+            if self.in_flight is not None and not self.in_flight.sampled(op.rid, op.accepted, rejected):
                 self._token_arrives(req, 0)
             return Done()
         if isinstance(op, Finish):
@@ -327,15 +334,21 @@ class AllocatorModel(BlockCaching, MambaStates):
             self.pool.free(retained_endpoints(list(copies)))
         return copies
 
-    def _sample(self, req: RequestState, op: Sample) -> None:
-        """Accepted drafts and the token appended, rejected ones rolled back, blocks cached (`model.spec_decode`)."""
+    def _sample(self, req: RequestState, op: Sample) -> int:
+        """Accepted drafts and the token appended, rejected ones rolled back, blocks cached
+        (`model.spec_decode`; under async scheduling the drafts fill k slots and the
+        caching waits for the arrival: `model.async_scheduling`). Returns the rejected drafts."""
         assert req.awaits_sample and op.accepted <= acceptable(req.verifying), f"{op.rid}: no such sample"
         assert len(op.drafts) <= self.num_spec_tokens, f"{op.rid}: more drafts than num_spec_tokens"
-        req.num_computed -= len(req.verifying) - op.accepted
+        rejected = len(req.verifying) - op.accepted
+        req.num_computed -= rejected
         req.outputs.extend((*req.verifying[: op.accepted], op.token))
         req.verifying, req.drafts = (), op.drafts
-        if self.num_spec_tokens and self.cfg.enable_caching:
+        if self.in_flight is not None:
+            req.drafts = draft_slots(op.drafts, self.num_spec_tokens)
+        elif self.num_spec_tokens and self.cfg.enable_caching:
             self._cache_blocks(req, req.num_computed)
+        return rejected
 
     def _ran(self, req: RequestState, n: int) -> None:
         """`req` computes `n` more tokens this step: the drafts they reach are verified."""
@@ -581,7 +594,9 @@ class AllocatorModel(BlockCaching, MambaStates):
         ext, delay_cache, reserve = load
         rid = req.rid
         hits = hit_blocks if hit_blocks is not None and any(hit_blocks) else None
-        local = req.num_computed + hit
+        # Async scheduling: the scheduler's count still holds an in-flight rejection.
+        unrolled = self.in_flight.unrolled(rid) if self.in_flight is not None else 0
+        local = scheduler_position(req.num_computed, unrolled) + hit
         total = min(local + ext, self.cfg.max_model_len)
         main = total + n
         # Speculative slots past the chunk: attention groups reserve them, Mamba (align)
@@ -602,11 +617,13 @@ class AllocatorModel(BlockCaching, MambaStates):
             for g in self.groups if ext else ():
                 conn.add_external_blocks(self, g, rid, total, ext)
         new = tuple(tuple(self._allocate_new(g, rid, need_slot, main)) for g in self.groups)
-        in_flight = self.in_flight is not None and self.in_flight.in_flight(rid)
-        if in_flight:
+        unknown = self.in_flight.unknown(rid) if self.in_flight is not None else 0
+        if unknown:
             self.exercised["async: a step scheduled a sampled token's position ahead of it"] += 1
+        if unrolled:
+            self.exercised["async: a step allocated past drafts still to be rolled back"] += 1
         if self.cfg.enable_caching and not delay_cache:
-            self._cache_blocks(req, caching_limit(total, n, req.num_tokens, in_flight))
+            self._cache_blocks(req, caching_limit(total, n, req.num_tokens, unknown))
         return new
 
     def _skipped_tokens(self, g: GroupState, computed: int) -> int:

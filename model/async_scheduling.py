@@ -44,6 +44,25 @@ synchronous scheduling in four ways, and nowhere else:
    scheduled step N's tokens are still in flight (`processed_limit`), so a
    window lets go of its blocks one step later than without async.
 
+5. Speculative decoding (`num_spec_tokens = k > 0`, `model.spec_decode`)
+   one step ahead. The scheduler never sees a draft: the engine core does not
+   pass the drafter's proposal to it under async scheduling
+   (`EngineCore.post_step` skips `update_draft_token_ids`; the worker keeps
+   the drafts), and `AsyncScheduler._update_after_schedule` gives every
+   request whose step reached its known tokens k placeholder drafts instead.
+   So the next step verifies k draft slots however many drafts the `Sample`
+   proposed: its drafts fill the first slots, the rest are placeholders,
+   never accepted (`draft_slots`). A sample's accepted drafts and its token
+   all ride on the step's output (`Sample.accepted + 1` unknown tokens: they
+   cap caching as the one token does in 2), and so does its rejection: while
+   the next step is scheduled, the request's computed tokens still count the
+   rejected drafts (`update_from_output` rolls `num_computed_tokens` and
+   `num_output_placeholders` back when the output is processed), so that
+   step's allocation, its window frees and its lookahead slots start from
+   the optimistic position (`scheduler_position`). The chunk, the drafts it
+   verifies and the arrival's caching are unchanged: the placeholders cover
+   the rejected drafts, so they cancel out of the count.
+
 `InFlight` is that bookkeeping; `AllocatorModel` (built with
 `async_scheduling=True`) applies it.
 """
@@ -52,11 +71,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from model.spec_decode import PLACEHOLDER
 
-def caching_limit(num_computed: int, num_new: int, num_tokens: int, in_flight: bool) -> int:
+
+def caching_limit(num_computed: int, num_new: int, num_tokens: int, unknown: int) -> int:
     """Tokens an allocation caches up to: the chunk's end, at most the tokens the
-    scheduler knows (an in-flight token is not one of them)."""
-    return min(num_computed + num_new, num_tokens - (1 if in_flight else 0))
+    scheduler knows (`unknown`: the in-flight ones, not among them)."""
+    return min(num_computed + num_new, num_tokens - unknown)
+
+
+def scheduler_position(num_computed: int, unrolled: int) -> int:
+    """The computed tokens the scheduler counts while a sample's rejection is in flight:
+    the rolled-back count plus the `unrolled` rejected drafts (5)."""
+    return num_computed + unrolled
+
+
+def draft_slots(drafts: tuple[int, ...], num_spec_tokens: int) -> tuple[int, ...]:
+    """The drafts the next step verifies under async scheduling: always k slots, the
+    proposal first, then placeholders (5)."""
+    return drafts + (PLACEHOLDER,) * (num_spec_tokens - len(drafts))
 
 
 def arrival_limit(num_computed: int, scheduled_since: int) -> int:
@@ -74,30 +107,48 @@ def processed_limit(num_computed: int, unprocessed: int) -> int:
 
 
 @dataclass
+class Arriving:
+    """A sample riding on an unprocessed output: the tokens it appended (its accepted
+    drafts and its token) and the verified drafts it rejected (not yet rolled back)."""
+
+    tokens: int = 1
+    rejected: int = 0
+
+
+@dataclass
 class InFlight:
     """The step outputs a one-step-ahead scheduler has not processed yet.
 
     - `latest`: the requests the latest step scheduled (its output is still to
       be processed), with how many tokens each;
-    - `tokens`: the running requests whose sampled token rides on that output.
+    - `tokens`: the running requests whose sample rides on that output, with
+      what it appended and rejected (`Arriving`).
     """
 
     latest: dict[str, int] = field(default_factory=dict)
-    tokens: set[str] = field(default_factory=set)
+    tokens: dict[str, Arriving] = field(default_factory=dict)
 
     def in_flight(self, rid: str) -> bool:
         """`rid`'s last sampled token has not reached the scheduler."""
         return rid in self.tokens
 
+    def unknown(self, rid: str) -> int:
+        """Tokens `rid` appended that the scheduler does not know yet."""
+        return self.tokens[rid].tokens if rid in self.tokens else 0
+
+    def unrolled(self, rid: str) -> int:
+        """Rejected drafts of `rid` the scheduler has not rolled back yet."""
+        return self.tokens[rid].rejected if rid in self.tokens else 0
+
     def unprocessed(self, rid: str) -> int:
         """Tokens of `rid` whose step output is still to be processed."""
         return self.latest.get(rid, 0)
 
-    def sampled(self, rid: str) -> bool:
-        """A `Sample` for `rid`: True when its token rides on the latest step's output
+    def sampled(self, rid: str, accepted: int = 0, rejected: int = 0) -> bool:
+        """A `Sample` for `rid`: True when it rides on the latest step's output
         (it arrives after the next step is scheduled), False when it arrives now."""
         if rid in self.latest:
-            self.tokens.add(rid)
+            self.tokens[rid] = Arriving(1 + accepted, rejected)
             return True
         return False
 
@@ -107,10 +158,10 @@ class InFlight:
         this step scheduled for it (for `arrival_limit`)."""
         arrived = [(rid, step.get(rid, 0)) for rid in sorted(self.tokens, key=list(self.latest).index)]
         self.latest = {rid: n for rid, n in step.items() if n > 0}
-        self.tokens = set()
+        self.tokens = {}
         return arrived
 
     def forget(self, rid: str) -> None:
         """`rid` was finished or preempted: its output is dropped or stale (it caches nothing)."""
         self.latest.pop(rid, None)
-        self.tokens.discard(rid)
+        self.tokens.pop(rid, None)

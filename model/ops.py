@@ -19,8 +19,9 @@ Contract of each operation (see `docs/semantics.md` for the full text):
   (`update_draft_token_ids`). Valid only for a running request with no
   uncomputed token. Drafts exist only where a real scheduler speculates
   (`model.spec_decode`); elsewhere `accepted` is 0 and `drafts` empty.
-  With async scheduling the scheduler receives the token a step later
-  (`model.async_scheduling`).
+  With async scheduling the scheduler receives the token (and the accepted
+  drafts, and the rejection) a step later, and the next step verifies k
+  draft slots, `drafts` first (`model.async_scheduling`).
 - `Finish(rid)`: the request ends; all its blocks are freed.
 - `Preempt(rid)`: a running request loses its blocks and waits again with its
   tokens (prompt and outputs) kept, to be re-admitted by a later `Schedule`.

@@ -32,6 +32,10 @@ targets that state `TargetFeatures.real_scheduler`.
   `num_computed` (`update_from_output` calls `KVCacheManager.cache_blocks` for
   every sampled request when k > 0).
 
+Under async scheduling the scheduler never sees the drafts: the next step
+verifies k slots (the proposal, then placeholders), and the sample's tokens
+and rejection reach it one step late (`model.async_scheduling`, 5).
+
 Not modeled: the per-step input budget (`max_num_batched_tokens` less the
 draft slots of each request, never binding at kvretain's sizes), the
 `max_model_len` caps of drafts and padding (kvretain's requests stay far below

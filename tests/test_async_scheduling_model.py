@@ -11,7 +11,14 @@ vLLM-driven controls are in tests/test_vllm_async_scheduler.py).
 from __future__ import annotations
 
 from model.allocator import AllocatorModel
-from model.async_scheduling import InFlight, arrival_limit, caching_limit, processed_limit
+from model.async_scheduling import (
+    InFlight,
+    arrival_limit,
+    caching_limit,
+    draft_slots,
+    processed_limit,
+    scheduler_position,
+)
 from model.config import Config, GroupSpec
 from model.observation import BlockStored
 from model.ops import AddRequest, Op, Preempt, Sample, Step
@@ -32,8 +39,9 @@ def stored_blocks_after_each_op(cfg: Config, ops: list[Op], async_scheduling: bo
 
 
 def test_the_limits() -> None:
-    assert caching_limit(3, 1, 4, in_flight=False) == 4
-    assert caching_limit(3, 1, 4, in_flight=True) == 3  # the in-flight token is not known yet
+    assert caching_limit(3, 1, 4, 0) == 4
+    assert caching_limit(3, 1, 4, 1) == 3  # the in-flight token is not known yet
+    assert caching_limit(3, 3, 7, 3) == 4  # nor are the two accepted drafts riding with it
     assert arrival_limit(5, 1) == 4
     assert processed_limit(5, 1) == 4 and processed_limit(1, 3) == 0
 
@@ -46,10 +54,41 @@ def test_in_flight_tokens_arrive_after_the_next_step() -> None:
     assert f.scheduled({"r1": 1, "r2": 2}) == [("r1", 1)]  # it arrives; r1 had 1 token scheduled since
     assert not f.in_flight("r1") and f.unprocessed("r2") == 2
     f.scheduled({"r2": 1})
+    assert f.sampled("r2", accepted=1, rejected=2)
+    assert (f.unknown("r2"), f.unrolled("r2")) == (2, 2)  # two tokens ride, two drafts to roll back
+    assert (f.unknown("r1"), f.unrolled("r1")) == (0, 0)
     assert not f.sampled("r1")  # r1 sat out the last step: its token arrives at once
     f.sampled("r2")
     f.forget("r2")  # preempted or finished: nothing arrives
     assert f.scheduled({}) == []
+
+
+def test_drafts_fill_k_slots_and_a_rejection_counts_until_it_arrives() -> None:
+    assert draft_slots((7,), 3) == (7, -1, -1) and draft_slots((), 2) == (-1, -1)
+    assert scheduler_position(5, 2) == 7
+
+
+def test_an_async_step_allocates_from_the_optimistic_position() -> None:
+    """k = 2 on one 2-token block group: r1's sample rejects both drafts (the step
+    verified 3 positions), and the next step, scheduled before that rejection is
+    known, allocates for 2 more positions than the synchronous scheduler would."""
+    cfg = FULL.with_(num_lookahead_tokens=2, num_blocks=32)
+    ops: list[Op] = [
+        AddRequest("r1", (1, 2, 3)),
+        Step(R1, 8),
+        Sample("r1", 4, 0, (5, 6)),
+        Step(R1, 8),
+        Sample("r1", 7, 0, (8, 9)),
+        Step(R1, 8),
+    ]
+    tables = []
+    for async_scheduling in (False, True):
+        m = AllocatorModel(cfg, num_spec_tokens=2, async_scheduling=async_scheduling)
+        for op in ops:
+            m.apply(op)
+        tables.append(len(m.snapshot().tables["r1"][0]))
+    # sync: 4 computed + 3 + 2 lookahead = 9 slots (5 blocks); async: + the 2 unrolled drafts (6 blocks).
+    assert tables == [5, 6]
 
 
 def test_a_token_sampled_ahead_is_cached_when_it_arrives() -> None:

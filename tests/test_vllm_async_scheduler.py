@@ -8,6 +8,9 @@ control: the same trace with that rule replaced by its synchronous form
 disagrees with vLLM. The zoo's async mutant is caught on a trace the unmutated
 scheduler passes, and a short fuzz run is clean and reaches the placeholder and
 arrival rules.
+Speculative decoding runs one step ahead too (`model.async_scheduling`, 5):
+scripted draft traces agree, each draft rule's synchronous form disagrees, and
+the draft mutant is caught.
 Skipped, with the reason, when vLLM cannot be imported.
 """
 
@@ -32,7 +35,6 @@ from invariants.harness.fuzz import run_fuzz  # noqa: E402
 from invariants.harness.known_findings import is_known_violation  # noqa: E402
 from invariants.targets import REAL_SCHEDULER_TARGETS, SAME_ALLOCATOR, target_factory  # noqa: E402
 from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget  # noqa: E402
-from invariants.targets.vllm_scheduler_build import SchedulerUnsupported  # noqa: E402
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
 from invariants.zoo.mutants_scheduler import ASYNC_SCHEDULER_MUTANTS, activate_async  # noqa: E402
 from model.config import Config, GroupSpec  # noqa: E402
@@ -85,6 +87,51 @@ PREEMPT: list[Op] = [
     Finish("r1"),
 ]
 
+# Speculative decoding one step ahead (k = 2): drafts accepted and rejected, a proposal shorter
+# than k (its slot is a placeholder), a budget that cuts the drafts, a request sitting out a step
+# with its sample in flight, a manual preemption with drafts in flight, then a resumed decode.
+SPEC_FULL = FULL.with_(num_lookahead_tokens=2, num_blocks=40)
+SPEC_FULL_SWA = FULL_SWA.with_(num_lookahead_tokens=2, num_blocks=48)
+SPEC_EAGLE_SWA = SPEC_FULL_SWA.with_(eagle=True)
+DRAFTS: list[Op] = [
+    AddRequest("r1", (1, 2, 3)),
+    Step(R1, 8),
+    Sample("r1", 4, 0, (10, 11)),
+    Step(R1, 8),
+    Sample("r1", 5, 1, (12, 13)),
+    Step(R1, 8),
+    Sample("r1", 6, 0, (14,)),
+    Step(R1, 8),
+    Sample("r1", 7, 1, (15, 16)),
+    AddRequest("r2", (9,)),
+    Step(("r2",), 8),
+    Step(R1, 2),
+    Sample("r1", 8, 1, ()),
+    Step(R1, 8),
+    Sample("r1", 9, 0, (1, 2)),
+    Preempt("r1"),
+    Step(R1, 64),
+    Sample("r1", 3, 0, (1, 1)),
+    Step(R1, 8),
+    Sample("r1", 4, 2, (5, 6)),
+    Step(R1, 8),
+    Finish("r1"),
+]
+# r1's sample accepts both drafts (tokens 10, 11 ride in flight with 5); r2, admitted in the
+# step that decodes r1 ahead, must not hit the block [10, 11]: it is cached only on arrival.
+ACCEPTED_AHEAD: list[Op] = [
+    AddRequest("r1", (1, 2, 3)),
+    Step(R1, 8),
+    Sample("r1", 4, 0, (10, 11)),
+    Step(R1, 8),
+    Sample("r1", 5, 2, (12, 13)),
+    AddRequest("r2", (1, 2, 3, 4, 10, 11, 5, 6)),
+    Step(("r1", "r2"), 16),
+    Sample("r1", 7, 1, ()),
+    Sample("r2", 8, 0, (1, 2)),
+    Step(("r1", "r2"), 16),
+]
+
 # Each async rule of the model replaced by its synchronous form (the negative controls).
 SYNCHRONOUS_FORM: dict[str, tuple[str, Any]] = {
     "caching stops at the known tokens": (
@@ -93,12 +140,29 @@ SYNCHRONOUS_FORM: dict[str, tuple[str, Any]] = {
     ),
     "a token's arrival caches": ("arrival_limit", lambda computed, since: 0),
     "windows free on processed tokens": ("processed_limit", lambda computed, unprocessed: computed),
+    # With drafts (model.async_scheduling, 5): the next step verifies only the proposal; the
+    # rejection is rolled back at the sample; only the sampled token is unknown, not the accepted drafts.
+    "drafts fill k slots": ("draft_slots", lambda drafts, k: drafts),
+    "a rejection counts until it arrives": ("scheduler_position", lambda computed, unrolled: computed),
+    "accepted drafts are in flight": (
+        "caching_limit",
+        lambda computed, new, tokens, unknown: min(computed + new, tokens - min(unknown, 1)),
+    ),
+}
+# The configuration each rule's trace runs on.
+CONFIG_FOR_RULE = {
+    "drafts fill k slots": SPEC_FULL,
+    "a rejection counts until it arrives": SPEC_FULL,
+    "accepted drafts are in flight": SPEC_FULL,
 }
 # A trace on which each rule decides the verdict (FULL_SWA: a window of 2 tokens).
 TRACE_FOR_RULE = {
     "caching stops at the known tokens": ASIDE,
     "a token's arrival caches": HELD,
     "windows free on processed tokens": ASIDE,
+    "drafts fill k slots": DRAFTS,
+    "a rejection counts until it arrives": DRAFTS,
+    "accepted drafts are in flight": ACCEPTED_AHEAD,
 }
 
 
@@ -133,9 +197,35 @@ def test_the_target_is_registered_as_a_real_scheduler_over_vllms_allocator() -> 
     assert Checker(VllmSchedulerTarget(FULL)).model.in_flight is None
 
 
-def test_speculative_decoding_is_refused_with_one_line() -> None:
-    with pytest.raises(SchedulerUnsupported, match="vllm-async-scheduler"):
-        VllmAsyncSchedulerTarget(FULL.with_(num_lookahead_tokens=2))
+def test_speculative_decoding_schedules_placeholder_drafts_and_never_sees_the_drafters() -> None:
+    """As the engine core under async scheduling: the scheduler is built with k = 2 drafts,
+    a decoding request is given k placeholder drafts, and `update_draft_token_ids` is
+    never called (the worker keeps the drafts)."""
+    target = VllmAsyncSchedulerTarget(SPEC_FULL)
+    sched = target.vllm_scheduler
+    assert type(sched).__name__ == "AsyncScheduler" and sched.num_spec_tokens == 2
+    told: list[Any] = []
+    sched.update_draft_token_ids = told.append
+    for op in DRAFTS[:4]:
+        target.apply(op)
+    req = sched.requests["r1"]
+    assert req.spec_token_ids == [-1, -1] and told == []
+    # Step 2 verified 2 placeholder drafts ahead of step 1's token: 1 + 2 output placeholders.
+    assert target.steps.pending.scheduled_spec_decode_tokens == {"r1": [-1, -1]}
+    assert (req.num_computed_tokens, req.num_tokens, req.num_output_placeholders) == (6, 4, 3)
+
+
+def test_a_rejection_is_rolled_back_when_its_output_is_processed() -> None:
+    """Step 2's sample accepts 1 of its 2 drafts; step 3 is scheduled from the optimistic
+    position (6 + 3), and only then does vLLM roll the rejected draft back."""
+    target = VllmAsyncSchedulerTarget(SPEC_FULL)
+    req = None
+    for op in DRAFTS[:6]:
+        target.apply(op)
+        req = target.vllm_scheduler.requests["r1"]
+    assert req is not None
+    # 3 prompt + 4, 10 (accepted), 5 = 6 tokens known; 6 + 3 scheduled - 1 rejected = 8 computed.
+    assert (req.num_tokens, req.num_computed_tokens, req.num_output_placeholders) == (6, 8, 3)
 
 
 def test_steps_run_in_the_engine_cores_async_order() -> None:
@@ -163,7 +253,19 @@ def test_steps_run_in_the_engine_cores_async_order() -> None:
 
 
 @pytest.mark.parametrize(
-    "cfg, ops", [(FULL, HELD), (FULL, ASIDE), (FULL_SWA, HELD), (FULL_SWA, ASIDE), (FULL_SWA, PREEMPT)]
+    "cfg, ops",
+    [
+        (FULL, HELD),
+        (FULL, ASIDE),
+        (FULL_SWA, HELD),
+        (FULL_SWA, ASIDE),
+        (FULL_SWA, PREEMPT),
+        (SPEC_FULL, DRAFTS),
+        (SPEC_FULL_SWA, DRAFTS),
+        (SPEC_EAGLE_SWA, DRAFTS),
+        (SPEC_FULL, ACCEPTED_AHEAD),
+        (SPEC_FULL_SWA, ACCEPTED_AHEAD),
+    ],
 )
 def test_scripted_traces_agree_with_the_async_model(cfg: Config, ops: list[Op]) -> None:
     assert violations(cfg, ops) == []
@@ -172,10 +274,10 @@ def test_scripted_traces_agree_with_the_async_model(cfg: Config, ops: list[Op]) 
 @pytest.mark.parametrize("rule", list(SYNCHRONOUS_FORM))
 def test_each_async_rule_of_the_model_is_needed(rule: str) -> None:
     """Negative controls: with one rule in its synchronous form the model disagrees with vLLM."""
-    trace = TRACE_FOR_RULE[rule]
-    assert violations(FULL_SWA, trace) == []
+    trace, cfg = TRACE_FOR_RULE[rule], CONFIG_FOR_RULE.get(rule, FULL_SWA)
+    assert violations(cfg, trace) == []
     with synchronous(rule):
-        assert violations(FULL_SWA, trace) != []
+        assert violations(cfg, trace) != []
 
 
 def test_a_preempted_requests_in_flight_token_is_no_longer_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,12 +295,20 @@ def test_the_synchronous_model_disagrees_with_the_async_scheduler() -> None:
     assert violations(FULL, HELD, JudgedSynchronously) != []
 
 
+# The trace (and configuration) on which each async mutant is caught.
+MUTANT_TRACE: dict[str, tuple[Config, list[Op]]] = {
+    "arrival_caches_in_flight_tokens": (FULL, ASIDE),
+    "async_rejection_keeps_placeholders": (SPEC_FULL, DRAFTS),
+}
+
+
 @pytest.mark.parametrize("name", list(ASYNC_SCHEDULER_MUTANTS))
 def test_async_scheduler_mutants_are_caught(name: str) -> None:
-    assert violations(FULL, ASIDE) == []
+    cfg, trace = MUTANT_TRACE[name]
+    assert violations(cfg, trace) == []
     with activate_async(name) as factory:
-        assert violations(FULL, ASIDE, factory) != []
-    assert violations(FULL, ASIDE) == []  # restored
+        assert violations(cfg, trace, factory) != []
+    assert violations(cfg, trace) == []  # restored
 
 
 def test_a_short_fuzz_run_is_clean_and_reaches_the_async_rules(tmp_path: Path) -> None:
@@ -206,11 +316,28 @@ def test_a_short_fuzz_run_is_clean_and_reaches_the_async_rules(tmp_path: Path) -
     assert report.failure is None, report.failure
     assert report.stats.features["async: a step scheduled a sampled token's position ahead of it"] > 0
     assert report.stats.features["async: a sampled token's arrival cached blocks"] > 0
+    assert report.stats.features["draft tokens accepted"] > 0
+    assert report.stats.features["async: a step allocated past drafts still to be rolled back"] > 0
+
+
+def test_the_history_follows_draft_slots_one_step_ahead() -> None:
+    """The checks' own bookkeeping (`catalogue.history`) reads a step's verified draft
+    positions from what it scheduled: k slots under async scheduling, however many drafts
+    were proposed, so its computed tokens stay the model's (a shorter count once made
+    step_blocks_stay_held report blocks past the request's real position)."""
+    checker = Checker(VllmAsyncSchedulerTarget(SPEC_FULL), audit_every=1)
+    for op in DRAFTS[:-1]:
+        assert [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)] == []
+        for rid, r in checker.model.requests.items():
+            assert checker.history.requests[rid].num_computed == r.num_computed, (op, rid)
 
 
 def test_known_findings_reproduce_through_the_async_scheduler() -> None:
-    """Every known vLLM finding of the installed release whose trace a real scheduler can
-    run (no speculative decoding) reproduces on vllm-async-scheduler too."""
+    """Every known vLLM finding of the installed release reproduces on vllm-async-scheduler
+    too; an Eagle trace without lookahead slots runs with the one slot vLLM's Eagle needs
+    (as through the synchronous scheduler: docs/semantics.md)."""
+    from dataclasses import replace
+
     from invariants.harness.known_findings import explain, load_known_findings, target_version
     from invariants.harness.replay import replay
 
@@ -219,10 +346,11 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
     for f in load_known_findings():
         if "vllm-manager" not in f.targets or ("*" not in f.versions and version not in f.versions):
             continue
-        if f.trace.config.eagle or f.trace.config.num_lookahead_tokens:
-            continue
-        result = replay(f.trace, "vllm-async-scheduler")
+        trace = f.trace
+        if trace.config.eagle and not trace.config.num_lookahead_tokens:
+            trace = replace(trace, config=trace.config.with_(num_lookahead_tokens=1))
+        result = replay(trace, "vllm-async-scheduler")
         assert any(explain("vllm-async-scheduler", v) is f for _, v in result.known), f.id
         assert result.clean, (f.id, result.violations[:1])
         ran.append(f.id)
-    assert "vllm-blockstored-token-range" in ran
+    assert {"vllm-blockstored-token-range", "eagle-swa-short-run-double-pop"} <= set(ran)

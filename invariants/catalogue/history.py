@@ -182,7 +182,11 @@ def _scheduled(r: RequestHistory, obs: ScheduleResult) -> None:
         elif obs.external:  # an async connector load holds the hit and external tokens' blocks
             r.num_computed, r.hit = obs.hit + obs.external, obs.hit
     elif obs.scheduled:
-        r.verifying = verified_drafts(r.drafts, r.num_computed, num_tokens, obs.scheduled)
+        # The draft positions the step reached: the proposal's, then placeholders (an async
+        # scheduler verifies k slots however many drafts were proposed: `model.async_scheduling`).
+        reach = r.num_computed + obs.scheduled - num_tokens
+        slots = r.drafts + (PLACEHOLDER,) * max(reach - len(r.drafts), 0)
+        r.verifying = verified_drafts(slots, r.num_computed, num_tokens, obs.scheduled)
         r.drafts = ()
         r.num_computed += obs.scheduled
         r.running = r.running or obs.admitted  # a connector's load promoted (no lookup)

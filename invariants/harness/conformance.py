@@ -104,14 +104,21 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
 
 # vLLM's real `AsyncScheduler` driven one step ahead, as the engine core drives it (target
 # "vllm-async-scheduler", `invariants.targets.vllm_async_scheduler_target`): output placeholders,
-# caching on a token's arrival, windows freed on processed tokens (`model.async_scheduling`).
+# caching on a token's arrival, windows freed on processed tokens, and speculative decoding one
+# step ahead: k placeholder drafts, the rejection rolled back on arrival (`model.async_scheduling`).
 ASYNC_PLACEHOLDER_ROW = "AsyncScheduler: placeholders, one-step-ahead outputs (Full/SWA)"
+ASYNC_EAGLE_ROW = "AsyncScheduler: Eagle/MTP drafts one step ahead, rollback on arrival (Full/SWA)"
+ASYNC_DRAFT_ROW = "AsyncScheduler: draft-model drafts, one-token admission padding (Full/SWA)"
+ASYNC_MAMBA_SPEC_ROW = "AsyncScheduler: drafts with a Mamba group (its draft state blocks, align)"
 ASYNC_SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     ASYNC_PLACEHOLDER_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), caching=True),
     "AsyncScheduler: Mamba split and states (align)": _no_spec(
         shapes=(("full", "mamba"), ("full", "swa", "mamba")), caching=True, fine=False
     ),
     "AsyncScheduler: preemption, finish/abort, reset, caching off (all shapes)": _no_spec(),
+    ASYNC_EAGLE_ROW: SCHEDULER_FEATURES[SCHEDULER_EAGLE_ROW],
+    ASYNC_DRAFT_ROW: SCHEDULER_FEATURES[SCHEDULER_DRAFT_ROW],
+    ASYNC_MAMBA_SPEC_ROW: SCHEDULER_FEATURES[SCHEDULER_MAMBA_SPEC_ROW],
 }
 
 # Rows that only count when the run reached these model rules (`AllocatorModel.exercised`).
@@ -126,6 +133,9 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     SCHEDULER_DRAFT_ROW: ("draft tokens accepted", "one-token admission padded with draft slots"),
     SCHEDULER_MAMBA_SPEC_ROW: ("draft tokens accepted", "Mamba draft block moved past by its state"),
     ASYNC_PLACEHOLDER_ROW: ("async: a step scheduled a sampled token's position ahead of it",),
+    ASYNC_EAGLE_ROW: ("draft tokens accepted", "async: a step allocated past drafts still to be rolled back"),
+    ASYNC_DRAFT_ROW: ("draft tokens accepted", "one-token admission padded with draft slots"),
+    ASYNC_MAMBA_SPEC_ROW: ("draft tokens accepted", "Mamba draft block moved past by its state"),
     CONNECTOR_ROW: (
         "connector: sync external hit admitted",
         "connector: async external hit admitted",
@@ -163,11 +173,15 @@ ASYNC_SCHEDULER_SETTINGS = [
     "flight): each step is scheduled before the previous step's output is processed",
     "a Sample is the token of the request's latest step; it arrives with that step's output, or "
     "at once if the request sat out the steps since",
+    "with drafts, as the engine core under async scheduling: update_draft_token_ids is never "
+    "called (the scheduler schedules k placeholder drafts); a Sample's accepted drafts are those "
+    "its previous Sample proposed, delivered with its token in the step output",
 ]
 
 EXCLUDED = [
     (
-        "judging the Mamba state position of a drafting request (vllm) where the "
+        "judging the Mamba state position of a drafting request (vllm, "
+        "vllm-async-scheduler) where the "
         "allocator's table is null (step_blocks_stay_held leaves it out)",
         "a draft block the state moved past is nulled in the allocator's table but kept in the "
         "worker's, which kvretain does not rebuild across steps; a re-admitted request's shipped "
@@ -179,7 +193,7 @@ EXCLUDED = [
         "driven without drafts)",
         "sized by the model spec (num_prefill_checkpoint_blocks; num_speculative_blocks), which "
         "KVCacheManager takes from MambaSpec; kvretain's specs set checkpoints nowhere, and draft "
-        "blocks only on vllm, where drafts are sent (the Mamba drafts row above)",
+        "blocks only on the real schedulers, where drafts are sent (the Mamba drafts rows above)",
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (

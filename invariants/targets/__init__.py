@@ -60,7 +60,7 @@ FINE_MAMBA_TARGETS = {"model", "vllm-manager", "vllm", "vllm-async-scheduler"}
 # Targets whose steps a real engine scheduler decides (`TargetFeatures(real_scheduler=True)`):
 # the fuzzer sends them whole steps and only configurations an engine can run.
 REAL_SCHEDULER_TARGETS = {"vllm", "vllm-async-scheduler"}
-# Real schedulers driven one step ahead (`TargetFeatures(async_scheduling=True)`): no drafts yet.
+# Real schedulers driven one step ahead (`TargetFeatures(async_scheduling=True)`), drafts included.
 ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler"}
 # Targets that can run a KV connector (`TargetFeatures(connector=True)`, `model.connector`):
 # generated configurations include one; the others are never sent one, and say so.

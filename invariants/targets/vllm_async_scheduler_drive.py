@@ -21,6 +21,16 @@ Operations between steps:
   keeps them;
 - `Finish(rid)`: `finish_requests`; its share of the unprocessed output is
   ignored when that output is processed, as vLLM ignores a finished request's.
+
+Speculative decoding (a configuration with lookahead slots builds the
+`AsyncScheduler` with a `SpeculativeConfig`): as in vLLM's engine core with
+async scheduling, the scheduler is never told the drafts
+(`update_draft_token_ids` is not called: the worker keeps them and fills the
+k placeholder drafts `AsyncScheduler` schedules). A `Sample(rid, token,
+accepted, drafts)` only shapes the step output: its sampled tokens are the
+first `accepted` drafts of `rid`'s previous `Sample` (the worker's drafts the
+step verified) followed by `token`, and vLLM's `update_from_output` reads the
+acceptance from their count and rolls the rejected placeholders back.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from model.observation import StepResult
+from model.ops import Sample
 
 from .vllm_scheduler_drive import RealStepScheduler
 
@@ -41,6 +52,10 @@ class AsyncStepScheduler(RealStepScheduler):
         self.undelivered: list[str] = []
         # Those of them whose step reached the end of their known tokens (they owe a sample).
         self.samplers: set[str] = set()
+        # rid -> the drafts its last `Sample` proposed (the worker's, verified by its next step).
+        self.proposed: dict[str, tuple[int, ...]] = {}
+        # rid -> the tokens its pending sample delivers: accepted drafts, then the token.
+        self.generated: dict[str, list[int]] = {}
 
     def step(self, rids: tuple[str, ...], budget: int) -> StepResult:
         """`schedule()` over `rids`, then `update_from_output` of the step before."""
@@ -70,6 +85,19 @@ class AsyncStepScheduler(RealStepScheduler):
                 now.append(rid)
         self._deliver(out, now)
 
+    def sample_op(self, req: Any, op: Sample) -> None:
+        """`op`'s tokens for the step output: the accepted drafts, then the token."""
+        rid = req.request_id
+        self.generated[rid] = [*self.proposed.pop(rid, ())[: op.accepted], op.token]
+        self.proposed[rid] = op.drafts
+        self.sample(req, op.token)
+
+    def sampled_tokens(self, out: Any, rid: str) -> list[int]:
+        if rid not in self.samples:
+            return []
+        token = self.samples.pop(rid)
+        return self.generated.pop(rid, [token])
+
     def sample(self, req: Any, token: int) -> None:
         rid = req.request_id
         if rid in self.undelivered:
@@ -80,6 +108,11 @@ class AsyncStepScheduler(RealStepScheduler):
     def preempt(self, req: Any) -> None:
         super().preempt(req)
         self._deliver_now(req.request_id)
+        self.proposed.pop(req.request_id, None)  # the worker drops a preempted request's drafts
+
+    def finish(self, req: Any) -> None:
+        self.proposed.pop(req.request_id, None)
+        super().finish(req)
 
     def _deliver_now(self, rid: str) -> None:
         """`rid`'s share of the unprocessed output, delivered at once."""

@@ -18,7 +18,12 @@ job, and a finding or conformance row names the target it came from; vLLM
 itself makes the same choice by class (`AsyncScheduler` is a `Scheduler`
 subclass the configuration selects).
 
-Not judged: speculative decoding, as for "vllm" (`SchedulerUnsupported`).
+Speculative decoding: a configuration with lookahead slots builds the
+`AsyncScheduler` with a `SpeculativeConfig` (Eagle/MTP, or a draft model, as
+for "vllm"); the driver runs it as the engine core does under async
+scheduling (the scheduler schedules placeholder drafts and never sees the
+drafter's; `vllm_async_scheduler_drive`), and the model states what that
+changes (`model.async_scheduling`, 5).
 """
 
 from __future__ import annotations
@@ -30,15 +35,10 @@ from model.config import Config
 from .base import TargetFeatures
 from .vllm_async_scheduler_drive import AsyncStepScheduler
 from .vllm_capabilities import Capabilities
-from .vllm_scheduler_build import SchedulerUnsupported, build_scheduler, scheduler_modules
+from .vllm_scheduler_build import build_scheduler, scheduler_modules
 from .vllm_scheduler_target import SchedulerEventTranslator, SchedulerOpDriver, VllmSchedulerTarget
 from .vllm_snapshot import SnapshotReader
 from .vllm_target import VLLM_EVENT_PROFILE, VllmManagerTarget
-
-NO_SPEC_DECODE_STEPS = (
-    "num_lookahead_tokens/eagle: the vllm-async-scheduler target does not judge speculative decoding "
-    "(drafts in flight one step ahead are not modeled); use --target vllm for such configurations"
-)
 
 
 class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
@@ -48,8 +48,6 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
     features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, async_scheduling=True)
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
-        if config.num_lookahead_tokens or config.eagle:
-            raise SchedulerUnsupported(NO_SPEC_DECODE_STEPS)
         self.vllm_scheduler: Any = None
         # The synchronous target's driver is not built: this one replaces it.
         VllmManagerTarget.__init__(self, config, events, track_prefixes)
@@ -61,5 +59,7 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
 
     def build_manager(self, config: Config, v: dict[str, Any], caps: Capabilities) -> Any:
         """The real `AsyncScheduler`'s `KVCacheManager` (the scheduler is kept as `vllm_scheduler`)."""
-        self.vllm_scheduler = build_scheduler(config, v, caps, self.version, async_scheduling=True)
+        self.vllm_scheduler = build_scheduler(
+            config, v, caps, self.version, async_scheduling=True, speculative_blocks=self.speculative_blocks
+        )
         return self.vllm_scheduler.kv_cache_manager

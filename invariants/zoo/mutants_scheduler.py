@@ -250,12 +250,15 @@ class StaleMutant(RuntimeError):
     """The line a source mutant changes is not in the installed vLLM (exactly once)."""
 
 
-def _rewrite(stack: contextlib.ExitStack, owner: Any, method: str, old: str, new: str) -> None:
+def _rewrite(
+    stack: contextlib.ExitStack, owner: Any, method: str, old: str, new: str, source: Any = None
+) -> None:
+    """`owner.method` := `source.method` (default: `owner`'s own) with `old` replaced by `new`."""
     import inspect
     import sys
     import textwrap
 
-    fn = vars(owner)[method]
+    fn = vars(source or owner)[method]
     source = textwrap.dedent(inspect.getsource(fn))
     old, new = textwrap.dedent(old).strip("\n"), textwrap.dedent(new).strip("\n")
     # Match at the method's own indentation: `old` is given dedented to its first line.
@@ -433,3 +436,23 @@ def async_load_ignores_in_flight_reserve(stack: contextlib.ExitStack, sched: Any
     the blocks the prefills already in flight still need
     (`_inflight_prefill_reserved_blocks` left out)."""
     _set(stack, sched, "_inflight_prefill_reserved_blocks", lambda self: 0)
+
+
+@async_mutant("async_rejection_keeps_placeholders", strategy="scheduler-spec")
+def async_rejection_keeps_placeholders(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Rejection rollback under async scheduling: `update_from_output` rolls
+    `num_computed_tokens` back by the rejected drafts but forgets
+    `request.num_output_placeholders -= num_rejected`, so the placeholders keep counting
+    rejected drafts and the next step schedules past the request's real position.
+    `Scheduler.update_from_output` rewritten onto `AsyncScheduler` (the line only runs
+    with output placeholders, i.e. under async scheduling)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    _rewrite(
+        stack,
+        sched,
+        "update_from_output",
+        "request.num_output_placeholders -= num_rejected",
+        "pass",
+        source=Scheduler,
+    )
