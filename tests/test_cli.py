@@ -46,6 +46,23 @@ def test_unknown_preset_is_one_line_exit_2(capsys):
     assert len(err) == 1 and "unknown preset 'nope'" in err[0]
 
 
+def test_renamed_target_names_its_new_name_exit_2(capsys):
+    """vllm-scheduler became vllm (and the old vllm, vllm-manager): one line saying so, for
+    the command line and for a trace's target. Control: another unknown name gets no such hint."""
+    import pytest
+
+    from invariants.targets import TargetUnavailable, target_factory
+
+    for argv in (["fuzz", "--target", "vllm-scheduler"], ["zoo", "--target=vllm-scheduler"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "'vllm-scheduler' is now called vllm" in err[0], err
+    with pytest.raises(TargetUnavailable, match="is now called vllm"):
+        target_factory("vllm-scheduler")
+    assert main(["fuzz", "--target", "vllm-scheduler-x", "--budget-s", "0"]) == 2
+    assert "is now called" not in capsys.readouterr().err
+
+
 def test_bad_usage_exit_2(capsys):
     assert main(["fuzz", "--steps", "many"]) == 2
     assert main([]) == 2

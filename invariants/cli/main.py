@@ -29,7 +29,7 @@ from invariants.cli.verify import cmd_verify
 from invariants.errors import UsageError
 from invariants.harness.trace import TraceError
 from invariants.results import add_output_flags
-from invariants.targets import BUILTIN_TARGETS, TARGET_NAMES, TargetUnavailable, plugin_targets
+from invariants.targets import BUILTIN_TARGETS, RENAMED, TARGET_NAMES, TargetUnavailable, plugin_targets
 from model.config import ConfigError
 
 
@@ -224,6 +224,9 @@ def _run_under(python: str, argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
+        renamed = [a.removeprefix("--target=") for a in args_list if a.removeprefix("--target=") in RENAMED]
+        if renamed:  # an old target name: its new one, not argparse's list of choices
+            raise UsageError(f"--target: {renamed[0]!r} is now called {RENAMED[renamed[0]]}")
         if "--vllm-python" in args_list:
             i = args_list.index("--vllm-python")
             if i + 1 >= len(args_list):
