@@ -310,6 +310,7 @@ def test_installed_release_has_every_mechanism() -> None:
     assert c.missing() == [] and c.free_order == "pool" and c.retention == "config"
     assert c.cow_copies and c.coarse_hash == "last"
     assert {"scheduler_block_size", "max_in_flight_tokens"} <= c.manager_args
+    assert c.sample_caching is True and c.scheduler_missing == ()
 
 
 # What each release's own code shows (read from the wheels' vllm/v1/core).
@@ -320,12 +321,12 @@ EXPECTED = {
     "0.24.0": dict(free_order="pool", retention="env", mamba_retention=True, shared_prefix_junction=False),
     "0.27.0": dict(caching_off_order="fifo", retention="env", mask_hit_grid=False),
     "0.28.0": dict(caching_off_order="lifo", retention="env", mask_hit_grid=False),
-    "0.26.0": dict(shared_prefix_junction=True, cow_copies=True, retention="env"),
+    "0.26.0": dict(shared_prefix_junction=True, cow_copies=True, retention="env", sample_caching=False),
     "0.29.0": dict(retention="config", coarse_hash="last", caching_off_order="lifo", mask_hit_grid=True),
     "0.25.0": dict(eagle_margin_skips_mamba=False, partial_tail=False),
     "0.30.0": dict(eagle_margin_skips_mamba=True, mamba_checkpoint="in_block_drop", mamba_count_capped=False),
     "0.31.0": dict(mamba_checkpoint="in_block_drop", mamba_count_capped=True),
-    "0.32.0": dict(mamba_checkpoint="any_block"),
+    "0.32.0": dict(mamba_checkpoint="any_block", sample_caching=False),
 }
 
 
@@ -620,12 +621,18 @@ def test_scheduler_check_fuzzes_the_installed_scheduler(tmp_path: Path) -> None:
     """On the installed release the scheduler check drives the real Scheduler (target vllm)
     and judges it; its known findings replay there too. Control: a listed finding reproduces
     through the real scheduler, and the release's own tolerance lets nothing else through."""
-    from invariants.matrix.worker import run_known, scheduler_check
+    from invariants.matrix.worker import NO_SAMPLE_CACHING, run_known, scheduler_check
     from invariants.targets.vllm_capabilities import detect
 
     caps = detect()
     row = scheduler_check(caps, seed=0, budget_s=4.0, out=tmp_path)
     assert row["check"] == "scheduler" and row["verdict"] == "clean" and row["steps"] > 0, row
+    assert NO_SAMPLE_CACHING not in row["not_generated"]
+    # A release that caches drafting requests at allocation is not sent drafts, and says so.
+    older = scheduler_check(
+        dataclasses.replace(caps, sample_caching=False), seed=0, budget_s=2.0, out=tmp_path
+    )
+    assert older["verdict"] == "clean" and NO_SAMPLE_CACHING in older["not_generated"]
     known = {k["id"]: k for k in run_known(caps)}
     assert known["vllm-blockstored-token-range"]["scheduler"] is True
     assert all(k["scheduler"] is not False or not k["expected"] for k in known.values()), known

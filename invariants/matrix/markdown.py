@@ -99,6 +99,7 @@ def render(runs: list[ReleaseRun], command: str) -> str:
         out += _known_design_lines(Capabilities.from_json(r.result["capabilities"]), checks)
         for check in checks:
             out += _check_lines(r.version, python, check)
+            out += [f"- {check['check']}: not generated: {what}" for what in check.get("not_generated", ())]
             for kind, first in sorted((check.get("tolerated_first") or {}).items()):
                 if kind in KNOWN_DESIGN:
                     continue  # stated once for the release (`_known_design_lines`)

@@ -51,6 +51,9 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 | `scheduler_missing`      | what the vllm target drives that the release's   |        |
 |                          | `Scheduler` API lacks (`scheduler_api_missing`; empty: it  |        |
 |                          | runs; None: not detected, e.g. a namespace of fakes)       |        |
+| `sample_caching`         | `Scheduler.update_from_output` caches a drafting request's |        |
+|                          | blocks at its sample (`cache_blocks`; 0.33.0), else they   |        |
+|                          | are cached at its next allocation (None: not detected)     |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
@@ -116,6 +119,7 @@ class Capabilities:
     mamba_retired_mark: bool = True
     mask_hit_grid: bool = True
     scheduler_missing: tuple[str, ...] | None = None
+    sample_caching: bool | None = None
 
     def profile(self) -> Profile:
         """The model's semantics profile for this release (its design of the time)."""
@@ -407,4 +411,15 @@ def detect() -> Capabilities:
         "FullAttentionManager": FullAttentionManager,
     }
     caps = detect_from(ns, importlib.metadata.version("vllm"))
-    return dataclasses.replace(caps, scheduler_missing=detect_scheduler_api())
+    return dataclasses.replace(
+        caps, scheduler_missing=detect_scheduler_api(), sample_caching=detect_sample_caching()
+    )
+
+
+def detect_sample_caching() -> bool | None:
+    """`sample_caching` of this interpreter's vLLM (None: its scheduler does not import)."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:
+        return None
+    return "cache_blocks(" in _source(Scheduler.update_from_output)
