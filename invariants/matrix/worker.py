@@ -205,15 +205,29 @@ def scheduler_check(caps: Capabilities, *, seed: int, budget_s: float, out: Path
     why = scheduler_unsupported(caps)
     if why is not None:
         return {"check": "scheduler", "verdict": f"n/a: {why}"[:200], "seconds": 0.0}
+    # The model caches a drafting request's blocks at its sample (0.33.0's update_from_output);
+    # no profile states the older rule, so a release without it is not sent drafts.
+    speculate = caps.sample_caching is not False
     strategy = configs(
         allow_pinning=False,
         retention=None if caps.has_retention_interval else "dense",
         eagle_drafts=True,
         connector=False,
+        **({} if speculate else {"eagle": False, "lookahead": False}),
     )
-    return run_check(
+    row = run_check(
         "scheduler", narrowed(caps, strategy), caps, seed=seed, budget_s=budget_s, out=out, target="vllm"
     )
+    row["not_generated"] = ["KV connectors (kvretain's connector follows 0.33.0's connector API)"]
+    if not speculate:
+        row["not_generated"].append(NO_SAMPLE_CACHING)
+    return row
+
+
+NO_SAMPLE_CACHING = (
+    "speculative decoding: the release caches a drafting request's blocks at its next "
+    "allocation, not at the sample (Capabilities.sample_caching), a rule no profile states"
+)
 
 
 def run_known(caps: Capabilities) -> list[dict[str, Any]]:
