@@ -130,7 +130,7 @@ def test_a_source_mutant_whose_line_is_gone_fails_loudly() -> None:
 
 
 # ------------------------------------------------------------------ export of a vllm finding
-EXPORTED_IMPORTS = {"json", "os", "tempfile", "time", "dataclasses", "torch", "vllm-manager"}
+EXPORTED_IMPORTS = {"json", "os", "tempfile", "time", "dataclasses", "torch", "vllm"}
 
 
 def test_a_planted_scheduler_finding_exports_as_a_standalone_real_scheduler_test(tmp_path: Any) -> None:
@@ -160,7 +160,7 @@ def test_a_planted_scheduler_finding_exports_as_a_standalone_real_scheduler_test
         if isinstance(n, ast.Import | ast.ImportFrom)
         for a in n.names
     }
-    assert roots <= EXPORTED_IMPORTS and "vllm-manager" in roots, roots
+    assert roots <= EXPORTED_IMPORTS and "vllm" in roots, roots
     assert "Scheduler(" in source and "driver.step(('r3',), 16)" in source
     path = tmp_path / "test_exported_scheduler_finding.py"
     path.write_text(source)

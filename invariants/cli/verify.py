@@ -55,7 +55,7 @@ def production_row(budget_s: float, seed: int, out: Path) -> tuple[str, str, str
     from invariants.cli.fuzz import fuzz_production
 
     outcome = fuzz_production(
-        "vllm-manager",
+        "vllm",
         seed=seed,
         steps=None,
         budget_s=budget_s,
@@ -65,7 +65,7 @@ def production_row(budget_s: float, seed: int, out: Path) -> tuple[str, str, str
     )
     return (
         "fuzz (production scale)",
-        "vllm-manager",
+        "vllm",
         outcome.verdict if outcome.violation is None else f"VIOLATION: {outcome.violation}"[:70],
         f"{outcome.ops:,} ops, {outcome.ops_per_s:.0f} ops/s",
         outcome.seconds,
@@ -182,9 +182,9 @@ def row_production_link(run: VerifyRun) -> None:
     """vLLM's own formulas equal the model's, exhaustively (with the proofs only)."""
     if run.imported("invariants.proofs.runner") is None:
         return
-    missing = run.missing("vllm-manager")
+    missing = run.missing("vllm")
     if missing is not None:
-        run.skipped("production link", "vllm-manager", str(missing))
+        run.skipped("production link", "vllm", str(missing))
         return
     from invariants.proofs.production_link import run_production_link
 
@@ -193,7 +193,7 @@ def row_production_link(run: VerifyRun) -> None:
     bad = [r.name for r in link if not r.expected_ok]
     run.record(
         "production link",
-        "vllm-manager",
+        "vllm",
         "holds" if not bad else "FAILED: " + ", ".join(bad),
         f"{len(link)} vLLM formulas = model, exhaustive",
         time.monotonic() - t,
@@ -246,18 +246,18 @@ def row_sglang(run: VerifyRun) -> None:
 
 def row_production_scale(run: VerifyRun) -> None:
     """vLLM at its own presets' sizes (`production_row`)."""
-    missing = run.missing("vllm-manager")
+    missing = run.missing("vllm")
     if missing is not None:
-        run.skipped("fuzz (production scale)", "vllm-manager", missing)
+        run.skipped("fuzz (production scale)", "vllm", missing)
         return
     run.record(*production_row(20.0 if run.args.quick else run.args.budget_s, run.args.seed, run.out))
 
 
 def row_conformance(run: VerifyRun) -> None:
     """vLLM against the model, feature by feature."""
-    missing = run.missing("vllm-manager")
+    missing = run.missing("vllm")
     if missing is not None:
-        run.skipped("conformance", "vllm-manager", missing)
+        run.skipped("conformance", "vllm", missing)
         return
     from invariants.harness.conformance import run_conformance
 
@@ -272,7 +272,7 @@ def row_conformance(run: VerifyRun) -> None:
     )
     run.record(
         "conformance",
-        "vllm-manager",
+        "vllm",
         "agrees with the model" if rc == 0 else "FINDING (see above)",
         f"{len(conf_rows)} feature rows",
         time.monotonic() - t,
