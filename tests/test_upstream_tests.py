@@ -61,6 +61,21 @@ def test_plugin_activates_the_mutant_in_the_session(fake_tree: Path, tmp_path: P
     assert spared.applied and not spared.failed and not spared.passed
 
 
+def test_recheck_turns_a_catch_that_fails_unmutated_into_flaky(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_pair.py").write_text(
+        "def test_good():\n    pass\n\n\ndef test_bad():\n    assert 0\n"
+    )
+    rows = [
+        upstream.MutantRow("a", "vllm-scheduler", "caught", caught_by="tests/test_pair.py::test_good"),
+        upstream.MutantRow("b", "vllm-scheduler", "caught", caught_by="tests/test_pair.py::test_bad"),
+        upstream.MutantRow("c", "vllm-scheduler", "missed"),
+    ]
+    upstream.recheck(tmp_path, upstream.session_env(tmp_path / "hf"), rows, timeout_s=120)
+    assert [r.verdict for r in rows] == ["caught", "flaky", "missed"]
+    assert "fails without the mutant too" in rows[1].reason
+
+
 def test_verdicts() -> None:
     s = upstream.Session
     assert upstream.verdict("m", "t", s(rc=0, seconds=1, passed=["a"], applied=True)).verdict == "missed"

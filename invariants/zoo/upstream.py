@@ -21,7 +21,9 @@ Verdicts, per mutant:
 - missed: every test that passed in the control passes under the mutant, and the
   plugin proved the mutant was installed;
 - stale: the mutant could not be installed on this vLLM (session aborted);
-- hung: the session ran past the timeout (reported, not counted as caught).
+- hung: the session ran past the timeout (reported, not counted as caught);
+- flaky: the catching test also fails when re-run alone without the mutant
+  (every catching test is re-run so, in one session at the end).
 Tests that fail or error in the control (they need a GPU, Triton, the network,
 a tokenizer...) are deselected from every mutant run and listed with why.
 """
@@ -92,7 +94,7 @@ class Session:
 class MutantRow:
     name: str
     target: str
-    verdict: str  # caught | missed | stale | hung | error
+    verdict: str  # caught | missed | flaky | stale | hung | error
     caught_by: str = ""
     reason: str = ""
     seconds: float = 0.0
@@ -113,7 +115,7 @@ class UpstreamReport:
     rows: list[MutantRow]
 
     def counts(self) -> dict[str, int]:
-        out = {v: 0 for v in ("caught", "missed", "stale", "hung", "error")}
+        out = {v: 0 for v in ("caught", "missed", "flaky", "stale", "hung", "error")}
         for r in self.rows:
             out[r.verdict] += 1
         return out
@@ -242,6 +244,26 @@ def verdict(name: str, target: str, s: Session) -> MutantRow:
     return row
 
 
+def recheck(
+    root: Path,
+    env: dict[str, str],
+    rows: list[MutantRow],
+    *,
+    timeout_s: float = 1800.0,
+    log: Callable[[str], None] = lambda line: None,
+) -> None:
+    """Re-run every catching test without a mutant, in one session: a test that fails
+    there too is flaky, not a catch (its rows become "flaky")."""
+    catchers = sorted({r.caught_by for r in rows if r.verdict == "caught"})
+    if not catchers:
+        return
+    s = run_session(root, catchers, env, stop_first=False, timeout_s=timeout_s)
+    log(f"recheck without a mutant: {len(s.passed)} of {len(catchers)} catching tests pass")
+    for r in rows:
+        if r.verdict == "caught" and r.caught_by not in s.passed:
+            r.verdict, r.reason = "flaky", f"fails without the mutant too: {s.failed.get(r.caught_by, s.rc)}"
+
+
 def _last_error(tail: str) -> str:
     lines = [ln.strip() for ln in tail.splitlines() if "Error" in ln or "error" in ln]
     return lines[-1] if lines else (tail.strip().splitlines() or [""])[-1]
@@ -280,7 +302,7 @@ def run_upstream(
         stage = Path(work, "tree")
         # Only tests/ is copied: a source tree's vllm/ next to it would shadow the installed vLLM.
         shutil.copytree(root / "tests", stage / "tests", ignore=shutil.ignore_patterns("__pycache__"))
-        log(f"control: {len(files)} files, no mutant")
+        log(f"control: {' '.join(files)}, no mutant")
         control = run_session(stage, files, env, stop_first=False, timeout_s=timeout_s)
         if control.rc not in (0, 1) or not control.passed:
             raise UpstreamError(
@@ -302,6 +324,7 @@ def run_upstream(
             )
             rows.append(verdict(name, target, s))
             log(f"{name}: {rows[-1].verdict} {rows[-1].caught_by} ({s.seconds:.0f}s)")
+        recheck(stage, env, rows, timeout_s=timeout_s, log=log)
     return UpstreamReport(
         root=str(root),
         vllm_version=vllm.__version__,
@@ -347,7 +370,7 @@ def render(report: UpstreamReport) -> str:
     c = report.counts()
     lines.append(
         f"{len(report.rows)} mutants: {c['missed']} missed by vLLM's tests, {c['caught']} caught"
-        + "".join(f", {c[k]} {k}" for k in ("stale", "hung", "error") if c[k])
+        + "".join(f", {c[k]} {k}" for k in ("flaky", "stale", "hung", "error") if c[k])
     )
     for path, why in sorted(report.uncollectable.items()):
         lines.append(f"not imported (ignored): {path}: {why}")
