@@ -59,6 +59,7 @@ def test_plugin_activates_the_mutant_in_the_session(fake_tree: Path, tmp_path: P
         timeout_s=300,
     )
     assert spared.applied and not spared.failed and not spared.passed
+    assert upstream.verdict("admission_drops_hit_tokens", "vllm-scheduler", spared).verdict == "error"
 
 
 def test_recheck_turns_a_catch_that_fails_unmutated_into_flaky(tmp_path: Path) -> None:
@@ -85,6 +86,8 @@ def test_verdicts() -> None:
     assert upstream.verdict("m", "t", s(rc=0, seconds=1, passed=["a"], applied=False)).verdict == "stale"
     assert upstream.verdict("m", "t", s(rc=-1, seconds=9, applied=True)).verdict == "hung"
     assert upstream.verdict("m", "t", s(rc=2, seconds=1, applied=True)).verdict == "error"
+    # A green session in which no test ran is no evidence either.
+    assert upstream.verdict("m", "t", s(rc=0, seconds=1, applied=True)).verdict == "error"
 
 
 def test_fake_hf_cache_resolves_offline(tmp_path: Path) -> None:

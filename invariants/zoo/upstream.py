@@ -98,6 +98,7 @@ class MutantRow:
     caught_by: str = ""
     reason: str = ""
     seconds: float = 0.0
+    passed: int = 0  # tests that passed under the mutant
 
 
 @dataclass
@@ -229,7 +230,7 @@ def run_session(
 
 def verdict(name: str, target: str, s: Session) -> MutantRow:
     """What one mutant session says: the first failing test, or a proven-active green."""
-    row = MutantRow(name, target, "error", seconds=s.seconds)
+    row = MutantRow(name, target, "error", seconds=s.seconds, passed=len(s.passed))
     if s.rc == -1:
         row.verdict, row.reason = "hung", s.tail
     elif not s.applied:
@@ -237,8 +238,10 @@ def verdict(name: str, target: str, s: Session) -> MutantRow:
     elif s.failed:
         nodeid, why = next(iter(s.failed.items()))
         row.verdict, row.caught_by, row.reason = "caught", nodeid, why
-    elif s.rc == 0:
+    elif s.rc == 0 and s.passed:
         row.verdict = "missed"
+    elif s.rc == 0:
+        row.reason = "no test ran"
     else:
         row.reason = f"pytest exit {s.rc}: {_last_error(s.tail)}"
     return row
@@ -363,7 +366,13 @@ def render(report: UpstreamReport) -> str:
         "",
     ]
     body = [
-        [r.name, r.target, r.caught_by or r.reason or "all passed", r.verdict, f"{r.seconds:.0f}s"]
+        [
+            r.name,
+            r.target,
+            r.caught_by or r.reason or f"all {r.passed} passed",
+            r.verdict,
+            f"{r.seconds:.0f}s",
+        ]
         for r in report.rows
     ]
     lines.append(table(["mutant", "target", "vLLM's tests", "verdict", "time"], body))
