@@ -50,6 +50,9 @@ from invariants.zoo import upstream_plugin as plugin
 DEFAULT_FILES = ("tests/v1/core",)
 
 # Hub names the core tests build a ModelConfig from -> a small config.json (no weights).
+# Not here: llava-hf/llava-1.5-7b-hf and Qwen/Qwen2.5-VL-3B-Instruct (vLLM cannot inspect
+# their multimodal model classes on this CPU build even with a config), and the e2e tests'
+# models (they load weights); their tests are listed as not run.
 MODELS: dict[str, dict[str, Any]] = {
     "facebook/opt-125m": {
         "architectures": ["OPTForCausalLM"],
@@ -67,6 +70,41 @@ MODELS: dict[str, dict[str, Any]] = {
         "pad_token_id": 1,
         "do_layer_norm_before": True,
         "activation_function": "relu",
+    },
+    "facebook/opt-350m": {
+        "architectures": ["OPTForCausalLM"],
+        "model_type": "opt",
+        "hidden_size": 1024,
+        "word_embed_proj_dim": 512,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "ffn_dim": 4096,
+        "vocab_size": 50272,
+        "max_position_embeddings": 2048,
+        "torch_dtype": "float16",
+        "bos_token_id": 2,
+        "eos_token_id": 2,
+        "pad_token_id": 1,
+        "do_layer_norm_before": False,
+        "activation_function": "relu",
+    },
+    "Qwen/Qwen3-0.6B": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_hidden_layers": 28,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
     },
 }
 _FAKE_REVISION = "0" * 40

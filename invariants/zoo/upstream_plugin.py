@@ -119,6 +119,8 @@ def _reason(longrepr: str) -> str:
             block.append(ln[1:].strip())
         elif block:
             break
+    if len(block) > 1 and "validation error" in block[-1]:  # pydantic's reason is on the next line
+        return f"{block[-1]}: {block[-2]}"
     if block:
         return block[-1]
     return lines[-1].strip() if lines else ""
