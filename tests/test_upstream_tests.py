@@ -37,12 +37,12 @@ def fake_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_plugin_activates_the_mutant_in_the_session(fake_tree: Path, tmp_path: Path) -> None:
     env = upstream.session_env(upstream.fake_hf_home(tmp_path / "hf"))
-    clean = upstream.run_session(fake_tree, ["tests"], env, timeout_s=300)
+    clean = upstream.run_session(fake_tree, ["tests"], env, timeout_s=900)
     assert clean.rc == 0 and clean.passed == ["tests/test_fake_schedule.py::test_schedule_is_vllms_own"]
     assert not clean.applied and not clean.failed
     # A source mutant of Scheduler.schedule: the fake test must fail under it (the negative control).
     mutated = upstream.run_session(
-        fake_tree, ["tests"], env, mutant="vllm-scheduler:admission_drops_hit_tokens", timeout_s=300
+        fake_tree, ["tests"], env, mutant="vllm-scheduler:admission_drops_hit_tokens", timeout_s=900
     )
     assert mutated.applied and mutated.rc == 1, mutated.tail
     row = upstream.verdict("admission_drops_hit_tokens", "vllm-scheduler", mutated)
@@ -56,7 +56,7 @@ def test_plugin_activates_the_mutant_in_the_session(fake_tree: Path, tmp_path: P
         env,
         mutant="vllm-scheduler:admission_drops_hit_tokens",
         deselect=["tests/test_fake_schedule.py::test_schedule_is_vllms_own"],
-        timeout_s=300,
+        timeout_s=900,
     )
     assert spared.applied and not spared.failed and not spared.passed
     assert upstream.verdict("admission_drops_hit_tokens", "vllm-scheduler", spared).verdict == "error"
