@@ -45,6 +45,7 @@ _BUILTIN_COMMANDS = (
     "invariants.cli.export",
     "invariants.cli.matrix",
     "invariants.cli.explore",
+    "invariants.cli.upstream",
 )
 COMMAND_GROUP = "kvretain.commands"
 
