@@ -42,10 +42,10 @@ def test_plugin_activates_the_mutant_in_the_session(fake_tree: Path, tmp_path: P
     assert not clean.applied and not clean.failed
     # A source mutant of Scheduler.schedule: the fake test must fail under it (the negative control).
     mutated = upstream.run_session(
-        fake_tree, ["tests"], env, mutant="vllm-scheduler:admission_drops_hit_tokens", timeout_s=900
+        fake_tree, ["tests"], env, mutant="vllm:admission_drops_hit_tokens", timeout_s=900
     )
     assert mutated.applied and mutated.rc == 1, mutated.tail
-    row = upstream.verdict("admission_drops_hit_tokens", "vllm-scheduler", mutated)
+    row = upstream.verdict("admission_drops_hit_tokens", "vllm", mutated)
     assert row.verdict == "caught"
     assert row.caught_by == "tests/test_fake_schedule.py::test_schedule_is_vllms_own"
     assert "kvretain mutant of Scheduler.schedule" in row.reason
@@ -54,12 +54,12 @@ def test_plugin_activates_the_mutant_in_the_session(fake_tree: Path, tmp_path: P
         fake_tree,
         ["tests"],
         env,
-        mutant="vllm-scheduler:admission_drops_hit_tokens",
+        mutant="vllm:admission_drops_hit_tokens",
         deselect=["tests/test_fake_schedule.py::test_schedule_is_vllms_own"],
         timeout_s=900,
     )
     assert spared.applied and not spared.failed and not spared.passed
-    assert upstream.verdict("admission_drops_hit_tokens", "vllm-scheduler", spared).verdict == "error"
+    assert upstream.verdict("admission_drops_hit_tokens", "vllm", spared).verdict == "error"
 
 
 def test_recheck_turns_a_catch_that_fails_unmutated_into_flaky(tmp_path: Path) -> None:
@@ -68,9 +68,9 @@ def test_recheck_turns_a_catch_that_fails_unmutated_into_flaky(tmp_path: Path) -
         "def test_good():\n    pass\n\n\ndef test_bad():\n    assert 0\n"
     )
     rows = [
-        upstream.MutantRow("a", "vllm-scheduler", "caught", caught_by="tests/test_pair.py::test_good"),
-        upstream.MutantRow("b", "vllm-scheduler", "caught", caught_by="tests/test_pair.py::test_bad"),
-        upstream.MutantRow("c", "vllm-scheduler", "missed"),
+        upstream.MutantRow("a", "vllm", "caught", caught_by="tests/test_pair.py::test_good"),
+        upstream.MutantRow("b", "vllm", "caught", caught_by="tests/test_pair.py::test_bad"),
+        upstream.MutantRow("c", "vllm", "missed"),
     ]
     upstream.recheck(tmp_path, upstream.session_env(tmp_path / "hf"), rows, timeout_s=120)
     assert [r.verdict for r in rows] == ["caught", "flaky", "missed"]

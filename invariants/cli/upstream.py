@@ -8,7 +8,7 @@ or the release's sdist unpacked: `pip download vllm==X --no-deps --no-binary
 :all:` fails to build, so fetch the `.tar.gz` the index lists). The tests run
 offline on the CPU under the installed vLLM (`invariants.zoo.upstream`): a
 control session without a mutant, then one session per mutant of
-`--target vllm-scheduler` and `--target vllm-async-scheduler`, each stopping at
+`--target vllm` and `--target vllm-async-scheduler`, each stopping at
 its first failing test.
 
 Prints a table (mutant | vLLM's tests | verdict), the counts, the vLLM commits

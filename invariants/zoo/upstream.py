@@ -314,7 +314,7 @@ def scheduler_mutants(only: Sequence[str] = ()) -> list[tuple[str, str]]:
     """(target, name) of every scheduler mutant, sync then async; `only` filters by name."""
     from invariants.zoo.mutants_scheduler import ASYNC_SCHEDULER_MUTANTS, SCHEDULER_MUTANTS
 
-    pairs = [("vllm-scheduler", n) for n in SCHEDULER_MUTANTS]
+    pairs = [("vllm", n) for n in SCHEDULER_MUTANTS]
     pairs += [("vllm-async-scheduler", n) for n in ASYNC_SCHEDULER_MUTANTS]
     if only:
         unknown = sorted(set(only) - {n for _, n in pairs})

@@ -4,7 +4,7 @@ Loaded with `-p invariants.zoo.upstream_plugin` by `invariants.zoo.upstream`; it
 reads its orders from the environment so that the pytest command line stays
 vLLM's own:
 
-- `KVRETAIN_UPSTREAM_MUTANT=<target>:<name>` (e.g. `vllm-scheduler:preempt_oldest`):
+- `KVRETAIN_UPSTREAM_MUTANT=<target>:<name>` (e.g. `vllm:preempt_oldest`):
   installed at `pytest_configure`, before any test module is collected, and
   restored at `pytest_unconfigure`. A mutant that cannot be installed (a source
   mutant whose line is not in the installed vLLM) aborts the session: no test
@@ -42,7 +42,7 @@ def install(stack: contextlib.ExitStack, spec: str) -> None:
 
     target, _, name = spec.partition(":")
     families = {
-        "vllm-scheduler": (ms.SCHEDULER_MUTANTS, "vllm.v1.core.sched.scheduler", "Scheduler"),
+        "vllm": (ms.SCHEDULER_MUTANTS, "vllm.v1.core.sched.scheduler", "Scheduler"),
         "vllm-async-scheduler": (
             ms.ASYNC_SCHEDULER_MUTANTS,
             "vllm.v1.core.sched.async_scheduler",
