@@ -203,7 +203,16 @@ class Done:
     """Operations with no return value (add, finish, preempt, evict)."""
 
 
-Observation = Union[ScheduleResult, StepResult, ProbeResult, ResetResult, Done]
+@dataclass(frozen=True)
+class Saving:
+    """A `Finish` of a request the KV connector saves (`model.ops.Save`): the block
+    ids per group it was handed to save (`request_finished_all_groups`), null
+    padding included (`model.connector`)."""
+
+    block_ids: tuple[BlockIds, ...]
+
+
+Observation = Union[ScheduleResult, StepResult, ProbeResult, ResetResult, Done, Saving]
 
 
 @dataclass(frozen=True)

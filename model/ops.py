@@ -38,7 +38,9 @@ Contract of each operation (see `docs/semantics.md` for the full text):
   tokens of waiting request `rid` and offers them at its next admission,
   loading "sync" (in the admitting step) or "async" (the request waits for
   `Loaded`). `Loaded(rid, ok)`: that async load reports, `ok` or failed.
-  Their contract is `model.connector`.
+  `Save(rid)`: the connector will save `rid`'s KV when it finishes (its
+  `request_finished` defers the free); `Saved(rid)`: that save reports done
+  (the worker's `finished_sending`). Their contract is `model.connector`.
 """
 
 from __future__ import annotations
@@ -113,8 +115,30 @@ class Loaded:
     ok: bool
 
 
+@dataclass(frozen=True)
+class Save:
+    rid: str
+
+
+@dataclass(frozen=True)
+class Saved:
+    rid: str
+
+
 Op = Union[
-    AddRequest, Schedule, Step, Sample, Finish, Preempt, Probe, ResetPrefixCache, EvictBlocks, Offer, Loaded
+    AddRequest,
+    Schedule,
+    Step,
+    Sample,
+    Finish,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    EvictBlocks,
+    Offer,
+    Loaded,
+    Save,
+    Saved,
 ]
 
 # How a connector's offered tokens are loaded (`Offer.load`).
@@ -132,6 +156,8 @@ OP_TYPES: dict[str, type] = {
     "evict": EvictBlocks,
     "offer": Offer,
     "loaded": Loaded,
+    "save": Save,
+    "saved": Saved,
 }
 _OP_NAMES = {cls: name for name, cls in OP_TYPES.items()}
 

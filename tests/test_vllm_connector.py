@@ -3,7 +3,8 @@ connector in vLLM's real `Scheduler` ("vllm-scheduler" with `Config.kv_connector
 
 Model tests need no vLLM: what an external hit allocates, when an async load's
 blocks are cached, what a failed load rolls back, when a finish's free is
-deferred, the offer/loaded JSON round trip and bad input. The vLLM tests drive
+deferred (a load in flight, a save), what a save is handed, the connector
+operations' JSON round trip and bad input. The vLLM tests drive
 scripted traces against the model (every observation and snapshot must agree),
 check the connector is vLLM's own registered kind and records what it was asked,
 and run the zoo's connector mutants as negative controls (each caught on a
@@ -21,8 +22,21 @@ from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, ConfigError, GroupSpec
 from model.connector import external_tokens, remaining_blocks
-from model.observation import ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Probe, Sample, Step, op_from_json, op_to_json
+from model.observation import Saving, ScheduleResult, StepResult
+from model.ops import (
+    AddRequest,
+    Finish,
+    Loaded,
+    Offer,
+    Op,
+    Probe,
+    Sample,
+    Save,
+    Saved,
+    Step,
+    op_from_json,
+    op_to_json,
+)
 
 FULL_SWA = Config(
     groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)),
@@ -118,8 +132,67 @@ def test_finish_during_a_load_defers_the_free_until_it_reports() -> None:
     assert m.apply(Probe(PROMPT)).hit == 0  # type: ignore[union-attr]  # never cached
 
 
+def save_ops() -> list[Op]:
+    """A saved request decoding past its prompt's last block (7 prompt tokens, 9
+    computed: 3 blocks of 4), finished; another request admitted while the save is
+    pending; the save reports; a save of a request that never ran (no block)."""
+    return [
+        AddRequest("s0", tuple(range(200, 207))),
+        Save("s0"),
+        Step(("s0",), 64),
+        Sample("s0", 1),
+        Step(("s0",), 64),
+        Sample("s0", 2),
+        Step(("s0",), 64),
+        Finish("s0"),
+        AddRequest("s1", PROMPT),
+        Step(("s1",), 64),
+        Saved("s0"),
+        AddRequest("s2", PROMPT),
+        Save("s2"),
+        Finish("s2"),
+        Sample("s1", 3),
+        Save("s1"),
+        Finish("s1"),
+        Probe(PROMPT),
+        Saved("s1"),
+        Probe(PROMPT),
+    ]
+
+
+def test_a_save_defers_the_free_until_it_reports() -> None:
+    m = AllocatorModel(FULL)
+    obs = {i: m.apply(op) for i, op in enumerate(save_ops()[:8])}
+    table = m.snapshot().tables["s0"][0]
+    # Handed the blocks of its 9 computed tokens (past the prompt's 2 blocks), held until `Saved`.
+    assert obs[7] == Saving((table,)) and len(table) == 3 and m.sending == {"s0"}
+    assert not set(table) & set(m.snapshot().free_queue)
+    m.apply(save_ops()[8])
+    m.apply(save_ops()[9])  # s1's admission takes no block s0 still holds
+    assert not set(table) & set(m.snapshot().tables["s1"][0])
+    m.apply(Saved("s0"))
+    assert "s0" not in m.snapshot().tables and not m.sending
+    assert set(table) <= set(m.snapshot().free_queue)
+    # A request handed no block is not deferred; the observation still says what it was handed.
+    m.apply(AddRequest("s2", PROMPT))
+    m.apply(Save("s2"))
+    assert m.apply(Finish("s2")) == Saving(((),)) and not m.sending
+    assert m.exercised["connector: freed when the save reported"] == 1
+
+
+def test_a_save_is_not_deferred_while_a_load_is_in_flight() -> None:
+    for policy in ("recompute", "fail"):
+        m = AllocatorModel(FULL.with_(kv_load_failure_policy=policy))  # type: ignore[arg-type]
+        for op in (AddRequest("r0", PROMPT), Save("r0"), Offer("r0", 13, "async"), Step(("r0",), 64)):
+            m.apply(op)
+        if policy == "recompute":
+            assert isinstance(m.apply(Finish("r0")), Saving) and m.held == {"r0"}
+        m.apply(Loaded("r0", False))
+        assert not m.sending and not m.held and not m.saving and "r0" not in m.snapshot().tables
+
+
 def test_connector_ops_round_trip_and_bad_input() -> None:
-    for op in (Offer("r0", 5, "async"), Loaded("r1", False)):
+    for op in (Offer("r0", 5, "async"), Loaded("r1", False), Save("r2"), Saved("r3")):
         assert op_from_json(op_to_json(op)) == op
     with pytest.raises(ValueError, match="'load'"):
         op_from_json({"op": "offer", "rid": "r0", "num_tokens": 3, "load": "later"})
@@ -147,6 +220,12 @@ def test_checker_refuses_connector_ops_it_cannot_judge() -> None:
     c.step(AddRequest("r0", PROMPT))
     with pytest.raises(InvalidOp, match="no connector load"):
         c.step(Loaded("r0", True))
+    with pytest.raises(InvalidOp, match="no connector save"):
+        c.step(Saved("r0"))
+    with pytest.raises(InvalidOp, match="unknown request"):
+        c.step(Save("r9"))
+    assert c.step(Save("r0")) == [] and c.step(Finish("r0")) == []
+    assert c.last_obs == Saving(((),))  # never ran: handed no block, not deferred
 
 
 def test_targets_without_a_connector_refuse_one() -> None:
@@ -266,6 +345,28 @@ def test_connector_is_registered_and_records_what_it_was_asked() -> None:
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.parametrize(
+    "cfg", [FULL_SWA, FULL, FULL_SWA.with_(enable_caching=False, num_blocks=40)], ids=["swa", "full", "off"]
+)
+def test_real_scheduler_agrees_on_saves(cfg: Config) -> None:
+    from invariants.harness.known_findings import is_known_violation
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    target = VllmSchedulerTarget(cfg)
+    checker = Checker(target, audit_every=1)
+    seen = []
+    for op in save_ops():
+        assert [v for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)] == []
+        seen.append(checker.last_obs)
+    assert checker.audit() == []
+    # vLLM's request_finished_all_groups got what the model says it was handed.
+    connector = target.vllm_scheduler.connector
+    assert Saving(connector.handed["s0"]) == seen[7] and len(connector.handed["s0"][0]) == 3
+    assert "s0" not in target.vllm_scheduler.requests and not connector.saving
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_plain_vllm_target_refuses_a_connector() -> None:
     from invariants.targets.vllm_target import VllmTarget
 
@@ -278,6 +379,8 @@ CONNECTOR_MUTANTS = (
     "failed_load_keeps_computed_tokens",
     "loading_request_freed_at_finish",
     "async_load_ignores_in_flight_reserve",
+    "save_free_not_deferred",
+    "saved_blocks_cover_prompt_only",
 )
 
 
@@ -325,6 +428,8 @@ def test_connector_mutant_is_caught(name: str) -> None:
     from invariants.zoo.mutants_scheduler import activate
 
     cfg, ops = (FULL.with_(num_blocks=9), reserve_trace()) if "reserve" in name else (FULL_SWA, trace_ops())
+    if "save" in name:
+        ops = save_ops()
 
     def run(factory: object) -> list[Violation]:
         checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]

@@ -66,6 +66,7 @@ SCHEDULER_MAMBA_SPEC_ROW = "real Scheduler: drafts with a Mamba group (its draft
 CONNECTOR_ROW = "real Scheduler + KV connector: external hits, async loads, delayed caching, failed loads"
 CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fail', deferred frees"
 CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
+CONNECTOR_SAVE_ROW = "real Scheduler + KV connector: saves, frees deferred until finished_sending"
 
 
 def _no_spec(**narrow: object) -> st.SearchStrategy[Config]:
@@ -100,6 +101,7 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     CONNECTOR_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="recompute"),
     CONNECTOR_FAIL_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="fail"),
     CONNECTOR_CACHING_OFF_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, caching=False),
+    CONNECTOR_SAVE_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True),
 }
 
 # vLLM's real `AsyncScheduler` driven one step ahead, as the engine core drives it (target
@@ -139,6 +141,10 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     CONNECTOR_CACHING_OFF_ROW: (
         "connector: sync external hit admitted",
         "connector: async external hit admitted",
+    ),
+    CONNECTOR_SAVE_ROW: (
+        "connector: free deferred until the save reports",
+        "connector: freed when the save reported",
     ),
 }
 
@@ -183,13 +189,15 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors with a Mamba group, block-level load failures (invalid_block_ids), connectors "
-        "that defer a finished request's free to save it",
+        "KV connectors with a Mamba group, block-level load failures (invalid_block_ids); a save "
+        "deferred while the request's load is in flight",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
-        "(both policies) and the frees deferred while a load is in flight, for Full/SWA layouts (the "
+        "(both policies), the frees deferred while a load is in flight, and saves (what a finish "
+        "hands the connector, the free deferred until finished_sending), for Full/SWA layouts (the "
         "connector rows above); vLLM's Mamba managers claim a ring block for external tokens and "
-        "invalid_block_ids is single-group only; the KV events' locality and ownership, which only "
-        "offloading connectors set, are compared as None",
+        "invalid_block_ids is single-group only; kvretain's connector saves no request whose load "
+        "is in flight (vLLM would free its blocks at the first of the two reports); the KV events' "
+        "locality and ownership, which only offloading connectors set, are compared as None",
     ),
     (
         "extra hash keys (cache_salt, LoRA name, multimodal features)",

@@ -39,6 +39,8 @@ from model.ops import (
     Probe,
     ResetPrefixCache,
     Sample,
+    Save,
+    Saved,
     Schedule,
     Step,
 )
@@ -421,7 +423,7 @@ class ConnectorMachine(AllocatorMachine):
     """`AllocatorMachine` plus a KV connector's operations (`model.connector`), drawn
     where the configuration has one (`Config.kv_connector`): an offer for a request
     waiting for admission, or the report of an async load in flight (ok, or failed
-    one time in three). A separate class, so runs without a connector draw exactly
+    one time in three); a save at a request's finish, or its report. A separate class, so runs without a connector draw exactly
     as before."""
 
     def _connector_choices(self) -> tuple[list[str], list[str]]:
@@ -460,6 +462,29 @@ class ConnectorMachine(AllocatorMachine):
         self._do(Loaded(rid, outcome != "failed"))
         if rid in model.requests and not model.requests[rid].running:  # type: ignore[attr-defined]
             self._do(Step((rid,), 64))
+
+    @precondition(
+        lambda self: (
+            self.checker is not None
+            and self.cfg.kv_connector
+            and bool(self.checker.model.requests or self.checker.model.sending)
+        )
+    )
+    @rule(data=st.data())
+    def save(self, data: st.DataObject) -> None:
+        """A saving connector (`Save`, `Saved`): a pending save reports, or a live
+        request is to be saved at its finish, finished now one time in two (its
+        free then waits for the report)."""
+        assert self.checker is not None
+        model = self.checker.model
+        sending = sorted(model.sending)
+        if sending and (not model.requests or data.draw(st.booleans(), label="report a save?")):
+            self._do(Saved(data.draw(st.sampled_from(sending), label="rid")))
+            return
+        rid = data.draw(st.sampled_from(sorted(model.requests)), label="rid")
+        self._do(Save(rid))
+        if data.draw(st.booleans(), label="finish it now?"):
+            self._do(Finish(rid))
 
 
 def build_machine(

@@ -433,3 +433,28 @@ def async_load_ignores_in_flight_reserve(stack: contextlib.ExitStack, sched: Any
     the blocks the prefills already in flight still need
     (`_inflight_prefill_reserved_blocks` left out)."""
     _set(stack, sched, "_inflight_prefill_reserved_blocks", lambda self: 0)
+
+
+# ---------------------------------------------------------------- saving connectors (model.connector: saves)
+
+
+@mutant("save_free_not_deferred", strategy="scheduler-connector")
+def save_free_not_deferred(stack: contextlib.ExitStack, sched: Any) -> None:
+    """A saving connector's deferral lost: `_free_request` drops
+    `delay_free_blocks |= connector_delay_free_blocks`, so a finished request's blocks go
+    back to the pool (and may be reused) while the connector is still sending them."""
+    _rewrite(stack, sched, "_free_request", "delay_free_blocks |= connector_delay_free_blocks", "")
+
+
+@mutant("saved_blocks_cover_prompt_only", strategy="scheduler-connector")
+def saved_blocks_cover_prompt_only(stack: contextlib.ExitStack, sched: Any) -> None:
+    """What a finish hands the connector to save: `_connector_finished` clips the block ids
+    at `request.num_prompt_tokens` instead of `request.num_computed_tokens`, so the blocks
+    of the generated tokens past the prompt's last block are never saved."""
+    _rewrite(
+        stack,
+        sched,
+        "_connector_finished",
+        "num_computed_tokens=request.num_computed_tokens,",
+        "num_computed_tokens=request.num_prompt_tokens,",
+    )
