@@ -266,8 +266,7 @@ class AllocatorModel(BlockCaching, MambaStates):
             return Done()
         if isinstance(op, Loaded):
             self.undelivered = {}
-            conn.loaded(self, op.rid, op.ok)
-            return Done()
+            return conn.loaded(self, op.rid, op.ok, op.invalid)
         if isinstance(op, Save):
             assert op.rid in self.requests, f"saving unknown request {op.rid}"
             self.saving.add(op.rid)

@@ -66,9 +66,24 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   does not defer a free vLLM already defers for the load (vLLM would free
   the blocks at the first of the two reports).
 
+- **Failed blocks** (`Loaded(rid, True, invalid)`, the report's
+  `invalid_block_ids`; a single KV cache group only: vLLM raises on more, as
+  block ids are unique per group only). The async load of `rid` failed on
+  some of its blocks (`failable_blocks`: covering its computed tokens, held
+  by it alone). Its computed tokens are cut to the start of the first failed
+  block among those covering them (`_update_requests_with_invalid_blocks`;
+  the observation, `LoadCut`).
+  "recompute": at promotion a valid prefix is cached and the request takes
+  its next chunk from there with the blocks it holds; an empty one is freed
+  and re-admitted, as a failed load (`_update_waiting_for_remote_kv`).
+  "fail": the request ends with an error, freed (after its out-of-window
+  blocks on the cut computed tokens) as a finish is.
+
 Not stated (generation avoids them): Mamba groups (vLLM's Mamba managers claim
-a ring block for external tokens) and block-level load failures
-(`invalid_block_ids`, single-group only).
+a ring block for external tokens), failed blocks of a sync load (reported
+with the output of the step that ran its chunk; vLLM also cuts every
+running request sharing a failed block and evicts its hashes under "fail"),
+and failed blocks another request holds.
 """
 
 from __future__ import annotations
@@ -77,7 +92,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from model.masks import cdiv
-from model.observation import BlockIds, Done, Saving, ScheduleResult
+from model.observation import BlockIds, Done, LoadCut, Saving, ScheduleResult
 
 if TYPE_CHECKING:
     from model.allocator import AllocatorModel, GroupState, RequestState
@@ -215,25 +230,47 @@ def saved(m: AllocatorModel, rid: str) -> None:
     m.exercised["connector: freed when the save reported"] += 1
 
 
-def loaded(m: AllocatorModel, rid: str, ok: bool) -> None:
-    """The async load of `rid` reported; a finished request's deferred free happens now."""
+def loaded(m: AllocatorModel, rid: str, ok: bool, invalid: tuple[int, ...] = ()) -> Done | LoadCut:
+    """The async load of `rid` reported, failed on the blocks `invalid` names (if
+    any: seen as the cut, `LoadCut`); a finished request's deferred free happens now."""
     if rid in m.held:
         m.held.discard(rid)
         m._free(rid)
-        return
+        return Done()
     req = m.requests[rid]
     assert req.load == LOADING, f"{rid} has no load in flight"
-    if not ok and m.cfg.kv_load_failure_policy == "fail":
+    if invalid:
+        # Cut at the first failed block (`Scheduler._update_requests_with_invalid_blocks`).
+        g = m.groups[0]
+        covered = g.tables[rid][: cdiv(req.num_computed, g.bs)]
+        req.num_computed = next(i for i, b in enumerate(covered) if b in invalid) * g.bs
+        m.exercised["connector: load failed on some blocks"] += 1
+    seen: Done | LoadCut = LoadCut(req.num_computed) if invalid else Done()
+    if (not ok or invalid) and m.cfg.kv_load_failure_policy == "fail":
         # The request ends with an error; its load has reported, so nothing waits,
         # and the connector, whose load is still in flight when vLLM ends it, saves nothing.
         req.load = ""
         m.saving.discard(rid)
         finish(m, m.requests.pop(rid))
         m.exercised["connector: failed load ends the request ('fail')"] += 1
-        return
-    req.load = LOADED if ok else FAILED
+        return seen
     if not ok:
         req.num_computed = 0  # nothing loaded counts (`Scheduler._handle_failed_recving`)
+    req.load = LOADED if req.num_computed else FAILED
+    if invalid and req.num_computed:
+        m.exercised["connector: valid prefix of a load kept"] += 1
+    return seen
+
+
+def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
+    """The blocks a report of `req`'s async load may name as failed (`Loaded.invalid`):
+    with a single KV cache group (vLLM refuses block-level failures with more: block ids
+    are unique per group only), the non-null blocks covering its computed tokens that no
+    other request holds (vLLM would cut every request holding one)."""
+    if len(m.groups) != 1 or req.load != LOADING:
+        return []
+    g = m.groups[0]
+    return [b for b in g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)] if b and m.pool.ref[b] == 1]
 
 
 def waiting_pass(

@@ -212,7 +212,15 @@ class Saving:
     block_ids: tuple[BlockIds, ...]
 
 
-Observation = Union[ScheduleResult, StepResult, ProbeResult, ResetResult, Done, Saving]
+@dataclass(frozen=True)
+class LoadCut:
+    """A `Loaded` naming failed blocks (`model.ops.Loaded.invalid`): the request's
+    computed tokens once cut at its first failed block (`model.connector`)."""
+
+    num_computed: int
+
+
+Observation = Union[ScheduleResult, StepResult, ProbeResult, ResetResult, Done, Saving, LoadCut]
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ Contract of each operation (see `docs/semantics.md` for the full text):
 - `Offer(rid, num_tokens, load)`: a KV connector holds the first `num_tokens`
   tokens of waiting request `rid` and offers them at its next admission,
   loading "sync" (in the admitting step) or "async" (the request waits for
-  `Loaded`). `Loaded(rid, ok)`: that async load reports, `ok` or failed.
+  `Loaded`). `Loaded(rid, ok, invalid=())`: that async load reports, `ok` or
+  failed, or ok but for the blocks `invalid` names.
   `Save(rid)`: the connector will save `rid`'s KV when it finishes (its
   `request_finished` defers the free); `Saved(rid)`: that save reports done
   (the worker's `finished_sending`). Their contract is `model.connector`.
@@ -113,6 +114,8 @@ class Offer:
 class Loaded:
     rid: str
     ok: bool
+    # Blocks the load failed on (vLLM `invalid_block_ids`); empty: none (left out of JSON).
+    invalid: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ def op_from_json(data: Any) -> Op:
         raise ValueError(
             f"operation {name!r} needs fields {sorted(required)}{optional}, got {sorted(fields)}"
         )
-    for key in ("prompt", "tokens", "block_ids", "drafts"):
+    for key in ("prompt", "tokens", "block_ids", "drafts", "invalid"):
         if key in fields:
             value = fields[key]
             if not isinstance(value, list) or not all(

@@ -3,8 +3,9 @@ connector in vLLM's real `Scheduler` ("vllm-scheduler" with `Config.kv_connector
 
 Model tests need no vLLM: what an external hit allocates, when an async load's
 blocks are cached, what a failed load rolls back, when a finish's free is
-deferred (a load in flight, a save), what a save is handed, the connector
-operations' JSON round trip and bad input. The vLLM tests drive
+deferred (a load in flight, a save), what a save is handed, where a load
+failed on some blocks is cut, the connector operations' JSON round trip and
+bad input. The vLLM tests drive
 scripted traces against the model (every observation and snapshot must agree),
 check the connector is vLLM's own registered kind and records what it was asked,
 and run the zoo's connector mutants as negative controls (each caught on a
@@ -21,8 +22,8 @@ from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, ConfigError, GroupSpec
-from model.connector import external_tokens, remaining_blocks
-from model.observation import Saving, ScheduleResult, StepResult
+from model.connector import external_tokens, failable_blocks, remaining_blocks
+from model.observation import Done, LoadCut, Saving, ScheduleResult, StepResult
 from model.ops import (
     AddRequest,
     Finish,
@@ -191,9 +192,67 @@ def test_a_save_is_not_deferred_while_a_load_is_in_flight() -> None:
         assert not m.sending and not m.held and not m.saving and "r0" not in m.snapshot().tables
 
 
+def invalid_ops() -> list[Op]:
+    """Two async loads failing on some blocks (Full4, one group): r1 (hit 12 on blocks
+    1-3, 3 external tokens in block 4) fails on block 3, cut to 8 with a valid prefix;
+    r2 (12 external tokens in blocks 5-7) on block 5, cut to 0; both then promoted."""
+    return [
+        AddRequest("r0", PROMPT),
+        Step(("r0",), 64),
+        Sample("r0", 5),
+        Finish("r0"),
+        AddRequest("r1", PROMPT + (7, 7, 7)),
+        Offer("r1", 16, "async"),
+        Step(("r1",), 64),
+        AddRequest("r2", tuple(range(30, 45))),
+        Offer("r2", 12, "async"),
+        Step(("r2",), 64),
+        Loaded("r1", True, (3,)),
+        Loaded("r2", True, (5,)),
+        Step(("r1", "r2"), 64),
+        Probe(PROMPT + (7, 7, 7)),
+    ]
+
+
+def test_a_load_failed_on_some_blocks_is_cut_at_the_first() -> None:
+    m = AllocatorModel(FULL)
+    obs = [m.apply(op) for op in invalid_ops()[:10]]
+    assert failable_blocks(m, m.requests["r1"]) == [1, 2, 3, 4] and failable_blocks(m, m.requests["r2"]) == [
+        5,
+        6,
+        7,
+    ]
+    assert m.apply(Loaded("r1", True, (3,))) == LoadCut(8)
+    assert m.apply(Loaded("r2", True, (5,))) == LoadCut(0)
+    step = m.apply(Step(("r1", "r2"), 64))
+    # r1 resumes at 8 with the blocks it holds (the valid prefix cached); r2 is re-admitted afresh.
+    assert (own(step, "r1").scheduled, own(step, "r1").hit, own(step, "r1").new_blocks) == (8, None, ((),))
+    assert (own(step, "r2").admitted, own(step, "r2").hit, own(step, "r2").external) == (True, 0, 0)
+    assert m.exercised["connector: valid prefix of a load kept"] == 1 and obs[3] == Done()
+    # "fail": the cut request ends with an error, freed.
+    f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    for op in invalid_ops()[:10]:
+        f.apply(op)
+    assert f.apply(Loaded("r1", True, (4,))) == LoadCut(12) and "r1" not in f.snapshot().tables
+    # Two groups: block ids are unique per group only, vLLM refuses; none may be named.
+    two = AllocatorModel(FULL_SWA)
+    for op in invalid_ops()[:7]:
+        two.apply(op)
+    assert failable_blocks(two, two.requests["r1"]) == []
+
+
 def test_connector_ops_round_trip_and_bad_input() -> None:
-    for op in (Offer("r0", 5, "async"), Loaded("r1", False), Save("r2"), Saved("r3")):
+    for op in (
+        Offer("r0", 5, "async"),
+        Loaded("r1", False),
+        Save("r2"),
+        Saved("r3"),
+        Loaded("r4", True, (2, 3)),
+    ):
         assert op_from_json(op_to_json(op)) == op
+    assert "invalid" not in op_to_json(Loaded("r1", True))
+    with pytest.raises(ValueError, match="'invalid'"):
+        op_from_json({"op": "loaded", "rid": "r0", "ok": True, "invalid": [1, "x"]})
     with pytest.raises(ValueError, match="'load'"):
         op_from_json({"op": "offer", "rid": "r0", "num_tokens": 3, "load": "later"})
     with pytest.raises(ValueError, match="'num_tokens'"):
@@ -226,6 +285,17 @@ def test_checker_refuses_connector_ops_it_cannot_judge() -> None:
         c.step(Save("r9"))
     assert c.step(Save("r0")) == [] and c.step(Finish("r0")) == []
     assert c.last_obs == Saving(((),))  # never ran: handed no block, not deferred
+    c = Checker(ModelTarget(FULL))
+    for op in invalid_ops()[:7]:
+        c.step(op)
+    for bad in (Loaded("r1", False, (3,)), Loaded("r1", True, (9,))):
+        with pytest.raises(InvalidOp, match="'invalid'"):
+            c.step(bad)
+    c = Checker(ModelTarget(FULL_SWA))
+    for op in invalid_ops()[:7]:
+        c.step(op)
+    with pytest.raises(InvalidOp, match="single-group"):
+        c.step(Loaded("r1", True, (3,)))
 
 
 def test_targets_without_a_connector_refuse_one() -> None:
@@ -367,6 +437,51 @@ def test_real_scheduler_agrees_on_saves(cfg: Config) -> None:
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_real_scheduler_agrees_on_loads_failed_on_some_blocks(policy: str, caching: bool) -> None:
+    from invariants.harness.known_findings import is_known_violation
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = FULL.with_(kv_load_failure_policy=policy, enable_caching=caching)  # type: ignore[arg-type]
+    checker = Checker(VllmSchedulerTarget(cfg), audit_every=1)
+    found = []
+    for op in invalid_ops():
+        if isinstance(op, Loaded):  # the same cuts whatever the ids (caching off: no hit)
+            blocks = failable_blocks(checker.model, checker.model.requests[op.rid])
+            op = Loaded(op.rid, True, (blocks[2 if op.rid == "r1" else 0],))
+        if isinstance(op, Step) and op.rids == ("r1", "r2") and policy == "fail":
+            continue  # both ended
+        found += [v for v in checker.step(op) if not is_known_violation("vllm-scheduler", v)]
+    assert found == [] and checker.audit() == []
+    cuts = [o for o in checker.model.exercised if "some blocks" in o]
+    assert cuts == ["connector: load failed on some blocks"]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_a_cut_swa_load_reads_its_skipped_window_finding() -> None:
+    """The finding swa-load-cut-reads-skipped-window: vLLM and the model agree on the cut,
+    and step_blocks_stay_held flags the resumed request's window on both; its claim is
+    narrow (a null block inside the computed range is not it)."""
+    from invariants.harness.known_findings import explain, load_known_findings
+    from invariants.harness.replay import replay
+
+    finding = next(f for f in load_known_findings() if f.id == "swa-load-cut-reads-skipped-window")
+    for target in ("vllm-scheduler", "model"):
+        result = replay(finding.trace, target)
+        assert [v.check for _, v in result.known if explain(target, v) is finding] == [
+            "step_blocks_stay_held"
+        ]
+    cfg, step = finding.trace.config, finding.trace.ops[-1]
+    message = "r1 computes tokens [4, 8) but group 0 block index {} is the null block after the step"
+    assert finding.claims("step_blocks_stay_held", message.format(0), cfg, step)
+    assert not finding.claims("step_blocks_stay_held", message.format(1), cfg, step)
+    assert not finding.claims("step_blocks_stay_held", message.format(0), cfg.with_(kv_connector=False), step)
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_plain_vllm_target_refuses_a_connector() -> None:
     from invariants.targets.vllm_target import VllmTarget
 
@@ -381,6 +496,8 @@ CONNECTOR_MUTANTS = (
     "async_load_ignores_in_flight_reserve",
     "save_free_not_deferred",
     "saved_blocks_cover_prompt_only",
+    "invalid_block_cut_keeps_failed_block",
+    "invalid_blocks_policy_inverted",
 )
 
 
@@ -430,6 +547,8 @@ def test_connector_mutant_is_caught(name: str) -> None:
     cfg, ops = (FULL.with_(num_blocks=9), reserve_trace()) if "reserve" in name else (FULL_SWA, trace_ops())
     if "save" in name:
         ops = save_ops()
+    if "invalid" in name:
+        cfg, ops = FULL, invalid_ops()
 
     def run(factory: object) -> list[Violation]:
         checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]

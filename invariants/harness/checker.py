@@ -40,6 +40,7 @@ from invariants.targets.base import PartialState, Tables, Target, table_changes
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
 from model.config import Config
+from model.connector import failable_blocks
 from model.observation import (
     BlockIds,
     BlockKey,
@@ -463,6 +464,14 @@ def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Load
     if isinstance(op, Loaded):
         if op.rid not in model.held and (req is None or req.load != "loading"):
             raise InvalidOp(f"loaded: {op.rid!r} has no connector load in flight")
+        if op.invalid and (
+            not op.ok or req is None or not set(op.invalid) <= set(failable_blocks(model, req))
+        ):
+            raise InvalidOp(
+                f"loaded: 'invalid' must name blocks of {op.rid!r}'s load in flight, reported ok, that "
+                "cover its computed tokens and no other request holds, in a single-group layout "
+                "(model.connector.failable_blocks)"
+            )
         return
     if isinstance(op, Saved):
         if op.rid not in model.sending:

@@ -67,6 +67,10 @@ CONNECTOR_ROW = "real Scheduler + KV connector: external hits, async loads, dela
 CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fail', deferred frees"
 CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
 CONNECTOR_SAVE_ROW = "real Scheduler + KV connector: saves, frees deferred until finished_sending"
+CONNECTOR_BLOCKS_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group), 'recompute'"
+CONNECTOR_BLOCKS_FAIL_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group), 'fail'"
+# vLLM takes block-level load failures (invalid_block_ids) with one KV cache group only.
+ONE_GROUP = (("full",), ("swa",))
 
 
 def _no_spec(**narrow: object) -> st.SearchStrategy[Config]:
@@ -102,6 +106,8 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     CONNECTOR_FAIL_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="fail"),
     CONNECTOR_CACHING_OFF_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, caching=False),
     CONNECTOR_SAVE_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True),
+    CONNECTOR_BLOCKS_ROW: _no_spec(shapes=ONE_GROUP, connector=True, load_failure="recompute"),
+    CONNECTOR_BLOCKS_FAIL_ROW: _no_spec(shapes=ONE_GROUP, connector=True, load_failure="fail"),
 }
 
 # vLLM's real `AsyncScheduler` driven one step ahead, as the engine core drives it (target
@@ -146,6 +152,11 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: free deferred until the save reports",
         "connector: freed when the save reported",
     ),
+    CONNECTOR_BLOCKS_ROW: ("connector: load failed on some blocks", "connector: valid prefix of a load kept"),
+    CONNECTOR_BLOCKS_FAIL_ROW: (
+        "connector: load failed on some blocks",
+        "connector: failed load ends the request ('fail')",
+    ),
 }
 
 # How the vLLM target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
@@ -189,15 +200,18 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors with a Mamba group, block-level load failures (invalid_block_ids); a save "
-        "deferred while the request's load is in flight",
+        "KV connectors with a Mamba group; failed blocks (invalid_block_ids) of a sync load, or "
+        "held by another request too; a save deferred while the request's load is in flight",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
-        "(both policies), the frees deferred while a load is in flight, and saves (what a finish "
-        "hands the connector, the free deferred until finished_sending), for Full/SWA layouts (the "
-        "connector rows above); vLLM's Mamba managers claim a ring block for external tokens and "
-        "invalid_block_ids is single-group only; kvretain's connector saves no request whose load "
-        "is in flight (vLLM would free its blocks at the first of the two reports); the KV events' "
-        "locality and ownership, which only offloading connectors set, are compared as None",
+        "(both policies), async loads failed on some blocks (one KV cache group: vLLM raises on "
+        "more), the frees deferred while a load is in flight, and saves (what a finish hands the "
+        "connector, the free deferred until finished_sending), for Full/SWA layouts (the connector "
+        "rows above); vLLM's Mamba managers claim a ring block for external tokens; a sync load's "
+        "failed blocks come with the output of the step that ran its chunk and cut every running "
+        "request sharing one (evicted under 'fail'), which the report operation does not carry; "
+        "kvretain's connector saves no request whose load is in flight (vLLM would free its blocks "
+        "at the first of the two reports); the KV events' locality and ownership, which only "
+        "offloading connectors set, are compared as None",
     ),
     (
         "extra hash keys (cache_salt, LoRA name, multimodal features)",

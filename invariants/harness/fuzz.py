@@ -106,9 +106,10 @@ NO_CONNECTOR = (
     "(model.connector; targets model and vllm-scheduler run them)"
 )
 CONNECTOR_NOT_MAMBA = (
-    "KV connectors with a Mamba group or with speculative decoding, block-level load failures "
-    "(model.connector does not state them); a save of a request whose load is in flight is not "
-    "deferred by kvretain's connector (vLLM counts one deferral)"
+    "KV connectors with a Mamba group or with speculative decoding, failed blocks of a sync load "
+    "or of a block another request holds, failed blocks with more than one KV cache group (vLLM "
+    "raises) (model.connector does not state them); a save of a request whose load is in flight "
+    "is not deferred by kvretain's connector (vLLM counts one deferral)"
 )
 
 

@@ -21,7 +21,7 @@ contract the model derives from them):
   already), as a P/D producer connector does for a request it sends.
 - A load's or a save's outcome (`Loaded`, `Saved`) is not the connector's to
   report: it is the worker's `KVConnectorOutput` (`finished_recving`,
-  `failed_recving`, `finished_sending`), which the driver delivers in a
+  `failed_recving`, `invalid_block_ids`, `finished_sending`), which the driver delivers in a
   synthetic `ModelRunnerOutput` (`connector_output`, `sent_output`).
 
 It records what the scheduler asked of it: the loads it was given blocks for
@@ -158,12 +158,15 @@ def transfer_config(failure_policy: Literal["recompute", "fail"] = "recompute") 
     )
 
 
-def connector_output(rid: str, ok: bool) -> Any:
+def connector_output(rid: str, ok: bool, invalid: tuple[int, ...] = ()) -> Any:
     """The worker's report of `rid`'s async load: received, and failed unless `ok`
-    (a failed receive is also a finished one: `KVConnectorTransferResults`)."""
+    (a failed receive is also a finished one: `KVConnectorTransferResults`), or
+    failed on the blocks `invalid` names (`invalid_block_ids`)."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    return KVConnectorOutput(finished_recving={rid}, failed_recving=set() if ok else {rid})
+    return KVConnectorOutput(
+        finished_recving={rid}, failed_recving=set() if ok else {rid}, invalid_block_ids=set(invalid)
+    )
 
 
 def sent_output(rid: str) -> Any:

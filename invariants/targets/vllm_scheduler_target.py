@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from model.config import Config
-from model.observation import Done, Observation, ResetResult, Saving
+from model.observation import Done, LoadCut, Observation, ResetResult, Saving
 from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, ResetPrefixCache, Sample, Save, Saved
 
 from .base import TargetFeatures
@@ -98,8 +98,12 @@ class SchedulerOpDriver(OpDriver):
         if isinstance(op, (Loaded, Saved)):
             from .vllm_connector import connector_output, sent_output
 
-            report = connector_output(op.rid, op.ok) if isinstance(op, Loaded) else sent_output(op.rid)
+            if isinstance(op, Loaded):
+                report = connector_output(op.rid, op.ok, op.invalid)
+            else:
+                report = sent_output(op.rid)
             self.real.report_load(report)
+            req = requests[op.rid]
             # Its free deferred, or ended with an error ('fail' policy): gone from vLLM.
             held = self.held_by_load | self.held_by_save
             if op.rid in held or op.rid not in self.real.sched.requests:
@@ -107,7 +111,8 @@ class SchedulerOpDriver(OpDriver):
                 self.held_by_save.discard(op.rid)
                 requests.pop(op.rid)
                 self.names.forget(op.rid)
-            return Done()
+            # Failed blocks cut the request's computed tokens (`model.connector`).
+            return LoadCut(req.num_computed_tokens) if isinstance(op, Loaded) and op.invalid else Done()
         if isinstance(op, Preempt):
             self.real.preempt(requests[op.rid])
             return Done()
