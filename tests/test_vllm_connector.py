@@ -482,6 +482,21 @@ def test_a_cut_swa_load_reads_its_skipped_window_finding() -> None:
 
 @needs_vllm
 @pytest.mark.vllm
+def test_real_scheduler_saves_a_request_whose_load_reported_unpromoted() -> None:
+    """Its load reported but not yet promoted: vLLM defers no free for the load, the
+    connector defers it for the save (found by the zoo's control)."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = Config(groups=(GroupSpec("swa", 4, sliding_window=7),), num_blocks=11, kv_connector=True)
+    checker = Checker(VllmSchedulerTarget(cfg), audit_every=1)
+    ops: list[Op] = [AddRequest("r4", (2, 1)), Offer("r4", 1, "async"), Step(("r4",), 4), Loaded("r4", True)]
+    ops += [Save("r4"), Finish("r4"), Saved("r4")]
+    assert [v for op in ops for v in checker.step(op)] == [] and checker.audit() == []
+    assert checker.model.exercised["connector: freed when the save reported"] == 1
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_plain_vllm_target_refuses_a_connector() -> None:
     from invariants.targets.vllm_target import VllmTarget
 

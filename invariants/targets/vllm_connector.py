@@ -76,6 +76,8 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         self.finished: list[str] = []
         self.handed: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.saving: set[str] = set()
+        # Finished requests whose free it deferred (until the worker reports them sent).
+        self.deferred: set[str] = set()
         # Async loads given blocks whose report (`update_connector_output`) has not come.
         self.loading: set[str] = set()
 
@@ -113,6 +115,7 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.loading -= set(connector_output.finished_recving or ())
+        self.deferred -= set(connector_output.finished_sending or ())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -123,9 +126,11 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         rid = request.request_id
         self.finished.append(rid)
         self.handed[rid] = tuple(tuple(g) for g in block_ids)
-        saves = rid in self.saving and rid not in self.loading
+        saves = rid in self.saving and rid not in self.loading and any(len(g) for g in block_ids)
         self.saving.discard(rid)
-        return saves and any(len(g) for g in block_ids), None
+        if saves:
+            self.deferred.add(rid)
+        return saves, None
 
     # ------------------------------------------------------------------ worker side
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -125,12 +125,12 @@ class SchedulerOpDriver(OpDriver):
         the request stays, so its table stays observed. A request the connector saves
         shows what it was handed (`Saving`)."""
         req, connector = self.s.requests[rid], self.real.sched.connector
-        loading = req.status == self.s.v["RequestStatus"].WAITING_FOR_REMOTE_KVS
         saves = connector is not None and rid in connector.saving
         self.real.finish(req)
         self.finished = req
         if rid in self.real.sched.requests:
-            (self.held_by_load if loading else self.held_by_save).add(rid)
+            # Deferred by the connector (a save), else by vLLM for the load in flight.
+            (self.held_by_save if rid in connector.deferred else self.held_by_load).add(rid)
         else:
             self.s.requests.pop(rid)
             self.names.forget(rid)
