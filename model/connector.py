@@ -79,8 +79,11 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   "fail": the request ends with an error, freed (after its out-of-window
   blocks on the cut computed tokens) as a finish is.
 
-Not stated (generation avoids them): Mamba groups (vLLM's Mamba managers claim
-a ring block for external tokens), failed blocks of a sync load (reported
+Not stated (generation avoids them): Mamba groups (vLLM 0.33.0's `MambaManager`
+pads external tokens with null blocks but the last state's, one fresh block,
+`allocate_external_computed_blocks`, and counts the admission with its own
+cap, `get_num_blocks_to_allocate`; the model's align layout for external
+tokens is not written yet), failed blocks of a sync load (reported
 with the output of the step that ran its chunk; vLLM also cuts every
 running request sharing a failed block and evicts its hashes under "fail"),
 and failed blocks another request holds.
