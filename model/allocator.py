@@ -74,6 +74,8 @@ from model.ops import (
     Probe,
     ResetPrefixCache,
     Sample,
+    Save,
+    Saved,
     Schedule,
     Step,
 )
@@ -204,6 +206,9 @@ class AllocatorModel(BlockCaching, MambaStates):
         self.requests: dict[str, RequestState] = {}
         # Finished while their load was in flight: their blocks wait for `Loaded` (`model.connector`).
         self.held: set[str] = set()
+        # The connector saves these at their finish; finished, their blocks wait for `Saved`.
+        self.saving: set[str] = set()
+        self.sending: set[str] = set()
         # rid -> tokens of the latest step whose output is undelivered (`model.connector`).
         self.undelivered: dict[str, int] = {}
         self.hybrid = len(config.groups) > 1
@@ -262,14 +267,20 @@ class AllocatorModel(BlockCaching, MambaStates):
         if isinstance(op, Finish):
             if self.in_flight is not None:
                 self.in_flight.forget(op.rid)
-            conn.finish(self, self.requests.pop(op.rid))
-            return Done()
+            return conn.finish(self, self.requests.pop(op.rid))
         if isinstance(op, Offer):
             conn.offer(self.requests[op.rid], op.num_tokens, op.load == "async")
             return Done()
         if isinstance(op, Loaded):
             self.undelivered = {}
-            conn.loaded(self, op.rid, op.ok)
+            return conn.loaded(self, op.rid, op.ok, op.invalid)
+        if isinstance(op, Save):
+            assert op.rid in self.requests, f"saving unknown request {op.rid}"
+            self.saving.add(op.rid)
+            return Done()
+        if isinstance(op, Saved):
+            self.undelivered = {}  # the report comes with the last step's output (`model.connector`)
+            conn.saved(self, op.rid)
             return Done()
         if isinstance(op, Preempt):
             assert self.requests[op.rid].running, f"preempting {op.rid}, which is not running"

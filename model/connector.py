@@ -5,8 +5,8 @@ A KV connector (vLLM `vllm/distributed/kv_transfer/kv_connector/v1/base.py`,
 waiting request's admission lookup, how many tokens past the local
 prefix-cache hit it can load (`get_num_new_matched_tokens`), and whether the
 load is synchronous (done before the step's forward pass) or asynchronous
-(between steps). kvretain states the connector's answer as operations
-(`model.ops.Offer`, `model.ops.Loaded`); this module states what the
+(between steps). kvretain states the connector's answers as operations
+(`model.ops.Offer`, `Loaded`, `Save`, `Saved`); this module states what the
 allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
 `KVCacheManager.allocate_slots` do (`vllm/v1/core/sched/scheduler.py`,
 `vllm/v1/core/kv_cache_manager.py`):
@@ -51,11 +51,42 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   tokens: computed, less those of the latest step when no step or load report
   has delivered its output yet, `Request.num_in_flight_tokens`), then the rest.
 
-Not stated (generation avoids them): Mamba groups (vLLM's Mamba managers claim
-a ring block for external tokens), block-level load failures
-(`invalid_block_ids`, single-group only), and connectors
-that defer a finished request's free to save it (`request_finished` returning
-True).
+- **Saves** (`Save`, `Saved`). A finish hands the connector the request's
+  block ids per group covering its computed tokens, after the out-of-window
+  blocks went (`Scheduler._connector_finished`:
+  `get_block_ids_for_computed_tokens`: an attention group's first
+  `cdiv(computed, block_size)` ids, null padding included); for a request it
+  saves that is the observation (`Saving`). When it saves the request and
+  was handed a block, it defers the free (`request_finished` returns
+  `delay_free_blocks=True`): the blocks stay held, neither free nor
+  evictable, until the worker reports the save (`finished_sending`:
+  `Scheduler._update_from_kv_xfer_finished` -> `_free_blocks`), then are
+  freed as a finish frees them. A request finished while its load is in
+  flight, or ended by a failed load ("fail"), is not saved: the connector
+  does not defer a free vLLM already defers for the load (vLLM would free
+  the blocks at the first of the two reports).
+
+- **Failed blocks** (`Loaded(rid, True, invalid)`, the report's
+  `invalid_block_ids`; a single KV cache group only: vLLM raises on more, as
+  block ids are unique per group only). The async load of `rid` failed on
+  some of its blocks (`failable_blocks`: covering its computed tokens, held
+  by it alone). Its computed tokens are cut to the start of the first failed
+  block among those covering them (`_update_requests_with_invalid_blocks`;
+  the observation, `LoadCut`).
+  "recompute": at promotion a valid prefix is cached and the request takes
+  its next chunk from there with the blocks it holds; an empty one is freed
+  and re-admitted, as a failed load (`_update_waiting_for_remote_kv`).
+  "fail": the request ends with an error, freed (after its out-of-window
+  blocks on the cut computed tokens) as a finish is.
+
+Not stated (generation avoids them): Mamba groups (vLLM 0.33.0's `MambaManager`
+pads external tokens with null blocks but the last state's, one fresh block,
+`allocate_external_computed_blocks`, and counts the admission with its own
+cap, `get_num_blocks_to_allocate`; the model's align layout for external
+tokens is not written yet), failed blocks of a sync load (reported
+with the output of the step that ran its chunk; vLLM also cuts every
+running request sharing a failed block and evicts its hashes under "fail"),
+and failed blocks another request holds.
 """
 
 from __future__ import annotations
@@ -64,7 +95,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from model.masks import cdiv
-from model.observation import ScheduleResult
+from model.observation import BlockIds, Done, LoadCut, Saving, ScheduleResult
 
 if TYPE_CHECKING:
     from model.allocator import AllocatorModel, GroupState, RequestState
@@ -161,39 +192,88 @@ def settle_prefill(m: AllocatorModel, rids: list[str]) -> None:
             req.prefilling = False
 
 
-def finish(m: AllocatorModel, req: RequestState) -> None:
+def finish(m: AllocatorModel, req: RequestState) -> Done | Saving:
     """Free a finished request (`model.connector`: with a connector the blocks out of
-    the windows of its processed tokens go first, and a load in flight keeps the rest
-    until it reports)."""
+    the windows of its processed tokens go first; a load in flight keeps the rest
+    until it reports, a save until it reports)."""
     if m.cfg.kv_connector:
         processed = max(req.num_computed - m.undelivered.get(req.rid, 0), 0)
         for g in m.groups:
             if g.tables.get(req.rid):
                 m._remove_skipped(g, req.rid, processed)
+    saves = req.rid in m.saving
+    m.saving.discard(req.rid)
+    seen: Done | Saving = Saving(handed_blocks(m, req)) if saves else Done()
     if req.load == LOADING:
         m.held.add(req.rid)
         m.exercised["connector: free deferred until the load reports"] += 1
-        return
-    m._free(req.rid)
+    elif isinstance(seen, Saving) and any(seen.block_ids):
+        m.sending.add(req.rid)
+        m.exercised["connector: free deferred until the save reports"] += 1
+    else:
+        m._free(req.rid)
+    return seen
 
 
-def loaded(m: AllocatorModel, rid: str, ok: bool) -> None:
-    """The async load of `rid` reported; a finished request's deferred free happens now."""
+def handed_blocks(m: AllocatorModel, req: RequestState) -> tuple[BlockIds, ...]:
+    """The block ids a finish hands the connector: per group those covering the
+    computed tokens (a Mamba group's whole table: vLLM clips attention groups only)."""
+    return tuple(
+        tuple(t if g.spec.kind == "mamba" else t[: cdiv(req.num_computed, g.bs)])
+        for g in m.groups
+        for t in [g.tables.get(req.rid, [])]
+    )
+
+
+def saved(m: AllocatorModel, rid: str) -> None:
+    """The save of finished request `rid` reported: its blocks are freed now."""
+    assert rid in m.sending, f"{rid} has no save pending"
+    m.sending.discard(rid)
+    m._free(rid)
+    m.exercised["connector: freed when the save reported"] += 1
+
+
+def loaded(m: AllocatorModel, rid: str, ok: bool, invalid: tuple[int, ...] = ()) -> Done | LoadCut:
+    """The async load of `rid` reported, failed on the blocks `invalid` names (if
+    any: seen as the cut, `LoadCut`); a finished request's deferred free happens now."""
     if rid in m.held:
         m.held.discard(rid)
         m._free(rid)
-        return
+        return Done()
     req = m.requests[rid]
     assert req.load == LOADING, f"{rid} has no load in flight"
-    if not ok and m.cfg.kv_load_failure_policy == "fail":
-        # The request ends with an error; its load has reported, so nothing waits.
+    if invalid:
+        # Cut at the first failed block (`Scheduler._update_requests_with_invalid_blocks`).
+        g = m.groups[0]
+        covered = g.tables[rid][: cdiv(req.num_computed, g.bs)]
+        req.num_computed = next(i for i, b in enumerate(covered) if b in invalid) * g.bs
+        m.exercised["connector: load failed on some blocks"] += 1
+    seen: Done | LoadCut = LoadCut(req.num_computed) if invalid else Done()
+    if (not ok or invalid) and m.cfg.kv_load_failure_policy == "fail":
+        # The request ends with an error; its load has reported, so nothing waits,
+        # and the connector, whose load is still in flight when vLLM ends it, saves nothing.
         req.load = ""
+        m.saving.discard(rid)
         finish(m, m.requests.pop(rid))
         m.exercised["connector: failed load ends the request ('fail')"] += 1
-        return
-    req.load = LOADED if ok else FAILED
+        return seen
     if not ok:
         req.num_computed = 0  # nothing loaded counts (`Scheduler._handle_failed_recving`)
+    req.load = LOADED if req.num_computed else FAILED
+    if invalid and req.num_computed:
+        m.exercised["connector: valid prefix of a load kept"] += 1
+    return seen
+
+
+def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
+    """The blocks a report of `req`'s async load may name as failed (`Loaded.invalid`):
+    with a single KV cache group (vLLM refuses block-level failures with more: block ids
+    are unique per group only), the non-null blocks covering its computed tokens that no
+    other request holds (vLLM would cut every request holding one)."""
+    if len(m.groups) != 1 or req.load != LOADING:
+        return []
+    g = m.groups[0]
+    return [b for b in g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)] if b and m.pool.ref[b] == 1]
 
 
 def waiting_pass(

@@ -203,7 +203,24 @@ class Done:
     """Operations with no return value (add, finish, preempt, evict)."""
 
 
-Observation = Union[ScheduleResult, StepResult, ProbeResult, ResetResult, Done]
+@dataclass(frozen=True)
+class Saving:
+    """A `Finish` of a request the KV connector saves (`model.ops.Save`): the block
+    ids per group it was handed to save (`request_finished_all_groups`), null
+    padding included (`model.connector`)."""
+
+    block_ids: tuple[BlockIds, ...]
+
+
+@dataclass(frozen=True)
+class LoadCut:
+    """A `Loaded` naming failed blocks (`model.ops.Loaded.invalid`): the request's
+    computed tokens once cut at its first failed block (`model.connector`)."""
+
+    num_computed: int
+
+
+Observation = Union[ScheduleResult, StepResult, ProbeResult, ResetResult, Done, Saving, LoadCut]
 
 
 @dataclass(frozen=True)

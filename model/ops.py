@@ -38,8 +38,11 @@ Contract of each operation (see `docs/semantics.md` for the full text):
 - `Offer(rid, num_tokens, load)`: a KV connector holds the first `num_tokens`
   tokens of waiting request `rid` and offers them at its next admission,
   loading "sync" (in the admitting step) or "async" (the request waits for
-  `Loaded`). `Loaded(rid, ok)`: that async load reports, `ok` or failed.
-  Their contract is `model.connector`.
+  `Loaded`). `Loaded(rid, ok, invalid=())`: that async load reports, `ok` or
+  failed, or ok but for the blocks `invalid` names.
+  `Save(rid)`: the connector will save `rid`'s KV when it finishes (its
+  `request_finished` defers the free); `Saved(rid)`: that save reports done
+  (the worker's `finished_sending`). Their contract is `model.connector`.
 """
 
 from __future__ import annotations
@@ -112,10 +115,34 @@ class Offer:
 class Loaded:
     rid: str
     ok: bool
+    # Blocks the load failed on (vLLM `invalid_block_ids`); empty: none (left out of JSON).
+    invalid: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Save:
+    rid: str
+
+
+@dataclass(frozen=True)
+class Saved:
+    rid: str
 
 
 Op = Union[
-    AddRequest, Schedule, Step, Sample, Finish, Preempt, Probe, ResetPrefixCache, EvictBlocks, Offer, Loaded
+    AddRequest,
+    Schedule,
+    Step,
+    Sample,
+    Finish,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    EvictBlocks,
+    Offer,
+    Loaded,
+    Save,
+    Saved,
 ]
 
 # How a connector's offered tokens are loaded (`Offer.load`).
@@ -133,6 +160,8 @@ OP_TYPES: dict[str, type] = {
     "evict": EvictBlocks,
     "offer": Offer,
     "loaded": Loaded,
+    "save": Save,
+    "saved": Saved,
 }
 _OP_NAMES = {cls: name for name, cls in OP_TYPES.items()}
 
@@ -169,7 +198,7 @@ def op_from_json(data: Any) -> Op:
         raise ValueError(
             f"operation {name!r} needs fields {sorted(required)}{optional}, got {sorted(fields)}"
         )
-    for key in ("prompt", "tokens", "block_ids", "drafts"):
+    for key in ("prompt", "tokens", "block_ids", "drafts", "invalid"):
         if key in fields:
             value = fields[key]
             if not isinstance(value, list) or not all(

@@ -47,6 +47,8 @@ FINDINGS = {fid: f for fid, f in ALL_FINDINGS.items() if "*" in f.versions or MO
 NOT_EXPORTED = {
     "vllm-blockstored-token-range-dense": "its matrix trace records no violation line to export yet; "
     "the masked variant (vllm-blockstored-token-range) is exported",
+    "swa-load-cut-reads-skipped-window": "a KV connector trace (Offer, Loaded with failed blocks): the "
+    "exporter writes no connector yet; `kvretain replay` replays it on vllm",
 }
 FINDINGS = {fid: f for fid, f in FINDINGS.items() if fid not in NOT_EXPORTED}
 _counter = itertools.count()

@@ -3,7 +3,9 @@ connector in vLLM's real `Scheduler` ("vllm" with `Config.kv_connector`).
 
 Model tests need no vLLM: what an external hit allocates, when an async load's
 blocks are cached, what a failed load rolls back, when a finish's free is
-deferred, the offer/loaded JSON round trip and bad input. The vLLM tests drive
+deferred (a load in flight, a save), what a save is handed, where a load
+failed on some blocks is cut, the connector operations' JSON round trip and
+bad input. The vLLM tests drive
 scripted traces against the model (every observation and snapshot must agree),
 check the connector is vLLM's own registered kind and records what it was asked,
 and run the zoo's connector mutants as negative controls (each caught on a
@@ -20,9 +22,22 @@ from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, ConfigError, GroupSpec
-from model.connector import external_tokens, remaining_blocks
-from model.observation import ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Probe, Sample, Step, op_from_json, op_to_json
+from model.connector import external_tokens, failable_blocks, remaining_blocks
+from model.observation import Done, LoadCut, Saving, ScheduleResult, StepResult
+from model.ops import (
+    AddRequest,
+    Finish,
+    Loaded,
+    Offer,
+    Op,
+    Probe,
+    Sample,
+    Save,
+    Saved,
+    Step,
+    op_from_json,
+    op_to_json,
+)
 
 FULL_SWA = Config(
     groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)),
@@ -118,9 +133,126 @@ def test_finish_during_a_load_defers_the_free_until_it_reports() -> None:
     assert m.apply(Probe(PROMPT)).hit == 0  # type: ignore[union-attr]  # never cached
 
 
+def save_ops() -> list[Op]:
+    """A saved request decoding past its prompt's last block (7 prompt tokens, 9
+    computed: 3 blocks of 4), finished; another request admitted while the save is
+    pending; the save reports; a save of a request that never ran (no block)."""
+    return [
+        AddRequest("s0", tuple(range(200, 207))),
+        Save("s0"),
+        Step(("s0",), 64),
+        Sample("s0", 1),
+        Step(("s0",), 64),
+        Sample("s0", 2),
+        Step(("s0",), 64),
+        Finish("s0"),
+        AddRequest("s1", PROMPT),
+        Step(("s1",), 64),
+        Saved("s0"),
+        AddRequest("s2", PROMPT),
+        Save("s2"),
+        Finish("s2"),
+        Sample("s1", 3),
+        Save("s1"),
+        Finish("s1"),
+        Probe(PROMPT),
+        Saved("s1"),
+        Probe(PROMPT),
+    ]
+
+
+def test_a_save_defers_the_free_until_it_reports() -> None:
+    m = AllocatorModel(FULL)
+    obs = {i: m.apply(op) for i, op in enumerate(save_ops()[:8])}
+    table = m.snapshot().tables["s0"][0]
+    # Handed the blocks of its 9 computed tokens (past the prompt's 2 blocks), held until `Saved`.
+    assert obs[7] == Saving((table,)) and len(table) == 3 and m.sending == {"s0"}
+    assert not set(table) & set(m.snapshot().free_queue)
+    m.apply(save_ops()[8])
+    m.apply(save_ops()[9])  # s1's admission takes no block s0 still holds
+    assert not set(table) & set(m.snapshot().tables["s1"][0])
+    m.apply(Saved("s0"))
+    assert "s0" not in m.snapshot().tables and not m.sending
+    assert set(table) <= set(m.snapshot().free_queue)
+    # A request handed no block is not deferred; the observation still says what it was handed.
+    m.apply(AddRequest("s2", PROMPT))
+    m.apply(Save("s2"))
+    assert m.apply(Finish("s2")) == Saving(((),)) and not m.sending
+    assert m.exercised["connector: freed when the save reported"] == 1
+
+
+def test_a_save_is_not_deferred_while_a_load_is_in_flight() -> None:
+    for policy in ("recompute", "fail"):
+        m = AllocatorModel(FULL.with_(kv_load_failure_policy=policy))  # type: ignore[arg-type]
+        for op in (AddRequest("r0", PROMPT), Save("r0"), Offer("r0", 13, "async"), Step(("r0",), 64)):
+            m.apply(op)
+        if policy == "recompute":
+            assert isinstance(m.apply(Finish("r0")), Saving) and m.held == {"r0"}
+        m.apply(Loaded("r0", False))
+        assert not m.sending and not m.held and not m.saving and "r0" not in m.snapshot().tables
+
+
+def invalid_ops() -> list[Op]:
+    """Two async loads failing on some blocks (Full4, one group): r1 (hit 12 on blocks
+    1-3, 3 external tokens in block 4) fails on block 3, cut to 8 with a valid prefix;
+    r2 (12 external tokens in blocks 5-7) on block 5, cut to 0; both then promoted."""
+    return [
+        AddRequest("r0", PROMPT),
+        Step(("r0",), 64),
+        Sample("r0", 5),
+        Finish("r0"),
+        AddRequest("r1", PROMPT + (7, 7, 7)),
+        Offer("r1", 16, "async"),
+        Step(("r1",), 64),
+        AddRequest("r2", tuple(range(30, 45))),
+        Offer("r2", 12, "async"),
+        Step(("r2",), 64),
+        Loaded("r1", True, (3,)),
+        Loaded("r2", True, (5,)),
+        Step(("r1", "r2"), 64),
+        Probe(PROMPT + (7, 7, 7)),
+    ]
+
+
+def test_a_load_failed_on_some_blocks_is_cut_at_the_first() -> None:
+    m = AllocatorModel(FULL)
+    obs = [m.apply(op) for op in invalid_ops()[:10]]
+    assert failable_blocks(m, m.requests["r1"]) == [1, 2, 3, 4] and failable_blocks(m, m.requests["r2"]) == [
+        5,
+        6,
+        7,
+    ]
+    assert m.apply(Loaded("r1", True, (3,))) == LoadCut(8)
+    assert m.apply(Loaded("r2", True, (5,))) == LoadCut(0)
+    step = m.apply(Step(("r1", "r2"), 64))
+    # r1 resumes at 8 with the blocks it holds (the valid prefix cached); r2 is re-admitted afresh.
+    assert (own(step, "r1").scheduled, own(step, "r1").hit, own(step, "r1").new_blocks) == (8, None, ((),))
+    assert (own(step, "r2").admitted, own(step, "r2").hit, own(step, "r2").external) == (True, 0, 0)
+    assert m.exercised["connector: valid prefix of a load kept"] == 1 and obs[3] == Done()
+    # "fail": the cut request ends with an error, freed.
+    f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    for op in invalid_ops()[:10]:
+        f.apply(op)
+    assert f.apply(Loaded("r1", True, (4,))) == LoadCut(12) and "r1" not in f.snapshot().tables
+    # Two groups: block ids are unique per group only, vLLM refuses; none may be named.
+    two = AllocatorModel(FULL_SWA)
+    for op in invalid_ops()[:7]:
+        two.apply(op)
+    assert failable_blocks(two, two.requests["r1"]) == []
+
+
 def test_connector_ops_round_trip_and_bad_input() -> None:
-    for op in (Offer("r0", 5, "async"), Loaded("r1", False)):
+    for op in (
+        Offer("r0", 5, "async"),
+        Loaded("r1", False),
+        Save("r2"),
+        Saved("r3"),
+        Loaded("r4", True, (2, 3)),
+    ):
         assert op_from_json(op_to_json(op)) == op
+    assert "invalid" not in op_to_json(Loaded("r1", True))
+    with pytest.raises(ValueError, match="'invalid'"):
+        op_from_json({"op": "loaded", "rid": "r0", "ok": True, "invalid": [1, "x"]})
     with pytest.raises(ValueError, match="'load'"):
         op_from_json({"op": "offer", "rid": "r0", "num_tokens": 3, "load": "later"})
     with pytest.raises(ValueError, match="'num_tokens'"):
@@ -147,6 +279,23 @@ def test_checker_refuses_connector_ops_it_cannot_judge() -> None:
     c.step(AddRequest("r0", PROMPT))
     with pytest.raises(InvalidOp, match="no connector load"):
         c.step(Loaded("r0", True))
+    with pytest.raises(InvalidOp, match="no connector save"):
+        c.step(Saved("r0"))
+    with pytest.raises(InvalidOp, match="unknown request"):
+        c.step(Save("r9"))
+    assert c.step(Save("r0")) == [] and c.step(Finish("r0")) == []
+    assert c.last_obs == Saving(((),))  # never ran: handed no block, not deferred
+    c = Checker(ModelTarget(FULL))
+    for op in invalid_ops()[:7]:
+        c.step(op)
+    for bad in (Loaded("r1", False, (3,)), Loaded("r1", True, (9,))):
+        with pytest.raises(InvalidOp, match="'invalid'"):
+            c.step(bad)
+    c = Checker(ModelTarget(FULL_SWA))
+    for op in invalid_ops()[:7]:
+        c.step(op)
+    with pytest.raises(InvalidOp, match="single-group"):
+        c.step(Loaded("r1", True, (3,)))
 
 
 def test_targets_without_a_connector_refuse_one() -> None:
@@ -264,6 +413,88 @@ def test_connector_is_registered_and_records_what_it_was_asked() -> None:
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.parametrize(
+    "cfg", [FULL_SWA, FULL, FULL_SWA.with_(enable_caching=False, num_blocks=40)], ids=["swa", "full", "off"]
+)
+def test_real_scheduler_agrees_on_saves(cfg: Config) -> None:
+    from invariants.harness.known_findings import is_known_violation
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    target = VllmSchedulerTarget(cfg)
+    checker = Checker(target, audit_every=1)
+    seen = []
+    for op in save_ops():
+        assert [v for v in checker.step(op) if not is_known_violation("vllm", v)] == []
+        seen.append(checker.last_obs)
+    assert checker.audit() == []
+    # vLLM's request_finished_all_groups got what the model says it was handed.
+    connector = target.vllm_scheduler.connector
+    assert Saving(connector.handed["s0"]) == seen[7] and len(connector.handed["s0"][0]) == 3
+    assert "s0" not in target.vllm_scheduler.requests and not connector.saving
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_real_scheduler_agrees_on_loads_failed_on_some_blocks(policy: str, caching: bool) -> None:
+    from invariants.harness.known_findings import is_known_violation
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = FULL.with_(kv_load_failure_policy=policy, enable_caching=caching)  # type: ignore[arg-type]
+    checker = Checker(VllmSchedulerTarget(cfg), audit_every=1)
+    found = []
+    for op in invalid_ops():
+        if isinstance(op, Loaded):  # the same cuts whatever the ids (caching off: no hit)
+            blocks = failable_blocks(checker.model, checker.model.requests[op.rid])
+            op = Loaded(op.rid, True, (blocks[2 if op.rid == "r1" else 0],))
+        if isinstance(op, Step) and op.rids == ("r1", "r2") and policy == "fail":
+            continue  # both ended
+        found += [v for v in checker.step(op) if not is_known_violation("vllm", v)]
+    assert found == [] and checker.audit() == []
+    cuts = [o for o in checker.model.exercised if "some blocks" in o]
+    assert cuts == ["connector: load failed on some blocks"]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_a_cut_swa_load_reads_its_skipped_window_finding() -> None:
+    """The finding swa-load-cut-reads-skipped-window: vLLM and the model agree on the cut,
+    and step_blocks_stay_held flags the resumed request's window on both; its claim is
+    narrow (a null block inside the computed range is not it)."""
+    from invariants.harness.known_findings import explain, load_known_findings
+    from invariants.harness.replay import replay
+
+    finding = next(f for f in load_known_findings() if f.id == "swa-load-cut-reads-skipped-window")
+    for target in ("vllm", "model"):
+        result = replay(finding.trace, target)
+        assert [v.check for _, v in result.known if explain(target, v) is finding] == [
+            "step_blocks_stay_held"
+        ]
+    cfg, step = finding.trace.config, finding.trace.ops[-1]
+    message = "r1 computes tokens [4, 8) but group 0 block index {} is the null block after the step"
+    assert finding.claims("step_blocks_stay_held", message.format(0), cfg, step)
+    assert not finding.claims("step_blocks_stay_held", message.format(1), cfg, step)
+    assert not finding.claims("step_blocks_stay_held", message.format(0), cfg.with_(kv_connector=False), step)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_real_scheduler_saves_a_request_whose_load_reported_unpromoted() -> None:
+    """Its load reported but not yet promoted: vLLM defers no free for the load, the
+    connector defers it for the save (found by the zoo's control)."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = Config(groups=(GroupSpec("swa", 4, sliding_window=7),), num_blocks=11, kv_connector=True)
+    checker = Checker(VllmSchedulerTarget(cfg), audit_every=1)
+    ops: list[Op] = [AddRequest("r4", (2, 1)), Offer("r4", 1, "async"), Step(("r4",), 4), Loaded("r4", True)]
+    ops += [Save("r4"), Finish("r4"), Saved("r4")]
+    assert [v for op in ops for v in checker.step(op)] == [] and checker.audit() == []
+    assert checker.model.exercised["connector: freed when the save reported"] == 1
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_plain_vllm_target_refuses_a_connector() -> None:
     from invariants.targets.vllm_target import VllmManagerTarget
 
@@ -276,6 +507,10 @@ CONNECTOR_MUTANTS = (
     "failed_load_keeps_computed_tokens",
     "loading_request_freed_at_finish",
     "async_load_ignores_in_flight_reserve",
+    "save_free_not_deferred",
+    "saved_blocks_cover_prompt_only",
+    "invalid_block_cut_keeps_failed_block",
+    "invalid_blocks_policy_inverted",
 )
 
 
@@ -323,6 +558,10 @@ def test_connector_mutant_is_caught(name: str) -> None:
     from invariants.zoo.mutants_scheduler import activate
 
     cfg, ops = (FULL.with_(num_blocks=9), reserve_trace()) if "reserve" in name else (FULL_SWA, trace_ops())
+    if "save" in name:
+        ops = save_ops()
+    if "invalid" in name:
+        cfg, ops = FULL, invalid_ops()
 
     def run(factory: object) -> list[Violation]:
         checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]

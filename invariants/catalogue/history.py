@@ -11,6 +11,7 @@ from model.observation import (
     BlockRemoved,
     BlockStored,
     Event,
+    LoadCut,
     Observation,
     ScheduleResult,
     Snapshot,
@@ -135,11 +136,12 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
         r.drafts, r.verifying = (), ()
     elif isinstance(op, Offer):
         history.requests[op.rid].offered = op.num_tokens
-    elif isinstance(op, Loaded) and not op.ok and op.rid in history.requests:
+    elif isinstance(op, Loaded) and (not op.ok or op.invalid) and op.rid in history.requests:
         if history.failed_load_ends:
             history.requests.pop(op.rid)  # ended with an error (`model.connector`)
         else:
-            history.requests[op.rid].num_computed = 0  # a failed connector load keeps nothing
+            # A failed connector load keeps nothing; one failed on some blocks, what its cut says.
+            history.requests[op.rid].num_computed = obs.num_computed if isinstance(obs, LoadCut) else 0
     elif isinstance(op, Finish):
         r = history.requests.pop(op.rid)
         history.finished[op.rid] = r

@@ -40,6 +40,7 @@ from invariants.targets.base import PartialState, Tables, Target, table_changes
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
 from model.config import Config
+from model.connector import failable_blocks
 from model.observation import (
     BlockIds,
     BlockKey,
@@ -60,6 +61,8 @@ from model.ops import (
     Probe,
     ResetPrefixCache,
     Sample,
+    Save,
+    Saved,
     Schedule,
     Step,
 )
@@ -179,7 +182,7 @@ class Checker:
             self._validate_sample(op)
         elif isinstance(op, Preempt) and not reqs[op.rid].running:
             raise InvalidOp(f"preempt: {op.rid!r} is not running")
-        elif isinstance(op, (Offer, Loaded)):
+        elif isinstance(op, (Offer, Loaded, Save, Saved)):
             connector_op_problem(self.model, self.config, op)
         elif isinstance(op, Probe) and not op.tokens:
             raise InvalidOp("probe: empty token list")
@@ -450,20 +453,31 @@ def _short(value: object, limit: int = 300) -> str:
 __all__ = ["DEFAULT_AUDIT_EVERY", "Checker", "InvalidOp", "ScheduleResult", "Violation"]
 
 
-def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Loaded) -> None:
+def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Loaded | Save | Saved) -> None:
     """Raise `InvalidOp` for a connector operation `model.connector` does not state here."""
     name = type(op).__name__.lower()
     if not config.kv_connector:
         raise InvalidOp(f"{name}: the configuration has no KV connector (kv_connector: false)")
     if config.has_mamba:
         raise InvalidOp(f"{name}: the connector contract does not state Mamba groups (model.connector)")
+    req = model.requests.get(op.rid)
     if isinstance(op, Loaded):
-        req = model.requests.get(op.rid)
         if op.rid not in model.held and (req is None or req.load != "loading"):
             raise InvalidOp(f"loaded: {op.rid!r} has no connector load in flight")
+        if op.invalid and (
+            not op.ok or req is None or not set(op.invalid) <= set(failable_blocks(model, req))
+        ):
+            raise InvalidOp(
+                f"loaded: 'invalid' must name blocks of {op.rid!r}'s load in flight, reported ok, that "
+                "cover its computed tokens and no other request holds, in a single-group layout "
+                "(model.connector.failable_blocks)"
+            )
         return
-    req = model.requests.get(op.rid)
+    if isinstance(op, Saved):
+        if op.rid not in model.sending:
+            raise InvalidOp(f"saved: {op.rid!r} has no connector save pending")
+        return
     if req is None:
-        raise InvalidOp(f"offer: unknown request {op.rid!r}")
-    if req.running or req.load or req.num_computed:
+        raise InvalidOp(f"{name}: unknown request {op.rid!r}")
+    if isinstance(op, Offer) and (req.running or req.load or req.num_computed):
         raise InvalidOp(f"offer: {op.rid!r} is not waiting for admission")

@@ -61,6 +61,8 @@ CONDITIONS: dict[str, tuple[Condition, str]] = {
         lambda c: any(bs > c.hash_block_size for bs in _mamba_align(c)),
         "an align-mode Mamba block wider than the hash block (fine-grained hits)",
     ),
+    "kv_connector": (lambda c: c.kv_connector, "a KV connector"),
+    "one_group": (lambda c: len(c.groups) == 1, "a single KV cache group"),
     "retention_dense": (lambda c: c.effective_retention is None, "dense retention (interval None)"),
     "retention_sparse": (lambda c: c.effective_retention is not None, "sparse retention (interval 0 or k)"),
     "retention_interval": (
@@ -132,11 +134,24 @@ def _full_group_short_of_hit(g: Mapping[str, str], cfg: Config) -> bool:
     return blocks * cfg.groups[group].block_size < hit
 
 
+def _window_reaches_null_before_cut(g: Mapping[str, str], cfg: Config) -> bool:
+    """A computation resumed at `start` (a load cut at a failed block) in an SWA
+    group whose window reaches back into a null block: one wholly before the
+    computed range and inside the window of its first token."""
+    group, start, index = _int(g, "group"), _int(g, "start"), _int(g, "index")
+    if not 0 <= group < len(cfg.groups) or cfg.groups[group].kind != "swa":
+        return False
+    spec = cfg.groups[group]
+    end_of_block = (index + 1) * spec.block_size
+    return start - (spec.sliding_window or 0) + 1 < end_of_block <= start
+
+
 SHAPES: dict[str, tuple[Shape, tuple[str, ...]]] = {
     "token_ids_span_skipped_blocks": (_token_ids_span_skipped_blocks, ("group", "hashes", "bs", "tokens")),
     "one_aligned_segment_lost": (_one_aligned_segment_lost, ("hit", "promised")),
     "aligned_resend_hits_zero": (_aligned_resend_hits_zero, ("hit", "promised")),
     "full_group_short_of_hit": (_full_group_short_of_hit, ("group", "blocks", "hit")),
+    "window_reaches_null_before_cut": (_window_reaches_null_before_cut, ("group", "start", "index")),
 }
 
 

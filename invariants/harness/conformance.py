@@ -66,6 +66,11 @@ SCHEDULER_MAMBA_SPEC_ROW = "real Scheduler: drafts with a Mamba group (its draft
 CONNECTOR_ROW = "real Scheduler + KV connector: external hits, async loads, delayed caching, failed loads"
 CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fail', deferred frees"
 CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
+CONNECTOR_SAVE_ROW = "real Scheduler + KV connector: saves, frees deferred until finished_sending"
+CONNECTOR_BLOCKS_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group), 'recompute'"
+CONNECTOR_BLOCKS_FAIL_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group), 'fail'"
+# vLLM takes block-level load failures (invalid_block_ids) with one KV cache group only.
+ONE_GROUP = (("full",), ("swa",))
 
 
 def _no_spec(**narrow: object) -> st.SearchStrategy[Config]:
@@ -100,6 +105,9 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     CONNECTOR_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="recompute"),
     CONNECTOR_FAIL_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="fail"),
     CONNECTOR_CACHING_OFF_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, caching=False),
+    CONNECTOR_SAVE_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True),
+    CONNECTOR_BLOCKS_ROW: _no_spec(shapes=ONE_GROUP, connector=True, load_failure="recompute"),
+    CONNECTOR_BLOCKS_FAIL_ROW: _no_spec(shapes=ONE_GROUP, connector=True, load_failure="fail"),
 }
 
 # vLLM's real `AsyncScheduler` driven one step ahead, as the engine core drives it (target
@@ -150,6 +158,15 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: sync external hit admitted",
         "connector: async external hit admitted",
     ),
+    CONNECTOR_SAVE_ROW: (
+        "connector: free deferred until the save reports",
+        "connector: freed when the save reported",
+    ),
+    CONNECTOR_BLOCKS_ROW: ("connector: load failed on some blocks", "connector: valid prefix of a load kept"),
+    CONNECTOR_BLOCKS_FAIL_ROW: (
+        "connector: load failed on some blocks",
+        "connector: failed load ends the request ('fail')",
+    ),
 }
 
 # How the vLLM target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
@@ -197,12 +214,18 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors with a Mamba group, block-level load failures (invalid_block_ids), connectors "
-        "that defer a finished request's free to save it",
+        "KV connectors with a Mamba group; failed blocks (invalid_block_ids) of a sync load, or "
+        "held by another request too; a save deferred while the request's load is in flight",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
-        "(both policies) and the frees deferred while a load is in flight, for Full/SWA layouts (the "
-        "connector rows above); vLLM's Mamba managers claim a ring block for external tokens and "
-        "invalid_block_ids is single-group only; the KV events' locality and ownership, which only "
+        "(both policies), async loads failed on some blocks (one KV cache group: vLLM raises on "
+        "more), the frees deferred while a load is in flight, and saves (what a finish hands the "
+        "connector, the free deferred until finished_sending), for Full/SWA layouts (the connector "
+        "rows above); vLLM's MambaManager lays external tokens out as null blocks and one state "
+        "block, counted with its own cap, which model.connector does not state yet; a sync load's "
+        "failed blocks come with the output of the step that ran its chunk and cut every running "
+        "request sharing one (evicted under 'fail'), which the report operation does not carry; "
+        "kvretain's connector saves no request whose load is in flight (vLLM would free its blocks "
+        "at the first of the two reports); the KV events' locality and ownership, which only "
         "offloading connectors set, are compared as None",
     ),
     (

@@ -96,12 +96,14 @@ NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER = (
 
 
 NO_CONNECTOR = (
-    "KV connectors (offers, async loads, failed loads, deferred frees): the target cannot attach one "
+    "KV connectors (offers, async loads, failed loads, saves, deferred frees): the target cannot attach one "
     "(model.connector; targets model and vllm run them)"
 )
 CONNECTOR_NOT_MAMBA = (
-    "KV connectors with a Mamba group or with speculative decoding, block-level load failures, "
-    "saving connectors that defer frees (model.connector does not state them)"
+    "KV connectors with a Mamba group or with speculative decoding, failed blocks of a sync load "
+    "or of a block another request holds, failed blocks with more than one KV cache group (vLLM "
+    "raises) (model.connector does not state them); a save of a request whose load is in flight "
+    "is not deferred by kvretain's connector (vLLM counts one deferral)"
 )
 
 

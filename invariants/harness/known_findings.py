@@ -409,7 +409,9 @@ def recheck_known_findings(available: set[str]) -> list[tuple[str, str, bool]]:
                 and target_version(target) not in f.versions
             ):
                 continue  # another release's finding: the release matrix replays it there
-            result = replay(f.trace, target)
-            hit = any(explain(target, v) is f for _, v in result.known)
+            # A trace recorded through a real scheduler replays there (its allocator is `target`'s).
+            via = f.trace.target if f.trace.target and _allocator_of(f.trace.target) == target else target
+            result = replay(f.trace, via)
+            hit = any(explain(via, v) is f for _, v in result.known)
             out.append((f.id, target, hit))
     return out

@@ -25,6 +25,7 @@ from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
 from invariants.harness.known_findings import KnownLedger
 from invariants.targets.base import Target
 from model.config import Config
+from model.connector import failable_blocks
 from model.fine_mamba import fine_hits_enabled
 from model.observation import BlockIds, ScheduleResult, StepResult
 from model.ops import (
@@ -39,6 +40,8 @@ from model.ops import (
     Probe,
     ResetPrefixCache,
     Sample,
+    Save,
+    Saved,
     Schedule,
     Step,
 )
@@ -421,7 +424,7 @@ class ConnectorMachine(AllocatorMachine):
     """`AllocatorMachine` plus a KV connector's operations (`model.connector`), drawn
     where the configuration has one (`Config.kv_connector`): an offer for a request
     waiting for admission, or the report of an async load in flight (ok, or failed
-    one time in three). A separate class, so runs without a connector draw exactly
+    one time in three); a save at a request's finish, or its report. A separate class, so runs without a connector draw exactly
     as before."""
 
     def _connector_choices(self) -> tuple[list[str], list[str]]:
@@ -440,7 +443,9 @@ class ConnectorMachine(AllocatorMachine):
         offerable, loading = self._connector_choices()
         if loading and (not offerable or data.draw(st.booleans(), label="report a load?")):
             rid = data.draw(st.sampled_from(loading), label="rid")
-            self._do(Loaded(rid, data.draw(st.sampled_from([True, True, False]), label="load ok?")))
+            ok = data.draw(st.sampled_from([True, True, False]), label="load ok?")
+            invalid = () if ok else self._failed_blocks(data, rid)
+            self._do(Loaded(rid, ok or bool(invalid), invalid))
             return
         rid = data.draw(st.sampled_from(offerable), label="rid")
         assert self.checker is not None
@@ -454,12 +459,50 @@ class ConnectorMachine(AllocatorMachine):
         self._do(Step((rid,), 64))
         if rid not in model.requests or model.requests[rid].load != "loading":  # type: ignore[attr-defined]
             return
-        outcome = data.draw(st.sampled_from(["ok", "failed", "finished first"]), label="load outcome")
+        # One group: a failure may name blocks (`_failed_blocks`), so failures come twice as often.
+        outcomes = ["ok", "failed", "finished first"] + ["failed"] * (len(self.cfg.groups) == 1)
+        outcome = data.draw(st.sampled_from(outcomes), label="load outcome")
         if outcome == "finished first":  # its free waits for the report
             self._do(Finish(rid))
-        self._do(Loaded(rid, outcome != "failed"))
+        invalid = self._failed_blocks(data, rid) if outcome == "failed" else ()
+        self._do(Loaded(rid, outcome != "failed" or bool(invalid), invalid))
         if rid in model.requests and not model.requests[rid].running:  # type: ignore[attr-defined]
             self._do(Step((rid,), 64))
+
+    def _failed_blocks(self, data: st.DataObject, rid: str) -> tuple[int, ...]:
+        """For a failed load of `rid`: the blocks it failed on, where some may be named
+        (`model.connector.failable_blocks`: one group), three times in four; else () (the
+        whole load failed). Mostly one block, so that a cut often keeps a prefix."""
+        assert self.checker is not None
+        req = self.checker.model.requests.get(rid)
+        blocks = failable_blocks(self.checker.model, req) if req is not None else []
+        if not blocks or not data.draw(st.integers(0, 3), label="failed on some blocks?"):
+            return ()
+        return tuple(data.draw(st.lists(st.sampled_from(blocks), min_size=1, max_size=2, unique=True)))
+
+    @precondition(
+        lambda self: (
+            self.checker is not None
+            and self.cfg.kv_connector
+            and self.checker.history.tick % 2 == 0
+            and bool(self.checker.model.requests or self.checker.model.sending)
+        )
+    )
+    @rule(data=st.data())
+    def save(self, data: st.DataObject) -> None:
+        """A saving connector (`Save`, `Saved`): a pending save reports, or a live
+        request is to be saved at its finish, finished now one time in two (its
+        free then waits for the report)."""
+        assert self.checker is not None
+        model = self.checker.model
+        sending = sorted(model.sending)
+        if sending and (not model.requests or data.draw(st.booleans(), label="report a save?")):
+            self._do(Saved(data.draw(st.sampled_from(sending), label="rid")))
+            return
+        rid = data.draw(st.sampled_from(sorted(model.requests)), label="rid")
+        self._do(Save(rid))
+        if data.draw(st.booleans(), label="finish it now?"):
+            self._do(Finish(rid))
 
 
 def build_machine(

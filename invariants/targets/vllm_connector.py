@@ -3,7 +3,8 @@
 `KvretainConnector` is a `KVConnectorBase_V1` (and `SupportsHMA`, so hybrid
 layouts keep their groups), registered the way vLLM registers connectors
 (`KVConnectorFactory.register_connector(CONNECTOR_NAME, module, class)`) and
-selected by a `KVTransferConfig` (`transfer_config`): kv_role "kv_consumer",
+selected by a `KVTransferConfig` (`transfer_config`): kv_role "kv_both" (it
+loads and saves),
 `kv_load_failure_policy` as `Config.kv_load_failure_policy`. It runs on the scheduler's side only:
 the scheduler never builds a worker, and the worker-side methods raise.
 
@@ -14,14 +15,19 @@ contract the model derives from them):
   `get_num_new_matched_tokens` offers the first `n` tokens past the local hit
   (never the last token), loaded asynchronously or not; the offer stands until
   `update_state_after_alloc` consumes it (the admission succeeded).
-- A load's outcome (`Loaded`) is not the connector's to report: it is the
-  worker's `KVConnectorOutput` (`finished_recving`, `failed_recving`), which
-  the driver delivers in a synthetic `ModelRunnerOutput` (`report`).
+- `save(rid)` (`Save`): at `rid`'s finish `request_finished_all_groups`
+  defers the free (`delay_free_blocks=True`) when it was handed a block and
+  no load of `rid` is in flight (`model.connector`: vLLM defers that free
+  already), as a P/D producer connector does for a request it sends.
+- A load's or a save's outcome (`Loaded`, `Saved`) is not the connector's to
+  report: it is the worker's `KVConnectorOutput` (`finished_recving`,
+  `failed_recving`, `invalid_block_ids`, `finished_sending`), which the driver delivers in a
+  synthetic `ModelRunnerOutput` (`connector_output`, `sent_output`).
 
 It records what the scheduler asked of it: the loads it was given blocks for
 (`loads`), the tokens of each step it would save (`saves`, from
-`build_connector_meta`, the last `SAVES_KEPT` steps) and the finished requests
-handed to it (`finished`). `request_finished` never defers a free.
+`build_connector_meta`, the last `SAVES_KEPT` steps), the finished requests
+handed to it (`finished`) and the block ids each was handed (`handed`).
 
 Imports only vLLM (and the standard library).
 """
@@ -68,10 +74,19 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         self.loads: list[Load] = []
         self.saves: deque[dict[str, int]] = deque(maxlen=SAVES_KEPT)
         self.finished: list[str] = []
+        self.handed: dict[str, tuple[tuple[int, ...], ...]] = {}
+        self.saving: set[str] = set()
+        # Finished requests whose free it deferred (until the worker reports them sent).
+        self.deferred: set[str] = set()
+        # Async loads given blocks whose report (`update_connector_output`) has not come.
+        self.loading: set[str] = set()
 
     # ------------------------------------------------------------------ kvretain's script
     def offer(self, rid: str, num_tokens: int, async_load: bool) -> None:
         self.offers[rid] = (num_tokens, async_load)
+
+    def save(self, rid: str) -> None:
+        self.saving.add(rid)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -87,7 +102,9 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         return n, offer[1] and n > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.offers.pop(request.request_id, None)
+        offer = self.offers.pop(request.request_id, None)
+        if num_external_tokens and offer is not None and offer[1]:
+            self.loading.add(request.request_id)
         if num_external_tokens:
             ids = tuple(tuple(g) for g in blocks.get_block_ids())
             self.loads.append(Load(request.request_id, num_external_tokens, ids))
@@ -96,15 +113,24 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         self.saves.append(dict(scheduler_output.num_scheduled_tokens))
         return KvretainMetadata()
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.loading -= set(connector_output.finished_recving or ())
+        self.deferred -= set(connector_output.finished_sending or ())
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.finished.append(request.request_id)
-        return False, None
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self.finished.append(request.request_id)
-        return False, None
+        rid = request.request_id
+        self.finished.append(rid)
+        self.handed[rid] = tuple(tuple(g) for g in block_ids)
+        saves = rid in self.saving and rid not in self.loading and any(len(g) for g in block_ids)
+        self.saving.discard(rid)
+        if saves:
+            self.deferred.add(rid)
+        return saves, None
 
     # ------------------------------------------------------------------ worker side
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -133,13 +159,23 @@ def transfer_config(failure_policy: Literal["recompute", "fail"] = "recompute") 
 
     register()
     return KVTransferConfig(
-        kv_connector=CONNECTOR_NAME, kv_role="kv_consumer", kv_load_failure_policy=failure_policy
+        kv_connector=CONNECTOR_NAME, kv_role="kv_both", kv_load_failure_policy=failure_policy
     )
 
 
-def connector_output(rid: str, ok: bool) -> Any:
+def connector_output(rid: str, ok: bool, invalid: tuple[int, ...] = ()) -> Any:
     """The worker's report of `rid`'s async load: received, and failed unless `ok`
-    (a failed receive is also a finished one: `KVConnectorTransferResults`)."""
+    (a failed receive is also a finished one: `KVConnectorTransferResults`), or
+    failed on the blocks `invalid` names (`invalid_block_ids`)."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    return KVConnectorOutput(finished_recving={rid}, failed_recving=set() if ok else {rid})
+    return KVConnectorOutput(
+        finished_recving={rid}, failed_recving=set() if ok else {rid}, invalid_block_ids=set(invalid)
+    )
+
+
+def sent_output(rid: str) -> Any:
+    """The worker's report that finished request `rid`'s KV was saved (`finished_sending`)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(finished_sending={rid})

@@ -15,6 +15,8 @@ read by the same snapshot, partial-state and hash-naming parts as "vllm-manager"
 | `Finish` | `Scheduler.finish_requests(rid, FINISHED_ABORTED)` |
 | `Preempt` | `Scheduler._preempt_request`, as `reset_prefix_cache(reset_running_requests=True)` preempts |
 | `ResetPrefixCache` | `Scheduler.reset_prefix_cache()` |
+| `Offer`, `Save` | kvretain's connector's script (`vllm_connector`) |
+| `Loaded`, `Saved` | `update_from_output` with no request's share and the worker's `KVConnectorOutput` |
 | `Probe`, `EvictBlocks` | the manager's `get_computed_blocks` / `evict_blocks`, as for "vllm-manager" |
 
 KV events come from the scheduler's publisher (`update_from_output` publishes
@@ -39,8 +41,8 @@ from __future__ import annotations
 from typing import Any
 
 from model.config import Config
-from model.observation import Done, Observation, ResetResult
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, ResetPrefixCache, Sample
+from model.observation import Done, LoadCut, Observation, ResetResult, Saving
+from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, ResetPrefixCache, Sample, Save, Saved
 
 from .base import TargetFeatures
 from .vllm_capabilities import Capabilities
@@ -58,15 +60,19 @@ class SchedulerOpDriver(OpDriver):
     def __init__(self, session: Any, names: Any, scheduler: RealStepScheduler) -> None:
         super().__init__(session, names, scheduler)
         self.real = scheduler
-        # Finished while their connector load was in flight: kept (with their blocks) until it reports.
+        # Finished while their connector load was in flight, or with a save: kept (with their
+        # blocks) until it reports.
         self.held_by_load: set[str] = set()
+        self.held_by_save: set[str] = set()
 
     def check_well_formed(self, op: Op) -> None:
-        if isinstance(op, (Offer, Loaded)) and self.real.sched.connector is None:
+        if isinstance(op, (Offer, Loaded, Save, Saved)) and self.real.sched.connector is None:
             raise ValueError(
                 f"{type(op).__name__.lower()}: the configuration has no KV connector (kv_connector)"
             )
-        if isinstance(op, Loaded) and op.rid in self.held_by_load:
+        if isinstance(op, Saved) and op.rid not in self.held_by_save:
+            raise ValueError(f"saved: {op.rid!r} has no connector save pending")
+        if isinstance(op, Loaded) and op.rid in self.held_by_load or isinstance(op, Saved):
             return
         super().check_well_formed(op)
         if isinstance(op, Sample) and self.real.awaits_sample(op.rid):
@@ -82,37 +88,53 @@ class SchedulerOpDriver(OpDriver):
             self.real.sample_op(requests[op.rid], op)
             return Done()
         if isinstance(op, Finish):
-            req = requests[op.rid]
-            loading = req.status == self.s.v["RequestStatus"].WAITING_FOR_REMOTE_KVS
-            self.real.finish(req)
-            if loading and op.rid in self.real.sched.requests:
-                # vLLM defers the free until the load reports (`model.connector`): the
-                # request stays, so its table stays observed.
-                self.held_by_load.add(op.rid)
-            else:
-                requests.pop(op.rid)
-                self.names.forget(op.rid)
-            self.finished = req
-            return Done()
+            return self.finish(op.rid)
         if isinstance(op, Offer):
             self.real.sched.connector.offer(op.rid, op.num_tokens, op.load == "async")
             return Done()
-        if isinstance(op, Loaded):
-            from .vllm_connector import connector_output
+        if isinstance(op, Save):
+            self.real.sched.connector.save(op.rid)
+            return Done()
+        if isinstance(op, (Loaded, Saved)):
+            from .vllm_connector import connector_output, sent_output
 
-            self.real.report_load(connector_output(op.rid, op.ok))
+            if isinstance(op, Loaded):
+                report = connector_output(op.rid, op.ok, op.invalid)
+            else:
+                report = sent_output(op.rid)
+            self.real.report_load(report)
+            req = requests[op.rid]
             # Its free deferred, or ended with an error ('fail' policy): gone from vLLM.
-            if op.rid in self.held_by_load or op.rid not in self.real.sched.requests:
+            held = self.held_by_load | self.held_by_save
+            if op.rid in held or op.rid not in self.real.sched.requests:
                 self.held_by_load.discard(op.rid)
+                self.held_by_save.discard(op.rid)
                 requests.pop(op.rid)
                 self.names.forget(op.rid)
-            return Done()
+            # Failed blocks cut the request's computed tokens (`model.connector`).
+            return LoadCut(req.num_computed_tokens) if isinstance(op, Loaded) and op.invalid else Done()
         if isinstance(op, Preempt):
             self.real.preempt(requests[op.rid])
             return Done()
         if isinstance(op, ResetPrefixCache):
             return ResetResult(bool(self.real.sched.reset_prefix_cache()))
         return super().dispatch(op)
+
+    def finish(self, rid: str) -> Observation:
+        """`Finish`: with a load in flight or a save, vLLM defers the free (`model.connector`):
+        the request stays, so its table stays observed. A request the connector saves
+        shows what it was handed (`Saving`)."""
+        req, connector = self.s.requests[rid], self.real.sched.connector
+        saves = connector is not None and rid in connector.saving
+        self.real.finish(req)
+        self.finished = req
+        if rid in self.real.sched.requests:
+            # Deferred by the connector (a save), else by vLLM for the load in flight.
+            (self.held_by_save if rid in connector.deferred else self.held_by_load).add(rid)
+        else:
+            self.s.requests.pop(rid)
+            self.names.forget(rid)
+        return Saving(connector.handed[rid]) if saves else Done()
 
 
 class SchedulerEventTranslator(EventTranslator):

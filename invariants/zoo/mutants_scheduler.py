@@ -456,3 +456,59 @@ def async_rejection_keeps_placeholders(stack: contextlib.ExitStack, sched: Any) 
         "pass",
         source=Scheduler,
     )
+
+
+# ---------------------------------------------------------------- saving connectors (model.connector: saves)
+
+
+@mutant("save_free_not_deferred", strategy="scheduler-connector")
+def save_free_not_deferred(stack: contextlib.ExitStack, sched: Any) -> None:
+    """A saving connector's deferral lost: `_free_request` drops
+    `delay_free_blocks |= connector_delay_free_blocks`, so a finished request's blocks go
+    back to the pool (and may be reused) while the connector is still sending them."""
+    _rewrite(stack, sched, "_free_request", "delay_free_blocks |= connector_delay_free_blocks", "")
+
+
+@mutant("saved_blocks_cover_prompt_only", strategy="scheduler-connector")
+def saved_blocks_cover_prompt_only(stack: contextlib.ExitStack, sched: Any) -> None:
+    """What a finish hands the connector to save: `_connector_finished` clips the block ids
+    at `request.num_prompt_tokens` instead of `request.num_computed_tokens`, so the blocks
+    of the generated tokens past the prompt's last block are never saved."""
+    _rewrite(
+        stack,
+        sched,
+        "_connector_finished",
+        "num_computed_tokens=request.num_computed_tokens,",
+        "num_computed_tokens=request.num_prompt_tokens,",
+    )
+
+
+# ---------------------------------------------------------------- loads failed on some blocks (invalid_block_ids)
+
+
+@mutant("invalid_block_cut_keeps_failed_block", strategy="scheduler-connector")
+def invalid_block_cut_keeps_failed_block(stack: contextlib.ExitStack, sched: Any) -> None:
+    """A load failed on some blocks: `_update_requests_with_invalid_blocks` cuts the computed
+    tokens at the END of the first failed block (`(idx + 1) * self.block_size`), so that
+    block's unloaded KV counts as computed (and is cached at promotion)."""
+    _rewrite(
+        stack,
+        sched,
+        "_update_requests_with_invalid_blocks",
+        "request.num_computed_tokens = idx * self.block_size",
+        "request.num_computed_tokens = (idx + 1) * self.block_size",
+    )
+
+
+@mutant("invalid_blocks_policy_inverted", strategy="scheduler-connector")
+def invalid_blocks_policy_inverted(stack: contextlib.ExitStack, sched: Any) -> None:
+    """`_handle_invalid_blocks` reads the failure policy backwards
+    (`should_fail = self.recompute_kv_load_failures`): under "recompute" a load failed on
+    some blocks ends its request with an error, under "fail" the request is resumed."""
+    _rewrite(
+        stack,
+        sched,
+        "_handle_invalid_blocks",
+        "should_fail = not self.recompute_kv_load_failures",
+        "should_fail = self.recompute_kv_load_failures",
+    )
