@@ -169,7 +169,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     ),
 }
 
-# How the vLLM target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
+# How the vllm-manager target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
 STEP_DIFFERENCES = [
     "FCFS policy only (no priority scheduling); max_num_seqs never binds (at most 4 requests)",
     "no long_prefill_token_threshold, watermark, encoder budget or connector; synchronous "
@@ -206,7 +206,7 @@ EXCLUDED = [
         "decoding: 'Unjudged, and worth a look')",
     ),
     (
-        "Mamba internal prefill checkpoints; Mamba speculative blocks on the vllm target (KVCacheManager "
+        "Mamba internal prefill checkpoints; Mamba speculative blocks on the vllm-manager target (KVCacheManager "
         "driven without drafts)",
         "sized by the model spec (num_prefill_checkpoint_blocks; num_speculative_blocks), which "
         "KVCacheManager takes from MambaSpec; kvretain's specs set checkpoints nowhere, and draft "

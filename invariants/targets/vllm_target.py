@@ -1,4 +1,5 @@
-"""The vLLM target: kvretain operations driven through vLLM's real `KVCacheManager`.
+"""The vllm-manager target: kvretain operations driven through vLLM's real `KVCacheManager`,
+the calls its scheduler would make re-created by kvretain (target "vllm" runs the real scheduler).
 
 `VllmManagerTarget(config)` builds a `KVCacheManager` (vLLM 0.33.0, `vllm/v1/core/`) for a
 `model.config.Config` and applies `model.ops` operations through the manager's
