@@ -723,4 +723,46 @@ def test_missing_module_reads_the_probe_line() -> None:
     assert missing_module(True, "vllm 0.30.0") is None
     assert missing_module(False, "ModuleNotFoundError: No module named 'einops.layers'") == "einops"
     with pytest.raises(ReleaseEnvError, match="cannot import name"):
-        missing_module(False, "ImportError: cannot import name 'X' from 'vllm-manager'")
+        missing_module(False, "ImportError: cannot import name 'X' from 'vllm'")
+
+
+def test_a_stamped_environment_gets_the_schedulers_extras_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An environment stamped before the scheduler's modules were probed installs the
+    pinned package its scheduler misses (0.29.0's `einops`) on its next use, once, and
+    restamps. Control: a scheduler failing for any other reason installs nothing and
+    leaves the environment usable (the vllm target then says why it cannot run)."""
+    from invariants.targets import vllm_env
+
+    installed: list[str] = []
+    probes = iter(
+        [
+            (False, "vllm.v1.core.sched.scheduler: ModuleNotFoundError: No module named 'einops'", "0.29.0"),
+            (True, "vLLM 0.29.0", "0.29.0"),
+        ]
+    )
+    monkeypatch.setattr(vllm_env, "probe_python", lambda python, timeout=0, modules=(): next(probes))
+    monkeypatch.setattr(vllm_env, "pip_install_target", lambda site, req, what=None: installed.append(req))
+    monkeypatch.setattr(vllm_env, "_site_dir", lambda root: root)
+    root = tmp_path / "vllm-0.29.0"
+    root.mkdir()
+    (root / ".kvretain-ready").write_text(json.dumps({"version": "0.29.0", "disk_bytes": 1, "extras": []}))
+    env = vllm_env.prepare_release("0.29.0", root)
+    assert installed == ["einops==0.8.1"] and env.extras == ("einops==0.8.1",)
+    assert json.loads((root / ".kvretain-ready").read_text())["probe"] == vllm_env.STAMP_PROBE
+    assert vllm_env.prepare_release("0.29.0", root).extras == ("einops==0.8.1",) and len(installed) == 1
+
+    other = tmp_path / "vllm-0.26.0"
+    other.mkdir()
+    (other / ".kvretain-ready").write_text(json.dumps({"version": "0.26.0", "disk_bytes": 1, "extras": []}))
+    monkeypatch.setattr(
+        vllm_env,
+        "probe_python",
+        lambda python, timeout=0, modules=(): (
+            False,
+            "vllm.v1.core.sched.scheduler: ImportError: x",
+            "0.26.0",
+        ),
+    )
+    assert vllm_env.prepare_release("0.26.0", other).extras == () and len(installed) == 1

@@ -114,15 +114,17 @@ print(json.dumps(out))
 """
 
 
-def probe_python(python: str, timeout: float = 120.0) -> tuple[bool, str, str | None]:
-    """Ask another interpreter whether it can run the vLLM target.
+def probe_python(
+    python: str, timeout: float = 120.0, modules: tuple[str, ...] = REQUIRED_MODULES
+) -> tuple[bool, str, str | None]:
+    """Ask another interpreter whether it can run the vLLM target (import `modules`).
 
     Returns (ok, one line, version). Used for `--vllm-python PATH`: the line says
     what is missing when ok is False.
     """
     try:
         proc = subprocess.run(
-            [python, "-c", _PROBE % (REQUIRED_MODULES,)],
+            [python, "-c", _PROBE % (modules,)],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -148,8 +150,15 @@ def probe_python(python: str, timeout: float = 120.0) -> tuple[bool, str, str | 
 # ----------------------------------------------------------------------------- release environments
 # Packages an older release's allocator imports that the pinned set lacks, found
 # by trying the imports (module -> pip requirement, installed with --no-deps).
-EXTRA_PACKAGES: dict[str, str] = {"gguf": "gguf==0.19.0"}
+EXTRA_PACKAGES: dict[str, str] = {"gguf": "gguf==0.19.0", "einops": "einops==0.8.1"}
 MAX_EXTRA_ROUNDS = 4
+# What the vllm target (the real scheduler) imports beyond the allocator: its missing small
+# packages are installed too (0.29.0 and 0.30.0 import `einops` there), but a scheduler
+# that still does not import leaves the environment usable for vllm-manager.
+SCHEDULER_MODULES = ("vllm.v1.core.sched.scheduler",)
+# Stamps record the probe that made them: an environment stamped before the scheduler's
+# modules were probed gets their extras on its next use.
+STAMP_PROBE = "allocator+scheduler"
 
 
 def cache_root() -> Path:
@@ -227,6 +236,21 @@ def _missing_module(python: Path) -> str | None:
     return missing_module(ok, line)
 
 
+def _scheduler_extras(python: Path, site: Path) -> list[str]:
+    """Install the pinned extras the release's scheduler imports (`SCHEDULER_MODULES`);
+    stop quietly at anything else (the vllm target then says why it cannot run)."""
+    extras: list[str] = []
+    for _ in range(MAX_EXTRA_ROUNDS):
+        ok, line, _ = probe_python(str(python), modules=SCHEDULER_MODULES)
+        marker = "No module named "
+        missing = line.split(marker, 1)[1].strip().strip("'\"").split(".")[0] if marker in line else None
+        if ok or missing not in EXTRA_PACKAGES:
+            break
+        pip_install_target(site, EXTRA_PACKAGES[missing], missing)
+        extras.append(EXTRA_PACKAGES[missing])
+    return extras
+
+
 def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
     """The environment of vLLM `version`, created on first use and reused after.
 
@@ -244,6 +268,10 @@ def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
     stamp = root / ".kvretain-ready"
     if stamp.exists():
         info = json.loads(stamp.read_text())
+        if info.get("probe") != STAMP_PROBE:  # stamped before the scheduler's modules were probed
+            info["extras"] = [*info["extras"], *_scheduler_extras(python, _site_dir(root))]
+            info.update(probe=STAMP_PROBE, disk_bytes=_disk_bytes(root))
+            stamp.write_text(json.dumps(info))
         return ReleaseEnv(version, root, python, 0.0, int(info["disk_bytes"]), tuple(info["extras"]))
     start = time.monotonic()
     if root.exists():  # a half-made environment from an interrupted run
@@ -267,8 +295,11 @@ def prepare_release(version: str, root: Path | None = None) -> ReleaseEnv:
         extras.append(EXTRA_PACKAGES[missing])
     else:
         raise ReleaseEnvError(f"vllm {version} still misses modules after {MAX_EXTRA_ROUNDS} extra packages")
+    extras += _scheduler_extras(python, site)
     disk = _disk_bytes(root)
-    stamp.write_text(json.dumps({"version": version, "disk_bytes": disk, "extras": extras}))
+    stamp.write_text(
+        json.dumps({"version": version, "disk_bytes": disk, "extras": extras, "probe": STAMP_PROBE})
+    )
     return ReleaseEnv(version, root, python, time.monotonic() - start, disk, tuple(extras))
 
 
