@@ -189,9 +189,18 @@ def test_table_changes_start_at_the_first_difference():
 
 @pytest.mark.parametrize("name", ["model", "reference"])
 def test_machine_with_deltas_is_clean(name):
+    """Clean apart from the known findings (eagle-swa-short-run-double-pop holds on the
+    model and the reference too: they follow vLLM's Eagle SWA pops), each counted."""
+    from invariants.harness.known_findings import is_known_violation
+
     stats = FuzzStats(audit_every=4)
     run_state_machine_as_test(
-        build_machine(target_factory(name), configs(allow_fine=name != "reference"), stats)
+        build_machine(
+            target_factory(name),
+            configs(allow_fine=name != "reference"),
+            stats,
+            tolerated=lambda v: is_known_violation(name, v),
+        )
     )
     assert stats.steps > 0
 
