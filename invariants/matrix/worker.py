@@ -215,7 +215,8 @@ def scheduler_check(caps: Capabilities, *, seed: int, budget_s: float, out: Path
         retention=None if caps.has_retention_interval else "dense",
         eagle_drafts=True,
         connector=False,
-        **({} if speculate else {"eagle": False, "lookahead": False}),
+        eagle=None if speculate else False,
+        lookahead=None if speculate else False,
     )
     # The scheduler's own rules of the time (chunk splits, admission) are in no profile: a
     # difference from the model is counted (class semantics) and the run goes on, so an
