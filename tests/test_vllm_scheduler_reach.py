@@ -199,12 +199,13 @@ def test_the_production_bench_clock_counts_nested_vllm_calls_once() -> None:
 
 
 def test_the_production_bench_sends_a_real_scheduler_steps() -> None:
-    from invariants.harness.bench import _as_step, scheduled_tokens
+    from invariants.harness.bench import scheduled_tokens
+    from invariants.harness.production import as_step
     from model.observation import ScheduleResult, StepResult
     from model.ops import Schedule
 
-    assert _as_step(Schedule("r0", 64)) == Step(("r0",), 64)
-    assert _as_step(AddRequest("r0", (1,))) == AddRequest("r0", (1,))
+    assert as_step(Schedule("r0", 64)) == Step(("r0",), 64)
+    assert as_step(AddRequest("r0", (1,))) == AddRequest("r0", (1,))
     step = StepResult((("a", ScheduleResult(3, True)), ("b", ScheduleResult(0, False))))
     assert scheduled_tokens(step) == 3 and scheduled_tokens(ScheduleResult(5, False)) == 5
 
@@ -269,3 +270,28 @@ def test_this_vllm_has_the_scheduler_api_and_a_release_without_it_is_refused(mon
     ):
         target_factory("vllm")
     assert "cannot" in scheduler_line(old)
+
+
+@pytest.mark.parametrize("real_scheduler", [True, False])
+def test_production_fuzz_sends_a_real_scheduler_steps_not_schedules(real_scheduler: bool) -> None:
+    """`fuzz --scale production` on a real scheduler sends a `Schedule` as the one-request
+    step it is (vLLM may preempt the request itself, which the model states for a `Step`
+    only: the first production run through the real scheduler disagreed there). Control:
+    a target without a real scheduler still gets `Schedule`s."""
+    import dataclasses
+
+    from invariants.harness.production import run_production
+    from invariants.targets.model_target import ModelTarget
+    from model.ops import Schedule
+
+    seen: list[type] = []
+
+    class Recording(ModelTarget):
+        features = dataclasses.replace(ModelTarget.features, real_scheduler=real_scheduler)
+
+        def apply(self, op: Any) -> Any:
+            seen.append(type(op))
+            return super().apply(op)
+
+    run_production(Recording, seed=0, steps=300, budget_s=None, tolerated=lambda v: True)
+    assert Step in seen and (Schedule in seen) is not real_scheduler

@@ -47,7 +47,7 @@ from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_modules
 from model.config import Config, GroupSpec
 from model.observation import StepResult
-from model.ops import AddRequest, Finish, Op, Schedule, Step
+from model.ops import AddRequest, Finish, Op, Schedule
 
 BENCH_CONFIG = Config(
     groups=(GroupSpec("full", 16), GroupSpec("swa", 16, sliding_window=32)),
@@ -301,7 +301,7 @@ class _ProductionRun:
 
 def _production_run(target: str, cfg: Config, longest: int, ops: int, seed: int) -> _ProductionRun:
     """The checked run of `ops` workload operations on `target`, then their raw replay."""
-    from invariants.harness.production import PRODUCTION_AUDIT_EVERY, episode_collector, workload
+    from invariants.harness.production import PRODUCTION_AUDIT_EVERY, as_step, episode_collector, workload
 
     factory = target_factory(target)
     real_scheduler = target in REAL_SCHEDULER_TARGETS
@@ -318,7 +318,7 @@ def _production_run(target: str, cfg: Config, longest: int, ops: int, seed: int)
         gen = workload(cfg, random.Random(seed), checker, longest)
         checked_s, checked_cpu, tokens = 0.0, 0.0, 0
         while len(checker.ops) < ops:
-            op = _as_step(next(gen)) if real_scheduler else next(gen)
+            op = as_step(next(gen)) if real_scheduler else next(gen)
             t, c = time.perf_counter(), CLOCK()
             found = [v for v in checker.step(op) if not is_known_violation(target, v)]
             checked_s += time.perf_counter() - t
@@ -341,11 +341,6 @@ def _production_run(target: str, cfg: Config, longest: int, ops: int, seed: int)
         driven_s = time.perf_counter() - t
         gc.unfreeze()
     return _ProductionRun(checked_s, checked_cpu, own.seconds, driven_s, tokens, checker.audits, dict(phase))
-
-
-def _as_step(op: Op) -> Op:
-    """A real scheduler runs a `Schedule` as the one-request step it is (see `VllmSchedulerTarget`)."""
-    return Step((op.rid,), op.budget) if isinstance(op, Schedule) else op
 
 
 def scheduled_tokens(obs: Any) -> int:

@@ -288,6 +288,12 @@ def workload(
                     yield Preempt(running[-1])
 
 
+def as_step(op: Op) -> Op:
+    """A real scheduler runs a `Schedule` as the one-request step it is: vLLM may preempt
+    the request to make room, which the model states for a `Step`, not for a `Schedule`."""
+    return Step((op.rid,), op.budget) if isinstance(op, Schedule) else op
+
+
 def run_production(
     factory: Callable[[Config], Target],
     *,
@@ -325,11 +331,12 @@ def run_production(
             gc.freeze()
             log(_episode_banner(stats.episodes, setting))
             ops = workload(cfg, rng, checker, setting.longest)
+            real_scheduler = checker.target.features.real_scheduler
             episode_end = None if budget_s is None else time.monotonic() + budget_s / len(PRODUCTION_PRESETS)
             for _ in range(EPISODE_OPS):
                 if done() or (episode_end is not None and time.monotonic() >= episode_end):
                     break
-                op = next(ops)
+                op = as_step(next(ops)) if real_scheduler else next(ops)
                 try:
                     found = checker.step(op)
                 except InvalidOp:
