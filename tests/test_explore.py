@@ -251,7 +251,8 @@ def test_grid_configs_are_valid_and_span_the_layouts() -> None:
 def test_budget_is_kept_and_says_what_it_skipped() -> None:
     start = time.monotonic()
     report = explore_grid(default_grid()[:3], ModelTarget, "model", depth=30, max_states=10**6, budget_s=1.0)
-    assert time.monotonic() - start < 3.0
+    # Unbudgeted, depth 30 runs for hours; the slack is for a machine shared with other jobs.
+    assert time.monotonic() - start < 10.0
     for cert in report.certificates:
         assert cert.depth_completed < 30 and "budget spent" in cert.stopped
 
