@@ -88,7 +88,7 @@ def test_every_mutant_is_documented_and_instance_scoped() -> None:
 
 
 def test_vllm_mutants_restore_vllm() -> None:
-    pytest.importorskip("vllm-manager")
+    pytest.importorskip("vllm")
     from invariants.targets.vllm_env import vllm_available
 
     if not vllm_available()[0]:
