@@ -1,6 +1,6 @@
 """The vllm target's reach: the scheduler mutants of each scheduler decision
-(chunking under the budget, admission with a hit, preemption and replay, the block
-tables a step ships), the shipped-table observation that catches the last, the
+(chunking under the budget and the Mamba split, admission with a hit, preemption and
+replay, the block tables a step ships), the shipped-table observation that catches the last, the
 export of a vllm finding, the production bench and the release matrix's
 scheduler capability.
 
@@ -82,12 +82,56 @@ def table_trace(f: Factory) -> Drive:
     return hit_trace(f).steps(("r3",), 16, 2)
 
 
+def mamba_config(*, caching: bool) -> Config:
+    return Config(
+        groups=(GroupSpec("full", 4), GroupSpec("mamba", 8)),
+        num_blocks=30,
+        retention_interval=8 if caching else None,
+        enable_caching=caching,
+        max_model_len=4096,
+    )
+
+
+PROMPT12 = (*PROMPT8, 2, 1, 3, 3)
+
+
+def mamba_replay_trace(f: Factory) -> Drive:
+    """Chunking a replay: a Mamba request that generated 6 tokens is preempted and replays
+    18 tokens under a budget of 14, so its first chunk must end on the block boundary 8."""
+    d = Drive(mamba_config(caching=False), f).do(AddRequest("r0", PROMPT12)).steps(("r0",), 64, 7)
+    return d.do(Preempt("r0"), Step(("r0",), 14), Step(("r0",), 14))
+
+
+def mamba_chunk_trace(f: Factory) -> Drive:
+    """Chunking: a 20-token Mamba prompt in one budget runs to its last cacheable block
+    boundary (16), passing the boundary at 8 without a stop."""
+    return Drive(mamba_config(caching=True), f).do(AddRequest("r0", (*PROMPT12, *PROMPT8)), Step(("r0",), 64))
+
+
+def preempted_hit_trace(f: Factory) -> Drive:
+    """Replay after preemption: a preempted request's re-admission looks up the blocks its
+    own prefill cached."""
+    d = Drive(Config(groups=(GroupSpec("full", 2),), num_blocks=12, max_model_len=4096), f)
+    return d.do(AddRequest("r0", (1, 2, 3, 1, 2)), Step(("r0",), 64), Preempt("r0"), Step(("r0",), 64))
+
+
+def self_preemption_trace(f: Factory) -> Drive:
+    """Preemption: a request outgrowing a 5-block pool preempts itself; that step admits
+    nobody, not even the request it just preempted."""
+    d = Drive(Config(groups=(GroupSpec("full", 2),), num_blocks=6, max_model_len=4096), f)
+    return d.do(AddRequest("r0", (1, 1, 1, 2, 2, 1, 2, 1, 2))).steps(("r0",), 64, 3)
+
+
 REACH_TRACES: dict[str, Callable[[Factory], Drive]] = {
     "mamba_split_budget_is_chunk": budget_trace,
     "admission_drops_hit_tokens": hit_trace,
     "resume_chunk_stops_at_prompt": replay_trace,
     "admission_ships_new_blocks_only": table_trace,
     "running_ships_whole_table": table_trace,
+    "replay_chunk_not_split": mamba_replay_trace,
+    "chunk_runs_past_block_boundary": mamba_chunk_trace,
+    "resumed_request_skips_lookup": preempted_hit_trace,
+    "admission_beside_preemption": self_preemption_trace,
 }
 
 
@@ -127,6 +171,20 @@ def test_a_source_mutant_whose_line_is_gone_fails_loudly() -> None:
         )
         assert Scheduler.schedule is not original
     assert Scheduler.schedule is original
+
+
+def test_a_source_mutant_reads_as_its_source() -> None:
+    """A release's capability probe reads `Scheduler.schedule`'s source: under a source
+    mutant it reads the mutated method, so a scheduler built first under a mutant is
+    accepted (it was refused as lacking the API)."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    with activate("resumed_request_skips_lookup"):
+        source = inspect.getsource(Scheduler.schedule)
+        assert "request.num_preemptions == 0:" in source and "self.max_num_scheduled_tokens" in source
+        assert preempted_hit_trace(VllmSchedulerTarget).found != []
 
 
 # ------------------------------------------------------------------ export of a vllm finding

@@ -191,6 +191,9 @@ def test_spec_traces_agree_with_the_model(trace) -> None:  # type: ignore[no-unt
 SPEC_TRACE_FOR_MUTANT = {
     "admission_without_lookahead": padding_trace,
     "rejected_drafts_not_rolled_back": eagle_trace,
+    "hit_admission_not_padded": padding_trace,
+    "accepted_counts_sampled_token": eagle_trace,
+    "scheduled_drafts_not_clipped": eagle_trace,
 }
 
 

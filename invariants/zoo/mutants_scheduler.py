@@ -255,6 +255,7 @@ def _rewrite(
 ) -> None:
     """`owner.method` := `source.method` (default: `owner`'s own) with `old` replaced by `new`."""
     import inspect
+    import linecache
     import sys
     import textwrap
 
@@ -274,8 +275,12 @@ def _rewrite(
     mutated = lines[:i] + [indent + ln if ln else ln for ln in new.splitlines()] + lines[i + width :]
     namespace: dict[str, Any] = {}
     module = sys.modules[fn.__module__]
+    text = "\n".join(mutated) + "\n"
+    filename = f"<kvretain mutant of {fn.__qualname__}>"
+    # Readable by `inspect.getsource`, as the release's capability probes read the scheduler.
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
     exec(
-        compile("\n".join(mutated) + "\n", f"<kvretain mutant of {fn.__qualname__}>", "exec"),
+        compile(text, filename, "exec"),
         vars(module),
         namespace,
     )
@@ -511,4 +516,110 @@ def invalid_blocks_policy_inverted(stack: contextlib.ExitStack, sched: Any) -> N
         "_handle_invalid_blocks",
         "should_fail = not self.recompute_kv_load_failures",
         "should_fail = self.recompute_kv_load_failures",
+    )
+
+
+# ---------------------------------------------------------------- decisions vLLM's own tests miss
+# One-line defects of the decisions whose first mutants vLLM's tests already catch (chunking
+# and the Mamba split, admission with a hit, preemption and replay, rejection rollback):
+# `kvretain upstream-tests` says which of these they miss.
+
+
+@mutant("replay_chunk_not_split", strategy="scheduler-mamba")
+def replay_chunk_not_split(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Chunking a replay: the Mamba split's prefill ends at the prompt
+    (`prefill_end = request.num_prompt_tokens`), so a preempted request replaying its
+    output tokens runs chunks that end mid-block, where no state can be cached."""
+    _rewrite(
+        stack,
+        sched,
+        "_mamba_block_aligned_split",
+        "prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)",
+        "prefill_end = request.num_prompt_tokens",
+    )
+
+
+@mutant("chunk_runs_past_block_boundary", strategy="scheduler-mamba")
+def chunk_runs_past_block_boundary(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Chunking: a prefill chunk that starts mid-block no longer stops at the next block
+    boundary (the split's `next_block_boundary` stop reads `start % block_size == 0`), so
+    the state of that boundary is never written."""
+    _rewrite(
+        stack,
+        sched,
+        "_mamba_block_aligned_split",
+        "if start % block_size != 0 and not use_internal_checkpoint",
+        "if start % block_size == 0 and not use_internal_checkpoint",
+    )
+
+
+@mutant("hit_admission_not_padded", strategy="scheduler-spec")
+def hit_admission_not_padded(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Admission with a hit: a request whose prefix hit leaves it one token is padded to
+    `1 + num_spec_tokens` only when a running request was scheduled before it
+    (`num_computed_tokens > 0` dropped from the padding condition), so alone it runs one
+    token and its drafts' slots are never allocated."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "and (scheduled_running_reqs or num_computed_tokens > 0)",
+        "and scheduled_running_reqs",
+    )
+
+
+@mutant("resumed_request_skips_lookup")
+def resumed_request_skips_lookup(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Replay after preemption: the waiting pass looks up the prefix cache only for a
+    request never preempted (`and request.num_preemptions == 0` added), so a re-admitted
+    request recomputes blocks the cache still holds and its hit is lost."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "if request.num_computed_tokens == 0:",
+        "if request.num_computed_tokens == 0 and request.num_preemptions == 0:",
+    )
+
+
+@mutant("admission_beside_preemption")
+def admission_beside_preemption(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Preemption: the waiting pass runs in a step that preempted
+    (`not preempted_reqs and` dropped), so the blocks a preemption freed for a running
+    request go to a waiting one, possibly the request just preempted."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "if not preempted_reqs and self._pause_state != PauseState.PAUSED_ALL:",
+        "if self._pause_state != PauseState.PAUSED_ALL:",
+    )
+
+
+@mutant("accepted_counts_sampled_token", strategy="scheduler-spec")
+def accepted_counts_sampled_token(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Rejection rollback: `update_from_output` counts the sampled token among the accepted
+    drafts (`num_accepted = len(generated_token_ids)`), so one rejected draft is never
+    rolled back and its position counts as computed."""
+    _rewrite(
+        stack,
+        sched,
+        "update_from_output",
+        "num_accepted = max(len(generated_token_ids) - num_sampled, 0)",
+        "num_accepted = len(generated_token_ids)",
+    )
+
+
+@mutant("scheduled_drafts_not_clipped", strategy="scheduler-spec")
+def scheduled_drafts_not_clipped(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Rejection rollback: the running pass clips a request's drafts to the positions the
+    budget left it with the comparison inverted (`len(spec_token_ids) <
+    num_scheduled_spec_tokens`), so a clipped decode lists drafts it never ran and their
+    rejection rolls back tokens that were computed."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "if len(spec_token_ids) > num_scheduled_spec_tokens:",
+        "if len(spec_token_ids) < num_scheduled_spec_tokens:",
     )
