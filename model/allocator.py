@@ -82,7 +82,7 @@ from model.ops import (
 from model.pool import Pool
 from model.prefix import joined
 from model.profile import MODELED, Profile, rules_of
-from model.scheduling import mamba_chunk
+from model.scheduling import capped, long_prefill_cap, mamba_chunk
 from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
 
 Ids = tuple[int, ...]
@@ -189,6 +189,7 @@ class AllocatorModel(BlockCaching, MambaStates):
     ) -> None:
         self.cfg = validate(config)
         self.num_spec_tokens = num_spec_tokens  # drafts a step verifies (`model.spec_decode`); 0: none
+        self.cap = 0  # the long-prefill cap of the step being scheduled (`model.scheduling`)
         # Async scheduling (vLLM `AsyncScheduler`): a sampled token reaches the scheduler a step late.
         self.in_flight = InFlight() if async_scheduling else None
         self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
@@ -371,6 +372,7 @@ class AllocatorModel(BlockCaching, MambaStates):
         req.prefill_chunk = req.num_computed < req.num_tokens
 
     def _schedule(self, req: RequestState, budget: int) -> ScheduleResult:
+        self.cap = 0  # one request queued: no long-prefill cap
         if req.running:
             result = self._continue(req, budget, budget)
         else:
@@ -380,8 +382,14 @@ class AllocatorModel(BlockCaching, MambaStates):
 
     def _next_chunk(self, req: RequestState, left: int, budget: int) -> int:
         """Tokens a running request computes next: at most `left` of the step's `budget`."""
-        wanted = req.num_tokens + len(req.drafts) - req.num_computed
+        wanted = self._capped(req.num_tokens + len(req.drafts) - req.num_computed)
         return self._chunk(req, req.num_computed, min(wanted, left), budget)
+
+    def _capped(self, num_tokens: int) -> int:
+        n = capped(num_tokens, self.cap)
+        if n < num_tokens:
+            self.exercised["chunk capped by the long-prefill threshold"] += 1
+        return n
 
     def _continue(self, req: RequestState, left: int, budget: int) -> ScheduleResult:
         n = self._next_chunk(req, left, budget)
@@ -414,7 +422,7 @@ class AllocatorModel(BlockCaching, MambaStates):
         n = (
             0
             if load_async
-            else self._chunk(req, computed, min(req.num_tokens - computed + pad, left), budget)
+            else self._chunk(req, computed, min(self._capped(req.num_tokens - computed + pad), left), budget)
         )
         if pad and 0 < n != 1 + pad:
             n, pad = 1, 0  # a Mamba split clipped the padding: drop it
@@ -448,6 +456,7 @@ class AllocatorModel(BlockCaching, MambaStates):
         step: a younger request never overtakes an older one (`_waiting_pass`).
         """
         self._new_step()
+        self.cap = long_prefill_cap(self.cfg.long_prefill_token_threshold, len(rids))
         running = [rid for rid in rids if self.requests[rid].running]
         waiting = [rid for rid in rids if not self.requests[rid].running]
         results: list[tuple[str, ScheduleResult]] = []
@@ -504,10 +513,11 @@ class AllocatorModel(BlockCaching, MambaStates):
     def _chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:
         if not self.cfg.has_mamba_align:
             return n
+        threshold = self.cfg.long_prefill_token_threshold
         return mamba_chunk(
             start=start,
             num_new=n,
-            budget=budget,
+            budget=min(budget, threshold) if threshold else budget,
             num_prompt_tokens=len(req.prompt),
             num_tokens=req.num_tokens,
             shared_prefix_boundary=req.shared_prefix_boundary,

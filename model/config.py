@@ -52,6 +52,8 @@ class Config:
     loads can be stated, and a finish first frees the blocks out of its windows.
     `kv_load_failure_policy`: what a failed load does, "recompute" (the request is
     admitted afresh) or "fail" (the request ends with an error), as vLLM's.
+    `long_prefill_token_threshold`: the scheduler's cap on one request's chunk in a
+    step with other requests (vLLM `SchedulerConfig`; 0: none; `model.scheduling`).
     """
 
     groups: tuple[GroupSpec, ...]
@@ -67,6 +69,7 @@ class Config:
     num_lookahead_tokens: int = 0
     kv_connector: bool = False
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    long_prefill_token_threshold: int = 0
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +114,7 @@ def validate(cfg: Config) -> Config:
       block size;
     - Mamba prefix caching requires mamba_cache_mode 'align' ('none' only
       with caching off: vLLM `MambaManager.__init__`);
+    - the long-prefill threshold is at most max_model_len (`SchedulerConfig`);
     - retention with caching disabled is ignored with a warning.
     """
     if not cfg.groups:
@@ -152,10 +156,7 @@ def validate(cfg: Config) -> Config:
     _check_load_failure_policy(cfg.kv_load_failure_policy)
     if cfg.pin_min_drop_blocks < 0:
         raise ConfigError("pin_min_drop_blocks: must be non-negative")
-    if isinstance(cfg.num_lookahead_tokens, bool) or not isinstance(cfg.num_lookahead_tokens, int):
-        raise ConfigError(f"num_lookahead_tokens: must be an integer, got {cfg.num_lookahead_tokens!r}")
-    if cfg.num_lookahead_tokens < 0:
-        raise ConfigError(f"num_lookahead_tokens: must be non-negative, got {cfg.num_lookahead_tokens}")
+    _check_scheduler_fields(cfg)
     r = cfg.retention_interval
     if r is not None:
         if isinstance(r, bool) or not isinstance(r, int):
@@ -178,6 +179,20 @@ def validate(cfg: Config) -> Config:
                 stacklevel=2,
             )
     return cfg
+
+
+def _check_scheduler_fields(cfg: Config) -> None:
+    if isinstance(cfg.num_lookahead_tokens, bool) or not isinstance(cfg.num_lookahead_tokens, int):
+        raise ConfigError(f"num_lookahead_tokens: must be an integer, got {cfg.num_lookahead_tokens!r}")
+    if cfg.num_lookahead_tokens < 0:
+        raise ConfigError(f"num_lookahead_tokens: must be non-negative, got {cfg.num_lookahead_tokens}")
+    t = cfg.long_prefill_token_threshold
+    if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+        raise ConfigError(f"long_prefill_token_threshold: must be a non-negative integer, got {t!r}")
+    if t > cfg.max_model_len:
+        raise ConfigError(
+            f"long_prefill_token_threshold ({t}) cannot be greater than the max_model_len ({cfg.max_model_len})"
+        )
 
 
 def _check_load_failure_policy(policy: object) -> None:

@@ -1,6 +1,8 @@
 """How many tokens a scheduler step computes for one request.
 
-The allocator only sees chunk sizes, but Mamba state exists only where a chunk
+A step caps a request's chunk at the long-prefill threshold when other requests
+are queued beside it (`long_prefill_cap`; vLLM `Scheduler.schedule`: "there is
+nobody to starve" otherwise), before the step's budget. The allocator only sees chunk sizes, but Mamba state exists only where a chunk
 ends, so the hit a later request can get depends on the scheduler's split
 (vLLM `Scheduler._mamba_block_aligned_split`). With fine-grained hits
 (`model.fine_mamba`) a chunk also stops at the prompt's reusable hash-block
@@ -10,6 +12,20 @@ not modeled, nor two admission policies of vLLM's `Scheduler.schedule`
 """
 
 from __future__ import annotations
+
+
+def long_prefill_cap(threshold: int, num_queued: int) -> int:
+    """The cap on one request's chunk in a step over `num_queued` requests (running and
+    waiting): the threshold when another request is queued, else none (0). Drafts and
+    admission padding count towards it: the cap applies to every token the request
+    would compute. The Mamba split's "block wider than the budget" escape reads the
+    threshold itself, whatever the queue (`mamba_chunk`'s `budget`)."""
+    return threshold if num_queued > 1 else 0
+
+
+def capped(num_tokens: int, cap: int) -> int:
+    """`num_tokens` under a long-prefill cap (0: none)."""
+    return cap if 0 < cap < num_tokens else num_tokens
 
 
 def mamba_checkpoint_position(num_tokens: int, block_size: int, eagle: bool) -> int:

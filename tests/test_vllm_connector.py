@@ -511,6 +511,7 @@ CONNECTOR_MUTANTS = (
     "saved_blocks_cover_prompt_only",
     "invalid_block_cut_keeps_failed_block",
     "invalid_blocks_policy_inverted",
+    "admission_counts_external_as_local",
 )
 
 

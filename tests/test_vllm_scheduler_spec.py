@@ -194,6 +194,7 @@ SPEC_TRACE_FOR_MUTANT = {
     "hit_admission_not_padded": padding_trace,
     "accepted_counts_sampled_token": eagle_trace,
     "scheduled_drafts_not_clipped": eagle_trace,
+    "rollback_counts_configured_drafts": eagle_trace,
 }
 
 

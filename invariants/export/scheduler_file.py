@@ -148,7 +148,7 @@ def make_scheduler(model_dir: str) -> Scheduler:
             max_num_batched_tokens=MAX_MODEL_LEN,
             max_model_len=MAX_MODEL_LEN,
             enable_chunked_prefill=True,
-            long_prefill_token_threshold=0,
+            long_prefill_token_threshold={long_prefill},
             is_encoder_decoder=False,
             watermark=0.0,
             scheduler_reserve_full_isl=False,
@@ -350,6 +350,7 @@ def render_scheduler_test(plan: ExportPlan) -> str:
         mamba_mode=f", mamba_cache_mode={json.dumps(mamba_modes.pop())}" if mamba_modes else "",
         groups="\n".join(_group_spec(cfg, i) for i in range(len(cfg.groups))),
         retention=cfg.retention_interval,
+        long_prefill=cfg.long_prefill_token_threshold,
         name=exported_test_name(plan),
     )
     return head + core + "\n".join(f"    {line}" for line in body) + "\n"

@@ -63,6 +63,9 @@ SCHEDULER_FINE_ROW = "real Scheduler: fine-grained Mamba hits, CoW copies"
 SCHEDULER_EAGLE_ROW = "real Scheduler: Eagle/MTP drafts, lookahead, rejection rollback (Full/SWA)"
 SCHEDULER_DRAFT_ROW = "real Scheduler: draft-model drafts, one-token admission padding (Full/SWA)"
 SCHEDULER_MAMBA_SPEC_ROW = "real Scheduler: drafts with a Mamba group (its draft state blocks, align)"
+SCHEDULER_LONG_PREFILL_ROW = (
+    "real Scheduler: long-prefill threshold, drafts and Mamba split under it (all shapes)"
+)
 CONNECTOR_ROW = "real Scheduler + KV connector: external hits, async loads, delayed caching, failed loads"
 CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fail', deferred frees"
 CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
@@ -102,6 +105,7 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
         eagle_drafts=True,
         caching=True,
     ),
+    SCHEDULER_LONG_PREFILL_ROW: configs(allow_pinning=False, eagle_drafts=True, long_prefill=True),
     CONNECTOR_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="recompute"),
     CONNECTOR_FAIL_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="fail"),
     CONNECTOR_CACHING_OFF_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, caching=False),
@@ -118,6 +122,7 @@ ASYNC_PLACEHOLDER_ROW = "AsyncScheduler: placeholders, one-step-ahead outputs (F
 ASYNC_EAGLE_ROW = "AsyncScheduler: Eagle/MTP drafts one step ahead, rollback on arrival (Full/SWA)"
 ASYNC_DRAFT_ROW = "AsyncScheduler: draft-model drafts, one-token admission padding (Full/SWA)"
 ASYNC_MAMBA_SPEC_ROW = "AsyncScheduler: drafts with a Mamba group (its draft state blocks, align)"
+ASYNC_LONG_PREFILL_ROW = "AsyncScheduler: long-prefill threshold (all shapes)"
 ASYNC_SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     ASYNC_PLACEHOLDER_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), caching=True),
     "AsyncScheduler: Mamba split and states (align)": _no_spec(
@@ -127,6 +132,7 @@ ASYNC_SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     ASYNC_EAGLE_ROW: SCHEDULER_FEATURES[SCHEDULER_EAGLE_ROW],
     ASYNC_DRAFT_ROW: SCHEDULER_FEATURES[SCHEDULER_DRAFT_ROW],
     ASYNC_MAMBA_SPEC_ROW: SCHEDULER_FEATURES[SCHEDULER_MAMBA_SPEC_ROW],
+    ASYNC_LONG_PREFILL_ROW: SCHEDULER_FEATURES[SCHEDULER_LONG_PREFILL_ROW],
 }
 
 # Rows that only count when the run reached these model rules (`AllocatorModel.exercised`).
@@ -140,6 +146,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     SCHEDULER_EAGLE_ROW: ("draft tokens accepted", "drafts cut by the step's budget"),
     SCHEDULER_DRAFT_ROW: ("draft tokens accepted", "one-token admission padded with draft slots"),
     SCHEDULER_MAMBA_SPEC_ROW: ("draft tokens accepted", "Mamba draft block moved past by its state"),
+    SCHEDULER_LONG_PREFILL_ROW: ("chunk capped by the long-prefill threshold",),
+    ASYNC_LONG_PREFILL_ROW: ("chunk capped by the long-prefill threshold",),
     ASYNC_PLACEHOLDER_ROW: ("async: a step scheduled a sampled token's position ahead of it",),
     ASYNC_EAGLE_ROW: ("draft tokens accepted", "async: a step allocated past drafts still to be rolled back"),
     ASYNC_DRAFT_ROW: ("draft tokens accepted", "one-token admission padded with draft slots"),
@@ -182,6 +190,8 @@ SCHEDULER_SETTINGS = [
     "scheduler_reserve_full_isl=False and watermark 0: the model admits a request when its first "
     "chunk fits (vLLM 0.33.0's default admits only if the whole sequence fits)",
     "each step's queues hold exactly the step's requests; its budget is max_num_scheduled_tokens",
+    "long_prefill_token_threshold as the configuration says (0 but on the long-prefill rows), "
+    "its adaptive floor off: the cap binds in a step naming two or more requests",
 ]
 
 # How the vllm-async-scheduler target runs vLLM's `AsyncScheduler` (beyond the settings above).

@@ -93,6 +93,11 @@ NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER = (
     "Eagle / MTP without lookahead slots (vLLM's Eagle drafts at least one token, so its scheduler "
     "cannot be built with none: Eagle configurations there reserve 1..3 lookahead slots)"
 )
+LONG_PREFILL_AT_SPEC_TOKENS = (
+    "a long-prefill threshold at or below the spec tokens (vLLM 0.33.0 clips a padded one-token "
+    "admission to it and fails its own assertion: a crash no serving threshold reaches; "
+    "tests/test_long_prefill.py); the adaptive threshold"
+)
 
 
 NO_CONNECTOR = (
@@ -112,7 +117,11 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
     if target in ASYNC_SCHEDULER_TARGETS:
         # Drafts included: the model states them one step ahead (`model.async_scheduling`, 5).
         return configs(
-            allow_pinning=False, allow_fine=target in FINE_MAMBA_TARGETS, eagle_drafts=True, connector=False
+            allow_pinning=False,
+            allow_fine=target in FINE_MAMBA_TARGETS,
+            eagle_drafts=True,
+            connector=False,
+            long_prefill=None,
         )
     return configs(
         allow_pinning=target in PINNING_TARGETS,
@@ -120,6 +129,8 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
         # A real scheduler's Eagle always drafts (`model.spec_decode`).
         eagle_drafts=target in REAL_SCHEDULER_TARGETS,
         connector=None if target in CONNECTOR_TARGETS else False,
+        # Only a real scheduler caps a chunk at the long-prefill threshold.
+        long_prefill=None if target in REAL_SCHEDULER_TARGETS else False,
     )
 
 
@@ -127,7 +138,7 @@ def _not_generated(target: str) -> tuple[str, ...]:
     """What `_generated` leaves out for `target`, said in its report."""
     connector = CONNECTOR_NOT_MAMBA if target in CONNECTOR_TARGETS else NO_CONNECTOR
     if target in REAL_SCHEDULER_TARGETS:
-        return (NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER, connector)
+        return (NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER, LONG_PREFILL_AT_SPEC_TOKENS, connector)
     return (connector,)
 
 

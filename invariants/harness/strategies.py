@@ -44,6 +44,7 @@ def configs(
     eagle_drafts: bool = False,
     connector: bool | None = False,
     load_failure: str | None = None,
+    long_prefill: bool | None = False,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -63,6 +64,9 @@ def configs(
     where the shape has no Mamba group and nothing speculates (the connector's
     contract is stated without drafts); `load_failure`: its `kv_load_failure_policy`
     ("recompute", "fail"; None = either, mostly "recompute").
+    `long_prefill`: True = a long-prefill threshold (`Config.long_prefill_token_threshold`,
+    above the spec tokens: vLLM asserts when it clips a padded admission), False = none,
+    None = either (mostly none).
     """
     allowed = [s for s in (shapes or SHAPES) if (allow_mamba and connector is not True) or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -90,6 +94,9 @@ def configs(
     if connector or (connector is None and not cfg.has_mamba and not speculates and draw(st.booleans())):
         policy = load_failure or draw(st.sampled_from(["recompute", "recompute", "fail"]))
         cfg = cfg.with_(kv_connector=True, kv_load_failure_policy=policy)
+    if long_prefill or (long_prefill is None and draw(st.sampled_from([False, False, False, True]))):
+        threshold = draw(st.integers(cfg.num_lookahead_tokens + 1, 4 * cfg.scheduler_block_size))
+        cfg = cfg.with_(long_prefill_token_threshold=threshold)
     if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
         cfg = cfg.with_(
             groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)

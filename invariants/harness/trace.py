@@ -43,8 +43,12 @@ def config_to_json(cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if (f.name, value) in (("kv_connector", False), ("kv_load_failure_policy", "recompute")):
-            continue  # absent = no connector (traces from before connectors read the same)
+        if (f.name, value) in (
+            ("kv_connector", False),
+            ("kv_load_failure_policy", "recompute"),
+            ("long_prefill_token_threshold", 0),
+        ):
+            continue  # absent = the default (traces from before these fields read the same)
         if f.name == "groups":
             value = [
                 {
@@ -86,6 +90,7 @@ def config_from_json(data: Any) -> Config:
         "scheduler_block_size",
         "max_model_len",
         "pin_min_drop_blocks",
+        "long_prefill_token_threshold",
     ):
         if key in kwargs and (not isinstance(kwargs[key], int) or isinstance(kwargs[key], bool)):
             raise ConfigError(f"config.{key}: must be an integer")

@@ -102,6 +102,10 @@ FINE_MAMBA_UNSUPPORTED = (
 NO_KV_CONNECTOR = (
     "kv_connector: the seeds' allocator has no scheduler to ask a KV connector (use --target model or vllm)"
 )
+NO_LONG_PREFILL = (
+    "long_prefill_token_threshold: the seeds' allocator has no scheduler to cap a chunk "
+    "(use --target model or vllm)"
+)
 
 
 class ReferenceTarget(Target):
@@ -127,6 +131,8 @@ class ReferenceTarget(Target):
             raise ConfigError(f"groups: {FINE_MAMBA_UNSUPPORTED}")
         if config.kv_connector:
             raise ConfigError(NO_KV_CONNECTOR)
+        if config.long_prefill_token_threshold:
+            raise ConfigError(NO_LONG_PREFILL)
         self.config = config
         self.track_prefixes = self.TRACK_PREFIXES if track_prefixes is None else track_prefixes
         self.mutant = mutant

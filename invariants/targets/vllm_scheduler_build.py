@@ -199,7 +199,7 @@ def vllm_config(cfg: Config, *, async_scheduling: bool = False) -> Any:
         max_num_batched_tokens=cfg.max_model_len,
         max_model_len=cfg.max_model_len,
         enable_chunked_prefill=True,
-        long_prefill_token_threshold=0,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         is_encoder_decoder=False,
         watermark=0.0,
         # The model admits a request when its first chunk fits (see the module docstring).

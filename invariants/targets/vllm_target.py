@@ -64,6 +64,10 @@ NO_KV_CONNECTOR = (
     "kv_connector: the KVCacheManager-driven target has no scheduler to ask a KV connector "
     "(use --target vllm)"
 )
+NO_LONG_PREFILL = (
+    "long_prefill_token_threshold: the KVCacheManager-driven target re-creates the scheduler's "
+    "calls without the long-prefill cap (use --target vllm)"
+)
 
 
 class VllmManagerTarget(Target):
@@ -108,6 +112,8 @@ class VllmManagerTarget(Target):
         imported; `caps`: what `vllm_capabilities.detect` found)."""
         if config.kv_connector:
             raise ConfigError(NO_KV_CONNECTOR)
+        if config.long_prefill_token_threshold:
+            raise ConfigError(NO_LONG_PREFILL)
         return build_manager(config, v, caps, self.version)
 
     # ------------------------------------------------------------------ the Target protocol

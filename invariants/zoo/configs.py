@@ -113,6 +113,10 @@ def _strategy(name: str, *, allow_pinning: bool, allow_fine: bool) -> st.SearchS
             lookahead=False,
             connector=True,
         ),
+        # A real scheduler with a long-prefill threshold (drafts and Mamba included).
+        "scheduler-long-prefill": lambda: configs(
+            allow_pinning=False, allow_fine=allow_fine, eagle_drafts=True, long_prefill=True
+        ),
         # Full attention + a Mamba block 2 or 4 hash blocks wide: fine-grained hits and copies.
         "mamba-fine": lambda: configs(
             allow_pinning=False, shapes=(("full", "mamba"),), caching=True, eagle=False, fine=True
@@ -138,4 +142,5 @@ STRATEGY_NAMES = (
     "scheduler-mamba",
     "scheduler-spec",
     "scheduler-connector",
+    "scheduler-long-prefill",
 )

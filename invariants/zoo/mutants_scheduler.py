@@ -623,3 +623,39 @@ def scheduled_drafts_not_clipped(stack: contextlib.ExitStack, sched: Any) -> Non
         "if len(spec_token_ids) > num_scheduled_spec_tokens:",
         "if len(spec_token_ids) < num_scheduled_spec_tokens:",
     )
+
+
+@mutant("long_prefill_caps_lone_request", strategy="scheduler-long-prefill")
+def long_prefill_caps_lone_request(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Chunking under the long-prefill threshold: the cap applies with no other request
+    queued (`if num_eligible_reqs > 0`), so a lone long prompt is chunked at the threshold
+    though nobody waits for the budget it leaves."""
+    _rewrite(stack, sched, "schedule", "if num_eligible_reqs > 1", "if num_eligible_reqs > 0")
+
+
+@mutant("admission_counts_external_as_local", strategy="scheduler-connector")
+def admission_counts_external_as_local(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Admission with a hit: the waiting pass passes the whole hit, local and external, as
+    `allocate_slots(num_new_computed_tokens=num_computed_tokens)`, so the connector's
+    external tokens are counted twice and their blocks are taken for cached ones."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "num_new_computed_tokens=num_new_local_computed_tokens,",
+        "num_new_computed_tokens=num_computed_tokens,",
+    )
+
+
+@mutant("rollback_counts_configured_drafts", strategy="scheduler-spec")
+def rollback_counts_configured_drafts(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Rejection rollback: `update_from_output` counts the configured draft tokens
+    (`num_draft_tokens = self.num_spec_tokens`) instead of those the step verified, so a
+    decode whose drafts the budget cut rolls back positions it never scheduled."""
+    _rewrite(
+        stack,
+        sched,
+        "update_from_output",
+        "num_draft_tokens = len(scheduled_spec_token_ids)",
+        "num_draft_tokens = self.num_spec_tokens",
+    )
