@@ -128,7 +128,7 @@ def step_blocks_stay_held(ctx: CheckContext) -> list[str]:
             for idx in _reads(spec, start, end) if drafts is None else (cdiv(end, spec.block_size) - 1,):
                 b = table[idx] if idx < len(table) else 0
                 if drafts is not None and b == 0:
-                    continue  # the worker's table may hold a moved draft block here (module docstring)
+                    continue  # judged against the worker's table (mamba_state_in_worker_table)
                 if b == 0 or ctx.after.ref_cnt[b] <= 0:
                     problems.append(
                         f"{rid} computes tokens [{start}, {end}) but group {g} block index {idx} "
