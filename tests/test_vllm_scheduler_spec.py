@@ -438,7 +438,7 @@ def test_a_drafting_mamba_request_resumes_from_its_draft_state_blocks() -> None:
 
 
 DATA = Path(__file__).parent / "data"
-NULL_STATE = "column 1 of its worker table (group 1): the null block"
+NULL_STATE = "of its worker table (group 1): the null block"
 
 
 @needs_vllm
@@ -452,17 +452,20 @@ def test_a_padded_admission_puts_the_next_state_in_the_null_block(target: str) -
     ends at token 4, whose state column (1) is that null entry in the worker's
     table too. vLLM 0.33.0 writes r2's running state into the null block; with a
     second request in the same case (r3) the two share it, and r2 then reads the
-    state r3 wrote there."""
+    state r3 wrote there. Without a hit: a one-token prompt (r1) padded beside a
+    running request ships [null, state, draft, draft] and its next step writes
+    column 0."""
     from invariants.harness.replay import replay
     from invariants.harness.trace import read_trace
 
     cases = {
-        "mamba_state_in_null_block": [(6, "r2 writes its state into")],
+        "mamba_state_in_null_block": [(6, "r2 writes its state into column 1")],
         "mamba_state_in_null_block_two_requests": [
-            (8, "r2 writes its state into"),
-            (9, "r3 writes its state into"),
-            (12, "r2 reads its previous state from"),
+            (8, "r2 writes its state into column 1"),
+            (9, "r3 writes its state into column 1"),
+            (12, "r2 reads its previous state from column 1"),
         ],
+        "mamba_state_in_null_block_no_hit": [(8, "r1 writes its state into column 0")],
     }
     for name, expected in cases.items():
         result = replay(read_trace(DATA / f"{name}.json"), target)
