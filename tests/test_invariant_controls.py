@@ -336,6 +336,37 @@ def test_mamba_state_not_read_while_written(batched):
     fails("mamba_state_not_read_while_written", broken)
 
 
+CHUNKED_OPS = [AddRequest("a", SYS + (2, 2)), Step(("a",), 8), Step(("a",), 8), Step(("a",), 8)]
+
+
+def test_mamba_state_in_worker_table():
+    """a's third chunk (the Mamba split cuts it at token 20) reads its state from
+    column 3 of the worker's Mamba table (the block the second chunk wrote) and
+    writes column 4. Corruptions: the
+    worker's state column null (a moved draft block's nulled entry shipped, as a
+    re-admission does), a block the request does not hold, the state read from
+    a column past the worker's table."""
+    ctx = [c for c in run(MAMBA_STEP, CHUNKED_OPS) if isinstance(c.op, Step)][-1]
+    holds("mamba_state_in_worker_table", ctx)
+    r = ctx.history.requests["a"]
+    full, mamba = r.worker
+    assert r.read_from == (16, 0) and r.num_computed == 20 and len(mamba) == 5
+    assert mamba[3] != 0 and mamba[4] == ctx.after.tables["a"][1][4] != 0
+
+    def planted(worker=None, read_from=None):  # the history with a's worker view replaced
+        history = copy.deepcopy(ctx.history)
+        planted_r = history.requests["a"]
+        planted_r.worker = worker or planted_r.worker
+        planted_r.read_from = read_from or planted_r.read_from
+        return replace(ctx, history=history)
+
+    fails("mamba_state_in_worker_table", planted(worker=(full, (*mamba[:4], 0))))
+    other = next(b for b in range(1, MAMBA_STEP.num_blocks) if b not in mamba and b not in full)
+    fails("mamba_state_in_worker_table", planted(worker=(full, (*mamba[:4], other))))
+    fails("mamba_state_in_worker_table", planted(worker=(full, (*mamba[:3], 0, *mamba[4:]))))
+    fails("mamba_state_in_worker_table", planted(read_from=(16, 9)))
+
+
 def test_hit_checks_cover_batched_admissions(batched):
     """b's lookup inside the step hits a's freshly cached blocks: the hit checks
     accept it, and catch a hit block that holds another prefix."""

@@ -407,8 +407,11 @@ def test_a_drafting_mamba_request_resumes_from_its_draft_state_blocks() -> None:
     block holding token `start - 1` (null here): `step_blocks_stay_held` reads it
     there. Negative controls: read by position (no draft blocks) it flags the step;
     a state block dropped from the table after the step is flagged. A step without
-    drafts then ends in the position a moved draft block left null: not judged
-    (the worker's append-only table still holds the moved block there)."""
+    drafts then ends in the position a moved draft block left null in the
+    allocator's table: the worker's append-only table still holds the moved block
+    there, so `mamba_state_in_worker_table` judges the step clean, and catches the
+    same step with that worker entry planted null."""
+    import copy
     from dataclasses import replace
 
     from invariants.catalogue import BY_NAME
@@ -426,4 +429,50 @@ def test_a_drafting_mamba_request_resumes_from_its_draft_state_blocks() -> None:
     assert any(f"block {state}" in p for p in check(replace(ctx, after=after)))
     found, contexts = _captured(narrow_rejection(()))
     assert found == []
-    assert contexts[-1].after.tables["r0"][1][9] == 0  # the step's end position, nulled by the move
+    ctx = contexts[-1]
+    assert ctx.after.tables["r0"][1][9] == 0  # the step's end position, nulled by the move
+    worker = ctx.history.requests["r0"].worker
+    moved = worker[1][9]
+    assert moved != 0 and moved in ctx.after.tables["r0"][1]  # ... kept there by the worker
+    in_worker = BY_NAME["mamba_state_in_worker_table"].check
+    assert in_worker(ctx) == []
+    history = copy.deepcopy(ctx.history)
+    history.requests["r0"].worker = (worker[0], (*worker[1][:9], 0, *worker[1][10:]))
+    assert any("column 9" in p and "the null block" in p for p in in_worker(replace(ctx, history=history)))
+
+
+DATA = Path(__file__).parent / "data"
+NULL_STATE = "of its worker table (group 1): the null block"
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("target", ["vllm", "vllm-async-scheduler"])
+def test_a_padded_admission_puts_the_next_state_in_the_null_block(target: str) -> None:
+    """Full2 + Mamba2, a draft model with k = 2 (docs/semantics.md, speculative
+    decoding): r2 hits r1's state at token 2 and its one remaining token is padded
+    with two placeholder drafts, so its shipped Mamba table is [hit, null, state,
+    draft, draft]; the sample rejects the placeholders and the next one-token step
+    ends at token 4, whose state column (1) is that null entry in the worker's
+    table too. vLLM 0.33.0 writes r2's running state into the null block; with a
+    second request in the same case (r3) the two share it, and r2 then reads the
+    state r3 wrote there. Without a hit: a one-token prompt (r1) padded beside a
+    running request ships [null, state, draft, draft] and its next step writes
+    column 0."""
+    from invariants.harness.replay import replay
+    from invariants.harness.trace import read_trace
+
+    cases = {
+        "mamba_state_in_null_block": [(6, "r2 writes its state into column 1")],
+        "mamba_state_in_null_block_two_requests": [
+            (8, "r2 writes its state into column 1"),
+            (9, "r3 writes its state into column 1"),
+            (12, "r2 reads its previous state from column 1"),
+        ],
+        "mamba_state_in_null_block_no_hit": [(8, "r1 writes its state into column 0")],
+    }
+    for name, expected in cases.items():
+        result = replay(read_trace(DATA / f"{name}.json"), target)
+        assert [(i, v.check, v.message) for i, v in result.violations] == [
+            (i, "mamba_state_in_worker_table", f"{what} {NULL_STATE}") for i, what in expected
+        ], name

@@ -70,7 +70,11 @@ INVARIANTS: list[Invariant] = [
     *_family(promises, "promises", ["promise_kept", "eagle_extra_block_kept", "scratch_never_flushes_cache"]),
     *_family(events, "events", ["events_match_hash_map", "stored_tokens_match_hashes"]),
     *_family(liveness, "liveness", ["fitting_request_admitted"]),
-    *_family(steps, "steps", ["step_blocks_stay_held", "mamba_state_not_read_while_written"]),
+    *_family(
+        steps,
+        "steps",
+        ["step_blocks_stay_held", "mamba_state_not_read_while_written", "mamba_state_in_worker_table"],
+    ),
     *_family(cow, "copies", ["copies_sound"]),
 ]
 BY_NAME = {inv.name: inv for inv in INVARIANTS}

@@ -29,6 +29,14 @@ class RequestHistory:
     verifying: tuple[int, ...] = ()
     offered: int = 0  # a KV connector's standing offer (`model.ops.Offer`), until an admission
     external: int = 0  # the tokens a KV connector supplied past the hit at its latest admission
+    # The worker's view (`model.worker_table`), rebuilt from the shipped blocks: its table
+    # (None while not running, or unknown: an admission with a connector's external tokens),
+    # the end of the latest step that ran it, the drafts its sample accepted since, and the
+    # (state end, accepted) the latest step read its Mamba state from.
+    worker: tuple[BlockIds, ...] | None = None
+    state_end: int = 0
+    accepted: int = 0
+    read_from: tuple[int, int] = (0, 0)
 
     # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)

@@ -20,6 +20,7 @@ from model.observation import (
 )
 from model.ops import AddRequest, EvictBlocks, Finish, Loaded, Offer, Op, Preempt, Sample
 from model.spec_decode import PLACEHOLDER, verified_drafts
+from model.worker_table import appended, shipped_table
 
 
 def replay_events(shadow: dict[BlockKey, int], events: tuple[Event, ...]) -> list[str]:
@@ -131,9 +132,7 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
     elif isinstance(op, Sample):
         _sampled(history.requests[op.rid], op)
     elif isinstance(op, Preempt):
-        r = history.requests[op.rid]
-        r.running, r.num_computed, r.ever_preempted = False, 0, True
-        r.drafts, r.verifying = (), ()
+        _preempted(history.requests[op.rid])
     elif isinstance(op, Offer):
         history.requests[op.rid].offered = op.num_tokens
     elif isinstance(op, Loaded) and (not op.ok or op.invalid) and op.rid in history.requests:
@@ -153,14 +152,19 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
             history.finished_tokens -= len(old.prompt) + len(old.outputs)
     elif isinstance(obs, ScheduleResult):
         r = history.requests[op.rid]  # type: ignore[union-attr]
-        _scheduled(r, obs)
+        _scheduled(r, obs, obs.copies)
     elif isinstance(obs, StepResult):
         for rid, result in obs.results:
-            _scheduled(history.requests[rid], result)
+            _scheduled(history.requests[rid], result, obs.copies)
         for rid in obs.preempted:
-            r = history.requests[rid]
-            r.running, r.num_computed, r.ever_preempted = False, 0, True
-            r.drafts, r.verifying = (), ()
+            _preempted(history.requests[rid])
+
+
+def _preempted(r: RequestHistory) -> None:
+    """Back to waiting with nothing computed; the worker drops its table."""
+    r.running, r.num_computed, r.ever_preempted = False, 0, True
+    r.drafts, r.verifying = (), ()
+    r.worker, r.state_end, r.accepted = None, 0, 0
 
 
 def _sampled(r: RequestHistory, op: Sample) -> None:
@@ -168,9 +172,28 @@ def _sampled(r: RequestHistory, op: Sample) -> None:
     r.num_computed -= len(r.verifying) - op.accepted
     r.outputs.extend((*r.verifying[: op.accepted], op.token))
     r.verifying, r.drafts = (), op.drafts
+    r.accepted = op.accepted
 
 
-def _scheduled(r: RequestHistory, obs: ScheduleResult) -> None:
+def _scheduled(r: RequestHistory, obs: ScheduleResult, copies: tuple[tuple[int, int], ...] = ()) -> None:
+    _computed(r, obs)
+    if obs.scheduled <= 0 or obs.new_blocks is None:
+        return
+    # The worker's table and Mamba state position (`model.worker_table`).
+    if obs.hit is not None and obs.admitted:
+        # A connector's external blocks sit between the hit and the chunk: not rebuilt.
+        known = obs.external == 0 and obs.hit_blocks is not None
+        r.worker = shipped_table(obs.hit_blocks or (), obs.new_blocks, set(copies)) if known else None
+        r.read_from = (r.num_computed - obs.scheduled, 0)
+    elif obs.hit is None:
+        r.worker = appended(r.worker, obs.new_blocks) if r.worker is not None and not obs.admitted else None
+        r.read_from = (r.state_end, r.accepted)
+    else:
+        return
+    r.state_end, r.accepted = r.num_computed, 0
+
+
+def _computed(r: RequestHistory, obs: ScheduleResult) -> None:
     num_tokens = len(r.prompt) + len(r.outputs)
     if obs.hit is not None:
         if obs.shared_prefix_boundary:

@@ -20,10 +20,16 @@ chunk `[start, end)`, per group:
   blocks; so every non-null block of its table from there on must stay held
   (wherever it lies after the step), and the block holding token `end - 1`
   must be held where the allocator's table has one. Where that position is
-  null it is not judged: the worker's table only grows (`allocate_new_blocks`
-  ships a moved draft block again at the end and nulls only the allocator's
-  entry), so the worker may still hold the moved block there, and kvretain
-  does not rebuild the worker's table across steps.
+  null in the allocator's table the worker's may still hold a block (its
+  table only grows: `allocate_new_blocks` ships a moved draft block again at
+  the end and nulls only the allocator's entry), so there the position is
+  judged against the worker's table (`mamba_state_in_worker_table`).
+
+The worker's table (`model.worker_table`, rebuilt in the history from the
+blocks each step ships) is what the forward pass indexes: a Mamba step reads
+the previous state from one of its columns and writes the running state (and
+each verified draft's state) into others, whatever the allocator's table now
+says there.
 
 Attention KV written by one request may be read by another in the same step
 (each layer writes the batch's KV before its attention reads it: that is why
@@ -43,6 +49,7 @@ from model.config import GroupSpec
 from model.masks import cdiv
 from model.observation import ScheduleResult, StepResult
 from model.ops import Schedule
+from model.worker_table import read_column, written_columns
 
 Chunk = tuple[str, int, int]  # request, start, end
 
@@ -121,7 +128,7 @@ def step_blocks_stay_held(ctx: CheckContext) -> list[str]:
             for idx in _reads(spec, start, end) if drafts is None else (cdiv(end, spec.block_size) - 1,):
                 b = table[idx] if idx < len(table) else 0
                 if drafts is not None and b == 0:
-                    continue  # the worker's table may hold a moved draft block here (module docstring)
+                    continue  # judged against the worker's table (mamba_state_in_worker_table)
                 if b == 0 or ctx.after.ref_cnt[b] <= 0:
                     problems.append(
                         f"{rid} computes tokens [{start}, {end}) but group {g} block index {idx} "
@@ -197,3 +204,47 @@ def mamba_state_not_read_while_written(ctx: CheckContext) -> list[str]:
                     f"which {writer} writes in the same step"
                 )
     return problems
+
+
+def mamba_state_in_worker_table(ctx: CheckContext) -> list[str]:
+    """Every Mamba ('align') state a step reads or writes lies in a block the
+    request holds, at the column of the worker's block table where the model
+    runner looks for it (`model.worker_table`: the state column
+    `cdiv(end, bs) - 1` and one column per verified draft after it; the
+    previous state at the previous step's state column plus the drafts accepted
+    since, or at `(num_computed - 1) // bs` right after an admission). Never the
+    null block, which every request's table shares, never past the worker's
+    table, never a block freed or held by another request. From the drafting
+    case the allocator's own table cannot show (docs/semantics.md, speculative
+    decoding: a draft block moved past is nulled in the allocator's table only;
+    a re-admitted request's shipped table carries such a null)."""
+    problems = []
+    for rid, _start, end in _chunks(ctx):
+        r = ctx.history.requests[rid]
+        if r.worker is None:
+            continue  # not rebuilt (an admission with a connector's external tokens)
+        tables = ctx.after.tables.get(rid, ())
+        for g, spec in enumerate(ctx.config.groups):
+            if spec.kind != "mamba" or spec.mamba_cache_mode != "align" or g >= len(r.worker):
+                continue
+            held = set(tables[g]) - {0} if g < len(tables) else set()
+            bs = spec.block_size
+            read = read_column(*r.read_from, bs)
+            roles = [] if read is None else [("reads its previous state from", read)]
+            roles += [("writes its state into", c) for c in written_columns(end, len(r.verifying), bs)]
+            for role, col in roles:
+                problem = _worker_block_problem(ctx, r.worker[g], col, held)
+                if problem:
+                    problems.append(f"{rid} {role} column {col} of its worker table (group {g}): {problem}")
+    return problems[:3]
+
+
+def _worker_block_problem(ctx: CheckContext, table: tuple[int, ...], col: int, held: set[int]) -> str:
+    if col >= len(table):
+        return f"past the table's {len(table)} entries"
+    b = table[col]
+    if b == 0:
+        return "the null block"
+    if b not in held or ctx.after.ref_cnt[b] <= 0:
+        return f"block {b}, {'freed' if ctx.after.ref_cnt[b] <= 0 else 'not in its table'} after the step"
+    return ""

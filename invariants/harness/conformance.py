@@ -207,15 +207,6 @@ ASYNC_SCHEDULER_SETTINGS = [
 
 EXCLUDED = [
     (
-        "judging the Mamba state position of a drafting request (vllm, "
-        "vllm-async-scheduler) where the "
-        "allocator's table is null (step_blocks_stay_held leaves it out)",
-        "a draft block the state moved past is nulled in the allocator's table but kept in the "
-        "worker's, which kvretain does not rebuild across steps; a re-admitted request's shipped "
-        "table carries that null too, a case this leaves unjudged (docs/semantics.md, speculative "
-        "decoding: 'Unjudged, and worth a look')",
-    ),
-    (
         "Mamba internal prefill checkpoints; Mamba speculative blocks on the vllm-manager target (KVCacheManager "
         "driven without drafts)",
         "sized by the model spec (num_prefill_checkpoint_blocks; num_speculative_blocks), which "
