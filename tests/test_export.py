@@ -49,6 +49,9 @@ NOT_EXPORTED = {
     "the masked variant (vllm-blockstored-token-range) is exported",
     "swa-load-cut-reads-skipped-window": "a KV connector trace (Offer, Loaded with failed blocks): the "
     "exporter writes no connector yet; `kvretain replay` replays it on vllm",
+    "vllm-mamba-padded-admission-null-state": "drafts through the real scheduler: the exporter writes "
+    "no speculative decoding for vLLM's Scheduler yet (it refuses in one line); `kvretain replay` "
+    "replays it on vllm and vllm-async-scheduler",
 }
 FINDINGS = {fid: f for fid, f in FINDINGS.items() if fid not in NOT_EXPORTED}
 _counter = itertools.count()
@@ -729,3 +732,17 @@ def test_exported_property_fix_is_a_strict_xpass(
     code, reports = run_as_findings({exported_test_name(plan): render_test(plan)}, tmp_path)
     assert [_verdict(r) for r in reports.values()] == ["XPASS(strict)"]
     assert code == 1
+
+
+def test_a_trace_the_renderer_refuses_exits_2_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real scheduler's drafts pass the plan but not the renderer: one line, exit 2 (it
+    was a traceback)."""
+    trace = tmp_path / "drafts.json"
+    trace.write_text((ROOT / "tests" / "data" / "mamba_state_in_null_block.json").read_text())
+    out = tmp_path / "t.py"
+    assert main(["export", str(trace), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "speculative decoding" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafts.json"]

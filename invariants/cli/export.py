@@ -56,6 +56,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace)
     try:
         plan = plan_export(trace)
+        # Rendering refuses what the plan allows but a file cannot state (a real scheduler's drafts).
+        source = render_test(plan)
     except ExportError as exc:
         raise UsageError(f"{args.trace}: {exc}") from None
     out = Path(args.out) if args.out else Path(args.trace).with_name(f"{exported_test_name(plan)}.py")
@@ -63,7 +65,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: a pytest file must end in .py, got {str(out)!r}")
     if args.issue and Path(args.issue).suffix != ".md":
         raise UsageError(f"--issue: the report is Markdown and must end in .md, got {args.issue!r}")
-    source = render_test(plan)
     report = render_issue(plan, source, out.name) if args.issue else None
     _write(out, source)
     print(f"kvretain export: {plan.expectation.property} ({plan.expectation.kind}) -> {out}")

@@ -62,6 +62,10 @@ CONDITIONS: dict[str, tuple[Condition, str]] = {
         "an align-mode Mamba block wider than the hash block (fine-grained hits)",
     ),
     "kv_connector": (lambda c: c.kv_connector, "a KV connector"),
+    "drafts_span_mamba_block": (
+        lambda c: any(c.num_lookahead_tokens >= bs for bs in _mamba_align(c)),
+        "spec tokens at least an align-mode Mamba block (a padded admission ends a block past its token)",
+    ),
     "one_group": (lambda c: len(c.groups) == 1, "a single KV cache group"),
     "retention_dense": (lambda c: c.effective_retention is None, "dense retention (interval None)"),
     "retention_sparse": (lambda c: c.effective_retention is not None, "sparse retention (interval 0 or k)"),

@@ -659,3 +659,21 @@ def rollback_counts_configured_drafts(stack: contextlib.ExitStack, sched: Any) -
         "num_draft_tokens = len(scheduled_spec_token_ids)",
         "num_draft_tokens = self.num_spec_tokens",
     )
+
+
+@mutant("hit_admission_padded_behind_prefill", strategy="scheduler-spec")
+def hit_admission_padded_behind_prefill(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Admission with a hit: a request whose hit leaves it one token is padded with
+    placeholder drafts even when the running pass scheduled a prefill chunk
+    (`and not prefill_scheduled` dropped), so a mixed step carries padding vLLM keeps
+    for uniform decode batches and allocates slots for drafts nobody proposes."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        """
+        and num_new_tokens == 1
+        and not prefill_scheduled
+        """,
+        "and num_new_tokens == 1",
+    )
