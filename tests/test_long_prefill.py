@@ -4,8 +4,8 @@ and padding included, and the Mamba split's "block wider than the budget" escape
 the threshold whatever the queue.
 
 The model alone, then vLLM's real `Scheduler` and `AsyncScheduler` against it on
-scripted traces. Negative controls: the zoo's mutant that caps a lone request is caught
-on a trace the unmutated scheduler passes; the targets with no scheduler refuse a
+scripted traces. Negative controls: the zoo's mutants (a lone request capped, the Mamba
+split blind to the threshold) are caught on traces the unmutated scheduler passes; the targets with no scheduler refuse a
 threshold; an invalid threshold is refused; the one case the fuzzer leaves out (a
 threshold at or below the spec tokens) is shown to crash vLLM 0.33.0, which is why.
 The vLLM parts are skipped, with the reason, when vLLM cannot be imported.
@@ -159,18 +159,33 @@ def test_real_schedulers_agree_with_the_model(trace, target: str) -> None:  # ty
     assert d.checker.model.exercised["chunk capped by the long-prefill threshold"] > 0
 
 
+MUTANT_TRACES = {
+    "long_prefill_caps_lone_request": two_prompts,
+    "mamba_split_ignores_long_prefill": mamba_prompts,
+}
+
+
 @needs_vllm
 @pytest.mark.vllm
-def test_the_zoo_mutant_is_caught() -> None:
-    """Negative control: vLLM's scheduler capping a lone request disagrees with the model."""
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-    from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate
+def test_every_long_prefill_mutant_has_a_trace() -> None:
+    from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
 
     names = {n for n, m in SCHEDULER_MUTANTS.items() if m.strategy == "scheduler-long-prefill"}
-    assert names == {"long_prefill_caps_lone_request"}
-    assert two_prompts(VllmSchedulerTarget).found == []
-    with activate("long_prefill_caps_lone_request") as factory:
-        assert two_prompts(factory).found != []
+    assert names == set(MUTANT_TRACES)
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", sorted(MUTANT_TRACES))
+def test_the_zoo_mutants_are_caught(name: str) -> None:
+    """Negative controls: vLLM's scheduler capping a lone request, or splitting Mamba
+    chunks without the threshold, disagrees with the model."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+    from invariants.zoo.mutants_scheduler import activate
+
+    assert MUTANT_TRACES[name](VllmSchedulerTarget).found == []
+    with activate(name) as factory:
+        assert MUTANT_TRACES[name](factory).found != []
 
 
 @needs_vllm

@@ -677,3 +677,18 @@ def hit_admission_padded_behind_prefill(stack: contextlib.ExitStack, sched: Any)
         """,
         "and num_new_tokens == 1",
     )
+
+
+@mutant("mamba_split_ignores_long_prefill", strategy="scheduler-long-prefill")
+def mamba_split_ignores_long_prefill(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Chunking under the long-prefill threshold: the Mamba split's "block wider than the
+    budget" escape reads the step's budget only (the `min(..., long_prefill_threshold)`
+    dropped), so under a threshold below the Mamba block a capped prefill chunk rounds
+    down to nothing and the request never runs beside another."""
+    _rewrite(
+        stack,
+        sched,
+        "_mamba_block_aligned_split",
+        "max_prefill_tokens = min(max_prefill_tokens, long_prefill_threshold)",
+        "pass",
+    )

@@ -22,8 +22,9 @@ Verdicts, per mutant:
   plugin proved the mutant was installed;
 - stale: the mutant could not be installed on this vLLM (session aborted);
 - hung: the session ran past the timeout (reported, not counted as caught);
-- flaky: the catching test also fails when re-run alone without the mutant
-  (every catching test is re-run so, in one session at the end).
+- flaky: the catch does not reproduce: the catching test also fails re-run without
+  the mutant (every catching test, in one session at the end), or passes re-run
+  alone under its mutant (a timeout on a loaded machine, an order dependence).
 Tests that fail or error in the control (they need a GPU, Triton, the network,
 a tokenizer...) are deselected from every mutant run and listed with why.
 """
@@ -293,8 +294,10 @@ def recheck(
     timeout_s: float = 1800.0,
     log: Callable[[str], None] = lambda line: None,
 ) -> None:
-    """Re-run every catching test without a mutant, in one session: a test that fails
-    there too is flaky, not a catch (its rows become "flaky")."""
+    """A catch must reproduce alone: its test passes re-run without a mutant (every
+    catching test, in one session) and fails re-run alone under its mutant. A row where
+    either does not hold is "flaky", not a catch (a timeout on a loaded machine, an
+    order dependence between tests)."""
     catchers = sorted({r.caught_by for r in rows if r.verdict == "caught"})
     if not catchers:
         return
@@ -303,6 +306,16 @@ def recheck(
     for r in rows:
         if r.verdict == "caught" and r.caught_by not in s.passed:
             r.verdict, r.reason = "flaky", f"fails without the mutant too: {s.failed.get(r.caught_by, s.rc)}"
+    caught = [r for r in rows if r.verdict == "caught"]
+    for r in caught:
+        alone = run_session(
+            root, [r.caught_by], env, mutant=f"{r.target}:{r.name}", stop_first=False, timeout_s=timeout_s
+        )
+        if r.caught_by not in alone.failed:
+            r.verdict, r.reason = "flaky", f"passes re-run alone under the mutant (it failed with {r.reason})"
+    log(
+        f"recheck under each mutant: {sum(r.verdict == 'caught' for r in caught)} of {len(caught)} catches reproduce"
+    )
 
 
 def _last_error(tail: str) -> str:
