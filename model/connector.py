@@ -233,9 +233,16 @@ def saved(m: AllocatorModel, rid: str) -> None:
     m.exercised["connector: freed when the save reported"] += 1
 
 
-def loaded(m: AllocatorModel, rid: str, ok: bool, invalid: tuple[int, ...] = ()) -> Done | LoadCut:
+def loaded(
+    m: AllocatorModel, rid: str, ok: bool, invalid: tuple[int, ...] = (), report: SyncReport | None = None
+) -> Done | LoadCut:
     """The async load of `rid` reported, failed on the blocks `invalid` names (if
-    any: seen as the cut, `LoadCut`); a finished request's deferred free happens now."""
+    any: seen as the cut, `LoadCut`); a finished request's deferred free happens now.
+    Right after the step that ran `rid`'s sync load (`report`), its failed blocks
+    come with that step's output (`sync_load_failed`)."""
+    if report is not None and rid in report.loads:
+        return sync_load_failed(m, rid, invalid, report)
+    m.undelivered = {}  # the report comes with the last step's output
     if rid in m.held:
         m.held.discard(rid)
         m._free(rid)
@@ -266,14 +273,110 @@ def loaded(m: AllocatorModel, rid: str, ok: bool, invalid: tuple[int, ...] = ())
 
 
 def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
-    """The blocks a report of `req`'s async load may name as failed (`Loaded.invalid`):
+    """The blocks a report of `req`'s load may name as failed (`Loaded.invalid`):
     with a single KV cache group (vLLM refuses block-level failures with more: block ids
-    are unique per group only), the non-null blocks covering its computed tokens that no
-    other request holds (vLLM would cut every request holding one)."""
-    if len(m.groups) != 1 or req.load != LOADING:
+    are unique per group only), for an async load in flight the non-null blocks covering
+    its computed tokens that no other request holds (vLLM would cut every request
+    holding one); right after the step that ran its sync load, `sync_failable_blocks`."""
+    if len(m.groups) != 1:
+        return []
+    if m.sync_report is not None and req.rid in m.sync_report.loads:
+        return sync_failable_blocks(m, req, m.sync_report)
+    if req.load != LOADING:
         return []
     g = m.groups[0]
     return [b for b in g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)] if b and m.pool.ref[b] == 1]
+
+
+# ---------------------------------------------------------------- a sync load's failed blocks
+
+
+class SyncReport(NamedTuple):
+    """What the latest step's output may still report about its sync loads, until the
+    next operation (`AllocatorModel.sync_report`): the step's admissions in order
+    (async loads included), and per sync load its (hit, external tokens)."""
+
+    admitted: tuple[str, ...]
+    loads: dict[str, tuple[int, int]]
+
+
+def note_step(results: Iterable[tuple[str, ScheduleResult]]) -> SyncReport | None:
+    """The step's `SyncReport` (None without a sync load)."""
+    admitted = tuple(rid for rid, r in results if r.hit is not None and (r.admitted or r.external))
+    loads = {rid: (r.hit or 0, r.external) for rid, r in results if r.admitted and r.external}
+    return SyncReport(admitted, loads) if loads else None
+
+
+def sync_failable_blocks(m: AllocatorModel, req: RequestState, report: SyncReport) -> list[int]:
+    """The blocks the output of the step that ran `req`'s sync load may name as failed:
+    the non-null blocks holding its external tokens (the ones the connector loaded), if
+    the output can come whole (no other request of the step awaits its sample: kvretain
+    delivers a sampled request's share with its token) and, under "fail", no other
+    request holds one (vLLM would end them all at once, freed in a set's order)."""
+    g = m.groups[0]
+    others = [r for r in m.undelivered if r != req.rid and r in m.requests]
+    if any(m.requests[r].awaits_sample for r in others):
+        return []
+    hit, ext = report.loads[req.rid]
+    blocks = [b for b in g.tables.get(req.rid, [])[hit // g.bs : cdiv(hit + ext, g.bs)] if b]
+    if m.cfg.kv_load_failure_policy == "fail":
+        blocks = [b for b in blocks if m.pool.ref[b] == 1]
+    return blocks
+
+
+def cut_covering(m: AllocatorModel, rids: Iterable[str], invalid: tuple[int, ...]) -> tuple[list[str], list[int]]:
+    """Cut each of `rids` whose computed tokens before the latest step (those delivered)
+    cover a failed block, in order (`Scheduler._update_requests_with_invalid_blocks`):
+    at its first failed block no earlier request marked; one whose failed blocks were
+    all marked keeps its computed tokens before the step (the marking request recomputes
+    them). Returns the requests cut and the blocks from each marking request's first
+    failed block on (its dependent blocks)."""
+    g = m.groups[0]
+    marked: set[int] = set()
+    cut: list[str] = []
+    dependent: list[int] = []
+    for rid in rids:
+        req, table = m.requests[rid], g.tables.get(rid, [])
+        before = req.num_computed - m.undelivered.get(rid, 0)
+        failed = [i for i, b in enumerate(table[: cdiv(before, g.bs)]) if b in invalid]
+        if not failed:
+            continue
+        first = next((i for i in failed if table[i] not in marked), None)
+        marked.update(table[i] for i in failed)
+        req.num_computed = before if first is None else first * g.bs
+        if first is not None:
+            dependent += [b for b in table[first:] if b not in dependent]
+        cut.append(rid)
+    return cut, dependent
+
+
+def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], report: SyncReport) -> LoadCut:
+    """The output of the step that ran `rid`'s sync load names the blocks `invalid` it
+    failed on (`Scheduler._handle_invalid_blocks`): the step's async loads holding one
+    are cut, then its running requests (`cut_covering`); the running ones lose the
+    step's output (its tokens and samples). "recompute": the cut requests go on from
+    their cut. "fail": the dependent blocks' hashes are evicted and the cut request
+    ends with an error, freed as a finish is (its save, if any, deferred as usual)."""
+    live = [r for r in report.admitted if r in m.requests]
+    before = {r: m.requests[r].num_computed for r in live}
+    loading = [r for r in live if m.requests[r].load == LOADING]
+    cut, _ = cut_covering(m, loading, invalid)
+    running_cut, dependent = cut_covering(m, [r for r in live if m.requests[r].running], invalid)
+    cut += running_cut
+    m.undelivered = {}
+    for r in running_cut:  # still in flight or not as before (`_inflight_prefills` keeps it)
+        m.requests[r].prefill_chunk = m.requests[r].num_computed < m.requests[r].num_tokens
+    m.exercised["connector: sync load failed on some blocks"] += 1
+    changed = [r for r in cut if r != rid and m.requests[r].num_computed != before[r]]
+    seen = LoadCut(m.requests[rid].num_computed, tuple((r, m.requests[r].num_computed) for r in changed))
+    if len(cut) > 1:
+        m.exercised["connector: a request sharing a failed block cut"] += 1
+    if m.cfg.kv_load_failure_policy == "fail":
+        m.pool.evict_blocks(dependent)
+        assert cut == [rid], "under 'fail' only the loading request holds its failed blocks"
+        finish(m, m.requests.pop(rid))
+        m.exercised["connector: a sync load's failed blocks evicted ('fail')"] += 1
+    return seen
 
 
 def waiting_pass(

@@ -16,7 +16,7 @@ read by the same snapshot, partial-state and hash-naming parts as "vllm-manager"
 | `Preempt` | `Scheduler._preempt_request`, as `reset_prefix_cache(reset_running_requests=True)` preempts |
 | `ResetPrefixCache` | `Scheduler.reset_prefix_cache()` |
 | `Offer`, `Save` | kvretain's connector's script (`vllm_connector`) |
-| `Loaded`, `Saved` | `update_from_output` with no request's share and the worker's `KVConnectorOutput` |
+| `Loaded`, `Saved` | `update_from_output` with no request's share and the worker's `KVConnectorOutput`; a sync load's failed blocks, with the output of the step that ran it (`RealStepScheduler.report_step`) |
 | `Probe`, `EvictBlocks` | the manager's `get_computed_blocks` / `evict_blocks`, as for "vllm-manager" |
 
 KV events come from the scheduler's publisher (`update_from_output` publishes
@@ -95,6 +95,8 @@ class SchedulerOpDriver(OpDriver):
         if isinstance(op, Save):
             self.real.sched.connector.save(op.rid)
             return Done()
+        if isinstance(op, Loaded) and requests[op.rid].status == self.s.v["RequestStatus"].RUNNING:
+            return self.sync_load_failed(op)
         if isinstance(op, (Loaded, Saved)):
             from .vllm_connector import connector_output, sent_output
 
@@ -119,6 +121,33 @@ class SchedulerOpDriver(OpDriver):
         if isinstance(op, ResetPrefixCache):
             return ResetResult(bool(self.real.sched.reset_prefix_cache()))
         return super().dispatch(op)
+
+    def sync_load_failed(self, op: Loaded) -> Observation:
+        """A sync load's failed blocks, reported with the output of the step that ran it:
+        the cut of `op.rid` and of every other request whose computed tokens changed
+        (vLLM's scan order: its async loads, then `running`). Ended ('fail'): gone from
+        vLLM, or kept while the connector saves it."""
+        from .vllm_connector import invalid_output
+
+        sched, requests = self.real.sched, self.s.requests
+        scans = [*sched.kv_holding_waiting, *sched.running]
+        before = {r.request_id: r.num_computed_tokens for r in scans}
+        self.real.report_step(op.rid, invalid_output(op.invalid))
+        own = requests[op.rid].num_computed_tokens
+        others = tuple(
+            (r.request_id, r.num_computed_tokens)
+            for r in scans
+            if r.request_id != op.rid and r.num_computed_tokens != before[r.request_id]
+        )
+        for rid in [op.rid, *(r for r, _ in others)]:
+            if rid in sched.requests and not sched.requests[rid].is_finished():
+                continue
+            if rid in sched.requests:
+                self.held_by_save.add(rid)  # its save defers the free
+                continue
+            requests.pop(rid)
+            self.names.forget(rid)
+        return LoadCut(own, others)
 
     def finish(self, rid: str) -> Observation:
         """`Finish`: with a load in flight or a save, vLLM defers the free (`model.connector`):
