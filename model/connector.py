@@ -324,7 +324,9 @@ def sync_failable_blocks(m: AllocatorModel, req: RequestState, report: SyncRepor
     return blocks
 
 
-def cut_covering(m: AllocatorModel, rids: Iterable[str], invalid: tuple[int, ...]) -> tuple[list[str], list[int]]:
+def cut_covering(
+    m: AllocatorModel, rids: Iterable[str], invalid: tuple[int, ...]
+) -> tuple[list[str], list[int]]:
     """Cut each of `rids` whose computed tokens before the latest step (those delivered)
     cover a failed block, in order (`Scheduler._update_requests_with_invalid_blocks`):
     at its first failed block no earlier request marked; one whose failed blocks were

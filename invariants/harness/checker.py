@@ -464,7 +464,9 @@ def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Load
     if isinstance(op, Loaded):
         sync = model.sync_report is not None and op.rid in model.sync_report.loads
         if sync and not op.invalid:
-            raise InvalidOp(f"loaded: {op.rid!r}'s sync load reports only the blocks it failed on ('invalid')")
+            raise InvalidOp(
+                f"loaded: {op.rid!r}'s sync load reports only the blocks it failed on ('invalid')"
+            )
         if not sync and op.rid not in model.held and (req is None or req.load != "loading"):
             raise InvalidOp(f"loaded: {op.rid!r} has no connector load in flight")
         if op.invalid and (
