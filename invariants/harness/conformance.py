@@ -67,8 +67,10 @@ CONNECTOR_ROW = "real Scheduler + KV connector: external hits, async loads, dela
 CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fail', deferred frees"
 CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
 CONNECTOR_SAVE_ROW = "real Scheduler + KV connector: saves, frees deferred until finished_sending"
-CONNECTOR_BLOCKS_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group), 'recompute'"
-CONNECTOR_BLOCKS_FAIL_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group), 'fail'"
+CONNECTOR_BLOCKS_ROW = (
+    "real Scheduler + KV connector: loads failed on some blocks (one group; sync: shared), 'recompute'"
+)
+CONNECTOR_BLOCKS_FAIL_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group, sync too), 'fail'"
 # vLLM takes block-level load failures (invalid_block_ids) with one KV cache group only.
 ONE_GROUP = (("full",), ("swa",))
 
@@ -162,10 +164,17 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: free deferred until the save reports",
         "connector: freed when the save reported",
     ),
-    CONNECTOR_BLOCKS_ROW: ("connector: load failed on some blocks", "connector: valid prefix of a load kept"),
+    CONNECTOR_BLOCKS_ROW: (
+        "connector: load failed on some blocks",
+        "connector: valid prefix of a load kept",
+        "connector: sync load failed on some blocks",
+        "connector: a request sharing a failed block cut",
+    ),
     CONNECTOR_BLOCKS_FAIL_ROW: (
         "connector: load failed on some blocks",
         "connector: failed load ends the request ('fail')",
+        "connector: sync load failed on some blocks",
+        "connector: a sync load's failed blocks evicted ('fail')",
     ),
 }
 
