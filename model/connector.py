@@ -249,13 +249,27 @@ def loaded(
         return Done()
     req = m.requests[rid]
     assert req.load == LOADING, f"{rid} has no load in flight"
+    seen: Done | LoadCut = Done()
     if invalid:
-        # Cut at the first failed block (`Scheduler._update_requests_with_invalid_blocks`).
-        g = m.groups[0]
-        covered = g.tables[rid][: cdiv(req.num_computed, g.bs)]
-        req.num_computed = next(i for i, b in enumerate(covered) if b in invalid) * g.bs
+        # Cut at the first failed block (`Scheduler._update_requests_with_invalid_blocks`),
+        # and every running request holding one (`failable_blocks`: one at most per block).
+        cut_covering(m, [rid], invalid)
+        running = [r for r in m.requests if m.requests[r].running]
+        before = {r: m.requests[r].num_computed for r in running}
+        others, _ = cut_covering(m, running, invalid)
+        for r in others:
+            m.requests[r].prefill_chunk = m.requests[r].num_computed < m.requests[r].num_tokens
+        seen = LoadCut(
+            req.num_computed,
+            tuple(
+                sorted(
+                    (r, m.requests[r].num_computed) for r in others if m.requests[r].num_computed != before[r]
+                )
+            ),
+        )
         m.exercised["connector: load failed on some blocks"] += 1
-    seen: Done | LoadCut = LoadCut(req.num_computed) if invalid else Done()
+        if others:
+            m.exercised["connector: a running request holding a failed block cut"] += 1
     if (not ok or invalid) and m.cfg.kv_load_failure_policy == "fail":
         # The request ends with an error; its load has reported, so nothing waits,
         # and the connector, whose load is still in flight when vLLM ends it, saves nothing.
@@ -276,8 +290,11 @@ def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
     """The blocks a report of `req`'s load may name as failed (`Loaded.invalid`):
     with a single KV cache group (vLLM refuses block-level failures with more: block ids
     are unique per group only), for an async load in flight the non-null blocks covering
-    its computed tokens that no other request holds (vLLM would cut every request
-    holding one); right after the step that ran its sync load, `sync_failable_blocks`."""
+    its computed tokens that no other live request holds but, under "recompute", one
+    running request not awaiting its sample (vLLM cuts it too; with two the cut would
+    depend on the order of vLLM's `running`, which kvretain does not state; under "fail"
+    vLLM would end them all at once, freed in a set's order); right after the step that
+    ran its sync load, `sync_failable_blocks`."""
     if len(m.groups) != 1:
         return []
     if m.sync_report is not None and req.rid in m.sync_report.loads:
@@ -285,7 +302,22 @@ def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
     if req.load != LOADING:
         return []
     g = m.groups[0]
-    return [b for b in g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)] if b and m.pool.ref[b] == 1]
+    holders: dict[int, list[str]] = {}
+    for rid, table in g.tables.items():
+        if rid != req.rid and rid in m.requests:
+            for b in set(table):
+                holders.setdefault(b, []).append(rid)
+
+    def failable(b: int) -> bool:
+        others = holders.get(b, [])
+        if not others:
+            return True
+        if len(others) > 1 or m.cfg.kv_load_failure_policy == "fail":
+            return False
+        other = m.requests[others[0]]
+        return other.running and not other.awaits_sample
+
+    return [b for b in g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)] if b and failable(b)]
 
 
 # ---------------------------------------------------------------- a sync load's failed blocks
@@ -369,7 +401,7 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
     for r in running_cut:  # still in flight or not as before (`_inflight_prefills` keeps it)
         m.requests[r].prefill_chunk = m.requests[r].num_computed < m.requests[r].num_tokens
     m.exercised["connector: sync load failed on some blocks"] += 1
-    changed = [r for r in cut if r != rid and m.requests[r].num_computed != before[r]]
+    changed = sorted(r for r in cut if r != rid and m.requests[r].num_computed != before[r])
     seen = LoadCut(m.requests[rid].num_computed, tuple((r, m.requests[r].num_computed) for r in changed))
     if len(cut) > 1:
         m.exercised["connector: a request sharing a failed block cut"] += 1

@@ -216,8 +216,8 @@ class Saving:
 class LoadCut:
     """A `Loaded` naming failed blocks (`model.ops.Loaded.invalid`): the request's
     computed tokens once cut at its first failed block (`model.connector`), and
-    (a sync load's report) each other request whose computed tokens the failed
-    blocks changed, with its computed tokens after, in the order vLLM scans them."""
+    each other request whose computed tokens the failed blocks changed, with its
+    computed tokens after, by request id."""
 
     num_computed: int
     others: tuple[tuple[str, int], ...] = ()

@@ -68,7 +68,7 @@ CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fai
 CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
 CONNECTOR_SAVE_ROW = "real Scheduler + KV connector: saves, frees deferred until finished_sending"
 CONNECTOR_BLOCKS_ROW = (
-    "real Scheduler + KV connector: loads failed on some blocks (one group; sync: shared), 'recompute'"
+    "real Scheduler + KV connector: loads failed on some blocks (one group, sync too, shared), 'recompute'"
 )
 CONNECTOR_BLOCKS_FAIL_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group, sync too), 'fail'"
 # vLLM takes block-level load failures (invalid_block_ids) with one KV cache group only.
@@ -169,6 +169,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: valid prefix of a load kept",
         "connector: sync load failed on some blocks",
         "connector: a request sharing a failed block cut",
+        "connector: a running request holding a failed block cut",
     ),
     CONNECTOR_BLOCKS_FAIL_ROW: (
         "connector: load failed on some blocks",

@@ -326,11 +326,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             else:
                 self._do(Schedule(rid, budget))
             obs = self._own_result(rid, self.checker.last_obs)
-            self._after_step(data)
             if isinstance(obs, ScheduleResult) and obs.hit is not None:
                 if not obs.admitted:
                     return
                 self._count_hit(rid, obs.hit)
+            self._after_step(data)
 
     @precondition(lambda self: self.checker is not None and bool(self._schedulable()))
     @rule(data=st.data())
@@ -456,12 +456,14 @@ class ConnectorMachine(AllocatorMachine):
             invalid = () if ok else self._failed_blocks(data, rid)
             self._do(Loaded(rid, ok or bool(invalid), invalid))
             return
-        rid = data.draw(st.sampled_from(offerable), label="rid")
+        rid, extends = self._offered(data, offerable)
         assert self.checker is not None
         model = self.checker.model
         size = model.requests[rid].num_tokens
         tokens = data.draw(st.integers(1, size + self.cfg.scheduler_block_size), label="offered tokens")
-        self._do(Offer(rid, tokens, data.draw(st.sampled_from(LOAD_MODES), label="load")))
+        # Extending a running request, mostly async: its load's failure may name their shared blocks.
+        modes = ["async", "async", "sync"] if extends else list(LOAD_MODES)
+        self._do(Offer(rid, tokens, data.draw(st.sampled_from(modes), label="load")))
         if not data.draw(st.sampled_from([True, True, True, False]), label="admit it now?"):
             return
         # The offer's whole life at once: its admission, its load's report, its promotion.
@@ -477,6 +479,25 @@ class ConnectorMachine(AllocatorMachine):
         self._do(Loaded(rid, outcome != "failed" or bool(invalid), invalid))
         if rid in model.requests and not model.requests[rid].running:  # type: ignore[attr-defined]
             self._do(Step((rid,), 64))
+
+    def _offered(self, data: st.DataObject, offerable: list[str]) -> tuple[str, bool]:
+        """The request an offer names, and whether it is new: a waiting one, or one time
+        in two where there is room, a new request extending the prompt of a running one
+        not awaiting its sample (it may hit its blocks, which a failure of its load may
+        then name: `model.connector.failable_blocks`)."""
+        assert self.checker is not None
+        model = self.checker.model
+        running = self._requests(lambda r: r.running and not r.awaits_sample)  # type: ignore[attr-defined]
+        if not running or len(model.requests) >= 4 or data.draw(st.booleans(), label="extend one?"):
+            return data.draw(st.sampled_from(offerable), label="rid"), False
+        base = model.requests[data.draw(st.sampled_from(running), label="extended")]
+        sbs = self.cfg.scheduler_block_size
+        rid = f"r{self.next_rid}"
+        self.next_rid += 1
+        self._do(
+            AddRequest(rid, base.prompt + tuple(data.draw(st.lists(TOKENS, min_size=1, max_size=2 * sbs))))
+        )
+        return rid, True
 
     def _admission_step(self, data: st.DataObject, rid: str) -> None:
         """The step admitting `rid` with its offer: for a sync load, three times in four
@@ -522,12 +543,7 @@ class ConnectorMachine(AllocatorMachine):
         if not loads or not data.draw(st.integers(0, 2), label="sync load failed on some blocks?"):
             return
         rid = data.draw(st.sampled_from(loads), label="rid")
-        blocks = failable_blocks(model, model.requests[rid])
-        shared = [b for b in blocks if model.pool.ref[b] > 1]  # another request hit them
-        if shared and data.draw(st.integers(0, 3), label="a block another request holds?"):
-            blocks = shared
-        invalid = data.draw(st.lists(st.sampled_from(blocks), min_size=1, max_size=2, unique=True))
-        self._do(Loaded(rid, True, tuple(invalid)))
+        self._do(Loaded(rid, True, self._some_blocks(data, failable_blocks(model, model.requests[rid]))))
 
     def _failed_blocks(self, data: st.DataObject, rid: str) -> tuple[int, ...]:
         """For a failed load of `rid`: the blocks it failed on, where some may be named
@@ -538,6 +554,15 @@ class ConnectorMachine(AllocatorMachine):
         blocks = failable_blocks(self.checker.model, req) if req is not None else []
         if not blocks or not data.draw(st.integers(0, 3), label="failed on some blocks?"):
             return ()
+        return self._some_blocks(data, blocks)
+
+    def _some_blocks(self, data: st.DataObject, blocks: list[int]) -> tuple[int, ...]:
+        """One or two of `blocks`, three times in four among those another request holds
+        too, if any (it is cut as well: `model.connector`)."""
+        assert self.checker is not None
+        shared = [b for b in blocks if self.checker.model.pool.ref[b] > 1]
+        if shared and data.draw(st.integers(0, 3), label="a block another request holds?"):
+            blocks = shared
         return tuple(data.draw(st.lists(st.sampled_from(blocks), min_size=1, max_size=2, unique=True)))
 
     @precondition(

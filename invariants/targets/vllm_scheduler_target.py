@@ -104,6 +104,8 @@ class SchedulerOpDriver(OpDriver):
                 report = connector_output(op.rid, op.ok, op.invalid)
             else:
                 report = sent_output(op.rid)
+            self.real.flush()  # the last step's output first, then the report's
+            before = {r.request_id: r.num_computed_tokens for r in self.real.sched.running}
             self.real.report_load(report)
             req = requests[op.rid]
             # Its free deferred, or ended with an error ('fail' policy): gone from vLLM.
@@ -113,8 +115,13 @@ class SchedulerOpDriver(OpDriver):
                 self.held_by_save.discard(op.rid)
                 requests.pop(op.rid)
                 self.names.forget(op.rid)
-            # Failed blocks cut the request's computed tokens (`model.connector`).
-            return LoadCut(req.num_computed_tokens) if isinstance(op, Loaded) and op.invalid else Done()
+            # Failed blocks cut the request's computed tokens, and those of the running
+            # requests holding one (`model.connector`).
+            if not (isinstance(op, Loaded) and op.invalid):
+                return Done()
+            running = self.real.sched.running
+            cut = tuple((r.request_id, r.num_computed_tokens) for r in running if r.request_id in before)
+            return LoadCut(req.num_computed_tokens, tuple(sorted((r, n) for r, n in cut if n != before[r])))
         if isinstance(op, Preempt):
             self.real.preempt(requests[op.rid])
             return Done()
@@ -124,8 +131,7 @@ class SchedulerOpDriver(OpDriver):
 
     def sync_load_failed(self, op: Loaded) -> Observation:
         """A sync load's failed blocks, reported with the output of the step that ran it:
-        the cut of `op.rid` and of every other request whose computed tokens changed
-        (vLLM's scan order: its async loads, then `running`). Ended ('fail'): gone from
+        the cut of `op.rid` and of every other request whose computed tokens changed. Ended ('fail'): gone from
         vLLM, or kept while the connector saves it."""
         from .vllm_connector import invalid_output
 
@@ -135,9 +141,11 @@ class SchedulerOpDriver(OpDriver):
         self.real.report_step(op.rid, invalid_output(op.invalid))
         own = requests[op.rid].num_computed_tokens
         others = tuple(
-            (r.request_id, r.num_computed_tokens)
-            for r in scans
-            if r.request_id != op.rid and r.num_computed_tokens != before[r.request_id]
+            sorted(
+                (r.request_id, r.num_computed_tokens)
+                for r in scans
+                if r.request_id != op.rid and r.num_computed_tokens != before[r.request_id]
+            )
         )
         for rid in [op.rid, *(r for r, _ in others)]:
             if rid in sched.requests and not sched.requests[rid].is_finished():
