@@ -306,6 +306,49 @@ def test_a_sync_load_failed_under_fail_evicts_its_dependent_blocks() -> None:
     assert {b for bs in kept.snapshot().cached.values() for b in bs} == {1}
 
 
+def shared_invalid_ops() -> list[Op]:
+    """An async load sharing a running request's blocks (Full4, one group): r0 computed
+    8 of its 13 tokens (blocks 1-2, cached); r1 extends its prompt, hits blocks 1-2 and
+    loads 6 external tokens (blocks 3-4); its load fails on block 2, which r0 holds too."""
+    return [
+        AddRequest("r0", PROMPT),
+        Step(("r0",), 8),
+        AddRequest("r1", PROMPT + (7, 7)),
+        Offer("r1", 15, "async"),
+        Step(("r1",), 64),
+        Loaded("r1", True, (2,)),
+        Step(("r0", "r1"), 64),
+        Sample("r0", 3),
+        Sample("r1", 3),
+        Finish("r0"),
+        Finish("r1"),
+        Probe(PROMPT),
+    ]
+
+
+def test_an_async_load_failed_on_a_block_a_running_request_holds_cuts_both() -> None:
+    m = AllocatorModel(FULL)
+    ops = shared_invalid_ops()
+    for op in ops[:5]:
+        m.apply(op)
+    assert failable_blocks(m, m.requests["r1"]) == [1, 2, 3, 4]
+    assert m.apply(ops[5]) == LoadCut(4, (("r0", 4),))
+    step = m.apply(ops[6])
+    # r0 recomputes from block 2 on (9 tokens); r1, promoted, from its cut too.
+    assert (own(step, "r0").scheduled, own(step, "r1").scheduled) == (9, 11)
+    assert m.exercised["connector: a running request holding a failed block cut"] == 1
+    # "fail": blocks another live request holds may not be named (both would end at once);
+    # nor, under "recompute", those of a running request awaiting its sample.
+    f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    for op in ops[:5]:
+        f.apply(op)
+    assert failable_blocks(f, f.requests["r1"]) == [3, 4]
+    w = AllocatorModel(FULL)
+    for op in [ops[0], Step(("r0",), 64), *ops[2:5]]:  # r0 computed all 13 tokens
+        w.apply(op)
+    assert w.requests["r0"].awaits_sample and failable_blocks(w, w.requests["r1"]) == [5]  # r0 holds 1-3
+
+
 def test_a_sync_load_reports_only_right_after_its_step() -> None:
     c = Checker(ModelTarget(FULL))
     for op in sync_invalid_ops()[:4]:
@@ -564,6 +607,19 @@ def test_real_scheduler_agrees_on_sync_loads_failed_on_some_blocks(policy: str) 
 
 @needs_vllm
 @pytest.mark.vllm
+def test_real_scheduler_agrees_on_a_failed_block_a_running_request_holds() -> None:
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    checker = Checker(VllmSchedulerTarget(FULL), audit_every=1)
+    seen = []
+    for op in shared_invalid_ops():
+        assert checker.step(op) == []
+        seen.append(checker.last_obs)
+    assert checker.audit() == [] and seen[5] == LoadCut(4, (("r0", 4),))
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_a_cut_swa_load_reads_its_skipped_window_finding() -> None:
     """The finding swa-load-cut-reads-skipped-window: vLLM and the model agree on the cut,
     and step_blocks_stay_held flags the resumed request's window on both; its claim is
@@ -619,6 +675,7 @@ CONNECTOR_MUTANTS = (
     "invalid_blocks_policy_inverted",
     "sync_fail_evicts_failed_blocks_only",
     "sync_invalid_scan_keeps_step_tokens",
+    "shared_failed_block_running_not_scanned",
 )
 
 
@@ -670,6 +727,8 @@ def test_connector_mutant_is_caught(name: str) -> None:
         ops = save_ops()
     if "invalid" in name:
         cfg, ops = FULL, invalid_ops()
+    if name.startswith("shared_"):
+        cfg, ops = FULL, shared_invalid_ops()
     if name.startswith("sync_"):
         policy = "fail" if "fail" in name else "recompute"
         cfg, ops = FULL.with_(kv_load_failure_policy=policy), sync_invalid_ops(policy)  # type: ignore[arg-type]

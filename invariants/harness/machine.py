@@ -433,7 +433,8 @@ class ConnectorMachine(AllocatorMachine):
     where the configuration has one (`Config.kv_connector`): an offer for a request
     waiting for admission, or the report of an async load in flight (ok, or failed
     one time in three); right after a step that ran sync loads, the blocks one failed
-    on, one time in three (`_after_step`); a save at a request's finish, or its report.
+    on, two times in three (`_after_step`); an async load sharing a running request's
+    blocks, reported failed on some (`shared_load`); a save at a request's finish, or its report.
     A separate class, so runs without a connector draw exactly as before."""
 
     def _connector_choices(self) -> tuple[list[str], list[str]]:
@@ -456,14 +457,12 @@ class ConnectorMachine(AllocatorMachine):
             invalid = () if ok else self._failed_blocks(data, rid)
             self._do(Loaded(rid, ok or bool(invalid), invalid))
             return
-        rid, extends = self._offered(data, offerable)
+        rid = data.draw(st.sampled_from(offerable), label="rid")
         assert self.checker is not None
         model = self.checker.model
         size = model.requests[rid].num_tokens
         tokens = data.draw(st.integers(1, size + self.cfg.scheduler_block_size), label="offered tokens")
-        # Extending a running request, mostly async: its load's failure may name their shared blocks.
-        modes = ["async", "async", "sync"] if extends else list(LOAD_MODES)
-        self._do(Offer(rid, tokens, data.draw(st.sampled_from(modes), label="load")))
+        self._do(Offer(rid, tokens, data.draw(st.sampled_from(LOAD_MODES), label="load")))
         if not data.draw(st.sampled_from([True, True, True, False]), label="admit it now?"):
             return
         # The offer's whole life at once: its admission, its load's report, its promotion.
@@ -479,25 +478,6 @@ class ConnectorMachine(AllocatorMachine):
         self._do(Loaded(rid, outcome != "failed" or bool(invalid), invalid))
         if rid in model.requests and not model.requests[rid].running:  # type: ignore[attr-defined]
             self._do(Step((rid,), 64))
-
-    def _offered(self, data: st.DataObject, offerable: list[str]) -> tuple[str, bool]:
-        """The request an offer names, and whether it is new: a waiting one, or one time
-        in two where there is room, a new request extending the prompt of a running one
-        not awaiting its sample (it may hit its blocks, which a failure of its load may
-        then name: `model.connector.failable_blocks`)."""
-        assert self.checker is not None
-        model = self.checker.model
-        running = self._requests(lambda r: r.running and not r.awaits_sample)  # type: ignore[attr-defined]
-        if not running or len(model.requests) >= 4 or data.draw(st.booleans(), label="extend one?"):
-            return data.draw(st.sampled_from(offerable), label="rid"), False
-        base = model.requests[data.draw(st.sampled_from(running), label="extended")]
-        sbs = self.cfg.scheduler_block_size
-        rid = f"r{self.next_rid}"
-        self.next_rid += 1
-        self._do(
-            AddRequest(rid, base.prompt + tuple(data.draw(st.lists(TOKENS, min_size=1, max_size=2 * sbs))))
-        )
-        return rid, True
 
     def _admission_step(self, data: st.DataObject, rid: str) -> None:
         """The step admitting `rid` with its offer: for a sync load, three times in four
@@ -524,7 +504,7 @@ class ConnectorMachine(AllocatorMachine):
             self._do(AddRequest(others[-1], model.requests[rid].prompt + tuple(extra)))
         if extend:
             self._do(Step((rid, others[-1]), 4 * sbs))
-        elif others and data.draw(st.booleans(), label="others in its step?"):
+        elif others and data.draw(st.booleans(), label="others in its step?") is True:
             budget = data.draw(st.sampled_from([sbs, 2 * sbs, 3 * sbs]), label="step budget")
             self._do(Step((rid, *others), budget))
         else:
@@ -561,9 +541,43 @@ class ConnectorMachine(AllocatorMachine):
         too, if any (it is cut as well: `model.connector`)."""
         assert self.checker is not None
         shared = [b for b in blocks if self.checker.model.pool.ref[b] > 1]
-        if shared and data.draw(st.integers(0, 3), label="a block another request holds?"):
+        if shared and data.draw(st.integers(0, 3), label="a block another request holds?") != 0:
             blocks = shared
         return tuple(data.draw(st.lists(st.sampled_from(blocks), min_size=1, max_size=2, unique=True)))
+
+    @precondition(
+        lambda self: (
+            self.checker is not None
+            and self.cfg.kv_connector
+            and len(self.cfg.groups) == 1
+            and len(self.checker.model.requests) < 5
+            and bool(self._requests(lambda r: r.running))  # type: ignore[attr-defined]
+        )
+    )
+    @rule(data=st.data())
+    def shared_load(self, data: st.DataObject) -> None:
+        """An async load sharing a running request's blocks (one group, where a load may
+        fail on blocks): a new request extending the prompt of a running one (sampled
+        first if it awaits its sample) is offered its tokens and admitted; it hits the
+        running request's blocks, and its load reports, failed on some blocks where any
+        may be named (`model.connector.failable_blocks`: under "recompute" the shared
+        ones too, which cut the running request as well), else ok."""
+        assert self.checker is not None
+        model = self.checker.model
+        base = model.requests[data.draw(st.sampled_from(self._requests(lambda r: r.running)), label="base")]  # type: ignore[attr-defined]
+        if base.awaits_sample:
+            self._do(self._sample(base.rid, data))
+        rid = f"r{self.next_rid}"
+        self.next_rid += 1
+        extra = data.draw(
+            st.lists(TOKENS, min_size=1, max_size=2 * self.cfg.scheduler_block_size), label="extension"
+        )
+        self._do(AddRequest(rid, base.prompt + tuple(extra)))
+        self._do(Offer(rid, len(base.prompt) + len(extra), "async"))
+        self._do(Step((rid,), 64))
+        if rid in model.requests and model.requests[rid].load == "loading":  # type: ignore[attr-defined]
+            blocks = failable_blocks(model, model.requests[rid])
+            self._do(Loaded(rid, True, self._some_blocks(data, blocks) if blocks else ()))
 
     @precondition(
         lambda self: (

@@ -542,3 +542,17 @@ def sync_invalid_scan_keeps_step_tokens(stack: contextlib.ExitStack, sched: Any)
         "request.num_computed_tokens - num_scheduled_tokens.get(req_id, 0)",
         "request.num_computed_tokens",
     )
+
+
+@mutant("shared_failed_block_running_not_scanned", strategy="scheduler-connector")
+def shared_failed_block_running_not_scanned(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Failed blocks (`invalid_block_ids`): `_handle_invalid_blocks` scans the async loads
+    only, not `self.running`, so a running request holding a failed block (by a prefix
+    hit, or its own sync load) keeps the tokens computed on it."""
+    _rewrite(
+        stack,
+        sched,
+        "_handle_invalid_blocks",
+        "self.running, invalid_block_ids, num_scheduled_tokens, evict_blocks=True",
+        "(), invalid_block_ids, num_scheduled_tokens, evict_blocks=True",
+    )
