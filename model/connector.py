@@ -70,23 +70,46 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   `invalid_block_ids`; a single KV cache group only: vLLM raises on more, as
   block ids are unique per group only). The async load of `rid` failed on
   some of its blocks (`failable_blocks`: covering its computed tokens, held
-  by it alone). Its computed tokens are cut to the start of the first failed
-  block among those covering them (`_update_requests_with_invalid_blocks`;
-  the observation, `LoadCut`).
+  by it alone or, under "recompute", by one running request besides). Its
+  computed tokens are cut to the start of the first failed block among those
+  covering them (`_update_requests_with_invalid_blocks`; the observation,
+  `LoadCut`), and so are those of a running request holding one
+  (`_handle_invalid_blocks` scans `running` too).
   "recompute": at promotion a valid prefix is cached and the request takes
   its next chunk from there with the blocks it holds; an empty one is freed
-  and re-admitted, as a failed load (`_update_waiting_for_remote_kv`).
+  and re-admitted, as a failed load (`_update_waiting_for_remote_kv`); a cut
+  running request takes its next chunk from its cut. No hash is evicted: the
+  failed blocks keep theirs until recomputed in place.
   "fail": the request ends with an error, freed (after its out-of-window
   blocks on the cut computed tokens) as a finish is.
+- **A sync load's failed blocks** (`Loaded(rid, True, invalid)` right after
+  the step that ran `rid`'s sync load: the worker reports them with that
+  step's output, `sync_load_failed`). `invalid` names blocks holding its
+  external tokens (`sync_failable_blocks`); the step's output comes whole
+  (no other request of the step awaits its sample). vLLM cuts the step's
+  async loads holding one, then every running request whose computed tokens
+  before the step cover one (`cut_covering`): at its first failed block no
+  earlier request marked, or, where an earlier request (the loading one)
+  marked them all, back to its tokens before the step (it keeps the hit on
+  the failed blocks, which the loading request recomputes). The running ones
+  lose the step's output. "recompute": they go on from their cut, nothing is
+  evicted. "fail": the hashes of the loading request's blocks from its first
+  failed block on are evicted (`KVCacheManager.evict_blocks`: KV computed on
+  the failed block) and it ends with an error, freed as a finish is; the
+  connector saves it if asked (its load is not in flight).
 
 Not stated (generation avoids them): Mamba groups (vLLM 0.33.0's `MambaManager`
 pads external tokens with null blocks but the last state's, one fresh block,
 `allocate_external_computed_blocks`, and counts the admission with its own
 cap, `get_num_blocks_to_allocate`; the model's align layout for external
-tokens is not written yet), failed blocks of a sync load (reported
-with the output of the step that ran its chunk; vLLM also cuts every
-running request sharing a failed block and evicts its hashes under "fail"),
-and failed blocks another request holds.
+tokens is not written yet); failed blocks held by several other requests, or
+by one that awaits its sample or waits (vLLM's cut would depend on the order
+of its `running` and `kv_holding_waiting`, which kvretain does not state, or
+on a step output kvretain delivers with the sample), and, under "fail", any
+held by another request (vLLM ends them all at once, freed in a set's
+order); a sync load's failed blocks reported after another operation than
+its step, or while another request of the step awaits its sample (the
+step's output would not come whole).
 """
 
 from __future__ import annotations
