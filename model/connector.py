@@ -79,7 +79,9 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   its next chunk from there with the blocks it holds; an empty one is freed
   and re-admitted, as a failed load (`_update_waiting_for_remote_kv`); a cut
   running request takes its next chunk from its cut. No hash is evicted: the
-  failed blocks keep theirs until recomputed in place.
+  failed blocks keep theirs until recomputed in place (so a cut request
+  preempted or aborted first leaves them to be hit: vLLM's design, stated,
+  a finding candidate).
   "fail": the request ends with an error, freed (after its out-of-window
   blocks on the cut computed tokens) as a finish is.
 - **A sync load's failed blocks** (`Loaded(rid, True, invalid)` right after
