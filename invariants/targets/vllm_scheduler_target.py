@@ -131,8 +131,8 @@ class SchedulerOpDriver(OpDriver):
 
     def sync_load_failed(self, op: Loaded) -> Observation:
         """A sync load's failed blocks, reported with the output of the step that ran it:
-        the cut of `op.rid` and of every other request whose computed tokens changed. Ended ('fail'): gone from
-        vLLM, or kept while the connector saves it."""
+        the cut of `op.rid` and of every other request whose computed tokens changed.
+        Ended ('fail'): gone from vLLM, or kept while the connector saves it."""
         from .vllm_connector import invalid_output
 
         sched, requests = self.real.sched, self.s.requests
