@@ -212,6 +212,8 @@ class AllocatorModel(BlockCaching, MambaStates):
         self.sending: set[str] = set()
         # rid -> tokens of the latest step whose output is undelivered (`model.connector`).
         self.undelivered: dict[str, int] = {}
+        # The latest step's sync loads, until the next operation (`model.connector.SyncReport`).
+        self.sync_report: conn.SyncReport | None = None
         self.hybrid = len(config.groups) > 1
         self.fine = fine_hits_enabled(config)
         self.alignment = config.hash_block_size if self.fine else config.scheduler_block_size
@@ -241,6 +243,8 @@ class AllocatorModel(BlockCaching, MambaStates):
 
     # ------------------------------------------------------------------ ops
     def apply(self, op: Op) -> Observation:
+        # Only the operation right after a step may report its sync loads' failed blocks.
+        report, self.sync_report = self.sync_report, None
         if isinstance(op, AddRequest):
             assert op.rid not in self.requests, f"request {op.rid} already exists"
             self.requests[op.rid] = RequestState(op.rid, op.prompt)
@@ -250,6 +254,7 @@ class AllocatorModel(BlockCaching, MambaStates):
             result = self._schedule(self.requests[op.rid], op.budget)
             result = replace(result, copies=self._take_copies())
             self.undelivered = {op.rid: result.scheduled} if result.scheduled else {}
+            self.sync_report = conn.note_step([(op.rid, result)])
             self._outputs_arrive({op.rid: result.scheduled})
             return result
         if isinstance(op, Step):
@@ -257,6 +262,7 @@ class AllocatorModel(BlockCaching, MambaStates):
             step = self._step(op.rids, op.budget)
             step = replace(step, copies=self._take_copies())
             self.undelivered = {rid: r.scheduled for rid, r in step.results if r.scheduled}
+            self.sync_report = conn.note_step(step.results)
             self._outputs_arrive({rid: r.scheduled for rid, r in step.results})
             return step
         if isinstance(op, Sample):
@@ -273,8 +279,7 @@ class AllocatorModel(BlockCaching, MambaStates):
             conn.offer(self.requests[op.rid], op.num_tokens, op.load == "async")
             return Done()
         if isinstance(op, Loaded):
-            self.undelivered = {}
-            return conn.loaded(self, op.rid, op.ok, op.invalid)
+            return conn.loaded(self, op.rid, op.ok, op.invalid, report)
         if isinstance(op, Save):
             assert op.rid in self.requests, f"saving unknown request {op.rid}"
             self.saving.add(op.rid)

@@ -70,23 +70,48 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   `invalid_block_ids`; a single KV cache group only: vLLM raises on more, as
   block ids are unique per group only). The async load of `rid` failed on
   some of its blocks (`failable_blocks`: covering its computed tokens, held
-  by it alone). Its computed tokens are cut to the start of the first failed
-  block among those covering them (`_update_requests_with_invalid_blocks`;
-  the observation, `LoadCut`).
+  by it alone or, under "recompute", by one running request besides). Its
+  computed tokens are cut to the start of the first failed block among those
+  covering them (`_update_requests_with_invalid_blocks`; the observation,
+  `LoadCut`), and so are those of a running request holding one
+  (`_handle_invalid_blocks` scans `running` too).
   "recompute": at promotion a valid prefix is cached and the request takes
   its next chunk from there with the blocks it holds; an empty one is freed
-  and re-admitted, as a failed load (`_update_waiting_for_remote_kv`).
+  and re-admitted, as a failed load (`_update_waiting_for_remote_kv`); a cut
+  running request takes its next chunk from its cut. No hash is evicted: the
+  failed blocks keep theirs until recomputed in place (so a cut request
+  preempted or aborted first leaves them to be hit: vLLM's design, stated,
+  a finding candidate).
   "fail": the request ends with an error, freed (after its out-of-window
   blocks on the cut computed tokens) as a finish is.
+- **A sync load's failed blocks** (`Loaded(rid, True, invalid)` right after
+  the step that ran `rid`'s sync load: the worker reports them with that
+  step's output, `sync_load_failed`). `invalid` names blocks holding its
+  external tokens (`sync_failable_blocks`); the step's output comes whole
+  (no other request of the step awaits its sample). vLLM cuts the step's
+  async loads holding one, then every running request whose computed tokens
+  before the step cover one (`cut_covering`): at its first failed block no
+  earlier request marked, or, where an earlier request (the loading one)
+  marked them all, back to its tokens before the step (it keeps the hit on
+  the failed blocks, which the loading request recomputes). The running ones
+  lose the step's output. "recompute": they go on from their cut, nothing is
+  evicted. "fail": the hashes of the loading request's blocks from its first
+  failed block on are evicted (`KVCacheManager.evict_blocks`: KV computed on
+  the failed block) and it ends with an error, freed as a finish is; the
+  connector saves it if asked (its load is not in flight).
 
 Not stated (generation avoids them): Mamba groups (vLLM 0.33.0's `MambaManager`
 pads external tokens with null blocks but the last state's, one fresh block,
 `allocate_external_computed_blocks`, and counts the admission with its own
 cap, `get_num_blocks_to_allocate`; the model's align layout for external
-tokens is not written yet), failed blocks of a sync load (reported
-with the output of the step that ran its chunk; vLLM also cuts every
-running request sharing a failed block and evicts its hashes under "fail"),
-and failed blocks another request holds.
+tokens is not written yet); failed blocks held by several other requests, or
+by one that awaits its sample or waits (vLLM's cut would depend on the order
+of its `running` and `kv_holding_waiting`, which kvretain does not state, or
+on a step output kvretain delivers with the sample), and, under "fail", any
+held by another request (vLLM ends them all at once, freed in a set's
+order); a sync load's failed blocks reported after another operation than
+its step, or while another request of the step awaits its sample (the
+step's output would not come whole).
 """
 
 from __future__ import annotations
@@ -233,22 +258,43 @@ def saved(m: AllocatorModel, rid: str) -> None:
     m.exercised["connector: freed when the save reported"] += 1
 
 
-def loaded(m: AllocatorModel, rid: str, ok: bool, invalid: tuple[int, ...] = ()) -> Done | LoadCut:
+def loaded(
+    m: AllocatorModel, rid: str, ok: bool, invalid: tuple[int, ...] = (), report: SyncReport | None = None
+) -> Done | LoadCut:
     """The async load of `rid` reported, failed on the blocks `invalid` names (if
-    any: seen as the cut, `LoadCut`); a finished request's deferred free happens now."""
+    any: seen as the cut, `LoadCut`); a finished request's deferred free happens now.
+    Right after the step that ran `rid`'s sync load (`report`), its failed blocks
+    come with that step's output (`sync_load_failed`)."""
+    if report is not None and rid in report.loads:
+        return sync_load_failed(m, rid, invalid, report)
+    m.undelivered = {}  # the report comes with the last step's output
     if rid in m.held:
         m.held.discard(rid)
         m._free(rid)
         return Done()
     req = m.requests[rid]
     assert req.load == LOADING, f"{rid} has no load in flight"
+    seen: Done | LoadCut = Done()
     if invalid:
-        # Cut at the first failed block (`Scheduler._update_requests_with_invalid_blocks`).
-        g = m.groups[0]
-        covered = g.tables[rid][: cdiv(req.num_computed, g.bs)]
-        req.num_computed = next(i for i, b in enumerate(covered) if b in invalid) * g.bs
+        # Cut at the first failed block (`Scheduler._update_requests_with_invalid_blocks`),
+        # and every running request holding one (`failable_blocks`: one at most per block).
+        cut_covering(m, [rid], invalid)
+        running = [r for r in m.requests if m.requests[r].running]
+        before = {r: m.requests[r].num_computed for r in running}
+        others, _ = cut_covering(m, running, invalid)
+        for r in others:
+            m.requests[r].prefill_chunk = m.requests[r].num_computed < m.requests[r].num_tokens
+        seen = LoadCut(
+            req.num_computed,
+            tuple(
+                sorted(
+                    (r, m.requests[r].num_computed) for r in others if m.requests[r].num_computed != before[r]
+                )
+            ),
+        )
         m.exercised["connector: load failed on some blocks"] += 1
-    seen: Done | LoadCut = LoadCut(req.num_computed) if invalid else Done()
+        if others:
+            m.exercised["connector: a running request holding a failed block cut"] += 1
     if (not ok or invalid) and m.cfg.kv_load_failure_policy == "fail":
         # The request ends with an error; its load has reported, so nothing waits,
         # and the connector, whose load is still in flight when vLLM ends it, saves nothing.
@@ -266,14 +312,130 @@ def loaded(m: AllocatorModel, rid: str, ok: bool, invalid: tuple[int, ...] = ())
 
 
 def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
-    """The blocks a report of `req`'s async load may name as failed (`Loaded.invalid`):
+    """The blocks a report of `req`'s load may name as failed (`Loaded.invalid`):
     with a single KV cache group (vLLM refuses block-level failures with more: block ids
-    are unique per group only), the non-null blocks covering its computed tokens that no
-    other request holds (vLLM would cut every request holding one)."""
-    if len(m.groups) != 1 or req.load != LOADING:
+    are unique per group only), for an async load in flight the non-null blocks covering
+    its computed tokens that no other live request holds but, under "recompute", one
+    running request not awaiting its sample (vLLM cuts it too; with two the cut would
+    depend on the order of vLLM's `running`, which kvretain does not state; under "fail"
+    vLLM would end them all at once, freed in a set's order); right after the step that
+    ran its sync load, `sync_failable_blocks`."""
+    if len(m.groups) != 1:
+        return []
+    if m.sync_report is not None and req.rid in m.sync_report.loads:
+        return sync_failable_blocks(m, req, m.sync_report)
+    if req.load != LOADING:
         return []
     g = m.groups[0]
-    return [b for b in g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)] if b and m.pool.ref[b] == 1]
+    holders: dict[int, list[str]] = {}
+    for rid, table in g.tables.items():
+        if rid != req.rid and rid in m.requests:
+            for b in set(table):
+                holders.setdefault(b, []).append(rid)
+
+    def failable(b: int) -> bool:
+        others = holders.get(b, [])
+        if not others:
+            return True
+        if len(others) > 1 or m.cfg.kv_load_failure_policy == "fail":
+            return False
+        other = m.requests[others[0]]
+        return other.running and not other.awaits_sample
+
+    return [b for b in g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)] if b and failable(b)]
+
+
+# ---------------------------------------------------------------- a sync load's failed blocks
+
+
+class SyncReport(NamedTuple):
+    """What the latest step's output may still report about its sync loads, until the
+    next operation (`AllocatorModel.sync_report`): the step's admissions in order
+    (async loads included), and per sync load its (hit, external tokens)."""
+
+    admitted: tuple[str, ...]
+    loads: dict[str, tuple[int, int]]
+
+
+def note_step(results: Iterable[tuple[str, ScheduleResult]]) -> SyncReport | None:
+    """The step's `SyncReport` (None without a sync load)."""
+    admitted = tuple(rid for rid, r in results if r.hit is not None and (r.admitted or r.external))
+    loads = {rid: (r.hit or 0, r.external) for rid, r in results if r.admitted and r.external}
+    return SyncReport(admitted, loads) if loads else None
+
+
+def sync_failable_blocks(m: AllocatorModel, req: RequestState, report: SyncReport) -> list[int]:
+    """The blocks the output of the step that ran `req`'s sync load may name as failed:
+    the non-null blocks holding its external tokens (the ones the connector loaded), if
+    the output can come whole (no other request of the step awaits its sample: kvretain
+    delivers a sampled request's share with its token) and, under "fail", no other
+    request holds one (vLLM would end them all at once, freed in a set's order)."""
+    g = m.groups[0]
+    others = [r for r in m.undelivered if r != req.rid and r in m.requests]
+    if any(m.requests[r].awaits_sample for r in others):
+        return []
+    hit, ext = report.loads[req.rid]
+    blocks = [b for b in g.tables.get(req.rid, [])[hit // g.bs : cdiv(hit + ext, g.bs)] if b]
+    if m.cfg.kv_load_failure_policy == "fail":
+        blocks = [b for b in blocks if m.pool.ref[b] == 1]
+    return blocks
+
+
+def cut_covering(
+    m: AllocatorModel, rids: Iterable[str], invalid: tuple[int, ...]
+) -> tuple[list[str], list[int]]:
+    """Cut each of `rids` whose computed tokens before the latest step (those delivered)
+    cover a failed block, in order (`Scheduler._update_requests_with_invalid_blocks`):
+    at its first failed block no earlier request marked; one whose failed blocks were
+    all marked keeps its computed tokens before the step (the marking request recomputes
+    them). Returns the requests cut and the blocks from each marking request's first
+    failed block on (its dependent blocks)."""
+    g = m.groups[0]
+    marked: set[int] = set()
+    cut: list[str] = []
+    dependent: list[int] = []
+    for rid in rids:
+        req, table = m.requests[rid], g.tables.get(rid, [])
+        before = req.num_computed - m.undelivered.get(rid, 0)
+        failed = [i for i, b in enumerate(table[: cdiv(before, g.bs)]) if b in invalid]
+        if not failed:
+            continue
+        first = next((i for i in failed if table[i] not in marked), None)
+        marked.update(table[i] for i in failed)
+        req.num_computed = before if first is None else first * g.bs
+        if first is not None:
+            dependent += [b for b in table[first:] if b not in dependent]
+        cut.append(rid)
+    return cut, dependent
+
+
+def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], report: SyncReport) -> LoadCut:
+    """The output of the step that ran `rid`'s sync load names the blocks `invalid` it
+    failed on (`Scheduler._handle_invalid_blocks`): the step's async loads holding one
+    are cut, then its running requests (`cut_covering`); the running ones lose the
+    step's output (its tokens and samples). "recompute": the cut requests go on from
+    their cut. "fail": the dependent blocks' hashes are evicted and the cut request
+    ends with an error, freed as a finish is (its save, if any, deferred as usual)."""
+    live = [r for r in report.admitted if r in m.requests]
+    before = {r: m.requests[r].num_computed for r in live}
+    loading = [r for r in live if m.requests[r].load == LOADING]
+    cut, _ = cut_covering(m, loading, invalid)
+    running_cut, dependent = cut_covering(m, [r for r in live if m.requests[r].running], invalid)
+    cut += running_cut
+    m.undelivered = {}
+    for r in running_cut:  # still in flight or not as before (`_inflight_prefills` keeps it)
+        m.requests[r].prefill_chunk = m.requests[r].num_computed < m.requests[r].num_tokens
+    m.exercised["connector: sync load failed on some blocks"] += 1
+    changed = sorted(r for r in cut if r != rid and m.requests[r].num_computed != before[r])
+    seen = LoadCut(m.requests[rid].num_computed, tuple((r, m.requests[r].num_computed) for r in changed))
+    if len(cut) > 1:
+        m.exercised["connector: a request sharing a failed block cut"] += 1
+    if m.cfg.kv_load_failure_policy == "fail":
+        m.pool.evict_blocks(dependent)
+        assert cut == [rid], "under 'fail' only the loading request holds its failed blocks"
+        finish(m, m.requests.pop(rid))
+        m.exercised["connector: a sync load's failed blocks evicted ('fail')"] += 1
+    return seen
 
 
 def waiting_pass(

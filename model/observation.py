@@ -215,9 +215,12 @@ class Saving:
 @dataclass(frozen=True)
 class LoadCut:
     """A `Loaded` naming failed blocks (`model.ops.Loaded.invalid`): the request's
-    computed tokens once cut at its first failed block (`model.connector`)."""
+    computed tokens once cut at its first failed block (`model.connector`), and
+    each other request whose computed tokens the failed blocks changed, with its
+    computed tokens after, by request id."""
 
     num_computed: int
+    others: tuple[tuple[str, int], ...] = ()
 
 
 Observation = Union[ScheduleResult, StepResult, ProbeResult, ResetResult, Done, Saving, LoadCut]

@@ -39,7 +39,9 @@ Contract of each operation (see `docs/semantics.md` for the full text):
   tokens of waiting request `rid` and offers them at its next admission,
   loading "sync" (in the admitting step) or "async" (the request waits for
   `Loaded`). `Loaded(rid, ok, invalid=())`: that async load reports, `ok` or
-  failed, or ok but for the blocks `invalid` names.
+  failed, or ok but for the blocks `invalid` names; right after the step that
+  ran a sync load of `rid`, that step's output names the blocks `invalid` the
+  load failed on (`ok` true).
   `Save(rid)`: the connector will save `rid`'s KV when it finishes (its
   `request_finished` defers the free); `Saved(rid)`: that save reports done
   (the worker's `finished_sending`). Their contract is `model.connector`.

@@ -241,6 +241,137 @@ def test_a_load_failed_on_some_blocks_is_cut_at_the_first() -> None:
     assert failable_blocks(two, two.requests["r1"]) == []
 
 
+def sync_invalid_ops(policy: str = "recompute") -> list[Op]:
+    """A sync load failed on some blocks (Full4, one group): r0's 12 external tokens in
+    blocks 1-3 and its last token in block 4, in one step. "recompute": r1, after it in
+    the step, hits blocks 1-3 and computes 4 tokens of its own; the output reports block 2:
+    r0 is cut to 4 (it recomputes blocks 2-4), r1 back to its hit (12: r0 recomputes
+    block 2 for it). "fail": r0 alone (saved), block 2 failed: ended, blocks 2-4 evicted."""
+    if policy == "fail":
+        return [
+            AddRequest("r0", PROMPT),
+            Save("r0"),
+            Offer("r0", 12, "sync"),
+            Step(("r0",), 64),
+            Loaded("r0", True, (2,)),
+            Probe(PROMPT),
+            AddRequest("r1", PROMPT),
+            Step(("r1",), 64),
+            Saved("r0"),
+            Probe(PROMPT),
+        ]
+    return [
+        AddRequest("r0", PROMPT),
+        AddRequest("r1", PROMPT[:12] + tuple(range(50, 58))),
+        Offer("r0", 12, "sync"),
+        Step(("r0", "r1"), 5),
+        Loaded("r0", True, (2,)),
+        Step(("r0", "r1"), 64),
+        Sample("r0", 3),
+        Sample("r1", 3),
+        Finish("r0"),
+        Finish("r1"),
+        Probe(PROMPT),
+    ]
+
+
+def test_a_sync_load_failed_on_some_blocks_cuts_every_request_holding_one() -> None:
+    m = AllocatorModel(FULL)
+    ops = sync_invalid_ops()
+    step = [m.apply(op) for op in ops[:4]][-1]
+    assert (own(step, "r1").hit, own(step, "r1").scheduled) == (12, 4)
+    # The blocks the connector loaded; r1's own load has none (it is no sync load).
+    assert failable_blocks(m, m.requests["r0"]) == [1, 2, 3] and failable_blocks(m, m.requests["r1"]) == []
+    assert m.apply(ops[4]) == LoadCut(4, (("r1", 12),))
+    step = m.apply(ops[5])
+    assert (own(step, "r0").scheduled, own(step, "r1").scheduled) == (9, 8)
+    assert m.exercised["connector: a request sharing a failed block cut"] == 1
+    # "recompute" evicts nothing: block 2 keeps its hash and is recomputed in place.
+    assert [m.apply(op) for op in ops[6:]][-1].hit == 12  # type: ignore[union-attr]
+
+
+def test_a_sync_load_failed_under_fail_evicts_its_dependent_blocks() -> None:
+    m = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    obs = [m.apply(op) for op in sync_invalid_ops("fail")]
+    # Cut at block 2 (4 tokens), ended and saved (the connector was handed block 1).
+    assert obs[4] == LoadCut(4) and obs[5].hit == 4  # type: ignore[union-attr]
+    assert m.exercised["connector: a sync load's failed blocks evicted ('fail')"] == 1
+    assert m.exercised["connector: freed when the save reported"] == 1
+    # Without the eviction blocks 2-3 would keep the hashes of KV computed on block 2.
+    kept = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    for op in sync_invalid_ops("fail")[:4]:
+        kept.apply(op)
+    assert {b for bs in kept.snapshot().cached.values() for b in bs} == {1, 2, 3}
+    kept.apply(Loaded("r0", True, (2,)))
+    assert {b for bs in kept.snapshot().cached.values() for b in bs} == {1}
+
+
+def shared_invalid_ops() -> list[Op]:
+    """An async load sharing a running request's blocks (Full4, one group): r0 computed
+    8 of its 13 tokens (blocks 1-2, cached); r1 extends its prompt, hits blocks 1-2 and
+    loads 6 external tokens (blocks 3-4); its load fails on block 2, which r0 holds too."""
+    return [
+        AddRequest("r0", PROMPT),
+        Step(("r0",), 8),
+        AddRequest("r1", PROMPT + (7, 7)),
+        Offer("r1", 15, "async"),
+        Step(("r1",), 64),
+        Loaded("r1", True, (2,)),
+        Step(("r0", "r1"), 64),
+        Sample("r0", 3),
+        Sample("r1", 3),
+        Finish("r0"),
+        Finish("r1"),
+        Probe(PROMPT),
+    ]
+
+
+def test_an_async_load_failed_on_a_block_a_running_request_holds_cuts_both() -> None:
+    m = AllocatorModel(FULL)
+    ops = shared_invalid_ops()
+    for op in ops[:5]:
+        m.apply(op)
+    assert failable_blocks(m, m.requests["r1"]) == [1, 2, 3, 4]
+    assert m.apply(ops[5]) == LoadCut(4, (("r0", 4),))
+    step = m.apply(ops[6])
+    # r0 recomputes from block 2 on (9 tokens); r1, promoted, from its cut too.
+    assert (own(step, "r0").scheduled, own(step, "r1").scheduled) == (9, 11)
+    assert m.exercised["connector: a running request holding a failed block cut"] == 1
+    # "fail": blocks another live request holds may not be named (both would end at once);
+    # nor, under "recompute", those of a running request awaiting its sample.
+    f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    for op in ops[:5]:
+        f.apply(op)
+    assert failable_blocks(f, f.requests["r1"]) == [3, 4]
+    w = AllocatorModel(FULL)
+    for op in [ops[0], Step(("r0",), 64), *ops[2:5]]:  # r0 computed all 13 tokens
+        w.apply(op)
+    assert w.requests["r0"].awaits_sample and failable_blocks(w, w.requests["r1"]) == [5]  # r0 holds 1-3
+
+
+def test_a_sync_load_reports_only_right_after_its_step() -> None:
+    c = Checker(ModelTarget(FULL))
+    for op in sync_invalid_ops()[:4]:
+        c.step(op)
+    with pytest.raises(InvalidOp, match="only the blocks it failed on"):
+        c.step(Loaded("r0", True))
+    with pytest.raises(InvalidOp, match="'invalid'"):
+        c.step(Loaded("r0", True, (4,)))  # its last token's block is its own chunk's
+    c.step(Probe(PROMPT))
+    with pytest.raises(InvalidOp, match="no connector load in flight"):
+        c.step(Loaded("r0", True, (2,)))
+    # Another request of the step awaits its sample: the output cannot come whole.
+    c = Checker(ModelTarget(FULL))
+    for op in sync_invalid_ops()[:3] + [Step(("r0", "r1"), 64)]:
+        c.step(op)
+    assert c.model.requests["r1"].awaits_sample and failable_blocks(c.model, c.model.requests["r0"]) == []
+    # "fail": a block another request holds may not be named (both would end at once).
+    f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    for op in sync_invalid_ops()[:4]:
+        f.apply(op)
+    assert failable_blocks(f, f.requests["r0"]) == []
+
+
 def test_connector_ops_round_trip_and_bad_input() -> None:
     for op in (
         Offer("r0", 5, "async"),
@@ -458,6 +589,37 @@ def test_real_scheduler_agrees_on_loads_failed_on_some_blocks(policy: str, cachi
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_real_scheduler_agrees_on_sync_loads_failed_on_some_blocks(policy: str) -> None:
+    from invariants.harness.known_findings import is_known_violation
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    target = VllmSchedulerTarget(FULL.with_(kv_load_failure_policy=policy))  # type: ignore[arg-type]
+    checker = Checker(target, audit_every=1)
+    seen = []
+    for op in sync_invalid_ops(policy):
+        assert [v for v in checker.step(op) if not is_known_violation("vllm", v)] == []
+        seen.append(checker.last_obs)
+    assert checker.audit() == []
+    assert seen[4] == (LoadCut(4, (("r1", 12),)) if policy == "recompute" else LoadCut(4))
+    assert "r0" not in target.vllm_scheduler.requests
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_real_scheduler_agrees_on_a_failed_block_a_running_request_holds() -> None:
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    checker = Checker(VllmSchedulerTarget(FULL), audit_every=1)
+    seen = []
+    for op in shared_invalid_ops():
+        assert checker.step(op) == []
+        seen.append(checker.last_obs)
+    assert checker.audit() == [] and seen[5] == LoadCut(4, (("r0", 4),))
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_a_cut_swa_load_reads_its_skipped_window_finding() -> None:
     """The finding swa-load-cut-reads-skipped-window: vLLM and the model agree on the cut,
     and step_blocks_stay_held flags the resumed request's window on both; its claim is
@@ -512,6 +674,9 @@ CONNECTOR_MUTANTS = (
     "invalid_block_cut_keeps_failed_block",
     "invalid_blocks_policy_inverted",
     "admission_counts_external_as_local",
+    "sync_fail_evicts_failed_blocks_only",
+    "sync_invalid_scan_keeps_step_tokens",
+    "shared_failed_block_running_not_scanned",
 )
 
 
@@ -563,6 +728,11 @@ def test_connector_mutant_is_caught(name: str) -> None:
         ops = save_ops()
     if "invalid" in name:
         cfg, ops = FULL, invalid_ops()
+    if name.startswith("shared_"):
+        cfg, ops = FULL, shared_invalid_ops()
+    if name.startswith("sync_"):
+        policy = "fail" if "fail" in name else "recompute"
+        cfg, ops = FULL.with_(kv_load_failure_policy=policy), sync_invalid_ops(policy)  # type: ignore[arg-type]
 
     def run(factory: object) -> list[Violation]:
         checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]

@@ -141,6 +141,8 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
         else:
             # A failed connector load keeps nothing; one failed on some blocks, what its cut says.
             history.requests[op.rid].num_computed = obs.num_computed if isinstance(obs, LoadCut) else 0
+        for rid, computed in obs.others if isinstance(obs, LoadCut) else ():
+            history.requests[rid].num_computed = computed  # a sync load's failed blocks cut them too
     elif isinstance(op, Finish):
         r = history.requests.pop(op.rid)
         history.finished[op.rid] = r

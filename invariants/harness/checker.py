@@ -462,15 +462,21 @@ def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Load
         raise InvalidOp(f"{name}: the connector contract does not state Mamba groups (model.connector)")
     req = model.requests.get(op.rid)
     if isinstance(op, Loaded):
-        if op.rid not in model.held and (req is None or req.load != "loading"):
+        sync = model.sync_report is not None and op.rid in model.sync_report.loads
+        if sync and not op.invalid:
+            raise InvalidOp(
+                f"loaded: {op.rid!r}'s sync load reports only the blocks it failed on ('invalid')"
+            )
+        if not sync and op.rid not in model.held and (req is None or req.load != "loading"):
             raise InvalidOp(f"loaded: {op.rid!r} has no connector load in flight")
         if op.invalid and (
             not op.ok or req is None or not set(op.invalid) <= set(failable_blocks(model, req))
         ):
             raise InvalidOp(
-                f"loaded: 'invalid' must name blocks of {op.rid!r}'s load in flight, reported ok, that "
-                "cover its computed tokens and no other request holds, in a single-group layout "
-                "(model.connector.failable_blocks)"
+                f"loaded: 'invalid' must name blocks of {op.rid!r}'s load, reported ok, in a single-group "
+                "layout: of an async load in flight, blocks covering its computed tokens that no other "
+                "request holds; right after the step that ran a sync load, blocks holding its external "
+                "tokens (model.connector.failable_blocks)"
             )
         return
     if isinstance(op, Saved):

@@ -70,8 +70,12 @@ CONNECTOR_ROW = "real Scheduler + KV connector: external hits, async loads, dela
 CONNECTOR_FAIL_ROW = "real Scheduler + KV connector, kv_load_failure_policy 'fail', deferred frees"
 CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
 CONNECTOR_SAVE_ROW = "real Scheduler + KV connector: saves, frees deferred until finished_sending"
-CONNECTOR_BLOCKS_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group), 'recompute'"
-CONNECTOR_BLOCKS_FAIL_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group), 'fail'"
+CONNECTOR_BLOCKS_ROW = (
+    "real Scheduler + KV connector: loads failed on some blocks (one group, sync too, shared), 'recompute'"
+)
+CONNECTOR_BLOCKS_FAIL_ROW = (
+    "real Scheduler + KV connector: loads failed on some blocks (one group, sync too), 'fail'"
+)
 # vLLM takes block-level load failures (invalid_block_ids) with one KV cache group only.
 ONE_GROUP = (("full",), ("swa",))
 
@@ -170,10 +174,18 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: free deferred until the save reports",
         "connector: freed when the save reported",
     ),
-    CONNECTOR_BLOCKS_ROW: ("connector: load failed on some blocks", "connector: valid prefix of a load kept"),
+    CONNECTOR_BLOCKS_ROW: (
+        "connector: load failed on some blocks",
+        "connector: valid prefix of a load kept",
+        "connector: sync load failed on some blocks",
+        "connector: a request sharing a failed block cut",
+        "connector: a running request holding a failed block cut",
+    ),
     CONNECTOR_BLOCKS_FAIL_ROW: (
         "connector: load failed on some blocks",
         "connector: failed load ends the request ('fail')",
+        "connector: sync load failed on some blocks",
+        "connector: a sync load's failed blocks evicted ('fail')",
     ),
 }
 
@@ -215,19 +227,28 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors with a Mamba group; failed blocks (invalid_block_ids) of a sync load, or "
-        "held by another request too; a save deferred while the request's load is in flight",
+        "KV connectors with a Mamba group; failed blocks (invalid_block_ids) held by several "
+        "requests besides the loading one, or by one awaiting its sample or waiting, or, under "
+        "'fail', by any other; a sync load's failed blocks reported after another operation than "
+        "its step; a save deferred while the request's load is in flight",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
-        "(both policies), async loads failed on some blocks (one KV cache group: vLLM raises on "
-        "more), the frees deferred while a load is in flight, and saves (what a finish hands the "
-        "connector, the free deferred until finished_sending), for Full/SWA layouts (the connector "
-        "rows above); vLLM's MambaManager lays external tokens out as null blocks and one state "
-        "block, counted with its own cap, which model.connector does not state yet; a sync load's "
-        "failed blocks come with the output of the step that ran its chunk and cut every running "
-        "request sharing one (evicted under 'fail'), which the report operation does not carry; "
-        "kvretain's connector saves no request whose load is in flight (vLLM would free its blocks "
-        "at the first of the two reports); the KV events' locality and ownership, which only "
-        "offloading connectors set, are compared as None",
+        "(both policies), loads failed on some blocks (one KV cache group: vLLM raises on more): "
+        "async ones, cutting one running request holding a failed block too ('recompute'), and sync "
+        "ones, reported right after the step that ran them (that step's output, whole), cutting "
+        "every request of the step that hit a failed block ('recompute') or evicting the loading "
+        "request's blocks from its first failed one on ('fail'), the frees deferred while a load is "
+        "in flight, and saves (what a finish hands the connector, the free deferred until "
+        "finished_sending), for Full/SWA layouts (the connector rows above); vLLM's MambaManager "
+        "lays external tokens out as null blocks and one state block, counted with its own cap, "
+        "which model.connector does not state yet; with several other holders vLLM's cut depends on "
+        "the order of its running and kv_holding_waiting queues, which kvretain does not state, and "
+        "under 'fail' it ends them all at once, freed in a set's order (not deterministic across "
+        "processes); kvretain delivers a step's output for a request awaiting its sample with the "
+        "sample, so a report cannot come with it then; kvretain's connector saves no request whose "
+        "load is in flight (vLLM frees its blocks at the first of the two reports, while the other "
+        "transfer may still use them, and asserts at the second: a finding candidate, not "
+        "generated); the KV events' locality and ownership, which only offloading connectors set, "
+        "are compared as None",
     ),
     (
         "extra hash keys (cache_salt, LoRA name, multimodal features)",

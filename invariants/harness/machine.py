@@ -312,7 +312,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         sbs = self.cfg.scheduler_block_size
         budget = data.draw(st.sampled_from([1, 3, sbs, 2 * sbs, 4 * sbs, 64]), label="budget")
         for _ in range(data.draw(st.integers(1, 6), label="steps")):
-            r = self.checker.model.requests[rid]
+            r = self.checker.model.requests.get(rid)
+            if r is None:  # ended by a report that followed its step
+                return
             if r.num_tokens >= MAX_REQUEST_TOKENS:
                 return
             if r.awaits_sample:
@@ -328,6 +330,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 if not obs.admitted:
                     return
                 self._count_hit(rid, obs.hit)
+            self._after_step(data)
 
     @precondition(lambda self: self.checker is not None and bool(self._schedulable()))
     @rule(data=st.data())
@@ -360,6 +363,11 @@ class AllocatorMachine(RuleBasedStateMachine):
                 for rid, result in obs.results:
                     if result.admitted and result.hit is not None:
                         self._count_hit(rid, result.hit)
+            self._after_step(data)
+
+    def _after_step(self, data: st.DataObject) -> None:
+        """What may follow a step before anything else (draws nothing here: a connector's
+        report of the step's sync loads, `ConnectorMachine`)."""
 
     def _sample(self, rid: str, data: st.DataObject) -> Sample:
         """`rid`'s sample; where the target speculates, with how many of the step's
@@ -424,8 +432,10 @@ class ConnectorMachine(AllocatorMachine):
     """`AllocatorMachine` plus a KV connector's operations (`model.connector`), drawn
     where the configuration has one (`Config.kv_connector`): an offer for a request
     waiting for admission, or the report of an async load in flight (ok, or failed
-    one time in three); a save at a request's finish, or its report. A separate class, so runs without a connector draw exactly
-    as before."""
+    one time in three); right after a step that ran sync loads, the blocks one failed
+    on, two times in three (`_after_step`); an async load sharing a running request's
+    blocks, reported failed on some (`shared_load`); a save at a request's finish, or its report.
+    A separate class, so runs without a connector draw exactly as before."""
 
     def _connector_choices(self) -> tuple[list[str], list[str]]:
         """(requests an offer may name, loads in flight, finished requests' included)."""
@@ -456,7 +466,7 @@ class ConnectorMachine(AllocatorMachine):
         if not data.draw(st.sampled_from([True, True, True, False]), label="admit it now?"):
             return
         # The offer's whole life at once: its admission, its load's report, its promotion.
-        self._do(Step((rid,), 64))
+        self._admission_step(data, rid)
         if rid not in model.requests or model.requests[rid].load != "loading":  # type: ignore[attr-defined]
             return
         # One group: a failure may name blocks (`_failed_blocks`), so failures come twice as often.
@@ -469,6 +479,52 @@ class ConnectorMachine(AllocatorMachine):
         if rid in model.requests and not model.requests[rid].running:  # type: ignore[attr-defined]
             self._do(Step((rid,), 64))
 
+    def _admission_step(self, data: st.DataObject, rid: str) -> None:
+        """The step admitting `rid` with its offer: for a sync load, three times in four
+        where there is room, with a new request extending its prompt by more than the
+        step's budget after it (it may hit `rid`'s blocks; its prefill stays unfinished);
+        else alone, or one time in two with the other waiting requests after it. Then
+        what may follow."""
+        assert self.checker is not None
+        model = self.checker.model
+        others = self._requests(lambda r: not (r.running or r.load or r.num_computed))  # type: ignore[attr-defined]
+        others = [o for o in others if o != rid]
+        sbs = self.cfg.scheduler_block_size
+        offer = model.requests[rid].offer  # type: ignore[attr-defined]
+        extend = (
+            len(model.requests) < 4
+            and offer is not None
+            and not offer[1]  # a sync load caches its blocks at once: they may be hit
+            and data.draw(st.integers(0, 3), label="a request extending its prompt?") > 0
+        )
+        if extend:
+            extra = data.draw(st.lists(TOKENS, min_size=4 * sbs + 1, max_size=5 * sbs), label="extension")
+            others.append(f"r{self.next_rid}")
+            self.next_rid += 1
+            self._do(AddRequest(others[-1], model.requests[rid].prompt + tuple(extra)))
+        if extend:
+            self._do(Step((rid, others[-1]), 4 * sbs))
+        elif others and data.draw(st.booleans(), label="others in its step?") is True:
+            budget = data.draw(st.sampled_from([sbs, 2 * sbs, 3 * sbs]), label="step budget")
+            self._do(Step((rid, *others), budget))
+        else:
+            self._do(Step((rid,), 64))
+        self._after_step(data)
+
+    def _after_step(self, data: st.DataObject) -> None:
+        """Right after a step that ran sync loads: two times in three, the step's output
+        reports blocks one of them failed on (`model.connector.sync_load_failed`)."""
+        assert self.checker is not None
+        model = self.checker.model
+        report = model.sync_report
+        if report is None:
+            return
+        loads = [r for r in report.loads if failable_blocks(model, model.requests[r])]
+        if not loads or not data.draw(st.integers(0, 2), label="sync load failed on some blocks?"):
+            return
+        rid = data.draw(st.sampled_from(loads), label="rid")
+        self._do(Loaded(rid, True, self._some_blocks(data, failable_blocks(model, model.requests[rid]))))
+
     def _failed_blocks(self, data: st.DataObject, rid: str) -> tuple[int, ...]:
         """For a failed load of `rid`: the blocks it failed on, where some may be named
         (`model.connector.failable_blocks`: one group), three times in four; else () (the
@@ -478,7 +534,50 @@ class ConnectorMachine(AllocatorMachine):
         blocks = failable_blocks(self.checker.model, req) if req is not None else []
         if not blocks or not data.draw(st.integers(0, 3), label="failed on some blocks?"):
             return ()
+        return self._some_blocks(data, blocks)
+
+    def _some_blocks(self, data: st.DataObject, blocks: list[int]) -> tuple[int, ...]:
+        """One or two of `blocks`, three times in four among those another request holds
+        too, if any (it is cut as well: `model.connector`)."""
+        assert self.checker is not None
+        shared = [b for b in blocks if self.checker.model.pool.ref[b] > 1]
+        if shared and data.draw(st.integers(0, 3), label="a block another request holds?") != 0:
+            blocks = shared
         return tuple(data.draw(st.lists(st.sampled_from(blocks), min_size=1, max_size=2, unique=True)))
+
+    @precondition(
+        lambda self: (
+            self.checker is not None
+            and self.cfg.kv_connector
+            and len(self.cfg.groups) == 1
+            and len(self.checker.model.requests) < 5
+            and bool(self._requests(lambda r: r.running))  # type: ignore[attr-defined]
+        )
+    )
+    @rule(data=st.data())
+    def shared_load(self, data: st.DataObject) -> None:
+        """An async load sharing a running request's blocks (one group, where a load may
+        fail on blocks): a new request extending the prompt of a running one (sampled
+        first if it awaits its sample) is offered its tokens and admitted; it hits the
+        running request's blocks, and its load reports, failed on some blocks where any
+        may be named (`model.connector.failable_blocks`: under "recompute" the shared
+        ones too, which cut the running request as well), else ok."""
+        assert self.checker is not None
+        model = self.checker.model
+        base = model.requests[data.draw(st.sampled_from(self._requests(lambda r: r.running)), label="base")]  # type: ignore[attr-defined]
+        if base.awaits_sample:
+            self._do(self._sample(base.rid, data))
+        rid = f"r{self.next_rid}"
+        self.next_rid += 1
+        extra = data.draw(
+            st.lists(TOKENS, min_size=1, max_size=2 * self.cfg.scheduler_block_size), label="extension"
+        )
+        self._do(AddRequest(rid, base.prompt + tuple(extra)))
+        self._do(Offer(rid, len(base.prompt) + len(extra), "async"))
+        self._do(Step((rid,), 64))
+        if rid in model.requests and model.requests[rid].load == "loading":  # type: ignore[attr-defined]
+            blocks = failable_blocks(model, model.requests[rid])
+            self._do(Loaded(rid, True, self._some_blocks(data, blocks) if blocks else ()))
 
     @precondition(
         lambda self: (

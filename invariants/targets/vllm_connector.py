@@ -174,6 +174,14 @@ def connector_output(rid: str, ok: bool, invalid: tuple[int, ...] = ()) -> Any:
     )
 
 
+def invalid_output(invalid: tuple[int, ...]) -> Any:
+    """The worker's report, with the output of the step that ran a sync load, of the
+    blocks that load failed on (`invalid_block_ids`; no transfer finished)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(invalid_block_ids=set(invalid))
+
+
 def sent_output(rid: str) -> Any:
     """The worker's report that finished request `rid`'s KV was saved (`finished_sending`)."""
     from vllm.v1.outputs import KVConnectorOutput

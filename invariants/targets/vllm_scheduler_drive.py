@@ -275,9 +275,9 @@ class RealStepScheduler:
                 now.append(rid)
         self._deliver(out, now)
 
-    def _deliver(self, out: Any, rids: list[str]) -> None:
+    def _deliver(self, out: Any, rids: list[str], connector_output: Any = None) -> None:
         """`update_from_output` for the share of step output `out` that belongs to `rids`,
-        with their sampled tokens."""
+        with their sampled tokens (and the worker's `connector_output`, if any)."""
         if not rids:
             return
         scheduled = {r: out.num_scheduled_tokens[r] for r in rids}
@@ -293,7 +293,10 @@ class RealStepScheduler:
         live = self.s.requests
         starts = {r: self.names.before_sample(live[r]) for r, t in zip(rids, sampled) if t and r in live}
         runner_out = self.m["ModelRunnerOutput"](
-            req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)}, sampled_token_ids=sampled
+            req_ids=rids,
+            req_id_to_index={r: i for i, r in enumerate(rids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=connector_output,
         )
         self.sched.update_from_output(share, runner_out)
         for rid, start in starts.items():
@@ -322,6 +325,16 @@ class RealStepScheduler:
             req_ids=[], req_id_to_index={}, sampled_token_ids=[], kv_connector_output=connector_output
         )
         self.sched.update_from_output(empty, runner_out)
+
+    def report_step(self, rid: str, connector_output: Any) -> None:
+        """The worker's report of the sync load that the last step ran for `rid`
+        (`model.ops.Loaded` right after that step): the step's output, every request's
+        share at once (`rid`'s without its token, which vLLM drops), carries it."""
+        out, self.pending = self.pending, None
+        if out is None or rid not in out.num_scheduled_tokens:
+            raise TargetCrash(f"the vLLM scheduler adapter holds no step output of {rid!r}'s sync load")
+        self.samples.pop(rid, None)
+        self._deliver(out, list(out.num_scheduled_tokens), connector_output)
 
     def take_events(self) -> list[Any]:
         """The KV events `update_from_output` published, then those still in the manager."""

@@ -16,7 +16,7 @@ read by the same snapshot, partial-state and hash-naming parts as "vllm-manager"
 | `Preempt` | `Scheduler._preempt_request`, as `reset_prefix_cache(reset_running_requests=True)` preempts |
 | `ResetPrefixCache` | `Scheduler.reset_prefix_cache()` |
 | `Offer`, `Save` | kvretain's connector's script (`vllm_connector`) |
-| `Loaded`, `Saved` | `update_from_output` with no request's share and the worker's `KVConnectorOutput` |
+| `Loaded`, `Saved` | `update_from_output` with no request's share and the worker's `KVConnectorOutput`; a sync load's failed blocks, with the output of the step that ran it (`RealStepScheduler.report_step`) |
 | `Probe`, `EvictBlocks` | the manager's `get_computed_blocks` / `evict_blocks`, as for "vllm-manager" |
 
 KV events come from the scheduler's publisher (`update_from_output` publishes
@@ -95,6 +95,8 @@ class SchedulerOpDriver(OpDriver):
         if isinstance(op, Save):
             self.real.sched.connector.save(op.rid)
             return Done()
+        if isinstance(op, Loaded) and requests[op.rid].status == self.s.v["RequestStatus"].RUNNING:
+            return self.sync_load_failed(op)
         if isinstance(op, (Loaded, Saved)):
             from .vllm_connector import connector_output, sent_output
 
@@ -102,6 +104,8 @@ class SchedulerOpDriver(OpDriver):
                 report = connector_output(op.rid, op.ok, op.invalid)
             else:
                 report = sent_output(op.rid)
+            self.real.flush()  # the last step's output first, then the report's
+            before = {r.request_id: r.num_computed_tokens for r in self.real.sched.running}
             self.real.report_load(report)
             req = requests[op.rid]
             # Its free deferred, or ended with an error ('fail' policy): gone from vLLM.
@@ -111,14 +115,47 @@ class SchedulerOpDriver(OpDriver):
                 self.held_by_save.discard(op.rid)
                 requests.pop(op.rid)
                 self.names.forget(op.rid)
-            # Failed blocks cut the request's computed tokens (`model.connector`).
-            return LoadCut(req.num_computed_tokens) if isinstance(op, Loaded) and op.invalid else Done()
+            # Failed blocks cut the request's computed tokens, and those of the running
+            # requests holding one (`model.connector`).
+            if not (isinstance(op, Loaded) and op.invalid):
+                return Done()
+            running = self.real.sched.running
+            cut = tuple((r.request_id, r.num_computed_tokens) for r in running if r.request_id in before)
+            return LoadCut(req.num_computed_tokens, tuple(sorted((r, n) for r, n in cut if n != before[r])))
         if isinstance(op, Preempt):
             self.real.preempt(requests[op.rid])
             return Done()
         if isinstance(op, ResetPrefixCache):
             return ResetResult(bool(self.real.sched.reset_prefix_cache()))
         return super().dispatch(op)
+
+    def sync_load_failed(self, op: Loaded) -> Observation:
+        """A sync load's failed blocks, reported with the output of the step that ran it:
+        the cut of `op.rid` and of every other request whose computed tokens changed.
+        Ended ('fail'): gone from vLLM, or kept while the connector saves it."""
+        from .vllm_connector import invalid_output
+
+        sched, requests = self.real.sched, self.s.requests
+        scans = [*sched.kv_holding_waiting, *sched.running]
+        before = {r.request_id: r.num_computed_tokens for r in scans}
+        self.real.report_step(op.rid, invalid_output(op.invalid))
+        own = requests[op.rid].num_computed_tokens
+        others = tuple(
+            sorted(
+                (r.request_id, r.num_computed_tokens)
+                for r in scans
+                if r.request_id != op.rid and r.num_computed_tokens != before[r.request_id]
+            )
+        )
+        for rid in [op.rid, *(r for r, _ in others)]:
+            if rid in sched.requests and not sched.requests[rid].is_finished():
+                continue
+            if rid in sched.requests:
+                self.held_by_save.add(rid)  # its save defers the free
+                continue
+            requests.pop(rid)
+            self.names.forget(rid)
+        return LoadCut(own, others)
 
     def finish(self, rid: str) -> Observation:
         """`Finish`: with a load in flight or a save, vLLM defers the free (`model.connector`):

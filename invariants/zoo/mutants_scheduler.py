@@ -692,3 +692,47 @@ def mamba_split_ignores_long_prefill(stack: contextlib.ExitStack, sched: Any) ->
         "max_prefill_tokens = min(max_prefill_tokens, long_prefill_threshold)",
         "pass",
     )
+
+
+@mutant("sync_fail_evicts_failed_blocks_only", strategy="scheduler-connector")
+def sync_fail_evicts_failed_blocks_only(stack: contextlib.ExitStack, sched: Any) -> None:
+    """A sync load failed on some blocks, "fail" policy: `_update_requests_with_invalid_blocks`
+    collects only the failed block for eviction (`blocks_to_evict.add(block_id)`), not the
+    blocks after it, whose cached KV was computed on the failed one: a later request hits
+    them (through their hashes, once the failed block is recomputed and cached again)."""
+    _rewrite(
+        stack,
+        sched,
+        "_update_requests_with_invalid_blocks",
+        "blocks_to_evict.update(req_block_ids[idx:])",
+        "blocks_to_evict.add(block_id)",
+    )
+
+
+@mutant("sync_invalid_scan_keeps_step_tokens", strategy="scheduler-connector")
+def sync_invalid_scan_keeps_step_tokens(stack: contextlib.ExitStack, sched: Any) -> None:
+    """A sync load's failed blocks, reported with its step's output: `_update_requests_with_invalid_blocks`
+    forgets to take the step's scheduled tokens off (`req_num_computed_tokens =
+    request.num_computed_tokens`), so a request whose failed blocks another one recomputes
+    keeps the chunk the step computed on them instead of going back to its hit."""
+    _rewrite(
+        stack,
+        sched,
+        "_update_requests_with_invalid_blocks",
+        "request.num_computed_tokens - num_scheduled_tokens.get(req_id, 0)",
+        "request.num_computed_tokens",
+    )
+
+
+@mutant("shared_failed_block_running_not_scanned", strategy="scheduler-connector")
+def shared_failed_block_running_not_scanned(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Failed blocks (`invalid_block_ids`): `_handle_invalid_blocks` scans the async loads
+    only, not `self.running`, so a running request holding a failed block (by a prefix
+    hit, or its own sync load) keeps the tokens computed on it."""
+    _rewrite(
+        stack,
+        sched,
+        "_handle_invalid_blocks",
+        "self.running, invalid_block_ids, num_scheduled_tokens, evict_blocks=True",
+        "(), invalid_block_ids, num_scheduled_tokens, evict_blocks=True",
+    )
