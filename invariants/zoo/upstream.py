@@ -311,8 +311,12 @@ def recheck(
         alone = run_session(
             root, [r.caught_by], env, mutant=f"{r.target}:{r.name}", stop_first=False, timeout_s=timeout_s
         )
-        if r.caught_by not in alone.failed:
+        if r.caught_by in alone.failed:
+            continue
+        if alone.applied and r.caught_by in alone.passed:
             r.verdict, r.reason = "flaky", f"passes re-run alone under the mutant (it failed with {r.reason})"
+        else:  # the re-run proved nothing either way: the catch stands, said so
+            r.reason += f" (its re-run alone under the mutant did not run: pytest exit {alone.rc})"
     log(
         f"recheck under each mutant: {sum(r.verdict == 'caught' for r in caught)} of {len(caught)} catches reproduce"
     )
