@@ -34,6 +34,7 @@ Imports only vLLM (and the standard library).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
@@ -146,11 +147,21 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         raise NotImplementedError(WORKER_SIDE)
 
 
+class ScriptedFailureLog(logging.Filter):
+    """Drops the scheduler's report of a load failure that kvretain scripted itself
+    (`Loaded(rid, False)` or failed blocks, under 'fail'): an expected line per failure,
+    which would flood a run's output. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failing %d request(s) due to KV load failure")
+
+
 def register() -> None:
     """Register the connector with vLLM's factory (once per process)."""
     # ValueError: registered already, by an earlier target of this process.
     with suppress(ValueError):
         KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, KvretainConnector.__name__)
+        logging.getLogger("vllm.v1.core.sched.scheduler").addFilter(ScriptedFailureLog())
 
 
 def transfer_config(failure_policy: Literal["recompute", "fail"] = "recompute") -> Any:
