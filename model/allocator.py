@@ -692,7 +692,7 @@ class AllocatorModel(BlockCaching, MambaStates):
         """
         held = len(g.tables.get(rid, ()))
         if _align(g):
-            return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid)
+            return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid, computed)
         required = cdiv(num_tokens + g.bs * self._draft_blocks(g), g.bs)
         if rid in g.num_cached:
             # Running: no new hit, and a table already longer than needed is fine.
@@ -706,9 +706,10 @@ class AllocatorModel(BlockCaching, MambaStates):
         return new + ends_inside_block(len(hits), local, g.bs) + self._num_evictable(adopted_hits)
 
     def _mamba_blocks_to_allocate(
-        self, g: GroupState, held: int, hits: tuple[int, ...], main: int, local: int, rid: str
+        self, g: GroupState, held: int, hits: tuple[int, ...], main: int, local: int, rid: str, computed: int
     ) -> int:
-        """MambaManager in align mode (same function)."""
+        """MambaManager in align mode (same function), plus the state block external
+        tokens take, which vLLM 0.33.0 leaves uncounted (`model.connector`)."""
         if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
             # The hit state was keyed by another request in this same step and is
             # not computed yet: ask for more than the pool holds so the request
@@ -718,14 +719,16 @@ class AllocatorModel(BlockCaching, MambaStates):
         # Only the chunk's last state is kept: one new block at most, whatever the chunk
         # length (vLLM caps only a positive count, and min() leaves the rest alone).
         s = self._draft_blocks(g)
-        new = cdiv(main, g.bs) + s - len(hits) - held
+        external = conn.external_state_blocks(local, computed, held)
+        # After external tokens the chunk's state counts from the table they leave.
+        new = cdiv(main, g.bs) + s - (cdiv(computed, g.bs) if external else len(hits) + held)
         # A state to copy (a hit ending inside a block, or this request's own
         # mid-block key) takes one more block: the copy's destination.
         copy = ends_inside_block(len(hits), local, g.bs) or rid in g.partial
         if copy:
             new = max(new, 0) + 1
         cap = cap_of(copy, s, rid in g.allocated)
-        return self.rules.count(new, cap) + self._num_evictable(hits)  # model.mamba
+        return external + self.rules.count(new, cap) + self._num_evictable(hits)  # model.mamba
 
     def _num_evictable(self, blocks: tuple[int, ...]) -> int:
         """Hit blocks still in a free queue (ref 0); the null block is not one."""

@@ -66,6 +66,27 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   does not defer a free vLLM already defers for the load (vLLM would free
   the blocks at the first of the two reports).
 
+- **A Mamba group** (align: one state per chunk, `model.mamba_states`). Only
+  the state after the last external token is read, so external tokens give
+  the request's table nulls up to the block holding that token and one fresh
+  block there, the state the load writes (vLLM's base
+  `allocate_external_computed_blocks` with `MambaManager`'s window of one
+  token; the local hit's blocks fall behind it and are not taken). The
+  chunk then starts from that state: its own state block comes after it when
+  the chunk ends in a later block, and the external one becomes the stale
+  state the next allocation frees. The admission counts both
+  (`external_state_blocks`): vLLM 0.33.0's `MambaManager.get_num_blocks_to_allocate`
+  caps the group's count at one state block, so an admission whose chunk
+  leaves the external state's block is counted one block short, and where
+  the pool holds exactly the count `get_new_blocks` raises inside
+  `allocate_slots` (kvretain states the admission as refused). An in-flight
+  prefill's Mamba group still needs one state block at most, which is what an
+  async load's admission leaves it (`remaining_blocks`). Caching,
+  delayed caching, promotion, failed loads and deferred frees are as above:
+  the state block is cached under the key of the block it sits in. In
+  'none' mode (caching off) the external tokens take the same one block and
+  the chunk its blocks as an attention group does.
+
 - **Failed blocks** (`Loaded(rid, True, invalid)`, the report's
   `invalid_block_ids`; a single KV cache group only: vLLM raises on more, as
   block ids are unique per group only). The async load of `rid` failed on
@@ -79,12 +100,11 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   "fail": the request ends with an error, freed (after its out-of-window
   blocks on the cut computed tokens) as a finish is.
 
-Not stated (generation avoids them): Mamba groups (vLLM 0.33.0's `MambaManager`
-pads external tokens with null blocks but the last state's, one fresh block,
-`allocate_external_computed_blocks`, and counts the admission with its own
-cap, `get_num_blocks_to_allocate`; the model's align layout for external
-tokens is not written yet), failed blocks of a sync load (reported
-with the output of the step that ran its chunk; vLLM also cuts every
+Not stated (generation avoids them): a Mamba group with fine-grained hits
+(its block wider than the hash block: vLLM presents the connector a
+block-aligned local hit and drops a local sub-block tail that a longer
+external hit supersedes, `Scheduler.schedule`), failed blocks of a sync load
+(reported with the output of the step that ran its chunk; vLLM also cuts every
 running request sharing a failed block and evicts its hashes under "fail"),
 and failed blocks another request holds.
 """
@@ -122,10 +142,16 @@ def external_tokens(offered: int, num_tokens: int, hit: int) -> int:
     return max(0, min(offered, num_tokens - 1) - hit)
 
 
-def remaining_blocks(num_tokens: int, block_sizes: Iterable[int], held: Iterable[int]) -> int:
+def remaining_blocks(
+    num_tokens: int, block_sizes: Iterable[int], held: Iterable[int], states: Iterable[bool] = ()
+) -> int:
     """Blocks a request holding `held` blocks per group still needs for its whole
-    sequence (`Scheduler._request_remaining_blocks` for a request with blocks)."""
-    return sum(max(-(-num_tokens // bs) - h, 0) for bs, h in zip(block_sizes, held))
+    sequence (`Scheduler._request_remaining_blocks` for a request with blocks). A
+    group flagged in `states` (Mamba, align) keeps one state at a time: it needs one
+    more block at most (`MambaManager.get_num_blocks_to_allocate`'s cap)."""
+    needs = [max(-(-num_tokens // bs) - h, 0) for bs, h in zip(block_sizes, held)]
+    one_state = list(states) + [False] * len(needs)
+    return sum(min(need, 1) if one else need for need, one in zip(needs, one_state))
 
 
 # ---------------------------------------------------------------- the contract, on `AllocatorModel`
@@ -178,6 +204,7 @@ def in_flight_reserve(m: AllocatorModel) -> int:
             min(r.num_tokens, m.cfg.max_model_len),
             sizes,
             [len(g.tables.get(r.rid, ())) for g in m.groups],
+            [g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align" for g in m.groups],
         )
         for r in m.requests.values()
         if r.prefilling
@@ -304,13 +331,20 @@ def waiting_pass(
         left -= result.scheduled
 
 
+def external_state_blocks(local: int, computed: int, held: int) -> int:
+    """The blocks a Mamba (align) group's admission takes for external tokens before
+    its chunk's state: one, the state after the last external token (`computed`
+    past the local hit `local`), for a request holding no blocks (`held`); else 0."""
+    return int(computed > local and not held)
+
+
 def add_external_blocks(m: AllocatorModel, g: GroupState, rid: str, computed: int, ext: int) -> None:
     """Fresh blocks for the external tokens inside the window (vLLM
-    `SingleTypeKVCacheManager.allocate_external_computed_blocks`); Mamba is not stated."""
-    assert not (g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align"), (
-        "the connector contract does not state Mamba groups (model.connector)"
-    )
+    `SingleTypeKVCacheManager.allocate_external_computed_blocks`): a Mamba group's
+    window is its last token, so it takes the one state block."""
     if min(computed - max(m._skipped_tokens(g, computed), 0), ext) <= 0:
         return
     table = g.table(rid)
     table.extend(m.pool.get_new_blocks(max(0, cdiv(computed, g.bs) - len(table))))
+    if g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align":
+        m.exercised["connector: Mamba external state block"] += 1

@@ -69,6 +69,8 @@ CONNECTOR_CACHING_OFF_ROW = "real Scheduler + KV connector, caching off"
 CONNECTOR_SAVE_ROW = "real Scheduler + KV connector: saves, frees deferred until finished_sending"
 CONNECTOR_BLOCKS_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group), 'recompute'"
 CONNECTOR_BLOCKS_FAIL_ROW = "real Scheduler + KV connector: loads failed on some blocks (one group), 'fail'"
+CONNECTOR_MAMBA_ROW = "real Scheduler + KV connector with a Mamba group: external state block, loads, saves"
+MAMBA_SHAPES = (("full", "mamba"), ("full", "swa", "mamba"))
 # vLLM takes block-level load failures (invalid_block_ids) with one KV cache group only.
 ONE_GROUP = (("full",), ("swa",))
 
@@ -108,6 +110,8 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     CONNECTOR_SAVE_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True),
     CONNECTOR_BLOCKS_ROW: _no_spec(shapes=ONE_GROUP, connector=True, load_failure="recompute"),
     CONNECTOR_BLOCKS_FAIL_ROW: _no_spec(shapes=ONE_GROUP, connector=True, load_failure="fail"),
+    # Either policy, caching on or off (a Mamba group in 'align' or 'none' mode); no fine-grained hits.
+    CONNECTOR_MAMBA_ROW: _no_spec(shapes=MAMBA_SHAPES, connector=True),
 }
 
 # vLLM's real `AsyncScheduler` driven one step ahead, as the engine core drives it (target
@@ -167,6 +171,14 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: load failed on some blocks",
         "connector: failed load ends the request ('fail')",
     ),
+    CONNECTOR_MAMBA_ROW: (
+        "connector: Mamba external state block",
+        "connector: sync external hit admitted",
+        "connector: async external hit admitted",
+        "connector: async load cached at promotion",
+        "connector: failed load rolled back",
+        "connector: free deferred until the save reports",
+    ),
 }
 
 # How the vllm-manager target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
@@ -214,14 +226,16 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors with a Mamba group; failed blocks (invalid_block_ids) of a sync load, or "
+        "KV connectors with fine-grained Mamba hits; failed blocks (invalid_block_ids) of a sync load, or "
         "held by another request too; a save deferred while the request's load is in flight",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
         "(both policies), async loads failed on some blocks (one KV cache group: vLLM raises on "
         "more), the frees deferred while a load is in flight, and saves (what a finish hands the "
-        "connector, the free deferred until finished_sending), for Full/SWA layouts (the connector "
-        "rows above); vLLM's MambaManager lays external tokens out as null blocks and one state "
-        "block, counted with its own cap, which model.connector does not state yet; a sync load's "
+        "connector, the free deferred until finished_sending), for Full/SWA layouts and with a Mamba "
+        "group (its external tokens' null blocks and one state block: the connector rows above); "
+        "with fine-grained Mamba hits vLLM presents the connector a block-aligned local hit and "
+        "drops a local sub-block tail a longer external hit supersedes, which model.connector does "
+        "not state yet; a sync load's "
         "failed blocks come with the output of the step that ran its chunk and cut every running "
         "request sharing one (evicted under 'fail'), which the report operation does not carry; "
         "kvretain's connector saves no request whose load is in flight (vLLM would free its blocks "

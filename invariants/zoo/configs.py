@@ -113,6 +113,10 @@ def _strategy(name: str, *, allow_pinning: bool, allow_fine: bool) -> st.SearchS
             lookahead=False,
             connector=True,
         ),
+        # The same with a Mamba group (`model.connector`: its external state block; no fine-grained hits).
+        "scheduler-connector-mamba": lambda: configs(
+            allow_pinning=False, shapes=MAMBA_SHAPES, eagle=False, lookahead=False, connector=True
+        ),
         # Full attention + a Mamba block 2 or 4 hash blocks wide: fine-grained hits and copies.
         "mamba-fine": lambda: configs(
             allow_pinning=False, shapes=(("full", "mamba"),), caching=True, eagle=False, fine=True
@@ -138,4 +142,5 @@ STRATEGY_NAMES = (
     "scheduler-mamba",
     "scheduler-spec",
     "scheduler-connector",
+    "scheduler-connector-mamba",
 )
