@@ -421,7 +421,9 @@ class AllocatorModel(BlockCaching, MambaStates):
         if n <= 0 and not load_async:
             return result
         reserve = conn.in_flight_reserve(self) if load_async else 0
-        new = self._allocate_slots(req, n, hit, hit_blocks, Load(ext, load_async, reserve))
+        # External tokens past a hit ending inside a scheduler block replace its tail (`model.connector`).
+        local, local_blocks = conn.superseded_tail(self, hit, hit_blocks, ext)
+        new = self._allocate_slots(req, n, local, local_blocks, Load(computed - local, load_async, reserve))
         if new is None:
             return result
         req.offer, req.num_computed, req.prefilling = None, computed + n, computed + n < req.num_tokens

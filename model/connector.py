@@ -87,6 +87,16 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   'none' mode (caching off) the external tokens take the same one block and
   the chunk its blocks as an attention group does.
 
+- **A hit's sub-block tail** (fine-grained Mamba hits, `model.fine_mamba`: a
+  hit may end inside a scheduler block). The connector is asked past the
+  hit cut to its last whole scheduler block; when it offers more than the
+  cut-off tail, the admission adopts the cut hit (`truncate_computed_blocks`:
+  per group the blocks under the cut, a Mamba group's as many as it has)
+  and the external tokens cover the tail too, so nothing is copied
+  (`superseded_tail`); otherwise the hit stands and nothing is external. The
+  observation keeps the lookup's hit and blocks, and the external tokens
+  past it.
+
 - **Failed blocks** (`Loaded(rid, True, invalid)`, the report's
   `invalid_block_ids`; a single KV cache group only: vLLM raises on more, as
   block ids are unique per group only). The async load of `rid` failed on
@@ -100,10 +110,7 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   "fail": the request ends with an error, freed (after its out-of-window
   blocks on the cut computed tokens) as a finish is.
 
-Not stated (generation avoids them): a Mamba group with fine-grained hits
-(its block wider than the hash block: vLLM presents the connector a
-block-aligned local hit and drops a local sub-block tail that a longer
-external hit supersedes, `Scheduler.schedule`), failed blocks of a sync load
+Not stated (generation avoids them): failed blocks of a sync load
 (reported with the output of the step that ran its chunk; vLLM also cuts every
 running request sharing a failed block and evicts its hashes under "fail"),
 and failed blocks another request holds.
@@ -116,6 +123,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from model.masks import cdiv
 from model.observation import BlockIds, Done, LoadCut, Saving, ScheduleResult
+
+Blocks = tuple[tuple[int, ...], ...]  # block ids per group
 
 if TYPE_CHECKING:
     from model.allocator import AllocatorModel, GroupState, RequestState
@@ -143,15 +152,21 @@ def external_tokens(offered: int, num_tokens: int, hit: int) -> int:
 
 
 def remaining_blocks(
-    num_tokens: int, block_sizes: Iterable[int], held: Iterable[int], states: Iterable[bool] = ()
+    num_tokens: int,
+    block_sizes: Iterable[int],
+    held: Iterable[int],
+    states: Iterable[bool] = (),
+    copies: Iterable[bool] = (),
 ) -> int:
     """Blocks a request holding `held` blocks per group still needs for its whole
     sequence (`Scheduler._request_remaining_blocks` for a request with blocks). A
     group flagged in `states` (Mamba, align) keeps one state at a time: it needs one
-    more block at most (`MambaManager.get_num_blocks_to_allocate`'s cap)."""
+    more block at most (`MambaManager.get_num_blocks_to_allocate`'s cap), and one
+    more where `copies` flags its own mid-block key awaiting its copy (`model.fine_mamba`)."""
     needs = [max(-(-num_tokens // bs) - h, 0) for bs, h in zip(block_sizes, held)]
     one_state = list(states) + [False] * len(needs)
-    return sum(min(need, 1) if one else need for need, one in zip(needs, one_state))
+    copy = list(copies) + [False] * len(needs)
+    return sum(min(n, 1) + c if one else n for n, one, c in zip(needs, one_state, copy))
 
 
 # ---------------------------------------------------------------- the contract, on `AllocatorModel`
@@ -205,6 +220,7 @@ def in_flight_reserve(m: AllocatorModel) -> int:
             sizes,
             [len(g.tables.get(r.rid, ())) for g in m.groups],
             [g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align" for g in m.groups],
+            [r.rid in g.partial for g in m.groups],
         )
         for r in m.requests.values()
         if r.prefilling
@@ -336,6 +352,20 @@ def external_state_blocks(local: int, computed: int, held: int) -> int:
     its chunk's state: one, the state after the last external token (`computed`
     past the local hit `local`), for a request holding no blocks (`held`); else 0."""
     return int(computed > local and not held)
+
+
+def superseded_tail(m: AllocatorModel, hit: int, hit_blocks: Blocks, ext: int) -> tuple[int, Blocks]:
+    """The local hit an admission adopts (tokens, blocks per group): a hit ending inside
+    a scheduler block, followed by external tokens, is cut to that block's start
+    (`Scheduler.schedule`, `truncate_computed_blocks`: per group the blocks the cut
+    covers, a Mamba group's at most as many as it has); the external tokens load the
+    rest. Without external tokens the hit stands."""
+    tail = hit % m.cfg.scheduler_block_size
+    if not (ext and tail):
+        return hit, hit_blocks
+    m.exercised["connector: external tokens supersede a hit's sub-block tail"] += 1
+    cut = hit - tail
+    return cut, tuple(blocks[: cut // g.bs] for g, blocks in zip(m.groups, hit_blocks))
 
 
 def add_external_blocks(m: AllocatorModel, g: GroupState, rid: str, computed: int, ext: int) -> None:

@@ -130,20 +130,40 @@ def reserve_ops() -> list[Op]:
     ]
 
 
-def test_checker_refuses_connector_ops_with_fine_grained_mamba_hits() -> None:
-    fine = Config(
-        groups=(GroupSpec("full", 4), GroupSpec("mamba", 8)),
-        num_blocks=16,
-        kv_connector=True,
-        hash_block_size=4,
-    )
-    c = Checker(ModelTarget(fine))
-    c.step(AddRequest("r0", PROMPT))
-    with pytest.raises(InvalidOp, match="fine-grained Mamba"):
-        c.step(Offer("r0", 4, "sync"))
-    c = Checker(ModelTarget(FULL_MAMBA))
-    c.step(AddRequest("r0", PROMPT))
-    assert c.step(Offer("r0", 4, "sync")) == []
+FINE = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("mamba", 8)),
+    num_blocks=24,
+    max_model_len=4096,
+    kv_connector=True,
+    hash_block_size=4,
+)
+TAIL_PROMPT = PROMPT + (50,) * 7  # 20 tokens, PROMPT's first 12 keyed at 12 (inside scheduler block 8..16)
+
+
+def tail_ops(load: str = "sync", offered: int = 18) -> list[Op]:
+    """r0 computes PROMPT in chunks ending at 8, 12 (its prompt tail, keyed inside the
+    Mamba block) and 13; r1 extends it, hits 12 and is offered `offered` tokens."""
+    ops: list[Op] = [AddRequest("r0", PROMPT), *[Step(("r0",), 64)] * 3, Sample("r0", 5), Finish("r0")]
+    ops += [AddRequest("r1", TAIL_PROMPT), Offer("r1", offered, load), Step(("r1",), 64)]  # type: ignore[arg-type]
+    return ops + ([Loaded("r1", True), Step(("r1",), 64)] if load == "async" else [])
+
+
+def test_external_tokens_supersede_a_hit_s_sub_block_tail() -> None:
+    m = AllocatorModel(FINE)
+    obs = [m.apply(op) for op in tail_ops()]
+    r = own(obs[8], "r1")
+    assert isinstance(obs[8], StepResult) and obs[8].copies == ()
+    # The lookup's hit (12, blocks 1 2 4 | null 7) is observed; the admission adopts 8 (blocks 1 2)
+    # and loads [8, 18): Full block 4 (tokens 8..12, cached) is not read, nothing is copied.
+    assert (r.hit, r.hit_blocks, r.external, r.scheduled) == (12, ((1, 2, 4), (0, 7)), 6, 2)
+    assert m.snapshot().tables["r1"] == ((1, 2, 5, 6, 8), (0, 0, 9))
+    assert m.exercised["connector: external tokens supersede a hit's sub-block tail"] == 1
+    # An offer no longer than the hit: the hit stands (copied as usual), nothing is external.
+    m = AllocatorModel(FINE)
+    step = [m.apply(op) for op in tail_ops(offered=12)][8]
+    assert isinstance(step, StepResult) and (own(step, "r1").hit, own(step, "r1").external) == (12, 0)
+    assert step.copies == ((7, 6),)  # the Mamba state keyed at 12, read in part
+    assert not m.exercised["connector: external tokens supersede a hit's sub-block tail"]
 
 
 # ------------------------------------------------------------------ vLLM's scheduler
@@ -224,6 +244,19 @@ def test_real_scheduler_agrees_on_the_in_flight_mamba_reserve() -> None:
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.parametrize("load", ["sync", "async"])
+@pytest.mark.parametrize("offered", [18, 12])
+def test_real_scheduler_agrees_on_a_superseded_sub_block_tail(load: str, offered: int) -> None:
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    ops = tail_ops(load, offered) + [Probe(TAIL_PROMPT)]
+    if offered == 12:  # nothing external: no load to report
+        ops = [op for op in ops if not isinstance(op, Loaded)][:9]
+    assert run(VllmSchedulerTarget, FINE, ops) == []
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_vllm_raises_where_the_external_state_block_is_uncounted() -> None:
     """Finding candidate (not registered): with exactly the blocks vLLM 0.33.0 counts
     free, `allocate_slots` takes one more and `get_new_blocks` raises; the model refuses.
@@ -256,3 +289,64 @@ def test_mamba_connector_mutant_is_caught() -> None:
     with activate(name) as factory:
         assert run(factory, FULL_MAMBA, trace_ops()) != []
     assert "allocate_external_computed_blocks" not in vars(MambaManager)  # restored
+
+
+# ------------------------------------------------------------------ the invariants' connector narrowings
+def contexts(monkeypatch: pytest.MonkeyPatch, cfg: Config, ops: list[Op]) -> list[object]:
+    """The check contexts of `ops` judged on the model (every invariant holds)."""
+    import invariants.harness.checker as checker_mod
+
+    seen: list[object] = []
+    real = checker_mod.check_all
+
+    def capture(ctx: object) -> list[Violation]:
+        seen.append(ctx)
+        return real(ctx)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checker_mod, "check_all", capture)
+    checker = Checker(ModelTarget(cfg))
+    for op in ops:
+        assert checker.step(op) == [], op
+    return seen
+
+
+def test_copies_sound_spares_only_a_superseded_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """copies_sound asks no copy of a hit whose sub-block tail external tokens replaced;
+    the same step read as a plain admission (no external tokens) is caught."""
+    from dataclasses import replace
+
+    from invariants.catalogue import BY_NAME
+
+    seen = contexts(monkeypatch, FINE, tail_ops())
+    ctx = seen[8]
+    step = ctx.obs  # type: ignore[attr-defined]
+    assert own(step, "r1").external == 6 and BY_NAME["copies_sound"].check(ctx) == []  # type: ignore[arg-type]
+    plain = replace(step, results=tuple((rid, replace(r, external=0)) for rid, r in step.results))
+    assert BY_NAME["copies_sound"].check(replace(ctx, obs=plain))  # type: ignore[type-var]
+
+
+def test_fine_promise_spares_only_a_state_the_connector_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """promise_kept promises no Mamba state at or below where the request's load ended
+    (3 tokens, 2 loaded: the chunk [2, 3) overwrites the loaded state at 2 in its
+    block, which vLLM never keys); the same finish without the load is caught."""
+    from dataclasses import replace
+
+    from invariants.catalogue import BY_NAME
+
+    cfg = Config(
+        groups=(GroupSpec("full", 4), GroupSpec("mamba", 8)),
+        num_blocks=14,
+        max_model_len=4096,
+        kv_connector=True,
+        hash_block_size=2,
+    )
+    seen = contexts(
+        monkeypatch,
+        cfg,
+        [AddRequest("r8", (1, 3, 3)), Offer("r8", 18, "sync"), Step(("r8",), 64), Finish("r8")],
+    )
+    ctx = seen[-1]
+    req = ctx.finished_request  # type: ignore[attr-defined]
+    assert req.external == 2 and BY_NAME["promise_kept"].check(ctx) == []  # type: ignore[arg-type]
+    unloaded = replace(ctx, finished_request=replace(req, external=0))  # type: ignore[type-var]
+    assert BY_NAME["promise_kept"].check(unloaded)

@@ -41,7 +41,6 @@ from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
 from model.config import Config
 from model.connector import failable_blocks
-from model.fine_mamba import fine_hits_enabled
 from model.observation import (
     BlockIds,
     BlockKey,
@@ -459,10 +458,6 @@ def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Load
     name = type(op).__name__.lower()
     if not config.kv_connector:
         raise InvalidOp(f"{name}: the configuration has no KV connector (kv_connector: false)")
-    if fine_hits_enabled(config):
-        raise InvalidOp(
-            f"{name}: the connector contract does not state fine-grained Mamba hits (model.connector)"
-        )
     req = model.requests.get(op.rid)
     if isinstance(op, Loaded):
         if op.rid not in model.held and (req is None or req.load != "loading"):

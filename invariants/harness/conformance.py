@@ -110,7 +110,7 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     CONNECTOR_SAVE_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True),
     CONNECTOR_BLOCKS_ROW: _no_spec(shapes=ONE_GROUP, connector=True, load_failure="recompute"),
     CONNECTOR_BLOCKS_FAIL_ROW: _no_spec(shapes=ONE_GROUP, connector=True, load_failure="fail"),
-    # Either policy, caching on or off (a Mamba group in 'align' or 'none' mode); no fine-grained hits.
+    # Either policy, caching on or off (a Mamba group in 'align' or 'none' mode), fine-grained hits or not.
     CONNECTOR_MAMBA_ROW: _no_spec(shapes=MAMBA_SHAPES, connector=True),
 }
 
@@ -226,16 +226,15 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors with fine-grained Mamba hits; failed blocks (invalid_block_ids) of a sync load, or "
+        "KV connectors with speculative decoding; failed blocks (invalid_block_ids) of a sync load, or "
         "held by another request too; a save deferred while the request's load is in flight",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
         "(both policies), async loads failed on some blocks (one KV cache group: vLLM raises on "
         "more), the frees deferred while a load is in flight, and saves (what a finish hands the "
         "connector, the free deferred until finished_sending), for Full/SWA layouts and with a Mamba "
-        "group (its external tokens' null blocks and one state block: the connector rows above); "
-        "with fine-grained Mamba hits vLLM presents the connector a block-aligned local hit and "
-        "drops a local sub-block tail a longer external hit supersedes, which model.connector does "
-        "not state yet; a sync load's "
+        "group (its external tokens' null blocks and one state block, fine-grained hits whose "
+        "sub-block tail external tokens supersede: the connector rows above); the connector's "
+        "contract is stated without drafts; a sync load's "
         "failed blocks come with the output of the step that ran its chunk and cut every running "
         "request sharing one (evicted under 'fail'), which the report operation does not carry; "
         "kvretain's connector saves no request whose load is in flight (vLLM would free its blocks "

@@ -58,19 +58,15 @@ def configs(
     `eagle_drafts`: a real scheduler's speculative decoding: an Eagle
     configuration always reserves lookahead slots (vLLM's Eagle drafts at least
     one token); a Mamba group's draft state blocks follow (`model.mamba`).
-    `connector`: True = a KV connector attached (`Config.kv_connector`; a Mamba group
-    then has no fine-grained hits: `model.connector` does not state them), False = none, None = either
-    where no Mamba group has fine-grained hits and nothing speculates (the connector's
+    `connector`: True = a KV connector attached (`Config.kv_connector`), False = none,
+    None = either where nothing speculates (the connector's
     contract is stated without drafts); `load_failure`: its `kv_load_failure_policy`
     ("recompute", "fail"; None = either, mostly "recompute").
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
     base = draw(st.sampled_from([2, 4]))
-    # A connector's Mamba group is never a fine-grained one (`model.connector` does not state it).
-    wide_mamba = (
-        allow_fine and "mamba" in shape and not connector and (draw(st.booleans()) if fine is None else fine)
-    )
+    wide_mamba = allow_fine and "mamba" in shape and (draw(st.booleans()) if fine is None else fine)
     groups = _groups(draw, shape, base, wide_mamba)
     interval = _retention(draw, groups, retention)
     pin = allow_pinning and "swa" in shape and draw(st.booleans())
@@ -90,7 +86,7 @@ def configs(
         hash_block_size=base if wide_mamba else 0,
     )
     speculates = cfg.eagle or cfg.num_lookahead_tokens > 0
-    if connector or (connector is None and not wide_mamba and not speculates and draw(st.booleans())):
+    if connector or (connector is None and not speculates and draw(st.booleans())):
         policy = load_failure or draw(st.sampled_from(["recompute", "recompute", "fail"]))
         cfg = cfg.with_(kv_connector=True, kv_load_failure_policy=policy)
     if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):

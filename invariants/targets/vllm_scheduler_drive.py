@@ -441,7 +441,8 @@ def shipped_admission(
             for hg, ag, tg in zip(hit, allocated, shipped)
         )
     hits = tuple(
-        tuple(h if t == NULL_BLOCK_ID or (h, t) in cow else t for h, t in zip(hg, tg))
+        # External tokens may replace a hit's sub-block tail (`model.connector`): the hit is the lookup's.
+        hg if external else tuple(h if t == NULL_BLOCK_ID or (h, t) in cow else t for h, t in zip(hg, tg))
         for hg, tg in zip(hit, shipped)
     )
     new = tuple(
