@@ -205,6 +205,22 @@ def trace_ops(split: bool = True) -> list[Op]:
     ]
 
 
+def test_the_mamba_trace_reaches_every_connector_path() -> None:
+    m = AllocatorModel(FULL_MAMBA)
+    for op in trace_ops():
+        m.apply(op)
+    assert {
+        "connector: Mamba external state block",
+        "connector: sync external hit admitted",
+        "connector: async external hit admitted",
+        "connector: async load cached at promotion",
+        "connector: failed load rolled back",
+        "connector: free deferred until the load reports",
+        "connector: free deferred until the save reports",
+        "connector: freed when the save reported",
+    } <= set(m.exercised)
+
+
 def run(factory: object, cfg: Config, ops: list[Op]) -> list[Violation]:
     """The new (not known) violations of `ops` on `factory(cfg)`, audited after each step."""
     from invariants.harness.known_findings import is_known_violation

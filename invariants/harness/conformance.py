@@ -171,13 +171,12 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: load failed on some blocks",
         "connector: failed load ends the request ('fail')",
     ),
+    # Promotion, failed loads, saves and superseded sub-block tails are reached at the default
+    # budget but not always in a few dozen steps (Mamba splits prefills); tests pin each one.
     CONNECTOR_MAMBA_ROW: (
         "connector: Mamba external state block",
         "connector: sync external hit admitted",
         "connector: async external hit admitted",
-        "connector: async load cached at promotion",
-        "connector: failed load rolled back",
-        "connector: free deferred until the save reports",
     ),
 }
 
