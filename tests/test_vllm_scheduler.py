@@ -185,10 +185,11 @@ TRACE_FOR_MUTANT = {
 def test_every_scheduler_mutant_has_a_trace() -> None:
     from test_vllm_scheduler_reach import REACH_TRACES  # the mutants of the scheduler's decisions
 
-    # The speculative-decoding and KV-connector mutants have theirs in
-    # tests/test_vllm_scheduler_spec.py and tests/test_vllm_connector.py.
+    # The speculative-decoding and KV-connector mutants have theirs in tests/test_vllm_scheduler_spec.py,
+    # tests/test_vllm_connector.py and (with a Mamba group) tests/test_vllm_connector_mamba.py.
+    elsewhere = ("scheduler-spec", "scheduler-connector", "scheduler-connector-mamba")
     assert set(TRACE_FOR_MUTANT) | set(REACH_TRACES) == {
-        n for n, m in SCHEDULER_MUTANTS.items() if m.strategy not in ("scheduler-spec", "scheduler-connector")
+        n for n, m in SCHEDULER_MUTANTS.items() if m.strategy not in elsewhere
     }
 
 
