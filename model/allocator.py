@@ -82,7 +82,7 @@ from model.ops import (
 from model.pool import Pool
 from model.prefix import joined
 from model.profile import MODELED, Profile, rules_of
-from model.scheduling import capped, long_prefill_cap, mamba_chunk
+from model.scheduling import StepChunks, long_prefill_cap
 from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
 
 Ids = tuple[int, ...]
@@ -162,7 +162,7 @@ class GroupState:
         return self.tables.setdefault(rid, [])
 
 
-class AllocatorModel(BlockCaching, MambaStates):
+class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     """The specification as a state machine: `apply` an operation, read its observation.
 
     Public, for the harness, the explorer and the exporter (documented seams;
@@ -189,7 +189,7 @@ class AllocatorModel(BlockCaching, MambaStates):
     ) -> None:
         self.cfg = validate(config)
         self.num_spec_tokens = num_spec_tokens  # drafts a step verifies (`model.spec_decode`); 0: none
-        self.cap = 0  # the long-prefill cap of the step being scheduled (`model.scheduling`)
+        self.cap = 0  # the long-prefill cap of the step being scheduled (`model.scheduling.StepChunks`)
         # Async scheduling (vLLM `AsyncScheduler`): a sampled token reaches the scheduler a step late.
         self.in_flight = InFlight() if async_scheduling else None
         self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
@@ -385,17 +385,6 @@ class AllocatorModel(BlockCaching, MambaStates):
         conn.settle_prefill(self, [req.rid])
         return result
 
-    def _next_chunk(self, req: RequestState, left: int, budget: int) -> int:
-        """Tokens a running request computes next: at most `left` of the step's `budget`."""
-        wanted = self._capped(req.num_tokens + len(req.drafts) - req.num_computed)
-        return self._chunk(req, req.num_computed, min(wanted, left), budget)
-
-    def _capped(self, num_tokens: int) -> int:
-        n = capped(num_tokens, self.cap)
-        if n < num_tokens:
-            self.exercised["chunk capped by the long-prefill threshold"] += 1
-        return n
-
     def _continue(self, req: RequestState, left: int, budget: int) -> ScheduleResult:
         n = self._next_chunk(req, left, budget)
         if n <= 0:
@@ -434,7 +423,9 @@ class AllocatorModel(BlockCaching, MambaStates):
         if n <= 0 and not load_async:
             return result
         reserve = conn.in_flight_reserve(self) if load_async else 0
-        new = self._allocate_slots(req, n, hit, hit_blocks, Load(ext, load_async, reserve))
+        # External tokens past a hit ending inside a scheduler block replace its tail (`model.connector`).
+        local, local_blocks = conn.superseded_tail(self, hit, hit_blocks, ext)
+        new = self._allocate_slots(req, n, local, local_blocks, Load(computed - local, load_async, reserve))
         if new is None:
             return result
         req.offer, req.num_computed, req.prefilling = None, computed + n, computed + n < req.num_tokens
@@ -514,22 +505,6 @@ class AllocatorModel(BlockCaching, MambaStates):
         req.drafts, req.verifying = (), ()
         if self._decisions is not None:
             self._decisions.append(Decision("preempt", rid))
-
-    def _chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:
-        if not self.cfg.has_mamba_align:
-            return n
-        threshold = self.cfg.long_prefill_token_threshold
-        return mamba_chunk(
-            start=start,
-            num_new=n,
-            budget=min(budget, threshold) if threshold else budget,
-            num_prompt_tokens=len(req.prompt),
-            num_tokens=req.num_tokens,
-            shared_prefix_boundary=req.shared_prefix_boundary,
-            block_size=self.cfg.scheduler_block_size,
-            eagle=self.cfg.eagle,
-            fine_hash_block_size=self.cfg.hash_block_size if self.fine else 0,
-        )
 
     # --------------------------------------------------------------- lookup
     def _cached_fn(self, tokens: Tokens, gids: list[int], bs: int):  # type: ignore[no-untyped-def]
@@ -707,7 +682,7 @@ class AllocatorModel(BlockCaching, MambaStates):
         """
         held = len(g.tables.get(rid, ()))
         if _align(g):
-            return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid)
+            return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid, computed)
         required = cdiv(num_tokens + g.bs * self._draft_blocks(g), g.bs)
         if rid in g.num_cached:
             # Running: no new hit, and a table already longer than needed is fine.
@@ -721,9 +696,10 @@ class AllocatorModel(BlockCaching, MambaStates):
         return new + ends_inside_block(len(hits), local, g.bs) + self._num_evictable(adopted_hits)
 
     def _mamba_blocks_to_allocate(
-        self, g: GroupState, held: int, hits: tuple[int, ...], main: int, local: int, rid: str
+        self, g: GroupState, held: int, hits: tuple[int, ...], main: int, local: int, rid: str, computed: int
     ) -> int:
-        """MambaManager in align mode (same function)."""
+        """MambaManager in align mode (same function), plus the state block external
+        tokens take, which vLLM 0.33.0 leaves uncounted (`model.connector`)."""
         if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
             # The hit state was keyed by another request in this same step and is
             # not computed yet: ask for more than the pool holds so the request
@@ -733,14 +709,16 @@ class AllocatorModel(BlockCaching, MambaStates):
         # Only the chunk's last state is kept: one new block at most, whatever the chunk
         # length (vLLM caps only a positive count, and min() leaves the rest alone).
         s = self._draft_blocks(g)
-        new = cdiv(main, g.bs) + s - len(hits) - held
+        external = conn.external_state_blocks(local, computed, held)
+        # After external tokens the chunk's state counts from the table they leave.
+        new = cdiv(main, g.bs) + s - (cdiv(computed, g.bs) if external else len(hits) + held)
         # A state to copy (a hit ending inside a block, or this request's own
         # mid-block key) takes one more block: the copy's destination.
         copy = ends_inside_block(len(hits), local, g.bs) or rid in g.partial
         if copy:
             new = max(new, 0) + 1
         cap = cap_of(copy, s, rid in g.allocated)
-        return self.rules.count(new, cap) + self._num_evictable(hits)  # model.mamba
+        return external + self.rules.count(new, cap) + self._num_evictable(hits)  # model.mamba
 
     def _num_evictable(self, blocks: tuple[int, ...]) -> int:
         """Hit blocks still in a free queue (ref 0); the null block is not one."""

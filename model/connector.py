@@ -66,6 +66,37 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   does not defer a free vLLM already defers for the load (vLLM would free
   the blocks at the first of the two reports).
 
+- **A Mamba group** (align: one state per chunk, `model.mamba_states`). Only
+  the state after the last external token is read, so external tokens give
+  the request's table nulls up to the block holding that token and one fresh
+  block there, the state the load writes (vLLM's base
+  `allocate_external_computed_blocks` with `MambaManager`'s window of one
+  token; the local hit's blocks fall behind it and are not taken). The
+  chunk then starts from that state: its own state block comes after it when
+  the chunk ends in a later block, and the external one becomes the stale
+  state the next allocation frees. The admission counts both
+  (`external_state_blocks`): vLLM 0.33.0's `MambaManager.get_num_blocks_to_allocate`
+  caps the group's count at one state block, so an admission whose chunk
+  leaves the external state's block is counted one block short, and where
+  the pool holds exactly the count `get_new_blocks` raises inside
+  `allocate_slots` (kvretain states the admission as refused). An in-flight
+  prefill's Mamba group still needs one state block at most, which is what an
+  async load's admission leaves it (`remaining_blocks`). Caching,
+  delayed caching, promotion, failed loads and deferred frees are as above:
+  the state block is cached under the key of the block it sits in. In
+  'none' mode (caching off) the external tokens take the same one block and
+  the chunk its blocks as an attention group does.
+
+- **A hit's sub-block tail** (fine-grained Mamba hits, `model.fine_mamba`: a
+  hit may end inside a scheduler block). The connector is asked past the
+  hit cut to its last whole scheduler block; when it offers more than the
+  cut-off tail, the admission adopts the cut hit (`truncate_computed_blocks`:
+  per group the blocks under the cut, a Mamba group's as many as it has)
+  and the external tokens cover the tail too, so nothing is copied
+  (`superseded_tail`); otherwise the hit stands and nothing is external. The
+  observation keeps the lookup's hit and blocks, and the external tokens
+  past it.
+
 - **Failed blocks** (`Loaded(rid, True, invalid)`, the report's
   `invalid_block_ids`; a single KV cache group only: vLLM raises on more, as
   block ids are unique per group only). The async load of `rid` failed on
@@ -100,17 +131,13 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   the failed block) and it ends with an error, freed as a finish is; the
   connector saves it if asked (its load is not in flight).
 
-Not stated (generation avoids them): Mamba groups (vLLM 0.33.0's `MambaManager`
-pads external tokens with null blocks but the last state's, one fresh block,
-`allocate_external_computed_blocks`, and counts the admission with its own
-cap, `get_num_blocks_to_allocate`; the model's align layout for external
-tokens is not written yet); failed blocks held by several other requests, or
-by one that awaits its sample or waits (vLLM's cut would depend on the order
-of its `running` and `kv_holding_waiting`, which kvretain does not state, or
-on a step output kvretain delivers with the sample), and, under "fail", any
-held by another request (vLLM ends them all at once, freed in a set's
-order); a sync load's failed blocks reported after another operation than
-its step, or while another request of the step awaits its sample (the
+Not stated (generation avoids them): failed blocks held by several other
+requests, or by one that awaits its sample or waits (vLLM's cut would depend
+on the order of its `running` and `kv_holding_waiting`, which kvretain does
+not state, or on a step output kvretain delivers with the sample), and, under
+"fail", any held by another request (vLLM ends them all at once, freed in a
+set's order); a sync load's failed blocks reported after another operation
+than its step, or while another request of the step awaits its sample (the
 step's output would not come whole).
 """
 
@@ -121,6 +148,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from model.masks import cdiv
 from model.observation import BlockIds, Done, LoadCut, Saving, ScheduleResult
+
+Blocks = tuple[tuple[int, ...], ...]  # block ids per group
 
 if TYPE_CHECKING:
     from model.allocator import AllocatorModel, GroupState, RequestState
@@ -147,10 +176,22 @@ def external_tokens(offered: int, num_tokens: int, hit: int) -> int:
     return max(0, min(offered, num_tokens - 1) - hit)
 
 
-def remaining_blocks(num_tokens: int, block_sizes: Iterable[int], held: Iterable[int]) -> int:
+def remaining_blocks(
+    num_tokens: int,
+    block_sizes: Iterable[int],
+    held: Iterable[int],
+    states: Iterable[bool] = (),
+    copies: Iterable[bool] = (),
+) -> int:
     """Blocks a request holding `held` blocks per group still needs for its whole
-    sequence (`Scheduler._request_remaining_blocks` for a request with blocks)."""
-    return sum(max(-(-num_tokens // bs) - h, 0) for bs, h in zip(block_sizes, held))
+    sequence (`Scheduler._request_remaining_blocks` for a request with blocks). A
+    group flagged in `states` (Mamba, align) keeps one state at a time: it needs one
+    more block at most (`MambaManager.get_num_blocks_to_allocate`'s cap), and one
+    more where `copies` flags its own mid-block key awaiting its copy (`model.fine_mamba`)."""
+    needs = [max(-(-num_tokens // bs) - h, 0) for bs, h in zip(block_sizes, held)]
+    one_state = list(states) + [False] * len(needs)
+    copy = list(copies) + [False] * len(needs)
+    return sum(min(n, 1) + c if one else n for n, one, c in zip(needs, one_state, copy))
 
 
 # ---------------------------------------------------------------- the contract, on `AllocatorModel`
@@ -203,6 +244,8 @@ def in_flight_reserve(m: AllocatorModel) -> int:
             min(r.num_tokens, m.cfg.max_model_len),
             sizes,
             [len(g.tables.get(r.rid, ())) for g in m.groups],
+            [g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align" for g in m.groups],
+            [r.rid in g.partial for g in m.groups],
         )
         for r in m.requests.values()
         if r.prefilling
@@ -466,13 +509,34 @@ def waiting_pass(
         left -= result.scheduled
 
 
+def external_state_blocks(local: int, computed: int, held: int) -> int:
+    """The blocks a Mamba (align) group's admission takes for external tokens before
+    its chunk's state: one, the state after the last external token (`computed`
+    past the local hit `local`), for a request holding no blocks (`held`); else 0."""
+    return int(computed > local and not held)
+
+
+def superseded_tail(m: AllocatorModel, hit: int, hit_blocks: Blocks, ext: int) -> tuple[int, Blocks]:
+    """The local hit an admission adopts (tokens, blocks per group): a hit ending inside
+    a scheduler block, followed by external tokens, is cut to that block's start
+    (`Scheduler.schedule`, `truncate_computed_blocks`: per group the blocks the cut
+    covers, a Mamba group's at most as many as it has); the external tokens load the
+    rest. Without external tokens the hit stands."""
+    tail = hit % m.cfg.scheduler_block_size
+    if not (ext and tail):
+        return hit, hit_blocks
+    m.exercised["connector: external tokens supersede a hit's sub-block tail"] += 1
+    cut = hit - tail
+    return cut, tuple(blocks[: cut // g.bs] for g, blocks in zip(m.groups, hit_blocks))
+
+
 def add_external_blocks(m: AllocatorModel, g: GroupState, rid: str, computed: int, ext: int) -> None:
     """Fresh blocks for the external tokens inside the window (vLLM
-    `SingleTypeKVCacheManager.allocate_external_computed_blocks`); Mamba is not stated."""
-    assert not (g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align"), (
-        "the connector contract does not state Mamba groups (model.connector)"
-    )
+    `SingleTypeKVCacheManager.allocate_external_computed_blocks`): a Mamba group's
+    window is its last token, so it takes the one state block."""
     if min(computed - max(m._skipped_tokens(g, computed), 0), ext) <= 0:
         return
     table = g.table(rid)
     table.extend(m.pool.get_new_blocks(max(0, cdiv(computed, g.bs) - len(table))))
+    if g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align":
+        m.exercised["connector: Mamba external state block"] += 1

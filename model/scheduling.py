@@ -13,6 +13,14 @@ not modeled, nor two admission policies of vLLM's `Scheduler.schedule`
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from model.config import Config
+
+if TYPE_CHECKING:
+    from model.allocator import RequestState
+
 
 def long_prefill_cap(threshold: int, num_queued: int) -> int:
     """The cap on one request's chunk in a step over `num_queued` requests (running and
@@ -80,3 +88,41 @@ def mamba_chunk(
     )
     end = min((s for s in stops if start < s < end), default=end)
     return max(end - start, 0)
+
+
+class StepChunks:
+    """The chunk a step computes for one request, one part of `AllocatorModel` (which
+    inherits it and sets `cap`, the step's `long_prefill_cap`): the request's tokens
+    capped, at most what is left of the budget, then the Mamba split."""
+
+    cfg: Config
+    fine: bool
+    cap: int
+    exercised: Counter[str]
+
+    def _next_chunk(self, req: RequestState, left: int, budget: int) -> int:
+        """Tokens a running request computes next: at most `left` of the step's `budget`."""
+        wanted = self._capped(req.num_tokens + len(req.drafts) - req.num_computed)
+        return self._chunk(req, req.num_computed, min(wanted, left), budget)
+
+    def _capped(self, num_tokens: int) -> int:
+        n = capped(num_tokens, self.cap)
+        if n < num_tokens:
+            self.exercised["chunk capped by the long-prefill threshold"] += 1
+        return n
+
+    def _chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:
+        if not self.cfg.has_mamba_align:
+            return n
+        threshold = self.cfg.long_prefill_token_threshold
+        return mamba_chunk(
+            start=start,
+            num_new=n,
+            budget=min(budget, threshold) if threshold else budget,
+            num_prompt_tokens=len(req.prompt),
+            num_tokens=req.num_tokens,
+            shared_prefix_boundary=req.shared_prefix_boundary,
+            block_size=self.cfg.scheduler_block_size,
+            eagle=self.cfg.eagle,
+            fine_hash_block_size=self.cfg.hash_block_size if self.fine else 0,
+        )

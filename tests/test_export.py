@@ -49,6 +49,8 @@ NOT_EXPORTED = {
     "the masked variant (vllm-blockstored-token-range) is exported",
     "swa-load-cut-reads-skipped-window": "a KV connector trace (Offer, Loaded with failed blocks): the "
     "exporter writes no connector yet; `kvretain replay` replays it on vllm",
+    "vllm-mamba-external-state-uncounted": "a KV connector trace (Offer): the exporter writes no "
+    "connector yet; `kvretain replay` replays it on vllm",
     "vllm-mamba-padded-admission-null-state": "drafts through the real scheduler: the exporter writes "
     "no speculative decoding for vLLM's Scheduler yet (it refuses in one line); `kvretain replay` "
     "replays it on vllm and vllm-async-scheduler",

@@ -186,8 +186,14 @@ def test_every_scheduler_mutant_has_a_trace() -> None:
     from test_vllm_scheduler_reach import REACH_TRACES  # the mutants of the scheduler's decisions
 
     # The speculative-decoding, KV-connector and long-prefill mutants have theirs in
-    # tests/test_vllm_scheduler_spec.py, tests/test_vllm_connector.py and tests/test_long_prefill.py.
-    elsewhere = ("scheduler-spec", "scheduler-connector", "scheduler-long-prefill")
+    # tests/test_vllm_scheduler_spec.py, tests/test_vllm_connector.py (with a Mamba group:
+    # tests/test_vllm_connector_mamba.py) and tests/test_long_prefill.py.
+    elsewhere = (
+        "scheduler-spec",
+        "scheduler-connector",
+        "scheduler-connector-mamba",
+        "scheduler-long-prefill",
+    )
     assert set(TRACE_FOR_MUTANT) | set(REACH_TRACES) == {
         n for n, m in SCHEDULER_MUTANTS.items() if m.strategy not in elsewhere
     }

@@ -157,6 +157,11 @@ def test_shipped_admission_reads_the_table_the_worker_gets() -> None:
     assert shipped_admission(((1, 2, 4, 9, 7), (5, 6, 0, 8)), hit, new, set(), external=True) == (hit, new)
     assert shipped_admission(((1, 2, 4, 9, 7), (5, 6, 0, 8)), hit, new, set()) != (hit, new)
     assert shipped_admission(((1, 2, 9, 7), (5, 6, 0, 8)), hit, new, set(), external=True) != (hit, new)
+    # External tokens that superseded the hit's sub-block tail (`model.connector`): blocks 9 10 stand
+    # where the hit's tail was (from its first entry not the hit's on); the hit reads as the lookup's.
+    tail = ((1, 2, 9, 10, 7), (5, 0, 8))
+    assert shipped_admission(tail, hit, new, set(), external=True, superseded=True) == (hit, new)
+    assert shipped_admission(tail, hit, new, set(), external=True)[0] == ((1, 2, 9), (5, 6))
 
 
 def test_a_source_mutant_whose_line_is_gone_fails_loudly() -> None:

@@ -97,7 +97,9 @@ def copies_sound(ctx: CheckContext) -> list[str]:
     the source is never handed out as a new block in the same
     step (the copy would read what another request wrote); a key the source
     lost in the step moved to the destination (the key follows the state it
-    names). Runs on every operation: on the fast path from the step's delta
+    names). A hit followed by a KV connector's external tokens is cut to its
+    last whole scheduler block first, so it is not copied (`model.connector`).
+    Runs on every operation: on the fast path from the step's delta
     (the endpoints are touched blocks), in an audit from whole snapshots."""
     copies = getattr(ctx.obs, "copies", ())
     if not copies:
@@ -134,6 +136,8 @@ def _partial_hits_copied(ctx: CheckContext, copies: set[tuple[int, int]]) -> lis
     out = []
     for r in _results(ctx.obs):
         if not r.admitted or not r.hit or r.hit_blocks is None or r.new_blocks is None:
+            continue
+        if r.external:  # a KV connector's tokens replace the hit's sub-block tail (`model.connector`)
             continue
         for g, (hits, new) in enumerate(zip(r.hit_blocks, r.new_blocks)):
             if not hits or not hits[-1] or r.hit % ctx.config.groups[g].block_size == 0:

@@ -92,13 +92,18 @@ def _fine_promise(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
     tail block keyed at e), the SWA tail below e, and the Mamba state keyed at
     e (the prompt-tail checkpoint the scheduler stops at). With Eagle the
     replay boundaries (scheduler-block aligned) and the Mamba checkpoint
-    (hash-block aligned) differ by design; no single boundary is promised."""
+    (hash-block aligned) differ by design; no single boundary is promised.
+    Nor where a KV connector's latest admission loaded to e or past it
+    (`model.connector`): the request computed no Mamba state up to there, and
+    vLLM keys a state inside a block only where a chunk ends there
+    (`MambaManager._cache_partial_tail_block`), while the chunk after the load
+    overwrites the loaded state in its block."""
     cfg, req = ctx.config, ctx.finished_request
     assert req is not None
     hbs = cfg.hash_block_size
     e = (len(req.prompt) - 1) // hbs * hbs
     keys: dict[BlockKey, str] = {}
-    if cfg.eagle or e == 0:
+    if cfg.eagle or e == 0 or (req.external and e <= req.hit + req.external):
         return 0, keys
     for g, spec in enumerate(cfg.groups):
         bs = spec.block_size

@@ -458,8 +458,6 @@ def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Load
     name = type(op).__name__.lower()
     if not config.kv_connector:
         raise InvalidOp(f"{name}: the configuration has no KV connector (kv_connector: false)")
-    if config.has_mamba:
-        raise InvalidOp(f"{name}: the connector contract does not state Mamba groups (model.connector)")
     req = model.requests.get(op.rid)
     if isinstance(op, Loaded):
         sync = model.sync_report is not None and op.rid in model.sync_report.loads

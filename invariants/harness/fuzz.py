@@ -104,8 +104,8 @@ NO_CONNECTOR = (
     "KV connectors (offers, async loads, failed loads, saves, deferred frees): the target cannot attach one "
     "(model.connector; targets model and vllm run them)"
 )
-CONNECTOR_NOT_MAMBA = (
-    "KV connectors with a Mamba group or with speculative decoding, failed blocks of a sync load "
+CONNECTOR_NOT_STATED = (
+    "KV connectors with speculative decoding, failed blocks of a sync load "
     "or of a block another request holds, failed blocks with more than one KV cache group (vLLM "
     "raises) (model.connector does not state them); a save of a request whose load is in flight "
     "is not deferred by kvretain's connector (vLLM counts one deferral)"
@@ -136,7 +136,7 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
 
 def _not_generated(target: str) -> tuple[str, ...]:
     """What `_generated` leaves out for `target`, said in its report."""
-    connector = CONNECTOR_NOT_MAMBA if target in CONNECTOR_TARGETS else NO_CONNECTOR
+    connector = CONNECTOR_NOT_STATED if target in CONNECTOR_TARGETS else NO_CONNECTOR
     if target in REAL_SCHEDULER_TARGETS:
         return (NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER, LONG_PREFILL_AT_SPEC_TOKENS, connector)
     return (connector,)

@@ -59,16 +59,15 @@ def configs(
     `eagle_drafts`: a real scheduler's speculative decoding: an Eagle
     configuration always reserves lookahead slots (vLLM's Eagle drafts at least
     one token); a Mamba group's draft state blocks follow (`model.mamba`).
-    `connector`: True = a KV connector attached (`Config.kv_connector`; Mamba shapes
-    are left out: `model.connector` does not state them), False = none, None = either
-    where the shape has no Mamba group and nothing speculates (the connector's
+    `connector`: True = a KV connector attached (`Config.kv_connector`), False = none,
+    None = either where nothing speculates (the connector's
     contract is stated without drafts); `load_failure`: its `kv_load_failure_policy`
     ("recompute", "fail"; None = either, mostly "recompute").
     `long_prefill`: True = a long-prefill threshold (`Config.long_prefill_token_threshold`,
     above the spec tokens: vLLM asserts when it clips a padded admission), False = none,
     None = either (mostly none).
     """
-    allowed = [s for s in (shapes or SHAPES) if (allow_mamba and connector is not True) or "mamba" not in s]
+    allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
     base = draw(st.sampled_from([2, 4]))
     wide_mamba = allow_fine and "mamba" in shape and (draw(st.booleans()) if fine is None else fine)
@@ -91,7 +90,7 @@ def configs(
         hash_block_size=base if wide_mamba else 0,
     )
     speculates = cfg.eagle or cfg.num_lookahead_tokens > 0
-    if connector or (connector is None and not cfg.has_mamba and not speculates and draw(st.booleans())):
+    if connector or (connector is None and not speculates and draw(st.booleans())):
         policy = load_failure or draw(st.sampled_from(["recompute", "recompute", "fail"]))
         cfg = cfg.with_(kv_connector=True, kv_load_failure_policy=policy)
     if long_prefill or (long_prefill is None and draw(st.sampled_from([False, False, False, True]))):

@@ -245,7 +245,7 @@ class RealStepScheduler:
         for rid in out.num_scheduled_tokens:
             self.names.learn_computed(self.s.requests[rid])
         computed = {rid: self.s.requests[rid].num_computed_tokens for rid in rids}
-        return observe(calls, [r.request_id for r in running], out, budget, computed)
+        return observe(calls, [r.request_id for r in running], out, budget, computed, sched.block_size)
 
     def _queue(self, requests: Iterable[Any]) -> Any:
         queue = self.m["create_request_queue"](self.sched.policy)
@@ -342,12 +342,18 @@ class RealStepScheduler:
 
 
 def observe(
-    calls: list[Call], running: list[str], out: Any, budget: int, computed: dict[str, int] | None = None
+    calls: list[Call],
+    running: list[str],
+    out: Any,
+    budget: int,
+    computed: dict[str, int] | None = None,
+    block_size: int = 0,
 ) -> StepResult:
     """The model's `StepResult` of one `schedule()`, from its recorded manager calls
     and its output (see the module docstring); `computed`: each request's computed
     tokens after the step, from which an admission's external tokens (a KV
-    connector's) are read."""
+    connector's) are read; `block_size`: the scheduler's, at which a hit followed
+    by external tokens is cut (`model.connector`)."""
     scheduled: dict[str, int] = dict(out.num_scheduled_tokens)
     results: list[tuple[str, ScheduleResult]] = []
     allocated: dict[str, Any] = {}
@@ -395,7 +401,10 @@ def observe(
         # Past the hit and the chunk: what the connector supplied (0 unless granted).
         ext = max((computed or {}).get(c.rid, 0) - hit - n, 0) if granted else 0
         if new is not None:
-            hit_ids, new = shipped_admission(shipped.get(c.rid), hit_ids, new, cow, external=ext > 0)
+            superseded = ext > 0 and block_size > 0 and hit % block_size > 0
+            hit_ids, new = shipped_admission(
+                shipped.get(c.rid), hit_ids, new, cow, external=ext > 0, superseded=superseded
+            )
         results.append((c.rid, ScheduleResult(n, bool(n), hit, spb, hit_ids, new, external=ext)))
     seen = {rid for rid, _ in results}
     missed = [rid for rid in scheduled if rid not in seen]
@@ -434,8 +443,26 @@ def shipped_new_blocks(shipped: Table | None, allocated: Table) -> Table:
     return tuple(() for _ in allocated) if shipped is None else shipped
 
 
+def _under_hit(
+    hit: tuple[int, ...], table: tuple[int, ...], cow: set[tuple[int, int]], superseded: bool = False
+) -> tuple[int, ...]:
+    """One group's hit as the table shows it (see `shipped_admission`); `superseded`: from
+    the first entry that is not the hit's on, the table holds external blocks instead
+    (the hit's sub-block tail was cut: `model.connector`), so the hit is the lookup's there."""
+    shown = tuple(h if t == NULL_BLOCK_ID or (h, t) in cow else t for h, t in zip(hit, table))
+    if not superseded:
+        return shown
+    agree = next((i for i, (h, s) in enumerate(zip(hit, shown)) if h != s), len(shown))
+    return shown[:agree] + hit[agree : len(shown)]
+
+
 def shipped_admission(
-    shipped: Table | None, hit: Table, allocated: Table, cow: set[tuple[int, int]], external: bool = False
+    shipped: Table | None,
+    hit: Table,
+    allocated: Table,
+    cow: set[tuple[int, int]],
+    external: bool = False,
+    superseded: bool = False,
 ) -> tuple[Table, Table]:
     """An admitted request's (hit blocks, new blocks) as its shipped whole table
     shows them: per group, the entries under the hit, then the rest. Under the
@@ -445,7 +472,8 @@ def shipped_admission(
     is also a new block (`cow`: the step's copies, as (source, destination)).
     With a KV connector's `external` tokens the blocks holding them come between
     the hit and the chunk's new blocks; they are the request's table, which the
-    snapshot compares, so the new blocks are the table's last entries."""
+    snapshot compares, so the new blocks are the table's last entries; where
+    they `superseded` the hit's sub-block tail, they stand in that tail's place."""
     if shipped is None:
         return tuple(() for _ in hit), tuple(() for _ in allocated)
     if external:
@@ -454,7 +482,7 @@ def shipped_admission(
             for hg, ag, tg in zip(hit, allocated, shipped)
         )
     hits = tuple(
-        tuple(h if t == NULL_BLOCK_ID or (h, t) in cow else t for h, t in zip(hg, tg))
+        _under_hit(hg, tg, cow, superseded) if external else _under_hit(hg, tg, cow)
         for hg, tg in zip(hit, shipped)
     )
     new = tuple(

@@ -113,6 +113,10 @@ def _strategy(name: str, *, allow_pinning: bool, allow_fine: bool) -> st.SearchS
             lookahead=False,
             connector=True,
         ),
+        # The same with a Mamba group (`model.connector`: its external state block; no fine-grained hits).
+        "scheduler-connector-mamba": lambda: configs(
+            allow_pinning=False, shapes=MAMBA_SHAPES, eagle=False, lookahead=False, connector=True
+        ),
         # A real scheduler with a long-prefill threshold (drafts and Mamba included).
         "scheduler-long-prefill": lambda: configs(
             allow_pinning=False, allow_fine=allow_fine, eagle_drafts=True, long_prefill=True
@@ -143,4 +147,5 @@ STRATEGY_NAMES = (
     "scheduler-spec",
     "scheduler-connector",
     "scheduler-long-prefill",
+    "scheduler-connector-mamba",
 )

@@ -10,8 +10,10 @@ and restores every original on exit. PROCESS-GLOBAL WHILE ACTIVE: every vLLM
 scheduler built in this process meanwhile is mutated.
 
 Strategies: "scheduler" (the configurations the fuzzer generates for a real
-scheduler), "scheduler-mamba" (Full+Mamba shapes only) and "scheduler-spec"
-(speculative decoding: drafts, accepted counts, one-token admission padding).
+scheduler), "scheduler-mamba" (Full+Mamba shapes only), "scheduler-spec"
+(speculative decoding: drafts, accepted counts, one-token admission padding),
+"scheduler-connector" (kvretain's KV connector, Full/SWA shapes) and
+"scheduler-connector-mamba" (the connector with a Mamba group).
 """
 
 from __future__ import annotations
@@ -486,6 +488,18 @@ def saved_blocks_cover_prompt_only(stack: contextlib.ExitStack, sched: Any) -> N
         "num_computed_tokens=request.num_computed_tokens,",
         "num_computed_tokens=request.num_prompt_tokens,",
     )
+
+
+@mutant("mamba_external_state_block_missing", strategy="scheduler-connector-mamba")
+def mamba_external_state_block_missing(stack: contextlib.ExitStack, sched: Any) -> None:
+    """A Mamba group's external tokens get no state block: `MambaManager`'s
+    `allocate_external_computed_blocks` takes nothing (as if every external token were out
+    of its one-token window), so a sync load has no block to write the state after the
+    last external token into, and the chunk after it reads a null state.
+    (`MambaManager` rather than `Scheduler`: the defect only shows through a connector.)"""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    _set(stack, MambaManager, "allocate_external_computed_blocks", lambda self, *a, **k: None)
 
 
 # ---------------------------------------------------------------- loads failed on some blocks (invalid_block_ids)
