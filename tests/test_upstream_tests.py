@@ -129,3 +129,44 @@ def test_bad_input_is_one_line_exit_2(
     assert main(["upstream-tests", *args]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and message in err
+
+
+ORDER_A = """
+import builtins
+
+
+def test_a_runs_first():
+    builtins._kvretain_ran_a = True
+"""
+# Fails under a mutant only after test_a ran in the same session: an order dependence.
+ORDER_B = """
+import builtins
+import sys
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+
+def test_b_depends_on_order():
+    mutated = Scheduler.schedule.__code__.co_filename != sys.modules[Scheduler.__module__].__file__
+    assert not (mutated and getattr(builtins, "_kvretain_ran_a", False))
+"""
+
+
+def test_a_flaky_first_failure_is_hunted_again_without_it(tmp_path: Path) -> None:
+    """A mutant session stopped by a failure that does not reproduce alone (here an order
+    dependence) is run again without that test: the row's verdict is the second run's,
+    naming the flaky test, not "flaky" with the rest of the suite unrun."""
+    root = tmp_path / "tree"
+    (root / "tests/v1/core").mkdir(parents=True)
+    (root / "tests/v1/core/utils.py").write_text("")  # what marks a vLLM tree
+    (root / "tests/test_a_order.py").write_text(ORDER_A)
+    (root / "tests/test_b_order.py").write_text(ORDER_B)
+    (root / "tests/test_fake_schedule.py").write_text(FAKE_TEST)
+    report = upstream.run_upstream(root, files=["tests"], only=["admission_drops_hit_tokens"], timeout_s=600)
+    [row] = report.rows
+    assert (row.verdict, row.caught_by) == (
+        "caught",
+        "tests/test_fake_schedule.py::test_schedule_is_vllms_own",
+    )
+    assert "re-run without tests/test_b_order.py::test_b_depends_on_order" in row.reason
+    assert "passes re-run alone under the mutant" in row.reason

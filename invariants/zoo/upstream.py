@@ -25,6 +25,8 @@ Verdicts, per mutant:
 - flaky: the catch does not reproduce: the catching test also fails re-run without
   the mutant (every catching test, in one session at the end), or passes re-run
   alone under its mutant (a timeout on a loaded machine, an order dependence).
+  The mutant's session is then run once more without that test, and that run's
+  verdict (rechecked the same way) is the row's, naming the flaky test.
 Tests that fail or error in the control (they need a GPU, Triton, the network,
 a tokenizer...) are deselected from every mutant run and listed with why.
 """
@@ -369,20 +371,30 @@ def run_upstream(
         log(
             f"control: {len(control.passed)} passed, {len(control.failed)} cannot run, {control.seconds:.0f}s"
         )
-        rows = []
-        for target, name in mutants:
+
+        def hunt(target: str, name: str, skip: Sequence[str] = ()) -> MutantRow:
             s = run_session(
                 stage,
                 files,
                 env,
                 mutant=f"{target}:{name}",
-                deselect=list(control.failed),
+                deselect=[*control.failed, *skip],
                 ignore=list(control.uncollectable),
                 timeout_s=timeout_s,
             )
-            rows.append(verdict(name, target, s))
-            log(f"{name}: {rows[-1].verdict} {rows[-1].caught_by} ({s.seconds:.0f}s)")
+            row = verdict(name, target, s)
+            log(f"{name}: {row.verdict} {row.caught_by} ({s.seconds:.0f}s)")
+            return row
+
+        rows = [hunt(target, name) for target, name in mutants]
         recheck(stage, env, rows, timeout_s=timeout_s, log=log)
+        # A flaky first failure stopped its session before the other tests ran: run them.
+        for i, r in enumerate(rows):
+            if r.verdict == "flaky":
+                again = hunt(r.target, r.name, skip=[r.caught_by])
+                recheck(stage, env, [again], timeout_s=timeout_s, log=log)
+                again.reason = f"{again.reason} (re-run without {r.caught_by}, flaky: {r.reason})".lstrip()
+                rows[i] = again
     return UpstreamReport(
         root=str(root),
         vllm_version=vllm.__version__,
