@@ -426,3 +426,22 @@ def test_copies_sound(fine):
     moved_nowhere = dict(producer.after.block_hash)
     moved_nowhere.pop(pdst)
     fails("copies_sound", replace(producer, after=replace(producer.after, block_hash=moved_nowhere)))
+
+
+def test_copies_sound_spares_a_destination_freed_by_a_failed_load_in_the_step() -> None:
+    """A failed async load ('recompute') is freed at its promotion and admitted afresh in
+    the same step; its fine-grained hit's copy may land in a block the load had held.
+    The destination is fresh then. Control: the same step with that request not
+    admitted (so it kept the block through the step) is a destination still held."""
+    from pathlib import Path
+
+    from invariants.harness.trace import read_trace
+
+    trace = read_trace(Path(__file__).parent / "data" / "fine_connector_failed_load_copy.json")
+    step = ctx_of(run(trace.config, trace.ops), Step)
+    assert step.obs.copies and dict(step.obs.results)["r1"].admitted
+    holds("copies_sound", step)
+    kept = StepResult(
+        tuple((rid, replace(r, admitted=False)) for rid, r in step.obs.results), copies=step.obs.copies
+    )
+    fails("copies_sound", replace(step, obs=kept))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from invariants.catalogue.context import CheckContext
 from model.observation import BlockKey, ScheduleResult, StepResult
+from model.ops import Schedule
 
 
 def _results(obs: object) -> list[ScheduleResult]:
@@ -26,6 +27,15 @@ def _results(obs: object) -> list[ScheduleResult]:
     if isinstance(obs, StepResult):
         return [r for _, r in obs.results]
     return []
+
+
+def _admitted(ctx: CheckContext) -> set[str]:
+    obs = ctx.obs
+    if isinstance(obs, ScheduleResult):
+        return {ctx.op.rid} if obs.admitted and isinstance(ctx.op, Schedule) else set()
+    if isinstance(obs, StepResult):
+        return {rid for rid, r in obs.results if r.admitted}
+    return set()
 
 
 def _holders(tables: Mapping[str, tuple[tuple[int, ...], ...]], b: int) -> set[str]:
@@ -92,7 +102,8 @@ def copies_sound(ctx: CheckContext) -> list[str]:
     block in that group is the source, the first block the step hands the
     request there is the destination (the reader never writes the shared
     block). No request that held a destination before the step still holds
-    it, and at most one block-table entry reads it after; a destination a
+    it (but one admitted afresh in the step: a failed load's blocks were freed
+    at its promotion first), and at most one block-table entry reads it after; a destination a
     table reads copies a source that carries a key (a hit on cached state);
     the source is never handed out as a new block in the same
     step (the copy would read what another request wrote); a key the source
@@ -106,13 +117,16 @@ def copies_sound(ctx: CheckContext) -> list[str]:
         return _partial_hits_copied(ctx, set())
     view = _snapshot_view(ctx) if ctx.delta is None else _delta_view(ctx)
     new: list[int] = [b for r in _results(ctx.obs) for g in r.new_blocks or () for b in g if b]
+    # Admitted in the step with blocks held before it: a failed load's, freed at its promotion
+    # before the fresh admission (`model.connector`), so they may come back as a destination.
+    readmitted = _admitted(ctx)
     out = []
     for src, dst in copies:
         name = f"copy {src} -> {dst}"
         if not src or not dst or src == dst:
             out.append(f"{name}: endpoints must be two distinct real blocks")
             continue
-        kept = view.kept(dst)
+        kept = [rid for rid in view.kept(dst) if rid not in readmitted]
         if kept:
             out.append(f"{name}: destination is still held by {kept}, which held it before the step")
         uses = view.uses(dst)

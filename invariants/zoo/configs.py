@@ -117,6 +117,16 @@ def _strategy(name: str, *, allow_pinning: bool, allow_fine: bool) -> st.SearchS
         "scheduler-connector-mamba": lambda: configs(
             allow_pinning=False, shapes=MAMBA_SHAPES, eagle=False, lookahead=False, connector=True
         ),
+        # The same with fine-grained Mamba hits: external tokens past a hit's sub-block tail.
+        "scheduler-connector-fine": lambda: configs(
+            allow_pinning=False,
+            shapes=(("full", "mamba"),),
+            caching=True,
+            eagle=False,
+            lookahead=False,
+            fine=True,
+            connector=True,
+        ),
         # A real scheduler with a long-prefill threshold (drafts and Mamba included).
         "scheduler-long-prefill": lambda: configs(
             allow_pinning=False, allow_fine=allow_fine, eagle_drafts=True, long_prefill=True
@@ -148,4 +158,5 @@ STRATEGY_NAMES = (
     "scheduler-connector",
     "scheduler-long-prefill",
     "scheduler-connector-mamba",
+    "scheduler-connector-fine",
 )

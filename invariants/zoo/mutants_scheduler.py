@@ -750,3 +750,17 @@ def shared_failed_block_running_not_scanned(stack: contextlib.ExitStack, sched: 
         "self.running, invalid_block_ids, num_scheduled_tokens, evict_blocks=True",
         "(), invalid_block_ids, num_scheduled_tokens, evict_blocks=True",
     )
+
+
+@mutant("equal_remote_supersedes_local_tail", strategy="scheduler-connector-fine")
+def equal_remote_supersedes_local_tail(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Admission with a hit ending inside a block: a connector offer exactly as long as the
+    hit's sub-block tail supersedes it (`ext_tokens >= partial_tail`), so the request
+    loads tokens it already hits locally and drops the hit's copy for an external block."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "if partial_tail and ext_tokens > partial_tail:",
+        "if partial_tail and ext_tokens >= partial_tail:",
+    )
