@@ -173,6 +173,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     CONNECTOR_SAVE_ROW: (
         "connector: free deferred until the save reports",
         "connector: freed when the save reported",
+        "connector: free deferred until both the load and the save report",
     ),
     CONNECTOR_BLOCKS_ROW: (
         "connector: load failed on some blocks",
