@@ -168,3 +168,56 @@ def test_the_tolerance_matches_nothing_else() -> None:
     ):
         assert known_finding("vllm-manager", version, other) is None, other
     assert known_finding("vllm-manager", "0.32.0", hit) is None  # another release: not claimed
+
+
+def count_deferrals(mp: pytest.MonkeyPatch, sched: object) -> None:
+    """A fix of vLLM, as a monkeypatch: a free deferred both for a load in flight and by
+    the connector's save waits for the last of the two reports."""
+    cls = type(sched)
+    free_request, free_blocks = cls._free_request, cls._free_blocks  # type: ignore[attr-defined]
+    pending: dict[str, int] = {}
+
+    def _free_request(self: object, request: object, delay_free_blocks: bool = False) -> object:
+        out = free_request(self, request, delay_free_blocks)
+        rid = request.request_id  # type: ignore[attr-defined]
+        if delay_free_blocks and rid in self.connector.deferred:  # type: ignore[attr-defined]
+            pending[rid] = 2
+        return out
+
+    def _free_blocks(self: object, request: object) -> None:
+        rid = request.request_id  # type: ignore[attr-defined]
+        if pending.get(rid, 0) > 1:
+            pending[rid] -= 1
+            return
+        pending.pop(rid, None)
+        free_blocks(self, request)
+
+    mp.setattr(cls, "_free_request", _free_request)
+    mp.setattr(cls, "_free_blocks", _free_blocks)
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("policy", "load_first"),
+    [("recompute", True), ("recompute", False), ("fail", True)],
+    ids=["load-first", "save-first", "fail"],
+)
+def test_a_vllm_freeing_at_the_last_report_agrees_with_the_model(
+    monkeypatch: pytest.MonkeyPatch, policy: str, load_first: bool
+) -> None:
+    """The contract is vLLM's own with the deferrals counted: a fixed scheduler is clean
+    (the driver's check stays quiet, every snapshot agrees), in either order and policy."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = FULL4.with_(kv_load_failure_policy=policy)  # type: ignore[arg-type]
+    target = VllmSchedulerTarget(cfg)
+    count_deferrals(monkeypatch, target.vllm_scheduler)
+    c = Checker(target, audit_every=1)
+    if policy == "fail":  # the failed load ends r0, its save keeps it
+        ops = loading_ops()[:-1] + [Loaded("r0", False), Saved("r0")]
+    else:
+        ops = loading_ops() + reports(load_first)
+    ops += [AddRequest("r1", tuple(range(40, 53))), Step(("r1",), 64)]
+    assert [v for op in ops for v in c.step(op)] == [] and c.audit() == []
+    assert "r0" not in target.vllm_scheduler.requests
