@@ -223,7 +223,7 @@ def settle_prefill(m: AllocatorModel, rids: list[str]) -> None:
 def finish(m: AllocatorModel, req: RequestState) -> Done | Saving:
     """Free a finished request (`model.connector`: with a connector the blocks out of
     the windows of its processed tokens go first; a load in flight keeps the rest
-    until it reports, a save until it reports)."""
+    until it reports, a save until it reports, both until both have reported)."""
     if m.cfg.kv_connector:
         processed = max(req.num_computed - m.undelivered.get(req.rid, 0), 0)
         for g in m.groups:

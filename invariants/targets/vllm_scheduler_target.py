@@ -178,8 +178,8 @@ class SchedulerOpDriver(OpDriver):
 
     def finish(self, rid: str) -> Observation:
         """`Finish`: with a load in flight or a save (or both), vLLM defers the free
-        (`model.connector`): the request stays, so its table stays observed. A request the connector saves
-        shows what it was handed (`Saving`)."""
+        (`model.connector`): the request stays, so its table stays observed. A request
+        the connector saves shows what it was handed (`Saving`)."""
         req, connector = self.s.requests[rid], self.real.sched.connector
         saves = connector is not None and rid in connector.saving
         self.real.finish(req)
