@@ -62,9 +62,12 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   evictable, until the worker reports the save (`finished_sending`:
   `Scheduler._update_from_kv_xfer_finished` -> `_free_blocks`), then are
   freed as a finish frees them. A request finished while its load is in
-  flight, or ended by a failed load ("fail"), is not saved: the connector
-  does not defer a free vLLM already defers for the load (vLLM would free
-  the blocks at the first of the two reports).
+  flight, or ended by a failed load ("fail", its load reporting then), that
+  the connector saves is held by both transfers: its blocks are freed only
+  when the load and the save have both reported, in either order (the
+  other transfer may still use them). vLLM 0.33.0 frees them at the first
+  report and asserts at the second: a known finding
+  ("save-during-load-freed-at-first-report"), not vLLM's behaviour stated.
 
 - **A Mamba group** (align: one state per chunk, `model.mamba_states`). Only
   the state after the last external token is read, so external tokens give
@@ -263,7 +266,7 @@ def settle_prefill(m: AllocatorModel, rids: list[str]) -> None:
 def finish(m: AllocatorModel, req: RequestState) -> Done | Saving:
     """Free a finished request (`model.connector`: with a connector the blocks out of
     the windows of its processed tokens go first; a load in flight keeps the rest
-    until it reports, a save until it reports)."""
+    until it reports, a save until it reports, both until both have reported)."""
     if m.cfg.kv_connector:
         processed = max(req.num_computed - m.undelivered.get(req.rid, 0), 0)
         for g in m.groups:
@@ -275,10 +278,12 @@ def finish(m: AllocatorModel, req: RequestState) -> Done | Saving:
     if req.load == LOADING:
         m.held.add(req.rid)
         m.exercised["connector: free deferred until the load reports"] += 1
-    elif isinstance(seen, Saving) and any(seen.block_ids):
+    if isinstance(seen, Saving) and any(seen.block_ids):
         m.sending.add(req.rid)
         m.exercised["connector: free deferred until the save reports"] += 1
-    else:
+        if req.rid in m.held:
+            m.exercised["connector: free deferred until both the load and the save report"] += 1
+    if req.rid not in m.held | m.sending:
         m._free(req.rid)
     return seen
 
@@ -294,9 +299,12 @@ def handed_blocks(m: AllocatorModel, req: RequestState) -> tuple[BlockIds, ...]:
 
 
 def saved(m: AllocatorModel, rid: str) -> None:
-    """The save of finished request `rid` reported: its blocks are freed now."""
+    """The save of finished request `rid` reported: its blocks are freed now, unless
+    its load is still in flight (then at the load's report)."""
     assert rid in m.sending, f"{rid} has no save pending"
     m.sending.discard(rid)
+    if rid in m.held:
+        return
     m._free(rid)
     m.exercised["connector: freed when the save reported"] += 1
 
@@ -313,7 +321,8 @@ def loaded(
     m.undelivered = {}  # the report comes with the last step's output
     if rid in m.held:
         m.held.discard(rid)
-        m._free(rid)
+        if rid not in m.sending:  # a save still in flight keeps them
+            m._free(rid)
         return Done()
     req = m.requests[rid]
     assert req.load == LOADING, f"{rid} has no load in flight"
@@ -339,10 +348,8 @@ def loaded(
         if others:
             m.exercised["connector: a running request holding a failed block cut"] += 1
     if (not ok or invalid) and m.cfg.kv_load_failure_policy == "fail":
-        # The request ends with an error; its load has reported, so nothing waits,
-        # and the connector, whose load is still in flight when vLLM ends it, saves nothing.
+        # The request ends with an error; its load has reported, so only a save waits.
         req.load = ""
-        m.saving.discard(rid)
         finish(m, m.requests.pop(rid))
         m.exercised["connector: failed load ends the request ('fail')"] += 1
         return seen

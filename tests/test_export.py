@@ -54,6 +54,8 @@ NOT_EXPORTED = {
     "vllm-mamba-padded-admission-null-state": "drafts through the real scheduler: the exporter writes "
     "no speculative decoding for vLLM's Scheduler yet (it refuses in one line); `kvretain replay` "
     "replays it on vllm and vllm-async-scheduler",
+    "save-during-load-freed-at-first-report": "a KV connector trace (Save, Offer, Loaded): the "
+    "exporter writes no connector yet; `kvretain replay` replays it on vllm",
 }
 FINDINGS = {fid: f for fid, f in FINDINGS.items() if fid not in NOT_EXPORTED}
 _counter = itertools.count()

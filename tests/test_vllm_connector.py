@@ -181,17 +181,6 @@ def test_a_save_defers_the_free_until_it_reports() -> None:
     assert m.exercised["connector: freed when the save reported"] == 1
 
 
-def test_a_save_is_not_deferred_while_a_load_is_in_flight() -> None:
-    for policy in ("recompute", "fail"):
-        m = AllocatorModel(FULL.with_(kv_load_failure_policy=policy))  # type: ignore[arg-type]
-        for op in (AddRequest("r0", PROMPT), Save("r0"), Offer("r0", 13, "async"), Step(("r0",), 64)):
-            m.apply(op)
-        if policy == "recompute":
-            assert isinstance(m.apply(Finish("r0")), Saving) and m.held == {"r0"}
-        m.apply(Loaded("r0", False))
-        assert not m.sending and not m.held and not m.saving and "r0" not in m.snapshot().tables
-
-
 def invalid_ops() -> list[Op]:
     """Two async loads failing on some blocks (Full4, one group): r1 (hit 12 on blocks
     1-3, 3 external tokens in block 4) fails on block 3, cut to 8 with a valid prefix;

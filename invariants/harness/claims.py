@@ -78,6 +78,7 @@ CONDITIONS: dict[str, tuple[Condition, str]] = {
 # The operation kinds a claim may name; "audit" is a check between operations.
 OPERATIONS = frozenset(
     {"add", "schedule", "step", "sample", "finish", "preempt", "probe", "reset", "evict", "audit"}
+    | {"loaded", "saved"}  # a KV connector's reports (`model.connector`)
 )
 _OP_NAMES = {
     "AddRequest": "add",

@@ -177,6 +177,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     CONNECTOR_SAVE_ROW: (
         "connector: free deferred until the save reports",
         "connector: freed when the save reported",
+        "connector: free deferred until both the load and the save report",
     ),
     CONNECTOR_BLOCKS_ROW: (
         "connector: load failed on some blocks",
@@ -241,7 +242,7 @@ EXCLUDED = [
         "KV connectors with speculative decoding; failed blocks (invalid_block_ids) held by several "
         "requests besides the loading one, or by one awaiting its sample or waiting, or, under "
         "'fail', by any other; a sync load's failed blocks reported after another operation than "
-        "its step; a save deferred while the request's load is in flight",
+        "its step",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
         "(both policies), loads failed on some blocks (one KV cache group: vLLM raises on more): "
         "async ones, cutting one running request holding a failed block too ('recompute'), and sync "
@@ -249,17 +250,17 @@ EXCLUDED = [
         "every request of the step that hit a failed block ('recompute') or evicting the loading "
         "request's blocks from its first failed one on ('fail'), the frees deferred while a load is "
         "in flight, and saves (what a finish hands the connector, the free deferred until "
-        "finished_sending), for Full/SWA layouts and with a Mamba group (its external tokens' null "
-        "blocks and one state block, fine-grained hits whose sub-block tail external tokens "
-        "supersede: the connector rows above); the connector's contract is stated without drafts; "
-        "with several other holders vLLM's cut depends on the order of its running and "
-        "kv_holding_waiting queues, which kvretain does not state, and under 'fail' it ends them all "
-        "at once, freed in a set's order (not deterministic across processes); kvretain delivers a "
-        "step's output for a request awaiting its sample with the sample, so a report cannot come "
-        "with it then; kvretain's connector saves no request whose load is in flight (vLLM frees its "
-        "blocks at the first of the two reports, while the other transfer may still use them, and "
-        "asserts at the second: a finding candidate, not generated); the KV events' locality and "
-        "ownership, which only offloading connectors set, are compared as None",
+        "finished_sending, and until both reports for a request finished while its load is in "
+        "flight: vLLM frees at the first, known finding save-during-load-freed-at-first-report), "
+        "for Full/SWA layouts and with a Mamba group (its external tokens' null blocks and one "
+        "state block, fine-grained hits whose sub-block tail external tokens supersede: the "
+        "connector rows above); the connector's contract is stated without drafts; with several "
+        "other holders vLLM's cut depends on the order of its running and kv_holding_waiting "
+        "queues, which kvretain does not state, and under 'fail' it ends them all at once, freed "
+        "in a set's order (not deterministic across processes); kvretain delivers a step's output "
+        "for a request awaiting its sample with the sample, so a report cannot come with it then; "
+        "the KV events' locality and ownership, which only offloading connectors set, are "
+        "compared as None",
     ),
     (
         "extra hash keys (cache_salt, LoRA name, multimodal features)",

@@ -107,8 +107,7 @@ NO_CONNECTOR = (
 CONNECTOR_NOT_STATED = (
     "KV connectors with speculative decoding, failed blocks of a sync load "
     "or of a block another request holds, failed blocks with more than one KV cache group (vLLM "
-    "raises) (model.connector does not state them); a save of a request whose load is in flight "
-    "is not deferred by kvretain's connector (vLLM counts one deferral)"
+    "raises) (model.connector does not state them)"
 )
 
 

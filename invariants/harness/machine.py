@@ -434,7 +434,8 @@ class ConnectorMachine(AllocatorMachine):
     waiting for admission, or the report of an async load in flight (ok, or failed
     one time in three); right after a step that ran sync loads, the blocks one failed
     on, two times in three (`_after_step`); an async load sharing a running request's
-    blocks, reported failed on some (`shared_load`); a save at a request's finish, or its report.
+    blocks, reported failed on some (`shared_load`); a save at a request's finish, or its
+    report (also of one finished while its load is in flight: held until both report).
     A separate class, so runs without a connector draw exactly as before."""
 
     def _connector_choices(self) -> tuple[list[str], list[str]]:
@@ -472,8 +473,12 @@ class ConnectorMachine(AllocatorMachine):
         # One group: a failure may name blocks (`_failed_blocks`), so failures come twice as often.
         outcomes = ["ok", "failed", "finished first"] + ["failed"] * (len(self.cfg.groups) == 1)
         outcome = data.draw(st.sampled_from(outcomes), label="load outcome")
-        if outcome == "finished first":  # its free waits for the report
+        if outcome == "finished first":  # its free waits for the report (and a save's, if saved)
+            if data.draw(st.booleans(), label="saved too?"):
+                self._do(Save(rid))
             self._do(Finish(rid))
+            if rid in model.sending and data.draw(st.booleans(), label="the save reports first?"):
+                self._do(Saved(rid))
         invalid = self._failed_blocks(data, rid) if outcome == "failed" else ()
         self._do(Loaded(rid, outcome != "failed" or bool(invalid), invalid))
         if rid in model.requests and not model.requests[rid].running:  # type: ignore[attr-defined]

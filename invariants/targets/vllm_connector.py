@@ -16,9 +16,10 @@ contract the model derives from them):
   (never the last token), loaded asynchronously or not; the offer stands until
   `update_state_after_alloc` consumes it (the admission succeeded).
 - `save(rid)` (`Save`): at `rid`'s finish `request_finished_all_groups`
-  defers the free (`delay_free_blocks=True`) when it was handed a block and
-  no load of `rid` is in flight (`model.connector`: vLLM defers that free
-  already), as a P/D producer connector does for a request it sends.
+  defers the free (`delay_free_blocks=True`) when it was handed a block, as
+  a P/D producer connector does for a request it sends, and as an offloading
+  (kv_both) one does for a request whose load is still in flight: vLLM then
+  counts two deferrals of one free (`model.connector`, a known finding).
 - A load's or a save's outcome (`Loaded`, `Saved`) is not the connector's to
   report: it is the worker's `KVConnectorOutput` (`finished_recving`,
   `failed_recving`, `invalid_block_ids`, `finished_sending`), which the driver delivers in a
@@ -127,7 +128,7 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         rid = request.request_id
         self.finished.append(rid)
         self.handed[rid] = tuple(tuple(g) for g in block_ids)
-        saves = rid in self.saving and rid not in self.loading and any(len(g) for g in block_ids)
+        saves = rid in self.saving and any(len(g) for g in block_ids)
         self.saving.discard(rid)
         if saves:
             self.deferred.add(rid)

@@ -44,7 +44,7 @@ from model.config import Config
 from model.observation import Done, LoadCut, Observation, ResetResult, Saving
 from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, ResetPrefixCache, Sample, Save, Saved
 
-from .base import TargetFeatures
+from .base import TargetCrash, TargetFeatures
 from .vllm_capabilities import Capabilities
 from .vllm_drive import OpDriver
 from .vllm_scheduler_build import build_scheduler, scheduler_modules
@@ -95,7 +95,7 @@ class SchedulerOpDriver(OpDriver):
         if isinstance(op, Save):
             self.real.sched.connector.save(op.rid)
             return Done()
-        if isinstance(op, Loaded) and requests[op.rid].status == self.s.v["RequestStatus"].RUNNING:
+        if isinstance(op, Loaded) and self.runs(op.rid):
             return self.sync_load_failed(op)
         if isinstance(op, (Loaded, Saved)):
             from .vllm_connector import connector_output, sent_output
@@ -107,17 +107,20 @@ class SchedulerOpDriver(OpDriver):
             self.real.flush()  # the last step's output first, then the report's
             before = {r.request_id: r.num_computed_tokens for r in self.real.sched.running}
             self.real.report_load(report)
-            req = requests[op.rid]
-            # Its free deferred, or ended with an error ('fail' policy): gone from vLLM.
-            held = self.held_by_load | self.held_by_save
-            if op.rid in held or op.rid not in self.real.sched.requests:
-                self.held_by_load.discard(op.rid)
-                self.held_by_save.discard(op.rid)
+            req = requests.get(op.rid)
+            (self.held_by_load if isinstance(op, Loaded) else self.held_by_save).discard(op.rid)
+            if op.rid in self.real.sched.connector.deferred:  # ended by its load ('fail'), saved
+                self.held_by_save.add(op.rid)
+            gone = op.rid not in self.real.sched.requests
+            if gone and op.rid in self.held_by_load | self.held_by_save:
+                raise TargetCrash(self.freed_early(op))
+            # Its deferred free done, or ended with an error ('fail' policy): gone from vLLM.
+            if op.rid in requests and gone:
                 requests.pop(op.rid)
                 self.names.forget(op.rid)
             # Failed blocks cut the request's computed tokens, and those of the running
             # requests holding one (`model.connector`).
-            if not (isinstance(op, Loaded) and op.invalid):
+            if not (isinstance(op, Loaded) and op.invalid) or req is None:
                 return Done()
             running = self.real.sched.running
             cut = tuple((r.request_id, r.num_computed_tokens) for r in running if r.request_id in before)
@@ -128,6 +131,22 @@ class SchedulerOpDriver(OpDriver):
         if isinstance(op, ResetPrefixCache):
             return ResetResult(bool(self.real.sched.reset_prefix_cache()))
         return super().dispatch(op)
+
+    def runs(self, rid: str) -> bool:
+        """Is `rid` running in vLLM (not finished, held for a transfer)?"""
+        if rid in self.held_by_load | self.held_by_save:
+            return False
+        return bool(self.s.requests[rid].status == self.s.v["RequestStatus"].RUNNING)
+
+    def freed_early(self, op: Loaded | Saved) -> str:
+        """vLLM freed a finished request's blocks (and forgot it) at one transfer's report
+        while its other transfer, which deferred the same free, is still in flight: the
+        adapter cannot deliver that report (vLLM asserts `req_id in self.requests`)."""
+        first, other = ("load", "save") if isinstance(op, Loaded) else ("save", "load")
+        return (
+            f"vLLM {self.s.version} freed {op.rid}'s blocks at its {first}'s report while its "
+            f"{other} is in flight (the {other}'s report would assert: req_id in self.requests)"
+        )
 
     def sync_load_failed(self, op: Loaded) -> Observation:
         """A sync load's failed blocks, reported with the output of the step that ran it:
@@ -158,16 +177,19 @@ class SchedulerOpDriver(OpDriver):
         return LoadCut(own, others)
 
     def finish(self, rid: str) -> Observation:
-        """`Finish`: with a load in flight or a save, vLLM defers the free (`model.connector`):
-        the request stays, so its table stays observed. A request the connector saves
-        shows what it was handed (`Saving`)."""
+        """`Finish`: with a load in flight or a save (or both), vLLM defers the free
+        (`model.connector`): the request stays, so its table stays observed. A request
+        the connector saves shows what it was handed (`Saving`)."""
         req, connector = self.s.requests[rid], self.real.sched.connector
         saves = connector is not None and rid in connector.saving
         self.real.finish(req)
         self.finished = req
         if rid in self.real.sched.requests:
-            # Deferred by the connector (a save), else by vLLM for the load in flight.
-            (self.held_by_save if rid in connector.deferred else self.held_by_load).add(rid)
+            # Deferred by the connector (a save), by vLLM for the load in flight, or both.
+            if rid in connector.deferred:
+                self.held_by_save.add(rid)
+            if rid in connector.loading or rid not in connector.deferred:
+                self.held_by_load.add(rid)
         else:
             self.s.requests.pop(rid)
             self.names.forget(rid)
