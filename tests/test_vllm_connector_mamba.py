@@ -373,3 +373,31 @@ def test_fine_promise_spares_only_a_state_the_connector_loaded(monkeypatch: pyte
     assert req.external == 2 and BY_NAME["promise_kept"].check(ctx) == []  # type: ignore[arg-type]
     unloaded = replace(ctx, finished_request=replace(req, external=0))  # type: ignore[type-var]
     assert BY_NAME["promise_kept"].check(unloaded)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_equal_remote_mutant_is_caught() -> None:
+    """Negative control for the fine-grained hit a connector's tokens supersede: the zoo's
+    mutant (an offer exactly as long as the hit's sub-block tail supersedes it) is caught
+    on a trace the unmutated scheduler passes: a preempted request re-admitted on its own
+    44-token hit (inside its third Full16 block) with an async offer of 47 tokens."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+    from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate
+
+    name = "equal_remote_supersedes_local_tail"
+    assert SCHEDULER_MUTANTS[name].strategy == "scheduler-connector-fine"
+    cfg = Config(
+        groups=(GroupSpec("full", 16), GroupSpec("mamba", 16)),
+        num_blocks=13,
+        hash_block_size=4,
+        max_model_len=4096,
+        kv_connector=True,
+    )
+    prompt = (1, 1, 2, 3, 1, 1, 1, 1, 3, 3, 3, 2, 2, 3, 2, 2, 2, 3, 1, 1, 1, 1, 2)
+    prompt += (3, 3, 1, 1, 1, 3, 2, 1, 3, 1, 1, 1, 2, 1, 3, 1, 1, 1, 1, 3, 1, 3)
+    ops: list[Op] = [AddRequest("r0", prompt), Step(("r0",), 32), Step(("r0",), 32), Preempt("r0")]
+    ops += [Offer("r0", 47, "async"), Step(("r0",), 64)]
+    assert run(VllmSchedulerTarget, cfg, ops) == []
+    with activate(name) as factory:
+        assert run(factory, cfg, ops) != []

@@ -192,6 +192,7 @@ def test_every_scheduler_mutant_has_a_trace() -> None:
         "scheduler-spec",
         "scheduler-connector",
         "scheduler-connector-mamba",
+        "scheduler-connector-fine",
         "scheduler-long-prefill",
     )
     assert set(TRACE_FOR_MUTANT) | set(REACH_TRACES) == {
@@ -253,3 +254,31 @@ def test_known_findings_reproduce_through_the_real_scheduler() -> None:
         ran.append(f.id)
     assert "vllm-blockstored-token-range" in ran
     assert "eagle-swa-short-run-double-pop" in refused
+
+
+def test_a_schedule_is_judged_as_the_step_a_real_scheduler_runs() -> None:
+    """A `Schedule` (explore's alphabet writes them) reaches a real scheduler as a
+    one-request step, which may preempt the request itself; the Checker sends the model
+    that step too. Control: the model's own `Schedule` (no preemption) disagrees with
+    vLLM there, which once made explore's shorter traces fail on unmutated vLLM."""
+    from model.allocator import AllocatorModel
+
+    cfg = Config(
+        groups=(GroupSpec("full", 4), GroupSpec("mamba", 8)),
+        num_blocks=7,
+        retention_interval=24,
+        hash_block_size=2,
+        max_model_len=4096,
+        kv_connector=True,
+    )
+    prompt = (1, 2, 1, 1, 2, 2, 1, 2, 2, 1, 1, 1, 2, 1, 2, 2, 1)
+    ops = [AddRequest("r00", prompt), Schedule("r00", 64), Schedule("r00", 8)]
+    checker = Checker(VllmSchedulerTarget(cfg), audit_every=1)
+    found = [v for op in ops for v in checker.step(op) if not is_known_violation("vllm", v)]
+    assert found == [] and checker.ops[1:] == [Step(("r00",), 64), Step(("r00",), 8)]
+    from invariants.harness.checker import diff_snapshots
+
+    model, target = AllocatorModel(cfg), VllmSchedulerTarget(cfg)
+    for op in ops:
+        model.apply(op), target.apply(op)
+    assert any("tables[r00]" in line for line in diff_snapshots(model.snapshot(), target.snapshot()))

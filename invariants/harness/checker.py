@@ -208,6 +208,11 @@ class Checker:
             raise InvalidOp(f"sample: {op.rid!r} proposes {len(op.drafts)} drafts; num_spec_tokens is {k}")
 
     def step(self, op: Op) -> list[Violation]:
+        if self.target.features.real_scheduler and isinstance(op, Schedule):
+            # A real scheduler runs it as the one-request step it is (it may preempt the
+            # request to make room), so the model is sent that step too: a trace written
+            # with `Schedule` (explore's alphabet, an old trace) means the same on both.
+            op = Step((op.rid,), op.budget)
         self.validate(op)
         self.ops.append(op)
         self._since_audit += 1
