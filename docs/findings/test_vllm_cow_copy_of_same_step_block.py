@@ -18,14 +18,15 @@ Property copies_sound: Every copy a step queued (fine-grained Mamba hits, vLLM 0
 state. A hit that ends inside a block is copied: its last hit block in that group is the
 source, the first block the step hands the request there is the destination (the reader
 never writes the shared block). No request that held a destination before the step still
-holds it, and at most one block-table entry reads it after; a destination a table reads
-copies a source that carries a key (a hit on cached state); the source is never handed
-out as a new block in the same step (the copy would read what another request wrote); a
-key the source lost in the step moved to the destination (the key follows the state it
-names). A hit followed by a KV connector's external tokens is cut to its last whole
-scheduler block first, so it is not copied (`model.connector`). Runs on every operation:
-on the fast path from the step's delta (the endpoints are touched blocks), in an audit
-from whole snapshots.
+holds it (but one admitted afresh in the step: a failed load's blocks were freed at its
+promotion first), and at most one block-table entry reads it after; a destination a
+table reads copies a source that carries a key (a hit on cached state); the source is
+never handed out as a new block in the same step (the copy would read what another
+request wrote); a key the source lost in the step moved to the destination (the key
+follows the state it names). A hit followed by a KV connector's external tokens is cut
+to its last whole scheduler block first, so it is not copied (`model.connector`). Runs
+on every operation: on the fast path from the step's delta (the endpoints are touched
+blocks), in an audit from whole snapshots.
 Asked for by: introducing PR: not identified (0.32.0 is the first release the matrix
 reproduces it on); fixing PR: none found (vLLM's PR threads searched 2026-11-27);
 https://github.com/vllm-project/vllm/pull/56525 (related, open: guard Mamba state-block
