@@ -718,7 +718,9 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if copy:
             new = max(new, 0) + 1
         cap = cap_of(copy, s, rid in g.allocated)
-        return external + self.rules.count(new, cap) + self._num_evictable(hits)  # model.mamba
+        # Hit blocks the external state supersedes are never touched: they stay free.
+        kept = hits[self._skipped_tokens(g, computed) // g.bs :] if external else hits
+        return external + self.rules.count(new, cap) + self._num_evictable(kept)  # model.mamba
 
     def _num_evictable(self, blocks: tuple[int, ...]) -> int:
         """Hit blocks still in a free queue (ref 0); the null block is not one."""
