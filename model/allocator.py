@@ -698,29 +698,35 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     def _mamba_blocks_to_allocate(
         self, g: GroupState, held: int, hits: tuple[int, ...], main: int, local: int, rid: str, computed: int
     ) -> int:
-        """MambaManager in align mode (same function), plus the state block external
-        tokens take, which vLLM 0.33.0 leaves uncounted (`model.connector`)."""
+        """MambaManager in align mode (same function). With external tokens the admission
+        takes their state block too, which vLLM 0.33.0 leaves uncounted (`model.connector`):
+        the model asks for the larger of vLLM's count and what the admission takes."""
         if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
             # The hit state was keyed by another request in this same step and is
             # not computed yet: ask for more than the pool holds so the request
             # waits for the next step.
             self.exercised["Mamba same-step guard"] += 1
             return self.cfg.num_blocks + 1
-        # Only the chunk's last state is kept: one new block at most, whatever the chunk
-        # length (vLLM caps only a positive count, and min() leaves the rest alone).
         s = self._draft_blocks(g)
-        external = conn.external_state_blocks(local, computed, held)
-        # After external tokens the chunk's state counts from the table they leave.
-        new = cdiv(main, g.bs) + s - (cdiv(computed, g.bs) if external else len(hits) + held)
         # A state to copy (a hit ending inside a block, or this request's own
         # mid-block key) takes one more block: the copy's destination.
         copy = ends_inside_block(len(hits), local, g.bs) or rid in g.partial
-        if copy:
-            new = max(new, 0) + 1
         cap = cap_of(copy, s, rid in g.allocated)
-        # Hit blocks the external state supersedes are never touched: they stay free.
-        kept = hits[self._skipped_tokens(g, computed) // g.bs :] if external else hits
-        return external + self.rules.count(new, cap) + self._num_evictable(kept)  # model.mamba
+
+        def counted(new: int) -> int:
+            # Only the chunk's last state is kept: one new block at most, whatever the chunk
+            # length (vLLM caps only a positive count, and min() leaves the rest alone).
+            return self.rules.count(max(new, 0) + 1 if copy else new, cap)  # model.mamba
+
+        by_vllm = counted(cdiv(main, g.bs) + s - len(hits) - held) + self._num_evictable(hits)
+        external = conn.external_state_blocks(local, computed, held)
+        if not external:
+            return by_vllm
+        # After external tokens the chunk's state counts from the table they leave; the hit
+        # blocks their state supersedes are never touched, so they stay free.
+        kept = hits[self._skipped_tokens(g, computed) // g.bs :]
+        taken = external + counted(cdiv(main, g.bs) + s - cdiv(computed, g.bs)) + self._num_evictable(kept)
+        return max(by_vllm, taken)
 
     def _num_evictable(self, blocks: tuple[int, ...]) -> int:
         """Hit blocks still in a free queue (ref 0); the null block is not one."""

@@ -406,16 +406,19 @@ def test_equal_remote_mutant_is_caught() -> None:
 @needs_vllm
 @pytest.mark.vllm
 def test_a_local_hit_the_external_state_supersedes_is_not_counted() -> None:
-    """Regression (the zoo control flagged unmutated vLLM here): a re-admitted request's
-    local Mamba hit (state block 11, free) followed by external tokens whose state lies
-    blocks later. The hit block is never touched (it stays free, and the chunk's state
-    may take it), so the admission needs the external and the chunk's state blocks only;
-    the model had counted the hit block too and refused where vLLM admits."""
+    """Regressions (the zoo control flagged unmutated vLLM on both): a re-admitted
+    request's local Mamba hit (state block 11, free) followed by external tokens whose
+    state lies blocks later: the hit block is never touched (it stays free, and the
+    chunk's state may take it), so the admission takes the external and the chunk's state
+    blocks only, which vLLM's count (one state block and the free hit block) matches; the
+    model had counted the hit block too and refused where vLLM admits. And the converse
+    (6 operations): external and chunk state in one block, where vLLM counts two and
+    refuses though one would do; the model asks for the larger count, as vLLM admits."""
     from pathlib import Path
 
     from invariants.harness.replay import replay
     from invariants.harness.trace import read_trace
 
-    trace = read_trace(Path(__file__).parent / "data" / "mamba_connector_superseded_hit_count.json")
-    result = replay(trace, "vllm")
-    assert result.violations == []
+    for name in ("mamba_connector_superseded_hit_count", "mamba_connector_overcounted_hit"):
+        result = replay(read_trace(Path(__file__).parent / "data" / f"{name}.json"), "vllm")
+        assert result.violations == [], name
