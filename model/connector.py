@@ -77,12 +77,15 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   token; the local hit's blocks fall behind it and are not taken). The
   chunk then starts from that state: its own state block comes after it when
   the chunk ends in a later block, and the external one becomes the stale
-  state the next allocation frees. The admission counts both
-  (`external_state_blocks`): vLLM 0.33.0's `MambaManager.get_num_blocks_to_allocate`
-  caps the group's count at one state block, so an admission whose chunk
-  leaves the external state's block is counted one block short, and where
-  the pool holds exactly the count `get_new_blocks` raises inside
-  `allocate_slots` (kvretain states the admission as refused). An in-flight
+  state the next allocation frees. The admission takes both
+  (`external_state_blocks`), and the hit blocks behind them stay free.
+  vLLM 0.33.0's `MambaManager.get_num_blocks_to_allocate` caps the group's
+  count at one state block and adds the free hit blocks: where that comes to
+  fewer than the admission takes (no free hit block), `get_new_blocks` raises
+  inside `allocate_slots` with the pool holding exactly the count; where it
+  comes to more (a free hit block, external and chunk state in one block),
+  vLLM refuses though fewer would do. The model asks for the larger of the
+  two: it refuses where vLLM raises (the finding) and where vLLM refuses. An in-flight
   prefill's Mamba group still needs one state block at most, which is what an
   async load's admission leaves it (`remaining_blocks`). Caching,
   delayed caching, promotion, failed loads and deferred frees are as above:
