@@ -66,7 +66,11 @@ INVARIANTS: list[Invariant] = [
             "pinned_blocks_are_cached",
         ],
     ),
-    *_family(retention, "masks", ["no_waste", "hit_backed_by_cache", "hit_blocks_hold_their_prefix"]),
+    *_family(
+        retention,
+        "masks",
+        ["no_waste", "hit_backed_by_cache", "hit_blocks_hold_their_prefix", "hit_serves_written_kv"],
+    ),
     *_family(promises, "promises", ["promise_kept", "eagle_extra_block_kept", "scratch_never_flushes_cache"]),
     *_family(events, "events", ["events_match_hash_map", "stored_tokens_match_hashes"]),
     *_family(liveness, "liveness", ["fitting_request_admitted"]),

@@ -52,6 +52,16 @@ class RequestHistory:
 
 
 @dataclass
+class Unwritten:
+    """A block whose KV a failed load left garbage: `why` names the load (for a
+    report), `written` counts the tokens a step has computed into it since, from
+    the block's start."""
+
+    why: str
+    written: int = 0
+
+
+@dataclass
 class History:
     """Facts accumulated over the trace, for properties that need the past.
 
@@ -62,7 +72,11 @@ class History:
       cached nor a prefix of a live request);
     - `shadow`: the hash map as an event consumer rebuilds it (key -> holders);
     - `requests`: the live requests; `finished`: the last finished ones (at most
-      `FINISHED_KEPT` of them and `FINISHED_TOKENS` tokens, the latest always).
+      `FINISHED_KEPT` of them and `FINISHED_TOKENS` tokens, the latest always);
+    - `unwritten[b]`: KV validity (`model.connector`, a failed load): a block a
+      KV connector's load failed on holds no valid KV until written again, with
+      the tokens a step has written into it since, from its start, and what
+      left it unwritten (`history.note_failed_loads`, `note_written`).
     """
 
     tick: int = 0
@@ -77,6 +91,9 @@ class History:
     forget_at: int = 4096
     # A failed KV connector load ends its request (`kv_load_failure_policy="fail"`).
     failed_load_ends: bool = False
+    unwritten: dict[int, Unwritten] = field(default_factory=dict)
+    # Each group's block size (the checker sets it): where a step writes in a table.
+    block_sizes: tuple[int, ...] = ()
 
     def all_requests(self) -> Iterator[RequestHistory]:
         """Live requests first, then finished ones (a lazy walk: callers often stop early)."""

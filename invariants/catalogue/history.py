@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
-from invariants.catalogue.context import NOT_FREE, Delta, History, RequestHistory
+from invariants.catalogue.context import NOT_FREE, Delta, History, RequestHistory, Unwritten
 from model.observation import (
     AllBlocksCleared,
+    BlockIds,
     BlockKey,
     BlockRemoved,
     BlockStored,
@@ -21,6 +22,8 @@ from model.observation import (
 from model.ops import AddRequest, EvictBlocks, Finish, Loaded, Offer, Op, Preempt, Sample
 from model.spec_decode import PLACEHOLDER, verified_drafts
 from model.worker_table import appended, shipped_table
+
+Tables = Mapping[str, tuple[BlockIds, ...]]  # per request, per group, its block table
 
 
 def replay_events(shadow: dict[BlockKey, int], events: tuple[Event, ...]) -> list[str]:
@@ -59,14 +62,22 @@ def update_history(
     history.evicted_in_place &= free_now
     history.ever_cached.update(after.cached)
     problems = replay_events(history.shadow, after.events)
+    note_failed_loads(history, op, before.tables)
     advance_requests(history, op, obs)
+    note_written(history, op, obs, after.tables)
     return problems
 
 
 def update_history_delta(
-    history: History, op: Op, obs: Observation, delta: Delta, events: tuple[Event, ...]
+    history: History,
+    op: Op,
+    obs: Observation,
+    delta: Delta,
+    events: tuple[Event, ...],
+    tables: tuple[Tables, Tables] = ({}, {}),
 ) -> list[str]:
-    """`update_history` from what the operation touched (the fast path; same result)."""
+    """`update_history` from what the operation touched (the fast path; same result):
+    `tables`, the tables of the requests it names before and after it."""
     history.tick += 1
     before = delta.before_blocks
     for b, state in delta.blocks.items():
@@ -82,7 +93,9 @@ def update_history_delta(
         history.evicted_in_place |= {b for b in op.block_ids if b in delta.blocks and delta.is_free(b)}
     history.ever_cached.update(k for k, v in delta.holders.items() if v)
     problems = replay_events(history.shadow, events)
+    note_failed_loads(history, op, tables[0])
     advance_requests(history, op, obs)
+    note_written(history, op, obs, tables[1])
     return problems
 
 
@@ -123,6 +136,57 @@ def forget(history: History, cached: Container[BlockKey]) -> None:
         or any(len(t) >= len(k.tokens) and block_key(k.group, t, len(k.tokens)) == k for t in live)
     }
     history.forget_at = max(history.forget_at, 2 * len(history.ever_cached))
+
+
+def note_failed_loads(history: History, op: Op, tables: Tables) -> None:
+    """KV validity, lost: a connector's load that failed leaves garbage in the
+    blocks it was writing, the ones holding the request's external tokens (past
+    its hit: `model.connector`): those a `Loaded` names failed (vLLM's
+    `invalid_block_ids`), all of them when the whole load failed (`ok` False).
+    They hold no valid KV (`History.unwritten`); a named block outside them (a
+    hit block, computed by an earlier step) the load never wrote. `tables`: the
+    requests' tables before the report (it may end the request)."""
+    if not isinstance(op, Loaded) or (op.ok and not op.invalid):
+        return
+    r = history.requests.get(op.rid)
+    if r is None or not r.external:
+        return
+    load = "sync" if r.running else "async"  # an async load's request waits until promoted
+    for bs, table in zip(history.block_sizes, tables.get(op.rid, ())):
+        for b in table[r.hit // bs : -(-(r.hit + r.external) // bs)]:
+            if b and not op.ok:
+                history.unwritten[b] = Unwritten(f"{op.rid}'s failed {load} load never wrote it")
+            elif b and b in op.invalid:
+                history.unwritten[b] = Unwritten(f"{op.rid}'s {load} load failed on it")
+
+
+def note_written(history: History, op: Op, obs: Observation, tables: Tables) -> None:
+    """KV validity, regained: a step that computes tokens of an unwritten block
+    writes them (counted from the block's start: a recompute resumes at its
+    cut, the block's start); once every token is written it is valid again. A
+    block an allocation takes fresh leaves the set too: what it holds from then
+    on its new owner's step or load writes, as for every fresh block.
+    `tables`: the scheduled requests' tables after the step."""
+    if not history.unwritten or not isinstance(obs, (ScheduleResult, StepResult)):
+        return
+    results = obs.results if isinstance(obs, StepResult) else ((getattr(op, "rid", ""), obs),)
+    preempted = obs.preempted if isinstance(obs, StepResult) else ()
+    for rid, result in results:
+        for b in (b for ids in result.new_blocks or () for b in ids):
+            history.unwritten.pop(b, None)
+        r = history.requests.get(rid)
+        if r is None or rid in preempted or result.scheduled <= 0:
+            continue
+        end = r.num_computed
+        start = end - result.scheduled
+        for bs, table in zip(history.block_sizes, tables.get(rid, ())):
+            for j in range(start // bs, min(-(-end // bs), len(table))):
+                u = history.unwritten.get(table[j])
+                if u is None or start > j * bs + u.written:
+                    continue
+                u.written = max(u.written, min(end - j * bs, bs))
+                if u.written >= bs:
+                    del history.unwritten[table[j]]
 
 
 def advance_requests(history: History, op: Op, obs: Observation) -> None:

@@ -245,3 +245,34 @@ def _holds(
             if b and not any(b in cached.get(block_key(g, tokens, n), ()) for n in lengths):
                 out.append(f"group {g}: hit block {b} at index {j} does not hold that prefix")
     return out
+
+
+def hit_serves_written_kv(ctx: CheckContext) -> list[str]:
+    """A hit serves only KV that was written (computed by a step or loaded): no
+    block it hands out is one a KV connector's load failed on that no step has
+    computed whole again since (`History.unwritten`). A hit in a step may take a
+    block that step recomputes (its forward pass writes each layer's KV before
+    attention reads it); a probe reads the cache as it stands. A failed block's
+    KV is garbage until recomputed: serving it corrupts the output (vLLM
+    `Scheduler._handle_invalid_blocks`, `kv_load_failure_policy`)."""
+    unwritten = ctx.history.unwritten
+    if not unwritten:
+        return []
+    out = []
+    for _, hit, hit_blocks in _lookups(ctx):
+        for g, blocks in enumerate(hit_blocks):
+            spec = ctx.config.groups[g]
+            for j, b in enumerate(blocks):
+                u = unwritten.get(b) if b else None
+                # A hit reads a block's tokens below the hit (a Mamba state: the whole block).
+                read = (
+                    spec.block_size
+                    if spec.kind == "mamba"
+                    else min(hit - j * spec.block_size, spec.block_size)
+                )
+                if u is not None and u.written < read:
+                    out.append(
+                        f"hit {hit} reads group {g} block {b} (index {j}): {u.why} "
+                        "and no step has written it since"
+                    )
+    return out

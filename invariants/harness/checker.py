@@ -109,7 +109,10 @@ class Checker:
             async_scheduling=target.features.async_scheduling,
         )
         self.model: AllocatorModel = self.model_target.model
-        self.history = History(failed_load_ends=self.config.kv_load_failure_policy == "fail")
+        self.history = History(
+            failed_load_ends=self.config.kv_load_failure_policy == "fail",
+            block_sizes=tuple(g.block_size for g in self.config.groups),
+        )
         self.check_invariants = check_invariants
         # Pinned-tier moves are pool-wide; a target without `features.partial` has no fast path.
         fast = target.features.partial and not target.config.pin_swa_on_drop
@@ -316,7 +319,9 @@ class Checker:
         found += [Violation("snapshot", line) for line in _diff_partial(want, got)]
         delta = self._advance(got)
         finished = self.history.requests.get(op.rid) if isinstance(op, Finish) else None
-        anomalies = update_history_delta(self.history, op, obs, delta, got.events)
+        anomalies = update_history_delta(
+            self.history, op, obs, delta, got.events, (tables_before, got.tables)
+        )
         found += [Violation("events_match_hash_map", a) for a in anomalies]
         if self.check_invariants:
             before = StateView(CachedView(self._holders, delta.before_holders), tables=tables_before)

@@ -67,6 +67,10 @@ CONDITIONS: dict[str, tuple[Condition, str]] = {
         "spec tokens at least an align-mode Mamba block (a padded admission ends a block past its token)",
     ),
     "one_group": (lambda c: len(c.groups) == 1, "a single KV cache group"),
+    "recompute_load_failures": (
+        lambda c: c.kv_load_failure_policy == "recompute",
+        "kv_load_failure_policy 'recompute' (a load failed on some blocks is recomputed)",
+    ),
     "retention_dense": (lambda c: c.effective_retention is None, "dense retention (interval None)"),
     "retention_sparse": (lambda c: c.effective_retention is not None, "sparse retention (interval 0 or k)"),
     "retention_interval": (
