@@ -116,9 +116,8 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   its next chunk from there with the blocks it holds; an empty one is freed
   and re-admitted, as a failed load (`_update_waiting_for_remote_kv`); a cut
   running request takes its next chunk from its cut. No hash is evicted: the
-  failed blocks keep theirs until recomputed in place (so a cut request
-  preempted or aborted first leaves them to be hit: vLLM's design, stated,
-  a finding candidate).
+  failed blocks keep theirs until recomputed in place (an async load's are
+  not cached: only its valid prefix is, at promotion).
   "fail": the request ends with an error, freed (after its out-of-window
   blocks on the cut computed tokens) as a finish is.
 - **A sync load's failed blocks** (`Loaded(rid, True, invalid)` right after
@@ -132,7 +131,14 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   marked them all, back to its tokens before the step (it keeps the hit on
   the failed blocks, which the loading request recomputes). The running ones
   lose the step's output. "recompute": they go on from their cut, nothing is
-  evicted. "fail": the hashes of the loading request's blocks from its first
+  evicted: the failed blocks, cached at the admission, keep their hashes to
+  be recomputed in place, and a request hitting them in the step that
+  recomputes them reads them right (a forward pass writes each layer's KV
+  before attention reads it). A cut request preempted or aborted before that
+  step leaves them to be hit: KV never loaded nor computed served, vLLM
+  0.33.0's behaviour stated here and a known finding
+  ("sync-load-failed-block-hash-kept", flagged by `hit_serves_written_kv` on
+  vLLM and the model alike), not the contract. "fail": the hashes of the loading request's blocks from its first
   failed block on are evicted (`KVCacheManager.evict_blocks`: KV computed on
   the failed block) and it ends with an error, freed as a finish is; the
   connector saves it if asked (its load is not in flight).

@@ -56,6 +56,8 @@ NOT_EXPORTED = {
     "replays it on vllm and vllm-async-scheduler",
     "save-during-load-freed-at-first-report": "a KV connector trace (Save, Offer, Loaded): the "
     "exporter writes no connector yet; `kvretain replay` replays it on vllm",
+    "sync-load-failed-block-hash-kept": "a KV connector trace (Offer, Loaded with failed blocks): the "
+    "exporter writes no connector yet; `kvretain replay` replays it on vllm",
 }
 FINDINGS = {fid: f for fid, f in FINDINGS.items() if fid not in NOT_EXPORTED}
 _counter = itertools.count()

@@ -14,11 +14,12 @@ import pytest
 
 import invariants.harness.checker as checker_mod
 from invariants.catalogue import BY_NAME, INVARIANTS, CheckContext
+from invariants.catalogue.context import Unwritten
 from invariants.harness.checker import Checker
 from invariants.targets.model_target import ModelTarget
 from model.config import Config, GroupSpec
 from model.observation import BlockKey, BlockStored, ProbeResult, ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Probe, Sample, Schedule, Step
+from model.ops import AddRequest, Finish, Loaded, Offer, Probe, Sample, Schedule, Step
 
 FULL_SWA = (GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6))
 SYS = tuple([1, 2, 3, 1] * 5)
@@ -278,6 +279,32 @@ def test_fitting_request_admitted(plain):
     idle = replace(ctx.before, ref_cnt=tuple(0 for _ in ctx.before.ref_cnt))
     refused = ScheduleResult(0, False, 0, 0, ((), ()), None)
     fails("fitting_request_admitted", replace(ctx, before=idle, obs=refused))
+
+
+CONNECTOR = Config(groups=(GroupSpec("full", 4),), num_blocks=16, kv_connector=True)
+P13 = tuple(range(1, 14))
+
+
+def test_hit_serves_written_kv():
+    """r0's sync load fails on block 2 (index 1: tokens 4..7); r1 hits it in the step
+    that recomputes it (r0 resumes at its cut, 4), then a probe: both hold. Planted: the
+    block left unwritten, or written short of what the hit reads, fails the admission
+    and the probe; written whole, it holds."""
+    ops = [AddRequest("r0", P13), Offer("r0", 12, "sync"), Step(("r0",), 64), Loaded("r0", True, (2,))]
+    contexts = run(CONNECTOR, ops + [AddRequest("r1", P13), Step(("r0", "r1"), 64), Probe(P13)])
+    assert ctx_of(contexts, Loaded).history.unwritten == {2: Unwritten("r0's sync load failed on it")}
+    step, probe = ctx_of(contexts, Step), ctx_of(contexts, Probe)
+    assert dict(step.obs.results)["r1"].hit_blocks == ((1, 2, 3),) and not step.history.unwritten
+    for ctx in (step, probe):
+        holds("hit_serves_written_kv", ctx)
+        for written, flagged in ((0, True), (3, True), (4, False)):
+            history = copy.deepcopy(ctx.history)
+            history.unwritten[2] = Unwritten("planted", written)
+            (fails if flagged else holds)("hit_serves_written_kv", replace(ctx, history=history))
+    # A block the hit does not hand out is not its business.
+    history = copy.deepcopy(probe.history)
+    history.unwritten[4] = Unwritten("planted")
+    holds("hit_serves_written_kv", replace(probe, history=history))
 
 
 def test_every_invariant_has_a_control():

@@ -362,5 +362,6 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
         "swa-load-cut-reads-skipped-window",
         "vllm-mamba-external-state-uncounted",
         "save-during-load-freed-at-first-report",
+        "sync-load-failed-block-hash-kept",
     }
     assert "vllm-mamba-padded-admission-null-state" in ran
