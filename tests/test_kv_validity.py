@@ -82,6 +82,21 @@ def test_a_whole_failed_load_marks_its_external_blocks_until_taken_fresh() -> No
     assert flagged(c, [Step(("r0",), 64)]) == [] and not c.history.unwritten
 
 
+def test_a_sync_loads_external_blocks_are_taken_fresh() -> None:
+    """Found by `fuzz --target model --seed 0`: under "fail" a whole failed load ends its
+    request, freeing its unwritten blocks; a sync load takes them as external blocks
+    (which `new_blocks` does not list) and another request hits them in that step."""
+    c = Checker(ModelTarget(FULL.with_(kv_load_failure_policy="fail")))
+    ops: list[Op] = [AddRequest("r0", P13), Offer("r0", 13, "async"), Step(("r0",), 64), Loaded("r0", False)]
+    assert flagged(c, ops) == [] and set(c.history.unwritten) == {1, 2, 3}
+    other = tuple(range(60, 73))
+    ops = [AddRequest("r1", other), Offer("r1", 12, "sync"), AddRequest("r2", other), Step(("r1", "r2"), 64)]
+    assert flagged(c, ops) == []
+    step = c.last_obs
+    assert dict(step.results)["r2"].hit == 12  # type: ignore[attr-defined]
+    assert not set(c.model.snapshot().tables["r1"][0]) & set(c.history.unwritten)
+
+
 def test_a_named_block_the_load_did_not_write_keeps_its_kv() -> None:
     """A report may name a hit block (computed by an earlier step, never written by the
     load): only the load's own blocks lose their KV."""

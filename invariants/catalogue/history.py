@@ -172,7 +172,13 @@ def note_written(history: History, op: Op, obs: Observation, tables: Tables) -> 
     results = obs.results if isinstance(obs, StepResult) else ((getattr(op, "rid", ""), obs),)
     preempted = obs.preempted if isinstance(obs, StepResult) else ()
     for rid, result in results:
-        for b in (b for ids in result.new_blocks or () for b in ids):
+        fresh = [b for ids in result.new_blocks or () for b in ids]
+        if result.hit is not None and result.hit_blocks is not None:
+            # An admission holds its hit blocks and fresh ones (a connector's external
+            # blocks are not in `new_blocks`).
+            for table, hit in zip(tables.get(rid, ()), result.hit_blocks):
+                fresh += set(table) - set(hit)
+        for b in fresh:
             history.unwritten.pop(b, None)
         r = history.requests.get(rid)
         if r is None or rid in preempted or result.scheduled <= 0:
