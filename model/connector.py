@@ -138,7 +138,11 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   step leaves them to be hit: KV never loaded nor computed served, vLLM
   0.33.0's behaviour stated here and a known finding
   ("sync-load-failed-block-hash-kept", flagged by `hit_serves_written_kv` on
-  vLLM and the model alike), not the contract. "fail": the hashes of the loading request's blocks from its first
+  vLLM and the model alike), not the contract; so is a request put back to
+  its hit on a block the loading request marked, which reads it in its next
+  step whether or not that one recomputed it first
+  ("sync-load-failed-block-read-before-recompute", `step_reads_written_kv`).
+  "fail": the hashes of the loading request's blocks from its first
   failed block on are evicted (`KVCacheManager.evict_blocks`: KV computed on
   the failed block) and it ends with an error, freed as a finish is; the
   connector saves it if asked (its load is not in flight).

@@ -307,6 +307,20 @@ def test_hit_serves_written_kv():
     holds("hit_serves_written_kv", replace(probe, history=history))
 
 
+def test_step_reads_written_kv():
+    """The step in which r0 resumes at its cut (4) and recomputes block 2 holds (it reads
+    only block 1, and r1 is judged by its hit). Planted: block 1 left unwritten, or
+    written short of the 4 tokens r0 reads, fails; written whole, it holds."""
+    ops = [AddRequest("r0", P13), Offer("r0", 12, "sync"), Step(("r0",), 64), Loaded("r0", True, (2,))]
+    step = ctx_of(run(CONNECTOR, ops + [AddRequest("r1", P13), Step(("r0", "r1"), 64)]), Step)
+    assert dict(step.obs.results)["r0"].scheduled == 9 and step.after.tables["r0"][0][:2] == (1, 2)
+    holds("step_reads_written_kv", step)
+    for written, flagged in ((0, True), (3, True), (4, False)):
+        history = copy.deepcopy(step.history)
+        history.unwritten[1] = Unwritten("planted", written)
+        (fails if flagged else holds)("step_reads_written_kv", replace(step, history=history))
+
+
 def test_every_invariant_has_a_control():
     tested = {name[len("test_") :] for name in globals() if name.startswith("test_")}
     assert {inv.name for inv in INVARIANTS} <= tested

@@ -6,8 +6,11 @@ a whole failed load) and from the steps (a recompute from the cut, a fresh
 take); the invariant flags a hit that hands such a block out. vLLM 0.33.0
 keeps a sync load's failed blocks' hashes under "recompute": a cut request
 preempted or aborted before it recomputes them leaves them to be hit, the
-known finding "sync-load-failed-block-hash-kept" (the model states vLLM's
-behaviour, so both are flagged), tolerated only as its claim states.
+known finding "sync-load-failed-block-hash-kept"; a request sharing such a
+block keeps it as computed for the same recompute, and reads it if that never
+came (`step_reads_written_kv`, "sync-load-failed-block-read-before-recompute").
+The model states vLLM's behaviour, so both are flagged on both, tolerated only
+as their claims state.
 
 Model tests need no vLLM; the vLLM tests replay the finding's traces through the
 real `Scheduler`, show the legitimate recompute in place clean there, and catch
@@ -31,6 +34,7 @@ FULL = Config(groups=(GroupSpec("full", 4),), num_blocks=16, max_model_len=4096,
 P13 = tuple(range(1, 14))
 FINDING = "sync-load-failed-block-hash-kept"
 CHECK = "hit_serves_written_kv"
+SHARED = "sync-load-failed-block-read-before-recompute"
 DATA = "tests/data/kv_failed_block_hit_after_{}.json"
 
 _OK, _REASON = vllm_available()
@@ -70,6 +74,32 @@ def test_a_request_sharing_the_block_in_the_recomputing_step_is_served() -> None
     c = Checker(ModelTarget(FULL))
     found = flagged(c, cut_ops() + [AddRequest("r1", P13), Step(("r1",), 64)])
     assert [(i, v.check) for i, v in found] == [(5, CHECK)]
+
+
+def shared_ops() -> list[Op]:
+    """r0 loads 12 tokens sync (blocks 1-3); r1 hits them in the same step and computes 4
+    tokens; the output names block 2 failed: r0 is cut to 4, r1 back to its hit (12),
+    keeping block 2, which r0 marked for recomputation."""
+    r1 = P13[:12] + tuple(range(50, 58))
+    return [AddRequest("r0", P13), AddRequest("r1", r1), Offer("r0", 12, "sync"), Step(("r0", "r1"), 5)]
+
+
+def test_a_request_keeping_a_marked_block_reads_it_only_once_recomputed() -> None:
+    """r1 reads block 2 in the step r0 recomputes it: sound. r0 aborted first, r1's next
+    step reads KV never written (the finding read-before-recompute)."""
+    c = Checker(ModelTarget(FULL))
+    assert flagged(c, shared_ops() + [Loaded("r0", True, (2,)), Step(("r0", "r1"), 64)]) == []
+    assert not c.history.unwritten
+    c = Checker(ModelTarget(FULL))
+    found = flagged(c, shared_ops() + [Loaded("r0", True, (2,)), Finish("r0"), Step(("r1",), 64)])
+    assert [(i, v.check, v.message) for i, v in found] == [
+        (
+            6,
+            "step_reads_written_kv",
+            "r1 computes tokens [12, 20) reading group 0 block 2 (index 1): r0's sync load failed on it "
+            "and no step has written it since",
+        )
+    ]
 
 
 def test_a_whole_failed_load_marks_its_external_blocks_until_taken_fresh() -> None:
@@ -131,15 +161,40 @@ def test_vllm_serves_a_sync_load_failed_block_after_the_cut_request_leaves(end: 
 
 @needs_vllm
 @pytest.mark.vllm
+def test_vllm_lets_a_request_read_a_marked_block_its_marker_never_recomputed() -> None:
+    """The second finding's trace: agreed on everything, flagged on both, explained by it;
+    its claim names the running read under "recompute" only."""
+    from invariants.harness.replay import replay
+
+    finding = next(f for f in load_known_findings() if f.id == SHARED)
+    trace = read_trace("tests/data/kv_failed_block_shared_read_after_finish.json")
+    assert trace.ops == finding.trace.ops and trace.config == finding.trace.config
+    for target in ("vllm", "model"):
+        result = replay(trace, target)
+        assert result.clean and [v.check for _, v in result.known] == ["step_reads_written_kv"], target
+        assert all(explain(target, v) is finding for _, v in result.known)
+    cfg, step = trace.config, trace.ops[-1]
+    msg = "r1 computes tokens [12, 20) reading group 0 block 2 (index 1): r0's {} and no step has written it since"
+    assert finding.claims("step_reads_written_kv", msg.format("sync load failed on it"), cfg, step)
+    assert not finding.claims("step_reads_written_kv", msg.format("async load failed on it"), cfg, step)
+    fail = cfg.with_(kv_load_failure_policy="fail")
+    assert not finding.claims("step_reads_written_kv", msg.format("sync load failed on it"), fail, step)
+    assert not finding.claims("step_reads_written_kv", msg.format("sync load failed on it"), cfg, Probe(P13))
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_vllm_recomputing_in_place_is_clean_and_fail_evicts() -> None:
     """The legitimate path through vLLM: r1 shares the block in the step r0 recomputes
     it (audited and fast path); under "fail" the failed blocks' hashes go (r1 hits 4)."""
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 
     ops = cut_ops() + [AddRequest("r1", P13), Step(("r0", "r1"), 64), Probe(P13)]
+    shared = shared_ops() + [Loaded("r0", True, (2,)), Step(("r0", "r1"), 64)]
     for audit_every in (1, 50):
-        c = Checker(VllmSchedulerTarget(FULL), audit_every=audit_every)
-        assert flagged(c, ops) == [] and c.audit() == []
+        for trace in (ops, shared):
+            c = Checker(VllmSchedulerTarget(FULL), audit_every=audit_every)
+            assert flagged(c, trace) == [] and c.audit() == []
     c = Checker(VllmSchedulerTarget(FULL.with_(kv_load_failure_policy="fail")), audit_every=1)
     assert flagged(c, cut_ops() + [AddRequest("r1", P13), Step(("r1",), 64)]) == []
     assert c.last_obs.results[0][1].hit == 4  # type: ignore[attr-defined]

@@ -363,5 +363,6 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
         "vllm-mamba-external-state-uncounted",
         "save-during-load-freed-at-first-report",
         "sync-load-failed-block-hash-kept",
+        "sync-load-failed-block-read-before-recompute",
     }
     assert "vllm-mamba-padded-admission-null-state" in ran

@@ -77,7 +77,12 @@ INVARIANTS: list[Invariant] = [
     *_family(
         steps,
         "steps",
-        ["step_blocks_stay_held", "mamba_state_not_read_while_written", "mamba_state_in_worker_table"],
+        [
+            "step_blocks_stay_held",
+            "mamba_state_not_read_while_written",
+            "mamba_state_in_worker_table",
+            "step_reads_written_kv",
+        ],
     ),
     *_family(cow, "copies", ["copies_sound"]),
 ]

@@ -248,3 +248,40 @@ def _worker_block_problem(ctx: CheckContext, table: tuple[int, ...], col: int, h
     if b not in held or ctx.after.ref_cnt[b] <= 0:
         return f"block {b}, {'freed' if ctx.after.ref_cnt[b] <= 0 else 'not in its table'} after the step"
     return ""
+
+
+def step_reads_written_kv(ctx: CheckContext) -> list[str]:
+    """A step reads only KV that was written (computed by a step or loaded): no
+    block a scheduled request reads below its first new token (`_reads`: the
+    prefix its attention reads, an SWA window, the Mamba state it resumes from)
+    is one a KV connector's load failed on that no step has computed whole
+    since (`History.unwritten`, after this step's own writes: each layer writes
+    the batch's KV before attention reads it). The running request's side of
+    `hit_serves_written_kv`: vLLM lets a request sharing a failed block keep it
+    as computed when another request marked it for recomputation
+    (`Scheduler._update_requests_with_invalid_blocks`), sound only if that one
+    recomputes it by the step this one reads it in. (An admission's hit is
+    judged by `hit_serves_written_kv`.)"""
+    unwritten = ctx.history.unwritten
+    if not unwritten:
+        return []
+    obs = ctx.obs
+    results = obs.results if isinstance(obs, StepResult) else ((getattr(ctx.op, "rid", ""), obs),)
+    admitted = {rid for rid, r in results if isinstance(r, ScheduleResult) and r.hit is not None}
+    problems = []
+    for rid, start, end in _chunks(ctx):
+        if rid in admitted:
+            continue
+        tables = ctx.after.tables.get(rid, ())
+        for g, spec in enumerate(ctx.config.groups):
+            table, bs = tables[g] if g < len(tables) else (), spec.block_size
+            for idx in _reads(spec, start, end):
+                u = unwritten.get(table[idx]) if idx < len(table) and table[idx] else None
+                # The cache holds the tokens below `start` (a Mamba state: the whole block).
+                read = min(start - idx * bs, bs) if spec.kind != "mamba" or idx * bs < start else 0
+                if u is not None and u.written < read:
+                    problems.append(
+                        f"{rid} computes tokens [{start}, {end}) reading group {g} block {table[idx]} "
+                        f"(index {idx}): {u.why} and no step has written it since"
+                    )
+    return problems[:3]
