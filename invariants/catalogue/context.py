@@ -92,7 +92,8 @@ class History:
     # A failed KV connector load ends its request (`kv_load_failure_policy="fail"`).
     failed_load_ends: bool = False
     unwritten: dict[int, Unwritten] = field(default_factory=dict)
-    # Each group's block size (the checker sets it): where a step writes in a table.
+    # Each group's block size (the checker sets it): where a load or a step writes in a
+    # table; left empty, no block is marked unwritten (no KV validity is tracked).
     block_sizes: tuple[int, ...] = ()
 
     def all_requests(self) -> Iterator[RequestHistory]:
