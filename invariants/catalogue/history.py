@@ -145,7 +145,10 @@ def note_failed_loads(history: History, op: Op, tables: Tables) -> None:
     `invalid_block_ids`), all of them when the whole load failed (`ok` False).
     They hold no valid KV (`History.unwritten`); a named block outside them (a
     hit block, computed by an earlier step) the load never wrote. `tables`: the
-    requests' tables before the report (it may end the request)."""
+    requests' tables before the report (it may end the request). Not marked:
+    KV the load's step computed on top of a failed block (vLLM's dependent
+    blocks); a full-attention hit on it covers the failed block too, but an SWA
+    window or a Mamba state past it is not judged."""
     if not isinstance(op, Loaded) or (op.ok and not op.invalid):
         return
     r = history.requests.get(op.rid)
