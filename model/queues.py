@@ -66,7 +66,7 @@ class StepQueues:
         (self._skipped_holding if holds_blocks else self._skipped_waiting).append(rid)
 
     def _leave(self, rid: str) -> None:
-        queue = self.holding if rid in self.holding else self.waiting
+        queue = self.holding or self.waiting  # `holding` is drained first
         assert queue and queue[0] == rid, f"{rid} is not at the front of the queue the pass drains"
         queue.pop(0)
 

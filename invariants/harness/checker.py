@@ -252,7 +252,7 @@ class Checker:
         except Exception as exc:  # the target crashing is itself a finding
             return [Violation("crash", f"{type(exc).__name__}: {exc}")]
         self.last_obs = obs
-        if obs != expected_obs:
+        if self._judged(obs) != expected_obs:
             found.append(
                 Violation("observation", _observation_difference(expected_obs, obs, self.target.name))
             )
@@ -295,7 +295,7 @@ class Checker:
             return [Violation("crash", f"{type(exc).__name__}: {exc}")]
         self.last_obs = obs
         found: list[Violation] = []
-        same = obs == expected_obs
+        same = self._judged(obs) == expected_obs
         if not same:
             found.append(
                 Violation("observation", _observation_difference(expected_obs, obs, self.target.name))
@@ -349,8 +349,8 @@ class Checker:
         return found
 
     def _judged(self, expected: Observation) -> Observation:
-        """The model's observation as far as the target observes it: a step's queue order
-        only where the target states it (`TargetFeatures.queues`), else left unjudged."""
+        """An observation as far as the target observes it: a step's queue order only where
+        the target states it (`TargetFeatures.queues`), else left unjudged on both sides."""
         if isinstance(expected, StepResult) and not self.target.features.queues:
             return replace(expected, queues=None)
         return expected
