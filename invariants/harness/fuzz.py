@@ -136,7 +136,7 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
 
 QUEUES_UNJUDGED = (
     "the queue order each step leaves (StepResult.queues, model.queues): unjudged, the target "
-    "keeps no scheduler queues (judged on model, vllm and vllm-async-scheduler)"
+    "keeps no scheduler queues (judged on model, reference, vllm and vllm-async-scheduler)"
 )
 
 

@@ -67,7 +67,7 @@ ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler"}
 CONNECTOR_TARGETS = {"model", "vllm"}
 # Targets whose steps state the queue order they leave (`TargetFeatures(queues=True)`,
 # `model.queues`): judged there; the others' runs say it is unjudged.
-QUEUE_TARGETS = {"model", "vllm", "vllm-async-scheduler"}
+QUEUE_TARGETS = {"model", "reference", "vllm", "vllm-async-scheduler"}
 # Targets that drive another target's allocator code: its known findings are theirs too.
 SAME_ALLOCATOR = {"vllm": "vllm-manager", "vllm-async-scheduler": "vllm-manager"}
 
