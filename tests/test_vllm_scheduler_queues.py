@@ -217,3 +217,19 @@ def test_queue_mutant_is_caught(name: str) -> None:
     with activate(name) as factory:
         found = QUEUE_TRACES[name](factory).found
     assert found and "the queues the step left" in found[0].message, found[:1]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_the_async_scheduler_is_judged_on_its_queues() -> None:
+    """`AsyncScheduler` runs the same `schedule()`: its queues agree with the model
+    (one step ahead), and the preemption mutant is caught there too (negative control)."""
+    from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget
+    from invariants.zoo.mutants_scheduler import activate
+
+    d = preemption_drive(VllmAsyncSchedulerTarget)
+    assert d.found == []
+    assert Queues(("r0",), (), ("r1", "r2")) in [o.queues for o in d.seen if isinstance(o, StepResult)]
+    with activate("preempted_to_queue_back"):  # patches `Scheduler`, which AsyncScheduler inherits
+        found = preemption_drive(VllmAsyncSchedulerTarget).found
+    assert found and "the queues the step left" in found[0].message, found[:1]
