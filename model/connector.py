@@ -35,7 +35,7 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   waiting requests, until it runs: also when its promoted chunk did not fit,
   and when its failed load was freed and its fresh admission did not fit (it
   stays in that queue). One whose load has not reported is passed over and the
-  step goes on.
+  step goes on. The order each step leaves the queues in: `model.queues`.
 - **Failed load** (reported as `failed_recving`). "recompute" policy: nothing
   loaded is kept. At promotion every block of the request is freed
   (`KVCacheManager.free`), its computed tokens are 0 and it is admitted afresh
@@ -139,8 +139,10 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
 
 Not stated (generation avoids them): failed blocks held by several other
 requests, or by one that awaits its sample or waits (vLLM's cut would depend
-on the order of its `running` and `kv_holding_waiting`, which kvretain does
-not state, or on a step output kvretain delivers with the sample), and, under
+on the order of its `running` and `kv_holding_waiting` across the requests a
+step leaves aside, which kvretain does not state: `model.queues` states the
+order of a step's own requests, or on a step output kvretain delivers with the
+sample), and, under
 "fail", any held by another request (vLLM ends them all at once, freed in a
 set's order); a sync load's failed blocks reported after another operation
 than its step, or while another request of the step awaits its sample (the
