@@ -28,6 +28,11 @@ load, in `rids` order) and `waiting` (the others). It leaves them as follows
   rounds to nothing) stays where it was (`peek_request`, then `break`), and
   so does every request after it.
 
+In kvretain's operations every request the pass skips holds blocks (a load in
+flight), so the skipped requests it generates all come back to `holding`; the
+rule for `waiting` (a grammar still compiling, a preempted request's stale
+output in flight under async scheduling, a LoRA limit) is stated, not exercised.
+
 Before vLLM 0.31 there is no `kv_holding_waiting`: a target of such a release
 reports every waiting request in `waiting` (no connector runs there: nothing
 holds blocks while it waits). Priority scheduling is not stated (kvretain
