@@ -82,6 +82,7 @@ from model.ops import (
 from model.pool import Pool
 from model.prefix import joined
 from model.profile import MODELED, Profile, rules_of
+from model.queues import StepQueues
 from model.scheduling import StepChunks, long_prefill_cap
 from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
 
@@ -449,12 +450,15 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         the running pass): the newest request gives way to the older ones.
         Waiting requests are admitted only if nobody was preempted (the blocks
         just freed are for the running ones), and a failed admission ends the
-        step: a younger request never overtakes an older one (`_waiting_pass`).
+        step: a younger request never overtakes an older one (`waiting_pass`).
+        The order the step leaves the queues in: `model.queues`.
         """
         self._new_step()
         self.cap = long_prefill_cap(self.cfg.long_prefill_token_threshold, len(rids))
         running = [rid for rid in rids if self.requests[rid].running]
         waiting = [rid for rid in rids if not self.requests[rid].running]
+        holding = [rid for rid in waiting if self.requests[rid].holding]
+        queues = StepQueues(running, holding, [rid for rid in waiting if rid not in holding])
         results: list[tuple[str, ScheduleResult]] = []
         preempted: list[str] = []
         left = budget
@@ -473,6 +477,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
                 self.exercised["preemption inside a step"] += 1
                 victim = running.pop()
                 self._preempt(victim)
+                queues.preempted(victim)
                 preempted.append(victim)
                 if victim == req.rid:
                     break
@@ -487,13 +492,13 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             i += 1
         if not preempted:
             ran_running = any(r.scheduled for _, r in results)
-            conn.waiting_pass(self, waiting, left, budget, results, (ran_running, ran_prefill))
+            conn.waiting_pass(self, queues, left, budget, results, (ran_running, ran_prefill))
         conn.settle_prefill(self, [rid for rid, r in results if r.scheduled])
         if len(results) > 1:
             self.exercised["step over several requests"] += 1
         if any(r.admitted for _, r in results) and any(not r.admitted and r.scheduled for _, r in results):
             self.exercised["admission after running chunks in one step"] += 1
-        return StepResult(tuple(results), tuple(preempted))
+        return StepResult(tuple(results), tuple(preempted), queues=queues.left())
 
     def _preempt(self, rid: str) -> None:
         """Free every block; the request waits again with its tokens (`Scheduler._preempt_request`)."""

@@ -35,7 +35,7 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   waiting requests, until it runs: also when its promoted chunk did not fit,
   and when its failed load was freed and its fresh admission did not fit (it
   stays in that queue). One whose load has not reported is passed over and the
-  step goes on.
+  step goes on. The order each step leaves the queues in: `model.queues`.
 - **Failed load** (reported as `failed_recving`). "recompute" policy: nothing
   loaded is kept. At promotion every block of the request is freed
   (`KVCacheManager.free`), its computed tokens are 0 and it is admitted afresh
@@ -149,8 +149,10 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
 
 Not stated (generation avoids them): failed blocks held by several other
 requests, or by one that awaits its sample or waits (vLLM's cut would depend
-on the order of its `running` and `kv_holding_waiting`, which kvretain does
-not state, or on a step output kvretain delivers with the sample), and, under
+on the order of its `running` and `kv_holding_waiting` across the requests a
+step leaves aside, which kvretain does not state: `model.queues` states the
+order of a step's own requests, or on a step output kvretain delivers with the
+sample), and, under
 "fail", any held by another request (vLLM ends them all at once, freed in a
 set's order); a sync load's failed blocks reported after another operation
 than its step, or while another request of the step awaits its sample (the
@@ -169,6 +171,7 @@ Blocks = tuple[tuple[int, ...], ...]  # block ids per group
 
 if TYPE_CHECKING:
     from model.allocator import AllocatorModel, GroupState, RequestState
+    from model.queues import StepQueues
 
 # The states of a request's connector load (`RequestLoad`), "" = none.
 LOADING, LOADED, FAILED = "loading", "loaded", "failed"
@@ -503,30 +506,37 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
 
 def waiting_pass(
     m: AllocatorModel,
-    waiting: list[str],
+    queues: StepQueues,
     left: int,
     budget: int,
     results: list[tuple[str, ScheduleResult]],
     ran: tuple[bool, bool] = (False, False),
 ) -> None:
-    """The waiting requests' turns (`_wait_turn`) under what is `left` of the budget:
+    """The waiting requests' turns (`wait_turn`) under what is `left` of the budget:
     those holding blocks first (`model.connector`), then the others, in queue order.
-    A request passed over or gone to its async load lets the next one go; a failed
-    admission ends the pass."""
+    A request passed over or gone to its async load lets the next one go (skipped:
+    it comes back to the queue it holds blocks for, `model.queues`); a failed
+    admission ends the pass, the request staying where it was."""
     reqs = m.requests
-    holding = [rid for rid in waiting if reqs[rid].holding]
-    for rid in holding + [rid for rid in waiting if rid not in holding]:
+    for rid in [*queues.holding, *queues.waiting]:
         if left <= 0:
             break
         result = wait_turn(m, reqs[rid], left, budget, ran)
-        if result is None:
-            continue
-        results.append((rid, result))
-        if reqs[rid].load == LOADING:
+        if result is not None:
+            results.append((rid, result))
+        if result is None or reqs[rid].load == LOADING:
+            queues.skipped(rid, holds_blocks(reqs[rid]))
             continue
         if not result.admitted:
             break
+        queues.admitted(rid)
         left -= result.scheduled
+
+
+def holds_blocks(req: RequestState) -> bool:
+    """A waiting request holds blocks (vLLM `Scheduler._holds_kv_blocks`): it has computed
+    tokens, or its load is in flight (a failed one reported 0 tokens but holds them)."""
+    return req.num_computed > 0 or req.load == LOADING
 
 
 def external_state_blocks(local: int, computed: int, held: int) -> int:

@@ -173,17 +173,30 @@ class ScheduleResult:
     external: int = 0
 
 
+class Queues(NamedTuple):
+    """A scheduler's queues when a step ends, restricted to the requests the step
+    names, each front to back (`model.queues`): `running`, `holding` (vLLM's
+    `kv_holding_waiting`: waiting requests that hold blocks) and `waiting`."""
+
+    running: tuple[str, ...]
+    holding: tuple[str, ...]
+    waiting: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Outcome of one `Step`: per request the step reached, in the order it was
     reached, its `ScheduleResult`; then the requests preempted to make room, in
     preemption order. A request the step never reached (budget spent, or the
     admissions ended) has no entry. `copies`: the step's copy-on-write copies
-    (as `ScheduleResult.copies`), taken once for the whole step."""
+    (as `ScheduleResult.copies`), taken once for the whole step. `queues`: the
+    order the step left its queues in (`model.queues`); None where it is not
+    observed (a target that keeps no scheduler queues: `TargetFeatures.queues`)."""
 
     results: tuple[tuple[str, ScheduleResult], ...]
     preempted: tuple[str, ...] = ()
     copies: tuple[tuple[int, int], ...] = ()
+    queues: Queues | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ Contracts:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -44,10 +45,13 @@ class ScheduleOutcome:
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """Per request the step reached, in order, its outcome; then who was preempted."""
+    """Per request the step reached, in order, its outcome; then who was preempted;
+    then the step's requests left running and left waiting, each front to back."""
 
     outcomes: tuple[tuple[str, ScheduleOutcome], ...]
     preempted: tuple[str, ...]
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,13 +137,14 @@ class Scheduler:
         A running request that cannot get its blocks preempts the newest
         running request and retries; preempting itself ends the running pass.
         Admissions happen only in a step with no preemption, and the first
-        refused admission ends them.
+        refused admission ends them. A preempted request waits at the front of the
+        waiting queue (the latest preempted first), an admitted one runs last.
         """
         kvm = self.kv_cache_manager
         kvm.new_step_starts()
         queue = [self._get(rid) for rid in request_ids]
         running = [r for r in queue if r.status == RequestStatus.RUNNING]
-        waiting = [r for r in queue if r.status != RequestStatus.RUNNING]
+        waiting = deque(r for r in queue if r.status != RequestStatus.RUNNING)
         outcomes: list[tuple[str, ScheduleOutcome]] = []
         preempted: list[str] = []
         left = budget
@@ -157,6 +162,7 @@ class Scheduler:
             while out is None:
                 victim = running.pop()
                 self.preempt(victim.request_id)
+                waiting.appendleft(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
@@ -168,16 +174,16 @@ class Scheduler:
             left -= n
             outcomes.append((req.request_id, ScheduleOutcome(n, False, new_blocks=_ids(out))))
             position += 1
-        if not preempted:
-            for req in waiting:
-                if left <= 0:
-                    break
-                outcome = self._admit(req, left, budget)
-                outcomes.append((req.request_id, outcome))
-                if not outcome.admitted:
-                    break
-                left -= outcome.scheduled
-        return StepOutcome(tuple(outcomes), tuple(preempted))
+        while not preempted and waiting and left > 0:
+            req = waiting[0]
+            outcome = self._admit(req, left, budget)
+            outcomes.append((req.request_id, outcome))
+            if not outcome.admitted:
+                break
+            running.append(waiting.popleft())
+            left -= outcome.scheduled
+        ids = tuple(r.request_id for r in running), tuple(r.request_id for r in waiting)
+        return StepOutcome(tuple(outcomes), tuple(preempted), *ids)
 
     def sample(self, request_id: str, token_id: int) -> None:
         req = self._get(request_id)

@@ -43,6 +43,9 @@ def test_the_registry_sets_are_what_the_builtin_classes_state() -> None:
     assert {n for n in registry.BUILTIN_TARGETS if n in registry.REAL_SCHEDULER_TARGETS} == {
         n for n, cls in builtins.items() if cls.features.real_scheduler
     }
+    assert {n for n in registry.BUILTIN_TARGETS if n in registry.QUEUE_TARGETS} == {
+        n for n, cls in builtins.items() if cls.features.queues
+    }
     assert all(cls.features.partial for cls in builtins.values())
 
 

@@ -183,6 +183,7 @@ TRACE_FOR_MUTANT = {
 
 
 def test_every_scheduler_mutant_has_a_trace() -> None:
+    from test_vllm_scheduler_queues import QUEUE_TRACES  # the queue order a step leaves
     from test_vllm_scheduler_reach import REACH_TRACES  # the mutants of the scheduler's decisions
 
     # The speculative-decoding, KV-connector and long-prefill mutants have theirs in
@@ -195,9 +196,11 @@ def test_every_scheduler_mutant_has_a_trace() -> None:
         "scheduler-connector-fine",
         "scheduler-long-prefill",
     )
-    assert set(TRACE_FOR_MUTANT) | set(REACH_TRACES) == {
+    assert set(TRACE_FOR_MUTANT) | set(REACH_TRACES) | set(QUEUE_TRACES) >= {
         n for n, m in SCHEDULER_MUTANTS.items() if m.strategy not in elsewhere
     }
+    assert set(TRACE_FOR_MUTANT) | set(REACH_TRACES) <= set(SCHEDULER_MUTANTS)
+    assert set(QUEUE_TRACES) <= set(SCHEDULER_MUTANTS)
 
 
 @pytest.mark.parametrize("name", sorted(TRACE_FOR_MUTANT))

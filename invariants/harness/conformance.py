@@ -207,13 +207,15 @@ STEP_DIFFERENCES = [
     "no long_prefill_token_threshold, watermark, encoder budget or connector; synchronous "
     "(async scheduling's placeholders: the vllm-async-scheduler rows)",
     "the harness samples every request that computed all its tokens before the next step",
+    "the queue order a step leaves is not judged (StepResult.queues): the emulation keeps no queues",
 ]
 
 # How the vllm target's configuration of vLLM's `Scheduler` differs from its defaults.
 SCHEDULER_SETTINGS = [
     "scheduler_reserve_full_isl=False and watermark 0: the model admits a request when its first "
     "chunk fits (vLLM 0.33.0's default admits only if the whole sequence fits)",
-    "each step's queues hold exactly the step's requests; its budget is max_num_scheduled_tokens",
+    "each step's queues hold exactly the step's requests, in the step's order (the order "
+    "schedule() leaves them in is judged: model.queues); its budget is max_num_scheduled_tokens",
     "long_prefill_token_threshold as the configuration says (0 but on the long-prefill rows), "
     "its adaptive floor off: the cap binds in a step naming two or more requests",
 ]
@@ -256,7 +258,7 @@ EXCLUDED = [
         "state block, fine-grained hits whose sub-block tail external tokens supersede: the "
         "connector rows above); the connector's contract is stated without drafts; with several "
         "other holders vLLM's cut depends on the order of its running and kv_holding_waiting "
-        "queues, which kvretain does not state, and under 'fail' it ends them all at once, freed "
+        "queues across the requests a step leaves aside, which kvretain does not state, and under 'fail' it ends them all at once, freed "
         "in a set's order (not deterministic across processes); kvretain delivers a step's output "
         "for a request awaiting its sample with the sample, so a report cannot come with it then; "
         "the KV events' locality and ownership, which only offloading connectors set, are "

@@ -46,6 +46,7 @@ from invariants.targets import (
     CONNECTOR_TARGETS,
     FINE_MAMBA_TARGETS,
     PINNING_TARGETS,
+    QUEUE_TARGETS,
     REAL_SCHEDULER_TARGETS,
     Target,
     target_factory,
@@ -133,12 +134,20 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
     )
 
 
+QUEUES_UNJUDGED = (
+    "the queue order each step leaves (StepResult.queues, model.queues): unjudged, the target "
+    "keeps no scheduler queues (judged on model, reference, vllm and vllm-async-scheduler)"
+)
+
+
 def _not_generated(target: str) -> tuple[str, ...]:
-    """What `_generated` leaves out for `target`, said in its report."""
+    """What `_generated` leaves out for `target`, said in its report (and what its
+    observations leave unjudged)."""
     connector = CONNECTOR_NOT_STATED if target in CONNECTOR_TARGETS else NO_CONNECTOR
+    unjudged = () if target in QUEUE_TARGETS else (QUEUES_UNJUDGED,)
     if target in REAL_SCHEDULER_TARGETS:
-        return (NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER, LONG_PREFILL_AT_SPEC_TOKENS, connector)
-    return (connector,)
+        return (NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER, LONG_PREFILL_AT_SPEC_TOKENS, connector, *unjudged)
+    return (connector, *unjudged)
 
 
 def _tolerance(target: str) -> Tolerance:

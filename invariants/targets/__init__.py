@@ -65,6 +65,9 @@ ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler"}
 # Targets that can run a KV connector (`TargetFeatures(connector=True)`, `model.connector`):
 # generated configurations include one; the others are never sent one, and say so.
 CONNECTOR_TARGETS = {"model", "vllm"}
+# Targets whose steps state the queue order they leave (`TargetFeatures(queues=True)`,
+# `model.queues`): judged there; the others' runs say it is unjudged.
+QUEUE_TARGETS = {"model", "reference", "vllm", "vllm-async-scheduler"}
 # Targets that drive another target's allocator code: its known findings are theirs too.
 SAME_ALLOCATOR = {"vllm": "vllm-manager", "vllm-async-scheduler": "vllm-manager"}
 
@@ -89,6 +92,8 @@ def _load_plugin(name: str) -> Callable[[Config], Target]:
         PINNING_TARGETS.add(name)
     if features.fine_mamba:
         FINE_MAMBA_TARGETS.add(name)
+    if features.queues:
+        QUEUE_TARGETS.add(name)
     return loaded
 
 
@@ -137,6 +142,7 @@ __all__ = [
     "BUILTIN_TARGETS",
     "ENTRY_POINT_GROUP",
     "PINNING_TARGETS",
+    "QUEUE_TARGETS",
     "REAL_SCHEDULER_TARGETS",
     "RENAMED",
     "ASYNC_SCHEDULER_TARGETS",

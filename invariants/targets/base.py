@@ -68,6 +68,10 @@ class TargetFeatures:
     # A KV connector can be attached (`Config.kv_connector`, `model.connector`): generated
     # configurations include one, and the fuzzer states its offers and load reports.
     connector: bool = False
+    # Each `Step`'s observation states the order the step left the scheduler's queues in
+    # (`StepResult.queues`, `model.queues`); without it the Checker leaves that order
+    # unjudged (the target keeps no scheduler queues), and `fuzz` says so.
+    queues: bool = False
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ from .base import END, NOT_FREE, PartialState, Tables, Target, TargetFeatures, c
 
 class ModelTarget(Target):
     name = "model"
-    features = TargetFeatures(partial=True, pinning=True, fine_mamba=True, connector=True)
+    features = TargetFeatures(partial=True, pinning=True, fine_mamba=True, connector=True, queues=True)
 
     def __init__(
         self,

@@ -36,6 +36,7 @@ from model.observation import (
     Event,
     Observation,
     ProbeResult,
+    Queues,
     ResetResult,
     ScheduleResult,
     Snapshot,
@@ -111,7 +112,7 @@ NO_LONG_PREFILL = (
 class ReferenceTarget(Target):
     name = "reference"
     # The seeds' allocator has the #40676 pinned tier, not vLLM's fine-grained Mamba hits.
-    features = TargetFeatures(partial=True, pinning=True)
+    features = TargetFeatures(partial=True, pinning=True, queues=True)
     MUTANTS: ClassVar[dict[str, Mutant]] = {}
     # Default for `track_prefixes` when the constructor is not told (subclasses may flip it).
     TRACK_PREFIXES: ClassVar[bool] = True
@@ -194,7 +195,8 @@ class ReferenceTarget(Target):
             )
         if isinstance(op, Step):
             step = s.schedule_step(op.rids, op.budget)
-            return StepResult(tuple((rid, _schedule_result(o)) for rid, o in step.outcomes), step.preempted)
+            results = tuple((rid, _schedule_result(o)) for rid, o in step.outcomes)
+            return StepResult(results, step.preempted, queues=Queues(step.running, (), step.waiting))
         if isinstance(op, AddRequest):
             s.add_request(op.rid, op.prompt)
         elif isinstance(op, Sample):

@@ -45,7 +45,9 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
     """vLLM's real `AsyncScheduler` driving its `KVCacheManager` (see the module docstring)."""
 
     name = "vllm-async-scheduler"
-    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, async_scheduling=True)
+    features = TargetFeatures(
+        partial=True, fine_mamba=True, real_scheduler=True, async_scheduling=True, queues=True
+    )
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
         self.vllm_scheduler: Any = None

@@ -19,7 +19,9 @@ copies. `observe` arranges them as the model's `StepResult`: the running
 requests the pass reached in queue order (a running request with nothing to
 compute is reached but calls nothing, exactly as in `Scheduler.schedule`),
 then the waiting requests in lookup order; the preempted requests in the order
-their blocks were freed.
+their blocks were freed; the queues `schedule()` left (`running`,
+`kv_holding_waiting`, `waiting`, front to back: `model.queues`), read before the
+requests aside come back, so restricted to the step's.
 
 The block ids of a scheduled request are the ones the step ships to the worker
 (`SchedulerOutput`), not the allocator's return value, so a scheduler that
@@ -50,7 +52,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from model.observation import ScheduleResult, StepResult
+from model.observation import Queues, ScheduleResult, StepResult
 from model.ops import Sample
 
 from .base import TargetCrash
@@ -235,6 +237,7 @@ class RealStepScheduler:
         try:
             with self.recorder.recording() as calls:
                 out = sched.schedule()
+            queues = self.queues_left(named)  # before the requests aside come back
         finally:
             sched.running.extend(aside_running)
             for r in aside_waiting:
@@ -245,7 +248,20 @@ class RealStepScheduler:
         for rid in out.num_scheduled_tokens:
             self.names.learn_computed(self.s.requests[rid])
         computed = {rid: self.s.requests[rid].num_computed_tokens for rid in rids}
-        return observe(calls, [r.request_id for r in running], out, budget, computed, sched.block_size)
+        step = observe(calls, [r.request_id for r in running], out, budget, computed, sched.block_size)
+        return replace(step, queues=queues)
+
+    def queues_left(self, named: set[str]) -> Queues:
+        """The queues `schedule()` left, front to back, restricted to the step's requests
+        (`model.queues`); a release without `kv_holding_waiting` (before 0.31) has every
+        waiting request in `waiting`."""
+        sched = self.sched
+
+        def ids(queue: Iterable[Any]) -> tuple[str, ...]:
+            return tuple(r.request_id for r in queue if r.request_id in named)
+
+        holding = ids(sched.kv_holding_waiting) if hasattr(sched, "kv_holding_waiting") else ()
+        return Queues(ids(sched.running), holding, ids(sched.waiting))
 
     def _queue(self, requests: Iterable[Any]) -> Any:
         queue = self.m["create_request_queue"](self.sched.policy)

@@ -211,7 +211,7 @@ class VllmSchedulerTarget(VllmManagerTarget):
     """vLLM's real `Scheduler` driving its `KVCacheManager` (see the module docstring)."""
 
     name = "vllm"
-    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, connector=True)
+    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, connector=True, queues=True)
     # Mamba specs keep their draft blocks when the scheduler speculates (`vllm_scheduler_spec`);
     # False only in the tests' planted defect.
     speculative_blocks = True

@@ -764,3 +764,7 @@ def equal_remote_supersedes_local_tail(stack: contextlib.ExitStack, sched: Any) 
         "if partial_tail and ext_tokens > partial_tail:",
         "if partial_tail and ext_tokens >= partial_tail:",
     )
+
+
+# The queue order a step leaves (`model.queues`): its own module, registered here.
+from . import mutants_queues  # noqa: E402, F401

@@ -1,0 +1,56 @@
+"""Mutants of the order vLLM 0.33.0's `Scheduler.schedule` leaves its queues in
+(`model.queues`; judged through `StepResult.queues`), registered with the other
+scheduler mutants (`mutants_scheduler.SCHEDULER_MUTANTS`, which imports this module).
+
+Each is a one-line `_rewrite` of vLLM's own method: where a preempted request
+waits, and where and in which order a request the waiting pass skipped comes back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from .mutants_scheduler import _rewrite, mutant
+
+
+@mutant("preempted_to_queue_back")
+def preempted_to_queue_back(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Preemption: `_preempt_request` puts the preempted request at the back of `waiting`
+    (`self.waiting.add_request(request)`) instead of its front, so it waits behind the
+    requests that arrived after it (FCFS lost for every preempted request)."""
+    _rewrite(
+        stack,
+        sched,
+        "_preempt_request",
+        "self.waiting.prepend_request(request)",
+        "self.waiting.add_request(request)",
+    )
+
+
+@mutant("skipped_holding_reversed", strategy="scheduler-connector")
+def skipped_holding_reversed(stack: contextlib.ExitStack, sched: Any) -> None:
+    """The waiting pass's skip: `skip_request` appends a request holding blocks to
+    `step_skipped_kv_holding` (`append` for `appendleft`), so `prepend_requests` puts the
+    skipped requests back in reverse order: two async loads swap places every step."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "step_skipped_kv_holding.appendleft(request_to_skip)",
+        "step_skipped_kv_holding.append(request_to_skip)",
+    )
+
+
+@mutant("skipped_holding_to_waiting", strategy="scheduler-connector")
+def skipped_holding_to_waiting(stack: contextlib.ExitStack, sched: Any) -> None:
+    """The waiting pass's skip: the skipped requests holding blocks (async loads) go back
+    to `waiting` (`self.waiting.prepend_requests(step_skipped_kv_holding)`) instead of
+    `kv_holding_waiting`, so they are no longer drained before the other waiting requests."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "self.kv_holding_waiting.prepend_requests(step_skipped_kv_holding)",
+        "self.waiting.prepend_requests(step_skipped_kv_holding)",
+    )

@@ -1,0 +1,84 @@
+"""The order a scheduler step leaves its queues in: vLLM 0.33.0 `Scheduler.schedule`, FCFS.
+
+A step over the requests `rids` starts with three queues (`Queues`): `running`
+(its running requests, in `rids` order), `holding` (vLLM's
+`kv_holding_waiting`: waiting requests that hold blocks, a connector's async
+load, in `rids` order) and `waiting` (the others). It leaves them as follows
+(`vllm/v1/core/sched/scheduler.py`, `request_queue.py` `FCFSRequestQueue`):
+
+- **Preemption** (running pass). A request whose allocation fails preempts
+  the last running request (`preempted_req = self.running.pop()`), and
+  `_preempt_request` puts it at the front of `waiting`
+  (`self.waiting.prepend_request(request)`): the later a request was
+  preempted, the earlier it waits. `running` keeps its order.
+- **Admission** (waiting pass, only in a step that preempted nobody). The
+  pass drains `holding` first, then `waiting`, front to back. An admitted
+  request leaves its queue for the back of `running`
+  (`request_queue.pop_request()`, `self.running.append(request)`).
+- **Skip.** A request the pass passes over (its load has not reported, or it
+  was just admitted to an async load) leaves its queue (`skip_request`) and
+  comes back, when the pass ends, to the front of `holding` if it holds
+  blocks (`_holds_kv_blocks`: computed tokens, or a load in flight) and of
+  `waiting` otherwise, the skipped requests of each queue in the order they
+  were skipped (`step_skipped_*.appendleft`, then `prepend_requests`, which
+  reverses them back), ahead of the requests the pass never reached.
+  The queue is the one the request holds blocks for *at skip time*: a
+  request admitted to an async load moves from `waiting` to `holding`.
+- **Stop.** The request the pass stops at (its allocation failed, its chunk
+  rounds to nothing) stays where it was (`peek_request`, then `break`), and
+  so does every request after it.
+
+In kvretain's operations every request the pass skips holds blocks (a load in
+flight), so the skipped requests it generates all come back to `holding`; the
+rule for `waiting` (a grammar still compiling, a preempted request's stale
+output in flight under async scheduling, a LoRA limit) is stated, not exercised.
+
+Before vLLM 0.31 there is no `kv_holding_waiting`: a target of such a release
+reports every waiting request in `waiting` (no connector runs there: nothing
+holds blocks while it waits). Priority scheduling is not stated (kvretain
+never sets a priority).
+"""
+
+from __future__ import annotations
+
+from model.observation import Queues
+
+
+class StepQueues:
+    """The queues of one step as its passes change them (see the module docstring)."""
+
+    def __init__(self, running: list[str], holding: list[str], waiting: list[str]) -> None:
+        self.running = list(running)
+        self.holding = list(holding)
+        self.waiting = list(waiting)
+        self._skipped_holding: list[str] = []
+        self._skipped_waiting: list[str] = []
+
+    def preempted(self, rid: str) -> None:
+        """`rid` (the last running request) was preempted: to the front of `waiting`."""
+        assert self.running and self.running[-1] == rid, f"{rid} is not the last running request"
+        self.running.pop()
+        self.waiting.insert(0, rid)
+
+    def admitted(self, rid: str) -> None:
+        """The waiting pass admitted `rid`: from its queue to the back of `running`."""
+        self._leave(rid)
+        self.running.append(rid)
+
+    def skipped(self, rid: str, holds_blocks: bool) -> None:
+        """The waiting pass passed `rid` over; it comes back when the pass ends."""
+        self._leave(rid)
+        (self._skipped_holding if holds_blocks else self._skipped_waiting).append(rid)
+
+    def _leave(self, rid: str) -> None:
+        queue = self.holding or self.waiting  # `holding` is drained first
+        assert queue and queue[0] == rid, f"{rid} is not at the front of the queue the pass drains"
+        queue.pop(0)
+
+    def left(self) -> Queues:
+        """The queues when the step ends: the skipped requests ahead of the unreached ones."""
+        return Queues(
+            tuple(self.running),
+            (*self._skipped_holding, *self.holding),
+            (*self._skipped_waiting, *self.waiting),
+        )
