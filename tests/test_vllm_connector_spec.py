@@ -31,7 +31,11 @@ from model.spec_decode import PLACEHOLDER
 
 K = 2  # drafts per step (a draft model: num_speculative_tokens = num_lookahead_tokens = 2)
 FULL = Config(
-    groups=(GroupSpec("full", 4),), num_blocks=16, max_model_len=4096, kv_connector=True, num_lookahead_tokens=K
+    groups=(GroupSpec("full", 4),),
+    num_blocks=16,
+    max_model_len=4096,
+    kv_connector=True,
+    num_lookahead_tokens=K,
 )
 NO_DRAFTS = FULL.with_(num_lookahead_tokens=0)
 PROMPT = tuple(range(1, 14))  # 13 tokens
@@ -98,7 +102,11 @@ def cut_flag_ops() -> list[Op]:
 
 
 SWA_FINISH = Config(
-    groups=(GroupSpec("full", 8), GroupSpec("swa", 2, sliding_window=5), GroupSpec("swa", 2, sliding_window=3)),
+    groups=(
+        GroupSpec("full", 8),
+        GroupSpec("swa", 2, sliding_window=5),
+        GroupSpec("swa", 2, sliding_window=3),
+    ),
     num_blocks=26,
     enable_caching=False,
     max_model_len=4096,
@@ -236,7 +244,16 @@ def with_cut(cfg: Config) -> list[Op]:
 @pytest.mark.vllm
 @pytest.mark.parametrize(
     "case",
-    ["promoted", "promoted-eagle", "reserve-refused", "reserve-admitted", "sync-pad", "unseen", "finish", "cut"],
+    [
+        "promoted",
+        "promoted-eagle",
+        "reserve-refused",
+        "reserve-admitted",
+        "sync-pad",
+        "unseen",
+        "finish",
+        "cut",
+    ],
 )
 def test_vllm_agrees(case: str) -> None:
     cfg, ops = {
