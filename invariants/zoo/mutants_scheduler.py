@@ -446,31 +446,13 @@ def async_load_ignores_in_flight_reserve(stack: contextlib.ExitStack, sched: Any
     _set(stack, sched, "_inflight_prefill_reserved_blocks", lambda self: 0)
 
 
-# ---------------------------------------------------------------- connectors with drafts (model.connector)
-
-
 @mutant("async_load_ignores_spec_step_reserve", strategy="scheduler-connector-spec")
 def async_load_ignores_spec_step_reserve(stack: contextlib.ExitStack, sched: Any) -> None:
     """With drafts, an async KV load is admitted leaving only the in-flight prefills'
     blocks free: `reserved_blocks` drops `self._spec_decode_step_blocks`, the blocks its
     first decode step's token, drafts and lookahead will take (the lookahead it does not
     reserve now)."""
-    _rewrite(
-        stack,
-        sched,
-        "schedule",
-        """
-        reserved_blocks = (
-            self._inflight_prefill_reserved_blocks()
-            + self._spec_decode_step_blocks
-        )
-        """,
-        """
-        reserved_blocks = (
-            self._inflight_prefill_reserved_blocks()
-        )
-        """,
-    )
+    _rewrite(stack, sched, "schedule", "+ self._spec_decode_step_blocks", "+ 0")
 
 
 @mutant("async_load_reserves_lookahead", strategy="scheduler-connector-spec")
