@@ -336,3 +336,38 @@ def test_connector_spec_mutant_is_caught(name: str) -> None:
     assert judged(cfg, ops) == []
     with activate(name) as factory:
         assert judged(cfg, ops, factory) != []
+
+
+# ------------------------------------------------------------------ fitting_request_admitted with external tokens
+def test_a_mamba_external_state_block_counts_for_liveness() -> None:
+    """Regression (the model target's fuzz, a connector with lookahead slots): r2's sync
+    load needs a Mamba external state block besides its chunk's state, 11 blocks in all,
+    so an idle pool of 10 refuses it; `fitting_request_admitted` had counted 10. Control:
+    the same refusal judged against an idle pool of 11 is flagged."""
+    import invariants.harness.checker as checker_mod
+    from invariants.catalogue import BY_NAME
+    from invariants.harness.replay import replay
+    from invariants.harness.trace import read_trace
+    from invariants.targets.model_target import ModelTarget
+
+    trace = read_trace(DATA / "connector_lookahead_mamba_sync_admission.json")
+    assert replay(trace, "model").violations == []
+    contexts = []
+    real = checker_mod.check_all
+
+    def capture(ctx):  # type: ignore[no-untyped-def]
+        contexts.append(ctx)
+        return real(ctx)
+
+    checker_mod.check_all = capture
+    try:
+        checker = Checker(ModelTarget(trace.config))
+        for op in trace.ops:
+            assert checker.step(op) == [], op
+    finally:
+        checker_mod.check_all = real
+    ctx = contexts[-1]
+    assert isinstance(ctx.obs, ScheduleResult) and not ctx.obs.admitted and ctx.obs.hit is not None
+    check = BY_NAME["fitting_request_admitted"].check
+    assert check(ctx) == []
+    assert check(replace(ctx, config=ctx.config.with_(num_blocks=12))) != []
