@@ -271,8 +271,8 @@ EXCLUDED = [
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
         "KV connectors under async scheduling (vllm-async-scheduler); failed blocks "
-        "(invalid_block_ids) held by several requests besides the loading one, or by one awaiting its sample or waiting, or, under "
-        "'fail', by any other; a sync load's failed blocks reported after another operation than "
+        "(invalid_block_ids) held by several requests besides the loading one, or by one "
+        "awaiting its sample or waiting, or, under 'fail', by any other; a sync load's failed blocks reported after another operation than "
         "its step",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
         "(both policies), loads failed on some blocks (one KV cache group: vLLM raises on more): "
