@@ -364,8 +364,10 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         req.verifying, req.drafts = (), op.drafts
         if self.in_flight is not None:
             req.drafts = draft_slots(op.drafts, self.num_spec_tokens)
-        elif self.num_spec_tokens and self.cfg.enable_caching:
-            self._cache_blocks(req, req.num_computed)
+        elif self.num_spec_tokens:
+            self.undelivered.pop(req.rid, None)  # its step output comes with it (`model.connector`)
+            if self.cfg.enable_caching:
+                self._cache_blocks(req, req.num_computed)
         return rejected
 
     def _ran(self, req: RequestState, n: int) -> None:
@@ -411,7 +413,9 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         load_async = ext > 0 and req.offer is not None and req.offer[1]
         computed = hit + ext
         result = ScheduleResult(0, False, hit, spb, hit_blocks, None)
-        pad = padded_admission(req.num_tokens - computed, self.num_spec_tokens, hit, ran_running, ran_prefill)
+        # External tokens count as a hit would; an async load computes nothing now (`model.connector`).
+        todo = 0 if load_async else req.num_tokens - computed
+        pad = padded_admission(todo, self.num_spec_tokens, computed, ran_running, ran_prefill)
         if pad and 1 + pad > left:
             return result  # vLLM prefers not scheduling to scheduling unpadded
         n = (
@@ -423,7 +427,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             n, pad = 1, 0  # a Mamba split clipped the padding: drop it
         if n <= 0 and not load_async:
             return result
-        reserve = conn.in_flight_reserve(self) if load_async else 0
+        reserve = conn.async_load_reserve(self) if load_async else 0
         # External tokens past a hit ending inside a scheduler block replace its tail (`model.connector`).
         local, local_blocks = conn.superseded_tail(self, hit, hit_blocks, ext)
         new = self._allocate_slots(req, n, local, local_blocks, Load(computed - local, load_async, reserve))
@@ -607,7 +611,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         main = total + n
         # Speculative slots past the chunk: attention groups reserve them, Mamba (align)
         # sizes by `main` only (draft models have no Mamba layers).
-        need_slot = min(main + self.cfg.num_lookahead_tokens, self.cfg.max_model_len)
+        need_slot = min(main + conn.lookahead_slots(self, load), self.cfg.max_model_len)
         unprocessed = self.in_flight.unprocessed(rid) if self.in_flight is not None else 0
         for g in self.groups:
             self._remove_skipped(g, rid, processed_limit(total, unprocessed))

@@ -48,8 +48,9 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   `delay_free_blocks`, then `_update_from_kv_xfer_finished`). With a connector,
   every finish first frees the blocks that left the request's windows
   (`Scheduler._connector_finished`: `remove_skipped_blocks` on its processed
-  tokens: computed, less those of the latest step when no step or load report
-  has delivered its output yet, `Request.num_in_flight_tokens`), then the rest.
+  tokens: computed, less those of the latest step when no step, load report
+  or (with drafts) sample has delivered its output yet,
+  `Request.num_in_flight_tokens`), then the rest.
 
 - **Saves** (`Save`, `Saved`). A finish hands the connector the request's
   block ids per group covering its computed tokens, after the out-of-window
@@ -147,6 +148,41 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   the failed block) and it ends with an error, freed as a finish is; the
   connector saves it if asked (its load is not in flight).
 
+- **With speculative decoding** (`num_spec_tokens = k > 0`, `model.spec_decode`;
+  vLLM 0.33.0 `Scheduler.__init__` and the waiting pass of `schedule`):
+  - An async load's admission reserves no lookahead slots (`allocate_slots(
+    num_lookahead_tokens=0)`: no forward pass runs until the load is in), and
+    is never padded (it schedules no token). It must leave free, besides the
+    in-flight prefills' blocks, one decode step's slots in every group but a
+    Mamba one (`spec_step_blocks`: `cdiv(1 + k + num_lookahead_tokens,
+    block_size)` per group, `Scheduler._spec_decode_step_blocks`; a Mamba
+    group counts its draft blocks itself). Each in-flight prefill's share
+    then counts that step past its sequence (`_request_remaining_blocks`: the
+    sequence plus `1 + k + num_lookahead_tokens` tokens; a Mamba group (align)
+    its `k` draft blocks past its state, 'none' mode those as tokens).
+  - The promoted request's next chunk (`promoted_chunk`) reserves the
+    lookahead as every allocation does, and is padded as an admission is
+    (`padded_admission`): its computed tokens count as a hit, so a one-token
+    chunk is padded with k placeholder drafts unless the step ran a prefill
+    chunk; a padded chunk over the budget left, or a Mamba split to nothing,
+    ends the step's admissions before any allocation (`UNSEEN_END`: no
+    scheduler output shows that turn). The chunk sets the request's prefill
+    flag as a running request's does (`is_prefill_chunk`).
+  - A sync load's external tokens count as a hit for the padding too
+    (`num_computed_tokens > 0`): a one-token admission after them is padded
+    even when the step ran nothing else.
+  - A sample delivers its request's share of the step output at once
+    (`update_from_output`), so a finish after it frees the out-of-window
+    blocks on all its computed tokens (`Request.num_in_flight_tokens` is 0).
+  - A request cut by failed blocks keeps the prefill flag its last step set
+    (vLLM's `_update_requests_with_invalid_blocks` leaves `is_prefill_chunk`
+    alone): the padding of a later admission reads that flag.
+  - Mamba groups: the async admission takes the external state block and the
+    k draft blocks past it (`MambaManager` counts them on a request's first
+    allocation whatever the lookahead), the promoted chunk moves them as a
+    running request's are (`model.mamba_states`).
+  The async scheduler ("vllm-async-scheduler") runs no connector in kvretain.
+
 Not stated (generation avoids them): failed blocks held by several other
 requests, or by one that awaits its sample or waits (vLLM's cut would depend
 on the order of its `running` and `kv_holding_waiting` across the requests a
@@ -166,6 +202,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from model.masks import cdiv
 from model.observation import BlockIds, Done, LoadCut, Saving, ScheduleResult
+from model.spec_decode import PLACEHOLDER, padded_admission
 
 Blocks = tuple[tuple[int, ...], ...]  # block ids per group
 
@@ -201,16 +238,51 @@ def remaining_blocks(
     held: Iterable[int],
     states: Iterable[bool] = (),
     copies: Iterable[bool] = (),
+    spec_tokens: int = 0,
+    draft_blocks: Iterable[int] = (),
 ) -> int:
     """Blocks a request holding `held` blocks per group still needs for its whole
     sequence (`Scheduler._request_remaining_blocks` for a request with blocks). A
     group flagged in `states` (Mamba, align) keeps one state at a time: it needs one
     more block at most (`MambaManager.get_num_blocks_to_allocate`'s cap), and one
-    more where `copies` flags its own mid-block key awaiting its copy (`model.fine_mamba`)."""
-    needs = [max(-(-num_tokens // bs) - h, 0) for bs, h in zip(block_sizes, held)]
-    one_state = list(states) + [False] * len(needs)
-    copy = list(copies) + [False] * len(needs)
+    more where `copies` flags its own mid-block key awaiting its copy (`model.fine_mamba`).
+    With drafts every other group counts `spec_tokens` more tokens (a decode step's
+    slots, `spec_step_tokens`); a group's `draft_blocks` (Mamba) count past its tokens."""
+    sizes = list(block_sizes)
+    one_state = list(states) + [False] * len(sizes)
+    copy = list(copies) + [False] * len(sizes)
+    drafts = list(draft_blocks) + [0] * len(sizes)
+    needs = [
+        max(cdiv(num_tokens + (0 if one else spec_tokens), bs) + d - h, 0)
+        for bs, h, one, d in zip(sizes, held, one_state, drafts)
+    ]
     return sum(min(n, 1) + c if one else n for n, one, c in zip(needs, one_state, copy))
+
+
+def spec_step_tokens(m: AllocatorModel) -> int:
+    """The slots one decode step takes with drafts: its token, the k drafts it verifies and
+    the lookahead past them (`1 + num_spec_tokens + num_lookahead_tokens`); 0 without drafts."""
+    return 1 + m.num_spec_tokens + m.cfg.num_lookahead_tokens if m.num_spec_tokens else 0
+
+
+def spec_step_blocks(m: AllocatorModel) -> int:
+    """Blocks one decode step's slots take in every group but Mamba's, which counts its
+    draft blocks itself (`Scheduler._spec_decode_step_blocks`)."""
+    step = spec_step_tokens(m)
+    return sum(cdiv(step, g.bs) for g in m.groups if g.spec.kind != "mamba") if step else 0
+
+
+def async_load_reserve(m: AllocatorModel) -> int:
+    """Free blocks an async load's admission must leave: what the in-flight prefills still
+    need, and with drafts one decode step's slots, the lookahead it does not take now."""
+    return in_flight_reserve(m) + spec_step_blocks(m)
+
+
+def lookahead_slots(m: AllocatorModel, load: Load) -> int:
+    """Lookahead slots an allocation reserves: none for an async load's admission (its
+    forward pass comes after the load; the promoted chunk reserves them), else
+    `num_lookahead_tokens`."""
+    return 0 if load.delay_cache else m.cfg.num_lookahead_tokens
 
 
 # ---------------------------------------------------------------- the contract, on `AllocatorModel`
@@ -222,6 +294,11 @@ def offer(req: RequestState, num_tokens: int, load_async: bool) -> None:
     them at its next admission (`Offer`)."""
     assert not req.running and not req.load and not req.num_computed, f"{req.rid} is not waiting"
     req.offer = (num_tokens, load_async)
+
+
+UNSEEN_END = ScheduleResult(0, False)
+"""A turn that ends the step's admissions before any lookup or allocation: no scheduler
+output shows it, so the step records nothing for it (`waiting_pass`; compared by identity)."""
 
 
 def wait_turn(
@@ -245,30 +322,56 @@ def wait_turn(
     req.load = ""
     if not req.num_computed:
         return m._admit(req, left, budget, *ran)
-    n = m._next_chunk(req, left, budget)
+    return promoted_chunk(m, req, left, budget, ran)
+
+
+def promoted_chunk(
+    m: AllocatorModel, req: RequestState, left: int, budget: int, ran: tuple[bool, bool]
+) -> ScheduleResult:
+    """The next chunk of a waiting request holding blocks (its load promoted): no lookup,
+    the lookahead reserved, and, with drafts, a one-token chunk padded as an admission
+    with a hit is (its computed tokens count as one: `padded_admission`); a padded chunk
+    over `left`, or a Mamba split to nothing, ends the step's admissions."""
+    todo = req.num_tokens - req.num_computed
+    pad = padded_admission(todo, m.num_spec_tokens, req.num_computed, *ran)
+    if pad and 1 + pad > left:
+        return UNSEEN_END  # vLLM prefers not scheduling to scheduling unpadded
+    n = m._chunk(req, req.num_computed, min(m._capped(todo + pad), left), budget)
+    if pad and 0 < n != 1 + pad:
+        n, pad = 1, 0  # a Mamba split clipped the padding: drop it
     if n <= 0:
-        return ScheduleResult(0, False)
+        return UNSEEN_END
     new = m._allocate_slots(req, n, 0, None)
     if new is None:
         return ScheduleResult(0, False)
-    req.running, req.num_computed, req.holding = True, req.num_computed + n, False
+    req.running, req.holding = True, False
+    m._ran(req, n)
+    req.verifying = (PLACEHOLDER,) * pad
+    if pad:
+        m.exercised["connector: promoted one-token chunk padded with draft slots"] += 1
     return ScheduleResult(n, True, new_blocks=new)
 
 
 def in_flight_reserve(m: AllocatorModel) -> int:
-    """Blocks the in-flight prefills still need: an async load's admission leaves them free."""
-    sizes = [g.bs for g in m.groups]
-    return sum(
-        remaining_blocks(
-            min(r.num_tokens, m.cfg.max_model_len),
-            sizes,
-            [len(g.tables.get(r.rid, ())) for g in m.groups],
-            [g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align" for g in m.groups],
-            [r.rid in g.partial for g in m.groups],
-        )
-        for r in m.requests.values()
-        if r.prefilling
-    )
+    """Blocks the in-flight prefills still need (with drafts one decode step past their
+    sequence): an async load's admission leaves them free."""
+    step = spec_step_tokens(m)
+    total = 0
+    for r in (r for r in m.requests.values() if r.prefilling):
+        for g in m.groups:
+            align = g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align"
+            drafts = m._draft_blocks(g)
+            # A Mamba 'none' group counts its draft blocks as tokens (`MambaManager`, non-align).
+            total += remaining_blocks(
+                min(r.num_tokens, m.cfg.max_model_len),
+                [g.bs],
+                [len(g.tables.get(r.rid, ()))],
+                [align],
+                [r.rid in g.partial],
+                step + (0 if align else g.bs * drafts),
+                [drafts if align else 0],
+            )
+    return total
 
 
 def settle_prefill(m: AllocatorModel, rids: list[str]) -> None:
@@ -349,9 +452,8 @@ def loaded(
         cut_covering(m, [rid], invalid)
         running = [r for r in m.requests if m.requests[r].running]
         before = {r: m.requests[r].num_computed for r in running}
+        # vLLM leaves a cut request's `is_prefill_chunk` as its last schedule set it.
         others, _ = cut_covering(m, running, invalid)
-        for r in others:
-            m.requests[r].prefill_chunk = m.requests[r].num_computed < m.requests[r].num_tokens
         seen = LoadCut(
             req.num_computed,
             tuple(
@@ -488,9 +590,7 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
     cut, _ = cut_covering(m, loading, invalid)
     running_cut, dependent = cut_covering(m, [r for r in live if m.requests[r].running], invalid)
     cut += running_cut
-    m.undelivered = {}
-    for r in running_cut:  # still in flight or not as before (`_inflight_prefills` keeps it)
-        m.requests[r].prefill_chunk = m.requests[r].num_computed < m.requests[r].num_tokens
+    m.undelivered = {}  # a cut request's `is_prefill_chunk` stays as its step set it
     m.exercised["connector: sync load failed on some blocks"] += 1
     changed = sorted(r for r in cut if r != rid and m.requests[r].num_computed != before[r])
     seen = LoadCut(m.requests[rid].num_computed, tuple((r, m.requests[r].num_computed) for r in changed))
@@ -516,12 +616,15 @@ def waiting_pass(
     those holding blocks first (`model.connector`), then the others, in queue order.
     A request passed over or gone to its async load lets the next one go (skipped:
     it comes back to the queue it holds blocks for, `model.queues`); a failed
-    admission ends the pass, the request staying where it was."""
+    admission, or a promoted chunk that ends the step's admissions unseen (`UNSEEN_END`),
+    ends the pass, the request staying where it was."""
     reqs = m.requests
     for rid in [*queues.holding, *queues.waiting]:
         if left <= 0:
             break
         result = wait_turn(m, reqs[rid], left, budget, ran)
+        if result is UNSEEN_END:
+            break
         if result is not None:
             results.append((rid, result))
         if result is None or reqs[rid].load == LOADING:

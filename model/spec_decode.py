@@ -32,6 +32,11 @@ targets that state `TargetFeatures.real_scheduler`.
   `num_computed` (`update_from_output` calls `KVCacheManager.cache_blocks` for
   every sampled request when k > 0).
 
+With a KV connector (`model.connector`, "With speculative decoding"): an async
+load's admission reserves no lookahead and leaves one decode step's slots
+free, external tokens count as a hit for the padding, and the chunk after a
+load is padded as an admission is.
+
 Under async scheduling the scheduler never sees the drafts: the next step
 verifies k slots (the proposal, then placeholders), and the sample's tokens
 and rejection reach it one step late (`model.async_scheduling`, 5).

@@ -188,12 +188,14 @@ def test_every_scheduler_mutant_has_a_trace() -> None:
 
     # The speculative-decoding, KV-connector and long-prefill mutants have theirs in
     # tests/test_vllm_scheduler_spec.py, tests/test_vllm_connector.py (with a Mamba group:
-    # tests/test_vllm_connector_mamba.py) and tests/test_long_prefill.py.
+    # tests/test_vllm_connector_mamba.py; with drafts: tests/test_vllm_connector_spec.py) and
+    # tests/test_long_prefill.py.
     elsewhere = (
         "scheduler-spec",
         "scheduler-connector",
         "scheduler-connector-mamba",
         "scheduler-connector-fine",
+        "scheduler-connector-spec",
         "scheduler-long-prefill",
     )
     assert set(TRACE_FOR_MUTANT) | set(REACH_TRACES) | set(QUEUE_TRACES) >= {

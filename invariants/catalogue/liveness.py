@@ -18,8 +18,9 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     blocks an admission needs include what its hit costs: the Mamba state it
     resumes from, and with fine-grained hits one private copy per group whose
     hit ends inside a block. A KV connector's standing offer moves the chunk
-    past its external tokens (`model.connector`), whose blocks count too; an
-    async load's admission (`external`, nothing scheduled) is an admission."""
+    past its external tokens (`model.connector`), whose blocks count too (a Mamba
+    group's external state block among them); an async load's admission
+    (`external`, nothing scheduled) is an admission."""
     obs, op, cfg = ctx.obs, ctx.op, ctx.config
     if not (isinstance(op, Schedule) and isinstance(obs, ScheduleResult)) or obs.hit is None or obs.admitted:
         return []
@@ -45,11 +46,12 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
         )
     if n <= 0:
         return []
-    # Mamba: the new state block, plus the hit state it resumes from; attention
-    # groups also reserve the lookahead slots.
+    # Mamba: the new state block, plus the hit state it resumes from or the external
+    # tokens' state block, plus its draft blocks (on a request's first allocation);
+    # attention groups also reserve the lookahead slots.
     slots = min(obs.hit + ext + n + cfg.num_lookahead_tokens, cfg.max_model_len)
     need = sum(
-        (1 + (obs.hit > 0))
+        (1 + (obs.hit > 0 or ext > 0) + ctx.draft_blocks)
         if g.kind == "mamba" and g.mamba_cache_mode == "align"
         else cdiv(slots, g.block_size)
         for g in cfg.groups

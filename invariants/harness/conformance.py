@@ -77,6 +77,13 @@ CONNECTOR_BLOCKS_FAIL_ROW = (
     "real Scheduler + KV connector: loads failed on some blocks (one group, sync too), 'fail'"
 )
 CONNECTOR_MAMBA_ROW = "real Scheduler + KV connector with a Mamba group: external state block, loads, saves"
+CONNECTOR_SPEC_ROW = (
+    "real Scheduler + KV connector + drafts: async loads without lookahead, spec-step reserve, "
+    "promoted chunk padded (Full/SWA)"
+)
+CONNECTOR_SPEC_MAMBA_ROW = (
+    "real Scheduler + KV connector + drafts with a Mamba group (its draft state blocks)"
+)
 MAMBA_SHAPES = (("full", "mamba"), ("full", "swa", "mamba"))
 # vLLM takes block-level load failures (invalid_block_ids) with one KV cache group only.
 ONE_GROUP = (("full",), ("swa",))
@@ -120,6 +127,17 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     CONNECTOR_BLOCKS_FAIL_ROW: _no_spec(shapes=ONE_GROUP, connector=True, load_failure="fail"),
     # Either policy, caching on or off (a Mamba group in 'align' or 'none' mode), fine-grained hits or not.
     CONNECTOR_MAMBA_ROW: _no_spec(shapes=MAMBA_SHAPES, connector=True),
+    # Eagle or a draft model, either policy, caching on or off.
+    CONNECTOR_SPEC_ROW: configs(
+        allow_pinning=False,
+        shapes=SWA_SHAPES + (("full",),),
+        lookahead=True,
+        eagle_drafts=True,
+        connector=True,
+    ),
+    CONNECTOR_SPEC_MAMBA_ROW: configs(
+        allow_pinning=False, shapes=MAMBA_SHAPES, lookahead=True, eagle_drafts=True, connector=True
+    ),
 }
 
 # vLLM's real `AsyncScheduler` driven one step ahead, as the engine core drives it (target
@@ -192,6 +210,19 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: sync load failed on some blocks",
         "connector: a sync load's failed blocks evicted ('fail')",
     ),
+    # The promoted chunk's padding is reached at the default budget but not always in a few
+    # hundred steps; tests/test_vllm_connector_spec.py pins it.
+    CONNECTOR_SPEC_ROW: (
+        "connector: async external hit admitted",
+        "connector: async load cached at promotion",
+        "one-token admission padded with draft slots",
+        "draft tokens accepted",
+    ),
+    CONNECTOR_SPEC_MAMBA_ROW: (
+        "connector: Mamba external state block",
+        "connector: async external hit admitted",
+        "Mamba draft block moved past by its state",
+    ),
     # Promotion, failed loads, saves and superseded sub-block tails are reached at the default
     # budget but not always in a few dozen steps (Mamba splits prefills); tests pin each one.
     CONNECTOR_MAMBA_ROW: (
@@ -241,9 +272,9 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors with speculative decoding; failed blocks (invalid_block_ids) held by several "
-        "requests besides the loading one, or by one awaiting its sample or waiting, or, under "
-        "'fail', by any other; a sync load's failed blocks reported after another operation than "
+        "KV connectors under async scheduling (vllm-async-scheduler); failed blocks "
+        "(invalid_block_ids) held by several requests besides the loading one, or by one "
+        "awaiting its sample or waiting, or, under 'fail', by any other; a sync load's failed blocks reported after another operation than "
         "its step",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
         "(both policies), loads failed on some blocks (one KV cache group: vLLM raises on more): "
@@ -256,7 +287,10 @@ EXCLUDED = [
         "flight: vLLM frees at the first, known finding save-during-load-freed-at-first-report), "
         "for Full/SWA layouts and with a Mamba group (its external tokens' null blocks and one "
         "state block, fine-grained hits whose sub-block tail external tokens supersede: the "
-        "connector rows above); the connector's contract is stated without drafts; with several "
+        "connector rows above), with drafts too (an async load's admission without lookahead, leaving "
+        "one decode step's slots free, the chunk after a load padded: the connector + drafts rows); "
+        "vLLM 0.33.0's AsyncScheduler accepts a connector, but the vllm-async-scheduler adapter drives "
+        "none (model.async_scheduling does not state loads one step ahead); with several "
         "other holders vLLM's cut depends on the order of its running and kv_holding_waiting "
         "queues across the requests a step leaves aside, which kvretain does not state, and under 'fail' it ends them all at once, freed "
         "in a set's order (not deterministic across processes); kvretain delivers a step's output "

@@ -103,12 +103,15 @@ LONG_PREFILL_AT_SPEC_TOKENS = (
 
 NO_CONNECTOR = (
     "KV connectors (offers, async loads, failed loads, saves, deferred frees): the target cannot attach one "
-    "(model.connector; targets model and vllm run them)"
+    "(model.connector; targets model and vllm run them, with drafts and without; vLLM 0.33.0's "
+    "AsyncScheduler accepts one, but kvretain's vllm-async-scheduler adapter drives none and "
+    "model.async_scheduling does not state loads one step ahead)"
 )
 CONNECTOR_NOT_STATED = (
-    "KV connectors with speculative decoding, failed blocks of a sync load "
-    "or of a block another request holds, failed blocks with more than one KV cache group (vLLM "
-    "raises) (model.connector does not state them)"
+    "failed blocks held by several requests besides the loading one, or by one awaiting its sample "
+    "or waiting, or, under 'fail', by any other; a sync load's failed blocks reported after another "
+    "operation than its step; failed blocks with more than one KV cache group (vLLM raises) "
+    "(model.connector does not state them)"
 )
 
 

@@ -60,9 +60,8 @@ def configs(
     configuration always reserves lookahead slots (vLLM's Eagle drafts at least
     one token); a Mamba group's draft state blocks follow (`model.mamba`).
     `connector`: True = a KV connector attached (`Config.kv_connector`), False = none,
-    None = either where nothing speculates (the connector's
-    contract is stated without drafts); `load_failure`: its `kv_load_failure_policy`
-    ("recompute", "fail"; None = either, mostly "recompute").
+    None = either, drafts or not (`model.connector` states both); `load_failure`: its
+    `kv_load_failure_policy` ("recompute", "fail"; None = either, mostly "recompute").
     `long_prefill`: True = a long-prefill threshold (`Config.long_prefill_token_threshold`,
     above the spec tokens: vLLM asserts when it clips a padded admission), False = none,
     None = either (mostly none).
@@ -89,8 +88,7 @@ def configs(
         # The hash block stays one `base` wide (vLLM `--prefix-match-unit`) when the Mamba block is wider.
         hash_block_size=base if wide_mamba else 0,
     )
-    speculates = cfg.eagle or cfg.num_lookahead_tokens > 0
-    if connector or (connector is None and not speculates and draw(st.booleans())):
+    if connector or (connector is None and draw(st.booleans())):
         policy = load_failure or draw(st.sampled_from(["recompute", "recompute", "fail"]))
         cfg = cfg.with_(kv_connector=True, kv_load_failure_policy=policy)
     if long_prefill or (long_prefill is None and draw(st.sampled_from([False, False, False, True]))):

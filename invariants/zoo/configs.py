@@ -127,6 +127,10 @@ def _strategy(name: str, *, allow_pinning: bool, allow_fine: bool) -> st.SearchS
             fine=True,
             connector=True,
         ),
+        # The connector with drafts (Eagle/MTP or a draft model), every shape, either policy.
+        "scheduler-connector-spec": lambda: configs(
+            allow_pinning=False, allow_fine=allow_fine, lookahead=True, eagle_drafts=True, connector=True
+        ),
         # A real scheduler with a long-prefill threshold (drafts and Mamba included).
         "scheduler-long-prefill": lambda: configs(
             allow_pinning=False, allow_fine=allow_fine, eagle_drafts=True, long_prefill=True
@@ -159,4 +163,5 @@ STRATEGY_NAMES = (
     "scheduler-long-prefill",
     "scheduler-connector-mamba",
     "scheduler-connector-fine",
+    "scheduler-connector-spec",
 )

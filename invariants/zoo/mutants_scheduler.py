@@ -12,8 +12,9 @@ scheduler built in this process meanwhile is mutated.
 Strategies: "scheduler" (the configurations the fuzzer generates for a real
 scheduler), "scheduler-mamba" (Full+Mamba shapes only), "scheduler-spec"
 (speculative decoding: drafts, accepted counts, one-token admission padding),
-"scheduler-connector" (kvretain's KV connector, Full/SWA shapes) and
-"scheduler-connector-mamba" (the connector with a Mamba group).
+"scheduler-connector" (kvretain's KV connector, Full/SWA shapes),
+"scheduler-connector-mamba" (the connector with a Mamba group) and
+"scheduler-connector-spec" (the connector with drafts, all shapes).
 """
 
 from __future__ import annotations
@@ -443,6 +444,29 @@ def async_load_ignores_in_flight_reserve(stack: contextlib.ExitStack, sched: Any
     the blocks the prefills already in flight still need
     (`_inflight_prefill_reserved_blocks` left out)."""
     _set(stack, sched, "_inflight_prefill_reserved_blocks", lambda self: 0)
+
+
+@mutant("async_load_ignores_spec_step_reserve", strategy="scheduler-connector-spec")
+def async_load_ignores_spec_step_reserve(stack: contextlib.ExitStack, sched: Any) -> None:
+    """With drafts, an async KV load is admitted leaving only the in-flight prefills'
+    blocks free: `reserved_blocks` drops `self._spec_decode_step_blocks`, the blocks its
+    first decode step's token, drafts and lookahead will take (the lookahead it does not
+    reserve now)."""
+    _rewrite(stack, sched, "schedule", "+ self._spec_decode_step_blocks", "+ 0")
+
+
+@mutant("async_load_reserves_lookahead", strategy="scheduler-connector-spec")
+def async_load_reserves_lookahead(stack: contextlib.ExitStack, sched: Any) -> None:
+    """With drafts, an async KV load's admission allocates the lookahead slots at once
+    (`limit_lookahead_tokens` always False): the blocks wait, unused, for the whole
+    transfer, and the pool the load's peers need shrinks by them."""
+    _rewrite(
+        stack,
+        sched,
+        "schedule",
+        "limit_lookahead_tokens = load_kv_async and self.num_lookahead_tokens > 0",
+        "limit_lookahead_tokens = False",
+    )
 
 
 @async_mutant("async_rejection_keeps_placeholders", strategy="scheduler-spec")
