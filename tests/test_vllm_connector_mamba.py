@@ -422,3 +422,26 @@ def test_a_local_hit_the_external_state_supersedes_is_not_counted() -> None:
     for name in ("mamba_connector_superseded_hit_count", "mamba_connector_overcounted_hit"):
         result = replay(read_trace(Path(__file__).parent / "data" / f"{name}.json"), "vllm")
         assert result.violations == [], name
+
+
+def test_the_worker_table_of_a_connector_admission_is_judged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An admission with external tokens ships its whole table (the observation names
+    the hit and new blocks, not the external state block between them): the history
+    takes the table after the step, and `mamba_state_in_worker_table` judges the chunk's
+    read of the external state (column 1) and its write (column 2). Negative control:
+    the external state's column planted null is flagged."""
+    import copy
+    from dataclasses import replace
+
+    from invariants.catalogue import BY_NAME
+
+    ops = [AddRequest("r0", PROMPT), Offer("r0", 8, "sync"), Step(("r0",), 64)]
+    ctx = contexts(monkeypatch, FULL_MAMBA, ops)[-1]
+    worker = ctx.history.requests["r0"].worker  # type: ignore[attr-defined]
+    assert worker == ((1, 2, 4), (0, 3, 5))
+    check = BY_NAME["mamba_state_in_worker_table"].check
+    assert check(ctx) == []  # type: ignore[arg-type]
+    history = copy.deepcopy(ctx.history)  # type: ignore[attr-defined]
+    history.requests["r0"].worker = (worker[0], (0, 0, 5))
+    problems = check(replace(ctx, history=history))  # type: ignore[type-var]
+    assert any("reads its previous state from column 1" in p and "the null block" in p for p in problems)

@@ -63,7 +63,7 @@ def update_history(
     history.ever_cached.update(after.cached)
     problems = replay_events(history.shadow, after.events)
     note_failed_loads(history, op, before.tables)
-    advance_requests(history, op, obs)
+    advance_requests(history, op, obs, after.tables)
     note_written(history, op, obs, after.tables)
     return problems
 
@@ -94,7 +94,7 @@ def update_history_delta(
     history.ever_cached.update(k for k, v in delta.holders.items() if v)
     problems = replay_events(history.shadow, events)
     note_failed_loads(history, op, tables[0])
-    advance_requests(history, op, obs)
+    advance_requests(history, op, obs, tables[1])
     note_written(history, op, obs, tables[1])
     return problems
 
@@ -198,8 +198,11 @@ def note_written(history: History, op: Op, obs: Observation, tables: Tables) -> 
                     del history.unwritten[table[j]]
 
 
-def advance_requests(history: History, op: Op, obs: Observation) -> None:
-    """The per-request facts: prompt, outputs, progress, boundaries, preemption."""
+def advance_requests(history: History, op: Op, obs: Observation, tables: Tables | None = None) -> None:
+    """The per-request facts: prompt, outputs, progress, boundaries, preemption.
+    `tables`: the named requests' tables after `op` (an admission's worker table
+    where its observation does not name every block)."""
+    after = tables or {}
     if isinstance(op, AddRequest):
         history.requests[op.rid] = RequestHistory(op.prompt)
     elif isinstance(op, Sample):
@@ -227,10 +230,10 @@ def advance_requests(history: History, op: Op, obs: Observation) -> None:
             history.finished_tokens -= len(old.prompt) + len(old.outputs)
     elif isinstance(obs, ScheduleResult):
         r = history.requests[op.rid]  # type: ignore[union-attr]
-        _scheduled(r, obs, obs.copies)
+        _scheduled(r, obs, obs.copies, after.get(op.rid))  # type: ignore[union-attr]
     elif isinstance(obs, StepResult):
         for rid, result in obs.results:
-            _scheduled(history.requests[rid], result, obs.copies)
+            _scheduled(history.requests[rid], result, obs.copies, after.get(rid))
         for rid in obs.preempted:
             _preempted(history.requests[rid])
 
@@ -250,15 +253,24 @@ def _sampled(r: RequestHistory, op: Sample) -> None:
     r.accepted = op.accepted
 
 
-def _scheduled(r: RequestHistory, obs: ScheduleResult, copies: tuple[tuple[int, int], ...] = ()) -> None:
+def _scheduled(
+    r: RequestHistory,
+    obs: ScheduleResult,
+    copies: tuple[tuple[int, int], ...] = (),
+    table: tuple[BlockIds, ...] | None = None,
+) -> None:
     _computed(r, obs)
     if obs.scheduled <= 0 or obs.new_blocks is None:
         return
     # The worker's table and Mamba state position (`model.worker_table`).
     if obs.hit is not None and obs.admitted:
-        # A connector's external blocks sit between the hit and the chunk: not rebuilt.
-        known = obs.external == 0 and obs.hit_blocks is not None
-        r.worker = shipped_table(obs.hit_blocks or (), obs.new_blocks, set(copies)) if known else None
+        if obs.external == 0 and obs.hit_blocks is not None:
+            r.worker = shipped_table(obs.hit_blocks, obs.new_blocks, set(copies))
+        else:
+            # A connector's external blocks sit between the hit and the chunk, and the
+            # observation does not name them. An admission ships its whole table
+            # (`get_blocks`), and nothing else in its step changes it: the table after it.
+            r.worker = table
         r.read_from = (r.num_computed - obs.scheduled, 0)
     elif obs.hit is None:
         r.worker = appended(r.worker, obs.new_blocks) if r.worker is not None and not obs.admitted else None
