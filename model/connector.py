@@ -609,6 +609,8 @@ def cut_covering(
             continue
         first = next((i for i in failed if table[i] not in marked), None)
         marked.update(table[i] for i in failed)
+        if first is None:
+            m.exercised["connector: a request whose failed blocks another marked keeps them"] += 1
         req.num_computed = before if first is None else first * g.bs
         if first is not None:
             dependent += [b for b in table[first:] if b not in dependent]

@@ -568,13 +568,18 @@ class ConnectorMachine(AllocatorMachine):
         loading), and its load reports, failed on some blocks where any may be named
         (`model.connector.failable_blocks`: under "recompute" the shared ones too, which
         cut the requests holding them as well, the first in queue order at the block),
-        else ok; one time in three it stays in flight (reported by `connector`), so a
-        later load may share its blocks while it waits."""
+        else ok, and one time in two it is promoted at once; one time in three it stays
+        in flight (reported by `connector`), so a later load may share its blocks while
+        it waits. One time in two every request awaiting its sample is sampled first
+        (a failed block it would be cut on may not be named: `model.connector`)."""
         assert self.checker is not None
         model = self.checker.model
         base = model.requests[data.draw(st.sampled_from(self._requests(lambda r: r.running)), label="base")]  # type: ignore[attr-defined]
         if base.awaits_sample:
             self._do(self._sample(base.rid, data))
+        if data.draw(st.booleans(), label="sample every request awaiting its sample?"):
+            for other in self._requests(lambda r: r.awaits_sample):  # type: ignore[attr-defined]
+                self._do(self._sample(other, data))
         rid = f"r{self.next_rid}"
         self.next_rid += 1
         extra = data.draw(
@@ -588,6 +593,8 @@ class ConnectorMachine(AllocatorMachine):
                 return
             blocks = failable_blocks(model, model.requests[rid])
             self._do(Loaded(rid, True, self._some_blocks(data, blocks) if blocks else ()))
+            if rid in model.requests and data.draw(st.booleans(), label="promote it now?"):
+                self._do(Step((rid,), 64))  # running, it holds the shared blocks too
 
     @precondition(
         lambda self: (
