@@ -173,6 +173,24 @@ def test_real_scheduler_agrees_with_several_holders(trace: object) -> None:
     )
 
 
+@needs_vllm
+@pytest.mark.vllm
+def test_an_offer_never_admitted_ends_with_its_request() -> None:
+    """The scripted connector forgets a finished request's offer, as the model does: a
+    new request of the same id is not offered it (the zoo's shrinker reuses ids)."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    prompt = (2, 2, 2, 1, 2, 3, 2, 1, 2, 2)
+    ops: list[Op] = [
+        AddRequest("r1", prompt),
+        Offer("r1", 10, "async"),
+        Finish("r1"),
+        AddRequest("r1", prompt),
+        Step(("r1",), 64),
+    ]
+    assert judged(VllmSchedulerTarget, FULL, ops)[0] == []
+
+
 HOLDER_MUTANTS = ("invalid_scan_running_reversed", "invalid_block_marks_ignored")
 
 
