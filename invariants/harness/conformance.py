@@ -203,6 +203,9 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: sync load failed on some blocks",
         "connector: a request sharing a failed block cut",
         "connector: a running request holding a failed block cut",
+        # Several holders, cut in queue order (`model.connector.scan_order`).
+        "connector: another async load holding a failed block cut",
+        "connector: several running requests holding failed blocks cut, in queue order",
     ),
     CONNECTOR_BLOCKS_FAIL_ROW: (
         "connector: load failed on some blocks",
