@@ -193,11 +193,13 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
     running request's are (`model.mamba_states`).
   The async scheduler ("vllm-async-scheduler") runs no connector in kvretain.
 
-Not stated (generation avoids them): a failed block that a request awaiting
-its sample would be cut on (kvretain delivers that request's share of its step
-output with the sample, after the report; in vLLM the report would come with
-that share, taking the step's tokens off and dropping the sample: an output
-kvretain has no operation for); under "fail", a failed block another scanned
+Not stated (generation avoids them): a failed block a request awaiting its
+sample covers (kvretain delivers that request's share of its step output with
+the sample, after the report; in vLLM the report would come with that share,
+taking the step's tokens off and dropping the sample: an output kvretain has no
+operation for; even where an earlier request marks the block, so that the cut
+would leave it alone, the state judged, a report processed before an earlier
+step's share, is one vLLM never reaches); under "fail", a failed block another scanned
 request covers (vLLM ends them all at once, `finish_requests` over a set, so
 their blocks are freed in an order that depends on string hashing, not the same
 across processes: the free queue's order, and every later block id, would
@@ -516,7 +518,7 @@ def covered(m: AllocatorModel, rid: str, undelivered: dict[str, int]) -> list[in
 def cut_stated(m: AllocatorModel, rid: str, b: int, undelivered: dict[str, int]) -> bool:
     """Is the cut stated when `rid`'s load names block `b` failed? Every other request
     the cut scans whose computed tokens cover `b` is cut with it (`cut_covering`), in
-    the scan's order (`scan_order`), unless: it awaits its sample (kvretain delivers its
+    the scan's order (`scan_order`), unless: one awaits its sample (kvretain delivers its
     step's share with the sample, after the report: in vLLM the report would come with
     that share, which no operation of kvretain's expresses); or, under "fail", there is
     one at all (vLLM ends them all at once, freed in a set's order, which depends on

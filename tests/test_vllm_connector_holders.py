@@ -7,7 +7,7 @@ them in scan order (the async loads in `kv_holding_waiting` order, then the
 running requests in `running`'s, marking afresh) at that block, and a later one
 holding only marked blocks keeps its computed tokens; what generation may name
 (`failable_blocks`): shared blocks under "recompute", not those a request
-awaiting its sample would be cut on, and under "fail" none another scanned
+awaiting its sample covers, and under "fail" none another scanned
 request covers (vLLM would end them all at once, in a set's order).
 
 vLLM tests: the real `Scheduler` agrees on both traces, and the negative
@@ -130,7 +130,7 @@ def test_several_async_loads_holding_a_failed_block_the_first_in_the_queue_is_cu
 
 def test_what_generation_may_name_with_several_holders() -> None:
     ops = running_holders_ops()
-    # A holder awaiting its sample would be cut: its blocks are not named.
+    # A holder awaiting its sample covers blocks 1-3: they are not named.
     w = AllocatorModel(FULL)
     apply_all(w, ops[:4] + ops[5:8])  # r1 not sampled: it awaits its sample
     assert w.requests["r1"].awaits_sample and failable_blocks(w, w.requests["r2"]) == [5]

@@ -276,7 +276,7 @@ EXCLUDED = [
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
         "KV connectors under async scheduling (vllm-async-scheduler); failed blocks "
-        "(invalid_block_ids) a request awaiting its sample would be cut on, or, under 'fail', "
+        "(invalid_block_ids) covered by a request awaiting its sample, or, under 'fail', "
         "that another request the cut scans covers; a sync load's failed blocks reported after "
         "another operation than its step",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "

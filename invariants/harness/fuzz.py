@@ -108,7 +108,7 @@ NO_CONNECTOR = (
     "model.async_scheduling does not state loads one step ahead)"
 )
 CONNECTOR_NOT_STATED = (
-    "failed blocks a request awaiting its sample would be cut on, or, under 'fail', that another "
+    "failed blocks covered by a request awaiting its sample, or, under 'fail', by another "
     "request the cut scans covers (vLLM ends them all at once, freed in a set's order); a sync "
     "load's failed blocks reported after another operation than its step, or while another request "
     "of its step awaits its sample; failed blocks with more than one KV cache group (vLLM raises) "
