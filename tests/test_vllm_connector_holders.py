@@ -18,6 +18,8 @@ passes, and so is a model whose running order is planted reversed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from invariants.harness.checker import Checker, InvalidOp, Violation
@@ -207,3 +209,51 @@ def test_holder_mutant_is_caught(name: str) -> None:
     with activate(name) as factory:
         found, _ = judged(factory, FULL, running_holders_ops())
     assert found and "LoadCut" in found[0].message, found[:1]
+
+
+# ------------------------------------------------------------------ failed-load-rollback-reserves-against-itself
+def rollback_finding() -> Any:
+    from invariants.harness.known_findings import load_known_findings
+
+    return next(f for f in load_known_findings() if f.id == "failed-load-rollback-reserves-against-itself")
+
+
+def test_a_rolled_back_load_reserves_against_its_own_admission_finding() -> None:
+    """The finding's trace: flagged on the model with the rollback named, tolerated as
+    the finding; control: the same refusal without a rollback is not the finding."""
+    from invariants.harness.known_findings import is_known_violation
+    from model.ops import Schedule
+
+    f = rollback_finding()
+    checker = Checker(ModelTarget(f.trace.config))
+    found: list[Violation] = []
+    for op in f.trace.ops:
+        found += checker.step(op)
+    assert [v.check for v in found] == ["fitting_request_admitted"]
+    assert found[0].message.endswith("after its failed load was rolled back")
+    assert is_known_violation("model", found[0])
+    message = found[0].message.removesuffix(" after its failed load was rolled back")
+    plain = Violation(found[0].check, message, config=found[0].config, op=found[0].op)
+    assert not is_known_violation("model", plain)
+    # vLLM keeps it among the in-flight prefills: the model counts its own reserve.
+    m = AllocatorModel(f.trace.config)
+    for op in f.trace.ops[:-1]:
+        m.apply(op)
+    assert m.requests["r0"].prefilling and not m.requests["r0"].num_computed
+    assert isinstance(f.trace.ops[-1], Schedule)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_refuses_a_rolled_back_load_as_the_model_does() -> None:
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    f = rollback_finding()
+    target = VllmSchedulerTarget(f.trace.config)
+    checker = Checker(target, audit_every=1)
+    for op in f.trace.ops:
+        assert checker.step(op) == []
+    sched = target.vllm_scheduler
+    # Holding nothing, r0 still reserves its whole sequence, more than the idle pool.
+    assert [r.request_id for r in sched._inflight_prefills] == ["r0"]
+    assert sched._inflight_prefill_reserved_blocks() > sched.kv_cache_manager.block_pool.get_num_free_blocks()
