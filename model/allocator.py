@@ -82,7 +82,7 @@ from model.ops import (
 from model.pool import Pool
 from model.prefix import joined
 from model.profile import MODELED, Profile, rules_of
-from model.queues import StepQueues
+from model.queues import QueueOrder, StepQueues
 from model.scheduling import StepChunks, long_prefill_cap
 from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
 
@@ -215,6 +215,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         self.undelivered: dict[str, int] = {}
         # The latest step's sync loads, until the next operation (`model.connector.SyncReport`).
         self.sync_report: conn.SyncReport | None = None
+        self.order = QueueOrder()  # `running` and `holding` between steps (`model.queues`)
         self.hybrid = len(config.groups) > 1
         self.fine = fine_hits_enabled(config)
         self.alignment = config.hash_block_size if self.fine else config.scheduler_block_size
@@ -256,6 +257,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             result = replace(result, copies=self._take_copies())
             self.undelivered = {op.rid: result.scheduled} if result.scheduled else {}
             self.sync_report = conn.note_step([(op.rid, result)])
+            self.order.scheduled(op.rid, self.requests[op.rid].running, self.requests[op.rid].holding)
             self._outputs_arrive({op.rid: result.scheduled})
             return result
         if isinstance(op, Step):
@@ -264,6 +266,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             step = replace(step, copies=self._take_copies())
             self.undelivered = {rid: r.scheduled for rid, r in step.results if r.scheduled}
             self.sync_report = conn.note_step(step.results)
+            self.order.stepped(op.rids, step.queues)
             self._outputs_arrive({rid: r.scheduled for rid, r in step.results})
             return step
         if isinstance(op, Sample):

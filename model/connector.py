@@ -107,12 +107,22 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
 - **Failed blocks** (`Loaded(rid, True, invalid)`, the report's
   `invalid_block_ids`; a single KV cache group only: vLLM raises on more, as
   block ids are unique per group only). The async load of `rid` failed on
-  some of its blocks (`failable_blocks`: covering its computed tokens, held
-  by it alone or, under "recompute", by one running request besides). Its
-  computed tokens are cut to the start of the first failed block among those
-  covering them (`_update_requests_with_invalid_blocks`; the observation,
-  `LoadCut`), and so are those of a running request holding one
-  (`_handle_invalid_blocks` scans `running` too).
+  some of its blocks (`failable_blocks`: covering its computed tokens, where
+  the cut is stated, `cut_stated`). vLLM scans the async loads waiting among
+  the requests holding blocks (`kv_holding_waiting` in status
+  `WAITING_FOR_REMOTE_KVS`: in flight, or reported and not yet promoted; `rid`
+  among them), in that queue's order, then, marking afresh, the running
+  requests in `running`'s order (`scan_order`; both as `model.queues.QueueOrder`
+  keeps them between steps). Of the scanned requests whose computed tokens
+  cover a failed block, the first to reach it marks it; each is cut to the
+  start of its first failed block no earlier request marked, and one whose
+  failed blocks were all marked keeps its computed tokens
+  (`_update_requests_with_invalid_blocks`, `cut_covering`; the observation,
+  `LoadCut`: `rid`'s tokens and every other request's that changed). So
+  `rid` itself may keep a failed block another load marked, and a reported
+  load cut to nothing is rolled back at its promotion. Not scanned, so not
+  cut: a waiting request promoted whose chunk did not fit, a finished one
+  whose free is deferred.
   "recompute": at promotion a valid prefix is cached and the request takes
   its next chunk from there with the blocks it holds; an empty one is freed
   and re-admitted, as a failed load (`_update_waiting_for_remote_kv`); a cut
@@ -127,7 +137,7 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   external tokens (`sync_failable_blocks`); the step's output comes whole
   (no other request of the step awaits its sample). vLLM cuts the step's
   async loads holding one, then every running request whose computed tokens
-  before the step cover one (`cut_covering`): at its first failed block no
+  before the step cover one, in scan order (`scan_order`, `cut_covering`): at its first failed block no
   earlier request marked, or, where an earlier request (the loading one)
   marked them all, back to its tokens before the step (it keeps the hit on
   the failed blocks, which the loading request recomputes). The running ones
@@ -183,16 +193,20 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
     running request's are (`model.mamba_states`).
   The async scheduler ("vllm-async-scheduler") runs no connector in kvretain.
 
-Not stated (generation avoids them): failed blocks held by several other
-requests, or by one that awaits its sample or waits (vLLM's cut would depend
-on the order of its `running` and `kv_holding_waiting` across the requests a
-step leaves aside, which kvretain does not state: `model.queues` states the
-order of a step's own requests, or on a step output kvretain delivers with the
-sample), and, under
-"fail", any held by another request (vLLM ends them all at once, freed in a
-set's order); a sync load's failed blocks reported after another operation
-than its step, or while another request of the step awaits its sample (the
-step's output would not come whole).
+Not stated (generation avoids them): a failed block a request awaiting its
+sample covers (kvretain delivers that request's share of its step output with
+the sample, after the report; in vLLM the report would come with that share,
+taking the step's tokens off and dropping the sample: an output kvretain has no
+operation for; even where an earlier request marks the block, so that the cut
+would leave it alone, the state judged, a report processed before an earlier
+step's share, is one vLLM never reaches); under "fail", a failed block another scanned
+request covers (vLLM ends them all at once, `finish_requests` over a set, so
+their blocks are freed in an order that depends on string hashing, not the same
+across processes: the free queue's order, and every later block id, would
+differ; an order-insensitive comparison at the report would not survive the next
+allocation); a sync load's failed blocks reported after another operation than
+its step, or while another request of the step awaits its sample (the step's
+output would not come whole).
 """
 
 from __future__ import annotations
@@ -447,24 +461,9 @@ def loaded(
     assert req.load == LOADING, f"{rid} has no load in flight"
     seen: Done | LoadCut = Done()
     if invalid:
-        # Cut at the first failed block (`Scheduler._update_requests_with_invalid_blocks`),
-        # and every running request holding one (`failable_blocks`: one at most per block).
-        cut_covering(m, [rid], invalid)
-        running = [r for r in m.requests if m.requests[r].running]
-        before = {r: m.requests[r].num_computed for r in running}
-        # vLLM leaves a cut request's `is_prefill_chunk` as its last schedule set it.
-        others, _ = cut_covering(m, running, invalid)
-        seen = LoadCut(
-            req.num_computed,
-            tuple(
-                sorted(
-                    (r, m.requests[r].num_computed) for r in others if m.requests[r].num_computed != before[r]
-                )
-            ),
-        )
+        seen, cut = cut_scanned(m, rid, invalid)
         m.exercised["connector: load failed on some blocks"] += 1
-        if others:
-            m.exercised["connector: a running request holding a failed block cut"] += 1
+        assert m.cfg.kv_load_failure_policy != "fail" or cut == [rid], "under 'fail' only the loading request"
     if (not ok or invalid) and m.cfg.kv_load_failure_policy == "fail":
         # The request ends with an error; its load has reported, so only a save waits.
         req.load = ""
@@ -483,10 +482,7 @@ def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
     """The blocks a report of `req`'s load may name as failed (`Loaded.invalid`):
     with a single KV cache group (vLLM refuses block-level failures with more: block ids
     are unique per group only), for an async load in flight the non-null blocks covering
-    its computed tokens that no other live request holds but, under "recompute", one
-    running request not awaiting its sample (vLLM cuts it too; with two the cut would
-    depend on the order of vLLM's `running`, which kvretain does not state; under "fail"
-    vLLM would end them all at once, freed in a set's order); right after the step that
+    its computed tokens whose cut is stated (`cut_stated`); right after the step that
     ran its sync load, `sync_failable_blocks`."""
     if len(m.groups) != 1:
         return []
@@ -495,22 +491,69 @@ def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
     if req.load != LOADING:
         return []
     g = m.groups[0]
-    holders: dict[int, list[str]] = {}
-    for rid, table in g.tables.items():
-        if rid != req.rid and rid in m.requests:
-            for b in set(table):
-                holders.setdefault(b, []).append(rid)
+    computed = g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)]
+    return [b for b in computed if b and cut_stated(m, req.rid, b, {})]
 
-    def failable(b: int) -> bool:
-        others = holders.get(b, [])
-        if not others:
-            return True
-        if len(others) > 1 or m.cfg.kv_load_failure_policy == "fail":
-            return False
-        other = m.requests[others[0]]
-        return other.running and not other.awaits_sample
 
-    return [b for b in g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)] if b and failable(b)]
+def scan_order(m: AllocatorModel) -> tuple[list[str], list[str]]:
+    """The requests vLLM's failed-block cut scans, in order (`_handle_invalid_blocks`):
+    the async loads among the requests holding blocks (`kv_holding_waiting` in status
+    `WAITING_FOR_REMOTE_KVS`: a load in flight, or reported and not yet promoted), in
+    that queue's order, then the running requests in `running`'s (`model.queues.QueueOrder`)."""
+    reqs, order = m.requests, m.order
+    loads = order.live(order.holding, lambda r: r in reqs and reqs[r].holding and bool(reqs[r].load))
+    running = order.live(order.running, lambda r: r in reqs and reqs[r].running)
+    assert set(running) == {r for r, q in reqs.items() if q.running}, "a running request out of order"
+    assert set(loads) == {r for r, q in reqs.items() if q.holding and q.load}, "a load out of order"
+    return loads, running
+
+
+def covered(m: AllocatorModel, rid: str, undelivered: dict[str, int]) -> list[int]:
+    """The blocks covering `rid`'s computed tokens before the step whose output is
+    `undelivered` (those the cut scans: `_update_requests_with_invalid_blocks`)."""
+    g, req = m.groups[0], m.requests[rid]
+    return g.tables.get(rid, [])[: cdiv(req.num_computed - undelivered.get(rid, 0), g.bs)]
+
+
+def cut_stated(m: AllocatorModel, rid: str, b: int, undelivered: dict[str, int]) -> bool:
+    """Is the cut stated when `rid`'s load names block `b` failed? Every other request
+    the cut scans whose computed tokens cover `b` is cut with it (`cut_covering`), in
+    the scan's order (`scan_order`), unless: one awaits its sample (kvretain delivers its
+    step's share with the sample, after the report: in vLLM the report would come with
+    that share, which no operation of kvretain's expresses); or, under "fail", there is
+    one at all (vLLM ends them all at once, freed in a set's order, which depends on
+    string hashing: not deterministic across processes)."""
+    loads, running = scan_order(m)
+    others = [r for r in [*loads, *running] if r != rid and b in covered(m, r, undelivered)]
+    if m.cfg.kv_load_failure_policy == "fail":
+        return not others
+    return not any(m.requests[r].awaits_sample for r in others)
+
+
+def cut_scanned(m: AllocatorModel, rid: str, invalid: tuple[int, ...]) -> tuple[LoadCut, list[str]]:
+    """Cut every request the scan reaches (`scan_order`) whose computed tokens before the
+    latest step cover a failed block: the async loads, then, marking afresh, the running
+    ones (`cut_covering`). A reported load cut to nothing is rolled back at its
+    promotion (vLLM's `failed_recving_kv_req_ids`). Returns what `rid`'s report shows
+    (its computed tokens, and every other request's that changed) and the requests cut."""
+    reqs = m.requests
+    loads, running = scan_order(m)
+    before = {r: reqs[r].num_computed for r in [*loads, *running]}
+    cut, _ = cut_covering(m, loads, invalid)
+    for r in cut:
+        if reqs[r].load == LOADED and not reqs[r].num_computed:
+            reqs[r].load = FAILED
+    running_cut, _ = cut_covering(m, running, invalid)
+    changed = tuple(
+        sorted((r, reqs[r].num_computed) for r in before if r != rid and reqs[r].num_computed != before[r])
+    )
+    if running_cut:
+        m.exercised["connector: a running request holding a failed block cut"] += 1
+    if [r for r in cut if r != rid]:
+        m.exercised["connector: another async load holding a failed block cut"] += 1
+    if len(running_cut) > 1:
+        m.exercised["connector: several running requests holding failed blocks cut, in queue order"] += 1
+    return LoadCut(reqs[rid].num_computed, changed), cut + running_cut
 
 
 # ---------------------------------------------------------------- a sync load's failed blocks
@@ -536,17 +579,15 @@ def sync_failable_blocks(m: AllocatorModel, req: RequestState, report: SyncRepor
     """The blocks the output of the step that ran `req`'s sync load may name as failed:
     the non-null blocks holding its external tokens (the ones the connector loaded), if
     the output can come whole (no other request of the step awaits its sample: kvretain
-    delivers a sampled request's share with its token) and, under "fail", no other
-    request holds one (vLLM would end them all at once, freed in a set's order)."""
+    delivers a sampled request's share with its token), whose cut is stated (`cut_stated`
+    on the computed tokens before the step)."""
     g = m.groups[0]
     others = [r for r in m.undelivered if r != req.rid and r in m.requests]
     if any(m.requests[r].awaits_sample for r in others):
         return []
     hit, ext = report.loads[req.rid]
-    blocks = [b for b in g.tables.get(req.rid, [])[hit // g.bs : cdiv(hit + ext, g.bs)] if b]
-    if m.cfg.kv_load_failure_policy == "fail":
-        blocks = [b for b in blocks if m.pool.ref[b] == 1]
-    return blocks
+    blocks = g.tables.get(req.rid, [])[hit // g.bs : cdiv(hit + ext, g.bs)]
+    return [b for b in blocks if b and cut_stated(m, req.rid, b, m.undelivered)]
 
 
 def cut_covering(
@@ -570,6 +611,8 @@ def cut_covering(
             continue
         first = next((i for i in failed if table[i] not in marked), None)
         marked.update(table[i] for i in failed)
+        if first is None:
+            m.exercised["connector: a request whose failed blocks another marked keeps them"] += 1
         req.num_computed = before if first is None else first * g.bs
         if first is not None:
             dependent += [b for b in table[first:] if b not in dependent]
@@ -579,16 +622,15 @@ def cut_covering(
 
 def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], report: SyncReport) -> LoadCut:
     """The output of the step that ran `rid`'s sync load names the blocks `invalid` it
-    failed on (`Scheduler._handle_invalid_blocks`): the step's async loads holding one
-    are cut, then its running requests (`cut_covering`); the running ones lose the
-    step's output (its tokens and samples). "recompute": the cut requests go on from
+    failed on (`Scheduler._handle_invalid_blocks`): the async loads holding one are cut,
+    then the running requests (`cut_covering`, in `scan_order`); the running ones lose
+    the step's output (its tokens and samples). "recompute": the cut requests go on from
     their cut. "fail": the dependent blocks' hashes are evicted and the cut request
     ends with an error, freed as a finish is (its save, if any, deferred as usual)."""
-    live = [r for r in report.admitted if r in m.requests]
-    before = {r: m.requests[r].num_computed for r in live}
-    loading = [r for r in live if m.requests[r].load == LOADING]
-    cut, _ = cut_covering(m, loading, invalid)
-    running_cut, dependent = cut_covering(m, [r for r in live if m.requests[r].running], invalid)
+    loads, running = scan_order(m)
+    before = {r: m.requests[r].num_computed for r in [*loads, *running]}
+    cut, _ = cut_covering(m, loads, invalid)
+    running_cut, dependent = cut_covering(m, running, invalid)
     cut += running_cut
     m.undelivered = {}  # a cut request's `is_prefill_chunk` stays as its step set it
     m.exercised["connector: sync load failed on some blocks"] += 1

@@ -33,6 +33,12 @@ flight), so the skipped requests it generates all come back to `holding`; the
 rule for `waiting` (a grammar still compiling, a preempted request's stale
 output in flight under async scheduling, a LoRA limit) is stated, not exercised.
 
+Between steps (`QueueOrder`) vLLM's `running` and `kv_holding_waiting` hold
+the requests of the latest step in the order it left them, then the requests
+it left aside in their previous order: the harness runs `schedule()` on the
+step's requests and puts the others back behind them (the order the connector's
+failed-block cut scans: `model.connector`).
+
 Before vLLM 0.31 there is no `kv_holding_waiting`: a target of such a release
 reports every waiting request in `waiting` (no connector runs there: nothing
 holds blocks while it waits). Priority scheduling is not stated (kvretain
@@ -40,6 +46,8 @@ never sets a priority).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 from model.observation import Queues
 
@@ -82,3 +90,37 @@ class StepQueues:
             (*self._skipped_holding, *self.holding),
             (*self._skipped_waiting, *self.waiting),
         )
+
+
+class QueueOrder:
+    """The order of `running` and `holding` between steps, as vLLM keeps them for the
+    requests a step leaves aside (`model.connector`'s failed-block cut scans them in it).
+
+    A step (or a `Schedule`, a step of one request) over `rids` leaves its own
+    requests as `StepQueues.left()` says, then the requests it left aside in their
+    previous order (the harness runs `schedule()` on the step's requests and puts
+    the others back behind them: `running.extend`, `kv_holding_waiting.add_request`).
+    A request leaves a queue when it is preempted, finishes or is promoted to run;
+    it enters one only in a step. So the order is kept lazily: `running` and
+    `holding` list every request a step left there, and a reader keeps those still
+    there (`live`)."""
+
+    def __init__(self) -> None:
+        self.running: list[str] = []
+        self.holding: list[str] = []
+
+    def stepped(self, rids: Iterable[str], left: Queues | None) -> None:
+        """A step over `rids` left its requests in the queues `left`."""
+        assert left is not None, "the model's steps state their queues"
+        named = set(rids)
+        self.running = [*left.running, *(r for r in self.running if r not in named)]
+        self.holding = [*left.holding, *(r for r in self.holding if r not in named)]
+
+    def scheduled(self, rid: str, running: bool, holding: bool) -> None:
+        """A `Schedule` of `rid` left it running, holding blocks, or waiting (neither)."""
+        self.stepped((rid,), Queues((rid,) * running, (rid,) * holding, ()))
+
+    @staticmethod
+    def live(order: list[str], there: Callable[[str], bool]) -> list[str]:
+        """The requests of `order` still in that queue (`there`), in order."""
+        return [r for r in order if there(r)]

@@ -56,6 +56,8 @@ NOT_EXPORTED = {
     "replays it on vllm and vllm-async-scheduler",
     "save-during-load-freed-at-first-report": "a KV connector trace (Save, Offer, Loaded): the "
     "exporter writes no connector yet; `kvretain replay` replays it on vllm",
+    "failed-load-rollback-reserves-against-itself": "a KV connector trace (Offer, Loaded): the "
+    "exporter writes no connector yet; `kvretain replay` replays it on the model",
     "sync-load-failed-block-hash-kept": "a KV connector trace (Offer, Loaded with failed blocks): the "
     "exporter writes no connector yet; `kvretain replay` replays it on vllm",
     "sync-load-failed-block-read-before-recompute": "a KV connector trace (Offer, Loaded with failed "

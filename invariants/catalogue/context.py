@@ -29,6 +29,9 @@ class RequestHistory:
     verifying: tuple[int, ...] = ()
     offered: int = 0  # a KV connector's standing offer (`model.ops.Offer`), until an admission
     external: int = 0  # the tokens a KV connector supplied past the hit at its latest admission
+    # Its failed async load was rolled back (freed, nothing computed) and it has not run since:
+    # vLLM keeps it among the in-flight prefills (`model.connector`, `in_flight_reserve`).
+    rolled_back: bool = False
     # The worker's view (`model.worker_table`), rebuilt from the shipped blocks: its table
     # (None while not running, or unknown: an admission with a connector's external tokens),
     # the end of the latest step that ran it, the drafts its sample accepted since, and the

@@ -217,6 +217,7 @@ def advance_requests(history: History, op: Op, obs: Observation, tables: Tables 
         else:
             # A failed connector load keeps nothing; one failed on some blocks, what its cut says.
             history.requests[op.rid].num_computed = obs.num_computed if isinstance(obs, LoadCut) else 0
+            history.requests[op.rid].rolled_back |= not history.requests[op.rid].num_computed
         for rid, computed in obs.others if isinstance(obs, LoadCut) else ():
             history.requests[rid].num_computed = computed  # a sync load's failed blocks cut them too
     elif isinstance(op, Finish):
@@ -240,7 +241,7 @@ def advance_requests(history: History, op: Op, obs: Observation, tables: Tables 
 
 def _preempted(r: RequestHistory) -> None:
     """Back to waiting with nothing computed; the worker drops its table."""
-    r.running, r.num_computed, r.ever_preempted = False, 0, True
+    r.running, r.num_computed, r.ever_preempted, r.rolled_back = False, 0, True, False
     r.drafts, r.verifying = (), ()
     r.worker, r.state_end, r.accepted = None, 0, 0
 
@@ -260,6 +261,7 @@ def _scheduled(
     table: tuple[BlockIds, ...] | None = None,
 ) -> None:
     _computed(r, obs)
+    r.rolled_back &= obs.scheduled <= 0
     if obs.scheduled <= 0 or obs.new_blocks is None:
         return
     # The worker's table and Mamba state position (`model.worker_table`).

@@ -59,5 +59,9 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     hit_blocks = obs.hit_blocks or ()
     need += sum(1 for g, hits in zip(cfg.groups, hit_blocks) if hits and obs.hit % g.block_size)
     if need <= cfg.num_blocks - 1:
-        return [f"admission of {op.rid} ({need} blocks) refused by an idle pool of {cfg.num_blocks - 1}"]
+        # Said apart: vLLM reserves a rolled-back load's whole sequence against its own admission.
+        after = " after its failed load was rolled back" if req.rolled_back else ""
+        return [
+            f"admission of {op.rid} ({need} blocks) refused by an idle pool of {cfg.num_blocks - 1}{after}"
+        ]
     return []

@@ -203,6 +203,9 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: sync load failed on some blocks",
         "connector: a request sharing a failed block cut",
         "connector: a running request holding a failed block cut",
+        # Several holders, cut in queue order (`model.connector.scan_order`).
+        "connector: another async load holding a failed block cut",
+        "connector: several running requests holding failed blocks cut, in queue order",
     ),
     CONNECTOR_BLOCKS_FAIL_ROW: (
         "connector: load failed on some blocks",
@@ -273,12 +276,13 @@ EXCLUDED = [
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
         "KV connectors under async scheduling (vllm-async-scheduler); failed blocks "
-        "(invalid_block_ids) held by several requests besides the loading one, or by one "
-        "awaiting its sample or waiting, or, under 'fail', by any other; a sync load's failed blocks reported after another operation than "
-        "its step",
+        "(invalid_block_ids) covered by a request awaiting its sample, or, under 'fail', "
+        "that another request the cut scans covers; a sync load's failed blocks reported after "
+        "another operation than its step",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
         "(both policies), loads failed on some blocks (one KV cache group: vLLM raises on more): "
-        "async ones, cutting one running request holding a failed block too ('recompute'), and sync "
+        "async ones, cutting the other async loads and running requests holding a failed block "
+        "too, the first in queue order at it ('recompute'), and sync "
         "ones, reported right after the step that ran them (that step's output, whole), cutting "
         "every request of the step that hit a failed block ('recompute') or evicting the loading "
         "request's blocks from its first failed one on ('fail'), the frees deferred while a load is "
@@ -290,10 +294,10 @@ EXCLUDED = [
         "connector rows above), with drafts too (an async load's admission without lookahead, leaving "
         "one decode step's slots free, the chunk after a load padded: the connector + drafts rows); "
         "vLLM 0.33.0's AsyncScheduler accepts a connector, but the vllm-async-scheduler adapter drives "
-        "none (model.async_scheduling does not state loads one step ahead); with several "
-        "other holders vLLM's cut depends on the order of its running and kv_holding_waiting "
-        "queues across the requests a step leaves aside, which kvretain does not state, and under 'fail' it ends them all at once, freed "
-        "in a set's order (not deterministic across processes); kvretain delivers a step's output "
+        "none (model.async_scheduling does not state loads one step ahead); under 'fail' vLLM "
+        "ends every request the cut scans that covers a failed block at once, freed "
+        "in a set's order (not deterministic across processes: the free queue and every later "
+        "block id would differ); kvretain delivers a step's output "
         "for a request awaiting its sample with the sample, so a report cannot come with it then; "
         "the KV events' locality and ownership, which only offloading connectors set, are "
         "compared as None",

@@ -108,9 +108,10 @@ NO_CONNECTOR = (
     "model.async_scheduling does not state loads one step ahead)"
 )
 CONNECTOR_NOT_STATED = (
-    "failed blocks held by several requests besides the loading one, or by one awaiting its sample "
-    "or waiting, or, under 'fail', by any other; a sync load's failed blocks reported after another "
-    "operation than its step; failed blocks with more than one KV cache group (vLLM raises) "
+    "failed blocks covered by a request awaiting its sample, or, under 'fail', by another "
+    "request the cut scans covers (vLLM ends them all at once, freed in a set's order); a sync "
+    "load's failed blocks reported after another operation than its step, or while another request "
+    "of its step awaits its sample; failed blocks with more than one KV cache group (vLLM raises) "
     "(model.connector does not state them)"
 )
 

@@ -543,7 +543,7 @@ class ConnectorMachine(AllocatorMachine):
 
     def _some_blocks(self, data: st.DataObject, blocks: list[int]) -> tuple[int, ...]:
         """One or two of `blocks`, three times in four among those another request holds
-        too, if any (it is cut as well: `model.connector`)."""
+        too, if any (the requests holding them are cut as well: `model.connector`)."""
         assert self.checker is not None
         shared = [b for b in blocks if self.checker.model.pool.ref[b] > 1]
         if shared and data.draw(st.integers(0, 3), label="a block another request holds?") != 0:
@@ -564,14 +564,22 @@ class ConnectorMachine(AllocatorMachine):
         """An async load sharing a running request's blocks (one group, where a load may
         fail on blocks): a new request extending the prompt of a running one (sampled
         first if it awaits its sample) is offered its tokens and admitted; it hits the
-        running request's blocks, and its load reports, failed on some blocks where any
-        may be named (`model.connector.failable_blocks`: under "recompute" the shared
-        ones too, which cut the running request as well), else ok."""
+        running request's blocks (and those of earlier such loads, running or still
+        loading), and its load reports, failed on some blocks where any may be named
+        (`model.connector.failable_blocks`: under "recompute" the shared ones too, which
+        cut the requests holding them as well, the first in queue order at the block),
+        else ok, and one time in two it is promoted at once; one time in three it stays
+        in flight (reported by `connector`), so a later load may share its blocks while
+        it waits. One time in two every request awaiting its sample is sampled first
+        (a failed block it would be cut on may not be named: `model.connector`)."""
         assert self.checker is not None
         model = self.checker.model
         base = model.requests[data.draw(st.sampled_from(self._requests(lambda r: r.running)), label="base")]  # type: ignore[attr-defined]
         if base.awaits_sample:
             self._do(self._sample(base.rid, data))
+        if data.draw(st.booleans(), label="sample every request awaiting its sample?"):
+            for other in self._requests(lambda r: r.awaits_sample):  # type: ignore[attr-defined]
+                self._do(self._sample(other, data))
         rid = f"r{self.next_rid}"
         self.next_rid += 1
         extra = data.draw(
@@ -581,8 +589,12 @@ class ConnectorMachine(AllocatorMachine):
         self._do(Offer(rid, len(base.prompt) + len(extra), "async"))
         self._do(Step((rid,), 64))
         if rid in model.requests and model.requests[rid].load == "loading":  # type: ignore[attr-defined]
+            if not data.draw(st.sampled_from([True, True, False]), label="report it now?"):
+                return
             blocks = failable_blocks(model, model.requests[rid])
             self._do(Loaded(rid, True, self._some_blocks(data, blocks) if blocks else ()))
+            if rid in model.requests and data.draw(st.booleans(), label="promote it now?"):
+                self._do(Step((rid,), 64))  # running, it holds the shared blocks too
 
     @precondition(
         lambda self: (

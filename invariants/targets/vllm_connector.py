@@ -126,6 +126,7 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self.offers.pop(rid, None)  # an offer never admitted ends with its request (as the model's)
         self.finished.append(rid)
         self.handed[rid] = tuple(tuple(g) for g in block_ids)
         saves = rid in self.saving and any(len(g) for g in block_ids)

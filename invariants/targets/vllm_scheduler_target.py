@@ -105,7 +105,9 @@ class SchedulerOpDriver(OpDriver):
             else:
                 report = sent_output(op.rid)
             self.real.flush()  # the last step's output first, then the report's
-            before = {r.request_id: r.num_computed_tokens for r in self.real.sched.running}
+            sched = self.real.sched
+            scanned = [*sched.kv_holding_waiting, *sched.running]  # what the cut scans
+            before = {r.request_id: r.num_computed_tokens for r in scanned if r.request_id != op.rid}
             self.real.report_load(report)
             req = requests.get(op.rid)
             (self.held_by_load if isinstance(op, Loaded) else self.held_by_save).discard(op.rid)
@@ -118,12 +120,11 @@ class SchedulerOpDriver(OpDriver):
             if op.rid in requests and gone:
                 requests.pop(op.rid)
                 self.names.forget(op.rid)
-            # Failed blocks cut the request's computed tokens, and those of the running
-            # requests holding one (`model.connector`).
+            # Failed blocks cut the request's computed tokens, and those of the other async
+            # loads and running requests holding one (`model.connector`).
             if not (isinstance(op, Loaded) and op.invalid) or req is None:
                 return Done()
-            running = self.real.sched.running
-            cut = tuple((r.request_id, r.num_computed_tokens) for r in running if r.request_id in before)
+            cut = ((r.request_id, r.num_computed_tokens) for r in scanned if r.request_id in before)
             return LoadCut(req.num_computed_tokens, tuple(sorted((r, n) for r, n in cut if n != before[r])))
         if isinstance(op, Preempt):
             self.real.preempt(requests[op.rid])

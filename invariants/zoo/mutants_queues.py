@@ -3,7 +3,10 @@
 scheduler mutants (`mutants_scheduler.SCHEDULER_MUTANTS`, which imports this module).
 
 Each is a one-line `_rewrite` of vLLM's own method: where a preempted request
-waits, and where and in which order a request the waiting pass skipped comes back.
+waits, and where and in which order a request the waiting pass skipped comes back;
+and the order the failed-block cut reads the queues in (`model.connector`: of the
+requests holding a failed block the first in scan order marks it and is cut there;
+judged through `LoadCut`).
 """
 
 from __future__ import annotations
@@ -53,4 +56,33 @@ def skipped_holding_to_waiting(stack: contextlib.ExitStack, sched: Any) -> None:
         "schedule",
         "self.kv_holding_waiting.prepend_requests(step_skipped_kv_holding)",
         "self.waiting.prepend_requests(step_skipped_kv_holding)",
+    )
+
+
+@mutant("invalid_scan_running_reversed", strategy="scheduler-connector")
+def invalid_scan_running_reversed(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Failed blocks (`invalid_block_ids`): `_handle_invalid_blocks` scans `running` back
+    to front (`reversed(self.running)`), so of several running requests holding a failed
+    block the last one marks it and is cut there, and the first keeps it as computed
+    (`model.connector`: the first in queue order marks it)."""
+    _rewrite(
+        stack,
+        sched,
+        "_handle_invalid_blocks",
+        "self.running, invalid_block_ids, num_scheduled_tokens, evict_blocks=True",
+        "reversed(self.running), invalid_block_ids, num_scheduled_tokens, evict_blocks=True",
+    )
+
+
+@mutant("invalid_block_marks_ignored", strategy="scheduler-connector")
+def invalid_block_marks_ignored(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Failed blocks: `_update_requests_with_invalid_blocks` ignores the blocks an earlier
+    request marked (`if False:` for `if block_id in marked_invalid_block_ids:`), so every
+    request holding a failed block is cut at it, not only the first in scan order."""
+    _rewrite(
+        stack,
+        sched,
+        "_update_requests_with_invalid_blocks",
+        "if block_id in marked_invalid_block_ids:",
+        "if False:",
     )
