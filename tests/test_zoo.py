@@ -49,10 +49,51 @@ def test_unmutated_reference_passes_the_same_runs(strategy: str, tmp_path: Path)
         (),
         lambda: contextlib.nullcontext(ReferenceTarget),
         tolerated=known_tolerance("reference"),
+        control=True,
     )
     result = _run(entry, tmp_path)
     assert not result.killed, f"unmutated reference flagged on {strategy}: {result.detail}"
     assert result.steps > 0
+
+
+def _killing_everywhere(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The registry's unmutated "reference" planted with mutant `name`: a killing trace
+    then fails the target the zoo judges a kill against too."""
+    import invariants.targets as targets
+
+    real = targets.target_factory
+    monkeypatch.setattr(targets, "target_factory", lambda t: factory(name) if t == "reference" else real(t))
+
+
+def test_a_kill_whose_trace_fails_the_unmutated_target_is_not_credited(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A killing trace must be clean on the unmutated target (else it names no defect of
+    the mutant: a harness, model or shrinker fault). Control: the same hunt against the
+    real unmutated reference is a kill (test_mutant_is_killed)."""
+    name = SUBSET[0]
+    (entry,) = reference_entries([name])
+    _killing_everywhere(monkeypatch, name)
+    result = _run(entry, tmp_path)
+    assert not result.killed and result.verdict == "UNSOUND" and result.unsound.startswith("op ")
+
+
+def test_a_flagged_control_stays_flagged(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The control's "kill" is itself the finding: it is never replayed away."""
+    name = SUBSET[0]
+    _killing_everywhere(monkeypatch, name)
+    m = REFERENCE_MUTANTS[name]
+    entry = ZooEntry(
+        "(unmutated)",
+        "reference",
+        "control",
+        m.strategy,
+        (),
+        lambda: contextlib.nullcontext(factory(name)),
+        control=True,
+    )
+    result = _run(entry, tmp_path)
+    assert result.killed and not result.unsound
 
 
 def test_direct_checks_pass_on_the_unmutated_reference() -> None:

@@ -269,7 +269,9 @@ def run(args: argparse.Namespace) -> int:
     print(report.table())
     print(report.summary() + f"; wall {time.monotonic() - t0:.0f} s")
     for r in report.results:
-        if not r.killed:
+        if r.unsound:
+            print(f"UNSOUND {r.name}: its killing trace fails the unmutated {r.target} too: {r.unsound}")
+        elif not r.killed:
             print(f"SURVIVOR {r.name}: {r.note or 'no check fired within the budget'}")
     rc = 0 if report.ok and control_ok else 1
     write_results(args, "zoo", zoo_cases(report, None if args.no_control else control_ok), rc)

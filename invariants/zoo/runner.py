@@ -61,6 +61,7 @@ class ZooEntry:
     activate: Callable[[], AbstractContextManager[Factory]]
     doc: str = ""
     tolerated: Callable[[Violation], bool] | None = None
+    control: bool = False  # the unmutated target run as a mutant: its "kill" is the finding
 
 
 @dataclass
@@ -82,8 +83,12 @@ class MutantResult:
     fuzz_ops: int | None = None  # the fuzz trace's length after shrinking
     handover: Handover | None = None  # explore's shortest trace, when the fuzzer killed it
 
+    unsound: str = ""  # the violation the killing trace also meets on the unmutated target
+
     @property
     def verdict(self) -> str:
+        if self.unsound:
+            return "UNSOUND"
         return "killed" if self.killed else "SURVIVED"
 
     def trace_lengths(self) -> str:
@@ -110,6 +115,7 @@ def run_entry(
     prog = Progress(f"zoo {entry.target} {entry.name}", enabled=progress)
     start = time.monotonic()
     result = MutantResult(entry.name, entry.target, entry.strategy, killed=False)
+    killing: tuple[Config, tuple[Op, ...]] | None = None
     with entry.activate() as factory:
         for name in entry.checks:
             outcome = direct.DIRECT_CHECKS[name](factory)
@@ -173,6 +179,7 @@ def run_entry(
                     result,
                     deadline=start + budget_s,
                 )
+                killing = (best.config, ops)
                 if out_dir is not None:
                     trace = Trace(
                         best.config,
@@ -182,12 +189,35 @@ def run_entry(
                         f"mutant {entry.name}: {v}",
                     )
                     result.trace_path = write_trace(trace, out_dir / f"zoo-{entry.target}-{entry.name}.json")
+    if killing is not None and not entry.control:
+        _judge_unmutated(entry, *killing, result)
     result.seconds = time.monotonic() - start
-    if result.killed:
+    if result.unsound:
+        prog.tick(
+            f"UNSOUND: the killing trace fails the unmutated target too ({result.unsound})", force=progress
+        )
+    elif result.killed:
         prog.tick(f"killed by {result.check} in {result.seconds_to_kill:.1f}s", force=progress)
     else:
         prog.tick(f"SURVIVED {result.seconds:.1f}s ({result.steps} steps)", force=progress)
     return result
+
+
+def _judge_unmutated(entry: ZooEntry, config: Config, ops: tuple[Op, ...], result: MutantResult) -> None:
+    """A kill counts only if its trace is clean on the unmutated target: a trace that
+    fails there too (a fault of the harness, the model or the shrinker, or a finding
+    no claim covers) names no defect of the mutant. Run after the mutant's context is
+    left (its patches are process-global), on the target the registry builds."""
+    from invariants.harness.checker import Checker
+    from invariants.targets import target_factory
+
+    tolerate = entry.tolerated or (lambda v: False)
+    checker = Checker(target_factory(entry.target)(config))
+    for i, op in enumerate(ops):
+        found = [v for v in checker.step(op) if not tolerate(v)]
+        if found:
+            result.killed, result.unsound = False, f"op {i}: {found[0]}"
+            return
 
 
 def _hand_over(
@@ -235,9 +265,11 @@ class ZooReport:
         med = f"{statistics.median(times):.1f}" if times else "-"
         mx = f"{max(times):.1f}" if times else "-"
         rate = killed / len(self.results) if self.results else 0.0
+        unsound = sum(bool(r.unsound) for r in self.results)
         return (
             f"zoo {self.target}: {killed}/{len(self.results)} killed ({rate:.0%}), "
-            f"median time to kill {med} s, max {mx} s, {len(self.not_applicable)} not applicable, "
+            + (f"{unsound} UNSOUND (their killing traces fail the unmutated target too), " if unsound else "")
+            + f"median time to kill {med} s, max {mx} s, {len(self.not_applicable)} not applicable, "
             f"{self.seconds:.0f} s in all" + self.lengths_summary()
         )
 
@@ -351,6 +383,7 @@ def unmutated_entry(target: str, strategy_name: str, checks: tuple[str, ...] = (
         checks,
         lambda: contextlib.nullcontext(f),
         tolerated=tolerated,
+        control=True,
     )
 
 
