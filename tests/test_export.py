@@ -56,6 +56,9 @@ NOT_EXPORTED = {
     "replays it on vllm and vllm-async-scheduler",
     "save-during-load-freed-at-first-report": "a KV connector trace (Save, Offer, Loaded): the "
     "exporter writes no connector yet; `kvretain replay` replays it on vllm",
+    "async-load-cut-keeps-placeholders": "a KV connector trace (Offer, Loaded with failed blocks) on "
+    "the AsyncScheduler: the exporter writes no connector nor async scheduling yet; `kvretain replay` "
+    "replays it on vllm-async-scheduler",
     "sync-load-failed-block-hash-kept": "a KV connector trace (Offer, Loaded with failed blocks): the "
     "exporter writes no connector yet; `kvretain replay` replays it on vllm",
     "sync-load-failed-block-read-before-recompute": "a KV connector trace (Offer, Loaded with failed "
