@@ -299,6 +299,15 @@ def test_the_synchronous_model_disagrees_with_the_async_scheduler() -> None:
 MUTANT_TRACE: dict[str, tuple[Config, list[Op]]] = {
     "arrival_caches_in_flight_tokens": (FULL, ASIDE),
     "async_rejection_keeps_placeholders": (SPEC_FULL, DRAFTS),
+    # Fenced frees (`model.async_scheduling`, 6; `invariants.zoo.mutants_async_connector`).
+    "fence_on_scheduled_step": (
+        FULL_SWA.with_(kv_connector=True),
+        [AddRequest("r1", (1, 2, 3, 4, 5)), Step(R1, 8), Finish("r1")],
+    ),
+    "fenced_frees_one_step_late": (
+        FULL_SWA.with_(kv_connector=True),
+        [AddRequest("r1", (1, 2, 3, 4)), Step(R1, 8), Preempt("r1"), Step(R1, 8)],
+    ),
 }
 
 
