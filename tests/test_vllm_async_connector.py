@@ -82,6 +82,18 @@ SAVE_WITH_DRAFTS: list[Op] = [
     Save("r1"),
     Finish("r1"),
 ]
+# Fine-grained Mamba hits (a Mamba block wider than the hash block): r3's step copies its own
+# partial tail (`move_block_hashes`); the copy's retained endpoints wait for that step's output.
+FINE = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("mamba", 4, mamba_cache_mode="align")),
+    num_blocks=14,
+    retention_interval=0,
+    hash_block_size=2,
+    scheduler_block_size=4,
+    max_model_len=4096,
+    kv_connector=True,
+)
+COPY_IN_FLIGHT: list[Op] = [AddRequest("r3", (2, 3, 1)), Step(("r3",), 3), Step(("r3",), 8)]
 # The finding: a sync load's failed block cuts r0, whose step reached its end (1 placeholder).
 PLACEHOLDER_CONFIG = Config(
     groups=(GroupSpec("full", 4),), num_blocks=8, max_model_len=4096, kv_connector=True
@@ -184,3 +196,17 @@ def test_finding_a_cut_request_keeps_its_output_placeholders() -> None:
 
     sync = Checker(VllmSchedulerTarget(PLACEHOLDER_CONFIG), audit_every=1)
     assert [v for op in PLACEHOLDERS_KEPT for v in sync.step(op)] == []
+
+
+def test_a_copys_retained_endpoints_wait_for_its_steps_output() -> None:
+    checker = Checker(VllmAsyncSchedulerTarget(FINE), audit_every=1)
+    copies = 0
+    for op in COPY_IN_FLIGHT:
+        assert [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)] == []
+        copies += len(getattr(checker.last_obs, "copies", ()))
+    assert copies and FENCED in checker.model.snapshot().tables
+
+
+def test_control_releasing_a_copys_endpoints_at_once_disagrees_with_vllm() -> None:
+    with patched(InFlight, "holds_copies", lambda self, retained: False):
+        assert violations(FINE, COPY_IN_FLIGHT) != []
