@@ -79,10 +79,16 @@ synchronous scheduling in four ways, and nowhere else:
    then scheduled is processed (`_free_request_blocks`: fence `sched_step_seq`);
    they return then in one `free_blocks` over the reversed list
    (`_drain_deferred_frees`, first thing in `update_from_output`, before the
-   arrivals of 3 cache anything). So the blocks a preemption inside a step
-   gives up serve no later request of that step, and the free queue's cached
-   tail lists the last group's blocks first where the direct free lists the
-   first group's. A CoW copy's retained endpoints (`model.fine_mamba`) wait
+   arrivals of 3 cache anything). So the free queue's cached tail lists the
+   last group's blocks first where the direct free lists the first group's.
+   A step whose allocation fails preempts the last running request only
+   where its free would not be fenced (`Scheduler.schedule`: "a deferred free
+   will not help with immediate allocation"; kvretain's connector has no
+   pending block frees to wait for instead, `has_pending_block_frees`):
+   otherwise it preempts nobody, and that request and the running ones after
+   it get nothing this step (`fenced_victim`). A preempted request's output
+   in flight is delivered stale as without a connector (kvretain's connector
+   does not ask to drop it: `requires_kv_delivery` is False). A CoW copy's retained endpoints (`model.fine_mamba`) wait
    likewise for the output of the step that runs the copy (fence
    `sched_step_seq + 1`, `_free_cow_retained_blocks`), freed in their order.
    Fences are drained front to back and stop at the first one not reached.
