@@ -26,9 +26,10 @@ from typing import NamedTuple
 from model import connector as conn
 from model.async_scheduling import (
     InFlight,
-    arrival_limit,
     caching_limit,
     draft_slots,
+    fenced_tables,
+    fenced_victim,
     processed_limit,
     scheduler_position,
 )
@@ -192,7 +193,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         self.num_spec_tokens = num_spec_tokens  # drafts a step verifies (`model.spec_decode`); 0: none
         self.cap = 0  # the long-prefill cap of the step being scheduled (`model.scheduling.StepChunks`)
         # Async scheduling (vLLM `AsyncScheduler`): a sampled token reaches the scheduler a step late.
-        self.in_flight = InFlight() if async_scheduling else None
+        self.in_flight = InFlight.fenced(config.kv_connector) if async_scheduling else None
         self.profile = profile  # the release's design of the time (model.profile); default 0.33.0
         # The rule of each mechanism for that release: the model composes these, never reads a switch.
         self.rules = rules_of(profile)
@@ -276,12 +277,12 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
                 self._token_arrives(req, 0)
             return Done()
         if isinstance(op, Finish):
-            if self.in_flight is not None:
-                self.in_flight.forget(op.rid)
             return conn.finish(self, self.requests.pop(op.rid))
         if isinstance(op, Offer):
             conn.offer(self.requests[op.rid], op.num_tokens, op.load == "async")
             return Done()
+        if isinstance(op, (Loaded, Saved)):
+            self._outputs_arrive(None)  # a report: the latest step's output is processed first
         if isinstance(op, Loaded):
             return conn.loaded(self, op.rid, op.ok, op.invalid, report)
         if isinstance(op, Save):
@@ -309,7 +310,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     def snapshot(self) -> Snapshot:
         events = tuple(self.pool.events)
         self.pool.events.clear()
-        tables: dict[str, tuple[tuple[int, ...], ...]] = {}
+        tables = fenced_tables(self.in_flight, len(self.groups))  # model.async_scheduling, 6
         for rid in sorted({r for g in self.groups for r, t in g.tables.items() if t}):
             tables[rid] = tuple(tuple(g.tables.get(rid, ())) for g in self.groups)
         return Snapshot(
@@ -328,31 +329,27 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         for g in self.groups:
             g.cached_this_step.clear()
 
-    def _outputs_arrive(self, scheduled: dict[str, int]) -> None:
-        """Async scheduling: a step was scheduled, so the previous step's output is
-        processed and its sampled tokens arrive (`model.async_scheduling`)."""
+    def _outputs_arrive(self, scheduled: dict[str, int] | None) -> None:
+        """Async scheduling: a step was scheduled (None: a connector's report), so the previous
+        step's output is processed, fenced frees due and sampled tokens arrive (`model.async_scheduling`)."""
         if self.in_flight is None:
             return
-        for rid, since in self.in_flight.scheduled(scheduled):
+        arrived, due = self.in_flight.scheduled(scheduled)
+        if due:
+            self.exercised["async + connector: fenced frees returned as the step's output was processed"] += 1
+        for blocks in due:
+            self.pool.free(reversed(blocks))
+        for rid, since in arrived:
             self._token_arrives(self.requests[rid], since)
 
-    def _token_arrives(self, req: RequestState, scheduled_since: int) -> None:
-        """A running request's sampled token reaches the scheduler: the blocks the
-        processed steps computed are cached (`update_from_output`'s `cache_blocks`)."""
-        if req.running and self.cfg.enable_caching:
-            before = sum(g.num_cached.get(req.rid, 0) for g in self.groups)
-            self._cache_blocks(req, arrival_limit(req.num_computed, scheduled_since))
-            if sum(g.num_cached.get(req.rid, 0) for g in self.groups) > before:
-                self.exercised["async: a sampled token's arrival cached blocks"] += 1
-
     def _take_copies(self) -> tuple[Copy, ...]:
-        """The step's copies; their endpoints' extra references are released
-        (`Scheduler.schedule`: `take_kv_cache_block_copies`, then `free_blocks`)."""
+        """The step's copies; their endpoints' extra references released (`Scheduler.schedule`)."""
         copies = tuple(c for g in self.groups for c in g.copies)  # manager by manager
         for g in self.groups:
             g.copies.clear()
-        if copies:
-            self.pool.free(retained_endpoints(list(copies)))
+        retained = retained_endpoints(list(copies)) if copies else []
+        if retained and not (self.in_flight is not None and self.in_flight.holds_copies(retained)):
+            self.pool.free(retained)
         return copies
 
     def _sample(self, req: RequestState, op: Sample) -> int:
@@ -474,13 +471,12 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         while i < len(running) and left > 0:
             req = self.requests[running[i]]
             n = self._next_chunk(req, left, budget)
-            if n <= 0:
-                # Nothing to compute now (e.g. a Mamba chunk that rounds to 0): skip, keep going.
+            if n <= 0:  # nothing to compute now (a Mamba chunk that rounds to 0): skip, keep going
                 results.append((req.rid, ScheduleResult(0, False)))
                 i += 1
                 continue
             new = self._allocate_slots(req, n, 0, None)
-            while new is None:
+            while new is None and not fenced_victim(self.in_flight, running[-1]):  # async_scheduling, 6
                 self.exercised["preemption inside a step"] += 1
                 victim = running.pop()
                 self._preempt(victim)
@@ -489,8 +485,8 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
                 if victim == req.rid:
                     break
                 new = self._allocate_slots(req, n, 0, None)
-            if new is None:
-                results.append((req.rid, ScheduleResult(0, False)))
+            if new is None:  # it and the running requests after it (left only by a fenced victim) wait
+                results += [(rid, ScheduleResult(0, False)) for rid in [req.rid, *running[i + 1 :]]]
                 break
             ran_prefill |= req.prefill_chunk
             self._ran(req, n)
@@ -778,12 +774,14 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
 
     # ----------------------------------------------------------------- free
     def _free(self, rid: str) -> None:
+        tables = [g.tables.pop(rid, []) for g in self.groups]
         for g in self.groups:
-            table = g.tables.pop(rid, [])
             for d in (g.num_cached, g.last_state, g.retired, g.partial):
                 d.pop(rid, None)
             g.allocated.discard(rid)
-            # Null blocks (positions that left a window or a Mamba state) are skipped by the pool.
+        if self.in_flight is not None and self.in_flight.holds(rid, tables):
+            return  # its last step's output is unprocessed (model.async_scheduling, 6)
+        for g, table in zip(self.groups, tables):  # the pool skips null blocks
             append_all = g.spec.kind in self.rules.free_order.finished_to_tail  # model.routing
             self.pool.free(reversed(table), append_all=append_all)
 

@@ -63,6 +63,45 @@ synchronous scheduling in four ways, and nowhere else:
    verifies and the arrival's caching are unchanged: the placeholders cover
    the rejected drafts, so they cancel out of the count.
 
+6. With a KV connector (kvretain's plays both roles, `kv_role="kv_both"`, so
+   vLLM counts it a consumer) two steps in flight make vLLM fence block frees
+   (`Scheduler.__init__`: `defer_block_free` when `max_concurrent_batches > 1`
+   and `is_kv_consumer`): a load may refill a freed block while the step in
+   flight still writes it. vLLM counts the steps that scheduled tokens
+   (`sched_step_seq`, raised at the end of `schedule()`) and the outputs of
+   such steps it processed (`processed_step_seq`, raised first thing in
+   `update_from_output`); a request remembers the last step that scheduled it
+   (`last_sched_seq`). Freeing a request (a finish, a preemption, inside a
+   step or not, the free a transfer's report ends) whose last step's output is
+   unprocessed takes its tables away at once but holds its blocks, references
+   and all (`KVCacheManager.pop_blocks_for_free`: every group's blocks, group
+   after group, leading nulls dropped), until the output of the latest step
+   then scheduled is processed (`_free_request_blocks`: fence `sched_step_seq`);
+   they return then in one `free_blocks` over the reversed list
+   (`_drain_deferred_frees`, first thing in `update_from_output`, before the
+   arrivals of 3 cache anything). So the free queue's cached tail lists the
+   last group's blocks first where the direct free lists the first group's.
+   A step whose allocation fails preempts the last running request only
+   where its free would not be fenced (`Scheduler.schedule`: "a deferred free
+   will not help with immediate allocation"; kvretain's connector has no
+   pending block frees to wait for instead, `has_pending_block_frees`):
+   otherwise it preempts nobody, and that request and the running ones after
+   it get nothing this step (`fenced_victim`). A preempted request's output
+   in flight is delivered stale as without a connector (kvretain's connector
+   does not ask to drop it: `requires_kv_delivery` is False). A CoW copy's retained endpoints (`model.fine_mamba`) wait
+   likewise for the output of the step that runs the copy (fence
+   `sched_step_seq + 1`, `_free_cow_retained_blocks`), freed in their order.
+   Fences are drained front to back and stop at the first one not reached.
+   A connector's report (`Loaded`, `Saved`) comes with a step output the
+   engine processes before it schedules again (its batch queue waits on the
+   oldest step when nothing else is scheduled): the latest step's output is
+   processed there, its tokens arrive as in 3 and its fences are reached.
+   `defer_async_loads` (an async load started only once the steps in flight
+   are processed, `deferred_loads`) needs a HiSparse host pool
+   (`kv_cache_config.hisparse_host_num_blocks`), which no kvretain layout
+   has: an async load starts at its admission as without async scheduling.
+   `FreeFences` is that bookkeeping.
+
 `InFlight` is that bookkeeping; `AllocatorModel` (built with
 `async_scheduling=True`) applies it.
 """
@@ -70,8 +109,29 @@ synchronous scheduling in four ways, and nowhere else:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import dropwhile
 
 from model.spec_decode import PLACEHOLDER
+
+# The pseudo request id whose table (group 0's, the others empty) lists the blocks the
+# scheduler holds in fenced frees (6), front to back: a snapshot names them so that every
+# reference a block carries has an entry (they belong to no request's table any more).
+FENCED = "(fenced)"
+
+
+def fenced_tables(in_flight: InFlight | None, num_groups: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """The `FENCED` pseudo-table of a snapshot, if any block is held (6)."""
+    if in_flight is None or in_flight.fences is None or not in_flight.fences.deferred:
+        return {}
+    held = tuple(b for _, blocks in in_flight.fences.deferred for b in blocks)
+    return {FENCED: (held,) + ((),) * (num_groups - 1)}
+
+
+def fenced_victim(in_flight: InFlight | None, rid: str) -> bool:
+    """A step's allocation failed and `rid` is the request it would preempt: its free
+    would be fenced, so it frees nothing now and the step preempts nobody (6;
+    `Scheduler.schedule`: "a deferred free will not help with immediate allocation")."""
+    return in_flight is not None and in_flight.fences is not None and in_flight.fences.defers(rid)
 
 
 def caching_limit(num_computed: int, num_new: int, num_tokens: int, unknown: int) -> int:
@@ -116,6 +176,47 @@ class Arriving:
 
 
 @dataclass
+class FreeFences:
+    """vLLM's fenced block frees with a consumer KV connector and two steps in flight (6).
+
+    - `sched_seq`, `processed_seq`: the steps that scheduled tokens, and the outputs
+      of such steps processed (`sched_step_seq`, `processed_step_seq`);
+    - `last_sched`: rid -> the last such step that scheduled it (`last_sched_seq`);
+    - `deferred`: (fence, blocks in allocation order), front to back (`deferred_frees`).
+    """
+
+    sched_seq: int = 0
+    processed_seq: int = 0
+    last_sched: dict[str, int] = field(default_factory=dict)
+    deferred: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def scheduled(self, step: dict[str, int]) -> None:
+        """A step was scheduled (`step`: tokens per request)."""
+        if sum(step.values()) > 0:
+            self.sched_seq += 1
+            self.last_sched.update({rid: self.sched_seq for rid, n in step.items() if n > 0})
+
+    def defers(self, rid: str) -> bool:
+        """Freeing `rid` now waits: its last step's output is unprocessed."""
+        return self.last_sched.get(rid, 0) > self.processed_seq
+
+    def defer(self, blocks: list[int], fence: int) -> None:
+        """Hold `blocks` until the output of step `fence` is processed."""
+        if blocks:
+            self.deferred.append((fence, blocks))
+
+    def processed(self, step_total: int) -> list[list[int]]:
+        """A step output was processed (`step_total`: the tokens that step scheduled):
+        the held lists now due, in order (each freed reversed)."""
+        if step_total > 0:
+            self.processed_seq += 1
+        due = []
+        while self.deferred and self.deferred[0][0] <= self.processed_seq:
+            due.append(self.deferred.pop(0)[1])
+        return due
+
+
+@dataclass
 class InFlight:
     """The step outputs a one-step-ahead scheduler has not processed yet.
 
@@ -127,6 +228,32 @@ class InFlight:
 
     latest: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, Arriving] = field(default_factory=dict)
+    # With a KV connector: the fenced frees (6); None without one.
+    fences: FreeFences | None = None
+    # The tokens the latest step scheduled, while its output is unprocessed (6).
+    latest_total: int = 0
+
+    @classmethod
+    def fenced(cls, connector: bool) -> InFlight:
+        """The bookkeeping of a scheduler with a KV connector (`connector`: fenced frees, 6) or not."""
+        return cls(fences=FreeFences() if connector else None)
+
+    def holds(self, rid: str, tables: list[list[int]]) -> bool:
+        """Freeing `rid` (its per-group `tables`): True when the free waits for the output
+        of its last step (6), holding every group's blocks after its leading nulls, group
+        after group (`pop_blocks_for_free`); the caller frees them otherwise."""
+        if self.fences is None or not self.fences.defers(rid):
+            return False
+        self.fences.defer([b for t in tables for b in dropwhile(lambda b: b == 0, t)], self.fences.sched_seq)
+        return True
+
+    def holds_copies(self, retained: list[int]) -> bool:
+        """A step's CoW retained endpoints (`retained`, in free order): True when they wait
+        for the output of the step that runs the copies (6)."""
+        if self.fences is None:
+            return False
+        self.fences.defer(retained[::-1], self.fences.sched_seq + 1)
+        return True
 
     def in_flight(self, rid: str) -> bool:
         """`rid`'s last sampled token has not reached the scheduler."""
@@ -152,14 +279,21 @@ class InFlight:
             return True
         return False
 
-    def scheduled(self, step: dict[str, int]) -> list[tuple[str, int]]:
-        """A step was scheduled (`step`: tokens per request): the previous step's output
-        is processed. Returns the requests whose tokens arrive, each with what
-        this step scheduled for it (for `arrival_limit`)."""
+    def scheduled(self, step: dict[str, int] | None) -> tuple[list[tuple[str, int]], list[list[int]]]:
+        """A step was scheduled (`step`: tokens per request; None: a connector's report,
+        no step), then the previous step's output is processed. Returns the requests
+        whose tokens arrive, each with what this step scheduled for it (for
+        `arrival_limit`), and the fenced frees now due (6), freed first."""
+        step = step or {}
         arrived = [(rid, step.get(rid, 0)) for rid in sorted(self.tokens, key=list(self.latest).index)]
+        due: list[list[int]] = []
+        if self.fences is not None:
+            self.fences.scheduled(step)
+            due = self.fences.processed(self.latest_total)
         self.latest = {rid: n for rid, n in step.items() if n > 0}
+        self.latest_total = sum(self.latest.values())
         self.tokens = {}
-        return arrived
+        return arrived, due
 
     def forget(self, rid: str) -> None:
         """`rid` was finished or preempted: its output is dropped or stale (it caches nothing)."""

@@ -18,8 +18,10 @@ pool's keys.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
+from model.async_scheduling import arrival_limit
 from model.config import Config
 from model.masks import cdiv
 from model.observation import BlockKey
@@ -40,12 +42,22 @@ class BlockCaching:
     hybrid: bool
     fine: bool
     alignment: int
+    exercised: Counter[str]
 
     def _cacheable_tokens(self, g: GroupState, n: int) -> int:
         if not self.hybrid or self.fine:
             # Fine-grained hits may end at any hash boundary: nothing to floor.
             return n
         return self.rules.cacheable(n, self.cfg.scheduler_block_size, g.bs, self.cfg.eagle)  # model.masks
+
+    def _token_arrives(self, req: RequestState, scheduled_since: int) -> None:
+        """Async scheduling: a running request's sampled token reaches the scheduler, and the
+        blocks the processed steps computed are cached (`update_from_output`'s `cache_blocks`)."""
+        if req.running and self.cfg.enable_caching:
+            before = sum(g.num_cached.get(req.rid, 0) for g in self.groups)
+            self._cache_blocks(req, arrival_limit(req.num_computed, scheduled_since))
+            if sum(g.num_cached.get(req.rid, 0) for g in self.groups) > before:
+                self.exercised["async: a sampled token's arrival cached blocks"] += 1
 
     def _cache_blocks(self, req: RequestState, num_tokens: int) -> None:
         cfg = self.cfg

@@ -191,7 +191,10 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
     k draft blocks past it (`MambaManager` counts them on a request's first
     allocation whatever the lookahead), the promoted chunk moves them as a
     running request's are (`model.mamba_states`).
-  The async scheduler ("vllm-async-scheduler") runs no connector in kvretain.
+  Under async scheduling (target "vllm-async-scheduler") vLLM fences the
+  frees of requests whose last step is in flight (`model.async_scheduling`,
+  6); a finish reads its computed tokens as the scheduler counts them then
+  (`finish_tokens`), and a report processes the latest step's output first.
 
 Not stated (generation avoids them): a failed block a request awaiting its
 sample covers (kvretain delivers that request's share of its step output with
@@ -214,6 +217,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
+from model.async_scheduling import scheduler_position
 from model.masks import cdiv
 from model.observation import BlockIds, Done, LoadCut, Saving, ScheduleResult
 from model.spec_decode import PLACEHOLDER, padded_admission
@@ -400,14 +404,16 @@ def finish(m: AllocatorModel, req: RequestState) -> Done | Saving:
     """Free a finished request (`model.connector`: with a connector the blocks out of
     the windows of its processed tokens go first; a load in flight keeps the rest
     until it reports, a save until it reports, both until both have reported)."""
+    computed, processed = finish_tokens(m, req)
+    if m.in_flight is not None:
+        m.in_flight.forget(req.rid)  # its output in flight is dropped (`model.async_scheduling`)
     if m.cfg.kv_connector:
-        processed = max(req.num_computed - m.undelivered.get(req.rid, 0), 0)
         for g in m.groups:
             if g.tables.get(req.rid):
                 m._remove_skipped(g, req.rid, processed)
     saves = req.rid in m.saving
     m.saving.discard(req.rid)
-    seen: Done | Saving = Saving(handed_blocks(m, req)) if saves else Done()
+    seen: Done | Saving = Saving(handed_blocks(m, req, computed)) if saves else Done()
     if req.load == LOADING:
         m.held.add(req.rid)
         m.exercised["connector: free deferred until the load reports"] += 1
@@ -421,11 +427,23 @@ def finish(m: AllocatorModel, req: RequestState) -> Done | Saving:
     return seen
 
 
-def handed_blocks(m: AllocatorModel, req: RequestState) -> tuple[BlockIds, ...]:
+def finish_tokens(m: AllocatorModel, req: RequestState) -> tuple[int, int]:
+    """A finishing request's (computed, processed) tokens as `_connector_finished` reads
+    them: computed, and computed less the tokens of the step whose output is undelivered
+    (`num_in_flight_tokens`). Under async scheduling (`model.async_scheduling`) the
+    computed tokens still count the rejected drafts of a sample riding on that output
+    (`scheduler_position`, 5), and the undelivered step is the latest one (3)."""
+    if m.in_flight is None:
+        return req.num_computed, max(req.num_computed - m.undelivered.get(req.rid, 0), 0)
+    computed = scheduler_position(req.num_computed, m.in_flight.unrolled(req.rid))
+    return computed, max(computed - m.in_flight.unprocessed(req.rid), 0)
+
+
+def handed_blocks(m: AllocatorModel, req: RequestState, computed: int) -> tuple[BlockIds, ...]:
     """The block ids a finish hands the connector: per group those covering the
-    computed tokens (a Mamba group's whole table: vLLM clips attention groups only)."""
+    `computed` tokens (a Mamba group's whole table: vLLM clips attention groups only)."""
     return tuple(
-        tuple(t if g.spec.kind == "mamba" else t[: cdiv(req.num_computed, g.bs)])
+        tuple(t if g.spec.kind == "mamba" else t[: cdiv(computed, g.bs)])
         for g in m.groups
         for t in [g.tables.get(req.rid, [])]
     )

@@ -51,7 +51,7 @@ def test_in_flight_tokens_arrive_after_the_next_step() -> None:
     f.scheduled({"r1": 3})
     assert f.sampled("r1") and f.in_flight("r1")  # rides on the latest step's output
     assert f.unprocessed("r1") == 3
-    assert f.scheduled({"r1": 1, "r2": 2}) == [("r1", 1)]  # it arrives; r1 had 1 token scheduled since
+    assert f.scheduled({"r1": 1, "r2": 2}) == ([("r1", 1)], [])  # it arrives; r1 had 1 token scheduled since
     assert not f.in_flight("r1") and f.unprocessed("r2") == 2
     f.scheduled({"r2": 1})
     assert f.sampled("r2", accepted=1, rejected=2)
@@ -60,7 +60,7 @@ def test_in_flight_tokens_arrive_after_the_next_step() -> None:
     assert not f.sampled("r1")  # r1 sat out the last step: its token arrives at once
     f.sampled("r2")
     f.forget("r2")  # preempted or finished: nothing arrives
-    assert f.scheduled({}) == []
+    assert f.scheduled({}) == ([], [])
 
 
 def test_drafts_fill_k_slots_and_a_rejection_counts_until_it_arrives() -> None:

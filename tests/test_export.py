@@ -58,6 +58,9 @@ NOT_EXPORTED = {
     "exporter writes no connector yet; `kvretain replay` replays it on vllm",
     "failed-load-rollback-reserves-against-itself": "a KV connector trace (Offer, Loaded): the "
     "exporter writes no connector yet; `kvretain replay` replays it on the model",
+    "async-load-cut-keeps-placeholders": "a KV connector trace (Offer, Loaded with failed blocks) on "
+    "the AsyncScheduler: the exporter writes no connector nor async scheduling yet; `kvretain replay` "
+    "replays it on vllm-async-scheduler",
     "sync-load-failed-block-hash-kept": "a KV connector trace (Offer, Loaded with failed blocks): the "
     "exporter writes no connector yet; `kvretain replay` replays it on vllm",
     "sync-load-failed-block-read-before-recompute": "a KV connector trace (Offer, Loaded with failed "

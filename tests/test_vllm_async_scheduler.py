@@ -30,6 +30,7 @@ if not _OK:
     pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
 
 import model.allocator as allocator  # noqa: E402
+import model.caching as caching  # noqa: E402
 from invariants.harness.checker import Checker, Violation  # noqa: E402
 from invariants.harness.fuzz import run_fuzz  # noqa: E402
 from invariants.harness.known_findings import is_known_violation  # noqa: E402
@@ -178,12 +179,14 @@ def violations(cfg: Config, ops: list[Op], factory: Any = VllmAsyncSchedulerTarg
 @contextlib.contextmanager
 def synchronous(rule: str) -> Iterator[None]:
     name, sync_form = SYNCHRONOUS_FORM[rule]
-    original = getattr(allocator, name)
-    setattr(allocator, name, sync_form)
+    # The model module that uses the rule (the arrival's caching lives in model.caching).
+    (module,) = [m for m in (allocator, caching) if hasattr(m, name)]
+    original = getattr(module, name)
+    setattr(module, name, sync_form)
     try:
         yield
     finally:
-        setattr(allocator, name, original)
+        setattr(module, name, original)
 
 
 def test_the_target_is_registered_as_a_real_scheduler_over_vllms_allocator() -> None:
@@ -299,6 +302,15 @@ def test_the_synchronous_model_disagrees_with_the_async_scheduler() -> None:
 MUTANT_TRACE: dict[str, tuple[Config, list[Op]]] = {
     "arrival_caches_in_flight_tokens": (FULL, ASIDE),
     "async_rejection_keeps_placeholders": (SPEC_FULL, DRAFTS),
+    # Fenced frees (`model.async_scheduling`, 6; `invariants.zoo.mutants_async_connector`).
+    "fence_on_scheduled_step": (
+        FULL_SWA.with_(kv_connector=True),
+        [AddRequest("r1", (1, 2, 3, 4, 5)), Step(R1, 8), Finish("r1")],
+    ),
+    "fenced_frees_one_step_late": (
+        FULL_SWA.with_(kv_connector=True),
+        [AddRequest("r1", (1, 2, 3, 4)), Step(R1, 8), Preempt("r1"), Step(R1, 8)],
+    ),
 }
 
 
@@ -335,28 +347,40 @@ def test_the_history_follows_draft_slots_one_step_ahead() -> None:
 def test_known_findings_reproduce_through_the_async_scheduler() -> None:
     """Every known vLLM finding of the installed release reproduces on vllm-async-scheduler
     too; an Eagle trace without lookahead slots runs with the one slot vLLM's Eagle needs
-    (as through the synchronous scheduler: docs/semantics.md). A finding that needs a KV
-    connector is named, not run: the async target attaches none."""
+    (as through the synchronous scheduler: docs/semantics.md). With a KV connector (the
+    async target attaches one): a sync load's failed blocks first show the async finding
+    (the cut request keeps its output placeholders, "async-load-cut-keeps-placeholders"),
+    and a trace whose failed block another request awaiting its sample holds there is not
+    a well-formed trace one step ahead (the model does not state that cut)."""
     from dataclasses import replace
 
     from invariants.harness.known_findings import explain, load_known_findings, target_version
     from invariants.harness.replay import replay
+    from invariants.harness.trace import TraceError
 
     version = target_version("vllm")
+    placeholders_first = {"sync-load-failed-block-hash-kept", "sync-load-failed-block-read-before-recompute"}
     ran, connector = [], []
     for f in load_known_findings():
         if "vllm-manager" not in f.targets or ("*" not in f.versions and version not in f.versions):
             continue
-        if f.trace.config.kv_connector:
-            connector.append(f.id)
-            continue
         trace = f.trace
         if trace.config.eagle and not trace.config.num_lookahead_tokens:
             trace = replace(trace, config=trace.config.with_(num_lookahead_tokens=1))
+        if f.id == "swa-load-cut-reads-skipped-window":
+            with pytest.raises(TraceError, match="awaiting its sample|no other request holds"):
+                replay(trace, "vllm-async-scheduler")
+            connector.append(f.id)
+            continue
         result = replay(trace, "vllm-async-scheduler")
+        if f.id in placeholders_first:
+            first = min(result.known, key=lambda k: k[0])
+            assert explain("vllm-async-scheduler", first[1]).id == "async-load-cut-keeps-placeholders", f.id
+            connector.append(f.id)
+            continue
         assert any(explain("vllm-async-scheduler", v) is f for _, v in result.known), f.id
         assert result.clean, (f.id, result.violations[:1])
-        ran.append(f.id)
+        (connector if f.trace.config.kv_connector else ran).append(f.id)
     assert {"vllm-blockstored-token-range", "eagle-swa-short-run-double-pop"} <= set(ran)
     assert set(connector) == {
         "swa-load-cut-reads-skipped-window",
@@ -364,5 +388,6 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
         "save-during-load-freed-at-first-report",
         "sync-load-failed-block-hash-kept",
         "sync-load-failed-block-read-before-recompute",
+        "async-load-cut-keeps-placeholders",
     }
     assert "vllm-mamba-padded-admission-null-state" in ran

@@ -246,9 +246,12 @@ def test_known_findings_reproduce_through_the_real_scheduler() -> None:
     from invariants.harness.replay import replay
 
     version = target_version("vllm")
-    ran, refused = [], []
+    ran, refused, async_only = [], [], []
     for f in load_known_findings():
         if "vllm-manager" not in f.targets or ("*" not in f.versions and version not in f.versions):
+            continue
+        if f.trace.target == "vllm-async-scheduler":
+            async_only.append(f.id)  # tests/test_vllm_async_connector.py: clean here, found there
             continue
         if f.trace.config.eagle or f.trace.config.num_lookahead_tokens:
             refused.append(f.id)  # tests/test_vllm_scheduler_spec.py replays these
@@ -259,6 +262,7 @@ def test_known_findings_reproduce_through_the_real_scheduler() -> None:
         ran.append(f.id)
     assert "vllm-blockstored-token-range" in ran
     assert "eagle-swa-short-run-double-pop" in refused
+    assert async_only == ["async-load-cut-keeps-placeholders"]
 
 
 def test_a_schedule_is_judged_as_the_step_a_real_scheduler_runs() -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from invariants.catalogue.context import CheckContext
+from model.async_scheduling import FENCED
 from model.observation import BlockKey, ScheduleResult, StepResult
 from model.ops import Schedule
 
@@ -39,11 +40,13 @@ def _admitted(ctx: CheckContext) -> set[str]:
 
 
 def _holders(tables: Mapping[str, tuple[tuple[int, ...], ...]], b: int) -> set[str]:
-    return {rid for rid, table in tables.items() if any(b in group for group in table)}
+    """The requests whose tables name `b` (blocks held in fenced frees read nothing)."""
+    return {rid for rid, table in tables.items() if rid != FENCED and any(b in group for group in table)}
 
 
 def _entries(tables: Mapping[str, tuple[tuple[int, ...], ...]], b: int) -> int:
-    return sum(group.count(b) for table in tables.values() for group in table)
+    """The table entries reading `b` (not the `FENCED` pseudo-table: `model.async_scheduling`, 6)."""
+    return sum(group.count(b) for rid, table in tables.items() if rid != FENCED for group in table)
 
 
 @dataclass(frozen=True)
@@ -78,9 +81,12 @@ def _delta_view(ctx: CheckContext) -> _StepView:
     assert d is not None
     before, after = ctx.before.tables, ctx.after.tables
 
+    def fenced(b: int) -> int:  # references held in fenced frees read nothing (`model.async_scheduling`, 6)
+        return sum(g.count(b) for g in after.get(FENCED, ()))
+
     def kept(b: int) -> list[str]:
         named = sorted(_holders(before, b) & _holders(after, b))
-        others = d.uses.get(b, 0) - _entries(after, b)
+        others = d.uses.get(b, 0) - _entries(after, b) - fenced(b)
         return named + (["a request the step did not name"] if others > 0 else [])
 
     def key(blocks: Mapping[int, tuple[int, BlockKey | None, int, int]], b: int) -> BlockKey | None:
@@ -89,7 +95,7 @@ def _delta_view(ctx: CheckContext) -> _StepView:
 
     return _StepView(
         kept=kept,
-        uses=lambda b: d.uses.get(b, 0),
+        uses=lambda b: d.uses.get(b, 0) - fenced(b),
         key_before=lambda b: key(d.before_blocks, b),
         key_after=lambda b: key(d.blocks, b),
     )

@@ -39,6 +39,7 @@ from invariants.catalogue import (
 from invariants.targets.base import PartialState, Tables, Target, table_changes
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
+from model.async_scheduling import FENCED
 from model.config import Config
 from model.connector import failable_blocks
 from model.observation import (
@@ -110,6 +111,9 @@ class Checker:
             async_scheduling=target.features.async_scheduling,
         )
         self.model: AllocatorModel = self.model_target.model
+        # A one-step-ahead scheduler with a KV connector holds freed blocks in fenced frees
+        # (`model.async_scheduling`, 6): any operation may move them, so each reads their table.
+        self.fenced = target.features.async_scheduling and bool(target.config.kv_connector)
         self.history = History(
             failed_load_ends=self.config.kv_load_failure_policy == "fail",
             block_sizes=tuple(g.block_size for g in self.config.groups),
@@ -288,6 +292,8 @@ class Checker:
         rid = getattr(op, "rid", None)
         blocks: set[int] = set(op.block_ids) if isinstance(op, EvictBlocks) else set()
         rids = list(op.rids) if isinstance(op, Step) else [rid] if isinstance(rid, str) else []
+        if self.fenced:
+            rids.append(FENCED)
         # The named requests' tables before the operation (the step invariants read
         # them; the partial reads only the positions where they changed).
         tables_before = {r: self._tables.get(r, ()) for r in rids}

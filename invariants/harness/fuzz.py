@@ -103,9 +103,8 @@ LONG_PREFILL_AT_SPEC_TOKENS = (
 
 NO_CONNECTOR = (
     "KV connectors (offers, async loads, failed loads, saves, deferred frees): the target cannot attach one "
-    "(model.connector; targets model and vllm run them, with drafts and without; vLLM 0.33.0's "
-    "AsyncScheduler accepts one, but kvretain's vllm-async-scheduler adapter drives none and "
-    "model.async_scheduling does not state loads one step ahead)"
+    "(model.connector; targets model, vllm and vllm-async-scheduler run them, with drafts and without; "
+    "one step ahead model.async_scheduling states vLLM's fenced frees)"
 )
 CONNECTOR_NOT_STATED = (
     "failed blocks covered by a request awaiting its sample, or, under 'fail', by another "
@@ -119,12 +118,13 @@ CONNECTOR_NOT_STATED = (
 def _generated(target: str) -> st.SearchStrategy[Config]:
     """The configurations a run generates for `target` (what it can be judged on)."""
     if target in ASYNC_SCHEDULER_TARGETS:
-        # Drafts included: the model states them one step ahead (`model.async_scheduling`, 5).
+        # Drafts included: the model states them one step ahead (`model.async_scheduling`, 5),
+        # and KV connectors, whose frees vLLM fences there (6).
         return configs(
             allow_pinning=False,
             allow_fine=target in FINE_MAMBA_TARGETS,
             eagle_drafts=True,
-            connector=False,
+            connector=None,
             long_prefill=None,
         )
     return configs(

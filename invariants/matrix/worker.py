@@ -260,7 +260,9 @@ def run_known(caps: Capabilities) -> list[dict[str, Any]]:
             row["scheduler"], row["scheduler_note"] = None, "the release's Scheduler cannot be built"
         else:
             runnable = dataclasses.replace(f.trace, config=engine_runnable(f.trace.config))
-            row["scheduler"], row["scheduler_note"] = _reproduces(f, runnable, "vllm")
+            # A finding of the AsyncScheduler (recorded there) replays through it.
+            sched = "vllm-async-scheduler" if f.trace.target == "vllm-async-scheduler" else "vllm"
+            row["scheduler"], row["scheduler_note"] = _reproduces(f, runnable, sched)
         rows.append(row)
     return rows
 

@@ -64,7 +64,7 @@ REAL_SCHEDULER_TARGETS = {"vllm", "vllm-async-scheduler"}
 ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler"}
 # Targets that can run a KV connector (`TargetFeatures(connector=True)`, `model.connector`):
 # generated configurations include one; the others are never sent one, and say so.
-CONNECTOR_TARGETS = {"model", "vllm"}
+CONNECTOR_TARGETS = {"model", "vllm", "vllm-async-scheduler"}
 # Targets whose steps state the queue order they leave (`TargetFeatures(queues=True)`,
 # `model.queues`): judged there; the others' runs say it is unjudged.
 QUEUE_TARGETS = {"model", "reference", "vllm", "vllm-async-scheduler"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from model.allocator import AllocatorModel
+from model.async_scheduling import fenced_tables
 from model.config import Config
 from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
@@ -74,8 +75,9 @@ def model_partial(
     """`partial` read straight from the model's pool (no full snapshot)."""
     pool = model.pool
     tables = {}
+    fenced = fenced_tables(model.in_flight, len(model.groups))  # model.async_scheduling, 6
     for rid in rids:
-        table = tuple(tuple(g.tables.get(rid, ())) for g in model.groups)
+        table = fenced.get(rid) or tuple(tuple(g.tables.get(rid, ())) for g in model.groups)
         tables[rid] = table if any(table) else ()
     events = tuple(pool.events)
     pool.events.clear()

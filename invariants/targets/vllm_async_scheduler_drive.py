@@ -31,15 +31,33 @@ accepted, drafts)` only shapes the step output: its sampled tokens are the
 first `accepted` drafts of `rid`'s previous `Sample` (the worker's drafts the
 step verified) followed by `token`, and vLLM's `update_from_output` reads the
 acceptance from their count and rolls the rejected placeholders back.
+
+KV connectors (`Config.kv_connector`): kvretain's connector is a consumer, so
+with two steps in flight vLLM fences block frees on the step outputs it has
+processed (`defer_block_free`; `model.async_scheduling`, 6): the first
+`update_from_output` of a step with tokens counts it processed
+(`processed_step_seq`) and frees what waited for it. The engine processes a
+step's output once, after the next `schedule()`; this driver delivers it in
+shares (a share held for its `Sample`, a preempted request's at once), so
+only the share delivered when the engine would process the output reports
+the step's tokens (`share_total`; a step whose every share is held reports
+them alone, `_fence`), the others report none and move no fence. A
+connector's report (`Loaded`, `Saved`) comes with an output processed before
+the next `schedule()`: the latest step's output is processed first (`flush`),
+as the engine's batch queue does when it waits on its oldest step; a sync
+load's failed blocks ride on the output of the step that ran it
+(`report_step`), processed then.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from model.observation import StepResult
 from model.ops import Sample
 
+from .base import TargetCrash
 from .vllm_scheduler_drive import RealStepScheduler
 
 
@@ -56,6 +74,8 @@ class AsyncStepScheduler(RealStepScheduler):
         self.proposed: dict[str, tuple[int, ...]] = {}
         # rid -> the tokens its pending sample delivers: accepted drafts, then the token.
         self.generated: dict[str, list[int]] = {}
+        # The step output being processed as the engine processes it: its share carries the fence.
+        self.fencing: Any = None
 
     def step(self, rids: tuple[str, ...], budget: int) -> StepResult:
         """`schedule()` over `rids`, then `update_from_output` of the step before."""
@@ -68,6 +88,18 @@ class AsyncStepScheduler(RealStepScheduler):
         if previous is not None:
             self._process(previous, undelivered, samplers)
         return result
+
+    def add(self, req: Any) -> None:
+        """A request reusing the id of a finished one whose share of the unprocessed output
+        is still undelivered: that share was the finished request's, which vLLM ignores
+        (vLLM's own ids are unique; here it would land on the new request)."""
+        rid = req.request_id
+        if rid in self.undelivered:
+            self.undelivered.remove(rid)
+            self.samplers.discard(rid)
+            self.samples.pop(rid, None)
+            self.generated.pop(rid, None)
+        super().add(req)
 
     def _reached_end(self, rid: str) -> bool:
         req = self.s.requests[rid]
@@ -83,7 +115,66 @@ class AsyncStepScheduler(RealStepScheduler):
                 self.held[rid] = out
             else:
                 now.append(rid)
-        self._deliver(out, now)
+        self.fencing = out
+        try:
+            if now:
+                self._deliver(out, now)
+            else:
+                self._fence(out)
+        finally:
+            self.fencing = None
+
+    def share_total(self, out: Any, scheduled: dict[str, int]) -> int:
+        """The step's tokens on the share delivered when the engine processes `out`, else 0."""
+        return int(out.total_num_scheduled_tokens) if out is self.fencing else 0
+
+    def _fence(self, out: Any) -> None:
+        """`out` processed with every share held for its `Sample`: an `update_from_output`
+        with no request's share still counts the step (vLLM's fences, `defer_block_free`)."""
+        if not (self.sched.defer_block_free and out.total_num_scheduled_tokens > 0):
+            return
+        empty = replace(out, num_scheduled_tokens={}, scheduled_spec_decode_tokens={})
+        runner_out = self.m["ModelRunnerOutput"](req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        self.sched.update_from_output(empty, runner_out)
+
+    def flush(self) -> None:
+        """The latest step's output, processed before the next `schedule()` (a connector's report)."""
+        out, self.pending = self.pending, None
+        if out is not None:
+            rids, samplers, self.undelivered, self.samplers = self.undelivered, self.samplers, [], set()
+            self._process(out, rids, samplers)
+
+    def report_step(self, rid: str, connector_output: Any) -> None:
+        """A sync load's failed blocks with the output of the step that ran it: its
+        undelivered shares at once (`rid`'s without its token, which vLLM drops)."""
+        out, self.pending = self.pending, None
+        if out is None or rid not in out.num_scheduled_tokens:
+            raise TargetCrash(f"the vLLM scheduler adapter holds no step output of {rid!r}'s sync load")
+        self.samples.pop(rid, None)
+        self.generated.pop(rid, None)
+        rids, self.undelivered, self.samplers = self.undelivered, [], set()
+        self.fencing = out
+        try:
+            self._deliver(out, rids, connector_output)
+        finally:
+            self.fencing = None
+        self._check_placeholders(rids)
+
+    def _check_placeholders(self, rids: list[str]) -> None:
+        """After a step output delivered whole, a running request of it still holding output
+        placeholders was skipped by a failed load's cut (`update_from_output` skips the
+        requests `_handle_invalid_blocks` names before `_update_request_with_output` lowers
+        them): nothing will consume them, and its next steps schedule them as tokens. The
+        model states the cut request going on from its cut; this is a known finding
+        ("async-load-cut-keeps-placeholders"), reported here as it happens."""
+        for rid in rids:
+            req = self.sched.requests.get(rid)
+            if req is not None and not req.is_finished() and req.num_output_placeholders > 0:
+                raise TargetCrash(
+                    f"vLLM {self.s.version} kept {rid}'s {req.num_output_placeholders} output "
+                    "placeholder(s) after a sync load's failed blocks cut it (its step output is "
+                    "skipped: nothing consumes them, its next steps schedule them as tokens)"
+                )
 
     def sample_op(self, req: Any, op: Sample) -> None:
         """`op`'s tokens for the step output: the accepted drafts, then the token."""

@@ -24,12 +24,23 @@ for "vllm"); the driver runs it as the engine core does under async
 scheduling (the scheduler schedules placeholder drafts and never sees the
 drafter's; `vllm_async_scheduler_drive`), and the model states what that
 changes (`model.async_scheduling`, 5).
+
+KV connectors: with `Config.kv_connector` the `AsyncScheduler` gets kvretain's
+scripted connector as "vllm" does (`vllm_scheduler_build`). It is a consumer
+(`kv_role="kv_both"`) and two steps are in flight, so vLLM fences block frees
+(`defer_block_free`, `model.async_scheduling`, 6): `FencedSnapshotReader` names
+the blocks held in `Scheduler.deferred_frees` as the `FENCED` pseudo-table, and
+the driver counts each step's output processed once, when the engine would
+(`vllm_async_scheduler_drive`). A connector's report (`Loaded`, `Saved`) rides
+on an output processed before the next `schedule()`; its `KVConnectorOutput`
+comes after the latest step's output, as for "vllm".
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from model.async_scheduling import FENCED
 from model.config import Config
 
 from .base import TargetFeatures
@@ -41,12 +52,31 @@ from .vllm_snapshot import SnapshotReader
 from .vllm_target import VLLM_EVENT_PROFILE, VllmManagerTarget
 
 
+class FencedSnapshotReader(SnapshotReader):
+    """`SnapshotReader` that also names the blocks the scheduler holds in fenced frees
+    (`Scheduler.deferred_frees`, front to back) as the `FENCED` pseudo-table
+    (`model.async_scheduling`, 6)."""
+
+    def __init__(self, session: Any, keys: Any, events: Any, scheduler: Any) -> None:
+        super().__init__(session, keys, events)
+        self.sched = scheduler
+
+    def table_ids(self) -> list[str]:
+        return [FENCED, *super().table_ids()]
+
+    def table(self, rid: str) -> tuple[tuple[int, ...], ...]:
+        if rid != FENCED:
+            return super().table(rid)
+        held = tuple(b.block_id for _, blocks in self.sched.deferred_frees for b in blocks)
+        return (held,) + ((),) * (len(self.s.manager.kv_cache_config.kv_cache_groups) - 1) if held else ()
+
+
 class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
     """vLLM's real `AsyncScheduler` driving its `KVCacheManager` (see the module docstring)."""
 
     name = "vllm-async-scheduler"
     features = TargetFeatures(
-        partial=True, fine_mamba=True, real_scheduler=True, async_scheduling=True, queues=True
+        partial=True, fine_mamba=True, real_scheduler=True, async_scheduling=True, connector=True, queues=True
     )
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
@@ -57,7 +87,9 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
         self.scheduler = self.steps
         self.driver = SchedulerOpDriver(self.session, self.names, self.steps)
         self.event_translator = SchedulerEventTranslator(self.session, self.keys, self.steps)
-        self.reader = SnapshotReader(self.session, self.keys, self.event_translator)
+        self.reader = FencedSnapshotReader(
+            self.session, self.keys, self.event_translator, self.vllm_scheduler
+        )
 
     def build_manager(self, config: Config, v: dict[str, Any], caps: Capabilities) -> Any:
         """The real `AsyncScheduler`'s `KVCacheManager` (the scheduler is kept as `vllm_scheduler`)."""

@@ -300,7 +300,7 @@ class RealStepScheduler:
         share = replace(
             out,
             num_scheduled_tokens=scheduled,
-            total_num_scheduled_tokens=sum(scheduled.values()),
+            total_num_scheduled_tokens=self.share_total(out, scheduled),
             scheduled_spec_decode_tokens={
                 r: t for r, t in out.scheduled_spec_decode_tokens.items() if r in scheduled
             },
@@ -317,6 +317,10 @@ class RealStepScheduler:
         self.sched.update_from_output(share, runner_out)
         for rid, start in starts.items():
             self.names.after_sample(self.s.requests[rid], start)
+
+    def share_total(self, out: Any, scheduled: dict[str, int]) -> int:
+        """The `total_num_scheduled_tokens` a share of `out` reports: its own tokens."""
+        return sum(scheduled.values())
 
     def settle(self, rid: str) -> None:
         """Deliver `rid`'s waiting share without a token (it is preempted or finished unsampled)."""

@@ -75,6 +75,17 @@ class SnapshotReader:
         self.keys = keys
         self.events = events
 
+    def table_ids(self) -> list[str]:
+        """The ids whose tables a snapshot reads: the session's requests."""
+        return sorted(self.s.requests)
+
+    def table(self, rid: str) -> tuple[tuple[int, ...], ...]:
+        """`rid`'s per-group block table, () when it holds none."""
+        if rid not in self.s.requests:
+            return ()
+        table = tuple(tuple(ids) for ids in self.s.manager.get_block_ids(rid))
+        return table if any(table) else ()
+
     def snapshot(self) -> Snapshot:
         pool, key = self.s.pool, self.keys.key
         n = len(pool.blocks)
@@ -84,9 +95,9 @@ class SnapshotReader:
             cached[key(raw)] = _holder_ids(val)
         block_hash = {b.block_id: key(b.block_hash) for b in pool.blocks if b.block_hash is not None}
         tables: dict[str, tuple[tuple[int, ...], ...]] = {}
-        for rid in sorted(self.s.requests):
-            per_group = tuple(tuple(ids) for ids in self.s.manager.get_block_ids(rid))
-            if any(per_group):
+        for rid in self.table_ids():
+            per_group = self.table(rid)
+            if per_group:
                 tables[rid] = per_group
         snap = Snapshot(
             free_queue=_walk_free_queue(pool.free_block_queue, n),
@@ -113,12 +124,7 @@ class SnapshotReader:
         head, tail = queue.fake_free_list_head, queue.fake_free_list_tail
         tables = {}
         for rid in rids:
-            table = (
-                tuple(tuple(ids) for ids in self.s.manager.get_block_ids(rid))
-                if rid in self.s.requests
-                else ()
-            )
-            tables[rid] = table if any(table) else ()
+            tables[rid] = self.table(rid)
         events = self.events.drain()
         want, want_keys = closure(tables, blocks, keys, before)
         holders: dict[BlockKey, tuple[int, ...]] = {}

@@ -790,5 +790,5 @@ def equal_remote_supersedes_local_tail(stack: contextlib.ExitStack, sched: Any) 
     )
 
 
-# The queue order a step leaves (`model.queues`): its own module, registered here.
-from . import mutants_queues  # noqa: E402, F401
+# The queue order a step leaves (`model.queues`) and the fenced frees: their own modules.
+from . import mutants_async_connector, mutants_queues  # noqa: E402, F401

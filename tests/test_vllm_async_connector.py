@@ -1,0 +1,212 @@
+"""KV connectors on vLLM's real `AsyncScheduler` ("vllm-async-scheduler"): the rules
+`model.async_scheduling` (6) and `model.connector` state for a consumer connector with two
+steps in flight, each with its negative control (the rule reverted in the model: vLLM
+disagrees), and the known finding async-load-cut-keeps-placeholders."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from invariants.targets.vllm_env import vllm_available
+
+_OK, _REASON = vllm_available()
+if not _OK:
+    pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
+
+import model.allocator as allocator  # noqa: E402
+import model.connector as connector  # noqa: E402
+from invariants.harness.checker import Checker, Violation  # noqa: E402
+from invariants.harness.known_findings import explain, is_known_violation  # noqa: E402
+from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget  # noqa: E402
+from model.async_scheduling import FENCED, InFlight  # noqa: E402
+from model.config import Config, GroupSpec  # noqa: E402
+from model.ops import AddRequest, Finish, Loaded, Offer, Op, Sample, Save, Saved, Step  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+CONN = Config(
+    groups=(GroupSpec("full", 2), GroupSpec("swa", 2, sliding_window=2)),
+    num_blocks=24,
+    retention_interval=0,
+    max_model_len=4096,
+    kv_connector=True,
+)
+# 5 usable blocks of 2 tokens: r2 holds 2, r1 the other 3.
+SMALL = Config(groups=(GroupSpec("full", 2),), num_blocks=6, max_model_len=4096, kv_connector=True)
+SPEC = Config(groups=(GroupSpec("full", 4),), num_blocks=40, max_model_len=4096, kv_connector=True).with_(
+    num_lookahead_tokens=2
+)
+
+# r1 finished while its step is in flight: its blocks wait for that step's output (r2's step).
+FINISH_IN_FLIGHT: list[Op] = [
+    AddRequest("r1", (1, 2, 3, 4, 5)),
+    Step(("r1",), 8),
+    Finish("r1"),
+    AddRequest("r2", (9, 8)),
+    Step(("r2",), 8),
+]
+# r1's decode does not fit; the request it would preempt (itself) ran in the step in flight:
+# vLLM preempts nobody and r1 waits its turn.
+FENCED_VICTIM: list[Op] = [
+    AddRequest("r2", (7, 8, 9, 10)),
+    Step(("r2",), 8),
+    AddRequest("r1", (1, 2, 3, 4, 5, 6)),
+    Step(("r1",), 8),
+    Sample("r1", 11),
+    Step(("r1",), 8),
+]
+# A save's report processes the latest step's output first: r2's fenced free comes back then.
+REPORT_PROCESSES: list[Op] = [
+    AddRequest("r1", (1, 2, 3)),
+    Step(("r1",), 8),
+    Save("r1"),
+    Finish("r1"),
+    AddRequest("r2", (4, 5, 6)),
+    Step(("r2",), 8),
+    Finish("r2"),
+    Saved("r1"),
+    AddRequest("r3", (7,)),
+    Step(("r3",), 8),
+]
+# A finish with a rejected draft not rolled back yet: the saved blocks cover vLLM's count.
+SAVE_WITH_DRAFTS: list[Op] = [
+    AddRequest("r1", (2, 1)),
+    Step(("r1",), 32),
+    Sample("r1", 1, 0, (2,)),
+    Step(("r1",), 32),
+    Sample("r1", 1, 0, (1, 2)),
+    Save("r1"),
+    Finish("r1"),
+]
+# Fine-grained Mamba hits (a Mamba block wider than the hash block): r3's step copies its own
+# partial tail (`move_block_hashes`); the copy's retained endpoints wait for that step's output.
+FINE = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("mamba", 4, mamba_cache_mode="align")),
+    num_blocks=14,
+    retention_interval=0,
+    hash_block_size=2,
+    scheduler_block_size=4,
+    max_model_len=4096,
+    kv_connector=True,
+)
+COPY_IN_FLIGHT: list[Op] = [AddRequest("r3", (2, 3, 1)), Step(("r3",), 3), Step(("r3",), 8)]
+# The finding: a sync load's failed block cuts r0, whose step reached its end (1 placeholder).
+PLACEHOLDER_CONFIG = Config(
+    groups=(GroupSpec("full", 4),), num_blocks=8, max_model_len=4096, kv_connector=True
+)
+PLACEHOLDERS_KEPT: list[Op] = [
+    AddRequest("r0", tuple(range(1, 10))),
+    Offer("r0", 9, "sync"),
+    Step(("r0",), 16),
+    Loaded("r0", True, (2,)),
+]
+
+
+def violations(cfg: Config, ops: list[Op], factory: Any = VllmAsyncSchedulerTarget) -> list[Violation]:
+    """The violations no known finding explains, after every operation (full audits)."""
+    checker = Checker(factory(cfg), audit_every=1)
+    found: list[Violation] = []
+    for op in ops:
+        found += [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)]
+    return found
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def test_a_free_while_the_step_is_in_flight_waits_for_its_output() -> None:
+    checker = Checker(VllmAsyncSchedulerTarget(CONN), audit_every=1)
+    for op in FINISH_IN_FLIGHT[:3]:
+        assert [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)] == []
+    held = checker.model.snapshot().tables[FENCED]
+    assert held[0] and not any(held[1:])  # both groups' blocks, listed in group 0's entry
+    assert checker.target.vllm_scheduler.deferred_frees  # type: ignore[attr-defined]
+    for op in FINISH_IN_FLIGHT[3:]:
+        assert [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)] == []
+    assert FENCED not in checker.model.snapshot().tables
+    assert checker.model.exercised[
+        "async + connector: fenced frees returned as the step's output was processed"
+    ]
+
+
+def test_control_a_direct_free_disagrees_with_vllm() -> None:
+    with patched(InFlight, "holds", lambda self, rid, tables: False):
+        assert violations(CONN, FINISH_IN_FLIGHT) != []
+
+
+def test_a_fenced_victim_is_not_preempted() -> None:
+    assert violations(SMALL, FENCED_VICTIM) == []
+
+
+def test_control_preempting_a_fenced_victim_disagrees_with_vllm() -> None:
+    with patched(allocator, "fenced_victim", lambda in_flight, rid: False):
+        found = violations(SMALL, FENCED_VICTIM)
+    assert any("preempted" in v.message for v in found), found
+
+
+def test_a_report_processes_the_latest_output_first() -> None:
+    assert violations(CONN, REPORT_PROCESSES) == []
+
+
+def test_control_a_report_leaving_the_output_in_flight_disagrees_with_vllm() -> None:
+    original = allocator.AllocatorModel._outputs_arrive
+
+    def only_steps(self: Any, scheduled: Any) -> None:
+        if scheduled is not None:
+            original(self, scheduled)
+
+    with patched(allocator.AllocatorModel, "_outputs_arrive", only_steps):
+        assert violations(CONN, REPORT_PROCESSES) != []
+
+
+def test_a_finish_hands_the_blocks_of_the_schedulers_count() -> None:
+    assert violations(SPEC, SAVE_WITH_DRAFTS) == []
+
+
+def test_control_a_finish_on_the_rolled_back_count_disagrees_with_vllm() -> None:
+    def rolled_back(m: Any, req: Any) -> tuple[int, int]:
+        return req.num_computed, max(req.num_computed - m.undelivered.get(req.rid, 0), 0)
+
+    with patched(connector, "finish_tokens", rolled_back):
+        found = violations(SPEC, SAVE_WITH_DRAFTS)
+    assert any(v.check == "observation" for v in found), found
+
+
+def test_finding_a_cut_request_keeps_its_output_placeholders() -> None:
+    checker = Checker(VllmAsyncSchedulerTarget(PLACEHOLDER_CONFIG), audit_every=1)
+    for op in PLACEHOLDERS_KEPT[:-1]:
+        assert checker.step(op) == []
+    found = checker.step(PLACEHOLDERS_KEPT[-1])
+    assert [explain("vllm-async-scheduler", v).id for v in found] == [  # type: ignore[union-attr]
+        "async-load-cut-keeps-placeholders"
+    ]
+    # The synchronous scheduler keeps none: the same trace is clean there.
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    sync = Checker(VllmSchedulerTarget(PLACEHOLDER_CONFIG), audit_every=1)
+    assert [v for op in PLACEHOLDERS_KEPT for v in sync.step(op)] == []
+
+
+def test_a_copys_retained_endpoints_wait_for_its_steps_output() -> None:
+    checker = Checker(VllmAsyncSchedulerTarget(FINE), audit_every=1)
+    copies = 0
+    for op in COPY_IN_FLIGHT:
+        assert [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)] == []
+        copies += len(getattr(checker.last_obs, "copies", ()))
+    assert copies and FENCED in checker.model.snapshot().tables
+
+
+def test_control_releasing_a_copys_endpoints_at_once_disagrees_with_vllm() -> None:
+    with patched(InFlight, "holds_copies", lambda self, retained: False):
+        assert violations(FINE, COPY_IN_FLIGHT) != []
