@@ -149,7 +149,9 @@ def test_conformance_rows_agree(capsys):
         pytest.skip(f"vllm target unavailable: {available_targets()['vllm-manager']}")
     from invariants.harness.conformance import run_conformance
 
-    assert run_conformance(steps=60, budget_s=5.0) == 0
+    # The steps decide, not the clock: a row's required rules are reached (or not) the
+    # same way on any machine (seed 0; a budget that binds would make it timing-dependent).
+    assert run_conformance(steps=1500, budget_s=60.0) == 0
     out = capsys.readouterr().out
     assert "validation (retention rules and texts)" in out and "excluded from generation" in out
 
