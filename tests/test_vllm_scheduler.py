@@ -34,6 +34,8 @@ from model.observation import StepResult  # noqa: E402
 from model.ops import (  # noqa: E402
     AddRequest,
     Finish,
+    Loaded,
+    Offer,
     Op,
     Preempt,
     Probe,
@@ -130,6 +132,43 @@ def test_a_late_sample_rides_on_its_own_steps_output() -> None:
     assert list(target.requests["r0"].all_token_ids) == [1, 2, 3, 7]
     assert target.requests["r0"].num_in_flight_tokens == 0
     d.do(Step(("r0", "r1"), 8), Preempt("r0"), Step(("r0", "r1"), 8), Finish("r1"))
+    assert d.found == []
+
+
+def test_a_reused_id_gets_none_of_the_finished_requests_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """r4 is sampled and finished before the step that would deliver its output, and a
+    new r4 with the same prompt arrives: the finished request's share (and its token) is
+    not delivered to the new one (vLLM delivers it before the finish). Negative control:
+    with the stale share delivered, the new r4 gains the old token and the model disagrees.
+    (The zoo's soundness check found this: a shrunk trace that failed unmutated vLLM too.)"""
+    from invariants.targets.vllm_scheduler_drive import RealStepScheduler
+
+    prompt = (2, 3, 3, 2, 2, 2, 3, 3, 2, 3, 2, 1, 1, 1, 1)
+    ops = [
+        AddRequest("r4", prompt),
+        Step(("r4",), 64),
+        Sample("r4", 1),
+        Finish("r4"),
+        AddRequest("r4", prompt),
+    ]
+    cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=15, max_model_len=4096)
+    assert Drive(cfg).do(*ops, Step(("r4",), 64)).found == []
+    monkeypatch.setattr(RealStepScheduler, "add", lambda self, req: self.sched.add_request(req))
+    assert Drive(cfg).do(*ops, Step(("r4",), 64)).found != []
+
+
+def test_a_request_vllm_still_holds_cannot_be_added_again() -> None:
+    """Finished while its async load is in flight, r1 stays in vLLM's requests until the
+    load reports: adding r1 again is not a valid operation (vLLM raises), so no trace
+    (shrunk, explored) may contain it."""
+    from invariants.harness.checker import InvalidOp
+
+    cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=19, max_model_len=4096, kv_connector=True)
+    prompt = (2, 2, 2, 1, 2, 3, 2, 1, 2, 2)
+    d = Drive(cfg).do(AddRequest("r1", prompt), Offer("r1", 10, "async"), Step(("r1",), 64), Finish("r1"))
+    with pytest.raises(InvalidOp, match="has not reported"):
+        d.do(AddRequest("r1", prompt))
+    d.do(Loaded("r1", True), AddRequest("r1", prompt), Step(("r1",), 64))
     assert d.found == []
 
 

@@ -166,6 +166,11 @@ class Checker:
         if isinstance(op, AddRequest):
             if op.rid in reqs:
                 raise InvalidOp(f"add: request {op.rid!r} already exists")
+            if op.rid in self.model.held | self.model.sending:
+                # vLLM keeps a request finished with a transfer in flight until it reports.
+                raise InvalidOp(
+                    f"add: request {op.rid!r} finished, but its connector load or save has not reported"
+                )
             if not op.prompt:
                 raise InvalidOp(f"add: request {op.rid!r} has an empty prompt")
         elif isinstance(op, (Schedule, Sample, Finish, Preempt)) and rid not in reqs:

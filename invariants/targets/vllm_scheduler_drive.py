@@ -153,6 +153,8 @@ class RealStepScheduler:
         self.held: dict[str, Any] = {}
         # The last step's output (a connector's report is delivered with an empty share of it).
         self.last_out: Any = None
+        # Ids whose share of `pending` was a finished request's, reused since (see `add`).
+        self.stale: set[str] = set()
 
     # ------------------------------------------------------------------ the manager, as before
     def computed_blocks(self, req: Any) -> tuple[Any, int, int]:
@@ -162,6 +164,15 @@ class RealStepScheduler:
 
     # ------------------------------------------------------------------ operations
     def add(self, req: Any) -> None:
+        """A request reusing the id of one that finished with its share of the last step's
+        output undelivered: that share (and its sample) was the finished request's, which
+        vLLM delivers before the finish (its engine updates from a step's output before it
+        takes the next abort). Delivered later it would land on the new request: dropped
+        (vLLM ignores output for a request it no longer has)."""
+        rid = req.request_id
+        if self.pending is not None and rid in self.pending.num_scheduled_tokens:
+            self.stale.add(rid)
+            self.samples.pop(rid, None)
         self.sched.add_request(req)
 
     def sample(self, req: Any, token: int) -> None:
@@ -273,11 +284,14 @@ class RealStepScheduler:
         """The model runner's half of the last step: `update_from_output` with the
         sampled tokens; a request's share waits for its sample (see the module docstring)."""
         out, self.pending = self.pending, None
+        stale, self.stale = self.stale, set()
         if out is None:
             return
         running = self.s.v["RequestStatus"].RUNNING
         now = []
         for rid in out.num_scheduled_tokens:
+            if rid in stale:
+                continue
             req = self.s.requests.get(rid)
             owes = (
                 req is not None

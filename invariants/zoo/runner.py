@@ -208,13 +208,17 @@ def _judge_unmutated(entry: ZooEntry, config: Config, ops: tuple[Op, ...], resul
     fails there too (a fault of the harness, the model or the shrinker, or a finding
     no claim covers) names no defect of the mutant. Run after the mutant's context is
     left (its patches are process-global), on the target the registry builds."""
-    from invariants.harness.checker import Checker
+    from invariants.harness.checker import Checker, InvalidOp
     from invariants.targets import target_factory
 
     tolerate = entry.tolerated or (lambda v: False)
     checker = Checker(target_factory(entry.target)(config))
     for i, op in enumerate(ops):
-        found = [v for v in checker.step(op) if not tolerate(v)]
+        try:
+            found = [v for v in checker.step(op) if not tolerate(v)]
+        except InvalidOp as exc:
+            result.killed, result.unsound = False, f"op {i}: not a valid operation there: {exc}"
+            return
         if found:
             result.killed, result.unsound = False, f"op {i}: {found[0]}"
             return
