@@ -117,25 +117,7 @@ def run_entry(
     result = MutantResult(entry.name, entry.target, entry.strategy, killed=False)
     killing: tuple[Config, tuple[Op, ...]] | None = None
     with entry.activate() as factory:
-        for name in entry.checks:
-            outcome = direct.DIRECT_CHECKS[name](factory)
-            if outcome.vacuous:
-                result.note = f"{name} vacuous: {outcome.vacuous}"
-                continue
-            if outcome.violation is not None:
-                result.killed, result.check = True, name
-                result.seconds_to_kill = time.monotonic() - start
-                result.detail = outcome.violation.message
-                if out_dir is not None and outcome.config is not None:
-                    trace = Trace(
-                        outcome.config,
-                        outcome.ops,
-                        None,
-                        entry.target,
-                        f"mutant {entry.name}: {outcome.violation} (needs the injected fault)",
-                    )
-                    result.trace_path = write_trace(trace, out_dir / f"zoo-{entry.target}-{entry.name}.json")
-                break
+        _direct_checks(entry, factory, result, start, out_dir)
         if not result.killed:
             prog.tick(f"fuzz: strategy {entry.strategy}, seeds from {seed}", force=progress)
             hunt_start = time.monotonic()
@@ -201,6 +183,33 @@ def run_entry(
     else:
         prog.tick(f"SURVIVED {result.seconds:.1f}s ({result.steps} steps)", force=progress)
     return result
+
+
+def _direct_checks(
+    entry: ZooEntry, factory: Factory, result: MutantResult, start: float, out_dir: Path | None
+) -> None:
+    """The mutant's direct checks in order, until one kills it (its trace written, needing
+    the injected fault); a vacuous one is noted and the next tried."""
+    for name in entry.checks:
+        outcome = direct.DIRECT_CHECKS[name](factory)
+        if outcome.vacuous:
+            result.note = f"{name} vacuous: {outcome.vacuous}"
+            continue
+        if outcome.violation is None:
+            continue
+        result.killed, result.check = True, name
+        result.seconds_to_kill = time.monotonic() - start
+        result.detail = outcome.violation.message
+        if out_dir is not None and outcome.config is not None:
+            trace = Trace(
+                outcome.config,
+                outcome.ops,
+                None,
+                entry.target,
+                f"mutant {entry.name}: {outcome.violation} (needs the injected fault)",
+            )
+            result.trace_path = write_trace(trace, out_dir / f"zoo-{entry.target}-{entry.name}.json")
+        return
 
 
 def _judge_unmutated(entry: ZooEntry, config: Config, ops: tuple[Op, ...], result: MutantResult) -> None:
