@@ -216,6 +216,8 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         self.undelivered: dict[str, int] = {}
         # The latest step's sync loads, until the next operation (`model.connector.SyncReport`).
         self.sync_report: conn.SyncReport | None = None
+        # The order a report ending several requests at once frees them in: open; the judge's choice.
+        self.end_order: tuple[str, ...] = ()
         self.order = QueueOrder()  # `running` and `holding` between steps (`model.queues`)
         self.hybrid = len(config.groups) > 1
         self.fine = fine_hits_enabled(config)

@@ -129,8 +129,11 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   running request takes its next chunk from its cut. No hash is evicted: the
   failed blocks keep theirs until recomputed in place (an async load's are
   not cached: only its valid prefix is, at promotion).
-  "fail": the request ends with an error, freed (after its out-of-window
-  blocks on the cut computed tokens) as a finish is.
+  "fail": every request the cut reached ends with an error, freed (after its
+  out-of-window blocks on the cut computed tokens) as a finish is (`end_all`),
+  and the hashes of each cut running request's blocks from its first failed
+  block on are evicted (`KVCacheManager.evict_blocks`; an async load's blocks
+  are not cached).
 - **A sync load's failed blocks** (`Loaded(rid, True, invalid)` right after
   the step that ran `rid`'s sync load: the worker reports them with that
   step's output, `sync_load_failed`). `invalid` names blocks holding its
@@ -153,10 +156,23 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   its hit on a block the loading request marked, which reads it in its next
   step whether or not that one recomputed it first
   ("sync-load-failed-block-read-before-recompute", `step_reads_written_kv`).
-  "fail": the hashes of the loading request's blocks from its first
+  "fail": the hashes of each cut running request's blocks from its first
   failed block on are evicted (`KVCacheManager.evict_blocks`: KV computed on
-  the failed block) and it ends with an error, freed as a finish is; the
-  connector saves it if asked (its load is not in flight).
+  the failed block) and every cut request ends with an error, freed as a
+  finish is (`end_all`); the connector saves one if asked.
+- **Several requests ended at once** ("fail", a failed block more than one
+  scanned request covers): vLLM ends them in one `finish_requests` over a set
+  of their ids, each freed as a finish frees it, one after another; but the
+  async load whose report this is is freed after them all (its free waits
+  for its load's report, which the same output carries and vLLM processes
+  after the finishes, `_update_from_kv_xfer_finished`). The order of the
+  ends is not part of the contract: it follows the set's iteration, which
+  string hashing decides (`PYTHONHASHSEED`), so it differs across processes
+  while the free queue, and every later block id, depend on it. The model
+  leaves it open: the observation (`LoadCut.ended`) names the ended requests
+  in the order vLLM ended them, any order of exactly them is allowed, and
+  the model ends them in the order the judge saw (`AllocatorModel.end_order`);
+  in id order where no one chose.
 
 - **With speculative decoding** (`num_spec_tokens = k > 0`, `model.spec_decode`;
   vLLM 0.33.0 `Scheduler.__init__` and the waiting pass of `schedule`):
@@ -202,19 +218,15 @@ the sample, after the report; in vLLM the report would come with that share,
 taking the step's tokens off and dropping the sample: an output kvretain has no
 operation for; even where an earlier request marks the block, so that the cut
 would leave it alone, the state judged, a report processed before an earlier
-step's share, is one vLLM never reaches); under "fail", a failed block another scanned
-request covers (vLLM ends them all at once, `finish_requests` over a set, so
-their blocks are freed in an order that depends on string hashing, not the same
-across processes: the free queue's order, and every later block id, would
-differ; an order-insensitive comparison at the report would not survive the next
-allocation); a sync load's failed blocks reported after another operation than
-its step, or while another request of the step awaits its sample (the step's
-output would not come whole).
+step's share, is one vLLM never reaches); a sync load's failed blocks reported after
+another operation than its step, or while another request of the step awaits its
+sample (the step's output would not come whole).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from model.async_scheduling import scheduler_position
@@ -478,16 +490,18 @@ def loaded(
     req = m.requests[rid]
     assert req.load == LOADING, f"{rid} has no load in flight"
     seen: Done | LoadCut = Done()
+    cut: list[str] = []
+    dependent: list[int] = []
     if invalid:
-        seen, cut = cut_scanned(m, rid, invalid)
+        seen, cut, dependent = cut_scanned(m, rid, invalid)
         m.exercised["connector: load failed on some blocks"] += 1
-        assert m.cfg.kv_load_failure_policy != "fail" or cut == [rid], "under 'fail' only the loading request"
     if (not ok or invalid) and m.cfg.kv_load_failure_policy == "fail":
         # The request ends with an error; its load has reported, so only a save waits.
         req.load = ""
-        finish(m, m.requests.pop(rid))
+        m.pool.evict_blocks(dependent)
+        ended = end_all(m, sorted({rid, *cut}), last=rid)
         m.exercised["connector: failed load ends the request ('fail')"] += 1
-        return seen
+        return replace(seen, ended=ended) if isinstance(seen, LoadCut) else seen
     if not ok:
         req.num_computed = 0  # nothing loaded counts (`Scheduler._handle_failed_recving`)
     req.load = LOADED if req.num_computed else FAILED
@@ -536,24 +550,23 @@ def covered(m: AllocatorModel, rid: str, undelivered: dict[str, int]) -> list[in
 def cut_stated(m: AllocatorModel, rid: str, b: int, undelivered: dict[str, int]) -> bool:
     """Is the cut stated when `rid`'s load names block `b` failed? Every other request
     the cut scans whose computed tokens cover `b` is cut with it (`cut_covering`), in
-    the scan's order (`scan_order`), unless: one awaits its sample (kvretain delivers its
+    the scan's order (`scan_order`), unless one awaits its sample (kvretain delivers its
     step's share with the sample, after the report: in vLLM the report would come with
-    that share, which no operation of kvretain's expresses); or, under "fail", there is
-    one at all (vLLM ends them all at once, freed in a set's order, which depends on
-    string hashing: not deterministic across processes)."""
+    that share, which no operation of kvretain's expresses)."""
     loads, running = scan_order(m)
     others = [r for r in [*loads, *running] if r != rid and b in covered(m, r, undelivered)]
-    if m.cfg.kv_load_failure_policy == "fail":
-        return not others
     return not any(m.requests[r].awaits_sample for r in others)
 
 
-def cut_scanned(m: AllocatorModel, rid: str, invalid: tuple[int, ...]) -> tuple[LoadCut, list[str]]:
+def cut_scanned(
+    m: AllocatorModel, rid: str, invalid: tuple[int, ...]
+) -> tuple[LoadCut, list[str], list[int]]:
     """Cut every request the scan reaches (`scan_order`) whose computed tokens before the
     latest step cover a failed block: the async loads, then, marking afresh, the running
     ones (`cut_covering`). A reported load cut to nothing is rolled back at its
     promotion (vLLM's `failed_recving_kv_req_ids`). Returns what `rid`'s report shows
-    (its computed tokens, and every other request's that changed) and the requests cut."""
+    (its computed tokens, and every other request's that changed), the requests cut,
+    and the running ones' dependent blocks (`cut_covering`)."""
     reqs = m.requests
     loads, running = scan_order(m)
     before = {r: reqs[r].num_computed for r in [*loads, *running]}
@@ -561,7 +574,7 @@ def cut_scanned(m: AllocatorModel, rid: str, invalid: tuple[int, ...]) -> tuple[
     for r in cut:
         if reqs[r].load == LOADED and not reqs[r].num_computed:
             reqs[r].load = FAILED
-    running_cut, _ = cut_covering(m, running, invalid)
+    running_cut, dependent = cut_covering(m, running, invalid)
     changed = tuple(
         sorted((r, reqs[r].num_computed) for r in before if r != rid and reqs[r].num_computed != before[r])
     )
@@ -571,7 +584,7 @@ def cut_scanned(m: AllocatorModel, rid: str, invalid: tuple[int, ...]) -> tuple[
         m.exercised["connector: another async load holding a failed block cut"] += 1
     if len(running_cut) > 1:
         m.exercised["connector: several running requests holding failed blocks cut, in queue order"] += 1
-    return LoadCut(reqs[rid].num_computed, changed), cut + running_cut
+    return LoadCut(reqs[rid].num_computed, changed), cut + running_cut, dependent
 
 
 # ---------------------------------------------------------------- a sync load's failed blocks
@@ -644,7 +657,8 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
     then the running requests (`cut_covering`, in `scan_order`); the running ones lose
     the step's output (its tokens and samples). "recompute": the cut requests go on from
     their cut. "fail": the dependent blocks' hashes are evicted and the cut request
-    ends with an error, freed as a finish is (its save, if any, deferred as usual)."""
+    ends with an error, freed as a finish is (its save, if any, deferred as usual),
+    every cut request at once (`end_all`)."""
     loads, running = scan_order(m)
     before = {r: m.requests[r].num_computed for r in [*loads, *running]}
     cut, _ = cut_covering(m, loads, invalid)
@@ -658,10 +672,24 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
         m.exercised["connector: a request sharing a failed block cut"] += 1
     if m.cfg.kv_load_failure_policy == "fail":
         m.pool.evict_blocks(dependent)
-        assert cut == [rid], "under 'fail' only the loading request holds its failed blocks"
-        finish(m, m.requests.pop(rid))
+        seen = replace(seen, ended=end_all(m, cut))
         m.exercised["connector: a sync load's failed blocks evicted ('fail')"] += 1
     return seen
+
+
+def end_all(m: AllocatorModel, rids: list[str], last: str = "") -> tuple[str, ...]:
+    """End `rids` with an error at once ("fail"), each freed as a finish is (`last`, the
+    async load whose report ends them, after the others), in the order the judge saw
+    them ended (`AllocatorModel.end_order`) where it names exactly them, else in id
+    order: any order is allowed (vLLM iterates a set of their ids). Returns the order
+    taken."""
+    chosen, m.end_order = m.end_order, ()
+    order = chosen if sorted(chosen) == sorted(rids) else tuple(sorted(rids))
+    for rid in [r for r in order if r != last] + [r for r in order if r == last]:
+        finish(m, m.requests.pop(rid))
+    if len(order) > 1:
+        m.exercised["connector: several requests ended at once ('fail'), in the order seen"] += 1
+    return order
 
 
 def waiting_pass(

@@ -230,10 +230,12 @@ class LoadCut:
     """A `Loaded` naming failed blocks (`model.ops.Loaded.invalid`): the request's
     computed tokens once cut at its first failed block (`model.connector`), and
     each other request whose computed tokens the failed blocks changed, with its
-    computed tokens after, by request id."""
+    computed tokens after, by request id; under "fail", the requests it ended with an
+    error, in the order they were ended (any order of them is allowed: `model.connector`)."""
 
     num_computed: int
     others: tuple[tuple[str, int], ...] = ()
+    ended: tuple[str, ...] = ()
 
 
 Observation = Union[ScheduleResult, StepResult, ProbeResult, ResetResult, Done, Saving, LoadCut]

@@ -223,7 +223,7 @@ def test_a_load_failed_on_some_blocks_is_cut_at_the_first() -> None:
     f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
     for op in invalid_ops()[:10]:
         f.apply(op)
-    assert f.apply(Loaded("r1", True, (4,))) == LoadCut(12) and "r1" not in f.snapshot().tables
+    assert f.apply(Loaded("r1", True, (4,))) == LoadCut(12, ended=("r1",)) and "r1" not in f.snapshot().tables
     # Two groups: block ids are unique per group only, vLLM refuses; none may be named.
     two = AllocatorModel(FULL_SWA)
     for op in invalid_ops()[:7]:
@@ -284,7 +284,7 @@ def test_a_sync_load_failed_under_fail_evicts_its_dependent_blocks() -> None:
     m = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
     obs = [m.apply(op) for op in sync_invalid_ops("fail")]
     # Cut at block 2 (4 tokens), ended and saved (the connector was handed block 1).
-    assert obs[4] == LoadCut(4) and obs[5].hit == 4  # type: ignore[union-attr]
+    assert obs[4] == LoadCut(4, ended=("r0",)) and obs[5].hit == 4  # type: ignore[union-attr]
     assert m.exercised["connector: a sync load's failed blocks evicted ('fail')"] == 1
     assert m.exercised["connector: freed when the save reported"] == 1
     # Without the eviction blocks 2-3 would keep the hashes of KV computed on block 2.
@@ -327,12 +327,12 @@ def test_an_async_load_failed_on_a_block_a_running_request_holds_cuts_both() -> 
     # r0 recomputes from block 2 on (9 tokens); r1, promoted, from its cut too.
     assert (own(step, "r0").scheduled, own(step, "r1").scheduled) == (9, 11)
     assert m.exercised["connector: a running request holding a failed block cut"] == 1
-    # "fail": blocks another live request holds may not be named (both would end at once);
-    # nor, under "recompute", those of a running request awaiting its sample.
+    # "fail": blocks another live request holds are named too (both end at once);
+    # not those of a running request awaiting its sample.
     f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
     for op in ops[:5]:
         f.apply(op)
-    assert failable_blocks(f, f.requests["r1"]) == [3, 4]
+    assert failable_blocks(f, f.requests["r1"]) == [1, 2, 3, 4]
     w = AllocatorModel(FULL)
     for op in [ops[0], Step(("r0",), 64), *ops[2:5]]:  # r0 computed all 13 tokens
         w.apply(op)
@@ -355,11 +355,13 @@ def test_a_sync_load_reports_only_right_after_its_step() -> None:
     for op in sync_invalid_ops()[:3] + [Step(("r0", "r1"), 64)]:
         c.step(op)
     assert c.model.requests["r1"].awaits_sample and failable_blocks(c.model, c.model.requests["r0"]) == []
-    # "fail": a block another request holds may not be named (both would end at once).
+    # "fail": a block another request holds is named too (both end at once).
     f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
     for op in sync_invalid_ops()[:4]:
         f.apply(op)
-    assert failable_blocks(f, f.requests["r0"]) == []
+    assert failable_blocks(f, f.requests["r0"]) == [1, 2, 3]
+    ended = f.apply(Loaded("r0", True, (2,)))
+    assert isinstance(ended, LoadCut) and ended.ended == ("r0", "r1")
 
 
 def test_connector_ops_round_trip_and_bad_input() -> None:
@@ -586,7 +588,7 @@ def test_real_scheduler_agrees_on_sync_loads_failed_on_some_blocks(policy: str) 
         assert [v for v in checker.step(op) if not is_known_violation("vllm", v)] == []
         seen.append(checker.last_obs)
     assert checker.audit() == []
-    assert seen[4] == (LoadCut(4, (("r1", 12),)) if policy == "recompute" else LoadCut(4))
+    assert seen[4] == (LoadCut(4, (("r1", 12),)) if policy == "recompute" else LoadCut(4, ended=("r0",)))
     assert "r0" not in target.vllm_scheduler.requests
 
 
@@ -692,14 +694,14 @@ def test_async_load_leaves_in_flight_prefills_their_blocks() -> None:
 @pytest.mark.vllm
 def test_every_connector_mutant_is_in_the_zoo() -> None:
     # The queue mutants and the failed-block scan-order ones have their traces there.
-    from test_vllm_connector_holders import HOLDER_MUTANTS
+    from test_vllm_connector_holders import FAIL_MUTANTS, HOLDER_MUTANTS
     from test_vllm_scheduler_queues import QUEUE_TRACES
 
     from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
 
     assert {n for n, m in SCHEDULER_MUTANTS.items() if m.strategy == "scheduler-connector"} - set(
         QUEUE_TRACES
-    ) - set(HOLDER_MUTANTS) == set(CONNECTOR_MUTANTS)
+    ) - set(HOLDER_MUTANTS) - set(FAIL_MUTANTS) == set(CONNECTOR_MUTANTS)
 
 
 @needs_vllm

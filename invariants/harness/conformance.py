@@ -223,6 +223,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: failed load ends the request ('fail')",
         "connector: sync load failed on some blocks",
         "connector: a sync load's failed blocks evicted ('fail')",
+        "connector: several requests ended at once ('fail'), in the order seen",
     ),
     # The promoted chunk's padding is reached at the default budget but not always in a few
     # hundred steps; tests/test_vllm_connector_spec.py pins it.

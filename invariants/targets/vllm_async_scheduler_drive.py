@@ -135,7 +135,7 @@ class AsyncStepScheduler(RealStepScheduler):
             return
         empty = replace(out, num_scheduled_tokens={}, scheduled_spec_decode_tokens={})
         runner_out = self.m["ModelRunnerOutput"](req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        self.sched.update_from_output(empty, runner_out)
+        self.update(empty, runner_out)
 
     def flush(self) -> None:
         """The latest step's output, processed before the next `schedule()` (a connector's report)."""

@@ -155,6 +155,8 @@ class RealStepScheduler:
         self.last_out: Any = None
         # Ids whose share of `pending` was a finished request's, reused since (see `add`).
         self.stale: set[str] = set()
+        # The requests `update_from_output` ended with an error, in its outputs' order.
+        self.errored: list[str] = []
 
     # ------------------------------------------------------------------ the manager, as before
     def computed_blocks(self, req: Any) -> tuple[Any, int, int]:
@@ -328,7 +330,7 @@ class RealStepScheduler:
             sampled_token_ids=sampled,
             kv_connector_output=connector_output,
         )
-        self.sched.update_from_output(share, runner_out)
+        self.update(share, runner_out)
         for rid, start in starts.items():
             self.names.after_sample(self.s.requests[rid], start)
 
@@ -358,7 +360,22 @@ class RealStepScheduler:
         runner_out = self.m["ModelRunnerOutput"](
             req_ids=[], req_id_to_index={}, sampled_token_ids=[], kv_connector_output=connector_output
         )
-        self.sched.update_from_output(empty, runner_out)
+        self.update(empty, runner_out)
+
+    def update(self, out: Any, runner_out: Any) -> None:
+        """`update_from_output`, noting the requests it ended with an error (a failed
+        load under "fail") in the order of its outputs, which is the order
+        `finish_requests` ended them in (`errored`)."""
+        outputs = self.sched.update_from_output(out, runner_out)
+        for batch in outputs.values():
+            self.errored += [
+                o.request_id for o in batch.outputs if getattr(o.finish_reason, "name", "") == "ERROR"
+            ]
+
+    def take_errored(self) -> tuple[str, ...]:
+        """The requests ended with an error since the last call, in the order they were ended."""
+        out, self.errored = tuple(self.errored), []
+        return out
 
     def report_step(self, rid: str, connector_output: Any) -> None:
         """The worker's report of the sync load that the last step ran for `rid`

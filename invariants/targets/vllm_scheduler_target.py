@@ -111,12 +111,11 @@ class SchedulerOpDriver(OpDriver):
             self.real.report_load(report)
             req = requests.get(op.rid)
             (self.held_by_load if isinstance(op, Loaded) else self.held_by_save).discard(op.rid)
-            if op.rid in self.real.sched.connector.deferred:  # ended by its load ('fail'), saved
-                self.held_by_save.add(op.rid)
+            ended = self.ended(op) if isinstance(op, Loaded) else ()
             gone = op.rid not in self.real.sched.requests
             if gone and op.rid in self.held_by_load | self.held_by_save:
                 raise TargetCrash(self.freed_early(op))
-            # Its deferred free done, or ended with an error ('fail' policy): gone from vLLM.
+            # Its deferred free done: gone from vLLM.
             if op.rid in requests and gone:
                 requests.pop(op.rid)
                 self.names.forget(op.rid)
@@ -125,7 +124,8 @@ class SchedulerOpDriver(OpDriver):
             if not (isinstance(op, Loaded) and op.invalid) or req is None:
                 return Done()
             cut = ((r.request_id, r.num_computed_tokens) for r in scanned if r.request_id in before)
-            return LoadCut(req.num_computed_tokens, tuple(sorted((r, n) for r, n in cut if n != before[r])))
+            others = tuple(sorted((r, n) for r, n in cut if n != before[r]))
+            return LoadCut(req.num_computed_tokens, others, ended)
         if isinstance(op, Preempt):
             self.real.preempt(requests[op.rid])
             return Done()
@@ -167,15 +167,30 @@ class SchedulerOpDriver(OpDriver):
                 if r.request_id != op.rid and r.num_computed_tokens != before[r.request_id]
             )
         )
-        for rid in [op.rid, *(r for r, _ in others)]:
-            if rid in sched.requests and not sched.requests[rid].is_finished():
-                continue
-            if rid in sched.requests:
+        return LoadCut(own, others, self.ended(op))
+
+    def ended(self, op: Loaded) -> tuple[str, ...]:
+        """The requests `op`'s report ended with an error ("fail"), in the order vLLM ended
+        them: gone from vLLM, or kept while the connector saves one or its load is in flight."""
+        sched, connector = self.real.sched, self.real.sched.connector
+        ended = self.real.take_errored()
+        for rid in ended:
+            if rid in connector.deferred:
                 self.held_by_save.add(rid)  # its save defers the free
+            if rid in sched.requests:
+                if rid in connector.loading:
+                    self.held_by_load.add(rid)  # vLLM defers it until its load reports
                 continue
-            requests.pop(rid)
+            if rid in self.held_by_load | self.held_by_save:
+                raise TargetCrash(
+                    self.freed_early(op)
+                    if rid == op.rid
+                    else f"vLLM {self.s.version} freed {rid}'s blocks when {op.rid}'s failed load "
+                    "ended it, while its save is in flight"
+                )
+            self.s.requests.pop(rid, None)
             self.names.forget(rid)
-        return LoadCut(own, others)
+        return ended
 
     def finish(self, rid: str) -> Observation:
         """`Finish`: with a load in flight or a save (or both), vLLM defers the free

@@ -776,6 +776,21 @@ def shared_failed_block_running_not_scanned(stack: contextlib.ExitStack, sched: 
     )
 
 
+@mutant("fail_spares_holder_of_marked_blocks", strategy="scheduler-connector")
+def fail_spares_holder_of_marked_blocks(stack: contextlib.ExitStack, sched: Any) -> None:
+    """Failed blocks under "fail": `_update_requests_with_invalid_blocks` names as affected
+    only the requests that marked a failed block themselves, so one whose failed blocks an
+    earlier request marked is not ended: it runs on with KV never loaded (its hashes are
+    evicted, its table keeps the block)."""
+    _rewrite(
+        stack,
+        sched,
+        "_update_requests_with_invalid_blocks",
+        "affected_req_ids.add(request.request_id)",
+        "affected_req_ids.update((request.request_id,) if marked_invalid_block else ())",
+    )
+
+
 @mutant("equal_remote_supersedes_local_tail", strategy="scheduler-connector-fine")
 def equal_remote_supersedes_local_tail(stack: contextlib.ExitStack, sched: Any) -> None:
     """Admission with a hit ending inside a block: a connector offer exactly as long as the
