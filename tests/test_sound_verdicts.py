@@ -11,7 +11,10 @@ run or a new defect passed as a known one, and shows it reported now:
    the audited operation compares its "before" snapshot;
 6. no silent green: the fuzz loop re-raises a harness error past its budget,
    `verify` with a skipped row is not "everything holds", the matrix counts a
-   finding only when its claim is met.
+   finding only when its claim is met;
+7. nothing is judged after a tolerated crash (the target's state is undefined
+   there): the fuzz halts, and so do the shrinker's predicate and the zoo's
+   replay on the unmutated target, so no kill rests on what followed one.
 """
 
 from __future__ import annotations
@@ -476,3 +479,56 @@ def test_the_fast_range_walk_agrees_with_the_exact_subsequence_walk(
             j += 1
     exact = j == len(hashes)
     assert _name_blocks_of_range(parent, hashes, tuple(tokens), bs) == exact
+
+
+# ------------------------------------------------------------------ 7. after a tolerated crash
+def post_crash_trace() -> Any:
+    """vLLM 0.33.0 frees r1 at its load's report while its save is in flight (the known
+    finding "save-during-load-freed-at-first-report", a tolerated crash); the next
+    operation then sees a free queue the model never reaches."""
+    from invariants.harness.trace import trace_from_json
+
+    return trace_from_json(
+        {
+            "format": "kvretain-trace",
+            "version": 1,
+            "config": {
+                "groups": [{"kind": "full", "block_size": 4}],
+                "num_blocks": 18,
+                "kv_connector": True,
+                "kv_load_failure_policy": "fail",
+            },
+            "ops": [
+                {"op": "add", "rid": "r1", "prompt": [1, 2, 3, 1, 1, 3, 3, 3, 2, 2, 1, 3, 2, 1, 3, 3, 3]},
+                {"op": "offer", "rid": "r1", "num_tokens": 13, "load": "async"},
+                {"op": "step", "rids": ["r1"], "budget": 64},
+                {"op": "save", "rid": "r1"},
+                {"op": "finish", "rid": "r1"},
+                {"op": "loaded", "rid": "r1", "ok": True},
+                {"op": "add", "rid": "r0", "prompt": [2, 3, 2, 1, 2, 2, 2, 2, 3]},
+            ],
+        }
+    )
+
+
+@pytest.mark.vllm
+def test_nothing_is_judged_after_a_tolerated_crash() -> None:
+    from invariants.harness.fuzz import _tolerance, replayer
+    from invariants.targets import available_targets, target_factory
+    from invariants.zoo.runner import MutantResult, _judge_unmutated, unmutated_entry
+
+    if available_targets().get("vllm") is not None:
+        pytest.skip(f"vllm target unavailable: {available_targets()['vllm']}")
+    trace = post_crash_trace()
+    tolerated = _tolerance("vllm")
+    # Control: stepped on, the checker does flag the operation after the crash.
+    checker = Checker(target_factory("vllm")(trace.config))
+    found = [(i, v.check, bool(tolerated(v))) for i, op in enumerate(trace.ops) for v in checker.step(op)]
+    assert (5, "crash", True) in found and (6, "snapshot", False) in found, found
+    # The shrinker's predicate halts at the crash: no trace "fails" past it.
+    assert replayer(target_factory("vllm"), trace.config, "snapshot", tolerated)(list(trace.ops)) is None
+    # The zoo's soundness replay: clean up to the crash, nothing judged after it.
+    entry = unmutated_entry("vllm", "scheduler-connector")
+    result = MutantResult(entry.name, "vllm", "scheduler-connector", killed=True)
+    _judge_unmutated(entry, trace.config, tuple(trace.ops), result)
+    assert result.killed and not result.unsound

@@ -189,6 +189,8 @@ class _Search:
                 raise _Found(path, new)
             self.cert.other_violations += 1
             return None, object()  # pruned: a different defect; the checker moved on
+        if any(v.check == "crash" for v in found):
+            return None, object()  # a tolerated crash leaves the target's state undefined, as fuzzing halts
         state = _state_of(checker, diverged, self.rename)
         if state in self.seen:
             return None, state

@@ -171,11 +171,14 @@ def replayer(
             return None
         for i, op in enumerate(ops):
             try:
-                found = [v for v in checker.step(op) if not tolerated(v)]
+                violations = checker.step(op)
             except InvalidOp:
                 return None
+            found = [v for v in violations if not tolerated(v)]
             if found:
                 return i if any(v.check == check for v in found) else None
+            if any(v.check == "crash" for v in violations):
+                return None  # a tolerated crash leaves the target's state undefined (the fuzz halts)
         found = [v for v in checker.audit() if not tolerated(v)] if ops else []
         return len(ops) - 1 if any(v.check == check for v in found) else None
 

@@ -224,13 +224,16 @@ def _judge_unmutated(entry: ZooEntry, config: Config, ops: tuple[Op, ...], resul
     checker = Checker(target_factory(entry.target)(config))
     for i, op in enumerate(ops):
         try:
-            found = [v for v in checker.step(op) if not tolerate(v)]
+            violations = checker.step(op)
         except InvalidOp as exc:
             result.killed, result.unsound = False, f"op {i}: not a valid operation there: {exc}"
             return
+        found = [v for v in violations if not tolerate(v)]
         if found:
             result.killed, result.unsound = False, f"op {i}: {found[0]}"
             return
+        if any(v.check == "crash" for v in violations):
+            return  # a tolerated crash: nothing after it is judged, on the mutant either
 
 
 def _hand_over(
