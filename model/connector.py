@@ -212,15 +212,24 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   6); a finish reads its computed tokens as the scheduler counts them then
   (`finish_tokens`), and a report processes the latest step's output first.
 
+- **A holder awaiting its sample** (synchronous scheduling): the report of an
+  async load's failed blocks rides on the latest step's output, with the
+  shares of it still held for their samples (`riding_shares`). A request
+  awaiting its sample from that step is scanned on its computed tokens
+  before the step; one whose blocks there hold a failed block is cut as any
+  holder is (`cut_covering`: back to those tokens if an earlier request
+  marked them all) and loses its sample: vLLM skips its output
+  (`failed_kv_load_req_ids`), so it no longer awaits one and recomputes from
+  its cut. The shares of the others stay held for their samples.
+
 Not stated (generation avoids them): a failed block a request awaiting its
-sample covers (kvretain delivers that request's share of its step output with
-the sample, after the report; in vLLM the report would come with that share,
-taking the step's tokens off and dropping the sample: an output kvretain has no
-operation for; even where an earlier request marks the block, so that the cut
-would leave it alone, the state judged, a report processed before an earlier
-step's share, is one vLLM never reaches); a sync load's failed blocks reported after
-another operation than its step, or while another request of the step awaits its
-sample (the step's output would not come whole).
+sample covers where its share is not in the latest step's output (an earlier
+step's: kvretain keeps no share of it) or carries drafts to verify (the skipped
+output leaves vLLM's draft bookkeeping, `spec_token_ids`, to a rule the model does
+not state), or under async scheduling (the report processes the latest step's output
+first, `model.async_scheduling`); a sync load's failed blocks reported after another
+operation than its step, or while another request of the step awaits its sample (the
+step's output would not come whole).
 """
 
 from __future__ import annotations
@@ -481,6 +490,7 @@ def loaded(
     come with that step's output (`sync_load_failed`)."""
     if report is not None and rid in report.loads:
         return sync_load_failed(m, rid, invalid, report)
+    riding = riding_shares(m)
     m.undelivered = {}  # the report comes with the last step's output
     if rid in m.held:
         m.held.discard(rid)
@@ -493,8 +503,12 @@ def loaded(
     cut: list[str] = []
     dependent: list[int] = []
     if invalid:
+        m.undelivered = riding  # the shares it cuts come with it
         seen, cut, dependent = cut_scanned(m, rid, invalid)
+        m.undelivered = {}
         m.exercised["connector: load failed on some blocks"] += 1
+        if set(cut) & set(riding):
+            m.exercised["connector: a request awaiting its sample holding a failed block cut"] += 1
     if (not ok or invalid) and m.cfg.kv_load_failure_policy == "fail":
         # The request ends with an error; its load has reported, so only a save waits.
         req.load = ""
@@ -524,7 +538,23 @@ def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
         return []
     g = m.groups[0]
     computed = g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)]
-    return [b for b in computed if b and cut_stated(m, req.rid, b, {})]
+    riding = riding_shares(m)
+    return [b for b in computed if b and cut_stated(m, req.rid, b, riding)]
+
+
+def riding_shares(m: AllocatorModel) -> dict[str, int]:
+    """The shares of the latest step's output a report of failed blocks rides on: those
+    of requests awaiting their sample (their tokens in that step, `undelivered`), with
+    synchronous scheduling and no drafts to verify. The cut counts a request's computed
+    tokens before that step, and one it cuts loses its sample (vLLM skips its output)."""
+    if m.in_flight is not None:
+        return {}
+    reqs = m.requests
+    return {
+        r: n
+        for r, n in m.undelivered.items()
+        if r in reqs and reqs[r].awaits_sample and not reqs[r].verifying
+    }
 
 
 def scan_order(m: AllocatorModel) -> tuple[list[str], list[str]]:
@@ -549,13 +579,13 @@ def covered(m: AllocatorModel, rid: str, undelivered: dict[str, int]) -> list[in
 
 def cut_stated(m: AllocatorModel, rid: str, b: int, undelivered: dict[str, int]) -> bool:
     """Is the cut stated when `rid`'s load names block `b` failed? Every other request
-    the cut scans whose computed tokens cover `b` is cut with it (`cut_covering`), in
-    the scan's order (`scan_order`), unless one awaits its sample (kvretain delivers its
-    step's share with the sample, after the report: in vLLM the report would come with
-    that share, which no operation of kvretain's expresses)."""
+    the cut scans whose computed tokens before the output `undelivered` names cover `b`
+    is cut with it (`cut_covering`), in the scan's order (`scan_order`), unless one
+    awaits its sample without its share in that output (an earlier step's, or with
+    drafts to verify: see the module docstring)."""
     loads, running = scan_order(m)
     others = [r for r in [*loads, *running] if r != rid and b in covered(m, r, undelivered)]
-    return not any(m.requests[r].awaits_sample for r in others)
+    return not any(m.requests[r].awaits_sample and r not in undelivered for r in others)
 
 
 def cut_scanned(

@@ -153,6 +153,69 @@ def test_what_generation_may_name_with_several_holders() -> None:
     assert failable_blocks(f, f.requests["r2"]) == [1, 2, 3, 5]
 
 
+# ------------------------------------------------------------------ holders awaiting their sample
+def awaiting_holders_ops(policy: str = "recompute") -> list[Op]:
+    """r0 (blocks 1-4) and r1 (hitting 1-3, its own 6) both await their samples from one
+    step when the async load of r2 (hitting 1-3) fails on block 2: the report rides on
+    that step's output with their shares. r0, first in `running`, marks block 2 and is
+    cut to 4; r1, holding only the marked block, goes back to its 12 tokens before the
+    step. Neither awaits a sample now (vLLM skipped their outputs); they recompute."""
+    ops: list[Op] = [
+        AddRequest("r0", PROMPT),
+        Step(("r0",), 64),
+        Sample("r0", 5),
+        AddRequest("r2", PROMPT + (8, 8)),
+        Offer("r2", 15, "async"),
+        Step(("r2",), 64),
+        AddRequest("r1", PROMPT + (7, 7)),
+        Step(("r0", "r1"), 64),
+        Loaded("r2", True, (2,)),
+    ]
+    if policy == "fail":
+        return [*ops, Probe(PROMPT), AddRequest("r3", tuple(range(100, 180))), Step(("r3",), 128)]
+    return [*ops, Step(("r0", "r1", "r2"), 64), Sample("r0", 9), Sample("r1", 9), Finish("r0"), Probe(PROMPT)]
+
+
+def test_a_holder_awaiting_its_sample_is_cut_and_loses_it() -> None:
+    m = AllocatorModel(FULL)
+    ops = awaiting_holders_ops()
+    apply_all(m, ops[:8])
+    assert m.requests["r0"].awaits_sample and m.requests["r1"].awaits_sample
+    assert failable_blocks(m, m.requests["r2"]) == [1, 2, 3, 5]
+    assert m.apply(ops[8]) == LoadCut(4, (("r0", 4), ("r1", 12)))
+    assert not m.requests["r0"].awaits_sample and not m.requests["r1"].awaits_sample
+    assert m.exercised["connector: a request awaiting its sample holding a failed block cut"] == 1
+    with pytest.raises(InvalidOp, match="not waiting for a sampled token"):
+        c = Checker(ModelTarget(FULL))
+        for op in ops[:9]:
+            c.step(op)
+        c.step(Sample("r0", 9))
+    # Not stated: their shares are an earlier step's (another step ran since).
+    e = AllocatorModel(FULL)
+    apply_all(e, [*ops[:8], AddRequest("r3", (50, 51, 52, 53, 54)), Step(("r3",), 64)])
+    assert e.requests["r0"].awaits_sample and failable_blocks(e, e.requests["r2"]) == [5]
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_real_scheduler_agrees_on_holders_awaiting_their_sample(policy: str) -> None:
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = FULL.with_(kv_load_failure_policy=policy)  # type: ignore[arg-type]
+    found, seen = judged(VllmSchedulerTarget, cfg, awaiting_holders_ops(policy))
+    assert found == []
+    cut = seen[8]
+    assert isinstance(cut, LoadCut) and (cut.num_computed, cut.others) == (4, (("r0", 4), ("r1", 12)))
+    assert sorted(cut.ended) == (["r0", "r1", "r2"] if policy == "fail" else [])  # in an order left open
+    # Negative control: a scan that keeps the step's tokens of a share riding on the report.
+    from invariants.zoo.mutants_scheduler import activate
+
+    with activate("sync_invalid_scan_keeps_step_tokens") as factory:
+        bad, _ = judged(factory, cfg, awaiting_holders_ops(policy))
+    assert bad and "LoadCut" in bad[0].message, bad[:1]
+
+
 # ------------------------------------------------------------------ "fail": every holder ends, in an open order
 def fail_holders_ops() -> list[Op]:
     """Under "fail", r0 (blocks 1-4) and r1 (1-3 hit, 5) running, sampled; r2 hits

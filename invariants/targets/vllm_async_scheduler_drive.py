@@ -144,6 +144,10 @@ class AsyncStepScheduler(RealStepScheduler):
             rids, samplers, self.undelivered, self.samplers = self.undelivered, self.samplers, [], set()
             self._process(out, rids, samplers)
 
+    def riding(self, invalid: tuple[int, ...]) -> list[str]:
+        """None: a report processes the latest step's output first (`model.async_scheduling`)."""
+        return []
+
     def report_step(self, rid: str, connector_output: Any) -> None:
         """A sync load's failed blocks with the output of the step that ran it: its
         undelivered shares at once (`rid`'s without its token, which vLLM drops)."""

@@ -344,13 +344,21 @@ class RealStepScheduler:
         if out is not None:
             self._deliver(out, [rid])
 
-    def report_load(self, connector_output: Any) -> None:
+    def report_load(self, connector_output: Any, invalid: tuple[int, ...] = ()) -> None:
         """The worker's report of a connector load (`model.ops.Loaded`): after the
-        last step's output, `update_from_output` with no request's share and
-        `connector_output` (`vllm_connector.connector_output`)."""
+        last step's output, `update_from_output` with `connector_output`
+        (`vllm_connector.connector_output`) and no request's share, but for the shares
+        of that output still held for a sample whose requests hold a failed block
+        before it (`riding`): the worker reports the failed blocks with them."""
         self.flush()
         if self.last_out is None:
             raise TargetCrash("the vLLM scheduler adapter has no step output to carry a load report")
+        riding = self.riding(invalid)
+        if riding:
+            for rid in riding:
+                del self.held[rid]
+            self._deliver(self.last_out, riding, connector_output)
+            return
         empty = replace(
             self.last_out,
             num_scheduled_tokens={},
@@ -376,6 +384,21 @@ class RealStepScheduler:
         """The requests ended with an error since the last call, in the order they were ended."""
         out, self.errored = tuple(self.errored), []
         return out
+
+    def riding(self, invalid: tuple[int, ...]) -> list[str]:
+        """The requests whose share of the last step's output is held for a sample and whose
+        blocks before that step include one of `invalid` (one KV cache group)."""
+        out, manager, size = self.last_out, self.sched.kv_cache_manager, self.sched.block_size
+        found = []
+        for rid, held in self.held.items():
+            req = self.sched.requests.get(rid)
+            if held is not out or req is None or not invalid:
+                continue
+            before = req.num_computed_tokens - out.num_scheduled_tokens[rid]
+            (ids,) = manager.get_block_ids(rid)
+            if set(ids[: -(-before // size)]) & set(invalid):
+                found.append(rid)
+        return found
 
     def report_step(self, rid: str, connector_output: Any) -> None:
         """The worker's report of the sync load that the last step ran for `rid`

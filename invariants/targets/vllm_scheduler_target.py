@@ -108,7 +108,7 @@ class SchedulerOpDriver(OpDriver):
             sched = self.real.sched
             scanned = [*sched.kv_holding_waiting, *sched.running]  # what the cut scans
             before = {r.request_id: r.num_computed_tokens for r in scanned if r.request_id != op.rid}
-            self.real.report_load(report)
+            self.real.report_load(report, op.invalid if isinstance(op, Loaded) else ())
             req = requests.get(op.rid)
             (self.held_by_load if isinstance(op, Loaded) else self.held_by_save).discard(op.rid)
             ended = self.ended(op) if isinstance(op, Loaded) else ()
