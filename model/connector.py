@@ -224,7 +224,9 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
 
 Not stated (generation avoids them): a failed block a request awaiting its
 sample covers where its share is not in the latest step's output (an earlier
-step's: kvretain keeps no share of it) or carries drafts to verify (the skipped
+step's: kvretain keeps no share of it), where only that step's own tokens reach it
+(in vLLM the request is not cut and its sample is taken with the report: kvretain
+gives a sample its own operation), or where it carries drafts to verify (the skipped
 output leaves vLLM's draft bookkeeping, `spec_token_ids`, to a rule the model does
 not state), or under async scheduling (the report processes the latest step's output
 first, `model.async_scheduling`); a sync load's failed blocks reported after another
@@ -581,11 +583,16 @@ def cut_stated(m: AllocatorModel, rid: str, b: int, undelivered: dict[str, int])
     """Is the cut stated when `rid`'s load names block `b` failed? Every other request
     the cut scans whose computed tokens before the output `undelivered` names cover `b`
     is cut with it (`cut_covering`), in the scan's order (`scan_order`), unless one
-    awaits its sample without its share in that output (an earlier step's, or with
-    drafts to verify: see the module docstring)."""
+    awaiting its sample holds `b` other than before its share in that output (an
+    earlier step's share, drafts to verify, or `b` reached by that step's own tokens:
+    its share could ride on the report only with its sample; see the module docstring)."""
     loads, running = scan_order(m)
-    others = [r for r in [*loads, *running] if r != rid and b in covered(m, r, undelivered)]
-    return not any(m.requests[r].awaits_sample and r not in undelivered for r in others)
+    for r in [*loads, *running]:
+        if r == rid or not m.requests[r].awaits_sample or b not in covered(m, r, {}):
+            continue
+        if r not in undelivered or b not in covered(m, r, undelivered):
+            return False
+    return True
 
 
 def cut_scanned(

@@ -196,6 +196,28 @@ def test_a_holder_awaiting_its_sample_is_cut_and_loses_it() -> None:
     assert e.requests["r0"].awaits_sample and failable_blocks(e, e.requests["r2"]) == [5]
 
 
+def test_a_block_a_holder_reaches_only_by_its_riding_step_is_not_named() -> None:
+    """Found by fuzzing: r7, cut to 0 by an earlier failed load, recomputed its 12
+    tokens in place in the latest step and awaits its sample; the load of r10 hits
+    its blocks 5 and 6. Before that step r7 held nothing, so vLLM would not cut it and
+    would take its sample with the report: kvretain gives a sample its own operation,
+    and a report without r7's share cut r7 to 0. Such blocks are not named."""
+    from pathlib import Path
+
+    from invariants.harness.trace import read_trace
+    from model.connector import covered, riding_shares
+
+    trace = read_trace(Path(__file__).parent / "data" / "riding_step_tokens.json")
+    m = AllocatorModel(trace.config)
+    apply_all(m, trace.ops[:33])
+    riding = riding_shares(m)
+    assert riding == {"r7": 12} and covered(m, "r7", riding) == [] and covered(m, "r7", {})[:2] == [5, 6]
+    assert failable_blocks(m, m.requests["r10"]) == [9]
+    # Control: the same report with r7 sampled first names them (r7 is cut as any holder).
+    m.apply(Sample("r7", 1))
+    assert failable_blocks(m, m.requests["r10"]) == [5, 6, 9]
+
+
 @needs_vllm
 @pytest.mark.vllm
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
