@@ -107,11 +107,11 @@ NO_CONNECTOR = (
     "one step ahead model.async_scheduling states vLLM's fenced frees)"
 )
 CONNECTOR_NOT_STATED = (
-    "failed blocks covered by a request awaiting its sample, or, under 'fail', by another "
-    "request the cut scans covers (vLLM ends them all at once, freed in a set's order); a sync "
-    "load's failed blocks reported after another operation than its step, or while another request "
-    "of its step awaits its sample; failed blocks with more than one KV cache group (vLLM raises) "
-    "(model.connector does not state them)"
+    "failed blocks covered by a request awaiting its sample of an earlier step than the latest, "
+    "with drafts to verify, reached only by its latest step's tokens, or under async scheduling; "
+    "a sync load's failed blocks reported after another operation than its step, or while another "
+    "request of its step awaits its sample; failed blocks with more than one KV cache group (vLLM "
+    "raises) (model.connector does not state them)"
 )
 
 
