@@ -283,3 +283,33 @@ def test_finding_a_reports_arrivals_store_the_whole_token_range(
     assert not is_known_violation("vllm-async-scheduler", Violation(v.check, short, cfg, v.op))
     full = v.message.replace("(group 1)", "(group 0)")  # the full-attention group skips nothing
     assert not is_known_violation("vllm-async-scheduler", Violation(v.check, full, cfg, v.op))
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        "ASYNC_CONNECTOR_FAIL_ROW",
+        "ASYNC_CONNECTOR_CACHING_OFF_ROW",
+        "ASYNC_CONNECTOR_SPEC_ROW",
+        "ASYNC_CONNECTOR_MAMBA_ROW",
+        "ASYNC_CONNECTOR_SPEC_MAMBA_ROW",
+        "ASYNC_CONNECTOR_BLOCKS_ROW",
+    ],
+)
+def test_control_each_async_connector_row_sees_direct_frees(row: str, tmp_path: Any) -> None:
+    """Negative control of the conformance rows (tests/test_cli.py runs them at 1,500 steps):
+    with the model freeing at once what vLLM fences, each row reports a finding."""
+    from invariants.harness import conformance
+
+    feature = getattr(conformance, row)
+    with patched(InFlight, "holds", lambda self, rid, tables: False):
+        result = conformance._fuzz_row(
+            "vllm-async-scheduler",
+            feature,
+            conformance.ASYNC_SCHEDULER_FEATURES[feature],
+            300,
+            20.0,
+            0,
+            tmp_path,
+        )
+    assert not result.ok and result.verdict.startswith("FINDING"), result.verdict
