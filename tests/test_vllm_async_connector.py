@@ -1,7 +1,8 @@
 """KV connectors on vLLM's real `AsyncScheduler` ("vllm-async-scheduler"): the rules
 `model.async_scheduling` (6) and `model.connector` state for a consumer connector with two
 steps in flight, each with its negative control (the rule reverted in the model: vLLM
-disagrees), and the known finding async-load-cut-keeps-placeholders."""
+disagrees), the known finding async-load-cut-keeps-placeholders, and the BlockStored
+token-range findings reached through a connector's report."""
 
 from __future__ import annotations
 
@@ -104,6 +105,45 @@ PLACEHOLDERS_KEPT: list[Op] = [
     Step(("r0",), 16),
     Loaded("r0", True, (2,)),
 ]
+
+
+# A report processes the latest step's output first (6): r1's second token arrives with it and
+# caches block 1, which the SWA group skips (MASKED: retention 0's mask; DENSE: an SWA block
+# narrower than the scheduler block). The synchronous scheduler caches it at r1's second step.
+MASKED = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=4)),
+    num_blocks=24,
+    retention_interval=0,
+    max_model_len=4096,
+    kv_connector=True,
+)
+DENSE = Config(
+    groups=(GroupSpec("full", 8), GroupSpec("swa", 4, sliding_window=4)),
+    num_blocks=24,
+    max_model_len=4096,
+    kv_connector=True,
+)
+# r1 sampled after its prompt, its next step, its second token (riding on that step's output).
+R1_DECODES: list[Op] = [Sample("r1", 8), Step(("r1",), 32), Sample("r1", 9)]
+REPORTS: dict[str, list[Op]] = {
+    "loaded": [
+        AddRequest("r1", (1, 2, 3, 4, 5, 6, 7)),
+        AddRequest("r2", tuple(range(10, 20))),
+        Offer("r2", 8, "async"),
+        Step(("r1", "r2"), 32),
+        *R1_DECODES,
+        Loaded("r2", True),
+    ],
+    "saved": [
+        AddRequest("r0", (9, 9, 9)),
+        AddRequest("r1", (1, 2, 3, 4, 5, 6, 7)),
+        Step(("r0", "r1"), 32),
+        Save("r0"),
+        Finish("r0"),
+        *R1_DECODES,
+        Saved("r0"),
+    ],
+}
 
 
 def violations(cfg: Config, ops: list[Op], factory: Any = VllmAsyncSchedulerTarget) -> list[Violation]:
@@ -210,3 +250,66 @@ def test_a_copys_retained_endpoints_wait_for_its_steps_output() -> None:
 def test_control_releasing_a_copys_endpoints_at_once_disagrees_with_vllm() -> None:
     with patched(InFlight, "holds_copies", lambda self, retained: False):
         assert violations(FINE, COPY_IN_FLIGHT) != []
+
+
+@pytest.mark.parametrize(
+    ("cfg", "report", "finding"),
+    [
+        (MASKED, "loaded", "vllm-blockstored-token-range"),
+        (MASKED, "saved", "vllm-blockstored-token-range"),
+        (DENSE, "loaded", "vllm-blockstored-token-range-dense"),
+    ],
+)
+def test_finding_a_reports_arrivals_store_the_whole_token_range(
+    cfg: Config, report: str, finding: str
+) -> None:
+    """vLLM's BlockStored token-range defect (its token ids span the blocks a group skips),
+    emitted by the arrival caching of the output a report processes first: the finding,
+    at the report; the synchronous scheduler emits it at the step instead."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    ops = REPORTS[report]
+    checker = Checker(VllmAsyncSchedulerTarget(cfg), audit_every=1)
+    found = [(i, v) for i, op in enumerate(ops) for v in checker.step(op)]
+    assert found and {i for i, _ in found} == {len(ops) - 1}, found
+    assert {explain("vllm-async-scheduler", v).id for _, v in found} == {finding}  # type: ignore[union-attr]
+    sync = Checker(VllmSchedulerTarget(cfg), audit_every=1)
+    at = {type(op).__name__ for op in ops for v in sync.step(op)}
+    assert at == {"Step"}
+    # Controls: the claim stays the defect's shape on a report, and only on the operations it names.
+    [(_, v)] = found[:1]
+    assert not is_known_violation("vllm-async-scheduler", Violation(v.check, v.message, cfg, Finish("r1")))
+    short = v.message.rsplit(" but ", 1)[0] + " but 2 token ids"  # fewer ids than a block: not the defect
+    assert not is_known_violation("vllm-async-scheduler", Violation(v.check, short, cfg, v.op))
+    full = v.message.replace("(group 1)", "(group 0)")  # the full-attention group skips nothing
+    assert not is_known_violation("vllm-async-scheduler", Violation(v.check, full, cfg, v.op))
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        "ASYNC_CONNECTOR_FAIL_ROW",
+        "ASYNC_CONNECTOR_CACHING_OFF_ROW",
+        "ASYNC_CONNECTOR_SPEC_ROW",
+        "ASYNC_CONNECTOR_MAMBA_ROW",
+        "ASYNC_CONNECTOR_SPEC_MAMBA_ROW",
+        "ASYNC_CONNECTOR_BLOCKS_ROW",
+    ],
+)
+def test_control_each_async_connector_row_sees_direct_frees(row: str, tmp_path: Any) -> None:
+    """Negative control of the conformance rows (tests/test_cli.py runs them at 1,500 steps):
+    with the model freeing at once what vLLM fences, each row reports a finding."""
+    from invariants.harness import conformance
+
+    feature = getattr(conformance, row)
+    with patched(InFlight, "holds", lambda self, rid, tables: False):
+        result = conformance._fuzz_row(
+            "vllm-async-scheduler",
+            feature,
+            conformance.ASYNC_SCHEDULER_FEATURES[feature],
+            300,
+            20.0,
+            0,
+            tmp_path,
+        )
+    assert not result.ok and result.verdict.startswith("FINDING"), result.verdict

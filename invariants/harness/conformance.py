@@ -152,6 +152,18 @@ ASYNC_LONG_PREFILL_ROW = "AsyncScheduler: long-prefill threshold (all shapes)"
 ASYNC_CONNECTOR_ROW = (
     "AsyncScheduler + KV connector: fenced frees, loads, saves one step ahead (Full/SWA, 'recompute')"
 )
+ASYNC_CONNECTOR_FAIL_ROW = "AsyncScheduler + KV connector, kv_load_failure_policy 'fail', deferred frees"
+ASYNC_CONNECTOR_CACHING_OFF_ROW = "AsyncScheduler + KV connector, caching off"
+ASYNC_CONNECTOR_SPEC_ROW = (
+    "AsyncScheduler + KV connector + drafts: async loads, promoted chunk padded (Full/SWA)"
+)
+ASYNC_CONNECTOR_MAMBA_ROW = (
+    "AsyncScheduler + KV connector with a Mamba group: external state block, fenced copies"
+)
+ASYNC_CONNECTOR_SPEC_MAMBA_ROW = "AsyncScheduler + KV connector + drafts with a Mamba group"
+ASYNC_CONNECTOR_BLOCKS_ROW = (
+    "AsyncScheduler + KV connector: loads failed on some blocks (one group, sync too, shared), 'recompute'"
+)
 ASYNC_SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     ASYNC_PLACEHOLDER_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), caching=True),
     "AsyncScheduler: Mamba split and states (align)": _no_spec(
@@ -164,8 +176,16 @@ ASYNC_SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     ASYNC_LONG_PREFILL_ROW: SCHEDULER_FEATURES[SCHEDULER_LONG_PREFILL_ROW],
     # A consumer connector with two steps in flight: vLLM fences block frees (`model.async_scheduling`, 6).
     ASYNC_CONNECTOR_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="recompute"),
+    # The synchronous connector rows' configurations, on the AsyncScheduler.
+    ASYNC_CONNECTOR_FAIL_ROW: SCHEDULER_FEATURES[CONNECTOR_FAIL_ROW],
+    ASYNC_CONNECTOR_CACHING_OFF_ROW: SCHEDULER_FEATURES[CONNECTOR_CACHING_OFF_ROW],
+    ASYNC_CONNECTOR_SPEC_ROW: SCHEDULER_FEATURES[CONNECTOR_SPEC_ROW],
+    ASYNC_CONNECTOR_MAMBA_ROW: SCHEDULER_FEATURES[CONNECTOR_MAMBA_ROW],
+    ASYNC_CONNECTOR_SPEC_MAMBA_ROW: SCHEDULER_FEATURES[CONNECTOR_SPEC_MAMBA_ROW],
+    ASYNC_CONNECTOR_BLOCKS_ROW: SCHEDULER_FEATURES[CONNECTOR_BLOCKS_ROW],
 }
 
+FENCED_RETURNED = "async + connector: fenced frees returned as the step's output was processed"
 # Rows that only count when the run reached these model rules (`AllocatorModel.exercised`).
 REQUIRED: dict[str, tuple[str, ...]] = {
     FINE_MAMBA_ROW: (
@@ -184,10 +204,60 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     ASYNC_DRAFT_ROW: ("draft tokens accepted", "one-token admission padded with draft slots"),
     ASYNC_MAMBA_SPEC_ROW: ("draft tokens accepted", "Mamba draft block moved past by its state"),
     ASYNC_CONNECTOR_ROW: (
-        "async + connector: fenced frees returned as the step's output was processed",
+        FENCED_RETURNED,
         "connector: sync external hit admitted",
         "connector: async external hit admitted",
         "connector: free deferred until the save reports",
+    ),
+    # The AsyncScheduler + connector rows below each reach these at seed 0 in 1,500 steps, and
+    # at seeds 1-6 too; what a row reaches only at some seeds is named with the test that pins it.
+    ASYNC_CONNECTOR_FAIL_ROW: (
+        FENCED_RETURNED,
+        "connector: failed load ends the request ('fail')",
+        "connector: free deferred until the load reports",
+    ),
+    ASYNC_CONNECTOR_CACHING_OFF_ROW: (
+        FENCED_RETURNED,
+        "connector: sync external hit admitted",
+        "connector: async external hit admitted",
+        "connector: free deferred until the save reports",
+    ),
+    ASYNC_CONNECTOR_SPEC_ROW: (
+        "connector: async external hit admitted",
+        "connector: async load cached at promotion",
+        "connector: promoted one-token chunk padded with draft slots",
+        "one-token admission padded with draft slots",
+        "draft tokens accepted",
+        "async: a step allocated past drafts still to be rolled back",
+    ),
+    # Superseded sub-block tails are reached at seeds 3-6, not 0-2 (tests/test_vllm_connector_mamba.py
+    # pins them on the synchronous Scheduler); a copy's fenced endpoints: tests/test_vllm_async_connector.py.
+    ASYNC_CONNECTOR_MAMBA_ROW: (
+        FENCED_RETURNED,
+        "connector: Mamba external state block",
+        "connector: sync external hit admitted",
+        "connector: async external hit admitted",
+        "connector: async load cached at promotion",
+        "CoW copy of a request's own tail (move_block_hashes)",
+    ),
+    ASYNC_CONNECTOR_SPEC_MAMBA_ROW: (
+        "connector: Mamba external state block",
+        "connector: async external hit admitted",
+        "Mamba draft block moved past by its state",
+        "draft tokens accepted",
+        "async: a step allocated past drafts still to be rolled back",
+    ),
+    # Several running holders cut in queue order is reached at seeds 0-2, not 3-6: not required
+    # here (nor is another async load's cut reached at every seed: not at seed 9 in 3,000 steps);
+    # tests/test_vllm_connector_holders.py pins both on the AsyncScheduler, with mutant controls.
+    ASYNC_CONNECTOR_BLOCKS_ROW: (
+        FENCED_RETURNED,
+        "connector: load failed on some blocks",
+        "connector: valid prefix of a load kept",
+        "connector: sync load failed on some blocks",
+        "connector: a request sharing a failed block cut",
+        "connector: a running request holding a failed block cut",
+        "connector: another async load holding a failed block cut",
     ),
     CONNECTOR_ROW: (
         "connector: sync external hit admitted",
@@ -289,11 +359,12 @@ EXCLUDED = [
     ),
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
-        "KV connectors under async scheduling (vllm-async-scheduler) with drafts, a Mamba group, "
-        "caching off or the 'fail' policy (generated by its fuzz, no row of their own); failed blocks "
-        "(invalid_block_ids) covered by a request awaiting its sample of an earlier step than the "
-        "latest, with drafts to verify, reached only by that step's own tokens, or under async "
-        "scheduling; a sync load's failed blocks reported after another operation than its step",
+        "KV connectors under async scheduling (vllm-async-scheduler): loads failed on some blocks "
+        "under 'fail' (generated by its fuzz and by the AsyncScheduler + connector 'fail' row, no row "
+        "of their own); failed blocks (invalid_block_ids) covered by a request awaiting its sample "
+        "of an earlier step than the latest, with drafts to verify, reached only by that step's own "
+        "tokens, or under async scheduling; a sync load's failed blocks reported after another "
+        "operation than its step",
         "model.connector states external hits, sync and async loads, delayed caching, failed loads "
         "(both policies), loads failed on some blocks (one KV cache group: vLLM raises on more): "
         "async ones, cutting the other async loads and running requests holding a failed block "
@@ -308,7 +379,7 @@ EXCLUDED = [
         "state block, fine-grained hits whose sub-block tail external tokens supersede: the "
         "connector rows above), with drafts too (an async load's admission without lookahead, leaving "
         "one decode step's slots free, the chunk after a load padded: the connector + drafts rows); "
-        "under async scheduling (the AsyncScheduler + KV connector row) model.async_scheduling "
+        "under async scheduling (the AsyncScheduler + KV connector rows) model.async_scheduling "
         "states vLLM's fenced frees (defer_block_free: a kv_both connector is a consumer), a "
         "report processing the latest step's output first, and no deferred async loads "
         "(defer_async_loads needs a HiSparse host pool); a sync load's failed blocks leave the cut "
