@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from drive import Drive, Factory
 
 from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.targets.model_target import ModelTarget
@@ -148,16 +149,10 @@ def test_what_generation_may_name_with_several_holders() -> None:
 
 
 # ------------------------------------------------------------------ the real Scheduler
-def judged(factory: object, cfg: Config, ops: list[Op]) -> tuple[list[Violation], list[object]]:
-    from invariants.harness.known_findings import is_known_violation
-
-    checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]
-    found: list[Violation] = []
-    seen: list[object] = []
-    for op in ops:
-        found += [v for v in checker.step(op) if not is_known_violation("vllm", v)]
-        seen.append(checker.last_obs)
-    return found + [v for v in checker.audit() if not is_known_violation("vllm", v)], seen
+def judged(factory: Factory, cfg: Config, ops: list[Op]) -> tuple[list[Violation], list[object]]:
+    """The violations no known finding explains (a last audit too), and the observations."""
+    d = Drive(cfg, factory).do(*ops)
+    return d.audited(), d.seen
 
 
 @needs_vllm
