@@ -657,15 +657,18 @@ def test_async_load_leaves_in_flight_prefills_their_blocks() -> None:
 @needs_vllm
 @pytest.mark.vllm
 def test_every_connector_mutant_is_in_the_zoo() -> None:
-    # The queue mutants and the failed-block scan-order ones have their traces there.
+    # The queue mutants and the failed-block scan-order ones (hunted on one group) have their traces there.
     from test_vllm_connector_holders import HOLDER_MUTANTS
     from test_vllm_scheduler_queues import QUEUE_TRACES
 
     from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
 
-    assert {n for n, m in SCHEDULER_MUTANTS.items() if m.strategy == "scheduler-connector"} - set(
-        QUEUE_TRACES
-    ) - set(HOLDER_MUTANTS) == set(CONNECTOR_MUTANTS)
+    def hunted_with(strategy: str) -> set[str]:
+        return {n for n, m in SCHEDULER_MUTANTS.items() if m.strategy == strategy}
+
+    assert hunted_with("scheduler-connector") == set(CONNECTOR_MUTANTS)
+    one_group = hunted_with("scheduler-connector-one-group")
+    assert one_group and one_group <= set(QUEUE_TRACES) | set(HOLDER_MUTANTS)
 
 
 @needs_vllm

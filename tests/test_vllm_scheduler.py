@@ -198,6 +198,7 @@ def test_every_scheduler_mutant_has_a_trace() -> None:
     elsewhere = (
         "scheduler-spec",
         "scheduler-connector",
+        "scheduler-connector-one-group",
         "scheduler-connector-mamba",
         "scheduler-connector-fine",
         "scheduler-connector-spec",

@@ -13,6 +13,7 @@ Strategies: "scheduler" (the configurations the fuzzer generates for a real
 scheduler), "scheduler-mamba" (Full+Mamba shapes only), "scheduler-spec"
 (speculative decoding: drafts, accepted counts, one-token admission padding),
 "scheduler-connector" (kvretain's KV connector, Full/SWA shapes),
+"scheduler-connector-one-group" (the connector on one Full or SWA group: the queue order),
 "scheduler-connector-mamba" (the connector with a Mamba group) and
 "scheduler-connector-spec" (the connector with drafts, all shapes).
 """
