@@ -91,20 +91,23 @@ def test_an_async_step_allocates_from_the_optimistic_position() -> None:
     assert tables == [5, 6]
 
 
+# r1 decodes position 3 before its token is known, then sits out r2's step, so its step-2
+# output is held until its Sample (tests/test_vllm_async_scheduler.py drives it through vLLM).
+HELD: list[Op] = [
+    AddRequest("r1", (1, 2, 3)),
+    Step(R1, 8),
+    Sample("r1", 4),
+    Step(R1, 8),
+    AddRequest("r2", (7,)),
+    Step(("r2",), 8),
+    Sample("r1", 5),
+]
+
+
 def test_a_token_sampled_ahead_is_cached_when_it_arrives() -> None:
-    """r1 decodes position 3 before its token is known, then sits out r2's step: the
-    block [2, 4) is cached when r1's token arrives (the Sample), not at step 2."""
-    ops: list[Op] = [
-        AddRequest("r1", (1, 2, 3)),
-        Step(R1, 8),
-        Sample("r1", 4),
-        Step(R1, 8),
-        AddRequest("r2", (7,)),
-        Step(("r2",), 8),
-        Sample("r1", 5),
-    ]
-    sync = stored_blocks_after_each_op(FULL, ops, async_scheduling=False)
-    asyn = stored_blocks_after_each_op(FULL, ops, async_scheduling=True)
+    """On `HELD`, the block [2, 4) is cached when r1's token arrives (the Sample), not at step 2."""
+    sync = stored_blocks_after_each_op(FULL, HELD, async_scheduling=False)
+    asyn = stored_blocks_after_each_op(FULL, HELD, async_scheduling=True)
     assert sync == [0, 1, 0, 1, 0, 0, 0]
     assert asyn == [0, 1, 0, 0, 0, 0, 1]
 

@@ -11,8 +11,8 @@ import copy
 from dataclasses import replace
 
 import pytest
+from drive import check_contexts
 
-import invariants.harness.checker as checker_mod
 from invariants.catalogue import BY_NAME, INVARIANTS, CheckContext
 from invariants.catalogue.context import Unwritten
 from invariants.harness.checker import Checker
@@ -26,20 +26,12 @@ SYS = tuple([1, 2, 3, 1] * 5)
 
 
 def run(cfg: Config, ops) -> list[CheckContext]:
-    contexts: list[CheckContext] = []
-    real = checker_mod.check_all
-
-    def capture(ctx):
-        contexts.append(replace(ctx, history=copy.deepcopy(ctx.history)))
-        return real(ctx)
-
-    checker_mod.check_all = capture
-    try:
+    """The contexts the checks are handed on the model (each with its history as it stood):
+    every invariant holds on them."""
+    with check_contexts(copy_history=True) as contexts:
         chk = Checker(ModelTarget(cfg))
         for op in ops:
             assert chk.step(op) == [], op
-    finally:
-        checker_mod.check_all = real
     return contexts
 
 

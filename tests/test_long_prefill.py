@@ -14,15 +14,14 @@ The vLLM parts are skipped, with the reason, when vLLM cannot be imported.
 from __future__ import annotations
 
 import pytest
+from drive import Drive
 
-from invariants.harness.checker import Checker, Violation
-from invariants.harness.known_findings import is_known_violation
 from invariants.harness.trace import config_from_json, config_to_json
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, ConfigError, GroupSpec, validate
 from model.observation import StepResult
-from model.ops import AddRequest, Finish, Op, Sample, Step
+from model.ops import AddRequest, Finish, Sample, Step
 from model.scheduling import capped, long_prefill_cap
 
 _OK, _REASON = vllm_available()
@@ -110,19 +109,6 @@ def test_targets_without_a_scheduler_refuse_a_threshold() -> None:
 
 
 # ---------------------------------------------------------------- through vLLM's real schedulers
-class Drive:
-    """The model and a real scheduler side by side; the violations no finding explains."""
-
-    def __init__(self, cfg: Config, factory: object) -> None:
-        self.checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]
-        self.found: list[Violation] = []
-
-    def do(self, *ops: Op) -> Drive:
-        for op in ops:
-            self.found += [v for v in self.checker.step(op) if not is_known_violation("vllm", v)]
-        return self
-
-
 def two_prompts(factory: object) -> Drive:
     """Full/SWA: two prompts capped at 3 beside each other, then the first alone."""
     d = Drive(FULL_SWA, factory).do(AddRequest("r0", PROMPT), AddRequest("r1", PROMPT[::-1]))

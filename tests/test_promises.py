@@ -16,8 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from drive import check_contexts
 
-import invariants.harness.checker as checker_mod
 from invariants.catalogue import BY_NAME, CheckContext
 from invariants.catalogue.promises import promised_boundary
 from invariants.harness.checker import Checker
@@ -39,20 +39,10 @@ needs_vllm = pytest.mark.skipif(not vllm_available()[0], reason=vllm_available()
 
 def finish_context(trace: Trace) -> CheckContext:
     """The context the checker hands the invariants at the trace's last Finish."""
-    seen: list[CheckContext] = []
-    real = checker_mod.check_all
-
-    def capture(ctx: CheckContext) -> list:
-        seen.append(replace(ctx, history=copy.deepcopy(ctx.history)))
-        return real(ctx)
-
-    checker_mod.check_all = capture
-    try:
+    with check_contexts(copy_history=True) as seen:
         chk = Checker(ModelTarget(trace.config))
         for op in trace.ops:
             chk.step(op)
-    finally:
-        checker_mod.check_all = real
     return next(c for c in reversed(seen) if isinstance(c.op, Finish))
 
 

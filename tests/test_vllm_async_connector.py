@@ -6,11 +6,10 @@ token-range findings reached through a connector's report."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from drive import async_drive, async_violations, patched
 
 from invariants.targets.vllm_env import vllm_available
 
@@ -146,34 +145,14 @@ REPORTS: dict[str, list[Op]] = {
 }
 
 
-def violations(cfg: Config, ops: list[Op], factory: Any = VllmAsyncSchedulerTarget) -> list[Violation]:
-    """The violations no known finding explains, after every operation (full audits)."""
-    checker = Checker(factory(cfg), audit_every=1)
-    found: list[Violation] = []
-    for op in ops:
-        found += [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)]
-    return found
-
-
-@contextlib.contextmanager
-def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def test_a_free_while_the_step_is_in_flight_waits_for_its_output() -> None:
-    checker = Checker(VllmAsyncSchedulerTarget(CONN), audit_every=1)
-    for op in FINISH_IN_FLIGHT[:3]:
-        assert [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)] == []
+    d = async_drive(CONN).do(*FINISH_IN_FLIGHT[:3])
+    assert d.found == []
+    checker = d.checker
     held = checker.model.snapshot().tables[FENCED]
     assert held[0] and not any(held[1:])  # both groups' blocks, listed in group 0's entry
     assert checker.target.vllm_scheduler.deferred_frees  # type: ignore[attr-defined]
-    for op in FINISH_IN_FLIGHT[3:]:
-        assert [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)] == []
+    assert d.do(*FINISH_IN_FLIGHT[3:]).found == []
     assert FENCED not in checker.model.snapshot().tables
     assert checker.model.exercised[
         "async + connector: fenced frees returned as the step's output was processed"
@@ -182,21 +161,21 @@ def test_a_free_while_the_step_is_in_flight_waits_for_its_output() -> None:
 
 def test_control_a_direct_free_disagrees_with_vllm() -> None:
     with patched(InFlight, "holds", lambda self, rid, tables: False):
-        assert violations(CONN, FINISH_IN_FLIGHT) != []
+        assert async_violations(CONN, FINISH_IN_FLIGHT) != []
 
 
 def test_a_fenced_victim_is_not_preempted() -> None:
-    assert violations(SMALL, FENCED_VICTIM) == []
+    assert async_violations(SMALL, FENCED_VICTIM) == []
 
 
 def test_control_preempting_a_fenced_victim_disagrees_with_vllm() -> None:
     with patched(allocator, "fenced_victim", lambda in_flight, rid: False):
-        found = violations(SMALL, FENCED_VICTIM)
+        found = async_violations(SMALL, FENCED_VICTIM)
     assert any("preempted" in v.message for v in found), found
 
 
 def test_a_report_processes_the_latest_output_first() -> None:
-    assert violations(CONN, REPORT_PROCESSES) == []
+    assert async_violations(CONN, REPORT_PROCESSES) == []
 
 
 def test_control_a_report_leaving_the_output_in_flight_disagrees_with_vllm() -> None:
@@ -207,11 +186,11 @@ def test_control_a_report_leaving_the_output_in_flight_disagrees_with_vllm() -> 
             original(self, scheduled)
 
     with patched(allocator.AllocatorModel, "_outputs_arrive", only_steps):
-        assert violations(CONN, REPORT_PROCESSES) != []
+        assert async_violations(CONN, REPORT_PROCESSES) != []
 
 
 def test_a_finish_hands_the_blocks_of_the_schedulers_count() -> None:
-    assert violations(SPEC, SAVE_WITH_DRAFTS) == []
+    assert async_violations(SPEC, SAVE_WITH_DRAFTS) == []
 
 
 def test_control_a_finish_on_the_rolled_back_count_disagrees_with_vllm() -> None:
@@ -219,7 +198,7 @@ def test_control_a_finish_on_the_rolled_back_count_disagrees_with_vllm() -> None
         return req.num_computed, max(req.num_computed - m.undelivered.get(req.rid, 0), 0)
 
     with patched(connector, "finish_tokens", rolled_back):
-        found = violations(SPEC, SAVE_WITH_DRAFTS)
+        found = async_violations(SPEC, SAVE_WITH_DRAFTS)
     assert any(v.check == "observation" for v in found), found
 
 
@@ -239,17 +218,15 @@ def test_finding_a_cut_request_keeps_its_output_placeholders() -> None:
 
 
 def test_a_copys_retained_endpoints_wait_for_its_steps_output() -> None:
-    checker = Checker(VllmAsyncSchedulerTarget(FINE), audit_every=1)
-    copies = 0
-    for op in COPY_IN_FLIGHT:
-        assert [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)] == []
-        copies += len(getattr(checker.last_obs, "copies", ()))
-    assert copies and FENCED in checker.model.snapshot().tables
+    d = async_drive(FINE).do(*COPY_IN_FLIGHT)
+    assert d.found == []
+    copies = sum(len(getattr(obs, "copies", ())) for obs in d.seen)
+    assert copies and FENCED in d.checker.model.snapshot().tables
 
 
 def test_control_releasing_a_copys_endpoints_at_once_disagrees_with_vllm() -> None:
     with patched(InFlight, "holds_copies", lambda self, retained: False):
-        assert violations(FINE, COPY_IN_FLIGHT) != []
+        assert async_violations(FINE, COPY_IN_FLIGHT) != []
 
 
 @pytest.mark.parametrize(

@@ -17,11 +17,12 @@ Skipped, with the reason, when vLLM cannot be imported.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from drive import async_drive, async_violations, patched
+from test_async_scheduling_model import HELD
 
 from invariants.targets.vllm_env import vllm_available
 
@@ -31,9 +32,8 @@ if not _OK:
 
 import model.allocator as allocator  # noqa: E402
 import model.caching as caching  # noqa: E402
-from invariants.harness.checker import Checker, Violation  # noqa: E402
+from invariants.harness.checker import Checker  # noqa: E402
 from invariants.harness.fuzz import run_fuzz  # noqa: E402
-from invariants.harness.known_findings import is_known_violation  # noqa: E402
 from invariants.targets import REAL_SCHEDULER_TARGETS, SAME_ALLOCATOR, target_factory  # noqa: E402
 from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget  # noqa: E402
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
@@ -52,17 +52,8 @@ FULL_SWA = Config(
 )
 
 R1 = ("r1",)
-# r1 decodes its placeholder position (step 2), then sits out r2's step, so its
-# step-2 output is held until its Sample: the token's arrival caches block [2, 4).
-HELD: list[Op] = [
-    AddRequest("r1", (1, 2, 3)),
-    Step(R1, 8),
-    Sample("r1", 4),
-    Step(R1, 8),
-    AddRequest("r2", (7,)),
-    Step(("r2",), 8),
-    Sample("r1", 5),
-]
+# HELD (the model's own test): r1 decodes its placeholder position (step 2), then sits out
+# r2's step, so its step-2 output is held until its Sample: the token's arrival caches block [2, 4).
 # The same, with r1's token sampled before r2's step: it arrives when that step is scheduled.
 ASIDE: list[Op] = [
     AddRequest("r1", (1, 2, 3)),
@@ -167,26 +158,12 @@ TRACE_FOR_RULE = {
 }
 
 
-def violations(cfg: Config, ops: list[Op], factory: Any = VllmAsyncSchedulerTarget) -> list[Violation]:
-    """The violations no known finding explains, on `factory`'s target, after every operation."""
-    checker = Checker(factory(cfg), audit_every=1)
-    found: list[Violation] = []
-    for op in ops:
-        found += [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)]
-    return found
-
-
-@contextlib.contextmanager
-def synchronous(rule: str) -> Iterator[None]:
+def synchronous(rule: str) -> contextlib.AbstractContextManager[None]:
+    """The model with `rule` in its synchronous form until exit."""
     name, sync_form = SYNCHRONOUS_FORM[rule]
     # The model module that uses the rule (the arrival's caching lives in model.caching).
     (module,) = [m for m in (allocator, caching) if hasattr(m, name)]
-    original = getattr(module, name)
-    setattr(module, name, sync_form)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
+    return patched(module, name, sync_form)
 
 
 def test_the_target_is_registered_as_a_real_scheduler_over_vllms_allocator() -> None:
@@ -271,31 +248,31 @@ def test_steps_run_in_the_engine_cores_async_order() -> None:
     ],
 )
 def test_scripted_traces_agree_with_the_async_model(cfg: Config, ops: list[Op]) -> None:
-    assert violations(cfg, ops) == []
+    assert async_violations(cfg, ops) == []
 
 
 @pytest.mark.parametrize("rule", list(SYNCHRONOUS_FORM))
 def test_each_async_rule_of_the_model_is_needed(rule: str) -> None:
     """Negative controls: with one rule in its synchronous form the model disagrees with vLLM."""
     trace, cfg = TRACE_FOR_RULE[rule], CONFIG_FOR_RULE.get(rule, FULL_SWA)
-    assert violations(cfg, trace) == []
+    assert async_violations(cfg, trace) == []
     with synchronous(rule):
-        assert violations(cfg, trace) != []
+        assert async_violations(cfg, trace) != []
 
 
 def test_a_preempted_requests_in_flight_token_is_no_longer_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: a model that kept a preempted request's token in flight (no
     `InFlight.forget`) would cap the resumed admission's caching below that token."""
-    assert violations(FULL, PREEMPT) == []
+    assert async_violations(FULL, PREEMPT) == []
     monkeypatch.setattr(allocator.InFlight, "forget", lambda self, rid: None)
-    assert violations(FULL, PREEMPT) != []
+    assert async_violations(FULL, PREEMPT) != []
 
 
 def test_the_synchronous_model_disagrees_with_the_async_scheduler() -> None:
     class JudgedSynchronously(VllmAsyncSchedulerTarget):
         features = VllmSchedulerTarget.features
 
-    assert violations(FULL, HELD, JudgedSynchronously) != []
+    assert async_violations(FULL, HELD, JudgedSynchronously) != []
 
 
 # The trace (and configuration) on which each async mutant is caught.
@@ -317,10 +294,10 @@ MUTANT_TRACE: dict[str, tuple[Config, list[Op]]] = {
 @pytest.mark.parametrize("name", list(ASYNC_SCHEDULER_MUTANTS))
 def test_async_scheduler_mutants_are_caught(name: str) -> None:
     cfg, trace = MUTANT_TRACE[name]
-    assert violations(cfg, trace) == []
+    assert async_violations(cfg, trace) == []
     with activate_async(name) as factory:
-        assert violations(cfg, trace, factory) != []
-    assert violations(cfg, trace) == []  # restored
+        assert async_violations(cfg, trace, factory) != []
+    assert async_violations(cfg, trace) == []  # restored
 
 
 def test_a_short_fuzz_run_is_clean_and_reaches_the_async_rules(tmp_path: Path) -> None:
@@ -337,9 +314,10 @@ def test_the_history_follows_draft_slots_one_step_ahead() -> None:
     positions from what it scheduled: k slots under async scheduling, however many drafts
     were proposed, so its computed tokens stay the model's (a shorter count once made
     step_blocks_stay_held report blocks past the request's real position)."""
-    checker = Checker(VllmAsyncSchedulerTarget(SPEC_FULL), audit_every=1)
+    d = async_drive(SPEC_FULL)
+    checker = d.checker
     for op in DRAFTS[:-1]:
-        assert [v for v in checker.step(op) if not is_known_violation("vllm-async-scheduler", v)] == []
+        assert d.do(op).found == []
         for rid, r in checker.model.requests.items():
             assert checker.history.requests[rid].num_computed == r.num_computed, (op, rid)
 

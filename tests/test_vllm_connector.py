@@ -15,15 +15,16 @@ trace the unmutated scheduler passes), plus the checks' own controls.
 from __future__ import annotations
 
 import pytest
+from drive import Drive, own
 
-from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.checker import Checker, InvalidOp
 from invariants.harness.trace import config_from_json, config_to_json
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, ConfigError, GroupSpec
 from model.connector import external_tokens, failable_blocks, remaining_blocks
-from model.observation import Done, LoadCut, Queues, Saving, ScheduleResult, StepResult
+from model.observation import Done, LoadCut, Queues, Saving, StepResult
 from model.ops import (
     AddRequest,
     Finish,
@@ -50,11 +51,6 @@ PROMPT = tuple(range(1, 14))  # 13 tokens
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
-
-
-def own(obs: object, rid: str) -> ScheduleResult:
-    assert isinstance(obs, StepResult)
-    return next(r for r_id, r in obs.results if r_id == rid)
 
 
 # ------------------------------------------------------------------ the contract, on the model
@@ -438,6 +434,17 @@ def trace_ops() -> list[Op]:
         Loaded("r1", True),
         Sample("r0", 8),
         Step(("r0", "r1"), 64),
+        *failed_and_finished_loads(),
+        Finish("r0"),
+        Finish("r1"),
+        Finish("r2"),
+        Probe(PROMPT),
+    ]
+
+
+def failed_and_finished_loads() -> list[Op]:
+    """r2's async load fails and it is re-admitted; r3 finishes while its load is in flight."""
+    return [
         AddRequest("r2", tuple(range(30, 45))),
         Offer("r2", 12, "async"),
         Step(("r2",), 64),
@@ -448,23 +455,7 @@ def trace_ops() -> list[Op]:
         Step(("r3",), 64),
         Finish("r3"),
         Loaded("r3", True),
-        Finish("r0"),
-        Finish("r1"),
-        Finish("r2"),
-        Probe(PROMPT),
     ]
-
-
-def drive(factory: object, cfg: Config = FULL_SWA) -> list[Violation]:
-    from invariants.harness.known_findings import is_known_violation
-
-    checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]
-    found: list[Violation] = []
-    for op in trace_ops():
-        found += [v for v in checker.step(op) if not is_known_violation("vllm", v)]
-        if found:
-            break
-    return found + [v for v in checker.audit() if not is_known_violation("vllm", v)]
 
 
 @needs_vllm
@@ -473,9 +464,7 @@ def drive(factory: object, cfg: Config = FULL_SWA) -> list[Violation]:
     "cfg", [FULL_SWA, FULL, FULL_SWA.with_(enable_caching=False, num_blocks=40)], ids=["swa", "full", "off"]
 )
 def test_real_scheduler_agrees_on_every_connector_path(cfg: Config) -> None:
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
-    assert drive(VllmSchedulerTarget, cfg) == []
+    assert Drive(cfg).do(*trace_ops()).audited() == []
 
 
 def fail_policy_ops() -> list[Op]:
@@ -497,14 +486,9 @@ def fail_policy_ops() -> list[Op]:
 @needs_vllm
 @pytest.mark.vllm
 def test_real_scheduler_agrees_under_the_fail_policy() -> None:
-    from invariants.harness.known_findings import is_known_violation
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
-    cfg = FULL_SWA.with_(kv_load_failure_policy="fail")
-    target = VllmSchedulerTarget(cfg)
-    checker = Checker(target, audit_every=1)
-    found = [v for op in fail_policy_ops() for v in checker.step(op) if not is_known_violation("vllm", v)]
-    assert found == [] and checker.audit() == []
+    d = Drive(FULL_SWA.with_(kv_load_failure_policy="fail")).do(*fail_policy_ops())
+    assert d.found == [] and d.checker.audit() == []
+    target = d.checker.target
     assert "r0" not in target.vllm_scheduler.requests and "r0" not in target.session.requests
 
 
@@ -535,19 +519,12 @@ def test_connector_is_registered_and_records_what_it_was_asked() -> None:
     "cfg", [FULL_SWA, FULL, FULL_SWA.with_(enable_caching=False, num_blocks=40)], ids=["swa", "full", "off"]
 )
 def test_real_scheduler_agrees_on_saves(cfg: Config) -> None:
-    from invariants.harness.known_findings import is_known_violation
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
-    target = VllmSchedulerTarget(cfg)
-    checker = Checker(target, audit_every=1)
-    seen = []
-    for op in save_ops():
-        assert [v for v in checker.step(op) if not is_known_violation("vllm", v)] == []
-        seen.append(checker.last_obs)
-    assert checker.audit() == []
+    d = Drive(cfg).do(*save_ops())
+    assert d.found == [] and d.checker.audit() == []
     # vLLM's request_finished_all_groups got what the model says it was handed.
+    target = d.checker.target
     connector = target.vllm_scheduler.connector
-    assert Saving(connector.handed["s0"]) == seen[7] and len(connector.handed["s0"][0]) == 3
+    assert Saving(connector.handed["s0"]) == d.seen[7] and len(connector.handed["s0"][0]) == 3
     assert "s0" not in target.vllm_scheduler.requests and not connector.saving
 
 
@@ -556,20 +533,17 @@ def test_real_scheduler_agrees_on_saves(cfg: Config) -> None:
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 @pytest.mark.parametrize("caching", [True, False])
 def test_real_scheduler_agrees_on_loads_failed_on_some_blocks(policy: str, caching: bool) -> None:
-    from invariants.harness.known_findings import is_known_violation
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
     cfg = FULL.with_(kv_load_failure_policy=policy, enable_caching=caching)  # type: ignore[arg-type]
-    checker = Checker(VllmSchedulerTarget(cfg), audit_every=1)
-    found = []
+    d = Drive(cfg)
+    checker = d.checker
     for op in invalid_ops():
         if isinstance(op, Loaded):  # the same cuts whatever the ids (caching off: no hit)
             blocks = failable_blocks(checker.model, checker.model.requests[op.rid])
             op = Loaded(op.rid, True, (blocks[2 if op.rid == "r1" else 0],))
         if isinstance(op, Step) and op.rids == ("r1", "r2") and policy == "fail":
             continue  # both ended
-        found += [v for v in checker.step(op) if not is_known_violation("vllm", v)]
-    assert found == [] and checker.audit() == []
+        d.do(op)
+    assert d.found == [] and checker.audit() == []
     cuts = [o for o in checker.model.exercised if "some blocks" in o]
     assert cuts == ["connector: load failed on some blocks"]
 
@@ -578,18 +552,10 @@ def test_real_scheduler_agrees_on_loads_failed_on_some_blocks(policy: str, cachi
 @pytest.mark.vllm
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_real_scheduler_agrees_on_sync_loads_failed_on_some_blocks(policy: str) -> None:
-    from invariants.harness.known_findings import is_known_violation
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
-    target = VllmSchedulerTarget(FULL.with_(kv_load_failure_policy=policy))  # type: ignore[arg-type]
-    checker = Checker(target, audit_every=1)
-    seen = []
-    for op in sync_invalid_ops(policy):
-        assert [v for v in checker.step(op) if not is_known_violation("vllm", v)] == []
-        seen.append(checker.last_obs)
-    assert checker.audit() == []
-    assert seen[4] == (LoadCut(4, (("r1", 12),)) if policy == "recompute" else LoadCut(4, ended=("r0",)))
-    assert "r0" not in target.vllm_scheduler.requests
+    d = Drive(FULL.with_(kv_load_failure_policy=policy)).do(*sync_invalid_ops(policy))  # type: ignore[arg-type]
+    assert d.found == [] and d.checker.audit() == []
+    assert d.seen[4] == (LoadCut(4, (("r1", 12),)) if policy == "recompute" else LoadCut(4, ended=("r0",)))
+    assert "r0" not in d.checker.target.vllm_scheduler.requests
 
 
 @needs_vllm
@@ -693,15 +659,18 @@ def test_async_load_leaves_in_flight_prefills_their_blocks() -> None:
 @needs_vllm
 @pytest.mark.vllm
 def test_every_connector_mutant_is_in_the_zoo() -> None:
-    # The queue mutants and the failed-block scan-order ones have their traces there.
+    # The queue mutants and the failed-block scan-order ones (hunted on one group) have their traces there.
     from test_vllm_connector_holders import FAIL_MUTANTS, HOLDER_MUTANTS
     from test_vllm_scheduler_queues import QUEUE_TRACES
 
     from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS
 
-    assert {n for n, m in SCHEDULER_MUTANTS.items() if m.strategy == "scheduler-connector"} - set(
-        QUEUE_TRACES
-    ) - set(HOLDER_MUTANTS) - set(FAIL_MUTANTS) == set(CONNECTOR_MUTANTS)
+    def hunted_with(strategy: str) -> set[str]:
+        return {n for n, m in SCHEDULER_MUTANTS.items() if m.strategy == strategy}
+
+    assert hunted_with("scheduler-connector") == set(CONNECTOR_MUTANTS)
+    one_group = hunted_with("scheduler-connector-one-group")
+    assert one_group and one_group <= set(QUEUE_TRACES) | set(HOLDER_MUTANTS) | set(FAIL_MUTANTS)
 
 
 @needs_vllm
@@ -710,8 +679,6 @@ def test_every_connector_mutant_is_in_the_zoo() -> None:
 def test_connector_mutant_is_caught(name: str) -> None:
     """Negative controls: each connector mutant of vLLM's scheduler is caught on a
     trace the unmutated scheduler passes."""
-    from invariants.harness.known_findings import is_known_violation
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
     from invariants.zoo.mutants_scheduler import activate
 
     cfg, ops = (FULL.with_(num_blocks=9), reserve_trace()) if "reserve" in name else (FULL_SWA, trace_ops())
@@ -725,19 +692,10 @@ def test_connector_mutant_is_caught(name: str) -> None:
         policy = "fail" if "fail" in name else "recompute"
         cfg, ops = FULL.with_(kv_load_failure_policy=policy), sync_invalid_ops(policy)  # type: ignore[arg-type]
 
-    def run(factory: object) -> list[Violation]:
-        checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]
-        found: list[Violation] = []
-        try:
-            for op in ops:
-                found += [v for v in checker.step(op) if not is_known_violation("vllm", v)]
-        except InvalidOp as exc:  # the mutant changed the request's state under the trace
-            found.append(Violation("invalid", str(exc)))
-        return found
-
-    assert run(VllmSchedulerTarget) == []
+    # `attempt`: the mutant may change a request's state under the trace (invalid).
+    assert Drive(cfg).attempt(*ops).found == []
     with activate(name) as factory:
-        assert run(factory) != []
+        assert Drive(cfg, factory).attempt(*ops).found != []
 
 
 @needs_vllm

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from drive import Drive, Factory
 
 from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.targets.model_target import ModelTarget
@@ -364,17 +365,13 @@ def test_the_order_vllm_ends_them_in_follows_string_hashing() -> None:
 
 
 # ------------------------------------------------------------------ the real Scheduler
-def judged(factory: object, cfg: Config, ops: list[Op]) -> tuple[list[Violation], list[object]]:
-    from invariants.harness.known_findings import is_known_violation
-
-    target = factory(cfg)  # type: ignore[operator]
-    checker = Checker(target, audit_every=1)
-    found: list[Violation] = []
-    seen: list[object] = []
-    for op in ops:
-        found += [v for v in checker.step(op) if not is_known_violation(target.name, v)]
-        seen.append(checker.last_obs)
-    return found + [v for v in checker.audit() if not is_known_violation(target.name, v)], seen
+def judged(factory: Factory, cfg: Config, ops: list[Op]) -> tuple[list[Violation], list[object]]:
+    """The violations no known finding of the target explains (a last audit too), and the
+    observations."""
+    d = Drive(cfg, factory)
+    d.known = d.checker.target.name
+    d.do(*ops)
+    return d.audited(), d.seen
 
 
 def scheduler_target(kind: str) -> Any:

@@ -14,14 +14,17 @@ connector mutant as the negative control.
 from __future__ import annotations
 
 import pytest
+from drive import Drive, Factory, check_contexts, own
+from test_vllm_connector import failed_and_finished_loads
 
-from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.catalogue import CheckContext
+from invariants.harness.checker import Checker, Violation
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, GroupSpec
 from model.connector import remaining_blocks
-from model.observation import ScheduleResult, StepResult
+from model.observation import StepResult
 from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, Probe, Sample, Save, Saved, Step
 
 FULL_MAMBA = Config(
@@ -40,11 +43,6 @@ PROMPT = tuple(range(1, 14))  # 13 tokens
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
-
-
-def own(obs: object, rid: str) -> ScheduleResult:
-    assert isinstance(obs, StepResult)
-    return next(r for r_id, r in obs.results if r_id == rid)
 
 
 def tight(num_blocks: int) -> tuple[Config, list[Op]]:
@@ -170,7 +168,8 @@ def test_external_tokens_supersede_a_hit_s_sub_block_tail() -> None:
 def trace_ops(split: bool = True) -> list[Op]:
     """Every connector path with a Mamba group: a sync hit whose chunk leaves the
     external state block, an async load promoted (its state block the local hit's
-    successor), a failed load re-admitted, a finish during a load, a save. `split`:
+    successor), a failed load re-admitted and a finish during a load (those of the
+    trace without Mamba: `failed_and_finished_loads`), a save. `split`:
     the scheduler splits prefill chunks at Mamba blocks (align), so r0 takes two steps."""
     return [
         AddRequest("r0", PROMPT),
@@ -185,16 +184,7 @@ def trace_ops(split: bool = True) -> list[Op]:
         Loaded("r1", True),
         Sample("r0", 8),
         Step(("r0", "r1"), 64),
-        AddRequest("r2", tuple(range(30, 45))),
-        Offer("r2", 12, "async"),
-        Step(("r2",), 64),
-        Loaded("r2", False),
-        Step(("r2",), 64),
-        AddRequest("r3", tuple(range(60, 75))),
-        Offer("r3", 12, "async"),
-        Step(("r3",), 64),
-        Finish("r3"),
-        Loaded("r3", True),
+        *failed_and_finished_loads(),
         Save("r0"),
         Finish("r0"),
         Finish("r1"),
@@ -221,18 +211,10 @@ def test_the_mamba_trace_reaches_every_connector_path() -> None:
     } <= set(m.exercised)
 
 
-def run(factory: object, cfg: Config, ops: list[Op]) -> list[Violation]:
-    """The new (not known) violations of `ops` on `factory(cfg)`, audited after each step."""
-    from invariants.harness.known_findings import is_known_violation
-
-    checker = Checker(factory(cfg), audit_every=1)  # type: ignore[operator]
-    found: list[Violation] = []
-    try:
-        for op in ops:
-            found += [v for v in checker.step(op) if not is_known_violation("vllm", v)]
-    except InvalidOp as exc:  # a mutant changed the request's state under the trace
-        found.append(Violation("invalid", str(exc)))
-    return found + [v for v in checker.audit() if not is_known_violation("vllm", v)]
+def run(factory: Factory, cfg: Config, ops: list[Op]) -> list[Violation]:
+    """The new (not known) violations of `ops` on `factory(cfg)`, audited after each step
+    and at the end; a mutant may change a request's state under the trace (invalid)."""
+    return Drive(cfg, factory).attempt(*ops).audited()
 
 
 @needs_vllm
@@ -315,32 +297,23 @@ def test_mamba_connector_mutant_is_caught() -> None:
 
 
 # ------------------------------------------------------------------ the invariants' connector narrowings
-def contexts(monkeypatch: pytest.MonkeyPatch, cfg: Config, ops: list[Op]) -> list[object]:
+def contexts(cfg: Config, ops: list[Op]) -> list[CheckContext]:
     """The check contexts of `ops` judged on the model (every invariant holds)."""
-    import invariants.harness.checker as checker_mod
-
-    seen: list[object] = []
-    real = checker_mod.check_all
-
-    def capture(ctx: object) -> list[Violation]:
-        seen.append(ctx)
-        return real(ctx)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(checker_mod, "check_all", capture)
-    checker = Checker(ModelTarget(cfg))
-    for op in ops:
-        assert checker.step(op) == [], op
+    with check_contexts() as seen:
+        checker = Checker(ModelTarget(cfg))
+        for op in ops:
+            assert checker.step(op) == [], op
     return seen
 
 
-def test_copies_sound_spares_only_a_superseded_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_copies_sound_spares_only_a_superseded_tail() -> None:
     """copies_sound asks no copy of a hit whose sub-block tail external tokens replaced;
     the same step read as a plain admission (no external tokens) is caught."""
     from dataclasses import replace
 
     from invariants.catalogue import BY_NAME
 
-    seen = contexts(monkeypatch, FINE, tail_ops())
+    seen = contexts(FINE, tail_ops())
     ctx = seen[8]
     step = ctx.obs  # type: ignore[attr-defined]
     assert own(step, "r1").external == 6 and BY_NAME["copies_sound"].check(ctx) == []  # type: ignore[arg-type]
@@ -348,7 +321,7 @@ def test_copies_sound_spares_only_a_superseded_tail(monkeypatch: pytest.MonkeyPa
     assert BY_NAME["copies_sound"].check(replace(ctx, obs=plain))  # type: ignore[type-var]
 
 
-def test_fine_promise_spares_only_a_state_the_connector_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fine_promise_spares_only_a_state_the_connector_loaded() -> None:
     """promise_kept promises no Mamba state at or below where the request's load ended
     (3 tokens, 2 loaded: the chunk [2, 3) overwrites the loaded state at 2 in its
     block, which vLLM never keys); the same finish without the load is caught."""
@@ -364,7 +337,6 @@ def test_fine_promise_spares_only_a_state_the_connector_loaded(monkeypatch: pyte
         hash_block_size=2,
     )
     seen = contexts(
-        monkeypatch,
         cfg,
         [AddRequest("r8", (1, 3, 3)), Offer("r8", 18, "sync"), Step(("r8",), 64), Finish("r8")],
     )
@@ -424,7 +396,7 @@ def test_a_local_hit_the_external_state_supersedes_is_not_counted() -> None:
         assert result.violations == [], name
 
 
-def test_the_worker_table_of_a_connector_admission_is_judged(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_worker_table_of_a_connector_admission_is_judged() -> None:
     """An admission with external tokens ships its whole table (the observation names
     the hit and new blocks, not the external state block between them): the history
     takes the table after the step, and `mamba_state_in_worker_table` judges the chunk's
@@ -436,7 +408,7 @@ def test_the_worker_table_of_a_connector_admission_is_judged(monkeypatch: pytest
     from invariants.catalogue import BY_NAME
 
     ops = [AddRequest("r0", PROMPT), Offer("r0", 8, "sync"), Step(("r0",), 64)]
-    ctx = contexts(monkeypatch, FULL_MAMBA, ops)[-1]
+    ctx = contexts(FULL_MAMBA, ops)[-1]
     worker = ctx.history.requests["r0"].worker  # type: ignore[attr-defined]
     assert worker == ((1, 2, 4), (0, 3, 5))
     check = BY_NAME["mamba_state_in_worker_table"].check

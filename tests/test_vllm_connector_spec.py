@@ -14,13 +14,13 @@ of this combination as negative controls.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from drive import Drive, Factory, check_contexts, own
 
-from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.checker import Checker, Violation
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, GroupSpec
@@ -48,11 +48,6 @@ needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 def model(cfg: Config) -> AllocatorModel:
     """The model as the checker builds it for a real scheduler (drafts = lookahead)."""
     return AllocatorModel(cfg, num_spec_tokens=cfg.num_lookahead_tokens)
-
-
-def own(obs: object, rid: str) -> ScheduleResult:
-    assert isinstance(obs, StepResult)
-    return next(r for r_id, r in obs.results if r_id == rid)
 
 
 # ------------------------------------------------------------------ traces (model and vLLM)
@@ -218,19 +213,11 @@ def test_a_cut_request_keeps_its_prefill_flag() -> None:
 
 
 # ------------------------------------------------------------------ vLLM's Scheduler agrees
-def judged(cfg: Config, ops: list[Op], factory: object = None) -> list[Violation]:
-    """Every operation of `ops` through the vllm target (or `factory`) against the model."""
-    from invariants.harness.known_findings import is_known_violation
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
-    checker = Checker((factory or VllmSchedulerTarget)(cfg), audit_every=1)  # type: ignore[operator]
-    found: list[Violation] = []
-    try:
-        for op in ops:
-            found += [v for v in checker.step(op) if not is_known_violation("vllm", v)]
-    except InvalidOp as exc:  # a mutant changed a request's state under the trace
-        found.append(Violation("invalid", str(exc)))
-    return found + checker.audit()
+def judged(cfg: Config, ops: list[Op], factory: Factory | None = None) -> list[Violation]:
+    """Every operation of `ops` through the vllm target (or `factory`) against the model,
+    then a last audit (all it finds counts)."""
+    d = Drive(cfg, factory).attempt(*ops)  # a mutant may change a request's state under the trace
+    return d.found + d.checker.audit()
 
 
 def with_cut(cfg: Config) -> list[Op]:
@@ -278,29 +265,17 @@ def test_a_request_readmitted_after_a_failed_load_resumes_from_its_hit() -> None
     is admitted afresh on r0's hit; `step_blocks_stay_held` had judged it by the draft
     states it held before the step. Control: the same step judged as a promoted chunk
     (no lookup) is flagged."""
-    import invariants.harness.checker as checker_mod
     from invariants.catalogue import BY_NAME
     from invariants.harness.replay import replay
     from invariants.harness.trace import read_trace
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 
     trace = read_trace(DATA / "connector_spec_failed_load_readmitted_mamba.json")
     assert replay(trace, "vllm").violations == []
-    contexts = []
-    real = checker_mod.check_all
-
-    def capture(ctx):  # type: ignore[no-untyped-def]
-        contexts.append(replace(ctx, history=copy.deepcopy(ctx.history)))
-        return real(ctx)
-
-    checker_mod.check_all = capture
-    try:
-        from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
+    with check_contexts(copy_history=True) as contexts:
         checker = Checker(VllmSchedulerTarget(trace.config))
         for op in trace.ops:
             checker.step(op)
-    finally:
-        checker_mod.check_all = real
     ctx = contexts[-1]
     assert isinstance(ctx.obs, StepResult) and ctx.draft_blocks
     check = BY_NAME["step_blocks_stay_held"].check
@@ -345,7 +320,6 @@ def test_a_mamba_external_state_block_counts_for_liveness() -> None:
     load needs a Mamba external state block besides its chunk's state, 11 blocks in all,
     so an idle pool of 10 refuses it; `fitting_request_admitted` had counted 10. Control:
     the same refusal judged against an idle pool of 11 is flagged."""
-    import invariants.harness.checker as checker_mod
     from invariants.catalogue import BY_NAME
     from invariants.harness.replay import replay
     from invariants.harness.trace import read_trace
@@ -353,20 +327,10 @@ def test_a_mamba_external_state_block_counts_for_liveness() -> None:
 
     trace = read_trace(DATA / "connector_lookahead_mamba_sync_admission.json")
     assert replay(trace, "model").violations == []
-    contexts = []
-    real = checker_mod.check_all
-
-    def capture(ctx):  # type: ignore[no-untyped-def]
-        contexts.append(ctx)
-        return real(ctx)
-
-    checker_mod.check_all = capture
-    try:
+    with check_contexts() as contexts:
         checker = Checker(ModelTarget(trace.config))
         for op in trace.ops:
             assert checker.step(op) == [], op
-    finally:
-        checker_mod.check_all = real
     ctx = contexts[-1]
     assert isinstance(ctx.obs, ScheduleResult) and not ctx.obs.admitted and ctx.obs.hit is not None
     check = BY_NAME["fitting_request_admitted"].check

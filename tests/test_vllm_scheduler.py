@@ -22,15 +22,14 @@ _OK, _REASON = vllm_available()
 if not _OK:
     pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
 
-from invariants.harness.checker import Checker, Violation  # noqa: E402
+from drive import Drive  # noqa: E402
+
 from invariants.harness.fuzz import format_features, run_fuzz  # noqa: E402
-from invariants.harness.known_findings import is_known_violation  # noqa: E402
 from invariants.targets import target_factory  # noqa: E402
 from invariants.targets.vllm_scheduler_build import SchedulerUnsupported  # noqa: E402
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
 from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate  # noqa: E402
 from model.config import Config, GroupSpec  # noqa: E402
-from model.observation import StepResult  # noqa: E402
 from model.ops import (  # noqa: E402
     AddRequest,
     Finish,
@@ -60,39 +59,6 @@ FULL_MAMBA = Config(
     max_model_len=4096,
 )
 PROMPT = (1, 2, 3) * 6
-
-
-class Drive:
-    """The model and vllm side by side; the violations no known finding
-    explains, and the target's observations."""
-
-    def __init__(self, cfg: Config, factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> None:
-        self.checker = Checker(factory(cfg), audit_every=1)
-        self.found: list[Violation] = []
-        self.seen: list[object] = []
-        self.token = 0
-
-    def do(self, *ops: Op) -> Drive:
-        for op in ops:
-            self.found += [v for v in self.checker.step(op) if not is_known_violation("vllm", v)]
-            self.seen.append(self.checker.last_obs)
-        return self
-
-    def steps(self, rids: tuple[str, ...], budget: int, n: int = 1) -> Drive:
-        """`n` steps over `rids`, each after a sample for every request that computed all its tokens."""
-        for _ in range(n):
-            reqs = self.checker.model.requests
-            for rid in rids:
-                r = reqs[rid]
-                if r.running and r.num_computed == r.num_tokens:
-                    self.token = self.token % 3 + 1
-                    self.do(Sample(rid, self.token))
-            self.do(Step(rids, budget))
-        return self
-
-    @property
-    def preempted(self) -> list[str]:
-        return [r for obs in self.seen if isinstance(obs, StepResult) for r in obs.preempted]
 
 
 def lifecycle(cfg: Config, factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
@@ -232,6 +198,7 @@ def test_every_scheduler_mutant_has_a_trace() -> None:
     elsewhere = (
         "scheduler-spec",
         "scheduler-connector",
+        "scheduler-connector-one-group",
         "scheduler-connector-mamba",
         "scheduler-connector-fine",
         "scheduler-connector-spec",
@@ -321,9 +288,8 @@ def test_a_schedule_is_judged_as_the_step_a_real_scheduler_runs() -> None:
     )
     prompt = (1, 2, 1, 1, 2, 2, 1, 2, 2, 1, 1, 1, 2, 1, 2, 2, 1)
     ops = [AddRequest("r00", prompt), Schedule("r00", 64), Schedule("r00", 8)]
-    checker = Checker(VllmSchedulerTarget(cfg), audit_every=1)
-    found = [v for op in ops for v in checker.step(op) if not is_known_violation("vllm", v)]
-    assert found == [] and checker.ops[1:] == [Step(("r00",), 64), Step(("r00",), 8)]
+    d = Drive(cfg).do(*ops)
+    assert d.found == [] and d.checker.ops[1:] == [Step(("r00",), 64), Step(("r00",), 8)]
     from invariants.harness.checker import diff_snapshots
 
     model, target = AllocatorModel(cfg), VllmSchedulerTarget(cfg)

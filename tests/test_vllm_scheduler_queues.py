@@ -22,8 +22,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from drive import Drive
 
-from invariants.harness.checker import Checker, Violation
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
@@ -147,22 +147,6 @@ def test_a_run_says_where_the_queue_order_is_unjudged() -> None:
 
 
 # ------------------------------------------------------------------ traces against a target
-class Drive:
-    def __init__(self, cfg: Config, factory: Callable[[Config], Any]) -> None:
-        from invariants.harness.known_findings import is_known_violation
-
-        self.checker = Checker(factory(cfg), audit_every=1)
-        self.known = is_known_violation
-        self.found: list[Violation] = []
-        self.seen: list[object] = []
-
-    def do(self, *ops: Op) -> Drive:
-        for op in ops:
-            self.found += [v for v in self.checker.step(op) if not self.known("vllm", v)]
-            self.seen.append(self.checker.last_obs)
-        return self
-
-
 def preemption_drive(factory: Callable[[Config], Any]) -> Drive:
     """Two growing requests in a pool too small for both, a third waiting: the step that
     preempts r1 leaves it in front of r2."""

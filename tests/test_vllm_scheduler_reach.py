@@ -23,7 +23,7 @@ from invariants.targets.vllm_env import vllm_available
 if not vllm_available():  # pragma: no cover - depends on the environment
     pytest.skip("vLLM is not importable", allow_module_level=True)
 
-from test_vllm_scheduler import Drive  # noqa: E402
+from drive import Drive  # noqa: E402
 
 from invariants.targets.vllm_scheduler_drive import shipped_admission  # noqa: E402
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
@@ -205,15 +205,12 @@ def test_a_planted_scheduler_finding_exports_as_a_standalone_real_scheduler_test
 
     from invariants.export.plan import plan_export
     from invariants.export.pytest_file import render_test
-    from invariants.harness.checker import Checker
-    from invariants.harness.known_findings import is_known_violation
     from invariants.harness.trace import Trace
 
     name = "admission_ships_new_blocks_only"
     ops = [AddRequest("r1", PROMPT8), AddRequest("r3", (*PROMPT8, 2)), Step(("r1",), 32), Step(("r3",), 16)]
     with activate(name) as factory:
-        checker = Checker(factory(FULL_SWA_SWA), audit_every=1)
-        found = [v for op in ops for v in checker.step(op) if not is_known_violation("vllm", v)]
+        found = Drive(FULL_SWA_SWA, factory).do(*ops).found
     assert found and found[0].check == "observation" and found[0].op == ops[-1]
     trace = Trace(FULL_SWA_SWA, ops, seed=0, target="vllm", violation=f"mutant {name}: {found[0]}")
     source = render_test(plan_export(trace))

@@ -19,9 +19,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from drive import Drive, check_contexts
 
+from invariants.catalogue import CheckContext
 from invariants.harness.checker import Checker, InvalidOp, Violation
-from invariants.harness.known_findings import is_known_violation
 from invariants.harness.strategies import configs
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
@@ -138,22 +139,6 @@ def test_drafts_are_refused_where_nothing_speculates() -> None:
 
 
 # ---------------------------------------------------------------- through vLLM's real scheduler
-class Drive:
-    """The model and vllm side by side; the violations no known finding explains."""
-
-    def __init__(self, cfg: Config, factory: object = None) -> None:
-        from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
-        make = factory or VllmSchedulerTarget
-        self.checker = Checker(make(cfg), audit_every=1)  # type: ignore[operator]
-        self.found: list[Violation] = []
-
-    def do(self, *ops: Op) -> Drive:
-        for op in ops:
-            self.found += [v for v in self.checker.step(op) if not is_known_violation("vllm", v)]
-        return self
-
-
 def eagle_trace(factory: object = None) -> Drive:
     """Drafts accepted in full, in part, not at all, cut by the budget; a second request
     admitted behind a decoding one; a preemption drops drafts."""
@@ -387,24 +372,10 @@ def narrow_rejection(last_drafts: tuple[int, ...]) -> list[Op]:
     ]
 
 
-def _captured(ops: list[Op]) -> tuple[list[Violation], list[object]]:
+def _captured(ops: list[Op]) -> tuple[list[Violation], list[CheckContext]]:
     """The violations no known finding explains, and every step's check context."""
-    import invariants.harness.checker as checker_mod
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
-    contexts: list[object] = []
-    real = checker_mod.check_all
-
-    def capture(ctx):  # type: ignore[no-untyped-def]
-        contexts.append(ctx)
-        return real(ctx)
-
-    checker_mod.check_all = capture
-    try:
-        chk = Checker(VllmSchedulerTarget(NARROW_MAMBA_DRAFTS), audit_every=1)
-        found = [v for op in ops for v in chk.step(op) if not is_known_violation("vllm", v)]
-    finally:
-        checker_mod.check_all = real
+    with check_contexts() as contexts:
+        found = Drive(NARROW_MAMBA_DRAFTS).do(*ops).found
     return found, contexts
 
 

@@ -113,6 +113,13 @@ def _strategy(name: str, *, allow_pinning: bool, allow_fine: bool) -> st.SearchS
             lookahead=False,
             connector=True,
         ),
+        # The same on one KV cache group (Full or SWA): only there does generation name the blocks
+        # a load failed on and leave async loads in flight beside running requests (the machine's
+        # `shared_load`), so several requests hold loads, or a failed block, at once: the order
+        # the connector's queues are left in and scanned in (`mutants_queues`).
+        "scheduler-connector-one-group": lambda: configs(
+            allow_pinning=False, shapes=(("full",), ("swa",)), eagle=False, lookahead=False, connector=True
+        ),
         # The same with a Mamba group (`model.connector`: its external state block; no fine-grained hits).
         "scheduler-connector-mamba": lambda: configs(
             allow_pinning=False, shapes=MAMBA_SHAPES, eagle=False, lookahead=False, connector=True
@@ -160,6 +167,7 @@ STRATEGY_NAMES = (
     "scheduler-mamba",
     "scheduler-spec",
     "scheduler-connector",
+    "scheduler-connector-one-group",
     "scheduler-long-prefill",
     "scheduler-connector-mamba",
     "scheduler-connector-fine",

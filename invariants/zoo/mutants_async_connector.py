@@ -3,7 +3,7 @@ consumer KV connector runs (`model.async_scheduling`, 6), registered with the ot
 async-scheduler mutants (`mutants_scheduler.ASYNC_SCHEDULER_MUTANTS`, which imports this
 module) and run on the "vllm-async-scheduler" target with kvretain's connector.
 
-Each is a one-line `_rewrite` of vLLM's own `Scheduler` method, patched on
+Each is a one-line `_rewrite_inherited` of vLLM's own `Scheduler` method, patched on
 `AsyncScheduler` only: the fence a request's free waits for, and when the fenced frees
 come back.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from .mutants_scheduler import _rewrite, async_mutant
+from .mutants_scheduler import _rewrite_inherited, async_mutant
 
 
 @async_mutant("fence_on_scheduled_step", strategy="scheduler-connector")
@@ -22,15 +22,12 @@ def fence_on_scheduled_step(stack: contextlib.ExitStack, sched: Any) -> None:
     scheduled (`self.sched_step_seq`) instead of those processed (`processed_step_seq`):
     every free is direct, so a finished or preempted request's blocks return to the pool
     while the step in flight still writes them (the race the fence exists for)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    _rewrite(
+    _rewrite_inherited(
         stack,
         sched,
         "_request_blocks_can_be_freed",
         "request.last_sched_seq <= self.processed_step_seq",
         "request.last_sched_seq <= self.sched_step_seq",
-        source=Scheduler,
     )
 
 
@@ -39,13 +36,10 @@ def fenced_frees_one_step_late(stack: contextlib.ExitStack, sched: Any) -> None:
     """`_drain_deferred_frees` stops at a fence the processed steps have reached
     (`fence >= self.processed_step_seq` for `>`): fenced blocks come back one step output
     later than safe, so the next steps find the pool short and refuse or preempt."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    _rewrite(
+    _rewrite_inherited(
         stack,
         sched,
         "_drain_deferred_frees",
         "if fence > self.processed_step_seq:",
         "if fence >= self.processed_step_seq:",
-        source=Scheduler,
     )

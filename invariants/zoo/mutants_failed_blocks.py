@@ -88,7 +88,7 @@ def shared_failed_block_running_not_scanned(stack: contextlib.ExitStack, sched: 
     )
 
 
-@mutant("fail_spares_holder_of_marked_blocks", strategy="scheduler-connector")
+@mutant("fail_spares_holder_of_marked_blocks", strategy="scheduler-connector-one-group")
 def fail_spares_holder_of_marked_blocks(stack: contextlib.ExitStack, sched: Any) -> None:
     """Failed blocks under "fail": `_update_requests_with_invalid_blocks` names as affected
     only the requests that marked a failed block themselves, so one whose failed blocks an

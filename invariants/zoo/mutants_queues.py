@@ -31,7 +31,7 @@ def preempted_to_queue_back(stack: contextlib.ExitStack, sched: Any) -> None:
     )
 
 
-@mutant("skipped_holding_reversed", strategy="scheduler-connector")
+@mutant("skipped_holding_reversed", strategy="scheduler-connector-one-group")
 def skipped_holding_reversed(stack: contextlib.ExitStack, sched: Any) -> None:
     """The waiting pass's skip: `skip_request` appends a request holding blocks to
     `step_skipped_kv_holding` (`append` for `appendleft`), so `prepend_requests` puts the
@@ -45,7 +45,7 @@ def skipped_holding_reversed(stack: contextlib.ExitStack, sched: Any) -> None:
     )
 
 
-@mutant("skipped_holding_to_waiting", strategy="scheduler-connector")
+@mutant("skipped_holding_to_waiting", strategy="scheduler-connector-one-group")
 def skipped_holding_to_waiting(stack: contextlib.ExitStack, sched: Any) -> None:
     """The waiting pass's skip: the skipped requests holding blocks (async loads) go back
     to `waiting` (`self.waiting.prepend_requests(step_skipped_kv_holding)`) instead of
@@ -59,7 +59,7 @@ def skipped_holding_to_waiting(stack: contextlib.ExitStack, sched: Any) -> None:
     )
 
 
-@mutant("invalid_scan_running_reversed", strategy="scheduler-connector")
+@mutant("invalid_scan_running_reversed", strategy="scheduler-connector-one-group")
 def invalid_scan_running_reversed(stack: contextlib.ExitStack, sched: Any) -> None:
     """Failed blocks (`invalid_block_ids`): `_handle_invalid_blocks` scans `running` back
     to front (`reversed(self.running)`), so of several running requests holding a failed
@@ -74,7 +74,7 @@ def invalid_scan_running_reversed(stack: contextlib.ExitStack, sched: Any) -> No
     )
 
 
-@mutant("invalid_block_marks_ignored", strategy="scheduler-connector")
+@mutant("invalid_block_marks_ignored", strategy="scheduler-connector-one-group")
 def invalid_block_marks_ignored(stack: contextlib.ExitStack, sched: Any) -> None:
     """Failed blocks: `_update_requests_with_invalid_blocks` ignores the blocks an earlier
     request marked (`if False:` for `if block_id in marked_invalid_block_ids:`), so every

@@ -13,6 +13,7 @@ Strategies: "scheduler" (the configurations the fuzzer generates for a real
 scheduler), "scheduler-mamba" (Full+Mamba shapes only), "scheduler-spec"
 (speculative decoding: drafts, accepted counts, one-token admission padding),
 "scheduler-connector" (kvretain's KV connector, Full/SWA shapes),
+"scheduler-connector-one-group" (the connector on one Full or SWA group: the queue order),
 "scheduler-connector-mamba" (the connector with a Mamba group) and
 "scheduler-connector-spec" (the connector with drafts, all shapes).
 """
@@ -290,6 +291,14 @@ def _rewrite(
     _set(stack, owner, method, namespace[method])
 
 
+def _rewrite_inherited(stack: contextlib.ExitStack, sched: Any, method: str, old: str, new: str) -> None:
+    """`_rewrite` of vLLM's own `Scheduler.method`, patched onto `sched` only (the
+    `AsyncScheduler`, which inherits it): the synchronous scheduler keeps the original."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    _rewrite(stack, sched, method, old, new, source=Scheduler)
+
+
 def _matches(lines: list[str], i: int, old: list[str]) -> bool:
     if i + len(old) > len(lines):
         return False
@@ -477,15 +486,8 @@ def async_rejection_keeps_placeholders(stack: contextlib.ExitStack, sched: Any) 
     rejected drafts and the next step schedules past the request's real position.
     `Scheduler.update_from_output` rewritten onto `AsyncScheduler` (the line only runs
     with output placeholders, i.e. under async scheduling)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    _rewrite(
-        stack,
-        sched,
-        "update_from_output",
-        "request.num_output_placeholders -= num_rejected",
-        "pass",
-        source=Scheduler,
+    _rewrite_inherited(
+        stack, sched, "update_from_output", "request.num_output_placeholders -= num_rejected", "pass"
     )
 
 
