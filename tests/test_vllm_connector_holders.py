@@ -332,8 +332,8 @@ def test_real_scheduler_ends_every_holder_under_fail() -> None:
 
 ORDER_SCRIPT = """
 import sys
-sys.path.insert(0, {root!r})
-from tests.test_vllm_connector_holders import FAIL, fail_holders_ops, judged
+sys.path[:0] = [{root!r}, {root!r} + "/tests"]
+from test_vllm_connector_holders import FAIL, fail_holders_ops, judged
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 found, seen = judged(VllmSchedulerTarget, FAIL, fail_holders_ops())
 print(len(found), ",".join(r for r in seen[9].ended if r != "r2"))

@@ -261,6 +261,7 @@ class Checker:
             obs = self.target.apply(op)
             snap = self.target.snapshot()
         except Exception as exc:  # the target crashing is itself a finding
+            self._expected(op, None)  # the model moves on all the same
             return [Violation("crash", f"{type(exc).__name__}: {exc}")]
         expected_obs = self._expected(op, obs)
         expected = self.model.snapshot()
@@ -308,6 +309,7 @@ class Checker:
         try:
             obs = self.target.apply(op)
         except Exception as exc:
+            self._expected(op, None)  # the model moves on all the same
             return [Violation("crash", f"{type(exc).__name__}: {exc}")]
         expected_obs = self._expected(op, obs)
         self.last_obs = obs
@@ -367,7 +369,7 @@ class Checker:
         forget(self.history, self._holders)  # after the checks: they read the finishing request's keys
         return found
 
-    def _expected(self, op: Op, got: Observation) -> Observation:
+    def _expected(self, op: Op, got: Observation | None) -> Observation:
         """The model's observation of `op` (after the target's, `got`), as far as the target
         observes it. Where the contract leaves a choice open, the model takes the one the
         target made if it is one the contract allows (`AllocatorModel.end_order`: the order
