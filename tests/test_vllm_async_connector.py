@@ -271,6 +271,7 @@ def test_finding_a_reports_arrivals_store_the_whole_token_range(
         "ASYNC_CONNECTOR_MAMBA_ROW",
         "ASYNC_CONNECTOR_SPEC_MAMBA_ROW",
         "ASYNC_CONNECTOR_BLOCKS_ROW",
+        "ASYNC_CONNECTOR_BLOCKS_FAIL_ROW",
     ],
 )
 def test_control_each_async_connector_row_sees_direct_frees(row: str, tmp_path: Any) -> None:
