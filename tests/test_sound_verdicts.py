@@ -532,3 +532,37 @@ def test_nothing_is_judged_after_a_tolerated_crash() -> None:
     result = MutantResult(entry.name, "vllm", "scheduler-connector", killed=True)
     _judge_unmutated(entry, trace.config, tuple(trace.ops), result)
     assert result.killed and not result.unsound
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "expected"),
+    [
+        (
+            ["agrees", "NOT EXERCISED: connector: x"],
+            "NOT EXERCISED: 1 rows' required rules not reached in 300 steps",
+        ),
+        (["NOT EXERCISED: connector: x", "FINDING: snapshot: y"], "FINDING (see above)"),
+    ],
+)
+def test_verify_tells_an_unreached_conformance_row_from_a_finding(
+    verdicts: list[str], expected: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A conformance row whose required rules were not reached is neither green nor a finding."""
+    from invariants.cli import verify
+    from invariants.harness import conformance
+
+    def fake(*, sink: list[Any], **_: Any) -> int:
+        sink += [conformance.Row(f"row {i}", 1, 300, v, 0.1, v == "agrees") for i, v in enumerate(verdicts)]
+        return 1
+
+    monkeypatch.setattr(conformance, "run_conformance", fake)
+    recorded: list[tuple[Any, ...]] = []
+    run = SimpleNamespace(
+        missing=lambda target: None,
+        args=SimpleNamespace(quick=True, seed=0),
+        out=tmp_path,
+        record=lambda *row: recorded.append(row),
+    )
+    verify.row_conformance(run)  # type: ignore[arg-type]
+    ((check, _target, verdict, _figure, _seconds, good, *_),) = recorded
+    assert check == "conformance" and verdict == expected and good is False
