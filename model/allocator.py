@@ -248,7 +248,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
 
     # ------------------------------------------------------------------ ops
     def apply(self, op: Op) -> Observation:
-        # Only the operation right after a step may report its sync loads' failed blocks.
+        # Only the operation right after a step (or its samples) may report its sync loads' failed blocks.
         report, self.sync_report = self.sync_report, None
         if isinstance(op, AddRequest):
             assert op.rid not in self.requests, f"request {op.rid} already exists"
@@ -274,6 +274,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             return step
         if isinstance(op, Sample):
             req = self.requests[op.rid]
+            self.sync_report = conn.sample_rides(self, op.rid, report)
             rejected = self._sample(req, op)
             if self.in_flight is not None and not self.in_flight.sampled(op.rid, op.accepted, rejected):
                 self._token_arrives(req, 0)

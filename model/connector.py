@@ -135,10 +135,13 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   block on are evicted (`KVCacheManager.evict_blocks`; an async load's blocks
   are not cached).
 - **A sync load's failed blocks** (`Loaded(rid, True, invalid)` right after
-  the step that ran `rid`'s sync load: the worker reports them with that
-  step's output, `sync_load_failed`). `invalid` names blocks holding its
-  external tokens (`sync_failable_blocks`); the step's output comes whole
-  (no other request of the step awaits its sample). vLLM cuts the step's
+  the step that ran `rid`'s sync load, or after samples of that step's
+  requests: the worker reports them with that step's output, which carries
+  the samples too, `sync_load_failed`, `sample_rides`). `invalid` names blocks
+  holding its external tokens (`sync_failable_blocks`); the step's output
+  comes whole (no other request of the step still awaits its sample; with
+  synchronous scheduling and no drafts, a sampled one's token rides on it,
+  and is dropped if the request is cut: vLLM skips its output). vLLM cuts the step's
   async loads holding one, then every running request whose computed tokens
   before the step cover one, in scan order (`scan_order`, `cut_covering`): at its first failed block no
   earlier request marked, or, where an earlier request (the loading one)
@@ -230,8 +233,9 @@ gives a sample its own operation), or where it carries drafts to verify (the ski
 output leaves vLLM's draft bookkeeping, `spec_token_ids`, to a rule the model does
 not state), or under async scheduling (the report processes the latest step's output
 first, `model.async_scheduling`); a sync load's failed blocks reported after another
-operation than its step, or while another request of the step awaits its sample (the
-step's output would not come whole).
+operation than its step and its samples, while another request of the step awaits
+its sample (the step's output would not come whole), or after a sample with drafts or
+under async scheduling.
 """
 
 from __future__ import annotations
@@ -629,11 +633,22 @@ def cut_scanned(
 
 class SyncReport(NamedTuple):
     """What the latest step's output may still report about its sync loads, until the
-    next operation (`AllocatorModel.sync_report`): the step's admissions in order
-    (async loads included), and per sync load its (hit, external tokens)."""
+    next operation but the samples riding on it (`AllocatorModel.sync_report`,
+    `sample_rides`): the step's admissions in order (async loads included), per sync
+    load its (hit, external tokens), and the requests of the step sampled since."""
 
     admitted: tuple[str, ...]
     loads: dict[str, tuple[int, int]]
+    sampled: frozenset[str] = frozenset()
+
+
+def sample_rides(m: AllocatorModel, rid: str, report: SyncReport | None) -> SyncReport | None:
+    """The latest step's `SyncReport` after a sample of `rid`: kept where `rid` ran in that
+    step (synchronous scheduling, no drafts), as its token rides on the same output as the
+    sync loads' failed blocks; else gone."""
+    if report is None or rid not in m.undelivered or m.in_flight is not None or m.num_spec_tokens:
+        return None
+    return report._replace(sampled=report.sampled | {rid})
 
 
 def note_step(results: Iterable[tuple[str, ScheduleResult]]) -> SyncReport | None:
@@ -701,6 +716,11 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
     cut, _ = cut_covering(m, loads, invalid)
     running_cut, dependent = cut_covering(m, running, invalid)
     cut += running_cut
+    if report.sampled:
+        m.exercised["connector: sync load's failed blocks with samples riding on the step's output"] += 1
+    for r in set(cut) & report.sampled:
+        m.requests[r].outputs.pop()  # vLLM skips a cut request's output: its sample is dropped
+        m.exercised["connector: a sample riding on a sync load's failed blocks dropped"] += 1
     m.undelivered = {}  # a cut request's `is_prefill_chunk` stays as its step set it
     m.exercised["connector: sync load failed on some blocks"] += 1
     changed = sorted(r for r in cut if r != rid and m.requests[r].num_computed != before[r])

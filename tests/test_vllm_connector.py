@@ -360,6 +360,68 @@ def test_a_sync_load_reports_only_right_after_its_step() -> None:
     assert isinstance(ended, LoadCut) and ended.ended == ("r0", "r1")
 
 
+def riding_sample_ops(policy: str) -> list[Op]:
+    """r0's sync load (12 external tokens, blocks 1-3) and r1 (hitting them, its last
+    token of its own) complete their prompts in one step; r1 is sampled, its token riding
+    on the step's output, which then reports block 2 failed: r0 is cut to 4, r1 back to
+    its hit (12), and vLLM skips r1's output, dropping the sample ("fail": both end)."""
+    ops: list[Op] = [
+        AddRequest("r0", PROMPT),
+        AddRequest("r1", PROMPT[:12] + (99,)),
+        Offer("r0", 12, "sync"),
+        Step(("r0", "r1"), 64),
+        Sample("r1", 5),
+        Loaded("r0", True, (2,)),
+    ]
+    if policy == "fail":
+        return [*ops, Probe(PROMPT), AddRequest("r3", tuple(range(100, 140))), Step(("r3",), 64)]
+    return [*ops, Step(("r0", "r1"), 64), Sample("r0", 7), Sample("r1", 8), Finish("r0"), Probe(PROMPT)]
+
+
+def test_a_sample_rides_on_the_sync_loads_report_and_a_cut_drops_it() -> None:
+    m = AllocatorModel(FULL)
+    ops = riding_sample_ops("recompute")
+    for op in ops[:4]:
+        m.apply(op)
+    assert failable_blocks(m, m.requests["r0"]) == []  # r1 awaits its sample: not whole
+    m.apply(ops[4])
+    assert m.sync_report is not None and m.sync_report.sampled == {"r1"}
+    assert failable_blocks(m, m.requests["r0"]) == [1, 2, 3]
+    assert m.apply(ops[5]) == LoadCut(4, (("r1", 12),))
+    assert m.requests["r1"].num_tokens == 13  # its sample dropped: it recomputes its last token
+    assert m.exercised["connector: a sample riding on a sync load's failed blocks dropped"] == 1
+    # Control: any other operation between the step and the report ends the report's turn.
+    o = AllocatorModel(FULL)
+    for op in [*ops[:4], Probe(PROMPT), ops[4]]:
+        o.apply(op)
+    assert o.sync_report is None and failable_blocks(o, o.requests["r0"]) == []
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_real_scheduler_agrees_on_a_sample_riding_on_a_sync_loads_report(policy: str) -> None:
+    d = Drive(FULL.with_(kv_load_failure_policy=policy)).do(*riding_sample_ops(policy))  # type: ignore[arg-type]
+    assert d.audited() == []
+    cut = d.seen[5]
+    assert isinstance(cut, LoadCut) and (cut.num_computed, cut.others) == (4, (("r1", 12),))
+    assert sorted(cut.ended) == (["r0", "r1"] if policy == "fail" else [])
+    # Negative control: a model that keeps the sample of a cut request disagrees with vLLM.
+    if policy == "recompute":
+        from invariants.harness import checker as checker_mod
+
+        kept = Drive(FULL)
+        real = checker_mod.AllocatorModel.apply
+
+        def keep_sample(self: AllocatorModel, op: Op) -> object:
+            if isinstance(op, Loaded) and self.sync_report is not None:
+                self.sync_report = self.sync_report._replace(sampled=frozenset())
+            return real(self, op)
+
+        kept.checker.model.apply = keep_sample.__get__(kept.checker.model)  # type: ignore[method-assign]
+        assert kept.do(*riding_sample_ops(policy)).audited() != []
+
+
 def test_connector_ops_round_trip_and_bad_input() -> None:
     for op in (
         Offer("r0", 5, "async"),

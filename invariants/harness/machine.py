@@ -517,13 +517,23 @@ class ConnectorMachine(AllocatorMachine):
         self._after_step(data)
 
     def _after_step(self, data: st.DataObject) -> None:
-        """Right after a step that ran sync loads: two times in three, the step's output
-        reports blocks one of them failed on (`model.connector.sync_load_failed`)."""
+        """Right after a step that ran sync loads (and, one time in two, the samples of the
+        step's other requests): two times in three, the step's output reports blocks one of
+        them failed on (`model.connector.sync_load_failed`)."""
         assert self.checker is not None
         model = self.checker.model
         report = model.sync_report
         if report is None:
             return
+        # Other requests of the step awaiting their samples: one time in two sampled first, their
+        # tokens riding on the same output (`model.connector.sample_rides`).
+        owing = [r for r in model.undelivered if r not in report.loads and model.requests[r].awaits_sample]
+        if owing and not model.num_spec_tokens and data.draw(st.booleans(), label="their samples first?"):
+            for rid in owing:
+                self._do(self._sample(rid, data))
+            report = model.sync_report
+            if report is None:
+                return
         loads = [r for r in report.loads if failable_blocks(model, model.requests[r])]
         if not loads or not data.draw(st.integers(0, 2), label="sync load failed on some blocks?"):
             return
