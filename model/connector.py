@@ -221,17 +221,16 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   awaiting its sample from that step is scanned on its computed tokens
   before the step; one whose blocks there hold a failed block is cut as any
   holder is (`cut_covering`: back to those tokens if an earlier request
-  marked them all) and loses its sample: vLLM skips its output
-  (`failed_kv_load_req_ids`), so it no longer awaits one and recomputes from
-  its cut. The shares of the others stay held for their samples.
+  marked them all) and loses its sample and the drafts the step verified:
+  vLLM skips its output (`failed_kv_load_req_ids`), so it no longer awaits
+  one and recomputes from its cut. The shares of the others stay held for their samples.
 
 Not stated (generation avoids them): a failed block a request awaiting its
 sample covers where its share is not in the latest step's output (an earlier
 step's: kvretain keeps no share of it), where only that step's own tokens reach it
 (in vLLM the request is not cut and its sample is taken with the report: kvretain
-gives a sample its own operation), or where it carries drafts to verify (the skipped
-output leaves vLLM's draft bookkeeping, `spec_token_ids`, to a rule the model does
-not state), or under async scheduling (the report processes the latest step's output
+gives a sample its own operation, and the sample then the report is that output), or
+under async scheduling (the report processes the latest step's output
 first, `model.async_scheduling`); a sync load's failed blocks reported after another
 operation than its step and its samples, while another request of the step awaits
 its sample (the step's output would not come whole), or after a sample with drafts or
@@ -513,7 +512,8 @@ def loaded(
         seen, cut, dependent = cut_scanned(m, rid, invalid)
         m.undelivered = {}
         m.exercised["connector: load failed on some blocks"] += 1
-        if set(cut) & set(riding):
+        for r in set(cut) & set(riding):
+            m.requests[r].verifying = ()  # cut back past them: no sample will verify them
             m.exercised["connector: a request awaiting its sample holding a failed block cut"] += 1
     if (not ok or invalid) and m.cfg.kv_load_failure_policy == "fail":
         # The request ends with an error; its load has reported, so only a save waits.
@@ -550,17 +550,14 @@ def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
 
 def riding_shares(m: AllocatorModel) -> dict[str, int]:
     """The shares of the latest step's output a report of failed blocks rides on: those
-    of requests awaiting their sample (their tokens in that step, `undelivered`), with
-    synchronous scheduling and no drafts to verify. The cut counts a request's computed
-    tokens before that step, and one it cuts loses its sample (vLLM skips its output)."""
+    of requests awaiting their sample (their tokens in that step, `undelivered`, drafts
+    verified in it included), with synchronous scheduling. The cut counts a request's
+    computed tokens before that step, and one it cuts loses its sample and the step's
+    drafts (vLLM skips its output)."""
     if m.in_flight is not None:
         return {}
     reqs = m.requests
-    return {
-        r: n
-        for r, n in m.undelivered.items()
-        if r in reqs and reqs[r].awaits_sample and not reqs[r].verifying
-    }
+    return {r: n for r, n in m.undelivered.items() if r in reqs and reqs[r].awaits_sample}
 
 
 def scan_order(m: AllocatorModel) -> tuple[list[str], list[str]]:

@@ -240,6 +240,50 @@ def test_real_scheduler_agrees_on_holders_awaiting_their_sample(policy: str) -> 
     assert bad and "LoadCut" in bad[0].message, bad[:1]
 
 
+def drafting_holders_ops(policy: str = "recompute") -> list[Op]:
+    """`awaiting_holders_ops` with a draft model (2 drafts): r0's step verifies its two
+    drafts when r2's load fails on block 2, so r0 is cut back past the drafts too."""
+    ops: list[Op] = [
+        AddRequest("r0", PROMPT),
+        Step(("r0",), 64),
+        Sample("r0", 5, 0, (6, 7)),
+        AddRequest("r2", PROMPT + (8, 8)),
+        Offer("r2", 15, "async"),
+        Step(("r2",), 64),
+        AddRequest("r1", PROMPT + (7, 7)),
+        Step(("r0", "r1"), 64),
+        Loaded("r2", True, (2,)),
+    ]
+    if policy == "fail":
+        return [*ops, Probe(PROMPT)]
+    return [*ops, Step(("r0", "r1", "r2"), 64), Sample("r0", 9), Sample("r1", 9), Finish("r0"), Probe(PROMPT)]
+
+
+DRAFTS = FULL.with_(num_blocks=32, num_lookahead_tokens=2)
+
+
+def test_a_holder_verifying_drafts_is_cut_back_past_them() -> None:
+    m = AllocatorModel(DRAFTS, num_spec_tokens=2)
+    ops = drafting_holders_ops()
+    apply_all(m, ops[:8])
+    assert m.requests["r0"].verifying == (6, 7) and m.requests["r0"].awaits_sample
+    assert m.apply(ops[8]) == LoadCut(4, (("r0", 4), ("r1", 12)))
+    assert m.requests["r0"].verifying == () and not m.requests["r0"].awaits_sample
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_real_scheduler_agrees_on_a_holder_verifying_drafts(policy: str) -> None:
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = DRAFTS.with_(kv_load_failure_policy=policy)  # type: ignore[arg-type]
+    found, seen = judged(VllmSchedulerTarget, cfg, drafting_holders_ops(policy))
+    assert found == []
+    cut = seen[8]
+    assert isinstance(cut, LoadCut) and (cut.num_computed, cut.others) == (4, (("r0", 4), ("r1", 12)))
+
+
 # ------------------------------------------------------------------ "fail": every holder ends, in an open order
 def fail_holders_ops() -> list[Op]:
     """Under "fail", r0 (blocks 1-4) and r1 (1-3 hit, 5) running, sampled; r2 hits

@@ -374,7 +374,7 @@ EXCLUDED = [
     ("the #40676 pinned tier", "not in vLLM (never merged)"),
     (
         "failed blocks (invalid_block_ids) covered by a request awaiting its sample "
-        "of an earlier step than the latest, with drafts to verify, reached only by that step's own "
+        "of an earlier step than the latest, reached only by that step's own "
         "tokens, or under async scheduling; a sync load's failed blocks reported after another "
         "operation than its step and its samples (a sample with drafts or under async scheduling "
         "included)",

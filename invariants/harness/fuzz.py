@@ -108,7 +108,7 @@ NO_CONNECTOR = (
 )
 CONNECTOR_NOT_STATED = (
     "failed blocks covered by a request awaiting its sample of an earlier step than the latest, "
-    "with drafts to verify, reached only by its latest step's tokens, or under async scheduling; "
+    "reached only by its latest step's tokens, or under async scheduling; "
     "a sync load's failed blocks reported after another operation than its step and its samples, "
     "while another request of its step awaits its sample, or after a sample with drafts or under "
     "async scheduling; failed blocks with more than one KV cache group (vLLM raises) "
