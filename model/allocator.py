@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from model import connector as conn
+from model import failed_blocks as fb
 from model.async_scheduling import (
     InFlight,
     caching_limit,
@@ -35,7 +36,7 @@ from model.async_scheduling import (
 )
 from model.caching import BlockCaching
 from model.config import Config, GroupSpec, validate
-from model.connector import LOADING, NO_LOAD, Load, external_tokens
+from model.connector import NO_LOAD, Load, external_tokens
 from model.fine_mamba import (
     Copy,
     KeyLayout,
@@ -48,6 +49,7 @@ from model.fine_mamba import (
     retained_endpoints,
 )
 from model.hybrid_hit import HitRules, reconcile
+from model.load_states import LOADING
 from model.lookup import full_hit, mamba_hit, swa_hit
 from model.mamba import cap_of
 from model.mamba_states import MambaStates
@@ -215,7 +217,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         # rid -> tokens of the latest step whose output is undelivered (`model.connector`).
         self.undelivered: dict[str, int] = {}
         # The latest step's sync loads, until the next operation (`model.connector.SyncReport`).
-        self.sync_report: conn.SyncReport | None = None
+        self.sync_report: fb.SyncReport | None = None
         # The order a report ending several requests at once frees them in: open; the judge's choice.
         self.end_order: tuple[str, ...] = ()
         self.order = QueueOrder()  # `running` and `holding` between steps (`model.queues`)
@@ -259,7 +261,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             result = self._schedule(self.requests[op.rid], op.budget)
             result = replace(result, copies=self._take_copies())
             self.undelivered = {op.rid: result.scheduled} if result.scheduled else {}
-            self.sync_report = conn.note_step([(op.rid, result)])
+            self.sync_report = fb.note_step([(op.rid, result)])
             self.order.scheduled(op.rid, self.requests[op.rid].running, self.requests[op.rid].holding)
             self._outputs_arrive({op.rid: result.scheduled})
             return result
@@ -268,13 +270,13 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             step = self._step(op.rids, op.budget)
             step = replace(step, copies=self._take_copies())
             self.undelivered = {rid: r.scheduled for rid, r in step.results if r.scheduled}
-            self.sync_report = conn.note_step(step.results)
+            self.sync_report = fb.note_step(step.results)
             self.order.stepped(op.rids, step.queues)
             self._outputs_arrive({rid: r.scheduled for rid, r in step.results})
             return step
         if isinstance(op, Sample):
             req = self.requests[op.rid]
-            self.sync_report = conn.sample_rides(self, op.rid, report)
+            self.sync_report = fb.sample_rides(self, op.rid, report)
             rejected = self._sample(req, op)
             if self.in_flight is not None and not self.in_flight.sampled(op.rid, op.accepted, rejected):
                 self._token_arrives(req, 0)

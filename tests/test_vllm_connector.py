@@ -23,7 +23,8 @@ from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, ConfigError, GroupSpec
-from model.connector import external_tokens, failable_blocks, remaining_blocks
+from model.connector import external_tokens, remaining_blocks
+from model.failed_blocks import failable_blocks
 from model.observation import Done, LoadCut, Queues, Saving, StepResult
 from model.ops import (
     AddRequest,

@@ -34,7 +34,7 @@ from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, GroupSpec
-from model.connector import failable_blocks, scan_order
+from model.failed_blocks import failable_blocks, scan_order
 from model.observation import LoadCut
 from model.ops import AddRequest, Finish, Loaded, Offer, Op, Probe, Sample, Step
 
@@ -186,7 +186,7 @@ def test_a_holder_awaiting_its_sample_is_cut_and_loses_it() -> None:
     assert failable_blocks(m, m.requests["r2"]) == [1, 2, 3, 5]
     assert m.apply(ops[8]) == LoadCut(4, (("r0", 4), ("r1", 12)))
     assert not m.requests["r0"].awaits_sample and not m.requests["r1"].awaits_sample
-    assert m.exercised["connector: a request awaiting its sample holding a failed block cut"] == 1
+    assert m.exercised["connector: a request awaiting its sample holding a failed block cut"] == 2  # r0 and r1
     with pytest.raises(InvalidOp, match="not waiting for a sampled token"):
         c = Checker(ModelTarget(FULL))
         for op in ops[:9]:
@@ -207,7 +207,7 @@ def test_a_block_a_holder_reaches_only_by_its_riding_step_is_not_named() -> None
     from pathlib import Path
 
     from invariants.harness.trace import read_trace
-    from model.connector import covered, riding_shares
+    from model.failed_blocks import covered, riding_shares
 
     trace = read_trace(Path(__file__).parent / "data" / "riding_step_tokens.json")
     m = AllocatorModel(trace.config)

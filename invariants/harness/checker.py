@@ -41,7 +41,7 @@ from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
 from model.async_scheduling import FENCED
 from model.config import Config
-from model.connector import failable_blocks
+from model.failed_blocks import failable_blocks
 from model.observation import (
     BlockIds,
     BlockKey,

@@ -25,7 +25,7 @@ from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
 from invariants.harness.known_findings import KnownLedger
 from invariants.targets.base import Target
 from model.config import Config
-from model.connector import failable_blocks
+from model.failed_blocks import failable_blocks
 from model.fine_mamba import fine_hits_enabled
 from model.observation import BlockIds, ScheduleResult, StepResult
 from model.ops import (
