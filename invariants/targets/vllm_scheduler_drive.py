@@ -375,7 +375,7 @@ class RealStepScheduler:
         load under "fail") in the order of its outputs, which is the order
         `finish_requests` ended them in (`errored`)."""
         outputs = self.sched.update_from_output(out, runner_out)
-        for batch in outputs.values():
+        for batch in (outputs or {}).values():  # older releases may return nothing
             self.errored += [
                 o.request_id for o in batch.outputs if getattr(o.finish_reason, "name", "") == "ERROR"
             ]
