@@ -239,9 +239,9 @@ def note_step(results: Iterable[tuple[str, ScheduleResult]]) -> SyncReport | Non
 def sync_failable_blocks(m: AllocatorModel, req: RequestState, report: SyncReport) -> list[int]:
     """The blocks the output of the step that ran `req`'s sync load may name as failed:
     the non-null blocks holding its external tokens (the ones the connector loaded), if
-    the output can come whole (no other request of the step awaits its sample: kvretain
-    delivers a sampled request's share with its token), whose cut is stated (`cut_stated`
-    on the computed tokens before the step)."""
+    the output can come whole (no other request of the step still awaits its sample: the
+    samples ride on it, `sample_rides`), whose cut is stated (`cut_stated` on the computed
+    tokens before the step)."""
     g = m.groups[0]
     others = [r for r in m.undelivered if r != req.rid and r in m.requests]
     if any(m.requests[r].awaits_sample for r in others):
