@@ -40,6 +40,7 @@ from model.ops import AddRequest, Finish, Loaded, Offer, Op, Probe, Sample, Step
 
 FULL = Config(groups=(GroupSpec("full", 4),), num_blocks=24, max_model_len=4096, kv_connector=True)
 FAIL = FULL.with_(kv_load_failure_policy="fail")
+DRAFTS = FULL.with_(num_blocks=32, num_lookahead_tokens=2)  # a draft model's 2 drafts a step
 PROMPT = tuple(range(1, 14))  # 13 tokens
 
 _OK, _REASON = vllm_available()
@@ -156,16 +157,17 @@ def test_what_generation_may_name_with_several_holders() -> None:
 
 
 # ------------------------------------------------------------------ holders awaiting their sample
-def awaiting_holders_ops(policy: str = "recompute") -> list[Op]:
+def awaiting_holders_ops(policy: str = "recompute", drafts: bool = False) -> list[Op]:
     """r0 (blocks 1-4) and r1 (hitting 1-3, its own 6) both await their samples from one
     step when the async load of r2 (hitting 1-3) fails on block 2: the report rides on
     that step's output with their shares. r0, first in `running`, marks block 2 and is
     cut to 4; r1, holding only the marked block, goes back to its 12 tokens before the
-    step. Neither awaits a sample now (vLLM skipped their outputs); they recompute."""
+    step. Neither awaits a sample now (vLLM skipped their outputs); they recompute.
+    `drafts`: r0's step verifies two drafts, which its cut goes back past too."""
     ops: list[Op] = [
         AddRequest("r0", PROMPT),
         Step(("r0",), 64),
-        Sample("r0", 5),
+        Sample("r0", 5, 0, (6, 7)) if drafts else Sample("r0", 5),
         AddRequest("r2", PROMPT + (8, 8)),
         Offer("r2", 15, "async"),
         Step(("r2",), 64),
@@ -223,12 +225,14 @@ def test_a_block_a_holder_reaches_only_by_its_riding_step_is_not_named() -> None
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.parametrize("drafts", [False, True], ids=["plain", "drafts"])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_real_scheduler_agrees_on_holders_awaiting_their_sample(policy: str) -> None:
+def test_real_scheduler_agrees_on_holders_awaiting_their_sample(policy: str, drafts: bool) -> None:
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 
-    cfg = FULL.with_(kv_load_failure_policy=policy)  # type: ignore[arg-type]
-    found, seen = judged(VllmSchedulerTarget, cfg, awaiting_holders_ops(policy))
+    cfg = (DRAFTS if drafts else FULL).with_(kv_load_failure_policy=policy)  # type: ignore[arg-type]
+    ops = awaiting_holders_ops(policy, drafts)
+    found, seen = judged(VllmSchedulerTarget, cfg, ops)
     assert found == []
     cut = seen[8]
     assert isinstance(cut, LoadCut) and (cut.num_computed, cut.others) == (4, (("r0", 4), ("r1", 12)))
@@ -237,52 +241,17 @@ def test_real_scheduler_agrees_on_holders_awaiting_their_sample(policy: str) -> 
     from invariants.zoo.mutants_scheduler import activate
 
     with activate("sync_invalid_scan_keeps_step_tokens") as factory:
-        bad, _ = judged(factory, cfg, awaiting_holders_ops(policy))
+        bad, _ = judged(factory, cfg, ops)
     assert bad and "LoadCut" in bad[0].message, bad[:1]
-
-
-def drafting_holders_ops(policy: str = "recompute") -> list[Op]:
-    """`awaiting_holders_ops` with a draft model (2 drafts): r0's step verifies its two
-    drafts when r2's load fails on block 2, so r0 is cut back past the drafts too."""
-    ops: list[Op] = [
-        AddRequest("r0", PROMPT),
-        Step(("r0",), 64),
-        Sample("r0", 5, 0, (6, 7)),
-        AddRequest("r2", PROMPT + (8, 8)),
-        Offer("r2", 15, "async"),
-        Step(("r2",), 64),
-        AddRequest("r1", PROMPT + (7, 7)),
-        Step(("r0", "r1"), 64),
-        Loaded("r2", True, (2,)),
-    ]
-    if policy == "fail":
-        return [*ops, Probe(PROMPT)]
-    return [*ops, Step(("r0", "r1", "r2"), 64), Sample("r0", 9), Sample("r1", 9), Finish("r0"), Probe(PROMPT)]
-
-
-DRAFTS = FULL.with_(num_blocks=32, num_lookahead_tokens=2)
 
 
 def test_a_holder_verifying_drafts_is_cut_back_past_them() -> None:
     m = AllocatorModel(DRAFTS, num_spec_tokens=2)
-    ops = drafting_holders_ops()
+    ops = awaiting_holders_ops(drafts=True)
     apply_all(m, ops[:8])
     assert m.requests["r0"].verifying == (6, 7) and m.requests["r0"].awaits_sample
     assert m.apply(ops[8]) == LoadCut(4, (("r0", 4), ("r1", 12)))
     assert m.requests["r0"].verifying == () and not m.requests["r0"].awaits_sample
-
-
-@needs_vllm
-@pytest.mark.vllm
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_real_scheduler_agrees_on_a_holder_verifying_drafts(policy: str) -> None:
-    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-
-    cfg = DRAFTS.with_(kv_load_failure_policy=policy)  # type: ignore[arg-type]
-    found, seen = judged(VllmSchedulerTarget, cfg, drafting_holders_ops(policy))
-    assert found == []
-    cut = seen[8]
-    assert isinstance(cut, LoadCut) and (cut.num_computed, cut.others) == (4, (("r0", 4), ("r1", 12)))
 
 
 # ------------------------------------------------------------------ "fail": every holder ends, in an open order
