@@ -214,8 +214,9 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         # The connector saves these at their finish; finished, their blocks wait for `Saved`.
         self.saving: set[str] = set()
         self.sending: set[str] = set()
-        # rid -> tokens of the latest step whose output is undelivered (`model.connector`).
+        # rid -> the latest step's tokens, output undelivered; `step_shares`: all its shares (`_output`).
         self.undelivered: dict[str, int] = {}
+        self.step_shares: frozenset[str] = frozenset()
         # The latest step's sync loads, until the next operation (`model.connector.SyncReport`).
         self.sync_report: fb.SyncReport | None = None
         # The order a report ending several requests at once frees them in: open; the judge's choice.
@@ -260,8 +261,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             self._new_step()
             result = self._schedule(self.requests[op.rid], op.budget)
             result = replace(result, copies=self._take_copies())
-            self.undelivered = {op.rid: result.scheduled} if result.scheduled else {}
-            self.sync_report = fb.note_step([(op.rid, result)])
+            self._output(((op.rid, result),))
             self.order.scheduled(op.rid, self.requests[op.rid].running, self.requests[op.rid].holding)
             self._outputs_arrive({op.rid: result.scheduled})
             return result
@@ -269,8 +269,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             assert all(rid in self.requests for rid in op.rids), f"unknown request in {op.rids}"
             step = self._step(op.rids, op.budget)
             step = replace(step, copies=self._take_copies())
-            self.undelivered = {rid: r.scheduled for rid, r in step.results if r.scheduled}
-            self.sync_report = fb.note_step(step.results)
+            self._output(step.results)
             self.order.stepped(op.rids, step.queues)
             self._outputs_arrive({rid: r.scheduled for rid, r in step.results})
             return step
@@ -333,6 +332,11 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     def _new_step(self) -> None:
         for g in self.groups:
             g.cached_this_step.clear()
+
+    def _output(self, results: tuple[tuple[str, ScheduleResult], ...]) -> None:
+        """The latest step's output, undelivered: its shares and its sync loads (`model.connector`)."""
+        self.undelivered = {rid: r.scheduled for rid, r in results if r.scheduled}
+        self.step_shares, self.sync_report = frozenset(self.undelivered), fb.note_step(results)
 
     def _outputs_arrive(self, scheduled: dict[str, int] | None) -> None:
         """Async scheduling: a step was scheduled (None: a connector's report), so the previous
@@ -700,8 +704,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if rid in g.num_cached:
             # Running: no new hit, and a table already longer than needed is fine.
             return max(required - held, 0)
-        # Blocks wholly before the window stay null: they are neither allocated
-        # nor, when they are hit blocks, adopted.
+        # Blocks wholly before the window stay null: neither allocated nor, as hit blocks, adopted.
         out_of_window = self._skipped_tokens(g, computed) // g.bs
         new = max(required - max(out_of_window, len(hits) + held), 0)
         adopted_hits = hits[max(0, out_of_window - held) :]
@@ -715,9 +718,8 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         takes their state block too, which vLLM 0.33.0 leaves uncounted (`model.connector`):
         the model asks for the larger of vLLM's count and what the admission takes."""
         if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
-            # The hit state was keyed by another request in this same step and is
-            # not computed yet: ask for more than the pool holds so the request
-            # waits for the next step.
+            # The hit state was keyed by another request this step, not computed yet: ask for
+            # more than the pool holds so the request waits for the next step.
             self.exercised["Mamba same-step guard"] += 1
             return self.cfg.num_blocks + 1
         s = self._draft_blocks(g)

@@ -79,23 +79,31 @@ applies the cut stated here, ending the requests it reaches under "fail".
   the model ends them in the order the judge saw (`AllocatorModel.end_order`);
   in id order where no one chose.
 
-- **A holder awaiting its sample** (synchronous scheduling): the report of an
-  async load's failed blocks rides on the latest step's output, with the
-  shares of it still held for their samples (`riding_shares`). A request
+- **A holder awaiting its sample**: the report of an async load's failed blocks
+  rides on the latest step's output, with the shares of it still held for
+  their samples (`riding_shares`; under async scheduling that output is the
+  one the report processes first, `model.async_scheduling`). A request
   awaiting its sample from that step is scanned on its computed tokens
   before the step; one whose blocks there hold a failed block is cut as any
   holder is (`cut_covering`: back to those tokens if an earlier request
   marked them all) and loses its sample and the drafts the step verified:
   vLLM skips its output (`failed_kv_load_req_ids`), so it no longer awaits
-  one and recomputes from its cut. The shares of the others stay held for their samples.
+  one and recomputes from its cut. The shares of the others stay held for
+  their samples. Under async scheduling vLLM 0.33.0 keeps a cut request's
+  output placeholders, which its next steps schedule as tokens: a known
+  finding ("async-load-cut-keeps-placeholders"), not the contract. The
+  output is one in vLLM, so a share of it delivered before the report (a
+  sampled request of the step) is scanned on its tokens before the step too:
+  kvretain delivers such a share on its own, so a report naming a block a
+  rider holds names none such a share holds (`failable_blocks`).
 
 Not stated (generation avoids them): a failed block a request awaiting its
 sample covers where its share is not in the latest step's output (an earlier
 step's: kvretain keeps no share of it), where only that step's own tokens reach it
 (in vLLM the request is not cut and its sample is taken with the report: kvretain
-gives a sample its own operation, and the sample then the report is that output), or
-under async scheduling (the report processes the latest step's output
-first, `model.async_scheduling`); a sync load's failed blocks reported after another
+gives a sample its own operation, and the sample then the report is that output); a
+rider together with a share of the same output delivered before the report (above);
+a sync load's failed blocks reported after another
 operation than its step and its samples, while another request of the step awaits
 its sample (the step's output would not come whole), or after a sample with drafts or
 under async scheduling.
@@ -118,8 +126,9 @@ def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
     """The blocks a report of `req`'s load may name as failed (`Loaded.invalid`):
     with a single KV cache group (vLLM refuses block-level failures with more: block ids
     are unique per group only), for an async load in flight the non-null blocks covering
-    its computed tokens whose cut is stated (`cut_stated`); right after the step that
-    ran its sync load, `sync_failable_blocks`."""
+    its computed tokens whose cut is stated (`cut_stated`), none a rider holds where a
+    share of the latest step's output delivered before the report holds one (module
+    docstring); right after the step that ran its sync load, `sync_failable_blocks`."""
     if len(m.groups) != 1:
         return []
     if m.sync_report is not None and req.rid in m.sync_report.loads:
@@ -129,17 +138,20 @@ def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
     g = m.groups[0]
     computed = g.tables.get(req.rid, [])[: cdiv(req.num_computed, g.bs)]
     riding = riding_shares(m)
-    return [b for b in computed if b and cut_stated(m, req.rid, b, riding)]
+    stated = [b for b in computed if b and cut_stated(m, req.rid, b, riding)]
+    loads, running = scan_order(m)
+    delivered = [r for r in [*loads, *running] if r != req.rid and r in m.step_shares and r not in riding]
+    if not any(set(stated) & set(covered(m, r, {})) for r in delivered):
+        return stated
+    rides = {b for r in riding for b in covered(m, r, {})}
+    return [b for b in stated if b not in rides]
 
 
 def riding_shares(m: AllocatorModel) -> dict[str, int]:
     """The shares of the latest step's output a report of failed blocks rides on: those
     of requests awaiting their sample (their tokens in that step, `undelivered`, drafts
-    verified in it included), with synchronous scheduling. The cut counts a request's
-    computed tokens before that step, and one it cuts loses its sample and the step's
-    drafts (vLLM skips its output)."""
-    if m.in_flight is not None:
-        return {}
+    verified in it included). The cut counts a request's computed tokens before that
+    step, and one it cuts loses its sample and the step's drafts (vLLM skips its output)."""
     reqs = m.requests
     return {r: n for r, n in m.undelivered.items() if r in reqs and reqs[r].awaits_sample}
 

@@ -24,6 +24,7 @@ on the `Scheduler`, and so is a model whose running order is planted reversed.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -243,6 +244,69 @@ def test_real_scheduler_agrees_on_holders_awaiting_their_sample(policy: str, dra
     with activate("sync_invalid_scan_keeps_step_tokens") as factory:
         bad, _ = judged(factory, cfg, ops)
     assert bad and "LoadCut" in bad[0].message, bad[:1]
+
+
+def test_a_holder_awaiting_its_sample_under_async_scheduling_is_cut_and_loses_it() -> None:
+    """The report processes the latest step's output first; the shares held for their
+    samples ride on it and are scanned on their tokens before that step, as without async."""
+    m = AllocatorModel(FULL, async_scheduling=True)
+    ops = awaiting_holders_ops()
+    apply_all(m, ops[:8])
+    assert failable_blocks(m, m.requests["r2"]) == [1, 2, 3, 5]
+    assert m.apply(ops[8]) == LoadCut(4, (("r0", 4), ("r1", 12)))
+    assert not m.requests["r0"].awaits_sample and not m.requests["r1"].awaits_sample
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_rider_and_a_share_delivered_before_the_report_never_share_a_named_block(
+    async_scheduling: bool,
+) -> None:
+    """r1 is sampled (its share delivered on its own), r0 still awaits its sample: in vLLM
+    both shares are one output, scanned on their tokens before the step, while kvretain
+    delivered r1's first. So the blocks r0 holds are not named; r2's own block 5 is."""
+    ops = awaiting_holders_ops()
+    m = AllocatorModel(FULL, async_scheduling=async_scheduling)
+    apply_all(m, [*ops[:8], Sample("r1", 9)])
+    assert failable_blocks(m, m.requests["r2"]) == [5]
+    # Control: with r1 awaiting its sample too, both ride on the report: all are named.
+    c = AllocatorModel(FULL, async_scheduling=async_scheduling)
+    apply_all(c, ops[:8])
+    assert failable_blocks(c, c.requests["r2"]) == [1, 2, 3, 5]
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("drafts", [False, True], ids=["plain", "drafts"])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_real_async_scheduler_on_holders_awaiting_their_sample(policy: str, drafts: bool) -> None:
+    """"fail": vLLM's `AsyncScheduler` agrees (the holders end). "recompute": it cuts them
+    as stated but keeps their output placeholders, the known finding
+    "async-load-cut-keeps-placeholders", reported at the report and nowhere before."""
+    from invariants.harness.known_findings import is_known_violation
+
+    cfg = (DRAFTS if drafts else FULL).with_(kv_load_failure_policy=policy)  # type: ignore[arg-type]
+    ops = awaiting_holders_ops(policy, drafts)
+    target = scheduler_target("async")
+    if policy == "fail":
+        found, seen = judged(target, cfg, ops)
+        assert found == []
+        cut = seen[8]
+        assert isinstance(cut, LoadCut) and (cut.num_computed, cut.others) == (4, (("r0", 4), ("r1", 12)))
+        # Negative control: a scan that keeps the step's tokens of a share riding on the report.
+        from invariants.zoo.mutants_scheduler import activate
+
+        with activate("sync_invalid_scan_keeps_step_tokens"):  # `AsyncScheduler` inherits it
+            bad, _ = judged(target, cfg, ops)
+        assert bad and "LoadCut" in bad[0].message, bad[:1]
+        return
+    d = Drive(cfg, target)
+    before = [v for op in ops[:8] for v in d.checker.step(op)]
+    crash = d.checker.step(ops[8])
+    assert before == [] and len(crash) == 1, crash
+    assert "kept r0's" in crash[0].message and is_known_violation(target.name, crash[0])
+    # Control: the tolerance names the failed load's cut, not any kept placeholder.
+    other = crash[0].message.replace("a load's failed blocks", "a preemption")
+    assert not is_known_violation(target.name, replace(crash[0], message=other))
 
 
 def test_a_holder_verifying_drafts_is_cut_back_past_them() -> None:

@@ -46,7 +46,8 @@ connector's report (`Loaded`, `Saved`) comes with an output processed before
 the next `schedule()`: the latest step's output is processed first (`flush`),
 as the engine's batch queue does when it waits on its oldest step; a sync
 load's failed blocks ride on the output of the step that ran it
-(`report_step`), processed then.
+(`report_step`), processed then, and so do the shares held for a sample whose
+requests hold a failed block (`riding`, as the synchronous driver delivers them).
 """
 
 from __future__ import annotations
@@ -144,9 +145,14 @@ class AsyncStepScheduler(RealStepScheduler):
             rids, samplers, self.undelivered, self.samplers = self.undelivered, self.samplers, [], set()
             self._process(out, rids, samplers)
 
-    def riding(self, invalid: tuple[int, ...]) -> list[str]:
-        """None: a report processes the latest step's output first (`model.async_scheduling`)."""
-        return []
+    def report_load(self, connector_output: Any, invalid: tuple[int, ...] = ()) -> None:
+        """The latest step's output first (`flush`), then the report, with the shares held
+        for a sample whose requests hold a failed block before it (`riding`): their
+        placeholders are checked as a sync load's cut checks them."""
+        self.flush()
+        riding = self.riding(invalid)
+        super().report_load(connector_output, invalid)
+        self._check_placeholders(riding)
 
     def report_step(self, rid: str, connector_output: Any) -> None:
         """A sync load's failed blocks with the output of the step that ran it: its
@@ -165,18 +171,19 @@ class AsyncStepScheduler(RealStepScheduler):
         self._check_placeholders(rids)
 
     def _check_placeholders(self, rids: list[str]) -> None:
-        """After a step output delivered whole, a running request of it still holding output
-        placeholders was skipped by a failed load's cut (`update_from_output` skips the
-        requests `_handle_invalid_blocks` names before `_update_request_with_output` lowers
-        them): nothing will consume them, and its next steps schedule them as tokens. The
-        model states the cut request going on from its cut; this is a known finding
+        """After a step output delivered whole (or the shares riding on a report), a running
+        request of it still holding output placeholders was skipped by a failed load's cut
+        (`update_from_output` skips the requests `_handle_invalid_blocks` names before
+        `_update_request_with_output` lowers them): nothing will consume them, and its next
+        steps schedule them as tokens. The model states the cut request going on from its
+        cut; this is a known finding
         ("async-load-cut-keeps-placeholders"), reported here as it happens."""
         for rid in rids:
             req = self.sched.requests.get(rid)
             if req is not None and not req.is_finished() and req.num_output_placeholders > 0:
                 raise TargetCrash(
                     f"vLLM {self.s.version} kept {rid}'s {req.num_output_placeholders} output "
-                    "placeholder(s) after a sync load's failed blocks cut it (its step output is "
+                    "placeholder(s) after a load's failed blocks cut it (its step output is "
                     "skipped: nothing consumes them, its next steps schedule them as tokens)"
                 )
 
