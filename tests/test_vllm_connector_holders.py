@@ -279,7 +279,7 @@ def test_a_rider_and_a_share_delivered_before_the_report_never_share_a_named_blo
 @pytest.mark.parametrize("drafts", [False, True], ids=["plain", "drafts"])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_real_async_scheduler_on_holders_awaiting_their_sample(policy: str, drafts: bool) -> None:
-    """"fail": vLLM's `AsyncScheduler` agrees (the holders end). "recompute": it cuts them
+    """Under "fail" vLLM's `AsyncScheduler` agrees (the holders end). "recompute": it cuts them
     as stated but keeps their output placeholders, the known finding
     "async-load-cut-keeps-placeholders", reported at the report and nowhere before."""
     from invariants.harness.known_findings import is_known_violation
