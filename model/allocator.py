@@ -18,7 +18,7 @@ Which blocks an allocation caches, and under which keys: `model.caching`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -169,8 +169,7 @@ class GroupState:
 class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     """The specification as a state machine: `apply` an operation, read its observation.
 
-    Public, for the harness, the explorer and the exporter (documented seams;
-    everything else is the model's own):
+    Public, for the harness, the explorer and the exporter (documented seams; the rest is its own):
     - `requests`: the live requests by id (`RequestState`: prompt, outputs,
       computed tokens, running, junction); read-only;
     - `exercised`: how often each rule that only some traces reach fired (the
@@ -285,15 +284,14 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if isinstance(op, Offer):
             conn.offer(self.requests[op.rid], op.num_tokens, op.load == "async")
             return Done()
-        if isinstance(op, (Loaded, Saved)):
-            self._outputs_arrive(None)  # a report: the latest step's output is processed first
-        if isinstance(op, Loaded):
+        if isinstance(op, Loaded):  # a report: processes the latest step's output (`model.connector`)
             return conn.loaded(self, op.rid, op.ok, op.invalid, report)
         if isinstance(op, Save):
             assert op.rid in self.requests, f"saving unknown request {op.rid}"
             self.saving.add(op.rid)
             return Done()
         if isinstance(op, Saved):
+            self._outputs_arrive(None)  # a report: the latest step's output is processed first
             self.undelivered = {}  # the report comes with the last step's output (`model.connector`)
             conn.saved(self, op.rid)
             return Done()
@@ -338,9 +336,10 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         self.undelivered = {rid: r.scheduled for rid, r in results if r.scheduled}
         self.step_shares, self.sync_report = frozenset(self.undelivered), fb.note_step(results)
 
-    def _outputs_arrive(self, scheduled: dict[str, int] | None) -> None:
-        """Async scheduling: a step was scheduled (None: a connector's report), so the previous
-        step's output is processed, fenced frees due and sampled tokens arrive (`model.async_scheduling`)."""
+    def _outputs_arrive(self, scheduled: dict[str, int] | None, skipped: Callable[[], set[str]] = set) -> None:
+        """Async scheduling: a step was scheduled (None: a connector's report), so the previous step's
+        output is processed: fenced frees due, then sampled tokens arrive, but `skipped`'s (a failed
+        load's cut, made between: `model.connector`; `model.async_scheduling`)."""
         if self.in_flight is None:
             return
         arrived, due = self.in_flight.scheduled(scheduled)
@@ -348,7 +347,8 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             self.exercised["async + connector: fenced frees returned as the step's output was processed"] += 1
         for blocks in due:
             self.pool.free(reversed(blocks))
-        for rid, since in arrived:
+        skip = skipped()
+        for rid, since in (a for a in arrived if a[0] not in skip):
             self._token_arrives(self.requests[rid], since)
 
     def _take_copies(self) -> tuple[Copy, ...]:

@@ -151,7 +151,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from model.async_scheduling import scheduler_position
+from model.async_scheduling import Arriving, scheduler_position
 from model.failed_blocks import SyncReport, cut_covering, cut_scanned, riding_shares, scan_order
 from model.load_states import FAILED, LOADED, LOADING
 from model.masks import cdiv
@@ -402,6 +402,7 @@ def loaded(
     come with that step's output (`sync_load_failed`)."""
     if report is not None and rid in report.loads:
         return sync_load_failed(m, rid, invalid, report)
+    m._outputs_arrive(None)  # async scheduling: the latest step's output is processed first
     riding = riding_shares(m)
     m.undelivered = {}  # the report comes with the last step's output
     if rid in m.held:
@@ -444,28 +445,58 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
     the step's output (its tokens and samples). "recompute": the cut requests go on from
     their cut. "fail": the dependent blocks' hashes are evicted and the cut request
     ends with an error, freed as a finish is (its save, if any, deferred as usual),
-    every cut request at once (`end_all`)."""
+    every cut request at once (`end_all`). Under async scheduling the output's fenced
+    frees come first and the samples riding on it arrive after the cut, but the cut
+    requests' (`model.async_scheduling`)."""
+    riders = dict(m.in_flight.tokens) if m.in_flight is not None else {}
+    made: list[tuple[LoadCut, list[str], list[int]]] = []
+
+    def cut() -> set[str]:
+        made.append(_sync_cut(m, rid, invalid, report, riders))
+        return set(made[0][1])
+
+    if m.in_flight is None:
+        cut()
+    else:
+        m._outputs_arrive(None, cut)
+    seen, cut_rids, _ = made[0]
+    if m.cfg.kv_load_failure_policy == "fail":
+        seen = replace(seen, ended=end_all(m, cut_rids))
+    return seen
+
+
+def _sync_cut(
+    m: AllocatorModel, rid: str, invalid: tuple[int, ...], report: SyncReport, riders: dict[str, Arriving]
+) -> tuple[LoadCut, list[str], list[int]]:
+    """`sync_load_failed`'s cut, on the scheduler's count (a riding sample's rejected drafts
+    not rolled back yet, `riders`); "fail": the dependent blocks' hashes evicted. Returns
+    what the report shows, the requests cut and the dependent blocks."""
+    for r, a in riders.items():
+        m.requests[r].num_computed += a.rejected
     loads, running = scan_order(m)
     before = {r: m.requests[r].num_computed for r in [*loads, *running]}
     cut, _ = cut_covering(m, loads, invalid)
     running_cut, dependent = cut_covering(m, running, invalid)
     cut += running_cut
+    for r, a in riders.items():
+        if r not in cut:
+            m.requests[r].num_computed -= a.rejected  # the output rolls them back
     if report.sampled:
         m.exercised["connector: sync load's failed blocks with samples riding on the step's output"] += 1
     for r in set(cut) & report.sampled:
-        m.requests[r].outputs.pop()  # vLLM skips a cut request's output: its sample is dropped
+        del m.requests[r].outputs[-(riders[r].tokens if r in riders else 1) :]  # vLLM skips its output
         m.exercised["connector: a sample riding on a sync load's failed blocks dropped"] += 1
     m.undelivered = {}  # a cut request's `is_prefill_chunk` stays as its step set it
     m.exercised["connector: sync load failed on some blocks"] += 1
-    changed = sorted(r for r in cut if r != rid and m.requests[r].num_computed != before[r])
+    # Every other request whose computed tokens the report changed: cut, or a rider's rejection rolled back.
+    changed = sorted(r for r in before if r != rid and m.requests[r].num_computed != before[r])
     seen = LoadCut(m.requests[rid].num_computed, tuple((r, m.requests[r].num_computed) for r in changed))
     if len(cut) > 1:
         m.exercised["connector: a request sharing a failed block cut"] += 1
     if m.cfg.kv_load_failure_policy == "fail":
         m.pool.evict_blocks(dependent)
-        seen = replace(seen, ended=end_all(m, cut))
         m.exercised["connector: a sync load's failed blocks evicted ('fail')"] += 1
-    return seen
+    return seen, cut, dependent
 
 
 def end_all(m: AllocatorModel, rids: list[str], last: str = "") -> tuple[str, ...]:

@@ -41,9 +41,12 @@ applies the cut stated here, ending the requests it reaches under "fail".
   requests: the worker reports them with that step's output, which carries
   the samples too, `sync_load_failed`, `sample_rides`). `invalid` names blocks
   holding its external tokens (`sync_failable_blocks`); the step's output
-  comes whole (no other request of the step still awaits its sample; with
-  synchronous scheduling and no drafts, a sampled one's token rides on it,
-  and is dropped if the request is cut: vLLM skips its output). vLLM cuts the step's
+  comes whole (no other request of the step still awaits its sample; a
+  sampled one's tokens ride on it, but with drafts under synchronous
+  scheduling, and are dropped if the request is cut: vLLM skips its output;
+  under async scheduling the output's fenced frees come before the cut, and
+  the sampled tokens arrive after it, but a cut request's, whose rejected
+  drafts the cut counts as the scheduler does, not rolled back yet). vLLM cuts the step's
   async loads holding one, then every running request whose computed tokens
   before the step cover one, in scan order (`scan_order`, `cut_covering`): at its first failed block no
   earlier request marked, or, where an earlier request (the loading one)
@@ -105,8 +108,9 @@ gives a sample its own operation, and the sample then the report is that output)
 rider together with a share of the same output delivered before the report (above);
 a sync load's failed blocks reported after another
 operation than its step and its samples, while another request of the step awaits
-its sample (the step's output would not come whole), or after a sample with drafts or
-under async scheduling.
+its sample (the step's output would not come whole), or after a sample with drafts
+under synchronous scheduling (kvretain delivers that sample at once, its blocks cached
+then, where vLLM skips a cut request's output).
 """
 
 from __future__ import annotations
@@ -234,9 +238,9 @@ class SyncReport(NamedTuple):
 
 def sample_rides(m: AllocatorModel, rid: str, report: SyncReport | None) -> SyncReport | None:
     """The latest step's `SyncReport` after a sample of `rid`: kept where `rid` ran in that
-    step (synchronous scheduling, no drafts), as its token rides on the same output as the
-    sync loads' failed blocks; else gone."""
-    if report is None or rid not in m.undelivered or m.in_flight is not None or m.num_spec_tokens:
+    step (but with drafts under synchronous scheduling, whose samples are delivered at
+    once), as its tokens ride on the same output as the sync loads' failed blocks; else gone."""
+    if report is None or rid not in m.undelivered or m.in_flight is None and m.num_spec_tokens:
         return None
     return report._replace(sampled=report.sampled | {rid})
 

@@ -24,6 +24,7 @@ from invariants.harness.known_findings import explain, is_known_violation  # noq
 from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget  # noqa: E402
 from model.async_scheduling import FENCED, InFlight  # noqa: E402
 from model.config import Config, GroupSpec  # noqa: E402
+from model.observation import LoadCut  # noqa: E402
 from model.ops import AddRequest, Finish, Loaded, Offer, Op, Sample, Save, Saved, Step  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -181,9 +182,9 @@ def test_a_report_processes_the_latest_output_first() -> None:
 def test_control_a_report_leaving_the_output_in_flight_disagrees_with_vllm() -> None:
     original = allocator.AllocatorModel._outputs_arrive
 
-    def only_steps(self: Any, scheduled: Any) -> None:
+    def only_steps(self: Any, scheduled: Any, *skipped: Any) -> None:
         if scheduled is not None:
-            original(self, scheduled)
+            original(self, scheduled, *skipped)
 
     with patched(allocator.AllocatorModel, "_outputs_arrive", only_steps):
         assert async_violations(CONN, REPORT_PROCESSES) != []
@@ -215,6 +216,78 @@ def test_finding_a_cut_request_keeps_its_output_placeholders() -> None:
 
     sync = Checker(VllmSchedulerTarget(PLACEHOLDER_CONFIG), audit_every=1)
     assert [v for op in PLACEHOLDERS_KEPT for v in sync.step(op)] == []
+
+
+def riding_samples_ops(drafts: bool) -> list[Op]:
+    """r2 decodes (verifying two drafts with `drafts`); a step runs it with r0's sync load
+    (12 external tokens, blocks 5-7 with drafts) and r1 hitting r0's blocks; r2 and r1 are
+    sampled (r2 accepting one draft of two), their tokens riding on the step's output,
+    which reports r0's second block failed: r0 is cut to 4, r1 back to its hit (12), both
+    end ("fail"); r2 goes on, its rejected draft rolled back once the output is processed."""
+    return [
+        AddRequest("r2", tuple(range(60, 69))),
+        Step(("r2",), 64),
+        Sample("r2", 70, 0, (71, 72)) if drafts else Sample("r2", 70),
+        AddRequest("r0", tuple(range(1, 14))),
+        AddRequest("r1", (*range(1, 13), 99)),
+        Offer("r0", 12, "sync"),
+        Step(("r2", "r0", "r1"), 64),
+        Sample("r2", 73, 1, (74,)) if drafts else Sample("r2", 73),
+        Sample("r1", 5),
+        Loaded("r0", True, (6,) if drafts else (5,)),
+        Step(("r2",), 64),
+        Sample("r2", 75),
+        AddRequest("r3", tuple(range(100, 140))),
+        Step(("r3",), 64),
+    ]
+
+
+@pytest.mark.parametrize("drafts", [False, True], ids=["plain", "drafts"])
+def test_samples_ride_on_a_sync_loads_report(drafts: bool) -> None:
+    """The output's fenced frees, then the cut (on the scheduler's count: a rider's
+    rejected drafts not rolled back yet), then the riders' tokens arrive but the cut ones'."""
+    cfg = (SPEC if drafts else SPEC.with_(num_lookahead_tokens=0)).with_(kv_load_failure_policy="fail")
+    ops = riding_samples_ops(drafts)
+    m = allocator.AllocatorModel(cfg, num_spec_tokens=cfg.num_lookahead_tokens, async_scheduling=True)
+    for op in ops[:9]:
+        m.apply(op)
+    assert m.sync_report is not None and m.sync_report.sampled == {"r1", "r2"}
+    # Control: synchronous scheduling delivers a sample with drafts at once: the report's turn ends.
+    s = allocator.AllocatorModel(cfg, num_spec_tokens=cfg.num_lookahead_tokens)
+    for op in ops[:9]:
+        s.apply(op)
+    assert (s.sync_report is None) == drafts
+    d = async_drive(cfg).do(*ops)
+    assert d.found == []
+    cut = d.seen[9]
+    assert isinstance(cut, LoadCut) and cut.num_computed == 4
+    assert cut.others == ((("r1", 12), ("r2", 11)) if drafts else (("r1", 12),))  # r2's rejection rolled back
+    assert sorted(cut.ended) == ["r0", "r1"]
+    assert d.checker.model.exercised["connector: a sample riding on a sync load's failed blocks dropped"]
+
+
+def test_control_a_cut_on_the_rolled_back_count_disagrees_with_vllm() -> None:
+    cfg = SPEC.with_(kv_load_failure_policy="fail")
+    original = connector._sync_cut
+
+    def rolled_back(m: Any, rid: str, invalid: Any, report: Any, riders: Any) -> Any:
+        return original(m, rid, invalid, report, {})
+
+    with patched(connector, "_sync_cut", rolled_back):
+        found = async_violations(cfg, riding_samples_ops(True))
+    assert any("LoadCut" in v.message for v in found), found
+
+
+def test_a_sync_loads_report_after_samples_under_recompute_is_the_placeholder_finding() -> None:
+    """Under "recompute" the loading request r0, cut, keeps its output placeholder: the
+    known finding, at the report and nowhere before."""
+    d = async_drive(SPEC.with_(num_lookahead_tokens=0))
+    ops = riding_samples_ops(False)
+    assert [v for op in ops[:9] for v in d.checker.step(op)] == []
+    found = d.checker.step(ops[9])
+    assert [explain("vllm-async-scheduler", v).id for v in found] == [  # type: ignore[union-attr]
+        "async-load-cut-keeps-placeholders"
+    ]
 
 
 def test_a_copys_retained_endpoints_wait_for_its_steps_output() -> None:
