@@ -336,10 +336,10 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         self.undelivered = {rid: r.scheduled for rid, r in results if r.scheduled}
         self.step_shares, self.sync_report = frozenset(self.undelivered), fb.note_step(results)
 
-    def _outputs_arrive(self, scheduled: dict[str, int] | None, skipped: Callable[[], set[str]] = set) -> None:
+    def _outputs_arrive(self, scheduled: dict[str, int] | None, cut: Callable[[], set[str]] = set) -> None:
         """Async scheduling: a step was scheduled (None: a connector's report), so the previous step's
-        output is processed: fenced frees due, then sampled tokens arrive, but `skipped`'s (a failed
-        load's cut, made between: `model.connector`; `model.async_scheduling`)."""
+        output is processed: fenced frees due, then sampled tokens arrive, but those of the requests
+        a failed load's `cut`, made between, names (`model.connector`; `model.async_scheduling`)."""
         if self.in_flight is None:
             return
         arrived, due = self.in_flight.scheduled(scheduled)
@@ -347,7 +347,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             self.exercised["async + connector: fenced frees returned as the step's output was processed"] += 1
         for blocks in due:
             self.pool.free(reversed(blocks))
-        skip = skipped()
+        skip = cut()
         for rid, since in (a for a in arrived if a[0] not in skip):
             self._token_arrives(self.requests[rid], since)
 
