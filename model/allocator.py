@@ -251,7 +251,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     # ------------------------------------------------------------------ ops
     def apply(self, op: Op) -> Observation:
         # Only the operation right after a step (or its samples) may report its sync loads' failed blocks.
-        report, self.sync_report = self.sync_report, None
+        report, self.sync_report = fb.turn(self, op), None
         if isinstance(op, AddRequest):
             assert op.rid not in self.requests, f"request {op.rid} already exists"
             self.requests[op.rid] = RequestState(op.rid, op.prompt)
@@ -373,10 +373,8 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         req.verifying, req.drafts = (), op.drafts
         if self.in_flight is not None:
             req.drafts = draft_slots(op.drafts, self.num_spec_tokens)
-        elif self.num_spec_tokens:
-            self.undelivered.pop(req.rid, None)  # its step output comes with it (`model.connector`)
-            if self.cfg.enable_caching:
-                self._cache_blocks(req, req.num_computed)
+        elif self.num_spec_tokens and not fb.output_waits(self, req, op.accepted, rejected):
+            fb.deliver(self, req)  # its step output comes with it (`model.connector`)
         return rejected
 
     def _ran(self, req: RequestState, n: int) -> None:

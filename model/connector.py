@@ -152,7 +152,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from model.async_scheduling import Arriving, scheduler_position
-from model.failed_blocks import SyncReport, cut_covering, cut_scanned, riding_shares, scan_order
+from model.failed_blocks import SyncReport, cut_covering, cut_scanned, deliver, riding_shares, scan_order
 from model.load_states import FAILED, LOADED, LOADING
 from model.masks import cdiv
 from model.observation import BlockIds, Done, LoadCut, Saving, ScheduleResult
@@ -445,10 +445,13 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
     the step's output (its tokens and samples). "recompute": the cut requests go on from
     their cut. "fail": the dependent blocks' hashes are evicted and the cut request
     ends with an error, freed as a finish is (its save, if any, deferred as usual),
-    every cut request at once (`end_all`). Under async scheduling the output's fenced
-    frees come first and the samples riding on it arrive after the cut, but the cut
-    requests' (`model.async_scheduling`)."""
-    riders = dict(m.in_flight.tokens) if m.in_flight is not None else {}
+    every cut request at once (`end_all`). The samples riding on the output are processed
+    after the cut, but the cut requests': under async scheduling after its fenced frees
+    (`model.async_scheduling`), with drafts under synchronous scheduling their outputs
+    having waited for it (`output_waits`)."""
+    riders = {r: Arriving(n, j) for r, n, j in report.waiting}
+    riders.update(m.in_flight.tokens if m.in_flight is not None else {})
+    order = [r for r in m.undelivered if r in riders]  # the output's order
     made: list[tuple[LoadCut, list[str], list[int]]] = []
 
     def cut() -> set[str]:
@@ -456,7 +459,9 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
         return set(made[0][1])
 
     if m.in_flight is None:
-        cut()
+        made_cut = cut()
+        for r in [r for r in order if r not in made_cut]:
+            deliver(m, m.requests[r])  # after the cut, as vLLM processes the output
     else:
         m._outputs_arrive(None, cut)
     seen, cut_rids, _ = made[0]

@@ -121,6 +121,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from model.load_states import FAILED, LOADED, LOADING
 from model.masks import cdiv
 from model.observation import LoadCut, ScheduleResult
+from model.ops import Loaded, Op, Sample
 
 if TYPE_CHECKING:
     from model.allocator import AllocatorModel, RequestState
@@ -229,20 +230,62 @@ class SyncReport(NamedTuple):
     """What the latest step's output may still report about its sync loads, until the
     next operation but the samples riding on it (`AllocatorModel.sync_report`,
     `sample_rides`): the step's admissions in order (async loads included), per sync
-    load its (hit, external tokens), and the requests of the step sampled since."""
+    load its (hit, external tokens), the requests of the step sampled since, and, with
+    drafts under synchronous scheduling, their (rid, tokens appended, drafts rejected),
+    whose output waits (`output_waits`)."""
 
     admitted: tuple[str, ...]
     loads: dict[str, tuple[int, int]]
     sampled: frozenset[str] = frozenset()
+    waiting: tuple[tuple[str, int, int], ...] = ()
+
+
+def turn(m: AllocatorModel, op: Op) -> SyncReport | None:
+    """The latest step's `SyncReport` as `op` finds it: kept for a sample of a request of
+    that step (`sample_rides`) and for the report of one of its sync loads; otherwise its
+    turn is over, and the samples whose output waited on it are delivered first (`deliver`)."""
+    report = m.sync_report
+    if report is None:
+        return None
+    if (
+        isinstance(op, Sample)
+        and op.rid in m.undelivered
+        or isinstance(op, Loaded)
+        and op.rid in report.loads
+    ):
+        return report
+    waiting = {r for r, _, _ in report.waiting}
+    for rid in [r for r in m.undelivered if r in waiting and r in m.requests]:  # the output's order
+        deliver(m, m.requests[rid])
+    return None
 
 
 def sample_rides(m: AllocatorModel, rid: str, report: SyncReport | None) -> SyncReport | None:
     """The latest step's `SyncReport` after a sample of `rid`: kept where `rid` ran in that
-    step (but with drafts under synchronous scheduling, whose samples are delivered at
-    once), as its tokens ride on the same output as the sync loads' failed blocks; else gone."""
-    if report is None or rid not in m.undelivered or m.in_flight is None and m.num_spec_tokens:
+    step, as its tokens ride on the same output as the sync loads' failed blocks; else gone."""
+    if report is None or rid not in m.undelivered:
         return None
     return report._replace(sampled=report.sampled | {rid})
+
+
+def output_waits(m: AllocatorModel, req: RequestState, accepted: int, rejected: int) -> bool:
+    """With drafts under synchronous scheduling, does the output of `req`'s sample wait for
+    the report's turn (`turn`)? It does where it rides on the report (`sample_rides`): vLLM
+    caches a sampled request's blocks as it processes the step's output, after the cut and
+    not for a request cut (`model.spec_decode`; `deliver`)."""
+    report = m.sync_report
+    if m.in_flight is not None or report is None or req.rid not in report.sampled:
+        return False
+    m.sync_report = report._replace(waiting=(*report.waiting, (req.rid, 1 + accepted, rejected)))
+    return True
+
+
+def deliver(m: AllocatorModel, req: RequestState) -> None:
+    """`req`'s share of the latest step's output, with its sample and drafts, processed
+    (synchronous scheduling): its blocks cached (`update_from_output`'s `cache_blocks`)."""
+    m.undelivered.pop(req.rid, None)
+    if m.cfg.enable_caching:
+        m._cache_blocks(req, req.num_computed)
 
 
 def note_step(results: Iterable[tuple[str, ScheduleResult]]) -> SyncReport | None:

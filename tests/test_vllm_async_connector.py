@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from drive import async_drive, async_violations, patched
+from test_vllm_connector_spec import riding_samples_ops
 
 from invariants.targets.vllm_env import vllm_available
 
@@ -218,30 +219,6 @@ def test_finding_a_cut_request_keeps_its_output_placeholders() -> None:
     assert [v for op in PLACEHOLDERS_KEPT for v in sync.step(op)] == []
 
 
-def riding_samples_ops(drafts: bool) -> list[Op]:
-    """r2 decodes (verifying two drafts with `drafts`); a step runs it with r0's sync load
-    (12 external tokens, blocks 5-7 with drafts) and r1 hitting r0's blocks; r2 and r1 are
-    sampled (r2 accepting one draft of two), their tokens riding on the step's output,
-    which reports r0's second block failed: r0 is cut to 4, r1 back to its hit (12), both
-    end ("fail"); r2 goes on, its rejected draft rolled back once the output is processed."""
-    return [
-        AddRequest("r2", tuple(range(60, 69))),
-        Step(("r2",), 64),
-        Sample("r2", 70, 0, (71, 72)) if drafts else Sample("r2", 70),
-        AddRequest("r0", tuple(range(1, 14))),
-        AddRequest("r1", (*range(1, 13), 99)),
-        Offer("r0", 12, "sync"),
-        Step(("r2", "r0", "r1"), 64),
-        Sample("r2", 73, 1, (74,)) if drafts else Sample("r2", 73),
-        Sample("r1", 5),
-        Loaded("r0", True, (6,) if drafts else (5,)),
-        Step(("r2",), 64),
-        Sample("r2", 75),
-        AddRequest("r3", tuple(range(100, 140))),
-        Step(("r3",), 64),
-    ]
-
-
 @pytest.mark.parametrize("drafts", [False, True], ids=["plain", "drafts"])
 def test_samples_ride_on_a_sync_loads_report(drafts: bool) -> None:
     """The output's fenced frees, then the cut (on the scheduler's count: a rider's
@@ -252,11 +229,6 @@ def test_samples_ride_on_a_sync_loads_report(drafts: bool) -> None:
     for op in ops[:9]:
         m.apply(op)
     assert m.sync_report is not None and m.sync_report.sampled == {"r1", "r2"}
-    # Control: synchronous scheduling delivers a sample with drafts at once: the report's turn ends.
-    s = allocator.AllocatorModel(cfg, num_spec_tokens=cfg.num_lookahead_tokens)
-    for op in ops[:9]:
-        s.apply(op)
-    assert (s.sync_report is None) == drafts
     d = async_drive(cfg).do(*ops)
     assert d.found == []
     cut = d.seen[9]

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
-from drive import Drive, Factory, check_contexts, own
+from drive import Drive, Factory, check_contexts, own, patched
 
 from invariants.harness.checker import Checker, Violation
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, GroupSpec
 from model.connector import remaining_blocks, spec_step_blocks
-from model.observation import Queues, ScheduleResult, StepResult
+from model.observation import LoadCut, Queues, ScheduleResult, StepResult
 from model.ops import AddRequest, Finish, Loaded, Offer, Op, Sample, Save, Step
 from model.spec_decode import PLACEHOLDER
 
@@ -200,6 +201,54 @@ def test_a_sample_delivers_its_output() -> None:
     assert m2.undelivered == {"r2": 2}
 
 
+def riding_samples_ops(drafts: bool = True, accepted: int = 1) -> list[Op]:
+    """r2 decodes (verifying two drafts with `drafts`); a step runs it with r0's sync load
+    (12 external tokens) and r1 hitting r0's blocks; r2 and r1 are sampled (r2 accepting
+    `accepted` drafts of two), their tokens riding on the step's output, which reports
+    r0's second block failed: r0 is cut to 4, r1 back to its hit (12), both end under
+    "fail"; r2 goes on, its rejected drafts rolled back as the output is processed."""
+    second = 6 if drafts else 5  # r0's blocks follow r2's (4 with drafts, 3 without)
+    return [
+        AddRequest("r2", tuple(range(60, 69))),
+        Step(("r2",), 64),
+        Sample("r2", 70, 0, (71, 72)) if drafts else Sample("r2", 70),
+        AddRequest("r0", PROMPT),
+        AddRequest("r1", (*PROMPT[:12], 99)),
+        Offer("r0", 12, "sync"),
+        Step(("r2", "r0", "r1"), 64),
+        Sample("r2", 73, accepted, (74,)) if drafts else Sample("r2", 73),
+        Sample("r1", 5),
+        Loaded("r0", True, (second,)),
+        Step(("r2",), 64),
+        Sample("r2", 75),
+        AddRequest("r3", tuple(range(100, 140))),
+        Step(("r3",), 64),
+    ]
+
+
+def test_a_sample_riding_on_a_sync_loads_report_waits_for_it() -> None:
+    """With drafts a sample's output is processed at once (`test_a_sample_delivers_its_output`),
+    but after a step that ran a sync load it rides on that step's output with the load's
+    report: its blocks are cached once the report's turn is over, after the cut."""
+    ops = riding_samples_ops(accepted=2)
+    m = model(FULL.with_(num_blocks=40))
+    for op in ops[:7]:
+        m.apply(op)
+    m.snapshot()  # the step's events
+    m.apply(ops[7])
+    assert m.undelivered["r2"] == 1 + K and m.sync_report is not None
+    assert m.sync_report.waiting == (("r2", 3, 0),)
+    assert not m.snapshot().events  # r2's third block, full now, waits to be cached
+    m.apply(AddRequest("r9", (1,)))  # the report's turn is over: the output is processed
+    assert "r2" not in m.undelivered and len(m.snapshot().events) == 1
+    # Control: the report itself processes it, after the cut.
+    c = model(FULL.with_(num_blocks=40))
+    for op in ops[:9]:
+        c.apply(op)
+    c.apply(ops[9])
+    assert "r2" not in c.undelivered and c.snapshot().events
+
+
 def test_a_cut_request_keeps_its_prefill_flag() -> None:
     m = model(FULL)
     for op in cut_flag_ops():
@@ -255,6 +304,47 @@ def test_vllm_agrees(case: str) -> None:
         "cut": (FULL, with_cut(FULL)),
     }[case]
     assert judged(cfg, ops) == []
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("accepted", [1, 2])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_vllm_agrees_on_samples_with_drafts_riding_on_a_sync_loads_report(policy: str, accepted: int) -> None:
+    cfg = FULL.with_(num_blocks=40, kv_load_failure_policy=policy)  # type: ignore[arg-type]
+    d = Drive(cfg).do(*riding_samples_ops(accepted=accepted))
+    assert d.audited() == []
+    cut = d.seen[9]
+    assert isinstance(cut, LoadCut) and cut.num_computed == 4
+    assert cut.others == ((("r1", 12),) + ((("r2", 11),) if accepted == 1 else ()))  # r2's rollback
+    assert sorted(cut.ended) == (["r0", "r1"] if policy == "fail" else [])
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_control_a_riding_sample_processed_at_once_disagrees_with_vllm() -> None:
+    import model.failed_blocks as fb
+
+    cfg = FULL.with_(num_blocks=40)
+    with patched(fb, "output_waits", lambda m, req, accepted, rejected: False):
+        found = Drive(cfg).attempt(*riding_samples_ops(accepted=2)).found
+    assert any(v.check == "snapshot" for v in found), found
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_control_a_cut_on_the_rolled_back_count_disagrees_with_vllm() -> None:
+    import model.connector as connector
+
+    original = connector._sync_cut
+
+    def rolled_back(m: AllocatorModel, rid: str, invalid: Any, report: Any, riders: Any) -> Any:
+        return original(m, rid, invalid, report, {})
+
+    cfg = FULL.with_(num_blocks=40)
+    with patched(connector, "_sync_cut", rolled_back):
+        found = Drive(cfg).attempt(*riding_samples_ops(accepted=1)).found
+    assert any("LoadCut" in v.message for v in found), found
 
 
 @needs_vllm

@@ -193,6 +193,10 @@ class RealStepScheduler:
         """A `Sample` operation (drafts are `SpecStepScheduler`'s, `vllm_scheduler_spec`)."""
         self.sample(req, op.token)
 
+    def close_window(self) -> None:
+        """An operation other than a sample or a load's report is next (the output a sample
+        with drafts waits on is processed then: `SpecStepScheduler`); nothing here."""
+
     def sampled_tokens(self, out: Any, rid: str) -> list[int]:
         """`rid`'s sampled tokens in step output `out` (none if unsampled)."""
         return [self.samples.pop(rid)] if rid in self.samples else []

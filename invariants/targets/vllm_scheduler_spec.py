@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from model.observation import StepResult
 from model.ops import Sample
 
 from .base import TargetCrash
@@ -47,10 +48,58 @@ class SpecStepScheduler(RealStepScheduler):
         super().__init__(*args, **kwargs)
         # rid -> the verified drafts its waiting sample accepts.
         self.accepted: dict[str, int] = {}
+        # Did the last step run a sync load? Its output may still report failed blocks.
+        self.sync_loads = False
+        # rid -> the drafts of a sample riding on that output, proposed once it is processed.
+        self.drafting: dict[str, tuple[int, ...]] = {}
+
+    def step(self, rids: tuple[str, ...], budget: int) -> StepResult:
+        connector = self.sched.connector
+        before = len(connector.loads) if connector is not None else 0
+        result = super().step(rids, budget)
+        new = connector.loads[before:] if connector is not None else []
+        self.sync_loads = any(load.rid not in connector.loading for load in new)
+        return result
+
+    def flush(self) -> None:
+        """The last step's output, then the drafts of the samples that rode on it."""
+        super().flush()
+        self.propose()
+
+    def report_step(self, rid: str, connector_output: Any) -> None:
+        super().report_step(rid, connector_output)
+        self.accepted.pop(rid, None)
+        self.propose()
+
+    def propose(self) -> None:
+        """`update_draft_token_ids` with the drafts of the samples that rode on the processed
+        output, as `EngineCore.post_step` proposes them after `update_from_output`."""
+        drafting, self.drafting, self.sync_loads = self.drafting, {}, False
+        if drafting:
+            from vllm.v1.outputs import DraftTokenIds
+
+            self.sched.update_draft_token_ids(
+                DraftTokenIds(list(drafting), [list(d) for d in drafting.values()])
+            )
+
+    def close_window(self) -> None:
+        """An operation other than a sample or the sync load's report: the output the samples
+        rode on is processed first."""
+        if self.sync_loads:
+            self.flush()
 
     def sample_drafts(self, req: Any, op: Sample) -> None:
-        """`op`'s output for `req`, delivered now, then its drafts proposed."""
+        """`op`'s output for `req`, delivered now, then its drafts proposed; but where the
+        step ran a sync load, it rides on the step's output with the load's report
+        (`model.failed_blocks.output_waits`), processed at the next operation."""
         rid = req.request_id
+        out = self.pending
+        if self.sync_loads and out is not None and rid in out.num_scheduled_tokens:
+            self.samples[rid] = op.token
+            self.accepted[rid] = op.accepted
+            self.drafting[rid] = op.drafts
+            return
+        self.close_window()
         out = self.pending
         if out is not None and rid in out.num_scheduled_tokens:
             rest = {r: n for r, n in out.num_scheduled_tokens.items() if r != rid}

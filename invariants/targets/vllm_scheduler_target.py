@@ -80,6 +80,8 @@ class SchedulerOpDriver(OpDriver):
 
     def dispatch(self, op: Op) -> Observation:
         requests = self.s.requests
+        if not isinstance(op, (Sample, Loaded)):
+            self.real.close_window()
         if isinstance(op, AddRequest):
             requests[op.rid] = self.new_request(op.rid, op.prompt)
             self.real.add(requests[op.rid])
