@@ -41,15 +41,19 @@ applies the cut stated here, ending the requests it reaches under "fail".
   requests: the worker reports them with that step's output, which carries
   the samples too, `sync_load_failed`, `sample_rides`). `invalid` names blocks
   holding its external tokens (`sync_failable_blocks`); the step's output
-  comes whole (no other request of the step still awaits its sample; a
-  sampled one's tokens ride on it, but with drafts under synchronous
-  scheduling, and are dropped if the request is cut: vLLM skips its output;
-  under async scheduling the output's fenced frees come before the cut, and
-  the sampled tokens arrive after it, but a cut request's, whose rejected
-  drafts the cut counts as the scheduler does, not rolled back yet). vLLM cuts the step's
-  async loads holding one, then every running request whose computed tokens
-  before the step cover one, in scan order (`scan_order`, `cut_covering`): at its first failed block no
-  earlier request marked, or, where an earlier request (the loading one)
+  comes whole (no other request of the step still awaits its sample). A
+  sampled one's tokens ride on it and are dropped if the request is cut:
+  vLLM skips its output; the others' outputs are processed after the cut,
+  which counts a sample's rejected drafts as the scheduler does, not rolled
+  back yet. Under async scheduling the output's fenced frees come before the
+  cut and the tokens arrive after it (`model.async_scheduling`); with drafts
+  under synchronous scheduling, where a sample's output is otherwise
+  processed at once (`model.spec_decode`), a sample of the step waits for the
+  report's turn (`output_waits`): its blocks are cached after the cut, or,
+  where the next operation is not the report, before that operation. vLLM
+  cuts the step's async loads holding one, then every running request whose
+  computed tokens before the step cover one, in scan order (`scan_order`,
+  `cut_covering`): at its first failed block no earlier request marked, or, where an earlier request (the loading one)
   marked them all, back to its tokens before the step (it keeps the hit on
   the failed blocks, which the loading request recomputes). The running ones
   lose the step's output. "recompute": they go on from their cut, nothing is
@@ -107,10 +111,8 @@ step's: kvretain keeps no share of it), where only that step's own tokens reach 
 gives a sample its own operation, and the sample then the report is that output); a
 rider together with a share of the same output delivered before the report (above);
 a sync load's failed blocks reported after another
-operation than its step and its samples, while another request of the step awaits
-its sample (the step's output would not come whole), or after a sample with drafts
-under synchronous scheduling (kvretain delivers that sample at once, its blocks cached
-then, where vLLM skips a cut request's output).
+operation than its step and its samples, or while another request of the step awaits
+its sample (the step's output would not come whole).
 """
 
 from __future__ import annotations

@@ -22,6 +22,12 @@ then caches blocks and the model caches them at the sample:
 - then `Scheduler.update_draft_token_ids(DraftTokenIds([rid], [drafts]))`, as
   `EngineCore.post_step` does after a step.
 
+But where the step ran a sync KV load, its output may still report the load's
+failed blocks, and a sample of the step rides on it
+(`model.failed_blocks.output_waits`): its share waits for the next operation,
+which delivers it (the report itself, with the whole output, or, before any
+other operation, the waiting shares), then proposes its drafts.
+
 A Mamba group speculates too: `vllm_scheduler_build` gives its `MambaSpec`
 `num_speculative_blocks = num_lookahead_tokens`, as a real Mamba layer
 declares (`MambaBase.get_kv_cache_spec`; 0 only under ReplaySSM, which
@@ -83,10 +89,15 @@ class SpecStepScheduler(RealStepScheduler):
             )
 
     def close_window(self) -> None:
-        """An operation other than a sample or the sync load's report: the output the samples
-        rode on is processed first."""
-        if self.sync_loads:
-            self.flush()
+        """An operation other than a sample or the sync load's report: the shares of the
+        samples that rode on the step's output are delivered first, then their drafts
+        proposed (the rest of the output waits, as without a sync load)."""
+        out, riding = self.pending, set(self.drafting)
+        if riding and out is not None:
+            rest = {r: n for r, n in out.num_scheduled_tokens.items() if r not in riding}
+            self.pending = replace(out, num_scheduled_tokens=rest, total_num_scheduled_tokens=sum(rest.values()))
+            self._deliver(out, [r for r in out.num_scheduled_tokens if r in riding])
+        self.propose()
 
     def sample_drafts(self, req: Any, op: Sample) -> None:
         """`op`'s output for `req`, delivered now, then its drafts proposed; but where the
