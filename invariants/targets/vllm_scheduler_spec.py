@@ -95,7 +95,9 @@ class SpecStepScheduler(RealStepScheduler):
         out, riding = self.pending, set(self.drafting)
         if riding and out is not None:
             rest = {r: n for r, n in out.num_scheduled_tokens.items() if r not in riding}
-            self.pending = replace(out, num_scheduled_tokens=rest, total_num_scheduled_tokens=sum(rest.values()))
+            self.pending = replace(
+                out, num_scheduled_tokens=rest, total_num_scheduled_tokens=sum(rest.values())
+            )
             self._deliver(out, [r for r in out.num_scheduled_tokens if r in riding])
         self.propose()
 
