@@ -537,7 +537,7 @@ def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Load
                 f"loaded: 'invalid' must name blocks of {op.rid!r}'s load, reported ok, in a single-group "
                 "layout: of an async load in flight, blocks covering its computed tokens that no other "
                 "request holds; right after the step that ran a sync load, blocks holding its external "
-                "tokens (model.connector.failable_blocks)"
+                "tokens (model.failed_blocks.failable_blocks)"
             )
         return
     if isinstance(op, Saved):

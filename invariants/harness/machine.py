@@ -526,9 +526,9 @@ class ConnectorMachine(AllocatorMachine):
         if report is None:
             return
         # Other requests of the step awaiting their samples: one time in two sampled first, their
-        # tokens riding on the same output (`model.connector.sample_rides`).
+        # tokens riding on the same output (`model.failed_blocks.sample_rides`).
         owing = [r for r in model.undelivered if r not in report.loads and model.requests[r].awaits_sample]
-        if owing and not model.num_spec_tokens and data.draw(st.booleans(), label="their samples first?"):
+        if len(owing) > 0 and data.draw(st.booleans(), label="their samples first?"):
             for rid in owing:
                 self._do(self._sample(rid, data))
             report = model.sync_report
@@ -542,7 +542,7 @@ class ConnectorMachine(AllocatorMachine):
 
     def _failed_blocks(self, data: st.DataObject, rid: str) -> tuple[int, ...]:
         """For a failed load of `rid`: the blocks it failed on, where some may be named
-        (`model.connector.failable_blocks`: one group), three times in four; else () (the
+        (`model.failed_blocks.failable_blocks`: one group), three times in four; else () (the
         whole load failed). Mostly one block, so that a cut often keeps a prefix."""
         assert self.checker is not None
         req = self.checker.model.requests.get(rid)
@@ -576,7 +576,7 @@ class ConnectorMachine(AllocatorMachine):
         first if it awaits its sample) is offered its tokens and admitted; it hits the
         running request's blocks (and those of earlier such loads, running or still
         loading), and its load reports, failed on some blocks where any may be named
-        (`model.connector.failable_blocks`: under "recompute" the shared ones too, which
+        (`model.failed_blocks.failable_blocks`: under "recompute" the shared ones too, which
         cut the requests holding them as well, the first in queue order at the block),
         else ok, and one time in two it is promoted at once; one time in three it stays
         in flight (reported by `connector`), so a later load may share its blocks while
