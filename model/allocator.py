@@ -8,11 +8,9 @@ failures and KV events. Speed is not a goal: lists, sets and brute force (the
 free queue is the one exception: `model.free_queue.LinkedFreeQueue`, checked
 against the list definition, so that 156k-block pools stay usable).
 
-Per-group state mirrors vLLM's single-type managers: the block table (null =
-0), how many leading blocks have been through caching, for Mamba the index
-of the previous state block and how many leading blocks were retired, and the
-block awaiting a copy-on-write copy (`model.fine_mamba`).
-Which blocks an allocation caches, and under which keys: `model.caching`.
+The state it keeps per request and per KV cache group (mirroring vLLM's
+single-type managers): `model.state`. Which blocks an allocation caches, and
+under which keys: `model.caching`.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 from model import connector as conn
@@ -55,7 +53,6 @@ from model.mamba import cap_of
 from model.mamba_states import MambaStates
 from model.masks import cdiv, swa_tail_blocks
 from model.observation import (
-    BlockKey,
     Done,
     Observation,
     ProbeResult,
@@ -83,11 +80,11 @@ from model.ops import (
     Step,
 )
 from model.pool import Pool
-from model.prefix import joined
 from model.profile import MODELED, Profile, rules_of
 from model.queues import QueueOrder, StepQueues
 from model.scheduling import StepChunks, long_prefill_cap
 from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
+from model.state import GroupState, RequestState
 
 Ids = tuple[int, ...]
 Blocks = tuple[Ids, ...]  # block ids per group
@@ -101,69 +98,6 @@ class Decision(NamedTuple):
     tokens: int = 0  # alloc: the chunk the attempt asked blocks for
     admission: bool = False  # alloc: it carried the request's prefix-cache hit (an admission)
     fits: bool = False  # alloc: the blocks were granted
-
-
-@dataclass
-class RequestState:
-    rid: str
-    prompt: Tokens
-    outputs: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    running: bool = False
-    shared_prefix_boundary: int = 0
-    # `model.spec_decode`: drafts for the next step, drafts the last step verified, vLLM `is_prefill_chunk`.
-    drafts: tuple[int, ...] = ()
-    verifying: tuple[int, ...] = ()
-    prefill_chunk: bool = False
-    # `model.connector`: the offer (tokens, async), the load ("" none, LOADING, LOADED, FAILED),
-    # whether its prefill is in flight, whether it waits among the requests holding blocks.
-    offer: tuple[int, bool] | None = None
-    load: str = ""
-    prefilling: bool = False
-    holding: bool = False
-
-    # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
-    _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
-
-    @property
-    def tokens(self) -> Tokens:
-        if not self.outputs:
-            return self.prompt
-        if len(self._joined) != len(self.prompt) + len(self.outputs):
-            base = self._joined or self.prompt
-            self._joined = joined(base, self.outputs[len(base) - len(self.prompt) :])
-        return self._joined
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.outputs)
-
-    @property
-    def awaits_sample(self) -> bool:
-        """Running with every known token and every verified draft computed."""
-        return self.running and self.num_computed >= self.num_tokens + len(self.verifying)
-
-
-@dataclass
-class GroupState:
-    gid: int
-    spec: GroupSpec
-    tables: dict[str, list[int]] = field(default_factory=dict)
-    num_cached: dict[str, int] = field(default_factory=dict)
-    last_state: dict[str, int] = field(default_factory=dict)
-    retired: dict[str, int] = field(default_factory=dict)
-    allocated: set[str] = field(default_factory=set)
-    cached_this_step: set[BlockKey] = field(default_factory=set)
-    # rid -> (table index, shared block) read only in part: the next allocation copies it.
-    partial: dict[str, tuple[int, int]] = field(default_factory=dict)
-    copies: list[Copy] = field(default_factory=list)  # queued this step, taken when it ends
-
-    @property
-    def bs(self) -> int:
-        return self.spec.block_size
-
-    def table(self, rid: str) -> list[int]:
-        return self.tables.setdefault(rid, [])
 
 
 class AllocatorModel(BlockCaching, MambaStates, StepChunks):

@@ -29,7 +29,7 @@ from model.pool import Pool
 from model.profile import Rules
 
 if TYPE_CHECKING:
-    from model.allocator import GroupState, RequestState
+    from model.state import GroupState, RequestState
 
 
 class BlockCaching:

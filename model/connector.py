@@ -161,8 +161,9 @@ from model.spec_decode import PLACEHOLDER, padded_admission
 Blocks = tuple[tuple[int, ...], ...]  # block ids per group
 
 if TYPE_CHECKING:
-    from model.allocator import AllocatorModel, GroupState, RequestState
+    from model.allocator import AllocatorModel
     from model.queues import StepQueues
+    from model.state import GroupState, RequestState
 
 
 class Load(NamedTuple):

@@ -126,7 +126,8 @@ from model.observation import LoadCut, ScheduleResult
 from model.ops import Loaded, Op, Sample
 
 if TYPE_CHECKING:
-    from model.allocator import AllocatorModel, RequestState
+    from model.allocator import AllocatorModel
+    from model.state import RequestState
 
 
 def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:

@@ -30,7 +30,7 @@ from model.masks import cdiv
 from model.pool import Pool
 
 if TYPE_CHECKING:
-    from model.allocator import GroupState
+    from model.state import GroupState
 
 
 class MambaStates:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from model.config import Config
 
 if TYPE_CHECKING:
-    from model.allocator import RequestState
+    from model.state import RequestState
 
 
 def long_prefill_cap(threshold: int, num_queued: int) -> int:

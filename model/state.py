@@ -1,0 +1,82 @@
+"""The live state the model keeps per request and per KV cache group.
+
+A request (`RequestState`) is its prompt and sampled tokens, how many of them
+are computed, where it runs, its drafts (`model.spec_decode`) and its KV
+connector load (`model.connector`). A group (`GroupState`) mirrors one of
+vLLM's single-type managers: its block tables (null = 0), how many leading
+blocks of each have been through caching, for Mamba the previous state block
+and the blocks retired, and the copies a step queues (`model.fine_mamba`).
+`model.allocator.AllocatorModel` owns and changes both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.config import GroupSpec
+from model.fine_mamba import Copy
+from model.observation import BlockKey
+from model.prefix import Tokens, joined
+
+
+@dataclass
+class RequestState:
+    rid: str
+    prompt: Tokens
+    outputs: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    running: bool = False
+    shared_prefix_boundary: int = 0
+    # `model.spec_decode`: drafts for the next step, drafts the last step verified, vLLM `is_prefill_chunk`.
+    drafts: tuple[int, ...] = ()
+    verifying: tuple[int, ...] = ()
+    prefill_chunk: bool = False
+    # `model.connector`: the offer (tokens, async), the load ("" none, LOADING, LOADED, FAILED),
+    # whether its prefill is in flight, whether it waits among the requests holding blocks.
+    offer: tuple[int, bool] | None = None
+    load: str = ""
+    prefilling: bool = False
+    holding: bool = False
+
+    # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
+    _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
+
+    @property
+    def tokens(self) -> Tokens:
+        if not self.outputs:
+            return self.prompt
+        if len(self._joined) != len(self.prompt) + len(self.outputs):
+            base = self._joined or self.prompt
+            self._joined = joined(base, self.outputs[len(base) - len(self.prompt) :])
+        return self._joined
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.outputs)
+
+    @property
+    def awaits_sample(self) -> bool:
+        """Running with every known token and every verified draft computed."""
+        return self.running and self.num_computed >= self.num_tokens + len(self.verifying)
+
+
+@dataclass
+class GroupState:
+    gid: int
+    spec: GroupSpec
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    num_cached: dict[str, int] = field(default_factory=dict)
+    last_state: dict[str, int] = field(default_factory=dict)
+    retired: dict[str, int] = field(default_factory=dict)
+    allocated: set[str] = field(default_factory=set)
+    cached_this_step: set[BlockKey] = field(default_factory=set)
+    # rid -> (table index, shared block) read only in part: the next allocation copies it.
+    partial: dict[str, tuple[int, int]] = field(default_factory=dict)
+    copies: list[Copy] = field(default_factory=list)  # queued this step, taken when it ends
+
+    @property
+    def bs(self) -> int:
+        return self.spec.block_size
+
+    def table(self, rid: str) -> list[int]:
+        return self.tables.setdefault(rid, [])
