@@ -489,14 +489,16 @@ def _sync_cut(
             m.requests[r].num_computed -= a.rejected  # the output rolls them back
     if report.sampled:
         m.exercised["connector: sync load's failed blocks with samples riding on the step's output"] += 1
-    for r in set(cut) & report.sampled:
-        del m.requests[r].outputs[-(riders[r].tokens if r in riders else 1) :]  # vLLM skips its output
+    dropped = tuple(sorted(set(cut) & report.sampled))
+    for r in dropped:
+        m.requests[r].drop_outputs(riders[r].tokens if r in riders else 1)  # vLLM skips its output
         m.exercised["connector: a sample riding on a sync load's failed blocks dropped"] += 1
     m.undelivered = {}  # a cut request's `is_prefill_chunk` stays as its step set it
     m.exercised["connector: sync load failed on some blocks"] += 1
     # Every other request whose computed tokens the report changed: cut, or a rider's rejection rolled back.
     changed = sorted(r for r in before if r != rid and m.requests[r].num_computed != before[r])
-    seen = LoadCut(m.requests[rid].num_computed, tuple((r, m.requests[r].num_computed) for r in changed))
+    others = tuple((r, m.requests[r].num_computed) for r in changed)
+    seen = LoadCut(m.requests[rid].num_computed, others, dropped=dropped)
     if len(cut) > 1:
         m.exercised["connector: a request sharing a failed block cut"] += 1
     if m.cfg.kv_load_failure_policy == "fail":

@@ -231,11 +231,14 @@ class LoadCut:
     computed tokens once cut at its first failed block (`model.connector`), and
     each other request whose computed tokens the failed blocks changed, with its
     computed tokens after, by request id; under "fail", the requests it ended with an
-    error, in the order they were ended (any order of them is allowed: `model.connector`)."""
+    error, in the order they were ended (any order of them is allowed: `model.connector`);
+    and, by id, the requests whose sample rode on the report's output and was skipped with
+    it, its tokens taken back (`model.failed_blocks`)."""
 
     num_computed: int
     others: tuple[tuple[str, int], ...] = ()
     ended: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
 
 
 Observation = Union[ScheduleResult, StepResult, ProbeResult, ResetResult, Done, Saving, LoadCut]

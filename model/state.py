@@ -38,8 +38,14 @@ class RequestState:
     prefilling: bool = False
     holding: bool = False
 
-    # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
+    # The joined tuple is kept (outputs grow, but for a dropped sample: `drop_outputs`), so
+    # naming its prefixes is memoised.
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
+
+    def drop_outputs(self, n: int) -> None:
+        """The last `n` sampled tokens taken back (a sample vLLM skipped: `model.failed_blocks`)."""
+        del self.outputs[len(self.outputs) - n :]
+        self._joined = ()
 
     @property
     def tokens(self) -> Tokens:

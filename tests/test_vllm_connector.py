@@ -388,14 +388,36 @@ def test_a_sample_rides_on_the_sync_loads_report_and_a_cut_drops_it() -> None:
     m.apply(ops[4])
     assert m.sync_report is not None and m.sync_report.sampled == {"r1"}
     assert failable_blocks(m, m.requests["r0"]) == [1, 2, 3]
-    assert m.apply(ops[5]) == LoadCut(4, (("r1", 12),))
+    assert m.apply(ops[5]) == LoadCut(4, (("r1", 12),), dropped=("r1",))
     assert m.requests["r1"].num_tokens == 13  # its sample dropped: it recomputes its last token
+    assert m.requests["r1"].tokens == PROMPT[:12] + (99,)
     assert m.exercised["connector: a sample riding on a sync load's failed blocks dropped"] == 1
     # Control: any other operation between the step and the report ends the report's turn.
     o = AllocatorModel(FULL)
     for op in [*ops[:4], Probe(PROMPT), ops[4]]:
         o.apply(op)
     assert o.sync_report is None and failable_blocks(o, o.requests["r0"]) == []
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_the_judges_history_takes_a_dropped_sample_back(policy: str) -> None:
+    """The catalogue's history of the requests follows the report: the dropped sample's
+    token taken back (`LoadCut.dropped`), and under "fail" every request it ended gone."""
+    c = Checker(ModelTarget(FULL.with_(kv_load_failure_policy=policy)))  # type: ignore[arg-type]
+    for op in riding_sample_ops(policy)[:6]:
+        c.step(op)
+    if policy == "fail":
+        assert "r0" not in c.history.requests and "r1" not in c.history.requests
+        return
+    assert c.history.requests["r1"].tokens == c.model.requests["r1"].tokens == PROMPT[:12] + (99,)
+    # Control: an observation naming no drop leaves the history's token in place.
+    d = Checker(ModelTarget(FULL))
+    for op in riding_sample_ops(policy)[:5]:
+        d.step(op)
+    from invariants.catalogue.history import advance_requests
+
+    advance_requests(d.history, Loaded("r0", True, (2,)), LoadCut(4, (("r1", 12),)))
+    assert d.history.requests["r1"].tokens == PROMPT[:12] + (99, 5)
 
 
 @needs_vllm
@@ -406,7 +428,7 @@ def test_real_scheduler_agrees_on_a_sample_riding_on_a_sync_loads_report(policy:
     assert d.audited() == []
     cut = d.seen[5]
     assert isinstance(cut, LoadCut) and (cut.num_computed, cut.others) == (4, (("r1", 12),))
-    assert sorted(cut.ended) == (["r0", "r1"] if policy == "fail" else [])
+    assert sorted(cut.ended) == (["r0", "r1"] if policy == "fail" else []) and cut.dropped == ("r1",)
     # Negative control: a model that keeps the sample of a cut request disagrees with vLLM.
     if policy == "recompute":
         from invariants.harness import checker as checker_mod

@@ -41,8 +41,14 @@ class RequestHistory:
     accepted: int = 0
     read_from: tuple[int, int] = (0, 0)
 
-    # The joined tuple is kept (outputs only grow), so naming its prefixes is memoised.
+    # The joined tuple is kept (outputs grow, but for a dropped sample: `drop_outputs`), so
+    # naming its prefixes is memoised.
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
+
+    def drop_outputs(self, n: int) -> None:
+        """The last `n` sampled tokens taken back (a sample vLLM skipped: `model.failed_blocks`)."""
+        del self.outputs[len(self.outputs) - n :]
+        self._joined = ()
 
     @property
     def tokens(self) -> Tokens:

@@ -212,14 +212,19 @@ def advance_requests(history: History, op: Op, obs: Observation, tables: Tables 
     elif isinstance(op, Offer):
         history.requests[op.rid].offered = op.num_tokens
     elif isinstance(op, Loaded) and (not op.ok or op.invalid) and op.rid in history.requests:
+        for rid in obs.dropped if isinstance(obs, LoadCut) else ():
+            r = history.requests[rid]
+            r.drop_outputs(1 + r.accepted)  # its sample rode on the report and was skipped
         if history.failed_load_ends:
-            history.requests.pop(op.rid)  # ended with an error (`model.connector`)
+            for rid in {op.rid, *(obs.ended if isinstance(obs, LoadCut) else ())}:
+                history.requests.pop(rid, None)  # ended with an error (`model.connector`)
         else:
             # A failed connector load keeps nothing; one failed on some blocks, what its cut says.
             history.requests[op.rid].num_computed = obs.num_computed if isinstance(obs, LoadCut) else 0
             history.requests[op.rid].rolled_back |= not history.requests[op.rid].num_computed
         for rid, computed in obs.others if isinstance(obs, LoadCut) else ():
-            history.requests[rid].num_computed = computed  # a sync load's failed blocks cut them too
+            if rid in history.requests:  # not ended: a sync load's failed blocks cut them too
+                history.requests[rid].num_computed = computed
     elif isinstance(op, Finish):
         r = history.requests.pop(op.rid)
         history.finished[op.rid] = r

@@ -157,6 +157,8 @@ class RealStepScheduler:
         self.stale: set[str] = set()
         # The requests `update_from_output` ended with an error, in its outputs' order.
         self.errored: list[str] = []
+        # Those whose sample rode on a connector's report and was skipped (`take_dropped`).
+        self.dropped: list[str] = []
 
     # ------------------------------------------------------------------ the manager, as before
     def computed_blocks(self, req: Any) -> tuple[Any, int, int]:
@@ -334,7 +336,10 @@ class RealStepScheduler:
             sampled_token_ids=sampled,
             kv_connector_output=connector_output,
         )
+        known = {r: live[r].num_tokens for r in starts}
         self.update(share, runner_out)
+        if connector_output is not None:  # a failed load's cut skips the outputs of those it cuts
+            self.dropped += sorted(r for r, n in known.items() if live[r].num_tokens == n)
         for rid, start in starts.items():
             self.names.after_sample(self.s.requests[rid], start)
 
@@ -383,6 +388,11 @@ class RealStepScheduler:
             self.errored += [
                 o.request_id for o in batch.outputs if getattr(o.finish_reason, "name", "") == "ERROR"
             ]
+
+    def take_dropped(self) -> tuple[str, ...]:
+        """The requests whose sample a connector's report skipped since the last call, by id."""
+        out, self.dropped = tuple(sorted(self.dropped)), []
+        return out
 
     def take_errored(self) -> tuple[str, ...]:
         """The requests ended with an error since the last call, in the order they were ended."""

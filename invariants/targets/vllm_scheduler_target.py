@@ -127,7 +127,7 @@ class SchedulerOpDriver(OpDriver):
                 return Done()
             cut = ((r.request_id, r.num_computed_tokens) for r in scanned if r.request_id in before)
             others = tuple(sorted((r, n) for r, n in cut if n != before[r]))
-            return LoadCut(req.num_computed_tokens, others, ended)
+            return LoadCut(req.num_computed_tokens, others, ended, self.real.take_dropped())
         if isinstance(op, Preempt):
             self.real.preempt(requests[op.rid])
             return Done()
@@ -169,7 +169,7 @@ class SchedulerOpDriver(OpDriver):
                 if r.request_id != op.rid and r.num_computed_tokens != before[r.request_id]
             )
         )
-        return LoadCut(own, others, self.ended(op))
+        return LoadCut(own, others, self.ended(op), self.real.take_dropped())
 
     def ended(self, op: Loaded) -> tuple[str, ...]:
         """The requests `op`'s report ended with an error ("fail"), in the order vLLM ended
