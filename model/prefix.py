@@ -265,3 +265,15 @@ def clear_memo() -> None:
     _CHAINS.clear()
     _JOINED.clear()
     _memo_size = 0
+
+
+def grown(prompt: Tokens, outputs: Sequence[int], known: Tokens) -> Tokens:
+    """`prompt` then `outputs`, as `joined` names it, reusing `known`: the same request's
+    tokens joined before (or ()), a prefix of these while its outputs only grew (a caller
+    taking outputs back forgets it)."""
+    if not outputs:
+        return prompt
+    if len(known) == len(prompt) + len(outputs):
+        return known
+    base = known or prompt
+    return joined(base, outputs[len(base) - len(prompt) :])

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from model.config import GroupSpec
 from model.fine_mamba import Copy
 from model.observation import BlockKey
-from model.prefix import Tokens, joined
+from model.prefix import Tokens, grown
 
 
 @dataclass
@@ -49,11 +49,7 @@ class RequestState:
 
     @property
     def tokens(self) -> Tokens:
-        if not self.outputs:
-            return self.prompt
-        if len(self._joined) != len(self.prompt) + len(self.outputs):
-            base = self._joined or self.prompt
-            self._joined = joined(base, self.outputs[len(base) - len(self.prompt) :])
+        self._joined = grown(self.prompt, self.outputs, self._joined)
         return self._joined
 
     @property

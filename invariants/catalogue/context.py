@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from model.config import Config
 from model.observation import BlockIds, BlockKey, Event, Observation, ProbeResult, Snapshot, Tokens
 from model.ops import Op
-from model.prefix import joined
+from model.prefix import grown
 from model.profile import MODELED, Profile
 
 
@@ -52,11 +52,7 @@ class RequestHistory:
 
     @property
     def tokens(self) -> Tokens:
-        if not self.outputs:
-            return self.prompt
-        if len(self._joined) != len(self.prompt) + len(self.outputs):
-            base = self._joined or self.prompt
-            self._joined = joined(base, self.outputs[len(base) - len(self.prompt) :])
+        self._joined = grown(self.prompt, self.outputs, self._joined)
         return self._joined
 
 
