@@ -18,6 +18,8 @@
 |              | there, every disagreement classified (defect, predates, semantics, ...) |
 | `explore/`   | exhaustive small-scope search: every operation sequence to a depth over |
 |              | a grid of small instances, fingerprints, shortest traces, certificates  |
+| `shadow/`    | the engine's contract: a shadow model runner over real scheduler        |
+|              | outputs with a provenance per KV slot, and the scheduler's queues       |
 | `cli/`       | the `kvretain` command, one module per command group                    |
 
 `errors` (usage errors), `report` (tables, progress lines) and `results` (JUnit
@@ -35,7 +37,8 @@ LEAVES: frozenset[str] = frozenset({"errors", "report", "results"})
 # room -> the rooms it may import (besides itself and the leaves).
 ROOMS: dict[str, frozenset[str]] = {
     "catalogue": frozenset(),
-    "targets": frozenset(),
+    "shadow": frozenset(),
+    "targets": frozenset({"shadow"}),
     "layouts": frozenset({"targets"}),
     "proofs": frozenset(),
     "harness": frozenset({"catalogue", "targets", "layouts"}),
@@ -56,6 +59,7 @@ ROOMS: dict[str, frozenset[str]] = {
             "export",
             "matrix",
             "explore",
+            "shadow",
         }
     ),
 }

@@ -271,6 +271,7 @@ class Checker:
                 Violation("observation", _observation_difference(expected_obs, obs, self.target.name))
             )
         found += [Violation("snapshot", line) for line in diff_snapshots(expected, snap)]
+        found += self._engine_problems()
         finished = self.history.requests.get(op.rid) if isinstance(op, Finish) else None
         anomalies = update_history(self.history, op, obs, before, snap)
         found += [Violation("events_match_hash_map", a) for a in anomalies]
@@ -338,6 +339,7 @@ class Checker:
         except Exception as exc:
             return [Violation("crash", f"{type(exc).__name__}: {exc}")]
         found += [Violation("snapshot", line) for line in _diff_partial(want, got)]
+        found += self._engine_problems()
         delta = self._advance(got)
         finished = self.history.requests.get(op.rid) if isinstance(op, Finish) else None
         anomalies = update_history_delta(
@@ -368,6 +370,13 @@ class Checker:
             found += [Violation(name, msg) for name, msg in check_delta(ctx)]
         forget(self.history, self._holders)  # after the checks: they read the finishing request's keys
         return found
+
+    def _engine_problems(self) -> list[Violation]:
+        """The engine's contract (`invariants.shadow`), as the target's judges found it."""
+        if not self.check_invariants:
+            self.target.engine_problems()  # drained all the same: they belong to this operation
+            return []
+        return [Violation(check, message) for check, message in self.target.engine_problems()]
 
     def _expected(self, op: Op, got: Observation | None) -> Observation:
         """The model's observation of `op` (after the target's, `got`), as far as the target

@@ -101,6 +101,17 @@ class Target(Protocol):
 
     def snapshot(self) -> Snapshot: ...
 
+    def engine_problems(self) -> list[tuple[str, str]]:
+        """What the engine's contract judges found since the last call, as (check,
+        message): the shadow worker's reads and positions, the scheduler's queues
+        (`invariants.shadow`). A target that follows no engine finds nothing."""
+        return []
+
+    def engine_figures(self) -> dict[str, int] | None:
+        """What those judges checked so far (steps, slots read, ...), or None where
+        the target follows no engine (the summary says so)."""
+        return None
+
     def partial(
         self,
         blocks: Iterable[int],

@@ -90,6 +90,13 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
         self.reader = FencedSnapshotReader(
             self.session, self.keys, self.event_translator, self.vllm_scheduler
         )
+        self.queue_checks = 0
+        self.queue_found: list[tuple[str, str]] = []
+
+    def shadow_worker(self) -> None:
+        """None: an async step runs ahead of the tokens it reads, which the shadow worker
+        does not follow yet (docs/shadow-worker.md); the queues are judged all the same."""
+        return None
 
     def build_manager(self, config: Config, v: dict[str, Any], caps: Capabilities) -> Any:
         """The real `AsyncScheduler`'s `KVCacheManager` (the scheduler is kept as `vllm_scheduler`)."""

@@ -52,6 +52,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from invariants.shadow import ShadowWorker
 from model.observation import Queues, ScheduleResult, StepResult
 from model.ops import Sample
 
@@ -159,6 +160,8 @@ class RealStepScheduler:
         self.errored: list[str] = []
         # Those whose sample rode on a connector's report and was skipped (`take_dropped`).
         self.dropped: list[str] = []
+        # The shadow worker fed every step's output and every sampled token (None: not followed).
+        self.shadow: ShadowWorker | None = None
 
     # ------------------------------------------------------------------ the manager, as before
     def computed_blocks(self, req: Any) -> tuple[Any, int, int]:
@@ -257,6 +260,8 @@ class RealStepScheduler:
             with self.recorder.recording() as calls:
                 out = sched.schedule()
             queues = self.queues_left(named)  # before the requests aside come back
+            if self.shadow is not None:
+                self.shadow.execute(out)
         finally:
             sched.running.extend(aside_running)
             for r in aside_waiting:
@@ -328,6 +333,9 @@ class RealStepScheduler:
             },
         )
         sampled = [self.sampled_tokens(out, r) for r in rids]
+        if self.shadow is not None:
+            for rid, tokens in zip(rids, sampled):
+                self.shadow.returned(rid, tokens)
         live = self.s.requests
         starts = {r: self.names.before_sample(live[r]) for r, t in zip(rids, sampled) if t and r in live}
         runner_out = self.m["ModelRunnerOutput"](

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from invariants.shadow import QUEUES, ShadowWorker, WorkerGroup, queue_problems
 from model.config import Config
 from model.observation import Done, LoadCut, Observation, ResetResult, Saving
 from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, ResetPrefixCache, Sample, Save, Saved
@@ -244,6 +245,50 @@ class VllmSchedulerTarget(VllmManagerTarget):
         self.driver = SchedulerOpDriver(self.session, self.names, self.steps)
         self.event_translator = SchedulerEventTranslator(self.session, self.keys, self.steps)
         self.reader = SnapshotReader(self.session, self.keys, self.event_translator)
+        self.steps.shadow = self.shadow_worker()
+        self.queue_checks = 0
+        self.queue_found: list[tuple[str, str]] = []
+
+    def shadow_worker(self) -> ShadowWorker | None:
+        """The shadow worker that follows this scheduler's outputs, as the model runner
+        vLLM pairs with it (`use_v2_model_runner`); None where it follows none: a KV
+        connector's loads and saves are not followed yet (docs/shadow-worker.md)."""
+        if self.config.kv_connector:
+            return None
+        sched = self.vllm_scheduler
+        groups = tuple(WorkerGroup(g.kind, g.block_size, g.sliding_window) for g in self.config.groups)
+        return ShadowWorker(
+            groups,
+            runner="v2" if getattr(sched, "use_v2_model_runner", False) else "v1",
+            zeroing=bool(getattr(sched, "needs_kv_cache_zeroing", False)),
+        )
+
+    def apply(self, op: Op) -> Observation:
+        """The operation, then the scheduler's queues judged as it left them (`invariants.shadow.queues`)."""
+        obs = super().apply(op)
+        status = self.session.v["RequestStatus"]
+        self.queue_checks += 1
+        self.queue_found += [
+            (QUEUES, line)
+            for line in queue_problems(
+                self.vllm_scheduler, status.is_finished, status.RUNNING, status.PREEMPTED
+            )
+        ]
+        return obs
+
+    def engine_problems(self) -> list[tuple[str, str]]:
+        found, self.queue_found = self.queue_found, []
+        if self.steps.shadow is not None:
+            found += self.steps.shadow.take_problems()
+        return found
+
+    def engine_figures(self) -> dict[str, int] | None:
+        shadow = self.steps.shadow
+        figures = {"queue checks": self.queue_checks}
+        if shadow is not None:
+            f = shadow.figures
+            figures |= {"worker steps": f.steps, "slots read": f.reads, "slots written": f.writes}
+        return figures
 
     def build_manager(self, config: Config, v: dict[str, Any], caps: Capabilities) -> Any:
         """The real scheduler's `KVCacheManager` (the scheduler is kept as `vllm_scheduler`)."""

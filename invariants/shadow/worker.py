@@ -1,0 +1,333 @@
+"""The shadow worker: what a GPU model runner does with each `SchedulerOutput`,
+kept as provenance instead of tensors.
+
+Contract judged (any scheduler policy that keeps it is correct):
+
+- **Every read finds its own prefix.** For each position `p` a request's
+  forward pass attends to (full attention: `[0, end)`; sliding window:
+  `[start - window + 1, end)`), the slot its block table maps `p` to holds the
+  provenance (`prefixes.PrefixIds`) of that request's own tokens `t[0..p]`:
+  written by this step (the batch's KV is written before any request of the
+  step reads it), by an earlier step, by another request with the same prefix
+  (a hit), or copied there (`kv_cache_block_copies`). A slot never written, a
+  zeroed slot, the null block, or another prefix's KV is a wrong read: the
+  output would differ from a run with no cache.
+- **Positions are the worker's own.** The worker computes positions
+  `[num_computed_tokens, num_computed_tokens + num_scheduled_tokens)` of the
+  tokens it knows (a new request's prompt, then what it sampled, then the
+  step's drafts): a step past them, a running request whose shipped
+  `num_computed_tokens` differs from what the worker computed (its last step
+  less the drafts its sample rejected), a cached request the worker does not
+  hold (finished, preempted under the V2 runner, never added), or a sample
+  after a step that stopped short of the request's last token (the worker
+  samples at the last computed position) breaks it.
+- **Fresh blocks are zeroed before they are read** where the KV cache needs
+  it (`KVCacheConfig.needs_kv_cache_zeroing`: Mamba layers share the pages,
+  #35219): a block newly placed in a table past the computed tokens holds
+  stale bytes until `new_block_ids_to_zero` zeroes it or the step writes it,
+  and attention reads the masked tail of its last block too.
+
+Runners followed (vLLM 0.33.0): the V2 runner (`vllm/v1/worker/gpu/
+model_runner.py`: `finish_requests` drops finished and preempted requests,
+`add_requests` installs `scheduled_new_reqs` with `prefill_token_ids`,
+`update_requests` overwrites `num_computed_tokens`, appends `new_block_ids`,
+zeroes, then copies) and the V1 runner (`gpu_model_runner._update_states`:
+preempted requests keep their state, a `resumed_req_ids` entry replaces the
+table, `all_token_ids` restores tokens). Left out (docs/shadow-worker.md):
+Mamba state provenance (the catalogue's `steps` invariants judge it), the
+drafter's own KV, KV connector loads and saves, and async scheduling, whose
+steps run ahead of the tokens they read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .prefixes import EMPTY, PrefixIds
+
+NULL_BLOCK = 0
+STALE = -1  # a slot of a fresh block not yet zeroed or written (zeroing configurations)
+
+Runner = Literal["v1", "v2"]
+
+READS = "worker_reads_own_prefix"
+POSITIONS = "worker_positions_consistent"
+ZEROED = "worker_blocks_zeroed"
+
+# The shadow worker's checks: each a sentence, judged on every step it sees.
+CHECKS: dict[str, str] = {
+    READS: "every KV slot a step's attention reads holds the reading request's own prefix",
+    POSITIONS: "the positions a step computes and samples are the worker's own count of them",
+    ZEROED: "a fresh block is zeroed or written before attention reads it (where zeroing is needed)",
+}
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """One KV-cache group as the worker lays it out: `kind` "full", "swa" or "mamba"."""
+
+    kind: str
+    block_size: int
+    sliding_window: int | None = None
+
+
+@dataclass
+class WorkerFigures:
+    """What the shadow worker checked: steps executed, slots read and written."""
+
+    steps: int = 0
+    reads: int = 0
+    writes: int = 0
+    zeroed: int = 0
+    copies: int = 0
+    problems: int = 0
+
+
+@dataclass
+class RequestView:
+    """One request as the worker holds it."""
+
+    tokens: list[int]
+    ids: list[int]  # ids[p]: the provenance of tokens[0..p]
+    computed: int
+    tables: list[list[int]]
+    last_start: int = 0
+    last_end: int = 0
+    last_drafts: int = 0
+    complete: bool = False  # the last step computed through the last token (a sample may follow)
+
+
+@dataclass
+class ShadowWorker:
+    """A model runner's bookkeeping over real `SchedulerOutput`s, with a
+    provenance per KV slot (see the module docstring for the contract).
+
+    `execute(out)` consumes one `SchedulerOutput` as the runner does before its
+    forward pass, then writes and reads; `returned(rid, tokens)` is the runner's
+    sampled tokens for `rid` (accepted drafts, then the new token); `take_problems`
+    drains what broke the contract, as (check, message)."""
+
+    groups: tuple[WorkerGroup, ...]
+    runner: Runner = "v2"
+    zeroing: bool = False
+    # The scheduler's `num_computed_tokens` of a running request is the worker's own
+    # count only where the two advance together (synchronous scheduling).
+    synchronous: bool = True
+    figures: WorkerFigures = field(default_factory=WorkerFigures)
+    prefixes: PrefixIds = field(default_factory=PrefixIds)
+    requests: dict[str, RequestView] = field(default_factory=dict)
+    # block -> slot -> provenance (absent: never written since zeroed or allocated).
+    kv: dict[int, dict[int, int]] = field(default_factory=dict)
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ what the runner is told
+    def execute(self, out: Any) -> None:
+        """One step: the requests' state, zeroing and copies, then the forward pass."""
+        self.figures.steps += 1
+        self._forget(out)
+        fresh: list[tuple[int, int]] = []  # (group, block) newly placed past the computed tokens
+        for data in out.scheduled_new_reqs:
+            self._install(data, fresh)
+        self._update_cached(out.scheduled_cached_reqs, out.num_scheduled_tokens, fresh)
+        if self.zeroing:
+            for g, b in fresh:
+                self.kv[b] = dict.fromkeys(range(self.groups[g].block_size), STALE)
+        for b in out.new_block_ids_to_zero or ():
+            self.kv[b] = {}
+            self.figures.zeroed += 1
+        for copy in getattr(out, "kv_cache_block_copies", None) or ():
+            self.kv[copy.dst_block_id] = dict(self.kv.get(copy.src_block_id, {}))
+            self.figures.copies += 1
+        self._forward(out.num_scheduled_tokens, out.scheduled_spec_decode_tokens)
+
+    def returned(self, rid: str, tokens: Sequence[int]) -> None:
+        """The runner's output for `rid`'s last step: its accepted drafts, then the
+        token it sampled (empty: no sample, the step's drafts unverified)."""
+        view = self.requests.get(rid)
+        if view is None:
+            return
+        if not tokens:
+            view.computed = view.last_end - view.last_drafts
+            view.complete = False
+            return
+        if not view.complete:
+            self._problem(
+                POSITIONS,
+                f"{rid} is sampled after a step that computed positions [{view.last_start}, "
+                f"{view.last_end}) of its {len(view.tokens) + view.last_drafts} tokens: the worker "
+                f"samples at position {view.last_end - 1}, not at the request's last token",
+            )
+        accepted = len(tokens) - 1
+        view.computed = view.last_end - (view.last_drafts - accepted)
+        self._append(view, tokens)
+        view.complete, view.last_drafts = False, 0
+
+    def take_problems(self) -> list[tuple[str, str]]:
+        """The contract breaks found since the last call, as (check, message)."""
+        out, self.problems = self.problems, []
+        return out
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _forget(self, out: Any) -> None:
+        scheduled_cached = set(out.scheduled_cached_reqs.req_ids)
+        for rid in sorted(set(out.finished_req_ids) & scheduled_cached):
+            self._problem(POSITIONS, f"{rid} is both finished and scheduled as a cached request")
+        gone = set(out.finished_req_ids)
+        if self.runner == "v2":
+            gone |= set(out.preempted_req_ids or ())
+        for rid in gone:
+            self.requests.pop(rid, None)
+
+    def _install(self, data: Any, fresh: list[tuple[int, int]]) -> None:
+        """A new request (under the V2 runner also a resumed one, with all its tokens)."""
+        if self.runner == "v2" and data.prefill_token_ids is not None:
+            tokens = list(data.prefill_token_ids)
+        else:
+            tokens = list(data.prompt_token_ids or ())
+        view = RequestView([], [], data.num_computed_tokens, [list(g) for g in data.block_ids])
+        self._append(view, tokens)
+        self.requests[data.req_id] = view
+        self._fresh_past(view, fresh)
+
+    def _update_cached(self, cached: Any, scheduled: dict[str, int], fresh: list[tuple[int, int]]) -> None:
+        resumed = set(cached.resumed_req_ids) if self.runner == "v1" else set()
+        for i, rid in enumerate(cached.req_ids):
+            view = self.requests.get(rid)
+            if view is None:
+                self._problem(
+                    POSITIONS,
+                    f"{rid} is scheduled as a cached request the worker does not hold "
+                    "(finished, preempted under the V2 runner, or never sent as new)",
+                )
+                continue
+            if self.runner == "v1" and rid in cached.all_token_ids:
+                view.tokens, view.ids = [], []
+                self._append(view, cached.all_token_ids[rid])
+            shipped = cached.num_computed_tokens[i]
+            if self.synchronous and rid not in resumed and shipped != view.computed:
+                self._problem(
+                    POSITIONS,
+                    f"{rid} is told num_computed_tokens={shipped}; the worker computed {view.computed} "
+                    "of its positions (its last step less the drafts its sample rejected)",
+                )
+            view.computed = shipped
+            new = cached.new_block_ids[i]
+            if rid in resumed:
+                view.tables = [list(g) for g in new] if new is not None else [[] for _ in self.groups]
+                self._fresh_past(view, fresh)
+            elif new is not None:
+                for g, ids in enumerate(new):
+                    view.tables[g].extend(ids)
+                    fresh += [(g, b) for b in ids if b != NULL_BLOCK]
+
+    def _fresh_past(self, view: RequestView, fresh: list[tuple[int, int]]) -> None:
+        """The blocks of `view`'s table past its computed tokens: allocated, not hit."""
+        for g, table in enumerate(view.tables):
+            first = -(-view.computed // self.groups[g].block_size)
+            fresh += [(g, b) for b in table[first:] if b != NULL_BLOCK]
+
+    def _append(self, view: RequestView, tokens: Iterable[int]) -> None:
+        tokens = list(tokens)
+        view.ids += self.prefixes.chain(view.ids[-1] if view.ids else EMPTY, tokens)
+        view.tokens += tokens
+
+    # ------------------------------------------------------------------ the forward pass
+    def _forward(self, scheduled: dict[str, int], drafts: dict[str, list[int]]) -> None:
+        """Every request's writes, then every request's reads (a layer writes the
+        batch's KV before its attention reads it)."""
+        chunks: list[tuple[str, RequestView, int, int, list[int]]] = []
+        for rid, n in scheduled.items():
+            view = self.requests.get(rid)
+            if view is None:
+                continue  # reported by `_update_cached`
+            spec = list(drafts.get(rid, ()))
+            start, end = view.computed, view.computed + n
+            known = len(view.tokens) + len(spec)
+            if end > known:
+                self._problem(
+                    POSITIONS,
+                    f"{rid} computes positions [{start}, {end}) but the worker knows {known} of its "
+                    "tokens (prompt, samples and this step's drafts)",
+                )
+                continue
+            ids = (
+                view.ids + self.prefixes.chain(view.ids[-1] if view.ids else EMPTY, spec)
+                if spec
+                else view.ids
+            )
+            chunks.append((rid, view, start, end, ids))
+            view.last_start, view.last_end, view.last_drafts = start, end, len(spec)
+            view.computed, view.complete = end, end == known
+        for rid, view, start, end, ids in chunks:
+            self._write(rid, view, start, end, ids)
+        for rid, view, start, end, ids in chunks:
+            self._read(rid, view, start, end, ids)
+
+    def _attention(self) -> Iterable[tuple[int, WorkerGroup]]:
+        return ((g, spec) for g, spec in enumerate(self.groups) if spec.kind != "mamba")
+
+    def _write(self, rid: str, view: RequestView, start: int, end: int, ids: list[int]) -> None:
+        for g, spec in self._attention():
+            bs, table = spec.block_size, view.tables[g]
+            for p in range(start, end):
+                i = p // bs
+                block = table[i] if i < len(table) else NULL_BLOCK
+                if block == NULL_BLOCK:
+                    self._problem(
+                        READS,
+                        f"{rid} writes position {p} of group {g} into "
+                        + ("the null block" if i < len(table) else f"no block (its table has {len(table)})"),
+                    )
+                    break
+                self.kv.setdefault(block, {})[p % bs] = ids[p]
+            self.figures.writes += end - start
+
+    def _read(self, rid: str, view: RequestView, start: int, end: int, ids: list[int]) -> None:
+        kv = self.kv
+        for g, spec in self._attention():
+            bs, table = spec.block_size, view.tables[g]
+            lo = max(0, start - spec.sliding_window + 1) if spec.kind == "swa" and spec.sliding_window else 0
+            wrong: list[int] = []
+            first = ""
+            for p in range(lo, end):
+                i = p // bs
+                block = table[i] if i < len(table) else NULL_BLOCK
+                got = kv.get(block, {}).get(p % bs) if block != NULL_BLOCK else None
+                if got != ids[p]:
+                    if not wrong:
+                        first = self._what(block, i, len(table), got)
+                    wrong.append(p)
+            self.figures.reads += end - lo
+            if wrong:
+                self._problem(
+                    READS,
+                    f"{rid}'s step [{start}, {end}) reads position {wrong[0]} of group {g} from {first}, "
+                    f"not its own prefix ({len(wrong)} of {end - lo} positions read wrong)",
+                )
+            if self.zeroing and end % bs and (end - 1) // bs < len(table):
+                block = table[(end - 1) // bs]
+                tail = kv.get(block, {})
+                if any(tail.get(s) == STALE for s in range(end % bs, bs)):
+                    self._problem(
+                        ZEROED,
+                        f"{rid}'s step [{start}, {end}) reads block {block} of group {g}, whose slots past "
+                        "its last token were never zeroed (a fresh block missing from new_block_ids_to_zero)",
+                    )
+
+    @staticmethod
+    def _what(block: int, index: int, length: int, got: int | None) -> str:
+        if index >= length:
+            return f"past its table ({length} blocks)"
+        if block == NULL_BLOCK:
+            return "the null block"
+        if got is None:
+            return f"block {block}, a slot no step wrote since it was zeroed or allocated"
+        if got == STALE:
+            return f"block {block}, a fresh slot never zeroed"
+        return f"block {block}, which holds another prefix's KV"
+
+    def _problem(self, check: str, message: str) -> None:
+        self.figures.problems += 1
+        self.problems.append((check, message))

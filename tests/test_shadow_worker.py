@@ -1,0 +1,296 @@
+"""The shadow worker and the scheduler's queues: the engine's contract, judged on
+what vLLM's real `Scheduler` tells its model runner (`invariants.shadow`).
+
+Each check is shown failing on a planted defect of the class it guards (a
+scheduler shipping the worker wrong positions, a dropped resumed flag, a fresh
+block left unzeroed, a stale table, a finished request left running), next to
+the same trace clean on vLLM as released. The worker's own rules are shown on
+hand-written outputs first (no vLLM needed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from invariants.shadow import POSITIONS, QUEUES, READS, ZEROED, ShadowWorker, WorkerGroup
+
+# ---------------------------------------------------------------------- the worker's rules, by hand
+
+
+def output(
+    new: tuple[Any, ...] = (),
+    cached: tuple[tuple[str, int, Any], ...] = (),
+    scheduled: dict[str, int] | None = None,
+    zero: list[int] | None = None,
+    finished: frozenset[str] = frozenset(),
+    resumed: frozenset[str] = frozenset(),
+) -> SimpleNamespace:
+    """A `SchedulerOutput` as the runner reads it: `cached` as (rid, computed, new block ids)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            resumed_req_ids=set(resumed),
+            all_token_ids={},
+            num_computed_tokens=[c[1] for c in cached],
+            new_block_ids=[c[2] for c in cached],
+        ),
+        num_scheduled_tokens=scheduled or {},
+        scheduled_spec_decode_tokens={},
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(),
+        new_block_ids_to_zero=zero,
+        kv_cache_block_copies=None,
+    )
+
+
+def new_req(rid: str, prompt: list[int], blocks: list[int], computed: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(
+        req_id=rid,
+        prompt_token_ids=prompt,
+        prefill_token_ids=prompt,
+        block_ids=(blocks,),
+        num_computed_tokens=computed,
+    )
+
+
+FULL4 = (WorkerGroup("full", 4),)
+
+
+def checks(worker: ShadowWorker) -> list[str]:
+    return [check for check, _ in worker.take_problems()]
+
+
+def test_a_hit_on_blocks_of_the_same_prefix_reads_its_own_kv() -> None:
+    w = ShadowWorker(FULL4)
+    w.execute(output(new=(new_req("a", [1, 2, 3, 4, 5], [1, 2]),), scheduled={"a": 5}))
+    w.execute(output(new=(new_req("b", [1, 2, 3, 4, 9], [1, 3], computed=4),), scheduled={"b": 1}))
+    assert checks(w) == []
+    assert w.figures.reads == 5 + 5
+
+
+def test_a_hit_on_another_prefixs_block_is_a_wrong_read() -> None:
+    """Control: the same hit, but block 1 holds [1, 2, 3, 7]: b's read of it is wrong."""
+    w = ShadowWorker(FULL4)
+    w.execute(output(new=(new_req("a", [1, 2, 3, 7, 5], [1, 2]),), scheduled={"a": 5}))
+    w.execute(output(new=(new_req("b", [1, 2, 3, 4, 9], [1, 3], computed=4),), scheduled={"b": 1}))
+    assert checks(w) == [READS]
+
+
+def test_a_running_request_continues_at_the_workers_own_position() -> None:
+    w = ShadowWorker(FULL4)
+    w.execute(output(new=(new_req("a", [1, 2, 3, 4, 5, 6], [1]),), scheduled={"a": 4}))
+    w.execute(output(cached=(("a", 4, ([2],)),), scheduled={"a": 2}))
+    assert checks(w) == []
+    # Control: told one position too many, the worker would skip position 4.
+    w = ShadowWorker(FULL4)
+    w.execute(output(new=(new_req("a", [1, 2, 3, 4, 5, 6], [1]),), scheduled={"a": 4}))
+    w.execute(output(cached=(("a", 5, ([2],)),), scheduled={"a": 1}))
+    assert POSITIONS in checks(w)
+
+
+def test_a_sample_after_a_short_step_is_at_the_wrong_position() -> None:
+    w = ShadowWorker(FULL4, synchronous=False)  # only the sample is judged here
+    w.execute(output(new=(new_req("a", [1, 2, 3], [1]),), scheduled={"a": 3}))
+    w.returned("a", [7])
+    assert checks(w) == []
+    w.execute(output(new=(new_req("b", [1, 2, 3], [2]),), scheduled={"b": 2}))
+    w.returned("b", [7])
+    assert checks(w) == [POSITIONS]
+
+
+def test_a_resumed_request_under_the_v1_runner_replaces_its_table() -> None:
+    """V1 keeps a preempted request's state; `resumed_req_ids` says its table is new."""
+
+    def run(resumed: frozenset[str]) -> list[str]:
+        w = ShadowWorker(FULL4, runner="v1")
+        w.execute(output(new=(new_req("a", [1, 2, 3, 4, 5, 6], [1, 2]),), scheduled={"a": 6}))
+        w.returned("a", [7])
+        # Preempted, then resumed with a 4-token hit on block 1 and a fresh block 3.
+        w.execute(output(cached=(("a", 4, ([1, 3],)),), scheduled={"a": 3}, resumed=resumed))
+        return checks(w)
+
+    assert run(frozenset({"a"})) == []
+    assert run(frozenset()) != []  # control: the flag dropped, the worker appends to a stale table
+
+
+def test_a_fresh_block_is_zeroed_before_attention_reads_its_tail() -> None:
+    def run(zero: list[int]) -> list[str]:
+        w = ShadowWorker(FULL4, zeroing=True)
+        w.execute(output(new=(new_req("a", [1, 2, 3, 4, 5], [1, 2]),), scheduled={"a": 5}, zero=zero))
+        return checks(w)
+
+    assert run([1, 2]) == []
+    assert run([1]) == [ZEROED]  # control: block 2's tail is read unzeroed
+
+
+def test_a_finished_request_is_never_scheduled_again() -> None:
+    w = ShadowWorker(FULL4)
+    w.execute(output(new=(new_req("a", [1, 2, 3, 4, 5], [1, 2]),), scheduled={"a": 4}))
+    w.execute(output(finished=frozenset({"a"})))
+    w.execute(output(cached=(("a", 4, None),), scheduled={"a": 1}))
+    assert checks(w) == [POSITIONS]
+
+
+# ---------------------------------------------------------------------- on vLLM's real scheduler
+
+from invariants.targets.vllm_env import vllm_available  # noqa: E402
+
+_OK, _REASON = vllm_available()
+vllm_only = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from drive import Drive  # noqa: E402
+
+from model.config import Config, GroupSpec  # noqa: E402
+from model.ops import AddRequest, Finish, Preempt, Probe, ResetPrefixCache  # noqa: E402
+
+FULL_SWA = Config(
+    groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)),
+    num_blocks=20,
+    retention_interval=0,
+    max_model_len=4096,
+)
+FULL_MAMBA = FULL_SWA.with_(groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)), num_blocks=24)
+PROMPT = (1, 2, 3) * 6
+
+
+def lifecycle(cfg: Config) -> Drive:
+    """Two requests chunked, sampled, a finish with a hit after it, a preemption and a resume."""
+    d = Drive(cfg).do(AddRequest("r0", PROMPT), AddRequest("r1", (*PROMPT, 1)))
+    d.steps(("r0", "r1"), 8, 3).steps(("r0", "r1"), 64, 3)
+    d.do(Finish("r0"), Probe(PROMPT), AddRequest("r2", PROMPT))
+    d.steps(("r1", "r2"), 64, 2).do(Preempt("r1"))
+    return d.steps(("r1", "r2"), 64, 2).do(Finish("r1"), Finish("r2"), ResetPrefixCache())
+
+
+@contextlib.contextmanager
+def planted(name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """`Scheduler.name` wrapped by `wrap` until exit: a planted scheduler defect."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = getattr(Scheduler, name)
+    setattr(Scheduler, name, wrap(original))
+    try:
+        yield
+    finally:
+        setattr(Scheduler, name, original)
+
+
+@contextlib.contextmanager
+def v1_runner() -> Iterator[None]:
+    """vLLM paired with its V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`, read when the scheduler is built)."""
+    old = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = old
+
+
+def found(d: Drive) -> set[str]:
+    return {v.check for v in d.audited()}
+
+
+@vllm_only
+@pytest.mark.vllm
+@pytest.mark.parametrize("cfg", [FULL_SWA, FULL_MAMBA], ids=["full+swa", "full+mamba"])
+def test_vllm_as_released_keeps_the_engine_contract(cfg: Config) -> None:
+    d = lifecycle(cfg)
+    assert found(d) == set()
+    figures = d.checker.target.engine_figures()
+    assert figures is not None and figures["slots read"] > 300 and figures["worker steps"] >= 10
+
+
+@vllm_only
+@pytest.mark.vllm
+def test_shipped_computed_tokens_off_by_one_is_reported() -> None:
+    def plus_one(make: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            data = make(self, *args, **kwargs)
+            data.num_computed_tokens = [n + 1 for n in data.num_computed_tokens]
+            return data
+
+        return wrapped
+
+    with planted("_make_cached_request_data", plus_one):
+        assert POSITIONS in found(lifecycle(FULL_SWA))
+
+
+@vllm_only
+@pytest.mark.vllm
+def test_a_dropped_resumed_flag_is_reported_under_the_v1_runner() -> None:
+    def drop(make: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            data = make(self, *args, **kwargs)
+            data.resumed_req_ids = set()
+            return data
+
+        return wrapped
+
+    with v1_runner():
+        clean = lifecycle(FULL_SWA)
+        assert clean.checker.target.steps.shadow.runner == "v1"
+        assert found(clean) == set()
+        with planted("_make_cached_request_data", drop):
+            assert found(lifecycle(FULL_SWA)) & {POSITIONS, READS}
+
+
+@vllm_only
+@pytest.mark.vllm
+def test_a_block_missing_from_new_block_ids_to_zero_is_reported() -> None:
+    def drop_last(take: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any) -> Any:
+            ids = take(self)
+            return ids[:-1] or None if ids else ids
+
+        return wrapped
+
+    assert lifecycle(FULL_MAMBA).checker.target.steps.shadow.zeroing
+    with planted("_get_new_block_ids_to_zero", drop_last):
+        assert ZEROED in found(lifecycle(FULL_MAMBA))
+
+
+@vllm_only
+@pytest.mark.vllm
+def test_a_stale_table_shipped_to_the_worker_is_reported() -> None:
+    """The scheduler allocates blocks but ships none of them to a running request."""
+
+    def no_new_blocks(make: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            data = make(self, *args, **kwargs)
+            data.new_block_ids = [None for _ in data.new_block_ids]
+            return data
+
+        return wrapped
+
+    with planted("_make_cached_request_data", no_new_blocks):
+        assert READS in found(lifecycle(FULL_SWA))
+
+
+@vllm_only
+@pytest.mark.vllm
+def test_a_finished_request_left_in_running_is_reported() -> None:
+    def keep_running(finish: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, request_ids: Any, status: Any, *args: Any, **kwargs: Any) -> Any:
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+            running = [r for r in self.running if r.request_id in ids]
+            result = finish(self, request_ids, status, *args, **kwargs)
+            self.running.extend(r for r in running if r not in self.running)
+            return result
+
+        return wrapped
+
+    with planted("finish_requests", keep_running):
+        assert QUEUES in found(lifecycle(FULL_SWA))
