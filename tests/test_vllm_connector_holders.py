@@ -582,13 +582,18 @@ def test_a_rolled_back_load_reserves_against_its_own_admission_finding() -> None
 @needs_vllm
 @pytest.mark.vllm
 def test_vllm_refuses_a_rolled_back_load_as_the_model_does() -> None:
+    from invariants.harness.known_findings import is_known_violation
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 
     f = rollback_finding()
     target = VllmSchedulerTarget(f.trace.config)
     checker = Checker(target, audit_every=1)
-    for op in f.trace.ops:
+    for op in f.trace.ops[:-1]:
         assert checker.step(op) == []
+    # The last Schedule runs as a one-request Step: its refused admission is judged there too.
+    found = checker.step(f.trace.ops[-1])
+    assert [v.check for v in found] == ["fitting_request_admitted"]
+    assert is_known_violation("vllm", found[0]), found[0]
     sched = target.vllm_scheduler
     # Holding nothing, r0 still reserves its whole sequence, more than the idle pool.
     assert [r.request_id for r in sched._inflight_prefills] == ["r0"]

@@ -3,65 +3,153 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext
+from model.config import Config
 from model.connector import external_tokens
 from model.fine_mamba import fine_hits_enabled
 from model.masks import cdiv
-from model.observation import ScheduleResult
-from model.ops import Schedule
-from model.scheduling import mamba_chunk
+from model.observation import ScheduleResult, StepResult
+from model.ops import Schedule, Step
+from model.scheduling import capped, long_prefill_cap, mamba_chunk
+from model.spec_decode import padded_admission
 
 
 def fitting_request_admitted(ctx: CheckContext) -> list[str]:
-    """A request that fits an empty pool is always admitted: when no block is
-    in use, an admission needing at most N-1 blocks never fails (no stall from
-    pinned blocks or retained scratch; #40676 admission demotion). The
-    blocks an admission needs include what its hit costs: the Mamba state it
-    resumes from, and with fine-grained hits one private copy per group whose
-    hit ends inside a block. A KV connector's standing offer moves the chunk
-    past its external tokens (`model.connector`), whose blocks count too (a Mamba
-    group's external state block among them); an async load's admission
-    (`external`, nothing scheduled) is an admission."""
-    obs, op, cfg = ctx.obs, ctx.op, ctx.config
-    if not (isinstance(op, Schedule) and isinstance(obs, ScheduleResult)) or obs.hit is None or obs.admitted:
+    """A request that fits an empty pool is always admitted, by any correct
+    scheduler: when no block is in use, an admission needing at most N-1
+    blocks never fails (no stall from pinned blocks, retained scratch, a KV
+    connector's reservations or a rolled-back load; #40676 admission demotion).
+
+    Judged: the first admission decision of a `Schedule` or of a `Step` (a
+    waiting request whose lookup ran, `hit` set, neither admitted nor sent to
+    an async load), when the pool was idle at its turn: no block in use before
+    the operation, nobody preempted, and no request the step reached before it
+    scheduled a token, took a block or started a load, so the whole budget is
+    its own. A request refused after others spent the budget or the pool is
+    never judged; neither is a refusal a step's own rollback made room for.
+
+    What the budget allows: a chunk of min(tokens past the hit and the
+    connector's external tokens, budget, the long-prefill cap when the step
+    queues more than one request), split at Mamba block boundaries like any
+    chunk (`model.scheduling`); with drafts a one-token admission after a hit
+    is padded with k draft slots, and when 1+k exceeds the budget it allows
+    nothing (`model.spec_decode`); a chunk of 0 is not judged.
+
+    What it needs (`_need`): per attention group the blocks covering the hit,
+    the external tokens, the chunk and the lookahead slots, less the blocks an
+    SWA window has left behind its first computed token (null entries); per
+    align-mode Mamba group the new state block, the hit or external state it
+    resumes from, and its draft blocks; with fine-grained hits one private
+    copy per group whose hit ends inside a block. An async load takes only
+    the hit and external tokens' blocks now, and leaves one decode step's
+    slots free with drafts (the connector's only reservation on an idle pool:
+    an in-flight prefill holding nothing is a rolled-back load,
+    `model.connector`). The judge's history does not say whether an offer
+    loads sync or async, so with external tokens both needs count (the
+    larger), and a budget that allows a sync load nothing is not judged."""
+    turn = _first_admission(ctx)
+    if turn is None:
         return []
-    if obs.external:
+    rid, obs, budget, queued = turn
+    need = _need(ctx, rid, obs, budget, queued)
+    cfg = ctx.config
+    if need is None or need > cfg.num_blocks - 1:
         return []
+    req = ctx.history.requests[rid]
+    # Said apart: vLLM reserves a rolled-back load's whole sequence against every async admission.
+    after = " after its failed load was rolled back" if req.rolled_back else ""
+    stale = sorted(r for r, h in ctx.history.requests.items() if h.rolled_back and r != rid)
+    if stale:
+        after += f" (rolled-back load(s) of {', '.join(stale)} still waiting)"
+    return [f"admission of {rid} ({need} blocks) refused by an idle pool of {cfg.num_blocks - 1}{after}"]
+
+
+def _first_admission(ctx: CheckContext) -> tuple[str, ScheduleResult, int, int] | None:
+    """(request, its result, the budget left it, requests the step queues) of the
+    operation's first admission decision, when the pool was idle at its turn; else None."""
+    op, obs = ctx.op, ctx.obs
+    if isinstance(op, Schedule) and isinstance(obs, ScheduleResult):
+        results: tuple[tuple[str, ScheduleResult], ...] = ((op.rid, obs),)
+        budget, queued = op.budget, 1
+    elif isinstance(op, Step) and isinstance(obs, StepResult):
+        if obs.preempted:
+            return None
+        results, budget, queued = obs.results, op.budget, len(op.rids)
+    else:
+        return None
+    turn = None
+    for rid, r in results:
+        if r.hit is not None:
+            if not (r.admitted or r.external):
+                turn = (rid, r, budget, queued)
+            break
+        if r.scheduled or r.new_blocks or r.external:
+            return None  # a request before it took tokens or blocks
+    if turn is None:
+        return None
     busy = not ctx.delta.idle_before if ctx.delta is not None else any(r > 0 for r in ctx.before.ref_cnt)
-    if busy:
-        return []
-    req = ctx.history.requests[op.rid]
-    ext = external_tokens(req.offered, len(req.tokens), obs.hit) if req.offered else 0
-    n = min(len(req.tokens) - obs.hit - ext, op.budget)
+    return None if busy else turn
+
+
+def _need(ctx: CheckContext, rid: str, obs: ScheduleResult, budget: int, queued: int) -> int | None:
+    """Blocks `rid`'s admission needs on an idle pool (see `fitting_request_admitted`);
+    None when the budget allows it nothing."""
+    cfg = ctx.config
+    hit, hit_blocks = obs.hit or 0, obs.hit_blocks or ()
+    req = ctx.history.requests[rid]
+    num_tokens = len(req.tokens)
+    ext = external_tokens(req.offered, num_tokens, hit) if req.offered else 0
+    start = hit + ext
+    todo = num_tokens - start
+    k = ctx.draft_blocks  # the drafts a step verifies (num_spec_tokens)
+    pad = padded_admission(todo, k, start, False, False)
+    if pad and 1 + pad > budget:
+        return None  # vLLM prefers not scheduling to scheduling unpadded
+    n = min(capped(todo + pad, long_prefill_cap(cfg.long_prefill_token_threshold, queued)), budget)
     if cfg.has_mamba_align:
+        threshold = cfg.long_prefill_token_threshold
         n = mamba_chunk(
-            start=obs.hit + ext,
+            start=start,
             num_new=n,
-            budget=op.budget,
+            budget=min(budget, threshold) if threshold else budget,
             num_prompt_tokens=len(req.prompt),
-            num_tokens=len(req.tokens),
+            num_tokens=num_tokens,
             shared_prefix_boundary=obs.shared_prefix_boundary or 0,
             block_size=cfg.scheduler_block_size,
             eagle=cfg.eagle,
             fine_hash_block_size=cfg.hash_block_size if fine_hits_enabled(cfg) else 0,
         )
+    if pad and 0 < n != 1 + pad:
+        n = 1  # a Mamba split clipped the padding: dropped
     if n <= 0:
-        return []
-    # Mamba: the new state block, plus the hit state it resumes from or the external
-    # tokens' state block, plus its draft blocks (on a request's first allocation);
-    # attention groups also reserve the lookahead slots.
-    slots = min(obs.hit + ext + n + cfg.num_lookahead_tokens, cfg.max_model_len)
-    need = sum(
-        (1 + (obs.hit > 0 or ext > 0) + ctx.draft_blocks)
-        if g.kind == "mamba" and g.mamba_cache_mode == "align"
-        else cdiv(slots, g.block_size)
-        for g in cfg.groups
-    )
-    hit_blocks = obs.hit_blocks or ()
-    need += sum(1 for g, hits in zip(cfg.groups, hit_blocks) if hits and obs.hit % g.block_size)
-    if need <= cfg.num_blocks - 1:
-        # Said apart: vLLM reserves a rolled-back load's whole sequence against its own admission.
-        after = " after its failed load was rolled back" if req.rolled_back else ""
-        return [
-            f"admission of {op.rid} ({need} blocks) refused by an idle pool of {cfg.num_blocks - 1}{after}"
-        ]
-    return []
+        return None
+    resumes = hit > 0 or ext > 0
+    need = _blocks(cfg, hit_blocks, start, start + n + cfg.num_lookahead_tokens, resumes, k)
+    if ext:
+        # An async load: the computed tokens' blocks, and one decode step's slots left free.
+        step = 1 + k + cfg.num_lookahead_tokens if k else 0
+        reserve = sum(cdiv(step, g.block_size) for g in cfg.groups if g.kind != "mamba") if step else 0
+        need = max(need, _blocks(cfg, hit_blocks, start, start, resumes, k) + reserve)
+    # Fine-grained hits: a private copy per group whose hit ends inside a block.
+    return need + sum(1 for g, hits in zip(cfg.groups, hit_blocks) if hits and hit % g.block_size)
+
+
+def _blocks(
+    cfg: Config, hit_blocks: tuple[tuple[int, ...], ...], start: int, slots: int, resumes: bool, drafts: int
+) -> int:
+    """Blocks a request computing from `start` holds for `slots` slots: Mamba (align) the
+    new state, the state it resumes from and its draft blocks; an SWA group none wholly
+    behind the window of its first computed token (nor under its hit's null entries)."""
+    slots = min(slots, cfg.max_model_len)
+    total = 0
+    for g, spec in enumerate(cfg.groups):
+        if spec.kind == "mamba" and spec.mamba_cache_mode == "align":
+            total += 1 + resumes + drafts
+            continue
+        first = 0
+        if spec.kind == "swa":
+            assert spec.sliding_window is not None
+            first = max(0, start - spec.sliding_window + 1) // spec.block_size
+            held = hit_blocks[g] if g < len(hit_blocks) else ()
+            first = min(first, next((i for i, b in enumerate(held) if b), first))
+        total += max(cdiv(slots, spec.block_size) - first, 0)
+    return total

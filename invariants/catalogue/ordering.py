@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext
-from model.ops import Schedule
+from model.observation import StepResult
+from model.ops import Schedule, Step
 
 
 def uncached_reused_before_cached(ctx: CheckContext) -> list[str]:
@@ -41,16 +42,18 @@ def _left_pinned_tier(ctx: CheckContext) -> list[int]:
     """Pinned blocks the op moved out of the tier other than by a hit."""
     hits: set[int] = set()
     obs = ctx.obs
-    if getattr(obs, "hit_blocks", None):
-        hits = {b for g in obs.hit_blocks for b in g}  # type: ignore[union-attr]
+    for result in (r for _, r in obs.results) if isinstance(obs, StepResult) else (obs,):
+        if getattr(result, "hit_blocks", None):
+            hits |= {b for g in result.hit_blocks for b in g}  # type: ignore[union-attr]
     now = set(ctx.after.pinned_queue)
     return [b for b in ctx.before.pinned_queue if b not in now and b not in hits]
 
 
 def pinned_reused_only_under_pressure(ctx: CheckContext) -> list[str]:
     """A pinned block is demoted only when the regular queue cannot serve the
-    allocation: then every block that was in the regular queue is in use (#40676)."""
-    if not isinstance(ctx.op, Schedule):
+    allocation: then every block that was in the regular queue is in use (#40676);
+    in a `Step` too (a step gives back no block it took: `scratch_never_flushes_cache`)."""
+    if not isinstance(ctx.op, (Schedule, Step)):
         return []
     left = _left_pinned_tier(ctx)
     if not left:
@@ -64,8 +67,9 @@ def pinned_reused_only_under_pressure(ctx: CheckContext) -> list[str]:
 
 
 def pinned_demoted_oldest_first(ctx: CheckContext) -> list[str]:
-    """Demotion takes the oldest pinned blocks first (#40676 `demote_n`)."""
-    if not isinstance(ctx.op, Schedule):
+    """Demotion takes the oldest pinned blocks first (#40676 `demote_n`), in a
+    `Schedule` or a `Step`."""
+    if not isinstance(ctx.op, (Schedule, Step)):
         return []
     left = set(_left_pinned_tier(ctx))
     order = [b for b in ctx.before.pinned_queue if b in left or b in set(ctx.after.pinned_queue)]

@@ -7,7 +7,7 @@ from model.config import Config
 from model.fine_mamba import fine_hits_enabled
 from model.masks import cdiv, swa_tail_blocks
 from model.observation import BlockKey, Tokens, block_key
-from model.ops import Finish, Schedule
+from model.ops import Finish, Schedule, Step
 from model.profile import MODELED, Profile
 
 
@@ -173,12 +173,16 @@ def eagle_extra_block_kept(ctx: CheckContext) -> list[str]:
 
 def scratch_never_flushes_cache(ctx: CheckContext) -> list[str]:
     """A step never reuses a cached free block while an uncached free block is
-    left over (concurrent SWA scratch must not flush cached prefixes; #43447).
+    left over (concurrent SWA scratch must not flush cached prefixes; #43447):
+    a `Schedule`, or a `Step` over a batch (a real scheduler's only kind), whose
+    allocations all pop the same free queue.
 
     Left over: free and uncached before and after the step, and no endpoint of
     its copies. A block the step took and gave back (a copy-on-write
-    destination that returns holding the moved keys) served the step."""
-    if not isinstance(ctx.op, Schedule):
+    destination that returns holding the moved keys) served the step. A step
+    gives back no block it took otherwise: it preempts only requests it has not
+    scheduled yet, and a rolled-back load frees blocks that were in use."""
+    if not isinstance(ctx.op, (Schedule, Step)):
         return []
     if ctx.delta is not None:
         return _scratch_on_delta(ctx)
