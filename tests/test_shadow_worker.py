@@ -213,84 +213,120 @@ def test_vllm_as_released_keeps_the_engine_contract(cfg: Config) -> None:
     assert figures is not None and figures["slots read"] > 300 and figures["worker steps"] >= 10
 
 
+def plus_one(make: Callable[..., Any]) -> Callable[..., Any]:
+    """Every cached request's shipped `num_computed_tokens` one too many."""
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        data = make(self, *args, **kwargs)
+        data.num_computed_tokens = [n + 1 for n in data.num_computed_tokens]
+        return data
+
+    return wrapped
+
+
+def drop_resumed(make: Callable[..., Any]) -> Callable[..., Any]:
+    """The resumed flags dropped (the V1 runner appends to the stale table)."""
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        data = make(self, *args, **kwargs)
+        data.resumed_req_ids = set()
+        return data
+
+    return wrapped
+
+
+def drop_last_zeroed(take: Callable[..., Any]) -> Callable[..., Any]:
+    """The last fresh block of each step missing from `new_block_ids_to_zero`."""
+
+    def wrapped(self: Any) -> Any:
+        ids = take(self)
+        return ids[:-1] or None if ids else ids
+
+    return wrapped
+
+
+def no_new_blocks(make: Callable[..., Any]) -> Callable[..., Any]:
+    """Blocks allocated but none shipped to a running request (a stale table)."""
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        data = make(self, *args, **kwargs)
+        data.new_block_ids = [None for _ in data.new_block_ids]
+        return data
+
+    return wrapped
+
+
+def keep_running(finish: Callable[..., Any]) -> Callable[..., Any]:
+    """A finished request left in `running`."""
+
+    def wrapped(self: Any, request_ids: Any, status: Any, *args: Any, **kwargs: Any) -> Any:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        running = [r for r in self.running if r.request_id in ids]
+        result = finish(self, request_ids, status, *args, **kwargs)
+        self.running.extend(r for r in running if r not in self.running)
+        return result
+
+    return wrapped
+
+
+# name -> (Scheduler method, wrapper, V1 runner, configuration of the trace, the checks that report it)
+PLANTS: dict[str, tuple[str, Callable[..., Any], bool, Config, frozenset[str]]] = {
+    "computed_off_by_one": ("_make_cached_request_data", plus_one, False, FULL_SWA, frozenset({POSITIONS})),
+    "resumed_flag_dropped": (
+        "_make_cached_request_data",
+        drop_resumed,
+        True,
+        FULL_SWA,
+        frozenset({POSITIONS, READS}),
+    ),
+    "block_not_zeroed": (
+        "_get_new_block_ids_to_zero",
+        drop_last_zeroed,
+        False,
+        FULL_MAMBA,
+        frozenset({ZEROED}),
+    ),
+    "stale_table": ("_make_cached_request_data", no_new_blocks, False, FULL_SWA, frozenset({READS})),
+    "finished_left_running": ("finish_requests", keep_running, False, FULL_SWA, frozenset({QUEUES})),
+}
+
+
+@contextlib.contextmanager
+def plant(name: str) -> Iterator[None]:
+    method, wrap, v1, _, _ = PLANTS[name]
+    with contextlib.ExitStack() as stack:
+        if v1:
+            stack.enter_context(v1_runner())
+        stack.enter_context(planted(method, wrap))
+        yield
+
+
 @vllm_only
 @pytest.mark.vllm
-def test_shipped_computed_tokens_off_by_one_is_reported() -> None:
-    def plus_one(make: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            data = make(self, *args, **kwargs)
-            data.num_computed_tokens = [n + 1 for n in data.num_computed_tokens]
-            return data
-
-        return wrapped
-
-    with planted("_make_cached_request_data", plus_one):
-        assert POSITIONS in found(lifecycle(FULL_SWA))
-
-
-@vllm_only
-@pytest.mark.vllm
-def test_a_dropped_resumed_flag_is_reported_under_the_v1_runner() -> None:
-    def drop(make: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            data = make(self, *args, **kwargs)
-            data.resumed_req_ids = set()
-            return data
-
-        return wrapped
-
-    with v1_runner():
-        clean = lifecycle(FULL_SWA)
+@pytest.mark.parametrize("name", sorted(PLANTS))
+def test_a_planted_engine_defect_is_reported_on_the_lifecycle(name: str) -> None:
+    """Each planted defect breaks the check that guards its class; unplanted, the same
+    trace keeps the contract (`test_vllm_as_released_keeps_the_engine_contract`)."""
+    _, _, v1, cfg, expected = PLANTS[name]
+    if v1:
+        with v1_runner():
+            clean = lifecycle(cfg)
         assert clean.checker.target.steps.shadow.runner == "v1"
         assert found(clean) == set()
-        with planted("_make_cached_request_data", drop):
-            assert found(lifecycle(FULL_SWA)) & {POSITIONS, READS}
+    with plant(name):
+        assert found(lifecycle(cfg)) & expected
 
 
 @vllm_only
 @pytest.mark.vllm
-def test_a_block_missing_from_new_block_ids_to_zero_is_reported() -> None:
-    def drop_last(take: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(self: Any) -> Any:
-            ids = take(self)
-            return ids[:-1] or None if ids else ids
+@pytest.mark.parametrize("name", sorted(PLANTS))
+def test_a_planted_engine_defect_is_found_by_fuzzing(name: str, tmp_path: Path) -> None:
+    """`kvretain fuzz --target vllm` with a budget finds each planted defect as the check
+    that guards it (generated configurations, the known findings tolerated)."""
+    from invariants.harness.fuzz import run_fuzz
 
-        return wrapped
-
-    assert lifecycle(FULL_MAMBA).checker.target.steps.shadow.zeroing
-    with planted("_get_new_block_ids_to_zero", drop_last):
-        assert ZEROED in found(lifecycle(FULL_MAMBA))
-
-
-@vllm_only
-@pytest.mark.vllm
-def test_a_stale_table_shipped_to_the_worker_is_reported() -> None:
-    """The scheduler allocates blocks but ships none of them to a running request."""
-
-    def no_new_blocks(make: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            data = make(self, *args, **kwargs)
-            data.new_block_ids = [None for _ in data.new_block_ids]
-            return data
-
-        return wrapped
-
-    with planted("_make_cached_request_data", no_new_blocks):
-        assert READS in found(lifecycle(FULL_SWA))
-
-
-@vllm_only
-@pytest.mark.vllm
-def test_a_finished_request_left_in_running_is_reported() -> None:
-    def keep_running(finish: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(self: Any, request_ids: Any, status: Any, *args: Any, **kwargs: Any) -> Any:
-            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-            running = [r for r in self.running if r.request_id in ids]
-            result = finish(self, request_ids, status, *args, **kwargs)
-            self.running.extend(r for r in running if r not in self.running)
-            return result
-
-        return wrapped
-
-    with planted("finish_requests", keep_running):
-        assert QUEUES in found(lifecycle(FULL_SWA))
+    _, _, _, _, expected = PLANTS[name]
+    with plant(name):
+        report = run_fuzz("vllm", budget_s=40, seed=1, out_dir=tmp_path, progress=False)
+    assert report.failure is not None, f"{name}: not found in {report.stats.steps} steps"
+    assert {v.check for v in report.failure.violations} & expected, report.failure
