@@ -200,3 +200,39 @@ def test_vllm_refusing_a_fitting_request_in_a_step_is_reported() -> None:
     live = [v for v in found if v.check == "fitting_request_admitted"]
     assert len(live) == 1 and live[0].message.startswith("admission of a ("), found
     assert explain("vllm", live[0]) is None  # no rollback: not the known hang
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_a_mamba_none_group_counts_its_draft_blocks() -> None:
+    """Regression (the vllm fuzz, seed 5): with 3 drafts a Mamba group in 'none' mode
+    takes its chunk's blocks and 3 draft blocks: r1 needs 11 of an idle pool of 9 and is
+    refused (the check had counted 8). Control: the same refusal against a pool of 11 is
+    flagged, against a pool of 10 not."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = Config(
+        groups=(
+            GroupSpec("full", 4),
+            GroupSpec("swa", 4, sliding_window=5),
+            GroupSpec("mamba", 8, mamba_cache_mode="none"),
+        ),
+        num_blocks=10,
+        retention_interval=0,
+        enable_caching=False,
+        hash_block_size=2,
+        max_model_len=4096,
+        num_lookahead_tokens=3,
+        long_prefill_token_threshold=19,
+    )
+    with check_contexts() as contexts:
+        checker = Checker(VllmSchedulerTarget(cfg), audit_every=1)
+        for op in (AddRequest("r1", (3, 3, 3, 1, 2, 1)), Step(("r1",), 8)):
+            assert checker.step(op) == [], op
+    ctx = contexts[-1]
+    assert isinstance(ctx.obs, StepResult) and not ctx.obs.results[0][1].admitted
+    assert check(ctx) == []
+    assert check(replace(ctx, config=cfg.with_(num_blocks=12))) == [
+        "admission of r1 (11 blocks) refused by an idle pool of 11"
+    ]
+    assert check(replace(ctx, config=cfg.with_(num_blocks=11))) == []

@@ -137,8 +137,9 @@ def _blocks(
     cfg: Config, hit_blocks: tuple[tuple[int, ...], ...], start: int, slots: int, resumes: bool, drafts: int
 ) -> int:
     """Blocks a request computing from `start` holds for `slots` slots: Mamba (align) the
-    new state, the state it resumes from and its draft blocks; an SWA group none wholly
-    behind the window of its first computed token (nor under its hit's null entries)."""
+    new state, the state it resumes from and its draft blocks (in 'none' mode the slots'
+    blocks and the draft blocks); an SWA group none wholly behind the window of its
+    first computed token (nor under its hit's null entries)."""
     slots = min(slots, cfg.max_model_len)
     total = 0
     for g, spec in enumerate(cfg.groups):
@@ -151,5 +152,7 @@ def _blocks(
             first = max(0, start - spec.sliding_window + 1) // spec.block_size
             held = hit_blocks[g] if g < len(hit_blocks) else ()
             first = min(first, next((i for i, b in enumerate(held) if b), first))
-        total += max(cdiv(slots, spec.block_size) - first, 0)
+        # A Mamba group in 'none' mode counts its draft state blocks as tokens (`model.mamba_states`).
+        drafted = drafts if spec.kind == "mamba" else 0
+        total += max(cdiv(slots, spec.block_size) - first, 0) + drafted
     return total
