@@ -195,7 +195,9 @@ def vllm_config(cfg: Config, *, async_scheduling: bool = False) -> Any:
     )
     cache.num_gpu_blocks = cfg.num_blocks
     sched = m["SchedulerConfig"](
-        max_num_seqs=MAX_NUM_SEQS,
+        # vLLM requires max_num_batched_tokens >= max_num_seqs; a small instance's few
+        # requests never reach either cap.
+        max_num_seqs=min(MAX_NUM_SEQS, cfg.max_model_len),
         max_num_batched_tokens=cfg.max_model_len,
         max_model_len=cfg.max_model_len,
         enable_chunked_prefill=True,
