@@ -150,6 +150,8 @@ def fuzz_case(report: Any, group: str = "fuzz") -> CaseResult:
             "ops_per_s": round(report.ops_per_s),
             "hit_rate": round(report.stats.hit_rate, 4),
             "known": report.stats.known.to_json(),
+            # tolerated crashes, crashes raised by kvretain's adapter, other new crashes
+            "crashes": dict(report.crashes),
             "not_generated": list(getattr(report, "not_generated", ())),
         },
     )

@@ -15,9 +15,12 @@ same operation, is a new violation.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from invariants.harness.checker import Checker, Violation
+from invariants.harness.crash_site import ADAPTER, OBSERVED, CrashSite, Frame
 from invariants.harness.known_findings import explain, known_finding
 from invariants.harness.trace import Trace
 from invariants.targets.model_target import ModelTarget
@@ -153,17 +156,30 @@ def test_the_tolerance_matches_nothing_else() -> None:
         f"TargetCrash: vLLM {version} freed r0's blocks at its load's report while its save is in "
         "flight (the save's report would assert: req_id in self.requests)"
     )
-    hit = Violation("crash", message, config=FULL4, op=Loaded("r0", True))
+    # Raised by the adapter's check of the report (`crash_site.OBSERVATION_SITES`).
+    site = CrashSite(
+        OBSERVED,
+        "TargetCrash",
+        (Frame("invariants.targets.vllm_scheduler_target", "SchedulerOpDriver.dispatch"),),
+    )
+    hit = Violation("crash", message, config=FULL4, op=Loaded("r0", True), crash=site)
     assert known_finding("vllm-manager", version, hit) is not None
     for other in (
-        Violation("crash", message, config=FULL4.with_(kv_connector=False), op=Loaded("r0", True)),
-        Violation("crash", message, config=FULL4, op=Step(("r0",), 64)),
+        Violation(
+            "crash", message, config=FULL4.with_(kv_connector=False), op=Loaded("r0", True), crash=site
+        ),
+        Violation("crash", message, config=FULL4, op=Step(("r0",), 64), crash=site),
         Violation("snapshot", message, config=FULL4, op=Loaded("r0", True)),
         Violation(
             "crash",
             f"TargetCrash: vLLM {version} raised on Loaded: AssertionError: ",
             FULL4,
             Loaded("r0", True),
+            crash=site,
+        ),
+        Violation("crash", message, config=FULL4, op=Loaded("r0", True)),  # no site: never known
+        Violation(
+            "crash", message, config=FULL4, op=Loaded("r0", True), crash=replace(site, raised_by=ADAPTER)
         ),
     ):
         assert known_finding("vllm-manager", version, other) is None, other

@@ -249,6 +249,7 @@ def _hand_over(report: FuzzReport, budget_s: float | None) -> None:
 # ---------------------------------------------------------------- replay
 def cmd_replay(args: argparse.Namespace) -> int:
     from invariants.cli.sglang import cmd_replay_sglang, is_radix_trace
+    from invariants.harness.known_findings import format_crash_counts
     from invariants.harness.replay import replay
 
     if is_radix_trace(Path(args.trace)):  # a `fuzz --target sglang` trace
@@ -268,6 +269,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print(f"  {name}: op {i}: {v}")
         for i, v in result.known[:3]:
             print(f"  {name}: op {i}: known finding: {v}")
+        crashes = format_crash_counts(result.crashes)
+        if crashes:
+            print(f"  {name}: {crashes}")
         rows.append(
             (
                 name,

@@ -36,6 +36,7 @@ from invariants.catalogue import (
     update_history,
     update_history_delta,
 )
+from invariants.harness.crash_site import CrashSite, crash_site
 from invariants.targets.base import PartialState, Tables, Target, table_changes
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
@@ -85,9 +86,16 @@ class Violation:
     message: str
     config: Config | None = field(default=None, compare=False, repr=False)
     op: Op | None = field(default=None, compare=False, repr=False)
+    # A crash's site: who raised it (the engine, or kvretain's adapter) and in which frames.
+    crash: CrashSite | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         return f"{self.check}: {self.message}"
+
+
+def crashed(exc: BaseException) -> Violation:
+    """The `crash` violation of a target that raised `exc`, with its site (`crash_site`)."""
+    return Violation("crash", f"{type(exc).__name__}: {exc}", crash=crash_site(exc))
 
 
 class InvalidOp(ValueError):
@@ -250,7 +258,7 @@ class Checker:
             try:
                 before = self.target.snapshot()
             except Exception as exc:
-                return [Violation("crash", f"{type(exc).__name__}: {exc}")]
+                return [crashed(exc)]
             found += [
                 Violation("snapshot", f"before the operation: {line}")
                 for line in diff_snapshots(self.model.snapshot(), before)
@@ -262,7 +270,7 @@ class Checker:
             snap = self.target.snapshot()
         except Exception as exc:  # the target crashing is itself a finding
             self._expected(op, None)  # the model moves on all the same
-            return [Violation("crash", f"{type(exc).__name__}: {exc}")]
+            return [crashed(exc)]
         expected_obs = self._expected(op, obs)
         expected = self.model.snapshot()
         self.last_obs = obs
@@ -311,7 +319,7 @@ class Checker:
             obs = self.target.apply(op)
         except Exception as exc:
             self._expected(op, None)  # the model moves on all the same
-            return [Violation("crash", f"{type(exc).__name__}: {exc}")]
+            return [crashed(exc)]
         expected_obs = self._expected(op, obs)
         self.last_obs = obs
         found: list[Violation] = []
@@ -337,7 +345,7 @@ class Checker:
         try:
             got, want = self._partials(blocks, rids, keys, tables_before)
         except Exception as exc:
-            return [Violation("crash", f"{type(exc).__name__}: {exc}")]
+            return [crashed(exc)]
         found += [Violation("snapshot", line) for line in _diff_partial(want, got)]
         found += self._engine_problems()
         delta = self._advance(got)
@@ -462,7 +470,7 @@ class Checker:
         try:
             snap = self.target.snapshot()
         except Exception as exc:
-            return [Violation("crash", f"{type(exc).__name__}: {exc}")]
+            return [crashed(exc)]
         found = [Violation("snapshot", line) for line in diff_snapshots(expected, snap)]
         anomalies = update_history(self.history, Probe((0,)), None, snap, snap)  # type: ignore[arg-type]
         self.history.tick -= 1  # an audit is not a step

@@ -12,7 +12,14 @@ A known finding tolerates a violation only when all of these hold:
   for a lost promise, a batched `Step` for a same-step copy, ...);
 - its **shape**, if it names one, holds of the numbers the pattern captured
   (`SHAPES`: a `BlockStored` that carries *more* token ids than its hashes
-  cover, a replay hit that lost exactly one aligned segment, ...).
+  cover, a replay hit that lost exactly one aligned segment, ...);
+- for a crash, its **trigger** (`TRIGGERS`, required of every crash finding)
+  holds of what happened in the crashing operation: who raised it and in which
+  frames (`invariants.harness.crash_site`), the operation and the configuration
+  (the Mamba manager ran short while `allocate_slots` admitted external tokens,
+  the adapter's check of a transfer's report fired for that report's own
+  request, ...). A crash raised by kvretain's own adapter code (origin
+  `adapter`) is never a known finding, whatever its message.
 
 A violation that matches a pattern but not the rest of the claim is a new
 violation: the claim is what was understood, not a wildcard over an invariant.
@@ -23,8 +30,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from invariants.harness.crash_site import ADAPTER, ENGINE, OBSERVED, CrashSite
 from model.config import Config
-from model.ops import Op
+from model.ops import Loaded, Op, Saved
 
 Condition = Callable[[Config], bool]
 Shape = Callable[[Mapping[str, str], Config], bool]
@@ -164,6 +172,86 @@ SHAPES: dict[str, tuple[Shape, tuple[str, ...]]] = {
 }
 
 
+Trigger = Callable[[CrashSite, Mapping[str, str], Op | None, Config], bool]
+
+
+def _mamba_short_at_external_admission(
+    site: CrashSite, g: Mapping[str, str], op: Op | None, cfg: Config
+) -> bool:
+    """vllm-mamba-external-state-uncounted: the pool ran short (`BlockPool.get_new_blocks`)
+    for the Mamba manager (the innermost manager frame is a `MambaManager`'s), inside an
+    `allocate_slots` that admits external (connector) tokens."""
+    inner = site.innermost
+    if inner is None or not inner.is_method("BlockPool", "get_new_blocks"):
+        return False
+    manager = site.nearest("SingleTypeKVCacheManager")
+    if manager is None or "MambaManager" not in manager.classes:
+        return False
+    admission = site.enclosing("KVCacheManager", "allocate_slots")
+    return admission is not None and (admission.int("num_external_computed_tokens") or 0) > 0
+
+
+def _swa_fine_grained_assert(site: CrashSite, g: Mapping[str, str], op: Op | None, cfg: Config) -> bool:
+    """vllm-swa-fine-grained-mamba-assert: an AssertionError raised by
+    `SlidingWindowManager.find_longest_cache_hit` itself (its alignment assertion)."""
+    inner = site.innermost
+    return (
+        site.error == "AssertionError"
+        and inner is not None
+        and inner.is_method("SlidingWindowManager", "find_longest_cache_hit")
+    )
+
+
+def _freed_during_other_transfer(site: CrashSite, g: Mapping[str, str], op: Op | None, cfg: Config) -> bool:
+    """save-during-load-freed-at-first-report: the adapter's check at a transfer's report
+    (`Loaded` / `Saved`: the report's dispatch, or the requests a failed load ended) fired
+    for the reporting request itself (the one the message names)."""
+    inner = site.innermost
+    return (
+        isinstance(op, (Loaded, Saved))
+        and g.get("rid") == op.rid
+        and inner is not None
+        and inner.qualname.rsplit(".", 1)[-1] in ("dispatch", "ended")
+    )
+
+
+def _placeholders_kept_after_cut(site: CrashSite, g: Mapping[str, str], op: Op | None, cfg: Config) -> bool:
+    """async-load-cut-keeps-placeholders: the adapter's placeholder check fired after a load
+    report that names failed blocks (only a failed block's cut skips a step output)."""
+    inner = site.innermost
+    return (
+        isinstance(op, Loaded)
+        and bool(op.invalid)
+        and inner is not None
+        and inner.qualname.endswith("._check_placeholders")
+    )
+
+
+# name -> (trigger, the origin it requires, the sentence a report prints for it)
+TRIGGERS: dict[str, tuple[Trigger, str, str]] = {
+    "mamba_short_at_external_admission": (
+        _mamba_short_at_external_admission,
+        ENGINE,
+        "vLLM raised: the pool ran short for the Mamba manager in an allocate_slots admitting external tokens",
+    ),
+    "swa_fine_grained_assert": (
+        _swa_fine_grained_assert,
+        ENGINE,
+        "vLLM raised: SlidingWindowManager.find_longest_cache_hit's own assertion",
+    ),
+    "freed_during_other_transfer": (
+        _freed_during_other_transfer,
+        OBSERVED,
+        "the adapter's check at a transfer's report, for the reporting request",
+    ),
+    "placeholders_kept_after_cut": (
+        _placeholders_kept_after_cut,
+        OBSERVED,
+        "the adapter's placeholder check after a load report with failed blocks",
+    ),
+}
+
+
 @dataclass(frozen=True)
 class Precondition:
     """Where a finding is the known defect: configuration conditions, operation
@@ -172,12 +260,29 @@ class Precondition:
     conditions: tuple[str, ...]
     operations: frozenset[str]
     shape: str | None = None
+    trigger: str | None = None
 
-    def holds(self, config: Config | None, op_kind: str, groups: Mapping[str, str]) -> bool:
+    def holds(
+        self,
+        config: Config | None,
+        op_kind: str,
+        groups: Mapping[str, str],
+        op: Op | None = None,
+        crash: CrashSite | None = None,
+    ) -> bool:
+        """Does the claim hold of a violation at an operation of kind `op_kind` (`op`), in a
+        run of `config`, whose message captured `groups`, raised at `crash` (a crash's site;
+        None for any other violation)? A crash raised by kvretain's adapter never holds."""
         if op_kind not in self.operations:
             return False
         if config is None:  # no configuration to judge: the claim cannot be checked
             return False
+        if crash is not None and crash.raised_by == ADAPTER:
+            return False  # a gap in kvretain, whatever its message says
+        if self.trigger is not None:
+            trigger, origin, _ = TRIGGERS[self.trigger]
+            if crash is None or crash.raised_by != origin or not trigger(crash, groups, op, config):
+                return False
         if not all(CONDITIONS[name][0](config) for name in self.conditions):
             return False
         return self.shape is None or SHAPES[self.shape][0](groups, config)
@@ -187,7 +292,9 @@ class Precondition:
         parts.append("on " + "/".join(sorted(self.operations)))
         if self.shape is not None:
             parts.append(f"shape {self.shape}")
+        if self.trigger is not None:
+            parts.append(f"trigger: {TRIGGERS[self.trigger][2]}")
         return "; ".join(parts)
 
 
-__all__ = ["CONDITIONS", "OPERATIONS", "SHAPES", "Precondition", "operation_kind"]
+__all__ = ["CONDITIONS", "OPERATIONS", "SHAPES", "TRIGGERS", "Precondition", "operation_kind"]

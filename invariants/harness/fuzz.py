@@ -34,7 +34,13 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, InvalidOp, Violation
-from invariants.harness.known_findings import clean_verdict, explain
+from invariants.harness.known_findings import (
+    clean_verdict,
+    crash_counts,
+    explain,
+    format_crash_counts,
+    is_adapter_crash,
+)
 from invariants.harness.machine import BudgetSpent, FuzzStats, Tolerance, ViolationFound, build_machine
 from invariants.harness.shrink import shrink
 from invariants.harness.strategies import configs
@@ -88,6 +94,12 @@ class FuzzReport:
         if self.failure is not None:
             return "VIOLATION"
         return clean_verdict(self.stats.known)
+
+    @property
+    def crashes(self) -> dict[str, int]:
+        """The run's crashes, apart: tolerated (known crash findings), raised by kvretain's
+        adapter, other new ones (`known_findings.crash_counts`)."""
+        return crash_counts(self.stats.known.crashes, self.failure.violations if self.failure else ())
 
 
 NO_EAGLE_WITHOUT_DRAFTS_ON_REAL_SCHEDULER = (
@@ -392,12 +404,24 @@ def format_failure(report: FuzzReport) -> str:
     lines = [
         f"VIOLATION on target {report.target} (seed {report.seed}, batch seed {report.seed + report.batches - 1})"
     ]
-    lines += [f"  {v}" for v in f.violations[:10]]
+    for v in f.violations[:10]:
+        lines.append(f"  {v}")
+        if v.check == "crash":
+            lines.append(f"    {_raised_by(v)}")
     lines.append(f"config: {f.config}")
     lines.append(f"shrunk trace ({len(f.ops)} operations, from {report.unshrunk_ops}):")
     lines += [f"  {i:3d}  {op_to_json(op)}" for i, op in enumerate(f.ops)]
     lines.append(f"written to {report.trace_path}; re-run with: kvretain replay {report.trace_path}")
     return "\n".join(lines)
+
+
+def _raised_by(v: Violation) -> str:
+    """Who raised a new crash, in words."""
+    if is_adapter_crash(v):
+        return "raised by kvretain's adapter: a gap in kvretain, never tolerated as an engine finding"
+    if v.crash is None:
+        return "raised where no site was recorded: never tolerated"
+    return f"raised by the {v.crash.raised_by}; no crash finding's trigger matched it"
 
 
 def format_summary(reports: list[FuzzReport]) -> str:
@@ -417,7 +441,7 @@ def format_summary(reports: list[FuzzReport]) -> str:
         )
         for r in reports
     ]
-    return table(
+    out = table(
         [
             "target",
             "config",
@@ -433,6 +457,8 @@ def format_summary(reports: list[FuzzReport]) -> str:
         ],
         rows,
     )
+    crashes = [(r, format_crash_counts(r.crashes)) for r in reports]
+    return out + "".join(f"\n{r.target}/{r.config}: {line}" for r, line in crashes if line)
 
 
 def format_features(reports: list[FuzzReport]) -> str:

@@ -8,7 +8,8 @@ invariant flags, kept with a replayable trace and the upstream reference.
                    "message_pattern" (a regex the WHOLE message must match),
                    "precondition": {"config": [condition, ...],
                                     "operations": [operation kind, ...],
-                                    "shape": name (optional)},
+                                    "shape": name (optional),
+                                    "trigger": name (required of a "crash" finding)},
                    "upstream": [...], "where", "description",
                    "trace": {kvretain trace, version 1}}]}
 
@@ -16,11 +17,16 @@ A finding is a precise claim (`invariants.harness.claims`): a violation is
 known only when its target, release (vLLM only), property and whole message
 match, the run's configuration satisfies every condition the finding lists,
 the violating operation is of a listed kind and the numbers the pattern
-captured have the finding's shape. Anything else is a new violation, however
+captured have the finding's shape; a crash finding also names its trigger,
+checked against who raised the crash and in which frames
+(`invariants.harness.crash_site`). A crash raised by kvretain's own adapter
+code is never a known finding. Anything else is a new violation, however
 close. A run counts what it tolerated per finding (`KnownLedger`): how often,
 the first message, and where an example trace was written; `kvretain replay` /
 `fuzz` report known violations apart from new ones; a known finding that stops
 reproducing is worth a look too (the bug may be fixed upstream: drop the entry).
+Tolerated crashes are counted apart (`KnownLedger.crashes`), and so are the
+crashes kvretain's adapter raised (`crash_counts`: always new violations).
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from invariants.harness.claims import CONDITIONS, OPERATIONS, SHAPES, Precondition, operation_kind
+from invariants.harness.claims import CONDITIONS, OPERATIONS, SHAPES, TRIGGERS, Precondition, operation_kind
+from invariants.harness.crash_site import ADAPTER, CrashSite
 from invariants.harness.trace import Trace, TraceError, trace_from_json, write_trace
 from model.config import Config
 from model.ops import Op
@@ -68,25 +75,32 @@ class KnownFinding:
         message: str,
         config: Config | None,
         op: Op | None,
+        crash: CrashSite | None = None,
     ) -> bool:
         """Does this finding explain `prop` violated with `message` on `target` at
-        `version`, in a run of `config`, at operation `op` (None: an audit)?"""
+        `version`, in a run of `config`, at operation `op` (None: an audit), raised at
+        `crash` (a crash's site, None for any other violation)?"""
         if target not in self.targets:
             return False
         # Versions name vLLM releases; the model and reference follow 0.33.0 semantics.
         if target == "vllm-manager" and "*" not in self.versions and version not in self.versions:
             return False
-        return self.claims(prop, message, config, op)
+        return self.claims(prop, message, config, op, crash)
 
-    def claims(self, prop: str, message: str, config: Config | None, op: Op | None) -> bool:
+    def claims(
+        self, prop: str, message: str, config: Config | None, op: Op | None, crash: CrashSite | None = None
+    ) -> bool:
         """The claim alone, whatever the target and release: the property, the whole
-        message, and the precondition (configuration, operation kind, shape)."""
+        message, and the precondition (configuration, operation kind, shape, and for a
+        crash its trigger; a crash without a site, or raised by the adapter, is never it)."""
         if prop != self.property:
+            return False
+        if prop == "crash" and crash is None:
             return False
         m = self._compiled.fullmatch(message)
         if m is None:
             return False
-        return self.precondition.holds(config, operation_kind(op), m.groupdict())
+        return self.precondition.holds(config, operation_kind(op), m.groupdict(), op, crash)
 
     @functools.cached_property
     def _compiled(self) -> re.Pattern[str]:
@@ -121,6 +135,10 @@ def _parse(entry: Any, i: int) -> KnownFinding:
     except re.error as exc:
         raise KnownFindingsError(f"{where}.message_pattern: not a regular expression ({exc})") from None
     precondition = _parse_precondition(entry.get("precondition"), f"{where}.precondition", compiled)
+    if entry["property"] == "crash" and precondition.trigger is None:
+        raise KnownFindingsError(
+            f"{where}.precondition.trigger: a crash finding must name its trigger (known: {sorted(TRIGGERS)})"
+        )
     try:
         trace = trace_from_json(entry.get("trace"))
     except TraceError as exc:
@@ -142,7 +160,7 @@ def _parse(entry: Any, i: int) -> KnownFinding:
 def _parse_precondition(data: Any, where: str, pattern: re.Pattern[str]) -> Precondition:
     if not isinstance(data, dict):
         raise KnownFindingsError(
-            f"{where}: must be an object with 'config', 'operations' and optional 'shape'"
+            f"{where}: must be an object with 'config', 'operations' and optional 'shape' and 'trigger'"
         )
     conditions = data.get("config", [])
     if not isinstance(conditions, list) or not all(isinstance(c, str) for c in conditions):
@@ -167,7 +185,10 @@ def _parse_precondition(data: Any, where: str, pattern: re.Pattern[str]) -> Prec
             raise KnownFindingsError(
                 f"{where}.shape: {shape!r} reads the named group(s) {missing}, which the pattern does not capture"
             )
-    return Precondition(tuple(conditions), frozenset(operations), shape)
+    trigger = data.get("trigger")
+    if trigger is not None and trigger not in TRIGGERS:
+        raise KnownFindingsError(f"{where}.trigger: unknown trigger {trigger!r} (known: {sorted(TRIGGERS)})")
+    return Precondition(tuple(conditions), frozenset(operations), shape, trigger)
 
 
 def parse_known_findings(data: Any) -> list[KnownFinding]:
@@ -222,8 +243,11 @@ def known_finding(
 ) -> KnownFinding | None:
     """The known finding that explains `violation` (an `invariants.harness.checker.Violation`,
     which carries its configuration and operation) on `target` at `version`, or None."""
+    crash = getattr(violation, "crash", None)
     for f in _default_findings() if findings is None else findings:
-        if f.matches(target, version, violation.check, violation.message, violation.config, violation.op):
+        if f.matches(
+            target, version, violation.check, violation.message, violation.config, violation.op, crash
+        ):
             return f
     return None
 
@@ -276,9 +300,12 @@ __all__ = [
     "KnownLedger",
     "Tolerated",
     "clean_verdict",
+    "format_crash_counts",
     "format_known",
     "known_summary",
+    "crash_counts",
     "explain",
+    "is_adapter_crash",
     "is_known_violation",
     "known_finding",
     "load_known_findings",
@@ -296,6 +323,7 @@ class Tolerated:
     config: Config | None = None
     ops: list[Op] | None = None  # up to the first tolerated violation (None: not kept)
     example: Path | None = None  # where that trace was written
+    crash: bool = False  # a crash finding: each tolerated violation ended its example
 
 
 class KnownLedger:
@@ -315,13 +343,16 @@ class KnownLedger:
             entry.count += 1
             return
         kept = list(ops) if ops is not None and self.keep_examples else None
-        self.entries[finding] = Tolerated(finding, 1, str(violation), violation.config, kept)
+        crash = violation.check == "crash"
+        self.entries[finding] = Tolerated(finding, 1, str(violation), violation.config, kept, crash=crash)
 
     def merge(self, other: KnownLedger) -> None:
         for name, e in other.entries.items():
             mine = self.entries.get(name)
             if mine is None:
-                self.entries[name] = Tolerated(e.finding, e.count, e.first, e.config, e.ops, e.example)
+                self.entries[name] = Tolerated(
+                    e.finding, e.count, e.first, e.config, e.ops, e.example, crash=e.crash
+                )
             else:
                 mine.count += e.count
 
@@ -337,6 +368,12 @@ class KnownLedger:
     @property
     def total(self) -> int:
         return sum(e.count for e in self.entries.values())
+
+    @property
+    def crashes(self) -> int:
+        """Tolerated crashes: engine crashes (or the adapter's observations of the engine)
+        that met a crash finding's trigger; each ended its example unchecked."""
+        return sum(e.count for e in self.entries.values() if e.crash)
 
     def write_examples(self, out_dir: Path, target: str, seed: int | None) -> None:
         """Write each finding's example trace once (`known-<finding>-<target>-seed<seed>.json`)."""
@@ -358,6 +395,7 @@ class KnownLedger:
                 "count": e.count,
                 "first": e.first,
                 "example": str(e.example) if e.example else None,
+                "crash": e.crash,
             }
             for e in (self.entries[n] for n in self)
         ]
@@ -380,9 +418,40 @@ def format_known(ledger: KnownLedger) -> str:
     from invariants.report import table
 
     rows = ledger.rows()
+    crashes = f", {ledger.crashes} of them crash(es) that ended their example" if ledger.crashes else ""
     return (
-        f"known findings tolerated ({ledger.total} violation(s); each matched its finding's precondition):\n"
+        f"known findings tolerated ({ledger.total} violation(s){crashes}; "
+        "each matched its finding's precondition):\n"
         + table(["finding", "tolerated", "first message", "example trace"], rows)
+    )
+
+
+def is_adapter_crash(violation: Any) -> bool:
+    """A crash raised by kvretain's own adapter code (a gap in kvretain, never a known finding)."""
+    site = getattr(violation, "crash", None)
+    return violation.check == "crash" and site is not None and site.raised_by == ADAPTER
+
+
+def crash_counts(tolerated: int, new: Iterable[Any] = ()) -> dict[str, int]:
+    """The crashes of a run, apart: `tolerated` (known crash findings, e.g. a ledger's
+    `crashes`), and among its `new` violations, those kvretain's adapter raised and the others."""
+    new_crashes = [v for v in new if v.check == "crash"]
+    adapter = sum(1 for v in new_crashes if is_adapter_crash(v))
+    return {
+        "tolerated_crashes": tolerated,
+        "adapter_crashes": adapter,
+        "new_crashes": len(new_crashes) - adapter,
+    }
+
+
+def format_crash_counts(counts: dict[str, int]) -> str:
+    """ "crashes: tolerated N, raised by kvretain's adapter N, new N" ("" when all are 0)."""
+    if not any(counts.values()):
+        return ""
+    return (
+        f"crashes: tolerated {counts['tolerated_crashes']} (known findings), "
+        f"raised by kvretain's adapter {counts['adapter_crashes']} (a gap in kvretain, never tolerated), "
+        f"other new {counts['new_crashes']}"
     )
 
 

@@ -25,6 +25,15 @@ class ReplayResult:
     def clean(self) -> bool:
         return not self.violations
 
+    @property
+    def crashes(self) -> dict[str, int]:
+        """Tolerated crashes (known crash findings), crashes raised by kvretain's adapter
+        (never tolerated), other new crashes."""
+        from invariants.harness.known_findings import crash_counts
+
+        tolerated = sum(1 for _, v in self.known if v.check == "crash")
+        return crash_counts(tolerated, (v for _, v in self.violations))
+
 
 def replay(trace: Trace, target: str, stop_at_first: bool = False) -> ReplayResult:
     try:

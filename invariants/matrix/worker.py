@@ -275,7 +275,7 @@ def _reproduces(f: KnownFinding, trace: Trace, target: str) -> tuple[bool | None
     except (ConfigError, TargetUnavailable, TraceError) as exc:
         return None, str(exc).splitlines()[0][:120]
     seen = [*result.known, *result.violations]
-    return any(f.claims(v.check, v.message, v.config, v.op) for _, v in seen), ""
+    return any(f.claims(v.check, v.message, v.config, v.op, v.crash) for _, v in seen), ""
 
 
 def run_release(budget_s: float, seed: int, out: Path) -> dict[str, Any]:
