@@ -215,3 +215,131 @@ def radix_mamba_eviction_lru(before: TreeView, after: TreeView, last_use: Mappin
             f"Mamba eviction removed a state used at {newest} but kept older unlocked states at nodes {older}"
         ]
     return []
+
+
+def _page_floor(n: int, page: int) -> int:
+    return n // page * page
+
+
+def _page_ceil(n: int, page: int) -> int:
+    return -(-n // page) * page
+
+
+def radix_finished_prefix_promise(
+    view: TreeView,
+    seq: tuple[int, ...],
+    cached: int,
+    own_from: int,
+    swa_freed: int,
+    layout: RadixLayout,
+) -> list[str]:
+    """Right after a request finished, a next turn that extends its sequence hits the whole
+    prefix the finish caches (page-floored), on every layout, as the tree's retention rules
+    promise:
+
+    - full attention: the finish caches every whole page of `seq[:cached]`;
+    - SWA: the request freed its own SWA only below `swa_freed` (its window slides keep at
+      least a window plus a page: `free_swa_out_of_window_slots`); what it held from
+      `max(own_from, swa_freed)` on is cached live, so when that span covers the window the
+      window-reachable tail ends at the cached prefix (the match rule: a window of live SWA
+      since the last tombstone). When the request's own live span is shorter than the
+      window the hit rests on tree state it did not write: no promise
+      (`finished_prefix_promised` returns None);
+    - Mamba: the finish donates its state to the node that ends the cached prefix (page 1),
+      so the hit reaches that checkpoint.
+
+    `cached` is what the finish inserts: the committed length, or SGLang's SWA branch point
+    when the request's lookup set one (`swa.py` `prepare_for_caching_req`: a request whose
+    full-attention match ran past its SWA hit publishes up to that point only). `own_from`
+    is the request's `cache_protected_len` before the finish (below it, the tree's KV, not
+    the request's). Nothing can be evicted between the finish and this check, so a shorter
+    hit is a promise broken on a valid tree (an SWA or Mamba hit lost at the finish, or a
+    page not cached)."""
+    promised = finished_prefix_promised(cached, own_from, swa_freed, layout)
+    if not promised:
+        return []
+    key = seq[:cached] + (-1,)  # a next turn: one more token after the cached prefix
+    got = expected_hit(view, key, layout, cached)
+    if got >= promised:
+        return []
+    why = _promise_gap(view, key, layout, got, promised)
+    return [f"after finish (caching {cached} tokens), a next turn hits {got} < promised {promised}: {why}"]
+
+
+def finished_prefix_promised(cached: int, own_from: int, swa_freed: int, layout: RadixLayout) -> int | None:
+    """The hit a finish promises a next turn (see `radix_finished_prefix_promise`), or None
+    when the layout's rule makes no promise for this request (SWA: its own live span is
+    shorter than the window)."""
+    page = layout.page_size
+    end = _page_floor(cached, page)
+    if layout.has_swa:
+        live_from = _page_ceil(max(own_from, swa_freed), page)
+        if end - live_from < (layout.sliding_window or 0):
+            return None
+    return end
+
+
+def _promise_gap(view: TreeView, key: tuple[int, ...], layout: RadixLayout, got: int, promised: int) -> str:
+    """Which retained part is missing on the path of `key` up to `promised` (one phrase)."""
+    page = layout.page_size
+    node_id, offset = view.root, 0
+    while offset < promised:
+        child_id = next(
+            (
+                c
+                for c in view.children.get(node_id, [])
+                if view.nodes[c].tokens[:page] == key[offset : offset + page]
+            ),
+            None,
+        )
+        if child_id is None or not view.nodes[child_id].full:
+            return f"no full-attention page at token {offset}"
+        child = view.nodes[child_id]
+        if layout.has_swa and child.swa is False and offset + len(child.tokens) > got:
+            return f"SWA tombstone on tokens [{offset}, {offset + len(child.tokens)})"
+        offset += len(child.tokens)
+        node_id = child_id
+    if layout.has_mamba and (offset != promised or not view.nodes[node_id].mamba):
+        return f"no Mamba state at token {promised}"
+    return "the match rule stops short"
+
+
+def radix_eviction_scope(before: TreeView, after: TreeView, request: tuple[int, int, int]) -> list[str]:
+    """An eviction asked of one component takes its victims from that component's own
+    candidates, on each tree core (SGLang 0.5.23: `components/{full,swa,mamba}.py`, each
+    walk over its own list, cascading only to lower-priority data of the same node):
+
+    - full attention: removes whole unlocked nodes and changes no node it keeps (no SWA
+      tombstone, no Mamba state dropped);
+    - SWA: tombstones or removes only nodes that held live SWA, unlocked; every kept node
+      keeps its full KV, and a kept node loses its Mamba state only with its SWA;
+    - Mamba: drops or removes only nodes that held a state, unlocked; every kept node
+      keeps its full KV and SWA.
+
+    `request` = (full tokens, SWA tokens, Mamba states) asked, with exactly one non-zero
+    (the caller passes only such requests). Guards an eviction that walks another
+    component's LRU scope (a full request tombstoning SWA, an SWA request deleting
+    leaves it never held)."""
+    full, swa, mamba = request
+    scope = "full" if full else "swa" if swa else "mamba"
+    out: list[str] = []
+    for nid, old in before.nodes.items():
+        if nid == before.root:
+            continue
+        new = after.nodes.get(nid)
+        if new is None:
+            held = {"full": old.full, "swa": bool(old.swa), "mamba": bool(old.mamba)}[scope]
+            if not held or old.full_lock > 0:
+                why = "locked" if old.full_lock > 0 else f"held no {scope} value"
+                out.append(f"{scope} eviction removed node {nid} ({len(old.tokens)} tokens), which {why}")
+            continue
+        lost = {c for c in ("full", "swa", "mamba") if getattr(old, c) and not getattr(new, c)}
+        if scope == "full":
+            allowed: set[str] = set()
+        elif scope == "swa":
+            allowed = {"swa", "mamba"} if "swa" in lost else set()
+        else:
+            allowed = {"mamba"}
+        if lost - allowed:
+            out.append(f"{scope} eviction took {sorted(lost - allowed)} from node {nid}, which it keeps")
+    return out[:4]

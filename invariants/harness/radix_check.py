@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from invariants.catalogue import radix as inv
@@ -29,6 +29,7 @@ from invariants.targets.sglang_drive import OpResult, SglangDriver
 from invariants.targets.sglang_snapshot import (
     EventReplay,
     PoolAccount,
+    core_view,
     free_lists,
     mamba_slot_sets,
     pool_accounts,
@@ -38,15 +39,31 @@ from invariants.targets.sglang_snapshot import (
 )
 from model.radix.config import RadixLayout
 from model.radix.ops import Admit, Evict, Extend, Finish, RadixOp
+from model.radix.recency import Recency, advance, as_time
 from model.radix.tree import TreeView
 
 Violation = tuple[str, str]
 
 
+def _with_recency(view: TreeView, recency: dict[int, Recency]) -> TreeView:
+    """`view` with each node's access time replaced by the model's recency (0 when unknown)."""
+    nodes = {
+        nid: replace(node, last_access=as_time(recency[nid]) if nid in recency else 0.0)
+        for nid, node in view.nodes.items()
+    }
+    return TreeView(root=view.root, nodes=nodes)
+
+
 class UnifiedReader:
     """How the checker reads a driver's state: `sglang_snapshot`'s functions (0.5.23).
-    Another release's driver comes with its own reader (e.g. `sglang_legacy_snapshot`)."""
+    Another release's driver comes with its own reader (e.g. `sglang_legacy_snapshot`).
 
+    `per_core_views`: every core's own tree can be read (`core_view`) and the driver
+    records its tree calls, so eviction order, eviction scope and the finished-prefix
+    promise are judged on each core against the model, not against the other core."""
+
+    per_core_views = True
+    core_view = staticmethod(core_view)
     pool_accounts = staticmethod(pool_accounts)
     slot_sets = staticmethod(slot_sets)
     free_lists = staticmethod(free_lists)
@@ -80,6 +97,9 @@ class RadixChecker:
     # What builds a driver per core, and how its state is read (defaults: 0.5.23's).
     make_driver: Callable[[RadixLayout, str], SglangDriver] = SglangDriver
     reader: Any = UnifiedReader
+    # Per core (per_core_views): its tree after the last op, and the model's recency of its nodes.
+    _core_views: dict[str, TreeView] = field(default_factory=dict, init=False, repr=False)
+    _recency: dict[str, dict[int, Recency]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._mamba_use: dict[int, int] = {}
@@ -94,9 +114,16 @@ class RadixChecker:
         self._insert_key = self._key_inserted_by(op) if self.layout.has_mamba else None
         # The tree changes only through ops, so the last op's after-view is this one's before-view.
         before = self._view if self._view is not None else self.reader.tree_view(self.primary)
+        per_core = self.reader.per_core_views
+        if per_core:
+            befores = {core: self._core_before(core) for core in self.cores}
+            promises = {core: self._promise_inputs(op, d) for core, d in self.drivers.items()}
         results = {core: d.apply(op) for core, d in self.drivers.items()}
         self.checked_ops += 1
         out: list[Violation] = []
+        if per_core:
+            for core in self.cores:
+                out += self._core_checks(core, op, results[core], befores[core], promises[core])
         accounts = {}
         for core, d in self.drivers.items():
             broken = self.reader.sanity_check(d)
@@ -155,7 +182,9 @@ class RadixChecker:
             out += [("radix_eviction_lru", m) for m in inv.radix_eviction_lru(before, after)]
         if self.layout.has_mamba:
             out += self._mamba_order(op, res, before, after)
-        if isinstance(op, Evict) and self.layout.components == ("full",) and res.evicted is not None:
+        full_only = self.layout.components == ("full",)
+        if isinstance(op, Evict) and full_only and res.evicted is not None and not self.reader.per_core_views:
+            # Legacy caches: LRU read from the Python core's own access times.
             msgs = inv.radix_full_eviction_matches_model(before, after, op.full, res.evicted[0])
             out += [("radix_full_eviction_matches_model", m) for m in msgs]
         if isinstance(op, Finish) and self._last_finished is not None and self.layout.components == ("full",):
@@ -202,6 +231,80 @@ class RadixChecker:
         return out
 
     _view: TreeView | None = None
+
+    # -- each core on its own, against the model ------------------------------------------
+
+    def _core_before(self, core: str) -> TreeView:
+        if core not in self._core_views:
+            self._core_views[core] = self.reader.core_view(self.drivers[core])
+        return self._core_views[core]
+
+    def _promise_inputs(self, op: RadixOp, d: SglangDriver) -> tuple[tuple[int, ...], int, int, int] | None:
+        """For a Finish of a request whose prompt ran, read from the request before the finish:
+        (sequence, tokens the finish caches, protected length, SWA freed below). The finish
+        caches the committed tokens, or only up to the SWA branch point its lookup set (SWA
+        without Mamba: `SWAComponent.prepare_for_caching_req`)."""
+        if not isinstance(op, Finish):
+            return None
+        run = d.running.get(op.rid)
+        if run is None or run.prefilled < len(run.tokens):
+            return None
+        kv = run.req.kv
+        cached, protected, swa_freed = int(kv.kv_committed_len), int(kv.cache_protected_len), 0
+        if self.layout.has_swa:
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+            swa_freed = int(kv.get_evicted_seqlen(ComponentType.SWA))
+            branch = run.req.swa_branching_seqlen
+            if not self.layout.has_mamba and branch is not None and protected < branch <= cached:
+                cached = int(branch)
+        seq = tuple(run.tokens) + tuple(run.decoded)
+        return seq, cached, protected, swa_freed
+
+    def _effective_request(self, op: Evict) -> tuple[int, int, int]:
+        """What an eviction asks of the components this layout has (others are ignored by SGLang)."""
+        return (op.full, op.swa if self.layout.has_swa else 0, op.mamba if self.layout.has_mamba else 0)
+
+    def _core_checks(
+        self,
+        core: str,
+        op: RadixOp,
+        res: OpResult,
+        before: TreeView,
+        promise: tuple[tuple[int, ...], int, int, int] | None,
+    ) -> list[Violation]:
+        """Judge one core on its own tree: eviction scope and (full attention) the LRU order
+        predicted from the model's recency (`model/radix/recency.py`, `model/radix/evict.py`),
+        and a finished request's promised hit. Then advance the model's recency."""
+        d = self.drivers[core]
+        after = self.reader.core_view(d)
+        self._core_views[core] = after
+        rec = self._recency.get(core, {})
+        out: list[Violation] = []
+        first = core == self.cores[0]
+        if isinstance(op, Evict) and res.evicted is not None:
+            request = self._effective_request(op)
+            if sum(1 for x in request if x) == 1:
+                self.coverage["evict_judged"] += first
+                msgs = inv.radix_eviction_scope(before, after, request)
+                out += [("radix_eviction_scope", f"[{core}] {m}") for m in msgs]
+                if request[0]:
+                    timed = _with_recency(before, rec)
+                    msgs = inv.radix_full_eviction_matches_model(timed, after, request[0], res.evicted[0])
+                    out += [("radix_full_eviction_matches_model", f"[{core}] {m}") for m in msgs]
+            elif any(request):
+                self.coverage["evict_unjudged"] += first  # several components at once: not predicted
+        if promise is not None:
+            seq, cached, own_from, swa_freed = promise
+            claimed = inv.finished_prefix_promised(cached, own_from, swa_freed, self.layout)
+            self.coverage["promise_checked" if claimed else "promise_unclaimed"] += first
+            msgs = inv.radix_finished_prefix_promise(after, seq, cached, own_from, swa_freed, self.layout)
+            out += [("radix_finished_prefix_promise", f"[{core}] {m}") for m in msgs]
+        calls = [(c.kind, c.path, c.walked) for c in d.tree_calls]
+        self._recency[core] = advance(
+            rec, set(before.nodes), after, calls, self.checked_ops, self.layout.has_mamba
+        )
+        return out
 
     def _count(self, res: OpResult) -> None:
         self.coverage["hit"] += bool(res.hit)

@@ -63,6 +63,18 @@ class OpResult:
     locked_node: Any = None  # Admit: the node the request locked
 
 
+@dataclass(frozen=True)
+class TreeCall:
+    """One lookup or insert of the tree core: its kind ("match" / "insert"), the path it
+    ended on (node ids from the root's child; for a lookup, down to the node its recency
+    refresh starts from, `best_match_node`) and the path it walked (a lookup may walk, and
+    split, past its valid end; an insert walks its own path), as they stood after the call."""
+
+    kind: str
+    path: tuple[int, ...]
+    walked: tuple[int, ...]
+
+
 @dataclass
 class RunningReq:
     req: Any
@@ -92,10 +104,68 @@ class SglangDriver:
         self.events: list[Any] = []
         # Set when SGLang refuses an allocation during the current op (see _refusal).
         self.last_refusal: dict[str, tuple[int, int, int]] | None = None
+        # Where each tree-core lookup and insert of the current op ended, in call order.
+        self.tree_calls: list[TreeCall] = []
+        # The token each full-attention slot a request wrote holds (slot -> token id).
+        self.slot_tokens: dict[int, int] = {}
+        self._observe_tree_core()
+
+    def _observe_tree_core(self) -> None:
+        """Record each lookup and insert of this cache's tree core as a `TreeCall`, with
+        the paths as they stood right after the call (a later eviction in the same op may
+        remove nodes). Wrappers on this instance only, calling the class's current method:
+        SGLang's classes and results are untouched (a mutant patched on the class still runs)."""
+        core = self.cache.tree_core
+        cls = type(core)
+        calls = self.tree_calls
+
+        def path(node: int) -> tuple[int, ...]:
+            if core.is_root(node):
+                return ()
+            return tuple(int(info.node_id) for info in core.collect_path_info([node])[0])
+
+        def match_prefix(params: Any) -> Any:
+            result = cls.match_prefix(core, params)
+            best = int(result.best_match_node)
+            visited = result.last_visited_node_id
+            walked = path(int(visited)) if visited is not None else ()
+            calls.append(TreeCall("match", path(best), walked))
+            return result
+
+        def noted(step: Any) -> Any:
+            if step.result is not None:
+                end = path(int(step.result.last_device_node))
+                calls.append(TreeCall("insert", end, end))
+            return step
+
+        core.match_prefix = match_prefix
+        core.begin_insert = lambda params: noted(cls.begin_insert(core, params))
+        core.resume_insert = lambda: noted(cls.resume_insert(core))
+
+    def _note_slot_tokens(self) -> None:
+        """Remember the token of every slot a running request's row binds (its prompt and
+        the sampled tokens written so far), so a tree value can be read back as tokens on a
+        core that exposes slots but not keys (the Rust core)."""
+        rows = self.parts.req_to_token_pool.req_to_token
+        for run in self.running.values():
+            kv = run.req.kv
+            if not kv.holds_kv or kv.kv_allocated_len <= 0:
+                continue
+            seq = tuple(run.tokens) + tuple(run.decoded)
+            n = min(kv.kv_allocated_len, len(seq))
+            for pos, slot in enumerate(rows[kv.req_pool_idx, :n].tolist()):
+                self.slot_tokens[int(slot)] = seq[pos]
 
     # -- ops -------------------------------------------------------------------
 
     def apply(self, op: RadixOp) -> OpResult:
+        """Apply `op`; afterwards `tree_calls` holds this op's lookups and inserts."""
+        self.tree_calls.clear()
+        result = self._apply(op)
+        self._note_slot_tokens()
+        return result
+
+    def _apply(self, op: RadixOp) -> OpResult:
         self.last_refusal = None
         if isinstance(op, Admit):
             return self._admit(op)

@@ -129,6 +129,12 @@ class LegacyDriver(SglangDriver):
         self.swa_eviction_interval = 1
         self._release_hook = release_hook(type(self.cache))
         self._window = window_eviction()
+        # Per-core views and the model's recency are 0.5.23's (LegacyReader.per_core_views).
+        self.tree_calls = []
+        self.slot_tokens = {}
+
+    def _note_slot_tokens(self) -> None:
+        """Not needed: legacy caches are judged on the Python core's own tree view."""
 
     def _admit(self, op: Admit) -> OpResult:
         if op.rid in self.running or len(op.tokens) < 1:

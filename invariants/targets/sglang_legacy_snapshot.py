@@ -173,8 +173,11 @@ def legacy_slot_sets(driver: SglangDriver) -> dict[str, set[int]]:
 
 
 class LegacyReader:
-    """The snapshot reader `RadixChecker` uses for 0.5.20's caches."""
+    """The snapshot reader `RadixChecker` uses for 0.5.20's caches. Per-core views and the
+    model's recency are 0.5.23's (`UnifiedReader`); legacy caches are judged on the Python
+    core's own view, its access times included."""
 
+    per_core_views = False
     pool_accounts = staticmethod(pool_accounts)
     slot_sets = staticmethod(legacy_slot_sets)
     free_lists = staticmethod(free_lists)

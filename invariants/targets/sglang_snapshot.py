@@ -5,13 +5,17 @@
 by running requests) plus its size; `slot_sets` reads the *sets* of slots
 (free list, tree values, request rows) so a slot both free and cached shows
 even when the counts happen to balance. `tree_view` walks the Python tree
-core's nodes (the Rust core keeps its nodes in Rust; for it only counts,
-slots, events and results are compared). `replay_pages` turns KV events into
-the set of cached pages.
+core's nodes; `rust_tree_view` reads the Rust core's own nodes from its binding (structure, lengths, full locks, which
+components hold a value) so each core can be judged on its own.
+`replay_pages` turns KV events into the set of cached pages.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -218,3 +222,85 @@ class EventReplay:
 
     def pages(self) -> set[tuple[int, ...]]:
         return set(self.prefix_of.values())
+
+
+_PRETTY_LINE = re.compile(r"^( *)\[(\d+)\] (\d+) full_lock=(\d+)((?: \w+=(?:yes|no))*)\s*$")
+
+
+def _native_stdout(call: Any) -> str:
+    """What `call()` writes to file descriptor 1 (native code included)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as buf:
+        os.dup2(buf.fileno(), 1)
+        try:
+            call()
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        buf.seek(0)
+        return buf.read().decode(errors="replace")
+
+
+def rust_tree_view(driver: SglangDriver) -> TreeView:
+    """The Rust tree core's nodes as a `TreeView`, read from the core alone.
+
+    Structure, key lengths, full-attention lock counts and which components hold a value
+    come from the binding's own `pretty_print`; a node's tokens are the tokens its
+    full-attention slots were written with (`driver.slot_tokens`; -1 for a slot no request
+    of this driver wrote, which would itself be a defect). Not exposed by the production
+    binding, so absent here: SWA and Mamba lock counts (0) and access times (0.0: the
+    checker judges eviction order with the model's recency, `model/radix/recency.py`).
+    Raises RuntimeError when the dump cannot be parsed (a binding that changed its format)."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    binding = driver.cache.tree_core._binding
+    text = _native_stdout(binding.pretty_print)
+    swa, mamba = driver.layout.has_swa, driver.layout.has_mamba
+    nodes: dict[int, NodeView] = {}
+    stack: list[tuple[int, int]] = []  # (indent, node id) of the open ancestors
+    root: int | None = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        m = _PRETTY_LINE.match(line)
+        if m is None:
+            raise RuntimeError(f"Rust tree core dump: unexpected line {line!r}")
+        indent, nid, length, lock = len(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))
+        flags = dict(part.split("=") for part in m.group(5).split())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        parent = stack[-1][1] if stack else None
+        if parent is None:
+            root = nid
+        stack.append((indent, nid))
+        tokens: tuple[int, ...] = ()
+        full = flags.get("Full") == "yes"
+        if parent is not None and full:
+            value = binding.get_component_device_value(nid, int(ComponentType.FULL))
+            slots = [] if value is None else value.tolist()
+            tokens = tuple(driver.slot_tokens.get(int(s), -1) for s in slots)
+        if parent is not None and len(tokens) != length:
+            tokens = tokens + (-1,) * (length - len(tokens))
+        nodes[nid] = NodeView(
+            node_id=nid,
+            parent=parent,
+            tokens=tokens,
+            full=full,
+            swa=(flags.get("Swa") == "yes") if swa else None,
+            mamba=(flags.get("Mamba") == "yes") if mamba else None,
+            full_lock=lock,
+        )
+    if root is None:
+        raise RuntimeError("Rust tree core dump: no root")
+    return TreeView(root=root, nodes=nodes)
+
+
+def core_view(driver: SglangDriver) -> TreeView:
+    """The tree of `driver`'s own core: `tree_view` (Python) or `rust_tree_view` (Rust)."""
+    if driver.parts.core == "python":
+        view = tree_view(driver)
+        assert view is not None
+        return view
+    return rust_tree_view(driver)
