@@ -32,8 +32,8 @@ known:
 
 Contract: `Profile()` is vLLM 0.33.0 exactly (the default everywhere); a switch
 only ever selects an older rule, never a new one. Which profile a release gets
-is decided from its detected capabilities (never its version string) by the
-vLLM adapter, not here.
+is decided by its version (the vLLM adapter's release table), not here; where
+the installed code behaves like another rule, the adapter reports it as drift.
 """
 
 from __future__ import annotations

@@ -335,17 +335,21 @@ def test_capabilities_of_cached_releases(version: str) -> None:
     python = cache_root() / f"vllm-{version}" / "bin" / "python"
     if not (cache_root() / f"vllm-{version}" / ".kvretain-ready").exists():
         pytest.skip(f"vLLM {version} is not installed under {cache_root()} (kvretain matrix installs it)")
+    # The release's own code (`detect_code`), and the run's rules by version (`detect`):
+    # both show the expectations, and the code shows no drift from its version's row.
     code = (
-        "import json; from invariants.targets.vllm_capabilities import detect; "
-        "print(json.dumps(detect().to_json()))"
+        "import json; from invariants.targets.vllm_capabilities import detect, detect_code, profile_check; "
+        "print(json.dumps([detect_code()[0].to_json(), detect().to_json(), profile_check().to_json()]))"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="ERROR")
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-500:]
-    caps = json.loads(out.stdout.strip().splitlines()[-1])
-    assert caps["version"] == version
+    from_code, by_version, check = json.loads(out.stdout.strip().splitlines()[-1])
+    assert from_code["version"] == by_version["version"] == version
     for key, value in EXPECTED[version].items():
-        assert caps[key] == value, (version, key)
+        assert from_code[key] == value, (version, key)
+        assert by_version[key] == value, (version, key)
+    assert check["release"] == version and check["drift"] == [] and check["unchecked"] == []
 
 
 # ----------------------------------------------------------------------------- the adapter follows

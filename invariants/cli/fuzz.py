@@ -205,7 +205,14 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         print(format_known(report.stats.known))
     print(format_features([report]))
     rc = 1 if report.failure is not None else 0
-    write_results(args, "fuzz", [fuzz_case(report)], rc)
+    case = fuzz_case(report)
+    if args.target.startswith("vllm"):  # which release's rules judged, and any profile drift
+        from invariants.targets.vllm_capabilities import profile_json, profile_lines
+
+        for line in profile_lines():
+            print(line)
+        case.figures["profile_check"] = profile_json()
+    write_results(args, "fuzz", [case], rc)
     return rc
 
 

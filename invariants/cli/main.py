@@ -248,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             warning = version_warning()
             if warning:
                 print(f"kvretain: warning: {warning}", file=sys.stderr)
+            from invariants.targets.vllm_capabilities import profile_lines
+
+            for line in profile_lines():  # the release whose rules judge, and any profile drift
+                print(f"kvretain: {line}", file=sys.stderr)
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
     except (UsageError, TraceError, ConfigError, TargetUnavailable) as exc:

@@ -59,7 +59,7 @@ from invariants.matrix.classify import KNOWN_DESIGN, Verdict, classify
 from invariants.matrix.shrink import Judge, shrink
 from invariants.report import Progress
 from invariants.targets import TargetUnavailable, target_factory
-from invariants.targets.vllm_capabilities import Capabilities, detect, scheduler_unsupported
+from invariants.targets.vllm_capabilities import Capabilities, detect, profile_check, scheduler_unsupported
 from invariants.targets.vllm_env import vllm_available, vllm_version
 from model.config import Config, ConfigError
 
@@ -312,6 +312,8 @@ def run_release(budget_s: float, seed: int, out: Path) -> dict[str, Any]:
     return {
         "version": caps.version,
         "capabilities": caps.to_json(),
+        # the release's rules come from its version; where its code behaves otherwise, said here
+        "profile_check": profile_check().to_json(),
         "checks": checks,
         "conformance": rows,
         "known": known,

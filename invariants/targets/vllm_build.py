@@ -6,9 +6,9 @@ float32 element per token: the allocator reads only block sizes, windows and
 Mamba modes); `invariants.layouts.derive` builds its plain specs with it too.
 `build_manager` makes the `KVCacheConfig` and the manager, with KV events on.
 
-Older releases: the adapter follows `vllm_capabilities.detect()` (the installed
-release's own code), never a version string. It passes only the constructor
-arguments the release's `KVCacheManager` takes, and sets the retention interval
+Older releases: the adapter follows `vllm_capabilities.detect()`: the installed
+version's rules (`vllm_releases`) and the installed classes' signatures. It passes
+only the constructor arguments the release's `KVCacheManager` takes, and sets the retention interval
 where the release reads it (a `KVCacheConfig` field, or the environment
 variable while the coordinator is built; a release without one accepts only
 dense retention). What a release cannot express raises `UnsupportedConfig`;

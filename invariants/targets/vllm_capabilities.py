@@ -1,10 +1,28 @@
-"""Which retention mechanisms a vLLM release has, read from that release's own code.
+"""Which rules a vLLM run is judged by (chosen by version), and whether the installed code
+still behaves like them (a regression check that reports, never adopts).
 
-vLLM's allocator gained the mechanisms kvretain judges one release at a time.
-A version string says nothing about them; the installed classes do. Everything
-that depends on the release (the vLLM adapter's constructor arguments and
-branches, the release matrix's configuration space and its classification of
-findings) asks one `Capabilities` object, detected once per interpreter:
+Everything that depends on the release (the vLLM adapter's constructor arguments
+and branches, the model's profile, the release matrix's configuration space and
+its classification of findings) asks one `Capabilities` object, `detect()`:
+
+- its rules (`vllm_releases.RULE_FIELDS`) are the installed version's row of
+  `vllm_releases.RELEASES` (a dev build: the release it descends from, stated
+  in `ProfileCheck.note`), plus what the user declares in `KVRETAIN_VLLM_PROFILE`
+  ("capability=value,...", for a branch that intends a new rule);
+- its API facts (`manager_args`, `event_fields`, `scheduler_missing`) are read
+  from the installed classes' signatures, fields and attributes, never their
+  source text, so a refactored or edited scheduler (a user's branch) runs.
+
+`detect_code()` derives the same rules from the installed code (a behavioural
+probe of a small `BlockPool` for the free orders, signatures and attributes,
+and, where nothing else shows a rule, the source text). `profile_check()`
+compares the two: each rule where the code behaves like another release's rule
+is a `Drift` ("profile drift: ..." in the run's summary, `profile_check` in its
+JSON), and the run keeps checking against the version's rule, so a regression
+shows as disagreements, never as a silently adopted rule. A rule whose source
+cannot be read (a function recompiled from edited text) is counted as unchecked.
+
+What each capability means and the code that shows it:
 
 | capability               | the release's code that shows it                           | PR     |
 |--------------------------|------------------------------------------------------------|--------|
@@ -48,18 +66,18 @@ findings) asks one `Capabilities` object, detected once per interpreter:
 | `mask_hit_grid`          | `SingleTypeKVCacheManager.cache_blocks` floors the masks'  |        |
 |                          | boundaries to `cache_hit_alignment_tokens` (the hit grid), |        |
 |                          | else to `scheduler_block_size`                             |        |
-| `scheduler_missing`      | what the vllm target drives that the release's   |        |
-|                          | `Scheduler` API lacks (`scheduler_api_missing`; empty: it  |        |
-|                          | runs; None: not detected, e.g. a namespace of fakes)       |        |
+| `scheduler_missing`      | what the vllm target drives that the release's             |        |
+|                          | `Scheduler` API lacks (`scheduler_api_missing`, signatures |        |
+|                          | and attributes; empty: it runs; None: not detected)        |        |
 | `sample_caching`         | `Scheduler.update_from_output` caches a drafting request's |        |
 |                          | blocks at its sample (`cache_blocks`; 0.33.0), else they   |        |
 |                          | are cached at its next allocation (None: not detected)     |        |
 | `manager_args`           | `KVCacheManager.__init__`'s parameter names                |        |
 | `event_fields`           | `BlockStored`'s fields                                     |        |
 
-`detect_from(namespace)` reads the classes of a namespace (the real vLLM, or
-fakes in the tests); `detect()` imports the interpreter's vLLM once.
-`Capabilities.profile()` is the model's semantics profile (`model.profile`)
+`detect_from(namespace)` derives the rules from the classes of a namespace (the
+real vLLM, or fakes in the tests); `detect()` and `detect_code()` import the
+interpreter's vLLM once. `Capabilities.profile()` is the model's semantics profile (`model.profile`)
 for the release: the one place capabilities become the model's rules.
 """
 
@@ -73,6 +91,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.profile import Profile
+
+from . import vllm_releases
 
 FREE_ORDERS = ("append", "caller", "pool")
 RETENTION_SOURCES = ("none", "env", "config")
@@ -193,11 +213,15 @@ class Capabilities:
 
 
 # ----------------------------------------------------------------------------- detection
-def _source(obj: Any) -> str:
+def _source(obj: Any) -> str | None:
+    """The source text of `obj`: "" when there is no such object (the older rule), None
+    when it exists but its source cannot be read (recompiled from edited text, a C function)."""
+    if obj is None or obj is object:
+        return ""
     try:
         return inspect.getsource(obj)
     except (OSError, TypeError):
-        return ""
+        return None
 
 
 def _params(func: Any) -> frozenset[str]:
@@ -217,66 +241,151 @@ def _fields(cls: Any) -> frozenset[str]:
     return frozenset(getattr(cls, "__annotations__", {}))
 
 
-def _free_order(free_blocks: Any) -> str:
+def _reused_first(pool_cls: Any, enable_caching: bool) -> bool:
+    """Behaviour: on a 4-block pool, after two blocks (no hash) are taken and freed, is the
+    next block handed out the first freed one (the head) rather than a fresh one?"""
+    wanted = {"num_gpu_blocks": 4, "enable_caching": enable_caching, "hash_block_size": 16}
+    accepted = _params(pool_cls.__init__)
+    pool = pool_cls(**{k: v for k, v in wanted.items() if k in accepted})
+    taken = pool.get_new_blocks(2)
+    pool.free_blocks(taken)
+    return bool(pool.get_new_blocks(1)[0] is taken[0])
+
+
+def probe_free_orders(pool_cls: Any) -> tuple[str, str] | None:
+    """(`free_order`, `caching_off_order`) of a `BlockPool` class, by behaviour (None: it
+    cannot be built or driven, e.g. a fake). A pool whose freed unhashed blocks go to the
+    head with caching on but to the tail with caching off has #48017's "fifo" order."""
+    try:
+        cached_head = _reused_first(pool_cls, enable_caching=True)
+        off_head = _reused_first(pool_cls, enable_caching=False)
+    except Exception:  # any failure of the probe: the rule is left to the other readings
+        return None
+    if "prepend" in _params(pool_cls.free_blocks):
+        free_order = "caller"
+    else:
+        free_order = "pool" if cached_head else "append"
+    return free_order, "fifo" if cached_head and not off_head else "lifo"
+
+
+class _Reader:
+    """Source readings that remember which rules could not be read (`unread`)."""
+
+    def __init__(self) -> None:
+        self.unread: set[str] = set()
+
+    def has(self, rule: str, obj: Any, text: str) -> bool:
+        src = _source(obj)
+        if src is None:
+            self.unread.add(rule)
+            return False
+        return text in src
+
+
+def _free_order(free_blocks: Any, read: _Reader) -> str:
     if "prepend" in _params(free_blocks):
         return "caller"
-    return "pool" if "prepend_n" in _source(free_blocks) else "append"
+    return "pool" if read.has("free_order", free_blocks, "prepend_n") else "append"
 
 
-def _mamba_checkpoint(mamba_manager: Any) -> str:
-    tail = _source(getattr(mamba_manager, "_cache_partial_tail_block", None))
-    if tail and "num_tokens % self.block_size == 0" not in tail:
+def _mamba_checkpoint(mamba_manager: Any, read: _Reader) -> str:
+    tail_fn = getattr(mamba_manager, "_cache_partial_tail_block", None)
+    if tail_fn is not None and not read.has("mamba_checkpoint", tail_fn, "num_tokens % self.block_size == 0"):
         return "any_block"
-    return "in_block_drop" if "latest_prompt_hash_boundary - hash_block_size" in tail else "in_block"
+    drop = "latest_prompt_hash_boundary - hash_block_size"
+    return "in_block_drop" if read.has("mamba_checkpoint", tail_fn, drop) else "in_block"
 
 
-def _retention(kv_cache_config: Any, coordinator_module: Any) -> str:
+def _retention(kv_cache_config: Any, coordinator_module: Any, read: _Reader) -> str:
     if "prefix_cache_retention_interval" in _fields(kv_cache_config):
         return "config"
-    return "env" if RETENTION_ENV in _source(coordinator_module) else "none"
+    return "env" if read.has("retention", coordinator_module, RETENTION_ENV) else "none"
+
+
+def detect_code_from(ns: Mapping[str, Any], version: str) -> tuple[Capabilities, frozenset[str]]:
+    """The rules the code in `ns` behaves like, and the rules it could not show (source
+    unreadable). Keys as `detect_from`."""
+    read = _Reader()
+    manager = ns["KVCacheManager"]
+    single_type = ns.get("SingleTypeKVCacheManager", object)
+    full = ns.get("FullAttentionManager", object)
+    coordinator = ns["coordinator_module"]
+    pool = ns["BlockPool"]
+    probed = probe_free_orders(pool)
+    if probed is None:
+        free_order = _free_order(pool.free_blocks, read)
+        off = (
+            "fifo"
+            if read.has("caching_off_order", pool.free_blocks, "is None and self.enable_caching")
+            else "lifo"
+        )
+    else:
+        free_order, off = probed
+    scheduler = ns.get("Scheduler")
+    sample_caching = (
+        None
+        if scheduler is None
+        else read.has("sample_caching", getattr(scheduler, "update_from_output", None), "cache_blocks(")
+    )
+    caps = Capabilities(
+        version=version,
+        block_mask="block_mask" in _params(pool.cache_full_blocks),
+        free_order=free_order,
+        caching_off_order=off,
+        retention=_retention(ns["KVCacheConfig"], coordinator, read),
+        mamba_retention="reachable_block_mask" in vars(ns["MambaManager"]),
+        eagle_aware_mask="_contiguous_blocks_for_hit" in vars(ns["SlidingWindowManager"]),
+        shared_prefix_junction=read.has(
+            "shared_prefix_junction", manager.get_computed_blocks, "shared_prefix_boundary"
+        ),
+        fine_grained_mamba=read.has("fine_grained_mamba", coordinator, "enable_partial_hash_hits"),
+        cow_copies=hasattr(manager, "take_kv_cache_block_copies"),
+        coarse_hash="concat"
+        if read.has("coarse_hash", ns["BlockHashListWithBlockSize"], 'b"".join')
+        else "last",
+        manager_args=_params(manager.__init__),
+        event_fields=_fields(ns["BlockStored"]),
+        eagle_junction_peek=read.has(
+            "eagle_junction_peek",
+            getattr(single_type, "cache_blocks", None),
+            "shared_prefix_boundary - self.block_size",
+        ),
+        tail_excludes_last=read.has(
+            "tail_excludes_last", getattr(full, "_cache_partial_tail_block", None), "num_prompt_tokens - 1"
+        ),
+        eagle_margin_hashed=read.has(
+            "eagle_margin_hashed", coordinator, "len(block_hashes) * self.hash_block_size"
+        ),
+        replay_boundaries=read.has("replay_boundaries", coordinator, "replay_boundaries"),
+        partial_tail=hasattr(full, "_cache_partial_tail_block"),
+        eagle_margin_skips_mamba=read.has(
+            "eagle_margin_skips_mamba", coordinator, "not isinstance(spec, MambaSpec)"
+        ),
+        mamba_checkpoint=_mamba_checkpoint(ns["MambaManager"], read),
+        mamba_count_capped=read.has(
+            "mamba_count_capped",
+            getattr(ns["MambaManager"], "get_num_blocks_to_allocate", None),
+            "min(num_new_blocks, physical_block_cap)",
+        ),
+        mamba_retired_mark="_remove_blocks_in_range" in vars(ns["MambaManager"]),
+        mask_hit_grid=read.has(
+            "mask_hit_grid", getattr(single_type, "cache_blocks", None), "cache_hit_alignment_tokens"
+        ),
+        sample_caching=sample_caching,
+    )
+    return caps, frozenset(read.unread)
 
 
 def detect_from(ns: Mapping[str, Any], version: str) -> Capabilities:
-    """Capabilities from a namespace of vLLM's classes and modules.
+    """The rules the code in a namespace of vLLM's classes and modules behaves like.
 
     Keys: BlockPool, KVCacheManager, KVCacheConfig, BlockStored,
     SlidingWindowManager, MambaManager, BlockHashListWithBlockSize,
     coordinator_module; optional (absent = the older rule):
-    SingleTypeKVCacheManager, FullAttentionManager.
+    SingleTypeKVCacheManager, FullAttentionManager; Scheduler (absent:
+    `sample_caching` None).
     """
-    manager = ns["KVCacheManager"]
-    single_type = ns.get("SingleTypeKVCacheManager", object)
-    full = ns.get("FullAttentionManager", object)
-    return Capabilities(
-        version=version,
-        block_mask="block_mask" in _params(ns["BlockPool"].cache_full_blocks),
-        free_order=_free_order(ns["BlockPool"].free_blocks),
-        caching_off_order="fifo"
-        if "is None and self.enable_caching" in _source(ns["BlockPool"].free_blocks)
-        else "lifo",
-        retention=_retention(ns["KVCacheConfig"], ns["coordinator_module"]),
-        mamba_retention="reachable_block_mask" in vars(ns["MambaManager"]),
-        eagle_aware_mask="_contiguous_blocks_for_hit" in vars(ns["SlidingWindowManager"]),
-        shared_prefix_junction="shared_prefix_boundary" in _source(manager.get_computed_blocks),
-        fine_grained_mamba="enable_partial_hash_hits" in _source(ns["coordinator_module"]),
-        cow_copies=hasattr(manager, "take_kv_cache_block_copies"),
-        coarse_hash="concat" if 'b"".join' in _source(ns["BlockHashListWithBlockSize"]) else "last",
-        manager_args=_params(manager.__init__),
-        event_fields=_fields(ns["BlockStored"]),
-        eagle_junction_peek="shared_prefix_boundary - self.block_size"
-        in _source(getattr(single_type, "cache_blocks", None)),
-        tail_excludes_last="num_prompt_tokens - 1"
-        in _source(getattr(full, "_cache_partial_tail_block", None)),
-        eagle_margin_hashed="len(block_hashes) * self.hash_block_size" in _source(ns["coordinator_module"]),
-        replay_boundaries="replay_boundaries" in _source(ns["coordinator_module"]),
-        partial_tail=hasattr(full, "_cache_partial_tail_block"),
-        eagle_margin_skips_mamba="not isinstance(spec, MambaSpec)" in _source(ns["coordinator_module"]),
-        mamba_checkpoint=_mamba_checkpoint(ns["MambaManager"]),
-        mamba_count_capped="min(num_new_blocks, physical_block_cap)"
-        in _source(getattr(ns["MambaManager"], "get_num_blocks_to_allocate", None)),
-        mamba_retired_mark="_remove_blocks_in_range" in vars(ns["MambaManager"]),
-        mask_hit_grid="cache_hit_alignment_tokens" in _source(getattr(single_type, "cache_blocks", None)),
-    )
+    return detect_code_from(ns, version)[0]
 
 
 # What the vllm target (`vllm_scheduler_build`, `vllm_scheduler_drive`) calls or
@@ -325,9 +434,11 @@ SCHEDULER_API: dict[str, tuple[str, ...]] = {
 
 def scheduler_api_missing(ns: Mapping[str, Any]) -> tuple[str, ...]:
     """What of `SCHEDULER_API` the release's classes in `ns` lack, as "Class.name" (empty:
-    the vllm target can drive this release's scheduler). A class absent from
-    `ns` is missing whole; the per-step token budget is the scheduler's
-    `max_num_scheduled_tokens`, which `schedule()` must read."""
+    the vllm target can drive this release's scheduler). A class absent from `ns` is
+    missing whole. Read from signatures, fields and attributes only, never source text:
+    a scheduler whose methods were recompiled or refactored runs (that `schedule()`
+    honours the per-step budget, `max_num_scheduled_tokens`, is judged by behaviour:
+    every step's scheduled tokens are compared with the model's)."""
     missing: list[str] = []
     for owner, names in SCHEDULER_API.items():
         cls_name, _, method = owner.partition(".")
@@ -342,9 +453,6 @@ def scheduler_api_missing(ns: Mapping[str, Any]) -> tuple[str, ...]:
             else _params(cls) | _fields(cls) | frozenset(n for n in dir(cls) if not n.startswith("__"))
         )
         missing += [f"{owner}({n})" if method else f"{cls_name}.{n}" for n in names if n not in have]
-    schedule = getattr(ns.get("Scheduler"), "schedule", None)
-    if schedule is not None and "self.max_num_scheduled_tokens" not in _source(schedule):
-        missing.append("Scheduler.schedule reading self.max_num_scheduled_tokens")
     return tuple(missing)
 
 
@@ -379,12 +487,8 @@ def detect_scheduler_api() -> tuple[str, ...]:
     )
 
 
-@functools.cache
-def detect() -> Capabilities:
-    """The capabilities of this interpreter's vLLM (imports it; call after
-    `vllm_available()` said it imports)."""
-    import importlib.metadata
-
+def _code_namespace() -> dict[str, Any]:
+    """This interpreter's vLLM classes that `detect_code_from` reads (imports vLLM)."""
     from vllm.distributed.kv_events import BlockStored
     from vllm.v1.core import kv_cache_coordinator
     from vllm.v1.core.block_pool import BlockPool
@@ -398,7 +502,7 @@ def detect() -> Capabilities:
     )
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    ns = {
+    ns: dict[str, Any] = {
         "BlockPool": BlockPool,
         "KVCacheManager": KVCacheManager,
         "KVCacheConfig": KVCacheConfig,
@@ -410,16 +514,163 @@ def detect() -> Capabilities:
         "SingleTypeKVCacheManager": SingleTypeKVCacheManager,
         "FullAttentionManager": FullAttentionManager,
     }
-    caps = detect_from(ns, importlib.metadata.version("vllm"))
-    return dataclasses.replace(
-        caps, scheduler_missing=detect_scheduler_api(), sample_caching=detect_sample_caching()
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        ns["Scheduler"] = Scheduler
+    except ImportError:
+        pass
+    return ns
+
+
+def _installed_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("vllm")
+
+
+def by_version(version: str, code: Capabilities, overrides: Mapping[str, Any] | None = None) -> Capabilities:
+    """The run's capabilities: `version`'s rules (`vllm_releases`), then `overrides`, with
+    the API facts (`manager_args`, `event_fields`, `scheduler_missing`) of `code`."""
+    release, _ = vllm_releases.release_of(version)
+    rules = {**vllm_releases.rules_of(release), **(overrides or {})}
+    return dataclasses.replace(code, version=version, **rules)
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One rule the installed code behaves unlike the run's rule for (a possible regression)."""
+
+    capability: str
+    installed: Any
+    rule: Any
+    release: str
+    declared: bool  # the run's rule was declared by an override, not the version's row
+
+    def line(self) -> str:
+        whose = (
+            f"the declared rule ({vllm_releases.OVERRIDE_ENV})" if self.declared else f"{self.release}'s rule"
+        )
+        pr = vllm_releases.RULE_PR.get(self.capability)
+        return (
+            f"profile drift: {self.capability}: installed code behaves like {self.installed!r} "
+            f"({vllm_releases.releases_with(self.capability, self.installed)}), {whose} is "
+            f"{self.rule!r}{f' ({pr})' if pr else ''}; checked against {self.rule!r} (a branch that "
+            f"intends it: {vllm_releases.OVERRIDE_ENV}={self.capability}={_spelled(self.installed)})"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _spelled(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass(frozen=True)
+class ProfileCheck:
+    """Which release's rules a run uses, why, and where the installed code differs.
+
+    `release`: the row of `vllm_releases` the version maps to (`note` says how, when not
+    exactly); `overrides`: the rules the user declared; `drift`: every rule the installed
+    code behaves unlike; `unchecked`: the rules the code could not show (source unreadable),
+    counted so that a clean check says what it did not see."""
+
+    version: str
+    release: str
+    note: str | None
+    overrides: Mapping[str, Any]
+    drift: tuple[Drift, ...]
+    unchecked: tuple[str, ...]
+
+    def lines(self) -> list[str]:
+        """The run's summary lines (empty: an exact release, no override, no drift, all read)."""
+        out = [self.note] if self.note else []
+        if self.overrides:
+            declared = ", ".join(f"{k}={_spelled(v)}" for k, v in sorted(self.overrides.items()))
+            out.append(f"profile: declared by {vllm_releases.OVERRIDE_ENV}: {declared}")
+        out += [d.line() for d in self.drift]
+        if self.unchecked:
+            out.append(
+                f"profile: {len(self.unchecked)} rule(s) not checked against the installed code "
+                f"(source unreadable): {', '.join(self.unchecked)}"
+            )
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "release": self.release,
+            "note": self.note,
+            "overrides": dict(self.overrides),
+            "drift": [d.to_json() for d in self.drift],
+            "unchecked": list(self.unchecked),
+        }
+
+
+def compare(
+    version: str, run: Capabilities, code: Capabilities, unread: frozenset[str], overrides: Mapping[str, Any]
+) -> ProfileCheck:
+    """The `ProfileCheck` of a run using `run`'s rules on code that behaves like `code`."""
+    release, note = vllm_releases.release_of(version)
+    drift = tuple(
+        Drift(name, getattr(code, name), getattr(run, name), release, name in overrides)
+        for name in vllm_releases.RULE_FIELDS
+        if name not in unread
+        and getattr(code, name) is not None
+        and getattr(code, name) != getattr(run, name)
     )
+    unchecked = tuple(n for n in vllm_releases.RULE_FIELDS if n in unread or getattr(code, n) is None)
+    return ProfileCheck(version, release, note, dict(overrides), drift, unchecked)
+
+
+@functools.cache
+def detect_code() -> tuple[Capabilities, frozenset[str]]:
+    """The rules this interpreter's vLLM code behaves like, and those it could not show
+    (`detect_code_from`), with the scheduler API it offers (imports vLLM; call after
+    `vllm_available()` said it imports)."""
+    caps, unread = detect_code_from(_code_namespace(), _installed_version())
+    return dataclasses.replace(caps, scheduler_missing=detect_scheduler_api()), unread
+
+
+@functools.cache
+def detect() -> Capabilities:
+    """The capabilities of this run: the installed version's rules (and the declared
+    overrides), the installed API. Never the installed code's rules (`profile_check`)."""
+    code, _ = detect_code()
+    return by_version(code.version, code, vllm_releases.env_overrides())
+
+
+@functools.cache
+def profile_check() -> ProfileCheck:
+    """`compare` of this run's rules (`detect`) with the installed code (`detect_code`)."""
+    code, unread = detect_code()
+    return compare(code.version, detect(), code, unread, vllm_releases.env_overrides())
+
+
+def clear_caches() -> None:
+    """Forget what `detect`, `detect_code` and `profile_check` found (after the installed
+    code or the overrides changed, e.g. in a test)."""
+    for f in (detect, detect_code, profile_check):
+        f.cache_clear()
 
 
 def detect_sample_caching() -> bool | None:
-    """`sample_caching` of this interpreter's vLLM (None: its scheduler does not import)."""
-    try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-    except ImportError:
-        return None
-    return "cache_blocks(" in _source(Scheduler.update_from_output)
+    """`sample_caching` as the installed code shows it (None: its scheduler does not
+    import, or its source cannot be read)."""
+    code, unread = detect_code()
+    return None if "sample_caching" in unread else code.sample_caching
+
+
+def profile_lines() -> list[str]:
+    """`profile_check().lines()` where vLLM imports, else none (the CLI's summary lines)."""
+    from .vllm_env import vllm_available
+
+    return profile_check().lines() if vllm_available()[0] else []
+
+
+def profile_json() -> dict[str, Any] | None:
+    """`profile_check().to_json()` where vLLM imports, else None (the CLI's JSON field)."""
+    from .vllm_env import vllm_available
+
+    return profile_check().to_json() if vllm_available()[0] else None

@@ -28,7 +28,8 @@ one raises `UnsupportedConfig`. Everything else vLLM rejects is re-raised as
 `model.config.ConfigError` carrying vLLM's message.
 
 Older releases: the adapter follows `vllm_capabilities.detect()` (the installed
-release's own code), never a version string: `vllm_build` passes only the
+version's rules; where the installed code behaves otherwise, `profile_check`
+reports drift and the rules stay the version's): `vllm_build` passes only the
 constructor arguments the release takes and sets the retention interval where it
 reads it; `vllm_schedule` reads a junction only where `get_computed_blocks`
 returns one and drains CoW copies only where the release makes them;
@@ -159,7 +160,7 @@ class VllmManagerTarget(Target):
 
     @property
     def caps(self) -> Capabilities:
-        """What the installed release does (`vllm_capabilities.detect`)."""
+        """The rules and API of the installed release (`vllm_capabilities.detect`)."""
         return self.session.caps
 
     @caps.setter
