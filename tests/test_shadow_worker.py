@@ -330,3 +330,20 @@ def test_a_planted_engine_defect_is_found_by_fuzzing(name: str, tmp_path: Path) 
         report = run_fuzz("vllm", budget_s=40, seed=1, out_dir=tmp_path, progress=False)
     assert report.failure is not None, f"{name}: not found in {report.stats.steps} steps"
     assert {v.check for v in report.failure.violations} & expected, report.failure
+
+
+@vllm_only
+@pytest.mark.vllm
+def test_the_fuzz_summary_states_the_engine_settings_and_what_the_worker_checked(tmp_path: Path) -> None:
+    """A green run says which of vLLM's defaults were not in force and how much the shadow
+    worker read; an example it did not follow (a KV connector) is counted as such."""
+    from invariants.harness.fuzz import format_features, run_fuzz
+
+    report = run_fuzz("vllm", steps=600, seed=2, out_dir=tmp_path, progress=False)
+    assert report.failure is None, report.failure
+    features = report.stats.features
+    assert features["engine contract: slots read"] > 0
+    assert features["engine contract: queue checks"] >= report.stats.steps // 2
+    assert features["engine: scheduler_reserve_full_isl=False (vLLM's default: True; not in force)"] > 0
+    text = format_features([report])
+    assert "engine contract: slots read" in text and "not in force" in text

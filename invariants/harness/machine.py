@@ -217,6 +217,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             raise self._report(ViolationFound([crash], config, [])) from exc
         self.checker = Checker(target, audit_every=stats.audit_every)
         stats.features.update(f"config: {name}" for name in config_features(config))
+        stats.features.update(f"engine: {line}" for line in target.engine_settings())
         sbs = config.scheduler_block_size
         self.prefixes = [
             tuple(data.draw(st.lists(TOKENS, min_size=sbs + 1, max_size=3 * sbs), label="system prompt"))
@@ -269,6 +270,9 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """The end of every example is audited in full (nothing the fast path missed survives it)."""
+        if self.checker is not None:
+            figures = self.checker.target.engine_figures() or {}
+            self.run_stats.features.update({f"engine contract: {k}": n for k, n in figures.items() if n})
         if self.checker is None or self.failed or self.halted or self.checker.audit_every == 1:
             return
         found = [v for v in self.checker.audit() if not self._known(v)]

@@ -107,6 +107,11 @@ class Target(Protocol):
         (`invariants.shadow`). A target that follows no engine finds nothing."""
         return []
 
+    def engine_settings(self) -> tuple[str, ...]:
+        """The engine's settings in force where they are the user's choice, each with
+        the engine's default beside it when it differs (the fuzz summary counts them)."""
+        return ()
+
     def engine_figures(self) -> dict[str, int] | None:
         """What those judges checked so far (steps, slots read, ...), or None where
         the target follows no engine (the summary says so)."""

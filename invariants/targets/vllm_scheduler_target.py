@@ -282,6 +282,29 @@ class VllmSchedulerTarget(VllmManagerTarget):
             found += self.steps.shadow.take_problems()
         return found
 
+    def engine_settings(self) -> tuple[str, ...]:
+        """vLLM's scheduler settings as built (`vllm_scheduler_build`), each against
+        vLLM's default: what a user's deployment runs that this run did not."""
+        sched = self.vllm_scheduler
+        sc = sched.scheduler_config
+        spec = sched.vllm_config.speculative_config
+        runner = "V2" if getattr(sched, "use_v2_model_runner", False) else "V1"
+        lines = [
+            f"model runner {runner} (vLLM's choice on this platform; VLLM_USE_V2_MODEL_RUNNER=0 selects V1)",
+            _setting("scheduler_reserve_full_isl", getattr(sc, "scheduler_reserve_full_isl", None), True),
+            _setting("watermark", getattr(sc, "watermark", None), 0.0),
+            _setting("policy", sc.policy, "fcfs"),
+            "max_num_batched_tokens = max_model_len, max_num_seqs above the live requests: "
+            "batch caps that never bind (kvretain's per-step budget stands in)",
+        ]
+        if spec is not None and hasattr(spec, "disable_lookahead_block_hashes"):
+            lines.append(
+                _setting("disable_lookahead_block_hashes", spec.disable_lookahead_block_hashes, False)
+            )
+        if self.steps.shadow is None:
+            lines.append("shadow worker off (a KV connector's loads and saves are not followed)")
+        return tuple(line for line in lines if line)
+
     def engine_figures(self) -> dict[str, int] | None:
         shadow = self.steps.shadow
         figures = {"queue checks": self.queue_checks}
@@ -296,3 +319,10 @@ class VllmSchedulerTarget(VllmManagerTarget):
             config, v, caps, self.version, speculative_blocks=self.speculative_blocks
         )
         return self.vllm_scheduler.kv_cache_manager
+
+
+def _setting(name: str, value: object, default: object) -> str:
+    """`name=value`, marked where it is not vLLM's default (empty where the release lacks it)."""
+    if value is None:
+        return ""
+    return f"{name}={value}" + ("" if value == default else f" (vLLM's default: {default}; not in force)")
