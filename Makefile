@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml requirements/dev.txt $(wildcard requirements/vllm*.txt)
 	touch $(STAMP)
 
 setup: $(STAMP)
+	@echo "kvretain is installed in $(BIN), not on your PATH: run '. $(BIN)/activate' once per shell, or call $(BIN)/kvretain"
 
 verify: setup
 	$(BIN)/kvretain verify --require vllm --require sglang

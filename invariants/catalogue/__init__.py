@@ -153,7 +153,7 @@ def coverage_gaps(
     (an operation that touched no block or key skips only the checks that
     report on touched ones); every audit runs `STATE_INVARIANTS`; an audited
     operation runs all; a pinned-tier configuration audits every operation.
-    Empty is the guarantee the README states."""
+    Empty is the guarantee docs/reading-a-failure.md states."""
     audit_only = AUDIT_ONLY if audit_only is None else audit_only
     state = STATE_INVARIANTS if state is None else state
     return [

@@ -83,7 +83,11 @@ def _command_module(module: str) -> object:
 # ---------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="kvretain", description="Verify prefix-cache retention in hybrid KV-cache allocators."
+        prog="kvretain",
+        description="Verify prefix-cache retention in hybrid KV-cache allocators.",
+        epilog="Exit codes: 0 everything holds (known findings aside), 1 a violation, 2 bad usage or "
+        "input, 3 (verify) what ran holds but rows were skipped. Judge your own vLLM checkout: add "
+        "--vllm-python PATH/TO/ITS/bin/python to any command (README, 'Judge your branch').",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -202,7 +206,60 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in (*_BUILTIN_COMMANDS, *(ep.module for ep in command_plugins().values())):
         _command_module(module).add_parser(sub)  # type: ignore[attr-defined]
+    for command_parser in (parser, *sub.choices.values()):
+        add_vllm_python_flag(command_parser)
     return parser
+
+
+VLLM_PYTHON = "--vllm-python"
+# kvretain's runtime dependencies (pyproject's `dependencies`, import name -> distribution):
+# what an environment judged with --vllm-python needs besides vLLM.
+RUNTIME_DEPENDENCIES = {"hypothesis": "hypothesis", "z3": "z3-solver"}
+
+
+def runtime_requirements() -> list[str]:
+    """The pip requirements of kvretain's runtime dependencies, pinned as
+    requirements/dev.txt pins them (unpinned where it does not)."""
+    dev = Path(__file__).resolve().parents[2] / "requirements" / "dev.txt"
+    lines = dev.read_text().splitlines() if dev.is_file() else []
+    pins = {line.split("==")[0].strip().lower(): line.strip() for line in lines if "==" in line}
+    return [pins.get(dist, dist) for dist in RUNTIME_DEPENDENCIES.values()]
+
+
+def add_vllm_python_flag(parser: argparse.ArgumentParser) -> None:
+    """Show `--vllm-python PATH` in `parser`'s help. The flag itself is taken out of
+    the arguments by `main` before argparse sees them (the command re-runs under that
+    interpreter, whose own argparse never sees it), so a value argparse does receive
+    means it was abbreviated, which `main` refuses."""
+    parser.add_argument(
+        VLLM_PYTHON,
+        metavar="PATH",
+        dest="vllm_python",
+        default=None,
+        help="judge the vLLM of another environment (say, the venv of your editable vLLM checkout): "
+        "kvretain re-runs this command under that interpreter, this checkout first on its PYTHONPATH; "
+        f"that environment needs `pip install {' '.join(runtime_requirements())}`. Give it in full",
+    )
+
+
+def split_vllm_python(args: list[str]) -> tuple[str | None, list[str]]:
+    """(the interpreter `--vllm-python PATH` or `--vllm-python=PATH` names, the
+    arguments without it); (None, args) when it is absent. Given twice, or without
+    a path, is a usage error."""
+    found = [i for i, a in enumerate(args) if a == VLLM_PYTHON or a.startswith(VLLM_PYTHON + "=")]
+    if not found:
+        return None, args
+    if len(found) > 1:
+        raise UsageError(f"{VLLM_PYTHON} given {len(found)} times; give it once")
+    i = found[0]
+    if args[i] == VLLM_PYTHON:
+        if i + 1 >= len(args) or not args[i + 1] or args[i + 1].startswith("-"):
+            raise UsageError(f"{VLLM_PYTHON} needs the path of a Python interpreter")
+        return args[i + 1], args[:i] + args[i + 2 :]
+    python = args[i].split("=", 1)[1]
+    if not python:
+        raise UsageError(f"{VLLM_PYTHON} needs the path of a Python interpreter")
+    return python, args[:i] + args[i + 1 :]
 
 
 def _run_under(python: str, argv: list[str]) -> int:
@@ -216,6 +273,12 @@ def _run_under(python: str, argv: list[str]) -> int:
     ok, line, _ = probe_python(python)
     if not ok:
         raise UsageError(line)
+    imports = "; ".join(f"import {name}" for name in RUNTIME_DEPENDENCIES)
+    if subprocess.run([python, "-c", imports], capture_output=True, check=False).returncode != 0:
+        raise UsageError(
+            f"{VLLM_PYTHON} {python}: kvretain's runtime dependencies do not import there; "
+            f"install them with: {python} -m pip install {' '.join(runtime_requirements())}"
+        )
     print(f"kvretain: running under {line}", file=sys.stderr, flush=True)
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -228,17 +291,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         renamed = [a.removeprefix("--target=") for a in args_list if a.removeprefix("--target=") in RENAMED]
         if renamed:  # an old target name: its new one, not argparse's list of choices
             raise UsageError(f"--target: {renamed[0]!r} is now called {RENAMED[renamed[0]]}")
-        if "--vllm-python" in args_list:
-            i = args_list.index("--vllm-python")
-            if i + 1 >= len(args_list):
-                raise UsageError("--vllm-python needs the path of a Python interpreter")
-            python = args_list[i + 1]
-            return _run_under(python, args_list[:i] + args_list[i + 2 :])
+        python, rest = split_vllm_python(args_list)
+        if python is not None:
+            return _run_under(python, rest)
     except UsageError as exc:
         print(f"kvretain: error: {exc}", file=sys.stderr)
         return 2
     try:
         args = build_parser().parse_args(args_list)
+        if args.vllm_python is not None:  # an abbreviation argparse expanded: split_vllm_python missed it
+            raise UsageError(
+                f"write {VLLM_PYTHON} in full (an abbreviation would run this interpreter's vLLM)"
+            )
         if str(getattr(args, "target", None) or "").startswith("vllm") or args.command in (
             "verify",
             "conformance",
