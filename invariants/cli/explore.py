@@ -37,7 +37,7 @@ from invariants.errors import UsageError
 from invariants.explore.certificate import HEADERS, Certificate
 from invariants.explore.configs import ConfigReport, check_configurations
 from invariants.explore.grid import GridReport, explore_grid
-from invariants.explore.instances import default_grid, grid_by_name
+from invariants.explore.instances import default_grid, features_of, grid_by_name
 from invariants.report import Progress, table
 from invariants.results import CaseResult, add_output_flags, write_results
 from invariants.targets import TARGET_NAMES, target_factory
@@ -89,9 +89,9 @@ def _names(raw: list[str] | None) -> list[str] | None:
     return [n for item in raw for n in item.split(",") if n]
 
 
-def _list() -> int:
+def _list(target: str) -> int:
     rows = []
-    for inst in default_grid():
+    for inst in default_grid(features_of(target_factory(target))):
         cfg = inst.config
         groups = "+".join(
             f"{g.kind}{g.block_size}" + (f"w{g.sliding_window}" if g.sliding_window else "")
@@ -105,6 +105,7 @@ def _list() -> int:
                 cfg.retention_interval,
                 "on" if cfg.eagle else "off",
                 cfg.num_lookahead_tokens,
+                "on" if cfg.kv_connector else "off",
                 inst.max_requests,
                 ",".join(map(str, inst.prompt_lengths)),
                 ",".join(map(str, inst.budgets)),
@@ -117,6 +118,7 @@ def _list() -> int:
         "retention",
         "eagle",
         "lookahead",
+        "connector",
         "requests",
         "prompts",
         "budgets",
@@ -128,12 +130,12 @@ def _list() -> int:
 def run(args: argparse.Namespace) -> int:
     """The `explore` command (see the module docstring for exit codes)."""
     if args.list:
-        return _list()
+        return _list(args.target)
+    factory = target_factory(args.target)
     try:
-        instances = grid_by_name(_names(args.instance))
+        instances = grid_by_name(_names(args.instance), features_of(factory))
     except KeyError as exc:
         raise UsageError(str(exc.args[0])) from None
-    factory = target_factory(args.target)
     started = time.monotonic()
     configs = check_configurations(factory)
     print(
@@ -177,6 +179,13 @@ def certificate_text(report: GridReport) -> str:
     for c in report.certificates:
         if not c.skipped:
             lines.append(f"  {c.instance}: {' '.join(map(str, c.new_states))}")
+    lines.append("\ntransitions by operation kind:")
+    for c in report.certificates:
+        if not c.skipped:
+            kinds = ", ".join(f"{k} {n}" for k, n in sorted(c.op_kinds.items()))
+            lines.append(f"  {c.instance}: {kinds}")
+    for text in dict.fromkeys(c.merging for c in report.certificates if c.merging):
+        lines.append(f"\nstates merged: {text}")
     for c in report.certificates:
         if c.violation:
             lines.append(f"\n{c.instance}: {c.violation}")

@@ -7,11 +7,22 @@ deterministic and its first counterexample is the same on every run):
    than `max_requests` are live, with each prompt of the instance: for each
    prompt length L, the first L tokens of a fixed 2-token sequence and the same
    with its last token flipped (a shared prefix that diverges at the end);
-2. per live request, in arrival order: `schedule` with each budget, `sample`
-   of each token, `preempt`, `finish`;
+2. per live request, in arrival order: `schedule` with each budget (on a real
+   scheduler, `real_scheduler`: the one-request `step` the checker sends it
+   instead, so the same transition is not tried twice), `sample` of each token,
+   `preempt`, `finish` (an abort, waiting or running);
+   where the model speculates (`num_spec_tokens` k > 0: a real scheduler with
+   lookahead slots), two more samples: one proposing k drafts, and one accepting
+   every draft its step verified (when it verified any) and proposing k again;
+   where the configuration has a KV connector (`model.connector`), one offer
+   size (the request's whole token count) loaded "sync" and "async" for a request
+   waiting for admission, and `save` (its free deferred until `saved`);
 3. a batched `step` over every live request that may run (arrival order: vLLM's
    FCFS queue) with each budget;
-4. `probe` of the two longest prompts, `reset`, and `evict` of each block that
+4. with a KV connector: per load in flight (finished ones held for it included)
+   its report, ok and failed; right after a step that ran a sync load, its report
+   failing on the first block it may fail on; per pending save its report;
+5. `probe` of the two longest prompts, `reset`, and `evict` of each block that
    carries a hash (blocks without one: `evict` is a no-op there).
 
 Every operation passes `Checker.validate`; those it rejects are dropped. An
@@ -24,18 +35,25 @@ from collections.abc import Callable
 
 from invariants.explore.instances import Instance
 from model.allocator import AllocatorModel
+from model.failed_blocks import failable_blocks
 from model.ops import (
+    LOAD_MODES,
     AddRequest,
     EvictBlocks,
     Finish,
+    Loaded,
+    Offer,
     Op,
     Preempt,
     Probe,
     ResetPrefixCache,
     Sample,
+    Save,
+    Saved,
     Schedule,
     Step,
 )
+from model.spec_decode import acceptable
 
 TOKENS = (1, 2)
 # The shared sequence prompts are cut from: both tokens early, repeats later.
@@ -59,27 +77,83 @@ def rid_name(n: int) -> str:
 
 
 def alphabet(
-    instance: Instance, model: AllocatorModel, next_rid: int, valid: Callable[[Op], bool]
+    instance: Instance,
+    model: AllocatorModel,
+    next_rid: int,
+    valid: Callable[[Op], bool],
+    real_scheduler: bool = False,
 ) -> list[Op]:
     """Every operation to try from this state, in the module docstring's order."""
     if instance.vocabulary:
         return [op for op in instance.vocabulary if valid(op)]
     reqs = model.requests
+    connector = instance.config.kv_connector
     ops: list[Op] = []
     if len(reqs) < instance.max_requests:
         ops += [AddRequest(rid_name(next_rid), p) for p in prompts(instance)]
+    ready = tuple(rid for rid, r in reqs.items() if not (r.running and r.num_computed >= r.num_tokens))
     for rid, r in reqs.items():
         if r.running and r.num_computed >= r.num_tokens:
-            ops += [Sample(rid, t) for t in TOKENS]
-        else:
+            ops += _samples(model, rid)
+        elif not real_scheduler:
             ops += [Schedule(rid, b) for b in instance.budgets]
+        elif ready != (rid,):  # the batched step below is this very step
+            ops += [Step((rid,), b) for b in instance.budgets]
         if r.running:
             ops.append(Preempt(rid))
         ops.append(Finish(rid))
-    ready = tuple(rid for rid, r in reqs.items() if not (r.running and r.num_computed >= r.num_tokens))
+        if connector:
+            ops += [Offer(rid, r.num_tokens, mode) for mode in LOAD_MODES]
+            ops.append(Save(rid))
     if ready:  # one request too: a step's failure path (preempt and retry) is its own
         ops += [Step(ready, b) for b in instance.budgets]
+    if connector:
+        ops += _reports(model)
     ops += [Probe(p) for p in sorted(prompts(instance), key=len)[-2:]]
     ops.append(ResetPrefixCache())
     ops += [EvictBlocks((b,)) for b in sorted(model.pool.primary)]
     return [op for op in ops if valid(op)]
+
+
+def _samples(model: AllocatorModel, rid: str) -> list[Op]:
+    """`rid`'s samples: each token; where the model speculates, with k drafts proposed,
+    and with every verified draft accepted."""
+    ops: list[Op] = [Sample(rid, t) for t in TOKENS]
+    k = model.num_spec_tokens
+    if k:
+        drafts = (TOKENS[-1],) * k
+        ops.append(Sample(rid, TOKENS[0], 0, drafts))
+        verified = acceptable(model.requests[rid].verifying)
+        if verified:
+            ops.append(Sample(rid, TOKENS[0], verified, drafts))
+    return ops
+
+
+def _reports(model: AllocatorModel) -> list[Op]:
+    """A KV connector's reports: each load in flight ok and failed, a sync load failing
+    on its first failable block, each pending save done."""
+    ops: list[Op] = []
+    loading = [rid for rid, r in model.requests.items() if r.load == "loading"] + sorted(model.held)
+    for rid in loading:
+        ops += [Loaded(rid, True), Loaded(rid, False)]
+    report = model.sync_report
+    for rid in report.loads if report is not None else ():
+        req = model.requests.get(rid)
+        blocks = failable_blocks(model, req) if req is not None else []
+        if blocks:
+            ops.append(Loaded(rid, True, (blocks[0],)))
+    ops += [Saved(rid) for rid in sorted(model.sending)]
+    return ops
+
+
+def op_kind(op: Op) -> str:
+    """The certificate's name for `op`'s kind: its class, with drafts, a load mode or a
+    failure named (what the alphabet exercised, `Certificate.op_kinds`)."""
+    kind = type(op).__name__
+    if isinstance(op, Sample) and (op.drafts or op.accepted):
+        return f"{kind}+drafts"
+    if isinstance(op, Offer):
+        return f"{kind}({op.load})"
+    if isinstance(op, Loaded):
+        return f"{kind}({'failed' if not op.ok else 'failed blocks' if op.invalid else 'ok'})"
+    return kind

@@ -11,6 +11,7 @@ findings, listed) or `VIOLATION` (with the shortest trace's path).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,10 @@ class Certificate:
     other_violations: int = 0  # paths pruned by a violation the search was not after
     path: tuple[Op, ...] = ()  # the counterexample's operations
     found: list[Violation] = field(default_factory=list)  # and what its last operation raised
+    # Transitions by operation kind ("Offer", "Sample+drafts", ...): what the alphabet exercised.
+    op_kinds: Counter[str] = field(default_factory=Counter)
+    # What a merge of two states assumed (`invariants.explore.fingerprint`), in words.
+    merging: str = ""
 
     @property
     def verdict(self) -> str:
@@ -116,6 +121,8 @@ class Certificate:
             "error": self.error,
             "skipped": self.skipped,
             "other_violations": self.other_violations,
+            "transitions_by_kind": dict(sorted(self.op_kinds.items())),
+            "merging": self.merging,
         }
 
 

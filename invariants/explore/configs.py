@@ -1,4 +1,4 @@
-"""Every small configuration, valid or not: the target builds exactly what the model accepts.
+"""Every small configuration, valid or not: the target builds nothing the model rejects.
 
 A configuration is the search's operation zero. Contract of
 `check_configurations(factory)`: for every configuration of the bounded domain
@@ -69,6 +69,7 @@ class ConfigReport:
     checked: int = 0
     valid: int = 0
     refused: int = 0
+    first_refusal: str = ""  # the target's reason for the first valid configuration it refused
     violations: list[tuple[Config, Violation]] = field(default_factory=list)
 
     @property
@@ -76,14 +77,27 @@ class ConfigReport:
         return not self.violations
 
     def summary(self) -> str:
+        """What held and what the target refused, with counts: a refusal of a valid
+        configuration is support the target lacks, not a violation, and is never
+        described as agreement with the model."""
+        rejected = self.checked - self.valid
         head = (
             f"configurations: {self.checked} checked, {self.valid} valid by the model, "
-            f"{self.checked - self.valid} rejected, {self.refused} valid ones refused by the target"
+            f"{rejected} rejected by it"
         )
         if self.violations:
             cfg, v = self.violations[0]
             return f"{head}; {len(self.violations)} VIOLATION(s), first: {v.message} ({cfg})"
-        return head + ": the target builds exactly what the model accepts"
+        refused = (
+            f"; the target refused {self.refused} of the {self.valid} valid ones (support it lacks; "
+            f"first: {self.first_refusal[:120]}) and built the other {self.valid - self.refused}"
+            if self.refused
+            else f"; the target built all {self.valid} valid ones"
+        )
+        return (
+            f"{head}: holds: the target built none of the {rejected} the model rejects "
+            f"(each refused with a ConfigError){refused}"
+        )
 
 
 def check_configurations(factory: Callable[[Config], Target], keep: int = 5) -> ConfigReport:
@@ -100,8 +114,10 @@ def check_configurations(factory: Callable[[Config], Target], keep: int = 5) -> 
         try:
             factory(cfg)
             built, error = True, None
-        except ConfigError:
+        except ConfigError as exc:
             built, error = False, None
+            if valid and not report.first_refusal:
+                report.first_refusal = str(exc)
         except Exception as exc:  # a refusal must be a ConfigError naming the rule
             built, error = False, f"{type(exc).__name__}: {exc}"
         if error is not None:

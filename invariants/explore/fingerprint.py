@@ -23,9 +23,17 @@ by its place in arrival order (`L0`, `L1`, ...), a finished one by its place in
 finish order (`F0`, ...); any other string is kept as it is. Token values are
 not renamed (a 2-token alphabet makes that symmetry worth little).
 
-What merging assumes: the target's behaviour is decided by its observable state
-(the snapshot); a defect that depends on hidden adapter state reached only by a
-merged-away path is outside what the search covers.
+- for a target whose hidden state has an image (`HIDDEN_STATE`: vLLM's real
+  schedulers, `invariants.targets.vllm_hidden_state`): that image, on every
+  state (the scheduler's queues, each request's progress, drafts and
+  placeholders, `num_cached_block`, the adapter's held step outputs, the
+  connector's pending transfers).
+
+What merging assumes (`merging`, quoted in each certificate): for a target with
+an image, that what the image leaves out (`NOT_IN_IMAGE`) decides nothing; for
+any other target, that its behaviour is decided by the model's state (and its
+snapshot once it diverged): a defect that depends on hidden adapter state
+reached only by a merged-away path is outside what the search covers.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from invariants.catalogue import History
+from invariants.targets import vllm_hidden_state
 from model.allocator import AllocatorModel
 from model.config import Config, GroupSpec
 from model.free_queue import FreeQueue, LinkedFreeQueue
@@ -46,6 +55,31 @@ _SKIP = frozenset({"cfg", "profile", "exercised", "spec_meta", "_joined"})
 _ATOMS = frozenset({int, float, bool, type(None), bytes, Prefix, BlockKey, GroupSpec, Config})
 
 Names = Mapping[str, str]
+Hidden = Callable[[Names], Hashable]
+"""Request names -> the image of the target's hidden state."""
+
+# Targets whose hidden state joins every fingerprint (target name -> its image).
+HIDDEN_STATE: dict[str, vllm_hidden_state.HiddenState] = {
+    "vllm": vllm_hidden_state.hidden_state,
+    "vllm-async-scheduler": vllm_hidden_state.hidden_state,
+}
+
+
+def merging(target: str) -> str:
+    """What merging two states with equal fingerprints assumes on `target`, in words
+    ("" or a target without an image: the model's state alone)."""
+    if target in HIDDEN_STATE:
+        return (
+            "merged on the model, the checker's history and the target's hidden state "
+            "(invariants.targets.vllm_hidden_state: scheduler queues in order, each request's "
+            "progress, drafts and placeholders, num_cached_block, held step outputs, connector "
+            f"transfers), its snapshot too after a tolerated finding; left out: {vllm_hidden_state.NOT_IN_IMAGE}"
+        )
+    return (
+        "merged on the model and the checker's history (the target's snapshot joins after a "
+        f"tolerated finding): assumes {target or 'the target'}'s behaviour is decided by the model's state; "
+        "its hidden adapter state is not compared"
+    )
 
 
 class UnknownStateType(TypeError):
@@ -126,8 +160,10 @@ def fingerprint(
     *,
     image: Callable[[Any, Names], Hashable] = canonical,
     rename: bool = True,
+    hidden: Hidden | None = None,
 ) -> Hashable:
-    """The state's fingerprint: model, history, and (when given: the target diverged) its snapshot.
+    """The state's fingerprint: model, history, the target's hidden state (when `hidden`
+    is given) and (when given: the target diverged) its snapshot.
 
     `rename` False keeps request ids as they are: for a search whose operations
     name fixed requests (a vocabulary), renaming would merge states whose
@@ -136,9 +172,10 @@ def fingerprint(
     free = tuple(model.pool.queue.blocks)
     state = image(model, names)
     seen = history_image(history, free, names)
+    behind = hidden(names) if hidden is not None else None
     if target_snapshot is None:
-        return (state, seen)
-    return (state, seen, _snapshot_image(target_snapshot, names))
+        return (state, seen, behind)
+    return (state, seen, behind, _snapshot_image(target_snapshot, names))
 
 
 def _snapshot_image(snap: Snapshot, names: Names) -> Hashable:

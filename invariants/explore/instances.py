@@ -8,12 +8,23 @@ sizes, full+Mamba in align mode, fine-grained Mamba, three groups), retention
 None / 0 / k, Eagle off and on, lookahead slots, prefix caching off, pools of 3 to 8 blocks (the
 null block included) and 1 to 3 live requests. Every configuration passes
 `model.config.validate` (checked when the grid is built, and by a test).
+
+The grid depends on what the target can run (`grid_for`): a real scheduler
+(`TargetFeatures.real_scheduler`) cannot run Eagle without lookahead slots
+(vLLM's Eagle drafts at least one token), so there the Eagle instance is its
+lookahead variant (`...-eagle-la1`, one slot: samples carry drafts); a target
+that can attach a KV connector (`TargetFeatures.connector`) gets one more,
+small instance with a connector (`full-p6-connector`: offers, load and save
+reports). Every target's grid names the same instances otherwise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import cast
 
+from invariants.targets.base import Target, TargetFeatures
 from model.config import Config, GroupSpec, validate
 from model.ops import Op
 
@@ -60,8 +71,52 @@ MAMBA4 = GroupSpec("mamba", 4)
 MAMBA2_NONE = GroupSpec("mamba", 2, mamba_cache_mode="none")
 
 
-def default_grid() -> list[Instance]:
-    """The grid `kvretain explore` runs by default, smallest first."""
+EAGLE = "full+swa-p7-r0-eagle"
+EAGLE_LOOKAHEAD = "full+swa-p7-r0-eagle-la1"
+CONNECTOR = "full-p6-connector"
+
+
+def default_grid(features: TargetFeatures | None = None) -> list[Instance]:
+    """The grid `kvretain explore` runs for a target with `features` (the model's grid
+    when None: no real scheduler, no connector instance), smallest first."""
+    grid = _base_grid()
+    if features is None:
+        return grid
+    if features.real_scheduler:
+        grid = [_eagle_lookahead(i) if i.name == EAGLE else i for i in grid]
+    if features.connector:
+        grid.append(
+            Instance(
+                CONNECTOR,
+                _cfg((FULL2,), 6, kv_connector=True),
+                max_requests=2,
+                prompt_lengths=(4,),
+                budgets=(64,),
+                note="KV connector: offers (sync and async), load ok/failed, save reports",
+            )
+        )
+    return grid
+
+
+def features_of(factory: Callable[[Config], Target]) -> TargetFeatures:
+    """The features a target class states (a factory that is no class: the defaults)."""
+    return cast("type[Target]", factory).features if isinstance(factory, type) else TargetFeatures()
+
+
+def _eagle_lookahead(inst: Instance) -> Instance:
+    """The Eagle instance as a real scheduler runs it: one lookahead slot (drafts)."""
+    cfg = validate(replace(inst.config, num_lookahead_tokens=1))
+    return Instance(
+        EAGLE_LOOKAHEAD,
+        cfg,
+        max_requests=inst.max_requests,
+        prompt_lengths=inst.prompt_lengths,
+        budgets=inst.budgets,
+        note="Eagle with one lookahead slot: vLLM's Eagle drafts at least one token",
+    )
+
+
+def _base_grid() -> list[Instance]:
     return [
         Instance("full-p3-r1", _cfg((FULL2,), 3), max_requests=1, budgets=(1, 64), note="3-block pool"),
         Instance("full-p5-r2", _cfg((FULL2,), 5, retention_interval=0), max_requests=2),
@@ -96,9 +151,9 @@ def default_grid() -> list[Instance]:
     ]
 
 
-def grid_by_name(names: list[str] | None = None) -> list[Instance]:
-    """The default grid, or the named instances of it (KeyError naming an unknown one)."""
-    grid = default_grid()
+def grid_by_name(names: list[str] | None = None, features: TargetFeatures | None = None) -> list[Instance]:
+    """The target's grid (`default_grid`), or the named instances of it (KeyError naming an unknown one)."""
+    grid = default_grid(features)
     if not names:
         return grid
     by_name = {i.name: i for i in grid}

@@ -25,9 +25,9 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from invariants.explore.alphabet import alphabet
+from invariants.explore.alphabet import alphabet, op_kind
 from invariants.explore.certificate import Certificate
-from invariants.explore.fingerprint import fingerprint
+from invariants.explore.fingerprint import HIDDEN_STATE, fingerprint, merging
 from invariants.explore.fork import Freezer
 from invariants.explore.instances import Instance
 from invariants.harness.checker import Checker, InvalidOp, Violation
@@ -35,6 +35,7 @@ from invariants.harness.known_findings import explain
 from invariants.harness.trace import Trace, write_trace
 from invariants.report import Progress
 from invariants.targets.base import Target
+from invariants.targets.vllm_hidden_state import HiddenState
 from model.config import Config, ConfigError
 from model.ops import AddRequest, Op
 
@@ -77,8 +78,18 @@ def new_checker(factory: Callable[[Config], Target], config: Config) -> Checker:
     return Checker(factory(config), audit_every=1)
 
 
-def _state_of(checker: Checker, diverged: bool, rename: bool = True) -> Hashable:
-    return fingerprint(checker.model, checker.history, checker.last if diverged else None, rename=rename)
+def _state_of(
+    checker: Checker, diverged: bool, rename: bool = True, image: HiddenState | None = None
+) -> Hashable:
+    """The fingerprint of `checker`'s state; with `image`, its target's hidden state too."""
+    target = checker.target
+    return fingerprint(
+        checker.model,
+        checker.history,
+        checker.last if diverged else None,
+        rename=rename,
+        hidden=(lambda names: image(target, names)) if image is not None else None,
+    )
 
 
 def _is_valid(checker: Checker) -> Callable[[Op], bool]:
@@ -102,8 +113,10 @@ class _Search:
         tolerate: Tolerate,
         progress: Progress | None,
         wanted: Wanted | None = None,
+        image: HiddenState | None = None,
     ) -> None:
         self.instance, self.factory, self.cert = instance, factory, cert
+        self.image = image
         self.limits, self.tolerate, self.progress = limits, tolerate, progress
         self.wanted = wanted
         self.rename = not instance.vocabulary
@@ -115,7 +128,7 @@ class _Search:
     def run(self) -> list[_Node]:
         """Search layer by layer; returns the deepest layer whose states were kept frozen."""
         root = new_checker(self.factory, self.instance.config)
-        state = _state_of(root, False, self.rename)
+        state = _state_of(root, False, self.rename, self.image)
         self.seen.add(state)
         frontier = [_Node((), self.freezer.freeze(root), 0, False, state)]
         for depth in range(1, self.limits.depth + 1):
@@ -153,7 +166,13 @@ class _Search:
         """Try every operation from `node`; the new states it reaches."""
         checker: Checker | None = self.freezer.thaw(node.frozen)
         assert checker is not None
-        ops = alphabet(self.instance, checker.model, node.next_rid, _is_valid(checker))
+        ops = alphabet(
+            self.instance,
+            checker.model,
+            node.next_rid,
+            _is_valid(checker),
+            checker.target.features.real_scheduler,
+        )
         out = []
         for op in ops:
             if self.limits.deadline is not None and time.monotonic() > self.limits.deadline:
@@ -175,6 +194,7 @@ class _Search:
         except Exception as exc:  # the model itself raised: a finding about the specification
             found = [Violation("crash", f"model: {type(exc).__name__}: {exc}", checker.config, op)]
         self.cert.transitions += 1
+        self.cert.op_kinds[op_kind(op)] += 1
         diverged = node.diverged
         new = []
         for v in found:
@@ -191,7 +211,7 @@ class _Search:
             return None, object()  # pruned: a different defect; the checker moved on
         if any(v.check == "crash" for v in found):
             return None, object()  # a tolerated crash leaves the target's state undefined, as fuzzing halts
-        state = _state_of(checker, diverged, self.rename)
+        state = _state_of(checker, diverged, self.rename, self.image)
         if state in self.seen:
             return None, state
         if len(self.seen) >= self.limits.max_states:
@@ -218,8 +238,8 @@ def _fork_differs(search: _Search, node: _Node) -> str | None:
     fresh, _ = replay(search.factory, search.instance.config, node.path, search.tolerate)
     if thawed.target.snapshot() != fresh.target.snapshot():
         return f"the target's snapshot after {len(node.path)} operations differs from re-execution"
-    rename = search.rename
-    if _state_of(thawed, node.diverged, rename) != _state_of(fresh, node.diverged, rename):
+    rename, image = search.rename, search.image
+    if _state_of(thawed, node.diverged, rename, image) != _state_of(fresh, node.diverged, rename, image):
         return f"the fingerprint after {len(node.path)} operations differs from re-execution"
     return None
 
@@ -234,13 +254,18 @@ def explore(
     out_dir: Path | None = None,
     progress: Progress | None = None,
     wanted: Wanted | None = None,
+    hidden_state: bool = True,
 ) -> Certificate:
     """Search `instance` against the target built by `factory`; the certificate (see module
-    docstring). `wanted`: only violations it accepts end the search (default: any)."""
+    docstring). `wanted`: only violations it accepts end the search (default: any).
+    `hidden_state` False merges on the model's state alone even where the target's hidden
+    state has an image (`fingerprint.HIDDEN_STATE`); the certificate says which."""
     tol: Tolerate = tolerate or (lambda v: explain(target, v))
     cert = Certificate(instance.name, target, limits.depth)
+    image = HIDDEN_STATE.get(target) if hidden_state else None
+    cert.merging = merging(target if image is not None else "")
     start = time.monotonic()
-    search = _Search(instance, factory, cert, limits, tol, progress, wanted)
+    search = _Search(instance, factory, cert, limits, tol, progress, wanted, image)
     try:
         try:
             last = search.run()
