@@ -118,8 +118,10 @@ class ShadowWorker:
     figures: WorkerFigures = field(default_factory=WorkerFigures)
     prefixes: PrefixIds = field(default_factory=PrefixIds)
     requests: dict[str, RequestView] = field(default_factory=dict)
-    # block -> slot -> provenance (absent: never written since zeroed or allocated).
-    kv: dict[int, dict[int, int]] = field(default_factory=dict)
+    # block -> its slots' provenance (None: never written since zeroed or allocated), as long
+    # as the block size of the group that last wrote it (a block reused by a group of
+    # another size is laid out anew).
+    kv: dict[int, list[int | None]] = field(default_factory=dict)
     problems: list[tuple[str, str]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ what the runner is told
@@ -133,12 +135,12 @@ class ShadowWorker:
         self._update_cached(out.scheduled_cached_reqs, out.num_scheduled_tokens, fresh)
         if self.zeroing:
             for g, b in fresh:
-                self.kv[b] = dict.fromkeys(range(self.groups[g].block_size), STALE)
+                self.kv[b] = [STALE] * self.groups[g].block_size
         for b in out.new_block_ids_to_zero or ():
-            self.kv[b] = {}
+            self.kv[b] = []
             self.figures.zeroed += 1
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
-            self.kv[copy.dst_block_id] = dict(self.kv.get(copy.src_block_id, {}))
+            self.kv[copy.dst_block_id] = list(self.kv.get(copy.src_block_id, []))
             self.figures.copies += 1
         self._forward(out.num_scheduled_tokens, out.scheduled_spec_decode_tokens)
 
@@ -271,45 +273,48 @@ class ShadowWorker:
     def _write(self, rid: str, view: RequestView, start: int, end: int, ids: list[int]) -> None:
         for g, spec in self._attention():
             bs, table = spec.block_size, view.tables[g]
-            for p in range(start, end):
-                i = p // bs
+            for i in range(start // bs, -(-end // bs)):
                 block = table[i] if i < len(table) else NULL_BLOCK
                 if block == NULL_BLOCK:
-                    self._problem(
-                        READS,
-                        f"{rid} writes position {p} of group {g} into "
-                        + ("the null block" if i < len(table) else f"no block (its table has {len(table)})"),
-                    )
+                    where = "the null block" if i < len(table) else f"no block (its table has {len(table)})"
+                    self._problem(READS, f"{rid} writes position {max(start, i * bs)} of group {g} into {where}")
                     break
-                self.kv.setdefault(block, {})[p % bs] = ids[p]
+                row = self.kv.get(block)
+                if row is None or len(row) != bs:
+                    row = self.kv[block] = [None] * bs
+                lo, hi = max(start, i * bs), min(end, (i + 1) * bs)
+                row[lo - i * bs : hi - i * bs] = ids[lo:hi]
             self.figures.writes += end - start
 
     def _read(self, rid: str, view: RequestView, start: int, end: int, ids: list[int]) -> None:
-        kv = self.kv
         for g, spec in self._attention():
             bs, table = spec.block_size, view.tables[g]
-            lo = max(0, start - spec.sliding_window + 1) if spec.kind == "swa" and spec.sliding_window else 0
-            wrong: list[int] = []
-            first = ""
-            for p in range(lo, end):
-                i = p // bs
+            first = max(0, start - spec.sliding_window + 1) if spec.kind == "swa" and spec.sliding_window else 0
+            wrong, where = 0, ""
+            for i in range(first // bs, -(-end // bs)):
+                lo, hi = max(first, i * bs), min(end, (i + 1) * bs)
                 block = table[i] if i < len(table) else NULL_BLOCK
-                got = kv.get(block, {}).get(p % bs) if block != NULL_BLOCK else None
-                if got != ids[p]:
-                    if not wrong:
-                        first = self._what(block, i, len(table), got)
-                    wrong.append(p)
-            self.figures.reads += end - lo
+                row = self.kv.get(block) if block != NULL_BLOCK else None
+                got = row[lo - i * bs : hi - i * bs] if row is not None and len(row) == bs else [None] * (hi - lo)
+                if got == ids[lo:hi]:
+                    continue
+                bad = [lo + k for k, (a, b) in enumerate(zip(got, ids[lo:hi])) if a != b]
+                if not wrong:
+                    where = f"position {bad[0]} of group {g} from " + self._what(
+                        block, i, len(table), got[bad[0] - lo]
+                    )
+                wrong += len(bad)
+            self.figures.reads += end - first
             if wrong:
                 self._problem(
                     READS,
-                    f"{rid}'s step [{start}, {end}) reads position {wrong[0]} of group {g} from {first}, "
-                    f"not its own prefix ({len(wrong)} of {end - lo} positions read wrong)",
+                    f"{rid}'s step [{start}, {end}) reads {where}, not its own prefix "
+                    f"({wrong} of {end - first} positions read wrong)",
                 )
             if self.zeroing and end % bs and (end - 1) // bs < len(table):
                 block = table[(end - 1) // bs]
-                tail = kv.get(block, {})
-                if any(tail.get(s) == STALE for s in range(end % bs, bs)):
+                row = self.kv.get(block) or []
+                if STALE in row[end % bs :]:
                     self._problem(
                         ZEROED,
                         f"{rid}'s step [{start}, {end}) reads block {block} of group {g}, whose slots past "

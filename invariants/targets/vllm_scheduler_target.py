@@ -235,8 +235,17 @@ class VllmSchedulerTarget(VllmManagerTarget):
     # False only in the tests' planted defect.
     speculative_blocks = True
 
-    def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
+    def __init__(
+        self,
+        config: Config,
+        events: str = VLLM_EVENT_PROFILE,
+        track_prefixes: bool = True,
+        engine_contract: bool = True,
+    ) -> None:
+        """`engine_contract=False` leaves the shadow worker and the queue checks out
+        (the bench's baseline for what they cost)."""
         self.vllm_scheduler: Any = None
+        self.engine_contract = engine_contract
         super().__init__(config, events, track_prefixes)
         # With lookahead slots the scheduler speculates (`vllm_scheduler_spec`).
         stepper = SpecStepScheduler if config.num_lookahead_tokens else RealStepScheduler
@@ -253,7 +262,7 @@ class VllmSchedulerTarget(VllmManagerTarget):
         """The shadow worker that follows this scheduler's outputs, as the model runner
         vLLM pairs with it (`use_v2_model_runner`); None where it follows none: a KV
         connector's loads and saves are not followed yet (docs/shadow-worker.md)."""
-        if self.config.kv_connector:
+        if self.config.kv_connector or not self.engine_contract:
             return None
         sched = self.vllm_scheduler
         groups = tuple(WorkerGroup(g.kind, g.block_size, g.sliding_window) for g in self.config.groups)
@@ -266,6 +275,8 @@ class VllmSchedulerTarget(VllmManagerTarget):
     def apply(self, op: Op) -> Observation:
         """The operation, then the scheduler's queues judged as it left them (`invariants.shadow.queues`)."""
         obs = super().apply(op)
+        if not self.engine_contract:
+            return obs
         status = self.session.v["RequestStatus"]
         self.queue_checks += 1
         self.queue_found += [
