@@ -30,6 +30,9 @@ EXPECTED = {
     "swa_tombstone_stale_mapping_freed": ("radix_pool_conservation",),
     "tombstone_recovery_frees_locked_full": ("radix_running_prefix_backed",),
     "mamba_hit_refreshes_path": ("radix_mamba_eviction_lru",),
+    "swa_finish_frees_window": ("radix_finished_prefix_promise",),
+    # hunted on the Rust core alone: killed by judging it against the model, not the Python core
+    "rust_full_eviction_in_swa_scope": ("radix_eviction_scope", "radix_full_eviction_matches_model"),
 }
 
 
@@ -40,9 +43,21 @@ def test_every_mutant_has_an_expected_killer() -> None:
 @pytest.mark.parametrize("name", sorted(SGLANG_MUTANTS))
 def test_mutant_killed_and_restored(name: str) -> None:
     from sglang.srt.mem_cache.evict_policy import LRUStrategy
+    from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+    from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    originals = (UnifiedRadixCache.lock, UnifiedRadixCache.on_release, LRUStrategy.get_priority)
+    def current() -> tuple[object, ...]:
+        return (
+            UnifiedRadixCache.lock,
+            UnifiedRadixCache.on_release,
+            LRUStrategy.get_priority,
+            SWAComponent.prepare_for_caching_req,
+            RustUnifiedTreeCore.evict_device_start,
+            RustUnifiedTreeCore.evict_device_next_node,
+        )
+
+    originals = current()
     row = hunt(name, budget_s=10.0)
     assert row.killed_by in EXPECTED[name], row
-    assert (UnifiedRadixCache.lock, UnifiedRadixCache.on_release, LRUStrategy.get_priority) == originals
+    assert current() == originals

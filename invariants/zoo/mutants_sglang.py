@@ -2,8 +2,11 @@
 
 Each mutant is one plausible one-line defect applied to SGLang's real class by
 a monkeypatch inside `activate(name)`, which restores the original on exit.
-PROCESS-GLOBAL WHILE ACTIVE (SGLang's classes are shared). The Python tree
-core is the one mutated, so the hunt runs the Python core alone.
+PROCESS-GLOBAL WHILE ACTIVE (SGLang's classes are shared). Each mutant names
+the tree cores its hunt drives (`SglangMutant.cores`): the mutated core alone
+(the Python core, or the Rust core's adapter for a Rust-only defect), so a kill
+comes from judging that core against the model, never from disagreeing with
+the other core.
 
 | mutant | bug class it re-creates |
 |---|---|
@@ -17,6 +20,8 @@ core is the one mutated, so the hunt runs the Python core alone.
 | `swa_tombstone_stale_mapping_freed` | #27586: recovering an SWA tombstone on insert frees its old base through `free_swa`, trusting a stale full-to-SWA entry that names a live SWA slot |
 | `tombstone_recovery_frees_locked_full` | #29352: tombstone recovery replaces and frees full-attention KV a running request holds locked |
 | `mamba_hit_refreshes_path` | #31643/#31648: a hit moves every Mamba state on the matched path to most recent, not only the state it copies |
+| `swa_finish_frees_window` | #29860/#34729 class: a finish frees the request's own SWA down to its last page before caching (a window of 0), so the finished prefix is cached with tombstones where its window should be live; pools balance, the tree is valid, the next turn's SWA hit is lost |
+| `rust_full_eviction_in_swa_scope` | eviction scope, one core only: on the Rust tree core, a full-attention eviction walks the SWA component's LRU list; the Python core is untouched |
 
 The stale entry of #27586 alone (`clear_full_to_swa_mapping` a no-op, no other
 change) is an equivalent mutant on the paths kvretain drives: nothing reads an
@@ -52,6 +57,9 @@ class SglangMutant:
     doc: str
     layout: str
     install: Callable[[contextlib.ExitStack], None]
+    # The tree cores the hunt drives: the mutated one alone, so a kill comes from judging
+    # that core against the model, never from disagreeing with the other core.
+    cores: tuple[str, ...] = ("python",)
 
 
 def _patch(stack: contextlib.ExitStack, owner: Any, attr: str, new: Any) -> None:
@@ -204,6 +212,61 @@ def _mamba_hit_refreshes_path(stack: contextlib.ExitStack) -> None:
     _patch(stack, MambaComponent, "refresh_lru", refresh)
 
 
+def _swa_finish_frees_window(stack: contextlib.ExitStack) -> None:
+    """A finish frees the request's own SWA down to its last page before caching (the window
+    slide run with a window of 0), so the finished prefix is cached with SWA tombstones where
+    its window should be live: pools balance and the tree is valid, but the next turn's SWA
+    hit is lost (the class of #29860/#34729: the window kept at a finish is too short)."""
+    from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
+    from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
+
+    orig = SWAComponent.prepare_for_caching_req
+
+    def mutant(self: Any, req: Any, insert_params: Any, token_ids_len: int, is_finished: bool) -> Any:
+        if is_finished:
+            free_swa_out_of_window_slots(  # the defect: a window of 0 at the finish
+                req,
+                token_ids_len,
+                sliding_window_size=0,
+                page_size=self.cache.page_size,
+                req_to_token_pool=self.cache.req_to_token_pool,
+                token_to_kv_pool_allocator=self.cache.token_to_kv_pool_allocator,
+            )
+        return orig(self, req, insert_params, token_ids_len, is_finished)
+
+    _patch(stack, SWAComponent, "prepare_for_caching_req", mutant)
+
+
+def _rust_full_eviction_in_swa_scope(stack: contextlib.ExitStack) -> None:
+    """The Rust tree core only: a full-attention eviction walks the SWA component's LRU list
+    (another component's scope), tombstoning interior SWA and deleting leaves in SWA order,
+    instead of taking the least recently used evictable full-attention leaves. The Python
+    core is untouched."""
+    from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    def scoped(self: Any, ct: Any) -> Any:
+        if ct == ComponentType.FULL and ComponentType.SWA in self.tree_components:
+            return ComponentType.SWA  # the defect: the wrong component's walk
+        return ct
+
+    start, step, end = (
+        RustUnifiedTreeCore.evict_device_start,
+        RustUnifiedTreeCore.evict_device_next_node,
+        RustUnifiedTreeCore.evict_device_end,
+    )
+    _patch(
+        stack, RustUnifiedTreeCore, "evict_device_start", lambda self, ct, n: start(self, scoped(self, ct), n)
+    )
+    _patch(
+        stack,
+        RustUnifiedTreeCore,
+        "evict_device_next_node",
+        lambda self, ct, tracker: step(self, scoped(self, ct), tracker),
+    )
+    _patch(stack, RustUnifiedTreeCore, "evict_device_end", lambda self, ct: end(self, scoped(self, ct)))
+
+
 SGLANG_MUTANTS: dict[str, SglangMutant] = {
     m.name: m
     for m in (
@@ -258,6 +321,19 @@ SGLANG_MUTANTS: dict[str, SglangMutant] = {
             "mamba-p1",
             _mamba_hit_refreshes_path,
         ),
+        SglangMutant(
+            "swa_finish_frees_window",
+            "#29860/#34729 a finish keeps no SWA window: the next turn's SWA hit is lost",
+            "swa-p1",
+            _swa_finish_frees_window,
+        ),
+        SglangMutant(
+            "rust_full_eviction_in_swa_scope",
+            "full-attention eviction walks the SWA LRU scope, Rust core only",
+            "swa-p1",
+            _rust_full_eviction_in_swa_scope,
+            cores=("rust",),
+        ),
     )
 }
 
@@ -292,11 +368,12 @@ def warm_up() -> float:
     return time.perf_counter() - start
 
 
-def hunt(name: str, budget_s: float, seed: int = 0) -> KillRow:
-    """Fuzz the mutant's layout on the Python core until a violation or the budget ends."""
+def hunt(name: str, budget_s: float, seed: int = 0, cores: tuple[str, ...] | None = None) -> KillRow:
+    """Fuzz the mutant's layout on its tree cores (`SglangMutant.cores`, or `cores`) until a
+    violation or the budget ends."""
     mutant = SGLANG_MUTANTS[name]
     start = time.perf_counter()
     with activate(name):
-        run = fuzz_layout(mutant.layout, LAYOUTS[mutant.layout], budget_s, seed, cores=("python",))
+        run = fuzz_layout(mutant.layout, LAYOUTS[mutant.layout], budget_s, seed, cores=cores or mutant.cores)
     killed = None if run.violation is None else run.violation[0]
     return KillRow(name, mutant.layout, killed, time.perf_counter() - start, run.seed, run.ops)
