@@ -551,7 +551,7 @@ class Drift:
         whose = (
             f"the declared rule ({vllm_releases.OVERRIDE_ENV})" if self.declared else f"{self.release}'s rule"
         )
-        pr = vllm_releases.RULE_PR.get(self.capability)
+        pr = None if self.declared else vllm_releases.RULE_PR.get(self.capability)
         return (
             f"profile drift: {self.capability}: installed code behaves like {self.installed!r} "
             f"({vllm_releases.releases_with(self.capability, self.installed)}), {whose} is "

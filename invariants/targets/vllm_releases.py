@@ -25,8 +25,8 @@ release matrix, recorded in `docs/matrix-report.json` (`kvretain matrix
 --releases 0.21.0,...,0.33.0 --budget-s 40 --seed 0`, 2026-11-27, commits
 d0bb14d .. ac50412), cross-checked with the PRs of `docs/matrix.md`'s
 capability table. `tests/test_profile_by_version.py` compares every row with
-that report, and on each release environment that is installed, with the
-detection there. 0.20.0 and older have no row (the matrix starts at 0.21.0,
+that report; `tests/test_matrix.py` runs the detection on each release
+environment that is installed and demands no drift from its row. 0.20.0 and older have no row (the matrix starts at 0.21.0,
 the last release before #42258's block mask); they get 0.21.0's rules,
 flagged unverified.
 """
