@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,11 @@ from invariants.errors import UsageError
 from invariants.explore.certificate import HEADERS, Certificate
 from invariants.explore.configs import ConfigReport, check_configurations
 from invariants.explore.grid import GridReport, explore_grid
-from invariants.explore.instances import default_grid, features_of, grid_by_name
+from invariants.explore.instances import Instance, default_grid, features_of, grid_by_name
 from invariants.report import Progress, table
 from invariants.results import CaseResult, add_output_flags, write_results
-from invariants.targets import TARGET_NAMES, target_factory
+from invariants.targets import TARGET_NAMES, Target, target_factory
+from model.config import Config
 
 DEFAULT_DEPTH = 6
 DEFAULT_MAX_STATES = 50_000
@@ -224,21 +226,38 @@ def _case(c: Certificate) -> CaseResult:
     )
 
 
-# `kvretain verify`'s row: the whole grid as deep as about a minute allows on 2 cores.
+# `kvretain verify`'s row: the real scheduler's grid as deep as its budget allows on 2 cores,
+# and no shallower than the stated minimum on any instance.
+VERIFY_TARGET = "vllm"
 VERIFY_DEPTH = 6
-VERIFY_BUDGET_S = 60.0
-VERIFY_QUICK_BUDGET_S = 10.0
+VERIFY_MIN_DEPTH = 3
+VERIFY_QUICK_MIN_DEPTH = 2
+VERIFY_BUDGET_S = 90.0
+VERIFY_QUICK_BUDGET_S = 20.0
 
 
 def verify_row(
-    target: str, quick: bool = False, out: Path | None = None
+    target: str = VERIFY_TARGET,
+    quick: bool = False,
+    out: Path | None = None,
+    *,
+    instances: list[Instance] | None = None,
+    factory: Callable[[Config], Target] | None = None,
 ) -> tuple[str, str, str, str, float, bool, Any]:
     """(check, target, verdict, figure, seconds, good, trace) for `kvretain verify`: every
-    instance of the default grid searched to `VERIFY_DEPTH` or as deep as its share of
-    the budget allows (two processes); the figure names the depth every instance reached."""
+    instance of `target`'s grid (`instances`, by default `default_grid` for its features)
+    searched to `VERIFY_DEPTH` or as deep as its share of the budget allows (two processes).
+
+    The row holds only when no instance violated, none was skipped, and every one
+    completed at least the stated minimum depth (`VERIFY_MIN_DEPTH`, quick:
+    `VERIFY_QUICK_MIN_DEPTH`); the figure names that minimum, each instance's depth and
+    the skipped ones. `factory` replaces the target's constructor (a test's planted refusal)."""
+    build = factory or target_factory(target)
+    grid = instances if instances is not None else default_grid(features_of(build))
+    minimum = VERIFY_QUICK_MIN_DEPTH if quick else VERIFY_MIN_DEPTH
     report = explore_grid(
-        default_grid(),
-        target_factory(target),
+        grid,
+        build,
         target,
         depth=VERIFY_DEPTH,
         max_states=DEFAULT_MAX_STATES,
@@ -246,20 +265,38 @@ def verify_row(
         out_dir=out,
         jobs=2,
     )
+    return verify_verdict(report, minimum)
+
+
+def verify_verdict(report: GridReport, minimum: int) -> tuple[str, str, str, str, float, bool, Any]:
+    """The verify row of a searched grid (see `verify_row`): fails on a violation, a
+    skipped instance, or an instance below depth `minimum`."""
     searched = [c for c in report.certificates if not c.skipped]
     depths = "/".join(str(c.depth_completed) for c in searched)
+    shallow = [c for c in searched if c.depth_completed < minimum]
+    skipped = report.skipped
     figure = (
-        f"depth >= {report.min_depth()} on {len(searched)} instances ({depths}), {report.states:,} states"
-        + (f", {len(report.skipped)} skipped" if report.skipped else "")
+        f"minimum depth {minimum}: depth >= {report.min_depth()} on {len(searched)} of "
+        f"{len(report.certificates)} instances ({depths}), {report.states:,} states"
+        + (f", {len(skipped)} skipped" if skipped else "")
     )
     bad = report.violations
     known = sum(c.known.total for c in report.certificates)
     if bad:
-        verdict = f"VIOLATION: {bad[0].instance}: {bad[0].violation or bad[0].error}"[:70]
+        verdict = f"VIOLATION: {bad[0].instance}: {bad[0].violation or bad[0].error}"
+    elif skipped:
+        verdict = f"FAILED: {len(skipped)} instance(s) skipped: " + ", ".join(
+            f"{c.instance} ({c.skipped})" for c in skipped
+        )
+    elif shallow:
+        verdict = f"FAILED: below depth {minimum}: " + ", ".join(
+            f"{c.instance} ({c.depth_completed})" for c in shallow
+        )
     else:
         verdict = "clean" + (f" (known findings tolerated x{known})" if known else "")
+    good = not bad and not skipped and not shallow
     trace = next((c.trace for c in bad if c.trace), None)
-    return ("explore", target, verdict, figure, report.seconds, not bad, trace)
+    return ("explore", report.target, verdict[:90], figure, report.seconds, good, trace)
 
 
-__all__ = ["add_parser", "certificate_text", "run", "verify_row"]
+__all__ = ["add_parser", "certificate_text", "run", "verify_row", "verify_verdict"]

@@ -318,15 +318,17 @@ def row_zoo(run: VerifyRun) -> None:
 
 
 def row_explore(run: VerifyRun) -> None:
-    """Every sequence of the small grid, model against vLLM."""
+    """Every sequence of the real scheduler's small grid, model against vLLM's `Scheduler`
+    ("vllm"): fails on a skipped instance or one below the stated minimum depth."""
     explore = run.imported("invariants.cli.explore")
     if explore is None:
         return
-    missing = run.missing("vllm-manager")
+    target = explore.VERIFY_TARGET
+    missing = run.missing(target)
     if missing is not None:
-        run.skipped("explore", "vllm-manager", missing)
+        run.skipped("explore", target, missing)
     else:
-        run.record(*explore.verify_row("vllm-manager", quick=run.args.quick, out=run.out / "explore"))
+        run.record(*explore.verify_row(target, quick=run.args.quick, out=run.out / "explore"))
 
 
 def row_simulate(run: VerifyRun) -> None:
