@@ -6,8 +6,8 @@ finished-prefix invariants on hand-built trees, each with a planted defect it mu
 next to a case where it holds. With SGLang (skipped, with the reason, without it): the
 model's recency orders nodes exactly as the Python core's access times do on every
 layout; the Rust core's own tree view equals the Python core's; the unmutated cache runs
-clean with the new judges on each core alone (control); a finish that loses its SWA hit on
-a valid tree, and a full-attention eviction that walks the SWA scope on the Rust core only,
+clean with the new judges on each core alone (control); a finish that loses its SWA hit, or
+its Mamba hit, on a valid tree, and a full-attention eviction that walks the SWA scope on the Rust core only,
 are each reported by the new invariants, the latter on the Rust core alone (and the
 Python core alone does not see it: it is the Rust core's defect).
 """
@@ -209,7 +209,10 @@ def test_rust_core_view_is_its_own_and_matches_the_python_core(layout: str) -> N
     assert seen > 0
 
 
-def _history(layout: str, cores: tuple[str, ...], seeds: range) -> tuple[object, dict[str, int]]:
+def _history(
+    layout: str, cores: tuple[str, ...], seeds: range
+) -> tuple[tuple[int, tuple[str, str]] | None, dict[str, int]]:
+    """Run the seeded histories; (the first (seed, violation), coverage summed over the histories run)."""
     from invariants.harness.radix_check import RadixChecker
     from invariants.harness.radix_fuzz import generate_ops, run_history
 
@@ -240,9 +243,21 @@ def test_swa_hit_lost_at_finish_is_reported() -> None:
     with activate("swa_finish_frees_window"):
         found, _ = _history("swa-p1", ("python", "rust"), range(6))
     assert found is not None
-    _, (name, message) = found  # type: ignore[misc]
+    _, (name, message) = found
     assert name == "radix_finished_prefix_promise", message
     assert "SWA tombstone" in message
+
+
+@needs_sglang
+def test_mamba_hit_lost_at_finish_is_reported() -> None:
+    from invariants.zoo.mutants_sglang import activate
+
+    with activate("mamba_finish_drops_own_state"):
+        found, _ = _history("mamba-p1", ("python",), range(6))
+    assert found is not None
+    _, (name, message) = found
+    assert name == "radix_finished_prefix_promise", message
+    assert "no Mamba state" in message
 
 
 @needs_sglang
@@ -253,7 +268,7 @@ def test_wrong_lru_scope_on_the_rust_core_only_is_reported_on_that_core_alone() 
         found, _ = _history("swa-p1", ("rust",), range(6))
         control, coverage = _history("swa-p1", ("python",), range(6))
     assert found is not None
-    _, (name, message) = found  # type: ignore[misc]
+    _, (name, message) = found
     assert name in ("radix_eviction_scope", "radix_full_eviction_matches_model"), message
     assert message.startswith("[rust]")
     # the Python core, judged alone under the same patch, is clean: the defect is the Rust core's

@@ -31,6 +31,7 @@ EXPECTED = {
     "tombstone_recovery_frees_locked_full": ("radix_running_prefix_backed",),
     "mamba_hit_refreshes_path": ("radix_mamba_eviction_lru",),
     "swa_finish_frees_window": ("radix_finished_prefix_promise",),
+    "mamba_finish_drops_own_state": ("radix_finished_prefix_promise",),
     # hunted on the Rust core alone: killed by judging it against the model, not the Python core
     "rust_full_eviction_in_swa_scope": ("radix_eviction_scope", "radix_full_eviction_matches_model"),
 }
@@ -44,6 +45,7 @@ def test_every_mutant_has_an_expected_killer() -> None:
 def test_mutant_killed_and_restored(name: str) -> None:
     from sglang.srt.mem_cache.evict_policy import LRUStrategy
     from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
     from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -53,6 +55,8 @@ def test_mutant_killed_and_restored(name: str) -> None:
             UnifiedRadixCache.on_release,
             LRUStrategy.get_priority,
             SWAComponent.prepare_for_caching_req,
+            MambaComponent.prepare_for_caching_req,
+            MambaComponent.commit_insert_component_data,
             RustUnifiedTreeCore.evict_device_start,
             RustUnifiedTreeCore.evict_device_next_node,
         )

@@ -21,6 +21,7 @@ the other core.
 | `tombstone_recovery_frees_locked_full` | #29352: tombstone recovery replaces and frees full-attention KV a running request holds locked |
 | `mamba_hit_refreshes_path` | #31643/#31648: a hit moves every Mamba state on the matched path to most recent, not only the state it copies |
 | `swa_finish_frees_window` | #29860/#34729 class: a finish frees the request's own SWA down to its last page before caching (a window of 0), so the finished prefix is cached with tombstones where its window should be live; pools balance, the tree is valid, the next turn's SWA hit is lost |
+| `mamba_finish_drops_own_state` | #22935 class: a finish's insert evicts the Mamba state it has just committed at the finished prefix (freed properly: pools balance, the tree is valid), so the next turn's Mamba hit is lost |
 | `rust_full_eviction_in_swa_scope` | eviction scope, one core only: on the Rust tree core, a full-attention eviction walks the SWA component's LRU list; the Python core is untouched |
 
 The stale entry of #27586 alone (`clear_full_to_swa_mapping` a no-op, no other
@@ -237,6 +238,43 @@ def _swa_finish_frees_window(stack: contextlib.ExitStack) -> None:
     _patch(stack, SWAComponent, "prepare_for_caching_req", mutant)
 
 
+def _mamba_finish_drops_own_state(stack: contextlib.ExitStack) -> None:
+    """A finish's insert evicts the Mamba state it has just committed at the end of the
+    finished prefix (a path-cap eviction that does not spare the tail), freeing the slot
+    the proper way: pools balance and the tree is valid, but the next turn's Mamba hit at
+    the finished prefix is lost (the class of #22935: identical prompts hit 0)."""
+    from collections import defaultdict
+
+    from sglang.srt.mem_cache.unified_cache.cache_action import FreeComponentDeviceSlot
+    from sglang.srt.mem_cache.unified_cache.components import EvictLayer
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+    prepare, commit = MambaComponent.prepare_for_caching_req, MambaComponent.commit_insert_component_data
+    finishing = {"now": False}
+
+    def mark(self: Any, req: Any, insert_params: Any, token_ids_len: int, is_finished: bool) -> Any:
+        finishing["now"] = is_finished
+        return prepare(self, req, insert_params, token_ids_len, is_finished)
+
+    def mutant(self: Any, node: Any, is_new_leaf: bool, params: Any, result: Any, cache_actions: Any) -> None:
+        commit(self, node, is_new_leaf, params, result, cache_actions)
+        cd = node.component_data[self.component_type]
+        if finishing["now"] and cd.value is not None and cd.lock_ref == 0:  # the defect: the tail too
+            frees: dict[Any, list[Any]] = defaultdict(list)
+            self.tree_core._evict_component_and_detach_lru(
+                node, self, frees, defaultdict(list), cache_actions, target=EvictLayer.DEVICE
+            )
+            cache_actions.append(
+                FreeComponentDeviceSlot(
+                    indices=frees[self.component_type], component_type=self.component_type
+                )
+            )
+        finishing["now"] = False
+
+    _patch(stack, MambaComponent, "prepare_for_caching_req", mark)
+    _patch(stack, MambaComponent, "commit_insert_component_data", mutant)
+
+
 def _rust_full_eviction_in_swa_scope(stack: contextlib.ExitStack) -> None:
     """The Rust tree core only: a full-attention eviction walks the SWA component's LRU list
     (another component's scope), tombstoning interior SWA and deleting leaves in SWA order,
@@ -326,6 +364,12 @@ SGLANG_MUTANTS: dict[str, SglangMutant] = {
             "#29860/#34729 a finish keeps no SWA window: the next turn's SWA hit is lost",
             "swa-p1",
             _swa_finish_frees_window,
+        ),
+        SglangMutant(
+            "mamba_finish_drops_own_state",
+            "#22935 class: a finish evicts the Mamba state it committed; the next turn's Mamba hit is lost",
+            "mamba-p1",
+            _mamba_finish_drops_own_state,
         ),
         SglangMutant(
             "rust_full_eviction_in_swa_scope",
