@@ -30,4 +30,10 @@ step triton-model 0 $gc --target model
 step triton-seed1 0 $gc --seed 1 --sessions 16
 step invariant-reference 0 $gc --kernels invariant
 step naive-control 1 $gc --kernels naive --trace-out "$out/naive-trace.json"
+# vLLM's real scheduler as the engine (the tables vLLM ships), where vLLM is installed.
+if $py -c "import vllm" >/dev/null 2>&1; then
+    step triton-vllm-scheduler 0 $gc --target vllm
+else
+    echo "triton-vllm-scheduler  skipped: vllm is not installed in this environment" | tee -a "$out/summary.txt"
+fi
 exit $status

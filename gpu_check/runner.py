@@ -414,6 +414,16 @@ def _run_modes(
             continue
         target_name = getattr(target, "name", type(target).__name__)
         rec = _Recorder(model, mode.name, baseline)
+        if target_name == "vllm":
+            result = _real_scheduler_mode(target, model, rec, workload, mode, log)
+            results.append(result)
+            if baseline is None:
+                if result.verdict != "pass":
+                    break
+                baseline = rec
+            elif result.verdict == "mismatch" and stop_on_mismatch:
+                break
+            continue
         forward = ForwardPass(target, model, rec)
         progress = (lambda line, m=mode.name: log(f"  [{m}] {line}")) if log else None
         loop = SchedulerLoop(target, loop_config, forward, [forward], progress)
@@ -461,6 +471,59 @@ def _run_modes(
             break
     kname = kernels.name if kernels is not None else "invariant"
     return CheckReport(workload.seed, target_name, kname, device, results, time.perf_counter() - t0)
+
+
+def _real_scheduler_mode(
+    target: Target,
+    model: HybridModel,
+    rec: _Recorder,
+    workload: Workload,
+    mode: Mode,
+    log: Callable[[str], None] | None,
+) -> ModeResult:
+    """One mode with vLLM's real scheduler as the engine (`gpu_check.engine`): the
+    kernels read the tables vLLM shipped; the shadow worker's contract breaks are
+    reported beside the bitwise verdict (either fails the mode)."""
+    from gpu_check.engine import RealSchedulerEngine
+
+    if log:
+        log(f"[gpu-check] mode {mode.name}: {_describe_mode(target.config)}, vLLM's scheduler deciding")
+    result = ModeResult(mode.name, "pass")
+    engine: RealSchedulerEngine | None = None
+    try:
+        engine = RealSchedulerEngine(target, model, rec)
+        engine.replay(workload)
+    except _Stop as stop:
+        result.verdict, result.mismatch, result.detail = "mismatch", stop.mismatch, stop.mismatch.describe()
+    except EngineFault as exc:
+        steps = engine.run.steps if engine is not None else 0
+        result.verdict, result.detail = "fault", f"engine fault at step {steps}: {exc}"
+    except (TargetCrash, TargetUnavailable) as exc:
+        result.verdict, result.detail = "fault", f"target crashed: {exc}"
+    if engine is not None:
+        run = engine.run
+        result.stats = ModeStats(run.accounting, run.storage, run.steps, run.seconds)
+        if run.problems and result.verdict == "pass":
+            check, message = run.problems[0]
+            result.verdict = "fault"
+            result.detail = f"{len(run.problems)} engine-contract problem(s), first: {check}: {message}"
+        elif run.problems:
+            result.detail += f"; {len(run.problems)} engine-contract problem(s), first: {run.problems[0][1]}"
+    result.tokens_checked = rec.checked
+    if (
+        result.verdict == "pass"
+        and mode.expect_hits
+        and result.stats
+        and result.stats.accounting.hit_tokens == 0
+    ):
+        result.verdict = "vacuous"
+        result.detail = "caching is on but no prefill token was served from cache: the check proves nothing"
+    if log:
+        log(
+            f"[gpu-check] mode {mode.name}: {result.verdict}"
+            + (f" - {result.detail}" if result.detail else "")
+        )
+    return result
 
 
 def _describe_mode(cfg: Config) -> str:

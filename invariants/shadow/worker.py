@@ -123,6 +123,8 @@ class ShadowWorker:
     # another size is laid out anew).
     kv: dict[int, list[int | None]] = field(default_factory=dict)
     problems: list[tuple[str, str]] = field(default_factory=list)
+    # The blocks the last step placed in a table past the computed tokens (allocated, not hit).
+    fresh: list[int] = field(default_factory=list)
 
     # ------------------------------------------------------------------ what the runner is told
     def execute(self, out: Any) -> None:
@@ -133,6 +135,7 @@ class ShadowWorker:
         for data in out.scheduled_new_reqs:
             self._install(data, fresh)
         self._update_cached(out.scheduled_cached_reqs, out.num_scheduled_tokens, fresh)
+        self.fresh = [b for _, b in fresh]
         if self.zeroing:
             for g, b in fresh:
                 self.kv[b] = [STALE] * self.groups[g].block_size
@@ -277,7 +280,9 @@ class ShadowWorker:
                 block = table[i] if i < len(table) else NULL_BLOCK
                 if block == NULL_BLOCK:
                     where = "the null block" if i < len(table) else f"no block (its table has {len(table)})"
-                    self._problem(READS, f"{rid} writes position {max(start, i * bs)} of group {g} into {where}")
+                    self._problem(
+                        READS, f"{rid} writes position {max(start, i * bs)} of group {g} into {where}"
+                    )
                     break
                 row = self.kv.get(block)
                 if row is None or len(row) != bs:
@@ -289,13 +294,19 @@ class ShadowWorker:
     def _read(self, rid: str, view: RequestView, start: int, end: int, ids: list[int]) -> None:
         for g, spec in self._attention():
             bs, table = spec.block_size, view.tables[g]
-            first = max(0, start - spec.sliding_window + 1) if spec.kind == "swa" and spec.sliding_window else 0
+            first = (
+                max(0, start - spec.sliding_window + 1) if spec.kind == "swa" and spec.sliding_window else 0
+            )
             wrong, where = 0, ""
             for i in range(first // bs, -(-end // bs)):
                 lo, hi = max(first, i * bs), min(end, (i + 1) * bs)
                 block = table[i] if i < len(table) else NULL_BLOCK
                 row = self.kv.get(block) if block != NULL_BLOCK else None
-                got = row[lo - i * bs : hi - i * bs] if row is not None and len(row) == bs else [None] * (hi - lo)
+                got = (
+                    row[lo - i * bs : hi - i * bs]
+                    if row is not None and len(row) == bs
+                    else [None] * (hi - lo)
+                )
                 if got == ids[lo:hi]:
                     continue
                 bad = [lo + k for k, (a, b) in enumerate(zip(got, ids[lo:hi])) if a != b]

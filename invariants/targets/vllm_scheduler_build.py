@@ -175,8 +175,12 @@ def check_scheduler_supported(cfg: Config) -> None:
         raise SchedulerUnsupported(EAGLE_NEEDS_LOOKAHEAD)
 
 
-def vllm_config(cfg: Config, *, async_scheduling: bool = False) -> Any:
-    """The `VllmConfig` of `cfg` (see the module docstring)."""
+def vllm_config(
+    cfg: Config, *, async_scheduling: bool = False, batch_caps: tuple[int, int] | None = None
+) -> Any:
+    """The `VllmConfig` of `cfg` (see the module docstring); `batch_caps`:
+    (`max_num_batched_tokens`, `max_num_seqs`) that bind, for an engine loop that
+    leaves every decision to vLLM (gpu_check's real-scheduler mode)."""
     m = scheduler_modules()
     model = m["ModelConfig"](
         model=model_dir(max(cfg.max_model_len, 1)),
@@ -197,8 +201,8 @@ def vllm_config(cfg: Config, *, async_scheduling: bool = False) -> Any:
     sched = m["SchedulerConfig"](
         # vLLM requires max_num_batched_tokens >= max_num_seqs; a small instance's few
         # requests never reach either cap.
-        max_num_seqs=min(MAX_NUM_SEQS, cfg.max_model_len),
-        max_num_batched_tokens=cfg.max_model_len,
+        max_num_seqs=batch_caps[1] if batch_caps else min(MAX_NUM_SEQS, cfg.max_model_len),
+        max_num_batched_tokens=batch_caps[0] if batch_caps else cfg.max_model_len,
         max_model_len=cfg.max_model_len,
         enable_chunked_prefill=True,
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
@@ -249,8 +253,10 @@ def build_scheduler(
     *,
     async_scheduling: bool = False,
     speculative_blocks: bool = True,
+    batch_caps: tuple[int, int] | None = None,
 ) -> Any:
-    """vLLM's `Scheduler` (`AsyncScheduler` with `async_scheduling`) for `cfg`.
+    """vLLM's `Scheduler` (`AsyncScheduler` with `async_scheduling`) for `cfg`
+    (`batch_caps`: see `vllm_config`).
     `speculative_blocks=False` leaves the Mamba specs without their draft blocks
     (a planted defect for the tests: a real model never builds that)."""
     from .vllm_build import _retention_env as retention_env
@@ -265,7 +271,7 @@ def build_scheduler(
     specs = group_specs(cfg, v, draft_blocks=cfg.num_lookahead_tokens if speculative_blocks else 0)
     m = scheduler_modules()
     try:
-        vcfg = vllm_config(cfg, async_scheduling=async_scheduling)
+        vcfg = vllm_config(cfg, async_scheduling=async_scheduling, batch_caps=batch_caps)
         # The retention interval as the release takes it (`vllm_build.build_manager`): a
         # `KVCacheConfig` field, or the environment while the coordinator is built.
         retention = (

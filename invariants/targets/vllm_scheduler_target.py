@@ -234,6 +234,9 @@ class VllmSchedulerTarget(VllmManagerTarget):
     # Mamba specs keep their draft blocks when the scheduler speculates (`vllm_scheduler_spec`);
     # False only in the tests' planted defect.
     speculative_blocks = True
+    # Set by the constructor; the class defaults serve subclasses that build otherwise.
+    engine_contract = True
+    batch_caps: tuple[int, int] | None = None
 
     def __init__(
         self,
@@ -241,11 +244,15 @@ class VllmSchedulerTarget(VllmManagerTarget):
         events: str = VLLM_EVENT_PROFILE,
         track_prefixes: bool = True,
         engine_contract: bool = True,
+        batch_caps: tuple[int, int] | None = None,
     ) -> None:
         """`engine_contract=False` leaves the shadow worker and the queue checks out
-        (the bench's baseline for what they cost)."""
+        (the bench's baseline for what they cost); `batch_caps`: vLLM's
+        (`max_num_batched_tokens`, `max_num_seqs`) for an engine loop that runs the
+        scheduler as an engine core does (`engine_request`; gpu_check)."""
         self.vllm_scheduler: Any = None
         self.engine_contract = engine_contract
+        self.batch_caps = batch_caps
         super().__init__(config, events, track_prefixes)
         # With lookahead slots the scheduler speculates (`vllm_scheduler_spec`).
         stepper = SpecStepScheduler if config.num_lookahead_tokens else RealStepScheduler
@@ -327,9 +334,46 @@ class VllmSchedulerTarget(VllmManagerTarget):
     def build_manager(self, config: Config, v: dict[str, Any], caps: Capabilities) -> Any:
         """The real scheduler's `KVCacheManager` (the scheduler is kept as `vllm_scheduler`)."""
         self.vllm_scheduler = build_scheduler(
-            config, v, caps, self.version, speculative_blocks=self.speculative_blocks
+            config,
+            v,
+            caps,
+            self.version,
+            speculative_blocks=self.speculative_blocks,
+            batch_caps=self.batch_caps,
         )
         return self.vllm_scheduler.kv_cache_manager
+
+    def runner_output(self, rids: list[str], sampled: list[list[int]]) -> Any:
+        """The `ModelRunnerOutput` a model runner returns for a step of `rids`, with
+        each one's sampled tokens (empty: a prefill chunk)."""
+        return scheduler_modules()["ModelRunnerOutput"](
+            req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)}, sampled_token_ids=sampled
+        )
+
+    def evicted_since(self) -> int:
+        """How many cached blocks vLLM evicted since the last call (its `BlockRemoved`
+        events), for an engine loop's figures; the events are consumed."""
+        return sum(
+            len(e.block_hashes) for e in self.steps.take_events() if type(e).__name__ == "BlockRemoved"
+        )
+
+    def unheld_unhashed_blocks(self) -> list[int]:
+        """The blocks no request holds and no hash names (their KV may never be read
+        again), for an engine loop that poisons them; the null block excluded."""
+        return [
+            b.block_id
+            for b in self.session.pool.blocks
+            if not b.is_null and b.ref_cnt == 0 and b.block_hash is None
+        ]
+
+    def engine_request(self, rid: str, prompt: tuple[int, ...], max_tokens: int) -> Any:
+        """A vLLM `Request` for an engine loop that drives `vllm_scheduler` itself, as
+        an engine core does (`add_request`, `schedule`, `update_from_output`): hashed
+        as this target hashes, finishing after `max_tokens` sampled tokens."""
+        req = self.driver.new_request(rid, prompt)
+        req.sampling_params.max_tokens = max_tokens
+        req.max_tokens = max_tokens
+        return req
 
 
 def _setting(name: str, value: object, default: object) -> str:
