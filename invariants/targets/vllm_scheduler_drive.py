@@ -61,6 +61,38 @@ from .vllm_names import HashLearner
 from .vllm_session import VllmSession
 
 
+@dataclass(frozen=True)
+class Steering:
+    """One place where kvretain writes vLLM's scheduler state after construction, and why.
+
+    The engine's contract forbids it (kvretain should act only as the engine core and a
+    client do); each entry is what is left, named, so that it shows and cannot grow
+    unnoticed (tests/test_steering_ledger.py reads the adapters' source against it)."""
+
+    function: str
+    writes: frozenset[str]
+    why: str
+
+
+STEERING: tuple[Steering, ...] = (
+    Steering(
+        "RealStepScheduler.__init__",
+        frozenset({"kv_event_publisher"}),
+        "reads the KV events update_from_output publishes (KVEventsConfig takes only 'null' or 'zmq')",
+    ),
+    Steering(
+        "RealStepScheduler.step",
+        frozenset({"running", "waiting", "kv_holding_waiting", "max_num_scheduled_tokens"}),
+        "a Step names its requests and budget: the queues hold exactly those, the others set aside",
+    ),
+    Steering(
+        "RealStepScheduler.preempt",
+        frozenset({"running", "_preempt_request"}),
+        "Preempt(rid) preempts one running request; vLLM preempts only under pressure or all at once",
+    ),
+)
+
+
 @dataclass
 class Call:
     """One manager call during `schedule()`: `kind` is "lookup", "allocate" or "free"."""
@@ -162,6 +194,8 @@ class RealStepScheduler:
         self.dropped: list[str] = []
         # The shadow worker fed every step's output and every sampled token (None: not followed).
         self.shadow: ShadowWorker | None = None
+        # Steps whose queues kvretain rewrote (membership or order differed from vLLM's own).
+        self.steered_steps = 0
 
     # ------------------------------------------------------------------ the manager, as before
     def computed_blocks(self, req: Any) -> tuple[Any, int, int]:
@@ -251,6 +285,10 @@ class RealStepScheduler:
         aside_holding = (
             [r for r in sched.kv_holding_waiting if r.request_id not in named] if has_holding else []
         )
+        if self._rewrites(
+            running, holding, [r for r in reqs if r.status != running_status and r not in holding]
+        ):
+            self.steered_steps += 1
         sched.running = list(running)
         sched.waiting = self._queue(r for r in reqs if r.status != running_status and r not in holding)
         if has_holding:
@@ -274,6 +312,16 @@ class RealStepScheduler:
         computed = {rid: self.s.requests[rid].num_computed_tokens for rid in rids}
         step = observe(calls, [r.request_id for r in running], out, budget, computed, sched.block_size)
         return replace(step, queues=queues)
+
+    def _rewrites(self, running: list[Any], holding: list[Any], waiting: list[Any]) -> bool:
+        """Do the step's queues differ from the ones vLLM holds (a request set aside, or another order)?"""
+        sched = self.sched
+        own = [list(sched.running), list(sched.waiting)]
+        wanted = [running, waiting]
+        if hasattr(sched, "kv_holding_waiting"):
+            own.append(list(sched.kv_holding_waiting))
+            wanted.append(holding)
+        return any([r.request_id for r in o] != [r.request_id for r in w] for o, w in zip(own, wanted))
 
     def queues_left(self, named: set[str]) -> Queues:
         """The queues `schedule()` left, front to back, restricted to the step's requests

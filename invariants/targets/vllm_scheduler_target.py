@@ -325,7 +325,10 @@ class VllmSchedulerTarget(VllmManagerTarget):
 
     def engine_figures(self) -> dict[str, int] | None:
         shadow = self.steps.shadow
-        figures = {"queue checks": self.queue_checks}
+        figures = {
+            "queue checks": self.queue_checks,
+            "steps whose queues kvretain rewrote": self.steps.steered_steps,
+        }
         if shadow is not None:
             f = shadow.figures
             figures |= {"worker steps": f.steps, "slots read": f.reads, "slots written": f.writes}
