@@ -114,7 +114,9 @@ class RadixChecker:
         self._insert_key = self._key_inserted_by(op) if self.layout.has_mamba else None
         # The tree changes only through ops, so the last op's after-view is this one's before-view.
         before = self._view if self._view is not None else self.reader.tree_view(self.primary)
-        per_core = self.reader.per_core_views
+        per_core = self.reader.per_core_views and all(d.observes_tree for d in self.drivers.values())
+        if not per_core:
+            self.coverage["per_core_unjudged"] += 1  # ops not judged on each core against the model
         if per_core:
             befores = {core: self._core_before(core) for core in self.cores}
             promises = {core: self._promise_inputs(op, d) for core, d in self.drivers.items()}

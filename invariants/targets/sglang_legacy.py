@@ -132,6 +132,7 @@ class LegacyDriver(SglangDriver):
         # Per-core views and the model's recency are 0.5.23's (LegacyReader.per_core_views).
         self.tree_calls = []
         self.slot_tokens = {}
+        self.observes_tree = False
 
     def _note_slot_tokens(self) -> None:
         """Not needed: legacy caches are judged on the Python core's own tree view."""
