@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from invariants.shadow import POSITIONS, QUEUES, READS, ZEROED, ShadowWorker, WorkerGroup
+from invariants.shadow import POSITIONS, QUEUES, READS, ZEROED, ShadowWorker, WorkerGroup, queue_problems
 
 # ---------------------------------------------------------------------- the worker's rules, by hand
 
@@ -347,3 +347,27 @@ def test_the_fuzz_summary_states_the_engine_settings_and_what_the_worker_checked
     assert features["engine: scheduler_reserve_full_isl=False (vLLM's default: True; not in force)"] > 0
     text = format_features([report])
     assert "engine contract: slots read" in text and "not in force" in text
+
+
+def test_a_preempted_request_computes_nothing_unless_it_holds_a_loads_blocks() -> None:
+    """An async load promotes a preempted request with its loaded tokens computed, in
+    `kv_holding_waiting` (vLLM 0.33.0 `_handle_blocked_waiting_request`; a 90 s fuzz
+    met it): that holds; the same request in `waiting` holds no blocks for its
+    computed tokens (the control)."""
+    status = SimpleNamespace(
+        RUNNING=SimpleNamespace(name="RUNNING"), PREEMPTED=SimpleNamespace(name="PREEMPTED")
+    )
+    running = [SimpleNamespace(request_id="a", status=status.RUNNING, num_computed_tokens=4)]
+    loaded = SimpleNamespace(request_id="b", status=status.PREEMPTED, num_computed_tokens=8)
+
+    def problems(waiting: list[Any], holding: list[Any]) -> list[str]:
+        sched = SimpleNamespace(
+            running=running,
+            waiting=waiting,
+            kv_holding_waiting=holding,
+            requests={r.request_id: r for r in running + waiting + holding},
+        )
+        return queue_problems(sched, lambda s: False, status.RUNNING, status.PREEMPTED)
+
+    assert problems([], [loaded]) == []
+    assert problems([loaded], []) != []

@@ -7,7 +7,10 @@ connector's transfer still defers its free. A finished request is in no
 queue (it would be scheduled again, or hold its blocks for ever: the
 leaked-request class); a queued request is one the scheduler still holds
 (`requests`); no request is queued twice; a preempted request waits with
-nothing computed (vLLM recomputes it from its prefix hit). These hold for any
+nothing computed (vLLM recomputes it from its prefix hit), unless it holds
+the blocks of a connector's load (`kv_holding_waiting`: an async load
+promotes a preempted request as PREEMPTED with the loaded tokens computed,
+`Scheduler._handle_blocked_waiting_request`). These hold for any
 scheduling policy, so they are judged on every target that exposes queues,
 whatever order the policy keeps them in.
 """
@@ -45,8 +48,11 @@ def queue_problems(
                 problems.append(f"{rid} is in {name} but not among the requests the scheduler holds")
             elif (name == "running") != (req.status == running_status):
                 problems.append(f"{rid} is in {name} with status {req.status.name}")
-            elif req.status == preempted_status and req.num_computed_tokens:
-                problems.append(f"{rid} waits preempted with {req.num_computed_tokens} tokens still computed")
+            elif req.status == preempted_status and req.num_computed_tokens and name != "kv_holding_waiting":
+                problems.append(
+                    f"{rid} waits preempted in {name} with {req.num_computed_tokens} tokens still computed "
+                    "and no blocks held for them"
+                )
     for rid, req in held.items():
         if rid not in where and not finished_status(req.status):
             problems.append(f"{rid} ({req.status.name}) is held by the scheduler but in no queue")
