@@ -647,8 +647,14 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         self, g: GroupState, held: int, hits: tuple[int, ...], main: int, local: int, rid: str, computed: int
     ) -> int:
         """MambaManager in align mode (same function). With external tokens the admission
-        takes their state block too, which vLLM 0.33.0 leaves uncounted (`model.connector`):
-        the model asks for the larger of vLLM's count and what the admission takes."""
+        takes `taken`: their state block, the chunk's where it ends in a later block, and
+        the hit blocks past the external tokens (the contract, `model.connector`). vLLM
+        0.33.0 counts its one-state cap and every free hit block: fewer where the chunk's
+        state is a second block (it raises: finding vllm-mamba-external-state-uncounted),
+        more where a free hit block is superseded and one state block serves (it refuses
+        though fewer would do: finding vllm-mamba-external-state-overcounted, flagged by
+        `fitting_request_admitted`). The larger of the two predicts vLLM's decision for
+        the differential without ever admitting what the pool cannot give."""
         if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
             # The hit state was keyed by another request this step, not computed yet: ask for
             # more than the pool holds so the request waits for the next step.

@@ -36,6 +36,13 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   and when its failed load was freed and its fresh admission did not fit (it
   stays in that queue). One whose load has not reported is passed over and the
   step goes on. The order each step leaves the queues in: `model.queues`.
+  That rolled-back request holds no block, yet stays in vLLM's queue of block
+  holders and among its in-flight prefills, reserving its whole sequence: by
+  vLLM's own definitions (`Scheduler.__init__` on `kv_holding_waiting`,
+  `_holds_kv_blocks`, `_inflight_prefill_reserved_blocks`) a defect, registered
+  as failed-load-rollback-reserves-against-itself (`fitting_request_admitted`
+  flags it). The machine predicts vLLM's queue and reservation so the
+  differential stays exact (docs/semantics.md, "Adopted behaviours").
 - **Failed load** (reported as `failed_recving`). "recompute" policy: nothing
   loaded is kept. At promotion every block of the request is freed
   (`KVCacheManager.free`), its computed tokens are 0 and it is admitted afresh
@@ -84,9 +91,12 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
   count at one state block and adds the free hit blocks: where that comes to
   fewer than the admission takes (no free hit block), `get_new_blocks` raises
   inside `allocate_slots` with the pool holding exactly the count; where it
-  comes to more (a free hit block, external and chunk state in one block),
-  vLLM refuses though fewer would do. The model asks for the larger of the
-  two: it refuses where vLLM raises (the finding) and where vLLM refuses. An in-flight
+  comes to more (a free hit block, external and chunk state in one block, or
+  an async load), vLLM refuses though fewer would do, on an idle pool too
+  (finding vllm-mamba-external-state-overcounted: `fitting_request_admitted`
+  counts what the admission takes and flags it). The machine asks for the
+  larger of the two: it refuses where vLLM raises (the finding
+  vllm-mamba-external-state-uncounted) and predicts vLLM's refusal. An in-flight
   prefill's Mamba group still needs one state block at most, which is what an
   async load's admission leaves it (`remaining_blocks`). Caching,
   delayed caching, promotion, failed loads and deferred frees are as above:
@@ -134,7 +144,11 @@ allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
     blocks on all its computed tokens (`Request.num_in_flight_tokens` is 0).
   - A request cut by failed blocks keeps the prefill flag its last step set
     (vLLM's `_update_requests_with_invalid_blocks` leaves `is_prefill_chunk`
-    alone): the padding of a later admission reads that flag.
+    alone): the padding of a later admission reads that flag. A policy
+    prediction: stale by vLLM's own definition (`_update_after_schedule`), but
+    only policies read it (padding for a uniform decode batch, draft
+    acceptance, DP prefill deferral), no contract (docs/semantics.md,
+    "Adopted behaviours").
   - Mamba groups: the async admission takes the external state block and the
     k draft blocks past it (`MambaManager` counts them on a request's first
     allocation whatever the lookahead), the promoted chunk moves them as a
@@ -306,7 +320,8 @@ def promoted_chunk(
 
 def in_flight_reserve(m: AllocatorModel) -> int:
     """Blocks the in-flight prefills still need (with drafts one decode step past their
-    sequence): an async load's admission leaves them free."""
+    sequence): an async load's admission leaves them free. A rolled-back load still
+    counts (vLLM's `_inflight_prefills`; finding failed-load-rollback-reserves-against-itself)."""
     step = spec_step_tokens(m)
     total = 0
     for r in (r for r in m.requests.values() if r.prefilling):

@@ -65,6 +65,8 @@ NOT_EXPORTED = {
     "exporter writes no connector yet; `kvretain replay` replays it on vllm",
     "sync-load-failed-block-read-before-recompute": "a KV connector trace (Offer, Loaded with failed "
     "blocks): the exporter writes no connector yet; `kvretain replay` replays it on vllm",
+    "vllm-mamba-external-state-overcounted": "a KV connector trace (Offer): the exporter writes no "
+    "connector yet; `kvretain replay` replays it on vllm",
 }
 FINDINGS = {fid: f for fid, f in FINDINGS.items() if fid not in NOT_EXPORTED}
 _counter = itertools.count()

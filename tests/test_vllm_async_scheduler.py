@@ -363,6 +363,8 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
     assert set(connector) == {
         "swa-load-cut-reads-skipped-window",
         "vllm-mamba-external-state-uncounted",
+        "vllm-mamba-external-state-overcounted",
+        "failed-load-rollback-reserves-against-itself",
         "save-during-load-freed-at-first-report",
         "sync-load-failed-block-hash-kept",
         "sync-load-failed-block-read-before-recompute",

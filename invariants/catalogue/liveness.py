@@ -38,7 +38,9 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     the external tokens, the chunk and the lookahead slots, less the blocks an
     SWA window has left behind its first computed token (null entries); per
     align-mode Mamba group the new state block, the hit or external state it
-    resumes from, and its draft blocks; with fine-grained hits one private
+    resumes from (one block for both when the chunk ends in the block holding
+    the last external token, and for an async load: the admission takes only
+    the external state), and its draft blocks; with fine-grained hits one private
     copy per group whose hit ends inside a block. An async load takes only
     the hit and external tokens' blocks now, and leaves one decode step's
     slots free with drafts (the connector's only reservation on an idle pool:
@@ -50,13 +52,17 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     if turn is None:
         return []
     rid, obs, budget, queued = turn
-    need = _need(ctx, rid, obs, budget, queued)
+    counted = _need(ctx, rid, obs, budget, queued)
     cfg = ctx.config
-    if need is None or need > cfg.num_blocks - 1:
+    if counted is None or counted[0] > cfg.num_blocks - 1:
         return []
+    need, superseded = counted
     req = ctx.history.requests[rid]
     # Said apart: vLLM reserves a rolled-back load's whole sequence against every async admission.
     after = " after its failed load was rolled back" if req.rolled_back else ""
+    # Said apart: vLLM counts the local Mamba hit block an external state supersedes (`model.connector`).
+    if superseded:
+        after += " (a Mamba external state supersedes its local hit)"
     stale = sorted(r for r, h in ctx.history.requests.items() if h.rolled_back and r != rid)
     if stale:
         after += f" (rolled-back load(s) of {', '.join(stale)} still waiting)"
@@ -90,9 +96,12 @@ def _first_admission(ctx: CheckContext) -> tuple[str, ScheduleResult, int, int] 
     return None if busy else turn
 
 
-def _need(ctx: CheckContext, rid: str, obs: ScheduleResult, budget: int, queued: int) -> int | None:
-    """Blocks `rid`'s admission needs on an idle pool (see `fitting_request_admitted`);
-    None when the budget allows it nothing."""
+def _need(
+    ctx: CheckContext, rid: str, obs: ScheduleResult, budget: int, queued: int
+) -> tuple[int, bool] | None:
+    """Blocks `rid`'s admission needs on an idle pool (see `fitting_request_admitted`), and
+    whether its external tokens supersede a local Mamba (align) hit; None when the budget
+    allows it nothing."""
     cfg = ctx.config
     hit, hit_blocks = obs.hit or 0, obs.hit_blocks or ()
     req = ctx.history.requests[rid]
@@ -123,28 +132,46 @@ def _need(ctx: CheckContext, rid: str, obs: ScheduleResult, budget: int, queued:
     if n <= 0:
         return None
     resumes = hit > 0 or ext > 0
-    need = _blocks(cfg, hit_blocks, start, start + n + cfg.num_lookahead_tokens, resumes, k)
+    # After external tokens a Mamba chunk ending in the external state's block keeps one state.
+    chunk_end = start + n if ext else None
+    need = _blocks(cfg, hit_blocks, start, start + n + cfg.num_lookahead_tokens, resumes, k, chunk_end)
     if ext:
-        # An async load: the computed tokens' blocks, and one decode step's slots left free.
+        # An async load: the computed tokens' blocks (a Mamba group's external state alone),
+        # and one decode step's slots left free.
         step = 1 + k + cfg.num_lookahead_tokens if k else 0
         reserve = sum(cdiv(step, g.block_size) for g in cfg.groups if g.kind != "mamba") if step else 0
-        need = max(need, _blocks(cfg, hit_blocks, start, start, resumes, k) + reserve)
+        need = max(need, _blocks(cfg, hit_blocks, start, start, resumes, k, start) + reserve)
+    # The local Mamba hit an external state supersedes (vLLM counts it: `model.connector`).
+    superseded = bool(ext) and any(
+        spec.kind == "mamba" and spec.mamba_cache_mode == "align" and any(hits)
+        for spec, hits in zip(cfg.groups, hit_blocks)
+    )
     # Fine-grained hits: a private copy per group whose hit ends inside a block.
-    return need + sum(1 for g, hits in zip(cfg.groups, hit_blocks) if hits and hit % g.block_size)
+    return need + sum(1 for g, hits in zip(cfg.groups, hit_blocks) if hits and hit % g.block_size), superseded
 
 
 def _blocks(
-    cfg: Config, hit_blocks: tuple[tuple[int, ...], ...], start: int, slots: int, resumes: bool, drafts: int
+    cfg: Config,
+    hit_blocks: tuple[tuple[int, ...], ...],
+    start: int,
+    slots: int,
+    resumes: bool,
+    drafts: int,
+    chunk_end: int | None = None,
 ) -> int:
     """Blocks a request computing from `start` holds for `slots` slots: Mamba (align) the
-    new state, the state it resumes from and its draft blocks (in 'none' mode the slots'
+    new state and the state it resumes from (one block when the chunk ending at `chunk_end`
+    ends in the block holding token `start - 1`, where that state is) and its draft blocks (in 'none' mode the slots'
     blocks and the draft blocks); an SWA group none wholly behind the window of its
     first computed token (nor under its hit's null entries)."""
     slots = min(slots, cfg.max_model_len)
     total = 0
     for g, spec in enumerate(cfg.groups):
         if spec.kind == "mamba" and spec.mamba_cache_mode == "align":
-            total += 1 + resumes + drafts
+            one = (
+                chunk_end is not None and (start - 1) // spec.block_size == (chunk_end - 1) // spec.block_size
+            )
+            total += 1 + (resumes and not one) + drafts
             continue
         first = 0
         if spec.kind == "swa":

@@ -163,12 +163,19 @@ def _window_reaches_null_before_cut(g: Mapping[str, str], cfg: Config) -> bool:
     return start - (spec.sliding_window or 0) + 1 < end_of_block <= start
 
 
+def _need_fills_pool(g: Mapping[str, str], cfg: Config) -> bool:
+    """An idle pool refused an admission needing exactly the pool: a count one block
+    over what the admission takes (never a larger shortfall)."""
+    return _int(g, "need") == _int(g, "pool") == cfg.num_blocks - 1
+
+
 SHAPES: dict[str, tuple[Shape, tuple[str, ...]]] = {
     "token_ids_span_skipped_blocks": (_token_ids_span_skipped_blocks, ("group", "hashes", "bs", "tokens")),
     "one_aligned_segment_lost": (_one_aligned_segment_lost, ("hit", "promised")),
     "aligned_resend_hits_zero": (_aligned_resend_hits_zero, ("hit", "promised")),
     "full_group_short_of_hit": (_full_group_short_of_hit, ("group", "blocks", "hit")),
     "window_reaches_null_before_cut": (_window_reaches_null_before_cut, ("group", "start", "index")),
+    "need_fills_pool": (_need_fills_pool, ("need", "pool")),
 }
 
 
