@@ -45,9 +45,15 @@ release-envs: setup
 	  *) echo "release-envs: CI needs vLLM $(TEST_RELEASES) installed (see the line above)" >&2; exit 1 ;; \
 	esac
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist; auto: one per core; 0: this one),
+# a whole test file to a worker so each module's fixtures are built once per worker; it
+# prints every skip's reason (pyproject's -r) and the 15 slowest tests.
+# tests/test_suite_count.py fails the run if it collects fewer tests than tests/data/suite_floor.txt.
+TEST_WORKERS ?= auto
+
 # KVRETAIN_TEST_RELEASES tells the tests which release environments must be there.
 test: setup release-envs
-	KVRETAIN_TEST_RELEASES="$(TEST_RELEASES)" $(BIN)/python -m pytest
+	KVRETAIN_TEST_RELEASES="$(TEST_RELEASES)" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 LINTED := model reference_impl invariants gpu_check tests
 

@@ -29,13 +29,15 @@ def test_trace_roundtrip(tmp_path):
     assert back.config == CFG and back.ops == OPS and back.seed == 7
 
 
-def test_fuzz_model_clean_prints_summary(capsys):
+def test_fuzz_model_clean_prints_summary(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # its example database and traces: this test's own, not the checkout's
     assert main(["fuzz", "--target", "model", "--steps", "150", "--seed", "3"]) == 0
     out = capsys.readouterr().out
     assert "ops/s" in out and "clean" in out and "seed 3" in out
 
 
-def test_fuzz_preset(capsys):
+def test_fuzz_preset(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert main(["fuzz", "--target", "model", "--config", "kimi-linear-tiny", "--steps", "100"]) == 0
     assert "kimi-linear-tiny" in capsys.readouterr().out
 
@@ -140,7 +142,7 @@ def test_known_findings_still_reproduce():
     assert results and all(still for _, _, still in results), results
 
 
-def test_conformance_rows_agree(capsys):
+def test_conformance_rows_agree(capsys, tmp_path, monkeypatch):
     import pytest
 
     from invariants.targets import available_targets
@@ -151,6 +153,7 @@ def test_conformance_rows_agree(capsys):
 
     # The steps decide, not the clock: a row's required rules are reached (or not) the
     # same way on any machine (seed 0; a budget that binds would make it timing-dependent).
+    monkeypatch.chdir(tmp_path)  # a failing row's trace lands here, not in the checkout
     assert run_conformance(steps=1500, budget_s=60.0) == 0
     out = capsys.readouterr().out
     assert "validation (retention rules and texts)" in out and "excluded from generation" in out

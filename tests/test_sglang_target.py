@@ -133,7 +133,10 @@ def test_trace_round_trip(tmp_path: Path) -> None:
     assert read_trace(tmp_path / "t.json") == (layout, ops)
 
 
-def test_cli_fuzz_zoo_bench(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_cli_fuzz_zoo_bench(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the zoo's shrunk traces: this test's own, not the checkout's
     assert main(["fuzz", "--target", "sglang", "--budget-s", "3", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("clean") == len(LAYOUTS)
@@ -200,7 +203,10 @@ def test_control_mamba_double_free() -> None:
     assert any(name == "radix_free_list_unique" for name, _ in found)
 
 
-def test_cli_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_bad_input_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the clean run's example database: this test's own
     for argv in (
         ["fuzz", "--target", "sglang", "--config", "nope"],
         ["fuzz", "--target", "sglang", "--scale", "production"],

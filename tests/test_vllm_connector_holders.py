@@ -431,6 +431,8 @@ def test_the_order_vllm_ends_them_in_follows_string_hashing() -> None:
     root = str(Path(__file__).resolve().parents[1])
     orders = set()
     for seed in ("0", "1", "2", "3"):
+        if len(orders) > 1:
+            break  # two orders seen (seeds 0 and 1 differ on vLLM 0.33.0): each costs a vLLM import
         env = {**os.environ, "PYTHONHASHSEED": seed}
         out = subprocess.run(
             [sys.executable, "-c", ORDER_SCRIPT.format(root=root)], env=env, capture_output=True, text=True
