@@ -6,6 +6,14 @@ row, so a CI shows each row as a test) and as JSON (`--json PATH`). A failing
 row carries the path of its replayable trace, so the CI can keep the trace as
 an artifact and the failure links to it. Files are written atomically: a run
 that dies leaves no partial file.
+
+Two kinds of verdict: a defect (a contract broken: an invariant, a crash, a
+seeds' mechanism diverging) fails its row; *policy drift* (every contract kept,
+one of vLLM's policy decisions made otherwise than the model predicts) is its
+own field, `policy_drift` (the first drift's sentence, policy, count, trace),
+and counted apart in the JSON's `policy_drift` total. An undeclared drift fails
+its row too (exit 4), a declared one passes with the field set
+(docs/semantics.md, "Verdicts").
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class CaseResult:
     message: str = ""
     trace: str | None = None
     figures: dict[str, Any] = field(default_factory=dict)
+    # Policy drift, apart from defects: None where the row saw none.
+    policy_drift: dict[str, Any] | None = None
 
 
 def output_path(text: str) -> Path:
@@ -120,6 +130,8 @@ def results_json(command: str, cases: list[CaseResult], exit_code: int | None = 
         # A run that skipped a row did not check it: `ok` with skips is not `complete`.
         "complete": not any(c.outcome == "skipped" for c in cases),
         "counts": {o: sum(c.outcome == o for c in cases) for o in ("passed", "failed", "error", "skipped")},
+        # Rows that drifted from a predicted policy (every contract kept), apart from defects.
+        "policy_drift": sum(c.policy_drift is not None for c in cases),
         "cases": [asdict(c) for c in cases],
     }
     return (json.dumps(payload, indent=1, default=str) + "\n").encode()
@@ -137,13 +149,18 @@ def write_results(args: argparse.Namespace, command: str, cases: list[CaseResult
 def fuzz_case(report: Any, group: str = "fuzz") -> CaseResult:
     """A fuzz run (a `harness.fuzz.FuzzReport`) as one row."""
     failure = report.failure
+    drift = report.drift_json() if getattr(report, "drifts", 0) else None
+    message = str(failure.violations[0]) if failure is not None else report.verdict
+    if failure is None and drift is not None:
+        message = f"{report.verdict}: {drift['first']}"
     return CaseResult(
         name=f"{report.target}/{report.config}",
         group=group,
-        outcome="failed" if failure is not None else "passed",
+        outcome="failed" if report.exit_code else "passed",
         seconds=report.seconds,
-        message=str(failure.violations[0]) if failure is not None else report.verdict,
-        trace=str(report.trace_path) if report.trace_path else None,
+        message=message,
+        trace=str(report.trace_path or report.drift_trace_path or "") or None,
+        policy_drift=drift,
         figures={
             "seed": report.seed,
             "steps": report.stats.steps,
@@ -166,9 +183,12 @@ def zoo_cases(report: Any, control_ok: bool | None) -> list[CaseResult]:
             group=r.target,
             outcome="passed" if r.killed else "failed",
             seconds=r.seconds,
-            message=f"killed by {r.check}" if r.killed else (r.note or "no check fired within the budget"),
+            message=(f"killed by {r.check}" + (" (as policy drift)" if getattr(r, "drift", False) else ""))
+            if r.killed
+            else (r.note or "no check fired within the budget"),
             trace=str(r.trace_path) if r.trace_path else None,
             figures={"strategy": r.strategy, "seconds_to_kill": r.seconds_to_kill, "steps": r.steps},
+            policy_drift={"detail": r.detail} if getattr(r, "drift", False) else None,
         )
         for r in report.results
     ]

@@ -131,7 +131,7 @@ def test_a_wrong_queue_order_is_caught_where_stated_and_unjudged_elsewhere() -> 
     """Negative control: the planted order is flagged with the step's queues on each side;
     the same target declaring no queues is not judged on them."""
     found = preemption_drive(WrongQueues).found
-    assert [v.check for v in found] == ["observation"]
+    assert [v.check for v in found] == ["policy_drift"]  # every contract kept: a queue-order policy
     assert "the queues the step left (running, holding, waiting)" in found[0].message
     assert "('r1', 'r2')" in found[0].message and "('r2', 'r1')" in found[0].message
     assert preemption_drive(Unobserved).found == []

@@ -178,6 +178,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         from invariants.layouts.presets import preset
 
         preset(args.config)  # an unknown name is the one line, before any other output
+    _declared_or_exit()
 
     steps = _steps(args, DEFAULT_STEPS)
     print(
@@ -204,7 +205,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     if report.stats.known:
         print(format_known(report.stats.known))
     print(format_features([report]))
-    rc = 1 if report.failure is not None else 0
+    rc = report.exit_code  # 1 a defect, 4 policy drift alone (undeclared), else 0
     case = fuzz_case(report)
     if args.target.startswith("vllm"):  # which release's rules judged, and any profile drift
         from invariants.targets.vllm_capabilities import profile_json, profile_lines
@@ -262,18 +263,26 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if is_radix_trace(Path(args.trace)):  # a `fuzz --target sglang` trace
         return cmd_replay_sglang(Path(args.trace))
     trace = read_trace(args.trace)
+    _declared_or_exit()
     targets = args.target or [trace.target or "reference"]
     print(
         f"kvretain replay: {args.trace}: {len(trace.ops)} operations, seed {trace.seed}, "
         f"recorded on {trace.target}: {trace.violation}"
     )
-    rows, failed = [], False
+    rows, failed, drifted = [], False, False
     for name in targets:
         result = replay(trace, name)
-        first = result.violations[0] if result.violations else None
+        first = result.violations[0] if result.violations else result.drift[0] if result.drift else None
         failed |= not result.clean
+        drifted |= bool(result.drift) and not all(v.declared for _, v in result.drift)
         for i, v in result.violations[:10]:
             print(f"  {name}: op {i}: {v}")
+        for i, v in result.drift:
+            print(
+                f"  {name}: op {i}: POLICY DRIFT{' (declared)' if v.declared else ''}, not a defect: {v.message}; "
+                f"after it {result.after_drift} operation(s) judged by the model-independent checks, "
+                f"{result.unjudged} not judged (the target refused one drawn from the model's state)"
+            )
         for i, v in result.known[:3]:
             print(f"  {name}: op {i}: known finding: {v}")
         crashes = format_crash_counts(result.crashes)
@@ -282,14 +291,26 @@ def cmd_replay(args: argparse.Namespace) -> int:
         rows.append(
             (
                 name,
-                "clean" if result.clean else "VIOLATION",
+                result.verdict,
                 len(result.violations),
+                len(result.drift),
                 len(result.known),
                 f"op {first[0]}: {first[1].check}" if first else "-",
             )
         )
-    print(table(["target", "verdict", "violations", "known", "first"], rows))
-    return 1 if failed else 0
+    print(table(["target", "verdict", "violations", "drift", "known", "first"], rows))
+    return 1 if failed else 4 if drifted else 0
+
+
+def _declared_or_exit() -> None:
+    """`KVRETAIN_DECLARED_POLICIES` read before the run: an unknown name is one line, exit 2."""
+    from invariants.errors import UsageError
+    from invariants.harness.checker import declared_policies
+
+    try:
+        declared_policies()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:

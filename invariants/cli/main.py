@@ -81,17 +81,29 @@ def _command_module(module: str) -> object:
 
 
 # ---------------------------------------------------------------- main
+DRIFT_EXIT = (
+    "Verdicts: VIOLATION (exit 1) a defect: a contract broken (an invariant, a crash, a seeds' mechanism "
+    "diverging); POLICY DRIFT (exit 4) every contract kept, but the target made one of vLLM's policy "
+    "decisions (the preemption victim, the queue order a step leaves) otherwise than the model's "
+    "prediction: said once, then the target is judged without the model; "
+    "KVRETAIN_DECLARED_POLICIES=preemption,queue-order declares a branch's own policy (drift reported "
+    "as declared, exit 0). docs/semantics.md, 'Verdicts'."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvretain",
         description="Verify prefix-cache retention in hybrid KV-cache allocators.",
-        epilog="Exit codes: 0 everything holds (known findings aside), 1 a violation, 2 bad usage or "
-        "input, 3 (verify) what ran holds but rows were skipped. Judge your own vLLM checkout: add "
+        epilog="Exit codes: 0 everything holds (known findings aside), 1 a violation (a defect), 2 bad "
+        "usage or input, 3 (verify) what ran holds but rows were skipped, 4 (fuzz, replay, verify) policy "
+        "drift alone: every contract kept, one of vLLM's policy decisions made otherwise than predicted "
+        "(KVRETAIN_DECLARED_POLICIES=preemption,queue-order declares a branch's own: exit 0). Judge your own vLLM checkout: add "
         "--vllm-python PATH/TO/ITS/bin/python to any command (README, 'Judge your branch').",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    f = sub.add_parser("fuzz", help="stateful fuzzing of one target against the model")
+    f = sub.add_parser("fuzz", help="stateful fuzzing of one target against the model", epilog=DRIFT_EXIT)
     f.add_argument(
         "--target",
         choices=(*TARGET_NAMES, "sglang"),
@@ -135,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_output_flags(f)
     f.set_defaults(func=cmd_fuzz)
 
-    r = sub.add_parser("replay", help="re-run a trace file against targets")
+    r = sub.add_parser("replay", help="re-run a trace file against targets", epilog=DRIFT_EXIT)
     r.add_argument("trace")
     r.add_argument(
         "--target", action="append", choices=TARGET_NAMES, help="repeat to compare targets side by side"

@@ -11,7 +11,11 @@ Exit codes: 0 "everything holds" (every row ran and held); 1 a row failed, or
 a row of a target named by `--require` was skipped; 3 "holds, N row(s)
 skipped": what ran held, but a target could not be imported, so its rows did
 not run (each skipped row is in the table, the JSON and the JUnit XML with its
-reason). A green that skipped something is never exit 0."""
+reason). A green that skipped something is never exit 0. 4 "POLICY DRIFT, no
+defect": every contract held, but a fuzz row's target made one of vLLM's policy
+decisions otherwise than the model predicts (not declared in
+`KVRETAIN_DECLARED_POLICIES`; docs/semantics.md, "Verdicts"); a defect wins
+(1), drift outranks skips. The last lines state both counts."""
 
 from __future__ import annotations
 
@@ -83,6 +87,8 @@ class VerifyRun:
     rows: list[tuple[object, ...]] = field(default_factory=list)
     cases: list[CaseResult] = field(default_factory=list)  # the same rows, for --junit-xml / --json
     skips: list[str] = field(default_factory=list)
+    drifts: list[str] = field(default_factory=list)  # rows with undeclared policy drift alone (exit 4)
+    defects: list[str] = field(default_factory=list)  # rows that failed
     ok: bool = True
     modules: dict[str, Any] = field(default_factory=dict)
 
@@ -102,6 +108,8 @@ class VerifyRun:
     ) -> None:
         """A row that ran: held (`good`), failed, or an ERROR (a verdict starting so)."""
         self.ok &= good
+        if not good:
+            self.defects.append(f"{check} [{target}]")
         self.rows.append((check, target, verdict, figure, f"{seconds:.1f}"))
         outcome: Outcome = "passed" if good else ("error" if verdict.startswith("ERROR") else "failed")
         self.cases.append(
@@ -143,8 +151,15 @@ class VerifyRun:
     def finish(self) -> int:
         """Print the table and the verdict line, write JUnit/JSON; the exit code."""
         print(table(["check", "target", "verdict", "figure", "seconds"], self.rows))
-        rc = 1 if not self.ok else 3 if self.skips else 0
-        if rc == 0:
+        rc = 1 if not self.ok else 4 if self.drifts else 3 if self.skips else 0
+        print(
+            f"kvretain verify: {len(self.defects)} row(s) failed (a defect or an ERROR), {len(self.drifts)} row(s) with "
+            "policy drift alone (every contract kept; a declared drift is not counted: "
+            "KVRETAIN_DECLARED_POLICIES)"
+        )
+        if rc == 4:
+            print(f"kvretain verify: POLICY DRIFT, no defect: {', '.join(self.drifts)}")
+        elif rc == 0:
             print("kvretain verify: everything holds")
         elif rc == 3:
             print(
@@ -218,16 +233,23 @@ def row_fuzz(run: VerifyRun) -> None:
         )
         if report.failure is not None:
             print(format_failure(report))
+        if report.drifts:
+            print(f"{name}: {report.drift_line()}")
         run.record(
             "fuzz",
             name,
             report.verdict,
             f"{report.stats.steps} steps, {report.ops_per_s:.0f} ops/s, hit {report.stats.hit_rate:.0%}"
+            + (f", {report.drifts} drifting example(s)" if report.drifts else "")
             + "".join(f"; not generated: {why.split(' (')[0]}" for why in report.not_generated),
             report.seconds,
             report.failure is None,
-            report.trace_path,
+            report.trace_path or report.drift_trace_path,
         )
+        if report.exit_code == 4:  # drift alone: not a defect, counted apart (exit 4)
+            run.drifts.append(f"fuzz [{name}]")
+            run.cases[-1].outcome = "failed"  # the JSON's `ok` and the JUnit XML say it too
+        run.cases[-1].policy_drift = report.drift_json()
 
 
 def row_sglang(run: VerifyRun) -> None:
@@ -370,6 +392,9 @@ ROWS: list[Callable[[VerifyRun], None]] = [
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """The main job: proofs, fuzzing against every installed target, GPU check on CPU."""
+    from invariants.cli.fuzz import _declared_or_exit
+
+    _declared_or_exit()  # a bad KVRETAIN_DECLARED_POLICIES is one line, exit 2, before any row
     run = VerifyRun(args)
     for row in ROWS:
         row(run)

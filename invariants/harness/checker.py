@@ -3,7 +3,14 @@ what they observed, then run every invariant on the target's state.
 
 A `Violation` is either a differential finding (`observation`, `snapshot`,
 `crash`: the target disagrees with the model) or a named invariant from the
-catalogue that the target's state breaks.
+catalogue that the target's state breaks: both are defects. Apart from them,
+`policy_drift`: the target kept every contract on an operation (the engine
+contract, every catalogue invariant, no crash) but made one of vLLM's *policy*
+decisions (`POLICIES`: the preemption victim, the queue order a step leaves)
+otherwise than the model predicts. Drift is said once, as the first differing
+decision; from then on the model's state no longer predicts the target's, so the
+differential comparison stops for the rest of the run while the target is still
+judged by every model-independent check (`after_drift`; docs/semantics.md, "Verdicts").
 
 Two paths, one verdict. The audit is the definition: full snapshots of the
 model and the target before and after the operation, `diff_snapshots`, and
@@ -19,6 +26,7 @@ every example, before any "clean" verdict). `audit_every=1` is the audit alone.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -36,7 +44,7 @@ from invariants.catalogue import (
     update_history,
     update_history_delta,
 )
-from invariants.harness.crash_site import CrashSite, crash_site
+from invariants.harness.crash_site import ADAPTER, CrashSite, crash_site
 from invariants.targets.base import PartialState, Tables, Target, table_changes
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
@@ -74,6 +82,51 @@ from model.spec_decode import acceptable
 
 DEFAULT_AUDIT_EVERY = 32
 NOT_FREE = -1
+POLICY_DRIFT = "policy_drift"
+DECLARED_POLICIES_ENV = "KVRETAIN_DECLARED_POLICIES"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A vLLM policy decision the model predicts for the exact differential, with the
+    module holding the prediction and the vLLM code it was read from. The prediction
+    claims to be vLLM's choice, not the only correct one."""
+
+    name: str
+    decision: str  # "{target} <decision> <what it decided>"
+    predicted: str  # "the prediction <predicted> <what the model decided>"
+    prediction: str
+
+
+POLICIES: dict[str, Policy] = {
+    "preemption": Policy(
+        "preemption",
+        "preempted",
+        "preempted",
+        "model/queues.py (StepQueues.preempted, applied by AllocatorModel._step): preempt the last "
+        "running request, vLLM 0.33.0 Scheduler.schedule `self.running.pop()`",
+    ),
+    "queue-order": Policy(
+        "queue-order",
+        "ended the step with the queues the step left (running, holding, waiting) as",
+        "left them as",
+        "model/queues.py (StepQueues.left): vLLM 0.33.0 Scheduler.schedule with FCFSRequestQueue",
+    ),
+}
+
+
+def declared_policies(text: str | None = None) -> frozenset[str]:
+    """The policies a branch declares it decides otherwise (`KVRETAIN_DECLARED_POLICIES`,
+    comma-separated names of `POLICIES`): their drift is still reported, but as declared.
+    An unknown name raises ValueError naming the known ones."""
+    raw = os.environ.get(DECLARED_POLICIES_ENV, "") if text is None else text
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    unknown = sorted(names - POLICIES.keys())
+    if unknown:
+        raise ValueError(
+            f"{DECLARED_POLICIES_ENV}: unknown policy {', '.join(unknown)} (known: {', '.join(POLICIES)})"
+        )
+    return names
 
 
 @dataclass(frozen=True)
@@ -88,6 +141,17 @@ class Violation:
     op: Op | None = field(default=None, compare=False, repr=False)
     # A crash's site: who raised it (the engine, or kvretain's adapter) and in which frames.
     crash: CrashSite | None = field(default=None, compare=False, repr=False)
+    # A `policy_drift`'s policy (a key of `POLICIES`); None for every other check.
+    policy: str | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def is_drift(self) -> bool:
+        return self.check == POLICY_DRIFT
+
+    @property
+    def declared(self) -> bool:
+        """A drift in a policy the branch declares (`KVRETAIN_DECLARED_POLICIES`)."""
+        return self.is_drift and self.policy in declared_policies()
 
     def __str__(self) -> str:
         return f"{self.check}: {self.message}"
@@ -134,6 +198,15 @@ class Checker:
         self.ops: list[Op] = []
         self.last_obs: object = None
         self.audits = 0
+        # Policy drift (module docstring): the first one, at which operation, then how many
+        # operations were judged by the model-independent checks alone, and how many not
+        # at all (after the target refused an operation drawn from the model's diverged state).
+        self.drift: Violation | None = None
+        self.drift_at: int | None = None
+        self.after_drift = 0
+        self.unjudged = 0
+        self._refused = False
+        self._running_before: frozenset[str] = frozenset()
         self._since_audit = 0
         self.last = self.target.snapshot()
         self.model.snapshot()
@@ -238,6 +311,13 @@ class Checker:
         self.validate(op)
         self.ops.append(op)
         self._since_audit += 1
+        if self.drift is not None:
+            found = self._contract_step(op)
+            return [replace(v, config=self.config, op=op) for v in found] if found else found
+        reqs = self.model.requests
+        self._running_before = (
+            frozenset(r for r in op.rids if reqs[r].running) if isinstance(op, Step) else frozenset()
+        )
         # Reset and evict act on the whole pool: no delta names what they touch.
         if self._since_audit >= self.audit_every or isinstance(op, (ResetPrefixCache, EvictBlocks)):
             found = self.audited_step(op)
@@ -251,7 +331,7 @@ class Checker:
         `step` takes this path every `audit_every` operations (and for pool-wide
         operations), the fast path otherwise; the bench times it apart."""
         self._since_audit, self.audits = 0, self.audits + 1
-        found: list[Violation] = []
+        pre: list[Violation] = []  # the state the fast path left, already apart from the model's
         if self.audit_every > 1:
             # The state the fast path left is compared whole too: a corruption of
             # blocks no operation since the last audit touched shows here.
@@ -259,7 +339,7 @@ class Checker:
                 before = self.target.snapshot()
             except Exception as exc:
                 return [crashed(exc)]
-            found += [
+            pre += [
                 Violation("snapshot", f"before the operation: {line}")
                 for line in diff_snapshots(self.model.snapshot(), before)
             ]
@@ -274,12 +354,14 @@ class Checker:
         expected_obs = self._expected(op, obs)
         expected = self.model.snapshot()
         self.last_obs = obs
-        if self._judged(obs) != expected_obs:
-            found.append(
+        differs = self._judged(obs) != expected_obs
+        diff: list[Violation] = []
+        if differs:
+            diff.append(
                 Violation("observation", _observation_difference(expected_obs, obs, self.target.name))
             )
-        found += [Violation("snapshot", line) for line in diff_snapshots(expected, snap)]
-        found += self._engine_problems()
+        diff += [Violation("snapshot", line) for line in diff_snapshots(expected, snap)]
+        found = self._engine_problems()
         finished = self.history.requests.get(op.rid) if isinstance(op, Finish) else None
         anomalies = update_history(self.history, op, obs, before, snap)
         found += [Violation("events_match_hash_map", a) for a in anomalies]
@@ -301,7 +383,8 @@ class Checker:
         self.last = snap
         if self.audit_every > 1:
             self._mirror(snap)
-        return found
+        drift = self._drifted(expected_obs, obs, snap.tables) if differs and not pre and not found else None
+        return [drift] if drift is not None else pre + diff + found
 
     def _fast_step(self, op: Op) -> list[Violation]:
         """The delta: both sides report what the operation touched; compared exactly, then checked."""
@@ -322,10 +405,10 @@ class Checker:
             return [crashed(exc)]
         expected_obs = self._expected(op, obs)
         self.last_obs = obs
-        found: list[Violation] = []
+        diff: list[Violation] = []
         same = self._judged(obs) == expected_obs
         if not same:
-            found.append(
+            diff.append(
                 Violation("observation", _observation_difference(expected_obs, obs, self.target.name))
             )
         for o in (obs,) if same else (obs, expected_obs):
@@ -346,8 +429,8 @@ class Checker:
             got, want = self._partials(blocks, rids, keys, tables_before)
         except Exception as exc:
             return [crashed(exc)]
-        found += [Violation("snapshot", line) for line in _diff_partial(want, got)]
-        found += self._engine_problems()
+        diff += [Violation("snapshot", line) for line in _diff_partial(want, got)]
+        found = self._engine_problems()
         delta = self._advance(got)
         finished = self.history.requests.get(op.rid) if isinstance(op, Finish) else None
         anomalies = update_history_delta(
@@ -377,6 +460,99 @@ class Checker:
             )
             found += [Violation(name, msg) for name, msg in check_delta(ctx)]
         forget(self.history, self._holders)  # after the checks: they read the finishing request's keys
+        drift = None if same or found else self._drifted(expected_obs, obs, got.tables)
+        if drift is None:
+            return diff + found
+        try:  # what the judging after the drift starts from: the target's whole state
+            self.last = self.target.snapshot()
+        except Exception as exc:
+            return [drift, crashed(exc)]
+        return [drift]
+
+    # ------------------------------------------------------------------ policy drift
+    def _drifted(self, expected: Observation, got: Observation, tables: Tables) -> Violation | None:
+        """The `policy_drift` of an operation whose observations differ while every contract
+        held on it (the caller's condition), if the first differing decision is one of
+        `POLICIES`; None (a defect) otherwise. A different preemption counts only where the
+        target's victims are distinct requests of the step that were running and hold no block."""
+        if not isinstance(expected, StepResult) or not isinstance(got, StepResult):
+            return None
+        name = self.target.name
+        if expected.preempted != got.preempted:
+            victims = got.preempted
+            if len(set(victims)) != len(victims) or not set(victims) <= self._running_before:
+                return None
+            if any(b for r in victims for ids in tables.get(r, ()) for b in ids):
+                return None
+            policy = POLICIES["preemption"]
+            said, predicted = _names(victims), _names(expected.preempted)
+        elif _only_queues_differ(expected, got):
+            policy = POLICIES["queue-order"]
+            said, predicted = str(got.queues), str(expected.queues)
+        else:
+            return None
+        self.drift, self.drift_at = (
+            Violation(
+                POLICY_DRIFT,
+                f"{name} {policy.decision} {said} where the model's vLLM-policy prediction "
+                f"({policy.prediction}) {policy.predicted} {predicted}, every contract kept; "
+                "from here the model no longer predicts the target's state, so the differential "
+                "comparison stops and the model-independent checks go on; a branch that means this "
+                f"policy declares it: {DECLARED_POLICIES_ENV}={policy.name}",
+                policy=policy.name,
+            ),
+            len(self.ops) - 1,
+        )
+        return self.drift
+
+    def _contract_step(self, op: Op) -> list[Violation]:
+        """After a drift: the target judged by what does not read the model (the engine
+        contract, every catalogue invariant on the target's own states, crashes); the
+        model still applies `op` (operations are validated against it). A crash raised by
+        kvretain's adapter refused an operation drawn from the model's diverged state: it
+        and every later operation go unjudged (`unjudged`); a crash the engine raised stays
+        a defect."""
+        if self._refused:
+            self.unjudged += 1
+            self._expected(op, None)
+            return []
+        before = self.last
+        try:
+            obs = self.target.apply(op)
+            snap = self.target.snapshot()
+        except Exception as exc:
+            self._expected(op, None)
+            v = crashed(exc)
+            if v.crash is not None and v.crash.raised_by == ADAPTER:
+                self._refused, self.unjudged = True, self.unjudged + 1
+                return []
+            return [replace(v, message=f"{v.message} (after the policy drift at operation {self.drift_at})")]
+        self._expected(op, obs)
+        self.after_drift += 1
+        self.last_obs = obs
+        found = self._engine_problems()
+        finished = self.history.requests.get(op.rid) if isinstance(op, Finish) else None
+        found += [
+            Violation("events_match_hash_map", a) for a in update_history(self.history, op, obs, before, snap)
+        ]
+        if self.check_invariants:
+            ctx = CheckContext(
+                self.config,
+                op,
+                obs,
+                before,
+                snap,
+                self.history,
+                self._probe,
+                finished,
+                profile=self.model.profile,
+                draft_blocks=self.model.num_spec_tokens,
+            )
+            found += [Violation(name, msg) for name, msg in check_all(ctx)]
+        forget(self.history, snap.cached)
+        self.last = snap
+        if self.audit_every > 1:
+            self._mirror(snap)
         return found
 
     def _engine_problems(self) -> list[Violation]:
@@ -466,12 +642,15 @@ class Checker:
         """A full check between operations: both snapshots compared, every state invariant."""
         self.audits += 1
         self._since_audit = 0
+        if self._refused:  # after a drift, the target refused an operation: nothing more is judged
+            return []
         expected = self.model.snapshot()
         try:
             snap = self.target.snapshot()
         except Exception as exc:
             return [crashed(exc)]
-        found = [Violation("snapshot", line) for line in diff_snapshots(expected, snap)]
+        diffs = diff_snapshots(expected, snap) if self.drift is None else []  # after a drift: no model
+        found = [Violation("snapshot", line) for line in diffs]
         anomalies = update_history(self.history, Probe((0,)), None, snap, snap)  # type: ignore[arg-type]
         self.history.tick -= 1  # an audit is not a step
         found += [Violation("events_match_hash_map", a) for a in anomalies]
@@ -499,6 +678,10 @@ def _observation_difference(expected: object, got: object, target: str) -> str:
         queues = "the queues the step left (running, holding, waiting)"
         return f"{queues}: model {expected.queues}, {target} {got.queues}"
     return f"model {expected}, {target} {got}"
+
+
+def _names(rids: tuple[str, ...]) -> str:
+    return ", ".join(rids) if rids else "nobody"
 
 
 def _only_queues_differ(expected: StepResult, got: StepResult) -> bool:
@@ -530,7 +713,17 @@ def _short(value: object, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-__all__ = ["DEFAULT_AUDIT_EVERY", "Checker", "InvalidOp", "ScheduleResult", "Violation"]
+__all__ = [
+    "DECLARED_POLICIES_ENV",
+    "DEFAULT_AUDIT_EVERY",
+    "POLICIES",
+    "POLICY_DRIFT",
+    "Checker",
+    "InvalidOp",
+    "ScheduleResult",
+    "Violation",
+    "declared_policies",
+]
 
 
 def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Loaded | Save | Saved) -> None:

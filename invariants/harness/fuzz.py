@@ -11,6 +11,14 @@ Promises to the user:
   seed, elapsed) and the unshrunk trace is written; shrinking (our own,
   `invariants.harness.shrink`, on the recorded operations) logs progress and
   then replaces the trace atomically with the shrunk one.
+- Policy drift (the target kept every contract but made one of vLLM's policy
+  decisions otherwise: `Checker`'s `policy_drift`) is no violation: the run
+  goes on, counts each drifting example, writes the first one's trace
+  (`...-drift.json`, shrunk within the shrink budget) and ends with the verdict
+  "POLICY DRIFT" (exit 4 from `kvretain fuzz`; "(declared)" and exit 0 where
+  every drift is in a policy `KVRETAIN_DECLARED_POLICIES` names). A violation
+  found as well wins: "VIOLATION", exit 1. `stop_at_drift` (the zoo) ends the
+  run at the first drift.
 - With a database directory, Hypothesis keeps every failing example there
   (keyed by target and configuration), and replays them first next run, so a
   failure found once comes back at once. Hypothesis's own shrink and explain
@@ -84,6 +92,18 @@ class FuzzReport:
     shrink_s: float = 0.0
     # Features the generated configurations leave out for this target, each with why.
     not_generated: tuple[str, ...] = ()
+    drift: ViolationFound | None = None  # the first drifting example (shrunk), apart from `failure`
+    drift_trace_path: Path | None = None
+
+    @property
+    def drifts(self) -> int:
+        """Examples that drifted (each counted once, at its first differing decision)."""
+        return len(self.stats.drifts)
+
+    @property
+    def drift_declared(self) -> bool:
+        """Every drift of the run is in a policy the branch declares."""
+        return all(d.violations[0].declared for d in self.stats.drifts)
 
     @property
     def ops_per_s(self) -> float:
@@ -93,7 +113,45 @@ class FuzzReport:
     def verdict(self) -> str:
         if self.failure is not None:
             return "VIOLATION"
+        if self.stats.drifts:
+            return "POLICY DRIFT (declared)" if self.drift_declared else "POLICY DRIFT"
         return clean_verdict(self.stats.known)
+
+    @property
+    def exit_code(self) -> int:
+        """1 a violation (a defect); 4 policy drift alone, in a policy not declared; else 0."""
+        if self.failure is not None:
+            return 1
+        return 4 if self.stats.drifts and not self.drift_declared else 0
+
+    def drift_json(self) -> dict[str, object] | None:
+        """The drift as the JSON field `policy_drift` (None where none)."""
+        if not self.stats.drifts:
+            return None
+        v = (self.drift or self.stats.drifts[0]).violations[0]
+        return {
+            "examples": self.drifts,
+            "policy": v.policy,
+            "declared": self.drift_declared,
+            "first": v.message,
+            "trace": str(self.drift_trace_path) if self.drift_trace_path else None,
+            "after_drift_judged_ops": self.stats.after_drift,
+            "after_drift_unjudged_ops": self.stats.unjudged_after_drift,
+        }
+
+    def drift_line(self) -> str:
+        """The drift in one line with its counts ('' where none): what still held after it."""
+        if not self.stats.drifts:
+            return ""
+        d = self.drift or self.stats.drifts[0]
+        s = self.stats
+        return (
+            f"POLICY DRIFT in {self.drifts} example(s), not a defect: {d.violations[0].message}; "
+            f"after the drift {s.after_drift} operation(s) judged by the model-independent checks "
+            f"(engine contract, catalogue invariants, crashes), {s.unjudged_after_drift} not judged "
+            "(the target refused an operation drawn from the model's diverged state)"
+            + (f"; trace {self.drift_trace_path}" if self.drift_trace_path else "")
+        )
 
     @property
     def crashes(self) -> dict[str, int]:
@@ -245,10 +303,11 @@ def run_fuzz(
     factory: Callable[[Config], Target] | None = None,
     tolerated: Tolerance | None = None,
     trace_name: str | None = None,
+    stop_at_drift: bool = False,
 ) -> FuzzReport:
     """Fuzz `target` (built by `factory`, default the registered one; `tolerated`
     default: its known findings). `steps` None: the budget decides (DEFAULT_STEPS
-    without one)."""
+    without one). `stop_at_drift`: the first policy drift ends the run (the zoo's kill)."""
     factory = factory or target_factory(target)
     say = log or (lambda line: None)
     if steps is None and budget_s is None:
@@ -278,6 +337,14 @@ def run_fuzz(
         )
 
     stats.on_violation = seen
+
+    def drifted(drift: ViolationFound) -> None:
+        if len(stats.drifts) == 1:
+            say(f"policy drift at step {len(drift.ops)} of an example: {drift.violations[0].message}")
+        if stop_at_drift:
+            stats.deadline = time.monotonic()
+
+    stats.on_drift = drifted
     machine = build_machine(
         factory, strategy, stats, tolerated=tolerated, connector=target in CONNECTOR_TARGETS
     )
@@ -301,6 +368,17 @@ def run_fuzz(
         trace = Trace(report.failure.config, report.failure.ops, seed + stats.batches - 1, target, None)
         trace.violation = str(report.failure.violations[0])
         report.trace_path = write_trace(trace, trace_path)
+    if stats.drifts:
+        first = stats.drifts[0]
+        # Shrunk only where no violation took the shrink budget (a defect comes first).
+        report.drift = (
+            first
+            if failure is not None
+            else shrink_failure(first, factory, tolerated, start, budget_s, shrink_s, say)
+        )
+        trace = Trace(report.drift.config, report.drift.ops, seed + stats.batches - 1, target, None)
+        trace.violation = str(report.drift.violations[0])
+        report.drift_trace_path = write_trace(trace, trace_path.with_name(trace_path.stem + "-drift.json"))
     report.seconds = time.monotonic() - start
     return report
 
@@ -458,7 +536,8 @@ def format_summary(reports: list[FuzzReport]) -> str:
         rows,
     )
     crashes = [(r, format_crash_counts(r.crashes)) for r in reports]
-    return out + "".join(f"\n{r.target}/{r.config}: {line}" for r, line in crashes if line)
+    out += "".join(f"\n{r.target}/{r.config}: {line}" for r, line in crashes if line)
+    return out + "".join(f"\n{r.target}/{r.config}: {r.drift_line()}" for r in reports if r.drifts)
 
 
 def format_features(reports: list[FuzzReport]) -> str:

@@ -139,6 +139,15 @@ class FuzzStats:
     on_violation: Callable[[ViolationFound], None] | None = None
     audit_every: int | None = DEFAULT_AUDIT_EVERY
 
+    # Policy drift (`Checker`'s `policy_drift`), apart from violations: each example's
+    # first, with its operations; the operations judged after a drift by the
+    # model-independent checks alone, and those not judged (the target refused one drawn
+    # from the model's diverged state); `on_drift` hears of each drift when it is seen.
+    drifts: list[ViolationFound] = field(default_factory=list)
+    after_drift: int = 0
+    unjudged_after_drift: int = 0
+    on_drift: Callable[[ViolationFound], None] | None = None
+
     # Set once a step was refused for the budget (`check_budget`).
     cut_off: bool = False
     batches: int = 0  # Hypothesis batches started (the fuzz runner's)
@@ -242,7 +251,12 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         before = self.checker.tables()
         violations = self.checker.step(op)
-        found = [v for v in violations if not self._known(v)]
+        drift = [v for v in violations if v.is_drift]
+        if drift:  # not a defect: counted apart (the checker says it once, then judges without the model)
+            stats.drifts.append(ViolationFound(drift, self.cfg, self.checker.ops))
+            if stats.on_drift is not None:
+                stats.on_drift(stats.drifts[-1])
+        found = [v for v in violations if not v.is_drift and not self._known(v)]
         stats.steps += 1
         if not found and any(v.check == "crash" for v in violations):
             self.halted = True
@@ -273,6 +287,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         if self.checker is not None:
             figures = self.checker.target.engine_figures() or {}
             self.run_stats.features.update({f"engine contract: {k}": n for k, n in figures.items() if n})
+            self.run_stats.after_drift += self.checker.after_drift
+            self.run_stats.unjudged_after_drift += self.checker.unjudged
         if self.checker is None or self.failed or self.halted or self.checker.audit_every == 1:
             return
         found = [v for v in self.checker.audit() if not self._known(v)]

@@ -84,11 +84,16 @@ class MutantResult:
     handover: Handover | None = None  # explore's shortest trace, when the fuzzer killed it
 
     unsound: str = ""  # the violation the killing trace also meets on the unmutated target
+    # Killed as policy drift (every contract kept, a predicted vLLM policy decided otherwise),
+    # not as a defect: no check of a contract fired within the budget.
+    drift: bool = False
 
     @property
     def verdict(self) -> str:
         if self.unsound:
             return "UNSOUND"
+        if self.killed and self.drift:
+            return "killed (drift)"
         return "killed" if self.killed else "SURVIVED"
 
     def trace_lengths(self) -> str:
@@ -139,6 +144,7 @@ def run_entry(
                 trace_name=f"zoo-{entry.target}-{entry.name}.json",
                 progress=False,
                 log=(lambda line: prog.tick(line, force=True)) if progress else None,
+                stop_at_drift=True,
             )
             result.steps = report.stats.steps
             result.seeds = f"{seed}..{seed + report.batches - 1}" if report.batches else "-"
@@ -171,6 +177,16 @@ def run_entry(
                         f"mutant {entry.name}: {v}",
                     )
                     result.trace_path = write_trace(trace, out_dir / f"zoo-{entry.target}-{entry.name}.json")
+            elif report.drift is not None:  # no defect, but a predicted policy decided otherwise
+                d = report.drift
+                result.killed, result.drift, result.check = True, True, "fuzz: policy_drift"
+                result.seconds_to_kill = result.seconds_to_trace = hunt_start - start + report.seconds
+                result.detail = d.violations[0].message
+                result.seeds = str(seed + report.batches - 1)
+                result.fuzz_ops = len(d.ops)
+                result.note = "killed as policy drift: explore's hand-over takes defects only"
+                result.trace_path = report.drift_trace_path
+                killing = (d.config, tuple(d.ops))
     if killing is not None and not entry.control:
         _judge_unmutated(entry, *killing, result)
     result.seconds = time.monotonic() - start
@@ -282,8 +298,10 @@ class ZooReport:
         mx = f"{max(times):.1f}" if times else "-"
         rate = killed / len(self.results) if self.results else 0.0
         unsound = sum(bool(r.unsound) for r in self.results)
+        drift = [r.name for r in self.results if r.killed and r.drift]
         return (
             f"zoo {self.target}: {killed}/{len(self.results)} killed ({rate:.0%}), "
+            + f"{len(drift)} of them as policy drift ({', '.join(drift) or 'none'}), "
             + (f"{unsound} UNSOUND (their killing traces fail the unmutated target too), " if unsound else "")
             + f"median time to kill {med} s, max {mx} s, {len(self.not_applicable)} not applicable, "
             f"{self.seconds:.0f} s in all" + self.lengths_summary()
