@@ -27,7 +27,7 @@ from pathlib import Path
 
 from invariants.explore.alphabet import alphabet, op_kind
 from invariants.explore.certificate import Certificate
-from invariants.explore.fingerprint import HIDDEN_STATE, fingerprint, merging
+from invariants.explore.fingerprint import HIDDEN_STATE, SHARED_BY_REFERENCE, fingerprint, merging
 from invariants.explore.fork import Freezer
 from invariants.explore.instances import Instance
 from invariants.harness.checker import Checker, InvalidOp, Violation
@@ -114,13 +114,14 @@ class _Search:
         progress: Progress | None,
         wanted: Wanted | None = None,
         image: HiddenState | None = None,
+        share: Callable[[type], bool] | None = None,
     ) -> None:
         self.instance, self.factory, self.cert = instance, factory, cert
         self.image = image
         self.limits, self.tolerate, self.progress = limits, tolerate, progress
         self.wanted = wanted
         self.rename = not instance.vocabulary
-        self.freezer = Freezer()
+        self.freezer = Freezer(share)
         self.seen: set[Hashable] = set()
         self.start = time.monotonic()
         self.leaves = False
@@ -255,17 +256,22 @@ def explore(
     progress: Progress | None = None,
     wanted: Wanted | None = None,
     hidden_state: bool = True,
+    share_by_reference: bool = True,
 ) -> Certificate:
     """Search `instance` against the target built by `factory`; the certificate (see module
     docstring). `wanted`: only violations it accepts end the search (default: any).
     `hidden_state` False merges on the model's state alone even where the target's hidden
-    state has an image (`fingerprint.HIDDEN_STATE`); the certificate says which."""
+    state has an image (`fingerprint.HIDDEN_STATE`); the certificate says which.
+    `share_by_reference` False copies every object at each fork, even those the target
+    names as never written (`fingerprint.SHARED_BY_REFERENCE`; for measurements)."""
     tol: Tolerate = tolerate or (lambda v: explain(target, v))
     cert = Certificate(instance.name, target, limits.depth)
     image = HIDDEN_STATE.get(target) if hidden_state else None
     cert.merging = merging(target if image is not None else "")
     start = time.monotonic()
-    search = _Search(instance, factory, cert, limits, tol, progress, wanted, image)
+    search = _Search(
+        instance, factory, cert, limits, tol, progress, wanted, image, SHARED_BY_REFERENCE.get(target)
+    )
     try:
         try:
             last = search.run()
@@ -276,6 +282,9 @@ def explore(
         for node in _fork_samples(last):
             cert.fork_checks += 1
             cert.error = cert.error or _fork_differs(search, node)
+        written = search.freezer.changed_shared()
+        if written:
+            cert.error = cert.error or f"objects forks share by reference were written: {', '.join(written)}"
     except _Found as found:
         _counterexample(search, found, target, out_dir)
     cert.states = len(search.seen)
