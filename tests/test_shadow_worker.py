@@ -107,6 +107,20 @@ def test_a_sample_after_a_short_step_is_at_the_wrong_position() -> None:
     assert checks(w) == [POSITIONS]
 
 
+def test_one_step_ahead_a_step_waits_for_the_token_it_reads() -> None:
+    """Async scheduling tells step 2 before step 1's token is returned: step 2 runs when
+    it is; a share returned empty never brings one, so the step runs on the token the
+    worker sampled and nobody saw (a phantom) rather than wait for ever."""
+    for token in ([7], []):
+        w = ShadowWorker(FULL4, synchronous=False)
+        w.execute(output(new=(new_req("a", [1, 2, 3], [1]),), scheduled={"a": 3}))
+        w.execute(output(cached=(("a", 3, None),), scheduled={"a": 1}))
+        assert w.figures.steps == 1  # step 2 reads position 3, whose token is not back
+        w.returned("a", token)
+        assert w.figures.steps == 2
+        assert checks(w) == []
+
+
 def test_a_resumed_request_under_the_v1_runner_replaces_its_table() -> None:
     """V1 keeps a preempted request's state; `resumed_req_ids` says its table is new."""
 
@@ -148,7 +162,7 @@ _OK, _REASON = vllm_available()
 vllm_only = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from drive import Drive  # noqa: E402
+from drive import Drive, async_drive  # noqa: E402
 
 from model.config import Config, GroupSpec  # noqa: E402
 from model.ops import AddRequest, Finish, Preempt, Probe, ResetPrefixCache  # noqa: E402
@@ -163,9 +177,11 @@ FULL_MAMBA = FULL_SWA.with_(groups=(GroupSpec("full", 4), GroupSpec("mamba", 4))
 PROMPT = (1, 2, 3) * 6
 
 
-def lifecycle(cfg: Config) -> Drive:
-    """Two requests chunked, sampled, a finish with a hit after it, a preemption and a resume."""
-    d = Drive(cfg).do(AddRequest("r0", PROMPT), AddRequest("r1", (*PROMPT, 1)))
+def lifecycle(cfg: Config, one_step_ahead: bool = False) -> Drive:
+    """Two requests chunked, sampled, a finish with a hit after it, a preemption and a
+    resume; `one_step_ahead`: on vLLM's `AsyncScheduler` (async scheduling, vLLM's default)."""
+    d = async_drive(cfg) if one_step_ahead else Drive(cfg)
+    d.do(AddRequest("r0", PROMPT), AddRequest("r1", (*PROMPT, 1)))
     d.steps(("r0", "r1"), 8, 3).steps(("r0", "r1"), 64, 3)
     d.do(Finish("r0"), Probe(PROMPT), AddRequest("r2", PROMPT))
     d.steps(("r1", "r2"), 64, 2).do(Preempt("r1"))
@@ -371,3 +387,17 @@ def test_a_preempted_request_computes_nothing_unless_it_holds_a_loads_blocks() -
 
     assert problems([], [loaded]) == []
     assert problems([loaded], []) != []
+
+
+@vllm_only
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", sorted(n for n, p in PLANTS.items() if not p[2]))
+def test_one_step_ahead_the_worker_waits_for_its_tokens_and_judges_the_same(name: str) -> None:
+    """Under async scheduling a step is told before the token it reads is returned: the
+    worker runs it once the token is back. Clean as released; each planted defect found."""
+    _, _, _, cfg, expected = PLANTS[name]
+    clean = lifecycle(cfg, one_step_ahead=True)
+    assert clean.checker.target.steps.shadow is not None
+    assert found(clean) == set()
+    with plant(name):
+        assert found(lifecycle(cfg, one_step_ahead=True)) & expected

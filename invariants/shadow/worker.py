@@ -35,12 +35,15 @@ zeroes, then copies) and the V1 runner (`gpu_model_runner._update_states`:
 preempted requests keep their state, a `resumed_req_ids` entry replaces the
 table, `all_token_ids` restores tokens). Left out (docs/shadow-worker.md):
 Mamba state provenance (the catalogue's `steps` invariants judge it), the
-drafter's own KV, KV connector loads and saves, and async scheduling, whose
-steps run ahead of the tokens they read.
+drafter's own KV, KV connector loads and saves, and speculative decoding one
+step ahead (the runner corrects the shipped positions by the drafts the step
+before rejected). One step ahead (async scheduling) a step runs once the
+tokens it reads are returned, in order (`synchronous` off).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -85,6 +88,20 @@ class WorkerFigures:
     problems: int = 0
 
 
+@dataclass(eq=False)
+class Chunk:
+    """One request's share of one step: the positions the worker ran, and the tokens
+    the runner returned for it (None: not yet)."""
+
+    rid: str
+    start: int = 0
+    end: int = 0
+    drafts: int = 0
+    complete: bool = False
+    ran: bool = False
+    tokens: list[int] | None = None
+
+
 @dataclass
 class RequestView:
     """One request as the worker holds it."""
@@ -95,8 +112,7 @@ class RequestView:
     tables: list[list[int]]
     last_start: int = 0
     last_end: int = 0
-    last_drafts: int = 0
-    complete: bool = False  # the last step computed through the last token (a sample may follow)
+    last: Chunk | None = None  # the share of the last step the worker ran for it
 
 
 @dataclass
@@ -112,8 +128,9 @@ class ShadowWorker:
     groups: tuple[WorkerGroup, ...]
     runner: Runner = "v2"
     zeroing: bool = False
-    # The scheduler's `num_computed_tokens` of a running request is the worker's own
-    # count only where the two advance together (synchronous scheduling).
+    # Synchronous scheduling: a step runs when it is told. One step ahead (async
+    # scheduling) a step may read a token its predecessor samples, which the worker
+    # has once that output is returned: steps then wait, in order, for their tokens.
     synchronous: bool = True
     figures: WorkerFigures = field(default_factory=WorkerFigures)
     prefixes: PrefixIds = field(default_factory=PrefixIds)
@@ -125,9 +142,69 @@ class ShadowWorker:
     problems: list[tuple[str, str]] = field(default_factory=list)
     # The blocks the last step placed in a table past the computed tokens (allocated, not hit).
     fresh: list[int] = field(default_factory=list)
+    # Steps told but not run yet (waiting for a token), with their shares, in order.
+    queue: deque[tuple[Any, dict[str, Chunk]]] = field(default_factory=deque)
+    # rid -> its shares whose tokens were not returned yet, oldest first.
+    shares: dict[str, deque[Chunk]] = field(default_factory=dict)
+    # Tokens that will never be returned (their share came back empty), one per position.
+    phantoms: int = 0
 
     # ------------------------------------------------------------------ what the runner is told
     def execute(self, out: Any) -> None:
+        """One step, as the runner is told it: run at once, or (one step ahead) once
+        the tokens it reads are returned (`returned`)."""
+        chunks = {rid: Chunk(rid) for rid in out.num_scheduled_tokens}
+        for data in out.scheduled_new_reqs:
+            self.shares[data.req_id] = deque()  # a new request: an earlier one's shares are void
+        for rid, chunk in chunks.items():
+            self.shares.setdefault(rid, deque()).append(chunk)
+        self.queue.append((out, chunks))
+        self._drain()
+
+    def returned(self, rid: str, tokens: Sequence[int]) -> None:
+        """The runner's output for `rid`'s oldest unreturned share: its accepted
+        drafts, then the token it sampled (empty: no sample, the drafts unverified)."""
+        pending = self.shares.get(rid)
+        if not pending:
+            return
+        chunk = pending.popleft()
+        if chunk.ran:
+            self._take(rid, chunk, list(tokens))
+        else:
+            chunk.tokens = list(tokens)
+        self._drain()
+
+    def take_problems(self) -> list[tuple[str, str]]:
+        """The contract breaks found since the last call, as (check, message)."""
+        out, self.problems = self.problems, []
+        return out
+
+    # ------------------------------------------------------------------ running steps
+    def _drain(self) -> None:
+        while self.queue and self._ready(self.queue[0]):
+            out, chunks = self.queue.popleft()
+            self._run(out, chunks)
+
+    def _ready(self, step: tuple[Any, dict[str, Chunk]]) -> bool:
+        """Can this step run: does the worker have every token it computes (a share
+        returned empty will never bring its token: the step runs on a token the worker
+        sampled and nobody saw, a phantom)?"""
+        if self.synchronous:
+            return True
+        out, chunks = step
+        cached, spec = out.scheduled_cached_reqs, out.scheduled_spec_decode_tokens
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            view = self.requests.get(rid)
+            need = computed + out.num_scheduled_tokens.get(rid, 0) - len(spec.get(rid, ()))
+            if view is None or need <= len(view.tokens):
+                continue
+            if any(c is not chunks.get(rid) for c in self.shares.get(rid, ())):
+                return False  # an earlier share of it is still to be returned
+            self._append(view, range(-self.phantoms - 1, -self.phantoms - 1 - (need - len(view.tokens)), -1))
+            self.phantoms += need - len(view.tokens)
+        return True
+
+    def _run(self, out: Any, chunks: dict[str, Chunk]) -> None:
         """One step: the requests' state, zeroing and copies, then the forward pass."""
         self.figures.steps += 1
         self._forget(out)
@@ -145,34 +222,31 @@ class ShadowWorker:
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
             self.kv[copy.dst_block_id] = list(self.kv.get(copy.src_block_id, []))
             self.figures.copies += 1
-        self._forward(out.num_scheduled_tokens, out.scheduled_spec_decode_tokens)
+        self._forward(out.num_scheduled_tokens, out.scheduled_spec_decode_tokens, chunks)
+        for rid, chunk in chunks.items():
+            if chunk.tokens is not None:  # returned before the step could run
+                self._take(rid, chunk, chunk.tokens)
 
-    def returned(self, rid: str, tokens: Sequence[int]) -> None:
-        """The runner's output for `rid`'s last step: its accepted drafts, then the
-        token it sampled (empty: no sample, the step's drafts unverified)."""
+    def _take(self, rid: str, chunk: Chunk, tokens: list[int]) -> None:
+        """The tokens returned for `chunk`, a share the worker ran."""
         view = self.requests.get(rid)
-        if view is None:
+        if view is None or not chunk.ran:
             return
+        latest = view.last is chunk
         if not tokens:
-            view.computed = view.last_end - view.last_drafts
-            view.complete = False
+            if latest:
+                view.computed = chunk.end - chunk.drafts
             return
-        if not view.complete:
+        if not chunk.complete:
             self._problem(
                 POSITIONS,
-                f"{rid} is sampled after a step that computed positions [{view.last_start}, "
-                f"{view.last_end}) of its {len(view.tokens) + view.last_drafts} tokens: the worker "
-                f"samples at position {view.last_end - 1}, not at the request's last token",
+                f"{rid} is sampled after a step that computed positions [{chunk.start}, {chunk.end}) of "
+                f"its {len(view.tokens) + chunk.drafts} tokens: the worker samples at position "
+                f"{chunk.end - 1}, not at the request's last token",
             )
-        accepted = len(tokens) - 1
-        view.computed = view.last_end - (view.last_drafts - accepted)
+        if latest:
+            view.computed = chunk.end - (chunk.drafts - (len(tokens) - 1))
         self._append(view, tokens)
-        view.complete, view.last_drafts = False, 0
-
-    def take_problems(self) -> list[tuple[str, str]]:
-        """The contract breaks found since the last call, as (check, message)."""
-        out, self.problems = self.problems, []
-        return out
 
     # ------------------------------------------------------------------ bookkeeping
     def _forget(self, out: Any) -> None:
@@ -211,7 +285,7 @@ class ShadowWorker:
                 view.tokens, view.ids = [], []
                 self._append(view, cached.all_token_ids[rid])
             shipped = cached.num_computed_tokens[i]
-            if self.synchronous and rid not in resumed and shipped != view.computed:
+            if rid not in resumed and shipped != view.computed:
                 self._problem(
                     POSITIONS,
                     f"{rid} is told num_computed_tokens={shipped}; the worker computed {view.computed} "
@@ -239,7 +313,9 @@ class ShadowWorker:
         view.tokens += tokens
 
     # ------------------------------------------------------------------ the forward pass
-    def _forward(self, scheduled: dict[str, int], drafts: dict[str, list[int]]) -> None:
+    def _forward(
+        self, scheduled: dict[str, int], drafts: dict[str, list[int]], shares: dict[str, Chunk]
+    ) -> None:
         """Every request's writes, then every request's reads (a layer writes the
         batch's KV before its attention reads it)."""
         chunks: list[tuple[str, RequestView, int, int, list[int]]] = []
@@ -263,8 +339,15 @@ class ShadowWorker:
                 else view.ids
             )
             chunks.append((rid, view, start, end, ids))
-            view.last_start, view.last_end, view.last_drafts = start, end, len(spec)
-            view.computed, view.complete = end, end == known
+            share = shares[rid]
+            share.start, share.end, share.drafts, share.complete, share.ran = (
+                start,
+                end,
+                len(spec),
+                end == known,
+                True,
+            )
+            view.last_start, view.last_end, view.last, view.computed = start, end, share, end
         for rid, view, start, end, ids in chunks:
             self._write(rid, view, start, end, ids)
         for rid, view, start, end, ids in chunks:

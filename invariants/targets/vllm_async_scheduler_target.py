@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from invariants.shadow import ShadowWorker
 from model.async_scheduling import FENCED
 from model.config import Config
 
@@ -92,11 +93,19 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
         )
         self.queue_checks = 0
         self.queue_found: list[tuple[str, str]] = []
+        self.steps.shadow = self.shadow_worker()
 
-    def shadow_worker(self) -> None:
-        """None: an async step runs ahead of the tokens it reads, which the shadow worker
-        does not follow yet (docs/shadow-worker.md); the queues are judged all the same."""
-        return None
+    def shadow_worker(self) -> ShadowWorker | None:
+        """The shadow worker one step ahead: a step runs once the tokens it reads are
+        returned (`ShadowWorker.synchronous` off). None with speculative decoding (the
+        worker corrects the shipped positions by the drafts the previous step rejected,
+        which it does not follow yet) or a KV connector (docs/shadow-worker.md)."""
+        if self.config.num_lookahead_tokens:
+            return None
+        worker = super().shadow_worker()
+        if worker is not None:
+            worker.synchronous = False
+        return worker
 
     def build_manager(self, config: Config, v: dict[str, Any], caps: Capabilities) -> Any:
         """The real `AsyncScheduler`'s `KVCacheManager` (the scheduler is kept as `vllm_scheduler`)."""

@@ -320,7 +320,16 @@ class VllmSchedulerTarget(VllmManagerTarget):
                 _setting("disable_lookahead_block_hashes", spec.disable_lookahead_block_hashes, False)
             )
         if self.steps.shadow is None:
-            lines.append("shadow worker off (a KV connector's loads and saves are not followed)")
+            why = (
+                "a KV connector's loads and saves"
+                if self.config.kv_connector
+                else "async speculative positions"
+            )
+            lines.append(f"shadow worker off ({why} are not followed)")
+        if not sc.async_scheduling:
+            lines.append(
+                "async_scheduling=False (vLLM's default: on; the vllm-async-scheduler target runs it)"
+            )
         return tuple(line for line in lines if line)
 
     def engine_figures(self) -> dict[str, int] | None:
