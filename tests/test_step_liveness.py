@@ -24,7 +24,7 @@ from drive import check_contexts, patched
 
 from invariants.catalogue import BY_NAME, CheckContext
 from invariants.harness.checker import Checker, Violation
-from invariants.harness.known_findings import explain, known_finding, load_known_findings
+from invariants.harness.known_findings import KnownFinding, explain, known_finding, load_known_findings
 from invariants.harness.replay import replay
 from invariants.harness.trace import write_trace
 from invariants.targets.model_target import ModelTarget
@@ -120,7 +120,7 @@ def test_a_budget_that_cannot_hold_the_draft_padding_allows_nothing() -> None:
 
 
 # ------------------------------------------------------------------ the known hang
-def hang() -> Any:
+def hang() -> KnownFinding:
     return next(f for f in load_known_findings() if f.id == HANG)
 
 
