@@ -1,6 +1,6 @@
 """`kvretain explore`: every operation sequence to a depth, over a grid of small instances.
 
-    kvretain explore [--target model|reference|vllm] [--depth D] [--max-states N]
+    kvretain explore [--target model|reference|vllm|vllm-async-scheduler|...] [--depth D] [--max-states N]
                      [--budget-s T] [--instance NAME ...] [--jobs N] [--list] [--out DIR] [--json PATH]
 
 Breadth-first search (`invariants.explore`): every operation the alphabet
@@ -10,11 +10,20 @@ canonical fingerprint. Progress lines (depth, frontier, states/s) go to
 stderr; stdout gets the certificate: per instance, the depth completed,
 distinct states, transitions, time, and the verdict (clean, known findings
 with counts, or VIOLATION with the path of its shortest replayable trace),
-then the distinct states first reached at each depth.
+then the distinct states first reached at each depth, the transitions by
+operation kind (drafts, offers and load/save reports named), and what merging
+states assumed (on "vllm" and "vllm-async-scheduler" the scheduler's hidden
+state is part of every fingerprint: `invariants.targets.vllm_hidden_state`).
+
+The grid follows the target's features (`invariants.explore.instances`): on
+a real scheduler the Eagle instance has a lookahead slot (samples carry
+drafts), and a target that can attach a KV connector gets a connector
+instance (offers, load and save reports).
 
 Before the grid, operation zero: every configuration of a small domain, valid
-or not, is built (`invariants.explore.configs`); the target must build exactly
-what the model accepts. Its time counts against the budget.
+or not, is built (`invariants.explore.configs`); the target must build
+nothing the model rejects, and the valid ones it refuses are counted. Its time
+counts against the budget.
 
 `--budget-s` is a promise: the run ends within it; the table says, per
 instance, where the search stopped and why.

@@ -15,7 +15,14 @@ by default `known_findings.explain`) and counted in the certificate.
 The search stops at `depth`, at `max_states` distinct states, or at the
 deadline, whichever comes first, and the certificate says which (a partial
 layer is never counted as a completed depth). Once per instance a frozen
-fork is compared with a re-execution of its path from scratch.
+fork is compared with a re-execution of its path from scratch (snapshot and
+fingerprint, hidden state included), and the objects forks share by reference
+are checked unwritten (`invariants.explore.fork`).
+
+On a target whose hidden state has an image (`fingerprint.HIDDEN_STATE`) that
+image is part of every fingerprint; the certificate's `merging` says what
+merging assumed either way, and `op_kinds` counts the transitions per
+operation kind.
 """
 
 from __future__ import annotations
