@@ -5,7 +5,8 @@ Model-only tests: a target that reports a different queue order (a policy, every
 contract kept) drifts once, then is judged by the model-independent checks alone,
 which still catch a planted contract break after the drift (negative control: the
 same break without the drift is a defect too); the drift classifier refuses a
-different preemption whose victims were not running or still hold blocks, and a step
+different preemption where one side preempted nobody or whose victims were not
+running or still hold blocks, and a step
 that differs beyond its queues; `KVRETAIN_DECLARED_POLICIES` and its bad input.
 
 vLLM tests: the zoo mutant `preempt_oldest` (FCFS preempting the oldest running
@@ -133,6 +134,9 @@ def test_the_drift_classifier_refuses_what_no_policy_explains() -> None:
     assert _checker()._drifted(_step(("b",)), _step(("z",)), {}) is None  # not running there
     assert _checker()._drifted(_step(("b",)), _step(("a",)), {"a": ((3,),)}) is None  # still holds
     assert _checker()._drifted(_step(("b",)), _step(("a", "a")), {}) is None  # twice
+    # Whether to preempt at all is the allocator's mechanism, not the victim policy.
+    assert _checker()._drifted(_step(()), _step(("a",)), {}) is None
+    assert _checker()._drifted(_step(("b",)), _step(()), {}) is None
     differs = StepResult((("a", ScheduleResult(2, False)),), ("b",), queues=Queues(("a",), (), ()))
     assert _checker()._drifted(_step(("b",)), differs, {}) is None
     assert _checker()._drifted(_step((), ("a", "b")), _step((), ("b", "a")), {}) is not None

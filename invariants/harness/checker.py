@@ -473,13 +473,17 @@ class Checker:
     def _drifted(self, expected: Observation, got: Observation, tables: Tables) -> Violation | None:
         """The `policy_drift` of an operation whose observations differ while every contract
         held on it (the caller's condition), if the first differing decision is one of
-        `POLICIES`; None (a defect) otherwise. A different preemption counts only where the
-        target's victims are distinct requests of the step that were running and hold no block."""
+        `POLICIES`; None (a defect) otherwise. A different preemption counts only where both
+        sides preempted (the victim differs, not whether an allocation failed: that is the
+        allocator's mechanism) and the target's victims are distinct requests of the step that
+        were running and hold no block."""
         if not isinstance(expected, StepResult) or not isinstance(got, StepResult):
             return None
         name = self.target.name
         if expected.preempted != got.preempted:
             victims = got.preempted
+            if not victims or not expected.preempted:
+                return None
             if len(set(victims)) != len(victims) or not set(victims) <= self._running_before:
                 return None
             if any(b for r in victims for ids in tables.get(r, ()) for b in ids):
