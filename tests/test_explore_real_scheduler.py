@@ -300,25 +300,3 @@ def test_configuration_summary_says_what_held_and_what_was_refused() -> None:
     # Control: a violation is reported as one.
     report.violations.append((TWO.config, Violation("config_rejection", "accepted a configuration")))
     assert "1 VIOLATION(s)" in report.summary()
-
-
-# ---------------------------------------------------------------------------- forks share configs
-
-
-def test_forks_share_vllm_configuration_and_a_write_to_it_is_an_error() -> None:
-    factory = _vllm()
-    inst = grid_by_name(["full-p3-r1"])[0]
-    clean = explore(inst, factory, "vllm", Limits(3))
-    assert clean.ok and clean.error is None
-
-    class WritesItsConfig(factory):  # type: ignore[misc, valid-type]
-        """Planted: every operation writes vLLM's configuration, which forks share."""
-
-        def apply(self, op: Op) -> Any:
-            self.vllm_scheduler.vllm_config.additional_config["kvretain-planted"] = len(
-                self.driver.s.requests
-            )
-            return super().apply(op)
-
-    planted = explore(inst, WritesItsConfig, "vllm", Limits(3))
-    assert planted.error is not None and "VllmConfig" in planted.error, planted.verdict_text()

@@ -65,13 +65,6 @@ HIDDEN_STATE: dict[str, vllm_hidden_state.HiddenState] = {
 }
 
 
-# Targets naming objects no operation writes, shared between forks (`invariants.explore.fork`).
-SHARED_BY_REFERENCE: dict[str, Callable[[type], bool]] = {
-    "vllm": vllm_hidden_state.shared_by_reference,
-    "vllm-async-scheduler": vllm_hidden_state.shared_by_reference,
-}
-
-
 def merging(target: str) -> str:
     """What merging two states with equal fingerprints assumes on `target`, in words
     ("" or a target without an image: the model's state alone)."""

@@ -10,13 +10,6 @@ is what `copy.deepcopy` does with them too: they hold no allocator state.
 A fork is checked against re-execution of the path that reached it
 (`invariants.explore.search` does this once per instance): the thawed copy and
 a checker that replayed the operations from scratch must show equal snapshots.
-
-A target may name further objects no operation writes (`share`: by their
-class; vLLM's configuration objects, `vllm_hidden_state.shared_by_reference`):
-they are shared by reference too, which saves copying them at every fork. That
-they were never written is checked, not assumed: each is pickled when first
-shared and again at the end of the search (`changed_shared`), and a difference
-is an error in the certificate.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ from __future__ import annotations
 import io
 import pickle
 import types
-from collections.abc import Callable
 from typing import Any
 
 from invariants.harness.checker import Checker
@@ -44,16 +36,13 @@ def _bound(func: Any, owner: Any) -> types.MethodType:
 
 
 class _SharingPickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, shared: dict[int, Any], freezer: Freezer | None = None) -> None:
+    def __init__(self, file: io.BytesIO, shared: dict[int, Any]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.shared = shared
-        self.freezer = freezer
 
     def persistent_id(self, obj: Any) -> int | None:
         if isinstance(obj, _SHARED_TYPES):
             self.shared[id(obj)] = obj  # kept alive here, so the id stays valid
-            return id(obj)
-        if self.freezer is not None and self.freezer.shares(obj):
             return id(obj)
         return None
 
@@ -77,33 +66,11 @@ class _SharingUnpickler(pickle.Unpickler):
 
 class Freezer:
     """Freezes checkers to bytes and thaws fresh copies. Plain pickle when the
-    target allows it (decided on the first freeze) and names nothing to `share`,
-    else sharing by reference."""
+    target allows it (decided on the first freeze), else sharing by reference."""
 
-    def __init__(self, share: Callable[[type], bool] | None = None) -> None:
-        self.plain: bool | None = None if share is None else False
+    def __init__(self) -> None:
+        self.plain: bool | None = None
         self._shared: dict[int, Any] = {}
-        self._share = share
-        self._by_type: dict[type, bool] = {}
-        # id -> (the object, its pickle when first shared): `changed_shared` compares.
-        self._written: dict[int, tuple[Any, bytes]] = {}
-
-    def shares(self, obj: Any) -> bool:
-        """Is `obj` one of the objects the target names as never written (shared by reference)?"""
-        if self._share is None:
-            return False
-        kind = type(obj)
-        shared = self._by_type.get(kind)
-        if shared is None:
-            shared = self._by_type[kind] = self._share(kind)
-        if shared and id(obj) not in self._written:
-            self._shared[id(obj)] = obj
-            self._written[id(obj)] = (obj, _image(obj))
-        return shared
-
-    def changed_shared(self) -> list[str]:
-        """The objects shared by reference whose pickle changed since they were first shared."""
-        return [type(obj).__qualname__ for obj, before in self._written.values() if _image(obj) != before]
 
     def freeze(self, checker: Checker) -> bytes:
         if self.plain is not False:
@@ -118,7 +85,7 @@ class Freezer:
                     raise
                 self.plain = False
         buf = io.BytesIO()
-        _SharingPickler(buf, self._shared, self).dump(checker)
+        _SharingPickler(buf, self._shared).dump(checker)
         return buf.getvalue()
 
     def thaw(self, data: bytes) -> Checker:
@@ -127,10 +94,3 @@ class Freezer:
         else:
             checker = _SharingUnpickler(io.BytesIO(data), self._shared).load()
         return checker
-
-
-def _image(obj: Any) -> bytes:
-    """A shared object's contents, for `Freezer.changed_shared` (its own shared members by reference)."""
-    buf = io.BytesIO()
-    _SharingPickler(buf, {}).dump(obj)
-    return buf.getvalue()

@@ -16,8 +16,7 @@ The search stops at `depth`, at `max_states` distinct states, or at the
 deadline, whichever comes first, and the certificate says which (a partial
 layer is never counted as a completed depth). Once per instance a frozen
 fork is compared with a re-execution of its path from scratch (snapshot and
-fingerprint, hidden state included), and the objects forks share by reference
-are checked unwritten (`invariants.explore.fork`).
+fingerprint, hidden state included).
 
 On a target whose hidden state has an image (`fingerprint.HIDDEN_STATE`) that
 image is part of every fingerprint; the certificate's `merging` says what
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from invariants.explore.alphabet import alphabet, op_kind
 from invariants.explore.certificate import Certificate
-from invariants.explore.fingerprint import HIDDEN_STATE, SHARED_BY_REFERENCE, fingerprint, merging
+from invariants.explore.fingerprint import HIDDEN_STATE, fingerprint, merging
 from invariants.explore.fork import Freezer
 from invariants.explore.instances import Instance
 from invariants.harness.checker import Checker, InvalidOp, Violation
@@ -121,14 +120,13 @@ class _Search:
         progress: Progress | None,
         wanted: Wanted | None = None,
         image: HiddenState | None = None,
-        share: Callable[[type], bool] | None = None,
     ) -> None:
         self.instance, self.factory, self.cert = instance, factory, cert
         self.image = image
         self.limits, self.tolerate, self.progress = limits, tolerate, progress
         self.wanted = wanted
         self.rename = not instance.vocabulary
-        self.freezer = Freezer(share)
+        self.freezer = Freezer()
         self.seen: set[Hashable] = set()
         self.start = time.monotonic()
         self.leaves = False
@@ -263,22 +261,17 @@ def explore(
     progress: Progress | None = None,
     wanted: Wanted | None = None,
     hidden_state: bool = True,
-    share_by_reference: bool = True,
 ) -> Certificate:
     """Search `instance` against the target built by `factory`; the certificate (see module
     docstring). `wanted`: only violations it accepts end the search (default: any).
     `hidden_state` False merges on the model's state alone even where the target's hidden
-    state has an image (`fingerprint.HIDDEN_STATE`); the certificate says which.
-    `share_by_reference` False copies every object at each fork, even those the target
-    names as never written (`fingerprint.SHARED_BY_REFERENCE`; for measurements)."""
+    state has an image (`fingerprint.HIDDEN_STATE`); the certificate says which."""
     tol: Tolerate = tolerate or (lambda v: explain(target, v))
     cert = Certificate(instance.name, target, limits.depth)
     image = HIDDEN_STATE.get(target) if hidden_state else None
     cert.merging = merging(target if image is not None else "")
     start = time.monotonic()
-    search = _Search(
-        instance, factory, cert, limits, tol, progress, wanted, image, SHARED_BY_REFERENCE.get(target)
-    )
+    search = _Search(instance, factory, cert, limits, tol, progress, wanted, image)
     try:
         try:
             last = search.run()
@@ -289,9 +282,6 @@ def explore(
         for node in _fork_samples(last):
             cert.fork_checks += 1
             cert.error = cert.error or _fork_differs(search, node)
-        written = search.freezer.changed_shared()
-        if written:
-            cert.error = cert.error or f"objects forks share by reference were written: {', '.join(written)}"
     except _Found as found:
         _counterexample(search, found, target, out_dir)
     cert.states = len(search.seen)

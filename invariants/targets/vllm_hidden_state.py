@@ -189,16 +189,3 @@ def hidden_state(target: Any, names: Names) -> Hashable:
 
 HiddenState = Callable[[Any, Names], Hashable]
 """A target -> the image of its hidden state (`hidden_state`)."""
-
-
-def shared_by_reference(cls: type) -> bool:
-    """Objects of `cls` are never written by an operation, so a fork may share them:
-    vLLM's configuration objects (`vllm.config`) and the structured-output manager
-    (no request here asks for structured output). `invariants.explore.fork` checks that
-    they were not written."""
-    module = cls.__module__
-    return (
-        module == "vllm.config"
-        or module.startswith("vllm.config.")
-        or cls.__name__ == "StructuredOutputManager"
-    )
