@@ -169,13 +169,18 @@ def test_real_scheduler_alphabet_sends_one_step_per_budget_for_a_lone_request() 
 
 # Two orders of the same operations: the model's state is the same, but after the second
 # path vLLM's scheduler still holds r00's finish to report with its next step.
-_FINISHED_BEFORE = [
+_FINISHED_BEFORE: list[Op] = [
     AddRequest("r00", (1, 2)),
     AddRequest("r01", (1, 2)),
     Finish("r00"),
     Step(("r01",), 2),
 ]
-_FINISHED_AFTER = [AddRequest("r00", (1, 2)), AddRequest("r01", (1, 2)), Step(("r00",), 2), Finish("r01")]
+_FINISHED_AFTER: list[Op] = [
+    AddRequest("r00", (1, 2)),
+    AddRequest("r01", (1, 2)),
+    Step(("r00",), 2),
+    Finish("r01"),
+]
 
 
 def test_hidden_state_separates_states_the_model_alone_merges() -> None:
@@ -201,7 +206,7 @@ def test_a_fork_carries_the_hidden_state() -> None:
     assert _state_of(thawed, False, image=image) == _state_of(checker, False, image=image)
     # Control: a change to the scheduler's hidden state alone is seen.
     planted = freezer.thaw(frozen)
-    planted.target.vllm_scheduler.finished_req_ids.clear()
+    planted.target.vllm_scheduler.finished_req_ids.clear()  # type: ignore[attr-defined]
     assert _state_of(planted, False) == _state_of(checker, False)
     assert _state_of(planted, False, image=image) != _state_of(checker, False, image=image)
 
