@@ -92,6 +92,7 @@ def test_real_scheduler_grid_runs_eagle_with_lookahead_and_a_connector_instance(
     assert CONNECTOR in with_connector and EAGLE in with_connector
 
 
+@pytest.mark.vllm
 def test_eagle_instance_is_searched_on_vllm_with_drafts_and_the_plain_one_is_refused() -> None:
     factory = _vllm()
     inst = grid_by_name([EAGLE_LOOKAHEAD], features_of(factory))[0]
@@ -144,6 +145,7 @@ def test_alphabet_offers_and_reports_where_a_connector_is_attached() -> None:
     assert not [op for op in none if isinstance(op, (Offer, Loaded, Save, Saved))]
 
 
+@pytest.mark.vllm
 def test_alphabet_samples_carry_drafts_where_the_model_speculates() -> None:
     factory = _vllm()
     inst = grid_by_name([EAGLE_LOOKAHEAD], features_of(factory))[0]
@@ -183,6 +185,7 @@ _FINISHED_AFTER: list[Op] = [
 ]
 
 
+@pytest.mark.vllm
 def test_hidden_state_separates_states_the_model_alone_merges() -> None:
     factory = _vllm()
     cfg = grid_by_name(["full-p5-r2"])[0].config
@@ -195,6 +198,7 @@ def test_hidden_state_separates_states_the_model_alone_merges() -> None:
     assert _state_of(a, False, image=image) == _state_of(again, False, image=image)
 
 
+@pytest.mark.vllm
 def test_a_fork_carries_the_hidden_state() -> None:
     factory = _vllm()
     cfg = grid_by_name(["full-p5-r2"])[0].config
@@ -211,6 +215,7 @@ def test_a_fork_carries_the_hidden_state() -> None:
     assert _state_of(planted, False, image=image) != _state_of(checker, False, image=image)
 
 
+@pytest.mark.vllm
 def test_vllm_connector_instance_exercises_the_connector_and_says_what_it_merged() -> None:
     factory = _vllm()
     inst = grid_by_name([CONNECTOR], features_of(factory))[0]
