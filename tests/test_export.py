@@ -761,3 +761,21 @@ def test_a_trace_the_renderer_refuses_exits_2_and_writes_nothing(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "speculative decoding" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafts.json"]
+
+
+@needs_vllm
+def test_a_stored_tokens_finding_after_a_batched_step_asserts_the_events(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A BlockStored finding whose last operation is a batched Step is exported as the
+    events' assertion (it was rendered as an empty end-state assertion that failed on
+    unrelated state): it fails on 0.33.0 on the events and passes under the fix."""
+    trace = read_trace(Path(__file__).parent / "data" / "export_stored_tokens_after_step.json")
+    assert isinstance(trace.ops[-1], Step)
+    source = render_test(plan_export(trace))
+    assert "stored = stored_token_ids(" in source and "assert free_queue ==" not in source
+    test = load_exported(source, tmp_path)
+    with pytest.raises(AssertionError, match="BlockStored events of group 1 carry 16 token ids"):
+        test()
+    fix_blockstored_token_range(monkeypatch)
+    test()

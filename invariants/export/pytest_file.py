@@ -219,8 +219,6 @@ def _assertion(
             '    "(the copy runs before its content is written)"',
             ")",
         ]
-    if isinstance(last, Step):
-        return [*last_lines, *_state_lines(exp)]
     if exp.kind == "replay_hit":
         assert exp.request is not None and exp.hit is not None
         var = names[exp.request]
@@ -268,6 +266,8 @@ def _assertion(
                 ")",
             ]
         return lines
+    if isinstance(last, Step):  # the state after a batched step (its calls are `last_lines`)
+        return [*last_lines, *_state_lines(exp)]
     lines = [f"result = {last_line}" if isinstance(last, (Schedule, Probe)) else last_line]
     if isinstance(last, Probe) and exp.hit is not None:
         lines += [
