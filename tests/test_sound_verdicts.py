@@ -382,7 +382,7 @@ def test_verify_with_skipped_rows_is_not_everything_holds(
         "fuzz [vllm-manager]",
         "fuzz (production scale) [vllm]",
         "conformance [vllm]",
-        "explore [vllm-manager]",
+        "explore [vllm]",
     )
     assert f"holds, {len(vllm_rows)} row(s) skipped" in out
     for row in vllm_rows:

@@ -412,17 +412,9 @@ class Checker:
                 Violation("observation", _observation_difference(expected_obs, obs, self.target.name))
             )
         for o in (obs,) if same else (obs, expected_obs):
-            for result in o.results if isinstance(o, StepResult) else ((None, o),):
-                r = result[1]
-                for ids in (getattr(r, "hit_blocks", None) or ()) + (getattr(r, "new_blocks", None) or ()):
-                    blocks.update(ids)
-            # A copy's endpoints change hands (keys moved, retention released) outside any table.
-            for pair in getattr(o, "copies", ()):
-                blocks.update(pair)
-        blocks.discard(0)
+            blocks |= _named_blocks(o)
         n = len(self._blocks)
-        if any(not 0 < b < n for b in blocks):
-            blocks = {b for b in blocks if 0 < b < n}
+        blocks = {b for b in blocks if 0 < b < n}
         key_of = self._key_of
         keys = {key_of[b] for b in blocks if b in key_of}
         try:
@@ -686,6 +678,18 @@ def _observation_difference(expected: object, got: object, target: str) -> str:
 
 def _names(rids: tuple[str, ...]) -> str:
     return ", ".join(rids) if rids else "nobody"
+
+
+def _named_blocks(obs: Observation) -> set[int]:
+    """The blocks an observation names: each result's hit and new blocks, and every
+    copy's endpoints (a copy moves keys and retention outside any table)."""
+    blocks: set[int] = set()
+    for _, r in obs.results if isinstance(obs, StepResult) else ((None, obs),):
+        for ids in (getattr(r, "hit_blocks", None) or ()) + (getattr(r, "new_blocks", None) or ()):
+            blocks.update(ids)
+    for pair in getattr(obs, "copies", ()):
+        blocks.update(pair)
+    return blocks
 
 
 def _only_queues_differ(expected: StepResult, got: StepResult) -> bool:

@@ -360,27 +360,51 @@ def run_fuzz(
     report = FuzzReport(target, config_name or "generated", seed, stats.batches, stats, 0.0, failure)
     if generated:
         report.not_generated = _not_generated(target)
-    if failure is not None:
-        report.first_seen_s = first_seen[0] if first_seen else None
-        report.unshrunk_ops = len(failure.ops)
-        report.failure = shrink_failure(failure, factory, tolerated, start, budget_s, shrink_s, say)
-        report.shrink_s = time.monotonic() - start - (report.first_seen_s or 0.0)
-        trace = Trace(report.failure.config, report.failure.ops, seed + stats.batches - 1, target, None)
-        trace.violation = str(report.failure.violations[0])
-        report.trace_path = write_trace(trace, trace_path)
-    if stats.drifts:
-        first = stats.drifts[0]
-        # Shrunk only where no violation took the shrink budget (a defect comes first).
-        report.drift = (
-            first
-            if failure is not None
-            else shrink_failure(first, factory, tolerated, start, budget_s, shrink_s, say)
-        )
-        trace = Trace(report.drift.config, report.drift.ops, seed + stats.batches - 1, target, None)
-        trace.violation = str(report.drift.violations[0])
-        report.drift_trace_path = write_trace(trace, trace_path.with_name(trace_path.stem + "-drift.json"))
+    outcome = _Outcome(target, seed + stats.batches - 1, factory, tolerated, start, budget_s, shrink_s, say)
+    outcome.write(report, trace_path, first_seen)
     report.seconds = time.monotonic() - start
     return report
+
+
+@dataclass
+class _Outcome:
+    """A run's first violation and first policy drift, shrunk within the budget and
+    written as traces (a defect takes the shrink budget; the drift is then kept as seen)."""
+
+    target: str
+    seed: int
+    factory: Callable[[Config], Target]
+    tolerated: Tolerance
+    start: float
+    budget_s: float | None
+    shrink_s: float
+    say: Callable[[str], None]
+
+    def _shrunk(self, found: ViolationFound, path: Path) -> tuple[ViolationFound, Path]:
+        done = shrink_failure(
+            found, self.factory, self.tolerated, self.start, self.budget_s, self.shrink_s, self.say
+        )
+        return done, self._written(done, path)
+
+    def _written(self, found: ViolationFound, path: Path) -> Path:
+        return write_trace(
+            Trace(found.config, found.ops, self.seed, self.target, str(found.violations[0])), path
+        )
+
+    def write(self, report: FuzzReport, trace_path: Path, first_seen: list[float]) -> None:
+        """The failure (first seen at `first_seen[0]` s) and the drift, shrunk and written."""
+        if report.failure is not None:
+            report.first_seen_s = first_seen[0] if first_seen else None
+            report.unshrunk_ops = len(report.failure.ops)
+            report.failure, report.trace_path = self._shrunk(report.failure, trace_path)
+            report.shrink_s = time.monotonic() - self.start - (report.first_seen_s or 0.0)
+        drifts = report.stats.drifts
+        if drifts:
+            path = trace_path.with_name(trace_path.stem + "-drift.json")
+            if report.failure is None:
+                report.drift, report.drift_trace_path = self._shrunk(drifts[0], path)
+            else:
+                report.drift, report.drift_trace_path = drifts[0], self._written(drifts[0], path)
 
 
 def _batches(

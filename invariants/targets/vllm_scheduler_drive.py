@@ -473,11 +473,11 @@ class RealStepScheduler:
     def report_step(self, rid: str, connector_output: Any) -> None:
         """The worker's report of the sync load that the last step ran for `rid`
         (`model.ops.Loaded` right after that step): the step's output, every request's
-        share at once (`rid`'s without its token, which vLLM drops), carries it."""
+        share at once, `rid`'s with its token where it was sampled (vLLM decides to drop
+        it: observed in `LoadCut.dropped`, as any rider's), carries it."""
         out, self.pending = self.pending, None
         if out is None or rid not in out.num_scheduled_tokens:
             raise TargetCrash(f"the vLLM scheduler adapter holds no step output of {rid!r}'s sync load")
-        self.samples.pop(rid, None)
         self._deliver(out, list(out.num_scheduled_tokens), connector_output)
 
     def take_events(self) -> list[Any]:
