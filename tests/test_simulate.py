@@ -207,7 +207,8 @@ def test_verify_row_quick_and_all_report(tmp_path: Path) -> None:
 
     check, target, verdict, figure, seconds, ok = verify_row(quick=True)
     assert (check, target, ok) == ("simulate", "reference", True)
-    assert "seed claims reproduced" in verdict and figure and seconds < 120
+    # No time bound: a timed assertion fails on a loaded machine and measures nothing (the bench does).
+    assert "seed claims reproduced" in verdict and figure and seconds > 0
     assert main(["simulate", "all", "--scale", "small", "--seed", "0", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()
     assert "## Seed claims" in report and "reproduced" in report
