@@ -307,29 +307,23 @@ class VllmSchedulerTarget(VllmManagerTarget):
         sc = sched.scheduler_config
         spec = sched.vllm_config.speculative_config
         runner = "V2" if getattr(sched, "use_v2_model_runner", False) else "V1"
+        # Each line at most ~80 characters: the fuzz summary's feature table is as wide as its longest.
         lines = [
-            f"model runner {runner} (vLLM's choice on this platform; VLLM_USE_V2_MODEL_RUNNER=0 selects V1)",
+            f"model runner {runner} (vLLM's pick here; VLLM_USE_V2_MODEL_RUNNER=0: V1)",
             _setting("scheduler_reserve_full_isl", getattr(sc, "scheduler_reserve_full_isl", None), True),
             _setting("watermark", getattr(sc, "watermark", None), 0.0),
             _setting("policy", sc.policy, "fcfs"),
-            "max_num_batched_tokens = max_model_len, max_num_seqs above the live requests: "
-            "batch caps that never bind (kvretain's per-step budget stands in)",
+            "batch caps never bind (kvretain's per-step budget stands in)",
         ]
         if spec is not None and hasattr(spec, "disable_lookahead_block_hashes"):
             lines.append(
                 _setting("disable_lookahead_block_hashes", spec.disable_lookahead_block_hashes, False)
             )
         if self.steps.shadow is None:
-            why = (
-                "a KV connector's loads and saves"
-                if self.config.kv_connector
-                else "async speculative positions"
-            )
-            lines.append(f"shadow worker off ({why} are not followed)")
+            why = "KV connector" if self.config.kv_connector else "async drafts"
+            lines.append(f"shadow worker off ({why}: not followed yet)")
         if not sc.async_scheduling:
-            lines.append(
-                "async_scheduling=False (vLLM's default: on; the vllm-async-scheduler target runs it)"
-            )
+            lines.append("async_scheduling=False (vLLM's default: on; see vllm-async-scheduler)")
         return tuple(line for line in lines if line)
 
     def engine_figures(self) -> dict[str, int] | None:
@@ -392,4 +386,4 @@ def _setting(name: str, value: object, default: object) -> str:
     """`name=value`, marked where it is not vLLM's default (empty where the release lacks it)."""
     if value is None:
         return ""
-    return f"{name}={value}" + ("" if value == default else f" (vLLM's default: {default}; not in force)")
+    return f"{name}={value}" + ("" if value == default else f" (not vLLM's default, {default})")
