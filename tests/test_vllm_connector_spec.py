@@ -426,3 +426,27 @@ def test_a_mamba_external_state_block_counts_for_liveness() -> None:
     check = BY_NAME["fitting_request_admitted"].check
     assert check(ctx) == []
     assert check(replace(ctx, config=ctx.config.with_(num_blocks=12))) != []
+
+
+@needs_vllm
+def test_a_sync_loads_own_sample_rides_on_its_report_and_vllm_drops_it() -> None:
+    """A request sampled after the step that ran its sync load, then the load's report
+    naming a failed block: the sample rides on the report's output and vLLM skips it,
+    as the model states (`LoadCut.dropped`). `kvretain explore --target vllm` found the
+    adapter withholding that token from vLLM (so the drop was never observed); the
+    control withholds it again and the two sides disagree."""
+    from invariants.harness.replay import replay
+    from invariants.harness.trace import read_trace
+    from invariants.targets.vllm_scheduler_drive import RealStepScheduler
+
+    trace = read_trace(Path(__file__).parent / "data" / "sync_load_own_sample_dropped.json")
+    assert replay(trace, "vllm").clean
+    deliver = RealStepScheduler.report_step
+
+    def withholding(self: RealStepScheduler, rid: str, connector_output: object) -> None:
+        self.samples.pop(rid, None)
+        deliver(self, rid, connector_output)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RealStepScheduler, "report_step", withholding)
+        assert not replay(trace, "vllm").clean
