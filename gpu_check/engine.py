@@ -123,8 +123,10 @@ class RealSchedulerEngine:
             view = self.shadow.requests.get(rid)
             if view is None:
                 raise EngineFault(f"{rid} was scheduled but the worker holds no state for it")
+            if view.last is None:
+                raise EngineFault(f"{rid} was scheduled but the worker could not run its step")
             tables = tuple(tuple(t) for t in view.tables)
-            start, end = view.last_start, view.last_end
+            start, end = view.last.start, view.last.end
             chunks.append(SeqChunk(rid, tuple(view.tokens), start, end, tables, end == len(view.tokens)))
         return chunks
 

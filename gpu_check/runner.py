@@ -416,47 +416,9 @@ def _run_modes(
         rec = _Recorder(model, mode.name, baseline)
         if target_name == "vllm":
             result = _real_scheduler_mode(target, model, rec, workload, mode, log)
-            results.append(result)
-            if baseline is None:
-                if result.verdict != "pass":
-                    break
-                baseline = rec
-            elif result.verdict == "mismatch" and stop_on_mismatch:
-                break
-            continue
-        forward = ForwardPass(target, model, rec)
-        progress = (lambda line, m=mode.name: log(f"  [{m}] {line}")) if log else None
-        loop = SchedulerLoop(target, loop_config, forward, [forward], progress)
-        replay_sessions(loop, workload)
-        if log:
-            log(f"[gpu-check] mode {mode.name}: {_describe_mode(mode.config(base))}")
-        result = ModeResult(mode.name, "pass")
-        try:
-            loop.run()
-        except _Stop as stop:
-            result.verdict, result.mismatch, result.detail = (
-                "mismatch",
-                stop.mismatch,
-                stop.mismatch.describe(),
-            )
-        except EngineFault as exc:
-            result.verdict, result.detail = "fault", f"engine fault at step {loop.step_no}: {exc}"
-        except SchedulerStalled as exc:
-            result.verdict, result.detail = "fault", f"scheduler stalled at step {loop.step_no}: {exc}"
-        except (TargetCrash, TargetUnavailable) as exc:
-            result.verdict, result.detail = "fault", f"target crashed at step {loop.step_no}: {exc}"
-        acc = loop.accounting
-        result.stats = ModeStats(acc, forward.figures, loop.step_no, loop.seconds)
-        result.tokens_checked = rec.checked
-        result.ops = forward.ops
-        if result.verdict == "pass" and mode.expect_hits and acc.hit_tokens == 0:
-            result.verdict = "vacuous"
-            result.detail = (
-                "caching is on but no prefill token was served from cache: the check proves nothing"
-            )
-        if result.verdict == "pass" and mode.expect_pins and forward.figures.max_pinned == 0:
-            result.verdict = "vacuous"
-            result.detail = "the pinned tier never held a block"
+        else:
+            result = _loop_mode(target, model, rec, workload, mode, loop_config, log)
+        _judge_vacuity(result, mode)
         if log:
             log(
                 f"[gpu-check] mode {mode.name}: {result.verdict}"
@@ -471,6 +433,51 @@ def _run_modes(
             break
     kname = kernels.name if kernels is not None else "invariant"
     return CheckReport(workload.seed, target_name, kname, device, results, time.perf_counter() - t0)
+
+
+def _loop_mode(
+    target: Target,
+    model: HybridModel,
+    rec: _Recorder,
+    workload: Workload,
+    mode: Mode,
+    loop_config: LoopConfig,
+    log: Callable[[str], None] | None,
+) -> ModeResult:
+    """One mode with kvretain's scheduler loop deciding and `target` allocating."""
+    forward = ForwardPass(target, model, rec)
+    progress = (lambda line, m=mode.name: log(f"  [{m}] {line}")) if log else None
+    loop = SchedulerLoop(target, loop_config, forward, [forward], progress)
+    replay_sessions(loop, workload)
+    if log:
+        log(f"[gpu-check] mode {mode.name}: {_describe_mode(target.config)}")
+    result = ModeResult(mode.name, "pass")
+    try:
+        loop.run()
+    except _Stop as stop:
+        result.verdict, result.mismatch, result.detail = "mismatch", stop.mismatch, stop.mismatch.describe()
+    except EngineFault as exc:
+        result.verdict, result.detail = "fault", f"engine fault at step {loop.step_no}: {exc}"
+    except SchedulerStalled as exc:
+        result.verdict, result.detail = "fault", f"scheduler stalled at step {loop.step_no}: {exc}"
+    except (TargetCrash, TargetUnavailable) as exc:
+        result.verdict, result.detail = "fault", f"target crashed at step {loop.step_no}: {exc}"
+    result.stats = ModeStats(loop.accounting, forward.figures, loop.step_no, loop.seconds)
+    result.tokens_checked = rec.checked
+    result.ops = forward.ops
+    return result
+
+
+def _judge_vacuity(result: ModeResult, mode: Mode) -> None:
+    """A passing mode that served nothing from cache (or pinned nothing) proves nothing."""
+    if result.verdict != "pass" or result.stats is None:
+        return
+    if mode.expect_hits and result.stats.accounting.hit_tokens == 0:
+        result.verdict = "vacuous"
+        result.detail = "caching is on but no prefill token was served from cache: the check proves nothing"
+    elif mode.expect_pins and result.stats.storage.max_pinned == 0:
+        result.verdict = "vacuous"
+        result.detail = "the pinned tier never held a block"
 
 
 def _real_scheduler_mode(
@@ -510,19 +517,6 @@ def _real_scheduler_mode(
         elif run.problems:
             result.detail += f"; {len(run.problems)} engine-contract problem(s), first: {run.problems[0][1]}"
     result.tokens_checked = rec.checked
-    if (
-        result.verdict == "pass"
-        and mode.expect_hits
-        and result.stats
-        and result.stats.accounting.hit_tokens == 0
-    ):
-        result.verdict = "vacuous"
-        result.detail = "caching is on but no prefill token was served from cache: the check proves nothing"
-    if log:
-        log(
-            f"[gpu-check] mode {mode.name}: {result.verdict}"
-            + (f" - {result.detail}" if result.detail else "")
-        )
     return result
 
 

@@ -52,17 +52,9 @@ def stale_tables() -> Iterator[None]:
 @contextlib.contextmanager
 def runner(name: str) -> Iterator[None]:
     """vLLM paired with its V1 or V2 model runner (read when the scheduler is built)."""
-    import os
-
-    old = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if name == "v2" else "0"
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if name == "v2" else "0")
         yield
-    finally:
-        if old is None:
-            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
-        else:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = old
 
 
 @pytest.mark.parametrize("name", ["v2", "v1"])

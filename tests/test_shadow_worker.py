@@ -11,7 +11,6 @@ hand-written outputs first (no vLLM needed).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -204,15 +203,9 @@ def planted(name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]])
 @contextlib.contextmanager
 def v1_runner() -> Iterator[None]:
     """vLLM paired with its V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`, read when the scheduler is built)."""
-    old = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
         yield
-    finally:
-        if old is None:
-            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
-        else:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = old
 
 
 def found(d: Drive) -> set[str]:

@@ -361,28 +361,7 @@ class Checker:
                 Violation("observation", _observation_difference(expected_obs, obs, self.target.name))
             )
         diff += [Violation("snapshot", line) for line in diff_snapshots(expected, snap)]
-        found = self._engine_problems()
-        finished = self.history.requests.get(op.rid) if isinstance(op, Finish) else None
-        anomalies = update_history(self.history, op, obs, before, snap)
-        found += [Violation("events_match_hash_map", a) for a in anomalies]
-        if self.check_invariants:
-            ctx = CheckContext(
-                self.config,
-                op,
-                obs,
-                before,
-                snap,
-                self.history,
-                self._probe,
-                finished,
-                profile=self.model.profile,
-                draft_blocks=self.model.num_spec_tokens,
-            )
-            found += [Violation(name, msg) for name, msg in check_all(ctx)]
-        forget(self.history, snap.cached)  # after the checks: they read the finishing request's keys
-        self.last = snap
-        if self.audit_every > 1:
-            self._mirror(snap)
+        found = self._judge_state(op, obs, before, snap)
         drift = self._drifted(expected_obs, obs, snap.tables) if differs and not pre and not found else None
         return [drift] if drift is not None else pre + diff + found
 
@@ -526,11 +505,16 @@ class Checker:
         self._expected(op, obs)
         self.after_drift += 1
         self.last_obs = obs
+        return self._judge_state(op, obs, before, snap)
+
+    def _judge_state(self, op: Op, obs: Observation, before: Snapshot, snap: Snapshot) -> list[Violation]:
+        """What a whole target state after `op` breaks, the model aside: the engine's
+        contract, the KV events against the hash map, every catalogue invariant; then
+        `snap` is the state the next operation starts from."""
         found = self._engine_problems()
         finished = self.history.requests.get(op.rid) if isinstance(op, Finish) else None
-        found += [
-            Violation("events_match_hash_map", a) for a in update_history(self.history, op, obs, before, snap)
-        ]
+        anomalies = update_history(self.history, op, obs, before, snap)
+        found += [Violation("events_match_hash_map", a) for a in anomalies]
         if self.check_invariants:
             ctx = CheckContext(
                 self.config,
@@ -545,7 +529,7 @@ class Checker:
                 draft_blocks=self.model.num_spec_tokens,
             )
             found += [Violation(name, msg) for name, msg in check_all(ctx)]
-        forget(self.history, snap.cached)
+        forget(self.history, snap.cached)  # after the checks: they read the finishing request's keys
         self.last = snap
         if self.audit_every > 1:
             self._mirror(snap)

@@ -110,8 +110,6 @@ class RequestView:
     ids: list[int]  # ids[p]: the provenance of tokens[0..p]
     computed: int
     tables: list[list[int]]
-    last_start: int = 0
-    last_end: int = 0
     last: Chunk | None = None  # the share of the last step the worker ran for it
 
 
@@ -211,7 +209,7 @@ class ShadowWorker:
         fresh: list[tuple[int, int]] = []  # (group, block) newly placed past the computed tokens
         for data in out.scheduled_new_reqs:
             self._install(data, fresh)
-        self._update_cached(out.scheduled_cached_reqs, out.num_scheduled_tokens, fresh)
+        self._update_cached(out.scheduled_cached_reqs, fresh)
         self.fresh = [b for _, b in fresh]
         if self.zeroing:
             for g, b in fresh:
@@ -270,7 +268,7 @@ class ShadowWorker:
         self.requests[data.req_id] = view
         self._fresh_past(view, fresh)
 
-    def _update_cached(self, cached: Any, scheduled: dict[str, int], fresh: list[tuple[int, int]]) -> None:
+    def _update_cached(self, cached: Any, fresh: list[tuple[int, int]]) -> None:
         resumed = set(cached.resumed_req_ids) if self.runner == "v1" else set()
         for i, rid in enumerate(cached.req_ids):
             view = self.requests.get(rid)
@@ -347,7 +345,7 @@ class ShadowWorker:
                 end == known,
                 True,
             )
-            view.last_start, view.last_end, view.last, view.computed = start, end, share, end
+            view.last, view.computed = share, end
         for rid, view, start, end, ids in chunks:
             self._write(rid, view, start, end, ids)
         for rid, view, start, end, ids in chunks:
