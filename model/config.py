@@ -54,6 +54,19 @@ class Config:
     admitted afresh) or "fail" (the request ends with an error), as vLLM's.
     `long_prefill_token_threshold`: the scheduler's cap on one request's chunk in a
     step with other requests (vLLM `SchedulerConfig`; 0: none; `model.scheduling`).
+
+    vLLM's scheduler settings (`SchedulerConfig`, `SpeculativeConfig`; `model.admission`).
+    Each field's default is the value kvretain built vLLM with before the field existed,
+    so a trace written then (the field absent) keeps its meaning; new generation draws
+    vLLM's own default most often (`invariants.harness.strategies`):
+    `reserve_full_isl`: a waiting request is admitted only if its whole sequence fits the
+    free pool (vLLM `scheduler_reserve_full_isl`; vLLM's default True, the field's False);
+    `watermark`: the fraction of the pool an admission leaves free while a request runs
+    (vLLM `watermark`, default 0.0); `scheduling_policy`: "fcfs" (vLLM's default) or
+    "priority" (not predicted by the model: judged by the engine's contract alone);
+    `lookahead_block_hashes`: an Eagle configuration's block hashes cover the drafter's
+    lookahead token instead of dropping the last hit block (vLLM's default: on, i.e.
+    `disable_lookahead_block_hashes=False`; the field's default False; `model.eagle`).
     """
 
     groups: tuple[GroupSpec, ...]
@@ -70,6 +83,10 @@ class Config:
     kv_connector: bool = False
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     long_prefill_token_threshold: int = 0
+    reserve_full_isl: bool = False
+    watermark: float = 0.0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    lookahead_block_hashes: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +114,13 @@ class Config:
         """The interval in force: None (dense) when caching is off."""
         return self.retention_interval if self.enable_caching else None
 
+    @property
+    def lookahead_hashes_in_force(self) -> bool:
+        """Eagle's block hashes cover the lookahead token (no trailing-block drop): asked for,
+        Eagle, prefix caching on and no KV connector (vLLM 0.33.0
+        `VllmConfig.num_hash_lookahead_tokens`: connectors keep the legacy hashes)."""
+        return self.lookahead_block_hashes and self.eagle and self.enable_caching and not self.kv_connector
+
     def with_(self, **changes: object) -> Config:
         return replace(self, **changes)  # type: ignore[arg-type]
 
@@ -115,6 +139,8 @@ def validate(cfg: Config) -> Config:
     - Mamba prefix caching requires mamba_cache_mode 'align' ('none' only
       with caching off: vLLM `MambaManager.__init__`);
     - the long-prefill threshold is at most max_model_len (`SchedulerConfig`);
+    - the watermark is in [0, 1) and the policy "fcfs" or "priority" (`SchedulerConfig`);
+      lookahead block hashes only with Eagle (kvretain's rule: vLLM ignores the flag);
     - retention with caching disabled is ignored with a warning.
     """
     if not cfg.groups:
@@ -193,6 +219,16 @@ def _check_scheduler_fields(cfg: Config) -> None:
         raise ConfigError(
             f"long_prefill_token_threshold ({t}) cannot be greater than the max_model_len ({cfg.max_model_len})"
         )
+    w = cfg.watermark
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < 1.0:
+        raise ConfigError(f"watermark: must be a number in [0.0, 1.0), got {w!r}")
+    if cfg.scheduling_policy not in ("fcfs", "priority"):
+        raise ConfigError(f"scheduling_policy: must be 'fcfs' or 'priority', got {cfg.scheduling_policy!r}")
+    for name in ("reserve_full_isl", "lookahead_block_hashes"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name}: must be true or false, got {getattr(cfg, name)!r}")
+    if cfg.lookahead_block_hashes and not cfg.eagle:
+        raise ConfigError("lookahead_block_hashes: only an Eagle configuration hashes lookahead tokens")
 
 
 def _check_load_failure_policy(policy: object) -> None:

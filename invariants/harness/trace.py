@@ -47,6 +47,10 @@ def config_to_json(cfg: Config) -> dict[str, Any]:
             ("kv_connector", False),
             ("kv_load_failure_policy", "recompute"),
             ("long_prefill_token_threshold", 0),
+            ("reserve_full_isl", False),
+            ("watermark", 0.0),
+            ("scheduling_policy", "fcfs"),
+            ("lookahead_block_hashes", False),
         ):
             continue  # absent = the default (traces from before these fields read the same)
         if f.name == "groups":
@@ -94,7 +98,14 @@ def config_from_json(data: Any) -> Config:
     ):
         if key in kwargs and (not isinstance(kwargs[key], int) or isinstance(kwargs[key], bool)):
             raise ConfigError(f"config.{key}: must be an integer")
-    for key in ("eagle", "enable_caching", "pin_swa_on_drop", "kv_connector"):
+    for key in (
+        "eagle",
+        "enable_caching",
+        "pin_swa_on_drop",
+        "kv_connector",
+        "reserve_full_isl",
+        "lookahead_block_hashes",
+    ):
         if key in kwargs and not isinstance(kwargs[key], bool):
             raise ConfigError(f"config.{key}: must be true or false")
     return validate(Config(groups=tuple(groups), **kwargs))
