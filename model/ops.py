@@ -6,7 +6,11 @@ step: the allocator sees `new_step_starts()` before it.
 
 Contract of each operation (see `docs/semantics.md` for the full text):
 
-- `AddRequest(rid, prompt)`: a request arrives and waits. No allocator effect.
+- `AddRequest(rid, prompt, salt=None, lora=None, mm=())`: a request arrives and
+  waits. No allocator effect. Its identity (`model.extra_keys`: a tenant's cache
+  salt, a LoRA adapter (name, id, path), multimodal items (identifier, offset,
+  length)) enters its blocks' hash keys: requests of different identities never
+  share a block over a prefix where their keys differ.
 - `Schedule(rid, budget)`: one step for one request, at most `budget` new
   tokens. A waiting (new or preempted) request is admitted: prefix-cache
   lookup, then `allocate_slots` for the hit plus the first chunk. A running
@@ -53,11 +57,24 @@ from dataclasses import MISSING, dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any, Union
 
+from model.extra_keys import Identity, MMItem, keyed, validate
+
 
 @dataclass(frozen=True)
 class AddRequest:
     rid: str
     prompt: tuple[int, ...]
+    # The request's identity (`model.extra_keys`); at their defaults they are left out of JSON.
+    salt: str | None = None
+    lora: tuple[str, int, str] | None = None  # (name, int id, path)
+    mm: tuple[tuple[str, int, int], ...] = ()  # (identifier, offset, length), sorted, disjoint
+
+    def identity(self) -> Identity:
+        return Identity(self.salt, self.lora, tuple(MMItem(*m) for m in self.mm))
+
+    def tokens(self) -> tuple[int, ...]:
+        """The prompt carrying the identity (`model.extra_keys.Keyed`; plain without one)."""
+        return keyed(self.prompt, self.identity())
 
 
 @dataclass(frozen=True)
@@ -175,8 +192,13 @@ def op_to_json(op: Op) -> dict[str, Any]:
     for key, value in vars(op).items():
         if key in defaults and value == defaults[key]:
             continue  # an optional field at its default: traces without it stay as they were
-        out[key] = list(value) if isinstance(value, tuple) else value
+        out[key] = _json_value(value)
     return out
+
+
+def _json_value(value: Any) -> Any:
+    """Tuples (nested too: an add's multimodal items) become lists."""
+    return [_json_value(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _defaults(cls: type) -> dict[str, Any]:
@@ -234,5 +256,39 @@ def op_from_json(data: Any) -> Op:
         raise ValueError(f"operation {name!r}: field 'ok' must be true or false")
     if "rid" in fields and not isinstance(fields["rid"], str):
         raise ValueError(f"operation {name!r}: field 'rid' must be a string")
+    if cls is AddRequest:
+        _identity_fields(fields)
     op: Op = cls(**fields)
     return op
+
+
+def _identity_fields(fields: dict[str, Any]) -> None:
+    """An add's salt, lora and mm fields from JSON, validated (`model.extra_keys.validate`)."""
+
+    def bad(msg: str) -> ValueError:
+        return ValueError(f"operation 'add': {msg}")
+
+    if "salt" in fields and not isinstance(fields["salt"], str):
+        raise bad("field 'salt' must be a string")
+    if "lora" in fields:
+        lora = fields["lora"]
+        if not isinstance(lora, list) or len(lora) != 3:
+            raise bad("field 'lora' must be [name, id, path]")
+        fields["lora"] = tuple(lora)
+    if "mm" in fields:
+        mm = fields["mm"]
+        if not isinstance(mm, list) or not all(
+            isinstance(m, list)
+            and len(m) == 3
+            and isinstance(m[0], str)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in m[1:])
+            for m in mm
+        ):
+            raise bad("field 'mm' must be a list of [identifier, offset, length]")
+        fields["mm"] = tuple(tuple(m) for m in mm)
+    probe = AddRequest(
+        "", tuple(fields.get("prompt", ())), fields.get("salt"), fields.get("lora"), fields.get("mm", ())
+    )
+    why = validate(probe.identity(), len(probe.prompt))
+    if why is not None:
+        raise bad(why)

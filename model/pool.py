@@ -15,8 +15,10 @@ blocks') or "vllm-0.33.0" (one BlockStored per caching call over the whole
 token range, masked blocks included: `block_pool.py` `cache_full_blocks`).
 Either profile fills the rest of vLLM 0.33.0's event fields as vLLM does
 (`model.observation.BlockStored`): the group's spec kind and window
-(`spec_metadata`), one empty extra key per hash (`no_extra_keys`), and the
-defaults for the GPU medium, no LoRA, no lookahead hashing, no session.
+(`spec_metadata`), the extra keys of each hashed block and the LoRA adapter of
+the request that stored it (`model.extra_keys`: `event_keys`, `event_lora`; one
+None per hash without salt, LoRA or multimodal items), and the defaults for the
+GPU medium, no lookahead hashing, no session.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from model.config import GroupSpec
+from model.extra_keys import Identity, event_keys, event_lora, identity_of
 from model.free_queue import LinkedFreeQueue, demote_n
 from model.observation import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, Event, Tokens, block_key
 from model.prefix import Prefix, prefix
@@ -197,6 +200,8 @@ class Pool:
                     prefix(tokens, num_cached * block_size) if num_cached else None,
                     tokens[num_cached * block_size : num_full * block_size],
                     block_size,
+                    _keys(tokens, [i * block_size for i in stored], block_size),
+                    identity_of(tokens),
                 )
             )
             return
@@ -209,17 +214,38 @@ class Pool:
                     prefix(tokens, lo * block_size) if lo else None,
                     tokens[lo * block_size : hi * block_size],
                     block_size,
+                    _keys(tokens, [i * block_size for i in run], block_size),
+                    identity_of(tokens),
                 )
             )
 
     def _stored(
-        self, group: int, hashes: tuple[Prefix, ...], parent: Prefix | None, tokens: Tokens, block_size: int
+        self,
+        group: int,
+        hashes: tuple[Prefix, ...],
+        parent: Prefix | None,
+        tokens: Tokens,
+        block_size: int,
+        keys: tuple[tuple[object, ...] | None, ...] | None,
+        identity: Identity,
     ) -> BlockStored:
         """A BlockStored with vLLM's other fields: `KVCacheManager.take_events` names the
-        group's spec (None for a group it does not know), `to_event_extra_keys` one None per hash."""
+        group's spec (None for a group it does not know), `to_event_extra_keys` the
+        hashed blocks' `keys`, and the request's adapter (`event_lora`)."""
         kind, window = self.spec_meta[group] if group < len(self.spec_meta) else (None, None)
+        lora_id, lora_name = event_lora(identity)
+        extra = keys if keys is not None and any(k is not None for k in keys) else no_extra_keys(len(hashes))
         return BlockStored(
-            group, hashes, parent, tokens, block_size, kind, window, no_extra_keys(len(hashes))
+            group,
+            hashes,
+            parent,
+            tokens,
+            block_size,
+            kind,
+            window,
+            extra,
+            lora_id=lora_id,
+            lora_name=lora_name,
         )
 
     def cache_partial_block(self, tokens: Tokens, block: int, num_tokens: int, group: int) -> BlockKey | None:
@@ -235,7 +261,13 @@ class Pool:
             lo = num_tokens - self.hbs
             self.events.append(
                 self._stored(
-                    group, (key.tokens,), prefix(tokens, lo) if lo else None, tokens[lo:num_tokens], self.hbs
+                    group,
+                    (key.tokens,),
+                    prefix(tokens, lo) if lo else None,
+                    tokens[lo:num_tokens],
+                    self.hbs,
+                    _keys(tokens, [lo], self.hbs),
+                    identity_of(tokens),
                 )
             )
         return key
@@ -276,6 +308,17 @@ class Pool:
         self.pinned.clear()
         self.events.append(AllBlocksCleared())
         return True
+
+
+def _keys(
+    tokens: Tokens, starts: Sequence[int], block_size: int
+) -> tuple[tuple[object, ...] | None, ...] | None:
+    """Per stored block (its first token in `starts`), its event's extra keys
+    (`model.extra_keys.event_keys`); None for a request without an identity."""
+    identity = identity_of(tokens)
+    if not identity:
+        return None
+    return tuple(event_keys(identity, s, s + block_size) for s in starts)
 
 
 def _runs(indices: list[int]) -> list[list[int]]:

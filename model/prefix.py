@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, overload
 
+from model.extra_keys import Identity, Keyed, Marks, chunk_marks, clip_marks, stable_hash
+
 Tokens = tuple[int, ...]
 
 CHAIN = 32  # tokens per full node: a node per 32 tokens, a tail rebuilt in O(32)
@@ -41,12 +43,16 @@ _MEMO_NODES = 1 << 19
 class Prefix:
     """The interned name of a token prefix (see the module docstring)."""
 
-    __slots__ = ("parent", "chunk", "length", "_hash", "__weakref__")
+    __slots__ = ("parent", "chunk", "length", "_hash", "marks", "ns", "__weakref__")
 
     parent: Prefix | None
     chunk: Tokens
     length: int
     _hash: int
+    # The multimodal items over `chunk` (`model.extra_keys.chunk_marks`); None: none.
+    marks: Marks | None
+    # A root's namespace (salt, LoRA name, path: `Identity.namespace`); None elsewhere.
+    ns: tuple[str | None, ...] | None
 
     def __len__(self) -> int:
         return self.length
@@ -77,7 +83,36 @@ class Prefix:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (prefix, (self.tokens(),))
+        nodes = self._path()
+        if nodes[0].ns is None and all(n.marks is None for n in nodes):
+            return (prefix, (self.tokens(),))
+        return (_rebuilt, (nodes[0].ns, tuple((n.chunk, n.marks) for n in nodes[1:])))
+
+    def _path(self) -> list[Prefix]:
+        """The nodes from the root (EMPTY or a namespace's) to this one."""
+        path: list[Prefix] = []
+        node: Prefix | None = self
+        while node is not None:
+            path.append(node)
+            node = node.parent
+        if path[-1].length or path[-1].chunk:  # (never: every chain starts at a root)
+            path.append(EMPTY)
+        return path[::-1]
+
+    def namespace(self) -> tuple[str | None, ...] | None:
+        """The namespace of the chain this prefix lies on (None: no salt or LoRA)."""
+        return self._path()[0].ns
+
+    def items(self) -> tuple[tuple[str, int, int], ...]:
+        """The multimodal marks along the prefix, as (identifier, first, end) in
+        absolute positions (an item over several nodes is listed once per node)."""
+        out: list[tuple[str, int, int]] = []
+        base = 0
+        for node in self._path():
+            for ident, a, b in node.marks or ():
+                out.append((ident, base + a, base + b))
+            base += len(node.chunk)
+        return tuple(out)
 
     def __repr__(self) -> str:
         toks = self.tokens() if self.length <= 8 else None
@@ -119,19 +154,44 @@ class Prefix:
             node = node.parent
         if n == base:
             return node.parent if node.length > base and node.parent is not None else node
-        return _node(node.parent, node.chunk[: n - base])
+        return _node(node.parent, node.chunk[: n - base], clip_marks(node.marks, n - base))
 
 
-def _root() -> Prefix:
+def _root(ns: tuple[str | None, ...] | None = None) -> Prefix:
     root = Prefix.__new__(Prefix)
-    root.parent, root.chunk, root.length, root._hash = None, (), 0, hash(())
+    root.parent, root.chunk, root.length = None, (), 0
+    root._hash = hash(()) if ns is None else hash(("ns", stable_hash(ns)))
+    root.marks, root.ns = None, ns
     return root
 
 
 EMPTY = _root()  # the prefix of no tokens (never collected)
-# (parent, chunk) -> the node, held weakly: the entry goes when the node does.
+# A namespace's root (`model.extra_keys`): its empty prefix, kept for the process.
+_ROOTS: dict[tuple[str | None, ...], Prefix] = {}
+
+
+def root_of(identity: Identity) -> Prefix:
+    """The empty prefix of `identity`'s namespace (EMPTY without salt or LoRA)."""
+    ns = identity.namespace()
+    if ns is None:
+        return EMPTY
+    root = _ROOTS.get(ns)
+    if root is None:
+        root = _ROOTS[ns] = _root(ns)
+    return root
+
+
+def _rebuilt(ns: tuple[str | None, ...] | None, nodes: tuple[tuple[Tokens, Marks | None], ...]) -> Prefix:
+    """A prefix from its namespace and its nodes' (chunk, marks) (`Prefix.__reduce__`)."""
+    node = EMPTY if ns is None else _ROOTS.setdefault(ns, _root(ns))
+    for chunk, marks in nodes:
+        node = _node(node, chunk, marks)
+    return node
+
+
+# (parent, chunk[, marks]) -> the node, held weakly: the entry goes when the node does.
 # (A WeakValueDictionary's get is Python code; naming a 1M-token prompt asks 32k times.)
-_NODES: dict[tuple[Prefix, Tokens], weakref.KeyedRef] = {}
+_NODES: dict[tuple[Any, ...], weakref.KeyedRef] = {}
 
 
 def _collected(ref: weakref.KeyedRef) -> None:
@@ -146,17 +206,20 @@ _memo_size = 0  # the remembered tuples' `_cost`, in all
 _JOINED: dict[int, Tokens] = {}
 
 
-def _node(parent: Prefix | None, chunk: Tokens) -> Prefix:
+def _node(parent: Prefix | None, chunk: Tokens, marks: Marks | None = None) -> Prefix:
     base = EMPTY if parent is None else parent
     if not chunk:
         return base
-    key = (base, chunk)
+    key: tuple[Any, ...] = (base, chunk) if marks is None else (base, chunk, marks)
     ref = _NODES.get(key)
     node = None if ref is None else ref()
     if node is None:
         node = Prefix.__new__(Prefix)
         node.parent, node.chunk, node.length = base, chunk, base.length + len(chunk)
-        node._hash = hash((base._hash, chunk))
+        node.marks, node.ns = marks, None
+        node._hash = (
+            hash((base._hash, chunk)) if marks is None else hash((base._hash, chunk, stable_hash(marks)))
+        )
         _NODES[key] = weakref.KeyedRef(node, _collected, key)
     return node
 
@@ -167,14 +230,15 @@ def extend(p: Prefix | None, tokens: Sequence[int]) -> Prefix:
     if not tokens:
         return base
     toks = tuple(tokens)
+    marks = None  # a tail's marks stay with its tokens (the new tokens carry none)
     if base.length % CHAIN:  # a tail: rebuild it with the new tokens
-        toks = base.chunk + toks
+        toks, marks = base.chunk + toks, base.marks
         base = base.parent if base.parent is not None else EMPTY
     i = 0
     while len(toks) - i >= CHAIN:
-        base = _node(base, toks[i : i + CHAIN])
+        base = _node(base, toks[i : i + CHAIN], marks if i == 0 else None)
         i += CHAIN
-    return _node(base, toks[i:])
+    return _node(base, toks[i:], marks if i == 0 else None)
 
 
 def prefix(tokens: Sequence[int], n: int | None = None) -> Prefix:
@@ -194,18 +258,27 @@ def prefix(tokens: Sequence[int], n: int | None = None) -> Prefix:
     n = size if n is None else max(0, min(n, size))
     if not isinstance(tokens, tuple):  # mutable: never remembered
         return extend(EMPTY, tokens[:n])
+    identity = tokens.identity if isinstance(tokens, Keyed) else None
     if entry is None:  # (a remembered tuple is held, so its id is never reused)
-        entry = _remember(tokens, [EMPTY])
+        entry = _remember(tokens, [EMPTY if identity is None else root_of(identity)])
     else:
         _CHAINS.move_to_end(id(tokens))
     full = n // CHAIN
     chain, named = entry[1], entry[2]
     while len(chain) <= full:
         k = len(chain) - 1
-        chain.append(_node(chain[-1], tokens[k * CHAIN : (k + 1) * CHAIN]))
+        lo, hi = k * CHAIN, (k + 1) * CHAIN
+        if identity is None:
+            chain.append(_node(chain[-1], tokens[lo:hi]))
+        else:
+            chain.append(_node(chain[-1], tokens[lo:hi], chunk_marks(identity, lo, hi)))
     node = chain[full]
     if n > full * CHAIN:
-        node = _node(node, tokens[full * CHAIN : n])
+        lo = full * CHAIN
+        if identity is None:
+            node = _node(node, tokens[lo:n])
+        else:
+            node = _node(node, tokens[lo:n], chunk_marks(identity, lo, n))
     if n not in named:
         named[n] = node
         _memo_size += 1
@@ -224,6 +297,8 @@ def joined(tokens: Tokens, more: Sequence[int]) -> Tokens:
         if last is not None and len(last) == len(tokens) + len(more) and last[len(tokens) :] == more:
             return last  # one tuple (and one chain) serves both
     out = tokens + more
+    if isinstance(tokens, Keyed):
+        out = Keyed(out, tokens.identity)
     if entry is not None and out is not tokens:
         # The same content up to len(tokens): the full nodes named along `tokens` serve `out`.
         _remember(out, entry[1][: len(tokens) // CHAIN + 1])

@@ -204,7 +204,7 @@ def advance_requests(history: History, op: Op, obs: Observation, tables: Tables 
     where its observation does not name every block)."""
     after = tables or {}
     if isinstance(op, AddRequest):
-        history.requests[op.rid] = RequestHistory(op.prompt)
+        history.requests[op.rid] = RequestHistory(op.tokens())
     elif isinstance(op, Sample):
         _sampled(history.requests[op.rid], op)
     elif isinstance(op, Preempt):

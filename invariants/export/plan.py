@@ -186,7 +186,7 @@ def plan_export(trace: Trace) -> ExportPlan:
         if isinstance(op, Schedule) and isinstance(obs, ScheduleResult):
             schedules[i] = obs
         if isinstance(op, AddRequest):
-            history[op.rid] = RequestHistory(op.prompt)
+            history[op.rid] = RequestHistory(op.tokens())
         elif isinstance(op, Sample):
             history[op.rid].outputs.append(op.token)
         elif (

@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from model.extra_keys import Identity, identity_of
 from model.observation import Done, Observation, ProbeResult, ResetResult, ScheduleResult, StepResult, Tokens
 from model.ops import (
     AddRequest,
@@ -37,6 +38,7 @@ from model.ops import (
 
 from .base import TargetCrash, TargetUnavailable
 from .vllm_hashing import continuing, shared_hashes
+from .vllm_identity import request_identity
 from .vllm_names import HashLearner
 from .vllm_schedule import block_ids
 from .vllm_session import VllmSession
@@ -64,6 +66,8 @@ class OpDriver:
         self.names = names
         self.scheduler = scheduler
         self.probe_seq = 0
+        # rid -> its identity (`model.extra_keys`): a probe borrows only its own identity's hashes.
+        self.identities: dict[str, Identity] = {}
         # The last finished request, until the next probe (see `probe_request`).
         self.finished: Any = None
 
@@ -112,7 +116,7 @@ class OpDriver:
         """Apply a well-formed operation (see the module docstring)."""
         m, requests = self.s.manager, self.s.requests
         if isinstance(op, AddRequest):
-            requests[op.rid] = self.new_request(op.rid, op.prompt)
+            requests[op.rid] = self.new_request(op.rid, op.tokens())
             return Done()
         if isinstance(op, Schedule):
             return self.scheduler.schedule(requests[op.rid], op.budget)
@@ -165,15 +169,18 @@ class OpDriver:
             hasher = v["get_request_block_hasher"](self.s.hbs, v["sha256"])
             if known:
                 hasher = continuing(hasher, known)
+        identity = identity_of(tokens)
+        kwargs: dict[str, Any] = {"mm_features": None, **request_identity(identity)}
         req = v["Request"](
             request_id=rid,
             prompt_token_ids=list(tokens),
             sampling_params=sp,
             pooling_params=None,
-            mm_features=None,
             block_hasher=hasher,
+            **kwargs,
         )
         if known is None:
+            self.identities[rid] = identity
             self.names.register(rid, tokens)
         return req
 
@@ -181,23 +188,30 @@ class OpDriver:
         """A throw-away request for `tokens` (a lookup reads only its token count and
         block hashes).
 
-        vLLM's block hash is a function of the prefix's tokens alone (no LoRA,
-        multimodal input, salt or hash lookahead here), so the full blocks `tokens`
-        shares with a request vLLM already hashed take that request's hashes, and
+        vLLM's block hash is a function of the prefix's tokens and identity
+        (`model.extra_keys`; no hash lookahead here), so the full blocks `tokens`
+        shares with a request of its identity vLLM already hashed take that
+        request's hashes (a donor of another identity gives none), and
         vLLM's hasher hashes only the blocks after them: a probe of a 1M-token
         prefix costs a token comparison, not 62k hashes. The donors are the live
         requests and the last finished one (the promise probe replays its
         prompt); when that one has no outputs it serves itself (a free leaves its
         token count and hashes as they were)."""
         last, self.finished = self.finished, None
+        identity = identity_of(tokens)
         if (
             last is not None
             and last.num_tokens == last.num_prompt_tokens == len(tokens)
             and last.prompt_token_ids == list(tokens)
+            and self.identities.get(last.request_id) == identity
         ):
             return last
         self.probe_seq += 1
-        donors = [*self.s.requests.values(), *([last] if last is not None else [])]
+        donors = [
+            r
+            for r in (*self.s.requests.values(), *([last] if last is not None else []))
+            if self.identities.get(r.request_id) == identity
+        ]
         want = list(tokens)
         known = shared_hashes(want, donors, self.s.hbs) if self.s.config.enable_caching else []
         return self.new_request(f"__probe{self.probe_seq}", tokens, known)

@@ -30,11 +30,13 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Any
 
+from model.extra_keys import NO_IDENTITY, Identity, identity_of, keyed
 from model.observation import BlockKey, Tokens
 from model.prefix import Prefix, extend, prefix
 
 from .base import TargetCrash
 from .hash_names import HashNames
+from .vllm_identity import identity_of_prefix, request_identity
 from .vllm_session import VllmSession
 
 
@@ -49,13 +51,22 @@ class HashLearner:
         self.table = HashNames(self.rehash)
         # rid -> (its prompt tuple, how many of its hashes are learnt): see `learn_computed`.
         self.pending: dict[str, tuple[Tokens | None, int]] = {}
+        # rid -> its identity (`model.extra_keys`): its hashes are named in its namespace.
+        self.identity: dict[str, Identity] = {}
 
     def register(self, rid: str, tokens: Any) -> None:
         """A new request: nothing of it learnt yet (its prompt kept where it is a tuple)."""
         self.pending[rid] = (tokens if isinstance(tokens, tuple) else None, 0)
+        if identity_of(tokens):
+            self.identity[rid] = identity_of(tokens)
 
     def forget(self, rid: str) -> None:
         self.pending.pop(rid, None)
+        self.identity.pop(rid, None)
+
+    def tokens_of(self, req: Any) -> Tokens:
+        """The request's tokens, carrying its identity (a plain tuple without one)."""
+        return keyed(req.all_token_ids, self.identity.get(req.request_id))
 
     def learn_computed(self, req: Any) -> None:
         """Learn a request's hashes as far as vLLM may cache its blocks (its computed
@@ -80,7 +91,7 @@ class HashLearner:
             return
         hbs = self.s.hbs
         if tokens is None or upto * hbs > len(tokens):
-            tokens = tuple(req.all_token_ids)
+            tokens = self.tokens_of(req)
         self.table.learn(tokens, req.block_hashes, done, hbs, stop=upto)
         self.pending[req.request_id] = (tokens, upto)
 
@@ -102,8 +113,12 @@ class HashLearner:
         if not self.track_prefixes or start >= len(req.block_hashes):
             return
         hbs = self.s.hbs
+        # An item may run on past the named prefix: its marks are named from the whole tuple.
+        items = self.identity.get(req.request_id, NO_IDENTITY).mm
         before = (
-            None if tokens is not None or not start else self.table.name(bytes(req.block_hashes[start - 1]))
+            None
+            if tokens is not None or not start or items
+            else self.table.name(bytes(req.block_hashes[start - 1]))
         )
         if before is not None:
             # A sampled token's new blocks: the request's last named prefix, extended by
@@ -113,7 +128,7 @@ class HashLearner:
                 self.table.adopt(bytes(req.block_hashes[i]), before)
             return
         # The operation's own tuple where it is the request's tokens: prefixes named along it are shared.
-        toks = tokens if tokens is not None else tuple(req.all_token_ids)
+        toks = tokens if tokens is not None else self.tokens_of(req)
         self.table.learn(toks, req.block_hashes, start, hbs)
 
     def rehash(self, p: Prefix) -> bytes | None:
@@ -122,13 +137,14 @@ class HashLearner:
         if not self.s.config.enable_caching or len(p) == 0 or len(p) % hbs:
             return None
         v = self.s.v
+        kwargs: dict[str, Any] = {"mm_features": None, **request_identity(identity_of_prefix(p))}
         req = v["Request"](
             request_id="__rehash",
             prompt_token_ids=list(p.tokens()),
             sampling_params=v["SamplingParams"](max_tokens=1),
             pooling_params=None,
-            mm_features=None,
             block_hasher=v["get_request_block_hasher"](hbs, v["sha256"]),
+            **kwargs,
         )
         return bytes(req.block_hashes[-1])
 

@@ -84,7 +84,7 @@ class SchedulerOpDriver(OpDriver):
         if not isinstance(op, (Sample, Loaded)):
             self.real.close_window()
         if isinstance(op, AddRequest):
-            requests[op.rid] = self.new_request(op.rid, op.prompt)
+            requests[op.rid] = self.new_request(op.rid, op.tokens())
             self.real.add(requests[op.rid])
             return Done()
         if isinstance(op, Sample):
