@@ -47,28 +47,15 @@ FINDINGS = {fid: f for fid, f in ALL_FINDINGS.items() if "*" in f.versions or MO
 NOT_EXPORTED = {
     "vllm-blockstored-token-range-dense": "its matrix trace records no violation line to export yet; "
     "the masked variant (vllm-blockstored-token-range) is exported",
-    "swa-load-cut-reads-skipped-window": "a KV connector trace (Offer, Loaded with failed blocks): the "
-    "exporter writes no connector yet; `kvretain replay` replays it on vllm",
-    "vllm-mamba-external-state-uncounted": "a KV connector trace (Offer): the exporter writes no "
-    "connector yet; `kvretain replay` replays it on vllm",
-    "vllm-mamba-padded-admission-null-state": "drafts through the real scheduler: the exporter writes "
-    "no speculative decoding for vLLM's Scheduler yet (it refuses in one line); `kvretain replay` "
-    "replays it on vllm and vllm-async-scheduler",
-    "save-during-load-freed-at-first-report": "a KV connector trace (Save, Offer, Loaded): the "
-    "exporter writes no connector yet; `kvretain replay` replays it on vllm",
-    "failed-load-rollback-reserves-against-itself": "a KV connector trace (Offer, Loaded): the "
-    "exporter writes no connector yet; `kvretain replay` replays it on the model",
-    "async-load-cut-keeps-placeholders": "a KV connector trace (Offer, Loaded with failed blocks) on "
-    "the AsyncScheduler: the exporter writes no connector nor async scheduling yet; `kvretain replay` "
-    "replays it on vllm-async-scheduler",
-    "sync-load-failed-block-hash-kept": "a KV connector trace (Offer, Loaded with failed blocks): the "
-    "exporter writes no connector yet; `kvretain replay` replays it on vllm",
-    "sync-load-failed-block-read-before-recompute": "a KV connector trace (Offer, Loaded with failed "
-    "blocks): the exporter writes no connector yet; `kvretain replay` replays it on vllm",
-    "vllm-mamba-external-state-overcounted": "a KV connector trace (Offer): the exporter writes no "
-    "connector yet; `kvretain replay` replays it on vllm",
 }
-FINDINGS = {fid: f for fid, f in FINDINGS.items() if fid not in NOT_EXPORTED}
+# Findings recorded on vLLM's real scheduler (drafts, connectors, async scheduling):
+# exported from the target's recorded calls, tested in tests/test_export_engine.py.
+ENGINE = {
+    fid
+    for fid, f in FINDINGS.items()
+    if (f.trace.target or "").startswith("vllm") and f.trace.target != "vllm-manager"
+}
+FINDINGS = {fid: f for fid, f in FINDINGS.items() if fid not in NOT_EXPORTED and fid not in ENGINE}
 _counter = itertools.count()
 
 needs_vllm = pytest.mark.skipif(not vllm_available()[0], reason=vllm_available()[1])
@@ -386,8 +373,8 @@ def test_mutant_export_fails_with_mutant_passes_without(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ the command
-def _finding_file(tmp_path: Path, fid: str) -> Path:
-    return write_trace(FINDINGS[fid].trace, tmp_path / f"{fid}.json")
+def _finding_file(tmp_path: Path, fid: str, among: dict[str, Any] | None = None) -> Path:
+    return write_trace((among or FINDINGS)[fid].trace, tmp_path / f"{fid}.json")
 
 
 def test_cli_writes_test_and_issue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -694,7 +681,7 @@ def test_exported_unpatched_findings_xfail(tmp_path: Path) -> None:
     state and fails the property's assertion (raises=AssertionError; a setup divergence
     would be a failure)."""
     sources = {p.stem: p.read_text() for p in sorted((ROOT / "docs" / "findings").glob("test_*.py"))}
-    assert len(sources) == len(FINDINGS)
+    assert len(sources) == len(FINDINGS) + len(ENGINE)
     code, reports = run_as_findings(sources, tmp_path)
     assert {stem: _verdict(r) for stem, r in reports.items()} == dict.fromkeys(sources, "xfailed")
     assert code == 0
@@ -749,18 +736,26 @@ def test_exported_property_fix_is_a_strict_xpass(
     assert code == 1
 
 
+@needs_vllm
 def test_a_trace_the_renderer_refuses_exits_2_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A real scheduler's drafts pass the plan but not the renderer: one line, exit 2 (it
-    was a traceback)."""
-    trace = tmp_path / "drafts.json"
-    trace.write_text((ROOT / "tests" / "data" / "mamba_state_in_null_block.json").read_text())
+    """A real scheduler's trace whose property has no assertion in the engine file passes
+    the plan but not the renderer: one line, exit 2 (control: the same trace with its own
+    violation exports)."""
+    data = trace_to_json(ALL_FINDINGS["sync-load-failed-block-hash-kept"].trace)
+    data["violation"] = "no_waste: group 0 keeps block 3 cached although no retained boundary needs it"
+    trace = tmp_path / "unwritten.json"
+    trace.write_text(json.dumps(data))
     out = tmp_path / "t.py"
     assert main(["export", str(trace), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "speculative decoding" in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafts.json"]
+    assert len(err.splitlines()) == 1 and "no property assertion for the real scheduler's no_waste" in err, (
+        err
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unwritten.json"]
+    good = _finding_file(tmp_path, "sync-load-failed-block-hash-kept", ALL_FINDINGS)
+    assert main(["export", str(good), "--out", str(out)]) == 0 and out.exists()
 
 
 @needs_vllm

@@ -588,7 +588,12 @@ def _has_mamba(cfg: Config) -> bool:
 
 def render_test(plan: ExportPlan) -> str:
     """The pytest file's source (see the module docstring); a vllm trace drives
-    vLLM's real `Scheduler` instead (`scheduler_file`)."""
+    vLLM's real `Scheduler` instead (`scheduler_file`; with drafts, a KV connector or
+    async scheduling, the recorded calls: `engine_file`)."""
+    from invariants.export.engine_file import needs_engine_file, render_engine_test
+
+    if needs_engine_file(plan):
+        return render_engine_test(plan)
     if plan.trace.target == "vllm":
         from invariants.export.scheduler_file import render_scheduler_test
 
