@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple
 
+from model import admission as adm
 from model import connector as conn
 from model import failed_blocks as fb
 from model.async_scheduling import (
@@ -155,6 +156,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         # The order a report ending several requests at once frees them in: open; the judge's choice.
         self.end_order: tuple[str, ...] = ()
         self.order = QueueOrder()  # `running` and `holding` between steps (`model.queues`)
+        self.step_rids: tuple[str, ...] = ()  # the requests of the step being scheduled (`model.admission`)
         self.hybrid = len(config.groups) > 1
         self.fine = fine_hits_enabled(config)
         self.alignment = config.hash_block_size if self.fine else config.scheduler_block_size
@@ -188,7 +190,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         report, self.sync_report = fb.turn(self, op), None
         if isinstance(op, AddRequest):
             assert op.rid not in self.requests, f"request {op.rid} already exists"
-            self.requests[op.rid] = RequestState(op.rid, op.tokens())
+            self.requests[op.rid] = RequestState(op.rid, op.prompt)
             return Done()
         if isinstance(op, Schedule):
             self._new_step()
@@ -322,6 +324,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
 
     def _schedule(self, req: RequestState, budget: int) -> ScheduleResult:
         self.cap = 0  # one request queued: no long-prefill cap
+        self.step_rids = (req.rid,)
         if req.running:
             result = self._continue(req, budget, budget)
         else:
@@ -400,6 +403,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         """
         self._new_step()
         self.cap = long_prefill_cap(self.cfg.long_prefill_token_threshold, len(rids))
+        self.step_rids = rids
         running = [rid for rid in rids if self.requests[rid].running]
         waiting = [rid for rid in rids if not self.requests[rid].running]
         holding = [rid for rid in waiting if self.requests[rid].holding]
@@ -552,6 +556,17 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         # Speculative slots past the chunk: attention groups reserve them, Mamba (align)
         # sizes by `main` only (draft models have no Mamba layers).
         need_slot = min(main + conn.lookahead_slots(self, load), self.cfg.max_model_len)
+        # The admission gates (`model.admission`), the full sequence counted before anything is freed.
+        admission = not req.running
+        wm = adm.watermark_blocks(self.cfg.watermark, self.cfg.num_blocks)
+        wm = wm if adm.watermark_applies(admission, self._any_running()) else 0
+        if (
+            admission
+            and self.cfg.reserve_full_isl
+            and not self._full_sequence_fits(req, hits, local, total, wm)
+        ):
+            self.exercised["admission refused: the whole sequence does not fit"] += 1
+            return None
         unprocessed = self.in_flight.unprocessed(rid) if self.in_flight is not None else 0
         for g in self.groups:
             self._remove_skipped(g, rid, processed_limit(total, unprocessed))
@@ -559,7 +574,9 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             self._blocks_to_allocate(g, rid, need_slot, hits[g.gid] if hits else (), local, main, total)
             for g in self.groups
         )
-        if need > self.pool.num_free() - reserve:
+        if not adm.chunk_fits(need, wm, self.pool.num_free(), reserve):
+            if wm and adm.chunk_fits(need, 0, self.pool.num_free(), reserve):
+                self.exercised["admission refused by the watermark"] += 1
             return None
         if (hits is not None or ext) and not any(rid in g.num_cached for g in self.groups):
             for g in self.groups:
@@ -575,6 +592,33 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if self.cfg.enable_caching and not delay_cache:
             self._cache_blocks(req, caching_limit(total, n, req.num_tokens, unknown))
         return new
+
+    def _any_running(self) -> bool:
+        """A request of the step being scheduled is running (its admissions so far included)."""
+        return any(self.requests[r].running for r in self.step_rids if r in self.requests)
+
+    def _full_sequence_fits(
+        self, req: RequestState, hits: Blocks | None, local: int, total: int, wm: int
+    ) -> bool:
+        """`model.admission.full_sequence_fits` for `req`'s admission: every group counts
+        the whole sequence as it counts a chunk, a sliding-window group capped."""
+        full = adm.full_sequence_tokens(req.num_tokens, self.cfg.max_model_len)
+        blocks = sum(
+            self._blocks_to_allocate(
+                g, req.rid, full, hits[g.gid] if hits else (), local, full, total, self._admission_cap(g)
+            )
+            for g in self.groups
+        )
+        return adm.full_sequence_fits(blocks, wm, self.pool.num_free())
+
+    def _admission_cap(self, g: GroupState) -> int | None:
+        """A sliding-window group's full-sequence cap (`model.admission.admission_cap_blocks`);
+        the tokens in flight are max_model_len (the builds' `max_num_batched_tokens`)."""
+        if g.spec.kind != "swa":
+            return None
+        assert g.spec.sliding_window is not None
+        in_flight = self.cfg.max_model_len
+        return adm.admission_cap_blocks(g.spec.sliding_window, g.bs, in_flight, self.cfg.max_model_len)
 
     def _skipped_tokens(self, g: GroupState, computed: int) -> int:
         if g.spec.kind == "swa":
@@ -621,11 +665,20 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         self.pool.free(freed, append_all=self.rules.free_order.skipped_to_tail)
 
     def _blocks_to_allocate(
-        self, g: GroupState, rid: str, num_tokens: int, hits: Ids, local: int, main: int, computed: int
+        self,
+        g: GroupState,
+        rid: str,
+        num_tokens: int,
+        hits: Ids,
+        local: int,
+        main: int,
+        computed: int,
+        cap: int | None = None,
     ) -> int:
         """Free blocks group `g` takes for this step: its new blocks plus the hit
         blocks it adopts from the free queue (touching one removes it from there).
-        `computed`: `local` plus a connector's external tokens.
+        `computed`: `local` plus a connector's external tokens; `cap`: the admission
+        cap on the blocks the tokens require (`model.admission`), None: none.
 
         vLLM `single_type_kv_cache_manager.py` `get_num_blocks_to_allocate`.
         """
@@ -633,6 +686,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if _align(g):
             return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid, computed)
         required = cdiv(num_tokens + g.bs * self._draft_blocks(g), g.bs)
+        required = required if cap is None else min(required, cap)
         if rid in g.num_cached:
             # Running: no new hit, and a table already longer than needed is fine.
             return max(required - held, 0)

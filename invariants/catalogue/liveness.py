@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext
+from model.admission import admission_cap_blocks, full_sequence_tokens, watermark_blocks
 from model.config import Config
 from model.connector import external_tokens
 from model.fine_mamba import fine_hits_enabled
@@ -47,14 +48,20 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     an in-flight prefill holding nothing is a rolled-back load,
     `model.connector`). The judge's history does not say whether an offer
     loads sync or async, so with external tokens both needs count (the
-    larger), and a budget that allows a sync load nothing is not judged."""
+    larger), and a budget that allows a sync load nothing is not judged.
+
+    The admission gates (`model.admission`): with `Config.reserve_full_isl` a request
+    fits only if its whole sequence does, so one is judged only where an upper bound
+    of the gate's count (`_whole_sequence_bound`) fits the idle pool (a pool smaller
+    than a request's whole sequence is one vLLM's start-up check refuses); with a
+    watermark and another request in the step, the watermark's blocks count too."""
     turn = _first_admission(ctx)
     if turn is None:
         return []
     rid, obs, budget, queued = turn
     counted = _need(ctx, rid, obs, budget, queued)
     cfg = ctx.config
-    if counted is None or counted[0] > cfg.num_blocks - 1:
+    if counted is None or counted[0] + _gated(ctx, rid, obs, queued) > cfg.num_blocks - 1:
         return []
     need, superseded = counted
     req = ctx.history.requests[rid]
@@ -67,6 +74,43 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     if stale:
         after += f" (rolled-back load(s) of {', '.join(stale)} still waiting)"
     return [f"admission of {rid} ({need} blocks) refused by an idle pool of {cfg.num_blocks - 1}{after}"]
+
+
+def _gated(ctx: CheckContext, rid: str, obs: ScheduleResult, queued: int) -> int:
+    """Blocks the admission gates add to what must fit (`fitting_request_admitted`): the
+    watermark where another request is in the step, and under `reserve_full_isl` the whole
+    pool where the whole sequence's bound and the watermark exceed it (not judged)."""
+    cfg = ctx.config
+    wm = watermark_blocks(cfg.watermark, cfg.num_blocks) if queued > 1 else 0
+    if cfg.reserve_full_isl and _whole_sequence_bound(ctx, rid, obs) + wm > cfg.num_blocks - 1:
+        return cfg.num_blocks  # the whole sequence may not fit the pool: not judged
+    return wm
+
+
+def _whole_sequence_bound(ctx: CheckContext, rid: str, obs: ScheduleResult) -> int:
+    """An upper bound of the blocks the full-sequence gate counts on an idle pool: per
+    attention group every block of the sequence (a sliding-window group at most its
+    admission cap) and a private copy, per Mamba (align) group its state, the one it
+    resumes from, its draft blocks and its hit's block (vLLM 0.33.0 `allocate_slots`,
+    `full_sequence_must_fit`)."""
+    cfg = ctx.config
+    full = full_sequence_tokens(len(ctx.history.requests[rid].tokens), cfg.max_model_len)
+    hits = obs.hit_blocks or ()
+    total = 0
+    for g, spec in enumerate(cfg.groups):
+        held = sum(1 for b in hits[g] if b) if g < len(hits) else 0
+        if spec.kind == "mamba" and spec.mamba_cache_mode == "align":
+            total += 2 + ctx.draft_blocks + held
+            continue
+        blocks = cdiv(full, spec.block_size) + (ctx.draft_blocks if spec.kind == "mamba" else 0)
+        if spec.kind == "swa":
+            assert spec.sliding_window is not None
+            cap = admission_cap_blocks(
+                spec.sliding_window, spec.block_size, cfg.max_model_len, cfg.max_model_len
+            )
+            blocks = min(blocks, cap)
+        total += blocks + 1
+    return total
 
 
 def _first_admission(ctx: CheckContext) -> tuple[str, ScheduleResult, int, int] | None:

@@ -59,6 +59,7 @@ from invariants.targets import (
     ASYNC_SCHEDULER_TARGETS,
     CONNECTOR_TARGETS,
     FINE_MAMBA_TARGETS,
+    GATED_TARGETS,
     PINNING_TARGETS,
     QUEUE_TARGETS,
     REAL_SCHEDULER_TARGETS,
@@ -197,6 +198,7 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
             eagle_drafts=True,
             connector=None,
             long_prefill=None,
+            gates=None,
         )
     return configs(
         allow_pinning=target in PINNING_TARGETS,
@@ -206,6 +208,8 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
         connector=None if target in CONNECTOR_TARGETS else False,
         # Only a real scheduler caps a chunk at the long-prefill threshold.
         long_prefill=None if target in REAL_SCHEDULER_TARGETS else False,
+        # The admission gates (`model.admission`): every target with a scheduler's admissions.
+        gates=None if target in GATED_TARGETS else False,
     )
 
 

@@ -45,6 +45,7 @@ def configs(
     connector: bool | None = False,
     load_failure: str | None = None,
     long_prefill: bool | None = False,
+    gates: bool | None = False,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -65,6 +66,9 @@ def configs(
     `long_prefill`: True = a long-prefill threshold (`Config.long_prefill_token_threshold`,
     above the spec tokens: vLLM asserts when it clips a padded admission), False = none,
     None = either (mostly none).
+    `gates`: the scheduler's admission gates (`model.admission`): None = vLLM's defaults
+    most often (`reserve_full_isl` True 3 in 4, a nonzero `watermark` 1 in 3), True = both
+    gates on (a watermark of 0.1 to 0.3), False = neither (the field defaults).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -94,6 +98,8 @@ def configs(
     if long_prefill or (long_prefill is None and draw(st.sampled_from([False, False, False, True]))):
         threshold = draw(st.integers(cfg.num_lookahead_tokens + 1, 4 * cfg.scheduler_block_size))
         cfg = cfg.with_(long_prefill_token_threshold=threshold)
+    if gates is not False:
+        cfg = cfg.with_(**_gates(draw, gates))
     if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
         cfg = cfg.with_(
             groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)
@@ -126,6 +132,16 @@ def _retention(draw: st.DrawFn, groups: list[GroupSpec], retention: str | None) 
     elif retention == "interval":
         choices = [sbs, 2 * sbs, 3 * sbs]
     return draw(st.sampled_from(choices))
+
+
+def _gates(draw: st.DrawFn, gates: bool | None) -> dict[str, object]:
+    """`reserve_full_isl` and `watermark` (see `configs`)."""
+    if gates:
+        return {"reserve_full_isl": True, "watermark": draw(st.sampled_from([0.1, 0.2, 0.3]))}
+    return {
+        "reserve_full_isl": draw(st.sampled_from([True, True, True, False])),
+        "watermark": draw(st.sampled_from([0.0, 0.0, 0.1, 0.2, 0.3, 0.0])),
+    }
 
 
 def _lookahead(draw: st.DrawFn, lookahead: bool | None) -> int:

@@ -68,6 +68,16 @@ CONNECTOR_TARGETS = {"model", "vllm", "vllm-async-scheduler"}
 # Targets whose steps state the queue order they leave (`TargetFeatures(queues=True)`,
 # `model.queues`): judged there; the others' runs say it is unjudged.
 QUEUE_TARGETS = {"model", "reference", "vllm", "vllm-async-scheduler"}
+# Targets that gate admissions as vLLM's scheduler does (`Config.reserve_full_isl`, `watermark`;
+# `model.admission`): generated configurations include the gates; the others refuse them.
+GATED_TARGETS = {
+    "model",
+    "vllm-manager",
+    "vllm",
+    "vllm-async-scheduler",
+    "vllm-directed",
+    "vllm-async-scheduler-directed",
+}
 # Targets that drive another target's allocator code: its known findings are theirs too.
 SAME_ALLOCATOR = {"vllm": "vllm-manager", "vllm-async-scheduler": "vllm-manager"}
 
@@ -148,6 +158,7 @@ __all__ = [
     "ASYNC_SCHEDULER_TARGETS",
     "SAME_ALLOCATOR",
     "FINE_MAMBA_TARGETS",
+    "GATED_TARGETS",
     "TARGET_NAMES",
     "Target",
     "TargetFeatures",

@@ -108,6 +108,11 @@ NO_LONG_PREFILL = (
     "(use --target model or vllm)"
 )
 
+NO_ADMISSION_GATES = (
+    "reserve_full_isl / watermark / scheduling_policy: the seeds' allocator has no scheduler "
+    "to gate an admission or order its queues (use --target model or vllm)"
+)
+
 
 class ReferenceTarget(Target):
     name = "reference"
@@ -134,6 +139,8 @@ class ReferenceTarget(Target):
             raise ConfigError(NO_KV_CONNECTOR)
         if config.long_prefill_token_threshold:
             raise ConfigError(NO_LONG_PREFILL)
+        if config.reserve_full_isl or config.watermark or config.scheduling_policy != "fcfs":
+            raise ConfigError(NO_ADMISSION_GATES)
         self.config = config
         self.track_prefixes = self.TRACK_PREFIXES if track_prefixes is None else track_prefixes
         self.mutant = mutant

@@ -19,6 +19,7 @@ vLLM's message.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 from collections.abc import Iterator
@@ -104,7 +105,13 @@ def build_manager(cfg: Config, v: dict[str, Any], caps: Capabilities, version: s
         "enable_caching": cfg.enable_caching,
         "use_eagle": cfg.eagle,
         "enable_kv_cache_events": True,
+        "watermark": cfg.watermark,
     }
+    if cfg.watermark and "watermark" not in caps.manager_args:
+        raise UnsupportedConfig(f"watermark: vLLM {version}'s KVCacheManager takes none")
+    gates = inspect.signature(v["KVCacheManager"].allocate_slots).parameters
+    if cfg.reserve_full_isl and "full_sequence_must_fit" not in gates:
+        raise UnsupportedConfig(f"reserve_full_isl: vLLM {version}'s allocate_slots has no full-sequence gate")
     manager_args = {k: val for k, val in wanted.items() if k in caps.manager_args}
     try:
         kv_cfg = v["KVCacheConfig"](

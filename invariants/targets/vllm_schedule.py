@@ -110,9 +110,12 @@ class StepScheduler:
         self.names.learn_computed(req)
         return ScheduleResult(scheduled=n, admitted=False, new_blocks=block_ids(out))
 
-    def admit(self, req: Any, left: int, budget: int) -> ScheduleResult:
+    def admit(self, req: Any, left: int, budget: int, any_running: bool = False) -> ScheduleResult:
         """A WAITING or PREEMPTED request's admission (`Scheduler.schedule`'s
-        waiting queue) with `left` tokens of the step's `budget` remaining."""
+        waiting queue) with `left` tokens of the step's `budget` remaining; the
+        admission gates as the scheduler sets them (`full_sequence_must_fit` =
+        `Config.reserve_full_isl`, `has_scheduled_reqs`: `any_running`, a request
+        of the step running; `model.admission`)."""
         blocks, hit, spb = self.computed_blocks(req)
         req.shared_prefix_boundary = spb
         hit_blocks = block_ids(blocks)
@@ -126,6 +129,7 @@ class StepScheduler:
             num_new_computed_tokens=hit,
             new_computed_blocks=blocks,
             num_lookahead_tokens=self.s.config.num_lookahead_tokens,
+            **self._gates(any_running),
         )
         if out is None:
             return result
@@ -133,6 +137,13 @@ class StepScheduler:
         req.num_computed_tokens = hit + n
         self.names.learn_computed(req)
         return ScheduleResult(n, True, hit, spb, hit_blocks, block_ids(out))
+
+    def _gates(self, any_running: bool) -> dict[str, bool]:
+        """The admission's gate arguments, passed only where the configuration sets a gate
+        (a release without them is refused at build: `vllm_build.build_manager`)."""
+        cfg = self.s.config
+        gates = {"full_sequence_must_fit": True} if cfg.reserve_full_isl else {}
+        return {**gates, "has_scheduled_reqs": any_running} if cfg.watermark else gates
 
     # ------------------------------------------------------------------ batched step
     def step(self, rids: tuple[str, ...], budget: int) -> StepResult:
@@ -150,14 +161,16 @@ class StepScheduler:
         results: Results = []
         preempted: list[str] = []
         token_budget = self._running_pass(running, budget, results, preempted)
+        admitted = False  # `has_scheduled_reqs`: the running requests left, then each admission
         if not preempted:
             for req in waiting:
                 if token_budget <= 0:
                     break
-                result = self.admit(req, token_budget, budget)
+                result = self.admit(req, token_budget, budget, bool(running) or admitted)
                 results.append((req.request_id, result))
                 if not result.admitted:
                     break
+                admitted = True
                 token_budget -= result.scheduled
         return StepResult(tuple(results), tuple(preempted), self.take_copies())
 

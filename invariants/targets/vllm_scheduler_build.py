@@ -20,11 +20,11 @@ needed:
   only limit, and `max_num_batched_tokens = max_model_len` so the
   sliding-window admission cap vLLM derives from the in-flight bound equals the
   one `vllm_build.build_manager` gets (its `max_in_flight_tokens` defaults to
-  `max_model_len`). Two admission policies of vLLM's are off, as the model has
-  neither (`model.scheduling`: a request is admitted when its first chunk fits):
-  `scheduler_reserve_full_isl=False` (vLLM 0.33.0's default True admits a
-  request only if its whole sequence fits the free pool:
-  `allocate_slots(full_sequence_must_fit=True)`) and `watermark=0.0`.
+  `max_model_len`). The admission gates and the queue policy are the
+  configuration's (`model.admission`): `scheduler_reserve_full_isl` =
+  `Config.reserve_full_isl` (vLLM's default True admits a request only if its
+  whole sequence fits the free pool), `watermark` = `Config.watermark`,
+  `policy` = `Config.scheduling_policy` (the model predicts "fcfs" only).
 - Speculative decoding (`SpeculativeConfig`) where the configuration reserves
   lookahead slots: Eagle (`method="eagle"`: the manager drops the volatile last
   block) or a draft model (`method="draft_model"`), with
@@ -59,7 +59,6 @@ from model.config import Config, ConfigError
 
 from .vllm_build import group_specs
 from .vllm_capabilities import Capabilities, scheduler_unsupported
-from .vllm_identity import encoder_cache_config
 
 STAND_IN_ARCH = "KvretainStandInForCausalLM"
 # vLLM's Eagle config names the draft architecture "Eagle" + the target's.
@@ -208,9 +207,10 @@ def vllm_config(
         enable_chunked_prefill=True,
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         is_encoder_decoder=False,
-        watermark=0.0,
-        # The model admits a request when its first chunk fits (see the module docstring).
-        scheduler_reserve_full_isl=False,
+        # The admission gates and the queue policy as the configuration says (`model.admission`).
+        watermark=cfg.watermark,
+        scheduler_reserve_full_isl=cfg.reserve_full_isl,
+        policy=cfg.scheduling_policy,
         async_scheduling=async_scheduling,
     )
     parallel = m["ParallelConfig"]()
@@ -236,7 +236,6 @@ def vllm_config(
         speculative_config=spec,
         kv_events_config=m["KVEventsConfig"](enable_kv_cache_events=True, publisher="null"),
         kv_transfer_config=_transfer_config(cfg.kv_load_failure_policy) if cfg.kv_connector else None,
-        **encoder_cache_config(m["VllmConfig"]),  # multimodal items: `vllm_identity`
     )
 
 

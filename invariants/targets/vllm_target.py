@@ -70,6 +70,11 @@ NO_LONG_PREFILL = (
     "calls without the long-prefill cap (use --target vllm)"
 )
 
+NO_PRIORITY = (
+    "scheduling_policy: the KVCacheManager-driven target re-creates the scheduler's FCFS calls only "
+    "(use --target vllm)"
+)
+
 
 class VllmManagerTarget(Target):
     """Drives vLLM's `KVCacheManager` with kvretain operations (see module docstring)."""
@@ -115,6 +120,8 @@ class VllmManagerTarget(Target):
             raise ConfigError(NO_KV_CONNECTOR)
         if config.long_prefill_token_threshold:
             raise ConfigError(NO_LONG_PREFILL)
+        if config.scheduling_policy != "fcfs":
+            raise ConfigError(NO_PRIORITY)
         return build_manager(config, v, caps, self.version)
 
     # ------------------------------------------------------------------ the Target protocol
