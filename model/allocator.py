@@ -190,7 +190,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         report, self.sync_report = fb.turn(self, op), None
         if isinstance(op, AddRequest):
             assert op.rid not in self.requests, f"request {op.rid} already exists"
-            self.requests[op.rid] = RequestState(op.rid, op.prompt)
+            self.requests[op.rid] = RequestState(op.rid, op.tokens())
             return Done()
         if isinstance(op, Schedule):
             self._new_step()

@@ -59,6 +59,7 @@ from model.config import Config, ConfigError
 
 from .vllm_build import group_specs
 from .vllm_capabilities import Capabilities, scheduler_unsupported
+from .vllm_identity import encoder_cache_config
 
 STAND_IN_ARCH = "KvretainStandInForCausalLM"
 # vLLM's Eagle config names the draft architecture "Eagle" + the target's.
@@ -236,6 +237,7 @@ def vllm_config(
         speculative_config=spec,
         kv_events_config=m["KVEventsConfig"](enable_kv_cache_events=True, publisher="null"),
         kv_transfer_config=_transfer_config(cfg.kv_load_failure_policy) if cfg.kv_connector else None,
+        **encoder_cache_config(m["VllmConfig"]),  # multimodal items: `vllm_identity`
     )
 
 
