@@ -241,3 +241,6 @@ RELEASES: dict[str, tuple[tuple[str, str], ...]] = {
     "mm": (("0.33.0", "every overlapped block, offset relative to the block (`_gen_mm_extra_hash_keys`)"),),
     "lookahead": (("0.33.0", "keys over [start, end+L) and the L tokens (`get_request_block_hasher`)"),),
 }
+
+# The identity fields an `AddRequest` carries (a target states those it hands its allocator).
+IDENTITY_FIELDS = frozenset({"salt", "lora", "mm"})

@@ -41,6 +41,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
+from invariants.harness import identities as id_rows
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, InvalidOp, Violation
 from invariants.harness.known_findings import (
     clean_verdict,
@@ -95,6 +96,8 @@ class FuzzReport:
     not_generated: tuple[str, ...] = ()
     drift: ViolationFound | None = None  # the first drifting example (shrunk), apart from `failure`
     drift_trace_path: Path | None = None
+    # The request identities the target takes (`Target.identities`): drawn and counted.
+    identities: frozenset[str] = frozenset()
 
     @property
     def drifts(self) -> int:
@@ -362,8 +365,9 @@ def run_fuzz(
     failure = stats.last_failure
     stats.known.write_examples(out_dir, target, seed)
     report = FuzzReport(target, config_name or "generated", seed, stats.batches, stats, 0.0, failure)
+    report.identities = factory.identities if isinstance(factory, type) else frozenset()
     if generated:
-        report.not_generated = _not_generated(target)
+        report.not_generated = _not_generated(target) + id_rows.not_generated(report.identities)
     outcome = _Outcome(target, seed + stats.batches - 1, factory, tolerated, start, budget_s, shrink_s, say)
     outcome.write(report, trace_path, first_seen)
     report.seconds = time.monotonic() - start
@@ -576,6 +580,7 @@ def format_features(reports: list[FuzzReport]) -> str:
         total.update(r.stats.features)
     rows = [(name, count) for name, count in sorted(total.items())]
     out = "features exercised:\n" + table(["feature", "count"], rows)
+    out += "".join(f"\n{r.target}: {id_rows.summary_row(r.stats.features, r.identities)}" for r in reports)
     left_out = sorted({f"{r.target}: {why}" for r in reports for why in r.not_generated})
     if left_out:
         out += "\nnot generated (0 examples):\n" + "\n".join(f"  - {line}" for line in left_out)

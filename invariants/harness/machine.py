@@ -21,10 +21,12 @@ from hypothesis.control import current_build_context
 from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from invariants.harness import identities
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
 from invariants.harness.known_findings import KnownLedger
 from invariants.targets.base import Target
 from model.config import Config
+from model.extra_keys import Identity, identity_of
 from model.failed_blocks import failable_blocks
 from model.fine_mamba import fine_hits_enabled
 from model.observation import BlockIds, ScheduleResult, StepResult
@@ -318,7 +320,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         suffix = data.draw(st.lists(TOKENS, min_size=0 if prefix else 1, max_size=2 * sbs), label="suffix")
         rid = f"r{self.next_rid}"
         self.next_rid += 1
-        self._do(AddRequest(rid, tuple(prefix) + tuple(suffix)))
+        self._do(self._identified(data, rid, tuple(prefix) + tuple(suffix)))
+
+    def _identified(self, data: st.DataObject, rid: str, prompt: tuple[int, ...]) -> AddRequest:
+        """The add of `prompt`, with an identity the target expresses (`harness.identities`:
+        often an earlier request's prompt under another identity), counted."""
+        assert self.checker is not None
+        supported = self.checker.target.identities
+        if not supported:
+            return AddRequest(rid, prompt)
+        earlier = list(self.checker.history.all_requests())
+        prompt = identities.draw_prompt(data, prompt, [tuple(r.prompt) for r in earlier])
+        op = AddRequest(rid, prompt, **identities.draw_identity(data, prompt, supported))
+        seen: dict[tuple[int, ...], set[Identity]] = {}
+        for r in earlier:
+            seen.setdefault(tuple(r.prompt), set()).add(identity_of(r.prompt))
+        identities.count(self.run_stats.features, op.identity(), prompt, seen)
+        return op
+
 
     def _schedulable(self) -> list[str]:
         return self._requests(lambda r: r.num_tokens < MAX_REQUEST_TOKENS)  # type: ignore[attr-defined]

@@ -96,6 +96,9 @@ class Target(Protocol):
     profile: Profile = MODELED
     # One line for the CLI to print (e.g. a version-drift warning), or None.
     version_note: str | None = None
+    # The request identities (`model.extra_keys`: "salt", "lora", "mm") the target hands its
+    # allocator; the fuzzer draws only these (`harness.identities`) and names the others.
+    identities: frozenset[str] = frozenset()
 
     def apply(self, op: Op) -> Observation: ...
 

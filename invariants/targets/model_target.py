@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from model.allocator import AllocatorModel
 from model.async_scheduling import fenced_tables
 from model.config import Config
+from model.extra_keys import IDENTITY_FIELDS as IDENTITIES
 from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
 from model.profile import MODELED, Profile
@@ -22,6 +23,7 @@ from .base import END, NOT_FREE, PartialState, Tables, Target, TargetFeatures, c
 class ModelTarget(Target):
     name = "model"
     features = TargetFeatures(partial=True, pinning=True, fine_mamba=True, connector=True, queues=True)
+    identities = IDENTITIES  # every identity field (`model.extra_keys`)
 
     def __init__(
         self,

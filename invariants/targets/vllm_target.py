@@ -44,6 +44,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from model.config import Config, ConfigError
+from model.extra_keys import IDENTITY_FIELDS as IDENTITIES
 from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
 from model.pool import EVENT_PROFILES
@@ -82,6 +83,7 @@ class VllmManagerTarget(Target):
     name = "vllm-manager"
     # vLLM has no pinned tier (#40676 was never merged).
     features = TargetFeatures(partial=True, fine_mamba=True)
+    identities = IDENTITIES  # every identity field (`model.extra_keys`)
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
         ok, reason = vllm_available()
