@@ -323,6 +323,9 @@ def test_every_crash_finding_names_its_trigger() -> None:
         "message_pattern": "TargetCrash: .+",
         "precondition": {"config": [], "operations": ["step"]},
         "description": "d",
+        "consequence": "crash: the engine raises",
+        "reachability": "defaults",
+        "upstream": ["none found, searched 2026-12-06"],
         "trace": _trace_json(),
     }
     data = {"format": "kvretain-known-findings", "version": 2, "findings": [entry]}

@@ -21,7 +21,7 @@ of the two reports (count the deferrals). Found by kvretain on vLLM 0.33.0's rea
 Scheduler with its scripted connector (CPU, no worker); not confirmed on a GPU with a
 real connector, and not filed upstream.
 
-How the steps are driven: this file makes exactly the calls kvretain's "vllm-directed"
+How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 1), as straight-line code.
 Before each schedule() the scheduler's queues hold only the step's requests (the
 others are set aside and put back after it) and max_num_scheduled_tokens is the

@@ -18,7 +18,7 @@ would cut further back, to where every block the window of the resumed token rea
 held (or to 0). The model states vLLM's cut (model.connector), so it reproduces the
 finding.
 
-How the steps are driven: this file makes exactly the calls kvretain's "vllm-directed"
+How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 1), as straight-line code.
 Before each schedule() the scheduler's queues hold only the step's requests (the
 others are set aside and put back after it) and max_num_scheduled_tokens is the

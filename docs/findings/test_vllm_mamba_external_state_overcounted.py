@@ -31,7 +31,7 @@ kvretain (issue #39, deciding the model's adopted 'max(by_vllm, taken)') and con
 against vLLM 0.33.0's real Scheduler with the scripted connector (CPU, no worker); not
 confirmed on a GPU with a real connector, and not filed upstream.
 
-How the steps are driven: this file makes exactly the calls kvretain's "vllm-directed"
+How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 0), as straight-line code.
 Before each schedule() the scheduler's queues hold only the step's requests (the
 others are set aside and put back after it) and max_num_scheduled_tokens is the

@@ -18,7 +18,7 @@ prevent it. The model (model.connector) counts the external state block and refu
 admission. A fix would count the external state block in the Mamba count (or take the
 chunk's state in place of it). Not confirmed on a GPU nor filed upstream.
 
-How the steps are driven: this file makes exactly the calls kvretain's "vllm-directed"
+How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 0), as straight-line code.
 Before each schedule() the scheduler's queues hold only the step's requests (the
 others are set aside and put back after it) and max_num_scheduled_tokens is the

@@ -18,7 +18,7 @@ which vLLM's hybrid block sizes (hundreds of tokens) do not meet in serving
 configurations; found through the real Scheduler and AsyncScheduler, not confirmed on a
 GPU nor filed upstream.
 
-How the steps are driven: this file makes exactly the calls kvretain's "vllm-directed"
+How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed None), as straight-line code.
 Before each schedule() the scheduler's queues hold only the step's requests (the
 others are set aside and put back after it) and max_num_scheduled_tokens is the

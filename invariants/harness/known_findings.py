@@ -11,6 +11,9 @@ invariant flags, kept with a replayable trace and the upstream reference.
                                     "shape": name (optional),
                                     "trigger": name (required of a "crash" finding)},
                    "upstream": [...], "where", "description",
+                   "consequence": "<wrong output|crash|hang|lost hit|latent>: what a user sees",
+                   "reachability": "<defaults|opt-in...>: the configurations that reach it",
+                   "not_exported" (optional): "not exported: <why docs/findings has no test>",
                    "trace": {kvretain trace, version 1}}]}
 
 A finding is a precise claim (`invariants.harness.claims`): a violation is
@@ -66,6 +69,10 @@ class KnownFinding:
     trace: Trace
     message_pattern: str
     precondition: Precondition
+    # What a user sees ("<kind>: ..." with kind in CONSEQUENCES), and which configurations reach it.
+    consequence: str = ""
+    reachability: str = ""
+    not_exported: str = ""  # why docs/findings has no exported test ("" when it has one)
 
     def matches(
         self,
@@ -139,6 +146,7 @@ def _parse(entry: Any, i: int) -> KnownFinding:
         raise KnownFindingsError(
             f"{where}.precondition.trigger: a crash finding must name its trigger (known: {sorted(TRIGGERS)})"
         )
+    consequence, reachability, not_exported = _parse_report(entry, where, upstream)
     try:
         trace = trace_from_json(entry.get("trace"))
     except TraceError as exc:
@@ -154,7 +162,38 @@ def _parse(entry: Any, i: int) -> KnownFinding:
         trace=trace,
         message_pattern=pattern,
         precondition=precondition,
+        consequence=consequence,
+        reachability=reachability,
+        not_exported=not_exported,
     )
+
+
+CONSEQUENCES = ("wrong output", "crash", "hang", "lost hit", "latent")
+_SEARCH_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def _parse_report(entry: dict[str, Any], where: str, upstream: list[str]) -> tuple[str, str, str]:
+    """What the findings table reads (docs/findings/README.md): a consequence naming what
+    a user sees, a reachability line, an upstream status (a reference that says none was
+    found names the date of the search), and why a finding has no exported test."""
+    consequence, reachability = entry.get("consequence"), entry.get("reachability")
+    if not isinstance(consequence, str) or consequence.split(":")[0] not in CONSEQUENCES:
+        raise KnownFindingsError(f"{where}.consequence: must start with one of {list(CONSEQUENCES)} and ':'")
+    if not isinstance(reachability, str) or not reachability.strip():
+        raise KnownFindingsError(f"{where}.reachability: must say which configurations reach the finding")
+    if not upstream:
+        raise KnownFindingsError(
+            f"{where}.upstream: name the issues/PRs found, or 'none found, searched <date>'"
+        )
+    for ref in upstream:
+        if re.search(r"\bnone\b", ref) and not _SEARCH_DATE.search(ref):
+            raise KnownFindingsError(
+                f"{where}.upstream: {ref[:60]!r} says none was found: name the search date"
+            )
+    not_exported = entry.get("not_exported", "")
+    if not isinstance(not_exported, str) or (not_exported and not not_exported.startswith("not exported: ")):
+        raise KnownFindingsError(f"{where}.not_exported: must start with 'not exported: ' and say why")
+    return consequence, reachability, not_exported
 
 
 def _parse_precondition(data: Any, where: str, pattern: re.Pattern[str]) -> Precondition:
