@@ -605,7 +605,15 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         full = adm.full_sequence_tokens(req.num_tokens, self.cfg.max_model_len)
         blocks = sum(
             self._blocks_to_allocate(
-                g, req.rid, full, hits[g.gid] if hits else (), local, full, total, self._admission_cap(g)
+                g,
+                req.rid,
+                full,
+                hits[g.gid] if hits else (),
+                local,
+                full,
+                total,
+                self._admission_cap(g),
+                True,
             )
             for g in self.groups
         )
@@ -674,17 +682,19 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         main: int,
         computed: int,
         cap: int | None = None,
+        whole: bool = False,
     ) -> int:
         """Free blocks group `g` takes for this step: its new blocks plus the hit
         blocks it adopts from the free queue (touching one removes it from there).
         `computed`: `local` plus a connector's external tokens; `cap`: the admission
-        cap on the blocks the tokens require (`model.admission`), None: none.
+        cap on the blocks the tokens require (`model.admission`), None: none; `whole`: the
+        full-sequence gate's count (a Mamba group's is vLLM's own, `by_vllm`).
 
         vLLM `single_type_kv_cache_manager.py` `get_num_blocks_to_allocate`.
         """
         held = len(g.tables.get(rid, ()))
         if _align(g):
-            return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid, computed)
+            return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid, computed, whole)
         required = cdiv(num_tokens + g.bs * self._draft_blocks(g), g.bs)
         required = required if cap is None else min(required, cap)
         if rid in g.num_cached:
@@ -698,7 +708,15 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         return new + ends_inside_block(len(hits), local, g.bs) + self._num_evictable(adopted_hits)
 
     def _mamba_blocks_to_allocate(
-        self, g: GroupState, held: int, hits: tuple[int, ...], main: int, local: int, rid: str, computed: int
+        self,
+        g: GroupState,
+        held: int,
+        hits: tuple[int, ...],
+        main: int,
+        local: int,
+        rid: str,
+        computed: int,
+        whole: bool = False,
     ) -> int:
         """MambaManager in align mode (same function). With external tokens the admission
         takes `taken`: their state block, the chunk's where it ends in a later block, and
@@ -727,7 +745,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
 
         by_vllm = counted(cdiv(main, g.bs) + s - len(hits) - held) + self._num_evictable(hits)
         external = conn.external_state_blocks(local, computed, held)
-        if not external:
+        if not external or whole:  # the full-sequence gate decides on vLLM's count (`model.admission`)
             return by_vllm
         # After external tokens the chunk's state counts from the table they leave; the hit
         # blocks their state supersedes are never touched, so they stay free.

@@ -30,7 +30,7 @@ from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.config import Config, ConfigError, GroupSpec, validate
 from model.observation import ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Schedule, Step
+from model.ops import AddRequest, Finish, Offer, Schedule, Step
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
@@ -198,3 +198,34 @@ def test_liveness_judges_only_what_the_whole_sequence_gate_lets_fit() -> None:
     assert _refused_on_idle_pool(cfg(reserve_full_isl=True), short)
     assert not _refused_on_idle_pool(cfg(reserve_full_isl=True), long)
     assert _refused_on_idle_pool(cfg(), long)
+
+
+# ---------------------------------------------------------------- the gate counts as vLLM counts
+MAMBA_CONNECTOR = Config(
+    groups=(GroupSpec("full", 2), GroupSpec("mamba", 4)),
+    num_blocks=11,
+    eagle=True,
+    enable_caching=False,
+    max_model_len=4096,
+    num_lookahead_tokens=2,
+    kv_connector=True,
+    reserve_full_isl=True,
+    watermark=0.3,
+)
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("planted", [False, True])
+def test_full_sequence_gate_counts_mamba_external_state_as_vllm(planted: bool) -> None:
+    """Found by `fuzz --target vllm` (seed 1): a 13-token request with 2 external tokens on
+    a full + Mamba pool of 10 free blocks; vLLM's whole-sequence count is exactly 10 (the
+    Mamba group's own count, not the model's larger external-state count, which decides a
+    chunk). Control: the gate counting one block more refuses it, a difference."""
+    fits = adm.full_sequence_fits
+    plant = (lambda full, wm, free: fits(full + 1, wm, free)) if planted else fits
+    with patched(adm, "full_sequence_fits", plant):
+        d = Drive(MAMBA_CONNECTOR, _factory("vllm"))  # type: ignore[arg-type]
+        d.do(AddRequest("r2", (3, 3, 3, 3, 2, 3, 3, 3, 3, 2, 1, 3, 2)), Offer("r2", 2, "sync"))
+        d.do(Step(("r2",), 64))
+        assert bool(d.audited()) == planted
