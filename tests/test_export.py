@@ -387,7 +387,7 @@ def test_cli_writes_test_and_issue(tmp_path: Path, capsys: pytest.CaptureFixture
     report = issue.read_text()
     for heading in (
         "### Your current environment",
-        "### Operations",
+        "### Shortest trace",
         "### Expected vs actual",
         "### Regression test",
     ):

@@ -65,13 +65,25 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: a pytest file must end in .py, got {str(out)!r}")
     if args.issue and Path(args.issue).suffix != ".md":
         raise UsageError(f"--issue: the report is Markdown and must end in .md, got {args.issue!r}")
-    report = render_issue(plan, source, out.name) if args.issue else None
+    report = render_issue(plan, source, out.name, _sentence(plan.trace)) if args.issue else None
     _write(out, source)
     print(f"kvretain export: {plan.expectation.property} ({plan.expectation.kind}) -> {out}")
     if report is not None:
         _write(Path(args.issue), report)
         print(f"kvretain export: upstream report -> {args.issue}")
     return 0
+
+
+def _sentence(trace: Any) -> str:
+    """The trace in words, as explore names a counterexample: each operation as a short
+    phrase (`describe_op`), then the violation's one line."""
+    from invariants.explore.sentence import describe_op
+    from model.ops import AddRequest
+
+    def phrase(op: Any) -> str:
+        return f"add {op.rid} ({len(op.prompt)} tokens)" if isinstance(op, AddRequest) else describe_op(op)
+
+    return "; ".join(phrase(op) for op in trace.ops) + f": {trace.violation}"
 
 
 def _export_sglang(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import sys
 from typing import Any
 
@@ -80,11 +81,58 @@ def _environment() -> list[str]:
     ]
 
 
-def render_issue(plan: ExportPlan, test_source: str, test_file: str) -> str:
+def title(plan: ExportPlan) -> str:
+    """What breaks, in the words of what a user sees (a known finding's consequence), else
+    the property and its message."""
+    f = plan.finding
+    if f is not None and f.consequence:
+        kind, _, what = f.consequence.partition(":")
+        what = re.sub(r" [(][^)]*[)]", "", what).strip()
+        return f"[Bug]: {kind.strip()}: {what}"
+    return f"[Bug]: prefix caching breaks {plan.expectation.property}: {plan.message[:80]}"
+
+
+def summary(plan: ExportPlan, test_file: str, verdict: str) -> list[str]:
+    """Five lines: trigger, consequence, the vLLM function, the fix direction, the test."""
+    f, exp = plan.finding, plan.expectation
+    fixes = [u for u in (f.upstream if f else ()) if "fix" in u.split(" (", 1)[-1][:20]]
+    direction = (
+        f"as proposed in {fixes[0].split(' (')[0]}"
+        if fixes
+        else f"restore `{exp.property}`: {exp.guards.split('. ')[0].rstrip('.')}"
+    )
+    return [
+        f"- **Trigger**: {f.reachability if f and f.reachability else _config_words(plan)}",
+        f"- **Consequence**: {f.consequence if f and f.consequence else f'`{exp.property}` breaks: {plan.message}'}",
+        f"- **vLLM function**: {f'`{f.where}`' if f and f.where else 'not located yet'}",
+        f"- **Fix direction**: {direction}",
+        f"- **Test**: `{test_file}` ({verdict})",
+    ]
+
+
+def _config_words(plan: ExportPlan) -> str:
+    cfg = plan.trace.config
+    groups = " + ".join(f"{g.kind}{g.block_size}" for g in cfg.groups)
+    extra = [
+        *(["Eagle"] if cfg.eagle else []),
+        *([f"{cfg.num_lookahead_tokens} draft token(s)"] if cfg.num_lookahead_tokens else []),
+        *(["a KV connector"] if cfg.kv_connector else []),
+        *([f"retention interval {cfg.retention_interval}"] if cfg.retention_interval is not None else []),
+    ]
+    return f"{groups}, {cfg.num_blocks} blocks" + "".join(f", {e}" for e in extra)
+
+
+def render_issue(plan: ExportPlan, test_source: str, test_file: str, sentence: str | None = None) -> str:
+    """The report: a title that says what breaks, a five-line summary, the exported test,
+    and the shortest trace in words (`sentence`: explore's one-sentence form of the
+    trace, which the caller builds; by default each operation as a short phrase)."""
     trace, exp = plan.trace, plan.expectation
-    title = plan.finding.id if plan.finding else exp.property
+    verdict = run_exported(test_source)
+    words = sentence or "; ".join(_phrase(op) for op in trace.ops) + f": {trace.violation}"
     lines = [
-        f"# [Bug]: prefix caching: {exp.property} broken ({title})",
+        f"# {title(plan)}",
+        "",
+        *summary(plan, test_file, verdict),
         "",
         "### Your current environment",
         "",
@@ -98,21 +146,11 @@ def render_issue(plan: ExportPlan, test_source: str, test_file: str) -> str:
         "",
         f"**Asked for by**: {exp.asked_by}",
         "",
-    ]
-    if plan.finding and plan.finding.where:
-        lines += [f"**Where**: `{plan.finding.where}`", ""]
-    lines += [
-        "### Configuration",
+        f"### Shortest trace ({len(trace.ops)} operations, the last one breaks the property)",
         "",
-        "```json",
-        json.dumps(config_to_json(trace.config)),
-        "```",
+        words,
         "",
-        f"### Operations ({len(trace.ops)}, the last one breaks the property)",
-        "",
-        "| step | operation |",
-        "|---:|---|",
-        *(f"| {i} | `{json.dumps(op_to_json(op))}` |" for i, op in enumerate(trace.ops)),
+        f"Configuration: `{json.dumps(config_to_json(trace.config))}`",
         "",
         "### Expected vs actual",
         "",
@@ -120,11 +158,11 @@ def render_issue(plan: ExportPlan, test_source: str, test_file: str) -> str:
         "|---|---|",
         f"| expected | {_expected(plan)} |",
         f"| actual (recorded on target `{trace.target}`, seed {trace.seed}) | `{trace.violation}` |",
-        f"| the regression test below | {run_exported(test_source)} |",
+        f"| the regression test below | {verdict} |",
         "",
         "### Regression test",
         "",
-        f"`{test_file}` (needs only vLLM and pytest; fails today, passes once fixed):",
+        f"`{test_file}` (needs only vLLM, torch and pytest; fails today, passes once fixed):",
         "",
         "```python",
         test_source.rstrip("\n"),
@@ -132,3 +170,19 @@ def render_issue(plan: ExportPlan, test_source: str, test_file: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _phrase(op: Any) -> str:
+    data = op_to_json(op)
+    name = data.pop("op")
+    parts = [name]
+    for key, value in data.items():
+        if key == "rid":
+            parts.append(str(value))
+        elif key == "rids":
+            parts.append(",".join(value))
+        elif key in ("prompt", "tokens"):
+            parts.append(f"{len(value)} tokens")
+        else:
+            parts.append(f"{key} {value}")
+    return " ".join(parts)
