@@ -56,6 +56,8 @@ class Certificate:
     op_kinds: Counter[str] = field(default_factory=Counter)
     # What a merge of two states assumed (`invariants.explore.fingerprint`), in words.
     merging: str = ""
+    # How states were returned to between operations (`search.RESTORES`; why not `live`).
+    restore: str = "live"
 
     @property
     def verdict(self) -> str:
@@ -123,6 +125,7 @@ class Certificate:
             "other_violations": self.other_violations,
             "transitions_by_kind": dict(sorted(self.op_kinds.items())),
             "merging": self.merging,
+            "restore": self.restore,
         }
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from invariants.harness.checker import Checker
 
 # Classes too: a mutant's class defined inside a function has no importable name.
-_SHARED_TYPES = (
+SHARED_TYPES = (
     type,
     types.ModuleType,
     types.FunctionType,
@@ -41,7 +41,7 @@ class _SharingPickler(pickle.Pickler):
         self.shared = shared
 
     def persistent_id(self, obj: Any) -> int | None:
-        if isinstance(obj, _SHARED_TYPES):
+        if isinstance(obj, SHARED_TYPES):
             self.shared[id(obj)] = obj  # kept alive here, so the id stays valid
             return id(obj)
         return None

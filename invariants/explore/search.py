@@ -18,6 +18,12 @@ layer is never counted as a completed depth). Once per instance a frozen
 fork is compared with a re-execution of its path from scratch (snapshot and
 fingerprint, hidden state included).
 
+Each expanded state is thawed from its frozen fork once; between the
+operations tried from it the copy is restored in place (`restore="live"`,
+`invariants.explore.undo`), or thawed afresh for each (`restore="pickle"`,
+the definition). Both try the same operations on the same states in the same
+order, so the certificate is the same (`tests/test_explore_restore.py`).
+
 On a target whose hidden state has an image (`fingerprint.HIDDEN_STATE`) that
 image is part of every fingerprint; the certificate's `merging` says what
 merging assumed either way, and `op_kinds` counts the transitions per
@@ -36,6 +42,7 @@ from invariants.explore.certificate import Certificate
 from invariants.explore.fingerprint import HIDDEN_STATE, fingerprint, merging
 from invariants.explore.fork import Freezer
 from invariants.explore.instances import Instance
+from invariants.explore.undo import Checkpoint, Unrestorable
 from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.harness.known_findings import explain
 from invariants.harness.trace import Trace, write_trace
@@ -49,6 +56,13 @@ Tolerate = Callable[[Violation], object]
 """A violation -> the known finding explaining it (its `id` is counted), or None."""
 Wanted = Callable[[Violation], bool]
 """Which new violations end the search; any other prunes its path (counted)."""
+
+RESTORES = ("live", "pickle")
+"""How the search returns to a state to try its next operation: `live` thaws the frozen
+state once and restores that copy in place between its operations
+(`invariants.explore.undo.Checkpoint`); `pickle` thaws a fresh copy for each (the
+definition, kept for comparison: `kvretain explore --restore pickle`, `--bench`). Both
+search the same states in the same order: the certificate is the same."""
 
 
 @dataclass(frozen=True)
@@ -170,27 +184,43 @@ class _Search:
 
     def _children(self, node: _Node) -> list[_Node]:
         """Try every operation from `node`; the new states it reaches."""
-        checker: Checker | None = self.freezer.thaw(node.frozen)
-        assert checker is not None
+        base = self.freezer.thaw(node.frozen)
         ops = alphabet(
             self.instance,
-            checker.model,
+            base.model,
             node.next_rid,
-            _is_valid(checker),
-            checker.target.features.real_scheduler,
+            _is_valid(base),
+            base.target.features.real_scheduler,
         )
+        checkpoint = self._checkpoint(base) if len(ops) > 1 else None
+        checker: Checker | None = base
         out = []
         for op in ops:
             if self.limits.deadline is not None and time.monotonic() > self.limits.deadline:
                 raise _Stop("budget spent")
             if checker is None:
-                checker = self.freezer.thaw(node.frozen)
+                if checkpoint is not None:
+                    checkpoint.restore()
+                    checker = base
+                else:
+                    checker = self.freezer.thaw(node.frozen)
             child, state = self._step(node, checker, op)
             if child is not None:
                 out.append(child)
             if state != node.state:
                 checker = None  # moved on; a self-loop (a probe, a no-op) leaves a reusable copy
         return out
+
+    def _checkpoint(self, checker: Checker) -> Checkpoint | None:
+        """A checkpoint of the thawed parent to restore between its operations (`live`),
+        or None: thaw a copy per operation (`pickle`, or a graph `undo` cannot record)."""
+        if self.cert.restore != "live":
+            return None
+        try:
+            return Checkpoint.take(checker)
+        except Unrestorable as exc:
+            self.cert.restore = f"pickle (live restore unavailable: {exc})"
+            return None
 
     def _step(self, node: _Node, checker: Checker, op: Op) -> tuple[_Node | None, Hashable]:
         """Apply `op`; the child when its state is new, and its fingerprint."""
@@ -261,13 +291,18 @@ def explore(
     progress: Progress | None = None,
     wanted: Wanted | None = None,
     hidden_state: bool = True,
+    restore: str = "live",
 ) -> Certificate:
     """Search `instance` against the target built by `factory`; the certificate (see module
     docstring). `wanted`: only violations it accepts end the search (default: any).
     `hidden_state` False merges on the model's state alone even where the target's hidden
-    state has an image (`fingerprint.HIDDEN_STATE`); the certificate says which."""
+    state has an image (`fingerprint.HIDDEN_STATE`); the certificate says which.
+    `restore`: one of `RESTORES` (how states are returned to; the certificate is the same)."""
+    if restore not in RESTORES:
+        raise ValueError(f"restore must be one of {RESTORES}, got {restore!r}")
     tol: Tolerate = tolerate or (lambda v: explain(target, v))
     cert = Certificate(instance.name, target, limits.depth)
+    cert.restore = restore
     image = HIDDEN_STATE.get(target) if hidden_state else None
     cert.merging = merging(target if image is not None else "")
     start = time.monotonic()
