@@ -57,6 +57,7 @@ from model.observation import (
     Done,
     Observation,
     ProbeResult,
+    Queues,
     ResetResult,
     ScheduleResult,
     Snapshot,
@@ -191,6 +192,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if isinstance(op, AddRequest):
             assert op.rid not in self.requests, f"request {op.rid} already exists"
             self.requests[op.rid] = RequestState(op.rid, op.tokens())
+            self.order.arrived(op.rid)
             return Done()
         if isinstance(op, Schedule):
             self._new_step()
@@ -234,6 +236,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if isinstance(op, Preempt):
             assert self.requests[op.rid].running, f"preempting {op.rid}, which is not running"
             self._preempt(op.rid)
+            self.order.preempted(op.rid)
             return Done()
         if isinstance(op, Probe):
             layouts, hit, spb = self._find_hit(op.tokens)
@@ -244,6 +247,18 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             self.pool.evict_blocks(op.block_ids)
             return Done()
         raise TypeError(f"unknown operation {op!r}")
+
+    def engine_queues(self) -> Queues:
+        """The queues an engine's next step starts from, every live request in them front
+        to back (`model.queues.QueueOrder.engine_order`): the order a step the engine
+        decides names its requests in (`Step.rids`: running, holding, then waiting)."""
+        reqs = self.requests
+
+        def state(rid: str) -> str:
+            r = reqs[rid]
+            return "running" if r.running else "holding" if r.holding else "waiting"
+
+        return self.order.engine_order(reqs, state)
 
     def snapshot(self) -> Snapshot:
         events = tuple(self.pool.events)

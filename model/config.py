@@ -48,6 +48,11 @@ class Config:
     `pin_swa_on_drop` / `pin_min_drop_blocks`: the #40676 pinned tier.
     `num_lookahead_tokens`: slots every allocation reserves past the scheduled
     tokens for speculative tokens (vLLM's scheduler passes its spec-token count).
+    `max_num_batched_tokens`: the scheduler's token budget per step, fixed when the engine
+    is built (vLLM `SchedulerConfig.max_num_batched_tokens`); 0: none stated, each step's
+    budget is the operation's (`Step.budget`), as kvretain's directed steps choose it.
+    `max_num_seqs`: at most this many running requests; the waiting pass admits none past
+    it (vLLM `max_num_seqs`; 0: none; `model.scheduling.seq_cap_reached`).
     `kv_connector`: a KV connector is attached (`model.connector`): offers and
     loads can be stated, and a finish first frees the blocks out of its windows.
     `kv_load_failure_policy`: what a failed load does, "recompute" (the request is
@@ -79,6 +84,8 @@ class Config:
     hash_block_size: int = 0
     scheduler_block_size: int = 0
     max_model_len: int = 1 << 20
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
     num_lookahead_tokens: int = 0
     kv_connector: bool = False
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
@@ -183,6 +190,7 @@ def validate(cfg: Config) -> Config:
     if cfg.pin_min_drop_blocks < 0:
         raise ConfigError("pin_min_drop_blocks: must be non-negative")
     _check_scheduler_fields(cfg)
+    _check_batch_caps(cfg)
     r = cfg.retention_interval
     if r is not None:
         if isinstance(r, bool) or not isinstance(r, int):
@@ -234,3 +242,21 @@ def _check_scheduler_fields(cfg: Config) -> None:
 def _check_load_failure_policy(policy: object) -> None:
     if policy not in ("recompute", "fail"):
         raise ConfigError(f"kv_load_failure_policy: must be 'recompute' or 'fail', got {policy!r}")
+
+
+def _check_batch_caps(cfg: Config) -> None:
+    """The batch caps as vLLM's `SchedulerConfig` and `VllmConfig` take them: non-negative
+    integers; `max_num_batched_tokens >= max_num_seqs` where both are stated; a speculative
+    configuration's budget above its lookahead tokens (vLLM: "does not have enough slots")."""
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"{name}: must be a non-negative integer, got {v!r}")
+    tokens, seqs = cfg.max_num_batched_tokens, cfg.max_num_seqs
+    if tokens and seqs and tokens < seqs:
+        raise ConfigError(f"max_num_batched_tokens ({tokens}) must be at least max_num_seqs ({seqs})")
+    if tokens and cfg.num_lookahead_tokens and tokens <= cfg.num_lookahead_tokens:
+        raise ConfigError(
+            f"max_num_batched_tokens ({tokens}): must exceed num_lookahead_tokens ({cfg.num_lookahead_tokens}) "
+            "(vLLM: not enough slots to schedule a token and the speculative tokens)"
+        )

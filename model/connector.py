@@ -170,6 +170,7 @@ from model.failed_blocks import SyncReport, cut_covering, cut_scanned, deliver, 
 from model.load_states import FAILED, LOADED, LOADING
 from model.masks import cdiv
 from model.observation import BlockIds, Done, LoadCut, Saving, ScheduleResult
+from model.scheduling import seq_cap, seq_cap_reached
 from model.spec_decode import PLACEHOLDER, padded_admission
 
 Blocks = tuple[tuple[int, ...], ...]  # block ids per group
@@ -553,7 +554,7 @@ def waiting_pass(
     ends the pass, the request staying where it was."""
     reqs = m.requests
     for rid in [*queues.holding, *queues.waiting]:
-        if left <= 0:
+        if left <= 0 or seq_cap_reached(len(queues.running), seq_cap(m.cfg)):
             break
         result = wait_turn(m, reqs[rid], left, budget, ran)
         if result is UNSEEN_END:

@@ -33,11 +33,17 @@ flight), so the skipped requests it generates all come back to `holding`; the
 rule for `waiting` (a grammar still compiling, a preempted request's stale
 output in flight under async scheduling, a LoRA limit) is stated, not exercised.
 
-Between steps (`QueueOrder`) vLLM's `running` and `kv_holding_waiting` hold
-the requests of the latest step in the order it left them, then the requests
-it left aside in their previous order: the harness runs `schedule()` on the
-step's requests and puts the others back behind them (the order the connector's
-failed-block cut scans: `model.connector`).
+Between steps (`QueueOrder`) vLLM's `running`, `kv_holding_waiting` and
+`waiting` hold the requests of the latest step in the order it left them, then
+the requests it left aside in their previous order (a directed step runs
+`schedule()` on its requests and puts the others back behind them; an engine's
+own step names every request, so nothing is aside): the order the connector's
+failed-block cut scans (`model.connector`). A request that arrives joins the back
+of `waiting` (`Scheduler.add_request`: `self.waiting.add_request`); one preempted
+between steps (`Preempt`: `reset_prefix_cache(reset_running_requests=True)`)
+leaves `running` for the front of `waiting` (`_preempt_request`: `prepend_request`).
+A request leaves every queue when it finishes. `QueueOrder.engine_order` is the
+whole order, which an engine's next step starts from.
 
 Before vLLM 0.31 there is no `kv_holding_waiting`: a target of such a release
 reports every waiting request in `waiting` (no connector runs there: nothing
@@ -108,6 +114,21 @@ class QueueOrder:
     def __init__(self) -> None:
         self.running: list[str] = []
         self.holding: list[str] = []
+        self.waiting: list[str] = []
+
+    def arrived(self, rid: str) -> None:
+        """A new request joins the back of `waiting` (a reused id's old places are gone)."""
+        self.running, self.holding = self._without(self.running, rid), self._without(self.holding, rid)
+        self.waiting = [*self._without(self.waiting, rid), rid]
+
+    def preempted(self, rid: str) -> None:
+        """A running request preempted between steps: from `running` to the front of `waiting`."""
+        self.running = self._without(self.running, rid)
+        self.waiting = [rid, *self._without(self.waiting, rid)]
+
+    @staticmethod
+    def _without(order: list[str], rid: str) -> list[str]:
+        return [r for r in order if r != rid]
 
     def stepped(self, rids: Iterable[str], left: Queues | None) -> None:
         """A step over `rids` left its requests in the queues `left`."""
@@ -115,6 +136,7 @@ class QueueOrder:
         named = set(rids)
         self.running = [*left.running, *(r for r in self.running if r not in named)]
         self.holding = [*left.holding, *(r for r in self.holding if r not in named)]
+        self.waiting = [*left.waiting, *(r for r in self.waiting if r not in named)]
 
     def scheduled(self, rid: str, running: bool, holding: bool) -> None:
         """A `Schedule` of `rid` left it running, holding blocks, or waiting (neither)."""
@@ -124,3 +146,22 @@ class QueueOrder:
     def live(order: list[str], there: Callable[[str], bool]) -> list[str]:
         """The requests of `order` still in that queue (`there`), in order."""
         return [r for r in order if there(r)]
+
+    def engine_order(self, live: Iterable[str], state: Callable[[str], str]) -> Queues:
+        """Every request of `live` (in arrival order) in the queues an engine's next step
+        starts from, front to back: `running`, `holding`, then `waiting` (see the module
+        docstring). `state` says which queue a live request is in now ("running",
+        "holding" or "waiting"); it is listed there at its place in that queue's order,
+        and one the order has not placed (none, when every change went through this
+        class) at that queue's back."""
+        live = list(live)
+        where = {rid: state(rid) for rid in live}
+        queues: dict[str, list[str]] = {"running": [], "holding": [], "waiting": []}
+        for name, order in (("running", self.running), ("holding", self.holding), ("waiting", self.waiting)):
+            for rid in order:
+                if where.get(rid) == name and rid not in queues[name]:
+                    queues[name].append(rid)
+        for rid in live:
+            if rid not in queues[where[rid]]:
+                queues[where[rid]].append(rid)
+        return Queues(tuple(queues["running"]), tuple(queues["holding"]), tuple(queues["waiting"]))

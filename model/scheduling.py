@@ -31,6 +31,29 @@ def long_prefill_cap(threshold: int, num_queued: int) -> int:
     return threshold if num_queued > 1 else 0
 
 
+def seq_cap_reached(num_running: int, max_num_seqs: int) -> bool:
+    """The waiting pass admits no request once `running` holds `max_num_seqs` requests
+    (0: no cap). vLLM 0.33.0 `Scheduler.schedule`, before each waiting request is peeked:
+    `if num_running >= self.max_num_active_reqs: break` (`max_num_active_seqs` unset:
+    `max_num_seqs`); the running pass is not capped (every running request was admitted
+    under it)."""
+    return 0 < max_num_seqs <= num_running
+
+
+def seq_cap(cfg: Config) -> int:
+    """The most running requests an engine built for `cfg` holds: its `max_num_seqs`, or
+    where none is stated the most vLLM accepts with its budget (`SchedulerConfig`:
+    `max_num_batched_tokens >= max_num_seqs`)."""
+    return cfg.max_num_seqs or build_budget(cfg)
+
+
+def build_budget(cfg: Config) -> int:
+    """The token budget of every step of an engine built for `cfg`: its
+    `max_num_batched_tokens`, or `max_model_len` where the configuration states none
+    (the budget kvretain builds vLLM with then, which no step reaches)."""
+    return cfg.max_num_batched_tokens or cfg.max_model_len
+
+
 def capped(num_tokens: int, cap: int) -> int:
     """`num_tokens` under a long-prefill cap (0: none)."""
     return cap if 0 < cap < num_tokens else num_tokens

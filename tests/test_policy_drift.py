@@ -207,21 +207,24 @@ def test_a_contract_break_is_a_defect() -> None:
 @needs_vllm
 @pytest.mark.vllm
 def test_fuzz_and_replay_report_drift_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A short fuzz run under `preempt_oldest`: POLICY DRIFT (exit 4), no violation, the
-    drift's trace written; the JSON row's `policy_drift` field; declared: exit 0; the trace
-    replays as drift under the mutant and clean on vLLM."""
+    """A short directed fuzz run under `preempt_oldest`: POLICY DRIFT (exit 4), no violation,
+    the drift's trace written; the JSON row's `policy_drift` field; declared: exit 0; the
+    trace replays as drift under the mutant and clean on vLLM. Directed ("vllm-directed"):
+    the engine's own steps reach the mutant preempting a request its step already
+    scheduled, a broken contract (a defect, not a drift)."""
     from invariants.harness.fuzz import format_summary, run_fuzz
     from invariants.harness.replay import replay
     from invariants.harness.trace import read_trace
     from invariants.results import fuzz_case, results_json
+    from invariants.targets.vllm_scheduler_target import VllmDirectedTarget
     from invariants.zoo.mutants_scheduler import activate
     from invariants.zoo.runner import config_strategy
 
     strategy = config_strategy("scheduler", allow_pinning=False, allow_fine=True, real_scheduler=True)
     with activate("preempt_oldest") as factory:
         report = run_fuzz(
-            "vllm",
-            factory=factory,
+            "vllm-directed",
+            factory=VllmDirectedTarget,
             strategy=strategy,
             steps=2000,
             seed=0,

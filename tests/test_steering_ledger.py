@@ -1,11 +1,15 @@
-"""Every write kvretain makes to vLLM's scheduler state after construction is named in
-`vllm_scheduler_drive.STEERING`, with its reason, and nothing else writes it.
+"""No adapter writes vLLM's scheduler state after construction, but the directed driver,
+whose every write is named in `vllm_scheduler_drive.STEERING`, with its reason.
 
-The engine's contract asks that kvretain act only as the engine core and a client do;
-what is left of steering is a ledger this test holds to the adapters' source: a new
-write (an attribute of a scheduler assigned, its queues mutated, a private method of
-it called) fails until it is named, and a named write that is gone fails until the
-entry is dropped. The control plants a write in a copy of the source.
+The engine's contract asks that kvretain act only as the engine core and a client do:
+"vllm" and "vllm-async-scheduler" write nothing of their scheduler (the KV-event
+capture is handed to it at construction, `vllm_scheduler_build.capturing_events`).
+The directed targets ("vllm-directed", "vllm-async-scheduler-directed") steer, and
+every write sits in the `Steered` mixin (`STEERING_CLASSES`). This test holds the
+adapters' source to that: a write (an attribute of a scheduler assigned, its queues
+mutated, a private method of it called) outside `Steered` fails, a new write inside it
+fails until it is named, and a named write that is gone fails until the entry is
+dropped. The controls plant writes in a copy of the source.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from invariants.targets.vllm_scheduler_drive import STEERING
+from invariants.targets.vllm_scheduler_drive import STEERING, STEERING_CLASSES
 
 TARGETS = Path(__file__).resolve().parents[1] / "invariants" / "targets"
 SCHEDULER_NAMES = {"sched", "scheduler", "vllm_scheduler"}
@@ -97,10 +101,52 @@ def adapters_writes() -> dict[str, set[str]]:
     return out
 
 
+def outside_steering(writes: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The writes of `writes` made outside the steering classes (`STEERING_CLASSES`)."""
+    return {where: attrs for where, attrs in writes.items() if where.split(".")[0] not in STEERING_CLASSES}
+
+
 def test_every_write_to_the_scheduler_is_in_the_ledger_and_the_ledger_is_current() -> None:
     ledger = {s.function: set(s.writes) for s in STEERING}
     assert adapters_writes() == ledger
     assert all(s.why for s in STEERING)
+
+
+def test_no_adapter_but_the_directed_driver_writes_the_scheduler() -> None:
+    """The engine's own targets write nothing of vLLM's scheduler after construction."""
+    assert outside_steering(adapters_writes()) == {}
+    assert {s.function.split(".")[0] for s in STEERING} <= STEERING_CLASSES
+
+
+def test_the_engine_targets_do_not_steer() -> None:
+    """The unsteered drivers are not `Steered`; the directed ones are."""
+    from invariants.targets.vllm_async_scheduler_drive import AsyncStepScheduler, DirectedAsyncStepScheduler
+    from invariants.targets.vllm_scheduler_drive import DirectedStepScheduler, RealStepScheduler, Steered
+    from invariants.targets.vllm_scheduler_spec import DirectedSpecStepScheduler, SpecStepScheduler
+
+    for cls in (RealStepScheduler, SpecStepScheduler, AsyncStepScheduler):
+        assert not issubclass(cls, Steered)
+    for cls in (DirectedStepScheduler, DirectedSpecStepScheduler, DirectedAsyncStepScheduler):
+        assert issubclass(cls, Steered)
+
+
+def test_a_planted_write_outside_the_directed_driver_is_found() -> None:
+    """The control: a write in an engine driver (its event publisher assigned, a queue
+    rebuilt) is outside the steering classes; the directed driver's are not."""
+    planted = (
+        "class RealStepScheduler:\n"
+        "    def __init__(self, scheduler):\n"
+        "        scheduler.kv_event_publisher = object()\n"
+        "    def step(self):\n"
+        "        self.sched.running = []\n"
+        "class Steered:\n"
+        "    def arrange(self):\n"
+        "        self.sched.waiting = []\n"
+    )
+    assert outside_steering(scheduler_writes(planted)) == {
+        "RealStepScheduler.__init__": {"kv_event_publisher"},
+        "RealStepScheduler.step": {"running"},
+    }
 
 
 def test_a_planted_write_to_the_scheduler_is_found() -> None:

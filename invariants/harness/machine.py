@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from invariants.harness import identities
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
 from invariants.harness.known_findings import KnownLedger
-from invariants.targets.base import Target
+from invariants.targets.base import Target, TargetFeatures
 from model.config import Config
 from model.extra_keys import Identity, identity_of
 from model.failed_blocks import failable_blocks
@@ -47,6 +47,7 @@ from model.ops import (
     Schedule,
     Step,
 )
+from model.scheduling import build_budget
 from model.spec_decode import acceptable
 
 TOKENS = st.integers(1, 3)
@@ -221,8 +222,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         stats = self.run_stats
         check_budget(stats)
         stats.examples += 1
+        factory = type(self).target_factory
+        # A class states its features (a function's target says them once built).
+        declared: TargetFeatures | None = factory.features if isinstance(factory, type) else None  # type: ignore[attr-defined]
         try:
-            target = type(self).target_factory(config)
+            if declared is not None and declared.engine_steps:
+                config = engine_caps(config, data)
+            target = factory(config)
+            if declared is None and target.features.engine_steps and not config.max_num_batched_tokens:
+                config = engine_caps(config, data)
+                target = factory(config)
         except Exception as exc:  # a target that cannot be built for a valid config: a finding
             crash = Violation("crash", f"target construction: {type(exc).__name__}: {exc}")
             raise self._report(ViolationFound([crash], config, [])) from exc
@@ -342,11 +351,57 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _schedulable(self) -> list[str]:
         return self._requests(lambda r: r.num_tokens < MAX_REQUEST_TOKENS)  # type: ignore[attr-defined]
 
+    @property
+    def engine(self) -> bool:
+        """The target's engine decides every step (`TargetFeatures.engine_steps`)."""
+        assert self.checker is not None
+        return self.checker.target.features.engine_steps
+
+    def _engine_step(self, data: st.DataObject) -> StepResult | None:
+        """The engine's own step: first every request awaiting its sample is sampled (one at
+        the size cap finishes instead, as an engine ends a request at its `max_tokens`), then
+        one `Step` over every live request in the queue order the model predicts
+        (`AllocatorModel.engine_queues`) with the budget the engine was built with
+        (`model.scheduling.build_budget`). None where no request is live, or one computed its
+        tokens and awaits no sample yet (its verified drafts: the step waits for it)."""
+        assert self.checker is not None
+        model = self.checker.model
+        for rid in self._arrival_order(list(model.requests)):
+            r = model.requests.get(rid)
+            if r is not None and r.awaits_sample:
+                self._do(self._sample(rid, data) if r.num_tokens < MAX_REQUEST_TOKENS else Finish(rid))
+        q = model.engine_queues()
+        rids = (*q.running, *q.holding, *q.waiting)
+        if not rids or any(
+            model.requests[r].running and model.requests[r].num_computed >= model.requests[r].num_tokens
+            for r in rids
+        ):
+            return None
+        self._do(Step(rids, build_budget(self.cfg)))
+        obs = self.checker.last_obs
+        if isinstance(obs, StepResult):
+            for rid, result in obs.results:
+                if result.admitted and result.hit is not None:
+                    self._count_hit(rid, result.hit)
+            return obs
+        return None
+
+    def _engine_steps(self, data: st.DataObject, most: int) -> None:
+        """One to `most` engine steps (`_engine_step`), each followed by what may follow a step."""
+        for _ in range(data.draw(st.integers(1, most), label="steps")):
+            if self._engine_step(data) is None:
+                return
+            self._after_step(data)
+
     @precondition(lambda self: self.checker is not None and bool(self._schedulable()))
     @rule(data=st.data())
     def advance(self, data: st.DataObject) -> None:
-        """A few scheduler steps for one request: chunks, decodes, samples."""
+        """A few scheduler steps for one request: chunks, decodes, samples. Where the
+        engine decides every step (`engine`), a few of its steps."""
         assert self.checker is not None
+        if self.engine:
+            self._engine_steps(data, 6)
+            return
         rid = data.draw(st.sampled_from(self._schedulable()), label="rid")
         sbs = self.cfg.scheduler_block_size
         budget = data.draw(st.sampled_from([1, 3, sbs, 2 * sbs, 4 * sbs, 64]), label="budget")
@@ -375,8 +430,12 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def step_batch(self, data: st.DataObject) -> None:
         """A few scheduler steps over every live request (FCFS, shared budget), each
-        followed by a sample for every request that computed all its tokens."""
+        followed by a sample for every request that computed all its tokens. Where the
+        engine decides every step (`engine`), a few of its steps."""
         assert self.checker is not None
+        if self.engine:
+            self._engine_steps(data, 4)
+            return
         sbs = self.cfg.scheduler_block_size
         budget = data.draw(st.sampled_from([3, sbs, 2 * sbs, 4 * sbs, 64]), label="step budget")
         for _ in range(data.draw(st.integers(1, 4), label="steps")):
@@ -438,9 +497,15 @@ class AllocatorMachine(RuleBasedStateMachine):
     def finish(self, data: st.DataObject) -> None:
         self._do(Finish(data.draw(st.sampled_from(self._requests(lambda r: True)), label="rid")))
 
-    @precondition(lambda self: self.checker is not None and bool(self._requests(lambda r: r.running)))  # type: ignore[attr-defined]
+    @precondition(
+        lambda self: (
+            self.checker is not None and not self.engine and bool(self._requests(lambda r: r.running))
+        )  # type: ignore[attr-defined]
+    )
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
+        """A directed preemption (no engine's client can ask one: never sent where the engine
+        decides every step, whose preemptions come from pool pressure)."""
         running = self._requests(lambda r: r.running)  # type: ignore[attr-defined]
         self._do(Preempt(data.draw(st.sampled_from(running), label="rid")))
 
@@ -521,7 +586,7 @@ class ConnectorMachine(AllocatorMachine):
         invalid = self._failed_blocks(data, rid) if outcome == "failed" else ()
         self._do(Loaded(rid, outcome != "failed" or bool(invalid), invalid))
         if rid in model.requests and not model.requests[rid].running:  # type: ignore[attr-defined]
-            self._do(Step((rid,), 64))
+            self._step_with(data, (rid,), 64)
 
     def _admission_step(self, data: st.DataObject, rid: str) -> None:
         """The step admitting `rid` with its offer: for a sync load, three times in four
@@ -547,13 +612,21 @@ class ConnectorMachine(AllocatorMachine):
             self.next_rid += 1
             self._do(AddRequest(others[-1], model.requests[rid].prompt + tuple(extra)))
         if extend:
-            self._do(Step((rid, others[-1]), 4 * sbs))
+            self._step_with(data, (rid, others[-1]), 4 * sbs)
         elif others and data.draw(st.booleans(), label="others in its step?") is True:
             budget = data.draw(st.sampled_from([sbs, 2 * sbs, 3 * sbs]), label="step budget")
-            self._do(Step((rid, *others), budget))
+            self._step_with(data, (rid, *others), budget)
         else:
-            self._do(Step((rid,), 64))
+            self._step_with(data, (rid,), 64)
         self._after_step(data)
+
+    def _step_with(self, data: st.DataObject, rids: tuple[str, ...], budget: int) -> None:
+        """A directed step over `rids` with `budget`; where the engine decides every step,
+        the engine's own step (`_engine_step`) instead."""
+        if self.engine:
+            self._engine_step(data)
+        else:
+            self._do(Step(rids, budget))
 
     def _after_step(self, data: st.DataObject) -> None:
         """Right after a step that ran sync loads (and, one time in two, the samples of the
@@ -636,14 +709,14 @@ class ConnectorMachine(AllocatorMachine):
         )
         self._do(AddRequest(rid, base.prompt + tuple(extra)))
         self._do(Offer(rid, len(base.prompt) + len(extra), "async"))
-        self._do(Step((rid,), 64))
+        self._step_with(data, (rid,), 64)
         if rid in model.requests and model.requests[rid].load == "loading":  # type: ignore[attr-defined]
             if not data.draw(st.sampled_from([True, True, False]), label="report it now?"):
                 return
             blocks = failable_blocks(model, model.requests[rid])
             self._do(Loaded(rid, True, self._some_blocks(data, blocks) if blocks else ()))
             if rid in model.requests and data.draw(st.booleans(), label="promote it now?"):
-                self._do(Step((rid,), 64))  # running, it holds the shared blocks too
+                self._step_with(data, (rid,), 64)  # running, it holds the shared blocks too
 
     @precondition(
         lambda self: (
@@ -668,6 +741,21 @@ class ConnectorMachine(AllocatorMachine):
         self._do(Save(rid))
         if data.draw(st.booleans(), label="finish it now?"):
             self._do(Finish(rid))
+
+
+def engine_caps(config: Config, data: st.DataObject) -> Config:
+    """`config` with batch caps for an engine that decides every step, where it states
+    none (`Config.max_num_batched_tokens` 0): a token budget that binds (3, one or two
+    scheduler blocks, four, or 64 tokens) and one time in two a `max_num_seqs` of 1 to 4,
+    as vLLM accepts them (`model.config`: the budget above the lookahead tokens and at
+    least `max_num_seqs`)."""
+    if config.max_num_batched_tokens:
+        return config
+    sbs = config.scheduler_block_size
+    budgets = [b for b in (3, sbs, 2 * sbs, 4 * sbs, 64) if b > config.num_lookahead_tokens]
+    budget = data.draw(st.sampled_from(budgets or [config.num_lookahead_tokens + sbs]), label="engine budget")
+    seqs = data.draw(st.sampled_from([0, 0, 0, 1, 2, 3, 4]), label="max_num_seqs")
+    return config.with_(max_num_batched_tokens=budget, max_num_seqs=min(seqs, budget))
 
 
 def build_machine(

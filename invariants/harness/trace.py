@@ -47,6 +47,8 @@ def config_to_json(cfg: Config) -> dict[str, Any]:
             ("kv_connector", False),
             ("kv_load_failure_policy", "recompute"),
             ("long_prefill_token_threshold", 0),
+            ("max_num_batched_tokens", 0),
+            ("max_num_seqs", 0),
             ("reserve_full_isl", False),
             ("watermark", 0.0),
             ("scheduling_policy", "fcfs"),
@@ -95,6 +97,8 @@ def config_from_json(data: Any) -> Config:
         "max_model_len",
         "pin_min_drop_blocks",
         "long_prefill_token_threshold",
+        "max_num_batched_tokens",
+        "max_num_seqs",
     ):
         if key in kwargs and (not isinstance(kwargs[key], int) or isinstance(kwargs[key], bool)):
             raise ConfigError(f"config.{key}: must be an integer")

@@ -32,6 +32,13 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "reference": ("invariants.targets.reference", "ReferenceTarget"),
     "vllm": ("invariants.targets.vllm_scheduler_target", "VllmSchedulerTarget"),
     "vllm-async-scheduler": ("invariants.targets.vllm_async_scheduler_target", "VllmAsyncSchedulerTarget"),
+    # The same engines steered by directed steps (any requests, any budget, `Preempt`): the
+    # traces and tests written before the engine decided every step.
+    "vllm-directed": ("invariants.targets.vllm_scheduler_target", "VllmDirectedTarget"),
+    "vllm-async-scheduler-directed": (
+        "invariants.targets.vllm_async_scheduler_target",
+        "VllmAsyncDirectedTarget",
+    ),
     "vllm-manager": ("invariants.targets.vllm_target", "VllmManagerTarget"),
 }
 # Names earlier releases of kvretain used: a trace or command naming one is told the new name.
@@ -56,18 +63,41 @@ TARGET_NAMES = BUILTIN_TARGETS + tuple(plugin_targets())
 PINNING_TARGETS = {"model", "reference"}
 # Targets that model vLLM's fine-grained Mamba hits and their CoW copies (the seeds
 # do not describe them, so the reference allocator refuses such configurations).
-FINE_MAMBA_TARGETS = {"model", "vllm-manager", "vllm", "vllm-async-scheduler"}
+FINE_MAMBA_TARGETS = {
+    "model",
+    "vllm-manager",
+    "vllm",
+    "vllm-async-scheduler",
+    "vllm-directed",
+    "vllm-async-scheduler-directed",
+}
 # Targets whose steps a real engine scheduler decides (`TargetFeatures(real_scheduler=True)`):
 # the fuzzer sends them whole steps and only configurations an engine can run.
-REAL_SCHEDULER_TARGETS = {"vllm", "vllm-async-scheduler"}
+REAL_SCHEDULER_TARGETS = {"vllm", "vllm-async-scheduler", "vllm-directed", "vllm-async-scheduler-directed"}
 # Real schedulers driven one step ahead (`TargetFeatures(async_scheduling=True)`), drafts included.
-ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler"}
+ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler", "vllm-async-scheduler-directed"}
+# Real schedulers that decide every step themselves (`TargetFeatures(engine_steps=True)`):
+# kvretain writes nothing of their state; the fuzzer sends them the engine's own steps.
+ENGINE_STEP_TARGETS = {"vllm", "vllm-async-scheduler"}
 # Targets that can run a KV connector (`TargetFeatures(connector=True)`, `model.connector`):
 # generated configurations include one; the others are never sent one, and say so.
-CONNECTOR_TARGETS = {"model", "vllm", "vllm-async-scheduler"}
+CONNECTOR_TARGETS = {
+    "model",
+    "vllm",
+    "vllm-async-scheduler",
+    "vllm-directed",
+    "vllm-async-scheduler-directed",
+}
 # Targets whose steps state the queue order they leave (`TargetFeatures(queues=True)`,
 # `model.queues`): judged there; the others' runs say it is unjudged.
-QUEUE_TARGETS = {"model", "reference", "vllm", "vllm-async-scheduler"}
+QUEUE_TARGETS = {
+    "model",
+    "reference",
+    "vllm",
+    "vllm-async-scheduler",
+    "vllm-directed",
+    "vllm-async-scheduler-directed",
+}
 # Targets that gate admissions as vLLM's scheduler does (`Config.reserve_full_isl`, `watermark`;
 # `model.admission`): generated configurations include the gates; the others refuse them.
 GATED_TARGETS = {
@@ -79,7 +109,12 @@ GATED_TARGETS = {
     "vllm-async-scheduler-directed",
 }
 # Targets that drive another target's allocator code: its known findings are theirs too.
-SAME_ALLOCATOR = {"vllm": "vllm-manager", "vllm-async-scheduler": "vllm-manager"}
+SAME_ALLOCATOR = {
+    "vllm": "vllm-manager",
+    "vllm-async-scheduler": "vllm-manager",
+    "vllm-directed": "vllm-manager",
+    "vllm-async-scheduler-directed": "vllm-manager",
+}
 
 
 def _load_plugin(name: str) -> Callable[[Config], Target]:
@@ -116,7 +151,7 @@ def target_factory(name: str) -> Callable[[Config], Target]:
     if name not in _BUILTIN:
         raise TargetUnavailable(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
     module_name, cls_name = _BUILTIN[name]
-    if name in ("vllm-manager", "vllm", "vllm-async-scheduler"):
+    if name == "vllm-manager" or name in REAL_SCHEDULER_TARGETS:
         from invariants.targets.vllm_env import vllm_available
 
         ok, reason = vllm_available()
@@ -156,6 +191,7 @@ __all__ = [
     "REAL_SCHEDULER_TARGETS",
     "RENAMED",
     "ASYNC_SCHEDULER_TARGETS",
+    "ENGINE_STEP_TARGETS",
     "SAME_ALLOCATOR",
     "FINE_MAMBA_TARGETS",
     "GATED_TARGETS",

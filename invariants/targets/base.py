@@ -61,6 +61,12 @@ class TargetFeatures:
     # model is judged with `num_spec_tokens = num_lookahead_tokens` (drafts, padding and
     # rollback, `model.spec_decode`), and the fuzzer's samples carry drafts.
     real_scheduler: bool = False
+    # The engine decides every step (`real_scheduler` without steering): a `Step` names every
+    # request the engine holds, in the model's predicted queue order
+    # (`AllocatorModel.engine_queues`), with the budget the engine was built with
+    # (`model.scheduling.build_budget`); a `Preempt` is never sent (no client can ask for one).
+    # Without it, a real scheduler's steps are directed: any requests, any budget.
+    engine_steps: bool = False
     # The engine schedules one step ahead of the model runner (vLLM's `AsyncScheduler`, as
     # `EngineCore.step_with_batch_queue` drives it): the Checker builds its model with
     # `async_scheduling` (`model.async_scheduling`: when a sampled token reaches the scheduler).

@@ -59,7 +59,7 @@ from model.observation import StepResult
 from model.ops import Sample
 
 from .base import TargetCrash
-from .vllm_scheduler_drive import RealStepScheduler
+from .vllm_scheduler_drive import RealStepScheduler, Steered
 
 
 class AsyncStepScheduler(RealStepScheduler):
@@ -207,10 +207,10 @@ class AsyncStepScheduler(RealStepScheduler):
             return
         super().sample(req, token)
 
-    def preempt(self, req: Any) -> None:
-        super().preempt(req)
-        self._deliver_now(req.request_id)
-        self.proposed.pop(req.request_id, None)  # the worker drops a preempted request's drafts
+    def after_preempt(self, rid: str) -> None:
+        """A directed `Preempt`'s share of the unprocessed output, delivered at once; its drafts dropped."""
+        self._deliver_now(rid)
+        self.proposed.pop(rid, None)  # the worker drops a preempted request's drafts
 
     def finish(self, req: Any) -> None:
         self.proposed.pop(req.request_id, None)
@@ -221,3 +221,7 @@ class AsyncStepScheduler(RealStepScheduler):
         if rid in self.undelivered:
             self.undelivered.remove(rid)
             self._deliver(self.pending, [rid])
+
+
+class DirectedAsyncStepScheduler(Steered, AsyncStepScheduler):
+    """`AsyncStepScheduler` steered (`Steered`): the "vllm-async-scheduler-directed" target's driver."""

@@ -45,7 +45,7 @@ from model.async_scheduling import FENCED
 from model.config import Config
 
 from .base import TargetFeatures
-from .vllm_async_scheduler_drive import AsyncStepScheduler
+from .vllm_async_scheduler_drive import AsyncStepScheduler, DirectedAsyncStepScheduler
 from .vllm_capabilities import Capabilities
 from .vllm_scheduler_build import build_scheduler, scheduler_modules
 from .vllm_scheduler_target import SchedulerEventTranslator, SchedulerOpDriver, VllmSchedulerTarget
@@ -77,14 +77,20 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
 
     name = "vllm-async-scheduler"
     features = TargetFeatures(
-        partial=True, fine_mamba=True, real_scheduler=True, async_scheduling=True, connector=True, queues=True
+        partial=True,
+        fine_mamba=True,
+        real_scheduler=True,
+        async_scheduling=True,
+        connector=True,
+        queues=True,
+        engine_steps=True,
     )
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
         self.vllm_scheduler: Any = None
         # The synchronous target's driver is not built: this one replaces it.
         VllmManagerTarget.__init__(self, config, events, track_prefixes)
-        self.steps = AsyncStepScheduler(self.session, self.names, self.vllm_scheduler, scheduler_modules())
+        self.steps = self.stepper(config)(self.session, self.names, self.vllm_scheduler, scheduler_modules())
         self.scheduler = self.steps
         self.driver = SchedulerOpDriver(self.session, self.names, self.steps)
         self.event_translator = SchedulerEventTranslator(self.session, self.keys, self.steps)
@@ -94,6 +100,13 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
         self.queue_checks = 0
         self.queue_found: list[tuple[str, str]] = []
         self.steps.shadow = self.shadow_worker()
+
+    def stepper(self, config: Config) -> type[AsyncStepScheduler]:  # type: ignore[override]
+        """Directed where the configuration states no budget (`VllmSchedulerTarget.stepper`)."""
+        if not config.max_num_batched_tokens:
+            self.directed()
+            return DirectedAsyncStepScheduler
+        return AsyncStepScheduler
 
     def shadow_worker(self) -> ShadowWorker | None:
         """The shadow worker one step ahead: a step runs once the tokens it reads are
@@ -113,3 +126,16 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
             config, v, caps, self.version, async_scheduling=True, speculative_blocks=self.speculative_blocks
         )
         return self.vllm_scheduler.kv_cache_manager
+
+
+class VllmAsyncDirectedTarget(VllmAsyncSchedulerTarget):
+    """ "vllm-async-scheduler" steered by kvretain's directed steps
+    ("vllm-async-scheduler-directed"; `vllm_scheduler_target.VllmDirectedTarget`)."""
+
+    name = "vllm-async-scheduler-directed"
+    features = TargetFeatures(
+        partial=True, fine_mamba=True, real_scheduler=True, async_scheduling=True, connector=True, queues=True
+    )
+
+    def stepper(self, config: Config) -> type[AsyncStepScheduler]:  # type: ignore[override]
+        return DirectedAsyncStepScheduler

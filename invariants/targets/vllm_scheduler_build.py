@@ -15,13 +15,18 @@ needed:
   specs the `KVCacheManager`-driven adapter and `layouts/derive.py` use), the
   pool size and the retention interval.
 - `CacheConfig`: the scheduler block size, prefix caching on or off, the Mamba
-  cache mode; `SchedulerConfig`: chunked prefill, no long-prefill threshold, a
-  batch large enough that kvretain's per-step budget (set on each step) is the
-  only limit, and `max_num_batched_tokens = max_model_len` so the
-  sliding-window admission cap vLLM derives from the in-flight bound equals the
-  one `vllm_build.build_manager` gets (its `max_in_flight_tokens` defaults to
-  `max_model_len`). The admission gates and the queue policy are the
-  configuration's (`model.admission`): `scheduler_reserve_full_isl` =
+  cache mode; `SchedulerConfig`: chunked prefill, the long-prefill threshold, and
+  the batch caps: the configuration's `max_num_batched_tokens` and
+  `max_num_seqs`, which bind (`model.scheduling`: `build_budget`, `seq_cap`). A
+  configuration stating no budget (0: a directed target's steps choose theirs) is
+  built with `max_num_batched_tokens = max_model_len`, which no step reaches. A
+  draft model's drafting takes one input slot per request past the scheduled
+  tokens (`max_num_new_slots_for_drafting`), which the model does not state:
+  there the budget is vLLM's `max_num_scheduled_tokens` and
+  `max_num_batched_tokens` leaves every request its slot (Eagle takes none).
+  The sliding-window admission cap vLLM derives from the in-flight bound
+  (`max_in_flight_tokens`) reads `max_num_batched_tokens`. The admission gates
+  and the queue policy are the configuration's (`model.admission`): `scheduler_reserve_full_isl` =
   `Config.reserve_full_isl` (vLLM's default True admits a request only if its
   whole sequence fits the free pool), `watermark` = `Config.watermark`,
   `policy` = `Config.scheduling_policy` (the model predicts "fcfs" only).
@@ -40,7 +45,10 @@ With `Config.kv_connector` the scheduler gets kvretain's scripted KV connector
 (`vllm_connector.transfer_config`).
 
 KV cache events are on (`KVEventsConfig(enable_kv_cache_events=True,
-publisher="null")`); the driver replaces the publisher to read them.
+publisher="null")`), published to an `EventCapture` the scheduler gets from
+vLLM's publisher factory while it is built (`capturing_events`: the factory
+answers the capture for that call only), so nothing is written to the
+scheduler after construction.
 What vLLM rejects is re-raised as `ConfigError` carrying vLLM's message.
 """
 
@@ -52,10 +60,14 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import Any, Literal
+from unittest.mock import patch
 
 from model.config import Config, ConfigError
+from model.scheduling import build_budget, seq_cap
 
 from .vllm_build import group_specs
 from .vllm_capabilities import Capabilities, scheduler_unsupported
@@ -76,6 +88,35 @@ EAGLE_NEEDS_LOOKAHEAD = (
 
 class SchedulerUnsupported(ConfigError):
     """A configuration the real scheduler cannot express (not a vLLM rejection)."""
+
+
+class EventCapture:
+    """The scheduler's KV-event publisher (`capturing_events`): keeps the batches
+    `update_from_output` publishes, for the adapter's event reader."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def take(self) -> list[Any]:
+        out, self.events = self.events, []
+        return out
+
+    def shutdown(self) -> None:
+        pass
+
+
+@contextmanager
+def capturing_events() -> Iterator[EventCapture]:
+    """While the block runs, vLLM's `EventPublisherFactory.create` answers a fresh
+    `EventCapture` (the scheduler asks it once, in `__init__`); restored after."""
+    from vllm.distributed.kv_events import EventPublisherFactory
+
+    capture = EventCapture()
+    with patch.object(EventPublisherFactory, "create", lambda *args, **kwargs: capture):
+        yield capture
 
 
 @cache
@@ -199,11 +240,13 @@ def vllm_config(
         **cache_args,
     )
     cache.num_gpu_blocks = cfg.num_blocks
+    tokens, seqs = batch_caps if batch_caps else (build_budget(cfg), min(MAX_NUM_SEQS, seq_cap(cfg)))
+    limits: dict[str, int] = {"max_num_batched_tokens": tokens}
+    if cfg.num_lookahead_tokens and not cfg.eagle:  # a draft model's slot per request (module docstring)
+        limits = {"max_num_batched_tokens": tokens + seqs, "max_num_scheduled_tokens": tokens}
     sched = m["SchedulerConfig"](
-        # vLLM requires max_num_batched_tokens >= max_num_seqs; a small instance's few
-        # requests never reach either cap.
-        max_num_seqs=batch_caps[1] if batch_caps else min(MAX_NUM_SEQS, cfg.max_model_len),
-        max_num_batched_tokens=batch_caps[0] if batch_caps else cfg.max_model_len,
+        max_num_seqs=seqs,
+        **limits,
         max_model_len=cfg.max_model_len,
         enable_chunked_prefill=True,
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
@@ -285,7 +328,7 @@ def build_scheduler(
         )
         cls = m["AsyncScheduler"] if async_scheduling else m["Scheduler"]
         env_r = cfg.retention_interval if any(g.kind != "full" for g in cfg.groups) else None
-        with retention_env(env_r if caps.retention == "env" else None):
+        with retention_env(env_r if caps.retention == "env" else None), capturing_events():
             return cls(
                 vllm_config=vcfg,
                 kv_cache_config=kv_cfg,

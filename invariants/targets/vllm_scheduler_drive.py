@@ -1,13 +1,26 @@
 """kvretain's scheduling operations run by vLLM's real `Scheduler`.
 
-A `Step(rids, budget)` is one `Scheduler.schedule()` call: the scheduler's
-queues hold exactly the requests `rids` names, in that order (its running
-requests in `running`, the others in `waiting`; the requests the step leaves
-out wait aside and come back after it), and its per-step token budget
-(`max_num_scheduled_tokens`) is `budget`. Everything else is vLLM's own code:
-the running pass, preemption, the waiting pass, the Mamba split, spec-decode
-padding, CoW copies. `Schedule(rid, budget)` is `Step((rid,), budget)`: a real
-scheduler preempts a running request whose allocation fails, where the
+A `Step(rids, budget)` is one `Scheduler.schedule()` call over vLLM's own
+queues, with the token budget the scheduler was built with
+(`RealStepScheduler`): kvretain writes nothing of the scheduler's state, as an
+engine core writes nothing (`STEERING` names what the directed driver writes,
+and a test holds the source to it). `rids` names the requests the model says
+the engine holds, in the order it predicts for them (running, holding, then
+waiting: `model.queues`); a step that names another set of requests, or
+another budget, is a step the engine cannot run, refused as such
+(`SteeredStep`), and one naming the same requests in another order is run in
+vLLM's order and counted (the queues it leaves are judged: `model.queues`).
+Which requests run, in what order, with which chunk, is vLLM's own code: the
+running pass, preemption, the waiting pass and its `max_num_seqs` cap, the
+Mamba split, spec-decode padding, CoW copies.
+
+The directed driver (`Steered`, "vllm-directed"; tests and traces written
+before the engine decided every step) steers instead: the scheduler's queues
+hold exactly the requests `rids` names, in that order (the requests the step
+leaves out wait aside and come back after it), its per-step budget
+(`max_num_scheduled_tokens`) is `budget`, and `Preempt(rid)` preempts one
+running request. `Schedule(rid, budget)` is `Step((rid,), budget)` on both: a
+real scheduler preempts a running request whose allocation fails, where the
 model's single-request `Schedule` leaves it unscheduled (the fuzzer sends
 real-scheduler targets `Step`s only: `TargetFeatures.real_scheduler`).
 
@@ -16,12 +29,12 @@ The step's decisions are read, never re-derived: a `StepRecorder` wraps the
 duration of `schedule()` and records each call (request, arguments, result);
 the `SchedulerOutput` gives the tokens each request was scheduled and the
 copies. `observe` arranges them as the model's `StepResult`: the running
-requests the pass reached in queue order (a running request with nothing to
+requests the pass reached in `running`'s order (a running request with nothing to
 compute is reached but calls nothing, exactly as in `Scheduler.schedule`),
 then the waiting requests in lookup order; the preempted requests in the order
 their blocks were freed; the queues `schedule()` left (`running`,
-`kv_holding_waiting`, `waiting`, front to back: `model.queues`), read before the
-requests aside come back, so restricted to the step's.
+`kv_holding_waiting`, `waiting`, front to back: `model.queues`), restricted to
+the step's requests (a directed step reads them before the requests aside come back).
 
 The block ids of a scheduled request are the ones the step ships to the worker
 (`SchedulerOutput`), not the allocator's return value, so a scheduler that
@@ -58,6 +71,7 @@ from model.ops import Sample
 
 from .base import TargetCrash
 from .vllm_names import HashLearner
+from .vllm_scheduler_build import EventCapture
 from .vllm_session import VllmSession
 
 
@@ -76,21 +90,30 @@ class Steering:
 
 STEERING: tuple[Steering, ...] = (
     Steering(
-        "RealStepScheduler.__init__",
-        frozenset({"kv_event_publisher"}),
-        "reads the KV events update_from_output publishes (KVEventsConfig takes only 'null' or 'zmq')",
-    ),
-    Steering(
-        "RealStepScheduler.step",
+        "Steered.arrange",
         frozenset({"running", "waiting", "kv_holding_waiting", "max_num_scheduled_tokens"}),
-        "a Step names its requests and budget: the queues hold exactly those, the others set aside",
+        "a directed Step names its requests and budget: the queues hold exactly those, the others aside",
     ),
     Steering(
-        "RealStepScheduler.preempt",
+        "Steered.put_back",
+        frozenset({"running", "waiting", "kv_holding_waiting"}),
+        "the requests a directed Step left aside come back behind its own",
+    ),
+    Steering(
+        "Steered.preempt",
         frozenset({"running", "_preempt_request"}),
         "Preempt(rid) preempts one running request; vLLM preempts only under pressure or all at once",
     ),
 )
+# The classes in which every write above sits: the only steering classes of the adapters.
+STEERING_CLASSES = frozenset({"Steered"})
+
+
+class SteeredStep(TargetCrash):
+    """A step the engine cannot run: it names other requests than the scheduler holds, or
+    another budget than it was built with (an engine core schedules every request it
+    holds, with its configured budget). kvretain's own refusal, never vLLM's defect; a
+    directed target ("vllm-directed") runs such steps."""
 
 
 @dataclass
@@ -147,24 +170,6 @@ class StepRecorder:
             self.active = False
 
 
-class EventCapture:
-    """Stands in for the scheduler's KV-event publisher: keeps the batches
-    `update_from_output` publishes, for the adapter's event reader."""
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    def publish(self, batch: Any) -> None:
-        self.events.extend(batch.events)
-
-    def take(self) -> list[Any]:
-        out, self.events = self.events, []
-        return out
-
-    def shutdown(self) -> None:
-        pass
-
-
 class RealStepScheduler:
     """Runs kvretain's scheduling operations through one vLLM `Scheduler` (see the module docstring)."""
 
@@ -176,8 +181,10 @@ class RealStepScheduler:
         self.sched = scheduler
         self.m = modules
         self.recorder = StepRecorder(scheduler.kv_cache_manager)
-        self.capture = EventCapture()
-        scheduler.kv_event_publisher = self.capture
+        # The publisher `vllm_scheduler_build` gave the scheduler at construction.
+        self.capture: EventCapture = scheduler.kv_event_publisher
+        if not isinstance(self.capture, EventCapture):
+            raise TargetCrash("the vLLM scheduler was not built with kvretain's event capture")
         # The last step's output, until the model runner's half of the step runs (`flush`).
         self.pending: Any = None
         # rid -> the token a `Sample` gave it, delivered with its step's output.
@@ -194,8 +201,11 @@ class RealStepScheduler:
         self.dropped: list[str] = []
         # The shadow worker fed every step's output and every sampled token (None: not followed).
         self.shadow: ShadowWorker | None = None
-        # Steps whose queues kvretain rewrote (membership or order differed from vLLM's own).
+        # Steps whose queues kvretain rewrote (membership or order differed from vLLM's own):
+        # only a directed driver's (`Steered`).
         self.steered_steps = 0
+        # Steps whose requests vLLM held in another order than the step named them (run in vLLM's).
+        self.reordered_steps = 0
 
     # ------------------------------------------------------------------ the manager, as before
     def computed_blocks(self, req: Any) -> tuple[Any, int, int]:
@@ -245,11 +255,15 @@ class RealStepScheduler:
         return rid in self.samples
 
     def preempt(self, req: Any) -> None:
-        """Preempt a running request as `Scheduler.reset_prefix_cache(reset_running_requests=True)`
-        does: out of `running`, then `Scheduler._preempt_request`."""
-        self.settle(req.request_id)
-        self.sched.running.remove(req)
-        self.sched._preempt_request(req, time.monotonic())
+        """`Preempt(rid)`: no client of an engine preempts one request (vLLM preempts under
+        pool pressure, or every running request at a reset): refused (a directed target runs it)."""
+        raise SteeredStep(
+            f"preempt {req.request_id}: vLLM's engine has no call that preempts one running request "
+            "(it preempts under pool pressure); a directed target (vllm-directed) runs it"
+        )
+
+    def after_preempt(self, rid: str) -> None:
+        """What a driver does after a directed `Preempt` of `rid` (`Steered.preempt`): nothing here."""
 
     def finish(self, req: Any) -> None:
         self.settle(req.request_id)
@@ -270,58 +284,58 @@ class RealStepScheduler:
         )
 
     def step(self, rids: tuple[str, ...], budget: int) -> StepResult:
-        """One `Scheduler.schedule()` over exactly the requests `rids`, with `budget` tokens."""
+        """One `Scheduler.schedule()` over the requests `rids` with `budget` tokens, as
+        `arrange` admits them (see the module docstring)."""
         self.flush()
-        sched, running_status = self.sched, self.s.v["RequestStatus"].RUNNING
-        named = set(rids)
-        reqs = [self.s.requests[r] for r in rids]
-        running = [r for r in reqs if r.status == running_status]
-        # Waiting requests holding blocks (a connector's load) have their own queue, from
-        # the release that added it (0.31+; before it they wait in `waiting`).
-        has_holding = hasattr(sched, "kv_holding_waiting")
-        holding = [r for r in reqs if r in sched.kv_holding_waiting] if has_holding else []
-        aside_running = [r for r in sched.running if r.request_id not in named]
-        aside_waiting = [r for r in sched.waiting if r.request_id not in named]
-        aside_holding = (
-            [r for r in sched.kv_holding_waiting if r.request_id not in named] if has_holding else []
-        )
-        if self._rewrites(
-            running, holding, [r for r in reqs if r.status != running_status and r not in holding]
-        ):
-            self.steered_steps += 1
-        sched.running = list(running)
-        sched.waiting = self._queue(r for r in reqs if r.status != running_status and r not in holding)
-        if has_holding:
-            sched.kv_holding_waiting = self._queue(holding)
-        sched.max_num_scheduled_tokens = budget
+        sched, named = self.sched, set(rids)
+        aside = self.arrange(rids, budget)
+        running = [r.request_id for r in sched.running]  # the running pass's order
         try:
             with self.recorder.recording() as calls:
                 out = sched.schedule()
-            queues = self.queues_left(named)  # before the requests aside come back
+            queues = self.queues_left(named)  # before any request aside comes back
             if self.shadow is not None:
                 self.shadow.execute(out)
         finally:
-            sched.running.extend(aside_running)
-            for r in aside_waiting:
-                sched.waiting.add_request(r)
-            for r in aside_holding:
-                sched.kv_holding_waiting.add_request(r)
+            self.put_back(aside)
         self.pending = self.last_out = out
         for rid in out.num_scheduled_tokens:
             self.names.learn_computed(self.s.requests[rid])
         computed = {rid: self.s.requests[rid].num_computed_tokens for rid in rids}
-        step = observe(calls, [r.request_id for r in running], out, budget, computed, sched.block_size)
+        step = observe(calls, running, out, budget, computed, sched.block_size)
         return replace(step, queues=queues)
 
-    def _rewrites(self, running: list[Any], holding: list[Any], waiting: list[Any]) -> bool:
-        """Do the step's queues differ from the ones vLLM holds (a request set aside, or another order)?"""
+    def own_queues(self) -> tuple[list[Any], list[Any], list[Any]]:
+        """vLLM's queues as they stand, front to back: `running`, `kv_holding_waiting`
+        (empty before the release that added it, 0.31), `waiting`."""
         sched = self.sched
-        own = [list(sched.running), list(sched.waiting)]
-        wanted = [running, waiting]
-        if hasattr(sched, "kv_holding_waiting"):
-            own.append(list(sched.kv_holding_waiting))
-            wanted.append(holding)
-        return any([r.request_id for r in o] != [r.request_id for r in w] for o, w in zip(own, wanted))
+        holding = list(sched.kv_holding_waiting) if hasattr(sched, "kv_holding_waiting") else []
+        return list(sched.running), holding, list(sched.waiting)
+
+    def arrange(self, rids: tuple[str, ...], budget: int) -> Any:
+        """An engine's step: `rids` must name exactly the requests vLLM's queues hold and
+        `budget` be the one it was built with (else `SteeredStep`); another order is run in
+        vLLM's and counted (`reordered_steps`). Nothing is set aside (None)."""
+        own = [r.request_id for queue in self.own_queues() for r in queue]
+        built = self.sched.max_num_scheduled_tokens
+        if set(own) != set(rids) or len(own) != len(rids):
+            missing, extra = sorted(set(rids) - set(own)), sorted(set(own) - set(rids))
+            raise SteeredStep(
+                f"step over {list(rids)}: vLLM's queues hold {own} (named but not held: {missing}; "
+                f"held but not named: {extra}); an engine's step schedules every request it holds "
+                "(a directed target, vllm-directed, runs a step over some of them)"
+            )
+        if budget != built:
+            raise SteeredStep(
+                f"step with budget {budget}: the scheduler was built with {built} tokens a step "
+                "(Config.max_num_batched_tokens); a directed target (vllm-directed) sets one per step"
+            )
+        if own != list(rids):
+            self.reordered_steps += 1
+        return None
+
+    def put_back(self, aside: Any) -> None:
+        """The requests `arrange` set aside, back in their queues (an engine's step: none)."""
 
     def queues_left(self, named: set[str]) -> Queues:
         """The queues `schedule()` left, front to back, restricted to the step's requests
@@ -334,12 +348,6 @@ class RealStepScheduler:
 
         holding = ids(sched.kv_holding_waiting) if hasattr(sched, "kv_holding_waiting") else ()
         return Queues(ids(sched.running), holding, ids(sched.waiting))
-
-    def _queue(self, requests: Iterable[Any]) -> Any:
-        queue = self.m["create_request_queue"](self.sched.policy)
-        for r in requests:
-            queue.add_request(r)
-        return queue
 
     def flush(self) -> None:
         """The model runner's half of the last step: `update_from_output` with the
@@ -483,6 +491,73 @@ class RealStepScheduler:
     def take_events(self) -> list[Any]:
         """The KV events `update_from_output` published, then those still in the manager."""
         return [*self.capture.take(), *self.s.manager.take_events()]
+
+
+class Steered:
+    """The directed driver's steering, mixed in before a step scheduler (`RealStepScheduler`
+    or a subclass): a step's queues hold exactly the requests it names, in its order, with
+    its budget, and `Preempt` preempts one running request. Every write it makes to vLLM's
+    scheduler is named in `STEERING` (see the module docstring)."""
+
+    sched: Any
+    m: dict[str, Any]
+    s: VllmSession
+    steered_steps: int
+    settle: Callable[[str], None]
+    after_preempt: Callable[[str], None]
+    own_queues: Callable[[], tuple[list[Any], list[Any], list[Any]]]
+
+    def arrange(self, rids: tuple[str, ...], budget: int) -> Any:
+        """The scheduler's queues hold exactly `rids` (running ones in `running`, those
+        holding blocks in `kv_holding_waiting`, the others in `waiting`, each in `rids`
+        order) and its budget is `budget`; returns the requests set aside, per queue."""
+        sched, running_status = self.sched, self.s.v["RequestStatus"].RUNNING
+        named = set(rids)
+        reqs = [self.s.requests[r] for r in rids]
+        own_running, own_holding, own_waiting = self.own_queues()
+        has_holding = hasattr(sched, "kv_holding_waiting")
+        running = [r for r in reqs if r.status == running_status]
+        holding = [r for r in reqs if r in own_holding]
+        waiting = [r for r in reqs if r.status != running_status and r not in own_holding]
+        aside = tuple(
+            [r for r in q if r.request_id not in named] for q in (own_running, own_holding, own_waiting)
+        )
+        if [own_running, own_holding, own_waiting] != [running, holding, waiting]:
+            self.steered_steps += 1
+        sched.running = list(running)
+        sched.waiting = self._queue(waiting)
+        if has_holding:
+            sched.kv_holding_waiting = self._queue(holding)
+        sched.max_num_scheduled_tokens = budget
+        return aside
+
+    def put_back(self, aside: Any) -> None:
+        """The requests `arrange` set aside, behind the step's own in their queues."""
+        sched = self.sched
+        aside_running, aside_holding, aside_waiting = aside
+        sched.running.extend(aside_running)
+        for r in aside_waiting:
+            sched.waiting.add_request(r)
+        for r in aside_holding:
+            sched.kv_holding_waiting.add_request(r)
+
+    def preempt(self, req: Any) -> None:
+        """Preempt a running request as `Scheduler.reset_prefix_cache(reset_running_requests=True)`
+        does: out of `running`, then `Scheduler._preempt_request`."""
+        self.settle(req.request_id)
+        self.sched.running.remove(req)
+        self.sched._preempt_request(req, time.monotonic())
+        self.after_preempt(req.request_id)
+
+    def _queue(self, requests: Iterable[Any]) -> Any:
+        queue = self.m["create_request_queue"](self.sched.policy)
+        for r in requests:
+            queue.add_request(r)
+        return queue
+
+
+class DirectedStepScheduler(Steered, RealStepScheduler):
+    """`RealStepScheduler` steered (`Steered`): the "vllm-directed" target's driver."""
 
 
 def observe(

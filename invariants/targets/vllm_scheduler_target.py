@@ -10,10 +10,10 @@ read by the same snapshot, partial-state and hash-naming parts as "vllm-manager"
 | operation | vLLM |
 |---|---|
 | `AddRequest` | `Scheduler.add_request` (a WAITING request, hashed as `VllmManagerTarget` hashes it) |
-| `Step`, `Schedule` | `update_from_output` of the previous step, then `Scheduler.schedule` (`RealStepScheduler.step`) |
+| `Step`, `Schedule` | `update_from_output` of the previous step, then `Scheduler.schedule` over vLLM's own queues with the built budget (`RealStepScheduler.step`; another set of requests or budget is refused) |
 | `Sample` | the token (and accepted drafts) of the step's synthetic `ModelRunnerOutput`; its drafts go to `update_draft_token_ids` |
 | `Finish` | `Scheduler.finish_requests(rid, FINISHED_ABORTED)` |
-| `Preempt` | `Scheduler._preempt_request`, as `reset_prefix_cache(reset_running_requests=True)` preempts |
+| `Preempt` | refused (no client can ask it); on "vllm-directed", `Scheduler._preempt_request`, as `reset_prefix_cache(reset_running_requests=True)` preempts |
 | `ResetPrefixCache` | `Scheduler.reset_prefix_cache()` |
 | `Offer`, `Save` | kvretain's connector's script (`vllm_connector`) |
 | `Loaded`, `Saved` | `update_from_output` with no request's share and the worker's `KVConnectorOutput`; a sync load's failed blocks, with the output of the step that ran it (`RealStepScheduler.report_step`) |
@@ -21,6 +21,19 @@ read by the same snapshot, partial-state and hash-naming parts as "vllm-manager"
 
 KV events come from the scheduler's publisher (`update_from_output` publishes
 them) and then the manager (`RealStepScheduler.take_events`).
+
+"vllm" acts only as an engine core and a client do: every `Step` is the
+engine's own (`TargetFeatures.engine_steps`: it names every request vLLM holds,
+with the budget built from `Config.max_num_batched_tokens`), and nothing of the
+scheduler is written after construction. `VllmDirectedTarget`
+("vllm-directed") is the same engine steered as kvretain's traces were written
+before: a step over any requests with any budget, a `Preempt` of one request
+(`vllm_scheduler_drive.Steered`, every write named in `STEERING`); its summary
+counts the steps whose queues it rewrote. A configuration stating no budget
+(`max_num_batched_tokens` 0: the traces and tests written before the engine
+decided every step) is driven directed on "vllm" too, and says so
+(`engine_settings`, the rewritten steps counted); the fuzzer draws a budget for
+every example (`invariants.harness.machine.engine_caps`).
 
 Speculative decoding: a configuration with lookahead slots builds the scheduler
 with a `SpeculativeConfig` (Eagle/MTP, or a draft model) and is driven by
@@ -38,6 +51,7 @@ placeholders), which the model states as async scheduling's semantics
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from invariants.shadow import QUEUES, ShadowWorker, WorkerGroup, queue_problems
@@ -49,8 +63,8 @@ from .base import TargetCrash, TargetFeatures
 from .vllm_capabilities import Capabilities
 from .vllm_drive import OpDriver
 from .vllm_scheduler_build import build_scheduler, scheduler_modules
-from .vllm_scheduler_drive import RealStepScheduler
-from .vllm_scheduler_spec import SpecStepScheduler
+from .vllm_scheduler_drive import DirectedStepScheduler, RealStepScheduler
+from .vllm_scheduler_spec import DirectedSpecStepScheduler, SpecStepScheduler
 from .vllm_snapshot import EventTranslator, SnapshotReader
 from .vllm_target import VLLM_EVENT_PROFILE, VllmManagerTarget
 
@@ -230,7 +244,9 @@ class VllmSchedulerTarget(VllmManagerTarget):
     """vLLM's real `Scheduler` driving its `KVCacheManager` (see the module docstring)."""
 
     name = "vllm"
-    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, connector=True, queues=True)
+    features = TargetFeatures(
+        partial=True, fine_mamba=True, real_scheduler=True, connector=True, queues=True, engine_steps=True
+    )
     # Mamba specs keep their draft blocks when the scheduler speculates (`vllm_scheduler_spec`);
     # False only in the tests' planted defect.
     speculative_blocks = True
@@ -254,9 +270,7 @@ class VllmSchedulerTarget(VllmManagerTarget):
         self.engine_contract = engine_contract
         self.batch_caps = batch_caps
         super().__init__(config, events, track_prefixes)
-        # With lookahead slots the scheduler speculates (`vllm_scheduler_spec`).
-        stepper = SpecStepScheduler if config.num_lookahead_tokens else RealStepScheduler
-        self.steps = stepper(self.session, self.names, self.vllm_scheduler, scheduler_modules())
+        self.steps = self.stepper(config)(self.session, self.names, self.vllm_scheduler, scheduler_modules())
         self.scheduler = self.steps
         self.driver = SchedulerOpDriver(self.session, self.names, self.steps)
         self.event_translator = SchedulerEventTranslator(self.session, self.keys, self.steps)
@@ -264,6 +278,20 @@ class VllmSchedulerTarget(VllmManagerTarget):
         self.steps.shadow = self.shadow_worker()
         self.queue_checks = 0
         self.queue_found: list[tuple[str, str]] = []
+
+    def stepper(self, config: Config) -> type[RealStepScheduler]:
+        """The step driver: with lookahead slots the scheduler speculates (`vllm_scheduler_spec`).
+        A configuration that states no budget (`Config.max_num_batched_tokens` 0: a trace
+        written before the engine decided every step) is driven directed (`directed`)."""
+        if not config.max_num_batched_tokens:
+            self.directed()
+            return DirectedSpecStepScheduler if config.num_lookahead_tokens else DirectedStepScheduler
+        return SpecStepScheduler if config.num_lookahead_tokens else RealStepScheduler
+
+    def directed(self) -> None:
+        """This target's steps are directed (`TargetFeatures.engine_steps` off for it)."""
+        # This instance's features: the class states what a configuration with a budget gets.
+        self.features = replace(type(self).features, engine_steps=False)  # type: ignore[misc]
 
     def shadow_worker(self) -> ShadowWorker | None:
         """The shadow worker that follows this scheduler's outputs, as the model runner
@@ -313,7 +341,7 @@ class VllmSchedulerTarget(VllmManagerTarget):
             _setting("scheduler_reserve_full_isl", getattr(sc, "scheduler_reserve_full_isl", None), True),
             _setting("watermark", getattr(sc, "watermark", None), 0.0),
             _setting("policy", sc.policy, "fcfs"),
-            "batch caps never bind (kvretain's per-step budget stands in)",
+            self.batch_caps_setting(),
         ]
         if spec is not None and hasattr(spec, "disable_lookahead_block_hashes"):
             lines.append(
@@ -326,11 +354,22 @@ class VllmSchedulerTarget(VllmManagerTarget):
             lines.append("async_scheduling=False (vLLM's default: on; see vllm-async-scheduler)")
         return tuple(line for line in lines if line)
 
+    def batch_caps_setting(self) -> str:
+        """The batch caps as built: the engine's steps run under them."""
+        if not self.features.engine_steps:
+            return "directed: each step's budget is kvretain's (written to the scheduler)"
+        sc = self.vllm_scheduler.scheduler_config
+        budget = self.vllm_scheduler.max_num_scheduled_tokens
+        if budget >= self.config.max_model_len:
+            return f"max_num_seqs={sc.max_num_seqs}; no token budget binds (max_model_len)"
+        return f"max_num_batched_tokens={budget} max_num_seqs={sc.max_num_seqs} (vLLM's: 2048 / 256)"
+
     def engine_figures(self) -> dict[str, int] | None:
         shadow = self.steps.shadow
         figures = {
             "queue checks": self.queue_checks,
             "steps whose queues kvretain rewrote": self.steps.steered_steps,
+            "steps whose queue order vLLM held otherwise": self.steps.reordered_steps,
         }
         if shadow is not None:
             f = shadow.figures
@@ -387,3 +426,17 @@ def _setting(name: str, value: object, default: object) -> str:
     if value is None:
         return ""
     return f"{name}={value}" + ("" if value == default else f" (not vLLM's default, {default})")
+
+
+class VllmDirectedTarget(VllmSchedulerTarget):
+    """vLLM's real `Scheduler` steered by kvretain's directed steps ("vllm-directed"): a
+    `Step` over any of its requests with any budget, a `Preempt` of one running request
+    (`vllm_scheduler_drive.Steered`; every write named in `STEERING`). The traces and
+    tests written before the engine decided every step run here; the summary counts the
+    steps whose queues it rewrote."""
+
+    name = "vllm-directed"
+    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, connector=True, queues=True)
+
+    def stepper(self, config: Config) -> type[RealStepScheduler]:
+        return DirectedSpecStepScheduler if config.num_lookahead_tokens else DirectedStepScheduler

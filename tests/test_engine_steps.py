@@ -1,0 +1,150 @@
+"""The engine decides every step: "vllm" and "vllm-async-scheduler" run only the engine's
+own steps (every request vLLM holds, in the model's predicted queue order, with the budget
+the engine was built with), and the model states the queue order and the `max_num_seqs`
+cap those steps run under (`model.queues.QueueOrder.engine_order`, `model.scheduling`).
+
+Each check has its control: the model without the cap, a step naming a subset, another
+budget or a `Preempt` (refused on the engine target, run on the directed one)."""
+
+from __future__ import annotations
+
+import pytest
+
+import model.connector as connector_mod
+from invariants.harness.checker import Checker
+from invariants.targets.vllm_env import vllm_available
+from model.allocator import AllocatorModel
+from model.config import Config, ConfigError, GroupSpec, validate
+from model.ops import AddRequest, Finish, Preempt, Sample, Step
+from model.scheduling import build_budget, seq_cap
+
+FULL = Config(groups=(GroupSpec("full", 4),), num_blocks=24, max_model_len=256)
+CAPPED = FULL.with_(max_num_batched_tokens=8, max_num_seqs=2)
+
+_OK, _REASON = vllm_available()
+vllm_only = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
+
+
+def engine_step(m: AllocatorModel, budget: int) -> Step:
+    q = m.engine_queues()
+    return Step((*q.running, *q.holding, *q.waiting), budget)
+
+
+# ---------------------------------------------------------------------- the model
+
+
+def test_arrivals_join_waitings_back_and_a_preempted_request_its_front() -> None:
+    m = AllocatorModel(FULL)
+    for i, rid in enumerate(("a", "b", "c")):
+        m.apply(AddRequest(rid, (i + 1,) * 5))  # no hits between them
+    assert m.engine_queues().waiting == ("a", "b", "c")
+    m.apply(engine_step(m, 10))  # a and b admitted, c waits
+    assert m.engine_queues().running == ("a", "b")
+    m.apply(AddRequest("d", (7, 7)))
+    m.apply(Preempt("a"))
+    assert m.engine_queues().waiting == ("a", "c", "d")
+    m.apply(Finish("c"))
+    m.apply(AddRequest("c", (9,)))  # a reused id arrives at the back
+    assert m.engine_queues() == (("b",), (), ("a", "d", "c"))
+
+
+def test_max_num_seqs_stops_the_waiting_pass() -> None:
+    """Two running requests fill `max_num_seqs=2`: the third waits with budget to spare."""
+    m = AllocatorModel(CAPPED)
+    for rid in ("a", "b", "c"):
+        m.apply(AddRequest(rid, (1, 2)))
+    step = m.apply(engine_step(m, build_budget(CAPPED)))
+    assert [rid for rid, r in step.results if r.admitted] == ["a", "b"]
+    assert step.queues is not None and step.queues.waiting == ("c",)
+
+
+def test_control_without_the_cap_the_third_request_is_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connector_mod, "seq_cap_reached", lambda running, cap: False)
+    m = AllocatorModel(CAPPED)
+    for rid in ("a", "b", "c"):
+        m.apply(AddRequest(rid, (1, 2)))
+    step = m.apply(engine_step(m, build_budget(CAPPED)))
+    assert [rid for rid, r in step.results if r.admitted] == ["a", "b", "c"]
+
+
+def test_the_batch_caps_are_validated_as_vllm_takes_them() -> None:
+    assert build_budget(FULL) == FULL.max_model_len and seq_cap(FULL) == FULL.max_model_len
+    assert seq_cap(FULL.with_(max_num_batched_tokens=3)) == 3  # vLLM: max_num_seqs <= the budget
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        validate(FULL.with_(max_num_batched_tokens=2, max_num_seqs=3))
+    with pytest.raises(ConfigError, match="num_lookahead_tokens"):
+        validate(FULL.with_(max_num_batched_tokens=2, num_lookahead_tokens=2))
+    with pytest.raises(ConfigError, match="non-negative"):
+        validate(FULL.with_(max_num_seqs=-1))
+
+
+def test_a_trace_without_the_caps_reads_the_same() -> None:
+    from invariants.harness.trace import config_from_json, config_to_json
+
+    assert "max_num_seqs" not in config_to_json(FULL)
+    assert config_from_json(config_to_json(CAPPED)) == CAPPED
+
+
+# ---------------------------------------------------------------------- on vLLM's real scheduler
+
+
+def drive(name: str, cfg: Config) -> Checker:
+    from invariants.targets import target_factory
+
+    checker = Checker(target_factory(name)(cfg), audit_every=1)
+    for rid in ("a", "b", "c"):
+        assert checker.step(AddRequest(rid, (1, 2, 3, 4, 5))) == []
+    return checker
+
+
+@vllm_only
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["vllm", "vllm-async-scheduler"])
+def test_the_engines_steps_agree_with_the_model_under_binding_caps(name: str) -> None:
+    """`max_num_seqs=2` and an 8-token budget bind on vLLM as the model states them; nothing
+    is steered."""
+    checker = drive(name, CAPPED)
+    for _ in range(5):
+        for rid, r in list(checker.model.requests.items()):
+            if r.awaits_sample:
+                assert checker.step(Sample(rid, 1)) == []
+        assert checker.step(engine_step(checker.model, 8)) == []
+    assert checker.model.engine_queues().waiting == ("c",)
+    figures = checker.target.engine_figures() or {}
+    assert figures["steps whose queues kvretain rewrote"] == 0
+    assert "max_num_batched_tokens=8 max_num_seqs=2" in " ".join(checker.target.engine_settings())
+
+
+@vllm_only
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "op",
+    [Step(("a",), 8), Step(("a", "b", "c"), 4), Preempt("a")],
+    ids=["a subset", "another budget", "a preemption"],
+)
+def test_a_steered_operation_is_refused_by_the_engine_and_run_by_the_directed_target(op: object) -> None:
+    """The engine target refuses a step it cannot run (one line: kvretain's refusal, not
+    vLLM's defect); the control: the directed target runs it."""
+    checker = drive("vllm", CAPPED)
+    if isinstance(op, Preempt):
+        assert checker.step(engine_step(checker.model, 8)) == []
+    found = checker.step(op)  # type: ignore[arg-type]
+    assert [v.check for v in found] == ["crash"]
+    assert "SteeredStep" in found[0].message and "vllm-directed" in found[0].message
+    directed = drive("vllm-directed", CAPPED)
+    if isinstance(op, Preempt):
+        assert directed.step(engine_step(directed.model, 8)) == []
+    assert directed.step(op) == []  # type: ignore[arg-type]
+
+
+@vllm_only
+@pytest.mark.vllm
+def test_the_event_publisher_is_the_capture_from_construction() -> None:
+    """The scheduler's publisher is kvretain's capture as built; vLLM's factory is itself again after."""
+    from vllm.distributed.kv_events import EventPublisherFactory
+
+    from invariants.targets.vllm_scheduler_build import EventCapture
+
+    checker = drive("vllm", FULL)
+    assert isinstance(checker.target.vllm_scheduler.kv_event_publisher, EventCapture)
+    assert not isinstance(EventPublisherFactory.create(None), EventCapture)
