@@ -8,10 +8,11 @@ export HYPOTHESIS_PROFILE
 
 .PHONY: setup verify test release-envs lint gpu-check matrix clean
 
-$(STAMP): pyproject.toml requirements/dev.txt $(wildcard requirements/vllm*.txt) $(wildcard requirements/sglang*.txt)
+$(STAMP): pyproject.toml requirements/dev.txt requirements/ray.txt $(wildcard requirements/vllm*.txt) $(wildcard requirements/sglang*.txt)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements/dev.txt
+	$(BIN)/python -m pip install -q -r requirements/ray.txt
 	@if [ -f requirements/vllm.txt ]; then \
 	  $(BIN)/python -m pip install -q -r requirements/vllm.txt && \
 	  $(BIN)/python -m pip install -q --no-deps -r requirements/vllm-nodeps.txt || \

@@ -20,6 +20,8 @@
 |              | a grid of small instances, fingerprints, shortest traces, certificates  |
 | `shadow/`    | the engine's contract: a shadow model runner over real scheduler        |
 |              | outputs with a provenance per KV slot, and the scheduler's queues       |
+| `campaign/`  | long runs on a Ray cluster (the optional extra; nothing else imports    |
+|              | Ray): explore's frontier by fingerprint over workers, fuzz seeds merged |
 | `cli/`       | the `kvretain` command, one module per command group                    |
 
 `errors` (usage errors), `report` (tables, progress lines) and `results` (JUnit
@@ -47,6 +49,7 @@ ROOMS: dict[str, frozenset[str]] = {
     "export": frozenset({"catalogue", "targets", "harness"}),
     "matrix": frozenset({"targets", "layouts", "harness"}),
     "explore": frozenset({"catalogue", "targets", "harness"}),
+    "campaign": frozenset({"catalogue", "targets", "layouts", "harness", "explore"}),
     "cli": frozenset(
         {
             "catalogue",
@@ -60,6 +63,7 @@ ROOMS: dict[str, frozenset[str]] = {
             "matrix",
             "explore",
             "shadow",
+            "campaign",
         }
     ),
 }

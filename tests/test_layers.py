@@ -428,3 +428,42 @@ def test_control_planted_private_reach_is_reported(where: str, planted: str, rep
     # Its own room's names and self's are not reach: the same access on self is clean.
     own = sources[path] + f"\n\ndef _planted(self):\n    return self.{reported}\n"
     assert not private_reaches(path, own, defined)
+
+
+# Ray, an optional extra, is imported by the campaign room alone (design: "nothing else imports Ray").
+RAY_ROOM = ROOT / "invariants" / "campaign"
+
+
+def ray_imports(path: Path, source: str) -> list[str]:
+    """Each import of Ray in `source` (project file `path`) outside the campaign room."""
+    if path.is_relative_to(RAY_ROOM):
+        return []
+    tree = ast.parse(source)
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+    return [
+        f"{path.relative_to(ROOT)} imports {m}: only invariants/campaign/ imports Ray"
+        for m in names
+        if m.split(".")[0] == "ray"
+    ]
+
+
+def test_only_the_campaign_room_imports_ray() -> None:
+    found = [v for p in project_files() for v in ray_imports(p, p.read_text())]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("where", "planted"),
+    [
+        ("invariants/explore/search.py", "import ray"),
+        ("invariants/cli/fuzz.py", "from ray import cloudpickle"),
+    ],
+)
+def test_control_planted_ray_import_is_reported(where: str, planted: str) -> None:
+    path = ROOT / where
+    source = path.read_text()
+    assert not ray_imports(path, source)
+    found = ray_imports(path, source + f"\n\ndef _planted() -> None:\n    {planted}\n")
+    assert found and "only invariants/campaign/ imports Ray" in found[0]
+    assert not ray_imports(RAY_ROOM / "explore.py", planted)  # the room itself may

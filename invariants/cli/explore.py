@@ -1,7 +1,8 @@
 """`kvretain explore`: every operation sequence to a depth, over a grid of small instances.
 
     kvretain explore [--target model|reference|vllm|vllm-async-scheduler|...] [--depth D] [--max-states N]
-                     [--budget-s T] [--instance NAME ...] [--jobs N] [--list] [--out DIR] [--json PATH]
+                     [--budget-s T] [--instance NAME ...] [--jobs N] [--ray ADDRESS] [--list]
+                     [--out DIR] [--json PATH]
 
 Breadth-first search (`invariants.explore`): every operation the alphabet
 offers from every reached state, each transition checked by the harness's
@@ -25,6 +26,17 @@ or not, is built (`invariants.explore.configs`); the target must build
 nothing the model rejects, and the valid ones it refuses are counted. Its time
 counts against the budget.
 
+`--ray ADDRESS` spreads each instance's frontier over a Ray cluster's workers
+(`invariants.campaign`, docs/campaigns.md): the same certificates, each state
+expanded once cluster-wide.
+
+`--restore live|pickle`: how the search returns to a state between the
+operations it tries from it (restored in place, or thawed afresh per
+operation: the definition); the certificate is the same. `--bench` prints the
+states/s of each on one instance (`--instance`, default full+swa-p7-dense;
+`--depth`, default 5) in one run, alternating, with their ratio; it exits 1 if
+their certificates differ (`invariants.explore.bench`).
+
 `--budget-s` is a promise: the run ends within it; the table says, per
 instance, where the search stopped and why.
 
@@ -44,10 +56,12 @@ from typing import Any
 
 from invariants.cli.fuzz import positive_float, positive_int
 from invariants.errors import UsageError
+from invariants.explore.bench import BENCH_DEPTH, BENCH_INSTANCE, bench_restore
 from invariants.explore.certificate import HEADERS, Certificate
 from invariants.explore.configs import ConfigReport, check_configurations
 from invariants.explore.grid import GridReport, explore_grid
 from invariants.explore.instances import Instance, default_grid, features_of, grid_by_name
+from invariants.explore.search import RESTORES
 from invariants.report import Progress, table
 from invariants.results import CaseResult, add_output_flags, write_results
 from invariants.targets import TARGET_NAMES, Target, target_factory
@@ -67,7 +81,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--target", choices=TARGET_NAMES, default="model", help="the allocator under test")
-    p.add_argument("--depth", type=positive_int, default=DEFAULT_DEPTH, help="operations per sequence")
+    p.add_argument("--depth", type=positive_int, help=f"operations per sequence (default {DEFAULT_DEPTH})")
     p.add_argument(
         "--max-states",
         type=positive_int,
@@ -85,6 +99,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--jobs", type=positive_int, default=1, help="instances searched at once (processes; 2 on 2 cores)"
+    )
+    p.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="spread each instance's frontier over a Ray cluster's workers (local, local:N, auto, "
+        "HOST:PORT; the optional extra kvretain[ray]); docs/campaigns.md",
+    )
+    p.add_argument(
+        "--restore",
+        choices=RESTORES,
+        default="live",
+        help="how a state is returned to between the operations tried from it: live (restored in place) "
+        "or pickle (thawed afresh, the definition); the certificate is the same",
+    )
+    p.add_argument(
+        "--bench",
+        action="store_true",
+        help=f"states/s with each restore on one instance (default {BENCH_INSTANCE}, depth {BENCH_DEPTH}), "
+        "in one run, and their ratio",
+    )
+    p.add_argument(
+        "--rounds", type=positive_int, default=1, help="with --bench: searches per restore (the best counts)"
     )
     p.add_argument("--list", action="store_true", help="list the grid's instances and exit")
     p.add_argument("--out", default="kvretain-traces/explore", help="where counterexample traces are written")
@@ -142,19 +178,40 @@ def run(args: argparse.Namespace) -> int:
     """The `explore` command (see the module docstring for exit codes)."""
     if args.list:
         return _list(args.target)
+    if args.bench:
+        return _bench(args)
+    if args.depth is None:
+        args.depth = DEFAULT_DEPTH
     factory = target_factory(args.target)
     try:
         instances = grid_by_name(_names(args.instance), features_of(factory))
     except KeyError as exc:
         raise UsageError(str(exc.args[0])) from None
+    if args.ray and args.jobs > 1:
+        raise UsageError("--jobs and --ray: with --ray the Ray workers share each instance's frontier")
     started = time.monotonic()
     configs = check_configurations(factory)
-    print(
-        f"kvretain explore: target {args.target}, depth {args.depth}, {len(instances)} instance(s), "
-        f"max {args.max_states} states each, budget {args.budget_s:.0f}s, {args.jobs} job(s)",
-        flush=True,
-    )
-    report = explore_grid(
+    if args.ray:
+        report = _on_ray(args, instances, started)
+    else:
+        print(
+            f"kvretain explore: target {args.target}, depth {args.depth}, {len(instances)} instance(s), "
+            f"max {args.max_states} states each, budget {args.budget_s:.0f}s, {args.jobs} job(s)",
+            flush=True,
+        )
+        report = _local(args, instances, factory, started)
+    print(certificate_text(report))
+    print(configs.summary())
+    code = 1 if report.violations or not configs.ok else 3 if report.skipped else 0
+    cases = [_case(c) for c in report.certificates] + [_configs_case(configs)]
+    write_results(args, "explore", cases, code)
+    return code
+
+
+def _local(
+    args: argparse.Namespace, instances: list[Instance], factory: Callable[[Config], Target], started: float
+) -> GridReport:
+    return explore_grid(
         instances,
         factory,
         args.target,
@@ -164,12 +221,56 @@ def run(args: argparse.Namespace) -> int:
         out_dir=Path(args.out),
         progress=Progress("explore", enabled=not args.quiet),
         jobs=args.jobs,
+        restore=args.restore,
     )
-    print(certificate_text(report))
-    print(configs.summary())
-    code = 1 if report.violations or not configs.ok else 3 if report.skipped else 0
-    cases = [_case(c) for c in report.certificates] + [_configs_case(configs)]
-    write_results(args, "explore", cases, code)
+
+
+def _on_ray(args: argparse.Namespace, instances: list[Instance], started: float) -> GridReport:
+    """The grid on a Ray cluster (`invariants.campaign.explore`): the same certificates."""
+    from invariants.campaign import connect
+    from invariants.campaign.explore import explore_grid_on_ray
+
+    session = connect(args.ray)
+    try:
+        print(
+            f"kvretain explore: target {args.target}, depth {args.depth}, {len(instances)} instance(s), "
+            f"max {args.max_states} states each, budget {args.budget_s:.0f}s, "
+            f"on Ray ({args.ray}, {session.workers} worker(s))",
+            flush=True,
+        )
+        return explore_grid_on_ray(
+            session,
+            instances,
+            args.target,
+            depth=args.depth,
+            max_states=args.max_states,
+            budget_s=max(args.budget_s - (time.monotonic() - started), 1.0),
+            out_dir=Path(args.out),
+            progress=Progress("explore", enabled=not args.quiet),
+        )
+    finally:
+        session.close()
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """`--bench`: each restore's states/s on one instance (`invariants.explore.bench`)."""
+    factory = target_factory(args.target)
+    names = _names(args.instance) or [BENCH_INSTANCE]
+    try:
+        instance = grid_by_name(names[:1], features_of(factory))[0]
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+    bench = bench_restore(instance, factory, args.target, args.depth or BENCH_DEPTH, args.rounds)
+    print(bench.text())
+    code = 0 if bench.same else 1
+    case = CaseResult(
+        name=f"bench {instance.name}",
+        group="explore",
+        outcome="passed" if bench.same else "failed",
+        message=f"live/pickle states/s {bench.ratio():.2f}x",
+        figures=bench.to_json(),
+    )
+    write_results(args, "explore", [case], code)
     return code
 
 

@@ -168,6 +168,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     )
     from invariants.harness.known_findings import format_known
 
+    if getattr(args, "ray", None) or getattr(args, "seeds", None):  # a campaign on Ray
+        from invariants.cli.campaign import cmd_fuzz_campaign
+
+        return cmd_fuzz_campaign(args)
     if args.target == "sglang":  # its own ops, model and checks (invariants/cli/sglang.py)
         from invariants.cli.sglang import cmd_fuzz_sglang
 

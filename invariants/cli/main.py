@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="small",
         help="production: real presets, vLLM-sized pools, 16+ requests in flight, 8k chunks",
     )
+    f.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="a campaign: every --seeds seed (and --config name, comma-separated) a run on a Ray "
+        "cluster's workers, merged into one report (local, local:N, auto, HOST:PORT); docs/campaigns.md",
+    )
+    f.add_argument("--seeds", metavar="A-B|A,B,...", help="the campaign's seeds (with --ray; default --seed)")
     add_output_flags(f)
     f.set_defaults(func=cmd_fuzz)
 
