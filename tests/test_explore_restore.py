@@ -8,7 +8,9 @@
   fingerprint); a restore that skips lists does not (negative control);
 - a graph holding an object whose contents cannot be recorded raises
   `Unrestorable`, and a search over such a target thaws and says so;
-- interned prefixes are shared, not recorded.
+- interned prefixes are shared, not recorded;
+- `kvretain explore --bench` prints both restores' states/s and their ratio, and
+  exits 1 when their certificates differ (planted restore).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from typing import Any
 import pytest
 from test_explore import LeaksAfterResume
 
+from invariants.cli.main import main
 from invariants.explore import undo
+from invariants.explore.bench import bench_restore
 from invariants.explore.fork import Freezer
 from invariants.explore.instances import Instance, grid_by_name
 from invariants.explore.search import Limits, _state_of, explore, new_checker
@@ -181,3 +185,22 @@ def test_restore_must_be_known() -> None:
     with pytest.raises(ValueError, match="restore must be one of"):
         explore(TWO, ModelTarget, "model", Limits(1), restore="fork")
     assert undo.Checkpoint is Checkpoint
+
+
+def test_bench_prints_both_restores_and_their_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["explore", "--bench", "--target", "model", "--instance", "full-p3-r1", "--depth", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "depth 3" in out and "the certificates are identical" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("pickle ", "live "))]
+    assert [r[0] for r in rows] == ["pickle", "live"] and rows[0][1:3] == rows[1][1:3]
+    assert rows[0][5] == "1.00x"
+
+
+def test_bench_fails_when_the_restores_search_differently(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(Checkpoint, "restore", _drop_lists)
+    bench = bench_restore(TWO, ModelTarget, "model", 4)
+    assert not bench.same and "CERTIFICATES DIFFER" in bench.text()
+    assert main(["explore", "--bench", "--target", "model", "--instance", "full-p5-r2", "--depth", "4"]) == 1

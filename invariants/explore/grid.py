@@ -72,15 +72,17 @@ def explore_grid(
     progress: Progress | None = None,
     on_certificate: Callable[[Certificate], None] | None = None,
     jobs: int = 1,
+    restore: str = "live",
 ) -> GridReport:
     """Search each instance in order (see the module docstring for the budget);
-    `jobs` > 1: that many instances at once, in forked processes."""
+    `jobs` > 1: that many instances at once, in forked processes. `restore`: how each
+    search returns to a state (`search.RESTORES`; the certificates are the same)."""
     report = GridReport(target)
     start = time.monotonic()
     end = start + budget_s if budget_s is not None else None
     if jobs > 1 and len(instances) > 1:
         report.certificates = _parallel(
-            instances, factory, target, depth, max_states, end, out_dir, tolerate, progress, jobs
+            instances, factory, target, depth, max_states, end, out_dir, tolerate, progress, jobs, restore
         )
         if on_certificate is not None:
             for cert in report.certificates:
@@ -101,7 +103,14 @@ def explore_grid(
             deadline = time.monotonic() + share
         limits = Limits(depth, max_states, deadline)
         cert = explore(
-            instance, factory, target, limits, tolerate=tolerate, out_dir=out_dir, progress=progress
+            instance,
+            factory,
+            target,
+            limits,
+            tolerate=tolerate,
+            out_dir=out_dir,
+            progress=progress,
+            restore=restore,
         )
         report.certificates.append(cert)
         if on_certificate is not None:
@@ -130,6 +139,7 @@ def _parallel(
     tolerate: Tolerate | None,
     progress: Progress | None,
     jobs: int,
+    restore: str = "live",
 ) -> list[Certificate]:
     """The instances on `jobs` forked processes, certificates in grid order."""
     ctx = multiprocessing.get_context("fork")
@@ -143,6 +153,7 @@ def _parallel(
         out_dir=out_dir,
         total=len(instances),
         jobs=min(jobs, len(instances)),
+        restore=restore,
     )
     with ProcessPoolExecutor(
         min(jobs, len(instances)), mp_context=ctx, initializer=_init_worker, initargs=(started,)
@@ -164,6 +175,7 @@ def _one(
     out_dir: Path | None,
     total: int,
     jobs: int,
+    restore: str = "live",
 ) -> Certificate:
     """One instance in a worker. Its share: what is left until `end` over the rounds of
     `jobs` instances still to run, this one included (time an earlier instance left
@@ -181,4 +193,13 @@ def _one(
             cert.skipped = "the time budget was spent"
             return cert
     limits = Limits(depth, max_states, deadline)
-    return explore(instance, factory, target, limits, tolerate=tolerate, out_dir=out_dir, progress=progress)
+    return explore(
+        instance,
+        factory,
+        target,
+        limits,
+        tolerate=tolerate,
+        out_dir=out_dir,
+        progress=progress,
+        restore=restore,
+    )
