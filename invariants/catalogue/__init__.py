@@ -14,7 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from invariants.catalogue import cow, events, liveness, ordering, promises, retention, steps, structure
+from invariants.catalogue import (
+    cow,
+    events,
+    isolation,
+    liveness,
+    ordering,
+    promises,
+    retention,
+    steps,
+    structure,
+)
 from invariants.catalogue.context import (
     CachedView,
     CheckContext,
@@ -85,6 +95,11 @@ INVARIANTS: list[Invariant] = [
         ],
     ),
     *_family(cow, "copies", ["copies_sound"]),
+    *_family(
+        isolation,
+        "isolation",
+        ["hit_written_by_same_identity", "events_carry_block_keys", "router_sees_target_hits"],
+    ),
 ]
 BY_NAME = {inv.name: inv for inv in INVARIANTS}
 

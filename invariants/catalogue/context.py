@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
+from invariants.catalogue.isolation import IsolationLedger
 from model.config import Config
 from model.observation import BlockIds, BlockKey, Event, Observation, ProbeResult, Snapshot, Tokens
 from model.ops import Op
@@ -100,6 +101,8 @@ class History:
     # Each group's block size (the checker sets it): where a load or a step writes in a
     # table; left empty, no block is marked unwritten (no KV validity is tracked).
     block_sizes: tuple[int, ...] = ()
+    # Who wrote each block and the cache a KV-event router rebuilds (`catalogue.isolation`).
+    isolation: IsolationLedger = field(default_factory=IsolationLedger)
 
     def all_requests(self) -> Iterator[RequestHistory]:
         """Live requests first, then finished ones (a lazy walk: callers often stop early)."""

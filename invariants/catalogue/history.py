@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Container, Mapping
 
 from invariants.catalogue.context import NOT_FREE, Delta, History, RequestHistory, Unwritten
+from invariants.catalogue.isolation import note_isolation
 from model.observation import (
     AllBlocksCleared,
     BlockIds,
@@ -65,6 +66,7 @@ def update_history(
     note_failed_loads(history, op, before.tables)
     advance_requests(history, op, obs, after.tables)
     note_written(history, op, obs, after.tables)
+    note_isolation(history, op, obs, after.events)
     return problems
 
 
@@ -96,6 +98,7 @@ def update_history_delta(
     note_failed_loads(history, op, tables[0])
     advance_requests(history, op, obs, tables[1])
     note_written(history, op, obs, tables[1])
+    note_isolation(history, op, obs, events)
     return problems
 
 

@@ -6,7 +6,10 @@ deterministic and its first counterexample is the same on every run):
 1. `add` of a fresh request (`r0`, `r1`, ... in order of arrival) while fewer
    than `max_requests` are live, with each prompt of the instance: for each
    prompt length L, the first L tokens of a fixed 2-token sequence and the same
-   with its last token flipped (a shared prefix that diverges at the end);
+   with its last token flipped (a shared prefix that diverges at the end); on an
+   instance with `tenants`, each prompt also under each of `IDENTITIES` (two
+   tenants' salts, an adapter pair, an image, and a tenant with an image:
+   `model.extra_keys`), so the same tokens meet under other identities;
 2. per live request, in arrival order: `schedule` with each budget (on a real
    scheduler, `real_scheduler`: the one-request `step` the checker sends it
    instead, so the same transition is not tried twice), `sample` of each token,
@@ -32,6 +35,7 @@ instance with a `vocabulary` offers that, in its order, instead.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from invariants.explore.instances import Instance
 from model.allocator import AllocatorModel
@@ -56,6 +60,17 @@ from model.ops import (
 from model.spec_decode import acceptable
 
 TOKENS = (1, 2)
+# The identities an instance with `tenants` adds each prompt under: two tenants, one adapter
+# pair, an image over the second and third tokens, and a tenant with that image.
+IMAGE = (("img-a", 1, 2),)
+IDENTITIES: tuple[dict[str, Any], ...] = (
+    {"salt": "tenant-a"},
+    {"salt": "tenant-b"},
+    {"lora": ("adapter-x", 1, "/lora/x")},
+    {"lora": ("adapter-y", 2, "/lora/y")},
+    {"mm": IMAGE},
+    {"salt": "tenant-a", "mm": IMAGE},
+)
 # The shared sequence prompts are cut from: both tokens early, repeats later.
 _BASE = (1, 2, 1, 1, 2, 2, 1, 2, 2, 1, 1, 1, 2, 1, 2, 2)
 
@@ -90,7 +105,8 @@ def alphabet(
     connector = instance.config.kv_connector
     ops: list[Op] = []
     if len(reqs) < instance.max_requests:
-        ops += [AddRequest(rid_name(next_rid), p) for p in prompts(instance)]
+        kinds = ({}, *IDENTITIES) if instance.tenants else ({},)
+        ops += [AddRequest(rid_name(next_rid), p, **kw) for p in prompts(instance) for kw in kinds]
     ready = tuple(rid for rid, r in reqs.items() if not (r.running and r.num_computed >= r.num_tokens))
     for rid, r in reqs.items():
         if r.running and r.num_computed >= r.num_tokens:

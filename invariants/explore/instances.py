@@ -46,6 +46,8 @@ class Instance:
     budgets: tuple[int, ...] = ()
     note: str = field(default="", compare=False)
     vocabulary: tuple[Op, ...] = ()
+    # Each prompt is also added under other identities (`alphabet.IDENTITIES`): isolation.
+    tenants: bool = False
 
     def __post_init__(self) -> None:
         validate(self.config)
@@ -156,8 +158,28 @@ def grid_by_name(names: list[str] | None = None, features: TargetFeatures | None
     grid = default_grid(features)
     if not names:
         return grid
-    by_name = {i.name: i for i in grid}
+    by_name = {i.name: i for i in (*grid, *named_only())}
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise KeyError(f"unknown instance(s) {unknown} (known: {', '.join(by_name)})")
     return [by_name[n] for n in names]
+
+
+TENANTS = "full-p6-tenants"
+
+
+def named_only() -> list[Instance]:
+    """Instances outside the default grid, run when named (`--instance`): isolation
+    (each prompt under two tenants, an adapter pair and an image: `alphabet.IDENTITIES`;
+    a target that takes no identity refuses those adds, `Target.identities`)."""
+    return [
+        Instance(
+            TENANTS,
+            _cfg((GroupSpec("full", 4),), 6),
+            max_requests=2,
+            prompt_lengths=(9,),
+            budgets=(64,),
+            tenants=True,
+            note="isolation: the same tokens under other tenants, adapters and images",
+        )
+    ]

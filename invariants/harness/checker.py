@@ -255,6 +255,9 @@ class Checker:
                 )
             if not op.prompt:
                 raise InvalidOp(f"add: request {op.rid!r} has an empty prompt")
+            untaken = set(op.identity().kinds()) - self.target.identities
+            if untaken:  # the target would drop them: its hits could not be judged by identity
+                raise InvalidOp(f"add: the target takes no {', '.join(sorted(untaken))} (Target.identities)")
         elif isinstance(op, (Schedule, Sample, Finish, Preempt)) and rid not in reqs:
             raise InvalidOp(f"{type(op).__name__.lower()}: unknown request {rid!r}")
         if isinstance(op, Schedule):

@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
@@ -365,7 +366,7 @@ def run_fuzz(
     failure = stats.last_failure
     stats.known.write_examples(out_dir, target, seed)
     report = FuzzReport(target, config_name or "generated", seed, stats.batches, stats, 0.0, failure)
-    report.identities = factory.identities if isinstance(factory, type) else frozenset()
+    report.identities = cast("type[Target]", factory).identities if isinstance(factory, type) else frozenset()
     if generated:
         report.not_generated = _not_generated(target) + id_rows.not_generated(report.identities)
     outcome = _Outcome(target, seed + stats.batches - 1, factory, tolerated, start, budget_s, shrink_s, say)

@@ -38,9 +38,12 @@ def draw_prompt(
     data: st.DataObject, prompt: tuple[int, ...], earlier: Sequence[tuple[int, ...]]
 ) -> tuple[int, ...]:
     """`prompt`, or (about half the time, when there is one) an earlier request's prompt as it was."""
-    if earlier and data.draw(st.booleans(), label="same prompt as an earlier request"):
-        return tuple(data.draw(st.sampled_from(list(earlier)), label="earlier prompt"))
-    return prompt
+    if not earlier:
+        return prompt
+    again: bool = data.draw(st.booleans(), label="same prompt as an earlier request")
+    if not again:
+        return prompt
+    return tuple(data.draw(st.sampled_from(list(earlier)), label="earlier prompt"))
 
 
 def draw_identity(data: st.DataObject, prompt: tuple[int, ...], supported: frozenset[str]) -> dict[str, Any]:
