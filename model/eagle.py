@@ -95,3 +95,41 @@ def every_kind(kind: str) -> bool:
 
 LooksPast = Callable[[str], bool]
 LOOKS_PAST: dict[bool, LooksPast] = {True: all_but_mamba, False: every_kind}
+
+
+# ------------------------------------------------------------------ lookahead block hashes
+# vLLM 0.33.0's default for Eagle (`SpeculativeConfig.disable_lookahead_block_hashes=False`):
+# each block's hash also covers the drafter's next token(s), so a hit proves the KV the
+# drafter read at the block's last position and nothing is dropped. Which tokens enter each
+# key is `model.extra_keys.lookahead_hash_keys`; what the allocator does is stated here. The
+# model's allocator runs the legacy variant only: under lookahead hashes a run is judged by
+# the engine contract alone (`invariants.harness.checker.unpredicted`).
+
+
+def hash_lookahead_tokens(eagle: bool, asked: bool, caching: bool, connector: bool) -> int:
+    """Tokens after each block its hash covers (vLLM 0.33.0 `VllmConfig.num_hash_lookahead_tokens`):
+    1 for an Eagle drafter (it reads only the next token; multi-module MTP, not generated,
+    reads `num_speculative_tokens`) when asked for (`Config.lookahead_block_hashes`), with
+    prefix caching on and no KV connector (connectors keep the legacy hashes); else 0."""
+    return int(eagle and asked and caching and not connector)
+
+
+def drops_last_block(eagle: bool, lookahead: int) -> bool:
+    """An Eagle hit gives back its last block (`model.lookup`'s drop, and with it the margin,
+    replay boundaries and junction peek above) iff the hashes carry no lookahead tokens
+    (vLLM 0.33.0 `Scheduler.__init__`: `use_eagle_block_drop = False` when
+    `num_hash_lookahead_tokens`; the managers' `use_eagle` is that flag)."""
+    return eagle and lookahead == 0
+
+
+def hashed_tokens(num_tokens: int, lookahead: int) -> int:
+    """The tokens whose blocks a request can hash: a block is hashed, so cached and found,
+    only once its `lookahead` tokens exist (`get_request_block_hasher`: `num_tokens - L`)."""
+    return num_tokens - lookahead
+
+
+def mamba_proof_limit(num_tokens: int, eagle_drop: bool, lookahead: int) -> int:
+    """The last token a Mamba prefill checkpoint may cover before block alignment
+    (`get_mamba_prefill_checkpoint_position`): all of them under Eagle's drop (the drop
+    leaves tokens to recompute), else all but max(1, L) (the logits' token and the hash's)."""
+    return num_tokens if eagle_drop else num_tokens - max(1, lookahead)

@@ -203,6 +203,8 @@ class Checker:
         # at all (after the target refused an operation drawn from the model's diverged state).
         self.drift: Violation | None = None
         self.drift_at: int | None = None
+        # Settings the model does not predict (`unpredicted`): judged as after a drift from the start.
+        self.unpredicted = unpredicted(self.config)
         self.after_drift = 0
         self.unjudged = 0
         self._refused = False
@@ -314,7 +316,7 @@ class Checker:
         self.validate(op)
         self.ops.append(op)
         self._since_audit += 1
-        if self.drift is not None:
+        if self.drift is not None or self.unpredicted:
             found = self._contract_step(op)
             return [replace(v, config=self.config, op=op) for v in found] if found else found
         reqs = self.model.requests
@@ -504,11 +506,17 @@ class Checker:
             if v.crash is not None and v.crash.raised_by == ADAPTER:
                 self._refused, self.unjudged = True, self.unjudged + 1
                 return []
-            return [replace(v, message=f"{v.message} (after the policy drift at operation {self.drift_at})")]
+            return [replace(v, message=f"{v.message} ({self._judged_since()})")]
         self._expected(op, obs)
         self.after_drift += 1
         self.last_obs = obs
         return self._judge_state(op, obs, before, snap)
+
+    def _judged_since(self) -> str:
+        """Why the model is out of the judging: a drift, or settings it does not predict."""
+        if self.drift is not None:
+            return f"after the policy drift at operation {self.drift_at}"
+        return f"the model does not predict {'; '.join(self.unpredicted)}: judged by the contract alone"
 
     def _judge_state(self, op: Op, obs: Observation, before: Snapshot, snap: Snapshot) -> list[Violation]:
         """What a whole target state after `op` breaks, the model aside: the engine's
@@ -632,7 +640,8 @@ class Checker:
             snap = self.target.snapshot()
         except Exception as exc:
             return [crashed(exc)]
-        diffs = diff_snapshots(expected, snap) if self.drift is None else []  # after a drift: no model
+        # After a drift, or under settings the model does not predict: no model.
+        diffs = diff_snapshots(expected, snap) if self.drift is None and not self.unpredicted else []
         found = [Violation("snapshot", line) for line in diffs]
         anomalies = update_history(self.history, Probe((0,)), None, snap, snap)  # type: ignore[arg-type]
         self.history.tick -= 1  # an audit is not a step
@@ -661,6 +670,22 @@ def _observation_difference(expected: object, got: object, target: str) -> str:
         queues = "the queues the step left (running, holding, waiting)"
         return f"{queues}: model {expected.queues}, {target} {got.queues}"
     return f"model {expected}, {target} {got}"
+
+
+def unpredicted(cfg: Config) -> tuple[str, ...]:
+    """vLLM settings of `cfg` the model does not predict: an operation under them is judged as
+    after a policy drift, by the engine contract, every catalogue invariant and crashes, never
+    against the model (`kvretain conformance` lists them as excluded; the fuzz summary counts the
+    examples). vLLM 0.33.0: the priority policy (`Scheduler.schedule`: the waiting queue a heap by
+    (priority, arrival), the lowest-priority running request preempted, even one already scheduled
+    this step); Eagle's lookahead block hashes (`num_hash_lookahead_tokens`: each key covers the
+    drafter's next token, nothing dropped; `model.eagle.hash_lookahead_tokens`)."""
+    out = []
+    if cfg.scheduling_policy == "priority":
+        out.append("the priority scheduling policy")
+    if cfg.lookahead_hashes_in_force:
+        out.append("Eagle's lookahead block hashes")
+    return tuple(out)
 
 
 def _names(rids: tuple[str, ...]) -> str:

@@ -339,8 +339,8 @@ STEP_DIFFERENCES = [
 
 # How the vllm target's configuration of vLLM's `Scheduler` differs from its defaults.
 SCHEDULER_SETTINGS = [
-    "scheduler_reserve_full_isl=False and watermark 0: the model admits a request when its first "
-    "chunk fits (vLLM 0.33.0's default admits only if the whole sequence fits)",
+    "scheduler_reserve_full_isl and watermark as the configuration says (generated: vLLM's "
+    "defaults most often); model.admission states both gates",
     "each step's queues hold exactly the step's requests, in the step's order (the order "
     "schedule() leaves them in is judged: model.queues); its budget is max_num_scheduled_tokens",
     "long_prefill_token_threshold as the configuration says (0 but on the long-prefill rows), "
@@ -409,6 +409,14 @@ EXCLUDED = [
         "(one None per hash; None)",
     ),
     (
+        "the priority scheduling policy (SchedulerConfig.policy='priority')",
+        "generated on the real schedulers (1 in 6 examples, every request at priority 0: arrival "
+        "order decides); the model predicts FCFS only (the waiting queue a heap by (priority, "
+        "arrival), the lowest-priority running request preempted even when already scheduled), so "
+        "such a run is judged by the engine contract, every catalogue invariant and crashes alone "
+        "(checker.unpredicted; the fuzz summary counts the examples)",
+    ),
+    (
         "request session ids",
         "a frontend label BlockPool copies into BlockStored.session_id; kvretain's requests have "
         "none, so the field is compared as None",
@@ -417,10 +425,13 @@ EXCLUDED = [
         "lookahead block hashes (num_hash_lookahead_tokens) and num_prefill_lookahead",
         "vLLM 0.33.0 hashes each block with the tokens an Eagle-family drafter reads past it "
         "(VllmConfig.num_hash_lookahead_tokens: 1, num_speculative_tokens for multi-module MTP) "
-        "unless disable_lookahead_block_hashes is set (and with them drops no trailing block); kvretain's "
-        "Eagle flag is that setting (the trailing-block drop, no lookahead hashes), so the KV events' "
-        "lookahead_token_ids are compared as None; num_prefill_lookahead above 1 (re-prefill) comes "
-        "from multi-module MTP only, and kvretain's Eagle flag models one draft module",
+        "unless disable_lookahead_block_hashes is set (and with them drops no trailing block); the "
+        "model's allocator runs the legacy hashes (Config.lookahead_block_hashes False: the trailing-"
+        "block drop), so there the KV events' lookahead_token_ids are compared as None; with the "
+        "hashes on (generated on the real schedulers) model.eagle states the allocation rules "
+        "(hash_lookahead_tokens, drops_last_block, hashed_tokens, mamba_proof_limit) but the run is "
+        "judged by the engine contract alone (checker.unpredicted); num_prefill_lookahead above 1 "
+        "(re-prefill) comes from multi-module MTP only, and kvretain's Eagle flag models one draft module",
     ),
     (
         "DCP/PCP, HiSparse",

@@ -203,6 +203,7 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
             connector=None,
             long_prefill=None,
             gates=None,
+            unpredicted=True,
         )
     return configs(
         allow_pinning=target in PINNING_TARGETS,
@@ -214,6 +215,8 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
         long_prefill=None if target in REAL_SCHEDULER_TARGETS else False,
         # The admission gates (`model.admission`): every target with a scheduler's admissions.
         gates=None if target in GATED_TARGETS else False,
+        # vLLM settings the model does not predict, judged by the contract: the real schedulers.
+        unpredicted=target in REAL_SCHEDULER_TARGETS,
     )
 
 

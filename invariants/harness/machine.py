@@ -22,7 +22,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from invariants.harness import identities
-from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
+from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation, unpredicted
 from invariants.harness.known_findings import KnownLedger
 from invariants.targets.base import Target, TargetFeatures
 from model.config import Config
@@ -75,6 +75,7 @@ def config_features(cfg: Config) -> list[str]:
         out.append("mixed block sizes")
     if fine_hits_enabled(cfg):
         out.append("fine-grained Mamba hits")
+    out += [f"not predicted, judged by the contract alone: {name}" for name in unpredicted(cfg)]
     return out
 
 

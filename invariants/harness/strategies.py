@@ -46,6 +46,7 @@ def configs(
     load_failure: str | None = None,
     long_prefill: bool | None = False,
     gates: bool | None = False,
+    unpredicted: bool = False,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -69,6 +70,10 @@ def configs(
     `gates`: the scheduler's admission gates (`model.admission`): None = vLLM's defaults
     most often (`reserve_full_isl` True 3 in 4, a nonzero `watermark` 1 in 3), True = both
     gates on (a watermark of 0.1 to 0.3), False = neither (the field defaults).
+    `unpredicted`: also the vLLM settings the model does not predict (judged by the engine
+    contract alone: `invariants.harness.checker.unpredicted`): the priority policy (1 in 6)
+    and, for Eagle, lookahead block hashes (1 in 2: vLLM's default, but the model predicts
+    the legacy hashes' Eagle, which the other half keeps judged against it).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -100,6 +105,9 @@ def configs(
         cfg = cfg.with_(long_prefill_token_threshold=threshold)
     if gates is not False:
         cfg = cfg.with_(**_gates(draw, gates))
+    if unpredicted:
+        policy = draw(st.sampled_from(["fcfs"] * 5 + ["priority"]))
+        cfg = cfg.with_(scheduling_policy=policy, lookahead_block_hashes=cfg.eagle and draw(st.booleans()))
     if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
         cfg = cfg.with_(
             groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)

@@ -34,10 +34,11 @@ needed:
   lookahead slots: Eagle (`method="eagle"`: the manager drops the volatile last
   block) or a draft model (`method="draft_model"`), with
   `num_speculative_tokens = num_lookahead_tokens`, so `vllm_config.num_lookahead_tokens`
-  is kvretain's. Eagle keeps the legacy block hashes
-  (`disable_lookahead_block_hashes=True`): kvretain models Eagle as the
-  manager's trailing-block drop (`use_eagle`), which vLLM 0.33.0 turns off when
-  a hash covers lookahead tokens (`num_hash_lookahead_tokens`, not modeled).
+  is kvretain's. Eagle's block hashes as `Config.lookahead_block_hashes` says:
+  off (`disable_lookahead_block_hashes=True`), the manager's trailing-block drop
+  (`use_eagle`), which the model predicts; on (vLLM's default), each hash covers
+  the drafter's next token and nothing is dropped (`model.eagle`; judged by the
+  engine contract alone: `checker.unpredicted`).
   vLLM's Eagle always drafts at least one token: an Eagle configuration without
   lookahead slots cannot be built (`SchedulerUnsupported`).
 
@@ -260,9 +261,9 @@ def vllm_config(
     parallel = m["ParallelConfig"]()
     spec = None
     if cfg.num_lookahead_tokens:
-        # kvretain's Eagle is the block drop (`use_eagle`); lookahead hashes are not modeled.
+        # Eagle's lookahead block hashes as the configuration says (`Config.lookahead_block_hashes`).
         # Releases before 0.33.0 have no lookahead hashes, nor the field that turns them off.
-        off = {"disable_lookahead_block_hashes": True}
+        off = {"disable_lookahead_block_hashes": not cfg.lookahead_block_hashes}
         spec = m["SpeculativeConfig"](
             method="eagle" if cfg.eagle else "draft_model",
             model=model.model,

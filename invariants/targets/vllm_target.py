@@ -76,6 +76,11 @@ NO_PRIORITY = (
     "(use --target vllm)"
 )
 
+NO_LOOKAHEAD_HASHES = (
+    "lookahead_block_hashes: the KVCacheManager-driven target hashes requests without lookahead "
+    "tokens (use --target vllm)"
+)
+
 
 class VllmManagerTarget(Target):
     """Drives vLLM's `KVCacheManager` with kvretain operations (see module docstring)."""
@@ -124,6 +129,8 @@ class VllmManagerTarget(Target):
             raise ConfigError(NO_LONG_PREFILL)
         if config.scheduling_policy != "fcfs":
             raise ConfigError(NO_PRIORITY)
+        if config.lookahead_block_hashes:
+            raise ConfigError(NO_LOOKAHEAD_HASHES)
         return build_manager(config, v, caps, self.version)
 
     # ------------------------------------------------------------------ the Target protocol

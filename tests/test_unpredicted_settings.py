@@ -1,0 +1,155 @@
+"""vLLM settings the model does not predict (`invariants.harness.checker.unpredicted`): the
+priority scheduling policy and Eagle's lookahead block hashes (vLLM 0.33.0's default for
+Eagle). A run under them is judged by the engine contract, the catalogue and crashes alone.
+
+Checked: which configurations are unpredicted; `model.eagle`'s lookahead rules against the
+scheduler vLLM builds (its `num_hash_lookahead_tokens` and `use_eagle_block_drop`); that
+generation draws each value; that under such a setting the model is out of the judging (a
+planted model defect passes) while a crash is still found (a planted vLLM failure), and
+that the same planted model defect is found under FCFS and the legacy hashes (the control).
+The vLLM parts are skipped, with the reason, when vLLM cannot be imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+from drive import Drive, patched
+from hypothesis import HealthCheck, given, settings
+
+import model.admission as adm
+from invariants.harness.checker import unpredicted
+from invariants.harness.strategies import configs
+from invariants.targets.vllm_env import vllm_available
+from model import eagle
+from model.config import Config, GroupSpec
+from model.ops import AddRequest, Finish, Step
+
+_OK, _REASON = vllm_available()
+needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
+
+A = tuple(range(1, 7))
+B = tuple(range(20, 36))
+
+
+def cfg(**kw: object) -> Config:
+    base: dict[str, object] = {"groups": (GroupSpec("full", 2),), "num_blocks": 12, "max_model_len": 4096}
+    return Config(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_which_settings_are_unpredicted() -> None:
+    assert unpredicted(cfg()) == ()
+    assert unpredicted(cfg(scheduling_policy="priority")) == ("the priority scheduling policy",)
+    eagle_cfg = cfg(eagle=True, num_lookahead_tokens=1, lookahead_block_hashes=True)
+    assert unpredicted(eagle_cfg) == ("Eagle's lookahead block hashes",)
+    # vLLM keeps the legacy hashes with a connector or without prefix caching: predicted.
+    assert unpredicted(eagle_cfg.with_(kv_connector=True)) == ()
+    assert unpredicted(eagle_cfg.with_(enable_caching=False)) == ()
+
+
+@pytest.mark.parametrize("asked", [False, True])
+@pytest.mark.parametrize(("caching", "connector"), [(True, False), (False, False), (True, True)])
+def test_lookahead_rules(asked: bool, caching: bool, connector: bool) -> None:
+    c = cfg(
+        eagle=True,
+        num_lookahead_tokens=1,
+        lookahead_block_hashes=asked,
+        enable_caching=caching,
+        kv_connector=connector,
+    )
+    lookahead = eagle.hash_lookahead_tokens(True, asked, caching, connector)
+    assert bool(lookahead) == c.lookahead_hashes_in_force
+    assert eagle.drops_last_block(True, lookahead) == (not lookahead)
+    assert eagle.hashed_tokens(9, lookahead) == 9 - lookahead
+    assert eagle.mamba_proof_limit(9, True, 0) == 9 and eagle.mamba_proof_limit(9, False, lookahead) == 8
+    if not _OK:
+        return
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    sched = VllmSchedulerTarget(c).vllm_scheduler
+    assert sched.num_hash_lookahead_tokens == lookahead
+    assert sched.use_eagle_block_drop == eagle.drops_last_block(True, lookahead)
+
+
+def test_generation_draws_each_value() -> None:
+    seen: Counter[tuple[str, bool]] = Counter()
+
+    @settings(max_examples=200, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(configs(allow_pinning=False, eagle=True, eagle_drafts=True, unpredicted=True))
+    def draw(c: Config) -> None:
+        seen[("priority", c.scheduling_policy == "priority")] += 1
+        seen[("lookahead", c.lookahead_block_hashes)] += 1
+
+    draw()
+    assert all(seen[(k, v)] for k in ("priority", "lookahead") for v in (True, False)), seen
+
+    @settings(max_examples=50, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(configs(allow_pinning=False, eagle=True, eagle_drafts=True))
+    def control(c: Config) -> None:  # not asked for: neither
+        assert c.scheduling_policy == "fcfs" and not c.lookahead_block_hashes
+
+    control()
+
+
+def trace(d: Drive) -> Drive:
+    """B's first chunk fits beside A, its whole sequence does not (`test_admission_gates`)."""
+    budget = d.checker.config.max_model_len
+    d.do(AddRequest("a", A), Step(("a",), budget), AddRequest("b", B))
+    d.steps(("a", "b"), budget)
+    return d.do(Finish("a"), Step(("b",), budget))
+
+
+GATED = {"reserve_full_isl": True, "long_prefill_token_threshold": 4}
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_runs_judge_without_the_model(policy: str) -> None:
+    """The full-sequence gate reverted in the model: found under FCFS (the control), not
+    under the priority policy, where the model is out of the judging."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    with patched(adm, "full_sequence_fits", lambda full, wm, free: True):
+        d = Drive(cfg(scheduling_policy=policy, **GATED), VllmSchedulerTarget)
+        with contextlib.suppress(AssertionError):  # the planted model's state went its own way
+            trace(d)
+        assert bool(d.audited()) == (policy == "fcfs")
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("planted", [False, True])
+def test_unpredicted_runs_still_judge_the_contract(planted: bool) -> None:
+    """Under the priority policy vLLM refusing a lone request on an idle pool (planted: every
+    allocation fails) is still `fitting_request_admitted` (a contract invariant); unplanted,
+    the same steps are clean."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    real = KVCacheManager.allocate_slots
+    plant = (lambda self, *args, **kwargs: None) if planted else real
+    with patched(KVCacheManager, "allocate_slots", plant):
+        d = Drive(cfg(scheduling_policy="priority"), VllmSchedulerTarget)
+        d.do(AddRequest("a", A), Step(("a",), 4096))
+        found = d.audited()
+    assert [v.check for v in found] == (["fitting_request_admitted"] if planted else []), found
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_lookahead_hashes_run_clean_by_the_contract() -> None:
+    """Eagle with lookahead hashes on vLLM's real scheduler (its default): a prompt, its
+    decode and a second request sharing its prefix, judged by the contract alone: clean."""
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    c = cfg(eagle=True, num_lookahead_tokens=1, lookahead_block_hashes=True, num_blocks=20)
+    d = Drive(c, VllmSchedulerTarget)
+    assert any("disable_lookahead_block_hashes=False" in s for s in d.checker.target.engine_settings())
+    d.do(AddRequest("a", A + A), Step(("a",), 4096))
+    d.steps(("a",), 4096, 2)
+    d.do(Finish("a"), AddRequest("b", A + A + (9,)), Step(("b",), 4096))
+    assert d.audited() == []
