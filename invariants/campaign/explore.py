@@ -203,6 +203,8 @@ class Shard:
         """The shard that owns `state`. Routed on the fingerprint's second part where it
         has one (the checker's history image, `invariants.explore.fingerprint`): equal
         states have equal parts, and it costs a quarter of routing the whole."""
+        if self.n == 1:
+            return 0
         part = state[1] if type(state) is tuple and len(state) > 1 else state
         return route(part, self.memo) % self.n
 
@@ -232,7 +234,8 @@ class Shard:
             s.cut = True
         except _Found:
             pass
-        return (s, *self.outbox)
+        # Its own candidates stay here for `dedup` (no copy through Ray's object store).
+        return (s, *[[] if i == self.index else box for i, box in enumerate(self.outbox)])
 
     def _children(self, node: _Node, leaves: bool, deadline: float | None) -> None:
         checker: Checker | None = self.freezer.thaw(node.frozen)
@@ -304,7 +307,8 @@ class Shard:
         """As owner: of every producer's candidates, the new states, each with its least
         key; (how many, then per producer the keys it must ship here)."""
         best: dict[Hashable, tuple[Key, int]] = {}
-        for producer, candidates in enumerate(offers):
+        for producer, offered in enumerate(offers):
+            candidates = self.outbox[self.index] if producer == self.index else offered
             for key, state in candidates:
                 if state in self.seen:
                     continue
