@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from invariants.errors import UsageError
 from invariants.harness.trace import read_trace
-from invariants.report import table
+from invariants.report import table, wrap
 from invariants.results import CaseResult, fuzz_case, write_results
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def _steps(args: argparse.Namespace, default: int) -> int | None:
 
 
 def _say(line: str) -> None:
-    print(f"kvretain fuzz: {line}", flush=True)
+    print(wrap(f"kvretain fuzz: {line}"), flush=True)
 
 
 @dataclass
@@ -250,12 +250,12 @@ def _hand_over(report: FuzzReport, budget_s: float | None) -> None:
         tolerate=_tolerance(report.target),
         deadline=time.monotonic() + left,
     )
-    print(f"hand-over to explore: {h.summary()}")
-    print(f"first difference: {h.sentence}")
+    print(wrap(f"hand-over to explore: {h.summary()}"))
+    print(wrap(f"first difference: {h.sentence}"))
     if h.shorter and report.trace_path is not None:
         path = report.trace_path.with_name(report.trace_path.stem + "-shortest.json")
         write_trace(Trace(failure.config, list(h.ops), report.seed, report.target, str(h.violation)), path)
-        print(f"shortest trace ({len(h.ops)} operations) written to {path}; kvretain replay {path}")
+        print(wrap(f"shortest trace ({len(h.ops)} operations) written to {path}; kvretain replay {path}"))
 
 
 # ---------------------------------------------------------------- replay

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from invariants.report import table
+from invariants.report import fitted_table, wrap
 from invariants.results import CaseResult, Outcome, write_results
 from invariants.targets import available_targets
 
@@ -150,20 +150,24 @@ class VerifyRun:
 
     def finish(self) -> int:
         """Print the table and the verdict line, write JUnit/JSON; the exit code."""
-        print(table(["check", "target", "verdict", "figure", "seconds"], self.rows))
+        print(fitted_table(["check", "target", "verdict", "figure", "seconds"], self.rows))
         rc = 1 if not self.ok else 4 if self.drifts else 3 if self.skips else 0
         print(
-            f"kvretain verify: {len(self.defects)} row(s) failed (a defect or an ERROR), {len(self.drifts)} row(s) with "
-            "policy drift alone (every contract kept; a declared drift is not counted: "
-            "KVRETAIN_DECLARED_POLICIES)"
+            wrap(
+                f"kvretain verify: {len(self.defects)} row(s) failed (a defect or an ERROR), {len(self.drifts)} "
+                "row(s) with policy drift alone (every contract kept; a declared drift is not counted: "
+                "KVRETAIN_DECLARED_POLICIES)"
+            )
         )
         if rc == 4:
-            print(f"kvretain verify: POLICY DRIFT, no defect: {', '.join(self.drifts)}")
+            print(wrap(f"kvretain verify: POLICY DRIFT, no defect: {', '.join(self.drifts)}"))
         elif rc == 0:
             print("kvretain verify: everything holds")
         elif rc == 3:
             print(
-                f"kvretain verify: holds, {len(self.skips)} row(s) skipped (not checked): {', '.join(self.skips)}"
+                wrap(
+                    f"kvretain verify: holds, {len(self.skips)} row(s) skipped (not checked): {', '.join(self.skips)}"
+                )
             )
         else:
             print("kvretain verify: FAILED")

@@ -56,7 +56,7 @@ from invariants.harness.shrink import shrink
 from invariants.harness.strategies import configs
 from invariants.harness.trace import Trace, write_trace
 from invariants.layouts.presets import preset
-from invariants.report import Progress, table
+from invariants.report import Progress, fitted_table, table, wrap
 from invariants.targets import (
     ASYNC_SCHEDULER_TARGETS,
     CONNECTOR_TARGETS,
@@ -526,7 +526,7 @@ def format_failure(report: FuzzReport) -> str:
     lines.append(f"shrunk trace ({len(f.ops)} operations, from {report.unshrunk_ops}):")
     lines += [f"  {i:3d}  {op_to_json(op)}" for i, op in enumerate(f.ops)]
     lines.append(f"written to {report.trace_path}; re-run with: kvretain replay {report.trace_path}")
-    return "\n".join(lines)
+    return wrap("\n".join(lines))
 
 
 def _raised_by(v: Violation) -> str:
@@ -555,7 +555,7 @@ def format_summary(reports: list[FuzzReport]) -> str:
         )
         for r in reports
     ]
-    out = table(
+    out = fitted_table(
         [
             "target",
             "config",
@@ -572,8 +572,8 @@ def format_summary(reports: list[FuzzReport]) -> str:
         rows,
     )
     crashes = [(r, format_crash_counts(r.crashes)) for r in reports]
-    out += "".join(f"\n{r.target}/{r.config}: {line}" for r, line in crashes if line)
-    return out + "".join(f"\n{r.target}/{r.config}: {r.drift_line()}" for r in reports if r.drifts)
+    out += "".join("\n" + wrap(f"{r.target}/{r.config}: {line}") for r, line in crashes if line)
+    return out + "".join("\n" + wrap(f"{r.target}/{r.config}: {r.drift_line()}") for r in reports if r.drifts)
 
 
 def format_features(reports: list[FuzzReport]) -> str:
@@ -588,7 +588,7 @@ def format_features(reports: list[FuzzReport]) -> str:
     left_out = sorted({f"{r.target}: {why}" for r in reports for why in r.not_generated})
     if left_out:
         out += "\nnot generated (0 examples):\n" + "\n".join(f"  - {line}" for line in left_out)
-    return out
+    return wrap(out)
 
 
 def first_violation(report: FuzzReport) -> Violation | None:

@@ -454,15 +454,18 @@ def format_known(ledger: KnownLedger) -> str:
     """The per-finding tolerance table a run prints (empty when nothing was tolerated)."""
     if not ledger:
         return ""
-    from invariants.report import table
+    from invariants.report import fitted_table, wrap
 
     rows = ledger.rows()
     crashes = f", {ledger.crashes} of them crash(es) that ended their example" if ledger.crashes else ""
-    return (
+    head = wrap(
         f"known findings tolerated ({ledger.total} violation(s){crashes}; "
-        "each matched its finding's precondition):\n"
-        + table(["finding", "tolerated", "first message", "example trace"], rows)
+        "each matched its finding's precondition):"
     )
+    # The example traces below the table: a path is as long as the output directory.
+    body = fitted_table(["finding", "tolerated", "first message"], [r[:3] for r in rows])
+    examples = [wrap(f"  example trace of {r[0]}: {r[3]}") for r in rows if r[3] != "-"]
+    return "\n".join([head, body, *examples])
 
 
 def is_adapter_crash(violation: Any) -> bool:
