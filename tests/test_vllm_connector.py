@@ -660,7 +660,8 @@ def test_real_scheduler_agrees_on_a_failed_block_a_running_request_holds() -> No
 @pytest.mark.vllm
 def test_a_cut_swa_load_reads_its_skipped_window_finding() -> None:
     """The finding swa-load-cut-reads-skipped-window: vLLM and the model agree on the cut,
-    and step_blocks_stay_held flags the resumed request's window on both; its claim is
+    and step_blocks_stay_held flags the resumed request's window on both (on vLLM the
+    shadow worker's read of the null block too, the finding's view); its claim is
     narrow (a null block inside the computed range is not it)."""
     from invariants.harness.known_findings import explain, load_known_findings
     from invariants.harness.replay import replay
@@ -668,10 +669,16 @@ def test_a_cut_swa_load_reads_its_skipped_window_finding() -> None:
     finding = next(f for f in load_known_findings() if f.id == "swa-load-cut-reads-skipped-window")
     for target in ("vllm", "model"):
         result = replay(finding.trace, target)
+        shadow = ["worker_reads_own_prefix"] if target == "vllm" else []
         assert [v.check for _, v in result.known if explain(target, v) is finding] == [
-            "step_blocks_stay_held"
+            *shadow,
+            "step_blocks_stay_held",
         ]
     cfg, step = finding.trace.config, finding.trace.ops[-1]
+    read = "r1's admission step [4, 8) reads position 1 of group 0 from the null block (index {}), "
+    read += "not its own prefix (3 of 7 positions read wrong, each one in a null block)"
+    assert finding.claims("worker_reads_own_prefix", read.format(0), cfg, step)
+    assert not finding.claims("worker_reads_own_prefix", read.format(1), cfg, step)
     message = "r1 computes tokens [4, 8) but group 0 block index {} is the null block after the step"
     assert finding.claims("step_blocks_stay_held", message.format(0), cfg, step)
     assert not finding.claims("step_blocks_stay_held", message.format(1), cfg, step)

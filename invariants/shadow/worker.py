@@ -35,23 +35,27 @@ zeroes, then copies) and the V1 runner (`gpu_model_runner._update_states`:
 preempted requests keep their state, a `resumed_req_ids` entry replaces the
 table, `all_token_ids` restores tokens). Left out (docs/shadow-worker.md):
 Mamba state provenance (the catalogue's `steps` invariants judge it), the
-drafter's own KV, KV connector loads and saves, and speculative decoding one
-step ahead (the runner corrects the shipped positions by the drafts the step
-before rejected). One step ahead (async scheduling) a step runs once the
-tokens it reads are returned, in order (`synchronous` off).
+drafter's own KV, and speculative decoding one step ahead (the runner corrects
+the shipped positions by the drafts the step before rejected). One step ahead
+(async scheduling) a step runs once the tokens it reads are returned, in order
+(`synchronous` off). A KV connector's loads and saves are `connector`'s: it
+writes a load's provenance through `hook` before a step's forward pass and
+runs its other events in the worker's order (`after`); a block a failed load
+left unwritten holds `FAILED`, and so does every slot a step computed over it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from .prefixes import EMPTY, PrefixIds
 
 NULL_BLOCK = 0
 STALE = -1  # a slot of a fresh block not yet zeroed or written (zeroing configurations)
+FAILED = -2  # a slot a failed KV load left unwritten, or one a step computed over such a slot
 
 Runner = Literal["v1", "v2"]
 
@@ -65,6 +69,16 @@ CHECKS: dict[str, str] = {
     POSITIONS: "the positions a step computes and samples are the worker's own count of them",
     ZEROED: "a fresh block is zeroed or written before attention reads it (where zeroing is needed)",
 }
+
+
+class StepHook(Protocol):
+    """What a step's forward pass waits on besides the scheduler's output: a KV
+    connector's loads (`invariants.shadow.connector`)."""
+
+    def before_forward(self, out: Any) -> None: ...
+
+
+Step = tuple[Any, dict[str, "Chunk"]]
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,7 @@ class Chunk:
     complete: bool = False
     ran: bool = False
     tokens: list[int] | None = None
+    taken: int = 0  # how many returned tokens the worker appended for it
 
 
 @dataclass
@@ -111,6 +126,7 @@ class RequestView:
     computed: int
     tables: list[list[int]]
     last: Chunk | None = None  # the share of the last step the worker ran for it
+    fresh: bool = True  # installed by the step now running (new, resumed): its admission
 
 
 @dataclass
@@ -140,12 +156,19 @@ class ShadowWorker:
     problems: list[tuple[str, str]] = field(default_factory=list)
     # The blocks the last step placed in a table past the computed tokens (allocated, not hit).
     fresh: list[int] = field(default_factory=list)
-    # Steps told but not run yet (waiting for a token), with their shares, in order.
-    queue: deque[tuple[Any, dict[str, Chunk]]] = field(default_factory=deque)
+    # Steps told but not run yet (waiting for a token), with their shares, in order; and
+    # the actions told between them (a connector's reports), run in the same order.
+    queue: deque[Step | Callable[[], None]] = field(default_factory=deque)
     # rid -> its shares whose tokens were not returned yet, oldest first.
     shares: dict[str, deque[Chunk]] = field(default_factory=dict)
     # Tokens that will never be returned (their share came back empty), one per position.
     phantoms: int = 0
+    # A KV connector's loads, written before each step's forward pass (None: no connector).
+    hook: StepHook | None = None
+    # Requests a failed load's report may cut: their next shipped count may be lower.
+    may_cut: set[str] = field(default_factory=set)
+    # The last step run: each request's (view, start, end, ids) (a failed load's report reads it).
+    ran: list[tuple[str, RequestView, int, int, list[int]]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ what the runner is told
     def execute(self, out: Any) -> None:
@@ -172,22 +195,95 @@ class ShadowWorker:
             chunk.tokens = list(tokens)
         self._drain()
 
+    def after(self, action: Callable[[], None]) -> None:
+        """Run `action` once every step told before it has run (at once when none waits)."""
+        self.queue.append(action)
+        self._drain()
+
     def take_problems(self) -> list[tuple[str, str]]:
         """The contract breaks found since the last call, as (check, message)."""
         out, self.problems = self.problems, []
         return out
 
+    # ------------------------------------------------------------------ what a KV connector does
+    def own_ids(self, rid: str, tokens: Sequence[int] = ()) -> list[int]:
+        """The provenance of each prefix of `rid`'s tokens as the worker holds them, or
+        (a request it holds none of) of `tokens`."""
+        view = self.requests.get(rid)
+        return list(view.ids) if view is not None else self.prefixes.chain(EMPTY, tokens)
+
+    def attention(self) -> Iterable[tuple[int, WorkerGroup]]:
+        """The groups whose slots hold provenance (Mamba state is left out)."""
+        return self._attention()
+
+    def slots(self, block: int, group: int) -> list[int | None]:
+        """Block `block`'s slots as laid out for `group` (None: never written)."""
+        row = self.kv.get(block)
+        bs = self.groups[group].block_size
+        return list(row) if row is not None and len(row) == bs else [None] * bs
+
+    def write_slots(self, block: int, group: int, offset: int, ids: Sequence[int]) -> None:
+        """A transfer writes `ids` into `block`'s slots from `offset` on (laid out for `group`)."""
+        bs = self.groups[group].block_size
+        row = self.kv.get(block)
+        if row is None or len(row) != bs:
+            row = self.kv[block] = [None] * bs
+        row[offset : offset + len(ids)] = list(ids)
+
+    def fail_blocks(self, invalid: Iterable[int]) -> None:
+        """A load failed on `invalid`: their slots hold no KV (`FAILED`), nor does any slot
+        the last step computed over one of them (attention read it first); each request
+        holding one may be cut (its next shipped count may be lower)."""
+        bad = {b for b in invalid if b != NULL_BLOCK}
+        for b in bad:
+            row = self.kv.get(b)
+            if row is not None:
+                self.kv[b] = [FAILED if v is not None else None for v in row]
+        for rid, view, start, end, _ in self.ran:
+            if self.requests.get(rid) is not view:
+                continue
+            chunk = view.last
+            before = [table[: -(-start // spec.block_size)] for table, spec in zip(view.tables, self.groups)]
+            if chunk is not None and chunk.taken and any(b in bad for t in before for b in t):
+                # vLLM skips the output of a request it cuts (its blocks before the step hold a
+                # failed one): the runner's sample is overwritten by the next (`_take`'s tokens).
+                del view.tokens[-chunk.taken :], view.ids[-chunk.taken :]
+                chunk.taken = 0
+            for g, spec in self._attention():
+                bs, table = spec.block_size, view.tables[g]
+                lo = (
+                    max(0, start - spec.sliding_window + 1)
+                    if spec.kind == "swa" and spec.sliding_window
+                    else 0
+                )
+                hit = next(
+                    (i for i in range(lo // bs, -(-end // bs)) if i < len(table) and table[i] in bad), None
+                )
+                if hit is None:
+                    continue
+                for p in range(max(hit * bs, start), end):
+                    block = table[p // bs] if p // bs < len(table) else NULL_BLOCK
+                    row = self.kv.get(block)
+                    if block != NULL_BLOCK and row is not None and len(row) == bs:
+                        row[p % bs] = FAILED
+        for rid, view in self.requests.items():
+            if any(b in bad for table in view.tables for b in table):
+                self.may_cut.add(rid)
+
     # ------------------------------------------------------------------ running steps
     def _drain(self) -> None:
         while self.queue and self._ready(self.queue[0]):
-            out, chunks = self.queue.popleft()
-            self._run(out, chunks)
+            head = self.queue.popleft()
+            if callable(head):
+                head()
+            else:
+                self._run(*head)
 
-    def _ready(self, step: tuple[Any, dict[str, Chunk]]) -> bool:
+    def _ready(self, step: Step | Callable[[], None]) -> bool:
         """Can this step run: does the worker have every token it computes (a share
         returned empty will never bring its token: the step runs on a token the worker
-        sampled and nobody saw, a phantom)?"""
-        if self.synchronous:
+        sampled and nobody saw, a phantom)? An action runs at once."""
+        if self.synchronous or callable(step):
             return True
         out, chunks = step
         cached, spec = out.scheduled_cached_reqs, out.scheduled_spec_decode_tokens
@@ -220,6 +316,8 @@ class ShadowWorker:
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
             self.kv[copy.dst_block_id] = list(self.kv.get(copy.src_block_id, []))
             self.figures.copies += 1
+        if self.hook is not None:
+            self.hook.before_forward(out)
         self._forward(out.num_scheduled_tokens, out.scheduled_spec_decode_tokens, chunks)
         for rid, chunk in chunks.items():
             if chunk.tokens is not None:  # returned before the step could run
@@ -245,6 +343,7 @@ class ShadowWorker:
         if latest:
             view.computed = chunk.end - (chunk.drafts - (len(tokens) - 1))
         self._append(view, tokens)
+        chunk.taken = len(tokens)
 
     # ------------------------------------------------------------------ bookkeeping
     def _forget(self, out: Any) -> None:
@@ -256,6 +355,8 @@ class ShadowWorker:
             gone |= set(out.preempted_req_ids or ())
         for rid in gone:
             self.requests.pop(rid, None)
+        for view in self.requests.values():
+            view.fresh = False
 
     def _install(self, data: Any, fresh: list[tuple[int, int]]) -> None:
         """A new request (under the V2 runner also a resumed one, with all its tokens)."""
@@ -266,6 +367,7 @@ class ShadowWorker:
         view = RequestView([], [], data.num_computed_tokens, [list(g) for g in data.block_ids])
         self._append(view, tokens)
         self.requests[data.req_id] = view
+        self.may_cut.discard(data.req_id)
         self._fresh_past(view, fresh)
 
     def _update_cached(self, cached: Any, fresh: list[tuple[int, int]]) -> None:
@@ -283,7 +385,10 @@ class ShadowWorker:
                 view.tokens, view.ids = [], []
                 self._append(view, cached.all_token_ids[rid])
             shipped = cached.num_computed_tokens[i]
-            if rid not in resumed and shipped != view.computed:
+            # A failed load's cut (the worker reported the blocks) may only lower the count.
+            cut = rid in self.may_cut and shipped <= view.computed
+            self.may_cut.discard(rid)
+            if rid not in resumed and shipped != view.computed and not cut:
                 self._problem(
                     POSITIONS,
                     f"{rid} is told num_computed_tokens={shipped}; the worker computed {view.computed} "
@@ -293,6 +398,7 @@ class ShadowWorker:
             new = cached.new_block_ids[i]
             if rid in resumed:
                 view.tables = [list(g) for g in new] if new is not None else [[] for _ in self.groups]
+                view.fresh = True
                 self._fresh_past(view, fresh)
             elif new is not None:
                 for g, ids in enumerate(new):
@@ -350,6 +456,7 @@ class ShadowWorker:
             self._write(rid, view, start, end, ids)
         for rid, view, start, end, ids in chunks:
             self._read(rid, view, start, end, ids)
+        self.ran = chunks
 
     def _attention(self) -> Iterable[tuple[int, WorkerGroup]]:
         return ((g, spec) for g, spec in enumerate(self.groups) if spec.kind != "mamba")
@@ -379,6 +486,7 @@ class ShadowWorker:
                 max(0, start - spec.sliding_window + 1) if spec.kind == "swa" and spec.sliding_window else 0
             )
             wrong, where = 0, ""
+            kinds: set[object] = set()
             for i in range(first // bs, -(-end // bs)):
                 lo, hi = max(first, i * bs), min(end, (i + 1) * bs)
                 block = table[i] if i < len(table) else NULL_BLOCK
@@ -396,12 +504,18 @@ class ShadowWorker:
                         block, i, len(table), got[bad[0] - lo]
                     )
                 wrong += len(bad)
+                kind = "past" if i >= len(table) else "null" if block == NULL_BLOCK else None
+                kinds |= {kind or got[p - lo] == FAILED for p in bad}
             self.figures.reads += end - first
             if wrong:
+                # Every wrong slot of one kind the message names (a known finding's view of it).
+                each = {True: ", each one a failed load left unwritten", "null": ", each one in a null block"}
+                each_one = each.get(kinds.pop(), "") if len(kinds) == 1 else ""
+                step = "admission step" if view.fresh else "step"
                 self._problem(
                     READS,
-                    f"{rid}'s step [{start}, {end}) reads {where}, not its own prefix "
-                    f"({wrong} of {end - first} positions read wrong)",
+                    f"{rid}'s {step} [{start}, {end}) reads {where}, not its own prefix "
+                    f"({wrong} of {end - first} positions read wrong{each_one})",
                 )
             if self.zeroing and end % bs and (end - 1) // bs < len(table):
                 block = table[(end - 1) // bs]
@@ -418,11 +532,13 @@ class ShadowWorker:
         if index >= length:
             return f"past its table ({length} blocks)"
         if block == NULL_BLOCK:
-            return "the null block"
+            return f"the null block (index {index})"
         if got is None:
             return f"block {block}, a slot no step wrote since it was zeroed or allocated"
         if got == STALE:
             return f"block {block}, a fresh slot never zeroed"
+        if got == FAILED:
+            return f"block {block}, a slot a failed KV load left unwritten"
         return f"block {block}, which holds another prefix's KV"
 
     def _problem(self, check: str, message: str) -> None:

@@ -29,6 +29,10 @@ It records what the scheduler asked of it: the loads it was given blocks for
 (`loads`), the tokens of each step it would save (`saves`, from
 `build_connector_meta`, the last `SAVES_KEPT` steps), the finished requests
 handed to it (`finished`) and the block ids each was handed (`handed`).
+Everything it is told also goes to `watch` when a target sets one (the shadow
+worker's connector side, `invariants.shadow.connector`, duck-typed: `told_load`,
+`built_meta`, `reported`, `finished`), which judges it against what the
+request holds.
 
 Imports only vLLM (and the standard library).
 """
@@ -82,6 +86,10 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         self.deferred: set[str] = set()
         # Async loads given blocks whose report (`update_connector_output`) has not come.
         self.loading: set[str] = set()
+        # rid -> (the computed tokens it was asked to match past, the tokens it matched).
+        self.matched: dict[str, tuple[int, int]] = {}
+        # Told everything the scheduler tells the connector (None: nobody watches).
+        self.watch: Any = None
 
     # ------------------------------------------------------------------ kvretain's script
     def offer(self, rid: str, num_tokens: int, async_load: bool) -> None:
@@ -101,6 +109,7 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         if offer is None:
             return 0, False
         n = max(0, min(offer[0], request.num_tokens - 1) - num_computed_tokens)
+        self.matched[request.request_id] = (num_computed_tokens, n)
         return n, offer[1] and n > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -110,14 +119,34 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens:
             ids = tuple(tuple(g) for g in blocks.get_block_ids())
             self.loads.append(Load(request.request_id, num_external_tokens, ids))
+            if self.watch is not None:
+                start, matched = self.matched.get(request.request_id, (0, 0))
+                self.watch.told_load(
+                    request.request_id,
+                    start,
+                    matched,
+                    num_external_tokens,
+                    ids,
+                    request.request_id in self.loading,
+                    tuple(request.all_token_ids),
+                )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         self.saves.append(dict(scheduler_output.num_scheduled_tokens))
+        if self.watch is not None:
+            self.watch.built_meta(scheduler_output)
         return KvretainMetadata()
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.loading -= set(connector_output.finished_recving or ())
         self.deferred -= set(connector_output.finished_sending or ())
+        if self.watch is not None:
+            self.watch.reported(
+                connector_output.finished_recving or (),
+                connector_output.failed_recving or (),
+                connector_output.invalid_block_ids or (),
+                connector_output.finished_sending or (),
+            )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -133,6 +162,10 @@ class KvretainConnector(KVConnectorBase_V1, SupportsHMA):
         self.saving.discard(rid)
         if saves:
             self.deferred.add(rid)
+        if self.watch is not None:
+            self.watch.finished(
+                rid, self.handed[rid], saves, request.num_computed_tokens, tuple(request.all_token_ids)
+            )
         return saves, None
 
     # ------------------------------------------------------------------ worker side

@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from invariants.shadow import QUEUES, ShadowWorker, WorkerGroup, queue_problems
+from invariants.shadow import QUEUES, ShadowConnector, ShadowWorker, WorkerGroup, queue_problems
 from model.config import Config
 from model.observation import Done, LoadCut, Observation, ResetResult, Saving
 from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, ResetPrefixCache, Sample, Save, Saved
@@ -253,6 +253,7 @@ class VllmSchedulerTarget(VllmManagerTarget):
     # Set by the constructor; the class defaults serve subclasses that build otherwise.
     engine_contract = True
     batch_caps: tuple[int, int] | None = None
+    shadow_connector: ShadowConnector | None = None
 
     def __init__(
         self,
@@ -295,23 +296,38 @@ class VllmSchedulerTarget(VllmManagerTarget):
 
     def shadow_worker(self) -> ShadowWorker | None:
         """The shadow worker that follows this scheduler's outputs, as the model runner
-        vLLM pairs with it (`use_v2_model_runner`); None where it follows none: a KV
-        connector's loads and saves are not followed yet (docs/shadow-worker.md)."""
-        if self.config.kv_connector or not self.engine_contract:
+        vLLM pairs with it (`use_v2_model_runner`), with a KV connector's side
+        (`invariants.shadow.connector`) told what kvretain's connector is told; None
+        without the engine contract (docs/shadow-worker.md)."""
+        if not self.engine_contract:
             return None
         sched = self.vllm_scheduler
         groups = tuple(WorkerGroup(g.kind, g.block_size, g.sliding_window) for g in self.config.groups)
-        return ShadowWorker(
+        worker = ShadowWorker(
             groups,
             runner="v2" if getattr(sched, "use_v2_model_runner", False) else "v1",
             zeroing=bool(getattr(sched, "needs_kv_cache_zeroing", False)),
         )
+        self.shadow_connector = None
+        if sched.connector is not None:
+            self.shadow_connector = ShadowConnector(worker, self.held_blocks)
+            sched.connector.watch = self.shadow_connector
+        return worker
+
+    def held_blocks(self, rid: str) -> tuple[tuple[int, ...], ...] | None:
+        """The blocks vLLM's scheduler holds for `rid`, per group (None: it holds no such request)."""
+        sched = self.vllm_scheduler
+        if rid not in sched.requests:
+            return None
+        return tuple(tuple(g) for g in sched.kv_cache_manager.get_block_ids(rid))
 
     def apply(self, op: Op) -> Observation:
         """The operation, then the scheduler's queues judged as it left them (`invariants.shadow.queues`)."""
         obs = super().apply(op)
         if not self.engine_contract:
             return obs
+        if self.shadow_connector is not None:
+            self.shadow_connector.check_held()
         status = self.session.v["RequestStatus"]
         self.queue_checks += 1
         self.queue_found += [
@@ -347,9 +363,8 @@ class VllmSchedulerTarget(VllmManagerTarget):
             lines.append(
                 _setting("disable_lookahead_block_hashes", spec.disable_lookahead_block_hashes, False)
             )
-        if self.steps.shadow is None:
-            why = "KV connector" if self.config.kv_connector else "async drafts"
-            lines.append(f"shadow worker off ({why}: not followed yet)")
+        if self.steps.shadow is None and self.engine_contract:
+            lines.append("shadow worker off (async speculative positions: not followed yet)")
         if not sc.async_scheduling:
             lines.append("async_scheduling=False (vLLM's default: on; see vllm-async-scheduler)")
         return tuple(line for line in lines if line)
@@ -374,6 +389,8 @@ class VllmSchedulerTarget(VllmManagerTarget):
         if shadow is not None:
             f = shadow.figures
             figures |= {"worker steps": f.steps, "slots read": f.reads, "slots written": f.writes}
+        if self.shadow_connector is not None:
+            figures |= self.shadow_connector.take_figures()
         return figures
 
     def build_manager(self, config: Config, v: dict[str, Any], caps: Capabilities) -> Any:
