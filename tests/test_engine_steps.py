@@ -92,8 +92,8 @@ def drive(name: str, cfg: Config) -> Checker:
     from invariants.targets import target_factory
 
     checker = Checker(target_factory(name)(cfg), audit_every=1)
-    for rid in ("a", "b", "c"):
-        assert checker.step(AddRequest(rid, (1, 2, 3, 4, 5))) == []
+    for i, rid in enumerate(("a", "b", "c")):
+        assert checker.step(AddRequest(rid, (i + 1,) * 5)) == []  # no hits between them
     return checker
 
 
@@ -119,8 +119,8 @@ def test_the_engines_steps_agree_with_the_model_under_binding_caps(name: str) ->
 @pytest.mark.vllm
 @pytest.mark.parametrize(
     "op",
-    [Step(("a",), 8), Step(("a", "b", "c"), 4), Preempt("a")],
-    ids=["a subset", "another budget", "a preemption"],
+    [Step(("a",), 8), Step(("a", "b", "c"), 4), Step(("c", "b", "a"), 8), Preempt("a")],
+    ids=["a subset", "another budget", "another order", "a preemption"],
 )
 def test_a_steered_operation_is_refused_by_the_engine_and_run_by_the_directed_target(op: object) -> None:
     """The engine target refuses a step it cannot run (one line: kvretain's refusal, not

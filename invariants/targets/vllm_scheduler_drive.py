@@ -6,10 +6,12 @@ queues, with the token budget the scheduler was built with
 engine core writes nothing (`STEERING` names what the directed driver writes,
 and a test holds the source to it). `rids` names the requests the model says
 the engine holds, in the order it predicts for them (running, holding, then
-waiting: `model.queues`); a step that names another set of requests, or
-another budget, is a step the engine cannot run, refused as such
-(`SteeredStep`), and one naming the same requests in another order is run in
-vLLM's order and counted (the queues it leaves are judged: `model.queues`).
+waiting: `model.queues`); a step that names another set of requests, another
+budget, or (under FCFS) another order is a step the engine cannot run, refused
+as such (`SteeredStep`: the queues each step leaves are compared with the
+model's, so the order a step starts from is the one the last step left, plus
+arrivals at `waiting`'s back); under the priority policy, whose order the model
+does not predict, a step is run in vLLM's order and counted.
 Which requests run, in what order, with which chunk, is vLLM's own code: the
 running pass, preemption, the waiting pass and its `max_num_seqs` cap, the
 Mamba split, spec-decode padding, CoW copies.
@@ -313,9 +315,11 @@ class RealStepScheduler:
         return list(sched.running), holding, list(sched.waiting)
 
     def arrange(self, rids: tuple[str, ...], budget: int) -> Any:
-        """An engine's step: `rids` must name exactly the requests vLLM's queues hold and
-        `budget` be the one it was built with (else `SteeredStep`); another order is run in
-        vLLM's and counted (`reordered_steps`). Nothing is set aside (None)."""
+        """An engine's step: `rids` must name exactly the requests vLLM's queues hold, in
+        their order under FCFS, and `budget` be the one it was built with (else
+        `SteeredStep`); under another policy (priority), whose order the model does not
+        predict, another order is run in vLLM's and counted (`reordered_steps`). Nothing is
+        set aside (None)."""
         own = [r.request_id for queue in self.own_queues() for r in queue]
         built = self.sched.max_num_scheduled_tokens
         if set(own) != set(rids) or len(own) != len(rids):
@@ -331,7 +335,14 @@ class RealStepScheduler:
                 "(Config.max_num_batched_tokens); a directed target (vllm-directed) sets one per step"
             )
         if own != list(rids):
-            self.reordered_steps += 1
+            if self.sched.policy.value == "fcfs":  # FCFS order is the model's (`model.queues`)
+                raise SteeredStep(
+                    f"step over {list(rids)}: vLLM's queues hold them as {own} (running, holding, "
+                    "waiting); an engine's step takes its own order (after a step, the queues it left "
+                    "are judged against the model's: model.queues); a directed target (vllm-directed) "
+                    "runs a step in any order"
+                )
+            self.reordered_steps += 1  # another policy's order: vLLM's (the model predicts FCFS only)
         return None
 
     def put_back(self, aside: Any) -> None:
