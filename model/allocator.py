@@ -15,11 +15,8 @@ under which keys: `model.caching`.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
-from typing import NamedTuple
 
 from model import admission as adm
 from model import connector as conn
@@ -85,21 +82,12 @@ from model.pool import Pool
 from model.profile import MODELED, Profile, rules_of
 from model.queues import QueueOrder, StepQueues
 from model.scheduling import StepChunks, long_prefill_cap
+from model.seams import UNOBSERVED, Decision, Observer
 from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
 from model.state import GroupState, RequestState
 
 Ids = tuple[int, ...]
 Blocks = tuple[Ids, ...]  # block ids per group
-
-
-class Decision(NamedTuple):
-    """One scheduler decision inside an operation (`AllocatorModel.recording`)."""
-
-    kind: str  # "alloc": an allocation attempt; "preempt": a request preempted (its blocks freed)
-    rid: str
-    tokens: int = 0  # alloc: the chunk the attempt asked blocks for
-    admission: bool = False  # alloc: it carried the request's prefix-cache hit (an admission)
-    fits: bool = False  # alloc: the blocks were granted
 
 
 class AllocatorModel(BlockCaching, MambaStates, StepChunks):
@@ -108,10 +96,9 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     Public, for the harness, the explorer and the exporter (documented seams; the rest is its own):
     - `requests`: the live requests by id (`RequestState`: prompt, outputs,
       computed tokens, running, junction); read-only;
-    - `exercised`: how often each rule that only some traces reach fired (the
-      fuzz summary reports and may clear them);
-    - `recording()`: the scheduler decisions (`Decision`) of the operations
-      applied inside it, in order;
+    - `observer`: who hears of the rules only some traces reach, of each scheduler
+      decision (`Decision`), and chooses where the contract leaves an order open
+      (`model.seams.Observer`; the model keeps no state for it);
     - `snapshot()`, and read-only `cfg`, `profile`, `rules`, `pool`, `groups`,
       `in_flight` (None, or with `async_scheduling` the outputs a one-step-ahead
       scheduler has not processed: `model.async_scheduling`).
@@ -125,8 +112,10 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         num_spec_tokens: int = 0,
         *,
         async_scheduling: bool = False,
+        observer: Observer | None = None,
     ) -> None:
         self.cfg = validate(config)
+        self.observer: Observer = UNOBSERVED if observer is None else observer
         self.num_spec_tokens = num_spec_tokens  # drafts a step verifies (`model.spec_decode`); 0: none
         self.cap = 0  # the long-prefill cap of the step being scheduled (`model.scheduling.StepChunks`)
         # Async scheduling (vLLM `AsyncScheduler`): a sampled token reaches the scheduler a step late.
@@ -154,8 +143,6 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         self.step_shares: frozenset[str] = frozenset()
         # The latest step's sync loads, until the next operation (`model.connector.SyncReport`).
         self.sync_report: fb.SyncReport | None = None
-        # The order a report ending several requests at once frees them in: open; the judge's choice.
-        self.end_order: tuple[str, ...] = ()
         self.order = QueueOrder()  # `running` and `holding` between steps (`model.queues`)
         self.step_rids: tuple[str, ...] = ()  # the requests of the step being scheduled (`model.admission`)
         self.hybrid = len(config.groups) > 1
@@ -168,22 +155,6 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             full_bound=self.rules.full_bound,
             junction=self.rules.junction,
         )
-        # How often each rule that only some traces reach fired (the fuzz summary reports them).
-        self.exercised: Counter[str] = Counter()
-        self._decisions: list[Decision] | None = None  # `recording`
-
-    @contextmanager
-    def recording(self) -> Iterator[list[Decision]]:
-        """Record the scheduler decisions of the operations applied inside the block:
-        each allocation attempt and each preemption, in the order they happen. A
-        step's result alone cannot tell during whose allocation a request was
-        preempted, nor the chunk of an admission that did not fit (the exporter
-        reads them here)."""
-        outer, self._decisions = self._decisions, []
-        try:
-            yield self._decisions
-        finally:
-            self._decisions = outer
 
     # ------------------------------------------------------------------ ops
     def apply(self, op: Op) -> Observation:
@@ -295,7 +266,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             return
         arrived, due = self.in_flight.scheduled(scheduled)
         if due:
-            self.exercised["async + connector: fenced frees returned as the step's output was processed"] += 1
+            self.observer.fired("async + connector: fenced frees returned as the step's output was processed")
         for blocks in due:
             self.pool.free(reversed(blocks))
         skip = cut()
@@ -332,7 +303,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         """`req` computes `n` more tokens this step: the drafts they reach are verified."""
         req.verifying = verified_drafts(req.drafts, req.num_computed, req.num_tokens, n)
         if len(req.verifying) < len(req.drafts):
-            self.exercised["drafts cut by the step's budget"] += 1
+            self.observer.fired("drafts cut by the step's budget")
         req.drafts = ()
         req.num_computed += n
         req.prefill_chunk = req.num_computed < req.num_tokens
@@ -367,7 +338,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         hit_blocks = self._hit_blocks(req.tokens, layouts)
         req.shared_prefix_boundary = spb
         if hit % self.cfg.scheduler_block_size:
-            self.exercised["fine-grained hit (inside a scheduler block)"] += 1
+            self.observer.fired("fine-grained hit (inside a scheduler block)")
         ext = external_tokens(req.offer[0], req.num_tokens, hit) if req.offer else 0
         load_async = ext > 0 and req.offer is not None and req.offer[1]
         computed = hit + ext
@@ -394,7 +365,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             return result
         req.offer, req.num_computed, req.prefilling = None, computed + n, computed + n < req.num_tokens
         if ext:
-            self.exercised[f"connector: {'async' if load_async else 'sync'} external hit admitted"] += 1
+            self.observer.fired(f"connector: {'async' if load_async else 'sync'} external hit admitted")
         if load_async:
             req.load, req.holding = LOADING, True  # waits for `Loaded`; cached at its promotion
             return replace(result, external=ext)
@@ -402,7 +373,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         req.prefill_chunk = req.num_computed < req.num_tokens
         req.verifying = (PLACEHOLDER,) * pad
         if pad:
-            self.exercised["one-token admission padded with draft slots"] += 1
+            self.observer.fired("one-token admission padded with draft slots")
         return ScheduleResult(n, True, hit, spb, hit_blocks, new, external=ext)
 
     def _step(self, rids: tuple[str, ...], budget: int) -> StepResult:
@@ -437,7 +408,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
                 continue
             new = self._allocate_slots(req, n, 0, None)
             while new is None and not fenced_victim(self.in_flight, running[-1]):  # async_scheduling, 6
-                self.exercised["preemption inside a step"] += 1
+                self.observer.fired("preemption inside a step")
                 victim = running.pop()
                 self._preempt(victim)
                 queues.preempted(victim)
@@ -458,9 +429,9 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             conn.waiting_pass(self, queues, left, budget, results, (ran_running, ran_prefill))
         conn.settle_prefill(self, [rid for rid, r in results if r.scheduled])
         if len(results) > 1:
-            self.exercised["step over several requests"] += 1
+            self.observer.fired("step over several requests")
         if any(r.admitted for _, r in results) and any(not r.admitted and r.scheduled for _, r in results):
-            self.exercised["admission after running chunks in one step"] += 1
+            self.observer.fired("admission after running chunks in one step")
         return StepResult(tuple(results), tuple(preempted), queues=queues.left())
 
     def _preempt(self, rid: str) -> None:
@@ -471,8 +442,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         self._free(rid)
         req.running, req.num_computed, req.prefilling = False, 0, False
         req.drafts, req.verifying = (), ()
-        if self._decisions is not None:
-            self._decisions.append(Decision("preempt", rid))
+        self.observer.decided(Decision("preempt", rid))
 
     # --------------------------------------------------------------- lookup
     def _cached_fn(self, tokens: Tokens, gids: list[int], bs: int):  # type: ignore[no-untyped-def]
@@ -549,10 +519,9 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     def _allocate_slots(
         self, req: RequestState, n: int, hit: int, hit_blocks: Blocks | None, load: Load = NO_LOAD
     ) -> Blocks | None:
-        """An allocation attempt (`_allocate`), recorded when `recording`."""
+        """An allocation attempt (`_allocate`), told to the observer."""
         new = self._allocate(req, n, hit, hit_blocks, load)
-        if self._decisions is not None:
-            self._decisions.append(Decision("alloc", req.rid, n, hit_blocks is not None, new is not None))
+        self.observer.decided(Decision("alloc", req.rid, n, hit_blocks is not None, new is not None))
         return new
 
     def _allocate(
@@ -580,7 +549,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             and self.cfg.reserve_full_isl
             and not self._full_sequence_fits(req, hits, local, total, wm)
         ):
-            self.exercised["admission refused: the whole sequence does not fit"] += 1
+            self.observer.fired("admission refused: the whole sequence does not fit")
             return None
         unprocessed = self.in_flight.unprocessed(rid) if self.in_flight is not None else 0
         for g in self.groups:
@@ -591,7 +560,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         )
         if not adm.chunk_fits(need, wm, self.pool.num_free(), reserve):
             if wm and adm.chunk_fits(need, 0, self.pool.num_free(), reserve):
-                self.exercised["admission refused by the watermark"] += 1
+                self.observer.fired("admission refused by the watermark")
             return None
         if (hits is not None or ext) and not any(rid in g.num_cached for g in self.groups):
             for g in self.groups:
@@ -601,9 +570,9 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         new = tuple(tuple(self._allocate_new(g, rid, need_slot, main)) for g in self.groups)
         unknown = self.in_flight.unknown(rid) if self.in_flight is not None else 0
         if unknown:
-            self.exercised["async: a step scheduled a sampled token's position ahead of it"] += 1
+            self.observer.fired("async: a step scheduled a sampled token's position ahead of it")
         if unrolled:
-            self.exercised["async: a step allocated past drafts still to be rolled back"] += 1
+            self.observer.fired("async: a step allocated past drafts still to be rolled back")
         if self.cfg.enable_caching and not delay_cache:
             self._cache_blocks(req, caching_limit(total, n, req.num_tokens, unknown))
         return new
@@ -745,7 +714,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
             # The hit state was keyed by another request this step, not computed yet: ask for
             # more than the pool holds so the request waits for the next step.
-            self.exercised["Mamba same-step guard"] += 1
+            self.observer.fired("Mamba same-step guard")
             return self.cfg.num_blocks + 1
         s = self._draft_blocks(g)
         # A state to copy (a hit ending inside a block, or this request's own

@@ -18,7 +18,6 @@ pool's keys.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from model.async_scheduling import arrival_limit
@@ -29,6 +28,7 @@ from model.pool import Pool
 from model.profile import Rules
 
 if TYPE_CHECKING:
+    from model.seams import Observer
     from model.state import GroupState, RequestState
 
 
@@ -42,7 +42,7 @@ class BlockCaching:
     hybrid: bool
     fine: bool
     alignment: int
-    exercised: Counter[str]
+    observer: Observer
 
     def _cacheable_tokens(self, g: GroupState, n: int) -> int:
         if not self.hybrid or self.fine:
@@ -57,7 +57,7 @@ class BlockCaching:
             before = sum(g.num_cached.get(req.rid, 0) for g in self.groups)
             self._cache_blocks(req, arrival_limit(req.num_computed, scheduled_since))
             if sum(g.num_cached.get(req.rid, 0) for g in self.groups) > before:
-                self.exercised["async: a sampled token's arrival cached blocks"] += 1
+                self.observer.fired("async: a sampled token's arrival cached blocks")
 
     def _cache_blocks(self, req: RequestState, num_tokens: int) -> None:
         cfg = self.cfg

@@ -282,10 +282,10 @@ def wait_turn(
     if req.load == FAILED:
         m._free(req.rid)
         req.num_computed = 0
-        m.exercised["connector: failed load rolled back"] += 1
+        m.observer.fired("connector: failed load rolled back")
     elif req.load == LOADED and m.cfg.enable_caching:
         m._cache_blocks(req, req.num_computed)
-        m.exercised["connector: async load cached at promotion"] += 1
+        m.observer.fired("connector: async load cached at promotion")
     req.load = ""
     if not req.num_computed:
         return m._admit(req, left, budget, *ran)
@@ -315,7 +315,7 @@ def promoted_chunk(
     m._ran(req, n)
     req.verifying = (PLACEHOLDER,) * pad
     if pad:
-        m.exercised["connector: promoted one-token chunk padded with draft slots"] += 1
+        m.observer.fired("connector: promoted one-token chunk padded with draft slots")
     return ScheduleResult(n, True, new_blocks=new)
 
 
@@ -366,12 +366,12 @@ def finish(m: AllocatorModel, req: RequestState) -> Done | Saving:
     seen: Done | Saving = Saving(handed_blocks(m, req, computed)) if saves else Done()
     if req.load == LOADING:
         m.held.add(req.rid)
-        m.exercised["connector: free deferred until the load reports"] += 1
+        m.observer.fired("connector: free deferred until the load reports")
     if isinstance(seen, Saving) and any(seen.block_ids):
         m.sending.add(req.rid)
-        m.exercised["connector: free deferred until the save reports"] += 1
+        m.observer.fired("connector: free deferred until the save reports")
         if req.rid in m.held:
-            m.exercised["connector: free deferred until both the load and the save report"] += 1
+            m.observer.fired("connector: free deferred until both the load and the save report")
     if req.rid not in m.held | m.sending:
         m._free(req.rid)
     return seen
@@ -407,7 +407,7 @@ def saved(m: AllocatorModel, rid: str) -> None:
     if rid in m.held:
         return
     m._free(rid)
-    m.exercised["connector: freed when the save reported"] += 1
+    m.observer.fired("connector: freed when the save reported")
 
 
 def loaded(
@@ -436,22 +436,22 @@ def loaded(
         m.undelivered = riding  # the shares it cuts come with it
         seen, cut, dependent = cut_scanned(m, rid, invalid)
         m.undelivered = {}
-        m.exercised["connector: load failed on some blocks"] += 1
+        m.observer.fired("connector: load failed on some blocks")
         for r in set(cut) & set(riding):
             m.requests[r].verifying = ()  # cut back past them: no sample will verify them
-            m.exercised["connector: a request awaiting its sample holding a failed block cut"] += 1
+            m.observer.fired("connector: a request awaiting its sample holding a failed block cut")
     if (not ok or invalid) and m.cfg.kv_load_failure_policy == "fail":
         # The request ends with an error; its load has reported, so only a save waits.
         req.load = ""
         m.pool.evict_blocks(dependent)
         ended = end_all(m, sorted({rid, *cut}), last=rid)
-        m.exercised["connector: failed load ends the request ('fail')"] += 1
+        m.observer.fired("connector: failed load ends the request ('fail')")
         return replace(seen, ended=ended) if isinstance(seen, LoadCut) else seen
     if not ok:
         req.num_computed = 0  # nothing loaded counts (`Scheduler._handle_failed_recving`)
     req.load = LOADED if req.num_computed else FAILED
     if invalid and req.num_computed:
-        m.exercised["connector: valid prefix of a load kept"] += 1
+        m.observer.fired("connector: valid prefix of a load kept")
     return seen
 
 
@@ -504,37 +504,37 @@ def _sync_cut(
         if r not in cut:
             m.requests[r].num_computed -= a.rejected  # the output rolls them back
     if report.sampled:
-        m.exercised["connector: sync load's failed blocks with samples riding on the step's output"] += 1
+        m.observer.fired("connector: sync load's failed blocks with samples riding on the step's output")
     dropped = tuple(sorted(set(cut) & report.sampled))
     for r in dropped:
         m.requests[r].drop_outputs(riders[r].tokens if r in riders else 1)  # vLLM skips its output
-        m.exercised["connector: a sample riding on a sync load's failed blocks dropped"] += 1
+        m.observer.fired("connector: a sample riding on a sync load's failed blocks dropped")
     m.undelivered = {}  # a cut request's `is_prefill_chunk` stays as its step set it
-    m.exercised["connector: sync load failed on some blocks"] += 1
+    m.observer.fired("connector: sync load failed on some blocks")
     # Every other request whose computed tokens the report changed: cut, or a rider's rejection rolled back.
     changed = sorted(r for r in before if r != rid and m.requests[r].num_computed != before[r])
     others = tuple((r, m.requests[r].num_computed) for r in changed)
     seen = LoadCut(m.requests[rid].num_computed, others, dropped=dropped)
     if len(cut) > 1:
-        m.exercised["connector: a request sharing a failed block cut"] += 1
+        m.observer.fired("connector: a request sharing a failed block cut")
     if m.cfg.kv_load_failure_policy == "fail":
         m.pool.evict_blocks(dependent)
-        m.exercised["connector: a sync load's failed blocks evicted ('fail')"] += 1
+        m.observer.fired("connector: a sync load's failed blocks evicted ('fail')")
     return seen, cut, dependent
 
 
 def end_all(m: AllocatorModel, rids: list[str], last: str = "") -> tuple[str, ...]:
     """End `rids` with an error at once ("fail"), each freed as a finish is (`last`, the
-    async load whose report ends them, after the others), in the order the judge saw
-    them ended (`AllocatorModel.end_order`) where it names exactly them, else in id
-    order: any order is allowed (vLLM iterates a set of their ids). Returns the order
-    taken."""
-    chosen, m.end_order = m.end_order, ()
+    async load whose report ends them, after the others), in the order the observer
+    chooses (`model.seams.Observer.end_order`: the judge's, the order the target ended
+    them in) where it names exactly them, else in id order: any order is allowed (vLLM
+    iterates a set of their ids). Returns the order taken."""
+    chosen = m.observer.end_order(tuple(sorted(rids)))
     order = chosen if sorted(chosen) == sorted(rids) else tuple(sorted(rids))
     for rid in [r for r in order if r != last] + [r for r in order if r == last]:
         finish(m, m.requests.pop(rid))
     if len(order) > 1:
-        m.exercised["connector: several requests ended at once ('fail'), in the order seen"] += 1
+        m.observer.fired("connector: several requests ended at once ('fail'), in the order seen")
     return order
 
 
@@ -592,7 +592,7 @@ def superseded_tail(m: AllocatorModel, hit: int, hit_blocks: Blocks, ext: int) -
     tail = hit % m.cfg.scheduler_block_size
     if not (ext and tail):
         return hit, hit_blocks
-    m.exercised["connector: external tokens supersede a hit's sub-block tail"] += 1
+    m.observer.fired("connector: external tokens supersede a hit's sub-block tail")
     cut = hit - tail
     return cut, tuple(blocks[: cut // g.bs] for g, blocks in zip(m.groups, hit_blocks))
 
@@ -606,4 +606,4 @@ def add_external_blocks(m: AllocatorModel, g: GroupState, rid: str, computed: in
     table = g.table(rid)
     table.extend(m.pool.get_new_blocks(max(0, cdiv(computed, g.bs) - len(table))))
     if g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align":
-        m.exercised["connector: Mamba external state block"] += 1
+        m.observer.fired("connector: Mamba external state block")

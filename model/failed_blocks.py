@@ -83,8 +83,8 @@ applies the cut stated here, ending the requests it reaches under "fail".
   while the free queue, and every later block id, depend on it. The model
   leaves it open: the observation (`LoadCut.ended`) names the ended requests
   in the order vLLM ended them, any order of exactly them is allowed, and
-  the model ends them in the order the judge saw (`AllocatorModel.end_order`);
-  in id order where no one chose.
+  the model ends them in the order its observer chooses (`model.seams.Observer`,
+  the judge's: the order the target ended them in); in id order where no one chose.
 
 - **A holder awaiting its sample**: the report of an async load's failed blocks
   rides on the latest step's output, with the shares of it still held for
@@ -221,11 +221,11 @@ def cut_scanned(
         sorted((r, reqs[r].num_computed) for r in before if r != rid and reqs[r].num_computed != before[r])
     )
     if running_cut:
-        m.exercised["connector: a running request holding a failed block cut"] += 1
+        m.observer.fired("connector: a running request holding a failed block cut")
     if [r for r in cut if r != rid]:
-        m.exercised["connector: another async load holding a failed block cut"] += 1
+        m.observer.fired("connector: another async load holding a failed block cut")
     if len(running_cut) > 1:
-        m.exercised["connector: several running requests holding failed blocks cut, in queue order"] += 1
+        m.observer.fired("connector: several running requests holding failed blocks cut, in queue order")
     return LoadCut(reqs[rid].num_computed, changed), cut + running_cut, dependent
 
 
@@ -335,7 +335,7 @@ def cut_covering(
         first = next((i for i in failed if table[i] not in marked), None)
         marked.update(table[i] for i in failed)
         if first is None:
-            m.exercised["connector: a request whose failed blocks another marked keeps them"] += 1
+            m.observer.fired("connector: a request whose failed blocks another marked keeps them")
         req.num_computed = before if first is None else first * g.bs
         if first is not None:
             dependent += [b for b in table[first:] if b not in dependent]

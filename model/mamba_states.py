@@ -23,13 +23,13 @@ the group's table, `last_state`, `allocated`, `partial`, `copies` and
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from model.masks import cdiv
 from model.pool import Pool
 
 if TYPE_CHECKING:
+    from model.seams import Observer
     from model.state import GroupState
 
 
@@ -38,7 +38,7 @@ class MambaStates:
 
     pool: Pool
     num_spec_tokens: int
-    exercised: Counter[str]
+    observer: Observer
 
     def _draft_blocks(self, g: GroupState) -> int:
         """A Mamba group's draft state blocks: one per speculative token, as vLLM's
@@ -70,7 +70,7 @@ class MambaStates:
                 break
             table.append(table[i])
             table[i] = 0
-            self.exercised["Mamba draft block moved past by its state"] += 1
+            self.observer.fired("Mamba draft block moved past by its state")
         blocks = self.pool.get_new_blocks(max(required - len(table), 0) + (partial is not None))
         returned = table[prev:]
         if partial is not None:
@@ -96,7 +96,7 @@ class MambaStates:
         table[idx] = dst
         g.copies.append((src, dst))
         self.pool.ref[dst] += 1
-        self.exercised["CoW copy of a hit read in part"] += 1
+        self.observer.fired("CoW copy of a hit read in part")
 
     def _producer_copy(self, g: GroupState, src: int, dst: int) -> None:
         """The request keyed its own state mid-block and goes on writing it: the
@@ -108,4 +108,4 @@ class MambaStates:
         self.pool.ref[src] += 1
         if dst in self.pool.primary:
             g.cached_this_step.add(self.pool.primary[dst])
-        self.exercised["CoW copy of a request's own tail (move_block_hashes)"] += 1
+        self.observer.fired("CoW copy of a request's own tail (move_block_hashes)")

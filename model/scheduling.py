@@ -13,12 +13,12 @@ not modeled, nor two admission policies of vLLM's `Scheduler.schedule`
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from model.config import Config
 
 if TYPE_CHECKING:
+    from model.seams import Observer
     from model.state import RequestState
 
 
@@ -121,7 +121,7 @@ class StepChunks:
     cfg: Config
     fine: bool
     cap: int
-    exercised: Counter[str]
+    observer: Observer
 
     def _next_chunk(self, req: RequestState, left: int, budget: int) -> int:
         """Tokens a running request computes next: at most `left` of the step's `budget`."""
@@ -131,7 +131,7 @@ class StepChunks:
     def _capped(self, num_tokens: int) -> int:
         n = capped(num_tokens, self.cap)
         if n < num_tokens:
-            self.exercised["chunk capped by the long-prefill threshold"] += 1
+            self.observer.fired("chunk capped by the long-prefill threshold")
         return n
 
     def _chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:

@@ -10,6 +10,7 @@ vLLM-driven controls are in tests/test_vllm_async_scheduler.py).
 
 from __future__ import annotations
 
+from invariants.harness.observer import ModelObserver
 from model.allocator import AllocatorModel
 from model.async_scheduling import (
     InFlight,
@@ -149,8 +150,8 @@ def test_a_preempted_request_caches_nothing_when_its_token_arrives() -> None:
         AddRequest("r2", (9,)),
         Step(("r2",), 8),
     ]
-    m = AllocatorModel(FULL, async_scheduling=True)
+    m = AllocatorModel(FULL, async_scheduling=True, observer=(m_seen := ModelObserver()))
     for op in ops:
         m.apply(op)
     assert m.in_flight is not None and not m.in_flight.in_flight("r1")
-    assert m.exercised["async: a sampled token's arrival cached blocks"] == 0
+    assert m_seen.coverage["async: a sampled token's arrival cached blocks"] == 0

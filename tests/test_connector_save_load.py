@@ -22,6 +22,7 @@ import pytest
 from invariants.harness.checker import Checker, Violation
 from invariants.harness.crash_site import ADAPTER, OBSERVED, CrashSite, Frame
 from invariants.harness.known_findings import explain, known_finding
+from invariants.harness.observer import ModelObserver
 from invariants.harness.trace import Trace
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
@@ -53,7 +54,7 @@ def reports(load_first: bool) -> list[Op]:
 # ------------------------------------------------------------------ the contract, on the model
 @pytest.mark.parametrize("load_first", [True, False], ids=["load-first", "save-first"])
 def test_blocks_held_until_both_the_load_and_the_save_report(load_first: bool) -> None:
-    m = AllocatorModel(FULL4)
+    m = AllocatorModel(FULL4, observer=(m_seen := ModelObserver()))
     obs = [m.apply(op) for op in loading_ops()]
     table = m.snapshot().tables["r0"][0]
     assert obs[-1] == Saving((table,)) and table == (1, 2, 3)
@@ -68,7 +69,7 @@ def test_blocks_held_until_both_the_load_and_the_save_report(load_first: bool) -
     m.apply(second)
     assert "r0" not in m.snapshot().tables and not m.held and not m.sending
     assert set(table) <= set(m.snapshot().free_queue)
-    assert m.exercised["connector: free deferred until both the load and the save report"] == 1
+    assert m_seen.coverage["connector: free deferred until both the load and the save report"] == 1
 
 
 def test_a_failed_load_ending_a_saved_request_keeps_it_for_the_save() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 from drive import Drive
 
+from invariants.harness.observer import ModelObserver
 from invariants.harness.trace import config_from_json, config_to_json
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
@@ -63,12 +64,12 @@ def test_the_cap_binds_only_beside_another_request() -> None:
 
 
 def test_model_caps_chunks_beside_other_requests() -> None:
-    m = AllocatorModel(FULL_SWA)
+    m = AllocatorModel(FULL_SWA, observer=(m_seen := ModelObserver()))
     m.apply(AddRequest("r0", PROMPT))
     m.apply(AddRequest("r1", PROMPT[::-1]))
     assert _scheduled(m.apply(Step(("r0", "r1"), 64))) == {"r0": 3, "r1": 3}
     assert _scheduled(m.apply(Step(("r0",), 64))) == {"r0": 7}  # alone: nobody to starve
-    assert m.exercised["chunk capped by the long-prefill threshold"] == 2
+    assert m_seen.coverage["chunk capped by the long-prefill threshold"] == 2
 
 
 def test_model_mamba_split_escapes_on_the_threshold() -> None:
@@ -142,7 +143,7 @@ def test_real_schedulers_agree_with_the_model(trace, target: str) -> None:  # ty
         pytest.skip("its samples carry drafts the scheduler proposed itself (the async rows' form)")
     d = trace(target_factory(target))
     assert d.found == []
-    assert d.checker.model.exercised["chunk capped by the long-prefill threshold"] > 0
+    assert d.checker.observer.coverage["chunk capped by the long-prefill threshold"] > 0
 
 
 MUTANT_TRACES = {

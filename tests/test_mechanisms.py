@@ -20,13 +20,15 @@ from typing import Any
 
 import pytest
 
+from invariants.harness.observer import ModelObserver
 from model import eagle, hybrid_hit, mamba, masks, partial_tails, routing
-from model.allocator import AllocatorModel, Decision
+from model.allocator import AllocatorModel
 from model.config import Config, GroupSpec
 from model.observation import block_key
 from model.ops import AddRequest, Preempt, Sample, Step
 from model.pool import Pool
 from model.profile import FREE_ORDERS, MAMBA_CHECKPOINTS, MODELED, Profile, Rules, rules_of
+from model.seams import Decision
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = (eagle, hybrid_hit, mamba, masks, partial_tails, routing)
@@ -146,16 +148,17 @@ def test_the_pool_routes_freed_blocks_as_route_says(order: str, caching: bool, t
 
 
 def test_recording_names_a_steps_attempts_and_preemptions_in_order() -> None:
-    """`AllocatorModel.recording`: the exporter's seam (it used to monkeypatch the model)."""
-    model = AllocatorModel(Config(groups=(GroupSpec("full", 4),), num_blocks=8))
-    with model.recording() as first:
+    """`ModelObserver.recording`: the exporter's seam (it used to monkeypatch the model)."""
+    seen = ModelObserver()
+    model = AllocatorModel(Config(groups=(GroupSpec("full", 4),), num_blocks=8), observer=seen)
+    with seen.recording() as first:
         for op in [AddRequest("a", (1,) * 12), AddRequest("b", (2,) * 8), AddRequest("c", (3,) * 8)]:
             model.apply(op)
         model.apply(Step(("a", "b", "c"), 64))  # the pool's 7 blocks: 3 + 2 + 2
     assert first == [Decision("alloc", rid, n, True, True) for rid, n in (("a", 12), ("b", 8), ("c", 8))]
     for rid, token in (("a", 1), ("b", 2), ("c", 3)):
         model.apply(Sample(rid, token))
-    with model.recording() as second:
+    with seen.recording() as second:
         model.apply(Step(("a", "b", "c"), 64))
     # a's next block does not fit: the newest running request gives way, a retries.
     assert second == [

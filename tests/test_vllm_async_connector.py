@@ -156,7 +156,7 @@ def test_a_free_while_the_step_is_in_flight_waits_for_its_output() -> None:
     assert checker.target.vllm_scheduler.deferred_frees  # type: ignore[attr-defined]
     assert d.do(*FINISH_IN_FLIGHT[3:]).found == []
     assert FENCED not in checker.model.snapshot().tables
-    assert checker.model.exercised[
+    assert checker.observer.coverage[
         "async + connector: fenced frees returned as the step's output was processed"
     ]
 
@@ -235,7 +235,7 @@ def test_samples_ride_on_a_sync_loads_report(drafts: bool) -> None:
     assert isinstance(cut, LoadCut) and cut.num_computed == 4
     assert cut.others == ((("r1", 12), ("r2", 11)) if drafts else (("r1", 12),))  # r2's rejection rolled back
     assert sorted(cut.ended) == ["r0", "r1"]
-    assert d.checker.model.exercised["connector: a sample riding on a sync load's failed blocks dropped"]
+    assert d.checker.observer.coverage["connector: a sample riding on a sync load's failed blocks dropped"]
 
 
 def test_control_a_cut_on_the_rolled_back_count_disagrees_with_vllm() -> None:

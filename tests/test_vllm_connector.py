@@ -18,6 +18,7 @@ import pytest
 from drive import Drive, own
 
 from invariants.harness.checker import Checker, InvalidOp
+from invariants.harness.observer import ModelObserver
 from invariants.harness.trace import config_from_json, config_to_json
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
@@ -93,7 +94,7 @@ def test_async_load_is_cached_only_at_promotion() -> None:
 
 
 def test_failed_load_frees_everything_and_readmits() -> None:
-    m = AllocatorModel(FULL)
+    m = AllocatorModel(FULL, observer=(m_seen := ModelObserver()))
     m.apply(AddRequest("r0", PROMPT))
     m.apply(Offer("r0", 13, "async"))
     m.apply(Step(("r0",), 64))
@@ -103,7 +104,7 @@ def test_failed_load_frees_everything_and_readmits() -> None:
     assert (r.hit, r.external, r.scheduled, r.admitted) == (0, 0, 13, True)
     # The failed blocks went back to the pool before the re-admission took new ones.
     assert set(m.snapshot().tables["r0"][0]) <= loaded_blocks | set(range(1, 16))
-    assert m.exercised["connector: failed load rolled back"] == 1
+    assert m_seen.coverage["connector: failed load rolled back"] == 1
 
 
 def test_fail_policy_ends_the_request_and_frees_it() -> None:
@@ -160,7 +161,7 @@ def save_ops() -> list[Op]:
 
 
 def test_a_save_defers_the_free_until_it_reports() -> None:
-    m = AllocatorModel(FULL)
+    m = AllocatorModel(FULL, observer=(m_seen := ModelObserver()))
     obs = {i: m.apply(op) for i, op in enumerate(save_ops()[:8])}
     table = m.snapshot().tables["s0"][0]
     # Handed the blocks of its 9 computed tokens (past the prompt's 2 blocks), held until `Saved`.
@@ -176,7 +177,7 @@ def test_a_save_defers_the_free_until_it_reports() -> None:
     m.apply(AddRequest("s2", PROMPT))
     m.apply(Save("s2"))
     assert m.apply(Finish("s2")) == Saving(((),)) and not m.sending
-    assert m.exercised["connector: freed when the save reported"] == 1
+    assert m_seen.coverage["connector: freed when the save reported"] == 1
 
 
 def invalid_ops() -> list[Op]:
@@ -202,7 +203,7 @@ def invalid_ops() -> list[Op]:
 
 
 def test_a_load_failed_on_some_blocks_is_cut_at_the_first() -> None:
-    m = AllocatorModel(FULL)
+    m = AllocatorModel(FULL, observer=(m_seen := ModelObserver()))
     obs = [m.apply(op) for op in invalid_ops()[:10]]
     assert failable_blocks(m, m.requests["r1"]) == [1, 2, 3, 4] and failable_blocks(m, m.requests["r2"]) == [
         5,
@@ -215,7 +216,7 @@ def test_a_load_failed_on_some_blocks_is_cut_at_the_first() -> None:
     # r1 resumes at 8 with the blocks it holds (the valid prefix cached); r2 is re-admitted afresh.
     assert (own(step, "r1").scheduled, own(step, "r1").hit, own(step, "r1").new_blocks) == (8, None, ((),))
     assert (own(step, "r2").admitted, own(step, "r2").hit, own(step, "r2").external) == (True, 0, 0)
-    assert m.exercised["connector: valid prefix of a load kept"] == 1 and obs[3] == Done()
+    assert m_seen.coverage["connector: valid prefix of a load kept"] == 1 and obs[3] == Done()
     # "fail": the cut request ends with an error, freed.
     f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
     for op in invalid_ops()[:10]:
@@ -263,7 +264,7 @@ def sync_invalid_ops(policy: str = "recompute") -> list[Op]:
 
 
 def test_a_sync_load_failed_on_some_blocks_cuts_every_request_holding_one() -> None:
-    m = AllocatorModel(FULL)
+    m = AllocatorModel(FULL, observer=(m_seen := ModelObserver()))
     ops = sync_invalid_ops()
     step = [m.apply(op) for op in ops[:4]][-1]
     assert (own(step, "r1").hit, own(step, "r1").scheduled) == (12, 4)
@@ -272,18 +273,18 @@ def test_a_sync_load_failed_on_some_blocks_cuts_every_request_holding_one() -> N
     assert m.apply(ops[4]) == LoadCut(4, (("r1", 12),))
     step = m.apply(ops[5])
     assert (own(step, "r0").scheduled, own(step, "r1").scheduled) == (9, 8)
-    assert m.exercised["connector: a request sharing a failed block cut"] == 1
+    assert m_seen.coverage["connector: a request sharing a failed block cut"] == 1
     # "recompute" evicts nothing: block 2 keeps its hash and is recomputed in place.
     assert [m.apply(op) for op in ops[6:]][-1].hit == 12  # type: ignore[union-attr]
 
 
 def test_a_sync_load_failed_under_fail_evicts_its_dependent_blocks() -> None:
-    m = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    m = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"), observer=(m_seen := ModelObserver()))
     obs = [m.apply(op) for op in sync_invalid_ops("fail")]
     # Cut at block 2 (4 tokens), ended and saved (the connector was handed block 1).
     assert obs[4] == LoadCut(4, ended=("r0",)) and obs[5].hit == 4  # type: ignore[union-attr]
-    assert m.exercised["connector: a sync load's failed blocks evicted ('fail')"] == 1
-    assert m.exercised["connector: freed when the save reported"] == 1
+    assert m_seen.coverage["connector: a sync load's failed blocks evicted ('fail')"] == 1
+    assert m_seen.coverage["connector: freed when the save reported"] == 1
     # Without the eviction blocks 2-3 would keep the hashes of KV computed on block 2.
     kept = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
     for op in sync_invalid_ops("fail")[:4]:
@@ -314,7 +315,7 @@ def shared_invalid_ops() -> list[Op]:
 
 
 def test_an_async_load_failed_on_a_block_a_running_request_holds_cuts_both() -> None:
-    m = AllocatorModel(FULL)
+    m = AllocatorModel(FULL, observer=(m_seen := ModelObserver()))
     ops = shared_invalid_ops()
     for op in ops[:5]:
         m.apply(op)
@@ -323,7 +324,7 @@ def test_an_async_load_failed_on_a_block_a_running_request_holds_cuts_both() -> 
     step = m.apply(ops[6])
     # r0 recomputes from block 2 on (9 tokens); r1, promoted, from its cut too.
     assert (own(step, "r0").scheduled, own(step, "r1").scheduled) == (9, 11)
-    assert m.exercised["connector: a running request holding a failed block cut"] == 1
+    assert m_seen.coverage["connector: a running request holding a failed block cut"] == 1
     # "fail": blocks another live request holds are named too (both end at once);
     # not those of a running request awaiting its sample.
     f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
@@ -380,7 +381,7 @@ def riding_sample_ops(policy: str) -> list[Op]:
 
 
 def test_a_sample_rides_on_the_sync_loads_report_and_a_cut_drops_it() -> None:
-    m = AllocatorModel(FULL)
+    m = AllocatorModel(FULL, observer=(m_seen := ModelObserver()))
     ops = riding_sample_ops("recompute")
     for op in ops[:4]:
         m.apply(op)
@@ -391,7 +392,7 @@ def test_a_sample_rides_on_the_sync_loads_report_and_a_cut_drops_it() -> None:
     assert m.apply(ops[5]) == LoadCut(4, (("r1", 12),), dropped=("r1",))
     assert m.requests["r1"].num_tokens == 13  # its sample dropped: it recomputes its last token
     assert m.requests["r1"].tokens == PROMPT[:12] + (99,)
-    assert m.exercised["connector: a sample riding on a sync load's failed blocks dropped"] == 1
+    assert m_seen.coverage["connector: a sample riding on a sync load's failed blocks dropped"] == 1
     # Control: any other operation between the step and the report ends the report's turn.
     o = AllocatorModel(FULL)
     for op in [*ops[:4], Probe(PROMPT), ops[4]]:
@@ -629,7 +630,7 @@ def test_real_scheduler_agrees_on_loads_failed_on_some_blocks(policy: str, cachi
             continue  # both ended
         d.do(op)
     assert d.found == [] and checker.audit() == []
-    cuts = [o for o in checker.model.exercised if "some blocks" in o]
+    cuts = [o for o in checker.observer.coverage if "some blocks" in o]
     assert cuts == ["connector: load failed on some blocks"]
 
 
@@ -697,7 +698,7 @@ def test_real_scheduler_saves_a_request_whose_load_reported_unpromoted() -> None
     ops: list[Op] = [AddRequest("r4", (2, 1)), Offer("r4", 1, "async"), Step(("r4",), 4), Loaded("r4", True)]
     ops += [Save("r4"), Finish("r4"), Saved("r4")]
     assert [v for op in ops for v in checker.step(op)] == [] and checker.audit() == []
-    assert checker.model.exercised["connector: freed when the save reported"] == 1
+    assert checker.observer.coverage["connector: freed when the save reported"] == 1
 
 
 @needs_vllm

@@ -9,7 +9,7 @@ holding only marked blocks keeps its computed tokens; what generation may name
 (`failable_blocks`): shared blocks under either policy, not those a request
 awaiting its sample covers. Under "fail" every holder the cut reaches ends at
 once, in an order the contract leaves open (vLLM iterates a set of their ids):
-the model takes the order the judge saw (`AllocatorModel.end_order`), and a
+the model takes the order the judge saw (`ModelObserver.choose_end_order`), and a
 target reporting one order while freeing in another, or ending other
 requests, is caught.
 
@@ -31,6 +31,7 @@ import pytest
 from drive import Drive, Factory
 
 from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.observer import ModelObserver
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
@@ -129,13 +130,13 @@ def test_several_running_holders_the_first_in_running_order_is_cut() -> None:
 
 
 def test_several_async_loads_holding_a_failed_block_the_first_in_the_queue_is_cut() -> None:
-    m = AllocatorModel(FULL)
+    m = AllocatorModel(FULL, observer=(m_seen := ModelObserver()))
     ops = async_holders_ops()
     apply_all(m, ops[:7])
     assert scan_order(m) == (["r1", "r2"], ["r0"])
     # The running scan marks afresh: r0 is cut at block 2 too.
     assert m.apply(ops[7]) == LoadCut(14, (("r0", 4), ("r1", 4)))
-    assert m.exercised["connector: another async load holding a failed block cut"] == 1
+    assert m_seen.coverage["connector: another async load holding a failed block cut"] == 1
     m.apply(ops[8])
     assert m.requests["r1"].load == "loaded" and m.requests["r2"].load == "loaded"
 
@@ -182,14 +183,14 @@ def awaiting_holders_ops(policy: str = "recompute", drafts: bool = False) -> lis
 
 
 def test_a_holder_awaiting_its_sample_is_cut_and_loses_it() -> None:
-    m = AllocatorModel(FULL)
+    m = AllocatorModel(FULL, observer=(m_seen := ModelObserver()))
     ops = awaiting_holders_ops()
     apply_all(m, ops[:8])
     assert m.requests["r0"].awaits_sample and m.requests["r1"].awaits_sample
     assert failable_blocks(m, m.requests["r2"]) == [1, 2, 3, 5]
     assert m.apply(ops[8]) == LoadCut(4, (("r0", 4), ("r1", 12)))
     assert not m.requests["r0"].awaits_sample and not m.requests["r1"].awaits_sample
-    cuts = m.exercised["connector: a request awaiting its sample holding a failed block cut"]
+    cuts = m_seen.coverage["connector: a request awaiting its sample holding a failed block cut"]
     assert cuts == 2  # r0 and r1
     with pytest.raises(InvalidOp, match="not waiting for a sampled token"):
         c = Checker(ModelTarget(FULL))
@@ -344,9 +345,10 @@ def fail_holders_ops() -> list[Op]:
 
 def ended_with(order: tuple[str, ...]) -> tuple[LoadCut, tuple[int, ...]]:
     """The model's report of r2's failed load with `order` chosen, and the free queue after."""
-    m = AllocatorModel(FAIL)
+    seen = ModelObserver()
+    m = AllocatorModel(FAIL, observer=seen)
     apply_all(m, fail_holders_ops()[:9])
-    m.end_order = order
+    seen.choose_end_order(order)
     seen = m.apply(fail_holders_ops()[9])
     assert isinstance(seen, LoadCut)
     return seen, m.snapshot().free_queue
@@ -369,12 +371,13 @@ class EndsReversed(ModelTarget):
     it); `lies` reports the order it did not take, `drops` reports one request fewer."""
 
     def __init__(self, cfg: Config, lies: bool = False, drops: bool = False) -> None:
-        super().__init__(cfg)
+        self.seen = ModelObserver()
+        super().__init__(cfg, observer=self.seen)
         self.lies, self.drops = lies, drops
 
     def apply(self, op: Op) -> Any:
         if isinstance(op, Loaded):
-            self.model.end_order = ("r2", "r1", "r0")  # r1 before r0: not id order
+            self.seen.choose_end_order(("r2", "r1", "r0"))  # r1 before r0: not id order
         seen = super().apply(op)
         if isinstance(seen, LoadCut) and self.lies:
             return LoadCut(seen.num_computed, seen.others, tuple(sorted(seen.ended)))
@@ -492,9 +495,9 @@ def test_real_scheduler_agrees_with_several_holders(trace: str, kind: str) -> No
     at, cut, rule = HOLDER_CUTS[trace]
     assert found == []
     assert seen[at] == cut
-    m = AllocatorModel(FULL, async_scheduling=kind == "async")
+    m = AllocatorModel(FULL, async_scheduling=kind == "async", observer=(m_seen := ModelObserver()))
     apply_all(m, HOLDER_TRACES[trace]()[: at + 1])
-    assert m.exercised[rule] == 1
+    assert m_seen.coverage[rule] == 1
 
 
 @needs_vllm

@@ -19,6 +19,7 @@ from test_vllm_connector import failed_and_finished_loads
 
 from invariants.catalogue import CheckContext
 from invariants.harness.checker import Checker, Violation
+from invariants.harness.observer import ModelObserver
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
@@ -57,13 +58,13 @@ def tight(num_blocks: int) -> tuple[Config, list[Op]]:
 
 # ------------------------------------------------------------------ the contract, on the model
 def test_external_tokens_take_one_mamba_state_block_then_the_chunk_s() -> None:
-    m = AllocatorModel(FULL_MAMBA)
+    m = AllocatorModel(FULL_MAMBA, observer=(m_seen := ModelObserver()))
     for op in (AddRequest("r0", PROMPT), Offer("r0", 8, "sync")):
         m.apply(op)
     r = own(m.apply(Step(("r0",), 64)), "r0")
     # External tokens [0, 8): Mamba null at 0, state block 3 at 1; the chunk [8, 12) ends in block 2.
     assert (r.external, r.scheduled, m.snapshot().tables["r0"]) == (8, 4, ((1, 2, 4), (0, 3, 5)))
-    assert m.exercised["connector: Mamba external state block"] == 1
+    assert m_seen.coverage["connector: Mamba external state block"] == 1
     m.apply(Step(("r0",), 64))  # [12, 13): the external state (block 3) is now stale, freed
     assert m.snapshot().tables["r0"] == ((1, 2, 4, 6), (0, 0, 5, 7)) and m.pool.ref[3] == 0
     # The external state was cached with the sync load: a replay of 8 tokens hits it.
@@ -147,7 +148,7 @@ def tail_ops(load: str = "sync", offered: int = 18) -> list[Op]:
 
 
 def test_external_tokens_supersede_a_hit_s_sub_block_tail() -> None:
-    m = AllocatorModel(FINE)
+    m = AllocatorModel(FINE, observer=(m_seen := ModelObserver()))
     obs = [m.apply(op) for op in tail_ops()]
     r = own(obs[8], "r1")
     assert isinstance(obs[8], StepResult) and obs[8].copies == ()
@@ -155,13 +156,13 @@ def test_external_tokens_supersede_a_hit_s_sub_block_tail() -> None:
     # and loads [8, 18): Full block 4 (tokens 8..12, cached) is not read, nothing is copied.
     assert (r.hit, r.hit_blocks, r.external, r.scheduled) == (12, ((1, 2, 4), (0, 7)), 6, 2)
     assert m.snapshot().tables["r1"] == ((1, 2, 5, 6, 8), (0, 0, 9))
-    assert m.exercised["connector: external tokens supersede a hit's sub-block tail"] == 1
+    assert m_seen.coverage["connector: external tokens supersede a hit's sub-block tail"] == 1
     # An offer no longer than the hit: the hit stands (copied as usual), nothing is external.
-    m = AllocatorModel(FINE)
+    m = AllocatorModel(FINE, observer=(m_seen := ModelObserver()))
     step = [m.apply(op) for op in tail_ops(offered=12)][8]
     assert isinstance(step, StepResult) and (own(step, "r1").hit, own(step, "r1").external) == (12, 0)
     assert step.copies == ((7, 6),)  # the Mamba state keyed at 12, read in part
-    assert not m.exercised["connector: external tokens supersede a hit's sub-block tail"]
+    assert not m_seen.coverage["connector: external tokens supersede a hit's sub-block tail"]
 
 
 # ------------------------------------------------------------------ vLLM's scheduler
@@ -196,7 +197,7 @@ def trace_ops(split: bool = True) -> list[Op]:
 
 
 def test_the_mamba_trace_reaches_every_connector_path() -> None:
-    m = AllocatorModel(FULL_MAMBA)
+    m = AllocatorModel(FULL_MAMBA, observer=(m_seen := ModelObserver()))
     for op in trace_ops():
         m.apply(op)
     assert {
@@ -208,7 +209,7 @@ def test_the_mamba_trace_reaches_every_connector_path() -> None:
         "connector: free deferred until the load reports",
         "connector: free deferred until the save reports",
         "connector: freed when the save reported",
-    } <= set(m.exercised)
+    } <= set(m_seen.coverage)
 
 
 def run(factory: Factory, cfg: Config, ops: list[Op]) -> list[Violation]:

@@ -22,6 +22,7 @@ import pytest
 from drive import Drive, Factory, check_contexts, own, patched
 
 from invariants.harness.checker import Checker, Violation
+from invariants.harness.observer import ModelObserver
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, GroupSpec
@@ -46,9 +47,9 @@ _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 
 
-def model(cfg: Config) -> AllocatorModel:
+def model(cfg: Config, observer: ModelObserver | None = None) -> AllocatorModel:
     """The model as the checker builds it for a real scheduler (drafts = lookahead)."""
-    return AllocatorModel(cfg, num_spec_tokens=cfg.num_lookahead_tokens)
+    return AllocatorModel(cfg, num_spec_tokens=cfg.num_lookahead_tokens, observer=observer)
 
 
 # ------------------------------------------------------------------ traces (model and vLLM)
@@ -140,7 +141,7 @@ def test_remaining_blocks_count_a_decode_step_past_the_sequence() -> None:
 
 
 def test_an_async_load_reserves_no_lookahead_and_its_chunk_is_padded() -> None:
-    m = model(FULL)
+    m = model(FULL, observer=(m_seen := ModelObserver()))
     obs = [m.apply(op) for op in promoted_ops()]
     assert own(obs[2], "r0").external == 12
     # At admission: the 12 external tokens' 3 blocks, no lookahead (it would be 4).
@@ -153,7 +154,7 @@ def test_an_async_load_reserves_no_lookahead_and_its_chunk_is_padded() -> None:
     assert (r.scheduled, r.admitted, r.hit) == (1 + K, True, None)
     assert m.requests["r0"].verifying == (PLACEHOLDER,) * K
     assert len(m.snapshot().tables["r0"][0]) == 5  # cdiv(12 + 3 + 2, 4)
-    assert m.exercised["connector: promoted one-token chunk padded with draft slots"] == 1
+    assert m_seen.coverage["connector: promoted one-token chunk padded with draft slots"] == 1
     # Control: without drafts the chunk is its one token.
     m3 = AllocatorModel(NO_DRAFTS)
     assert own([m3.apply(op) for op in promoted_ops()][-1], "r0").scheduled == 1

@@ -23,6 +23,7 @@ from drive import Drive, check_contexts
 
 from invariants.catalogue import CheckContext
 from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.observer import ModelObserver
 from invariants.harness.strategies import configs
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
@@ -66,8 +67,8 @@ def test_contract_functions() -> None:
     assert padded_admission(1, 0, hit=16, ran_running=True, ran_prefill=False) == 0  # no speculation
 
 
-def _model(cfg: Config, k: int) -> AllocatorModel:
-    return AllocatorModel(cfg, num_spec_tokens=k)
+def _model(cfg: Config, k: int, observer: ModelObserver | None = None) -> AllocatorModel:
+    return AllocatorModel(cfg, num_spec_tokens=k, observer=observer)
 
 
 def test_model_verifies_rolls_back_and_caches_at_the_sample() -> None:
@@ -168,9 +169,9 @@ def test_spec_traces_agree_with_the_model(trace) -> None:  # type: ignore[no-unt
     d = trace()
     assert d.found == []
     if trace is padding_trace:
-        assert d.checker.model.exercised["one-token admission padded with draft slots"] >= 2
+        assert d.checker.observer.coverage["one-token admission padded with draft slots"] >= 2
     else:
-        assert d.checker.model.exercised["drafts cut by the step's budget"] > 0
+        assert d.checker.observer.coverage["drafts cut by the step's budget"] > 0
 
 
 def behind_prefill_trace(factory: object = None) -> Drive:
@@ -283,18 +284,18 @@ def test_model_keeps_mamba_draft_blocks_and_moves_them_past() -> None:
     """vLLM 0.33.0 `MambaManager.allocate_new_blocks` with `num_speculative_blocks = 2`:
     the table is `cdiv(main, bs) + 2` long, the state 2 blocks before its end; a chunk
     that moves the state past a draft block moves that block to the table's end."""
-    m = _model(FULL_MAMBA_DRAFTS, 2)
+    m = _model(FULL_MAMBA_DRAFTS, 2, observer=(m_seen := ModelObserver()))
     m.apply(AddRequest("r0", PROMPT))
     m.apply(Step(("r0",), 4))
     state, d1, d2 = m.groups[1].tables["r0"]  # the state at block 0, then 2 draft blocks
     m.apply(Step(("r0",), 8))  # 12 tokens: the state moves to block 2, past d1 (moved to the end)
     table = m.groups[1].tables["r0"]
     assert table[:4] == [state, 0, d2, d1] and len(table) == 3 + 2
-    assert m.exercised["Mamba draft block moved past by its state"] == 1
+    assert m_seen.coverage["Mamba draft block moved past by its state"] == 1
     m.apply(Step(("r0",), 64))  # 16 tokens: the state is d1's place (block 3); nothing moves
     table = m.groups[1].tables["r0"]
     assert table[:5] == [0, 0, d2, d1, table[4]] and len(table) == 4 + 2
-    assert m.exercised["Mamba draft block moved past by its state"] == 1
+    assert m_seen.coverage["Mamba draft block moved past by its state"] == 1
     # Without drafts the same chunks keep no draft blocks.
     plain = _model(FULL_MAMBA_DRAFTS, 0)
     plain.apply(AddRequest("r0", PROMPT))
@@ -327,7 +328,7 @@ def mamba_drafts_trace(factory: object = None) -> Drive:
 def test_mamba_drafts_trace_agrees_with_the_model() -> None:
     d = mamba_drafts_trace()
     assert d.found == []
-    assert d.checker.model.exercised["Mamba draft block moved past by its state"] > 0
+    assert d.checker.observer.coverage["Mamba draft block moved past by its state"] > 0
     manager = d.checker.target.vllm_scheduler.kv_cache_manager.coordinator.single_type_managers[1]
     assert manager.num_speculative_blocks == 2  # what a real Mamba layer declares
 

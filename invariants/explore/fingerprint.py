@@ -49,8 +49,8 @@ from model.free_queue import FreeQueue, LinkedFreeQueue
 from model.observation import BlockKey, Snapshot
 from model.prefix import Prefix
 
-# Attributes that are fixed by the configuration (or caches, or counters for reports).
-_SKIP = frozenset({"cfg", "profile", "exercised", "spec_meta", "_joined"})
+# Attributes that are fixed by the configuration (or caches, or who watches the model).
+_SKIP = frozenset({"cfg", "profile", "observer", "spec_meta", "_joined"})
 # Immutable and free of request ids: their own image. (A key is a group and an interned prefix.)
 _ATOMS = frozenset({int, float, bool, type(None), bytes, Prefix, BlockKey, GroupSpec, Config})
 

@@ -45,6 +45,7 @@ from invariants.catalogue import BY_NAME, CheckContext, History, RequestHistory
 from invariants.catalogue.promises import promised_replay
 from invariants.harness.checker import Checker, InvalidOp
 from invariants.harness.known_findings import KnownFinding, load_known_findings
+from invariants.harness.observer import ModelObserver
 from invariants.harness.trace import Trace, trace_to_json
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
@@ -164,7 +165,8 @@ def plan_export(trace: Trace) -> ExportPlan:
     guards, asked_by = _doc(name)
     if finding is not None and finding.upstream:
         asked_by = "; ".join(finding.upstream)
-    model = AllocatorModel(trace.config)
+    seen = ModelObserver()
+    model = AllocatorModel(trace.config, observer=seen)
     # The harness's own well-formedness rules, run on a model of the same config.
     judge = Checker(ModelTarget(trace.config), check_invariants=False)
     history: dict[str, RequestHistory] = {}
@@ -178,7 +180,7 @@ def plan_export(trace: Trace) -> ExportPlan:
             judge.validate(op)
             judge.step(op)
             if isinstance(op, Step):
-                obs, steps[i] = _replay_step(model, op)
+                obs, steps[i] = _replay_step(model, seen, op)
             else:
                 obs = model.apply(op)
         except (InvalidOp, AssertionError, KeyError) as exc:
@@ -238,12 +240,14 @@ def plan_export(trace: Trace) -> ExportPlan:
     return ExportPlan(trace, exp, finding, message, steps, schedules)
 
 
-def _replay_step(model: AllocatorModel, op: Step) -> tuple[StepResult, tuple[StepAction, ...]]:
+def _replay_step(
+    model: AllocatorModel, seen: ModelObserver, op: Step
+) -> tuple[StepResult, tuple[StepAction, ...]]:
     """Apply a batched step to the model, recording its allocation attempts and
-    preemptions (`AllocatorModel.recording`: the StepResult alone cannot tell
-    during whose allocation a request was preempted, nor the chunk of an
-    admission that did not fit)."""
-    with model.recording() as log:
+    preemptions (`ModelObserver.recording`, `seen` watching `model`: the StepResult
+    alone cannot tell during whose allocation a request was preempted, nor the chunk
+    of an admission that did not fit)."""
+    with seen.recording() as log:
         result = model.apply(op)
     assert isinstance(result, StepResult)
     actions: list[StepAction] = []

@@ -45,6 +45,7 @@ from invariants.catalogue import (
     update_history_delta,
 )
 from invariants.harness.crash_site import ADAPTER, CrashSite, crash_site
+from invariants.harness.observer import ModelObserver
 from invariants.targets.base import PartialState, Tables, Target, table_changes
 from invariants.targets.model_target import ModelTarget
 from model.allocator import AllocatorModel
@@ -174,7 +175,8 @@ class Checker:
         self.config = target.config
         # The model the target is judged against: `model_target` answers the fast
         # path's partial states, `model` is its AllocatorModel (the fuzzer reads its
-        # public seams: `requests`, `exercised`).
+        # public seam `requests`), `observer` what it fired and the judge's choices.
+        self.observer = ModelObserver()
         self.model_target = ModelTarget(
             target.config,
             events=target.event_profile,
@@ -182,6 +184,7 @@ class Checker:
             # Only a real scheduler speculates: it verifies num_lookahead_tokens drafts a step.
             num_spec_tokens=target.config.num_lookahead_tokens if target.features.real_scheduler else 0,
             async_scheduling=target.features.async_scheduling,
+            observer=self.observer,
         )
         self.model: AllocatorModel = self.model_target.model
         # A one-step-ahead scheduler with a KV connector holds freed blocks in fenced frees
@@ -556,9 +559,9 @@ class Checker:
     def _expected(self, op: Op, got: Observation | None) -> Observation:
         """The model's observation of `op` (after the target's, `got`), as far as the target
         observes it. Where the contract leaves a choice open, the model takes the one the
-        target made if it is one the contract allows (`AllocatorModel.end_order`: the order
-        a "fail" report's ended requests are ended in); else its own, and the two differ."""
-        self.model.end_order = got.ended if isinstance(got, LoadCut) else ()
+        target made if it is one the contract allows (`ModelObserver.choose_end_order`: the
+        order a "fail" report's ended requests are ended in); else its own, and the two differ."""
+        self.observer.choose_end_order(got.ended if isinstance(got, LoadCut) else ())
         return self._judged(self.model.apply(op))
 
     def _judged(self, expected: Observation) -> Observation:

@@ -190,7 +190,7 @@ ASYNC_SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
 }
 
 FENCED_RETURNED = "async + connector: fenced frees returned as the step's output was processed"
-# Rows that only count when the run reached these model rules (`AllocatorModel.exercised`).
+# Rows that only count when the run reached these model rules (`ModelObserver.coverage`).
 REQUIRED: dict[str, tuple[str, ...]] = {
     FINE_MAMBA_ROW: (
         "fine-grained hit (inside a scheduler block)",

@@ -274,8 +274,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.halted = True
             stats.features["example ended by a tolerated crash"] += 1
         free_len, pinned_len, cached, tables = self.checker.shape()
-        stats.features.update(self.checker.model.exercised)
-        self.checker.model.exercised.clear()
+        stats.features.update(self.checker.observer.coverage)
+        self.checker.observer.coverage.clear()
         if isinstance(op, Step) and reused_across_requests(before, self.checker.last_obs):
             stats.features["block freed by one request reused by another in one step"] += 1
         stats.states.add((type(op).__name__, free_len // 2, pinned_len, min(cached, 12), tables))

@@ -16,6 +16,7 @@ from model.extra_keys import IDENTITY_FIELDS as IDENTITIES
 from model.observation import BlockKey, Observation, Snapshot
 from model.ops import Op
 from model.profile import MODELED, Profile
+from model.seams import Observer
 
 from .base import END, NOT_FREE, PartialState, Tables, Target, TargetFeatures, closure, event_keys
 
@@ -33,6 +34,7 @@ class ModelTarget(Target):
         num_spec_tokens: int = 0,
         *,
         async_scheduling: bool = False,
+        observer: Observer | None = None,
     ) -> None:
         self.config = config
         self.event_profile, self.profile = events, profile
@@ -42,13 +44,15 @@ class ModelTarget(Target):
             profile=profile,
             num_spec_tokens=num_spec_tokens,
             async_scheduling=async_scheduling,
+            observer=observer,
         )
 
     @property
     def model(self) -> AllocatorModel:
         """The executable model this target drives. The checker predicts with it,
-        and the fuzzer reads its public seams (`AllocatorModel.requests`,
-        `.exercised`); drive it through `apply`, not behind the target's back."""
+        and the fuzzer reads its public seams (`AllocatorModel.requests`; what it
+        fired, through the `observer` given here); drive it through `apply`, not
+        behind the target's back."""
         return self._model
 
     def apply(self, op: Op) -> Observation:
