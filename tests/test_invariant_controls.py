@@ -15,9 +15,11 @@ from drive import check_contexts
 
 from invariants.catalogue import BY_NAME, INVARIANTS, CheckContext
 from invariants.catalogue.context import Unwritten
+from invariants.catalogue.isolation import IsolationLedger
 from invariants.harness.checker import Checker
 from invariants.targets.model_target import ModelTarget
 from model.config import Config, GroupSpec
+from model.extra_keys import Identity
 from model.observation import BlockKey, BlockStored, ProbeResult, ScheduleResult, StepResult
 from model.ops import AddRequest, Finish, Loaded, Offer, Probe, Sample, Schedule, Step
 
@@ -311,6 +313,42 @@ def test_step_reads_written_kv():
         history = copy.deepcopy(step.history)
         history.unwritten[1] = Unwritten("planted", written)
         (fails if flagged else holds)("step_reads_written_kv", replace(step, history=history))
+
+
+# ---------------------------------------------------------------- isolation
+ISOLATION_CFG = Config(groups=(GroupSpec("full", 4),), num_blocks=24)
+TWO_READERS = [AddRequest("a", SYS), Schedule("a", 64), Finish("a"), AddRequest("b", SYS), Schedule("b", 64)]
+
+
+def test_hit_written_by_same_identity():
+    ctx = run(ISOLATION_CFG, TWO_READERS)[-1]
+    holds("hit_written_by_same_identity", ctx)
+    # Control: the blocks b hit are said to have been written by another tenant.
+    ledger = copy.deepcopy(ctx.history.isolation)
+    ledger.writer = {blk: Identity(salt="other") for blk in ledger.writer}
+    history = copy.deepcopy(ctx.history)
+    history.isolation = ledger
+    fails("hit_written_by_same_identity", replace(ctx, history=history))
+
+
+def test_events_carry_block_keys():
+    contexts = run(ISOLATION_CFG, [AddRequest("a", SYS, salt="t"), Schedule("a", 64)])
+    ctx = next(c for c in contexts if any(isinstance(e, BlockStored) for e in c.after.events))
+    holds("events_carry_block_keys", ctx)
+    ev = next(e for e in ctx.after.events if isinstance(e, BlockStored))
+    assert ev.extra_keys is not None and ev.extra_keys[0] == ("t",)
+    # Control: each block published with the keys of the block before it.
+    shifted = replace(ev, extra_keys=(None, *ev.extra_keys[:-1]))
+    fails("events_carry_block_keys", replace(ctx, after=replace(ctx.after, events=(shifted,))))
+
+
+def test_router_sees_target_hits():
+    ctx = run(ISOLATION_CFG, TWO_READERS)[-1]
+    holds("router_sees_target_hits", ctx)
+    # Control: a router that heard no events sees none of b's hit.
+    history = copy.deepcopy(ctx.history)
+    history.isolation = IsolationLedger()
+    fails("router_sees_target_hits", replace(ctx, history=history))
 
 
 def test_every_invariant_has_a_control():

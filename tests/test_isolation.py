@@ -15,8 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from invariants.catalogue import BY_NAME, CheckContext  # noqa: E402
-from invariants.catalogue.isolation import IsolationLedger, RouterIndex  # noqa: E402
+from invariants.catalogue.isolation import RouterIndex  # noqa: E402
 from model.extra_keys import Identity, MMItem, keyed  # noqa: E402
 from model.observation import BlockStored  # noqa: E402
 from model.ops import AddRequest, Finish, Op, Schedule  # noqa: E402
@@ -183,65 +182,7 @@ def test_a_planted_key_defect_is_found_by_fuzzing(name: str, tmp_path: Path) -> 
     assert clean == [], clean
 
 
-# -- each invariant's negative control, on a context it judges -------------------------
-
-
-def _contexts(ops: list[Op]) -> list[CheckContext]:
-    from drive import Drive, check_contexts
-
-    from invariants.layouts.presets import PRESETS
-
-    cfg = replace(PRESETS["gemma-tiny"], groups=PRESETS["gemma-tiny"].groups[:1], num_blocks=24)
-    with check_contexts(copy_history=True) as seen:
-        from invariants.targets.model_target import ModelTarget
-
-        Drive(cfg, ModelTarget, known="model").do(*ops)
-    return seen
-
-
-def test_the_writer_check_fires_on_a_hit_across_tenants() -> None:
-    ops: list[Op] = [
-        AddRequest("a", P),
-        Schedule("a", 64),
-        Finish("a"),
-        AddRequest("b", P),
-        Schedule("b", 64),
-    ]
-    ctx = _contexts(ops)[-1]
-    check = BY_NAME["hit_written_by_same_identity"].check
-    assert check(ctx) == []
-    # Control: the blocks b hit are said to have been written by a salted tenant.
-    ledger = ctx.history.isolation
-    ledger.writer = {blk: Identity(salt="other") for blk in ledger.writer}
-    assert check(ctx)
-
-
-def test_the_event_check_fires_on_a_block_with_another_blocks_keys() -> None:
-    ops: list[Op] = [AddRequest("a", P, salt="t"), Schedule("a", 64)]
-    ctx = next(c for c in _contexts(ops) if any(isinstance(e, BlockStored) for e in c.after.events))
-    check = BY_NAME["events_carry_block_keys"].check
-    assert check(ctx) == []
-    ev = next(e for e in ctx.after.events if isinstance(e, BlockStored))
-    assert ev.extra_keys is not None and ev.extra_keys[0] == ("t",)
-    shifted = replace(ev, extra_keys=(None, *ev.extra_keys[:-1]))
-    ctx.after = replace(ctx.after, events=(shifted,))  # type: ignore[call-arg]
-    assert check(ctx)
-
-
-def test_the_router_check_fires_when_events_hide_a_hit() -> None:
-    ops: list[Op] = [
-        AddRequest("a", P),
-        Schedule("a", 64),
-        Finish("a"),
-        AddRequest("b", P),
-        Schedule("b", 64),
-    ]
-    ctx = _contexts(ops)[-1]
-    check = BY_NAME["router_sees_target_hits"].check
-    assert check(ctx) == []
-    # Control: a router that heard no events sees none of b's hit.
-    ctx.history.isolation = IsolationLedger(router=RouterIndex())
-    assert check(ctx)
+# The isolation invariants' negative controls: tests/test_invariant_controls.py (by name).
 
 
 def test_a_router_keys_blocks_by_their_extra_keys() -> None:

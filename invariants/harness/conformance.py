@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
+from invariants.harness import identities
 from invariants.harness.fuzz import format_failure, run_fuzz
 from invariants.harness.known_findings import known_summary
 from invariants.harness.strategies import configs
@@ -328,6 +329,27 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 # The AsyncScheduler's blocks row under "fail" reaches what the synchronous one does.
 REQUIRED[ASYNC_CONNECTOR_BLOCKS_FAIL_ROW] = REQUIRED[CONNECTOR_BLOCKS_FAIL_ROW]
 
+# Isolation (`model.extra_keys`, `catalogue.isolation`): every run draws salted, adapter and
+# multimodal requests (`harness.identities`), the same tokens under another identity often;
+# a row counts only where its identity was drawn and met the same tokens under another.
+ISOLATION_ROWS = {
+    "isolation: cache salt (tenants; first block, chained)": identities.SALTED,
+    "isolation: LoRA adapters (name and path on every block)": identities.ADAPTER,
+    "isolation: multimodal items (identifier and offset per block)": identities.MULTIMODAL,
+}
+for _row, _drawn in ISOLATION_ROWS.items():
+    FEATURES[_row] = configs(allow_pinning=False, caching=True)
+    REQUIRED[_row] = (_drawn, identities.REUSED)
+SCHEDULER_ISOLATION_ROW = "real Scheduler: isolation (salt, LoRA, multimodal items)"
+SCHEDULER_FEATURES[SCHEDULER_ISOLATION_ROW] = _no_spec(shapes=(("full",), ("full", "swa")), caching=True)
+REQUIRED[SCHEDULER_ISOLATION_ROW] = (
+    identities.SALTED,
+    identities.ADAPTER,
+    identities.MULTIMODAL,
+    identities.REUSED,
+)
+
+
 # How the vllm-manager target's `Step` differs from `Scheduler.schedule` (docs/semantics.md).
 STEP_DIFFERENCES = [
     "FCFS policy only (no priority scheduling); max_num_seqs never binds (at most 4 requests)",
@@ -402,11 +424,9 @@ EXCLUDED = [
         "compared as None",
     ),
     (
-        "extra hash keys (cache_salt, LoRA name, multimodal features)",
-        "they enter only the request's block hashes (kv_cache_utils); to the allocator a salted "
-        "request is one with different hashes, which distinct prompts already exercise; the KV "
-        "events' extra_keys, lora_id and lora_name are compared at their values without them "
-        "(one None per hash; None)",
+        "prompt embeds (Request.prompt_embeds: a digest per block among the extra hash keys)",
+        "kvretain's operations carry token ids only; the other extra keys (cache_salt, LoRA, "
+        "multimodal items) are generated and judged: the isolation rows above",
     ),
     (
         "the priority scheduling policy (SchedulerConfig.policy='priority')",
