@@ -58,7 +58,7 @@ SUMMARY_WIDTH = 120  # the widest line a summary prints (a terminal's width)
 
 def wrap(text: str, width: int = SUMMARY_WIDTH, indent: str = "    ") -> str:
     """Each line of `text` at most `width` characters: a longer one is wrapped at spaces,
-    its continuation lines under `indent` (a word longer than the width is broken)."""
+    its continuation lines under `indent` (a word longer than the width, a path, stays whole)."""
     import textwrap
 
     out: list[str] = []
@@ -67,7 +67,9 @@ def wrap(text: str, width: int = SUMMARY_WIDTH, indent: str = "    ") -> str:
             out.append(line)
             continue
         lead = line[: len(line) - len(line.lstrip())]
-        out += textwrap.wrap(line, width=width, subsequent_indent=lead + indent, break_on_hyphens=False)
+        out += textwrap.wrap(
+            line, width=width, subsequent_indent=lead + indent, break_on_hyphens=False, break_long_words=False
+        )
     return "\n".join(out)
 
 

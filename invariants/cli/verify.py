@@ -164,11 +164,8 @@ class VerifyRun:
         elif rc == 0:
             print("kvretain verify: everything holds")
         elif rc == 3:
-            print(
-                wrap(
-                    f"kvretain verify: holds, {len(self.skips)} row(s) skipped (not checked): {', '.join(self.skips)}"
-                )
-            )
+            print(f"kvretain verify: holds, {len(self.skips)} row(s) skipped (not checked):")
+            print("\n".join(f"  - {row}" for row in self.skips))
         else:
             print("kvretain verify: FAILED")
         write_results(self.args, "verify", self.cases, rc)
