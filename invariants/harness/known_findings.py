@@ -10,6 +10,7 @@ invariant flags, kept with a replayable trace and the upstream reference.
                                     "operations": [operation kind, ...],
                                     "shape": name (optional),
                                     "trigger": name (required of a "crash" finding)},
+                   "views" (optional): [{"property", "message_pattern"}, ...],
                    "upstream": [...], "where", "description",
                    "consequence": "<wrong output|crash|hang|lost hit|latent>: what a user sees",
                    "reachability": "<defaults|opt-in...>: the configurations that reach it",
@@ -22,7 +23,11 @@ match, the run's configuration satisfies every condition the finding lists,
 the violating operation is of a listed kind and the numbers the pattern
 captured have the finding's shape; a crash finding also names its trigger,
 checked against who raised the crash and in which frames
-(`invariants.harness.crash_site`). A crash raised by kvretain's own adapter
+(`invariants.harness.crash_site`). A finding's `views` are the same defect as
+another judge reports it (the shadow worker's read of a slot a failed load
+left unwritten, where the catalogue's invariant names the hit): each is a
+property with its own whole-message pattern, under the same precondition (a
+shape reads the same named groups from it). A crash raised by kvretain's own adapter
 code is never a known finding. Anything else is a new violation, however
 close. A run counts what it tolerated per finding (`KnownLedger`): how often,
 the first message, and where an example trace was written; `kvretain replay` /
@@ -73,6 +78,8 @@ class KnownFinding:
     consequence: str = ""
     reachability: str = ""
     not_exported: str = ""  # why docs/findings has no exported test ("" when it has one)
+    # (property, whole-message pattern): the same defect as another judge reports it.
+    views: tuple[tuple[str, str], ...] = ()
 
     def matches(
         self,
@@ -101,7 +108,11 @@ class KnownFinding:
         message, and the precondition (configuration, operation kind, shape, and for a
         crash its trigger; a crash without a site, or raised by the adapter, is never it)."""
         if prop != self.property:
-            return False
+            view = next((re.compile(p) for v, p in self.views if v == prop), None)
+            m = view.fullmatch(message) if view is not None else None
+            return m is not None and self.precondition.holds(
+                config, operation_kind(op), m.groupdict(), op, crash
+            )
         if prop == "crash" and crash is None:
             return False
         m = self._compiled.fullmatch(message)
@@ -146,6 +157,7 @@ def _parse(entry: Any, i: int) -> KnownFinding:
         raise KnownFindingsError(
             f"{where}.precondition.trigger: a crash finding must name its trigger (known: {sorted(TRIGGERS)})"
         )
+    views = _parse_views(entry.get("views", []), f"{where}.views", precondition)
     consequence, reachability, not_exported = _parse_report(entry, where, upstream)
     try:
         trace = trace_from_json(entry.get("trace"))
@@ -165,7 +177,44 @@ def _parse(entry: Any, i: int) -> KnownFinding:
         consequence=consequence,
         reachability=reachability,
         not_exported=not_exported,
+        views=views,
     )
+
+
+def _parse_views(data: Any, where: str, precondition: Precondition) -> tuple[tuple[str, str], ...]:
+    """A finding's other judges' views of it: [{"property", "message_pattern"}, ...]."""
+    if not isinstance(data, list):
+        raise KnownFindingsError(f"{where}: must be a list of {{'property', 'message_pattern'}} objects")
+    views = []
+    for i, view in enumerate(data):
+        prop, pattern = (
+            (view.get("property"), view.get("message_pattern")) if isinstance(view, dict) else (0, 0)
+        )
+        if (
+            not isinstance(prop, str)
+            or not prop
+            or prop == "crash"
+            or not isinstance(pattern, str)
+            or not pattern
+        ):
+            raise KnownFindingsError(
+                f"{where}[{i}]: a non-crash 'property' and a 'message_pattern' are required"
+            )
+        try:
+            compiled = re.compile(pattern)
+        except re.error as exc:
+            raise KnownFindingsError(
+                f"{where}[{i}].message_pattern: not a regular expression ({exc})"
+            ) from None
+        if precondition.shape is not None:
+            missing = sorted(set(SHAPES[precondition.shape][1]) - set(compiled.groupindex))
+            if missing:
+                raise KnownFindingsError(
+                    f"{where}[{i}]: shape {precondition.shape!r} reads the named group(s) {missing}, "
+                    "which the pattern does not capture"
+                )
+        views.append((prop, pattern))
+    return tuple(views)
 
 
 CONSEQUENCES = ("wrong output", "crash", "hang", "lost hit", "latent")
@@ -329,7 +378,7 @@ def is_known_violation(target: str, violation: Any) -> bool:
 
 @functools.cache
 def _known_properties() -> frozenset[str]:
-    return frozenset(f.property for f in _default_findings())
+    return frozenset(p for f in _default_findings() for p in (f.property, *(v for v, _ in f.views)))
 
 
 __all__ = [
