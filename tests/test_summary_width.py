@@ -70,3 +70,21 @@ def test_fuzz_output_lines_fit(target: str, tmp_path: Path, capsys: pytest.Captu
     out = capsys.readouterr().out
     assert "target" in out and "verdict" in out
     assert not too_wide(out), too_wide(out)
+
+
+def test_conformance_exclusions_are_one_short_line_each_with_a_docs_anchor() -> None:
+    """Each exclusion prints its name and a docs/ anchor (the full text lives in
+    docs/conformance-exclusions.md, kept current here). Control: the old form, the whole
+    reason on the line, is wider than a terminal."""
+    from invariants.harness import conformance
+
+    lines = conformance.exclusion_lines()
+    assert len(lines) == len(conformance.EXCLUDED)
+    assert not too_wide("\n".join(lines)), too_wide("\n".join(lines))
+    assert too_wide("\n".join(f"  - {what}: {why}" for what, why in conformance.EXCLUDED))
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / conformance.EXCLUSIONS_DOC).read_text()
+    assert doc == conformance.exclusions_markdown(), "regenerate: conformance.write_exclusions_doc()"
+    headings = {conformance._anchor(h[3:]) for h in doc.splitlines() if h.startswith("## ")}
+    for line in lines:
+        assert line.rsplit("#", 1)[1] in headings, line

@@ -11,6 +11,7 @@ must be accepted or rejected alike, with vLLM's message.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from invariants.harness import identities
 from invariants.harness.fuzz import format_failure, run_fuzz
 from invariants.harness.known_findings import known_summary
 from invariants.harness.strategies import configs
-from invariants.report import table
+from invariants.report import table, wrap
 from invariants.targets import target_factory
 from model.config import Config, ConfigError, GroupSpec, validate
 
@@ -552,16 +553,16 @@ def run_conformance(
     )
     print("batched steps (Step) differ from Scheduler.schedule in:")
     for line in STEP_DIFFERENCES:
-        print(f"  - {line}")
+        print(wrap(f"  - {line}"))
     print("vllm runs vLLM's Scheduler with:")
     for line in SCHEDULER_SETTINGS:
-        print(f"  - {line}")
+        print(wrap(f"  - {line}"))
     print("vllm-async-scheduler runs vLLM's AsyncScheduler with those and:")
     for line in ASYNC_SCHEDULER_SETTINGS:
-        print(f"  - {line}")
-    print("excluded from generation:")
-    for what, why in EXCLUDED:
-        print(f"  - {what}: {why}")
+        print(wrap(f"  - {line}"))
+    print(f"excluded from generation (what and why: {EXCLUSIONS_DOC}):")
+    for line in exclusion_lines():
+        print(line)
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -596,3 +597,42 @@ def _fuzz_row(
         report.failure is None and not unreached,
         str(report.trace_path) if report.trace_path else None,
     )
+
+
+EXCLUSIONS_DOC = "docs/conformance-exclusions.md"
+
+
+def exclusion_title(what: str) -> str:
+    """An exclusion's short name: its first clause."""
+    return re.split(r"[;(]", what)[0].strip().rstrip(",")
+
+
+def _anchor(title: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^a-z0-9 _-]", "", title.lower()).replace(" ", "-")
+
+
+def exclusion_lines() -> list[str]:
+    """One short line per exclusion: its name and the anchor in `EXCLUSIONS_DOC` that states it in full."""
+    return [f"  - {exclusion_title(w)}: see #{_anchor(exclusion_title(w))}" for w, _ in EXCLUDED]
+
+
+def exclusions_markdown() -> str:
+    """docs/conformance-exclusions.md: every exclusion in full (`kvretain conformance` prints
+    one line each, pointing here); tests/test_summary_width.py keeps the file current."""
+    out = [
+        "# What the fuzzer does not generate",
+        "",
+        "Generated from `invariants/harness/conformance.py` (`EXCLUDED`) by",
+        "`python -c 'from invariants.harness.conformance import write_exclusions_doc; write_exclusions_doc()'`;",
+        "`kvretain conformance` prints one line per entry, linking here.",
+    ]
+    for what, why in EXCLUDED:
+        out += ["", f"## {exclusion_title(what)}", "", f"**Excluded**: {what}", "", f"**Why**: {why}"]
+    return "\n".join(out) + "\n"
+
+
+def write_exclusions_doc(root: Path | None = None) -> Path:
+    path = (root or Path(__file__).resolve().parents[2]) / EXCLUSIONS_DOC
+    path.write_text(exclusions_markdown())
+    return path
