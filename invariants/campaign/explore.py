@@ -125,6 +125,8 @@ def route(obj: Any, memo: dict[Any, int] | None = None) -> int:
         for x in obj:
             h = ((h ^ route(x, memo)) * 1000003) & _MASK
         return h ^ len(obj)
+    if kind is frozenset and _PLAIN.issuperset(map(type, obj)):
+        return hash(obj) & _MASK  # numbers only: C speed, no seed
     if kind is frozenset or kind is set:
         return (sum(route(x, memo) for x in obj) ^ 0xF5E7) & _MASK
     if kind is Prefix:
@@ -341,13 +343,18 @@ class Shard:
         nodes = list(self.kept)
         for batch in shipped:
             for key, path, data, rid, diverged, state in batch:
-                frozen = self.freezer.freeze(pickle.loads(data))
+                # A plain pickle thaws as it is; a cloudpickle is re-frozen by this shard's freezer.
+                frozen = data if self.freezer.plain else self.freezer.freeze(pickle.loads(data))
                 nodes.append(_Node(key, path, frozen, rid, diverged, state))
         nodes.sort(key=lambda node: node.key)
         self.frontier, self.kept = nodes, []
         return len(nodes)
 
     # ------------------------------------------------------------ a stop inside a layer
+    def cpu(self) -> float:
+        """This worker process's CPU seconds so far (its Ray threads included)."""
+        return time.process_time()
+
     def winner_keys(self) -> list[Key]:
         return self.winners
 
@@ -434,6 +441,19 @@ class Driver:
         self.n = session.workers
         actor = ray.remote(num_cpus=1)(shard)
         self.shards: list[Any] = [actor.remote(i, self.n) for i in range(self.n)]  # type: ignore[attr-defined]
+        # CPU seconds of the workers: the busiest one's per depth summed (the search's critical
+        # path on dedicated cores), and all of them; what the figure reads on a shared machine.
+        self.critical_cpu_s = self.total_cpu_s = 0.0
+        self._cpu: list[float] = []
+
+    def cpu_mark(self) -> None:
+        """Add the workers' CPU seconds since the last mark (a depth) to the two sums."""
+        now = _get([s.cpu.remote() for s in self.shards])
+        if self._cpu:
+            spent = [b - a for a, b in zip(self._cpu, now)]
+            self.critical_cpu_s += max(spent)
+            self.total_cpu_s += sum(spent)
+        self._cpu = now
 
     def start(self, instance: Instance, target: str, limits: Limits, factory: Factory | None) -> None:
         self.instance, self.limits = instance, limits
@@ -539,6 +559,7 @@ def _explore(
         if not any(_get([s.root.remote() for s in driver.shards])):
             raise CampaignError("no worker owns the initial state")
         _search(driver, cert, target, factory, out_dir, progress, start)
+        driver.cpu_mark()
     except ConfigError as exc:  # raised building the target: it refuses this configuration
         cert.skipped = f"{target} refuses this configuration: {exc}"
         cert.states, cert.new_states = 0, []
@@ -558,6 +579,7 @@ def _search(
     limits, instance = driver.limits, driver.instance
     seen = 1
     for depth in range(1, limits.depth + 1):
+        driver.cpu_mark()
         leaves = depth == limits.depth
         layer, _, new, dedup = driver.expand(leaves)
         if progress is not None:

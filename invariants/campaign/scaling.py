@@ -6,7 +6,9 @@
 Searches the same instance in one process (`invariants.explore.search`), then
 on Ray with 1 worker and with N (`invariants.campaign.explore`), checks that
 the three certificates count the same states at every depth, and prints each
-run's states/s and the ratios. The workers are started before each timed
+run's states/s and the ratios: by wall clock, and by the workers' CPU time (per
+depth the busiest worker's CPU seconds, summed: the wall time on dedicated
+cores, which a machine shared with other work does not show). The workers are started before each timed
 search (a worker's start-up, imports included, is not search time); the Ray
 instance's start is not timed either.
 """
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     one = explore(instance, factory, args.target, limits)
     session = connect(args.ray or f"local:{args.workers}")
     rows = [("one process", one)]
+    cpu: list[tuple[float, float]] = []
     try:
         for n in (1, args.workers):
             session.workers = n
@@ -46,19 +49,28 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 driver.close()
             rows.append((f"Ray, {n} worker(s)", cert))
+            cpu.append((driver.critical_cpu_s, driver.total_cpu_s))
     finally:
         session.close()
     same = all(c.new_states == one.new_states and c.transitions == one.transitions for _, c in rows)
     print(
         f"{args.target} {instance.name} depth {args.depth}: states by depth {' '.join(map(str, one.new_states))}"
     )
-    for name, c in rows:
-        print(f"  {name:<20} {c.states:>8} states {c.seconds:8.1f} s {c.states_per_s():8.0f} states/s")
+    for i, (name, c) in enumerate(rows):
+        line = f"  {name:<20} {c.states:>8} states {c.seconds:8.1f} s wall {c.states_per_s():8.0f} states/s"
+        if i:
+            crit, total = cpu[i - 1]
+            line += f"; worker CPU {total:.1f} s, busiest worker per depth {crit:.1f} s: {c.states / crit:.0f} states/s"
+        print(line)
     ray1, rayn = rows[1][1].states_per_s(), rows[2][1].states_per_s()
     base = one.states_per_s()
     print(
-        f"  {args.workers} workers / 1 worker: {rayn / ray1:.2f}x; 1 worker / one process: {ray1 / base:.2f}x; "
-        f"{args.workers} workers / one process: {rayn / base:.2f}x; certificates equal: {'yes' if same else 'NO'}"
+        f"  wall: {args.workers} workers / 1 worker {rayn / ray1:.2f}x; 1 worker / one process {ray1 / base:.2f}x; "
+        f"certificates equal: {'yes' if same else 'NO'}"
+    )
+    print(
+        f"  CPU critical path (dedicated cores, Ray's own daemons aside): {args.workers} workers / 1 worker "
+        f"{cpu[0][0] / cpu[1][0]:.2f}x; work added by partitioning {cpu[1][1] / cpu[0][1]:.2f}x"
     )
     return 0 if same else 1
 
