@@ -15,6 +15,7 @@ from invariants.harness.checker import Checker
 from invariants.targets.vllm_env import vllm_available
 from model.allocator import AllocatorModel
 from model.config import Config, ConfigError, GroupSpec, validate
+from model.observation import StepResult
 from model.ops import AddRequest, Finish, Preempt, Sample, Step
 from model.scheduling import build_budget, seq_cap
 
@@ -54,6 +55,7 @@ def test_max_num_seqs_stops_the_waiting_pass() -> None:
     for rid in ("a", "b", "c"):
         m.apply(AddRequest(rid, (1, 2)))
     step = m.apply(engine_step(m, build_budget(CAPPED)))
+    assert isinstance(step, StepResult)
     assert [rid for rid, r in step.results if r.admitted] == ["a", "b"]
     assert step.queues is not None and step.queues.waiting == ("c",)
 
@@ -64,6 +66,7 @@ def test_control_without_the_cap_the_third_request_is_admitted(monkeypatch: pyte
     for rid in ("a", "b", "c"):
         m.apply(AddRequest(rid, (1, 2)))
     step = m.apply(engine_step(m, build_budget(CAPPED)))
+    assert isinstance(step, StepResult)
     assert [rid for rid, r in step.results if r.admitted] == ["a", "b", "c"]
 
 
@@ -146,5 +149,41 @@ def test_the_event_publisher_is_the_capture_from_construction() -> None:
     from invariants.targets.vllm_scheduler_build import EventCapture
 
     checker = drive("vllm", FULL)
-    assert isinstance(checker.target.vllm_scheduler.kv_event_publisher, EventCapture)
+    assert isinstance(checker.target.vllm_scheduler.kv_event_publisher, EventCapture)  # type: ignore[attr-defined]
     assert not isinstance(EventPublisherFactory.create(None), EventCapture)
+
+
+@vllm_only
+@pytest.mark.vllm
+@pytest.mark.parametrize("planted", [False, True], ids=["as released", "finished left in running"])
+def test_a_finished_request_left_in_running_is_read_from_vllms_own_queue(planted: bool) -> None:
+    """A scheduler that leaves a finished request in `running` (planted in
+    `Scheduler.finish_requests`) is reported from vLLM's own queue, which no step rewrites:
+    the queue check after the finish, and the next engine step finds vLLM holding a request
+    the client finished. The control: as released, the same trace is clean."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.finish_requests
+
+    def keep_running(
+        self: Scheduler, request_ids: object, status: object, *args: object, **kw: object
+    ) -> object:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)  # type: ignore[call-overload]
+        running = [r for r in self.running if r.request_id in ids]
+        result = original(self, request_ids, status, *args, **kw)  # type: ignore[arg-type]
+        self.running.extend(r for r in running if r not in self.running)
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        if planted:
+            mp.setattr(Scheduler, "finish_requests", keep_running)
+        checker = drive("vllm", CAPPED)
+        assert checker.step(engine_step(checker.model, 8)) == []
+        found = checker.step(Finish("a"))
+        nxt = [v.check for v in checker.step(engine_step(checker.model, 8))]
+    if not planted:
+        assert found == [] and nxt == []
+        return
+    assert "scheduler_queues_consistent" in [v.check for v in found]
+    assert any("a is in running though it finished" in v.message for v in found)
+    assert nxt  # the engine's next step holds a request the client finished
