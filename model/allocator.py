@@ -84,7 +84,7 @@ from model.queues import QueueOrder, StepQueues
 from model.scheduling import StepChunks, long_prefill_cap
 from model.seams import UNOBSERVED, Decision, Observer
 from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
-from model.state import GroupState, RequestState
+from model.state import GroupState, RequestState, SyncReport
 
 Ids = tuple[int, ...]
 Blocks = tuple[Ids, ...]  # block ids per group
@@ -141,8 +141,8 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         # rid -> the latest step's tokens, output undelivered; `step_shares`: all its shares (`_output`).
         self.undelivered: dict[str, int] = {}
         self.step_shares: frozenset[str] = frozenset()
-        # The latest step's sync loads, until the next operation (`model.connector.SyncReport`).
-        self.sync_report: fb.SyncReport | None = None
+        # The latest step's sync loads, until the next operation (`model.state.SyncReport`).
+        self.sync_report: SyncReport | None = None
         self.order = QueueOrder()  # `running` and `holding` between steps (`model.queues`)
         self.step_rids: tuple[str, ...] = ()  # the requests of the step being scheduled (`model.admission`)
         self.hybrid = len(config.groups) > 1
@@ -171,7 +171,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             result = replace(result, copies=self._take_copies())
             self._output(((op.rid, result),))
             self.order.scheduled(op.rid, self.requests[op.rid].running, self.requests[op.rid].holding)
-            self._outputs_arrive({op.rid: result.scheduled})
+            self.outputs_arrive({op.rid: result.scheduled})
             return result
         if isinstance(op, Step):
             assert all(rid in self.requests for rid in op.rids), f"unknown request in {op.rids}"
@@ -179,7 +179,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             step = replace(step, copies=self._take_copies())
             self._output(step.results)
             self.order.stepped(op.rids, step.queues)
-            self._outputs_arrive({rid: r.scheduled for rid, r in step.results})
+            self.outputs_arrive({rid: r.scheduled for rid, r in step.results})
             return step
         if isinstance(op, Sample):
             req = self.requests[op.rid]
@@ -200,7 +200,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             self.saving.add(op.rid)
             return Done()
         if isinstance(op, Saved):
-            self._outputs_arrive(None)  # a report: the latest step's output is processed first
+            self.outputs_arrive(None)  # a report: the latest step's output is processed first
             self.undelivered = {}  # the report comes with the last step's output (`model.connector`)
             conn.saved(self, op.rid)
             return Done()
@@ -258,7 +258,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         self.undelivered = {rid: r.scheduled for rid, r in results if r.scheduled}
         self.step_shares, self.sync_report = frozenset(self.undelivered), fb.note_step(results)
 
-    def _outputs_arrive(self, scheduled: dict[str, int] | None, cut: Callable[[], set[str]] = set) -> None:
+    def outputs_arrive(self, scheduled: dict[str, int] | None, cut: Callable[[], set[str]] = set) -> None:
         """Async scheduling: a step was scheduled (None: a connector's report), so the previous step's
         output is processed: fenced frees due, then sampled tokens arrive, but those of the requests
         a failed load's `cut`, made between, names (`model.connector`; `model.async_scheduling`)."""
@@ -299,7 +299,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             fb.deliver(self, req)  # its step output comes with it (`model.connector`)
         return rejected
 
-    def _ran(self, req: RequestState, n: int) -> None:
+    def ran(self, req: RequestState, n: int) -> None:
         """`req` computes `n` more tokens this step: the drafts they reach are verified."""
         req.verifying = verified_drafts(req.drafts, req.num_computed, req.num_tokens, n)
         if len(req.verifying) < len(req.drafts):
@@ -322,13 +322,13 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         n = self._next_chunk(req, left, budget)
         if n <= 0:
             return ScheduleResult(scheduled=0, admitted=False)
-        new = self._allocate_slots(req, n, 0, None)
+        new = self.allocate_slots(req, n, 0, None)
         if new is None:
             return ScheduleResult(scheduled=0, admitted=False)
-        self._ran(req, n)
+        self.ran(req, n)
         return ScheduleResult(scheduled=n, admitted=False, new_blocks=new)
 
-    def _admit(
+    def admit(
         self, req: RequestState, left: int, budget: int, ran_running: bool = False, ran_prefill: bool = False
     ) -> ScheduleResult:
         """Admit a waiting request: lookup (and the connector's offer: `model.connector`),
@@ -351,7 +351,9 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         n = (
             0
             if load_async
-            else self._chunk(req, computed, min(self._capped(req.num_tokens - computed + pad), left), budget)
+            else self.chunk(
+                req, computed, min(self.long_prefill_capped(req.num_tokens - computed + pad), left), budget
+            )
         )
         if pad and 0 < n != 1 + pad:
             n, pad = 1, 0  # a Mamba split clipped the padding: drop it
@@ -360,7 +362,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         reserve = conn.async_load_reserve(self) if load_async else 0
         # External tokens past a hit ending inside a scheduler block replace its tail (`model.connector`).
         local, local_blocks = conn.superseded_tail(self, hit, hit_blocks, ext)
-        new = self._allocate_slots(req, n, local, local_blocks, Load(computed - local, load_async, reserve))
+        new = self.allocate_slots(req, n, local, local_blocks, Load(computed - local, load_async, reserve))
         if new is None:
             return result
         req.offer, req.num_computed, req.prefilling = None, computed + n, computed + n < req.num_tokens
@@ -406,7 +408,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
                 results.append((req.rid, ScheduleResult(0, False)))
                 i += 1
                 continue
-            new = self._allocate_slots(req, n, 0, None)
+            new = self.allocate_slots(req, n, 0, None)
             while new is None and not fenced_victim(self.in_flight, running[-1]):  # async_scheduling, 6
                 self.observer.fired("preemption inside a step")
                 victim = running.pop()
@@ -415,12 +417,12 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
                 preempted.append(victim)
                 if victim == req.rid:
                     break
-                new = self._allocate_slots(req, n, 0, None)
+                new = self.allocate_slots(req, n, 0, None)
             if new is None:  # it and the running requests after it (left only by a fenced victim) wait
                 results += [(rid, ScheduleResult(0, False)) for rid in [req.rid, *running[i + 1 :]]]
                 break
             ran_prefill |= req.prefill_chunk
-            self._ran(req, n)
+            self.ran(req, n)
             left -= n
             results.append((req.rid, ScheduleResult(n, False, new_blocks=new)))
             i += 1
@@ -439,7 +441,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         req = self.requests[rid]
         if self.in_flight is not None:
             self.in_flight.forget(rid)  # its in-flight output is stale: it caches nothing
-        self._free(rid)
+        self.free(rid)
         req.running, req.num_computed, req.prefilling = False, 0, False
         req.drafts, req.verifying = (), ()
         self.observer.decided(Decision("preempt", rid))
@@ -516,7 +518,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         return tuple(out)
 
     # ----------------------------------------------------------- allocation
-    def _allocate_slots(
+    def allocate_slots(
         self, req: RequestState, n: int, hit: int, hit_blocks: Blocks | None, load: Load = NO_LOAD
     ) -> Blocks | None:
         """An allocation attempt (`_allocate`), told to the observer."""
@@ -553,7 +555,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             return None
         unprocessed = self.in_flight.unprocessed(rid) if self.in_flight is not None else 0
         for g in self.groups:
-            self._remove_skipped(g, rid, processed_limit(total, unprocessed))
+            self.remove_skipped(g, rid, processed_limit(total, unprocessed))
         need = sum(
             self._blocks_to_allocate(g, rid, need_slot, hits[g.gid] if hits else (), local, main, total)
             for g in self.groups
@@ -574,7 +576,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if unrolled:
             self.observer.fired("async: a step allocated past drafts still to be rolled back")
         if self.cfg.enable_caching and not delay_cache:
-            self._cache_blocks(req, caching_limit(total, n, req.num_tokens, unknown))
+            self.cache_blocks(req, caching_limit(total, n, req.num_tokens, unknown))
         return new
 
     def _any_running(self) -> bool:
@@ -612,7 +614,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         in_flight = self.cfg.max_model_len
         return adm.admission_cap_blocks(g.spec.sliding_window, g.bs, in_flight, self.cfg.max_model_len)
 
-    def _skipped_tokens(self, g: GroupState, computed: int) -> int:
+    def skipped_tokens(self, g: GroupState, computed: int) -> int:
         if g.spec.kind == "swa":
             assert g.spec.sliding_window is not None
             return max(0, computed - g.spec.sliding_window + 1)
@@ -620,9 +622,9 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             return computed - 1
         return 0
 
-    def _remove_skipped(self, g: GroupState, rid: str, computed: int) -> None:
+    def remove_skipped(self, g: GroupState, rid: str, computed: int) -> None:
         """Free blocks no future token of `rid` reads (out of window / stale state)."""
-        skipped = self._skipped_tokens(g, computed)
+        skipped = self.skipped_tokens(g, computed)
         if _align(g):
             table = g.table(rid)
             if skipped > 0:
@@ -679,13 +681,13 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         held = len(g.tables.get(rid, ()))
         if _align(g):
             return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid, computed, whole)
-        required = cdiv(num_tokens + g.bs * self._draft_blocks(g), g.bs)
+        required = cdiv(num_tokens + g.bs * self.draft_blocks(g), g.bs)
         required = required if cap is None else min(required, cap)
         if rid in g.num_cached:
             # Running: no new hit, and a table already longer than needed is fine.
             return max(required - held, 0)
         # Blocks wholly before the window stay null: neither allocated nor, as hit blocks, adopted.
-        out_of_window = self._skipped_tokens(g, computed) // g.bs
+        out_of_window = self.skipped_tokens(g, computed) // g.bs
         new = max(required - max(out_of_window, len(hits) + held), 0)
         adopted_hits = hits[max(0, out_of_window - held) :]
         # A hit ending inside a block takes one more block: the reader's private copy.
@@ -716,7 +718,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             # more than the pool holds so the request waits for the next step.
             self.observer.fired("Mamba same-step guard")
             return self.cfg.num_blocks + 1
-        s = self._draft_blocks(g)
+        s = self.draft_blocks(g)
         # A state to copy (a hit ending inside a block, or this request's own
         # mid-block key) takes one more block: the copy's destination.
         copy = ends_inside_block(len(hits), local, g.bs) or rid in g.partial
@@ -733,7 +735,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             return by_vllm
         # After external tokens the chunk's state counts from the table they leave; the hit
         # blocks their state supersedes are never touched, so they stay free.
-        kept = hits[self._skipped_tokens(g, computed) // g.bs :]
+        kept = hits[self.skipped_tokens(g, computed) // g.bs :]
         taken = external + counted(cdiv(main, g.bs) + s - cdiv(computed, g.bs)) + self._num_evictable(kept)
         return max(by_vllm, taken)
 
@@ -746,7 +748,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     ) -> None:
         table = g.table(rid)
         assert not table
-        skipped = self._skipped_tokens(g, local if computed is None else computed) // g.bs
+        skipped = self.skipped_tokens(g, local if computed is None else computed) // g.bs
         kept = list(hits[skipped:]) if skipped > 0 else list(hits)
         if self.cfg.enable_caching:
             self.pool.touch(kept)
@@ -765,7 +767,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             if rid in g.partial:
                 copied = self.pool.get_new_blocks(1)
                 self._consumer_copy(g, rid, copied[0])
-            new = cdiv(num_tokens + g.bs * self._draft_blocks(g), g.bs) - len(table)
+            new = cdiv(num_tokens + g.bs * self.draft_blocks(g), g.bs) - len(table)
             if new <= 0:
                 return copied
             blocks = self.pool.get_new_blocks(new)
@@ -774,7 +776,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         return self._allocate_state(g, rid, main)
 
     # ----------------------------------------------------------------- free
-    def _free(self, rid: str) -> None:
+    def free(self, rid: str) -> None:
         tables = [g.tables.pop(rid, []) for g in self.groups]
         for g in self.groups:
             for d in (g.num_cached, g.last_state, g.retired, g.partial):

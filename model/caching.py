@@ -55,11 +55,11 @@ class BlockCaching:
         blocks the processed steps computed are cached (`update_from_output`'s `cache_blocks`)."""
         if req.running and self.cfg.enable_caching:
             before = sum(g.num_cached.get(req.rid, 0) for g in self.groups)
-            self._cache_blocks(req, arrival_limit(req.num_computed, scheduled_since))
+            self.cache_blocks(req, arrival_limit(req.num_computed, scheduled_since))
             if sum(g.num_cached.get(req.rid, 0) for g in self.groups) > before:
                 self.observer.fired("async: a sampled token's arrival cached blocks")
 
-    def _cache_blocks(self, req: RequestState, num_tokens: int) -> None:
+    def cache_blocks(self, req: RequestState, num_tokens: int) -> None:
         cfg = self.cfg
         boundaries = list(self.rules.replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle))
         tokens = req.tokens

@@ -166,18 +166,19 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from model.async_scheduling import Arriving, scheduler_position
-from model.failed_blocks import SyncReport, cut_covering, cut_scanned, deliver, riding_shares, scan_order
+from model.failed_blocks import cut_covering, cut_scanned, deliver, riding_shares, scan_order
 from model.load_states import FAILED, LOADED, LOADING
 from model.masks import cdiv
 from model.observation import BlockIds, Done, LoadCut, Saving, ScheduleResult
 from model.scheduling import seq_cap, seq_cap_reached
 from model.spec_decode import PLACEHOLDER, padded_admission
+from model.state import SyncReport
 
 Blocks = tuple[tuple[int, ...], ...]  # block ids per group
 
 if TYPE_CHECKING:
-    from model.allocator import AllocatorModel
     from model.queues import StepQueues
+    from model.seams import Machine
     from model.state import GroupState, RequestState
 
 
@@ -226,26 +227,26 @@ def remaining_blocks(
     return sum(min(n, 1) + c if one else n for n, one, c in zip(needs, one_state, copy))
 
 
-def spec_step_tokens(m: AllocatorModel) -> int:
+def spec_step_tokens(m: Machine) -> int:
     """The slots one decode step takes with drafts: its token, the k drafts it verifies and
     the lookahead past them (`1 + num_spec_tokens + num_lookahead_tokens`); 0 without drafts."""
     return 1 + m.num_spec_tokens + m.cfg.num_lookahead_tokens if m.num_spec_tokens else 0
 
 
-def spec_step_blocks(m: AllocatorModel) -> int:
+def spec_step_blocks(m: Machine) -> int:
     """Blocks one decode step's slots take in every group but Mamba's, which counts its
     draft blocks itself (`Scheduler._spec_decode_step_blocks`)."""
     step = spec_step_tokens(m)
     return sum(cdiv(step, g.bs) for g in m.groups if g.spec.kind != "mamba") if step else 0
 
 
-def async_load_reserve(m: AllocatorModel) -> int:
+def async_load_reserve(m: Machine) -> int:
     """Free blocks an async load's admission must leave: what the in-flight prefills still
     need, and with drafts one decode step's slots, the lookahead it does not take now."""
     return in_flight_reserve(m) + spec_step_blocks(m)
 
 
-def lookahead_slots(m: AllocatorModel, load: Load) -> int:
+def lookahead_slots(m: Machine, load: Load) -> int:
     """Lookahead slots an allocation reserves: none for an async load's admission (its
     forward pass comes after the load; the promoted chunk reserves them), else
     `num_lookahead_tokens`."""
@@ -269,7 +270,7 @@ output shows it, so the step records nothing for it (`waiting_pass`; compared by
 
 
 def wait_turn(
-    m: AllocatorModel, req: RequestState, left: int, budget: int, ran: tuple[bool, bool] = (False, False)
+    m: Machine, req: RequestState, left: int, budget: int, ran: tuple[bool, bool] = (False, False)
 ) -> ScheduleResult | None:
     """A waiting request's turn in a step's waiting pass (`model.connector`): None
     when its load has not reported (passed over); a reported load is promoted
@@ -280,20 +281,20 @@ def wait_turn(
     if req.load == LOADING:
         return None
     if req.load == FAILED:
-        m._free(req.rid)
+        m.free(req.rid)
         req.num_computed = 0
         m.observer.fired("connector: failed load rolled back")
     elif req.load == LOADED and m.cfg.enable_caching:
-        m._cache_blocks(req, req.num_computed)
+        m.cache_blocks(req, req.num_computed)
         m.observer.fired("connector: async load cached at promotion")
     req.load = ""
     if not req.num_computed:
-        return m._admit(req, left, budget, *ran)
+        return m.admit(req, left, budget, *ran)
     return promoted_chunk(m, req, left, budget, ran)
 
 
 def promoted_chunk(
-    m: AllocatorModel, req: RequestState, left: int, budget: int, ran: tuple[bool, bool]
+    m: Machine, req: RequestState, left: int, budget: int, ran: tuple[bool, bool]
 ) -> ScheduleResult:
     """The next chunk of a waiting request holding blocks (its load promoted): no lookup,
     the lookahead reserved, and, with drafts, a one-token chunk padded as an admission
@@ -303,23 +304,23 @@ def promoted_chunk(
     pad = padded_admission(todo, m.num_spec_tokens, req.num_computed, *ran)
     if pad and 1 + pad > left:
         return UNSEEN_END  # vLLM prefers not scheduling to scheduling unpadded
-    n = m._chunk(req, req.num_computed, min(m._capped(todo + pad), left), budget)
+    n = m.chunk(req, req.num_computed, min(m.long_prefill_capped(todo + pad), left), budget)
     if pad and 0 < n != 1 + pad:
         n, pad = 1, 0  # a Mamba split clipped the padding: drop it
     if n <= 0:
         return UNSEEN_END
-    new = m._allocate_slots(req, n, 0, None)
+    new = m.allocate_slots(req, n, 0, None)
     if new is None:
         return ScheduleResult(0, False)
     req.running, req.holding = True, False
-    m._ran(req, n)
+    m.ran(req, n)
     req.verifying = (PLACEHOLDER,) * pad
     if pad:
         m.observer.fired("connector: promoted one-token chunk padded with draft slots")
     return ScheduleResult(n, True, new_blocks=new)
 
 
-def in_flight_reserve(m: AllocatorModel) -> int:
+def in_flight_reserve(m: Machine) -> int:
     """Blocks the in-flight prefills still need (with drafts one decode step past their
     sequence): an async load's admission leaves them free. A rolled-back load still
     counts (vLLM's `_inflight_prefills`; finding failed-load-rollback-reserves-against-itself)."""
@@ -328,7 +329,7 @@ def in_flight_reserve(m: AllocatorModel) -> int:
     for r in (r for r in m.requests.values() if r.prefilling):
         for g in m.groups:
             align = g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align"
-            drafts = m._draft_blocks(g)
+            drafts = m.draft_blocks(g)
             # A Mamba 'none' group counts its draft blocks as tokens (`MambaManager`, non-align).
             total += remaining_blocks(
                 min(r.num_tokens, m.cfg.max_model_len),
@@ -342,7 +343,7 @@ def in_flight_reserve(m: AllocatorModel) -> int:
     return total
 
 
-def settle_prefill(m: AllocatorModel, rids: list[str]) -> None:
+def settle_prefill(m: Machine, rids: list[str]) -> None:
     """A scheduled request that computed every known token is no longer an in-flight prefill."""
     for rid in rids:
         req = m.requests.get(rid)
@@ -350,7 +351,7 @@ def settle_prefill(m: AllocatorModel, rids: list[str]) -> None:
             req.prefilling = False
 
 
-def finish(m: AllocatorModel, req: RequestState) -> Done | Saving:
+def finish(m: Machine, req: RequestState) -> Done | Saving:
     """Free a finished request (`model.connector`: with a connector the blocks out of
     the windows of its processed tokens go first; a load in flight keeps the rest
     until it reports, a save until it reports, both until both have reported)."""
@@ -360,7 +361,7 @@ def finish(m: AllocatorModel, req: RequestState) -> Done | Saving:
     if m.cfg.kv_connector:
         for g in m.groups:
             if g.tables.get(req.rid):
-                m._remove_skipped(g, req.rid, processed)
+                m.remove_skipped(g, req.rid, processed)
     saves = req.rid in m.saving
     m.saving.discard(req.rid)
     seen: Done | Saving = Saving(handed_blocks(m, req, computed)) if saves else Done()
@@ -373,11 +374,11 @@ def finish(m: AllocatorModel, req: RequestState) -> Done | Saving:
         if req.rid in m.held:
             m.observer.fired("connector: free deferred until both the load and the save report")
     if req.rid not in m.held | m.sending:
-        m._free(req.rid)
+        m.free(req.rid)
     return seen
 
 
-def finish_tokens(m: AllocatorModel, req: RequestState) -> tuple[int, int]:
+def finish_tokens(m: Machine, req: RequestState) -> tuple[int, int]:
     """A finishing request's (computed, processed) tokens as `_connector_finished` reads
     them: computed, and computed less the tokens of the step whose output is undelivered
     (`num_in_flight_tokens`). Under async scheduling (`model.async_scheduling`) the
@@ -389,7 +390,7 @@ def finish_tokens(m: AllocatorModel, req: RequestState) -> tuple[int, int]:
     return computed, max(computed - m.in_flight.unprocessed(req.rid), 0)
 
 
-def handed_blocks(m: AllocatorModel, req: RequestState, computed: int) -> tuple[BlockIds, ...]:
+def handed_blocks(m: Machine, req: RequestState, computed: int) -> tuple[BlockIds, ...]:
     """The block ids a finish hands the connector: per group those covering the
     `computed` tokens (a Mamba group's whole table: vLLM clips attention groups only)."""
     return tuple(
@@ -399,19 +400,19 @@ def handed_blocks(m: AllocatorModel, req: RequestState, computed: int) -> tuple[
     )
 
 
-def saved(m: AllocatorModel, rid: str) -> None:
+def saved(m: Machine, rid: str) -> None:
     """The save of finished request `rid` reported: its blocks are freed now, unless
     its load is still in flight (then at the load's report)."""
     assert rid in m.sending, f"{rid} has no save pending"
     m.sending.discard(rid)
     if rid in m.held:
         return
-    m._free(rid)
+    m.free(rid)
     m.observer.fired("connector: freed when the save reported")
 
 
 def loaded(
-    m: AllocatorModel, rid: str, ok: bool, invalid: tuple[int, ...] = (), report: SyncReport | None = None
+    m: Machine, rid: str, ok: bool, invalid: tuple[int, ...] = (), report: SyncReport | None = None
 ) -> Done | LoadCut:
     """The async load of `rid` reported, failed on the blocks `invalid` names (if
     any: seen as the cut, `LoadCut`); a finished request's deferred free happens now.
@@ -419,13 +420,13 @@ def loaded(
     come with that step's output (`sync_load_failed`)."""
     if report is not None and rid in report.loads:
         return sync_load_failed(m, rid, invalid, report)
-    m._outputs_arrive(None)  # async scheduling: the latest step's output is processed first
+    m.outputs_arrive(None)  # async scheduling: the latest step's output is processed first
     riding = riding_shares(m)
     m.undelivered = {}  # the report comes with the last step's output
     if rid in m.held:
         m.held.discard(rid)
         if rid not in m.sending:  # a save still in flight keeps them
-            m._free(rid)
+            m.free(rid)
         return Done()
     req = m.requests[rid]
     assert req.load == LOADING, f"{rid} has no load in flight"
@@ -455,7 +456,7 @@ def loaded(
     return seen
 
 
-def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], report: SyncReport) -> LoadCut:
+def sync_load_failed(m: Machine, rid: str, invalid: tuple[int, ...], report: SyncReport) -> LoadCut:
     """The output of the step that ran `rid`'s sync load names the blocks `invalid` it
     failed on (`Scheduler._handle_invalid_blocks`): the async loads holding one are cut,
     then the running requests (`cut_covering`, in `scan_order`); the running ones lose
@@ -480,7 +481,7 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
         for r in [r for r in order if r not in made_cut]:
             deliver(m, m.requests[r])  # after the cut, as vLLM processes the output
     else:
-        m._outputs_arrive(None, cut)
+        m.outputs_arrive(None, cut)
     seen, cut_rids, _ = made[0]
     if m.cfg.kv_load_failure_policy == "fail":
         seen = replace(seen, ended=end_all(m, cut_rids))
@@ -488,7 +489,7 @@ def sync_load_failed(m: AllocatorModel, rid: str, invalid: tuple[int, ...], repo
 
 
 def _sync_cut(
-    m: AllocatorModel, rid: str, invalid: tuple[int, ...], report: SyncReport, riders: dict[str, Arriving]
+    m: Machine, rid: str, invalid: tuple[int, ...], report: SyncReport, riders: dict[str, Arriving]
 ) -> tuple[LoadCut, list[str], list[int]]:
     """`sync_load_failed`'s cut, on the scheduler's count (a riding sample's rejected drafts
     not rolled back yet, `riders`); "fail": the dependent blocks' hashes evicted. Returns
@@ -523,13 +524,13 @@ def _sync_cut(
     return seen, cut, dependent
 
 
-def end_all(m: AllocatorModel, rids: list[str], last: str = "") -> tuple[str, ...]:
+def end_all(m: Machine, rids: list[str], last: str = "") -> tuple[str, ...]:
     """End `rids` with an error at once ("fail"), each freed as a finish is (`last`, the
     async load whose report ends them, after the others), in the order the observer
-    chooses (`model.seams.Observer.end_order`: the judge's, the order the target ended
+    chooses (`model.seams.Observer.order_to_end`: the judge's, the order the target ended
     them in) where it names exactly them, else in id order: any order is allowed (vLLM
     iterates a set of their ids). Returns the order taken."""
-    chosen = m.observer.end_order(tuple(sorted(rids)))
+    chosen = m.observer.order_to_end(tuple(sorted(rids)))
     order = chosen if sorted(chosen) == sorted(rids) else tuple(sorted(rids))
     for rid in [r for r in order if r != last] + [r for r in order if r == last]:
         finish(m, m.requests.pop(rid))
@@ -539,7 +540,7 @@ def end_all(m: AllocatorModel, rids: list[str], last: str = "") -> tuple[str, ..
 
 
 def waiting_pass(
-    m: AllocatorModel,
+    m: Machine,
     queues: StepQueues,
     left: int,
     budget: int,
@@ -583,7 +584,7 @@ def external_state_blocks(local: int, computed: int, held: int) -> int:
     return int(computed > local and not held)
 
 
-def superseded_tail(m: AllocatorModel, hit: int, hit_blocks: Blocks, ext: int) -> tuple[int, Blocks]:
+def superseded_tail(m: Machine, hit: int, hit_blocks: Blocks, ext: int) -> tuple[int, Blocks]:
     """The local hit an admission adopts (tokens, blocks per group): a hit ending inside
     a scheduler block, followed by external tokens, is cut to that block's start
     (`Scheduler.schedule`, `truncate_computed_blocks`: per group the blocks the cut
@@ -597,11 +598,11 @@ def superseded_tail(m: AllocatorModel, hit: int, hit_blocks: Blocks, ext: int) -
     return cut, tuple(blocks[: cut // g.bs] for g, blocks in zip(m.groups, hit_blocks))
 
 
-def add_external_blocks(m: AllocatorModel, g: GroupState, rid: str, computed: int, ext: int) -> None:
+def add_external_blocks(m: Machine, g: GroupState, rid: str, computed: int, ext: int) -> None:
     """Fresh blocks for the external tokens inside the window (vLLM
     `SingleTypeKVCacheManager.allocate_external_computed_blocks`): a Mamba group's
     window is its last token, so it takes the one state block."""
-    if min(computed - max(m._skipped_tokens(g, computed), 0), ext) <= 0:
+    if min(computed - max(m.skipped_tokens(g, computed), 0), ext) <= 0:
         return
     table = g.table(rid)
     table.extend(m.pool.get_new_blocks(max(0, cdiv(computed, g.bs) - len(table))))

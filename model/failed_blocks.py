@@ -118,19 +118,20 @@ its sample (the step's output would not come whole).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from model.load_states import FAILED, LOADED, LOADING
 from model.masks import cdiv
 from model.observation import LoadCut, ScheduleResult
 from model.ops import Loaded, Op, Sample
+from model.state import SyncReport
 
 if TYPE_CHECKING:
-    from model.allocator import AllocatorModel
+    from model.seams import Machine
     from model.state import RequestState
 
 
-def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
+def failable_blocks(m: Machine, req: RequestState) -> list[int]:
     """The blocks a report of `req`'s load may name as failed (`Loaded.invalid`):
     with a single KV cache group (vLLM refuses block-level failures with more: block ids
     are unique per group only), for an async load in flight the non-null blocks covering
@@ -155,7 +156,7 @@ def failable_blocks(m: AllocatorModel, req: RequestState) -> list[int]:
     return [b for b in stated if b not in rides]
 
 
-def riding_shares(m: AllocatorModel) -> dict[str, int]:
+def riding_shares(m: Machine) -> dict[str, int]:
     """The shares of the latest step's output a report of failed blocks rides on: those
     of requests awaiting their sample (their tokens in that step, `undelivered`, drafts
     verified in it included). The cut counts a request's computed tokens before that
@@ -164,7 +165,7 @@ def riding_shares(m: AllocatorModel) -> dict[str, int]:
     return {r: n for r, n in m.undelivered.items() if r in reqs and reqs[r].awaits_sample}
 
 
-def scan_order(m: AllocatorModel) -> tuple[list[str], list[str]]:
+def scan_order(m: Machine) -> tuple[list[str], list[str]]:
     """The requests vLLM's failed-block cut scans, in order (`_handle_invalid_blocks`):
     the async loads among the requests holding blocks (`kv_holding_waiting` in status
     `WAITING_FOR_REMOTE_KVS`: a load in flight, or reported and not yet promoted), in
@@ -177,14 +178,14 @@ def scan_order(m: AllocatorModel) -> tuple[list[str], list[str]]:
     return loads, running
 
 
-def covered(m: AllocatorModel, rid: str, undelivered: dict[str, int]) -> list[int]:
+def covered(m: Machine, rid: str, undelivered: dict[str, int]) -> list[int]:
     """The blocks covering `rid`'s computed tokens before the step whose output is
     `undelivered` (those the cut scans: `_update_requests_with_invalid_blocks`)."""
     g, req = m.groups[0], m.requests[rid]
     return g.tables.get(rid, [])[: cdiv(req.num_computed - undelivered.get(rid, 0), g.bs)]
 
 
-def cut_stated(m: AllocatorModel, rid: str, b: int, undelivered: dict[str, int]) -> bool:
+def cut_stated(m: Machine, rid: str, b: int, undelivered: dict[str, int]) -> bool:
     """Is the cut stated when `rid`'s load names block `b` failed? Every other request
     the cut scans whose computed tokens before the output `undelivered` names cover `b`
     is cut with it (`cut_covering`), in the scan's order (`scan_order`), unless one
@@ -200,9 +201,7 @@ def cut_stated(m: AllocatorModel, rid: str, b: int, undelivered: dict[str, int])
     return True
 
 
-def cut_scanned(
-    m: AllocatorModel, rid: str, invalid: tuple[int, ...]
-) -> tuple[LoadCut, list[str], list[int]]:
+def cut_scanned(m: Machine, rid: str, invalid: tuple[int, ...]) -> tuple[LoadCut, list[str], list[int]]:
     """Cut every request the scan reaches (`scan_order`) whose computed tokens before the
     latest step cover a failed block: the async loads, then, marking afresh, the running
     ones (`cut_covering`). A reported load cut to nothing is rolled back at its
@@ -229,21 +228,7 @@ def cut_scanned(
     return LoadCut(reqs[rid].num_computed, changed), cut + running_cut, dependent
 
 
-class SyncReport(NamedTuple):
-    """What the latest step's output may still report about its sync loads, until the
-    next operation but the samples riding on it (`AllocatorModel.sync_report`,
-    `sample_rides`): the step's admissions in order (async loads included), per sync
-    load its (hit, external tokens), the requests of the step sampled since, and, with
-    drafts under synchronous scheduling, their (rid, tokens appended, drafts rejected),
-    whose output waits (`output_waits`)."""
-
-    admitted: tuple[str, ...]
-    loads: dict[str, tuple[int, int]]
-    sampled: frozenset[str] = frozenset()
-    waiting: tuple[tuple[str, int, int], ...] = ()
-
-
-def turn(m: AllocatorModel, op: Op) -> SyncReport | None:
+def turn(m: Machine, op: Op) -> SyncReport | None:
     """The latest step's `SyncReport` as `op` finds it: kept for a sample of a request of
     that step (`sample_rides`) and for the report of one of its sync loads; otherwise its
     turn is over, and the samples whose output waited on it are delivered first (`deliver`)."""
@@ -263,7 +248,7 @@ def turn(m: AllocatorModel, op: Op) -> SyncReport | None:
     return None
 
 
-def sample_rides(m: AllocatorModel, rid: str, report: SyncReport | None) -> SyncReport | None:
+def sample_rides(m: Machine, rid: str, report: SyncReport | None) -> SyncReport | None:
     """The latest step's `SyncReport` after a sample of `rid`: kept where `rid` ran in that
     step, as its tokens ride on the same output as the sync loads' failed blocks; else gone."""
     if report is None or rid not in m.undelivered:
@@ -271,7 +256,7 @@ def sample_rides(m: AllocatorModel, rid: str, report: SyncReport | None) -> Sync
     return report._replace(sampled=report.sampled | {rid})
 
 
-def output_waits(m: AllocatorModel, req: RequestState, accepted: int, rejected: int) -> bool:
+def output_waits(m: Machine, req: RequestState, accepted: int, rejected: int) -> bool:
     """With drafts under synchronous scheduling, does the output of `req`'s sample wait for
     the report's turn (`turn`)? It does where it rides on the report (`sample_rides`): vLLM
     caches a sampled request's blocks as it processes the step's output, after the cut and
@@ -283,12 +268,12 @@ def output_waits(m: AllocatorModel, req: RequestState, accepted: int, rejected: 
     return True
 
 
-def deliver(m: AllocatorModel, req: RequestState) -> None:
+def deliver(m: Machine, req: RequestState) -> None:
     """`req`'s share of the latest step's output, with its sample and drafts, processed
     (synchronous scheduling): its blocks cached (`update_from_output`'s `cache_blocks`)."""
     m.undelivered.pop(req.rid, None)
     if m.cfg.enable_caching:
-        m._cache_blocks(req, req.num_computed)
+        m.cache_blocks(req, req.num_computed)
 
 
 def note_step(results: Iterable[tuple[str, ScheduleResult]]) -> SyncReport | None:
@@ -298,7 +283,7 @@ def note_step(results: Iterable[tuple[str, ScheduleResult]]) -> SyncReport | Non
     return SyncReport(admitted, loads) if loads else None
 
 
-def sync_failable_blocks(m: AllocatorModel, req: RequestState, report: SyncReport) -> list[int]:
+def sync_failable_blocks(m: Machine, req: RequestState, report: SyncReport) -> list[int]:
     """The blocks the output of the step that ran `req`'s sync load may name as failed:
     the non-null blocks holding its external tokens (the ones the connector loaded), if
     the output can come whole (no other request of the step still awaits its sample: the
@@ -313,9 +298,7 @@ def sync_failable_blocks(m: AllocatorModel, req: RequestState, report: SyncRepor
     return [b for b in blocks if b and cut_stated(m, req.rid, b, m.undelivered)]
 
 
-def cut_covering(
-    m: AllocatorModel, rids: Iterable[str], invalid: tuple[int, ...]
-) -> tuple[list[str], list[int]]:
+def cut_covering(m: Machine, rids: Iterable[str], invalid: tuple[int, ...]) -> tuple[list[str], list[int]]:
     """Cut each of `rids` whose computed tokens before the latest step (those delivered)
     cover a failed block, in order (`Scheduler._update_requests_with_invalid_blocks`):
     at its first failed block no earlier request marked; one whose failed blocks were

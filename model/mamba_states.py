@@ -40,7 +40,7 @@ class MambaStates:
     num_spec_tokens: int
     observer: Observer
 
-    def _draft_blocks(self, g: GroupState) -> int:
+    def draft_blocks(self, g: GroupState) -> int:
         """A Mamba group's draft state blocks: one per speculative token, as vLLM's
         Mamba layers declare them (`MambaBase.get_kv_cache_spec`); 0 without drafts
         and for the other kinds."""
@@ -49,7 +49,7 @@ class MambaStates:
     def _allocate_state(self, g: GroupState, rid: str, main: int) -> list[int]:
         """The blocks a chunk ending at `main` adds to `rid`'s table, in vLLM's order."""
         table = g.table(rid)
-        s = self._draft_blocks(g)
+        s = self.draft_blocks(g)
         required = cdiv(main, g.bs) + s
         partial = g.partial.pop(rid, None)
         if required <= len(table) and partial is None:

@@ -125,16 +125,16 @@ class StepChunks:
 
     def _next_chunk(self, req: RequestState, left: int, budget: int) -> int:
         """Tokens a running request computes next: at most `left` of the step's `budget`."""
-        wanted = self._capped(req.num_tokens + len(req.drafts) - req.num_computed)
-        return self._chunk(req, req.num_computed, min(wanted, left), budget)
+        wanted = self.long_prefill_capped(req.num_tokens + len(req.drafts) - req.num_computed)
+        return self.chunk(req, req.num_computed, min(wanted, left), budget)
 
-    def _capped(self, num_tokens: int) -> int:
+    def long_prefill_capped(self, num_tokens: int) -> int:
         n = capped(num_tokens, self.cap)
         if n < num_tokens:
             self.observer.fired("chunk capped by the long-prefill threshold")
         return n
 
-    def _chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:
+    def chunk(self, req: RequestState, start: int, n: int, budget: int) -> int:
         if not self.cfg.has_mamba_align:
             return n
         threshold = self.cfg.long_prefill_token_threshold

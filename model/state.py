@@ -12,6 +12,7 @@ and the blocks retired, and the copies a step queues (`model.fine_mamba`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from model.config import GroupSpec
 from model.fine_mamba import Copy
@@ -82,3 +83,17 @@ class GroupState:
 
     def table(self, rid: str) -> list[int]:
         return self.tables.setdefault(rid, [])
+
+
+class SyncReport(NamedTuple):
+    """What the latest step's output may still report about its sync loads, until the
+    next operation but the samples riding on it (`AllocatorModel.sync_report`,
+    `model.failed_blocks.sample_rides`): the step's admissions in order (async loads included), per sync
+    load its (hit, external tokens), the requests of the step sampled since, and, with
+    drafts under synchronous scheduling, their (rid, tokens appended, drafts rejected),
+    whose output waits (`output_waits`)."""
+
+    admitted: tuple[str, ...]
+    loads: dict[str, tuple[int, int]]
+    sampled: frozenset[str] = frozenset()
+    waiting: tuple[tuple[str, int, int], ...] = ()

@@ -410,7 +410,7 @@ def test_every_allowed_private_reach_is_still_needed() -> None:
     ("where", "planted", "reported"),
     [
         # The shapes this rule replaced: a monkeypatched step, a reached-into target.
-        ("invariants/export/plan.py", "model._allocate_slots = None", "_allocate_slots"),
+        ("invariants/export/plan.py", "model._allocate = None", "_allocate"),
         ("invariants/export/plan.py", 'setattr(model, "_preempt", None)', "_preempt"),
         ("invariants/harness/checker.py", "return target._model", "_model"),
         ("gpu_check/forward_pass.py", "return model.pool._insert", "_insert"),

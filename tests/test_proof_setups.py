@@ -75,7 +75,7 @@ def _record(seed: int, requests: int = 12) -> Recorded:
     rec = Recorded(cfg, [], [], [])
     current: dict[str, Any] = {}
 
-    cache_blocks, kept_fn, find_hit, finder = alloc._cache_blocks, alloc._kept, alloc._find_hit, alloc._finder
+    cache_blocks, kept_fn, find_hit, finder = alloc.cache_blocks, alloc._kept, alloc._find_hit, alloc._finder
 
     def on_cache(req: Any, num_tokens: int) -> None:
         current["req"] = req
@@ -110,7 +110,7 @@ def _record(seed: int, requests: int = 12) -> Recorded:
         rec.passes.append((gids[0], max_len, drop, hit))
         return layout, hit
 
-    alloc._cache_blocks, alloc._kept, alloc._find_hit, alloc._finder = on_cache, on_kept, on_find, on_finder  # type: ignore[method-assign]
+    alloc.cache_blocks, alloc._kept, alloc._find_hit, alloc._finder = on_cache, on_kept, on_find, on_finder  # type: ignore[method-assign]
 
     stems = [tuple(rng.randint(0, 3) for _ in range(rng.randint(4, 40))) for _ in range(3)]
     for n in range(requests):

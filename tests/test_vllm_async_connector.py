@@ -181,13 +181,13 @@ def test_a_report_processes_the_latest_output_first() -> None:
 
 
 def test_control_a_report_leaving_the_output_in_flight_disagrees_with_vllm() -> None:
-    original = allocator.AllocatorModel._outputs_arrive
+    original = allocator.AllocatorModel.outputs_arrive
 
     def only_steps(self: Any, scheduled: Any, *skipped: Any) -> None:
         if scheduled is not None:
             original(self, scheduled, *skipped)
 
-    with patched(allocator.AllocatorModel, "_outputs_arrive", only_steps):
+    with patched(allocator.AllocatorModel, "outputs_arrive", only_steps):
         assert async_violations(CONN, REPORT_PROCESSES) != []
 
 

@@ -23,7 +23,7 @@ class ModelObserver:
     def __init__(self) -> None:
         self.coverage: Counter[str] = Counter()  # rule -> how often it fired
         self._log: list[Decision] | None = None  # `recording`
-        self._end_order: tuple[str, ...] = ()
+        self._chosen_order: tuple[str, ...] = ()
 
     def fired(self, rule: str) -> None:
         self.coverage[rule] += 1
@@ -32,14 +32,14 @@ class ModelObserver:
         if self._log is not None:
             self._log.append(decision)
 
-    def end_order(self, rids: tuple[str, ...]) -> tuple[str, ...]:
-        chosen, self._end_order = self._end_order, ()
+    def order_to_end(self, rids: tuple[str, ...]) -> tuple[str, ...]:
+        chosen, self._chosen_order = self._chosen_order, ()
         return chosen
 
     def choose_end_order(self, order: Iterable[str]) -> None:
         """The order the model's next "fail" report ends its requests in, if it names
         exactly them (`model.connector.end_all`); () leaves the model's own (id order)."""
-        self._end_order = tuple(order)
+        self._chosen_order = tuple(order)
 
     @contextmanager
     def recording(self) -> Iterator[list[Decision]]:

@@ -5,7 +5,7 @@ by a test (`tests/test_smt.py`: S, `tests/test_proof_setups.py`: P):
 
 - `Mamba.mask` (`smt.mamba_mask`): `model.masks.mamba_kept_blocks` (S
   `test_masks_match_model`); with the allocator's prompt, junction, range and
-  config substituted, the state blocks `AllocatorModel._cache_blocks` keeps (P
+  config substituted, the state blocks `AllocatorModel.cache_blocks` keeps (P
   `test_setup_mask_is_the_allocators_mask`), which ties `Mamba.boundaries`.
 - `smt.mamba_hit`: `model.lookup.mamba_hit` (S `test_hit_rules_match_model`).
 - `smt.mamba_checkpoint_position`: `model.scheduling.mamba_checkpoint_position`

@@ -5,7 +5,7 @@ by a test (`tests/test_smt.py`: S, `tests/test_proof_setups.py`: P):
 
 - `Swa.mask` (`smt.swa_mask`): `model.masks.swa_kept_blocks` (S
   `test_masks_match_model`); with the allocator's prompt, junction, range and
-  config substituted, the blocks `AllocatorModel._cache_blocks` keeps (P
+  config substituted, the blocks `AllocatorModel.cache_blocks` keeps (P
   `test_setup_mask_is_the_allocators_mask`), which ties `Swa.boundaries`
   (replay boundaries, junction, junction minus a block with Eagle) and `Swa.end`.
 - `Swa.need` (`smt.swa_tail_blocks`), `smt.boundary_edge`: `model.masks` (S
