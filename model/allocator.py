@@ -45,6 +45,7 @@ from model.fine_mamba import (
     retained_endpoints,
 )
 from model.hybrid_hit import HitRules, reconcile
+from model.kinds import rules_for
 from model.load_states import LOADING
 from model.lookup import full_hit, mamba_hit, swa_hit
 from model.mamba import cap_of
@@ -615,12 +616,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         return adm.admission_cap_blocks(g.spec.sliding_window, g.bs, in_flight, self.cfg.max_model_len)
 
     def skipped_tokens(self, g: GroupState, computed: int) -> int:
-        if g.spec.kind == "swa":
-            assert g.spec.sliding_window is not None
-            return max(0, computed - g.spec.sliding_window + 1)
-        if g.spec.kind == "mamba":
-            return computed - 1
-        return 0
+        return rules_for(g.spec).skipped_tokens(g.spec, computed)  # model.kinds
 
     def remove_skipped(self, g: GroupState, rid: str, computed: int) -> None:
         """Free blocks no future token of `rid` reads (out of window / stale state)."""
@@ -790,7 +786,5 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
 
 
 def _align(g: GroupState) -> bool:
-    """Mamba in 'align' mode: one state block per chunk. 'none' (caching off only)
-    keeps the plain block layout of the other kinds (vLLM `MambaManager` defers
-    to the base manager)."""
-    return g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align"
+    """One state block per chunk (Mamba in 'align' mode, `model.kinds`)."""
+    return rules_for(g.spec).one_state(g.spec)

@@ -167,6 +167,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from model.async_scheduling import Arriving, scheduler_position
 from model.failed_blocks import cut_covering, cut_scanned, deliver, riding_shares, scan_order
+from model.kinds import rules_for
 from model.load_states import FAILED, LOADED, LOADING
 from model.masks import cdiv
 from model.observation import BlockIds, Done, LoadCut, Saving, ScheduleResult
@@ -237,7 +238,7 @@ def spec_step_blocks(m: Machine) -> int:
     """Blocks one decode step's slots take in every group but Mamba's, which counts its
     draft blocks itself (`Scheduler._spec_decode_step_blocks`)."""
     step = spec_step_tokens(m)
-    return sum(cdiv(step, g.bs) for g in m.groups if g.spec.kind != "mamba") if step else 0
+    return sum(cdiv(step, g.bs) for g in m.groups if rules_for(g.spec).counts_step_slots) if step else 0
 
 
 def async_load_reserve(m: Machine) -> int:
@@ -328,7 +329,7 @@ def in_flight_reserve(m: Machine) -> int:
     total = 0
     for r in (r for r in m.requests.values() if r.prefilling):
         for g in m.groups:
-            align = g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align"
+            align = rules_for(g.spec).one_state(g.spec)
             drafts = m.draft_blocks(g)
             # A Mamba 'none' group counts its draft blocks as tokens (`MambaManager`, non-align).
             total += remaining_blocks(
@@ -394,7 +395,7 @@ def handed_blocks(m: Machine, req: RequestState, computed: int) -> tuple[BlockId
     """The block ids a finish hands the connector: per group those covering the
     `computed` tokens (a Mamba group's whole table: vLLM clips attention groups only)."""
     return tuple(
-        tuple(t if g.spec.kind == "mamba" else t[: cdiv(computed, g.bs)])
+        tuple(t[: cdiv(computed, g.bs)] if rules_for(g.spec).hands_computed_only else t)
         for g in m.groups
         for t in [g.tables.get(req.rid, [])]
     )
@@ -606,5 +607,5 @@ def add_external_blocks(m: Machine, g: GroupState, rid: str, computed: int, ext:
         return
     table = g.table(rid)
     table.extend(m.pool.get_new_blocks(max(0, cdiv(computed, g.bs) - len(table))))
-    if g.spec.kind == "mamba" and g.spec.mamba_cache_mode == "align":
+    if rules_for(g.spec).one_state(g.spec):
         m.observer.fired("connector: Mamba external state block")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from model.kinds import rules_for
 from model.masks import cdiv
 from model.pool import Pool
 
@@ -44,7 +45,7 @@ class MambaStates:
         """A Mamba group's draft state blocks: one per speculative token, as vLLM's
         Mamba layers declare them (`MambaBase.get_kv_cache_spec`); 0 without drafts
         and for the other kinds."""
-        return self.num_spec_tokens if g.spec.kind == "mamba" else 0
+        return rules_for(g.spec).draft_blocks(self.num_spec_tokens)  # model.kinds
 
     def _allocate_state(self, g: GroupState, rid: str, main: int) -> list[int]:
         """The blocks a chunk ending at `main` adds to `rid`'s table, in vLLM's order."""
