@@ -1,109 +1,31 @@
-"""Async scheduling: the scheduler runs one step ahead of the model runner (vLLM 0.33.0).
+"""Async scheduling: the scheduler runs one step ahead of the model runner.
 
-With async scheduling (`SchedulerConfig.async_scheduling`, vLLM's default where
-the executor supports it) the engine schedules step N+1 before it processes
-step N's output (`EngineCore.step_with_batch_queue`, a batch queue of two:
-`schedule()`, then `update_from_output()` of the step before). A token a step
-samples is unknown while the next step is scheduled; vLLM's `AsyncScheduler`
-stands in for it with an output placeholder (`Request.num_output_placeholders`,
-raised by `AsyncScheduler._update_after_schedule` for every request whose step
-reaches the end of its known tokens, lowered as its tokens arrive in
-`Scheduler._update_request_with_output`).
+A token a step samples is unknown while the next step is scheduled (vLLM's
+`AsyncScheduler` and its output placeholders). In kvretain's operations a
+`Sample(rid, token)` is in flight when no step was scheduled since, and arrives right
+after the next one is. What the allocator sees differs from synchronous scheduling in
+these ways, and nowhere else:
 
-In kvretain's operations a `Sample(rid, token)` is the token of `rid`'s latest
-step. Where that step's output has not been processed (no step was scheduled
-since), the token is in flight: the scheduler receives it right after the next
-step is scheduled. Otherwise (the request sat out the steps since, its output
-held for the token) it arrives at once. What the allocator sees differs from
-synchronous scheduling in four ways, and nowhere else:
+1. A step schedules an in-flight token's position anyway, as a placeholder: chunks and
+   budgets are unchanged.
+2. Caching at allocation stops at the known tokens (`caching_limit`).
+3. A token's arrival caches the blocks of the processed steps (`arrival_limit`); a
+   request preempted or finished before it arrives caches nothing then.
+4. Windows let go of blocks, and Mamba states retire, on the processed tokens
+   (`processed_limit`): one step later than without async.
+5. With drafts the next step verifies k draft slots, placeholders past the sample's own
+   drafts (`draft_slots`), and counts from the optimistic position until the rejection
+   is processed (`scheduler_position`).
+6. With a KV connector (a consumer) the free of a request whose last step is
+   unprocessed is fenced: its blocks stay held until that output is processed, then
+   return in one reversed free; a step never preempts a request whose free would be
+   fenced (`fenced_victim`); a copy's retained endpoints wait for the step that runs
+   the copy (`FreeFences`).
 
-1. What a step may schedule ahead: a running request whose sampled token is
-   in flight is scheduled that token's position anyway, as a placeholder
-   (`Scheduler.schedule`: `num_tokens_with_spec + num_output_placeholders -
-   num_computed_tokens`): the same one token the model schedules once the
-   token is sampled, so chunks and budgets are unchanged. A request is never
-   named in a step before its `Sample` (as without async: `Checker.validate`),
-   so no request runs more than one token ahead.
-2. Caching at allocation stops at the known tokens: `allocate_slots` caches
-   `min(computed + new, request.num_tokens)` (`KVCacheManager.allocate_slots`),
-   and `request.num_tokens` leaves the in-flight token out
-   (`caching_limit`).
-3. A token's arrival caches: `update_from_output` calls `cache_blocks(request,
-   num_computed_tokens - num_in_flight_tokens)` for a running request that had
-   output placeholders when its sampled token arrives, so the blocks computed
-   by the steps whose outputs have arrived are cached then, not at the
-   request's next allocation (`arrival_limit`). This is documented semantics,
-   not a finding: vLLM caches only tokens it knows, and caches them as soon as
-   it knows them. A request preempted (inside a step, or by `Preempt`) or
-   finished before its token arrives caches nothing then: its output is stale
-   (`Scheduler._preempt_request` marks it, `update_from_output` skips
-   `cache_blocks` for it) or dropped (a finished request's output is ignored).
-4. Blocks leave a sliding window (and Mamba states are retired) on the
-   processed tokens: `allocate_slots` calls `remove_skipped_blocks` with
-   `num_computed_tokens - num_in_flight_tokens`, and while step N+1 is
-   scheduled step N's tokens are still in flight (`processed_limit`), so a
-   window lets go of its blocks one step later than without async.
-
-5. Speculative decoding (`num_spec_tokens = k > 0`, `model.spec_decode`)
-   one step ahead. The scheduler never sees a draft: the engine core does not
-   pass the drafter's proposal to it under async scheduling
-   (`EngineCore.post_step` skips `update_draft_token_ids`; the worker keeps
-   the drafts), and `AsyncScheduler._update_after_schedule` gives every
-   request whose step reached its known tokens k placeholder drafts instead.
-   So the next step verifies k draft slots however many drafts the `Sample`
-   proposed: its drafts fill the first slots, the rest are placeholders,
-   never accepted (`draft_slots`). A sample's accepted drafts and its token
-   all ride on the step's output (`Sample.accepted + 1` unknown tokens: they
-   cap caching as the one token does in 2), and so does its rejection: while
-   the next step is scheduled, the request's computed tokens still count the
-   rejected drafts (`update_from_output` rolls `num_computed_tokens` and
-   `num_output_placeholders` back when the output is processed), so that
-   step's allocation, its window frees and its lookahead slots start from
-   the optimistic position (`scheduler_position`). The chunk, the drafts it
-   verifies and the arrival's caching are unchanged: the placeholders cover
-   the rejected drafts, so they cancel out of the count.
-
-6. With a KV connector (kvretain's plays both roles, `kv_role="kv_both"`, so
-   vLLM counts it a consumer) two steps in flight make vLLM fence block frees
-   (`Scheduler.__init__`: `defer_block_free` when `max_concurrent_batches > 1`
-   and `is_kv_consumer`): a load may refill a freed block while the step in
-   flight still writes it. vLLM counts the steps that scheduled tokens
-   (`sched_step_seq`, raised at the end of `schedule()`) and the outputs of
-   such steps it processed (`processed_step_seq`, raised first thing in
-   `update_from_output`); a request remembers the last step that scheduled it
-   (`last_sched_seq`). Freeing a request (a finish, a preemption, inside a
-   step or not, the free a transfer's report ends) whose last step's output is
-   unprocessed takes its tables away at once but holds its blocks, references
-   and all (`KVCacheManager.pop_blocks_for_free`: every group's blocks, group
-   after group, leading nulls dropped), until the output of the latest step
-   then scheduled is processed (`_free_request_blocks`: fence `sched_step_seq`);
-   they return then in one `free_blocks` over the reversed list
-   (`_drain_deferred_frees`, first thing in `update_from_output`, before the
-   arrivals of 3 cache anything). So the free queue's cached tail lists the
-   last group's blocks first where the direct free lists the first group's.
-   A step whose allocation fails preempts the last running request only
-   where its free would not be fenced (`Scheduler.schedule`: "a deferred free
-   will not help with immediate allocation"; kvretain's connector has no
-   pending block frees to wait for instead, `has_pending_block_frees`):
-   otherwise it preempts nobody, and that request and the running ones after
-   it get nothing this step (`fenced_victim`). A preempted request's output
-   in flight is delivered stale as without a connector (kvretain's connector
-   does not ask to drop it: `requires_kv_delivery` is False). A CoW copy's retained endpoints (`model.fine_mamba`) wait
-   likewise for the output of the step that runs the copy (fence
-   `sched_step_seq + 1`, `_free_cow_retained_blocks`), freed in their order.
-   Fences are drained front to back and stop at the first one not reached.
-   A connector's report (`Loaded`, `Saved`) comes with a step output the
-   engine processes before it schedules again (its batch queue waits on the
-   oldest step when nothing else is scheduled): the latest step's output is
-   processed there, its tokens arrive as in 3 and its fences are reached.
-   `defer_async_loads` (an async load started only once the steps in flight
-   are processed, `deferred_loads`) needs a HiSparse host pool
-   (`kv_cache_config.hisparse_host_num_blocks`), which no kvretain layout
-   has: an async load starts at its admission as without async scheduling.
-   `FreeFences` is that bookkeeping.
-
-`InFlight` is that bookkeeping; `AllocatorModel` (built with
-`async_scheduling=True`) applies it.
+`InFlight` is that bookkeeping; `AllocatorModel(async_scheduling=True)` applies it.
+vLLM 0.33.0's counters and call order that this module predicts (`sched_step_seq`,
+`processed_step_seq`, `_drain_deferred_frees`, ...): docs/semantics.md, "vLLM 0.33.0's
+order, as the machine predicts it".
 """
 
 from __future__ import annotations

@@ -1,162 +1,36 @@
-"""What a KV connector may do to the allocator: external hits, async loads, deferred frees.
+"""What a KV connector may do to the allocator: external hits, async loads, deferred frees, saves.
 
-A KV connector (vLLM `vllm/distributed/kv_transfer/kv_connector/v1/base.py`,
-`KVConnectorBase_V1`) holds KV outside the pool. The scheduler asks it, at a
-waiting request's admission lookup, how many tokens past the local
-prefix-cache hit it can load (`get_num_new_matched_tokens`), and whether the
-load is synchronous (done before the step's forward pass) or asynchronous
-(between steps). kvretain states the connector's answers as operations
-(`model.ops.Offer`, `Loaded`, `Save`, `Saved`); this module states what the
-allocator then does, as vLLM 0.33.0's `Scheduler.schedule` and
-`KVCacheManager.allocate_slots` do (`vllm/v1/core/sched/scheduler.py`,
-`vllm/v1/core/kv_cache_manager.py`):
+A KV connector holds KV outside the pool (vLLM `KVConnectorBase_V1`). kvretain states
+its answers as operations (`model.ops.Offer`, `Loaded`, `Save`, `Saved`); this module
+states what the allocator must then do:
 
-- **External hit.** An offer of the first `n` tokens gives
-  `external_tokens(n, num_tokens, hit)` tokens past the local hit `hit` (never
-  the last token, which is always computed). The admission's allocation holds
-  the hit blocks, then one fresh block per group for each external block inside
-  the window (`allocate_external_computed_blocks`, every group's after every
-  group's hit blocks), then the chunk's blocks; the chunk starts after the
-  external tokens. A sync load caches hit, external and chunk tokens at once,
-  as a local hit would. An offer stands until the request's next admission
-  succeeds (`update_state_after_alloc` consumes it).
-- **Async load (delayed caching).** The admission allocates for the hit and the
-  external tokens only (`allocate_slots(num_new_tokens=0,
-  delay_cache_blocks=True)`), caches nothing, and the request waits
-  (`WAITING_FOR_REMOTE_KVS`) with its computed tokens set; the step goes on to
-  the next waiting request. Its allocation must leave free the blocks every
-  in-flight prefill still needs (`in_flight_reserve`,
-  `Scheduler._inflight_prefill_reserved_blocks`). Its blocks are cached when
-  the step that first reaches it after the load reported promotes it
-  (`Scheduler._update_waiting_for_remote_kv`: `cache_blocks(num_computed)`);
-  it then takes its next chunk without a lookup.
-- **Order.** A request admitted to an async load waits among the requests
-  holding blocks (`Scheduler.kv_holding_waiting`), reached before the other
-  waiting requests, until it runs: also when its promoted chunk did not fit,
-  and when its failed load was freed and its fresh admission did not fit (it
-  stays in that queue). One whose load has not reported is passed over and the
-  step goes on. The order each step leaves the queues in: `model.queues`.
-  That rolled-back request holds no block, yet stays in vLLM's queue of block
-  holders and among its in-flight prefills, reserving its whole sequence: by
-  vLLM's own definitions (`Scheduler.__init__` on `kv_holding_waiting`,
-  `_holds_kv_blocks`, `_inflight_prefill_reserved_blocks`) a defect, registered
-  as failed-load-rollback-reserves-against-itself (`fitting_request_admitted`
-  flags it). The machine predicts vLLM's queue and reservation so the
-  differential stays exact (docs/semantics.md, "Adopted behaviours").
-- **Failed load** (reported as `failed_recving`). "recompute" policy: nothing
-  loaded is kept. At promotion every block of the request is freed
-  (`KVCacheManager.free`), its computed tokens are 0 and it is admitted afresh
-  in the same turn (a new lookup; the consumed offer is gone). "fail" policy:
-  the report ends the request with an error (`update_from_output`:
-  `finish_requests(FINISHED_ERROR)`, then the receive frees its blocks), freed
-  as a finish is.
-- **Deferred free.** A request finished while its load is in flight keeps its
-  blocks until the load reports (`Scheduler.finish_requests`:
-  `delay_free_blocks`, then `_update_from_kv_xfer_finished`). With a connector,
-  every finish first frees the blocks that left the request's windows
-  (`Scheduler._connector_finished`: `remove_skipped_blocks` on its processed
-  tokens: computed, less those of the latest step when no step, load report
-  or (with drafts) sample has delivered its output yet,
-  `Request.num_in_flight_tokens`), then the rest.
+- **External hit.** An offer of the first `n` tokens adds `external_tokens(n,
+  num_tokens, hit)` tokens past the local hit (never the last token). The admission
+  holds the hit blocks, one fresh block per group for each external block inside its
+  window, then the chunk's blocks, from `hit + ext`. A sync load caches them as a local
+  hit would. An offer stands until the request's next admission succeeds.
+- **Async load.** The admission allocates for the hit and the external tokens only,
+  caches nothing, and leaves free what every in-flight prefill still needs
+  (`async_load_reserve`); the request waits among the block holders until its load
+  reports, then is cached and takes its next chunk without a lookup (`wait_turn`).
+- **Failed load.** "recompute": nothing loaded is kept, the request is freed and
+  admitted afresh; "fail": the report ends it with an error, freed as a finish is.
+- **Deferred free.** A request finished while its load or its save is in flight keeps
+  its blocks until that transfer reports, and until both have where both are (`finish`,
+  `loaded`, `saved`); a finish first frees the blocks out of its windows.
+- **Saves.** A finish hands the connector, per group, the blocks covering its computed
+  tokens, nulls included (a Mamba group's whole table: `handed_blocks`).
+- **Mamba (align).** External tokens give one block, the state after the last external
+  token (`external_state_blocks`); the chunk's own state comes after it.
+- **A hit's sub-block tail** is superseded by external tokens past it (`superseded_tail`).
+- **Failed blocks**: `model.failed_blocks`.
 
-- **Saves** (`Save`, `Saved`). A finish hands the connector the request's
-  block ids per group covering its computed tokens, after the out-of-window
-  blocks went (`Scheduler._connector_finished`:
-  `get_block_ids_for_computed_tokens`: an attention group's first
-  `cdiv(computed, block_size)` ids, null padding included); for a request it
-  saves that is the observation (`Saving`). When it saves the request and
-  was handed a block, it defers the free (`request_finished` returns
-  `delay_free_blocks=True`): the blocks stay held, neither free nor
-  evictable, until the worker reports the save (`finished_sending`:
-  `Scheduler._update_from_kv_xfer_finished` -> `_free_blocks`), then are
-  freed as a finish frees them. A request finished while its load is in
-  flight, or ended by a failed load ("fail", its load reporting then), that
-  the connector saves is held by both transfers: its blocks are freed only
-  when the load and the save have both reported, in either order (the
-  other transfer may still use them). vLLM 0.33.0 frees them at the first
-  report and asserts at the second: a known finding
-  ("save-during-load-freed-at-first-report"), not vLLM's behaviour stated.
-
-- **A Mamba group** (align: one state per chunk, `model.mamba_states`). Only
-  the state after the last external token is read, so external tokens give
-  the request's table nulls up to the block holding that token and one fresh
-  block there, the state the load writes (vLLM's base
-  `allocate_external_computed_blocks` with `MambaManager`'s window of one
-  token; the local hit's blocks fall behind it and are not taken). The
-  chunk then starts from that state: its own state block comes after it when
-  the chunk ends in a later block, and the external one becomes the stale
-  state the next allocation frees. The admission takes both
-  (`external_state_blocks`), and the hit blocks behind them stay free.
-  vLLM 0.33.0's `MambaManager.get_num_blocks_to_allocate` caps the group's
-  count at one state block and adds the free hit blocks: where that comes to
-  fewer than the admission takes (no free hit block), `get_new_blocks` raises
-  inside `allocate_slots` with the pool holding exactly the count; where it
-  comes to more (a free hit block, external and chunk state in one block, or
-  an async load), vLLM refuses though fewer would do, on an idle pool too
-  (finding vllm-mamba-external-state-overcounted: `fitting_request_admitted`
-  counts what the admission takes and flags it). The machine asks for the
-  larger of the two: it refuses where vLLM raises (the finding
-  vllm-mamba-external-state-uncounted) and predicts vLLM's refusal. An in-flight
-  prefill's Mamba group still needs one state block at most, which is what an
-  async load's admission leaves it (`remaining_blocks`). Caching,
-  delayed caching, promotion, failed loads and deferred frees are as above:
-  the state block is cached under the key of the block it sits in. In
-  'none' mode (caching off) the external tokens take the same one block and
-  the chunk its blocks as an attention group does.
-
-- **A hit's sub-block tail** (fine-grained Mamba hits, `model.fine_mamba`: a
-  hit may end inside a scheduler block). The connector is asked past the
-  hit cut to its last whole scheduler block; when it offers more than the
-  cut-off tail, the admission adopts the cut hit (`truncate_computed_blocks`:
-  per group the blocks under the cut, a Mamba group's as many as it has)
-  and the external tokens cover the tail too, so nothing is copied
-  (`superseded_tail`); otherwise the hit stands and nothing is external. The
-  observation keeps the lookup's hit and blocks, and the external tokens
-  past it.
-
-- **Failed blocks** (`Loaded(rid, True, invalid)`: a load failed on some of
-  its blocks, async or sync, and whom the cut reaches): `model.failed_blocks`.
-- **With speculative decoding** (`num_spec_tokens = k > 0`, `model.spec_decode`;
-  vLLM 0.33.0 `Scheduler.__init__` and the waiting pass of `schedule`):
-  - An async load's admission reserves no lookahead slots (`allocate_slots(
-    num_lookahead_tokens=0)`: no forward pass runs until the load is in), and
-    is never padded (it schedules no token). It must leave free, besides the
-    in-flight prefills' blocks, one decode step's slots in every group but a
-    Mamba one (`spec_step_blocks`: `cdiv(1 + k + num_lookahead_tokens,
-    block_size)` per group, `Scheduler._spec_decode_step_blocks`; a Mamba
-    group counts its draft blocks itself). Each in-flight prefill's share
-    then counts that step past its sequence (`_request_remaining_blocks`: the
-    sequence plus `1 + k + num_lookahead_tokens` tokens; a Mamba group (align)
-    its `k` draft blocks past its state, 'none' mode those as tokens).
-  - The promoted request's next chunk (`promoted_chunk`) reserves the
-    lookahead as every allocation does, and is padded as an admission is
-    (`padded_admission`): its computed tokens count as a hit, so a one-token
-    chunk is padded with k placeholder drafts unless the step ran a prefill
-    chunk; a padded chunk over the budget left, or a Mamba split to nothing,
-    ends the step's admissions before any allocation (`UNSEEN_END`: no
-    scheduler output shows that turn). The chunk sets the request's prefill
-    flag as a running request's does (`is_prefill_chunk`).
-  - A sync load's external tokens count as a hit for the padding too
-    (`num_computed_tokens > 0`): a one-token admission after them is padded
-    even when the step ran nothing else.
-  - A sample delivers its request's share of the step output at once
-    (`update_from_output`), so a finish after it frees the out-of-window
-    blocks on all its computed tokens (`Request.num_in_flight_tokens` is 0).
-  - A request cut by failed blocks keeps the prefill flag its last step set
-    (vLLM's `_update_requests_with_invalid_blocks` leaves `is_prefill_chunk`
-    alone): the padding of a later admission reads that flag. A policy
-    prediction: stale by vLLM's own definition (`_update_after_schedule`), but
-    only policies read it (padding for a uniform decode batch, draft
-    acceptance, DP prefill deferral), no contract (docs/semantics.md,
-    "Adopted behaviours").
-  - Mamba groups: the async admission takes the external state block and the
-    k draft blocks past it (`MambaManager` counts them on a request's first
-    allocation whatever the lookahead), the promoted chunk moves them as a
-    running request's are (`model.mamba_states`).
-  Under async scheduling (target "vllm-async-scheduler") vLLM fences the
-  frees of requests whose last step is in flight (`model.async_scheduling`,
-  6); a finish reads its computed tokens as the scheduler counts them then
-  (`finish_tokens`), and a report processes the latest step's output first.
+Where the machine predicts a vLLM policy rather than a contract (a promoted chunk's
+padding and `UNSEEN_END`, the stale `is_prefill_chunk` of a cut request) or a
+registered defect (a rolled-back load left in `kv_holding_waiting` and in the
+reservation; the Mamba external-state counts), the function says so. vLLM 0.33.0's
+order of effects, which this docstring no longer narrates: docs/semantics.md,
+"vLLM 0.33.0's order, as the machine predicts it".
 """
 
 from __future__ import annotations

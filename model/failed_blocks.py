@@ -1,118 +1,31 @@
-"""Loads failed on some blocks: whom vLLM's cut reaches, and where it cuts them
-(`Scheduler._handle_invalid_blocks`, `_update_requests_with_invalid_blocks`).
+"""Loads failed on some blocks: which requests the cut reaches, and where it cuts them.
 
-A KV connector's worker reports the blocks a load failed on
-(`KVConnectorOutput.invalid_block_ids`); `model.connector` states the rest of
-the connector's contract (offers, loads, promotion, deferred frees, saves) and
-applies the cut stated here, ending the requests it reaches under "fail".
+A connector's worker may report the blocks a load failed on (`Loaded(rid, True,
+invalid)`, vLLM's `invalid_block_ids`; one KV cache group only: vLLM raises on more).
+`model.connector` applies what is stated here:
 
-- **Failed blocks** (`Loaded(rid, True, invalid)`, the report's
-  `invalid_block_ids`; a single KV cache group only: vLLM raises on more, as
-  block ids are unique per group only). The async load of `rid` failed on
-  some of its blocks (`failable_blocks`: covering its computed tokens, where
-  the cut is stated, `cut_stated`). vLLM scans the async loads waiting among
-  the requests holding blocks (`kv_holding_waiting` in status
-  `WAITING_FOR_REMOTE_KVS`: in flight, or reported and not yet promoted; `rid`
-  among them), in that queue's order, then, marking afresh, the running
-  requests in `running`'s order (`scan_order`; both as `model.queues.QueueOrder`
-  keeps them between steps). Of the scanned requests whose computed tokens
-  cover a failed block, the first to reach it marks it; each is cut to the
-  start of its first failed block no earlier request marked, and one whose
-  failed blocks were all marked keeps its computed tokens
-  (`_update_requests_with_invalid_blocks`, `cut_covering`; the observation,
-  `LoadCut`: `rid`'s tokens and every other request's that changed). So
-  `rid` itself may keep a failed block another load marked, and a reported
-  load cut to nothing is rolled back at its promotion. Not scanned, so not
-  cut: a waiting request promoted whose chunk did not fit, a finished one
-  whose free is deferred.
-  "recompute": at promotion a valid prefix is cached and the request takes
-  its next chunk from there with the blocks it holds; an empty one is freed
-  and re-admitted, as a failed load (`_update_waiting_for_remote_kv`); a cut
-  running request takes its next chunk from its cut. No hash is evicted: the
-  failed blocks keep theirs until recomputed in place (an async load's are
-  not cached: only its valid prefix is, at promotion).
-  "fail": every request the cut reached ends with an error, freed (after its
-  out-of-window blocks on the cut computed tokens) as a finish is (`end_all`),
-  and the hashes of each cut running request's blocks from its first failed
-  block on are evicted (`KVCacheManager.evict_blocks`; an async load's blocks
-  are not cached).
-- **A sync load's failed blocks** (`Loaded(rid, True, invalid)` right after
-  the step that ran `rid`'s sync load, or after samples of that step's
-  requests: the worker reports them with that step's output, which carries
-  the samples too, `sync_load_failed`, `sample_rides`). `invalid` names blocks
-  holding its external tokens (`sync_failable_blocks`); the step's output
-  comes whole (no other request of the step still awaits its sample). A
-  sampled one's tokens ride on it and are dropped if the request is cut:
-  vLLM skips its output; the others' outputs are processed after the cut,
-  which counts a sample's rejected drafts as the scheduler does, not rolled
-  back yet. Under async scheduling the output's fenced frees come before the
-  cut and the tokens arrive after it (`model.async_scheduling`); with drafts
-  under synchronous scheduling, where a sample's output is otherwise
-  processed at once (`model.spec_decode`), a sample of the step waits for the
-  report's turn (`output_waits`): its blocks are cached after the cut, or,
-  where the next operation is not the report, before that operation. vLLM
-  cuts the step's async loads holding one, then every running request whose
-  computed tokens before the step cover one, in scan order (`scan_order`,
-  `cut_covering`): at its first failed block no earlier request marked, or, where an earlier request (the loading one)
-  marked them all, back to its tokens before the step (it keeps the hit on
-  the failed blocks, which the loading request recomputes). The running ones
-  lose the step's output. "recompute": they go on from their cut, nothing is
-  evicted: the failed blocks, cached at the admission, keep their hashes to
-  be recomputed in place, and a request hitting them in the step that
-  recomputes them reads them right (a forward pass writes each layer's KV
-  before attention reads it). A cut request preempted or aborted before that
-  step leaves them to be hit: KV never loaded nor computed served, vLLM
-  0.33.0's behaviour stated here and a known finding
-  ("sync-load-failed-block-hash-kept", flagged by `hit_serves_written_kv` on
-  vLLM and the model alike), not the contract; so is a request put back to
-  its hit on a block the loading request marked, which reads it in its next
-  step whether or not that one recomputed it first
-  ("sync-load-failed-block-read-before-recompute", `step_reads_written_kv`).
-  "fail": the hashes of each cut running request's blocks from its first
-  failed block on are evicted (`KVCacheManager.evict_blocks`: KV computed on
-  the failed block) and every cut request ends with an error, freed as a
-  finish is (`end_all`); the connector saves one if asked.
-- **Several requests ended at once** ("fail", a failed block more than one
-  scanned request covers): vLLM ends them in one `finish_requests` over a set
-  of their ids, each freed as a finish frees it, one after another; but the
-  async load whose report this is is freed after them all (its free waits
-  for its load's report, which the same output carries and vLLM processes
-  after the finishes, `_update_from_kv_xfer_finished`). The order of the
-  ends is not part of the contract: it follows the set's iteration, which
-  string hashing decides (`PYTHONHASHSEED`), so it differs across processes
-  while the free queue, and every later block id, depend on it. The model
-  leaves it open: the observation (`LoadCut.ended`) names the ended requests
-  in the order vLLM ended them, any order of exactly them is allowed, and
-  the model ends them in the order its observer chooses (`model.seams.Observer`,
-  the judge's: the order the target ended them in); in id order where no one chose.
+- Only blocks whose cut is stated may be named (`failable_blocks`,
+  `sync_failable_blocks`, `cut_stated`): generation keeps to them.
+- The cut scans the async loads holding blocks in their queue's order, then the running
+  requests in theirs (`scan_order`). Each scanned request whose computed tokens before
+  the latest step cover a failed block is cut to the start of its first failed block no
+  earlier request marked; one whose failed blocks were all marked keeps its tokens
+  (`cut_covering`). The report shows `LoadCut`; a load cut to nothing is rolled back.
+- A request awaiting its sample whose share rides on the report is cut as any holder
+  and loses its sample (`riding_shares`).
+- A sync load's failed blocks come with the output of the step that ran it, whole, with
+  the samples riding on it (`SyncReport`, `turn`, `sample_rides`, `output_waits`).
+- "recompute": the cut requests go on from their cut; no hash is evicted. "fail": the
+  cut running requests' blocks from their first failed one lose their hashes and every
+  cut request ends with an error, freed as a finish is, in an order the contract leaves
+  open (`model.connector.end_all`; the observer chooses, `model.seams.Observer`).
 
-- **A holder awaiting its sample**: the report of an async load's failed blocks
-  rides on the latest step's output, with the shares of it still held for
-  their samples (`riding_shares`; under async scheduling that output is the
-  one the report processes first, `model.async_scheduling`). A request
-  awaiting its sample from that step is scanned on its computed tokens
-  before the step; one whose blocks there hold a failed block is cut as any
-  holder is (`cut_covering`: back to those tokens if an earlier request
-  marked them all) and loses its sample and the drafts the step verified:
-  vLLM skips its output (`failed_kv_load_req_ids`), so it no longer awaits
-  one and recomputes from its cut. The shares of the others stay held for
-  their samples. Under async scheduling vLLM 0.33.0 keeps a cut request's
-  output placeholders, which its next steps schedule as tokens: a known
-  finding ("async-load-cut-keeps-placeholders"), not the contract. The
-  output is one in vLLM, so a share of it delivered before the report (a
-  sampled request of the step) is scanned on its tokens before the step too:
-  kvretain delivers such a share on its own, so a report naming a block a
-  rider holds names none such a share holds (`failable_blocks`).
-
-Not stated (generation avoids them): a failed block a request awaiting its
-sample covers where its share is not in the latest step's output (an earlier
-step's: kvretain keeps no share of it), where only that step's own tokens reach it
-(in vLLM the request is not cut and its sample is taken with the report: kvretain
-gives a sample its own operation, and the sample then the report is that output); a
-rider together with a share of the same output delivered before the report (above);
-a sync load's failed blocks reported after another
-operation than its step and its samples, or while another request of the step awaits
-its sample (the step's output would not come whole).
+The scan order is vLLM's policy (`Scheduler._handle_invalid_blocks`,
+`_update_requests_with_invalid_blocks`, vLLM 0.33.0): predicted, no claim to be correct.
+Stated as vLLM's behaviour and registered as findings, not the contract:
+sync-load-failed-block-hash-kept, sync-load-failed-block-read-before-recompute,
+async-load-cut-keeps-placeholders. vLLM's order scan by scan, and what generation leaves
+out: docs/semantics.md, "vLLM 0.33.0's order, as the machine predicts it".
 """
 
 from __future__ import annotations

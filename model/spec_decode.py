@@ -32,7 +32,7 @@ targets that state `TargetFeatures.real_scheduler`.
   `num_computed` (`update_from_output` calls `KVCacheManager.cache_blocks` for
   every sampled request when k > 0).
 
-With a KV connector (`model.connector`, "With speculative decoding"): an async
+With a KV connector (`model.connector`; docs/semantics.md, the connector's "With speculative decoding"): an async
 load's admission reserves no lookahead and leaves one decode step's slots
 free, external tokens count as a hit for the padding, and the chunk after a
 load is padded as an admission is.
