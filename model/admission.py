@@ -21,6 +21,9 @@ default 0.0). A running request's allocation passes neither gate.
 
 A release table is not needed: every release the real-scheduler target drives
 has both settings (`invariants.targets.vllm_capabilities.SCHEDULER_API`).
+
+vLLM's policy, read from `Scheduler.schedule` and `KVCacheManager.allocate_slots` in
+vLLM 0.33.0; predicted, no claim to be correct.
 """
 
 from __future__ import annotations

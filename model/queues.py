@@ -49,6 +49,10 @@ Before vLLM 0.31 there is no `kv_holding_waiting`: a target of such a release
 reports every waiting request in `waiting` (no connector runs there: nothing
 holds blocks while it waits). Priority scheduling is not stated (kvretain
 never sets a priority).
+
+vLLM's policy, read from `Scheduler.schedule` and `FCFSRequestQueue` in vLLM 0.33.0;
+predicted, no claim to be correct: a target that orders otherwise and keeps every
+contract is POLICY DRIFT (docs/semantics.md, "Verdicts").
 """
 
 from __future__ import annotations

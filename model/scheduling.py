@@ -9,6 +9,9 @@ ends, so the hit a later request can get depends on the scheduler's split
 boundary, so its state exists to be keyed. Internal prefill checkpoints are
 not modeled, nor two admission policies of vLLM's `Scheduler.schedule`
 (`scheduler_reserve_full_isl`, spec-decode padding: docs/semantics.md).
+
+vLLM's policy, read from `Scheduler.schedule` and `_mamba_block_aligned_split` in
+vLLM 0.33.0; predicted, no claim to be correct.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ Not modeled: the per-step input budget (`max_num_batched_tokens` less the
 draft slots of each request, never binding at kvretain's sizes), the
 `max_model_len` caps of drafts and padding (kvretain's requests stay far below
 it), dynamic k, and drafts rejected by a grammar.
+
+vLLM's policy, read from `Scheduler.schedule` (`pad_spec_decode`) and
+`update_draft_token_ids` in vLLM 0.33.0; predicted, no claim to be correct (the
+drafts' verification and rollback are contract: docs/semantics.md, "Adopted behaviours").
 """
 
 from __future__ import annotations

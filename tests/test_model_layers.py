@@ -8,7 +8,10 @@ planted bad input too, and must report it.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import model
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "model"
@@ -217,3 +220,59 @@ def test_control_planted_judge_state_is_reported() -> None:
     for line, reported in planted.items():
         found = judge_state("model.connector", clean + f"\n\ndef _planted(self, seen, x):\n    {line}\n")
         assert any(reported in f for f in found), (line, found)
+
+
+# ------------------------------------------------------------------------------- layers
+POLICY_SENTENCE = re.compile(
+    r"vLLM's policy, read from .+ in vLLM \d+\.\d+.*predicted, no claim to be correct"
+)
+
+
+def _top(module: str) -> str:
+    """model.radix.tree -> radix; model -> ''."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def layer_problems(sources: dict[str, str], layers: dict[str, str]) -> list[str]:
+    """What breaks `model.LAYERS`: a module on disk and not on the map (or the reverse), a
+    layer the map does not know, a contract module importing a machine module (TYPE_CHECKING
+    included), a policy module whose docstring does not say it is vLLM's policy."""
+    on_disk = {_top(m) for m in sources} - {""}
+    problems = [f"model.{m}: on disk, not on model.LAYERS" for m in sorted(on_disk - set(layers))]
+    problems += [f"model.{m}: on model.LAYERS, not on disk" for m in sorted(set(layers) - on_disk)]
+    problems += [f"model.{m}: no such layer {k!r}" for m, k in layers.items() if k not in KNOWN_LAYERS]
+    for module, deps in import_graph(sources).items():
+        if layers.get(_top(module)) == model.CONTRACT:
+            problems += [
+                f"{module} (contract) imports {d} (machine)"
+                for d in sorted(deps)
+                if layers.get(_top(d)) == model.MACHINE
+            ]
+    for module, source in sources.items():
+        if layers.get(_top(module)) == model.POLICY:
+            doc = " ".join((ast.get_docstring(ast.parse(source)) or "").split())
+            if not POLICY_SENTENCE.search(doc):
+                problems.append(f"{module} (policy): its docstring does not say whose policy it predicts")
+    return problems
+
+
+KNOWN_LAYERS = frozenset({model.CONTRACT, model.POLICY, model.MACHINE, model.SGLANG})
+
+
+def test_every_model_module_is_on_the_layer_map() -> None:
+    assert layer_problems(model_sources(), model.LAYERS) == []
+
+
+def test_control_layer_map_breaks_are_reported() -> None:
+    sources = model_sources()
+    unmapped = dict(model.LAYERS)
+    del unmapped["kinds"]
+    assert layer_problems(sources, unmapped) == ["model.kinds: on disk, not on model.LAYERS"]
+    upward = dict(sources)
+    upward["model.masks"] += "\nfrom model.pool import Pool  # noqa\n"
+    assert layer_problems(upward, model.LAYERS) == ["model.masks (contract) imports model.pool (machine)"]
+    unsaid = dict(sources)
+    unsaid["model.queues"] = unsaid["model.queues"].replace("vLLM's policy", "vLLM's order", 1)
+    assert layer_problems(unsaid, model.LAYERS) == [
+        "model.queues (policy): its docstring does not say whose policy it predicts"
+    ]
