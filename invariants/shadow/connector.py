@@ -212,10 +212,8 @@ class ShadowConnector:
         for load in self.inflight.values():
             load.cut |= load.rid in failed or bool(bad.intersection(b for g in load.blocks for b in g))
         done = []
-        for rid in sorted(set(finished_recving)):
-            load = self.inflight.pop(rid, None)
-            if load is None:
-                continue
+        for rid in sorted(set(finished_recving) & set(self.inflight)):
+            load = self.inflight.pop(rid)
             self._check_holds(load.rid, load.blocks, LOADS, "its load reports")
             done.append(load)
             if rid not in self.gone:

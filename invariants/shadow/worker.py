@@ -222,7 +222,7 @@ class ShadowWorker:
         bs = self.groups[group].block_size
         return list(row) if row is not None and len(row) == bs else [None] * bs
 
-    def write_slots(self, block: int, group: int, offset: int, ids: Sequence[int]) -> None:
+    def write_slots(self, block: int, group: int, offset: int, ids: Sequence[int | None]) -> None:
         """A transfer writes `ids` into `block`'s slots from `offset` on (laid out for `group`)."""
         bs = self.groups[group].block_size
         row = self.kv.get(block)
