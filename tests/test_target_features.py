@@ -13,8 +13,8 @@ from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker
 from invariants.targets.base import Target, TargetFeatures, adopt
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.reference import ReferenceTarget
-from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget
-from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+from invariants.targets.vllm_async_scheduler_target import VllmAsyncDirectedTarget, VllmAsyncSchedulerTarget
+from invariants.targets.vllm_scheduler_target import VllmDirectedTarget, VllmSchedulerTarget
 from invariants.targets.vllm_target import VllmManagerTarget
 from model.config import Config, GroupSpec
 from model.observation import Done, Observation, Snapshot
@@ -31,6 +31,8 @@ def test_the_registry_sets_are_what_the_builtin_classes_state() -> None:
         "vllm-manager": VllmManagerTarget,
         "vllm": VllmSchedulerTarget,
         "vllm-async-scheduler": VllmAsyncSchedulerTarget,
+        "vllm-directed": VllmDirectedTarget,
+        "vllm-async-scheduler-directed": VllmAsyncDirectedTarget,
     }
     assert set(builtins) == set(registry.BUILTIN_TARGETS)
     assert {n for n, cls in builtins.items() if cls.features.pinning} <= registry.PINNING_TARGETS
@@ -45,6 +47,9 @@ def test_the_registry_sets_are_what_the_builtin_classes_state() -> None:
     }
     assert {n for n in registry.BUILTIN_TARGETS if n in registry.QUEUE_TARGETS} == {
         n for n, cls in builtins.items() if cls.features.queues
+    }
+    assert {n for n in registry.BUILTIN_TARGETS if n in registry.ENGINE_STEP_TARGETS} == {
+        n for n, cls in builtins.items() if cls.features.engine_steps
     }
     assert all(cls.features.partial for cls in builtins.values())
 
