@@ -28,7 +28,13 @@ vLLM 0.33.0; predicted, no claim to be correct.
 
 from __future__ import annotations
 
+from model.config import Config
 from model.masks import cdiv
+from model.scheduling import build_budget, seq_cap
+
+# At most this many sequences in kvretain's builds of vLLM's scheduler
+# (`invariants.targets.vllm_scheduler_build.MAX_NUM_SEQS`; a test ties the two).
+BUILD_MAX_NUM_SEQS = 128
 
 
 def watermark_blocks(watermark: float, num_blocks: int) -> int:
@@ -51,10 +57,22 @@ def full_sequence_tokens(num_tokens: int, max_model_len: int) -> int:
 
 def admission_cap_blocks(window: int, block_size: int, in_flight_tokens: int, max_model_len: int) -> int:
     """A sliding-window group's cap on the full-sequence count, in blocks: the window's
-    last `window - 1` tokens plus the tokens in flight, at most max_model_len (vLLM
+    last `window - 1` tokens plus the tokens in flight, at most max_model_len, and one block
+    more (the window may start inside a block) (vLLM
     `SlidingWindowSpec.max_admission_blocks_per_request`, without multi-module MTP's
     extra retained tokens). `in_flight_tokens`: `VllmConfig.max_in_flight_tokens`."""
-    return cdiv(min(window - 1 + in_flight_tokens, max_model_len), block_size)
+    return cdiv(min(window - 1 + in_flight_tokens, max_model_len), block_size) + 1
+
+
+def in_flight_tokens(cfg: Config, async_scheduling: bool) -> int:
+    """vLLM's `VllmConfig.max_in_flight_tokens` for the engine built for `cfg`: its concurrent
+    batches (2 under async scheduling, else 1: `max_concurrent_batches`, no pipeline
+    parallelism) times its `max_num_batched_tokens`: the step budget (`build_budget`), for a
+    draft model plus one drafting slot per sequence (`vllm_scheduler_build.vllm_config`)."""
+    batched = build_budget(cfg)
+    if cfg.num_lookahead_tokens and not cfg.eagle:
+        batched += min(BUILD_MAX_NUM_SEQS, seq_cap(cfg))
+    return (2 if async_scheduling else 1) * batched
 
 
 def full_sequence_fits(full_blocks: int, watermark: int, num_free: int) -> bool:

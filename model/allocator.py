@@ -607,12 +607,12 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         return adm.full_sequence_fits(blocks, wm, self.pool.num_free())
 
     def _admission_cap(self, g: GroupState) -> int | None:
-        """A sliding-window group's full-sequence cap (`model.admission.admission_cap_blocks`);
-        the tokens in flight are max_model_len (the builds' `max_num_batched_tokens`)."""
+        """A sliding-window group's full-sequence cap (`model.admission.admission_cap_blocks`)
+        over the tokens the engine built for this configuration keeps in flight."""
         if g.spec.kind != "swa":
             return None
         assert g.spec.sliding_window is not None
-        in_flight = self.cfg.max_model_len
+        in_flight = adm.in_flight_tokens(self.cfg, self.in_flight is not None)
         return adm.admission_cap_blocks(g.spec.sliding_window, g.bs, in_flight, self.cfg.max_model_len)
 
     def skipped_tokens(self, g: GroupState, computed: int) -> int:

@@ -56,7 +56,7 @@ def test_rules() -> None:
     assert adm.full_sequence_fits(5, 2, 7) and not adm.full_sequence_fits(6, 2, 7)
     assert adm.chunk_fits(2, 3, 7, 2) and not adm.chunk_fits(3, 3, 7, 2)
     assert adm.full_sequence_tokens(10, 8) == 8
-    assert adm.admission_cap_blocks(5, 2, 4, 4096) == 4  # (5 - 1 + 4) / 2
+    assert adm.admission_cap_blocks(5, 2, 4, 4096) == 5  # (5 - 1 + 4) / 2, + 1
 
 
 def test_configuration_rules_and_json() -> None:
@@ -229,3 +229,52 @@ def test_full_sequence_gate_counts_mamba_external_state_as_vllm(planted: bool) -
         d.do(AddRequest("r2", (3, 3, 3, 3, 2, 3, 3, 3, 3, 2, 1, 3, 2)), Offer("r2", 2, "sync"))
         d.do(Step(("r2",), 64))
         assert bool(d.audited()) == planted
+
+
+# ---------------------------------------------------------------- the sliding-window cap on the gate
+SWA_CAPPED = Config(
+    groups=(GroupSpec("full", 2), GroupSpec("swa", 2, sliding_window=3)),
+    num_blocks=14,
+    max_model_len=4096,
+    reserve_full_isl=True,
+    max_num_batched_tokens=4,
+)
+
+
+def test_in_flight_tokens_as_built() -> None:
+    """`model.admission.in_flight_tokens` is the `max_in_flight_tokens` of the engine built
+    for the configuration (budget, a draft model's slots, async scheduling's two batches)."""
+    from invariants.targets.vllm_scheduler_build import MAX_NUM_SEQS
+
+    assert adm.BUILD_MAX_NUM_SEQS == MAX_NUM_SEQS
+    cases = [
+        (SWA_CAPPED, False),
+        (SWA_CAPPED, True),
+        (SWA_CAPPED.with_(num_lookahead_tokens=2, max_num_seqs=2), False),
+        (SWA_CAPPED.with_(eagle=True, num_lookahead_tokens=1), True),
+        (cfg(), False),
+    ]
+    if not _OK:
+        assert adm.in_flight_tokens(SWA_CAPPED, True) == 8
+        return
+    from invariants.targets.vllm_scheduler_build import vllm_config
+
+    for c, async_scheduling in cases:
+        built = vllm_config(c, async_scheduling=async_scheduling).max_in_flight_tokens
+        assert adm.in_flight_tokens(c, async_scheduling) == built, (c, async_scheduling)
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("planted", [False, True])
+def test_full_sequence_gate_caps_sliding_window_groups(planted: bool) -> None:
+    """20 tokens on 13 free blocks: the whole sequence takes 9 full-attention blocks and, capped
+    at the window plus the 4 tokens in flight (and one), 4 sliding-window ones: admitted. Control:
+    the cap read over max_model_len (10 blocks) refuses it, a difference from vLLM."""
+    in_flight = adm.in_flight_tokens
+    plant = (lambda c, a: c.max_model_len) if planted else in_flight
+    with patched(adm, "in_flight_tokens", plant):
+        d = Drive(SWA_CAPPED, _factory("vllm"))  # type: ignore[arg-type]
+        d.do(AddRequest("r", tuple(range(1, 19))), Step(("r",), 4))
+        assert bool(d.audited()) == planted
+        assert _admitted(d.seen[-1]) == {"r": 4}  # vLLM's decision; the planted model refuses
