@@ -136,6 +136,19 @@ class Keyed(tuple):  # type: ignore[type-arg]
     def __getnewargs__(self) -> tuple[Any, ...]:
         return (tuple(self), self.identity)
 
+    # Equal to a token tuple only with the same identity (a plain tuple has none): two
+    # requests of one prompt and two tenants are two states (explore's fingerprints).
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, tuple):
+            return NotImplemented
+        return identity_of(other) == self.identity and tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = tuple.__hash__
+
 
 def keyed(tokens: Sequence[int], identity: Identity | None) -> tuple[int, ...]:
     """`tokens` carrying `identity` (a plain tuple without one)."""
