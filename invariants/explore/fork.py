@@ -1,11 +1,15 @@
 """Forking a checked state: a frozen copy of a `Checker` (model, target, history).
 
-The search keeps one frozen copy per frontier state and thaws a fresh one for
-each operation it tries from there. A copy is a pickle (four to ten times
-faster than `copy.deepcopy` of the same checker, and compact while it waits
-in the frontier). Objects pickle cannot carry by value (modules, functions and
-closures such as vLLM's request block hasher) are shared by reference, which
-is what `copy.deepcopy` does with them too: they hold no allocator state.
+The search keeps one frozen copy per frontier state and thaws it when it
+expands that state (once, restoring it in place between the operations it
+tries: `invariants.explore.undo`; or once per operation: `restore="pickle"`).
+A copy is a pickle (four to ten times faster than `copy.deepcopy` of the same
+checker, and compact while it waits in the frontier). Objects pickle cannot
+carry by value (modules, functions and closures such as vLLM's request block
+hasher) are shared by reference, which is what `copy.deepcopy` does with them
+too: they hold no allocator state. They are named by their id in this
+process, so a frozen copy thaws only in the process that froze it (or a fork
+of it made later).
 
 A fork is checked against re-execution of the path that reached it
 (`invariants.explore.search` does this once per instance): the thawed copy and
@@ -35,18 +39,27 @@ def _bound(func: Any, owner: Any) -> types.MethodType:
     return types.MethodType(func, owner)
 
 
-class _SharingPickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, shared: dict[int, Any]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.shared = shared
+# What forks share by reference, by id (kept alive here, so an id stays valid): process-wide,
+# so a frozen fork thaws with plain `pickle.loads`.
+_SHARED: dict[int, Any] = {}
 
-    def persistent_id(self, obj: Any) -> int | None:
-        if isinstance(obj, SHARED_TYPES):
-            self.shared[id(obj)] = obj  # kept alive here, so the id stays valid
-            return id(obj)
-        return None
+
+def _shared(key: int) -> Any:
+    return _SHARED[key]
+
+
+class _SharingPickler(pickle.Pickler):
+    """Shares `SHARED_TYPES` by reference. In `reducer_override`, not `persistent_id`:
+    the pickler calls that for every object, ints and strings included, this one only
+    for objects that are no atom and not already in the memo."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, SHARED_TYPES) and obj is not _shared:
+            _SHARED[id(obj)] = obj
+            return _shared, (id(obj),)
         # A method bound on one object (a mutant rebinding an instance attribute):
         # plain pickle saves it as getattr(owner, function name), which names another
         # attribute. Rebuild it from the shared function and the copied owner instead.
@@ -55,22 +68,12 @@ class _SharingPickler(pickle.Pickler):
         return NotImplemented
 
 
-class _SharingUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, shared: dict[int, Any]) -> None:
-        super().__init__(file)
-        self.shared = shared
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self.shared[pid]
-
-
 class Freezer:
     """Freezes checkers to bytes and thaws fresh copies. Plain pickle when the
     target allows it (decided on the first freeze), else sharing by reference."""
 
     def __init__(self) -> None:
         self.plain: bool | None = None
-        self._shared: dict[int, Any] = {}
 
     def freeze(self, checker: Checker) -> bytes:
         if self.plain is not False:
@@ -85,12 +88,9 @@ class Freezer:
                     raise
                 self.plain = False
         buf = io.BytesIO()
-        _SharingPickler(buf, self._shared).dump(checker)
+        _SharingPickler(buf).dump(checker)
         return buf.getvalue()
 
     def thaw(self, data: bytes) -> Checker:
-        if self.plain:
-            checker: Checker = pickle.loads(data)
-        else:
-            checker = _SharingUnpickler(io.BytesIO(data), self._shared).load()
+        checker: Checker = pickle.loads(data)  # shared objects come back through `_shared`
         return checker
