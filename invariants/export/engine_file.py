@@ -207,8 +207,8 @@ def make_scheduler(model_dir: str) -> {cls}:
             enable_chunked_prefill=True,
             long_prefill_token_threshold={long_prefill},
             is_encoder_decoder=False,
-            watermark=0.0,
-            scheduler_reserve_full_isl=False,
+            watermark={watermark},
+            scheduler_reserve_full_isl={reserve_full_isl},{policy}
             async_scheduling={async_scheduling},
         ),
         cache_config=cache,
@@ -339,7 +339,7 @@ _SPEC = """
             num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
             target_model_config=model,
             target_parallel_config=parallel,
-            disable_lookahead_block_hashes=True,
+            disable_lookahead_block_hashes={no_lookahead_hashes},
         ),"""
 
 _TRANSFER = """
@@ -424,7 +424,21 @@ def render_engine_test(plan: ExportPlan, rec: Recording | None = None) -> str:
         mamba_mode=f', mamba_cache_mode="{mamba_modes.pop()}"' if mamba_modes else "",
         long_prefill=cfg.long_prefill_token_threshold,
         async_scheduling=rec.async_scheduler,
-        spec=_SPEC.format(method="eagle" if cfg.eagle else "draft_model") if cfg.num_lookahead_tokens else "",
+        spec=(
+            _SPEC.format(
+                method="eagle" if cfg.eagle else "draft_model",
+                no_lookahead_hashes=not getattr(cfg, "lookahead_block_hashes", False),
+            )
+            if cfg.num_lookahead_tokens
+            else ""
+        ),
+        watermark=getattr(cfg, "watermark", 0.0),
+        reserve_full_isl=getattr(cfg, "reserve_full_isl", False),
+        policy=(
+            f'\n            policy="{cfg.scheduling_policy}",'
+            if getattr(cfg, "scheduling_policy", "fcfs") != "fcfs"
+            else ""
+        ),
         transfer=_TRANSFER.format(policy=cfg.kv_load_failure_policy) if cfg.kv_connector else "",
         groups="\n".join(_group_spec(cfg, i) for i in range(len(cfg.groups))),
         retention=cfg.retention_interval,
