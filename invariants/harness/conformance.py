@@ -449,7 +449,8 @@ EXCLUDED = [
         "unless disable_lookahead_block_hashes is set (and with them drops no trailing block); the "
         "model's allocator runs the legacy hashes (Config.lookahead_block_hashes False: the trailing-"
         "block drop), so there the KV events' lookahead_token_ids are compared as None; with the "
-        "hashes on (generated on the real schedulers) model.eagle states the allocation rules "
+        "hashes on (Config.lookahead_block_hashes; not generated: the catalogue's retention and "
+        "promise invariants state the legacy-hash Eagle) model.eagle states the allocation rules "
         "(hash_lookahead_tokens, drops_last_block, hashed_tokens, mamba_proof_limit) but the run is "
         "judged by the engine contract alone (checker.unpredicted); num_prefill_lookahead above 1 "
         "(re-prefill) comes from multi-module MTP only, and kvretain's Eagle flag models one draft module",
