@@ -51,7 +51,9 @@ from model.observation import BlockKey, Snapshot
 from model.prefix import Prefix
 
 # Attributes that are fixed by the configuration (or caches, or who watches the model).
-_SKIP = frozenset({"cfg", "profile", "observer", "spec_meta", "_joined"})
+# `rules` and `hit_rules` are the release profile's rules, set once from `profile` and the
+# configuration (skipping them is a fifth of the model's image: functions and flags).
+_SKIP = frozenset({"cfg", "profile", "observer", "spec_meta", "_joined", "rules", "hit_rules"})
 # Immutable and free of request ids: their own image. (A key is a group and an interned prefix.)
 _ATOMS = frozenset({int, float, bool, type(None), bytes, Prefix, BlockKey, GroupSpec, Config})
 
