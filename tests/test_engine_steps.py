@@ -115,7 +115,9 @@ def test_the_engines_steps_agree_with_the_model_under_binding_caps(name: str) ->
     assert checker.model.engine_queues().waiting == ("c",)
     figures = checker.target.engine_figures() or {}
     assert figures["steps whose queues kvretain rewrote"] == 0
-    assert "max_num_batched_tokens=8 max_num_seqs=2" in " ".join(checker.target.engine_settings())
+    settings = " ".join(checker.target.engine_settings())
+    assert "max_num_batched_tokens=8 max_num_seqs=2" in settings
+    assert "steps: vLLM's own, nothing written to the scheduler" in settings
 
 
 @vllm_only
@@ -135,6 +137,7 @@ def test_a_steered_operation_is_refused_by_the_engine_and_run_by_the_directed_ta
     assert [v.check for v in found] == ["crash"]
     assert "SteeredStep" in found[0].message and "vllm-directed" in found[0].message
     directed = drive("vllm-directed", CAPPED)
+    assert "steps: directed (kvretain writes the queues and budget)" in directed.target.engine_settings()
     if isinstance(op, Preempt):
         assert directed.step(engine_step(directed.model, 8)) == []
     assert directed.step(op) == []  # type: ignore[arg-type]

@@ -358,6 +358,9 @@ class VllmSchedulerTarget(VllmManagerTarget):
             _setting("watermark", getattr(sc, "watermark", None), 0.0),
             _setting("policy", sc.policy, "fcfs"),
             self.batch_caps_setting(),
+            "steps: vLLM's own, nothing written to the scheduler"
+            if self.features.engine_steps
+            else "steps: directed (kvretain writes the queues and budget)",
         ]
         if spec is not None and hasattr(spec, "disable_lookahead_block_hashes"):
             lines.append(
