@@ -66,7 +66,7 @@ def update_history(
     note_failed_loads(history, op, before.tables)
     advance_requests(history, op, obs, after.tables)
     note_written(history, op, obs, after.tables)
-    note_isolation(history, op, obs, after.events)
+    note_isolation(history, op, obs, after.events, after.tables)
     return problems
 
 
@@ -98,7 +98,7 @@ def update_history_delta(
     note_failed_loads(history, op, tables[0])
     advance_requests(history, op, obs, tables[1])
     note_written(history, op, obs, tables[1])
-    note_isolation(history, op, obs, events)
+    note_isolation(history, op, obs, events, tables[1])
     return problems
 
 

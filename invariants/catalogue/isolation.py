@@ -29,7 +29,7 @@ not carry the items past its end, so an item there is not judged: counted in
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -131,14 +131,20 @@ class IsolationLedger:
     before the one being judged, `pending` the judged operation's events."""
 
     writer: dict[int, Identity] = field(default_factory=dict)
+    # Per request, the blocks its latest admission's hit read, by (group, table index).
+    read: dict[str, dict[tuple[int, int], int]] = field(default_factory=dict)
     router: RouterIndex = field(default_factory=RouterIndex)
     pending: tuple[Event, ...] = ()
     unjudged: Counter[str] = field(default_factory=Counter)
 
 
-def note_isolation(history: History, op: Op, obs: object, events: tuple[Event, ...]) -> None:
+def note_isolation(
+    history: History, op: Op, obs: object, events: tuple[Event, ...], tables: Mapping[str, Any] | None = None
+) -> None:
     """Advance the ledger past `op` (after `advance_requests`): the previous
-    operation's events enter the router, each new block its writer's identity."""
+    operation's events enter the router; each block a scheduled request holds past
+    its hit (`tables`, its blocks after `op`: an admission's external tokens' blocks
+    are in no `new_blocks`) gets the request's identity as its writer."""
     ledger = history.isolation
     ledger.router.apply(ledger.pending)
     ledger.pending = events
@@ -153,6 +159,20 @@ def note_isolation(history: History, op: Op, obs: object, events: tuple[Event, .
         for blocks in r.new_blocks or ():
             for b in blocks:
                 if b:
+                    ledger.writer[b] = identity
+        if r.hit_blocks is not None:  # an admission: the blocks its hit reads, by table position
+            ledger.read[rid] = {
+                (g, j): b for g, blocks in enumerate(r.hit_blocks) for j, b in enumerate(blocks) if b
+            }
+        held = (tables or {}).get(rid)
+        if not held or not r.scheduled:
+            continue
+        read = ledger.read.get(rid, {})
+        for g, table in enumerate(held):
+            for j, b in enumerate(table):
+                # Past its hit a request writes its own tokens (computed, or loaded by a connector:
+                # such blocks are in no `new_blocks`); a block it read keeps its writer.
+                if b and read.get((g, j)) != b:
                     ledger.writer[b] = identity
     for src, dst in getattr(obs, "copies", ()) or ():
         if src in ledger.writer:
@@ -288,8 +308,9 @@ def router_sees_target_hits(ctx: CheckContext) -> list[str]:
         and not cfg.num_lookahead_tokens
         and not any(isinstance(ev, (BlockRemoved, AllBlocksCleared)) for ev in ledger.pending)
     )
-    # A step's one lookup precedes its own stores: the router as of before it is exact.
-    exact = exact and len(lookups) == 1
+    # A step's one admission looks up before its own stores: the router as of before it is
+    # exact (with several, a later one may hit what an earlier one stored in the step).
+    exact = exact and _admissions(ctx) == 1
     out = []
     for tokens, hit, hit_blocks in lookups:
         identity = identity_of(tokens)
@@ -310,6 +331,15 @@ def router_sees_target_hits(ctx: CheckContext) -> list[str]:
                         f"group {g}: the target hits {hit} tokens, a router from the events routes {routed}"
                     )
     return out
+
+
+def _admissions(ctx: CheckContext) -> int:
+    obs = ctx.obs
+    if isinstance(obs, ScheduleResult):
+        return int(obs.hit is not None)
+    if isinstance(obs, StepResult):
+        return sum(r.hit is not None for _, r in obs.results)
+    return 0
 
 
 def _routed(
