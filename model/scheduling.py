@@ -7,8 +7,8 @@ ends, so the hit a later request can get depends on the scheduler's split
 (vLLM `Scheduler._mamba_block_aligned_split`). With fine-grained hits
 (`model.fine_mamba`) a chunk also stops at the prompt's reusable hash-block
 boundary, so its state exists to be keyed. Internal prefill checkpoints are
-not modeled, nor two admission policies of vLLM's `Scheduler.schedule`
-(`scheduler_reserve_full_isl`, spec-decode padding: docs/semantics.md).
+not modeled; the admission gates (`scheduler_reserve_full_isl`, the watermark) are
+`model.admission`'s.
 
 vLLM's policy, read from `Scheduler.schedule` and `_mamba_block_aligned_split` in
 vLLM 0.33.0; predicted, no claim to be correct.
