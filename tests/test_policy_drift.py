@@ -220,11 +220,15 @@ def test_fuzz_and_replay_report_drift_apart(tmp_path: Path, monkeypatch: pytest.
     from invariants.zoo.mutants_scheduler import activate
     from invariants.zoo.runner import config_strategy
 
+    class Anonymous(VllmDirectedTarget):
+        # Identities only change the example stream; the drift is in requests without them.
+        identities: frozenset[str] = frozenset()
+
     strategy = config_strategy("scheduler", allow_pinning=False, allow_fine=True, real_scheduler=True)
     with activate("preempt_oldest") as factory:
         report = run_fuzz(
             "vllm-directed",
-            factory=VllmDirectedTarget,
+            factory=Anonymous,
             strategy=strategy,
             steps=2000,
             seed=0,
