@@ -327,3 +327,31 @@ def test_a_failed_sync_loads_block_read_is_the_known_finding_and_nothing_else_is
     )
     assert read.config is not None
     assert explain("vllm", replace(read, config=replace(read.config, kv_connector=False))) is None
+
+
+def test_a_save_copying_out_a_kept_failed_block_is_the_hash_kept_finding_only_at_a_finish() -> None:
+    """A save that copies out a block whose failed load's hash vLLM kept
+    (sync-load-failed-block-hash-kept: the hit served it first) is that finding's third view,
+    judged where a save is read (a finish, finished_sending); the same message at a step, a
+    save holding another prefix's KV, or a run without a connector is a new violation."""
+    from dataclasses import replace
+
+    from invariants.harness.checker import Violation
+    from invariants.harness.known_findings import explain, load_known_findings
+    from model.ops import Finish, Saved, Step
+
+    finding = next(f for f in load_known_findings() if f.id == "sync-load-failed-block-hash-kept")
+    config = replace(finding.trace.config, kv_connector=True, kv_load_failure_policy="recompute")
+    message = (
+        "r6's save reads, at its finish: position 0 in block 1 of group 0 holds a slot a failed KV load "
+        "left unwritten (1 block(s) wrong)"
+    )
+    save = Violation(SAVES, message, config=config, op=Finish("r6"))
+    assert explain("vllm", save) is finding
+    sent = message.replace("at its finish", "at finished_sending")
+    assert explain("vllm", replace(save, message=sent, op=Saved("r6"))) is finding
+    # Controls.
+    assert explain("vllm", replace(save, op=Step(("r6",), 8))) is None
+    other = message.replace("a slot a failed KV load left unwritten", "another prefix's KV")
+    assert explain("vllm", replace(save, message=other)) is None
+    assert explain("vllm", replace(save, config=replace(config, kv_connector=False))) is None

@@ -27,7 +27,9 @@ checked against who raised the crash and in which frames
 another judge reports it (the shadow worker's read of a slot a failed load
 left unwritten, where the catalogue's invariant names the hit): each is a
 property with its own whole-message pattern, under the same precondition (a
-shape reads the same named groups from it). A crash raised by kvretain's own adapter
+shape reads the same named groups from it), except that a view may name the
+operation kinds it is seen at (a save that copies out the defect's unwritten
+slot is judged at the request's finish, where the hit was judged at a step). A crash raised by kvretain's own adapter
 code is never a known finding. Anything else is a new violation, however
 close. A run counts what it tolerated per finding (`KnownLedger`): how often,
 the first message, and where an example trace was written; `kvretain replay` /
@@ -43,7 +45,7 @@ import functools
 import json
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +81,8 @@ class KnownFinding:
     reachability: str = ""
     not_exported: str = ""  # why docs/findings has no exported test ("" when it has one)
     # (property, whole-message pattern): the same defect as another judge reports it.
-    views: tuple[tuple[str, str], ...] = ()
+    # (property, whole-message pattern, operation kinds: () = the precondition's).
+    views: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
     def matches(
         self,
@@ -108,11 +111,14 @@ class KnownFinding:
         message, and the precondition (configuration, operation kind, shape, and for a
         crash its trigger; a crash without a site, or raised by the adapter, is never it)."""
         if prop != self.property:
-            view = next((re.compile(p) for v, p in self.views if v == prop), None)
-            m = view.fullmatch(message) if view is not None else None
-            return m is not None and self.precondition.holds(
-                config, operation_kind(op), m.groupdict(), op, crash
+            view = next(((re.compile(p), ops) for v, p, ops in self.views if v == prop), None)
+            m = view[0].fullmatch(message) if view is not None else None
+            if m is None or view is None:
+                return False
+            precondition = (
+                replace(self.precondition, operations=frozenset(view[1])) if view[1] else self.precondition
             )
+            return precondition.holds(config, operation_kind(op), m.groupdict(), op, crash)
         if prop == "crash" and crash is None:
             return False
         m = self._compiled.fullmatch(message)
@@ -181,8 +187,10 @@ def _parse(entry: Any, i: int) -> KnownFinding:
     )
 
 
-def _parse_views(data: Any, where: str, precondition: Precondition) -> tuple[tuple[str, str], ...]:
-    """A finding's other judges' views of it: [{"property", "message_pattern"}, ...]."""
+def _parse_views(
+    data: Any, where: str, precondition: Precondition
+) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """A finding's other judges' views of it: [{"property", "message_pattern", "operations"?}, ...]."""
     if not isinstance(data, list):
         raise KnownFindingsError(f"{where}: must be a list of {{'property', 'message_pattern'}} objects")
     views = []
@@ -213,7 +221,10 @@ def _parse_views(data: Any, where: str, precondition: Precondition) -> tuple[tup
                     f"{where}[{i}]: shape {precondition.shape!r} reads the named group(s) {missing}, "
                     "which the pattern does not capture"
                 )
-        views.append((prop, pattern))
+        ops = view.get("operations", [])
+        if not isinstance(ops, list) or not set(ops) <= OPERATIONS:
+            raise KnownFindingsError(f"{where}[{i}].operations: a list of {sorted(OPERATIONS)}")
+        views.append((prop, pattern, tuple(ops)))
     return tuple(views)
 
 
@@ -378,7 +389,7 @@ def is_known_violation(target: str, violation: Any) -> bool:
 
 @functools.cache
 def _known_properties() -> frozenset[str]:
-    return frozenset(p for f in _default_findings() for p in (f.property, *(v for v, _ in f.views)))
+    return frozenset(p for f in _default_findings() for p in (f.property, *(v for v, _, _ in f.views)))
 
 
 __all__ = [
