@@ -211,3 +211,20 @@ def test_a_router_keys_blocks_by_their_extra_keys() -> None:
     assert router.key(None, toks[:4], ("a",)) != router.key(None, toks[:4], ("b",))
     assert router.key(None, toks[:4], None) is None
     assert MMItem("x", 0, 1).end == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", [None, *sorted(PLANTS)])
+def test_a_planted_key_defect_is_found_by_explore(name: str | None) -> None:
+    """`explore` of the instance full-p6-tenants (each prompt also under two tenants, an
+    adapter pair, an image and a tenant with an image) to depth 2 finds each planted
+    defect within its first states; the clean control searches the whole depth (about 10 s);
+    control (None): vLLM as it is, clean to the same depth."""
+    from invariants.explore.instances import TENANTS, grid_by_name
+    from invariants.explore.search import Limits, explore
+    from invariants.targets.vllm_target import VllmManagerTarget
+
+    inst = grid_by_name([TENANTS])[0]
+    with plant(name) if name else contextlib.nullcontext():
+        cert = explore(inst, VllmManagerTarget, "vllm-manager", Limits(2))
+    assert (cert.violation is not None) == (name is not None), (name, cert.violation, cert.states)
