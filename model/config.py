@@ -150,23 +150,7 @@ def validate(cfg: Config) -> Config:
       lookahead block hashes only with Eagle (kvretain's rule: vLLM ignores the flag);
     - retention with caching disabled is ignored with a warning.
     """
-    if not cfg.groups:
-        raise ConfigError("groups: a configuration needs at least one KV-cache group")
-    for i, g in enumerate(cfg.groups):
-        if g.kind not in ("full", "swa", "mamba"):
-            raise ConfigError(f"groups[{i}].kind: must be 'full', 'swa' or 'mamba', got {g.kind!r}")
-        if not isinstance(g.block_size, int) or g.block_size <= 0:
-            raise ConfigError(f"groups[{i}].block_size: must be a positive integer, got {g.block_size!r}")
-        if g.kind == "swa" and (g.sliding_window is None or g.sliding_window < 1):
-            raise ConfigError(f"groups[{i}].sliding_window: an 'swa' group needs a window >= 1")
-        if g.kind != "swa" and g.sliding_window is not None:
-            raise ConfigError(f"groups[{i}].sliding_window: only 'swa' groups have a window")
-        if g.kind == "mamba" and g.mamba_cache_mode not in ("align", "none"):
-            raise ConfigError(f"groups[{i}].mamba_cache_mode: must be 'align' or 'none'")
-        if g.kind == "mamba" and cfg.enable_caching and g.mamba_cache_mode != "align":
-            raise ConfigError(
-                f"groups[{i}].mamba_cache_mode: Mamba prefix caching requires mamba_cache_mode='align'"
-            )
+    _check_groups(cfg)
     hbs, sbs = cfg.hash_block_size, cfg.scheduler_block_size
     for i, g in enumerate(cfg.groups):
         if g.block_size % hbs:
@@ -213,6 +197,27 @@ def validate(cfg: Config) -> Config:
                 stacklevel=2,
             )
     return cfg
+
+
+def _check_groups(cfg: Config) -> None:
+    """At least one group; each group's kind, block size, window and Mamba cache mode."""
+    if not cfg.groups:
+        raise ConfigError("groups: a configuration needs at least one KV-cache group")
+    for i, g in enumerate(cfg.groups):
+        if g.kind not in ("full", "swa", "mamba"):
+            raise ConfigError(f"groups[{i}].kind: must be 'full', 'swa' or 'mamba', got {g.kind!r}")
+        if not isinstance(g.block_size, int) or g.block_size <= 0:
+            raise ConfigError(f"groups[{i}].block_size: must be a positive integer, got {g.block_size!r}")
+        if g.kind == "swa" and (g.sliding_window is None or g.sliding_window < 1):
+            raise ConfigError(f"groups[{i}].sliding_window: an 'swa' group needs a window >= 1")
+        if g.kind != "swa" and g.sliding_window is not None:
+            raise ConfigError(f"groups[{i}].sliding_window: only 'swa' groups have a window")
+        if g.kind == "mamba" and g.mamba_cache_mode not in ("align", "none"):
+            raise ConfigError(f"groups[{i}].mamba_cache_mode: must be 'align' or 'none'")
+        if g.kind == "mamba" and cfg.enable_caching and g.mamba_cache_mode != "align":
+            raise ConfigError(
+                f"groups[{i}].mamba_cache_mode: Mamba prefix caching requires mamba_cache_mode='align'"
+            )
 
 
 def _check_scheduler_fields(cfg: Config) -> None:

@@ -789,19 +789,3 @@ def test_connector_mutant_is_caught(name: str) -> None:
     assert Drive(cfg).attempt(*ops).found == []
     with activate(name) as factory:
         assert Drive(cfg, factory).attempt(*ops).found != []
-
-
-@needs_vllm
-def test_only_the_scripted_load_failure_report_is_silenced() -> None:
-    """The scheduler's error line for a failure kvretain scripted is dropped; any other
-    record of the scheduler's logger passes."""
-    import logging
-
-    from invariants.targets.vllm_connector import ScriptedFailureLog
-
-    def record(msg: str) -> logging.LogRecord:
-        return logging.LogRecord("vllm.v1.core.sched.scheduler", logging.ERROR, __file__, 1, msg, (), None)
-
-    drop = ScriptedFailureLog()
-    assert not drop.filter(record("Failing %d request(s) due to KV load failure (failure_policy=fail)"))
-    assert drop.filter(record("Unexpected: grammar rejected tokens %s for request %s."))

@@ -451,3 +451,19 @@ def test_a_sync_loads_own_sample_rides_on_its_report_and_vllm_drops_it() -> None
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(RealStepScheduler, "report_step", withholding)
         assert not replay(trace, "vllm").clean
+
+
+@needs_vllm
+def test_only_the_scripted_load_failure_report_is_silenced() -> None:
+    """The scheduler's error line for a failure kvretain scripted is dropped; any other
+    record of the scheduler's logger passes."""
+    import logging
+
+    from invariants.targets.vllm_connector import ScriptedFailureLog
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("vllm.v1.core.sched.scheduler", logging.ERROR, __file__, 1, msg, (), None)
+
+    drop = ScriptedFailureLog()
+    assert not drop.filter(record("Failing %d request(s) due to KV load failure (failure_policy=fail)"))
+    assert drop.filter(record("Unexpected: grammar rejected tokens %s for request %s."))

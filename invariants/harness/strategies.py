@@ -97,6 +97,25 @@ def configs(
         # The hash block stays one `base` wide (vLLM `--prefix-match-unit`) when the Mamba block is wider.
         hash_block_size=base if wide_mamba else 0,
     )
+    cfg = _scheduler_options(draw, cfg, connector, load_failure, long_prefill, gates, unpredicted)
+    if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
+        cfg = cfg.with_(
+            groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)
+        )
+    return validate(cfg)
+
+
+def _scheduler_options(
+    draw: st.DrawFn,
+    cfg: Config,
+    connector: bool | None,
+    load_failure: str | None,
+    long_prefill: bool | None,
+    gates: bool | None,
+    unpredicted: bool,
+) -> Config:
+    """`cfg` with the scheduler's options `configs` documents: a KV connector, a
+    long-prefill threshold, the admission gates, the settings the model does not predict."""
     if connector or (connector is None and draw(st.booleans())):
         policy = load_failure or draw(st.sampled_from(["recompute", "recompute", "fail"]))
         cfg = cfg.with_(kv_connector=True, kv_load_failure_policy=policy)
@@ -106,13 +125,8 @@ def configs(
     if gates is not False:
         cfg = cfg.with_(**_gates(draw, gates))
     if unpredicted:
-        policy = draw(st.sampled_from(["fcfs"] * 5 + ["priority"]))
-        cfg = cfg.with_(scheduling_policy=policy)
-    if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
-        cfg = cfg.with_(
-            groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)
-        )
-    return validate(cfg)
+        cfg = cfg.with_(scheduling_policy=draw(st.sampled_from(["fcfs"] * 5 + ["priority"])))
+    return cfg
 
 
 def _groups(draw: st.DrawFn, shape: tuple[str, ...], base: int, wide_mamba: bool) -> list[GroupSpec]:
