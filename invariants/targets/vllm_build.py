@@ -111,7 +111,9 @@ def build_manager(cfg: Config, v: dict[str, Any], caps: Capabilities, version: s
         raise UnsupportedConfig(f"watermark: vLLM {version}'s KVCacheManager takes none")
     gates = inspect.signature(v["KVCacheManager"].allocate_slots).parameters
     if cfg.reserve_full_isl and "full_sequence_must_fit" not in gates:
-        raise UnsupportedConfig(f"reserve_full_isl: vLLM {version}'s allocate_slots has no full-sequence gate")
+        raise UnsupportedConfig(
+            f"reserve_full_isl: vLLM {version}'s allocate_slots has no full-sequence gate"
+        )
     manager_args = {k: val for k, val in wanted.items() if k in caps.manager_args}
     try:
         kv_cfg = v["KVCacheConfig"](
