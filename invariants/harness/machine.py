@@ -348,7 +348,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         identities.count(self.run_stats.features, op.identity(), prompt, seen)
         return op
 
-
     def _schedulable(self) -> list[str]:
         return self._requests(lambda r: r.num_tokens < MAX_REQUEST_TOKENS)  # type: ignore[attr-defined]
 
