@@ -100,6 +100,20 @@ def test_explore_on_ray_writes_the_one_process_certificate(
     assert two.fork_checks == 2 and two.error is None
 
 
+@pytest.mark.vllm
+@pytest.mark.slow  # 85 s on the loaded 2-core machine: vLLM imported here and in both workers
+def test_explore_on_ray_against_vllms_real_scheduler(session: Session) -> None:
+    """vLLM's frozen checkers cannot be pickled plainly: they travel by cloudpickle, and the
+    scheduler's hidden state is in every fingerprint; the certificate is still the same."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from invariants.targets import target_factory
+
+    one = explore(TINY, target_factory("vllm"), "vllm", Limits(3))
+    two = explore_on_ray(session, TINY, "vllm", Limits(3))
+    assert len(two.new_states) == 4 and two.fork_checks == 2
+    assert not _same(one.to_json(), two.to_json()), _same(one.to_json(), two.to_json())
+
+
 def test_a_stop_inside_a_layer_is_where_one_process_stops(session: Session, tmp_path: Path) -> None:
     bound = Limits(4, max_states=100)
     one, two = (
