@@ -422,6 +422,11 @@ def _record(cert: Certificate, layer: LayerSummary) -> None:
         cert.known.entries[fid].count += count
 
 
+# Seconds a campaign waits for its workers to start, and for Ray to free them after.
+START_TIMEOUT_S = 120.0
+CLOSE_WAIT_S = 10.0
+
+
 def _get(refs: Any) -> Any:
     import ray
 
@@ -441,6 +446,7 @@ class Driver:
         self.n = session.workers
         actor = ray.remote(num_cpus=1)(shard)
         self.shards: list[Any] = [actor.remote(i, self.n) for i in range(self.n)]  # type: ignore[attr-defined]
+        self._placed(ray)
         # CPU seconds of the workers: the busiest one's per depth summed (the search's critical
         # path on dedicated cores), and all of them; what the figure reads on a shared machine.
         self.critical_cpu_s = self.total_cpu_s = 0.0
@@ -459,11 +465,30 @@ class Driver:
         self.instance, self.limits = instance, limits
         _get([s.reset.remote(instance, target, factory) for s in self.shards])
 
+    def _placed(self, ray: Any) -> None:
+        """Wait for every worker to start: a worker Ray cannot place (its CPUs taken) would
+        leave every later call waiting forever, so it is one clear error instead."""
+        try:
+            ray.get([s.cpu.remote() for s in self.shards], timeout=START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources().get("CPU", 0)
+            self.close()
+            raise CampaignError(
+                f"{self.n} Ray workers (1 CPU each) did not start within {START_TIMEOUT_S:.0f} s; "
+                f"the instance has {free:g} CPU(s) free"
+            ) from None
+
     def close(self) -> None:
+        """Kill the workers and wait (a few seconds at most) for Ray to free their CPUs,
+        so that the next campaign on this instance can place its own."""
         import ray
 
         for s in self.shards:
             ray.kill(s)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        total = ray.cluster_resources().get("CPU", 0)
+        while time.monotonic() < deadline and ray.available_resources().get("CPU", 0) < min(self.n, total):
+            time.sleep(0.05)
 
     def expand(self, leaves: bool) -> tuple[LayerSummary, list[LayerSummary], int, list[Any]]:
         n = self.n
