@@ -355,3 +355,27 @@ def test_a_save_copying_out_a_kept_failed_block_is_the_hash_kept_finding_only_at
     other = message.replace("a slot a failed KV load left unwritten", "another prefix's KV")
     assert explain("vllm", replace(save, message=other)) is None
     assert explain("vllm", replace(save, config=replace(config, kv_connector=False))) is None
+
+
+@vllm_only
+@pytest.mark.vllm
+def test_a_block_the_window_left_behind_does_not_make_a_request_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync load fails on a block id a running SWA request's table held before its window
+    moved past it (vLLM freed it; another request reused it): vLLM does not cut that request
+    and keeps its sample, so neither does the shadow worker (fuzz --target vllm seed 1 found
+    the false report: a worker one sample behind vLLM). Control: every block of the table
+    counted, the worker drops the sample and its positions disagree with vLLM's."""
+    import invariants.shadow.worker as shadow_worker
+    from invariants.harness.known_findings import explain
+    from invariants.harness.trace import read_trace
+
+    trace = read_trace(str(Path(__file__).parent / "data" / "shadow_swa_cut_reused_window_block.json"))
+
+    def new_violations() -> list[Any]:
+        d = Drive(trace.config)
+        found = [v for op in trace.ops for v in d.checker.step(op)]
+        return [v for v in found if explain("vllm", v) is None]
+
+    assert new_violations() == []
+    monkeypatch.setattr(shadow_worker, "_window_start", lambda spec, start: 0)
+    assert [v.check for v in new_violations()] == ["worker_positions_consistent"]

@@ -243,7 +243,12 @@ class ShadowWorker:
             if self.requests.get(rid) is not view:
                 continue
             chunk = view.last
-            before = [table[: -(-start // spec.block_size)] for table, spec in zip(view.tables, self.groups)]
+            # Its blocks before the step, less those a window left behind (vLLM freed them, nulled
+            # in its own table, whatever the worker's still names: a reused id is not its block).
+            before = [
+                table[_window_start(spec, start) // spec.block_size : -(-start // spec.block_size)]
+                for table, spec in zip(view.tables, self.groups)
+            ]
             if chunk is not None and chunk.taken and any(b in bad for t in before for b in t):
                 # vLLM skips the output of a request it cuts (its blocks before the step hold a
                 # failed one): the runner's sample is overwritten by the next (`_take`'s tokens).
@@ -544,3 +549,11 @@ class ShadowWorker:
     def _problem(self, check: str, message: str) -> None:
         self.figures.problems += 1
         self.problems.append((check, message))
+
+
+def _window_start(spec: WorkerGroup, start: int) -> int:
+    """The first position a step from `start` may still read in `spec`'s group: a sliding
+    window's `start - window + 1` (vLLM's skipped tokens), else 0."""
+    if spec.kind == "swa" and spec.sliding_window:
+        return max(0, start - spec.sliding_window + 1)
+    return 0
