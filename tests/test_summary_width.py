@@ -60,12 +60,28 @@ def test_verify_table_lines_fit(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 @pytest.mark.parametrize("target", ["model", "vllm-manager"])
-def test_fuzz_output_lines_fit(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_fuzz_output_lines_fit(
+    target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Everything `kvretain fuzz` prints (a violation's report included, if the short run
-    finds one) fits; 4 s of fuzzing per target (vLLM's import adds ~15 s on vllm-manager)."""
+    finds one) fits; 4 s of fuzzing per target (vLLM's import adds ~15 s on vllm-manager).
+    Traces go where a user's do, a short directory under the working one (a path is never
+    broken, so a temporary directory's 80-character path would not fit on any terminal)."""
     if target.startswith("vllm") and not vllm_available()[0]:
         pytest.skip(vllm_available()[1])
-    argv = ["fuzz", "--target", target, "--budget-s", "4", "--seed", "1", "--no-db", "--out", str(tmp_path)]
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "fuzz",
+        "--target",
+        target,
+        "--budget-s",
+        "4",
+        "--seed",
+        "1",
+        "--no-db",
+        "--out",
+        "kvretain-traces",
+    ]
     main(argv)
     out = capsys.readouterr().out
     assert "target" in out and "verdict" in out
