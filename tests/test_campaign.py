@@ -172,8 +172,17 @@ def test_a_states_owner_is_the_same_in_every_process(session: Session) -> None:
 def test_fuzz_campaign_over_8_seeds_sums_the_8_runs(
     session: Session, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from hypothesis import settings
+
     seeds = list(range(8))
-    alone = [run_one("model", None, s, 40, None, None, None) for s in seeds]
+    # Ray's workers run under Hypothesis's default settings (as `kvretain fuzz` does), not the
+    # profile the suite loaded (its stateful step count differs): so do the runs alone.
+    previous = settings.get_current_profile_name()
+    settings.load_profile("default")
+    try:
+        alone = [run_one("model", None, s, 40, None, None, None) for s in seeds]
+    finally:
+        settings.load_profile(previous)
     js, xml, out = tmp_path / "fuzz.json", tmp_path / "fuzz.xml", tmp_path / "traces"
     argv = [
         "fuzz",
