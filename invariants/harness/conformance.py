@@ -191,6 +191,28 @@ ASYNC_SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     ASYNC_CONNECTOR_BLOCKS_FAIL_ROW: SCHEDULER_FEATURES[CONNECTOR_BLOCKS_FAIL_ROW],
 }
 
+# Rows whose required rules vLLM's own engine steps (no steering: `vllm_scheduler_drive`) no
+# longer reach within a row's steps: an open reachability gap (issue #38), declared here so
+# that it shows in every table ("NOT EXERCISED (declared)", counted) and cannot grow: any
+# other row that misses a rule, or disagrees, fails the run.
+UNREACHED_UNDER_ENGINE_STEPS = frozenset(
+    {
+        "real Scheduler: fine-grained Mamba hits, CoW copies",
+        "real Scheduler: Eagle/MTP drafts, lookahead, rejection rollback (Full/SWA)",
+        "real Scheduler: draft-model drafts, one-token admission padding (Full/SWA)",
+        CONNECTOR_BLOCKS_ROW,
+        "AsyncScheduler + KV connector with a Mamba group: external state block, fenced copies",
+        ASYNC_CONNECTOR_BLOCKS_ROW,
+    }
+)
+
+
+def row_ok(feature: str, agrees: bool, unreached: bool) -> bool:
+    """A row holds when vLLM agrees and every required rule was reached, or the row's
+    unreached rules are the declared gap (`UNREACHED_UNDER_ENGINE_STEPS`)."""
+    return agrees and (not unreached or feature in UNREACHED_UNDER_ENGINE_STEPS)
+
+
 # Rows whose rules need one report to cut several requests of one step (or end them at
 # once): vLLM's own engine steps reach those within a row's budget too rarely, so these rows
 # run on the targets' directed twins (kvretain arranging each step's requests: the steering
@@ -566,6 +588,14 @@ def run_conformance(
             [(r.feature, r.configs, r.steps, r.verdict, f"{r.seconds:.1f}") for r in rows],
         )
     )
+    declared = [r.feature for r in rows if r.verdict.startswith("NOT EXERCISED (declared)")]
+    if declared:
+        print(
+            wrap(
+                f"{len(declared)} row(s) NOT EXERCISED, declared (vLLM's own engine steps do not reach "
+                "their required rules yet: conformance.UNREACHED_UNDER_ENGINE_STEPS); not counted as agreeing"
+            )
+        )
     print("batched steps (Step) differ from Scheduler.schedule in:")
     for line in STEP_DIFFERENCES:
         print(wrap(f"  - {line}"))
@@ -600,8 +630,9 @@ def _fuzz_row(
     if report.failure is None and report.stats.known:
         verdict += f" (known: {known_summary(report.stats.known)})"
     unreached = [f for f in REQUIRED.get(feature, ()) if not report.stats.features[f]]
+    declared = feature in UNREACHED_UNDER_ENGINE_STEPS
     if report.failure is None and unreached:
-        verdict = f"NOT EXERCISED: {', '.join(unreached)}"[:90]
+        verdict = f"NOT EXERCISED{' (declared)' if declared else ''}: {', '.join(unreached)}"[:90]
     if target.endswith("-directed"):
         feature += " [directed]"
     print(f"[conformance] {feature}: {verdict}", flush=True)
@@ -611,7 +642,7 @@ def _fuzz_row(
         report.stats.steps,
         verdict,
         report.seconds,
-        report.failure is None and not unreached,
+        row_ok(feature.removesuffix(" [directed]"), report.failure is None, bool(unreached)),
         str(report.trace_path) if report.trace_path else None,
     )
 
