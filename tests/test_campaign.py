@@ -31,7 +31,6 @@ ray = pytest.importorskip("ray", reason="the optional Ray extra (requirements/ra
 
 from invariants.campaign import Session, connect, parse_address  # noqa: E402
 from invariants.campaign.explore import CampaignError, Driver, Shard, explore_on_ray, route  # noqa: E402
-from invariants.campaign.fuzz import run_one  # noqa: E402
 from invariants.cli.main import main  # noqa: E402
 from invariants.errors import UsageError  # noqa: E402
 from invariants.explore.instances import Instance, grid_by_name  # noqa: E402
@@ -172,17 +171,21 @@ def test_a_states_owner_is_the_same_in_every_process(session: Session) -> None:
 def test_fuzz_campaign_over_8_seeds_sums_the_8_runs(
     session: Session, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hypothesis import settings
+    import subprocess
+    from types import SimpleNamespace
 
     seeds = list(range(8))
-    # Ray's workers run under Hypothesis's default settings (as `kvretain fuzz` does), not the
-    # profile the suite loaded (its stateful step count differs): so do the runs alone.
-    previous = settings.get_current_profile_name()
-    settings.load_profile("default")
-    try:
-        alone = [run_one("model", None, s, 40, None, None, None) for s in seeds]
-    finally:
-        settings.load_profile(previous)
+    # The runs alone in a fresh process, as Ray's workers run them (and `kvretain fuzz` does):
+    # under Hypothesis's own settings for the environment, not the profile this suite loaded.
+    code = (
+        "import json; from invariants.campaign.fuzz import run_one; "
+        f"print(json.dumps([(r.counts, r.known) for r in (run_one('model', None, s, 40, None, None, None) "
+        f"for s in {seeds})]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True
+    )
+    alone = [SimpleNamespace(counts=c, known=k) for c, k in json.loads(done.stdout.strip().splitlines()[-1])]
     js, xml, out = tmp_path / "fuzz.json", tmp_path / "fuzz.xml", tmp_path / "traces"
     argv = [
         "fuzz",
