@@ -44,10 +44,7 @@ ALL_FINDINGS = {f.id: f for f in load_known_findings()}
 # matrix (`kvretain replay --vllm-python`), not through this vLLM.
 FINDINGS = {fid: f for fid, f in ALL_FINDINGS.items() if "*" in f.versions or MODELED_VERSION in f.versions}
 # Pinned-release findings without an exported test yet, each with its reason.
-NOT_EXPORTED = {
-    "vllm-blockstored-token-range-dense": "its matrix trace records no violation line to export yet; "
-    "the masked variant (vllm-blockstored-token-range) is exported",
-}
+NOT_EXPORTED: dict[str, str] = {}
 # Findings recorded on vLLM's real scheduler (drafts, connectors, async scheduling):
 # exported from the target's recorded calls, tested in tests/test_export_engine.py.
 ENGINE = {
@@ -185,6 +182,11 @@ FIXES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
     "vllm-blockstored-token-range": (
         fix_blockstored_token_range,
         "BlockStored events of group 1 carry 96 token ids",
+    ),
+    # Dense retention: the gap is a null (skipped) Mamba block, not the block mask.
+    "vllm-blockstored-token-range-dense": (
+        fix_blockstored_token_range,
+        "BlockStored events of group 2 carry 12 token ids",
     ),
     "eagle-swa-short-run-double-pop": (fix_eagle_swa_short_run, r"hits 0 tokens; retention promised 8"),
 }
