@@ -23,6 +23,7 @@ derived on, raising the file's `SetupDiverged`; only the property is an `assert`
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from invariants.export.engine_record import Call, Recording, record_calls
 from invariants.export.plan import ExportError, ExportPlan
@@ -362,11 +363,22 @@ def needs_engine_file(plan: ExportPlan) -> bool:
 def render_engine_test(plan: ExportPlan, rec: Recording | None = None) -> str:
     """The pytest file's source (see the module docstring); `rec`: the recorded calls
     (recorded here when None)."""
+    rec = rec if rec is not None else record_calls(plan.trace)
+    body, _ = _body(rec, plan)
+    cls = "AsyncScheduler" if rec.async_scheduler else "Scheduler"
+    return (
+        _head(plan, rec, cls)
+        + _core(plan, rec, cls)
+        + "\n".join(f"    {line}" if line else "" for line in body)
+        + "\n"
+    )
+
+
+def _head(plan: ExportPlan, rec: Recording, cls: str) -> str:
+    """The file's docstring (what it found, how the steps are driven) and its imports:
+    the config classes, KV cache specs and outputs the trace's configuration uses."""
     trace = plan.trace
     cfg = trace.config
-    rec = rec if rec is not None else record_calls(trace)
-    body, outs = _body(rec, plan)
-    cls = "AsyncScheduler" if rec.async_scheduler else "Scheduler"
     kinds = sorted({_SPECS[g.kind] for g in cfg.groups} | {"KVCacheConfig", "KVCacheGroupSpec"})
     config_imports = ["CacheConfig", "DeviceConfig", "KVEventsConfig", "ModelConfig", "ParallelConfig"]
     config_imports += ["SchedulerConfig", "VllmConfig"]
@@ -379,7 +391,7 @@ def render_engine_test(plan: ExportPlan, rec: Recording | None = None) -> str:
         if plan.finding
         else f"The trace breaks {plan.expectation.property}: {plan.message}."
     )
-    head = DOC.format(
+    return DOC.format(
         cls=cls,
         what=_wrap(what, "").replace("\\", "\\\\"),
         target=trace.target,
@@ -411,8 +423,15 @@ def render_engine_test(plan: ExportPlan, rec: Recording | None = None) -> str:
             else ""
         ),
     )
+
+
+def _core(plan: ExportPlan, rec: Recording, cls: str) -> str:
+    """The fixed part of the file, set to the trace's configuration: the settings, the
+    fake connector, the scheduler built as the target built it, the driver, and the
+    test function's header."""
+    cfg = plan.trace.config
     mamba_modes = {g.mamba_cache_mode for g in cfg.groups if g.kind == "mamba"}
-    core = CORE.format(
+    return CORE.format(
         num_blocks=cfg.num_blocks,
         max_model_len=cfg.max_model_len,
         sbs=cfg.scheduler_block_size,
@@ -444,8 +463,6 @@ def render_engine_test(plan: ExportPlan, rec: Recording | None = None) -> str:
         retention=cfg.retention_interval,
         name=exported_test_name(plan),
     )
-    del outs
-    return head + core + "\n".join(f"    {line}" if line else "" for line in body) + "\n"
 
 
 def _group_spec(cfg: Config, i: int) -> str:
@@ -540,10 +557,11 @@ def _last_step(calls: list[str]) -> str:
 
 
 def _property(rec: Recording, plan: ExportPlan, calls: list[str], outs: dict[int, str]) -> list[str]:
-    """The last operation's calls and the property's assertion (see the module docstring)."""
+    """The last operation's calls and the property's assertion (see the module docstring):
+    a call that raised is asserted not to raise; otherwise the first of `PROPERTIES`
+    whose invariant and message match the recorded violation writes the assertion."""
     prop, msg = plan.expectation.property, plan.message
-    raised = [c for c in rec.calls if c.raised]
-    if prop == "crash" and raised:
+    if prop == "crash" and any(c.raised for c in rec.calls):
         lines = ["try:", *(f"    {line}" for line in calls), "except Exception as exc:"]
         lines += [
             "    raise AssertionError(",
@@ -551,78 +569,117 @@ def _property(rec: Recording, plan: ExportPlan, calls: list[str], outs: dict[int
             "    ) from exc",
         ]
         return lines
-    m = re.search(r"freed (\S+)'s blocks at its load's report while its save is in flight", msg)
-    if prop == "crash" and m:
-        rid = m.group(1)
-        return [
-            *calls,
-            f"assert {rid!r} in driver.s.requests, (",
-            f'    "{rid} was freed at its load\'s report while its save is in flight: "',
-            '    "the save\'s report will find no request (assert req_id in self.requests)"',
-            ")",
-        ]
-    m = re.search(r"kept (\S+)'s (\d+) output placeholder", msg)
-    if prop == "crash" and m:
-        rid = m.group(1)
-        return [
-            *calls,
-            f"placeholders = driver.requests[{rid!r}].num_output_placeholders",
-            "assert placeholders == 0, (",
-            f'    f"{rid} keeps {{placeholders}} output placeholder(s) after the failed blocks cut it: "',
-            '    "its step output is skipped, nothing consumes them"',
-            ")",
-        ]
-    m = re.search(r"admission of (\S+) \((\d+) blocks\) refused by an idle pool of (\d+)", msg)
-    if prop == "fitting_request_admitted" and m:
-        rid, need, free = m.groups()
-        return [
-            *calls,
-            f"held = [len(ids) for ids in driver.s.kv_cache_manager.get_block_ids({rid!r})]",
-            f'assert any(held), "{rid} needs {need} blocks and is refused by an idle pool of {free}"',
-        ]
-    reads = r"(?:hit (\d+) reads|(\S+) computes tokens \[(\d+), \d+\) reading)"
-    m = re.search(reads + r" group (\d+) block (\d+) \(index (\d+)\)", msg)
-    if prop in ("hit_serves_written_kv", "step_reads_written_kv") and m:
-        hit, reader, start, group, block, index = m.groups()
-        out = _last_step(calls)
-        size = plan.trace.config.groups[int(group)].block_size
-        bound = int(index) * size
-        if reader is None:
-            reader = _reader_with_hit(rec, int(hit))
-        return [
-            *calls,
-            f"start = driver.requests[{reader!r}].num_computed_tokens - {out}.num_scheduled_tokens[{reader!r}]",
-            f"assert start <= {bound}, (",
-            f'    f"{reader} resumes at {{start}}, reading block {block} (tokens [{bound}, {bound + size}) of group {group}): "',
-            '    "a load failed on it and no step has written it since"',
-            ")",
-        ]
-    m = re.search(
-        r"(\S+) computes tokens \[\d+, \d+\) but group (\d+) block index (\d+) is the null block", msg
-    )
-    if prop == "step_blocks_stay_held" and m:
-        rid, group, index = m.groups()
-        return [
-            *calls,
-            f"table = driver.s.kv_cache_manager.get_block_ids({rid!r})[{group}]",
-            "null = driver.s.kv_cache_manager.block_pool.null_block.block_id",
-            f"assert table[{index}] != null, (",
-            f'    f"{rid}\'s step reads block index {index} of group {group} through its window: it is the null block"',
-            ")",
-        ]
-    m = re.search(r"(\S+) writes its state into column (\d+) of its worker table \(group (\d+)\)", msg)
-    if prop == "mamba_state_in_worker_table" and m:
-        rid, col, group = m.groups()
-        return [
-            *calls,
-            f"table = driver.tables[{rid!r}][{group}]",
-            "null = driver.s.kv_cache_manager.block_pool.null_block.block_id",
-            f"assert table[{col}] != null, (",
-            f'    f"{rid} writes its Mamba state into column {col} of its worker table (group {group}): "',
-            '    f"the null block (table {table})"',
-            ")",
-        ]
+    for props, pattern, render in PROPERTIES:
+        m = re.search(pattern, msg)
+        if prop in props and m:
+            return [*calls, *render(m, calls, rec, plan)]
     raise ExportError(f"trace.violation: no property assertion for the real scheduler's {prop}: {msg[:80]}")
+
+
+Match = re.Match[str]
+
+
+def _freed_while_saving(m: Match, calls: list[str], rec: Recording, plan: ExportPlan) -> list[str]:
+    rid = m.group(1)
+    return [
+        f"assert {rid!r} in driver.s.requests, (",
+        f'    "{rid} was freed at its load\'s report while its save is in flight: "',
+        '    "the save\'s report will find no request (assert req_id in self.requests)"',
+        ")",
+    ]
+
+
+def _placeholders_kept(m: Match, calls: list[str], rec: Recording, plan: ExportPlan) -> list[str]:
+    rid = m.group(1)
+    return [
+        f"placeholders = driver.requests[{rid!r}].num_output_placeholders",
+        "assert placeholders == 0, (",
+        f'    f"{rid} keeps {{placeholders}} output placeholder(s) after the failed blocks cut it: "',
+        '    "its step output is skipped, nothing consumes them"',
+        ")",
+    ]
+
+
+def _admission_refused(m: Match, calls: list[str], rec: Recording, plan: ExportPlan) -> list[str]:
+    rid, need, free = m.groups()
+    return [
+        f"held = [len(ids) for ids in driver.s.kv_cache_manager.get_block_ids({rid!r})]",
+        f'assert any(held), "{rid} needs {need} blocks and is refused by an idle pool of {free}"',
+    ]
+
+
+def _reads_unwritten(m: Match, calls: list[str], rec: Recording, plan: ExportPlan) -> list[str]:
+    hit, reader, _, group, block, index = m.groups()
+    out = _last_step(calls)
+    size = plan.trace.config.groups[int(group)].block_size
+    bound = int(index) * size
+    if reader is None:
+        reader = _reader_with_hit(rec, int(hit))
+    return [
+        f"start = driver.requests[{reader!r}].num_computed_tokens - {out}.num_scheduled_tokens[{reader!r}]",
+        f"assert start <= {bound}, (",
+        f'    f"{reader} resumes at {{start}}, reading block {block} (tokens [{bound}, {bound + size}) of group {group}): "',
+        '    "a load failed on it and no step has written it since"',
+        ")",
+    ]
+
+
+def _window_reads_null(m: Match, calls: list[str], rec: Recording, plan: ExportPlan) -> list[str]:
+    rid, group, index = m.groups()
+    return [
+        f"table = driver.s.kv_cache_manager.get_block_ids({rid!r})[{group}]",
+        "null = driver.s.kv_cache_manager.block_pool.null_block.block_id",
+        f"assert table[{index}] != null, (",
+        f'    f"{rid}\'s step reads block index {index} of group {group} through its window: it is the null block"',
+        ")",
+    ]
+
+
+def _state_into_null(m: Match, calls: list[str], rec: Recording, plan: ExportPlan) -> list[str]:
+    rid, col, group = m.groups()
+    return [
+        f"table = driver.tables[{rid!r}][{group}]",
+        "null = driver.s.kv_cache_manager.block_pool.null_block.block_id",
+        f"assert table[{col}] != null, (",
+        f'    f"{rid} writes its Mamba state into column {col} of its worker table (group {group}): "',
+        '    f"the null block (table {table})"',
+        ")",
+    ]
+
+
+_READS = r"(?:hit (\d+) reads|(\S+) computes tokens \[(\d+), \d+\) reading)"
+# One per invariant: (the invariants it answers, the recorded message's pattern, the
+# assertion's lines, written after the last operation's calls).
+PROPERTIES: tuple[
+    tuple[frozenset[str], str, Callable[[Match, list[str], Recording, ExportPlan], list[str]]], ...
+] = (
+    (
+        frozenset({"crash"}),
+        r"freed (\S+)'s blocks at its load's report while its save is in flight",
+        _freed_while_saving,
+    ),
+    (frozenset({"crash"}), r"kept (\S+)'s (\d+) output placeholder", _placeholders_kept),
+    (
+        frozenset({"fitting_request_admitted"}),
+        r"admission of (\S+) \((\d+) blocks\) refused by an idle pool of (\d+)",
+        _admission_refused,
+    ),
+    (
+        frozenset({"hit_serves_written_kv", "step_reads_written_kv"}),
+        _READS + r" group (\d+) block (\d+) \(index (\d+)\)",
+        _reads_unwritten,
+    ),
+    (
+        frozenset({"step_blocks_stay_held"}),
+        r"(\S+) computes tokens \[\d+, \d+\) but group (\d+) block index (\d+) is the null block",
+        _window_reads_null,
+    ),
+    (
+        frozenset({"mamba_state_in_worker_table"}),
+        r"(\S+) writes its state into column (\d+) of its worker table \(group (\d+)\)",
+        _state_into_null,
+    ),
+)
 
 
 def _reader_with_hit(rec: Recording, hit: int) -> str:
