@@ -21,7 +21,7 @@ from gpu_check.runner import CheckReport, default_config, default_modes, run_che
 from gpu_check.targets import TARGET_NAMES, target_factory
 from gpu_check.workload import make_workload
 from invariants.targets.base import TargetUnavailable
-from model.config import Config, ConfigError, GroupSpec
+from model.contract.config import Config, ConfigError, GroupSpec
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -23,8 +23,8 @@ import torch
 from gpu_check.hybrid import EngineFault, HybridModel, PagedStorage, SeqChunk
 from invariants.simulate.loop import LoopConfig, Observer, Request, ScheduledChunk
 from invariants.targets.base import Target
-from model.observation import BlockRemoved, Observation, ScheduleResult, Snapshot
-from model.ops import AddRequest, Op, Sample
+from model.contract.observation import BlockRemoved, Observation, ScheduleResult, Snapshot
+from model.contract.ops import AddRequest, Op, Sample
 
 # gpu_check's scheduler: a small batch so steps mix prefill and decode of several requests.
 GPU_CHECK_LOOP = LoopConfig(token_budget=48, max_running=4, max_steps=20_000)

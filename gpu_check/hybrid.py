@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from gpu_check.kernels import AttnBatch, InvariantKernels, Kernels
-from model.config import Config, GroupSpec
+from model.contract.config import Config, GroupSpec
 
 
 class EngineFault(RuntimeError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from invariants.targets.base import Target
 from invariants.zoo.mutants_reference import factory
-from model.config import Config
+from model.contract.config import Config
 
 _reuse_without_evict = factory("reuse_without_evict")
 

@@ -32,8 +32,8 @@ from gpu_check.workload import Workload, replay_sessions
 from invariants.report import table
 from invariants.simulate.loop import BlockAccounting, LoopConfig, SchedulerLoop, SchedulerStalled
 from invariants.targets.base import Target, TargetCrash, TargetUnavailable
-from model.config import Config, ConfigError, GroupSpec
-from model.ops import Op
+from model.contract.config import Config, ConfigError, GroupSpec
+from model.contract.ops import Op
 
 TargetFactory = Callable[[Config], Target]
 

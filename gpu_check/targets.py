@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from invariants.targets.base import Target
-from model.config import Config
+from model.contract.config import Config
 
 TARGET_NAMES = ("reference", "model", "vllm-manager", "vllm")
 

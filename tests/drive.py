@@ -27,9 +27,9 @@ import invariants.harness.checker as checker_mod
 from invariants.catalogue import CheckContext
 from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.harness.known_findings import is_known_violation
-from model.config import Config
-from model.observation import ScheduleResult, StepResult
-from model.ops import Op, Sample, Step
+from model.contract.config import Config
+from model.contract.observation import ScheduleResult, StepResult
+from model.contract.ops import Op, Sample, Step
 
 Factory = Callable[[Config], Any]
 ASYNC_SCHEDULER = "vllm-async-scheduler"

@@ -1,4 +1,4 @@
-"""The admission gates (`model.admission`; `Config.reserve_full_isl`, `Config.watermark`):
+"""The admission gates (`model.policy.admission`; `Config.reserve_full_isl`, `Config.watermark`):
 vLLM 0.33.0's `scheduler_reserve_full_isl` (its default) admits a waiting request only if
 its whole sequence fits the free pool, and a watermark keeps a fraction of the pool free
 from admissions while a request of the step runs.
@@ -21,16 +21,16 @@ import pytest
 from drive import Drive, check_contexts, patched
 from hypothesis import HealthCheck, given, settings
 
-import model.admission as adm
+import model.policy.admission as adm
 from invariants.catalogue import INVARIANTS
 from invariants.harness.checker import Checker
 from invariants.harness.strategies import configs
 from invariants.harness.trace import config_from_json, config_to_json
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.config import Config, ConfigError, GroupSpec, validate
-from model.observation import ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Offer, Schedule, Step
+from model.contract.config import Config, ConfigError, GroupSpec, validate
+from model.contract.observation import ScheduleResult, StepResult
+from model.contract.ops import AddRequest, Finish, Offer, Schedule, Step
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
@@ -242,7 +242,7 @@ SWA_CAPPED = Config(
 
 
 def test_in_flight_tokens_as_built() -> None:
-    """`model.admission.in_flight_tokens` is the `max_in_flight_tokens` of the engine built
+    """`model.policy.admission.in_flight_tokens` is the `max_in_flight_tokens` of the engine built
     for the configuration (budget, a draft model's slots, async scheduling's two batches)."""
     from invariants.targets.vllm_scheduler_build import MAX_NUM_SEQS
 

@@ -32,11 +32,11 @@ from invariants.harness.replay import replay
 from invariants.harness.trace import Trace, trace_from_json
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.connector import in_flight_reserve, remaining_blocks
-from model.observation import Observation, StepResult
-from model.ops import AddRequest, Loaded, Offer, Op, Sample, Step
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import Observation, StepResult
+from model.contract.ops import AddRequest, Loaded, Offer, Op, Sample, Step
+from model.machine.allocator import AllocatorModel
+from model.machine.connector import in_flight_reserve, remaining_blocks
 
 OVERCOUNT = "vllm-mamba-external-state-overcounted"
 ROLLBACK = "failed-load-rollback-reserves-against-itself"

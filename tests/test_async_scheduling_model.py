@@ -1,4 +1,4 @@
-"""The model's async-scheduling rules (`model.async_scheduling`), without vLLM.
+"""The model's async-scheduling rules (`model.machine.async_scheduling`), without vLLM.
 
 With `async_scheduling` a sampled token reaches the scheduler after the next
 step is scheduled: allocation caches only known tokens, the token's arrival
@@ -11,8 +11,11 @@ vLLM-driven controls are in tests/test_vllm_async_scheduler.py).
 from __future__ import annotations
 
 from invariants.harness.observer import ModelObserver
-from model.allocator import AllocatorModel
-from model.async_scheduling import (
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import BlockStored
+from model.contract.ops import AddRequest, Op, Preempt, Sample, Step
+from model.machine.allocator import AllocatorModel
+from model.machine.async_scheduling import (
     InFlight,
     arrival_limit,
     caching_limit,
@@ -20,9 +23,6 @@ from model.async_scheduling import (
     processed_limit,
     scheduler_position,
 )
-from model.config import Config, GroupSpec
-from model.observation import BlockStored
-from model.ops import AddRequest, Op, Preempt, Sample, Step
 
 FULL = Config(groups=(GroupSpec("full", 2),), num_blocks=16)
 FULL_SWA = Config(groups=(GroupSpec("full", 2), GroupSpec("swa", 2, sliding_window=2)), num_blocks=24)

@@ -11,10 +11,10 @@ import pytest
 from invariants.harness.checker import Checker, InvalidOp
 from invariants.targets import target_factory
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.observation import ScheduleResult, StepResult
-from model.ops import AddRequest, Op, Sample, Step, op_from_json, op_to_json
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import ScheduleResult, StepResult
+from model.contract.ops import AddRequest, Op, Sample, Step, op_from_json, op_to_json
+from model.machine.allocator import AllocatorModel
 
 SYS = tuple([1, 2, 3, 1] * 5)
 FULL_MAMBA = Config(groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)), num_blocks=32)

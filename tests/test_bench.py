@@ -15,7 +15,7 @@ if not _OK:
     pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
 
 from invariants.harness import bench  # noqa: E402
-from model.ops import Finish  # noqa: E402
+from model.contract.ops import Finish  # noqa: E402
 
 
 def _ratio(lines: list[str], row: str) -> float:

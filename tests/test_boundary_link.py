@@ -9,7 +9,7 @@ import pytest
 from invariants.proofs import boundary_link as bl
 from invariants.proofs import coordinator_link as cl
 from invariants.proofs import production_link as pl
-from model.profile import Profile
+from model.contract.profile import Profile
 
 
 @pytest.fixture(scope="module")

@@ -36,9 +36,9 @@ from invariants.errors import UsageError  # noqa: E402
 from invariants.explore.instances import Instance, grid_by_name  # noqa: E402
 from invariants.explore.search import Limits, explore  # noqa: E402
 from invariants.targets.model_target import ModelTarget  # noqa: E402
-from model.config import Config  # noqa: E402
-from model.observation import Done, Observation  # noqa: E402
-from model.ops import Finish, Op, Preempt  # noqa: E402
+from model.contract.config import Config  # noqa: E402
+from model.contract.observation import Done, Observation  # noqa: E402
+from model.contract.ops import Finish, Op, Preempt  # noqa: E402
 
 # Classes defined here travel to the Ray workers by value (the workers cannot import tests/).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -6,8 +6,8 @@ import json
 
 from invariants.cli.main import main
 from invariants.harness.trace import Trace, read_trace, write_trace
-from model.config import Config, GroupSpec
-from model.ops import AddRequest, EvictBlocks, Finish, Probe, Sample, Schedule
+from model.contract.config import Config, GroupSpec
+from model.contract.ops import AddRequest, EvictBlocks, Finish, Probe, Sample, Schedule
 
 CFG = Config(
     groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=16, retention_interval=0

@@ -1,4 +1,4 @@
-"""A request saved while its async load is in flight (`model.connector`, "Saves").
+"""A request saved while its async load is in flight (`model.machine.connector`, "Saves").
 
 A kv_both connector may save a request finished while its load is in flight
 (or ended by its failed load under "fail"): the contract holds its blocks until
@@ -26,10 +26,10 @@ from invariants.harness.observer import ModelObserver
 from invariants.harness.trace import Trace
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.observation import Done, Saving
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Save, Saved, Step
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import Done, Saving
+from model.contract.ops import AddRequest, Finish, Loaded, Offer, Op, Save, Saved, Step
+from model.machine.allocator import AllocatorModel
 
 FULL4 = Config(groups=(GroupSpec("full", 4),), num_blocks=8, max_model_len=4096, kv_connector=True)
 PROMPT = tuple(range(1, 14))  # 13 tokens: 12 loaded into blocks 1-3

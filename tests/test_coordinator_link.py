@@ -19,11 +19,11 @@ import pytest
 from invariants.proofs import coordinator_link as cl
 from invariants.proofs import production_link as pl
 from invariants.targets import vllm_build, vllm_capabilities
-from model import hybrid_hit, lookup
-from model.allocator import AllocatorModel
-from model.observation import ProbeResult, block_key
-from model.ops import Probe
-from model.profile import Profile
+from model.contract import hybrid_hit, lookup
+from model.contract.observation import ProbeResult, block_key
+from model.contract.ops import Probe
+from model.contract.profile import Profile
+from model.machine.allocator import AllocatorModel
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ from invariants.harness.known_findings import (
 from invariants.harness.replay import replay
 from invariants.targets.base import TargetCrash
 from invariants.targets.vllm_env import vllm_available
-from model.ops import AddRequest, Loaded, Offer, Op, Step
+from model.contract.ops import AddRequest, Loaded, Offer, Op, Step
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
@@ -225,7 +225,7 @@ def test_the_origin_is_told_by_where_it_was_raised() -> None:
     except TargetCrash as crash:
         assert crash_site(crash).raised_by == ADAPTER
     # An engine's own raise: the model (an engine package) refusing a configuration.
-    from model.config import Config, ConfigError, GroupSpec, validate
+    from model.contract.config import Config, ConfigError, GroupSpec, validate
 
     with pytest.raises(ConfigError) as raised:
         validate(Config(groups=(GroupSpec("full", 4),), num_blocks=1))

@@ -1,7 +1,7 @@
 """The engine decides every step: "vllm" and "vllm-async-scheduler" run only the engine's
 own steps (every request vLLM holds, in the model's predicted queue order, with the budget
 the engine was built with), and the model states the queue order and the `max_num_seqs`
-cap those steps run under (`model.queues.QueueOrder.engine_order`, `model.scheduling`).
+cap those steps run under (`model.policy.queues.QueueOrder.engine_order`, `model.policy.scheduling`).
 
 Each check has its control: the model without the cap, a step naming a subset, another
 budget or a `Preempt` (refused on the engine target, run on the directed one)."""
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-import model.connector as connector_mod
+import model.machine.connector as connector_mod
 from invariants.harness.checker import Checker
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, ConfigError, GroupSpec, validate
-from model.observation import StepResult
-from model.ops import AddRequest, Finish, Preempt, Sample, Step
-from model.scheduling import build_budget, seq_cap
+from model.contract.config import Config, ConfigError, GroupSpec, validate
+from model.contract.observation import StepResult
+from model.contract.ops import AddRequest, Finish, Preempt, Sample, Step
+from model.machine.allocator import AllocatorModel
+from model.policy.scheduling import build_budget, seq_cap
 
 FULL = Config(groups=(GroupSpec("full", 4),), num_blocks=24, max_model_len=256)
 CAPPED = FULL.with_(max_num_batched_tokens=8, max_num_seqs=2)

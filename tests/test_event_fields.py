@@ -23,11 +23,11 @@ from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation
 from invariants.harness.conformance import EXCLUDED
 from invariants.targets.reference import ReferenceTarget
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.observation import BlockRemoved, BlockStored, Event, Snapshot, diff_snapshots
-from model.ops import AddRequest, EvictBlocks, Finish, Op, Sample, Schedule
-from model.prefix import prefix
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import BlockRemoved, BlockStored, Event, Snapshot, diff_snapshots
+from model.contract.ops import AddRequest, EvictBlocks, Finish, Op, Sample, Schedule
+from model.contract.prefix import prefix
+from model.machine.allocator import AllocatorModel
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")

@@ -29,10 +29,10 @@ from invariants.explore.search import Limits, _is_valid, explore, new_checker, r
 from invariants.harness.checker import Checker
 from invariants.harness.trace import read_trace
 from invariants.targets.model_target import ModelTarget
-from model.config import Config, GroupSpec, validate
-from model.free_queue import LinkedFreeQueue
-from model.observation import Done, Observation
-from model.ops import AddRequest, Finish, Op, Preempt, Schedule, Step
+from model.contract.config import Config, GroupSpec, validate
+from model.contract.free_queue import LinkedFreeQueue
+from model.contract.observation import Done, Observation
+from model.contract.ops import AddRequest, Finish, Op, Preempt, Schedule, Step
 
 TINY = grid_by_name(["full-p3-r1"])[0]
 TWO = Instance(

@@ -43,8 +43,8 @@ from invariants.harness.checker import Checker, Violation
 from invariants.targets import target_factory
 from invariants.targets.base import TargetFeatures
 from invariants.targets.model_target import ModelTarget
-from model.config import Config, ConfigError, GroupSpec, validate
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Sample, Save, Saved, Schedule, Step
+from model.contract.config import Config, ConfigError, GroupSpec, validate
+from model.contract.ops import AddRequest, Finish, Loaded, Offer, Op, Sample, Save, Saved, Schedule, Step
 
 REAL = TargetFeatures(real_scheduler=True, connector=True)
 TINY = grid_by_name(["full-p3-r1"])[0]

@@ -31,9 +31,9 @@ from invariants.explore.undo import Checkpoint, Unrestorable
 from invariants.harness.checker import Checker
 from invariants.targets import target_factory
 from invariants.targets.model_target import ModelTarget
-from model.config import Config, GroupSpec, validate
-from model.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, ResetPrefixCache, Sample, Step
-from model.prefix import prefix
+from model.contract.config import Config, GroupSpec, validate
+from model.contract.ops import AddRequest, EvictBlocks, Finish, Op, Preempt, ResetPrefixCache, Sample, Step
+from model.contract.prefix import prefix
 
 TINY = grid_by_name(["full-p3-r1"])[0]
 DENSE = grid_by_name(["full+swa-p7-dense"])[0]

@@ -35,8 +35,8 @@ from invariants.export.pytest_file import exported_test_name, render_test, token
 from invariants.harness.known_findings import load_known_findings
 from invariants.harness.trace import Trace, read_trace, trace_to_json, write_trace
 from invariants.targets.vllm_env import MODELED_VERSION, vllm_available
-from model.config import Config, GroupSpec
-from model.ops import AddRequest, Finish, Op, Sample, Schedule, Step
+from model.contract.config import Config, GroupSpec
+from model.contract.ops import AddRequest, Finish, Op, Sample, Schedule, Step
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_FINDINGS = {f.id: f for f in load_known_findings()}

@@ -14,8 +14,8 @@ import pytest
 from invariants.cli.main import main
 from invariants.harness.known_findings import load_known_findings
 from invariants.harness.trace import Trace, write_trace
-from model.config import Config, GroupSpec
-from model.ops import AddRequest, Finish, Schedule
+from model.contract.config import Config, GroupSpec
+from model.contract.ops import AddRequest, Finish, Schedule
 
 FINDINGS = {f.id: f for f in load_known_findings()}
 

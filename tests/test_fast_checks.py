@@ -17,8 +17,8 @@ import invariants.harness.checker as checker_mod
 from invariants.catalogue import BY_NAME, CheckContext, incremental
 from invariants.harness.checker import Checker
 from invariants.targets import available_targets, target_factory
-from model.observation import BlockKey, block_key
-from model.prefix import prefix
+from model.contract.observation import BlockKey, block_key
+from model.contract.prefix import prefix
 
 # ----------------------------------------------------------------- the oracles
 

@@ -1,4 +1,4 @@
-"""model.fine_mamba: when fine-grained Mamba hits are on, the hit rules, and the
+"""model.contract.fine_mamba: when fine-grained Mamba hits are on, the hit rules, and the
 copies the model predicts (the vLLM agreement is in test_vllm_target)."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from invariants.targets.reference import ReferenceTarget
-from model.allocator import AllocatorModel
-from model.config import Config, ConfigError, GroupSpec
-from model.fine_mamba import eagle_margin, fine_full_hit, fine_hits_enabled, fine_mamba_hit
-from model.observation import block_key
-from model.ops import AddRequest, Finish, Probe, Schedule
+from model.contract.config import Config, ConfigError, GroupSpec
+from model.contract.fine_mamba import eagle_margin, fine_full_hit, fine_hits_enabled, fine_mamba_hit
+from model.contract.observation import block_key
+from model.contract.ops import AddRequest, Finish, Probe, Schedule
+from model.machine.allocator import AllocatorModel
 
 FULL16_MAMBA64 = (GroupSpec("full", 16), GroupSpec("mamba", 64))
 PROMPT150 = tuple(range(1000, 1150))

@@ -13,9 +13,9 @@ from invariants.harness.fuzz import run_fuzz
 from invariants.harness.shrink import shrink
 from invariants.harness.trace import read_trace
 from invariants.targets.model_target import ModelTarget
-from model.config import Config, GroupSpec
-from model.observation import Done, Observation
-from model.ops import AddRequest, Finish, Op, Schedule, Step
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import Done, Observation
+from model.contract.ops import AddRequest, Finish, Op, Schedule, Step
 
 CFG = Config(groups=(GroupSpec("full", 4),), num_blocks=12)
 
@@ -200,7 +200,7 @@ def test_production_settings_and_a_clean_episode():
         run_production,
         settings_for,
     )
-    from model.fine_mamba import fine_hits_enabled
+    from model.contract.fine_mamba import fine_hits_enabled
 
     plan = settings_for(0)
     assert {s.name for s in plan if s.squeezed} == {"dsv4-flash", "gemma-like", "kimi-linear-like"}

@@ -32,9 +32,9 @@ from invariants.targets.model_target import ModelTarget
 from invariants.targets.reference import ReferenceTarget
 from invariants.zoo.explore_hunt import format_kills, hunt
 from invariants.zoo.runner import reference_entries, run_entry, unmutated_entry
-from model.config import Config, GroupSpec, validate
-from model.observation import Done, Observation, ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
+from model.contract.config import Config, GroupSpec, validate
+from model.contract.observation import Done, Observation, ScheduleResult, StepResult
+from model.contract.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
 
 CFG = validate(Config(groups=(GroupSpec("full", 2),), num_blocks=6, max_model_len=24))
 

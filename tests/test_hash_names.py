@@ -12,9 +12,9 @@ import pytest
 
 from invariants.targets.hash_names import HashNames
 from invariants.targets.vllm_env import vllm_available
-from model.config import Config, GroupSpec
-from model.ops import AddRequest, Finish, Schedule
-from model.prefix import prefix
+from model.contract.config import Config, GroupSpec
+from model.contract.ops import AddRequest, Finish, Schedule
+from model.contract.prefix import prefix
 
 
 def test_learn_name_and_prune():
@@ -69,7 +69,7 @@ def test_vllm_adapter_rehashes_exactly_and_prunes_removed_hashes():
 @vllm
 def test_sampled_blocks_are_named_without_keeping_a_copy_of_the_request():
     from invariants.targets.vllm_target import VllmManagerTarget
-    from model.ops import Sample
+    from model.contract.ops import Sample
 
     cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=40)
     target = VllmManagerTarget(cfg)

@@ -15,9 +15,9 @@ from invariants.catalogue import History, RequestHistory, forget
 from invariants.catalogue import history as history_mod
 from invariants.harness.checker import Checker
 from invariants.targets.model_target import ModelTarget
-from model.config import Config, GroupSpec
-from model.observation import block_key
-from model.ops import AddRequest, Finish, Schedule
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import block_key
+from model.contract.ops import AddRequest, Finish, Schedule
 
 CFG = Config(
     groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=24, retention_interval=0

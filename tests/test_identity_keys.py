@@ -1,4 +1,4 @@
-"""Requests with identities (`model.extra_keys`): the model's statement of each block's
+"""Requests with identities (`model.contract.extra_keys`): the model's statement of each block's
 extra keys against vLLM's own key functions, the naming of prefixes per identity, the
 trace format, and the model and vLLM's targets agreeing on salted, adapter and
 multimodal requests (each with a control that shows the check can fail)."""
@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from model.allocator import AllocatorModel
-from model.extra_keys import Identity, Keyed, MMItem, block_hash_keys, event_keys, keyed
-from model.observation import ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Schedule, op_from_json, op_to_json
-from model.prefix import prefix
+from model.contract.extra_keys import Identity, Keyed, MMItem, block_hash_keys, event_keys, keyed
+from model.contract.observation import ScheduleResult, StepResult
+from model.contract.ops import AddRequest, Finish, Schedule, op_from_json, op_to_json
+from model.contract.prefix import prefix
+from model.machine.allocator import AllocatorModel
 
 BS = 4
 

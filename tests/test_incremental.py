@@ -23,9 +23,9 @@ from invariants.harness.strategies import configs
 from invariants.targets import available_targets, target_factory
 from invariants.targets.base import partial_from_snapshot, table_changes
 from invariants.targets.model_target import ModelTarget
-from model.config import Config, GroupSpec
-from model.observation import Observation, StepResult
-from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import Observation, StepResult
+from model.contract.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
 
 TARGETS = ["model", "reference", "vllm-manager"]
 CFG = Config(
@@ -278,7 +278,7 @@ def test_fast_path_flags_what_the_audit_flags_on_a_visible_mutant(seed):
         def apply(self, op: Op) -> Observation:
             if isinstance(op, Finish) and seed % 2:
                 self._model.requests.pop(op.rid)
-                from model.observation import Done
+                from model.contract.observation import Done
 
                 return Done()
             return super().apply(op)

@@ -18,10 +18,10 @@ from invariants.catalogue.context import Unwritten
 from invariants.catalogue.isolation import IsolationLedger
 from invariants.harness.checker import Checker
 from invariants.targets.model_target import ModelTarget
-from model.config import Config, GroupSpec
-from model.extra_keys import Identity
-from model.observation import BlockKey, BlockStored, ProbeResult, ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Loaded, Offer, Probe, Sample, Schedule, Step
+from model.contract.config import Config, GroupSpec
+from model.contract.extra_keys import Identity
+from model.contract.observation import BlockKey, BlockStored, ProbeResult, ScheduleResult, StepResult
+from model.contract.ops import AddRequest, Finish, Loaded, Offer, Probe, Sample, Schedule, Step
 
 FULL_SWA = (GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6))
 SYS = tuple([1, 2, 3, 1] * 5)

@@ -16,7 +16,7 @@ one step ahead where the target does), and collecting the kinds of the
 operations its `Checker` judged (a real scheduler's `Schedule` is run as a
 `Step`).
 
-The rule: `schedule` and `step` are one scheduler step (`model.ops`: a
+The rule: `schedule` and `step` are one scheduler step (`model.contract.ops`: a
 `Schedule` is a one-request `Step`; a real scheduler runs it as one), so an
 invariant that judges one of them must judge every one of them the target is
 sent. Exempt, by name and reason (`ONE_REQUEST_VACUOUS`, itself held to the
@@ -49,8 +49,8 @@ from invariants.targets import (
 )
 from invariants.targets.base import Target, TargetFeatures
 from invariants.targets.model_target import ModelTarget
-from model.config import Config, GroupSpec, validate
-from model.observation import (
+from model.contract.config import Config, GroupSpec, validate
+from model.contract.observation import (
     Done,
     LoadCut,
     ProbeResult,
@@ -59,14 +59,14 @@ from model.observation import (
     ScheduleResult,
     StepResult,
 )
-from model.ops import OP_TYPES, Schedule
+from model.contract.ops import OP_TYPES, Schedule
 
 Check = Callable[[CheckContext], list[str]]
 
-# The kinds that are one scheduler step (`model.ops`); see the module docstring.
+# The kinds that are one scheduler step (`model.contract.ops`); see the module docstring.
 SCHEDULING = frozenset({"schedule", "step"})
 
-# What a target observes for each operation kind (`model.observation.Observation`).
+# What a target observes for each operation kind (`model.contract.observation.Observation`).
 OBSERVED: dict[str, tuple[type, ...]] = {
     "add": (Done,),
     "schedule": (ScheduleResult,),

@@ -16,9 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from invariants.catalogue.isolation import RouterIndex  # noqa: E402
-from model.extra_keys import Identity, MMItem, keyed  # noqa: E402
-from model.observation import BlockStored  # noqa: E402
-from model.ops import AddRequest, Finish, Op, Schedule  # noqa: E402
+from model.contract.extra_keys import Identity, MMItem, keyed  # noqa: E402
+from model.contract.observation import BlockStored  # noqa: E402
+from model.contract.ops import AddRequest, Finish, Op, Schedule  # noqa: E402
 
 ISOLATION = {"hit_written_by_same_identity", "events_carry_block_keys", "router_sees_target_hits"}
 
@@ -192,8 +192,8 @@ def test_a_router_keys_blocks_by_their_extra_keys() -> None:
     toks = tuple(range(8))
     for identity in (Identity(salt="a"), Identity(salt="b")):
         kt = keyed(toks, identity)
-        from model.extra_keys import event_keys
-        from model.prefix import prefix
+        from model.contract.extra_keys import event_keys
+        from model.contract.prefix import prefix
 
         router.apply(
             [

@@ -27,8 +27,8 @@ from invariants.harness.known_findings import explain, load_known_findings
 from invariants.harness.trace import read_trace
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.config import Config, GroupSpec
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, Probe, Step
+from model.contract.config import Config, GroupSpec
+from model.contract.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, Probe, Step
 
 FULL = Config(groups=(GroupSpec("full", 4),), num_blocks=16, max_model_len=4096, kv_connector=True)
 P13 = tuple(range(1, 14))

@@ -182,15 +182,23 @@ def test_every_room_on_disk_is_on_the_map() -> None:
         ("invariants/targets/base.py", "import invariants.cli.main", "may not import room cli"),
         ("invariants/harness/fuzz.py", "from invariants.zoo import runner", "may not import room zoo"),
         ("invariants/report.py", "from invariants.targets import base", "is a leaf"),
-        ("model/pool.py", "from reference_impl.block import KVCacheBlock", "may not import reference_impl/"),
-        ("reference_impl/block_pool.py", "from model.free_queue import FreeQueue", "may not import model/"),
+        (
+            "model/machine/pool.py",
+            "from reference_impl.block import KVCacheBlock",
+            "may not import reference_impl/",
+        ),
+        (
+            "reference_impl/block_pool.py",
+            "from model.contract.free_queue import FreeQueue",
+            "may not import model/",
+        ),
         ("gpu_check/forward_pass.py", "from invariants.cli.main import main", "gpu_check uses only"),
         # Relative imports, resolved against the file's package.
         ("invariants/catalogue/structure.py", "from ..harness import checker", "may not import room harness"),
         ("invariants/harness/fuzz.py", "from ..cli.main import main", "may not import room cli"),
         # Modules loaded by name: a literal, a relative name with its package, a table a loader iterates.
         ("invariants/cli/main.py", 'importlib.import_module("gpu_check.cli")', "may not import gpu_check/"),
-        ("model/pool.py", '__import__("reference_impl")', "may not import reference_impl/"),
+        ("model/machine/pool.py", '__import__("reference_impl")', "may not import reference_impl/"),
         (
             "invariants/targets/base.py",
             'importlib.import_module(".checker", package="invariants.harness")',
@@ -283,7 +291,7 @@ def test_no_function_over_80_lines() -> None:
     assert not found, "\n".join(found)
     # Control: an 81-line function is reported.
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
-    assert long_functions(ROOT / "model" / "pool.py", f"def f():\n{body}")
+    assert long_functions(ROOT / "model" / "machine" / "pool.py", f"def f():\n{body}")
 
 
 # ----------------------------------------------------------------------------- private reach
@@ -413,8 +421,8 @@ def test_every_allowed_private_reach_is_still_needed() -> None:
         ("invariants/export/plan.py", "model._allocate = None", "_allocate"),
         ("invariants/export/plan.py", 'setattr(model, "_preempt", None)', "_preempt"),
         ("invariants/harness/checker.py", "return target._model", "_model"),
-        ("gpu_check/forward_pass.py", "return model.pool._insert", "_insert"),
-        ("model/pool.py", "return manager._maybe_evict_cached_block", "_maybe_evict_cached_block"),
+        ("gpu_check/forward_pass.py", "return model.machine.pool._insert", "_insert"),
+        ("model/machine/pool.py", "return manager._maybe_evict_cached_block", "_maybe_evict_cached_block"),
     ],
 )
 def test_control_planted_private_reach_is_reported(where: str, planted: str, reported: str) -> None:

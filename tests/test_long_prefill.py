@@ -1,4 +1,4 @@
-"""The long-prefill threshold (`Config.long_prefill_token_threshold`, `model.scheduling`):
+"""The long-prefill threshold (`Config.long_prefill_token_threshold`, `model.policy.scheduling`):
 a step caps one request's chunk at it when another request is queued beside it, drafts
 and padding included, and the Mamba split's "block wider than the budget" escape reads
 the threshold whatever the queue.
@@ -19,11 +19,11 @@ from drive import Drive
 from invariants.harness.observer import ModelObserver
 from invariants.harness.trace import config_from_json, config_to_json
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, ConfigError, GroupSpec, validate
-from model.observation import StepResult
-from model.ops import AddRequest, Finish, Sample, Step
-from model.scheduling import capped, long_prefill_cap
+from model.contract.config import Config, ConfigError, GroupSpec, validate
+from model.contract.observation import StepResult
+from model.contract.ops import AddRequest, Finish, Sample, Step
+from model.machine.allocator import AllocatorModel
+from model.policy.scheduling import capped, long_prefill_cap
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")

@@ -9,10 +9,10 @@ import pytest
 from invariants.harness.checker import Checker
 from invariants.targets import target_factory
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, ConfigError, GroupSpec, validate
-from model.observation import ScheduleResult
-from model.ops import AddRequest, Op, Sample, Schedule, Step
+from model.contract.config import Config, ConfigError, GroupSpec, validate
+from model.contract.observation import ScheduleResult
+from model.contract.ops import AddRequest, Op, Sample, Schedule, Step
+from model.machine.allocator import AllocatorModel
 
 LOOKAHEAD = Config(
     groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6), GroupSpec("mamba", 4)),

@@ -1,4 +1,4 @@
-"""The hit rules' searches (`model.lookup`: the largest qualifying boundary,
+"""The hit rules' searches (`model.contract.lookup`: the largest qualifying boundary,
 met counting down) against the rules as written: the maximum over every
 boundary. A search that stops at the first boundary counting up is caught."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.lookup import Layout, mamba_hit, swa_hit
+from model.contract.lookup import Layout, mamba_hit, swa_hit
 
 
 def _aligned(e: int, bs: int, a: int) -> bool:

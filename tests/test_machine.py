@@ -11,8 +11,8 @@ from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
 from invariants.harness.strategies import configs
 from invariants.targets import target_factory
 from invariants.targets.model_target import ModelTarget
-from model.allocator import AllocatorModel
-from model.pool import Pool
+from model.machine.allocator import AllocatorModel
+from model.machine.pool import Pool
 
 
 def _known(target: str):
@@ -59,7 +59,7 @@ def test_machine_catches_a_mutant_and_shrinks_it():
     stats = FuzzStats()
     from hypothesis import strategies as st
 
-    from model.config import Config, GroupSpec
+    from model.contract.config import Config, GroupSpec
 
     cfg = Config(
         groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)),
@@ -75,8 +75,8 @@ def test_machine_catches_a_mutant_and_shrinks_it():
 
 
 def test_model_is_deterministic():
-    from model.config import Config, GroupSpec
-    from model.ops import AddRequest, Schedule
+    from model.contract.config import Config, GroupSpec
+    from model.contract.ops import AddRequest, Schedule
 
     cfg = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)), num_blocks=12)
     snaps = []
@@ -112,7 +112,7 @@ class RaisesOnFirstSchedule(ModelTarget):
     assertion) and, having skipped it, disagrees with the model from then on."""
 
     def apply(self, op):  # type: ignore[no-untyped-def]
-        from model.ops import Schedule
+        from model.contract.ops import Schedule
 
         if isinstance(op, Schedule) and not getattr(self, "raised", False):
             self.raised = True
@@ -141,7 +141,7 @@ def _run_tolerating(check: str) -> FuzzStats:
 
 
 def configs_example():  # type: ignore[no-untyped-def]
-    from model.config import Config, GroupSpec
+    from model.contract.config import Config, GroupSpec
 
     return Config((GroupSpec("full", 4),), 16)
 

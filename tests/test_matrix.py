@@ -23,7 +23,7 @@ import pytest
 from invariants.matrix.classify import classify
 from invariants.targets.vllm_capabilities import Capabilities, detect_from
 from invariants.targets.vllm_env import cache_root, vllm_available
-from model.profile import Profile
+from model.contract.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[1]
 _OK, _REASON = vllm_available()
@@ -365,7 +365,7 @@ class TestAdapterFollowsCapabilities:
 
     @staticmethod
     def _cfg(**kw: Any) -> Any:
-        from model.config import Config, GroupSpec
+        from model.contract.config import Config, GroupSpec
 
         return Config(
             groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=4)), num_blocks=16, **kw
@@ -381,7 +381,7 @@ class TestAdapterFollowsCapabilities:
 
     def test_a_wide_mamba_block_needs_fine_grained_hits(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from invariants.targets.vllm_target import UnsupportedConfig
-        from model.config import Config, GroupSpec
+        from model.contract.config import Config, GroupSpec
 
         cfg = Config(
             (GroupSpec("full", 4), GroupSpec("mamba", 16)), 16, hash_block_size=4, scheduler_block_size=16
@@ -423,7 +423,7 @@ class TestAdapterFollowsCapabilities:
         assert full.manager.use_eagle is True and full.manager.block_pool.enable_kv_cache_events is True
 
     def test_no_junction_reports_boundary_zero(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from model.ops import AddRequest, Probe, Schedule
+        from model.contract.ops import AddRequest, Probe, Schedule
 
         t = self._target(monkeypatch, self._cfg(), shared_prefix_junction=False)
         t.manager.get_computed_blocks = lambda req: (t.manager.empty_kv_cache_blocks, 0)
@@ -432,7 +432,7 @@ class TestAdapterFollowsCapabilities:
         assert t.apply(Schedule("r", 8)).scheduled == 5
 
     def test_no_cow_copies_are_drained_without_them(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from model.ops import AddRequest, Schedule
+        from model.contract.ops import AddRequest, Schedule
 
         t = self._target(monkeypatch, self._cfg(), cow_copies=False)
 
@@ -452,7 +452,7 @@ class TestAdapterFollowsCapabilities:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         from invariants.targets.base import TargetCrash
-        from model.ops import AddRequest
+        from model.contract.ops import AddRequest
 
         t = self._target(monkeypatch, self._cfg(), coarse_hash="concat")
         t.apply(AddRequest("r", (1, 2, 3, 4, 5, 6, 7, 8)))
@@ -524,7 +524,7 @@ def test_shrink_keeps_the_failure_and_drops_the_rest() -> None:
     from invariants.harness.known_findings import load_known_findings
     from invariants.matrix.shrink import first_failure, shrink
     from invariants.targets import target_factory
-    from model.ops import AddRequest, Finish, Probe
+    from model.contract.ops import AddRequest, Finish, Probe
 
     finding = next(f for f in load_known_findings() if "reference" in f.targets)
     factory = target_factory("reference")

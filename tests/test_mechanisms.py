@@ -1,10 +1,10 @@
 """The mechanism modules and the profile table (issue 25, item 1).
 
 A profile is data: each switch selects, from its mechanism module's table, the
-rule of the releases that share its value (`model.profile.rules_of`). These
+rule of the releases that share its value (`model.contract.profile.rules_of`). These
 tests hold the tables to that: every value a switch can take has a rule, every
 rule names its releases, the model reads no switch, and the pool's inline
-routing is the rule `model.routing.route` states.
+routing is the rule `model.contract.routing.route` states.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 
 from invariants.harness.observer import ModelObserver
-from model import eagle, hybrid_hit, mamba, masks, partial_tails, routing
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.observation import block_key
-from model.ops import AddRequest, Preempt, Sample, Step
-from model.pool import Pool
-from model.profile import FREE_ORDERS, MAMBA_CHECKPOINTS, MODELED, Profile, Rules, rules_of
-from model.seams import Decision
+from model.contract import eagle, hybrid_hit, mamba, masks, partial_tails, routing
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import block_key
+from model.contract.ops import AddRequest, Preempt, Sample, Step
+from model.contract.profile import FREE_ORDERS, MAMBA_CHECKPOINTS, MODELED, Profile, Rules, rules_of
+from model.machine.allocator import AllocatorModel
+from model.machine.pool import Pool
+from model.machine.seams import Decision
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = (eagle, hybrid_hit, mamba, masks, partial_tails, routing)
@@ -108,7 +108,7 @@ def test_the_allocator_reads_no_profile_switch() -> None:
             if isinstance(node, ast.Attribute) and node.attr in names and _names_profile(node.value)
         ]
 
-    source = (ROOT / "model" / "allocator.py").read_text()
+    source = (ROOT / "model" / "machine" / "allocator.py").read_text()
     assert switch_reads(source) == []
     assert switch_reads(source + "\nx = self.profile.block_mask\n")
 

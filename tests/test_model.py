@@ -2,13 +2,13 @@
 
 import pytest
 
-from model.allocator import AllocatorModel
-from model.config import Config, ConfigError, GroupSpec, validate
-from model.free_queue import FreeQueue, demote_n
-from model.lookup import full_hit, mamba_hit, swa_hit
-from model.masks import mamba_kept_blocks, replay_boundaries, swa_kept_blocks
-from model.ops import AddRequest, Finish, Probe, Sample, Schedule
-from model.scheduling import mamba_chunk
+from model.contract.config import Config, ConfigError, GroupSpec, validate
+from model.contract.free_queue import FreeQueue, demote_n
+from model.contract.lookup import full_hit, mamba_hit, swa_hit
+from model.contract.masks import mamba_kept_blocks, replay_boundaries, swa_kept_blocks
+from model.contract.ops import AddRequest, Finish, Probe, Sample, Schedule
+from model.machine.allocator import AllocatorModel
+from model.policy.scheduling import mamba_chunk
 
 
 def test_free_queue_sequence_matches_vllm():
@@ -57,7 +57,7 @@ def test_swa_mask_is_the_union_of_the_retained_tails():
     [start, end) lying in some edge's tail, as the definition reads, on random inputs."""
     import random
 
-    from model.masks import boundary_edge, swa_tail_blocks
+    from model.contract.masks import boundary_edge, swa_tail_blocks
 
     rng = random.Random(3)
     for _ in range(400):

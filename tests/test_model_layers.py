@@ -1,7 +1,7 @@
 """The specification's own shape (issue 39, "Judge state out of the spec"): `model/` forms no
 import circle, no module of it calls a private method of another module's class, and it
 holds no coverage counter, decision recorder or judge's choice (those are the harness's:
-`model.seams.Observer`, `invariants.harness.observer`). Each rule's checker runs on a
+`model.machine.seams.Observer`, `invariants.harness.observer`). Each rule's checker runs on a
 planted bad input too, and must report it.
 """
 
@@ -91,17 +91,19 @@ def test_model_imports_form_no_circle() -> None:
 
 def test_control_a_type_checking_import_back_is_a_circle() -> None:
     sources = model_sources()
-    assert "model.failed_blocks" in import_graph(sources)["model.allocator"]  # the edge the plant closes
+    assert (
+        "model.machine.failed_blocks" in import_graph(sources)["model.machine.allocator"]
+    )  # the edge the plant closes
     planted = dict(sources)
-    planted["model.failed_blocks"] += (
-        "\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from model.allocator import AllocatorModel\n"
+    planted["model.machine.failed_blocks"] += (
+        "\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from model.machine.allocator import AllocatorModel\n"
     )
     found = cycles(import_graph(planted))
-    assert any({"model.allocator", "model.failed_blocks"} <= set(c) for c in found), found
+    assert any({"model.machine.allocator", "model.machine.failed_blocks"} <= set(c) for c in found), found
     # A relative import and a `from model import x` are edges too.
     planted = dict(sources)
-    planted["model.connector"] += "\n\ndef _planted() -> None:\n    from . import allocator  # noqa\n"
-    assert any("model.connector" in c for c in cycles(import_graph(planted)))
+    planted["model.machine.connector"] += "\n\ndef _planted() -> None:\n    from . import allocator  # noqa\n"
+    assert any("model.machine.connector" in c for c in cycles(import_graph(planted)))
 
 
 # ------------------------------------------------------------------------------- private calls
@@ -150,21 +152,22 @@ def test_control_a_private_call_into_the_machine_is_reported() -> None:
     sources = model_sources()
     owners = private_methods(sources)
     planted = (
-        sources["model.connector"]
+        sources["model.machine.connector"]
         + "\n\ndef _planted(m):  # noqa\n    return m._allocate(None, 0, 0, None)\n"
     )
-    found = private_calls("model.connector", planted, owners)
-    assert found and "_allocate" in found[0] and "model.allocator" in found[0], found
+    found = private_calls("model.machine.connector", planted, owners)
+    assert found and "_allocate" in found[0] and "model.machine.allocator" in found[0], found
     # The same call on self, or to the module's own class, is not reach.
     own = (
-        sources["model.allocator"]
+        sources["model.machine.allocator"]
         + "\n\ndef _planted(m):  # noqa\n    return m._allocate(None, 0, 0, None)\n"
     )
-    assert not private_calls("model.allocator", own, owners)
+    assert not private_calls("model.machine.allocator", own, owners)
     on_self = (
-        sources["model.connector"] + "\n\ndef _planted(self):\n    return self._allocate(None, 0, 0, None)\n"
+        sources["model.machine.connector"]
+        + "\n\ndef _planted(self):\n    return self._allocate(None, 0, 0, None)\n"
     )
-    assert not private_calls("model.connector", on_self, owners)
+    assert not private_calls("model.machine.connector", on_self, owners)
 
 
 # ------------------------------------------------------------------------------- judge state
@@ -175,7 +178,7 @@ def judge_state(module: str, source: str) -> list[str]:
     """What in `source` is judge state: a name the judge's bookkeeping used (`JUDGE_NAMES`,
     as an attribute, a variable, a function or a parameter), a `Counter` or a
     context-managed recorder imported, or a counter bumped under a literal key
-    (`x["rule"] += 1`). `model.smt`'s solver scope is a context manager and no recorder."""
+    (`x["rule"] += 1`). `model.contract.smt`'s solver scope is a context manager and no recorder."""
     found = []
     for node in ast.walk(ast.parse(source)):
         line = getattr(node, "lineno", 0)
@@ -190,7 +193,7 @@ def judge_state(module: str, source: str) -> list[str]:
             names.append(node.arg)
         elif isinstance(node, ast.ImportFrom):
             imported = {a.name for a in node.names}
-            if "Counter" in imported or ("contextmanager" in imported and module != "model.smt"):
+            if "Counter" in imported or ("contextmanager" in imported and module != "model.contract.smt"):
                 found.append(f"{module}:{line} imports {sorted(imported & {'Counter', 'contextmanager'})}")
         elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Subscript):
             key = node.target.slice
@@ -215,10 +218,12 @@ def test_control_planted_judge_state_is_reported() -> None:
         "from contextlib import contextmanager": "imports ['contextmanager']",
         "def recording(self): pass": "names recording",
     }
-    clean = model_sources()["model.connector"]
-    assert not judge_state("model.connector", clean)
+    clean = model_sources()["model.machine.connector"]
+    assert not judge_state("model.machine.connector", clean)
     for line, reported in planted.items():
-        found = judge_state("model.connector", clean + f"\n\ndef _planted(self, seen, x):\n    {line}\n")
+        found = judge_state(
+            "model.machine.connector", clean + f"\n\ndef _planted(self, seen, x):\n    {line}\n"
+        )
         assert any(reported in f for f in found), (line, found)
 
 
@@ -229,16 +234,16 @@ POLICY_SENTENCE = re.compile(
 
 
 def _top(module: str) -> str:
-    """model.radix.tree -> radix; model -> ''."""
+    """model.contract.masks -> contract; model.radix.tree -> radix; model -> ''."""
     return module.split(".")[1] if "." in module else ""
 
 
 def layer_problems(sources: dict[str, str], layers: dict[str, str]) -> list[str]:
-    """What breaks `model.LAYERS`: a module on disk and not on the map (or the reverse), a
-    layer the map does not know, a contract module importing a machine module (TYPE_CHECKING
+    """What breaks `model.LAYERS` (subpackage -> layer): a module outside every layer's
+    subpackage, a subpackage on the map and not on disk, a layer the map does not know, a contract module importing a machine module (TYPE_CHECKING
     included), a policy module whose docstring does not say it is vLLM's policy."""
     on_disk = {_top(m) for m in sources} - {""}
-    problems = [f"model.{m}: on disk, not on model.LAYERS" for m in sorted(on_disk - set(layers))]
+    problems = [f"model.{m}: in no layer's subpackage (model.LAYERS)" for m in sorted(on_disk - set(layers))]
     problems += [f"model.{m}: on model.LAYERS, not on disk" for m in sorted(set(layers) - on_disk)]
     problems += [f"model.{m}: no such layer {k!r}" for m, k in layers.items() if k not in KNOWN_LAYERS]
     for module, deps in import_graph(sources).items():
@@ -249,7 +254,7 @@ def layer_problems(sources: dict[str, str], layers: dict[str, str]) -> list[str]
                 if layers.get(_top(d)) == model.MACHINE
             ]
     for module, source in sources.items():
-        if layers.get(_top(module)) == model.POLICY:
+        if layers.get(_top(module)) == model.POLICY and module.count(".") > 1:  # not the package
             doc = " ".join((ast.get_docstring(ast.parse(source)) or "").split())
             if not POLICY_SENTENCE.search(doc):
                 problems.append(f"{module} (policy): its docstring does not say whose policy it predicts")
@@ -265,14 +270,19 @@ def test_every_model_module_is_on_the_layer_map() -> None:
 
 def test_control_layer_map_breaks_are_reported() -> None:
     sources = model_sources()
+    flat = dict(sources)
+    flat["model.kinds"] = sources["model.contract.kinds"]  # a module outside the layers
+    assert layer_problems(flat, model.LAYERS) == ["model.kinds: in no layer's subpackage (model.LAYERS)"]
     unmapped = dict(model.LAYERS)
-    del unmapped["kinds"]
-    assert layer_problems(sources, unmapped) == ["model.kinds: on disk, not on model.LAYERS"]
+    del unmapped["policy"]
+    assert layer_problems(sources, unmapped) == ["model.policy: in no layer's subpackage (model.LAYERS)"]
     upward = dict(sources)
-    upward["model.masks"] += "\nfrom model.pool import Pool  # noqa\n"
-    assert layer_problems(upward, model.LAYERS) == ["model.masks (contract) imports model.pool (machine)"]
+    upward["model.contract.masks"] += "\nfrom model.machine.pool import Pool  # noqa\n"
+    assert layer_problems(upward, model.LAYERS) == [
+        "model.contract.masks (contract) imports model.machine.pool (machine)"
+    ]
     unsaid = dict(sources)
-    unsaid["model.queues"] = unsaid["model.queues"].replace("vLLM's policy", "vLLM's order", 1)
+    unsaid["model.policy.queues"] = unsaid["model.policy.queues"].replace("vLLM's policy", "vLLM's order", 1)
     assert layer_problems(unsaid, model.LAYERS) == [
-        "model.queues (policy): its docstring does not say whose policy it predicts"
+        "model.policy.queues (policy): its docstring does not say whose policy it predicts"
     ]

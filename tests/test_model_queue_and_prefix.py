@@ -3,7 +3,7 @@
 - `LinkedFreeQueue` (O(1) per block) against `FreeQueue` (the list
   definition) on random operation sequences, links both ways; a queue that
   prepends in the wrong order is caught.
-- Interned prefix naming (`model.prefix`) against naming by tuple: two names
+- Interned prefix naming (`model.contract.prefix`) against naming by tuple: two names
   are the same object exactly when their tokens are equal; a naming that
   forgets the tail of a prefix is caught.
 """
@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from model import prefix as prefix_mod
-from model.free_queue import FreeQueue, LinkedFreeQueue, demote_n
-from model.observation import BlockKey, BlockStored, block_key
-from model.prefix import CHAIN, EMPTY, Prefix, extend, prefix
+from model.contract import prefix as prefix_mod
+from model.contract.free_queue import FreeQueue, LinkedFreeQueue, demote_n
+from model.contract.observation import BlockKey, BlockStored, block_key
+from model.contract.prefix import CHAIN, EMPTY, Prefix, extend, prefix
 
 # ----------------------------------------------------------------------------- free queue
 

@@ -35,9 +35,9 @@ from invariants.harness.checker import (
 )
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.config import Config, GroupSpec
-from model.observation import Observation, Queues, ScheduleResult, Snapshot, StepResult
-from model.ops import AddRequest, Finish, Op, Sample
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import Observation, Queues, ScheduleResult, Snapshot, StepResult
+from model.contract.ops import AddRequest, Finish, Op, Sample
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_vllm_scheduler_queues import preemption_drive  # noqa: E402
@@ -91,7 +91,7 @@ def test_a_queue_order_policy_of_its_own_is_drift_said_once() -> None:
     v = d.found[0]
     assert v.policy == "queue-order"
     assert "the queues the step left (running, holding, waiting)" in v.message
-    assert "model/queues.py" in v.message and f"{DECLARED_POLICIES_ENV}=queue-order" in v.message
+    assert "model/policy/queues.py" in v.message and f"{DECLARED_POLICIES_ENV}=queue-order" in v.message
     c = d.checker
     assert c.drift == v and c.drift_at is not None
     # The operations after it were judged by the model-independent checks, none skipped.

@@ -26,7 +26,7 @@ from invariants.layouts.presets import (
 )
 from invariants.targets import target_factory
 from invariants.targets.vllm_env import vllm_available
-from model.config import Config, ConfigError, GroupSpec, validate
+from model.contract.config import Config, ConfigError, GroupSpec, validate
 
 _VLLM_OK, _VLLM_REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _VLLM_OK, reason=f"vllm: {_VLLM_REASON}")

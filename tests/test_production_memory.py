@@ -82,8 +82,8 @@ def _live_peak(live_prompts: float, longest: int = 2000) -> tuple[int, int]:
     """The most prompt tokens in flight at once over 800 workload operations, and the adds."""
     from invariants.harness.checker import Checker
     from invariants.targets import target_factory
-    from model.config import Config, GroupSpec
-    from model.ops import AddRequest
+    from model.contract.config import Config, GroupSpec
+    from model.contract.ops import AddRequest
 
     cfg = Config(groups=(GroupSpec("full", 16),), num_blocks=4096, max_model_len=2048)
     checker = Checker(target_factory("model")(cfg))

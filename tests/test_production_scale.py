@@ -82,8 +82,8 @@ def _copies_in_a_squeezed_kimi_episode(fine: bool, ops: int) -> tuple[bool, int]
     from invariants.harness.checker import Checker, InvalidOp
     from invariants.harness.production import settings_for, workload
     from invariants.targets.vllm_target import VllmManagerTarget
-    from model.fine_mamba import fine_hits_enabled
-    from model.observation import ScheduleResult, StepResult
+    from model.contract.fine_mamba import fine_hits_enabled
+    from model.contract.observation import ScheduleResult, StepResult
 
     setting = next(
         s
@@ -155,7 +155,7 @@ def test_the_vllm_clock_counts_only_time_inside_vllm() -> None:
     """`_VllmClock` adds the time of vLLM's calls and nothing the adapter does around them."""
     from invariants.harness.bench import BENCH_CONFIG, _VllmClock
     from invariants.targets import target_factory
-    from model.ops import AddRequest, Finish, Probe, Schedule
+    from model.contract.ops import AddRequest, Finish, Probe, Schedule
 
     target = target_factory("vllm-manager")(BENCH_CONFIG)
     clock = _VllmClock.attach(target)

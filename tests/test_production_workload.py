@@ -9,8 +9,8 @@ import random
 from invariants.harness.checker import Checker, InvalidOp
 from invariants.harness.production import PRODUCTION_AUDIT_EVERY, settings_for, workload
 from invariants.targets.model_target import ModelTarget
-from model.observation import ScheduleResult, StepResult
-from model.ops import AddRequest, Step
+from model.contract.observation import ScheduleResult, StepResult
+from model.contract.ops import AddRequest, Step
 
 OPS = 1500
 

@@ -40,8 +40,8 @@ from invariants.targets.vllm_releases import (
     release_of,
     releases_with,
 )
-from model.config import Config, GroupSpec
-from model.ops import AddRequest, Finish, Op, Schedule
+from model.contract.config import Config, GroupSpec
+from model.contract.ops import AddRequest, Finish, Op, Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 _OK, _REASON = vllm_available()

@@ -26,8 +26,8 @@ from invariants.harness.replay import replay
 from invariants.harness.trace import Trace, read_trace
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.config import Config, GroupSpec, validate
-from model.ops import Finish
+from model.contract.config import Config, GroupSpec, validate
+from model.contract.ops import Finish
 
 DATA = Path(__file__).parent / "data"
 SIBLING_HIT = DATA / "promise_eagle_swa_sibling_hit.json"

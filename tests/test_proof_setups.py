@@ -1,12 +1,12 @@
 """The symbolic setups the theorems quantify over are the allocator's own situations.
 
-`tests/test_smt.py` ties each Z3 term of `model/smt.py` to `model/masks.py`,
-`model/lookup.py` and `model/scheduling.py`. The theorems compose those
+`tests/test_smt.py` ties each Z3 term of `model/contract/smt.py` to `model/contract/masks.py`,
+`model/contract/lookup.py` and `model/policy/scheduling.py`. The theorems compose those
 terms into setups (`invariants/proofs/swa_setup.py`, `mamba.py`, `eagle.py`,
 `validation.py`): which boundaries the mask is given, which max length a
 resend looks up, what the validator guarantees, how the coordinator
 re-evaluates a group after the Eagle drop. Here each setup is evaluated
-against `model.allocator.AllocatorModel` and `model.config.validate` on
+against `model.machine.allocator.AllocatorModel` and `model.contract.config.validate` on
 seeded random workloads: the setup's own term, with the allocator's concrete
 values substituted, must give what the allocator did.
 
@@ -27,11 +27,11 @@ import z3
 
 from invariants.proofs.mamba import Mamba
 from invariants.proofs.swa_setup import Swa
-from model import lookup, smt
-from model.allocator import AllocatorModel
-from model.config import Config, ConfigError, GroupSpec, validate
-from model.fine_mamba import fine_hits_enabled
-from model.ops import AddRequest, Finish, Sample, Schedule
+from model.contract import lookup, smt
+from model.contract.config import Config, ConfigError, GroupSpec, validate
+from model.contract.fine_mamba import fine_hits_enabled
+from model.contract.ops import AddRequest, Finish, Sample, Schedule
+from model.machine.allocator import AllocatorModel
 
 
 @dataclass
@@ -187,7 +187,7 @@ def _mismatches(
     bad = seen = 0
     for run in runs:
         if fine_hits_enabled(run.cfg):
-            continue  # hash-block-aligned boundaries (model.fine_mamba): not the setups' design
+            continue  # hash-block-aligned boundaries (model.contract.fine_mamba): not the setups' design
         for c in run.cached:
             if (
                 c.kind != kind

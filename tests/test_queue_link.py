@@ -1,9 +1,9 @@
-"""The free-queue theorems speak about `model/pool.py`: its transitions are the pool's operations.
+"""The free-queue theorems speak about `model/machine/pool.py`: its transitions are the pool's operations.
 
 The free-queue theorems prove invariants of a symbolic transition system
 (`invariants/proofs/queues.py`). This test ties that system to the executable
 model: seeded random sequences of pool operations (allocate, free, hit,
-cache, pin, evict, reset) run on `model.pool.Pool`, and each one is mapped to
+cache, pin, evict, reset) run on `model.machine.pool.Pool`, and each one is mapped to
 the transitions it consists of. For every transition the concrete pre-state
 is substituted into the Z3 relation; Z3 must find a post-state (the operation
 is enabled) and only one (the relation determines every field), and after the
@@ -29,7 +29,7 @@ import z3
 
 from invariants.proofs import free_queue
 from invariants.proofs.queues import ALL_OPS, BLOCK, HEAD_CUT, PINNED_CUT, Queues, transitions
-from model.pool import Pool
+from model.machine.pool import Pool
 
 NUM_BLOCKS = 8  # blocks 1..7 (0 is the null block): small, so the pool is often under pressure
 BLOCKS = tuple(range(1, NUM_BLOCKS))

@@ -8,8 +8,8 @@ import pytest
 
 from invariants.targets.base import Target, TargetCrash
 from invariants.targets.reference import ReferenceTarget
-from model.config import Config, ConfigError, GroupSpec
-from model.observation import (
+from model.contract.config import Config, ConfigError, GroupSpec
+from model.contract.observation import (
     AllBlocksCleared,
     BlockKey,
     BlockRemoved,
@@ -19,7 +19,16 @@ from model.observation import (
     ResetResult,
     ScheduleResult,
 )
-from model.ops import AddRequest, EvictBlocks, Finish, Preempt, Probe, ResetPrefixCache, Sample, Schedule
+from model.contract.ops import (
+    AddRequest,
+    EvictBlocks,
+    Finish,
+    Preempt,
+    Probe,
+    ResetPrefixCache,
+    Sample,
+    Schedule,
+)
 from reference_impl.block_pool import BlockPool
 
 FULL_SWA = (GroupSpec("full", 16), GroupSpec("swa", 16, sliding_window=32))

@@ -24,9 +24,9 @@ import pytest
 
 from invariants.harness.trace import Trace, write_trace
 from invariants.targets.vllm_env import cache_root, vllm_available
-from model.config import Config, ConfigError, GroupSpec
-from model.observation import block_key
-from model.ops import AddRequest, Finish, Schedule
+from model.contract.config import Config, ConfigError, GroupSpec
+from model.contract.observation import block_key
+from model.contract.ops import AddRequest, Finish, Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 _OK, _REASON = vllm_available()

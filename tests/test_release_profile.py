@@ -1,4 +1,4 @@
-"""Semantics profiles (model.profile): one switch per capability an older release lacks.
+"""Semantics profiles (model.contract.profile): one switch per capability an older release lacks.
 
 Each switch has a small hand trace on which the modeled design (0.33.0) and
 the older rule predict different things. Three checks per switch:
@@ -29,11 +29,11 @@ from test_matrix import _fake_namespace
 
 from invariants.harness.trace import Trace, write_trace
 from invariants.targets.vllm_capabilities import detect_from
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.observation import BlockStored, Observation, ProbeResult, ScheduleResult, Snapshot
-from model.ops import AddRequest, Finish, Op, Probe, Schedule
-from model.profile import MODELED, Profile
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import BlockStored, Observation, ProbeResult, ScheduleResult, Snapshot
+from model.contract.ops import AddRequest, Finish, Op, Probe, Schedule
+from model.contract.profile import MODELED, Profile
+from model.machine.allocator import AllocatorModel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -528,7 +528,7 @@ import json, sys
 from invariants.harness.checker import Checker
 from invariants.harness.trace import read_trace
 from invariants.targets.vllm_target import VllmManagerTarget
-from model.profile import MODELED
+from model.contract.profile import MODELED
 trace = read_trace(sys.argv[1])
 out = {}
 for label in ("detected", "modeled"):
@@ -582,7 +582,7 @@ _CHECK_OLDER = (
         'if label == "modeled":\n        target.profile = MODELED',
         'if label == "older":\n        target.profile = replace(target.profile, **json.loads(sys.argv[2]))',
     )
-    .replace("from model.profile import MODELED", "from dataclasses import replace")
+    .replace("from model.contract.profile import MODELED", "from dataclasses import replace")
 )
 
 

@@ -173,8 +173,8 @@ vllm_only = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 sys.path.insert(0, str(Path(__file__).parent))
 from drive import Drive, async_drive  # noqa: E402
 
-from model.config import Config, GroupSpec  # noqa: E402
-from model.ops import AddRequest, Finish, Loaded, Offer, Save, Saved  # noqa: E402
+from model.contract.config import Config, GroupSpec  # noqa: E402
+from model.contract.ops import AddRequest, Finish, Loaded, Offer, Save, Saved  # noqa: E402
 
 ONE_FULL = Config(groups=(GroupSpec("full", 4),), num_blocks=24, max_model_len=4096, kv_connector=True)
 PROMPT = tuple(range(1, 14))
@@ -338,7 +338,7 @@ def test_a_save_copying_out_a_kept_failed_block_is_the_hash_kept_finding_only_at
 
     from invariants.harness.checker import Violation
     from invariants.harness.known_findings import explain, load_known_findings
-    from model.ops import Finish, Saved, Step
+    from model.contract.ops import Finish, Saved, Step
 
     finding = next(f for f in load_known_findings() if f.id == "sync-load-failed-block-hash-kept")
     config = replace(finding.trace.config, kv_connector=True, kv_load_failure_policy="recompute")

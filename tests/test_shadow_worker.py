@@ -163,8 +163,8 @@ vllm_only = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 sys.path.insert(0, str(Path(__file__).parent))
 from drive import Drive, async_drive  # noqa: E402
 
-from model.config import Config, GroupSpec  # noqa: E402
-from model.ops import AddRequest, Finish, Preempt, Probe, ResetPrefixCache  # noqa: E402
+from model.contract.config import Config, GroupSpec  # noqa: E402
+from model.contract.ops import AddRequest, Finish, Preempt, Probe, ResetPrefixCache  # noqa: E402
 
 FULL_SWA = Config(
     groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)),

@@ -16,8 +16,8 @@ from invariants.simulate.loop import LoopConfig, Request, SchedulerLoop, Schedul
 from invariants.simulate.scenarios import SCENARIOS, Ctx, Params, Row, run_scenario
 from invariants.simulate.tokens import RandomTokens
 from invariants.targets.reference import ReferenceTarget
-from model.observation import Done, Observation, ScheduleResult
-from model.ops import Op, Schedule
+from model.contract.observation import Done, Observation, ScheduleResult
+from model.contract.ops import Op, Schedule
 
 SEED = 7
 

@@ -1,4 +1,4 @@
-"""model/smt.py evaluates to exactly what model/masks.py and model/lookup.py return.
+"""model/contract/smt.py evaluates to exactly what model/contract/masks.py and model/contract/lookup.py return.
 
 Thousands of random concrete inputs (seeded), drawn from the configurations
 the validator accepts (and, for the masks, also non-multiple intervals and
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 import z3
 
-from model import lookup, masks, smt
+from model.contract import lookup, masks, smt
 
 N_MASK = 1500
 N_HIT = 500
@@ -151,9 +151,9 @@ def test_tail_and_edge_match_model() -> None:
 
 
 def test_scheduling_and_cacheable_match_model() -> None:
-    from model.allocator import AllocatorModel
-    from model.config import Config, GroupSpec
-    from model.scheduling import mamba_checkpoint_position
+    from model.contract.config import Config, GroupSpec
+    from model.machine.allocator import AllocatorModel
+    from model.policy.scheduling import mamba_checkpoint_position
 
     n, bs, sbs = z3.Ints("n bs sbs")
     eg, hy = z3.Bool("eg"), z3.Bool("hy")

@@ -45,10 +45,10 @@ from invariants.harness.known_findings import (
 from invariants.harness.trace import read_trace
 from invariants.targets import available_targets
 from invariants.targets.model_target import ModelTarget
-from model.config import Config, GroupSpec
-from model.observation import BlockStored, Observation
-from model.ops import AddRequest, Finish, Op, Probe, Sample, Schedule
-from model.prefix import extend
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import BlockStored, Observation
+from model.contract.ops import AddRequest, Finish, Op, Probe, Sample, Schedule
+from model.contract.prefix import extend
 
 FINDINGS = {f.id: f for f in load_known_findings()}
 FULL_SWA = Config(groups=(GroupSpec("full", 16), GroupSpec("swa", 16, sliding_window=32)), num_blocks=16)

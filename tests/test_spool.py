@@ -6,7 +6,7 @@ import random
 
 from invariants.harness.production import random_tokens
 from invariants.harness.spool import OpSpool
-from model.ops import AddRequest, EvictBlocks, Finish, Probe, Sample, Schedule, Step
+from model.contract.ops import AddRequest, EvictBlocks, Finish, Probe, Sample, Schedule, Step
 
 
 def test_spool_round_trip_and_clear():

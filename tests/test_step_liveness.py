@@ -29,9 +29,9 @@ from invariants.harness.replay import replay
 from invariants.harness.trace import write_trace
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.config import Config, GroupSpec
-from model.observation import ScheduleResult, StepResult
-from model.ops import AddRequest, Op, Schedule, Step
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import ScheduleResult, StepResult
+from model.contract.ops import AddRequest, Op, Schedule, Step
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")

@@ -16,10 +16,10 @@ from invariants.targets.reference import ReferenceTarget
 from invariants.targets.vllm_async_scheduler_target import VllmAsyncDirectedTarget, VllmAsyncSchedulerTarget
 from invariants.targets.vllm_scheduler_target import VllmDirectedTarget, VllmSchedulerTarget
 from invariants.targets.vllm_target import VllmManagerTarget
-from model.config import Config, GroupSpec
-from model.observation import Done, Observation, Snapshot
-from model.ops import Op
-from model.profile import MODELED
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import Done, Observation, Snapshot
+from model.contract.ops import Op
+from model.contract.profile import MODELED
 
 CFG = Config(groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)), num_blocks=12)
 

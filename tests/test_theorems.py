@@ -27,8 +27,8 @@ from invariants.proofs.engine import (
     run_steps,
 )
 from invariants.proofs.validation import validator_accepts
-from model.config import Config, ConfigError, GroupSpec, validate
-from model.free_queue import FreeQueue
+from model.contract.config import Config, ConfigError, GroupSpec, validate
+from model.contract.free_queue import FreeQueue
 
 NAMES = [th.name for th in runner.THEOREMS]
 
@@ -166,7 +166,7 @@ def test_result_expectations() -> None:
 
 
 def test_validator_term_matches_config_validate() -> None:
-    """validator_accepts is model.config.validate's retention rule."""
+    """validator_accepts is model.contract.config.validate's retention rule."""
     k, sbs = z3.Ints("k sbs")
     none, group = z3.Bools("none group")
     term = validator_accepts(k, none, sbs, group)
@@ -198,7 +198,7 @@ def test_validator_term_matches_config_validate() -> None:
 
 
 def test_free_queue_matches_the_transition_system() -> None:
-    """model/free_queue.py behaves as the theorems' position model: prepend at lo - 1,
+    """model/contract/free_queue.py behaves as the theorems' position model: prepend at lo - 1,
     append at hi + 1, popleft_n takes the smallest positions, remove takes any."""
     rng = random.Random(17)
     q = FreeQueue(range(1, 9))

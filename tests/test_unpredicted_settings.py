@@ -2,7 +2,7 @@
 priority scheduling policy and Eagle's lookahead block hashes (vLLM 0.33.0's default for
 Eagle). A run under them is judged by the engine contract, the catalogue and crashes alone.
 
-Checked: which configurations are unpredicted; `model.eagle`'s lookahead rules against the
+Checked: which configurations are unpredicted; `model.contract.eagle`'s lookahead rules against the
 scheduler vLLM builds (its `num_hash_lookahead_tokens` and `use_eagle_block_drop`); that
 generation draws each value; that under such a setting the model is out of the judging (a
 planted model defect passes) while a crash is still found (a planted vLLM failure), and
@@ -19,13 +19,13 @@ import pytest
 from drive import Drive, patched
 from hypothesis import HealthCheck, given, settings
 
-import model.admission as adm
+import model.policy.admission as adm
 from invariants.harness.checker import unpredicted
 from invariants.harness.strategies import configs
 from invariants.targets.vllm_env import vllm_available
-from model import eagle
-from model.config import Config, GroupSpec
-from model.ops import AddRequest, Finish, Step
+from model.contract import eagle
+from model.contract.config import Config, GroupSpec
+from model.contract.ops import AddRequest, Finish, Step
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
@@ -168,7 +168,7 @@ def test_known_crash_still_tolerated_under_unpredicted_settings(policy: str) -> 
     from invariants.harness.checker import Checker
     from invariants.harness.known_findings import is_known_violation
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
-    from model.ops import Loaded, Offer, Save
+    from model.contract.ops import Loaded, Offer, Save
 
     c = Config(
         groups=(GroupSpec("full", 4),),

@@ -1,5 +1,5 @@
 """KV connectors on vLLM's real `AsyncScheduler` ("vllm-async-scheduler"): the rules
-`model.async_scheduling` (6) and `model.connector` state for a consumer connector with two
+`model.machine.async_scheduling` (6) and `model.machine.connector` state for a consumer connector with two
 steps in flight, each with its negative control (the rule reverted in the model: vLLM
 disagrees), the known finding async-load-cut-keeps-placeholders, and the BlockStored
 token-range findings reached through a connector's report."""
@@ -18,15 +18,15 @@ _OK, _REASON = vllm_available()
 if not _OK:
     pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
 
-import model.allocator as allocator  # noqa: E402
-import model.connector as connector  # noqa: E402
+import model.machine.allocator as allocator  # noqa: E402
+import model.machine.connector as connector  # noqa: E402
 from invariants.harness.checker import Checker, Violation  # noqa: E402
 from invariants.harness.known_findings import explain, is_known_violation  # noqa: E402
 from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget  # noqa: E402
-from model.async_scheduling import FENCED, InFlight  # noqa: E402
-from model.config import Config, GroupSpec  # noqa: E402
-from model.observation import LoadCut  # noqa: E402
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Sample, Save, Saved, Step  # noqa: E402
+from model.contract.config import Config, GroupSpec  # noqa: E402
+from model.contract.observation import LoadCut  # noqa: E402
+from model.contract.ops import AddRequest, Finish, Loaded, Offer, Op, Sample, Save, Saved, Step  # noqa: E402
+from model.machine.async_scheduling import FENCED, InFlight  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

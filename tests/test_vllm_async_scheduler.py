@@ -2,13 +2,13 @@
 
 The target runs the engine core's async order (each step scheduled before the
 previous step's output is processed) and the Checker judges it against the
-model built with `async_scheduling` (`model.async_scheduling`). Scripted traces
+model built with `async_scheduling` (`model.machine.async_scheduling`). Scripted traces
 agree after every operation; each async rule of the model has a negative
 control: the same trace with that rule replaced by its synchronous form
 disagrees with vLLM. The zoo's async mutant is caught on a trace the unmutated
 scheduler passes, and a short fuzz run is clean and reaches the placeholder and
 arrival rules.
-Speculative decoding runs one step ahead too (`model.async_scheduling`, 5):
+Speculative decoding runs one step ahead too (`model.machine.async_scheduling`, 5):
 scripted draft traces agree, each draft rule's synchronous form disagrees, and
 the draft mutant is caught.
 Skipped, with the reason, when vLLM cannot be imported.
@@ -30,16 +30,16 @@ _OK, _REASON = vllm_available()
 if not _OK:
     pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
 
-import model.allocator as allocator  # noqa: E402
-import model.caching as caching  # noqa: E402
+import model.machine.allocator as allocator  # noqa: E402
+import model.machine.caching as caching  # noqa: E402
 from invariants.harness.checker import Checker  # noqa: E402
 from invariants.harness.fuzz import run_fuzz  # noqa: E402
 from invariants.targets import REAL_SCHEDULER_TARGETS, SAME_ALLOCATOR, target_factory  # noqa: E402
 from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget  # noqa: E402
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
 from invariants.zoo.mutants_scheduler import ASYNC_SCHEDULER_MUTANTS, activate_async  # noqa: E402
-from model.config import Config, GroupSpec  # noqa: E402
-from model.ops import AddRequest, Finish, Op, Preempt, Sample, Step  # noqa: E402
+from model.contract.config import Config, GroupSpec  # noqa: E402
+from model.contract.ops import AddRequest, Finish, Op, Preempt, Sample, Step  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -132,7 +132,7 @@ SYNCHRONOUS_FORM: dict[str, tuple[str, Any]] = {
     ),
     "a token's arrival caches": ("arrival_limit", lambda computed, since: 0),
     "windows free on processed tokens": ("processed_limit", lambda computed, unprocessed: computed),
-    # With drafts (model.async_scheduling, 5): the next step verifies only the proposal; the
+    # With drafts (model.machine.async_scheduling, 5): the next step verifies only the proposal; the
     # rejection is rolled back at the sample; only the sampled token is unknown, not the accepted drafts.
     "drafts fill k slots": ("draft_slots", lambda drafts, k: drafts),
     "a rejection counts until it arrives": ("scheduler_position", lambda computed, unrolled: computed),
@@ -161,7 +161,7 @@ TRACE_FOR_RULE = {
 def synchronous(rule: str) -> contextlib.AbstractContextManager[None]:
     """The model with `rule` in its synchronous form until exit."""
     name, sync_form = SYNCHRONOUS_FORM[rule]
-    # The model module that uses the rule (the arrival's caching lives in model.caching).
+    # The model module that uses the rule (the arrival's caching lives in model.machine.caching).
     (module,) = [m for m in (allocator, caching) if hasattr(m, name)]
     return patched(module, name, sync_form)
 
@@ -279,7 +279,7 @@ def test_the_synchronous_model_disagrees_with_the_async_scheduler() -> None:
 MUTANT_TRACE: dict[str, tuple[Config, list[Op]]] = {
     "arrival_caches_in_flight_tokens": (FULL, ASIDE),
     "async_rejection_keeps_placeholders": (SPEC_FULL, DRAFTS),
-    # Fenced frees (`model.async_scheduling`, 6; `invariants.zoo.mutants_async_connector`).
+    # Fenced frees (`model.machine.async_scheduling`, 6; `invariants.zoo.mutants_async_connector`).
     "fence_on_scheduled_step": (
         FULL_SWA.with_(kv_connector=True),
         [AddRequest("r1", (1, 2, 3, 4, 5)), Step(R1, 8), Finish("r1")],

@@ -1,4 +1,4 @@
-"""KV connectors: the model's contract (`model.connector`) and kvretain's scripted
+"""KV connectors: the model's contract (`model.machine.connector`) and kvretain's scripted
 connector in vLLM's real `Scheduler` ("vllm" with `Config.kv_connector`).
 
 Model tests need no vLLM: what an external hit allocates, when an async load's
@@ -22,12 +22,9 @@ from invariants.harness.observer import ModelObserver
 from invariants.harness.trace import config_from_json, config_to_json
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, ConfigError, GroupSpec
-from model.connector import external_tokens, remaining_blocks
-from model.failed_blocks import failable_blocks
-from model.observation import Done, LoadCut, Queues, Saving, StepResult
-from model.ops import (
+from model.contract.config import Config, ConfigError, GroupSpec
+from model.contract.observation import Done, LoadCut, Queues, Saving, StepResult
+from model.contract.ops import (
     AddRequest,
     Finish,
     Loaded,
@@ -41,6 +38,9 @@ from model.ops import (
     op_from_json,
     op_to_json,
 )
+from model.machine.allocator import AllocatorModel
+from model.machine.connector import external_tokens, remaining_blocks
+from model.machine.failed_blocks import failable_blocks
 
 FULL_SWA = Config(
     groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)),

@@ -1,4 +1,4 @@
-"""Failed KV-connector blocks held by several requests (`model.connector`, `model.queues`).
+"""Failed KV-connector blocks held by several requests (`model.machine.connector`, `model.policy.queues`).
 
 Model tests (no vLLM): between steps the model keeps vLLM's `running` and
 `kv_holding_waiting` order (the step's own requests as it left them, then those
@@ -34,11 +34,11 @@ from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.harness.observer import ModelObserver
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.failed_blocks import failable_blocks, scan_order
-from model.observation import LoadCut
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Probe, Sample, Step
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import LoadCut
+from model.contract.ops import AddRequest, Finish, Loaded, Offer, Op, Probe, Sample, Step
+from model.machine.allocator import AllocatorModel
+from model.machine.failed_blocks import failable_blocks, scan_order
 
 FULL = Config(groups=(GroupSpec("full", 4),), num_blocks=24, max_model_len=4096, kv_connector=True)
 FAIL = FULL.with_(kv_load_failure_policy="fail")
@@ -212,7 +212,7 @@ def test_a_block_a_holder_reaches_only_by_its_riding_step_is_not_named() -> None
     from pathlib import Path
 
     from invariants.harness.trace import read_trace
-    from model.failed_blocks import covered, riding_shares
+    from model.machine.failed_blocks import covered, riding_shares
 
     trace = read_trace(Path(__file__).parent / "data" / "riding_step_tokens.json")
     m = AllocatorModel(trace.config)
@@ -563,7 +563,7 @@ def test_a_rolled_back_load_reserves_against_its_own_admission_finding() -> None
     """The finding's trace: flagged on the model with the rollback named, tolerated as
     the finding; control: the same refusal without a rollback is not the finding."""
     from invariants.harness.known_findings import is_known_violation
-    from model.ops import Schedule
+    from model.contract.ops import Schedule
 
     f = rollback_finding()
     checker = Checker(ModelTarget(f.trace.config))

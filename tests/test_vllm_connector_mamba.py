@@ -1,4 +1,4 @@
-"""KV connectors with a Mamba group (align): the model's contract (`model.connector`,
+"""KV connectors with a Mamba group (align): the model's contract (`model.machine.connector`,
 "A Mamba group") and vLLM's real `Scheduler` judged against it.
 
 Model tests need no vLLM: external tokens leave the Mamba table null up to one
@@ -22,11 +22,23 @@ from invariants.harness.checker import Checker, Violation
 from invariants.harness.observer import ModelObserver
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.connector import remaining_blocks
-from model.observation import StepResult
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, Probe, Sample, Save, Saved, Step
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import StepResult
+from model.contract.ops import (
+    AddRequest,
+    Finish,
+    Loaded,
+    Offer,
+    Op,
+    Preempt,
+    Probe,
+    Sample,
+    Save,
+    Saved,
+    Step,
+)
+from model.machine.allocator import AllocatorModel
+from model.machine.connector import remaining_blocks
 
 FULL_MAMBA = Config(
     groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)), num_blocks=24, max_model_len=4096, kv_connector=True

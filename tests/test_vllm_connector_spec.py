@@ -1,4 +1,4 @@
-"""KV connectors with speculative decoding: the model's contract (`model.connector`,
+"""KV connectors with speculative decoding: the model's contract (`model.machine.connector`,
 "With speculative decoding") and vLLM's real `Scheduler` judged against it.
 
 Model tests need no vLLM: an async load's admission reserves no lookahead and
@@ -24,12 +24,12 @@ from drive import Drive, Factory, check_contexts, own, patched
 from invariants.harness.checker import Checker, Violation
 from invariants.harness.observer import ModelObserver
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.connector import remaining_blocks, spec_step_blocks
-from model.observation import LoadCut, Queues, ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Sample, Save, Step
-from model.spec_decode import PLACEHOLDER
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import LoadCut, Queues, ScheduleResult, StepResult
+from model.contract.ops import AddRequest, Finish, Loaded, Offer, Op, Sample, Save, Step
+from model.machine.allocator import AllocatorModel
+from model.machine.connector import remaining_blocks, spec_step_blocks
+from model.policy.spec_decode import PLACEHOLDER
 
 K = 2  # drafts per step (a draft model: num_speculative_tokens = num_lookahead_tokens = 2)
 FULL = Config(
@@ -324,7 +324,7 @@ def test_vllm_agrees_on_samples_with_drafts_riding_on_a_sync_loads_report(policy
 @needs_vllm
 @pytest.mark.vllm
 def test_control_a_riding_sample_processed_at_once_disagrees_with_vllm() -> None:
-    import model.failed_blocks as fb
+    import model.machine.failed_blocks as fb
 
     cfg = FULL.with_(num_blocks=40)
     with patched(fb, "output_waits", lambda m, req, accepted, rejected: False):
@@ -335,7 +335,7 @@ def test_control_a_riding_sample_processed_at_once_disagrees_with_vllm() -> None
 @needs_vllm
 @pytest.mark.vllm
 def test_control_a_cut_on_the_rolled_back_count_disagrees_with_vllm() -> None:
-    import model.connector as connector
+    import model.machine.connector as connector
 
     original = connector._sync_cut
 

@@ -29,8 +29,8 @@ from invariants.targets import target_factory  # noqa: E402
 from invariants.targets.vllm_scheduler_build import SchedulerUnsupported  # noqa: E402
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
 from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate  # noqa: E402
-from model.config import Config, GroupSpec  # noqa: E402
-from model.ops import (  # noqa: E402
+from model.contract.config import Config, GroupSpec  # noqa: E402
+from model.contract.ops import (  # noqa: E402
     AddRequest,
     Finish,
     Loaded,
@@ -276,7 +276,7 @@ def test_a_schedule_is_judged_as_the_step_a_real_scheduler_runs() -> None:
     one-request step, which may preempt the request itself; the Checker sends the model
     that step too. Control: the model's own `Schedule` (no preemption) disagrees with
     vLLM there, which once made explore's shorter traces fail on unmutated vLLM."""
-    from model.allocator import AllocatorModel
+    from model.machine.allocator import AllocatorModel
 
     cfg = Config(
         groups=(GroupSpec("full", 4), GroupSpec("mamba", 8)),

@@ -29,7 +29,7 @@ from invariants.targets.vllm_scheduler_build import (  # noqa: E402
     SchedulerUnsupported,
     build_scheduler,
 )
-from model.config import Config, ConfigError, GroupSpec  # noqa: E402
+from model.contract.config import Config, ConfigError, GroupSpec  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

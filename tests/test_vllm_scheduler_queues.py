@@ -1,4 +1,4 @@
-"""The order a step leaves the scheduler's queues in (`model.queues`, `StepResult.queues`).
+"""The order a step leaves the scheduler's queues in (`model.policy.queues`, `StepResult.queues`).
 
 Model tests (no vLLM): a preempted request goes to the front of `waiting`, the
 later preempted first; an admitted request to the back of `running`; a skipped
@@ -26,11 +26,11 @@ from drive import Drive
 
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.observation import Observation, Queues, StepResult
-from model.ops import AddRequest, Loaded, Offer, Op, Sample, Step
-from model.queues import StepQueues
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import Observation, Queues, StepResult
+from model.contract.ops import AddRequest, Loaded, Offer, Op, Sample, Step
+from model.machine.allocator import AllocatorModel
+from model.policy.queues import StepQueues
 
 FULL_SWA = Config(
     groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)),
@@ -46,7 +46,7 @@ _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 
 
-# ------------------------------------------------------------------ the rule (model.queues)
+# ------------------------------------------------------------------ the rule (model.policy.queues)
 def test_preempted_requests_wait_in_front_the_latest_first() -> None:
     q = StepQueues(["a", "b", "c"], [], ["w"])
     q.preempted("c")

@@ -28,8 +28,8 @@ from drive import Drive  # noqa: E402
 from invariants.targets.vllm_scheduler_drive import shipped_admission  # noqa: E402
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
 from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, StaleMutant, _rewrite, activate  # noqa: E402
-from model.config import Config, GroupSpec  # noqa: E402
-from model.ops import AddRequest, Preempt, Step  # noqa: E402
+from model.contract.config import Config, GroupSpec  # noqa: E402
+from model.contract.ops import AddRequest, Preempt, Step  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -157,7 +157,7 @@ def test_shipped_admission_reads_the_table_the_worker_gets() -> None:
     assert shipped_admission(((1, 2, 4, 9, 7), (5, 6, 0, 8)), hit, new, set(), external=True) == (hit, new)
     assert shipped_admission(((1, 2, 4, 9, 7), (5, 6, 0, 8)), hit, new, set()) != (hit, new)
     assert shipped_admission(((1, 2, 9, 7), (5, 6, 0, 8)), hit, new, set(), external=True) != (hit, new)
-    # External tokens that superseded the hit's sub-block tail (`model.connector`): blocks 9 10 stand
+    # External tokens that superseded the hit's sub-block tail (`model.machine.connector`): blocks 9 10 stand
     # where the hit's tail was (from its first entry not the hit's on); the hit reads as the lookup's.
     tail = ((1, 2, 9, 10, 7), (5, 0, 8))
     assert shipped_admission(tail, hit, new, set(), external=True, superseded=True) == (hit, new)
@@ -261,8 +261,8 @@ def test_the_production_bench_clock_counts_nested_vllm_calls_once() -> None:
 def test_the_production_bench_sends_a_real_scheduler_steps() -> None:
     from invariants.harness.bench import scheduled_tokens
     from invariants.harness.production import as_step
-    from model.observation import ScheduleResult, StepResult
-    from model.ops import Schedule
+    from model.contract.observation import ScheduleResult, StepResult
+    from model.contract.ops import Schedule
 
     assert as_step(Schedule("r0", 64)) == Step(("r0",), 64)
     assert as_step(AddRequest("r0", (1,))) == AddRequest("r0", (1,))
@@ -342,7 +342,7 @@ def test_production_fuzz_sends_a_real_scheduler_steps_not_schedules(real_schedul
 
     from invariants.harness.production import run_production
     from invariants.targets.model_target import ModelTarget
-    from model.ops import Schedule
+    from model.contract.ops import Schedule
 
     seen: list[type] = []
 

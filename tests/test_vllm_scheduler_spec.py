@@ -1,12 +1,12 @@
 """Speculative decoding through vLLM's real `Scheduler` ("vllm") against the model.
 
-The model's contract (`model.spec_decode`): drafts scheduled and verified,
+The model's contract (`model.policy.spec_decode`): drafts scheduled and verified,
 one-token admissions padded with placeholder drafts, rejected drafts rolled
 back, blocks cached at the sample; the operation's JSON form. Scripted traces
 (Eagle and draft model, drafts accepted in full, in part and not at all, cut
 by the budget, padding, preemption) must give the model's observation and
 snapshot after every operation; a short generated run is clean. A Mamba group
-keeps its draft state blocks (`model.mamba`). Negative controls: the zoo's
+keeps its draft state blocks (`model.contract.mamba`). Negative controls: the zoo's
 speculative-decoding mutants of vLLM's scheduler are each
 caught on a trace the unmutated scheduler passes; drafts the target cannot
 take are refused; the scheduler built with Mamba specs
@@ -27,11 +27,11 @@ from invariants.harness.observer import ModelObserver
 from invariants.harness.strategies import configs
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.observation import StepResult
-from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Step, op_from_json, op_to_json
-from model.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import StepResult
+from model.contract.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Step, op_from_json, op_to_json
+from model.machine.allocator import AllocatorModel
+from model.policy.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")

@@ -49,10 +49,9 @@ from invariants.targets.vllm_target import (  # noqa: E402
     UnsupportedConfig,
     VllmManagerTarget,
 )
-from model.allocator import AllocatorModel  # noqa: E402
-from model.config import Config, ConfigError, GroupSpec  # noqa: E402
-from model.observation import BlockKey, BlockStored, Observation, diff_snapshots  # noqa: E402
-from model.ops import (  # noqa: E402
+from model.contract.config import Config, ConfigError, GroupSpec  # noqa: E402
+from model.contract.observation import BlockKey, BlockStored, Observation, diff_snapshots  # noqa: E402
+from model.contract.ops import (  # noqa: E402
     AddRequest,
     EvictBlocks,
     Finish,
@@ -64,6 +63,7 @@ from model.ops import (  # noqa: E402
     Schedule,
     Step,
 )
+from model.machine.allocator import AllocatorModel  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,4 @@
-"""The worker's block table as the model states it (`model.worker_table`).
+"""The worker's block table as the model states it (`model.contract.worker_table`).
 
 The table an admission ships is rebuilt from the observation's hit and new
 blocks, a copy-on-write destination back in its source's place; a running
@@ -10,7 +10,7 @@ drafts, and the padded admission of docs/semantics.md).
 
 from __future__ import annotations
 
-from model.worker_table import appended, read_column, shipped_table, state_column, written_columns
+from model.contract.worker_table import appended, read_column, shipped_table, state_column, written_columns
 
 
 def test_an_admission_ships_the_hit_then_the_new_blocks() -> None:

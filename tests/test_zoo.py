@@ -113,7 +113,7 @@ def test_every_mutant_is_documented_and_instance_scoped() -> None:
         assert "Bug class" in doc and "Seen in" in doc and "Edit" in doc, name
     # Building mutants never touches the shared registry or another target.
     before = dict(ReferenceTarget.MUTANTS)
-    from model.config import Config, GroupSpec
+    from model.contract.config import Config, GroupSpec
 
     cfg = Config(
         groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)),

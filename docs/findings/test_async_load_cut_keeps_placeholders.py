@@ -10,18 +10,19 @@ the output; so does the report of an async load's failed blocks riding on the st
 output for a running request awaiting its sample that holds one, so no token arrives and
 num_output_placeholders is never lowered. Their next steps then schedule num_tokens +
 num_output_placeholders - num_computed_tokens: positions past every known token, which
-the scheduler counts as computed. model.connector and model.async_scheduling state the
-cut request going on from its cut with its known tokens only (as a preemption does:
-_preempt_request zeroes the placeholders). Here: FULL4 (one full-attention group, block
-4), 8 blocks, async scheduling with kvretain's connector; r0 (prompt of 9 tokens) is
-offered 9 tokens as a sync load (8 external), its step computes the last token and
-reaches its end (1 placeholder), the worker reports block 2 failed: vLLM cuts r0 to 4
-computed tokens and keeps the placeholder; its next step schedules 6 tokens for 5 known
-ones (kvretain's async driver reports the kept placeholder as the crash when the output
-is processed). A fix would drop the skipped requests' placeholders
-(num_output_placeholders = 0, and their spec placeholders) where the cut is made. Found
-by kvretain on vLLM 0.33.0's real AsyncScheduler with its scripted connector (CPU, no
-worker); not confirmed on a GPU with a real connector, and not filed upstream.
+the scheduler counts as computed. model.machine.connector and
+model.machine.async_scheduling state the cut request going on from its cut with its
+known tokens only (as a preemption does: _preempt_request zeroes the placeholders).
+Here: FULL4 (one full-attention group, block 4), 8 blocks, async scheduling with
+kvretain's connector; r0 (prompt of 9 tokens) is offered 9 tokens as a sync load (8
+external), its step computes the last token and reaches its end (1 placeholder), the
+worker reports block 2 failed: vLLM cuts r0 to 4 computed tokens and keeps the
+placeholder; its next step schedules 6 tokens for 5 known ones (kvretain's async driver
+reports the kept placeholder as the crash when the output is processed). A fix would
+drop the skipped requests' placeholders (num_output_placeholders = 0, and their spec
+placeholders) where the cut is made. Found by kvretain on vLLM 0.33.0's real
+AsyncScheduler with its scripted connector (CPU, no worker); not confirmed on a GPU with
+a real connector, and not filed upstream.
 
 How the steps are driven: this file makes exactly the calls kvretain's "vllm-async-scheduler"
 target made on vLLM 0.33.0 when it found this (seed 0), as straight-line code.

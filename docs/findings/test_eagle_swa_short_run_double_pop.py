@@ -7,7 +7,7 @@ the Eagle pop removes a block and the re-alignment removes the rest of that alig
 segment: the hit loses one aligned segment too many. Here: Full4 + SWA8(w=2) +
 SWA4(w=10), Eagle, dense, a 17-token prompt fully computed: every needed block is
 cached, the promised replay hit is 8, the reconciled hit is 0 because the SWA4 group
-returns 0 instead of 8. The model reproduces vLLM's scan (model/lookup.py
+returns 0 instead of 8. The model reproduces vLLM's scan (model/contract/lookup.py
 alignment_quirk).
 
 Property promise_kept: Right after a request finishes, replaying its prompt hits at

@@ -21,13 +21,13 @@ vllm` reports it: there the last Schedule runs as a one-request Step, whose firs
 admission on an idle pool fitting_request_admitted judges as a Schedule's; with the real
 scheduler's draft (num_spec_tokens 1) the async admission also leaves one decode step's
 slots free (3 blocks), so it counts 19 blocks there, 16 on the model. The model
-(model.connector: in_flight_reserve counts every request whose prefill is in flight, the
-rolled-back one included) states vLLM's behaviour, so fitting_request_admitted flags it
-on the model and on vllm. A fix would discard the request from _inflight_prefills when
-its failed load is rolled back (or leave the admitting request out of its own
-reservation). Found by kvretain's model fuzz on vLLM 0.33.0's semantics and confirmed
-against its real Scheduler with the scripted connector (CPU, no worker); not confirmed
-on a GPU with a real connector, and not filed upstream.
+(model.machine.connector: in_flight_reserve counts every request whose prefill is in
+flight, the rolled-back one included) states vLLM's behaviour, so
+fitting_request_admitted flags it on the model and on vllm. A fix would discard the
+request from _inflight_prefills when its failed load is rolled back (or leave the
+admitting request out of its own reservation). Found by kvretain's model fuzz on vLLM
+0.33.0's semantics and confirmed against its real Scheduler with the scripted connector
+(CPU, no worker); not confirmed on a GPU with a real connector, and not filed upstream.
 
 How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 82), as straight-line code.

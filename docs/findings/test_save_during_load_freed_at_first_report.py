@@ -11,15 +11,15 @@ the blocks go back to the free queue and the next admission takes them. The seco
 report then hits assert req_id in self.requests in update_from_output (AssertionError),
 in either order. A load failed under kv_load_failure_policy 'fail' ends the request in
 the report's own update_from_output, before the receive is processed, so a save there is
-freed at once by that same report. model.connector states the contract: the blocks stay
-held until both the load and the save have reported. Here: FULL4 (one full-attention
-group, block 4), 8 blocks; r0 (prompt of 13 tokens) is to be saved, its connector loads
-12 tokens asynchronously into blocks 1-3, r0 is aborted, the load reports: vLLM frees
-blocks 1-3 and forgets r0 while its save is in flight (kvretain's vllm driver reports
-that as the crash, since the save's report would assert). A fix would free at the last
-of the two reports (count the deferrals). Found by kvretain on vLLM 0.33.0's real
-Scheduler with its scripted connector (CPU, no worker); not confirmed on a GPU with a
-real connector, and not filed upstream.
+freed at once by that same report. model.machine.connector states the contract: the
+blocks stay held until both the load and the save have reported. Here: FULL4 (one
+full-attention group, block 4), 8 blocks; r0 (prompt of 13 tokens) is to be saved, its
+connector loads 12 tokens asynchronously into blocks 1-3, r0 is aborted, the load
+reports: vLLM frees blocks 1-3 and forgets r0 while its save is in flight (kvretain's
+vllm driver reports that as the crash, since the save's report would assert). A fix
+would free at the last of the two reports (count the deferrals). Found by kvretain on
+vLLM 0.33.0's real Scheduler with its scripted connector (CPU, no worker); not confirmed
+on a GPU with a real connector, and not filed upstream.
 
 How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 1), as straight-line code.

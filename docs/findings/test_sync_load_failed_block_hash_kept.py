@@ -17,8 +17,8 @@ sync (blocks 1-3, cached at the admission), the step's output names block 2 fail
 is cut to 4 and preempted; re-admitted, it hits 12 tokens on blocks 1-3, block 2
 included (tests/data/kv_failed_block_hit_after_finish.json: aborted, and a new request
 with the same prompt hits it). A probe between the report and the recompute sees the
-same hit. The model (model.connector) states vLLM's behaviour, so it reproduces the
-finding; hit_serves_written_kv flags it on both. Under 'fail' vLLM evicts the hashes
+same hit. The model (model.machine.connector) states vLLM's behaviour, so it reproduces
+the finding; hit_serves_written_kv flags it on both. Under 'fail' vLLM evicts the hashes
 from the first failed block on (KVCacheManager.evict_blocks) and ends the request: not
 this finding. An async load is not affected: its blocks are cached only at promotion,
 the valid prefix only. A fix would evict the failed blocks' hashes when the cut request

@@ -15,11 +15,12 @@ step of a request admitted on such a block (sync-load-failed-block-hash-kept) re
 the same way. Here: FULL4, 8 blocks; r0 (13 tokens) loads 12 sync into blocks 1-3, r1
 (20 tokens, sharing the first 12) hits them in the same step, the output names block 2
 failed: r0 is cut to 4, r1 back to 12; r0 is aborted, and r1 computes tokens 12..19
-reading block 2. The model (model.connector) states vLLM's behaviour, so it reproduces
-the finding; step_reads_written_kv flags it on both. A fix would cut the sharing request
-at the failed block too when the marking request leaves before recomputing it (or
-always). Found by kvretain on vLLM 0.33.0's real Scheduler with its scripted connector
-(CPU, no worker); not confirmed on a GPU with a real connector, and not filed upstream.
+reading block 2. The model (model.machine.connector) states vLLM's behaviour, so it
+reproduces the finding; step_reads_written_kv flags it on both. A fix would cut the
+sharing request at the failed block too when the marking request leaves before
+recomputing it (or always). Found by kvretain on vLLM 0.33.0's real Scheduler with its
+scripted connector (CPU, no worker); not confirmed on a GPU with a real connector, and
+not filed upstream.
 
 How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 0), as straight-line code.

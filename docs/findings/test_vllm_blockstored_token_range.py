@@ -11,11 +11,12 @@ Here: Full16+SWA16(w=32), R=0, a 100-token prompt in one chunk: the SWA group st
 only blocks 4 and 5 (the tail before the replay boundary 99) but the event carries 96
 token ids. The model reproduces it under the event profile 'vllm-0.33.0'. Under async
 scheduling (vllm-async-scheduler) vLLM also caches when a sampled token arrives
-(update_from_output's cache_blocks: model/async_scheduling.py), so the same event comes
-from a Sample too, and, with a KV connector, from its report (Loaded, Saved): the engine
-processes the latest step's output before the report's, and that output's arrivals cache
-(model/async_scheduling.py 6; tests/test_vllm_async_connector.py). The synchronous
-scheduler emits the same event at the step.
+(update_from_output's cache_blocks: model/machine/async_scheduling.py), so the same
+event comes from a Sample too, and, with a KV connector, from its report (Loaded,
+Saved): the engine processes the latest step's output before the report's, and that
+output's arrivals cache (model/machine/async_scheduling.py 6;
+tests/test_vllm_async_connector.py). The synchronous scheduler emits the same event at
+the step.
 
 Property stored_tokens_match_hashes: Each BlockStored names only stored blocks, and its
 token ids chain from its parent to exactly its hashes (#42258 review: with masked SWA

@@ -24,9 +24,9 @@ table reads copies a source that carries a key (a hit on cached state); the sour
 never handed out as a new block in the same step (the copy would read what another
 request wrote); a key the source lost in the step moved to the destination (the key
 follows the state it names). A hit followed by a KV connector's external tokens is cut
-to its last whole scheduler block first, so it is not copied (`model.connector`). Runs
-on every operation: on the fast path from the step's delta (the endpoints are touched
-blocks), in an audit from whole snapshots.
+to its last whole scheduler block first, so it is not copied
+(`model.machine.connector`). Runs on every operation: on the fast path from the step's
+delta (the endpoints are touched blocks), in an audit from whole snapshots.
 Asked for by: introducing PR: not identified (0.32.0 is the first release the matrix
 reproduces it on); fixing PR: none found (vLLM's PR threads searched 2026-11-27);
 https://github.com/vllm-project/vllm/pull/56525 (related, open: guard Mamba state-block

@@ -22,14 +22,14 @@ and refuses, at both steps of r0 (under the AsyncScheduler the first one's pool 
 holds ra's fenced frees, so only the second is judged). The same with the offer loaded
 async (tests/test_adopted_behaviours.py). The converse, where vLLM counts fewer than the
 admission takes, is vllm-mamba-external-state-uncounted (a crash). The model predicts
-vLLM's refusal for the exact differential (model.allocator _mamba_blocks_to_allocate:
-the larger of vLLM's count and what the admission takes) and fitting_request_admitted,
-which counts what the admission takes, flags it on the model and on vllm. A fix would
-leave the local hit blocks an external state supersedes out of the count (count kept =
-hits past the external tokens' skipped prefix, as the allocation does). Found by
-kvretain (issue #39, deciding the model's adopted 'max(by_vllm, taken)') and confirmed
-against vLLM 0.33.0's real Scheduler with the scripted connector (CPU, no worker); not
-confirmed on a GPU with a real connector, and not filed upstream.
+vLLM's refusal for the exact differential (model.machine.allocator
+_mamba_blocks_to_allocate: the larger of vLLM's count and what the admission takes) and
+fitting_request_admitted, which counts what the admission takes, flags it on the model
+and on vllm. A fix would leave the local hit blocks an external state supersedes out of
+the count (count kept = hits past the external tokens' skipped prefix, as the allocation
+does). Found by kvretain (issue #39, deciding the model's adopted 'max(by_vllm, taken)')
+and confirmed against vLLM 0.33.0's real Scheduler with the scripted connector (CPU, no
+worker); not confirmed on a GPU with a real connector, and not filed upstream.
 
 How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 0), as straight-line code.

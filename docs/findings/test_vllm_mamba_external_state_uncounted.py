@@ -14,9 +14,9 @@ valid request. Here: Full4+Mamba4, 4 usable blocks; r0 (9 tokens) is offered its
 tokens sync; its chunk [8, 9) needs Full 3 blocks and Mamba 1 counted, but Mamba takes 2
 (block 1 for the external state, block 2 for the chunk's). vLLM's default
 scheduler_reserve_full_isl gate counts the Mamba group the same way, so it does not
-prevent it. The model (model.connector) counts the external state block and refuses the
-admission. A fix would count the external state block in the Mamba count (or take the
-chunk's state in place of it). Not confirmed on a GPU nor filed upstream.
+prevent it. The model (model.machine.connector) counts the external state block and
+refuses the admission. A fix would count the external state block in the Mamba count (or
+take the chunk's state in place of it). Not confirmed on a GPU nor filed upstream.
 
 How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 0), as straight-line code.

@@ -56,9 +56,9 @@ from invariants.harness.trace import Trace, write_trace
 from invariants.report import Progress
 from invariants.targets import target_factory
 from invariants.targets.base import Target
-from model.config import Config, ConfigError
-from model.ops import AddRequest, Op
-from model.prefix import Prefix
+from model.contract.config import Config, ConfigError
+from model.contract.ops import AddRequest, Op
+from model.contract.prefix import Prefix
 
 Key = tuple[int, ...]
 """A state's place in the one-process search: the alphabet index of each operation on its path."""

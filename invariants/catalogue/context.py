@@ -9,11 +9,11 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from invariants.catalogue.isolation import IsolationLedger
-from model.config import Config
-from model.observation import BlockIds, BlockKey, Event, Observation, ProbeResult, Snapshot, Tokens
-from model.ops import Op
-from model.prefix import grown
-from model.profile import MODELED, Profile
+from model.contract.config import Config
+from model.contract.observation import BlockIds, BlockKey, Event, Observation, ProbeResult, Snapshot, Tokens
+from model.contract.ops import Op
+from model.contract.prefix import grown
+from model.contract.profile import MODELED, Profile
 
 
 @dataclass
@@ -25,15 +25,15 @@ class RequestHistory:
     ever_preempted: bool = False
     boundaries: set[int] = field(default_factory=set)
     hit: int = 0  # the prefix hit at its latest admission
-    # Speculative decoding (`model.spec_decode`): drafts proposed, drafts the last step verified.
+    # Speculative decoding (`model.policy.spec_decode`): drafts proposed, drafts the last step verified.
     drafts: tuple[int, ...] = ()
     verifying: tuple[int, ...] = ()
-    offered: int = 0  # a KV connector's standing offer (`model.ops.Offer`), until an admission
+    offered: int = 0  # a KV connector's standing offer (`model.contract.ops.Offer`), until an admission
     external: int = 0  # the tokens a KV connector supplied past the hit at its latest admission
     # Its failed async load was rolled back (freed, nothing computed) and it has not run since:
-    # vLLM keeps it among the in-flight prefills (`model.connector`, `in_flight_reserve`).
+    # vLLM keeps it among the in-flight prefills (`model.machine.connector`, `in_flight_reserve`).
     rolled_back: bool = False
-    # The worker's view (`model.worker_table`), rebuilt from the shipped blocks: its table
+    # The worker's view (`model.contract.worker_table`), rebuilt from the shipped blocks: its table
     # (None while not running, or unknown: an admission with a connector's external tokens),
     # the end of the latest step that ran it, the drafts its sample accepted since, and the
     # (state end, accepted) the latest step read its Mamba state from.
@@ -47,7 +47,7 @@ class RequestHistory:
     _joined: Tokens = field(default=(), init=False, repr=False, compare=False)
 
     def drop_outputs(self, n: int) -> None:
-        """The last `n` sampled tokens taken back (a sample vLLM skipped: `model.failed_blocks`)."""
+        """The last `n` sampled tokens taken back (a sample vLLM skipped: `model.machine.failed_blocks`)."""
         del self.outputs[len(self.outputs) - n :]
         self._joined = ()
 
@@ -79,7 +79,7 @@ class History:
     - `shadow`: the hash map as an event consumer rebuilds it (key -> holders);
     - `requests`: the live requests; `finished`: the last finished ones (at most
       `FINISHED_KEPT` of them and `FINISHED_TOKENS` tokens, the latest always);
-    - `unwritten[b]`: KV validity (`model.connector`, a failed load): a block a
+    - `unwritten[b]`: KV validity (`model.machine.connector`, a failed load): a block a
       KV connector's load failed on holds no valid KV until written again, with
       the tokens a step has written into it since, from its start, and what
       left it unwritten (`history.note_failed_loads`, `note_written`).
@@ -207,7 +207,7 @@ class CheckContext:
     delta: Delta | None = None
     # The design the target is judged by (an older release's in the matrix).
     profile: Profile = MODELED
-    # Draft state blocks per Mamba group (`model.mamba`): the drafts a step verifies, 0 without.
+    # Draft state blocks per Mamba group (`model.contract.mamba`): the drafts a step verifies, 0 without.
     draft_blocks: int = 0
 
     @property

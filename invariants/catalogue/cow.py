@@ -1,6 +1,6 @@
 """Copy-on-write copies: a copy reads cached state and writes a block nobody else holds.
 
-With fine-grained Mamba hits (`model.fine_mamba`) a block keyed at a boundary
+With fine-grained Mamba hits (`model.contract.fine_mamba`) a block keyed at a boundary
 inside it is shared content that its reader goes on writing, so vLLM queues a
 copy (source, destination) that the worker runs before the step's forward
 pass, and keeps one extra reference on both endpoints until the scheduler has
@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from invariants.catalogue.context import CheckContext
-from model.async_scheduling import FENCED
-from model.observation import BlockKey, ScheduleResult, StepResult
-from model.ops import Schedule
+from model.contract.observation import BlockKey, ScheduleResult, StepResult
+from model.contract.ops import Schedule
+from model.machine.async_scheduling import FENCED
 
 
 def _results(obs: object) -> list[ScheduleResult]:
@@ -45,7 +45,7 @@ def _holders(tables: Mapping[str, tuple[tuple[int, ...], ...]], b: int) -> set[s
 
 
 def _entries(tables: Mapping[str, tuple[tuple[int, ...], ...]], b: int) -> int:
-    """The table entries reading `b` (not the `FENCED` pseudo-table: `model.async_scheduling`, 6)."""
+    """The table entries reading `b` (not the `FENCED` pseudo-table: `model.machine.async_scheduling`, 6)."""
     return sum(group.count(b) for rid, table in tables.items() if rid != FENCED for group in table)
 
 
@@ -81,7 +81,9 @@ def _delta_view(ctx: CheckContext) -> _StepView:
     assert d is not None
     before, after = ctx.before.tables, ctx.after.tables
 
-    def fenced(b: int) -> int:  # references held in fenced frees read nothing (`model.async_scheduling`, 6)
+    def fenced(
+        b: int,
+    ) -> int:  # references held in fenced frees read nothing (`model.machine.async_scheduling`, 6)
         return sum(g.count(b) for g in after.get(FENCED, ()))
 
     def kept(b: int) -> list[str]:
@@ -115,7 +117,7 @@ def copies_sound(ctx: CheckContext) -> list[str]:
     step (the copy would read what another request wrote); a key the source
     lost in the step moved to the destination (the key follows the state it
     names). A hit followed by a KV connector's external tokens is cut to its
-    last whole scheduler block first, so it is not copied (`model.connector`).
+    last whole scheduler block first, so it is not copied (`model.machine.connector`).
     Runs on every operation: on the fast path from the step's delta
     (the endpoints are touched blocks), in an audit from whole snapshots."""
     copies = getattr(ctx.obs, "copies", ())
@@ -124,7 +126,7 @@ def copies_sound(ctx: CheckContext) -> list[str]:
     view = _snapshot_view(ctx) if ctx.delta is None else _delta_view(ctx)
     new: list[int] = [b for r in _results(ctx.obs) for g in r.new_blocks or () for b in g if b]
     # Admitted in the step with blocks held before it: a failed load's, freed at its promotion
-    # before the fresh admission (`model.connector`), so they may come back as a destination.
+    # before the fresh admission (`model.machine.connector`), so they may come back as a destination.
     readmitted = _admitted(ctx)
     out = []
     for src, dst in copies:
@@ -157,7 +159,7 @@ def _partial_hits_copied(ctx: CheckContext, copies: set[tuple[int, int]]) -> lis
     for r in _results(ctx.obs):
         if not r.admitted or not r.hit or r.hit_blocks is None or r.new_blocks is None:
             continue
-        if r.external:  # a KV connector's tokens replace the hit's sub-block tail (`model.connector`)
+        if r.external:  # a KV connector's tokens replace the hit's sub-block tail (`model.machine.connector`)
             continue
         for g, (hits, new) in enumerate(zip(r.hit_blocks, r.new_blocks)):
             if not hits or not hits[-1] or r.hit % ctx.config.groups[g].block_size == 0:

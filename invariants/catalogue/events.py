@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from invariants.catalogue.context import CheckContext
-from model.observation import BlockStored
-from model.prefix import Prefix, extend
+from model.contract.observation import BlockStored
+from model.contract.prefix import Prefix, extend
 
 
 def events_match_hash_map(ctx: CheckContext) -> list[str]:
@@ -46,7 +46,7 @@ def stored_tokens_match_hashes(ctx: CheckContext) -> list[str]:
         # With exactly the stored token ids the i-th hash is the i-th block; with
         # more, the hashes must be a subsequence of the range's blocks. The fast form
         # compares content and heads, so it also holds hashes named under a request's
-        # identity (`model.extra_keys`), which `extend` (plain tokens) cannot name.
+        # identity (`model.contract.extra_keys`), which `extend` (plain tokens) cannot name.
         if _name_blocks_of_range(ev.parent, hashes, tokens, bs):
             continue
         chained, matched = ev.parent, 0

@@ -6,7 +6,7 @@ from collections.abc import Container, Mapping
 
 from invariants.catalogue.context import NOT_FREE, Delta, History, RequestHistory, Unwritten
 from invariants.catalogue.isolation import note_isolation
-from model.observation import (
+from model.contract.observation import (
     AllBlocksCleared,
     BlockIds,
     BlockKey,
@@ -20,9 +20,9 @@ from model.observation import (
     StepResult,
     block_key,
 )
-from model.ops import AddRequest, EvictBlocks, Finish, Loaded, Offer, Op, Preempt, Sample
-from model.spec_decode import PLACEHOLDER, verified_drafts
-from model.worker_table import appended, shipped_table
+from model.contract.ops import AddRequest, EvictBlocks, Finish, Loaded, Offer, Op, Preempt, Sample
+from model.contract.worker_table import appended, shipped_table
+from model.policy.spec_decode import PLACEHOLDER, verified_drafts
 
 Tables = Mapping[str, tuple[BlockIds, ...]]  # per request, per group, its block table
 
@@ -144,7 +144,7 @@ def forget(history: History, cached: Container[BlockKey]) -> None:
 def note_failed_loads(history: History, op: Op, tables: Tables) -> None:
     """KV validity, lost: a connector's load that failed leaves garbage in the
     blocks it was writing, the ones holding the request's external tokens (past
-    its hit: `model.connector`): those a `Loaded` names failed (vLLM's
+    its hit: `model.machine.connector`): those a `Loaded` names failed (vLLM's
     `invalid_block_ids`), all of them when the whole load failed (`ok` False).
     They hold no valid KV (`History.unwritten`); a named block outside them (a
     hit block, computed by an earlier step) the load never wrote. `tables`: the
@@ -220,7 +220,7 @@ def advance_requests(history: History, op: Op, obs: Observation, tables: Tables 
             r.drop_outputs(1 + r.accepted)  # its sample rode on the report and was skipped
         if history.failed_load_ends:
             for rid in {op.rid, *(obs.ended if isinstance(obs, LoadCut) else ())}:
-                history.requests.pop(rid, None)  # ended with an error (`model.connector`)
+                history.requests.pop(rid, None)  # ended with an error (`model.machine.connector`)
         else:
             # A failed connector load keeps nothing; one failed on some blocks, what its cut says.
             history.requests[op.rid].num_computed = obs.num_computed if isinstance(obs, LoadCut) else 0
@@ -255,7 +255,7 @@ def _preempted(r: RequestHistory) -> None:
 
 
 def _sampled(r: RequestHistory, op: Sample) -> None:
-    """Accepted drafts and the token appended, rejected drafts rolled back (`model.spec_decode`)."""
+    """Accepted drafts and the token appended, rejected drafts rolled back (`model.policy.spec_decode`)."""
     r.num_computed -= len(r.verifying) - op.accepted
     r.outputs.extend((*r.verifying[: op.accepted], op.token))
     r.verifying, r.drafts = (), op.drafts
@@ -272,7 +272,7 @@ def _scheduled(
     r.rolled_back &= obs.scheduled <= 0
     if obs.scheduled <= 0 or obs.new_blocks is None:
         return
-    # The worker's table and Mamba state position (`model.worker_table`).
+    # The worker's table and Mamba state position (`model.contract.worker_table`).
     if obs.hit is not None and obs.admitted:
         if obs.external == 0 and obs.hit_blocks is not None:
             r.worker = shipped_table(obs.hit_blocks, obs.new_blocks, set(copies))
@@ -305,7 +305,7 @@ def _computed(r: RequestHistory, obs: ScheduleResult) -> None:
             r.num_computed, r.hit = obs.hit + obs.external, obs.hit
     elif obs.scheduled:
         # The draft positions the step reached: the proposal's, then placeholders (an async
-        # scheduler verifies k slots however many drafts were proposed: `model.async_scheduling`).
+        # scheduler verifies k slots however many drafts were proposed: `model.machine.async_scheduling`).
         reach = r.num_computed + obs.scheduled - num_tokens
         slots = r.drafts + (PLACEHOLDER,) * max(reach - len(r.drafts), 0)
         r.verifying = verified_drafts(slots, r.num_computed, num_tokens, obs.scheduled)

@@ -1,6 +1,6 @@
 """Isolation: a prefix-cache hit never crosses tenants, adapters, images or drafters' lookahead.
 
-vLLM keeps requests apart only through a block hash's extra keys (`model.extra_keys`:
+vLLM keeps requests apart only through a block hash's extra keys (`model.contract.extra_keys`:
 the cache salt, the LoRA adapter, multimodal items). A defect there lets one tenant's
 request read KV another tenant's prompt wrote (a side channel on its prompt through
 time-to-first-token: why vLLM added `cache_salt`, #13734) or a request attend to KV
@@ -12,7 +12,7 @@ from what the target reported, never from the model:
   prefix read equals the reader's: same salt, same adapter name and path, the same
   items at the same positions (`IsolationLedger.writer`, from each step's new blocks);
 - `events_carry_block_keys`: each BlockStored's `extra_keys` entry is exactly the keys
-  of the block its hash names (`model.extra_keys.event_keys` of that prefix's identity),
+  of the block its hash names (`model.contract.extra_keys.event_keys` of that prefix's identity),
   and its `lora_name` the adapter of that identity;
 - `router_sees_target_hits`: a router that rebuilds the cache from the events alone
   (`RouterIndex`: each block keyed by its parent's key, its token ids and its extra keys,
@@ -33,10 +33,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from model.extra_keys import NO_IDENTITY, Identity, MMItem, event_keys, identity_of
-from model.observation import AllBlocksCleared, BlockRemoved, BlockStored, Event, ScheduleResult, StepResult
-from model.ops import Op, Probe, Schedule
-from model.prefix import Prefix
+from model.contract.extra_keys import NO_IDENTITY, Identity, MMItem, event_keys, identity_of
+from model.contract.observation import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    ScheduleResult,
+    StepResult,
+)
+from model.contract.ops import Op, Probe, Schedule
+from model.contract.prefix import Prefix
 
 if TYPE_CHECKING:
     from invariants.catalogue.context import CheckContext, History

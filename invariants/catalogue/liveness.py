@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext
-from model.admission import admission_cap_blocks, full_sequence_tokens, watermark_blocks
-from model.config import Config
-from model.connector import external_tokens
-from model.fine_mamba import fine_hits_enabled
-from model.masks import cdiv
-from model.observation import ScheduleResult, StepResult
-from model.ops import Schedule, Step
-from model.scheduling import capped, long_prefill_cap, mamba_chunk
-from model.spec_decode import padded_admission
+from model.contract.config import Config
+from model.contract.fine_mamba import fine_hits_enabled
+from model.contract.masks import cdiv
+from model.contract.observation import ScheduleResult, StepResult
+from model.contract.ops import Schedule, Step
+from model.machine.connector import external_tokens
+from model.policy.admission import admission_cap_blocks, full_sequence_tokens, watermark_blocks
+from model.policy.scheduling import capped, long_prefill_cap, mamba_chunk
+from model.policy.spec_decode import padded_admission
 
 
 def fitting_request_admitted(ctx: CheckContext) -> list[str]:
@@ -31,9 +31,9 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     What the budget allows: a chunk of min(tokens past the hit and the
     connector's external tokens, budget, the long-prefill cap when the step
     queues more than one request), split at Mamba block boundaries like any
-    chunk (`model.scheduling`); with drafts a one-token admission after a hit
+    chunk (`model.policy.scheduling`); with drafts a one-token admission after a hit
     is padded with k draft slots, and when 1+k exceeds the budget it allows
-    nothing (`model.spec_decode`); a chunk of 0 is not judged.
+    nothing (`model.policy.spec_decode`); a chunk of 0 is not judged.
 
     What it needs (`_need`): per attention group the blocks covering the hit,
     the external tokens, the chunk and the lookahead slots, less the blocks an
@@ -46,11 +46,11 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     the hit and external tokens' blocks now, and leaves one decode step's
     slots free with drafts (the connector's only reservation on an idle pool:
     an in-flight prefill holding nothing is a rolled-back load,
-    `model.connector`). The judge's history does not say whether an offer
+    `model.machine.connector`). The judge's history does not say whether an offer
     loads sync or async, so with external tokens both needs count (the
     larger), and a budget that allows a sync load nothing is not judged.
 
-    The admission gates (`model.admission`): with `Config.reserve_full_isl` a request
+    The admission gates (`model.policy.admission`): with `Config.reserve_full_isl` a request
     fits only if its whole sequence does, so one is judged only where an upper bound
     of the gate's count (`_whole_sequence_bound`) fits the idle pool (a pool smaller
     than a request's whole sequence is one vLLM's start-up check refuses); with a
@@ -67,7 +67,7 @@ def fitting_request_admitted(ctx: CheckContext) -> list[str]:
     req = ctx.history.requests[rid]
     # Said apart: vLLM reserves a rolled-back load's whole sequence against every async admission.
     after = " after its failed load was rolled back" if req.rolled_back else ""
-    # Said apart: vLLM counts the local Mamba hit block an external state supersedes (`model.connector`).
+    # Said apart: vLLM counts the local Mamba hit block an external state supersedes (`model.machine.connector`).
     if superseded:
         after += " (a Mamba external state supersedes its local hit)"
     stale = sorted(r for r, h in ctx.history.requests.items() if h.rolled_back and r != rid)
@@ -185,7 +185,7 @@ def _need(
         step = 1 + k + cfg.num_lookahead_tokens if k else 0
         reserve = sum(cdiv(step, g.block_size) for g in cfg.groups if g.kind != "mamba") if step else 0
         need = max(need, _blocks(cfg, hit_blocks, start, start, resumes, k, start) + reserve)
-    # The local Mamba hit an external state supersedes (vLLM counts it: `model.connector`).
+    # The local Mamba hit an external state supersedes (vLLM counts it: `model.machine.connector`).
     superseded = bool(ext) and any(
         spec.kind == "mamba" and spec.mamba_cache_mode == "align" and any(hits)
         for spec, hits in zip(cfg.groups, hit_blocks)
@@ -223,7 +223,7 @@ def _blocks(
             first = max(0, start - spec.sliding_window + 1) // spec.block_size
             held = hit_blocks[g] if g < len(hit_blocks) else ()
             first = min(first, next((i for i, b in enumerate(held) if b), first))
-        # A Mamba group in 'none' mode counts its draft state blocks as tokens (`model.mamba_states`).
+        # A Mamba group in 'none' mode counts its draft state blocks as tokens (`model.machine.mamba_states`).
         drafted = drafts if spec.kind == "mamba" else 0
         total += max(cdiv(slots, spec.block_size) - first, 0) + drafted
     return total

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext
-from model.observation import StepResult
-from model.ops import Schedule, Step
+from model.contract.observation import StepResult
+from model.contract.ops import Schedule, Step
 
 
 def uncached_reused_before_cached(ctx: CheckContext) -> list[str]:
@@ -58,7 +58,7 @@ def pinned_reused_only_under_pressure(ctx: CheckContext) -> list[str]:
     left = _left_pinned_tier(ctx)
     if not left:
         return []
-    # A copy's endpoints may be taken and released again within the step (model.fine_mamba).
+    # A copy's endpoints may be taken and released again within the step (model.contract.fine_mamba).
     copied = {b for pair in getattr(ctx.obs, "copies", ()) for b in pair}
     still_free = [b for b in ctx.before.free_queue if b in set(ctx.after.free_queue) and b not in copied]
     if still_free:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import NOT_FREE, CheckContext
-from model.config import Config
-from model.fine_mamba import fine_hits_enabled
-from model.masks import cdiv, swa_tail_blocks
-from model.observation import BlockKey, Tokens, block_key
-from model.ops import Finish, Schedule, Step
-from model.profile import MODELED, Profile
+from model.contract.config import Config
+from model.contract.fine_mamba import fine_hits_enabled
+from model.contract.masks import cdiv, swa_tail_blocks
+from model.contract.observation import BlockKey, Tokens, block_key
+from model.contract.ops import Finish, Schedule, Step
+from model.contract.profile import MODELED, Profile
 
 
 def promised_boundary(cfg: Config, prompt_len: int, profile: Profile = MODELED) -> int:
@@ -25,7 +25,7 @@ def promised_boundary(cfg: Config, prompt_len: int, profile: Profile = MODELED) 
     sbs = cfg.scheduler_block_size
     hybrid = len(cfg.groups) > 1
     align = sbs if hybrid else cfg.groups[0].block_size
-    # Before 0.32.0 the look stopped at the lookup's limit, P-1 (model.profile).
+    # Before 0.32.0 the look stopped at the lookup's limit, P-1 (model.contract.profile).
     reaches_p = cfg.eagle and hybrid and profile.eagle_margin_to_hashed
     matched = prompt_len if reaches_p else prompt_len - 1
     e = matched // align * align
@@ -71,7 +71,7 @@ def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
     The replay repeats the admission lookup and lands at least where it did.
     With fine-grained Mamba hits the boundary is the hash boundary at or below
     P-1 (`_fine_promise`).
-    A KV connector's external tokens are like a hit (`model.connector`): their
+    A KV connector's external tokens are like a hit (`model.machine.connector`): their
     blocks exist only inside the windows of the load's end
     (`allocate_external_computed_blocks`), so with a windowed group nothing is
     promised for a boundary below where the request's latest admission loaded to.
@@ -87,14 +87,14 @@ def promised_replay(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
 
 
 def _fine_promise(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
-    """Fine-grained hits (`model.fine_mamba`), without Eagle: the prompt's last
+    """Fine-grained hits (`model.contract.fine_mamba`), without Eagle: the prompt's last
     hash boundary e <= P-1 is served by full attention's blocks below it (its
     tail block keyed at e), the SWA tail below e, and the Mamba state keyed at
     e (the prompt-tail checkpoint the scheduler stops at). With Eagle the
     replay boundaries (scheduler-block aligned) and the Mamba checkpoint
     (hash-block aligned) differ by design; no single boundary is promised.
     Nor where a KV connector's latest admission loaded to e or past it
-    (`model.connector`): the request computed no Mamba state up to there, and
+    (`model.machine.connector`): the request computed no Mamba state up to there, and
     vLLM keys a state inside a block only where a chunk ends there
     (`MambaManager._cache_partial_tail_block`), while the chunk after the load
     overwrites the loaded state in its block."""

@@ -6,12 +6,12 @@ from collections.abc import Iterator, Mapping
 from itertools import chain
 
 from invariants.catalogue.context import CheckContext, RequestHistory
-from model.fine_mamba import fine_hits_enabled, is_fine_lookup
-from model.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
-from model.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens, block_key
-from model.ops import Probe, Schedule, Step
-from model.prefix import prefix
-from model.scheduling import mamba_checkpoint_position
+from model.contract.fine_mamba import fine_hits_enabled, is_fine_lookup
+from model.contract.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
+from model.contract.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens, block_key
+from model.contract.ops import Probe, Schedule, Step
+from model.contract.prefix import prefix
+from model.policy.scheduling import mamba_checkpoint_position
 
 
 def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> bool:

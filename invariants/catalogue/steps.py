@@ -13,7 +13,7 @@ chunk `[start, end)`, per group:
   writes the state of the block holding token `end - 1`; Mamba 'none' keeps
   the plain layout and reads from the block holding token `start - 1`
   (`MambaManager.get_num_skipped_tokens` = computed - 1). With s draft state
-  blocks (`model.mamba`) a running request's state is not where token
+  blocks (`model.contract.mamba`) a running request's state is not where token
   `start - 1` lies: the worker reads it from the previous step's state column
   plus the accepted drafts (`preprocess_mamba`, `num_accepted_tokens - 1`),
   at or past that block, where a chunk's state may have moved the draft
@@ -25,7 +25,7 @@ chunk `[start, end)`, per group:
   the end and nulls only the allocator's entry), so there the position is
   judged against the worker's table (`mamba_state_in_worker_table`).
 
-The worker's table (`model.worker_table`, rebuilt in the history from the
+The worker's table (`model.contract.worker_table`, rebuilt in the history from the
 blocks each step ships) is what the forward pass indexes: a Mamba step reads
 the previous state from one of its columns and writes the running state (and
 each verified draft's state) into others, whatever the allocator's table now
@@ -45,11 +45,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from invariants.catalogue.context import CheckContext
-from model.config import GroupSpec
-from model.masks import cdiv
-from model.observation import ScheduleResult, StepResult
-from model.ops import Schedule
-from model.worker_table import read_column, written_columns
+from model.contract.config import GroupSpec
+from model.contract.masks import cdiv
+from model.contract.observation import ScheduleResult, StepResult
+from model.contract.ops import Schedule
+from model.contract.worker_table import read_column, written_columns
 
 Chunk = tuple[str, int, int]  # request, start, end
 
@@ -145,7 +145,7 @@ def step_blocks_stay_held(ctx: CheckContext) -> list[str]:
 
 def _looked_up(ctx: CheckContext) -> set[str]:
     """The requests this step admitted with a lookup: a waiting request holding blocks
-    from a failed async load was freed first (`model.connector`), so it resumes from its
+    from a failed async load was freed first (`model.machine.connector`), so it resumes from its
     hit's state, not from the blocks it held before the step."""
     obs = ctx.obs
     if isinstance(ctx.op, Schedule) and isinstance(obs, ScheduleResult):
@@ -222,7 +222,7 @@ def mamba_state_not_read_while_written(ctx: CheckContext) -> list[str]:
 def mamba_state_in_worker_table(ctx: CheckContext) -> list[str]:
     """Every Mamba ('align') state a step reads or writes lies in a block the
     request holds, at the column of the worker's block table where the model
-    runner looks for it (`model.worker_table`: the state column
+    runner looks for it (`model.contract.worker_table`: the state column
     `cdiv(end, bs) - 1` and one column per verified draft after it; the
     previous state at the previous step's state column plus the drafts accepted
     since, or at `(num_computed - 1) // bs` right after an admission). Never the

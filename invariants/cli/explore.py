@@ -65,7 +65,7 @@ from invariants.explore.search import RESTORES
 from invariants.report import Progress, table
 from invariants.results import CaseResult, add_output_flags, write_results
 from invariants.targets import TARGET_NAMES, Target, target_factory
-from model.config import Config
+from model.contract.config import Config
 
 DEFAULT_DEPTH = 6
 DEFAULT_MAX_STATES = 50_000

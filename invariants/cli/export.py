@@ -78,7 +78,7 @@ def _sentence(trace: Any) -> str:
     """The trace in words, as explore names a counterexample: each operation as a short
     phrase (`describe_op`), then the violation's one line."""
     from invariants.explore.sentence import describe_op
-    from model.ops import AddRequest
+    from model.contract.ops import AddRequest
 
     def phrase(op: Any) -> str:
         return f"add {op.rid} ({len(op.prompt)} tokens)" if isinstance(op, AddRequest) else describe_op(op)

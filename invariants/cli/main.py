@@ -30,7 +30,7 @@ from invariants.errors import UsageError
 from invariants.harness.trace import TraceError
 from invariants.results import add_output_flags
 from invariants.targets import BUILTIN_TARGETS, RENAMED, TARGET_NAMES, TargetUnavailable, plugin_targets
-from model.config import ConfigError
+from model.contract.config import ConfigError
 
 
 class _Parser(argparse.ArgumentParser):

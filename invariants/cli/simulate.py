@@ -21,7 +21,7 @@ from invariants.simulate.settings import interval_of, make_target, setting_scope
 from invariants.simulate.tokens import RandomTokens, random_tokens
 from invariants.simulate.verdicts import Verdict, verdicts
 from invariants.targets import TARGET_NAMES, TargetUnavailable
-from model.config import ConfigError, validate
+from model.contract.config import ConfigError, validate
 
 HEADERS = ["setting", "hit rate", "cached blocks/req", "survived", "alloc failures", "preemptions", "seconds"]
 

@@ -9,7 +9,7 @@ deterministic and its first counterexample is the same on every run):
    with its last token flipped (a shared prefix that diverges at the end); on an
    instance with `tenants`, each prompt also under each of `IDENTITIES` (two
    tenants' salts, an adapter pair, an image, and a tenant with an image:
-   `model.extra_keys`), so the same tokens meet under other identities;
+   `model.contract.extra_keys`), so the same tokens meet under other identities;
 2. per live request, in arrival order: `schedule` with each budget (on a real
    scheduler, `real_scheduler`: the one-request `step` the checker sends it
    instead, so the same transition is not tried twice), `sample` of each token,
@@ -17,7 +17,7 @@ deterministic and its first counterexample is the same on every run):
    where the model speculates (`num_spec_tokens` k > 0: a real scheduler with
    lookahead slots), two more samples: one proposing k drafts, and one accepting
    every draft its step verified (when it verified any) and proposing k again;
-   where the configuration has a KV connector (`model.connector`), one offer
+   where the configuration has a KV connector (`model.machine.connector`), one offer
    size (the request's whole token count) loaded "sync" and "async" for a request
    waiting for admission, and `save` (its free deferred until `saved`);
 3. a batched `step` over every live request that may run (arrival order: vLLM's
@@ -38,9 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from invariants.explore.instances import Instance
-from model.allocator import AllocatorModel
-from model.failed_blocks import failable_blocks
-from model.ops import (
+from model.contract.ops import (
     LOAD_MODES,
     AddRequest,
     EvictBlocks,
@@ -57,7 +55,9 @@ from model.ops import (
     Schedule,
     Step,
 )
-from model.spec_decode import acceptable
+from model.machine.allocator import AllocatorModel
+from model.machine.failed_blocks import failable_blocks
+from model.policy.spec_decode import acceptable
 
 TOKENS = (1, 2)
 # The identities an instance with `tenants` adds each prompt under: two tenants, one adapter

@@ -23,7 +23,7 @@ from invariants.explore.instances import Instance
 from invariants.explore.search import RESTORES, Limits, explore
 from invariants.report import table
 from invariants.targets.base import Target
-from model.config import Config
+from model.contract.config import Config
 
 # The instance and depth `kvretain explore --bench` runs unless told otherwise.
 BENCH_INSTANCE = "full+swa-p7-dense"

@@ -18,7 +18,7 @@ from typing import Any
 
 from invariants.harness.checker import Violation
 from invariants.harness.known_findings import KnownLedger, known_summary
-from model.ops import Op
+from model.contract.ops import Op
 
 CLEAN = "clean"
 KNOWN = "known findings"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from invariants.harness.checker import Violation
 from invariants.targets.base import Target
-from model.config import Config, ConfigError, GroupSpec, validate
+from model.contract.config import Config, ConfigError, GroupSpec, validate
 
 BLOCK_SIZES = (2, 4)
 WINDOWS = (1, 3, 5)

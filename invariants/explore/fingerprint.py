@@ -43,12 +43,12 @@ from typing import Any
 
 from invariants.catalogue import History
 from invariants.targets import vllm_hidden_state
-from model.allocator import AllocatorModel
-from model.config import Config, GroupSpec
-from model.extra_keys import Keyed
-from model.free_queue import FreeQueue, LinkedFreeQueue
-from model.observation import BlockKey, Snapshot
-from model.prefix import Prefix
+from model.contract.config import Config, GroupSpec
+from model.contract.extra_keys import Keyed
+from model.contract.free_queue import FreeQueue, LinkedFreeQueue
+from model.contract.observation import BlockKey, Snapshot
+from model.contract.prefix import Prefix
+from model.machine.allocator import AllocatorModel
 
 # Attributes that are fixed by the configuration (or caches, or who watches the model).
 # `rules` and `hit_rules` are the release profile's rules, set once from `profile` and the
@@ -116,7 +116,7 @@ def canonical(obj: Any, names: Names) -> Hashable:
         return frozenset([x if type(x) in _ATOMS else canonical(x, names) for x in obj])
     if kind is LinkedFreeQueue or kind is FreeQueue:
         return ("queue", tuple(obj.blocks))
-    if kind is Keyed:  # a prompt and its identity (`model.extra_keys`): two tenants, two states
+    if kind is Keyed:  # a prompt and its identity (`model.contract.extra_keys`): two tenants, two states
         return ("Keyed", obj.identity, tuple(obj))
     if isinstance(obj, tuple):  # a named tuple or another tuple subclass
         return (kind.__name__, tuple([canonical(x, names) for x in obj]))

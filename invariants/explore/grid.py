@@ -23,7 +23,7 @@ from invariants.explore.instances import Instance
 from invariants.explore.search import Limits, Tolerate, explore
 from invariants.report import Progress
 from invariants.targets.base import Target
-from model.config import Config
+from model.contract.config import Config
 
 # Below this a share cannot build a target and check a layer: the instance is skipped.
 MIN_SHARE_S = 0.05

@@ -38,8 +38,8 @@ from invariants.explore.search import Limits, Tolerate, explore
 from invariants.explore.sentence import first_difference
 from invariants.harness.checker import Violation
 from invariants.targets.base import Target
-from model.config import Config
-from model.ops import AddRequest, Op, Step
+from model.contract.config import Config
+from model.contract.ops import AddRequest, Op, Step
 
 # The second search (the explore alphabet) goes at most this deep: its states grow 4-6x a level.
 ALPHABET_DEPTH = 6

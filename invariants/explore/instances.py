@@ -7,7 +7,7 @@ the model supports (full only, SWA only, full+SWA with equal and unequal block
 sizes, full+Mamba in align mode, fine-grained Mamba, three groups), retention
 None / 0 / k, Eagle off and on, lookahead slots, prefix caching off, pools of 3 to 8 blocks (the
 null block included) and 1 to 3 live requests. Every configuration passes
-`model.config.validate` (checked when the grid is built, and by a test).
+`model.contract.config.validate` (checked when the grid is built, and by a test).
 
 The grid depends on what the target can run (`grid_for`): a real scheduler
 (`TargetFeatures.real_scheduler`) cannot run Eagle without lookahead slots
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from typing import cast
 
 from invariants.targets.base import Target, TargetFeatures
-from model.config import Config, GroupSpec, validate
-from model.ops import Op
+from model.contract.config import Config, GroupSpec, validate
+from model.contract.ops import Op
 
 # Requests never grow past this: the search is about allocation, not long decodes.
 MAX_MODEL_LEN = 24

@@ -49,8 +49,8 @@ from invariants.harness.trace import Trace, write_trace
 from invariants.report import Progress
 from invariants.targets.base import Target
 from invariants.targets.vllm_hidden_state import HiddenState
-from model.config import Config, ConfigError
-from model.ops import AddRequest, Op
+from model.contract.config import Config, ConfigError
+from model.contract.ops import AddRequest, Op
 
 Tolerate = Callable[[Violation], object]
 """A violation -> the known finding explaining it (its `id` is counted), or None."""

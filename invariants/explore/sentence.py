@@ -19,8 +19,8 @@ from typing import Any
 
 from invariants.harness.checker import Checker, Violation
 from invariants.targets.base import Target
-from model.config import Config
-from model.ops import Op, op_to_json
+from model.contract.config import Config
+from model.contract.ops import Op, op_to_json
 
 _MISSING = "(absent)"
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from invariants.export.engine_record import Call, Recording, record_calls
 from invariants.export.plan import ExportError, ExportPlan
 from invariants.export.pytest_file import _SPECS, _wrap, exported_test_name, tokens_literal
-from model.config import Config
+from model.contract.config import Config
 
 DOC = '''"""Regression test exported by kvretain from a trace on vLLM's real {cls}.
 
@@ -540,7 +540,7 @@ def _op_of(rec: Recording, k: int) -> int:
 
 
 def _op_words(c: Call) -> str:
-    from model.ops import op_to_json
+    from model.contract.ops import op_to_json
 
     d = op_to_json(c.op)  # type: ignore[arg-type]
     if "prompt" in d:

@@ -23,7 +23,7 @@ from typing import Any
 
 from invariants.export.plan import ExportError
 from invariants.harness.trace import Trace
-from model.ops import Op
+from model.contract.ops import Op
 
 
 @dataclass(frozen=True)

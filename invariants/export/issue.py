@@ -13,7 +13,7 @@ from typing import Any
 from invariants.export.plan import ExportPlan
 from invariants.harness.trace import config_to_json
 from invariants.targets.vllm_env import vllm_available, vllm_version
-from model.ops import op_to_json
+from model.contract.ops import op_to_json
 
 
 def _expected(plan: ExportPlan) -> str:

@@ -48,9 +48,9 @@ from invariants.harness.known_findings import KnownFinding, load_known_findings
 from invariants.harness.observer import ModelObserver
 from invariants.harness.trace import Trace, trace_to_json
 from invariants.targets.model_target import ModelTarget
-from model.allocator import AllocatorModel
-from model.observation import Observation, ProbeResult, ScheduleResult, Snapshot, StepResult
-from model.ops import AddRequest, Finish, Probe, Sample, Schedule, Step
+from model.contract.observation import Observation, ProbeResult, ScheduleResult, Snapshot, StepResult
+from model.contract.ops import AddRequest, Finish, Probe, Sample, Schedule, Step
+from model.machine.allocator import AllocatorModel
 
 Kind = Literal["replay_hit", "stored_tokens", "state", "crash", "copies"]
 

@@ -35,10 +35,10 @@ import re
 import textwrap
 
 from invariants.export.plan import Expectation, ExportPlan, StepAction
-from model.config import Config
-from model.fine_mamba import fine_hits_enabled
-from model.observation import ScheduleResult
-from model.ops import (
+from model.contract.config import Config
+from model.contract.fine_mamba import fine_hits_enabled
+from model.contract.observation import ScheduleResult
+from model.contract.ops import (
     AddRequest,
     EvictBlocks,
     Finish,

@@ -27,10 +27,9 @@ import json
 
 from invariants.export.plan import ExportError, ExportPlan
 from invariants.export.pytest_file import _SPECS, _group_spec, _wrap, exported_test_name, tokens_literal
-from model.allocator import AllocatorModel
-from model.config import Config
-from model.observation import StepResult
-from model.ops import (
+from model.contract.config import Config
+from model.contract.observation import StepResult
+from model.contract.ops import (
     AddRequest,
     EvictBlocks,
     Finish,
@@ -42,6 +41,7 @@ from model.ops import (
     Schedule,
     Step,
 )
+from model.machine.allocator import AllocatorModel
 
 DOC = '''"""Regression test exported by kvretain from a trace on vLLM's real Scheduler.
 

@@ -45,9 +45,9 @@ from invariants.report import table
 from invariants.targets import REAL_SCHEDULER_TARGETS, TargetUnavailable, target_factory
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_modules
-from model.config import Config, GroupSpec
-from model.observation import StepResult
-from model.ops import AddRequest, Finish, Op, Schedule
+from model.contract.config import Config, GroupSpec
+from model.contract.observation import StepResult
+from model.contract.ops import AddRequest, Finish, Op, Schedule
 
 BENCH_CONFIG = Config(
     groups=(GroupSpec("full", 16), GroupSpec("swa", 16, sliding_window=32)),

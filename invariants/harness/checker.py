@@ -48,11 +48,8 @@ from invariants.harness.crash_site import ADAPTER, CrashSite, crash_site
 from invariants.harness.observer import ModelObserver
 from invariants.targets.base import PartialState, Tables, Target, table_changes
 from invariants.targets.model_target import ModelTarget
-from model.allocator import AllocatorModel
-from model.async_scheduling import FENCED
-from model.config import Config
-from model.failed_blocks import failable_blocks
-from model.observation import (
+from model.contract.config import Config
+from model.contract.observation import (
     BlockIds,
     BlockKey,
     LoadCut,
@@ -63,7 +60,7 @@ from model.observation import (
     StepResult,
     diff_snapshots,
 )
-from model.ops import (
+from model.contract.ops import (
     AddRequest,
     EvictBlocks,
     Finish,
@@ -79,7 +76,10 @@ from model.ops import (
     Schedule,
     Step,
 )
-from model.spec_decode import acceptable
+from model.machine.allocator import AllocatorModel
+from model.machine.async_scheduling import FENCED
+from model.machine.failed_blocks import failable_blocks
+from model.policy.spec_decode import acceptable
 
 DEFAULT_AUDIT_EVERY = 32
 NOT_FREE = -1
@@ -104,14 +104,14 @@ POLICIES: dict[str, Policy] = {
         "preemption",
         "preempted",
         "preempted",
-        "model/queues.py (StepQueues.preempted, applied by AllocatorModel._step): preempt the last "
+        "model/policy/queues.py (StepQueues.preempted, applied by AllocatorModel._step): preempt the last "
         "running request, vLLM 0.33.0 Scheduler.schedule `self.running.pop()`",
     ),
     "queue-order": Policy(
         "queue-order",
         "ended the step with the queues the step left (running, holding, waiting) as",
         "left them as",
-        "model/queues.py (StepQueues.left): vLLM 0.33.0 Scheduler.schedule with FCFSRequestQueue",
+        "model/policy/queues.py (StepQueues.left): vLLM 0.33.0 Scheduler.schedule with FCFSRequestQueue",
     ),
 }
 
@@ -188,7 +188,7 @@ class Checker:
         )
         self.model: AllocatorModel = self.model_target.model
         # A one-step-ahead scheduler with a KV connector holds freed blocks in fenced frees
-        # (`model.async_scheduling`, 6): any operation may move them, so each reads their table.
+        # (`model.machine.async_scheduling`, 6): any operation may move them, so each reads their table.
         self.fenced = target.features.async_scheduling and bool(target.config.kv_connector)
         self.history = History(
             failed_load_ends=self.config.kv_load_failure_policy == "fail",
@@ -684,7 +684,7 @@ def unpredicted(cfg: Config) -> tuple[str, ...]:
     examples). vLLM 0.33.0: the priority policy (`Scheduler.schedule`: the waiting queue a heap by
     (priority, arrival), the lowest-priority running request preempted, even one already scheduled
     this step); Eagle's lookahead block hashes (`num_hash_lookahead_tokens`: each key covers the
-    drafter's next token, nothing dropped; `model.eagle.hash_lookahead_tokens`)."""
+    drafter's next token, nothing dropped; `model.contract.eagle.hash_lookahead_tokens`)."""
     out = []
     if cfg.scheduling_policy == "priority":
         out.append("the priority scheduling policy")
@@ -752,7 +752,7 @@ __all__ = [
 
 
 def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Loaded | Save | Saved) -> None:
-    """Raise `InvalidOp` for a connector operation `model.connector` does not state here."""
+    """Raise `InvalidOp` for a connector operation `model.machine.connector` does not state here."""
     name = type(op).__name__.lower()
     if not config.kv_connector:
         raise InvalidOp(f"{name}: the configuration has no KV connector (kv_connector: false)")
@@ -772,7 +772,7 @@ def connector_op_problem(model: AllocatorModel, config: Config, op: Offer | Load
                 f"loaded: 'invalid' must name blocks of {op.rid!r}'s load, reported ok, in a single-group "
                 "layout: of an async load in flight, blocks covering its computed tokens that no other "
                 "request holds; right after the step that ran a sync load, blocks holding its external "
-                "tokens (model.failed_blocks.failable_blocks)"
+                "tokens (model.machine.failed_blocks.failable_blocks)"
             )
         return
     if isinstance(op, Saved):

@@ -31,8 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from invariants.harness.crash_site import ADAPTER, ENGINE, OBSERVED, CrashSite
-from model.config import Config
-from model.ops import Loaded, Op, Saved
+from model.contract.config import Config
+from model.contract.ops import Loaded, Op, Saved
 
 Condition = Callable[[Config], bool]
 Shape = Callable[[Mapping[str, str], Config], bool]
@@ -90,7 +90,7 @@ CONDITIONS: dict[str, tuple[Condition, str]] = {
 # The operation kinds a claim may name; "audit" is a check between operations.
 OPERATIONS = frozenset(
     {"add", "schedule", "step", "sample", "finish", "preempt", "probe", "reset", "evict", "audit"}
-    | {"loaded", "saved"}  # a KV connector's reports (`model.connector`)
+    | {"loaded", "saved"}  # a KV connector's reports (`model.machine.connector`)
 )
 _OP_NAMES = {
     "AddRequest": "add",

@@ -24,7 +24,7 @@ from invariants.harness.known_findings import known_summary
 from invariants.harness.strategies import configs
 from invariants.report import table, wrap
 from invariants.targets import target_factory
-from model.config import Config, ConfigError, GroupSpec, validate
+from model.contract.config import Config, ConfigError, GroupSpec, validate
 
 SWA_SHAPES = (("full", "swa"), ("full", "swa", "swa"), ("swa",))
 FINE_MAMBA_ROW = "fine-grained Mamba hits, CoW copies, move_block_hashes, partial tails"
@@ -60,7 +60,7 @@ FEATURES: dict[str, st.SearchStrategy[Config]] = {
 }
 
 # The same judgment with vLLM's real `Scheduler` deciding every step (target "vllm",
-# `invariants.targets.vllm_scheduler_target`), speculative decoding included (`model.spec_decode`).
+# `invariants.targets.vllm_scheduler_target`), speculative decoding included (`model.policy.spec_decode`).
 SCHEDULER_FINE_ROW = "real Scheduler: fine-grained Mamba hits, CoW copies"
 SCHEDULER_EAGLE_ROW = "real Scheduler: Eagle/MTP drafts, lookahead, rejection rollback (Full/SWA)"
 SCHEDULER_DRAFT_ROW = "real Scheduler: draft-model drafts, one-token admission padding (Full/SWA)"
@@ -145,7 +145,7 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
 # vLLM's real `AsyncScheduler` driven one step ahead, as the engine core drives it (target
 # "vllm-async-scheduler", `invariants.targets.vllm_async_scheduler_target`): output placeholders,
 # caching on a token's arrival, windows freed on processed tokens, and speculative decoding one
-# step ahead: k placeholder drafts, the rejection rolled back on arrival (`model.async_scheduling`).
+# step ahead: k placeholder drafts, the rejection rolled back on arrival (`model.machine.async_scheduling`).
 ASYNC_PLACEHOLDER_ROW = "AsyncScheduler: placeholders, one-step-ahead outputs (Full/SWA)"
 ASYNC_EAGLE_ROW = "AsyncScheduler: Eagle/MTP drafts one step ahead, rollback on arrival (Full/SWA)"
 ASYNC_DRAFT_ROW = "AsyncScheduler: draft-model drafts, one-token admission padding (Full/SWA)"
@@ -179,7 +179,7 @@ ASYNC_SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     ASYNC_DRAFT_ROW: SCHEDULER_FEATURES[SCHEDULER_DRAFT_ROW],
     ASYNC_MAMBA_SPEC_ROW: SCHEDULER_FEATURES[SCHEDULER_MAMBA_SPEC_ROW],
     ASYNC_LONG_PREFILL_ROW: SCHEDULER_FEATURES[SCHEDULER_LONG_PREFILL_ROW],
-    # A consumer connector with two steps in flight: vLLM fences block frees (`model.async_scheduling`, 6).
+    # A consumer connector with two steps in flight: vLLM fences block frees (`model.machine.async_scheduling`, 6).
     ASYNC_CONNECTOR_ROW: _no_spec(shapes=SWA_SHAPES + (("full",),), connector=True, load_failure="recompute"),
     # The synchronous connector rows' configurations, on the AsyncScheduler.
     ASYNC_CONNECTOR_FAIL_ROW: SCHEDULER_FEATURES[CONNECTOR_FAIL_ROW],
@@ -325,7 +325,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "connector: sync load failed on some blocks",
         "connector: a request sharing a failed block cut",
         "connector: a running request holding a failed block cut",
-        # Several holders, cut in queue order (`model.connector.scan_order`).
+        # Several holders, cut in queue order (`model.machine.connector.scan_order`).
         "connector: another async load holding a failed block cut",
         "connector: several running requests holding failed blocks cut, in queue order",
         # Samples riding on a sync load's report ("connector: sync load's failed blocks with
@@ -365,7 +365,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 # The AsyncScheduler's blocks row under "fail" reaches what the synchronous one does.
 REQUIRED[ASYNC_CONNECTOR_BLOCKS_FAIL_ROW] = REQUIRED[CONNECTOR_BLOCKS_FAIL_ROW]
 
-# Isolation (`model.extra_keys`, `catalogue.isolation`): every run draws salted, adapter and
+# Isolation (`model.contract.extra_keys`, `catalogue.isolation`): every run draws salted, adapter and
 # multimodal requests (`harness.identities`), the same tokens under another identity often;
 # a row counts only where its identity was drawn and met the same tokens under another.
 ISOLATION_ROWS = {
@@ -398,9 +398,9 @@ STEP_DIFFERENCES = [
 # How the vllm target's configuration of vLLM's `Scheduler` differs from its defaults.
 SCHEDULER_SETTINGS = [
     "scheduler_reserve_full_isl and watermark as the configuration says (generated: vLLM's "
-    "defaults most often); model.admission states both gates",
+    "defaults most often); model.policy.admission states both gates",
     "each step's queues hold exactly the step's requests, in the step's order (the order "
-    "schedule() leaves them in is judged: model.queues); its budget is max_num_scheduled_tokens",
+    "schedule() leaves them in is judged: model.policy.queues); its budget is max_num_scheduled_tokens",
     "long_prefill_token_threshold as the configuration says (0 but on the long-prefill rows), "
     "its adaptive floor off: the cap binds in a step naming two or more requests",
 ]
@@ -431,7 +431,7 @@ EXCLUDED = [
         "tokens, or under async scheduling; a sync load's failed blocks reported after another "
         "operation than its step and its samples (a sample with drafts or under async scheduling "
         "included)",
-        "model.connector states external hits, sync and async loads, delayed caching, failed loads "
+        "model.machine.connector states external hits, sync and async loads, delayed caching, failed loads "
         "(both policies), loads failed on some blocks (one KV cache group: vLLM raises on more): "
         "async ones, cutting the other async loads and running requests holding a failed block "
         "too, the first in queue order at it ('recompute'), and sync "
@@ -445,7 +445,7 @@ EXCLUDED = [
         "state block, fine-grained hits whose sub-block tail external tokens supersede: the "
         "connector rows above), with drafts too (an async load's admission without lookahead, leaving "
         "one decode step's slots free, the chunk after a load padded: the connector + drafts rows); "
-        "under async scheduling (the AsyncScheduler + KV connector rows) model.async_scheduling "
+        "under async scheduling (the AsyncScheduler + KV connector rows) model.machine.async_scheduling "
         "states vLLM's fenced frees (defer_block_free: a kv_both connector is a consumer), a "
         "report processing the latest step's output first, and no deferred async loads "
         "(defer_async_loads needs a HiSparse host pool); a sync load's failed blocks leave the cut "
@@ -485,7 +485,7 @@ EXCLUDED = [
         "model's allocator runs the legacy hashes (Config.lookahead_block_hashes False: the trailing-"
         "block drop), so there the KV events' lookahead_token_ids are compared as None; with the "
         "hashes on (Config.lookahead_block_hashes; not generated: the catalogue's retention and "
-        "promise invariants state the legacy-hash Eagle) model.eagle states the allocation rules "
+        "promise invariants state the legacy-hash Eagle) model.contract.eagle states the allocation rules "
         "(hash_lookahead_tokens, drops_last_block, hashed_tokens, mamba_proof_limit) but the run is "
         "judged by the engine contract alone (checker.unpredicted); num_prefill_lookahead above 1 "
         "(re-prefill) comes from multi-module MTP only, and kvretain's Eagle flag models one draft module",

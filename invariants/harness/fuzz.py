@@ -68,8 +68,8 @@ from invariants.targets import (
     Target,
     target_factory,
 )
-from model.config import Config
-from model.ops import Op, op_to_json
+from model.contract.config import Config
+from model.contract.ops import Op, op_to_json
 
 EXAMPLES_PER_BATCH = 8
 STEPS_PER_EXAMPLE = 40
@@ -178,8 +178,8 @@ LONG_PREFILL_AT_SPEC_TOKENS = (
 
 NO_CONNECTOR = (
     "KV connectors (offers, async loads, failed loads, saves, deferred frees): the target cannot attach one "
-    "(model.connector; targets model, vllm and vllm-async-scheduler run them, with drafts and without; "
-    "one step ahead model.async_scheduling states vLLM's fenced frees)"
+    "(model.machine.connector; targets model, vllm and vllm-async-scheduler run them, with drafts and without; "
+    "one step ahead model.machine.async_scheduling states vLLM's fenced frees)"
 )
 CONNECTOR_NOT_STATED = (
     "failed blocks covered by a request awaiting its sample of an earlier step than the latest, "
@@ -187,14 +187,14 @@ CONNECTOR_NOT_STATED = (
     "a sync load's failed blocks reported after another operation than its step and its samples, "
     "while another request of its step awaits its sample, or after a sample with drafts or under "
     "async scheduling; failed blocks with more than one KV cache group (vLLM raises) "
-    "(model.connector does not state them)"
+    "(model.machine.connector does not state them)"
 )
 
 
 def _generated(target: str) -> st.SearchStrategy[Config]:
     """The configurations a run generates for `target` (what it can be judged on)."""
     if target in ASYNC_SCHEDULER_TARGETS:
-        # Drafts included: the model states them one step ahead (`model.async_scheduling`, 5),
+        # Drafts included: the model states them one step ahead (`model.machine.async_scheduling`, 5),
         # and KV connectors, whose frees vLLM fences there (6).
         return configs(
             allow_pinning=False,
@@ -208,12 +208,12 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
     return configs(
         allow_pinning=target in PINNING_TARGETS,
         allow_fine=target in FINE_MAMBA_TARGETS,
-        # A real scheduler's Eagle always drafts (`model.spec_decode`).
+        # A real scheduler's Eagle always drafts (`model.policy.spec_decode`).
         eagle_drafts=target in REAL_SCHEDULER_TARGETS,
         connector=None if target in CONNECTOR_TARGETS else False,
         # Only a real scheduler caps a chunk at the long-prefill threshold.
         long_prefill=None if target in REAL_SCHEDULER_TARGETS else False,
-        # The admission gates (`model.admission`): every target with a scheduler's admissions.
+        # The admission gates (`model.policy.admission`): every target with a scheduler's admissions.
         gates=None if target in GATED_TARGETS else False,
         # vLLM settings the model does not predict, judged by the contract: the real schedulers.
         unpredicted=target in REAL_SCHEDULER_TARGETS,
@@ -221,7 +221,7 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
 
 
 QUEUES_UNJUDGED = (
-    "the queue order each step leaves (StepResult.queues, model.queues): unjudged, the target "
+    "the queue order each step leaves (StepResult.queues, model.policy.queues): unjudged, the target "
     "keeps no scheduler queues (judged on model, reference, vllm and vllm-async-scheduler)"
 )
 

@@ -1,4 +1,4 @@
-"""Drawing request identities (`model.extra_keys`) for the fuzzer, and counting them.
+"""Drawing request identities (`model.contract.extra_keys`) for the fuzzer, and counting them.
 
 A defect in isolation shows where two requests with the SAME tokens but different
 identities meet: so an add draws, about half the time, a prompt some earlier request
@@ -19,7 +19,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from model.extra_keys import Identity
+from model.contract.extra_keys import Identity
 
 SALTS = ("tenant-a", "tenant-b")
 ADAPTERS = (("adapter-x", 1, "/lora/x"), ("adapter-x", 2, "/lora/x"), ("adapter-y", 3, "/lora/y"))

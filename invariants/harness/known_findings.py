@@ -52,8 +52,8 @@ from typing import Any
 from invariants.harness.claims import CONDITIONS, OPERATIONS, SHAPES, TRIGGERS, Precondition, operation_kind
 from invariants.harness.crash_site import ADAPTER, CrashSite
 from invariants.harness.trace import Trace, TraceError, trace_from_json, write_trace
-from model.config import Config
-from model.ops import Op
+from model.contract.config import Config
+from model.contract.ops import Op
 
 FINDINGS_FORMAT = "kvretain-known-findings"
 FINDINGS_VERSION = 2

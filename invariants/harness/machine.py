@@ -25,12 +25,11 @@ from invariants.harness import identities
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, Violation, unpredicted
 from invariants.harness.known_findings import KnownLedger
 from invariants.targets.base import Target, TargetFeatures
-from model.config import Config
-from model.extra_keys import Identity, identity_of
-from model.failed_blocks import failable_blocks
-from model.fine_mamba import fine_hits_enabled
-from model.observation import BlockIds, ScheduleResult, StepResult
-from model.ops import (
+from model.contract.config import Config
+from model.contract.extra_keys import Identity, identity_of
+from model.contract.fine_mamba import fine_hits_enabled
+from model.contract.observation import BlockIds, ScheduleResult, StepResult
+from model.contract.ops import (
     LOAD_MODES,
     AddRequest,
     EvictBlocks,
@@ -47,8 +46,9 @@ from model.ops import (
     Schedule,
     Step,
 )
-from model.scheduling import build_budget
-from model.spec_decode import acceptable
+from model.machine.failed_blocks import failable_blocks
+from model.policy.scheduling import build_budget
+from model.policy.spec_decode import acceptable
 
 TOKENS = st.integers(1, 3)
 MAX_REQUEST_TOKENS = 160
@@ -362,7 +362,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         the size cap finishes instead, as an engine ends a request at its `max_tokens`), then
         one `Step` over every live request in the queue order the model predicts
         (`AllocatorModel.engine_queues`) with the budget the engine was built with
-        (`model.scheduling.build_budget`). None where no request is live, or one computed its
+        (`model.policy.scheduling.build_budget`). None where no request is live, or one computed its
         tokens and awaits no sample yet (its verified drafts: the step waits for it)."""
         assert self.checker is not None
         model = self.checker.model
@@ -469,7 +469,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def _sample(self, rid: str, data: st.DataObject) -> Sample:
         """`rid`'s sample; where the target speculates, with how many of the step's
-        drafts were accepted and the drafter's next proposal (`model.spec_decode`)."""
+        drafts were accepted and the drafter's next proposal (`model.policy.spec_decode`)."""
         assert self.checker is not None
         token = data.draw(TOKENS, label="token")
         k = self.checker.model.num_spec_tokens
@@ -533,7 +533,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 class ConnectorMachine(AllocatorMachine):
-    """`AllocatorMachine` plus a KV connector's operations (`model.connector`), drawn
+    """`AllocatorMachine` plus a KV connector's operations (`model.machine.connector`), drawn
     where the configuration has one (`Config.kv_connector`): an offer for a request
     waiting for admission, or the report of an async load in flight (ok, or failed
     one time in three); right after a step that ran sync loads, the blocks one failed
@@ -631,14 +631,14 @@ class ConnectorMachine(AllocatorMachine):
     def _after_step(self, data: st.DataObject) -> None:
         """Right after a step that ran sync loads (and, one time in two, the samples of the
         step's other requests): two times in three, the step's output reports blocks one of
-        them failed on (`model.connector.sync_load_failed`)."""
+        them failed on (`model.machine.connector.sync_load_failed`)."""
         assert self.checker is not None
         model = self.checker.model
         report = model.sync_report
         if report is None:
             return
         # Other requests of the step awaiting their samples: one time in two sampled first, their
-        # tokens riding on the same output (`model.failed_blocks.sample_rides`).
+        # tokens riding on the same output (`model.machine.failed_blocks.sample_rides`).
         owing = [r for r in model.undelivered if r not in report.loads and model.requests[r].awaits_sample]
         if len(owing) > 0 and data.draw(st.booleans(), label="their samples first?"):
             for rid in owing:
@@ -654,7 +654,7 @@ class ConnectorMachine(AllocatorMachine):
 
     def _failed_blocks(self, data: st.DataObject, rid: str) -> tuple[int, ...]:
         """For a failed load of `rid`: the blocks it failed on, where some may be named
-        (`model.failed_blocks.failable_blocks`: one group), three times in four; else () (the
+        (`model.machine.failed_blocks.failable_blocks`: one group), three times in four; else () (the
         whole load failed). Mostly one block, so that a cut often keeps a prefix."""
         assert self.checker is not None
         req = self.checker.model.requests.get(rid)
@@ -665,7 +665,7 @@ class ConnectorMachine(AllocatorMachine):
 
     def _some_blocks(self, data: st.DataObject, blocks: list[int]) -> tuple[int, ...]:
         """One or two of `blocks`, three times in four among those another request holds
-        too, if any (the requests holding them are cut as well: `model.connector`)."""
+        too, if any (the requests holding them are cut as well: `model.machine.connector`)."""
         assert self.checker is not None
         shared = [b for b in blocks if self.checker.model.pool.ref[b] > 1]
         if shared and data.draw(st.integers(0, 3), label="a block another request holds?") != 0:
@@ -688,12 +688,12 @@ class ConnectorMachine(AllocatorMachine):
         first if it awaits its sample) is offered its tokens and admitted; it hits the
         running request's blocks (and those of earlier such loads, running or still
         loading), and its load reports, failed on some blocks where any may be named
-        (`model.failed_blocks.failable_blocks`: under "recompute" the shared ones too, which
+        (`model.machine.failed_blocks.failable_blocks`: under "recompute" the shared ones too, which
         cut the requests holding them as well, the first in queue order at the block),
         else ok, and one time in two it is promoted at once; one time in three it stays
         in flight (reported by `connector`), so a later load may share its blocks while
         it waits. One time in two every request awaiting its sample is sampled first
-        (a failed block it would be cut on may not be named: `model.connector`)."""
+        (a failed block it would be cut on may not be named: `model.machine.connector`)."""
         assert self.checker is not None
         model = self.checker.model
         base = model.requests[data.draw(st.sampled_from(self._requests(lambda r: r.running)), label="base")]  # type: ignore[attr-defined]
@@ -747,7 +747,7 @@ def engine_caps(config: Config, data: st.DataObject) -> Config:
     """`config` with batch caps for an engine that decides every step, where it states
     none (`Config.max_num_batched_tokens` 0): a token budget that binds (3, one or two
     scheduler blocks, four, or 64 tokens) and one time in two a `max_num_seqs` of 1 to 4,
-    as vLLM accepts them (`model.config`: the budget above the lookahead tokens and at
+    as vLLM accepts them (`model.contract.config`: the budget above the lookahead tokens and at
     least `max_num_seqs`)."""
     if config.max_num_batched_tokens:
         return config

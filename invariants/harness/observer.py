@@ -1,4 +1,4 @@
-"""The judge's side of the model's `Observer` (`model.seams`): what the spec no longer keeps.
+"""The judge's side of the model's `Observer` (`model.machine.seams`): what the spec no longer keeps.
 
 `ModelObserver` counts the rules only some traces reach (`coverage`: the fuzz
 summary's "features exercised" and the conformance rows that need a rule reached),
@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from model.seams import Decision
+from model.machine.seams import Decision
 
 
 class ModelObserver:
@@ -38,7 +38,7 @@ class ModelObserver:
 
     def choose_end_order(self, order: Iterable[str]) -> None:
         """The order the model's next "fail" report ends its requests in, if it names
-        exactly them (`model.connector.end_all`); () leaves the model's own (id order)."""
+        exactly them (`model.machine.connector.end_all`); () leaves the model's own (id order)."""
         self._chosen_order = tuple(order)
 
     @contextmanager

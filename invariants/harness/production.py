@@ -21,7 +21,7 @@ arriving in bursts that share a step,
 preemption. Every operation goes through the Checker (model
 differential and every invariant, fast path plus audits).
 
-Flat memory: prefixes are interned trie nodes (`model.prefix`), so naming
+Flat memory: prefixes are interned trie nodes (`model.contract.prefix`), so naming
 costs O(new tokens) and what no state refers to is collected; the adapters
 prune their hash tables as vLLM removes hashes; the operations replay needs
 are spooled to disk (`OpSpool`), not kept; finished requests are kept by a
@@ -57,11 +57,11 @@ from invariants.harness.machine import Tolerance
 from invariants.harness.spool import OpSpool
 from invariants.layouts.presets import MAX_CONTEXT, pool_blocks, preset
 from invariants.targets.base import Target
-from model.config import Config
-from model.fine_mamba import fine_hits_enabled
-from model.observation import ScheduleResult, StepResult
-from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
-from model.prefix import clear_memo
+from model.contract.config import Config
+from model.contract.fine_mamba import fine_hits_enabled
+from model.contract.observation import ScheduleResult, StepResult
+from model.contract.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule, Step
+from model.contract.prefix import clear_memo
 
 PRODUCTION_PRESETS = ("dsv4-flash", "gemma-like", "kimi-linear-like")
 CONCURRENCY = 14.5  # vLLM's "Maximum concurrency" figure the pools are sized for

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.harness.trace import Trace, TraceError
 from invariants.targets import target_factory
-from model.ops import op_to_json
+from model.contract.ops import op_to_json
 
 
 @dataclass

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from model.ops import AddRequest, Op, Probe, Sample, Schedule, Step
+from model.contract.ops import AddRequest, Op, Probe, Sample, Schedule, Step
 
 Replay = Callable[[list[Op]], int | None]
 """Replays a candidate; the index of the failing operation, or None when clean/invalid."""

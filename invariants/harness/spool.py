@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Iterable
 from typing import Any
 
-from model.ops import OP_TYPES, Op
+from model.contract.ops import OP_TYPES, Op
 
 _PACKED = "\0packed"  # marks a field stored as packed integers
 

@@ -4,7 +4,7 @@ Configs are small on purpose (tiny blocks, small pools) so that eviction,
 window slides, retained boundaries and the pinned tier are reached within a
 few dozen operations. About half of the Mamba configurations make the Mamba
 block 2 or 4 hash blocks wide, which turns on vLLM's fine-grained Mamba hits
-and their copy-on-write copies (`model.fine_mamba`) when the other groups allow
+and their copy-on-write copies (`model.contract.fine_mamba`) when the other groups allow
 them.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from model.config import Config, GroupSpec, validate
+from model.contract.config import Config, GroupSpec, validate
 
 SHAPES: tuple[tuple[str, ...], ...] = (
     ("full",),
@@ -60,14 +60,14 @@ def configs(
     (unless `allow_fine` is False: targets that refuse such configurations).
     `eagle_drafts`: a real scheduler's speculative decoding: an Eagle
     configuration always reserves lookahead slots (vLLM's Eagle drafts at least
-    one token); a Mamba group's draft state blocks follow (`model.mamba`).
+    one token); a Mamba group's draft state blocks follow (`model.contract.mamba`).
     `connector`: True = a KV connector attached (`Config.kv_connector`), False = none,
-    None = either, drafts or not (`model.connector` states both); `load_failure`: its
+    None = either, drafts or not (`model.machine.connector` states both); `load_failure`: its
     `kv_load_failure_policy` ("recompute", "fail"; None = either, mostly "recompute").
     `long_prefill`: True = a long-prefill threshold (`Config.long_prefill_token_threshold`,
     above the spec tokens: vLLM asserts when it clips a padded admission), False = none,
     None = either (mostly none).
-    `gates`: the scheduler's admission gates (`model.admission`): None = vLLM's defaults
+    `gates`: the scheduler's admission gates (`model.policy.admission`): None = vLLM's defaults
     most often (`reserve_full_isl` True 3 in 4, a nonzero `watermark` 1 in 3), True = both
     gates on (a watermark of 0.1 to 0.3), False = neither (the field defaults).
     `unpredicted`: also the vLLM settings the model does not predict (judged by the engine

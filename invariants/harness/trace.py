@@ -19,8 +19,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from model.config import Config, ConfigError, GroupSpec, validate
-from model.ops import Op, op_from_json, op_to_json
+from model.contract.config import Config, ConfigError, GroupSpec, validate
+from model.contract.ops import Op, op_from_json, op_to_json
 
 TRACE_FORMAT = "kvretain-trace"
 TRACE_VERSION = 1

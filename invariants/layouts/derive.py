@@ -7,7 +7,7 @@ come from. For each model family it builds the per-layer `KVCacheSpec` dict the 
 the model's layers build it in vLLM 0.33.0 (real block sizes, windows,
 `tokens_per_state`, head sizes and dtypes, so the page sizes are the ones vLLM
 sees), hands it to vLLM's own grouping function and converts the resulting
-groups into a kvretain `model.config.Config`. `tests/test_presets.py` checks
+groups into a kvretain `model.contract.config.Config`. `tests/test_presets.py` checks
 that the hard-coded presets equal these derivations.
 
 vLLM functions driven (all pure, CPU only; no model weights, no GPU):
@@ -67,7 +67,7 @@ from typing import Any
 
 from invariants.targets.base import TargetUnavailable
 from invariants.targets.vllm_build import group_specs
-from model.config import Config, ConfigError, GroupKind, GroupSpec, validate
+from model.contract.config import Config, ConfigError, GroupKind, GroupSpec, validate
 
 FAMILIES = ("dsv4", "gemma3", "kimi-linear")
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from model.config import Config, ConfigError, GroupSpec
+from model.contract.config import Config, ConfigError, GroupSpec
 
 # vLLM 0.33.0 defaults behind its capacity figure: max_num_batched_tokens for
 # the OpenAI server on an H100/H200-class GPU (engine/arg_utils.py,

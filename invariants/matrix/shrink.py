@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.targets.base import Target
-from model.config import Config
-from model.ops import Op
+from model.contract.config import Config
+from model.contract.ops import Op
 
 # violation -> (class, tolerated); a tolerated violation does not stop a run
 Judge = Callable[[Violation], tuple[str, bool]]

@@ -61,7 +61,7 @@ from invariants.report import Progress
 from invariants.targets import TargetUnavailable, target_factory
 from invariants.targets.vllm_capabilities import Capabilities, detect, profile_check, scheduler_unsupported
 from invariants.targets.vllm_env import vllm_available, vllm_version
-from model.config import Config, ConfigError
+from model.contract.config import Config, ConfigError
 
 SHRINK_SHARE = 0.4  # of a check's time slice, kept for shrinking a failure
 

@@ -1,9 +1,9 @@
 """Alignment theorems: no block cached past the last aligned boundary, every hit a multiple of it.
 
 Tied to the executable model: `smt.cacheable_tokens` is
-`model.allocator.AllocatorModel._cacheable_tokens`
+`model.machine.allocator.AllocatorModel._cacheable_tokens`
 (`tests/test_smt.py::test_scheduling_and_cacheable_match_model`); `smt.full_hit`,
-`smt.swa_hit`, `smt.mamba_hit` are `model.lookup`'s rules
+`smt.swa_hit`, `smt.mamba_hit` are `model.contract.lookup`'s rules
 (`tests/test_smt.py::test_hit_rules_match_model`).
 """
 
@@ -27,7 +27,7 @@ from invariants.proofs.engine import (
     value_of,
 )
 from invariants.proofs.lemmas import generic_lemma, lemma_floor_aligned, whole_blocks_steps
-from model import lookup, smt
+from model.contract import lookup, smt
 
 
 def _cacheable_steps(
@@ -158,7 +158,7 @@ def _hits_aligned_steps(
 
 def _unaligned_hits(v: Values) -> str | None:
     """alignment_hits_are_multiples' claim at concrete values, for lookup rules run with the block size as
-    their alignment (model.lookup): every hit a multiple of the alignment."""
+    their alignment (model.contract.lookup): every hit a multiple of the alignment."""
     bs, A, L, need = int(v["block_size"]), int(v["alignment"]), int(v["max_length"]), int(v["need"])
     cached = {
         int(name.split("_")[1]) for name, x in v.items() if name.startswith("cached_") and x

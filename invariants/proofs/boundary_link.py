@@ -5,12 +5,12 @@ Two functions decide where caching keeps what a later hit needs:
 - `replay_boundaries(num_prompt_tokens, scheduler_block_size, use_eagle)`
   (vLLM `kv_cache_coordinator.py`): where a replay of a prompt resumes,
   against the model's rule for 0.33.0 (`rules_of(MODELED).replay_boundaries`,
-  `model.eagle.replay_boundaries`). Exhaustive over prompts and scheduler
+  `model.contract.eagle.replay_boundaries`). Exhaustive over prompts and scheduler
   block sizes (`REPLAY_QUICK`, `REPLAY_FULL`).
 - `HybridKVCacheCoordinator.get_num_cacheable_tokens(num_computed, group)`:
   how many tokens a group may cache, against the model's
   (`AllocatorModel._cacheable_tokens`: every token under fine-grained hits,
-  else `rules_of(MODELED).cacheable`, `model.masks.floor_with_peek`). Over
+  else `rules_of(MODELED).cacheable`, `model.contract.masks.floor_with_peek`). Over
   every configuration of the hybrid-hit domain (`coordinator_link.Domain`,
   coordinators built by vLLM's own `KVCacheManager`), every group, every
   computed length up to three scheduler blocks and two more tokens.
@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 from invariants.proofs import coordinator_link
-from model.fine_mamba import fine_hits_enabled
-from model.profile import MODELED, rules_of
+from model.contract.fine_mamba import fine_hits_enabled
+from model.contract.profile import MODELED, rules_of
 
 REPLAY_QUICK = (64, 8)  # prompts 1..64 tokens, scheduler blocks 1..8
 REPLAY_FULL = (256, 32)

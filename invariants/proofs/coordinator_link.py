@@ -1,9 +1,9 @@
 """Production link, the hybrid hit: vLLM 0.33.0's fixed point equals the model's on a bounded domain.
 
 `HybridKVCacheCoordinator.find_longest_cache_hit` (vLLM
-`kv_cache_coordinator.py`) against `model.hybrid_hit.reconcile` with the
-model's finders (`model.lookup`, `model.fine_mamba`) and the 0.33.0 rules
-(`model.profile.rules_of(MODELED)`), composed as `AllocatorModel` composes
+`kv_cache_coordinator.py`) against `model.contract.hybrid_hit.reconcile` with the
+model's finders (`model.contract.lookup`, `model.contract.fine_mamba`) and the 0.33.0 rules
+(`model.contract.profile.rules_of(MODELED)`), composed as `AllocatorModel` composes
 them (`ModelHit`; `tests/test_coordinator_link.py` ties it to the
 allocator's own lookup). Compared per input: the hit length, every group's
 layout (which key each table position reads, or the null block) and the
@@ -58,9 +58,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from model import hybrid_hit, lookup
-from model.config import Config, GroupKind, GroupSpec, validate
-from model.fine_mamba import (
+from model.contract import hybrid_hit, lookup
+from model.contract.config import Config, GroupKind, GroupSpec, validate
+from model.contract.fine_mamba import (
     KeyLayout,
     coarse_keys,
     fine_full_hit,
@@ -68,8 +68,8 @@ from model.fine_mamba import (
     fine_mamba_hit,
     is_fine_lookup,
 )
-from model.masks import swa_tail_blocks
-from model.profile import MODELED, rules_of
+from model.contract.masks import swa_tail_blocks
+from model.contract.profile import MODELED, rules_of
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Two kinds of check, each with a per-function time budget:
   blocks in range, hits aligned and within the max length, the queue holds
   each block once);
 - twins (`crosshair diffbehavior`): each `ref_*` wrapper against its `model_*`
-  twin (model/masks.py, model/lookup.py, model/free_queue.py) on the same
+  twin (model/contract/masks.py, model/contract/lookup.py, model/contract/free_queue.py) on the same
   bounded input domain.
 
 CrossHair explores execution paths symbolically. A result says
@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from model import lookup, masks
-from model.free_queue import FreeQueue
+from model.contract import lookup, masks
+from model.contract.free_queue import FreeQueue
 from reference_impl.block import KVCacheBlock
 from reference_impl.config import KVCacheGroupConfig
 from reference_impl.free_queue import FreeKVCacheBlockQueue
@@ -325,7 +325,7 @@ def ref_queue(ops: list[int]) -> tuple[int, ...] | None:
 
 
 def model_queue(ops: list[int]) -> tuple[int, ...] | None:
-    """The twin: model/free_queue.py FreeQueue (a plain list)."""
+    """The twin: model/contract/free_queue.py FreeQueue (a plain list)."""
     if not _queue_domain(ops):
         return None
     q = FreeQueue(range(1, QUEUE_BLOCKS + 1))

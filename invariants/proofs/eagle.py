@@ -2,7 +2,7 @@
 
 The resend setup is `swa_setup`'s (its docstring lists each term's tie). The
 drop-once setup composes `smt.full_hit` / `smt.swa_hit` (tied to
-`model.lookup` by `tests/test_smt.py::test_hit_rules_match_model`): a first
+`model.contract.lookup` by `tests/test_smt.py::test_hit_rules_match_model`): a first
 pass with the drop, a second at that hit without it. That composition is what
 `AllocatorModel._find_hit` does for a verified group
 (`tests/test_proof_setups.py::test_eagle_reevaluation_at_own_hit_is_what_the_allocator_does`),
@@ -37,8 +37,8 @@ from invariants.proofs.swa_setup import (
     swa_kept,
     swa_values,
 )
-from model import lookup, masks, smt
-from model.smt import DENSE
+from model.contract import lookup, masks, smt
+from model.contract.smt import DENSE
 
 
 def _eagle_resend_steps(c: Swa, mask: smt.Mask) -> list[Step]:
@@ -190,7 +190,7 @@ def eagle_drop_applied_once() -> Outcome:
 
 def _drop_kept_on_second_pass(v: Values) -> str | None:
     """eagle_drop_applied_once's claim at concrete values, for a coordinator that drops on every pass:
-    the full-attention hit re-evaluated at its own hit (model.lookup.full_hit) is that hit."""
+    the full-attention hit re-evaluated at its own hit (model.contract.lookup.full_hit) is that hit."""
     bs, A, L = int(v["block_size"]), int(v["alignment"]), int(v["max_length"])
     cached = {int(name.split("_")[1]) for name, x in v.items() if name.startswith("cached_") and x}
     first = len(lookup.full_hit(cached.__contains__, L, bs, A, True)) * bs

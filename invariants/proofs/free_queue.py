@@ -1,7 +1,7 @@
 """Free-queue order theorems: uncached blocks reused first, cached ones least recently freed first, the pinned tier apart (#43447, #40676).
 
 Each is an inductive invariant of the transition system in `queues`, which
-`tests/test_queue_link.py` ties to `model/free_queue.py` and `model/pool.py`.
+`tests/test_queue_link.py` ties to `model/contract/free_queue.py` and `model/machine/pool.py`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import z3
 
 from invariants.proofs.engine import Step
-from model.smt import I
+from model.contract.smt import I
 
 _lemma_ids = iter(range(10**9))
 

@@ -3,16 +3,16 @@
 Every term is evaluated against the executable model on many concrete values
 by a test (`tests/test_smt.py`: S, `tests/test_proof_setups.py`: P):
 
-- `Mamba.mask` (`smt.mamba_mask`): `model.masks.mamba_kept_blocks` (S
+- `Mamba.mask` (`smt.mamba_mask`): `model.contract.masks.mamba_kept_blocks` (S
   `test_masks_match_model`); with the allocator's prompt, junction, range and
   config substituted, the state blocks `AllocatorModel.cache_blocks` keeps (P
   `test_setup_mask_is_the_allocators_mask`), which ties `Mamba.boundaries`.
-- `smt.mamba_hit`: `model.lookup.mamba_hit` (S `test_hit_rules_match_model`).
-- `smt.mamba_checkpoint_position`: `model.scheduling.mamba_checkpoint_position`
+- `smt.mamba_hit`: `model.contract.lookup.mamba_hit` (S `test_hit_rules_match_model`).
+- `smt.mamba_checkpoint_position`: `model.policy.scheduling.mamba_checkpoint_position`
   (S `test_scheduling_and_cacheable_match_model`).
-- `Mamba.replay` (`smt.replay_boundaries`), `smt.boundary_edge`: `model.masks`
+- `Mamba.replay` (`smt.replay_boundaries`), `smt.boundary_edge`: `model.contract.masks`
   (S `test_replay_boundaries_match_model`, `test_tail_and_edge_match_model`).
-- `Mamba.side` (`smt.config_side_conditions`): `model.config.validate` (P
+- `Mamba.side` (`smt.config_side_conditions`): `model.contract.config.validate` (P
   `test_side_conditions_match_validate`).
 """
 
@@ -34,8 +34,9 @@ from invariants.proofs.engine import (
 )
 from invariants.proofs.lemmas import generic_lemma, lemma_cancel, lemma_floor_aligned, lemma_mul_mod
 from invariants.proofs.swa_setup import MaskAt
-from model import lookup, masks, scheduling, smt
-from model.smt import DENSE, INTERVAL, ZERO, I
+from model.contract import lookup, masks, smt
+from model.contract.smt import DENSE, INTERVAL, ZERO, I
+from model.policy import scheduling
 
 
 class Mamba:
@@ -115,7 +116,7 @@ class Mamba:
 
 # --------------------------------------------------------------------------- claims on concrete values
 # A control's counterexample counts only if it violates its theorem's stated claim, evaluated with the
-# executable model (`model.lookup.mamba_hit`, `model.masks`) and the control's broken mask.
+# executable model (`model.contract.lookup.mamba_hit`, `model.contract.masks`) and the control's broken mask.
 
 
 def mamba_values(c: Mamba, m: z3.ModelRef) -> Values:

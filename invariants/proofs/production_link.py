@@ -1,7 +1,7 @@
 """Production link: vLLM 0.33.0's mask and hit formulas equal the model's on a bounded domain.
 
-The Z3 theorems are about `model/masks.py` and `model/lookup.py` (via
-`model/smt.py`, checked equal by `tests/test_smt.py`). This module checks,
+The Z3 theorems are about `model/contract/masks.py` and `model/contract/lookup.py` (via
+`model/contract/smt.py`, checked equal by `tests/test_smt.py`). This module checks,
 exhaustively over a stated bounded domain, that vLLM's own classmethods
 compute the same thing, so the theorems speak about the production formulas
 too:
@@ -37,7 +37,7 @@ from typing import Any
 
 from invariants.proofs import boundary_link, coordinator_link
 from invariants.proofs.engine import TheoremResult
-from model import lookup, masks
+from model.contract import lookup, masks
 
 
 @dataclass(frozen=True)

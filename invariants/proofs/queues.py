@@ -1,10 +1,10 @@
 """The free queue(s) and the pinned tier as a symbolic transition system (#43447, #40676).
 
 A state is a set of arrays over block ids (an unbounded pool); each transition
-is one list operation of `model/free_queue.py` or one routing decision of
-`model/pool.py`. Tied to the executable model by
+is one list operation of `model/contract/free_queue.py` or one routing decision of
+`model/machine/pool.py`. Tied to the executable model by
 `tests/test_queue_link.py`: seeded random operation sequences run on
-`model.pool.Pool` and, with the concrete pre-state substituted, through these
+`model.machine.pool.Pool` and, with the concrete pre-state substituted, through these
 transitions; the relation must admit the post-state the Python produced and
 determine it (every field). The drift "popleft_n takes from the tail" is that
 test's negative control.
@@ -39,8 +39,8 @@ class Queues:
     strictly inside (lo, hi); `cls[b]`: the block was freed with a hash (went to
     the tail); `joined[b]`: when it joined the cached region (a clock `t`).
     Pinned tier (#40676): `inp[b]`, `ppos[b]` inside (plo, phi). `hashed[b]`:
-    the block carries a hash now. Every list operation of model/free_queue.py
-    and the routing of model/pool.py is a transition below.
+    the block carries a hash now. Every list operation of model/contract/free_queue.py
+    and the routing of model/machine/pool.py is a transition below.
     """
 
     ARRAYS = ("inq", "pos", "cls", "joined", "hashed", "inp", "ppos")  # indexed by block id
@@ -136,7 +136,7 @@ def transitions(s: Queues, n: Queues, *, broken: str = "") -> dict[str, z3.BoolR
     active = z3.And(z3.Not(s.inq[x]), z3.Not(s.inp[x]))
     ops: dict[str, z3.BoolRef] = {}
     # popleft_n: the blocks before position theta leave (get_new_blocks; their hashes are dropped);
-    # the drift (tests' control of the link to model/pool.py) takes them from the tail instead
+    # the drift (tests' control of the link to model/machine/pool.py) takes them from the tail instead
     leaves = (s.pos[b] >= theta) if broken == "popleft_from_tail" else (s.pos[b] < theta)
     ops["popleft_n"] = z3.And(
         n.inq == z3.Lambda([b], z3.And(s.inq[b], z3.Not(leaves))),

@@ -17,7 +17,7 @@ import z3
 from invariants.proofs import alignment, eagle, free_queue, mamba, swa, swa_sparse, validation
 from invariants.proofs.engine import CATALOGUE, Outcome, Theorem, TheoremResult
 from invariants.proofs.lemmas import reset_lemma_names
-from model import smt
+from model.contract import smt
 
 SUBJECTS = (swa, swa_sparse, eagle, mamba, alignment, validation, free_queue)
 # every registered theorem, subject by subject (each subject in its own order)

@@ -24,8 +24,8 @@ from invariants.proofs.swa_setup import (
     swa_values,
     window_in_scope,
 )
-from model import masks, smt
-from model.smt import DENSE, ZERO
+from model.contract import masks, smt
+from model.contract.smt import DENSE, ZERO
 
 
 @theorem()

@@ -3,17 +3,17 @@
 Every term is evaluated against the executable model on many concrete values
 by a test (`tests/test_smt.py`: S, `tests/test_proof_setups.py`: P):
 
-- `Swa.mask` (`smt.swa_mask`): `model.masks.swa_kept_blocks` (S
+- `Swa.mask` (`smt.swa_mask`): `model.contract.masks.swa_kept_blocks` (S
   `test_masks_match_model`); with the allocator's prompt, junction, range and
   config substituted, the blocks `AllocatorModel.cache_blocks` keeps (P
   `test_setup_mask_is_the_allocators_mask`), which ties `Swa.boundaries`
   (replay boundaries, junction, junction minus a block with Eagle) and `Swa.end`.
-- `Swa.need` (`smt.swa_tail_blocks`), `smt.boundary_edge`: `model.masks` (S
+- `Swa.need` (`smt.swa_tail_blocks`), `smt.boundary_edge`: `model.contract.masks` (S
   `test_tail_and_edge_match_model`).
-- `Swa.replay` (`smt.replay_boundaries`): `model.masks.replay_boundaries` (S
+- `Swa.replay` (`smt.replay_boundaries`): `model.contract.masks.replay_boundaries` (S
   `test_replay_boundaries_match_model`).
-- `Swa.hit` (`smt.swa_hit`): `model.lookup.swa_hit` (S `test_hit_rules_match_model`).
-- `Swa.side` (`smt.config_side_conditions`): `model.config.validate` (P
+- `Swa.hit` (`smt.swa_hit`): `model.contract.lookup.swa_hit` (S `test_hit_rules_match_model`).
+- `Swa.side` (`smt.config_side_conditions`): `model.contract.config.validate` (P
   `test_side_conditions_match_validate`).
 - `resend` (max length P - 1): the allocator's admission lookup (P
   `test_a_resend_looks_up_prompt_minus_one`).
@@ -34,8 +34,8 @@ from invariants.proofs.lemmas import (
     lemma_mul_mod,
     quotient_step,
 )
-from model import lookup, masks, smt
-from model.smt import DENSE, INTERVAL, ZERO, I
+from model.contract import lookup, masks, smt
+from model.contract.smt import DENSE, INTERVAL, ZERO, I
 
 
 class Swa:
@@ -250,7 +250,7 @@ def dense_twin(c: Swa, need_delta: int = 0) -> smt.Mask:
 
 # --------------------------------------------------------------------------- claims on concrete values
 # A control's counterexample counts only if its concrete values violate the stated claim of its
-# theorem; these evaluate that claim with the executable model (`model.lookup`, `model.masks`),
+# theorem; these evaluate that claim with the executable model (`model.contract.lookup`, `model.contract.masks`),
 # the control's broken mask evaluated at the values.
 
 
@@ -330,7 +330,7 @@ def swa_kept(v: Values, **options: object) -> set[int]:
 
 
 def swa_hit_tokens(v: Values, cached: set[int], max_length: int) -> int:
-    """The executable SWA hit rule (`model.lookup.swa_hit`) over a concrete cached set, in tokens."""
+    """The executable SWA hit rule (`model.contract.lookup.swa_hit`) over a concrete cached set, in tokens."""
     bs, eagle = int(v["block_size"]), bool(v["eagle"])
     need = masks.swa_tail_blocks(int(v["window"]), bs, eagle)
     return len(lookup.swa_hit(cached.__contains__, max_length, bs, int(v["alignment"]), need, eagle)) * bs

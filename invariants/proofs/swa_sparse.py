@@ -20,8 +20,8 @@ from invariants.proofs.swa_setup import (
     swa_values,
     window_in_scope,
 )
-from model import smt
-from model.smt import DENSE, INTERVAL
+from model.contract import smt
+from model.contract.smt import DENSE, INTERVAL
 
 
 def _inclusion_steps(c: Swa, sparse: smt.Mask, dense: smt.Mask) -> list[Step]:

@@ -1,8 +1,8 @@
 """Validation theorem: the validator accepts exactly the intervals the promise proofs assume (#43447).
 
-Tied to the executable model: `validator_accepts` is `model.config.validate`'s
+Tied to the executable model: `validator_accepts` is `model.contract.config.validate`'s
 retention rule (`tests/test_theorems.py::test_validator_term_matches_config_validate`);
-`smt.config_side_conditions` is checked against `model.config.validate` by
+`smt.config_side_conditions` is checked against `model.contract.config.validate` by
 `tests/test_proof_setups.py::test_side_conditions_match_validate` (equal on the
 retention rule: accepted exactly when the side conditions hold). The control's
 search evaluates `smt.swa_mask` and `smt.swa_hit` (tied in `swa_setup`).
@@ -15,14 +15,14 @@ from collections.abc import Callable
 import z3
 
 from invariants.proofs.engine import Outcome, Refutes, Step, Values, concrete, run_steps, theorem, value_of
-from model import lookup, masks, smt
-from model.smt import DENSE, INTERVAL, ZERO
+from model.contract import lookup, masks, smt
+from model.contract.smt import DENSE, INTERVAL, ZERO
 
 
 def validator_accepts(
     k: z3.ArithRef, is_none: z3.BoolRef, sbs: z3.ArithRef, has_group: z3.BoolRef
 ) -> z3.BoolRef:
-    """model.config.validate's retention rule as a Z3 term (None; 0 without SWA/Mamba; else k >= 0, k % sbs == 0)."""
+    """model.contract.config.validate's retention rule as a Z3 term (None; 0 without SWA/Mamba; else k >= 0, k % sbs == 0)."""
     return z3.Or(is_none, z3.If(has_group, z3.And(k >= 0, k % sbs == 0), k == 0))
 
 

@@ -1,7 +1,7 @@
 """One continuous-batching scheduler loop over any `Target`, watched by observers.
 
 The loop is vLLM v1's `Scheduler.schedule` reduced to what decides blocks. It
-drives the allocator ONLY through `model.ops` (AddRequest / Schedule / Sample /
+drives the allocator ONLY through `model.contract.ops` (AddRequest / Schedule / Sample /
 Finish / Preempt / Probe), so every hit, block id and eviction is the
 target's own. The serving simulator and gpu_check run this same loop and
 differ only in what they attach:
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from invariants.targets.base import Target, TargetCrash
-from model.observation import Observation, ProbeResult, ScheduleResult
-from model.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule
+from model.contract.observation import Observation, ProbeResult, ScheduleResult
+from model.contract.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Schedule
 
 # Steps in a row that schedule nothing while requests wait or run.
 _STALLED_STEPS_LIMIT = 3

@@ -29,7 +29,7 @@ from invariants.simulate.loop import LoopConfig, OnFinish, Request, SchedulerLoo
 from invariants.simulate.settings import Setting, cached_blocks, make_target, setting_scope, settings_for
 from invariants.simulate.tokens import RandomTokens, random_tokens
 from invariants.targets import Target
-from model.config import Config
+from model.contract.config import Config
 
 Progress = Callable[[str], None]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from invariants.targets import PINNING_TARGETS, Target, target_factory
 from invariants.targets.reference import ReferenceTarget
-from model.config import Config
+from model.contract.config import Config
 
 MUTANT = "swa_slide_appends_uncached"
 MUTANT_TARGETS = ("reference", "vllm-manager")

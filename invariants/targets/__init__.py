@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import cast
 
 from invariants.targets.base import Target, TargetCrash, TargetFeatures, TargetUnavailable, adopt
-from model.config import Config
+from model.contract.config import Config
 
 ENTRY_POINT_GROUP = "kvretain.targets"
 
@@ -79,7 +79,7 @@ ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler", "vllm-async-scheduler-directe
 # Real schedulers that decide every step themselves (`TargetFeatures(engine_steps=True)`):
 # kvretain writes nothing of their state; the fuzzer sends them the engine's own steps.
 ENGINE_STEP_TARGETS = {"vllm", "vllm-async-scheduler"}
-# Targets that can run a KV connector (`TargetFeatures(connector=True)`, `model.connector`):
+# Targets that can run a KV connector (`TargetFeatures(connector=True)`, `model.machine.connector`):
 # generated configurations include one; the others are never sent one, and say so.
 CONNECTOR_TARGETS = {
     "model",
@@ -89,7 +89,7 @@ CONNECTOR_TARGETS = {
     "vllm-async-scheduler-directed",
 }
 # Targets whose steps state the queue order they leave (`TargetFeatures(queues=True)`,
-# `model.queues`): judged there; the others' runs say it is unjudged.
+# `model.policy.queues`): judged there; the others' runs say it is unjudged.
 QUEUE_TARGETS = {
     "model",
     "reference",
@@ -99,7 +99,7 @@ QUEUE_TARGETS = {
     "vllm-async-scheduler-directed",
 }
 # Targets that gate admissions as vLLM's scheduler does (`Config.reserve_full_isl`, `watermark`;
-# `model.admission`): generated configurations include the gates; the others refuse them.
+# `model.policy.admission`): generated configurations include the gates; the others refuse them.
 GATED_TARGETS = {
     "model",
     "vllm-manager",

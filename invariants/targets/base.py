@@ -1,13 +1,13 @@
 """The target protocol: one adapter shape over every allocator under test.
 
 A target wraps one allocator (the executable model, `reference_impl`, vLLM, or a
-user's fork) configured from a `model.config.Config`. It applies operations
-from `model.ops` and reports, for each, an `Observation` and (on request) a
+user's fork) configured from a `model.contract.config.Config`. It applies operations
+from `model.contract.ops` and reports, for each, an `Observation` and (on request) a
 `Snapshot` of observable state. The state machine drives the model and a
 target with the same operations and demands equal observations and snapshots.
 
 Contract for implementers:
-- `__init__(config)` raises `model.config.ConfigError` for a configuration the
+- `__init__(config)` raises `model.contract.config.ConfigError` for a configuration the
   allocator rejects, and `TargetUnavailable` when its allocator cannot be
   imported (one line saying what is missing).
 - `apply(op)` never raises for a well-formed operation sequence (one where
@@ -27,10 +27,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
-from model.config import Config
-from model.observation import BlockIds, BlockKey, BlockRemoved, BlockStored, Event, Observation, Snapshot
-from model.ops import Op
-from model.profile import MODELED, Profile
+from model.contract.config import Config
+from model.contract.observation import (
+    BlockIds,
+    BlockKey,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Observation,
+    Snapshot,
+)
+from model.contract.ops import Op
+from model.contract.profile import MODELED, Profile
 
 
 class TargetUnavailable(RuntimeError):
@@ -59,23 +67,23 @@ class TargetFeatures:
     # whole steps (`Step((rid,), budget)`, never the model's single-request `Schedule`,
     # whose failed allocation preempts nobody). With lookahead slots it speculates: the
     # model is judged with `num_spec_tokens = num_lookahead_tokens` (drafts, padding and
-    # rollback, `model.spec_decode`), and the fuzzer's samples carry drafts.
+    # rollback, `model.policy.spec_decode`), and the fuzzer's samples carry drafts.
     real_scheduler: bool = False
     # The engine decides every step (`real_scheduler` without steering): a `Step` names every
     # request the engine holds, in the model's predicted queue order
     # (`AllocatorModel.engine_queues`), with the budget the engine was built with
-    # (`model.scheduling.build_budget`); a `Preempt` is never sent (no client can ask for one).
+    # (`model.policy.scheduling.build_budget`); a `Preempt` is never sent (no client can ask for one).
     # Without it, a real scheduler's steps are directed: any requests, any budget.
     engine_steps: bool = False
     # The engine schedules one step ahead of the model runner (vLLM's `AsyncScheduler`, as
     # `EngineCore.step_with_batch_queue` drives it): the Checker builds its model with
-    # `async_scheduling` (`model.async_scheduling`: when a sampled token reaches the scheduler).
+    # `async_scheduling` (`model.machine.async_scheduling`: when a sampled token reaches the scheduler).
     async_scheduling: bool = False
-    # A KV connector can be attached (`Config.kv_connector`, `model.connector`): generated
+    # A KV connector can be attached (`Config.kv_connector`, `model.machine.connector`): generated
     # configurations include one, and the fuzzer states its offers and load reports.
     connector: bool = False
     # Each `Step`'s observation states the order the step left the scheduler's queues in
-    # (`StepResult.queues`, `model.queues`); without it the Checker leaves that order
+    # (`StepResult.queues`, `model.policy.queues`); without it the Checker leaves that order
     # unjudged (the target keeps no scheduler queues), and `fuzz` says so.
     queues: bool = False
 
@@ -95,14 +103,14 @@ class Target(Protocol):
     config: Config
     # What the target can do beyond the required members (see `TargetFeatures`).
     features: ClassVar[TargetFeatures] = TargetFeatures()
-    # The model's KV-event profile the target is judged against (`model.pool.EVENT_PROFILES`):
+    # The model's KV-event profile the target is judged against (`model.machine.pool.EVENT_PROFILES`):
     # "seed", or "vllm-0.33.0", which carries vLLM's known BlockStored token-range behaviour.
     event_profile: str = "seed"
     # The model's semantics profile the target is judged against (an older release's rules).
     profile: Profile = MODELED
     # One line for the CLI to print (e.g. a version-drift warning), or None.
     version_note: str | None = None
-    # The request identities (`model.extra_keys`: "salt", "lora", "mm") the target hands its
+    # The request identities (`model.contract.extra_keys`: "salt", "lora", "mm") the target hands its
     # allocator; the fuzzer draws only these (`harness.identities`) and names the others.
     identities: frozenset[str] = frozenset()
 

@@ -1,7 +1,7 @@
 """Hash bytes -> the token prefix they stand for, learnt when hashes are made.
 
 An allocator names a hash by bytes; kvretain names it by content (a
-`model.prefix.Prefix`), so that targets hashing differently compare exactly.
+`model.contract.prefix.Prefix`), so that targets hashing differently compare exactly.
 `HashNames` is the adapters' table between the two:
 
 - `learn` records, for every new hash of a request, the token tuple it came
@@ -9,7 +9,7 @@ An allocator names a hash by bytes; kvretain names it by content (a
   `adopt` records a hash already named (a sampled token's new block: the
   previous block's prefix extended, so no copy of the whole request is kept);
 - `name(h)` interns the prefix on first use (O(new tokens) amortised along one
-  tuple, see `model.prefix.prefix`), and remembers the way back (`hash_of`);
+  tuple, see `model.contract.prefix.prefix`), and remembers the way back (`hash_of`);
 - `prune(keep)` forgets every hash outside `keep` (the hashes the allocator
   still holds in its map and those of live requests): run after the removal
   events were read, so the table tracks the allocator's state instead of
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from model.prefix import Prefix, Tokens, prefix
+from model.contract.prefix import Prefix, Tokens, prefix
 
 _LOW_64 = 8  # KV events carry a hash as the low 64 bits of its bytes
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from model.allocator import AllocatorModel
-from model.async_scheduling import fenced_tables
-from model.config import Config
-from model.extra_keys import IDENTITY_FIELDS as IDENTITIES
-from model.observation import BlockKey, Observation, Snapshot
-from model.ops import Op
-from model.profile import MODELED, Profile
-from model.seams import Observer
+from model.contract.config import Config
+from model.contract.extra_keys import IDENTITY_FIELDS as IDENTITIES
+from model.contract.observation import BlockKey, Observation, Snapshot
+from model.contract.ops import Op
+from model.contract.profile import MODELED, Profile
+from model.machine.allocator import AllocatorModel
+from model.machine.async_scheduling import fenced_tables
+from model.machine.seams import Observer
 
 from .base import END, NOT_FREE, PartialState, Tables, Target, TargetFeatures, closure, event_keys
 
@@ -24,7 +24,7 @@ from .base import END, NOT_FREE, PartialState, Tables, Target, TargetFeatures, c
 class ModelTarget(Target):
     name = "model"
     features = TargetFeatures(partial=True, pinning=True, fine_mamba=True, connector=True, queues=True)
-    identities = IDENTITIES  # every identity field (`model.extra_keys`)
+    identities = IDENTITIES  # every identity field (`model.contract.extra_keys`)
 
     def __init__(
         self,
@@ -81,7 +81,7 @@ def model_partial(
     """`partial` read straight from the model's pool (no full snapshot)."""
     pool = model.pool
     tables = {}
-    fenced = fenced_tables(model.in_flight, len(model.groups))  # model.async_scheduling, 6
+    fenced = fenced_tables(model.in_flight, len(model.groups))  # model.machine.async_scheduling, 6
     for rid in rids:
         table = fenced.get(rid) or tuple(tuple(g.tables.get(rid, ())) for g in model.groups)
         tables[rid] = table if any(table) else ()

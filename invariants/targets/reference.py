@@ -1,7 +1,7 @@
 """The `reference` target: kvretain's own allocator (`reference_impl`) behind the Target protocol.
 
-Translation only: `model.config.Config` -> `reference_impl.AllocatorConfig`
-(ValueError -> ConfigError, same message), `model.ops` -> `Scheduler` calls,
+Translation only: `model.contract.config.Config` -> `reference_impl.AllocatorConfig`
+(ValueError -> ConfigError, same message), `model.contract.ops` -> `Scheduler` calls,
 and reference hash bytes -> `BlockKey(group, prefix_tokens)`. The prefix a
 hash stands for is recorded when the hash is computed (requests report every
 new hash through a listener), so no hash is ever inverted; the table
@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 
-from model.config import Config, ConfigError
-from model.fine_mamba import fine_hits_enabled
-from model.observation import (
+from model.contract.config import Config, ConfigError
+from model.contract.fine_mamba import fine_hits_enabled
+from model.contract.observation import (
     AllBlocksCleared,
     BlockKey,
     BlockRemoved,
@@ -42,7 +42,7 @@ from model.observation import (
     Snapshot,
     StepResult,
 )
-from model.ops import (
+from model.contract.ops import (
     AddRequest,
     EvictBlocks,
     Finish,
@@ -54,7 +54,7 @@ from model.ops import (
     Schedule,
     Step,
 )
-from model.prefix import Prefix, prefix
+from model.contract.prefix import Prefix, prefix
 from reference_impl import kv_events
 from reference_impl.components import AllocatorComponents
 from reference_impl.config import AllocatorConfig, KVCacheGroupConfig

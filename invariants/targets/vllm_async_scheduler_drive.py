@@ -8,7 +8,7 @@ queues and records the manager calls), then `update_from_output` of the step
 before it, with the tokens `Sample` gave its requests. A request whose step
 reached the end of its known tokens and has no `Sample` yet has its share of
 that output held until its `Sample` (it arrives then), exactly as the
-synchronous driver holds it. `model.async_scheduling` states what the model
+synchronous driver holds it. `model.machine.async_scheduling` states what the model
 predicts of this order.
 
 Operations between steps:
@@ -34,7 +34,7 @@ acceptance from their count and rolls the rejected placeholders back.
 
 KV connectors (`Config.kv_connector`): kvretain's connector is a consumer, so
 with two steps in flight vLLM fences block frees on the step outputs it has
-processed (`defer_block_free`; `model.async_scheduling`, 6): the first
+processed (`defer_block_free`; `model.machine.async_scheduling`, 6): the first
 `update_from_output` of a step with tokens counts it processed
 (`processed_step_seq`) and frees what waited for it. The engine processes a
 step's output once, after the next `schedule()`; this driver delivers it in
@@ -55,8 +55,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from model.observation import StepResult
-from model.ops import Sample
+from model.contract.observation import StepResult
+from model.contract.ops import Sample
 
 from .base import TargetCrash
 from .vllm_scheduler_drive import RealStepScheduler, Steered

@@ -8,7 +8,7 @@ builds `AsyncScheduler` (`SchedulerConfig(async_scheduling=True)`, the class
 order: `schedule()` of this step, then `update_from_output` of the step
 before (`EngineCore.step_with_batch_queue`). Its requests carry output
 placeholders (`num_output_placeholders`) between the two. The Checker judges
-it against the model built with `async_scheduling` (`model.async_scheduling`:
+it against the model built with `async_scheduling` (`model.machine.async_scheduling`:
 allocation caches only known tokens, a token's arrival caches what the
 processed steps computed).
 
@@ -23,12 +23,12 @@ Speculative decoding: a configuration with lookahead slots builds the
 for "vllm"); the driver runs it as the engine core does under async
 scheduling (the scheduler schedules placeholder drafts and never sees the
 drafter's; `vllm_async_scheduler_drive`), and the model states what that
-changes (`model.async_scheduling`, 5).
+changes (`model.machine.async_scheduling`, 5).
 
 KV connectors: with `Config.kv_connector` the `AsyncScheduler` gets kvretain's
 scripted connector as "vllm" does (`vllm_scheduler_build`). It is a consumer
 (`kv_role="kv_both"`) and two steps are in flight, so vLLM fences block frees
-(`defer_block_free`, `model.async_scheduling`, 6): `FencedSnapshotReader` names
+(`defer_block_free`, `model.machine.async_scheduling`, 6): `FencedSnapshotReader` names
 the blocks held in `Scheduler.deferred_frees` as the `FENCED` pseudo-table, and
 the driver counts each step's output processed once, when the engine would
 (`vllm_async_scheduler_drive`). A connector's report (`Loaded`, `Saved`) rides
@@ -41,8 +41,8 @@ from __future__ import annotations
 from typing import Any
 
 from invariants.shadow import ShadowWorker
-from model.async_scheduling import FENCED
-from model.config import Config
+from model.contract.config import Config
+from model.machine.async_scheduling import FENCED
 
 from .base import TargetFeatures
 from .vllm_async_scheduler_drive import AsyncStepScheduler, DirectedAsyncStepScheduler
@@ -56,7 +56,7 @@ from .vllm_target import VLLM_EVENT_PROFILE, VllmManagerTarget
 class FencedSnapshotReader(SnapshotReader):
     """`SnapshotReader` that also names the blocks the scheduler holds in fenced frees
     (`Scheduler.deferred_frees`, front to back) as the `FENCED` pseudo-table
-    (`model.async_scheduling`, 6)."""
+    (`model.machine.async_scheduling`, 6)."""
 
     def __init__(self, session: Any, keys: Any, events: Any, scheduler: Any) -> None:
         super().__init__(session, keys, events)

@@ -12,7 +12,7 @@ only the constructor arguments the release's `KVCacheManager` takes, and sets th
 where the release reads it (a `KVCacheConfig` field, or the environment
 variable while the coordinator is built; a release without one accepts only
 dense retention). What a release cannot express raises `UnsupportedConfig`;
-what vLLM itself rejects is re-raised as `model.config.ConfigError` carrying
+what vLLM itself rejects is re-raised as `model.contract.config.ConfigError` carrying
 vLLM's message.
 """
 
@@ -25,7 +25,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from model.config import Config, ConfigError
+from model.contract.config import Config, ConfigError
 
 from .vllm_capabilities import RETENTION_ENV, Capabilities
 

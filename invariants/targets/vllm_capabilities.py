@@ -77,7 +77,7 @@ What each capability means and the code that shows it:
 
 `detect_from(namespace)` derives the rules from the classes of a namespace (the
 real vLLM, or fakes in the tests); `detect()` and `detect_code()` import the
-interpreter's vLLM once. `Capabilities.profile()` is the model's semantics profile (`model.profile`)
+interpreter's vLLM once. `Capabilities.profile()` is the model's semantics profile (`model.contract.profile`)
 for the release: the one place capabilities become the model's rules.
 """
 
@@ -90,7 +90,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from model.profile import Profile
+from model.contract.profile import Profile
 
 from . import vllm_releases
 

@@ -8,7 +8,7 @@ loads and saves),
 `kv_load_failure_policy` as `Config.kv_load_failure_policy`. It runs on the scheduler's side only:
 the scheduler never builds a worker, and the worker-side methods raise.
 
-It holds no KV. kvretain's operations script it (`model.connector` states the
+It holds no KV. kvretain's operations script it (`model.machine.connector` states the
 contract the model derives from them):
 
 - `offer(rid, n, async_load)` (`Offer`): at `rid`'s admission lookups,
@@ -19,7 +19,7 @@ contract the model derives from them):
   defers the free (`delay_free_blocks=True`) when it was handed a block, as
   a P/D producer connector does for a request it sends, and as an offloading
   (kv_both) one does for a request whose load is still in flight: vLLM then
-  counts two deferrals of one free (`model.connector`, a known finding).
+  counts two deferrals of one free (`model.machine.connector`, a known finding).
 - A load's or a save's outcome (`Loaded`, `Saved`) is not the connector's to
   report: it is the worker's `KVConnectorOutput` (`finished_recving`,
   `failed_recving`, `invalid_block_ids`, `finished_sending`), which the driver delivers in a

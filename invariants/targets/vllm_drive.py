@@ -21,9 +21,17 @@ import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from model.extra_keys import Identity, identity_of
-from model.observation import Done, Observation, ProbeResult, ResetResult, ScheduleResult, StepResult, Tokens
-from model.ops import (
+from model.contract.extra_keys import Identity, identity_of
+from model.contract.observation import (
+    Done,
+    Observation,
+    ProbeResult,
+    ResetResult,
+    ScheduleResult,
+    StepResult,
+    Tokens,
+)
+from model.contract.ops import (
     AddRequest,
     EvictBlocks,
     Finish,
@@ -66,7 +74,7 @@ class OpDriver:
         self.names = names
         self.scheduler = scheduler
         self.probe_seq = 0
-        # rid -> its identity (`model.extra_keys`): a probe borrows only its own identity's hashes.
+        # rid -> its identity (`model.contract.extra_keys`): a probe borrows only its own identity's hashes.
         self.identities: dict[str, Identity] = {}
         # The last finished request, until the next probe (see `probe_request`).
         self.finished: Any = None
@@ -189,7 +197,7 @@ class OpDriver:
         block hashes).
 
         vLLM's block hash is a function of the prefix's tokens and identity
-        (`model.extra_keys`; no hash lookahead here), so the full blocks `tokens`
+        (`model.contract.extra_keys`; no hash lookahead here), so the full blocks `tokens`
         shares with a request of its identity vLLM already hashed take that
         request's hashes (a donor of another identity gives none), and
         vLLM's hasher hashes only the blocks after them: a probe of a 1M-token

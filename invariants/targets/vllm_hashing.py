@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from model.config import Config
-from model.observation import BlockStored
-from model.pool import no_extra_keys, spec_metadata
+from model.contract.config import Config
+from model.contract.observation import BlockStored
+from model.machine.pool import no_extra_keys, spec_metadata
 
 # vLLM 0.33.0's KV event fields (`vllm/distributed/kv_events.py`). The first five of
 # BlockStored (two of BlockRemoved) are the model's group, block_hashes, parent,

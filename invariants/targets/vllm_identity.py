@@ -1,4 +1,4 @@
-"""A request's identity (`model.extra_keys`) as vLLM's `Request` arguments.
+"""A request's identity (`model.contract.extra_keys`) as vLLM's `Request` arguments.
 
 `request_identity(identity)` gives the keyword arguments vLLM 0.33.0's
 `Request.__init__` takes for it: `cache_salt`, a `LoRARequest(name, int id,
@@ -8,7 +8,7 @@ scheduler). Only the arguments an identity sets are passed, so a release whose
 `Request` lacks one still builds requests without it.
 
 A prefix's identity (`identity_of_prefix`) is rebuilt from its name (the
-namespace and the items' marks, `model.prefix`), for the throw-away requests
+namespace and the items' marks, `model.contract.prefix`), for the throw-away requests
 that re-hash a prefix (`vllm_names.HashLearner.rehash`).
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.extra_keys import Identity, MMItem
-from model.prefix import Prefix
+from model.contract.extra_keys import Identity, MMItem
+from model.contract.prefix import Prefix
 
 MODALITY = "image"  # the modality vLLM's features name (not read by the hasher)
 

@@ -30,9 +30,9 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Any
 
-from model.extra_keys import NO_IDENTITY, Identity, identity_of, keyed
-from model.observation import BlockKey, Tokens
-from model.prefix import Prefix, extend, prefix
+from model.contract.extra_keys import NO_IDENTITY, Identity, identity_of, keyed
+from model.contract.observation import BlockKey, Tokens
+from model.contract.prefix import Prefix, extend, prefix
 
 from .base import TargetCrash
 from .hash_names import HashNames
@@ -51,7 +51,7 @@ class HashLearner:
         self.table = HashNames(self.rehash)
         # rid -> (its prompt tuple, how many of its hashes are learnt): see `learn_computed`.
         self.pending: dict[str, tuple[Tokens | None, int]] = {}
-        # rid -> its identity (`model.extra_keys`): its hashes are named in its namespace.
+        # rid -> its identity (`model.contract.extra_keys`): its hashes are named in its namespace.
         self.identity: dict[str, Identity] = {}
 
     def register(self, rid: str, tokens: Any) -> None:

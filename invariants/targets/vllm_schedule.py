@@ -7,7 +7,7 @@ decode tokens) calls it:
 - one request (`schedule`): `new_step_starts()`; a waiting request gets
   `get_computed_blocks`, its `shared_prefix_boundary` stored on the request,
   the chunk `min(num_tokens - hit, budget)` (Mamba split:
-  `model.scheduling.mamba_chunk`, the scheduler policy every target shares),
+  `model.policy.scheduling.mamba_chunk`, the scheduler policy every target shares),
   `allocate_slots(req, n, hit, blocks)`; a running request `allocate_slots(req,
   n)`. Then, as `schedule()` does, `take_kv_cache_block_copies()` (reported as
   the result's `copies`) and `block_pool.free_blocks(retained)`.
@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from model.observation import ScheduleResult, StepResult
-from model.scheduling import mamba_chunk
+from model.contract.observation import ScheduleResult, StepResult
+from model.policy.scheduling import mamba_chunk
 
 from .vllm_names import HashLearner
 from .vllm_session import VllmSession
@@ -115,7 +115,7 @@ class StepScheduler:
         waiting queue) with `left` tokens of the step's `budget` remaining; the
         admission gates as the scheduler sets them (`full_sequence_must_fit` =
         `Config.reserve_full_isl`, `has_scheduled_reqs`: `any_running`, a request
-        of the step running; `model.admission`)."""
+        of the step running; `model.policy.admission`)."""
         blocks, hit, spb = self.computed_blocks(req)
         req.shared_prefix_boundary = spb
         hit_blocks = block_ids(blocks)

@@ -17,7 +17,7 @@ needed:
 - `CacheConfig`: the scheduler block size, prefix caching on or off, the Mamba
   cache mode; `SchedulerConfig`: chunked prefill, the long-prefill threshold, and
   the batch caps: the configuration's `max_num_batched_tokens` and
-  `max_num_seqs`, which bind (`model.scheduling`: `build_budget`, `seq_cap`). A
+  `max_num_seqs`, which bind (`model.policy.scheduling`: `build_budget`, `seq_cap`). A
   configuration stating no budget (0: a directed target's steps choose theirs) is
   built with `max_num_batched_tokens = max_model_len`, which no step reaches. A
   draft model's drafting takes one input slot per request past the scheduled
@@ -26,7 +26,7 @@ needed:
   `max_num_batched_tokens` leaves every request its slot (Eagle takes none).
   The sliding-window admission cap vLLM derives from the in-flight bound
   (`max_in_flight_tokens`) reads `max_num_batched_tokens`. The admission gates
-  and the queue policy are the configuration's (`model.admission`): `scheduler_reserve_full_isl` =
+  and the queue policy are the configuration's (`model.policy.admission`): `scheduler_reserve_full_isl` =
   `Config.reserve_full_isl` (vLLM's default True admits a request only if its
   whole sequence fits the free pool), `watermark` = `Config.watermark`,
   `policy` = `Config.scheduling_policy` (the model predicts "fcfs" only).
@@ -37,7 +37,7 @@ needed:
   is kvretain's. Eagle's block hashes as `Config.lookahead_block_hashes` says:
   off (`disable_lookahead_block_hashes=True`), the manager's trailing-block drop
   (`use_eagle`), which the model predicts; on (vLLM's default), each hash covers
-  the drafter's next token and nothing is dropped (`model.eagle`; judged by the
+  the drafter's next token and nothing is dropped (`model.contract.eagle`; judged by the
   engine contract alone: `checker.unpredicted`).
   vLLM's Eagle always drafts at least one token: an Eagle configuration without
   lookahead slots cannot be built (`SchedulerUnsupported`).
@@ -67,8 +67,8 @@ from functools import cache
 from typing import Any, Literal
 from unittest.mock import patch
 
-from model.config import Config, ConfigError
-from model.scheduling import build_budget, seq_cap
+from model.contract.config import Config, ConfigError
+from model.policy.scheduling import build_budget, seq_cap
 
 from .vllm_build import group_specs
 from .vllm_capabilities import Capabilities, scheduler_unsupported
@@ -252,7 +252,7 @@ def vllm_config(
         enable_chunked_prefill=True,
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         is_encoder_decoder=False,
-        # The admission gates and the queue policy as the configuration says (`model.admission`).
+        # The admission gates and the queue policy as the configuration says (`model.policy.admission`).
         watermark=cfg.watermark,
         scheduler_reserve_full_isl=cfg.reserve_full_isl,
         policy=cfg.scheduling_policy,

@@ -6,7 +6,7 @@ queues, with the token budget the scheduler was built with
 engine core writes nothing (`STEERING` names what the directed driver writes,
 and a test holds the source to it). `rids` names the requests the model says
 the engine holds, in the order it predicts for them (running, holding, then
-waiting: `model.queues`); a step that names another set of requests, another
+waiting: `model.policy.queues`); a step that names another set of requests, another
 budget, or (under FCFS) another order is a step the engine cannot run, refused
 as such (`SteeredStep`: the queues each step leaves are compared with the
 model's, so the order a step starts from is the one the last step left, plus
@@ -35,7 +35,7 @@ requests the pass reached in `running`'s order (a running request with nothing t
 compute is reached but calls nothing, exactly as in `Scheduler.schedule`),
 then the waiting requests in lookup order; the preempted requests in the order
 their blocks were freed; the queues `schedule()` left (`running`,
-`kv_holding_waiting`, `waiting`, front to back: `model.queues`), restricted to
+`kv_holding_waiting`, `waiting`, front to back: `model.policy.queues`), restricted to
 the step's requests (a directed step reads them before the requests aside come back).
 
 The block ids of a scheduled request are the ones the step ships to the worker
@@ -68,8 +68,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from invariants.shadow import ShadowWorker
-from model.observation import Queues, ScheduleResult, StepResult
-from model.ops import Sample
+from model.contract.observation import Queues, ScheduleResult, StepResult
+from model.contract.ops import Sample
 
 from .base import TargetCrash
 from .vllm_names import HashLearner
@@ -335,11 +335,11 @@ class RealStepScheduler:
                 "(Config.max_num_batched_tokens); a directed target (vllm-directed) sets one per step"
             )
         if own != list(rids):
-            if self.sched.policy.value == "fcfs":  # FCFS order is the model's (`model.queues`)
+            if self.sched.policy.value == "fcfs":  # FCFS order is the model's (`model.policy.queues`)
                 raise SteeredStep(
                     f"step over {list(rids)}: vLLM's queues hold them as {own} (running, holding, "
                     "waiting); an engine's step takes its own order (after a step, the queues it left "
-                    "are judged against the model's: model.queues); a directed target (vllm-directed) "
+                    "are judged against the model's: model.policy.queues); a directed target (vllm-directed) "
                     "runs a step in any order"
                 )
             self.reordered_steps += 1  # another policy's order: vLLM's (the model predicts FCFS only)
@@ -350,7 +350,7 @@ class RealStepScheduler:
 
     def queues_left(self, named: set[str]) -> Queues:
         """The queues `schedule()` left, front to back, restricted to the step's requests
-        (`model.queues`); a release without `kv_holding_waiting` (before 0.31) has every
+        (`model.policy.queues`); a release without `kv_holding_waiting` (before 0.31) has every
         waiting request in `waiting`."""
         sched = self.sched
 
@@ -429,7 +429,7 @@ class RealStepScheduler:
             self._deliver(out, [rid])
 
     def report_load(self, connector_output: Any, invalid: tuple[int, ...] = ()) -> None:
-        """The worker's report of a connector load (`model.ops.Loaded`): after the
+        """The worker's report of a connector load (`model.contract.ops.Loaded`): after the
         last step's output, `update_from_output` with `connector_output`
         (`vllm_connector.connector_output`) and no request's share, but for the shares
         of that output still held for a sample whose requests hold a failed block
@@ -491,7 +491,7 @@ class RealStepScheduler:
 
     def report_step(self, rid: str, connector_output: Any) -> None:
         """The worker's report of the sync load that the last step ran for `rid`
-        (`model.ops.Loaded` right after that step): the step's output, every request's
+        (`model.contract.ops.Loaded` right after that step): the step's output, every request's
         share at once, `rid`'s with its token where it was sampled (vLLM decides to drop
         it: observed in `LoadCut.dropped`, as any rider's), carries it."""
         out, self.pending = self.pending, None
@@ -583,7 +583,7 @@ def observe(
     and its output (see the module docstring); `computed`: each request's computed
     tokens after the step, from which an admission's external tokens (a KV
     connector's) are read; `block_size`: the scheduler's, at which a hit followed
-    by external tokens is cut (`model.connector`)."""
+    by external tokens is cut (`model.machine.connector`)."""
     scheduled: dict[str, int] = dict(out.num_scheduled_tokens)
     results: list[tuple[str, ScheduleResult]] = []
     allocated: dict[str, Any] = {}
@@ -678,7 +678,7 @@ def _under_hit(
 ) -> tuple[int, ...]:
     """One group's hit as the table shows it (see `shipped_admission`); `superseded`: from
     the first entry that is not the hit's on, the table holds external blocks instead
-    (the hit's sub-block tail was cut: `model.connector`), so the hit is the lookup's there."""
+    (the hit's sub-block tail was cut: `model.machine.connector`), so the hit is the lookup's there."""
     shown = tuple(h if t == NULL_BLOCK_ID or (h, t) in cow else t for h, t in zip(hit, table))
     if not superseded:
         return shown

@@ -8,7 +8,7 @@ running pass schedules a request's drafts (`num_tokens_with_spec`), the
 waiting pass pads a one-token admission (`pad_spec_decode`), every
 `allocate_slots` reserves the lookahead, and `update_from_output` rolls
 rejected drafts back and caches the request's blocks. The model states the
-same contract (`model.spec_decode`).
+same contract (`model.policy.spec_decode`).
 
 A `Sample(rid, token, accepted, drafts)` is the model runner's output for
 `rid`'s step and the drafter's next proposal, delivered at once (not at the
@@ -24,7 +24,7 @@ then caches blocks and the model caches them at the sample:
 
 But where the step ran a sync KV load, its output may still report the load's
 failed blocks, and a sample of the step rides on it
-(`model.failed_blocks.output_waits`): its share waits for the next operation,
+(`model.machine.failed_blocks.output_waits`): its share waits for the next operation,
 which delivers it (the report itself, with the whole output, or, before any
 other operation, the waiting shares), then proposes its drafts.
 
@@ -32,7 +32,7 @@ A Mamba group speculates too: `vllm_scheduler_build` gives its `MambaSpec`
 `num_speculative_blocks = num_lookahead_tokens`, as a real Mamba layer
 declares (`MambaBase.get_kv_cache_spec`; 0 only under ReplaySSM, which
 kvretain does not build), and the model keeps the same draft state blocks
-(`model.mamba`).
+(`model.contract.mamba`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from model.observation import StepResult
-from model.ops import Sample
+from model.contract.observation import StepResult
+from model.contract.ops import Sample
 
 from .base import TargetCrash
 from .vllm_scheduler_drive import RealStepScheduler, Steered
@@ -104,7 +104,7 @@ class SpecStepScheduler(RealStepScheduler):
     def sample_drafts(self, req: Any, op: Sample) -> None:
         """`op`'s output for `req`, delivered now, then its drafts proposed; but where the
         step ran a sync load, it rides on the step's output with the load's report
-        (`model.failed_blocks.output_waits`), processed at the next operation."""
+        (`model.machine.failed_blocks.output_waits`), processed at the next operation."""
         rid = req.request_id
         out = self.pending
         if self.sync_loads and out is not None and rid in out.num_scheduled_tokens:

@@ -38,7 +38,7 @@ every example (`invariants.harness.machine.engine_caps`).
 Speculative decoding: a configuration with lookahead slots builds the scheduler
 with a `SpeculativeConfig` (Eagle/MTP, or a draft model) and is driven by
 `vllm_scheduler_spec.SpecStepScheduler`: `Sample` carries the accepted drafts
-and the drafter's next proposal, vLLM pads and rolls back (`model.spec_decode`
+and the drafter's next proposal, vLLM pads and rolls back (`model.policy.spec_decode`
 states the contract). An Eagle configuration without lookahead slots cannot be
 built (`SchedulerUnsupported`: vLLM's Eagle drafts at least one token).
 `vllm_scheduler_build` builds `AsyncScheduler` too,
@@ -46,7 +46,7 @@ which "vllm-async-scheduler" drives one step ahead
 (`vllm_async_scheduler_target`): there a token's arrival caches blocks
 (`update_from_output` calls `cache_blocks` for a request with output
 placeholders), which the model states as async scheduling's semantics
-(`model.async_scheduling`), not a finding.
+(`model.machine.async_scheduling`), not a finding.
 """
 
 from __future__ import annotations
@@ -55,9 +55,20 @@ from dataclasses import replace
 from typing import Any
 
 from invariants.shadow import QUEUES, ShadowConnector, ShadowWorker, WorkerGroup, queue_problems
-from model.config import Config
-from model.observation import Done, LoadCut, Observation, ResetResult, Saving
-from model.ops import AddRequest, Finish, Loaded, Offer, Op, Preempt, ResetPrefixCache, Sample, Save, Saved
+from model.contract.config import Config
+from model.contract.observation import Done, LoadCut, Observation, ResetResult, Saving
+from model.contract.ops import (
+    AddRequest,
+    Finish,
+    Loaded,
+    Offer,
+    Op,
+    Preempt,
+    ResetPrefixCache,
+    Sample,
+    Save,
+    Saved,
+)
 
 from .base import TargetCrash, TargetFeatures
 from .vllm_capabilities import Capabilities
@@ -137,7 +148,7 @@ class SchedulerOpDriver(OpDriver):
                 requests.pop(op.rid)
                 self.names.forget(op.rid)
             # Failed blocks cut the request's computed tokens, and those of the other async
-            # loads and running requests holding one (`model.connector`).
+            # loads and running requests holding one (`model.machine.connector`).
             if not (isinstance(op, Loaded) and op.invalid) or req is None:
                 return Done()
             cut = ((r.request_id, r.num_computed_tokens) for r in scanned if r.request_id in before)
@@ -211,7 +222,7 @@ class SchedulerOpDriver(OpDriver):
 
     def finish(self, rid: str) -> Observation:
         """`Finish`: with a load in flight or a save (or both), vLLM defers the free
-        (`model.connector`): the request stays, so its table stays observed. A request
+        (`model.machine.connector`): the request stays, so its table stays observed. A request
         the connector saves shows what it was handed (`Saving`)."""
         req, connector = self.s.requests[rid], self.real.sched.connector
         saves = connector is not None and rid in connector.saving

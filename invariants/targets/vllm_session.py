@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.config import Config
+from model.contract.config import Config
 
 from .vllm_capabilities import Capabilities
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from model.observation import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, Event, Snapshot
+from model.contract.observation import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, Event, Snapshot
 
 from .base import END, NOT_FREE, PartialState, Tables, TargetCrash, closure, event_keys
 from .vllm_capabilities import Capabilities

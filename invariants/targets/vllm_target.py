@@ -2,7 +2,7 @@
 the calls its scheduler would make re-created by kvretain (target "vllm" runs the real scheduler).
 
 `VllmManagerTarget(config)` builds a `KVCacheManager` (vLLM 0.33.0, `vllm/v1/core/`) for a
-`model.config.Config` and applies `model.ops` operations through the manager's
+`model.contract.config.Config` and applies `model.contract.ops` operations through the manager's
 public methods, exactly as `docs/semantics.md` says and as vLLM's scheduler does.
 The adapter is split along its jobs, each a module of `targets/` with one class
 per job, sharing one `VllmSession` (the live vLLM objects):
@@ -25,7 +25,7 @@ use them for counting, never for differential checks.
 
 vLLM has no pinned tier (#40676 was never merged): a configuration asking for
 one raises `UnsupportedConfig`. Everything else vLLM rejects is re-raised as
-`model.config.ConfigError` carrying vLLM's message.
+`model.contract.config.ConfigError` carrying vLLM's message.
 
 Older releases: the adapter follows `vllm_capabilities.detect()` (the installed
 version's rules; where the installed code behaves otherwise, `profile_check`
@@ -43,11 +43,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from model.config import Config, ConfigError
-from model.extra_keys import IDENTITY_FIELDS as IDENTITIES
-from model.observation import BlockKey, Observation, Snapshot
-from model.ops import Op
-from model.pool import EVENT_PROFILES
+from model.contract.config import Config, ConfigError
+from model.contract.extra_keys import IDENTITY_FIELDS as IDENTITIES
+from model.contract.observation import BlockKey, Observation, Snapshot
+from model.contract.ops import Op
+from model.machine.pool import EVENT_PROFILES
 
 from .base import PartialState, Tables, Target, TargetFeatures, TargetUnavailable
 from .vllm_build import NO_PINNED_TIER, UnsupportedConfig, build_manager
@@ -88,7 +88,7 @@ class VllmManagerTarget(Target):
     name = "vllm-manager"
     # vLLM has no pinned tier (#40676 was never merged).
     features = TargetFeatures(partial=True, fine_mamba=True)
-    identities = IDENTITIES  # every identity field (`model.extra_keys`)
+    identities = IDENTITIES  # every identity field (`model.contract.extra_keys`)
 
     def __init__(self, config: Config, events: str = VLLM_EVENT_PROFILE, track_prefixes: bool = True) -> None:
         ok, reason = vllm_available()

@@ -23,9 +23,9 @@ from typing import Any
 from invariants.catalogue import BY_NAME, CheckContext, History
 from invariants.harness.checker import Violation
 from invariants.targets.base import Target, TargetCrash
-from model.config import Config, ConfigError, GroupSpec
-from model.observation import Done
-from model.ops import AddRequest, Op, Schedule
+from model.contract.config import Config, ConfigError, GroupSpec
+from model.contract.observation import Done
+from model.contract.ops import AddRequest, Op, Schedule
 
 Factory = Callable[[Config], Target]
 

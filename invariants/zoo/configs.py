@@ -15,7 +15,7 @@ import math
 from hypothesis import strategies as st
 
 from invariants.harness.strategies import configs, engine_runnable
-from model.config import Config, GroupSpec, validate
+from model.contract.config import Config, GroupSpec, validate
 
 SWA_SHAPES: tuple[tuple[str, ...], ...] = (("swa",), ("full", "swa"), ("full", "swa"), ("full", "swa", "swa"))
 RETENTION_SHAPES: tuple[tuple[str, ...], ...] = (*SWA_SHAPES, ("full", "mamba"), ("full", "swa", "mamba"))
@@ -105,7 +105,7 @@ def _strategy(name: str, *, allow_pinning: bool, allow_fine: bool) -> st.SearchS
         "scheduler-mamba": lambda: configs(
             allow_pinning=False, shapes=MAMBA_SHAPES, allow_fine=allow_fine, eagle=False, lookahead=False
         ),
-        # A real scheduler with kvretain's KV connector (`model.connector`: Full/SWA shapes).
+        # A real scheduler with kvretain's KV connector (`model.machine.connector`: Full/SWA shapes).
         "scheduler-connector": lambda: configs(
             allow_pinning=False,
             shapes=SWA_SHAPES + (("full",),),
@@ -120,7 +120,7 @@ def _strategy(name: str, *, allow_pinning: bool, allow_fine: bool) -> st.SearchS
         "scheduler-connector-one-group": lambda: configs(
             allow_pinning=False, shapes=(("full",), ("swa",)), eagle=False, lookahead=False, connector=True
         ),
-        # The same with a Mamba group (`model.connector`: its external state block; no fine-grained hits).
+        # The same with a Mamba group (`model.machine.connector`: its external state block; no fine-grained hits).
         "scheduler-connector-mamba": lambda: configs(
             allow_pinning=False, shapes=MAMBA_SHAPES, eagle=False, lookahead=False, connector=True
         ),

@@ -1,5 +1,5 @@
 """Mutants of vLLM 0.33.0's fenced block frees, which only the `AsyncScheduler` with a
-consumer KV connector runs (`model.async_scheduling`, 6), registered with the other
+consumer KV connector runs (`model.machine.async_scheduling`, 6), registered with the other
 async-scheduler mutants (`mutants_scheduler.ASYNC_SCHEDULER_MUTANTS`, which imports this
 module) and run on the "vllm-async-scheduler" target with kvretain's connector.
 

@@ -1,5 +1,5 @@
 """Mutants of the failed-block cut in vLLM 0.33.0's `Scheduler` (`invalid_block_ids`:
-a KV connector's load failed on some blocks; `model.connector`), registered with the
+a KV connector's load failed on some blocks; `model.machine.connector`), registered with the
 other scheduler mutants (`mutants_scheduler.SCHEDULER_MUTANTS`, which imports this module).
 
 Each is a one-line `_rewrite` of vLLM's own method: where a request is cut, which

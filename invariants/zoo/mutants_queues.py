@@ -1,10 +1,10 @@
 """Mutants of the order vLLM 0.33.0's `Scheduler.schedule` leaves its queues in
-(`model.queues`; judged through `StepResult.queues`), registered with the other
+(`model.policy.queues`; judged through `StepResult.queues`), registered with the other
 scheduler mutants (`mutants_scheduler.SCHEDULER_MUTANTS`, which imports this module).
 
 Each is a one-line `_rewrite` of vLLM's own method: where a preempted request
 waits, and where and in which order a request the waiting pass skipped comes back;
-and the order the failed-block cut reads the queues in (`model.connector`: of the
+and the order the failed-block cut reads the queues in (`model.machine.connector`: of the
 requests holding a failed block the first in scan order marks it and is cut there;
 judged through `LoadCut`).
 """
@@ -64,7 +64,7 @@ def invalid_scan_running_reversed(stack: contextlib.ExitStack, sched: Any) -> No
     """Failed blocks (`invalid_block_ids`): `_handle_invalid_blocks` scans `running` back
     to front (`reversed(self.running)`), so of several running requests holding a failed
     block the last one marks it and is cut there, and the first keeps it as computed
-    (`model.connector`: the first in queue order marks it)."""
+    (`model.machine.connector`: the first in queue order marks it)."""
     _rewrite(
         stack,
         sched,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from invariants.targets.reference import Mutant, ReferenceTarget
-from model.config import Config, ConfigError
+from model.contract.config import Config, ConfigError
 from reference_impl.block import KVCacheBlock
 from reference_impl.components import AllocatorComponents
 from reference_impl.coordinator import HybridKVCacheCoordinator

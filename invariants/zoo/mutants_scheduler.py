@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from invariants.targets.base import Target
-from model.config import Config
+from model.contract.config import Config
 
 from .mutants_vllm import _set
 
@@ -146,7 +146,7 @@ def mamba_split_ignores_hit(stack: contextlib.ExitStack, sched: Any) -> None:
     _set(stack, sched, "_mamba_block_aligned_split", split)
 
 
-# Speculative decoding (`model.spec_decode`): strategy "scheduler-spec", Full/SWA shapes with drafts.
+# Speculative decoding (`model.policy.spec_decode`): strategy "scheduler-spec", Full/SWA shapes with drafts.
 
 
 @mutant("admission_without_lookahead", strategy="scheduler-spec")
@@ -388,7 +388,7 @@ def running_ships_whole_table(stack: contextlib.ExitStack, sched: Any) -> None:
     )
 
 
-# ---------------------------------------------------------------- KV connector glue (model.connector)
+# ---------------------------------------------------------------- KV connector glue (model.machine.connector)
 
 
 @mutant("async_load_cached_at_admission", strategy="scheduler-connector")
@@ -491,7 +491,7 @@ def async_rejection_keeps_placeholders(stack: contextlib.ExitStack, sched: Any) 
     )
 
 
-# ---------------------------------------------------------------- saving connectors (model.connector: saves)
+# ---------------------------------------------------------------- saving connectors (model.machine.connector: saves)
 
 
 @mutant("save_free_not_deferred", strategy="scheduler-connector")
@@ -717,6 +717,6 @@ def equal_remote_supersedes_local_tail(stack: contextlib.ExitStack, sched: Any) 
     )
 
 
-# The queue order a step leaves (`model.queues`), the fenced frees and the failed-block cut:
+# The queue order a step leaves (`model.policy.queues`), the fenced frees and the failed-block cut:
 # their own modules.
 from . import mutants_async_connector, mutants_failed_blocks, mutants_queues  # noqa: E402, F401

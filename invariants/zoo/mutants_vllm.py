@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from invariants.targets.base import Target
-from model.config import Config
+from model.contract.config import Config
 
 Factory = Callable[[Config], Target]
 

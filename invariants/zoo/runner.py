@@ -37,8 +37,8 @@ from invariants.targets import REAL_SCHEDULER_TARGETS
 from invariants.targets.base import Target
 from invariants.zoo import checks as direct
 from invariants.zoo.configs import strategy as config_strategy
-from model.config import Config
-from model.ops import Op
+from model.contract.config import Config
+from model.contract.ops import Op
 
 if TYPE_CHECKING:
     from invariants.zoo.mutants_scheduler import SchedulerMutant

@@ -7,7 +7,7 @@ adapter only says which components the fork uses. A fork of vLLM itself
 would subclass `invariants.targets.vllm_target.VllmManagerTarget` (or `vllm_scheduler_target.VllmSchedulerTarget`) the same way.
 
 Contract (docs/targets.md): `ExampleTarget(config)` raises
-`model.config.ConfigError` for a config the allocator rejects; `apply(op)`
+`model.contract.config.ConfigError` for a config the allocator rejects; `apply(op)`
 returns the operation's `Observation` and raises `TargetCrash` when the
 allocator fails on a well-formed sequence; `snapshot()` returns the
 observable state and drains the KV events since the last call. Optional
@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from invariants.targets.base import TargetFeatures
 from invariants.targets.reference import ReferenceTarget
-from model.config import Config
+from model.contract.config import Config
 from reference_impl.block_pool import BlockPool
 from reference_impl.components import AllocatorComponents
 
