@@ -1,8 +1,9 @@
 """The specification's own shape (issue 39, "Judge state out of the spec"): `model/` forms no
 import circle, no module of it calls a private method of another module's class, and it
 holds no coverage counter, decision recorder or judge's choice (those are the harness's:
-`model.machine.seams.Observer`, `invariants.harness.observer`). Each rule's checker runs on a
-planted bad input too, and must report it.
+`model.machine.seams.Observer`, `invariants.harness.observer`); every module lives in its
+layer's subpackage (`model.LAYERS`) and its docstring fits a screen. Each rule's checker runs on
+a planted bad input too, and must report it.
 """
 
 from __future__ import annotations
@@ -286,3 +287,33 @@ def test_control_layer_map_breaks_are_reported() -> None:
     assert layer_problems(unsaid, model.LAYERS) == [
         "model.policy.queues (policy): its docstring does not say whose policy it predicts"
     ]
+
+
+# ------------------------------------------------------------------------------- docstrings
+# A screen: a module docstring states the contract; the narrative is docs/semantics.md.
+MAX_DOCSTRING_LINES = 40
+
+
+def long_docstrings(sources: dict[str, str]) -> list[str]:
+    """Each module of `model/` whose docstring is longer than a screen."""
+    found = []
+    for module, source in sources.items():
+        tree = ast.parse(source)
+        first = tree.body[0] if tree.body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+            lines = (first.end_lineno or first.lineno) - first.lineno + 1
+            if lines > MAX_DOCSTRING_LINES:
+                found.append(f"{module}: a {lines}-line docstring (at most {MAX_DOCSTRING_LINES})")
+    return found
+
+
+def test_model_docstrings_fit_a_screen() -> None:
+    assert long_docstrings(model_sources()) == []
+
+
+def test_control_a_long_docstring_is_reported() -> None:
+    source = model_sources()["model.policy.queues"]
+    planted = source.replace('"""', '"""' + "narrative\n" * MAX_DOCSTRING_LINES, 1)
+    found = long_docstrings({"model.policy.queues": planted})
+    assert len(found) == 1 and found[0].startswith("model.policy.queues: a "), found
+    assert not long_docstrings({"model.policy.queues": source})

@@ -1,48 +1,22 @@
 """A request's identity and which of it enters each block's hash key and KV event.
 
-Prefix caching is shared state between requests; vLLM keeps requests apart only
-through a block hash's *extra keys* (`vllm/v1/core/kv_cache_utils.py`,
-`generate_block_hash_extra_keys`). A request's `Identity` is everything those
-functions read besides the tokens:
-
-- `salt` (`Request.cache_salt`, `SamplingParams`' per-tenant salt): a key of
-  the FIRST hash block only (`start_token_idx == 0`), carried on by the hash
-  chain; an empty salt is none (vLLM tests its truth);
-- `lora` (name, int id, path): `_gen_lora_extra_hash_keys` keys EVERY block by
-  ("lora", name, path); the int id is not hashed (two ids of one adapter share
-  blocks) but KV events carry it (`lora_id`) with the name (`lora_name`);
-- `mm`: multimodal items, each an `MMItem(identifier, offset, length)` over
-  placeholder positions `[offset, offset + length)` of the prompt, sorted and
-  disjoint; `_gen_mm_extra_hash_keys` keys a block by ("mm", identifier,
-  offset - block start) for EVERY item that overlaps the block (its offset in
-  that block, negative where it began earlier), in item order;
-- lookahead (`num_hash_lookahead_tokens` L, an Eagle-family drafter): a block's
-  hash covers the L tokens after it (`get_request_block_hasher`): its extra
-  keys become (keys over [start, end + L), *tokens[end:end + L]), emitted once
-  those tokens exist; its event lists them (`lookahead_token_ids`).
-
-Prompt embeds (`_gen_prompt_embeds_extra_hash_keys`, a digest per block) are not
-expressed: they need the engine to take embeddings instead of token ids, which
-kvretain's operations do not carry (named in `kvretain conformance`).
+vLLM keeps requests apart in the prefix cache only through a block hash's *extra keys*
+(`kv_cache_utils.generate_block_hash_extra_keys`). An `Identity` is what those read
+besides the tokens: `salt` (the tenant's cache salt), `lora` (name, id, path), `mm`
+(multimodal items `MMItem(identifier, offset, length)`) and the Eagle lookahead tokens.
 
 A key of block [start, end) is kept iff (vLLM 0.33.0, `block_hash_keys`):
-  lora:  identity.lora is set (every block)
+  lora:  identity.lora is set (every block; the int id is not hashed)
   mm:    an item overlaps [start, end) (offset < end and offset + length > start)
   salt:  start == 0 and identity.salt is non-empty
-in the order lora, mm items, salt (`generate_block_hash_extra_keys`); no key: None.
-Events (`to_event_extra_keys`) publish the untagged shapes: the LoRA name, the
-(identifier, offset) pair, the salt.
+in the order lora, mm items, salt; no key: None. With L lookahead tokens a block's keys
+cover [start, end + L) followed by tokens[end:end + L]. Events publish the untagged
+shapes (`to_event_extra_keys`): the LoRA name, the (identifier, offset) pair, the salt.
 
-Naming. kvretain names a hash by its content (`model.contract.prefix`): a token tuple that
-carries an identity is a `Keyed` tuple, and the prefix it names lives under its
-identity's namespace (salt, LoRA name and path: constant over a request, so the
-chain's root) with each item's marks on the trie nodes it overlaps (`chunk_marks`).
-Two prefixes are the same name iff their tokens, namespace and marks agree, which
-is iff vLLM's hashes agree under the assumption that an identifier fixes its
-item's length (an identifier is the content's hash; vLLM's encoder cache
-rejects one identifier with two lengths, `_reject_on_encoder_cache_embed_mismatch`).
-
-Release table (`RELEASES`): which release hashed each field as stated here.
+Two prefixes are the same name (`model.contract.prefix`, `Keyed`) iff their tokens,
+identity namespace and item marks agree, which is iff vLLM's hashes agree given that an
+identifier fixes its item's length. The details, and prompt embeds (not expressed):
+docs/semantics.md, "Request identity". Release table: `RELEASES`.
 """
 
 from __future__ import annotations

@@ -1,54 +1,29 @@
 """The operation vocabulary: what a scheduler asks of a KV-cache allocator.
 
-Every target (the model, `reference_impl`, vLLM) is driven by the same
-operations, and a trace is a list of them. Each operation is one scheduler
-step: the allocator sees `new_step_starts()` before it.
+Every target (the model, `reference_impl`, vLLM) is driven by the same operations; a
+trace is a list of them. Each is one scheduler step (`new_step_starts()` first).
 
-Contract of each operation (see `docs/semantics.md` for the full text):
+- `AddRequest(rid, prompt, salt, lora, mm)`: a request arrives and waits; its identity
+  (`model.contract.extra_keys`) keys its blocks' hashes.
+- `Schedule(rid, budget)`: one request's step: admission (lookup, then `allocate_slots`
+  for the hit and the first chunk) or its next chunk, at most `budget` new tokens.
+- `Step(rids, budget)`: one `Scheduler.schedule` over a batch in priority order under
+  one token budget: running requests first (a failed allocation preempts the last
+  running one), then admissions (the first failed one ends them).
+- `Sample(rid, token, accepted, drafts)`: the step computed every known token of `rid`
+  and sampled `token`: the accepted drafts and `token` are appended, rejected drafts
+  rolled back, `drafts` kept for the next step (`model.policy.spec_decode`; one step
+  late under `model.machine.async_scheduling`).
+- `Finish(rid)` frees all its blocks; `Preempt(rid)` frees them and the request waits
+  again with its tokens.
+- `Probe(tokens)`: a pure lookup. `ResetPrefixCache()`: drop every cached hash if no
+  block is in use. `EvictBlocks(ids)`: drop those blocks' hashes, nothing else.
+- A KV connector's (`model.machine.connector`): `Offer(rid, n, load)` holds the first
+  `n` tokens for the next admission ("sync" or "async"); `Loaded(rid, ok, invalid)` an
+  async load reports (or a sync load's step output names failed blocks); `Save(rid)`
+  defers the free to a save, `Saved(rid)` reports it.
 
-- `AddRequest(rid, prompt, salt=None, lora=None, mm=())`: a request arrives and
-  waits. No allocator effect. Its identity (`model.contract.extra_keys`: a tenant's cache
-  salt, a LoRA adapter (name, id, path), multimodal items (identifier, offset,
-  length)) enters its blocks' hash keys: requests of different identities never
-  share a block over a prefix where their keys differ.
-- `Schedule(rid, budget)`: one step for one request, at most `budget` new
-  tokens. A waiting (new or preempted) request is admitted: prefix-cache
-  lookup, then `allocate_slots` for the hit plus the first chunk. A running
-  request gets its next prefill chunk or one decode token.
-- `Sample(rid, token, accepted=0, drafts=())`: the step computed every known
-  token of `rid` (and the drafts it verified), and the model sampled `token`
-  (vLLM's `update_from_output`): the first `accepted` verified drafts and
-  `token` are appended to the request, the other verified drafts are rolled
-  back, and the drafter proposes `drafts` for the next step
-  (`update_draft_token_ids`). Valid only for a running request with no
-  uncomputed token. Drafts exist only where a real scheduler speculates
-  (`model.policy.spec_decode`); elsewhere `accepted` is 0 and `drafts` empty.
-  With async scheduling the scheduler receives the token (and the accepted
-  drafts, and the rejection) a step later, and the next step verifies k
-  draft slots, `drafts` first (`model.machine.async_scheduling`).
-- `Finish(rid)`: the request ends; all its blocks are freed.
-- `Preempt(rid)`: a running request loses its blocks and waits again with its
-  tokens (prompt and outputs) kept, to be re-admitted by a later `Schedule`.
-- `Step(rids, budget)`: one scheduler step over a batch (vLLM
-  `Scheduler.schedule`, FCFS): `rids` is the scheduler's queue in priority
-  order; its running requests get their next chunk first, then its waiting
-  requests are admitted, all under one shared token budget. An allocation
-  failure of a running request preempts the last running request and retries;
-  a failed admission ends the step's admissions.
-- `Probe(tokens)`: a pure lookup for a request with these tokens (no effect).
-- `ResetPrefixCache()`: drop every cached hash if no block is in use.
-- `EvictBlocks(block_ids)`: drop the hashes of the given blocks (KV offload /
-  corruption recovery path); ref counts and queue positions are untouched.
-- `Offer(rid, num_tokens, load)`: a KV connector holds the first `num_tokens`
-  tokens of waiting request `rid` and offers them at its next admission,
-  loading "sync" (in the admitting step) or "async" (the request waits for
-  `Loaded`). `Loaded(rid, ok, invalid=())`: that async load reports, `ok` or
-  failed, or ok but for the blocks `invalid` names; right after the step that
-  ran a sync load of `rid`, that step's output names the blocks `invalid` the
-  load failed on (`ok` true).
-  `Save(rid)`: the connector will save `rid`'s KV when it finishes (its
-  `request_finished` defers the free); `Saved(rid)`: that save reports done
-  (the worker's `finished_sending`). Their contract is `model.machine.connector`.
+Each operation's full contract: docs/semantics.md, "Operations".
 """
 
 from __future__ import annotations

@@ -1,54 +1,20 @@
 """The order a scheduler step leaves its queues in: vLLM 0.33.0 `Scheduler.schedule`, FCFS.
 
-A step over the requests `rids` starts with three queues (`Queues`): `running`
-(its running requests, in `rids` order), `holding` (vLLM's
-`kv_holding_waiting`: waiting requests that hold blocks, a connector's async
-load, in `rids` order) and `waiting` (the others). It leaves them as follows
-(`vllm/v1/core/sched/scheduler.py`, `request_queue.py` `FCFSRequestQueue`):
+A step starts from three queues (`Queues`): `running`, `holding` (vLLM's
+`kv_holding_waiting`: waiting requests that hold blocks) and `waiting`. It leaves them so:
 
-- **Preemption** (running pass). A request whose allocation fails preempts
-  the last running request (`preempted_req = self.running.pop()`), and
-  `_preempt_request` puts it at the front of `waiting`
-  (`self.waiting.prepend_request(request)`): the later a request was
-  preempted, the earlier it waits. `running` keeps its order.
-- **Admission** (waiting pass, only in a step that preempted nobody). The
-  pass drains `holding` first, then `waiting`, front to back. An admitted
-  request leaves its queue for the back of `running`
-  (`request_queue.pop_request()`, `self.running.append(request)`).
-- **Skip.** A request the pass passes over (its load has not reported, or it
-  was just admitted to an async load) leaves its queue (`skip_request`) and
-  comes back, when the pass ends, to the front of `holding` if it holds
-  blocks (`_holds_kv_blocks`: computed tokens, or a load in flight) and of
-  `waiting` otherwise, the skipped requests of each queue in the order they
-  were skipped (`step_skipped_*.appendleft`, then `prepend_requests`, which
-  reverses them back), ahead of the requests the pass never reached.
-  The queue is the one the request holds blocks for *at skip time*: a
-  request admitted to an async load moves from `waiting` to `holding`.
-- **Stop.** The request the pass stops at (its allocation failed, its chunk
-  rounds to nothing) stays where it was (`peek_request`, then `break`), and
-  so does every request after it.
+- **Preemption**: a failed allocation preempts the last running request, which goes to
+  the front of `waiting` (the later preempted, the earlier it waits).
+- **Admission** (only in a step that preempted nobody): `holding` first, then `waiting`,
+  front to back; an admitted request goes to the back of `running`.
+- **Skip**: a request the pass passes over comes back, in skip order, to the front of
+  `holding` if it holds blocks at skip time and of `waiting` otherwise.
+- **Stop**: the request the pass stops at, and every one after it, stays where it was.
 
-In kvretain's operations every request the pass skips holds blocks (a load in
-flight), so the skipped requests it generates all come back to `holding`; the
-rule for `waiting` (a grammar still compiling, a preempted request's stale
-output in flight under async scheduling, a LoRA limit) is stated, not exercised.
-
-Between steps (`QueueOrder`) vLLM's `running`, `kv_holding_waiting` and
-`waiting` hold the requests of the latest step in the order it left them, then
-the requests it left aside in their previous order (a directed step runs
-`schedule()` on its requests and puts the others back behind them; an engine's
-own step names every request, so nothing is aside): the order the connector's
-failed-block cut scans (`model.machine.connector`). A request that arrives joins the back
-of `waiting` (`Scheduler.add_request`: `self.waiting.add_request`); one preempted
-between steps (`Preempt`: `reset_prefix_cache(reset_running_requests=True)`)
-leaves `running` for the front of `waiting` (`_preempt_request`: `prepend_request`).
-A request leaves every queue when it finishes. `QueueOrder.engine_order` is the
-whole order, which an engine's next step starts from.
-
-Before vLLM 0.31 there is no `kv_holding_waiting`: a target of such a release
-reports every waiting request in `waiting` (no connector runs there: nothing
-holds blocks while it waits). Priority scheduling is not stated (kvretain
-never sets a priority).
+Between steps (`QueueOrder`) the queues hold the latest step's requests as it left
+them, then the requests it left aside; an arrival joins the back of `waiting`, a
+preemption between steps moves a request to its front, a finish removes it. The
+narrative, with the vLLM lines each rule reads, is docs/semantics.md, "The queue order".
 
 vLLM's policy, read from `Scheduler.schedule` and `FCFSRequestQueue` in vLLM 0.33.0;
 predicted, no claim to be correct: a target that orders otherwise and keeps every

@@ -1,50 +1,22 @@
 """Speculative decoding as a scheduler decides it: drafts, padding, rejection.
 
-The contract of vLLM 0.33.0's `Scheduler` (`vllm/v1/core/sched/scheduler.py`)
-for a configuration with `num_spec_tokens = k` drafts per step (a
-`SpeculativeConfig`: Eagle/MTP or a draft model, k = the configuration's
-`num_lookahead_tokens`). Only a real scheduler speculates: the model applies
-these rules when built with `num_spec_tokens > 0`, which the checker does for
-targets that state `TargetFeatures.real_scheduler`.
+For a configuration with `num_spec_tokens = k` drafts per step (Eagle/MTP or a draft
+model; only a real scheduler speculates, `TargetFeatures.real_scheduler`):
 
-- Drafts. After a sample the drafter proposes up to k tokens for the next step
-  (`Scheduler.update_draft_token_ids`; `Sample.drafts`). A step schedules a
-  running request `num_tokens + len(drafts) - num_computed` tokens, capped by
-  the budget (`schedule`, running pass); the drafts it covers are verified by
-  the step (`scheduled_spec_decode_tokens`), the rest are dropped, and the
-  request's drafts are cleared either way. Preemption drops them
-  (`_preempt_request`).
-- Lookahead. Every allocation reserves `num_lookahead_tokens` slots past the
-  step's tokens, drafts included (`KVCacheManager.allocate_slots`:
-  `num_tokens_need_slot`); only tokens below `num_tokens` (drafts excluded)
-  are cached.
-- Padding. A waiting request admitted with exactly one token to compute is
-  scheduled `1 + k` tokens, the k extra ones placeholder drafts, when the step
-  has not run a prefill chunk and either ran a running request already or the
-  admission has a hit (`schedule`, waiting pass, `pad_spec_decode`); a budget
-  below `1 + k` ends the step's admissions instead (`padded_admission`). A
-  Mamba split that clips the padded chunk leaves it unpadded (one token).
-- Rejection. A sample of a step that verified d drafts accepts the first
-  `accepted` of them (placeholders are never accepted): the request gains
-  those drafts and the sampled token, and `num_computed` rolls back by
-  `d - accepted` (`update_from_output`). Its blocks stay allocated, lookahead
-  included; then the scheduler caches its blocks up to the rolled-back
-  `num_computed` (`update_from_output` calls `KVCacheManager.cache_blocks` for
-  every sampled request when k > 0).
+- Drafts: a step schedules a running request `num_tokens + len(drafts) - num_computed`
+  tokens under the budget; the drafts it covers are verified, the rest dropped, and the
+  request's drafts cleared either way. Preemption drops them.
+- Lookahead: every allocation reserves `num_lookahead_tokens` slots past the step's
+  tokens; only tokens below `num_tokens` (drafts excluded) are cached.
+- Padding: a waiting request admitted with one token to compute is scheduled `1 + k`
+  (k placeholder drafts) when the step ran no prefill chunk and either ran a running
+  request or the admission has a hit; a budget below `1 + k` ends the admissions.
+- Rejection: a sample of a step that verified d drafts accepts the first `accepted`;
+  `num_computed` rolls back by `d - accepted`, blocks stay allocated, and the blocks up
+  to the rolled-back `num_computed` are cached at once.
 
-With a KV connector (`model.machine.connector`; docs/semantics.md, the connector's "With speculative decoding"): an async
-load's admission reserves no lookahead and leaves one decode step's slots
-free, external tokens count as a hit for the padding, and the chunk after a
-load is padded as an admission is.
-
-Under async scheduling the scheduler never sees the drafts: the next step
-verifies k slots (the proposal, then placeholders), and the sample's tokens
-and rejection reach it one step late (`model.machine.async_scheduling`, 5).
-
-Not modeled: the per-step input budget (`max_num_batched_tokens` less the
-draft slots of each request, never binding at kvretain's sizes), the
-`max_model_len` caps of drafts and padding (kvretain's requests stay far below
-it), dynamic k, and drafts rejected by a grammar.
+With a KV connector and under async scheduling, and what is not modeled:
+docs/semantics.md, "Speculative decoding through the real scheduler".
 
 vLLM's policy, read from `Scheduler.schedule` (`pad_spec_decode`) and
 `update_draft_token_ids` in vLLM 0.33.0; predicted, no claim to be correct (the
