@@ -279,6 +279,26 @@ CONNECTOR = Config(groups=(GroupSpec("full", 4),), num_blocks=16, kv_connector=T
 P13 = tuple(range(1, 14))
 
 
+def test_admission_keeps_watermark():
+    """ra runs; r0 is admitted beside it and the step leaves 1 free block. Held with
+    watermark 0 and with a one-block watermark; planted: a two-block watermark (the pool
+    left below it, as vLLM's undercounted Mamba state leaves it) fails; the same breach
+    with nobody running before the admission (ra's entry gone, queues unobserved) is not
+    judged (the watermark did not bind it)."""
+    cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=8)
+    ops = [AddRequest("ra", (7, 7, 7)), Schedule("ra", 64), Sample("ra", 7)]
+    contexts = run(cfg, ops + [AddRequest("r0", tuple(range(1, 18))), Step(("ra", "r0"), 64)])
+    step = ctx_of(contexts, Step)
+    assert [rid for rid, res in step.obs.results if res.admitted] == ["r0"]
+    assert len(step.after.free_queue) == 1
+    holds("admission_keeps_watermark", step)
+    holds("admission_keeps_watermark", replace(step, config=cfg.with_(watermark=0.125)))
+    planted = replace(step, config=cfg.with_(watermark=0.25))
+    fails("admission_keeps_watermark", planted)
+    alone = replace(step.obs, results=step.obs.results[1:], queues=None)
+    holds("admission_keeps_watermark", replace(planted, obs=alone))
+
+
 def test_hit_serves_written_kv():
     """r0's sync load fails on block 2 (index 1: tokens 4..7); r1 hits it in the step
     that recomputes it (r0 resumes at its cut, 4), then a probe: both hold. Planted: the

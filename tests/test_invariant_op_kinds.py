@@ -141,6 +141,7 @@ FULL_SWA_MAMBA = validate(
 CONFIGS = (
     FULL_SWA_MAMBA,
     validate(FULL_SWA_MAMBA.with_(eagle=True)),
+    validate(FULL_SWA_MAMBA.with_(watermark=0.1)),  # the watermark's gate
     validate(
         Config(
             groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=6)),
@@ -191,6 +192,7 @@ def seen_kinds(check: Check, fast: bool = False) -> frozenset[str]:
 # gives them nothing to judge (they must judge `step`, and no other scheduling kind).
 ONE_REQUEST_VACUOUS: dict[str, str] = {
     "mamba_state_not_read_while_written": "a Mamba state one request of a step writes and another reads",
+    "admission_keeps_watermark": "an admission made while another request of its step runs",
 }
 
 

@@ -4,7 +4,8 @@ Each invariant is a named function `f(ctx: CheckContext) -> list[str]` (one
 message per violation, empty when it holds) whose docstring says what it guards
 and which seed or bug it comes from. Modules: `structure` (accounting),
 `ordering` (eviction order, pinned tier), `retention` (masks and hits),
-`promises` (kept hits, scratch), `events` (KV events), `liveness`, `steps`
+`promises` (kept hits, scratch), `events` (KV events), `liveness`, `headroom`
+(the watermark an admission leaves), `steps`
 (what one scheduler step's forward pass reads stays put), `cow` (copy-on-write
 copies of fine-grained Mamba hits).
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from invariants.catalogue import (
     cow,
     events,
+    headroom,
     isolation,
     liveness,
     ordering,
@@ -84,6 +86,7 @@ INVARIANTS: list[Invariant] = [
     *_family(promises, "promises", ["promise_kept", "eagle_extra_block_kept", "scratch_never_flushes_cache"]),
     *_family(events, "events", ["events_match_hash_map", "stored_tokens_match_hashes"]),
     *_family(liveness, "liveness", ["fitting_request_admitted"]),
+    *_family(headroom, "headroom", ["admission_keeps_watermark"]),
     *_family(
         steps,
         "steps",

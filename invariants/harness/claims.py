@@ -70,6 +70,7 @@ CONDITIONS: dict[str, tuple[Condition, str]] = {
         "an align-mode Mamba block wider than the hash block (fine-grained hits)",
     ),
     "kv_connector": (lambda c: c.kv_connector, "a KV connector"),
+    "watermark": (lambda c: int(c.watermark * c.num_blocks) > 0, "a watermark of at least one block"),
     "drafts_span_mamba_block": (
         lambda c: any(c.num_lookahead_tokens >= bs for bs in _mamba_align(c)),
         "spec tokens at least an align-mode Mamba block (a padded admission ends a block past its token)",
@@ -169,6 +170,13 @@ def _need_fills_pool(g: Mapping[str, str], cfg: Config) -> bool:
     return _int(g, "need") == _int(g, "pool") == cfg.num_blocks - 1
 
 
+def _watermark_short_by_mamba_states(g: Mapping[str, str], cfg: Config) -> bool:
+    """An admission with external tokens left the watermark short by at most one block
+    per align-mode Mamba group (the external state block vLLM's count leaves out)."""
+    short = _int(g, "wm") - _int(g, "free")
+    return _int(g, "external") > 0 and 0 < short <= len(_mamba_align(cfg))
+
+
 SHAPES: dict[str, tuple[Shape, tuple[str, ...]]] = {
     "token_ids_span_skipped_blocks": (_token_ids_span_skipped_blocks, ("group", "hashes", "bs", "tokens")),
     "one_aligned_segment_lost": (_one_aligned_segment_lost, ("hit", "promised")),
@@ -176,6 +184,7 @@ SHAPES: dict[str, tuple[Shape, tuple[str, ...]]] = {
     "full_group_short_of_hit": (_full_group_short_of_hit, ("group", "blocks", "hit")),
     "window_reaches_null_before_cut": (_window_reaches_null_before_cut, ("group", "start", "index")),
     "need_fills_pool": (_need_fills_pool, ("need", "pool")),
+    "watermark_short_by_mamba_states": (_watermark_short_by_mamba_states, ("external", "free", "wm")),
 }
 
 

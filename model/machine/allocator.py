@@ -561,14 +561,29 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         unprocessed = self.in_flight.unprocessed(rid) if self.in_flight is not None else 0
         for g in self.groups:
             self.remove_skipped(g, rid, processed_limit(total, unprocessed))
-        need = sum(
-            self._blocks_to_allocate(g, rid, need_slot, hits[g.gid] if hits else (), local, main, total)
-            for g in self.groups
-        )
+        def count(physical: bool) -> int:
+            return sum(
+                self._blocks_to_allocate(
+                    g, rid, need_slot, hits[g.gid] if hits else (), local, main, total, taken=physical
+                )
+                for g in self.groups
+            )
+
+        # The gates' count, and what the allocation takes (only a Mamba group's with external tokens differs).
+        need = count(False)
+        taken = count(True) if ext else need
         if not adm.chunk_fits(need, wm, self.pool.num_free(), reserve):
             if wm and adm.chunk_fits(need, 0, self.pool.num_free(), reserve):
                 self.observer.fired("admission refused by the watermark")
             return None
+        if taken > self.pool.num_free():
+            # vLLM passes its gate on a count below what the admission takes and raises
+            # (finding vllm-mamba-external-state-uncounted): predicted as a refusal.
+            return None
+        if wm and taken + wm > self.pool.num_free():
+            # Passed on vLLM's count, the admission takes part of the watermark's headroom
+            # (finding vllm-mamba-external-state-uncounted-watermark, `admission_keeps_watermark`).
+            self.observer.fired("admission took the watermark's blocks (a Mamba external state uncounted)")
         if (hits is not None or ext) and not any(rid in g.num_cached for g in self.groups):
             for g in self.groups:
                 self._add_hit_blocks(g, rid, hits[g.gid] if hits else (), local, total)
@@ -669,18 +684,20 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         computed: int,
         cap: int | None = None,
         whole: bool = False,
+        taken: bool = False,
     ) -> int:
         """Free blocks group `g` takes for this step: its new blocks plus the hit
         blocks it adopts from the free queue (touching one removes it from there).
         `computed`: `local` plus a connector's external tokens; `cap`: the admission
         cap on the blocks the tokens require (`model.policy.admission`), None: none; `whole`: the
-        full-sequence gate's count (a Mamba group's is vLLM's own, `by_vllm`).
+        full-sequence gate's count (a Mamba group's is vLLM's own, `by_vllm`); `taken`:
+        what the allocation takes where it differs from the gates' count (a Mamba group's).
 
         vLLM `single_type_kv_cache_manager.py` `get_num_blocks_to_allocate`.
         """
         held = len(g.tables.get(rid, ()))
         if _align(g):
-            return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid, computed, whole)
+            return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid, computed, whole, taken)
         required = cdiv(num_tokens + g.bs * self.draft_blocks(g), g.bs)
         required = required if cap is None else min(required, cap)
         if rid in g.num_cached:
@@ -703,16 +720,19 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         rid: str,
         computed: int,
         whole: bool = False,
+        physical: bool = False,
     ) -> int:
         """MambaManager in align mode (same function). With external tokens the admission
         takes `taken`: their state block, the chunk's where it ends in a later block, and
         the hit blocks past the external tokens (the contract, `model.machine.connector`). vLLM
         0.33.0 counts its one-state cap and every free hit block: fewer where the chunk's
-        state is a second block (it raises: finding vllm-mamba-external-state-uncounted),
+        state is a second block (where the pool holds fewer than it takes it raises: finding
+        vllm-mamba-external-state-uncounted; else it takes a watermark's headroom: finding
+        vllm-mamba-external-state-uncounted-watermark, flagged by `admission_keeps_watermark`),
         more where a free hit block is superseded and one state block serves (it refuses
         though fewer would do: finding vllm-mamba-external-state-overcounted, flagged by
-        `fitting_request_admitted`). The larger of the two predicts vLLM's decision for
-        the differential without ever admitting what the pool cannot give."""
+        `fitting_request_admitted`). The gates decide on vLLM's count; `physical`: return
+        what the admission takes (`_allocate` refuses where the pool holds less: vLLM raises)."""
         if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
             # The hit state was keyed by another request this step, not computed yet: ask for
             # more than the pool holds so the request waits for the next step.
@@ -731,13 +751,13 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
 
         by_vllm = counted(cdiv(main, g.bs) + s - len(hits) - held) + self._num_evictable(hits)
         external = conn.external_state_blocks(local, computed, held)
-        if not external or whole:  # the full-sequence gate decides on vLLM's count (`model.policy.admission`)
+        if not external or whole:  # the full-sequence gate too decides on vLLM's count (`model.policy.admission`)
             return by_vllm
         # After external tokens the chunk's state counts from the table they leave; the hit
         # blocks their state supersedes are never touched, so they stay free.
         kept = hits[self.skipped_tokens(g, computed) // g.bs :]
         taken = external + counted(cdiv(main, g.bs) + s - cdiv(computed, g.bs)) + self._num_evictable(kept)
-        return max(by_vllm, taken)
+        return taken if physical else by_vllm
 
     def _num_evictable(self, blocks: tuple[int, ...]) -> int:
         """Hit blocks still in a free queue (ref 0); the null block is not one."""
