@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from invariants.catalogue.context import CheckContext
-from model.policy.admission import watermark_blocks
 from model.contract.observation import StepResult
+from model.policy.admission import watermark_blocks
 
 
 def admission_keeps_watermark(ctx: CheckContext) -> list[str]:

@@ -647,6 +647,18 @@ def _state_into_null(m: Match, calls: list[str], rec: Recording, plan: ExportPla
     ]
 
 
+def _watermark_taken(m: Match, calls: list[str], rec: Recording, plan: ExportPlan) -> list[str]:
+    rid, external = m.group(1), m.group(2)
+    return [
+        "free = driver.s.kv_cache_manager.block_pool.get_num_free_blocks()",
+        "watermark = driver.s.kv_cache_manager.watermark_blocks",
+        "assert free >= watermark, (",
+        f'    f"the admission of {rid} ({external} external tokens), made while a request ran, "',
+        '    f"left {free} free block(s), below the watermark\'s {watermark}"',
+        ")",
+    ]
+
+
 _READS = r"(?:hit (\d+) reads|(\S+) computes tokens \[(\d+), \d+\) reading)"
 # One per invariant: (the invariants it answers, the recorded message's pattern, the
 # assertion's lines, written after the last operation's calls).
@@ -673,6 +685,11 @@ PROPERTIES: tuple[
         frozenset({"step_blocks_stay_held"}),
         r"(\S+) computes tokens \[\d+, \d+\) but group (\d+) block index (\d+) is the null block",
         _window_reads_null,
+    ),
+    (
+        frozenset({"admission_keeps_watermark"}),
+        r"admission of (\S+) \((\d+) external tokens\) while a request ran left",
+        _watermark_taken,
     ),
     (
         frozenset({"mamba_state_in_worker_table"}),

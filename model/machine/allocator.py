@@ -561,6 +561,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         unprocessed = self.in_flight.unprocessed(rid) if self.in_flight is not None else 0
         for g in self.groups:
             self.remove_skipped(g, rid, processed_limit(total, unprocessed))
+
         def count(physical: bool) -> int:
             return sum(
                 self._blocks_to_allocate(
@@ -751,7 +752,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
 
         by_vllm = counted(cdiv(main, g.bs) + s - len(hits) - held) + self._num_evictable(hits)
         external = conn.external_state_blocks(local, computed, held)
-        if not external or whole:  # the full-sequence gate too decides on vLLM's count (`model.policy.admission`)
+        if not external or whole:  # the full-sequence gate too decides on vLLM's count
             return by_vllm
         # After external tokens the chunk's state counts from the table they leave; the hit
         # blocks their state supersedes are never touched, so they stay free.

@@ -1,0 +1,368 @@
+"""Regression test exported by kvretain from a trace on vLLM's real Scheduler.
+
+Known finding vllm-mamba-external-state-uncounted-watermark: The watermark side of
+vllm-mamba-external-state-uncounted. A KV connector offers external tokens, loaded
+synchronously, to a request of a model with an align-mode Mamba group, while another
+request runs, with a watermark (SchedulerConfig.watermark, blocks kept free as 'an
+additional watermark of headroom for waiting/preempted admissions'). allocate_slots
+gates the admission on num_blocks_to_allocate + watermark_blocks, but MambaManager
+counts one state block where the admission takes two (the external tokens' state block
+and the chunk's). When the pool holds what the admission takes but not the watermark
+too, the gate passes on the smaller count and the admission leaves fewer free blocks
+than the watermark keeps (without a watermark the same shortfall raises: the crash
+finding). Here: Full4+Mamba4 (align), 7 usable blocks, watermark 0.2 (1 block); ra (3
+tokens) runs and samples, holding 2; r0 (9 tokens) is offered its first 8 sync; vLLM
+counts Full 3 + Mamba 1 = 4, 4 + 1 <= 5 free, admits, and takes Full 3 + Mamba 2 = 5: 0
+free blocks left, below the watermark's 1. Found by kvretain fuzz on
+vllm-async-scheduler (seed 1: 'observation' mismatch, the model refusing on what the
+admission takes); the model now predicts vLLM's admission (docs/semantics.md row 31) and
+admission_keeps_watermark flags it on the model, vllm and vllm-async-scheduler.
+Confirmed against vLLM 0.33.0's real Scheduler with the scripted connector (CPU, no
+worker); not confirmed on a GPU, not filed upstream. A fix is the count of PR #46892.
+
+How the steps are driven: this file makes exactly the calls kvretain's "vllm"
+target made on vLLM 0.33.0 when it found this (seed 0), as straight-line code.
+Before each schedule() the scheduler's queues hold only the step's requests (the
+others are set aside and put back after it) and max_num_scheduled_tokens is the
+step's budget; the model runner is a synthetic ModelRunnerOutput handed to
+update_from_output (the sampled tokens; the worker's KVConnectorOutput: finished and failed loads, failed blocks, finished saves). Each step's
+scheduled tokens are checked against the values recorded then: a difference raises
+SetupDiverged (the trace no longer reaches the finding's state: re-derive it). Only
+the final check is the property.
+
+Recorded violation: admission_keeps_watermark: admission of r0 (8 external tokens) while a request ran left
+0 free block(s), below the watermark's 1
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+import types
+
+import torch
+from torch import nn
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.model_executor.models.registry import ModelRegistry
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.request_queue import create_request_queue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    SupportsHMA,
+)
+
+STAND_IN = "KvretainStandInForCausalLM"
+NUM_BLOCKS = 8
+MAX_MODEL_LEN = 1048576
+SCHEDULER_BLOCK_SIZE = 4
+HASH_BLOCK_SIZE = 4
+ENABLE_CACHING = True
+NUM_SPECULATIVE_TOKENS = 0
+
+
+class SetupDiverged(Exception):
+    """vLLM no longer walks the trace the finding was derived on."""
+
+
+class StandIn(nn.Module):
+    """Stands for the model: the scheduler reads only its configuration."""
+
+    def __init__(self, *, vllm_config=None, prefix=""):
+        super().__init__()
+
+    def embed_input_ids(self, input_ids):
+        raise NotImplementedError
+
+    def forward(self, input_ids, positions, **kwargs):
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states):
+        raise NotImplementedError
+
+
+class FakeConnector(KVConnectorBase_V1, SupportsHMA):
+    """A minimal scheduler-side KV connector, scripted by the test: `offer(rid, n, async_load)`
+    offers the first n tokens of rid past its local hit at its next lookup (never its last
+    token); `save(rid)` makes rid's finish defer its free (delay_free_blocks=True) as a
+    saving connector does. Loads and saves are reported by the worker's KVConnectorOutput,
+    passed to update_from_output below. No worker side."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.offers: dict = {}
+        self.saving: set = set()
+
+    def offer(self, rid: str, num_tokens: int, async_load: bool) -> None:
+        self.offers[rid] = (num_tokens, async_load)
+
+    def save(self, rid: str) -> None:
+        self.saving.add(rid)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        offer = self.offers.get(request.request_id)
+        if offer is None:
+            return 0, False
+        n = max(0, min(offer[0], request.num_tokens - 1) - num_computed_tokens)
+        return n, offer[1] and n > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self.offers.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output):
+        return KVConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids):
+        self.offers.pop(request.request_id, None)
+        saves = request.request_id in self.saving and any(len(g) for g in block_ids)
+        self.saving.discard(request.request_id)
+        return saves, None
+
+    def start_load_kv(self, forward_context, **kwargs):
+        raise NotImplementedError
+
+    def wait_for_layer_load(self, layer_name):
+        raise NotImplementedError
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        raise NotImplementedError
+
+    def wait_for_save(self):
+        raise NotImplementedError
+
+
+def connector_module() -> str:
+    """vLLM loads a connector class by module path: this file's module (registered under
+    its name when the runner that loaded it did not)."""
+    if getattr(sys.modules.get(__name__), "FakeConnector", None) is not FakeConnector:
+        module = types.ModuleType(__name__)
+        module.FakeConnector = FakeConnector
+        sys.modules[__name__] = module
+    return __name__
+
+
+def make_scheduler(model_dir: str) -> Scheduler:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ModelRegistry.register_model(STAND_IN, StandIn)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(
+            {
+                "architectures": [STAND_IN],
+                "model_type": "opt",
+                "hidden_size": 16,
+                "num_attention_heads": 1,
+                "num_hidden_layers": 1,
+                "ffn_dim": 16,
+                "vocab_size": 64,
+                "word_embed_proj_dim": 16,
+                "max_position_embeddings": MAX_MODEL_LEN,
+            },
+            f,
+        )
+    model = ModelConfig(
+        model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float32"
+    )
+    cache = CacheConfig(
+        block_size=SCHEDULER_BLOCK_SIZE, enable_prefix_caching=ENABLE_CACHING, mamba_cache_mode="align"
+    )
+    cache.num_gpu_blocks = NUM_BLOCKS
+    parallel = ParallelConfig()
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=min(256, MAX_MODEL_LEN),
+            max_num_batched_tokens=MAX_MODEL_LEN,
+            max_model_len=MAX_MODEL_LEN,
+            enable_chunked_prefill=True,
+            long_prefill_token_threshold=0,
+            is_encoder_decoder=False,
+            watermark=0.2,
+            scheduler_reserve_full_isl=False,
+            async_scheduling=False,
+        ),
+        cache_config=cache,
+        parallel_config=parallel,
+        device_config=DeviceConfig(device="cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="FakeConnector",
+            kv_connector_module_path=connector_module(),
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+        ),
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer0"],
+                FullAttentionSpec(
+                    block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            ),
+            KVCacheGroupSpec(
+                ["layer1"],
+                MambaSpec(
+                    block_size=4, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+                ),
+            ),
+        ],
+        prefix_cache_retention_interval=None,
+    )
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=SCHEDULER_BLOCK_SIZE,
+        hash_block_size=HASH_BLOCK_SIZE,
+        log_stats=False,
+    )
+
+
+class Driver:
+    """The calls of the trace, by request name."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.requests: dict = {}
+        self.tables: dict = {}  # the block table the worker holds per request, from the outputs
+
+    def add(self, rid: str, tokens: list) -> None:
+        hasher = get_request_block_hasher(HASH_BLOCK_SIZE, sha256) if ENABLE_CACHING else None
+        self.requests[rid] = Request(
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            sampling_params=SamplingParams(max_tokens=1 << 30),
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=hasher,
+        )
+        self.s.add_request(self.requests[rid])
+
+    def step(self, running: list, holding: list, waiting: list, budget: int):
+        """schedule() with the queues holding exactly these requests, in this order."""
+        s = self.s
+        named = set(running) | set(holding) | set(waiting)
+        aside = [
+            [r for r in s.running if r.request_id not in named],
+            [r for r in s.kv_holding_waiting if r.request_id not in named],
+            [r for r in s.waiting if r.request_id not in named],
+        ]
+        s.running = [self.requests[r] for r in running]
+        s.kv_holding_waiting = self.queue(holding)
+        s.waiting = self.queue(waiting)
+        s.max_num_scheduled_tokens = budget
+        try:
+            out = s.schedule()
+        finally:
+            s.running.extend(aside[0])
+            for r in aside[1]:
+                s.kv_holding_waiting.add_request(r)
+            for r in aside[2]:
+                s.waiting.add_request(r)
+        for new in out.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(g) for g in new.block_ids]
+        cached = out.scheduled_cached_reqs
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids):
+            if rid in cached.resumed_req_ids:
+                self.tables[rid] = [list(g) for g in ids]
+            elif ids is not None:
+                for table, new_ids in zip(self.tables[rid], ids):
+                    table.extend(new_ids)
+        return out
+
+    def queue(self, rids: list):
+        q = create_request_queue(self.s.policy)
+        for r in rids:
+            q.add_request(self.requests[r])
+        return q
+
+    def update(self, out, scheduled: dict, total: int, sampled: dict, connector=None) -> None:
+        """update_from_output with the share of step output `out` that belongs to `scheduled`."""
+        share = dataclasses.replace(
+            out,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens={
+                r: t for r, t in out.scheduled_spec_decode_tokens.items() if r in scheduled
+            },
+        )
+        rids = list(sampled)
+        self.s.update_from_output(
+            share,
+            ModelRunnerOutput(
+                req_ids=rids,
+                req_id_to_index={r: i for i, r in enumerate(rids)},
+                sampled_token_ids=[list(sampled[r]) for r in rids],
+                kv_connector_output=connector,
+            ),
+        )
+
+    def finish(self, rid: str) -> None:
+        self.s.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+    def preempt(self, rid: str) -> None:
+        """As reset_prefix_cache(reset_running_requests=True) preempts a running request."""
+        self.s.running.remove(self.requests[rid])
+        self.s._preempt_request(self.requests[rid], time.monotonic())
+
+
+def expect(what: str, got: object, expected: object) -> None:
+    if got != expected:
+        raise SetupDiverged(f"{what}: vLLM gives {got!r}, the trace was derived on {expected!r}")
+
+
+def test_vllm_mamba_external_state_uncounted_watermark() -> None:
+    init_none_hash(sha256)
+    driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
+    # op 0: op=add, rid=ra, prompt=3 tokens
+    driver.add('ra', [7] * 3)
+    # op 1: op=step, rids=['ra'], budget=64
+    out0 = driver.step([], [], ['ra'], budget=64)
+    expect("op 1: tokens scheduled", dict(out0.num_scheduled_tokens), {'ra': 3})
+    # op 2: op=sample, rid=ra, token=7
+    # op 3: op=add, rid=r0, prompt=9 tokens
+    driver.add('r0', list(range(1, 10)))
+    # op 4: op=offer, rid=r0, num_tokens=8, load=sync
+    driver.s.connector.offer('r0', 8, async_load=False)
+    # op 5: op=step, rids=['ra', 'r0'], budget=64
+    # The property:
+    driver.update(out0, {'ra': 3}, total=3, sampled={'ra': [7]})
+    out1 = driver.step(['ra'], [], ['r0'], budget=64)
+    free = driver.s.kv_cache_manager.block_pool.get_num_free_blocks()
+    watermark = driver.s.kv_cache_manager.watermark_blocks
+    assert free >= watermark, (
+        f"the admission of r0 (8 external tokens), made while a request ran, "
+        f"left {free} free block(s), below the watermark's {watermark}"
+    )
