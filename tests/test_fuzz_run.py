@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
+import pytest
 from hypothesis import strategies as st
 
 from invariants.cli.main import main
@@ -60,6 +62,33 @@ def test_budget_bounds_a_slow_shrink(tmp_path):
     # The trace on disk is the final (shrunk) one, and it replays to a violation.
     trace = read_trace(report.trace_path)
     assert len(trace.ops) == len(report.failure.ops) <= report.unshrunk_ops
+
+
+@pytest.mark.parametrize(
+    ("budget_s", "spent_s", "searched_s"),
+    [(300.0, 19.0, 60.0), (40.0, 19.0, 21.0), (None, 19.0, 30.0)],
+)
+def test_hand_over_to_explore_gets_the_budget_left_at_most_a_minute(
+    monkeypatch, budget_s, spent_s, searched_s
+):
+    """A violation found 19 s into a 300 s run ends about a minute later, not at 300 s
+    (the verdict is printed before the search). Control: a budget with less left than
+    the cap gives the search what is left; none gives it HANDOVER_S."""
+    import invariants.explore.handover as handover
+    from invariants.cli import fuzz as fuzz_cli
+
+    deadlines: list[float] = []
+
+    def shortest_trace(*args, deadline, **kw):
+        deadlines.append(deadline - time.monotonic())
+        raise StopIteration
+
+    monkeypatch.setattr(handover, "shortest_trace", shortest_trace)
+    failure = SimpleNamespace(config=CFG, ops=[], violations=["planted"])
+    report = SimpleNamespace(failure=failure, seconds=spent_s, target="model", trace_path=None, seed=0)
+    with pytest.raises(StopIteration):
+        fuzz_cli._hand_over(report, budget_s)
+    assert searched_s - 1.0 < deadlines[0] <= searched_s
 
 
 def test_first_violation_written_before_shrinking(tmp_path):

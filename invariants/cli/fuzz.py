@@ -223,11 +223,15 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
 HANDOVER_S = 30.0
 """Without a budget, the hand-over to explore gets this long."""
+HANDOVER_MAX_S = 60.0
+"""With one, it gets what is left of the budget, at most this long: the verdict is
+printed before it, and a run that found a violation early ends soon after it."""
 
 
 def _hand_over(report: FuzzReport, budget_s: float | None) -> None:
     """Search the shrunk trace's operations exhaustively for a shorter one, within what
-    is left of the budget; print it, its sentence, and write it beside the fuzz trace."""
+    is left of the budget (at most `HANDOVER_MAX_S`); print it, its sentence, and write
+    it beside the fuzz trace."""
     import time
 
     from invariants.explore.handover import shortest_trace
@@ -237,7 +241,7 @@ def _hand_over(report: FuzzReport, budget_s: float | None) -> None:
 
     failure = report.failure
     assert failure is not None
-    left = HANDOVER_S if budget_s is None else budget_s - report.seconds
+    left = HANDOVER_S if budget_s is None else min(HANDOVER_MAX_S, budget_s - report.seconds)
     if left <= 0.5:
         print("hand-over to explore: skipped, the budget is spent (the trace above is the fuzzer's)")
         return
