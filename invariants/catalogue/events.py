@@ -38,6 +38,11 @@ def stored_tokens_match_hashes(ctx: CheckContext) -> list[str]:
         if not isinstance(ev, BlockStored):
             continue
         bs, hashes, tokens = ev.block_size, ev.block_hashes, ev.token_ids
+        parent = ev.parent
+        if ev.lookahead_token_ids is not None or any(h.ahead is not None for h in hashes):
+            out += _lookahead_mismatches(ev)
+            hashes = tuple(h.plain for h in hashes)
+            parent = None if parent is None else parent.plain
         if len(tokens) != len(hashes) * bs:
             out.append(
                 f"BlockStored(group {ev.group}) has {len(hashes)} hash(es) of {bs} tokens "
@@ -47,9 +52,9 @@ def stored_tokens_match_hashes(ctx: CheckContext) -> list[str]:
         # more, the hashes must be a subsequence of the range's blocks. The fast form
         # compares content and heads, so it also holds hashes named under a request's
         # identity (`model.contract.extra_keys`), which `extend` (plain tokens) cannot name.
-        if _name_blocks_of_range(ev.parent, hashes, tokens, bs):
+        if _name_blocks_of_range(parent, hashes, tokens, bs):
             continue
-        chained, matched = ev.parent, 0
+        chained, matched = parent, 0
         for i in range(len(tokens) // bs):
             if matched == len(hashes):
                 break
@@ -61,6 +66,33 @@ def stored_tokens_match_hashes(ctx: CheckContext) -> list[str]:
         if matched < len(hashes):
             out.append(
                 f"BlockStored(group {ev.group}) hash {matched} does not chain from its parent and tokens"
+            )
+    return out
+
+
+def _lookahead_mismatches(ev: BlockStored) -> list[str]:
+    """Under lookahead hashes (`model.contract.prefix.looked`): the event lists, per hash, exactly the
+    tokens past its block that the hash covers (`lookahead_token_ids`), and those past a block
+    inside the event's range are the range's next tokens."""
+    ahead, where = ev.lookahead_token_ids, f"BlockStored(group {ev.group})"
+    if ahead is None:
+        return [f"{where}: its hashes cover lookahead tokens but it lists none (lookahead_token_ids None)"]
+    if len(ahead) != len(ev.block_hashes):
+        return [f"{where}: {len(ahead)} lookahead_token_ids entries for {len(ev.block_hashes)} hash(es)"]
+    out = []
+    base = 0 if ev.parent is None else len(ev.parent)
+    for i, (h, listed) in enumerate(zip(ev.block_hashes, ahead, strict=True)):
+        covered = () if h.ahead is None else h.ahead[0]
+        if tuple(listed) != covered:
+            out.append(
+                f"{where} hash {i} covers lookahead tokens {covered} but the event lists {tuple(listed)}"
+            )
+            continue
+        end = len(h) - base
+        inside = tuple(ev.token_ids[end : end + len(covered)])
+        if len(inside) == len(covered) and inside != covered:
+            out.append(
+                f"{where} hash {i}: lookahead tokens {covered} are not the tokens after its block {inside}"
             )
     return out
 

@@ -21,6 +21,7 @@ from model.contract.observation import (
     block_key,
 )
 from model.contract.ops import AddRequest, EvictBlocks, Finish, Loaded, Offer, Op, Preempt, Sample
+from model.contract.prefix import Tokens, lookahead_of
 from model.contract.worker_table import appended, shipped_table
 from model.policy.spec_decode import PLACEHOLDER, verified_drafts
 
@@ -132,13 +133,14 @@ def forget(history: History, cached: Container[BlockKey]) -> None:
     if len(history.ever_cached) <= history.forget_at:
         return
     live = [r.tokens for r in history.requests.values()]
-    history.ever_cached = {
-        k
-        for k in history.ever_cached
-        if k in cached
-        or any(len(t) >= len(k.tokens) and block_key(k.group, t, len(k.tokens)) == k for t in live)
-    }
+    history.ever_cached = {k for k in history.ever_cached if k in cached or any(_names(k, t) for t in live)}
     history.forget_at = max(history.forget_at, 2 * len(history.ever_cached))
+
+
+def _names(k: BlockKey, tokens: Tokens) -> bool:
+    """`k` names a prefix of `tokens` (with its lookahead tokens, where it covers some)."""
+    n, lookahead = len(k.tokens), lookahead_of(k.tokens)
+    return len(tokens) >= n + lookahead and block_key(k.group, tokens, n, lookahead) == k
 
 
 def note_failed_loads(history: History, op: Op, tables: Tables) -> None:

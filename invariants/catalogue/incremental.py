@@ -11,6 +11,7 @@ full definitions, unchanged, in its periodic audit.
 from __future__ import annotations
 
 from invariants.catalogue.context import NOT_FREE, CheckContext, Delta
+from model.contract.prefix import names_head
 
 
 def _delta(ctx: CheckContext) -> Delta:
@@ -59,7 +60,7 @@ def hash_map_points_at_holders(ctx: CheckContext) -> list[str]:
             elif primary != key and not (
                 primary.group == key.group
                 and len(primary.tokens) - bs[key.group] < len(key.tokens) < len(primary.tokens)
-                and primary.tokens[: len(key.tokens)] == key.tokens
+                and names_head(key.tokens, primary.tokens)
             ):
                 out.append(f"{key.short()} -> block {b}, whose hash is {primary.short()}")
     for b, (_, carried, _, _) in d.blocks.items():

@@ -11,6 +11,9 @@ from what the target reported, never from the model:
   and computed, or copied from such a block) by a request whose identity over the
   prefix read equals the reader's: same salt, same adapter name and path, the same
   items at the same positions (`IsolationLedger.writer`, from each step's new blocks);
+  under Eagle's lookahead hashes (`Config.hash_lookahead` L) also the same L tokens past
+  each block read, which the drafter's KV at the block's last position was computed from
+  (`IsolationLedger.wrote`: the writer's tokens);
 - `events_carry_block_keys`: each BlockStored's `extra_keys` entry is exactly the keys
   of the block its hash names (`model.contract.extra_keys.event_keys` of that prefix's identity),
   and its `lora_name` the adapter of that identity;
@@ -23,7 +26,8 @@ from what the target reported, never from the model:
 Lookahead hashing (`num_hash_lookahead_tokens`) widens an event's key window past its
 block; the events' keys are then judged with that window (the name of a block does
 not carry the items past its end, so an item there is not judged: counted in
-`IsolationLedger.unjudged`).
+`IsolationLedger.unjudged`), and each entry of `lookahead_token_ids` is the lookahead
+its hash's name covers (`events.stored_tokens_match_hashes`).
 """
 
 from __future__ import annotations
@@ -43,10 +47,10 @@ from model.contract.observation import (
     StepResult,
 )
 from model.contract.ops import Op, Probe, Schedule
-from model.contract.prefix import Prefix
+from model.contract.prefix import Prefix, Tokens
 
 if TYPE_CHECKING:
-    from invariants.catalogue.context import CheckContext, History
+    from invariants.catalogue.context import CheckContext, History, RequestHistory
 
 
 def view(identity: Identity, n: int) -> tuple[Any, ...]:
@@ -138,6 +142,9 @@ class IsolationLedger:
     before the one being judged, `pending` the judged operation's events."""
 
     writer: dict[int, Identity] = field(default_factory=dict)
+    # The tokens of the request whose step last wrote block b (its history's, as they grow):
+    # the lookahead a lookahead hash of the block covers is read from them.
+    wrote: dict[int, RequestHistory] = field(default_factory=dict)
     # Per request, the blocks its latest admission's hit read, by (group, table index).
     read: dict[str, dict[tuple[int, int], int]] = field(default_factory=dict)
     router: RouterIndex = field(default_factory=RouterIndex)
@@ -167,6 +174,7 @@ def note_isolation(
             for b in blocks:
                 if b:
                     ledger.writer[b] = identity
+                    _wrote(ledger, b, req)
         if r.hit_blocks is not None:  # an admission: the blocks its hit reads, by table position
             ledger.read[rid] = {
                 (g, j): b for g, blocks in enumerate(r.hit_blocks) for j, b in enumerate(blocks) if b
@@ -181,9 +189,18 @@ def note_isolation(
                 # such blocks are in no `new_blocks`); a block it read keeps its writer.
                 if b and read.get((g, j)) != b:
                     ledger.writer[b] = identity
+                    _wrote(ledger, b, req)
     for src, dst in getattr(obs, "copies", ()) or ():
         if src in ledger.writer:
             ledger.writer[dst] = ledger.writer[src]
+            _wrote(ledger, dst, ledger.wrote.get(src))
+
+
+def _wrote(ledger: IsolationLedger, b: int, req: RequestHistory | None) -> None:
+    if req is None:
+        ledger.wrote.pop(b, None)
+    else:
+        ledger.wrote[b] = req
 
 
 def _lookups(ctx: CheckContext) -> list[tuple[tuple[int, ...], int, tuple[tuple[int, ...], ...]]]:
@@ -209,9 +226,14 @@ def hit_written_by_same_identity(ctx: CheckContext) -> list[str]:
     identity over the prefix read (same cache salt, same LoRA name and path, the
     same multimodal items at the same positions): a tenant never reads another
     tenant's KV, a request never attends to KV of another adapter or image
-    (vLLM `generate_block_hash_extra_keys`; `cache_salt`, vLLM #13734)."""
+    (vLLM `generate_block_hash_extra_keys`; `cache_salt`, vLLM #13734). Under Eagle's
+    lookahead hashes the L tokens past each block read are part of the identity: the
+    drafter's KV at the block's last position was computed from them (vLLM
+    `get_request_block_hasher`; a hit on a block whose writer went on differently is
+    a cross-identity hit)."""
     out = []
     writer = ctx.history.isolation.writer
+    lookahead = ctx.config.hash_lookahead
     for tokens, hit, hit_blocks in _lookups(ctx):
         mine = identity_of(tokens)
         for g, blocks in enumerate(hit_blocks):
@@ -229,7 +251,30 @@ def hit_written_by_same_identity(ctx: CheckContext) -> list[str]:
                         f"hit {hit} reads group {g} block {b} (index {j}), written under identity "
                         f"{_show(theirs, n)}, by a request of identity {_show(mine, n)}"
                     )
+                elif lookahead:
+                    out += _other_lookahead(ctx, tokens, hit, g, j, b, min(hit, (j + 1) * spec.block_size))
     return out
+
+
+def _other_lookahead(
+    ctx: CheckContext, tokens: Tokens, hit: int, g: int, j: int, b: int, n: int
+) -> list[str]:
+    """A hit's block read up to token n whose writer went on, past n, with other lookahead
+    tokens than the reader (`hit_written_by_same_identity` under lookahead hashes)."""
+    lookahead = ctx.config.hash_lookahead
+    source = ctx.history.isolation.wrote.get(b)
+    theirs = None if source is None else source.tokens[n : n + lookahead]
+    mine = tokens[n : n + lookahead]
+    if theirs is None or len(theirs) < lookahead or len(mine) < lookahead:
+        ctx.history.isolation.unjudged["hit block whose lookahead tokens are unknown"] += 1
+        return []
+    if tuple(theirs) == tuple(mine):
+        return []
+    return [
+        f"hit {hit} reads group {g} block {b} (index {j}), written by a request whose lookahead "
+        f"tokens past {n} are {tuple(theirs)}, by a request with {tuple(mine)} there (the drafter's "
+        "KV at the block's last position differs: a cross-identity hit under lookahead hashes)"
+    ]
 
 
 def _show(identity: Identity, n: int) -> str:

@@ -168,7 +168,7 @@ def _need(
             num_tokens=num_tokens,
             shared_prefix_boundary=obs.shared_prefix_boundary or 0,
             block_size=cfg.scheduler_block_size,
-            eagle=cfg.eagle,
+            eagle=cfg.eagle_drop,
             fine_hash_block_size=cfg.hash_block_size if fine_hits_enabled(cfg) else 0,
         )
     if pad and 0 < n != 1 + pad:

@@ -26,37 +26,40 @@ def promised_boundary(cfg: Config, prompt_len: int, profile: Profile = MODELED) 
     hybrid = len(cfg.groups) > 1
     align = sbs if hybrid else cfg.groups[0].block_size
     # Before 0.32.0 the look stopped at the lookup's limit, P-1 (model.contract.profile).
-    reaches_p = cfg.eagle and hybrid and profile.eagle_margin_to_hashed
+    reaches_p = cfg.eagle_drop and hybrid and profile.eagle_margin_to_hashed
     matched = prompt_len if reaches_p else prompt_len - 1
     e = matched // align * align
-    return max(e - sbs, 0) if cfg.eagle else e
+    return max(e - sbs, 0) if cfg.eagle_drop else e
 
 
 def replay_keys(cfg: Config, tokens: Tokens, boundary: int) -> dict[BlockKey, str]:
     """The keys a replay landing at `boundary` needs, each mapped to a role label:
     full blocks below it, the SWA tail ending at it, the Mamba state at it, and
-    with Eagle the peek block above it in every attention group."""
+    with Eagle the peek block above it in every attention group. Under Eagle's lookahead
+    hashes nothing is dropped, so no peek block is needed: the promise of the legacy hashes
+    without the trailing drop, each key covering the token past its block (`Config.hash_lookahead`)."""
     keys: dict[BlockKey, str] = {}
     if boundary == 0:
         return keys
+    eagle, lookahead = cfg.eagle_drop, cfg.hash_lookahead
     for g, spec in enumerate(cfg.groups):
         bs = spec.block_size
         top = boundary // bs
         if spec.kind == "full":
-            idx = range(top + int(cfg.eagle))  # Eagle matches the block past the boundary, then drops it
+            idx = range(top + int(eagle))  # Eagle matches the block past the boundary, then drops it
         elif spec.kind == "swa":
             assert spec.sliding_window is not None
-            need = swa_tail_blocks(spec.sliding_window, bs, cfg.eagle)
-            idx = range(max(0, top + int(cfg.eagle) - need), top + int(cfg.eagle))
+            need = swa_tail_blocks(spec.sliding_window, bs, eagle)
+            idx = range(max(0, top + int(eagle) - need), top + int(eagle))
         else:
             idx = range(top - 1, top)
         for j in idx:
             role = (
                 "Eagle peek block"
-                if cfg.eagle and spec.kind != "mamba" and j == top
+                if eagle and spec.kind != "mamba" and j == top
                 else f"{spec.kind} block {j}"
             )
-            keys[block_key(g, tokens, (j + 1) * bs)] = role
+            keys[block_key(g, tokens, (j + 1) * bs, lookahead)] = role
     return keys
 
 
@@ -103,7 +106,7 @@ def _fine_promise(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
     hbs = cfg.hash_block_size
     e = (len(req.prompt) - 1) // hbs * hbs
     keys: dict[BlockKey, str] = {}
-    if cfg.eagle or e == 0 or (req.external and e <= req.hit + req.external):
+    if cfg.eagle_drop or e == 0 or (req.external and e <= req.hit + req.external):
         return 0, keys
     for g, spec in enumerate(cfg.groups):
         bs = spec.block_size
@@ -116,7 +119,7 @@ def _fine_promise(ctx: CheckContext) -> tuple[int, dict[BlockKey, str]]:
         else:
             ends = [e]
         for n in ends:
-            keys[block_key(g, req.tokens, n)] = (
+            keys[block_key(g, req.tokens, n, cfg.hash_lookahead)] = (
                 f"{spec.kind} state" if spec.kind == "mamba" else f"{spec.kind} block {(n - 1) // bs}"
             )
     return e, keys
@@ -146,7 +149,13 @@ def promise_kept(ctx: CheckContext) -> list[str]:
     e, keys = promised_replay(ctx)
     if e == 0:
         return []
-    mode = "with Eagle: " if ctx.config.eagle else ""
+    mode = (
+        "with Eagle's lookahead hashes: "
+        if ctx.config.hash_lookahead
+        else "with Eagle: "
+        if ctx.config.eagle
+        else ""
+    )
     never = [f"{role} ({k.short()})" for k, role in keys.items() if k not in ctx.history.ever_cached]
     if never:
         return [f"{mode}replay boundary {e}: {', '.join(never)} never cached (promised hit lost)"]
@@ -160,8 +169,9 @@ def promise_kept(ctx: CheckContext) -> list[str]:
 
 def eagle_extra_block_kept(ctx: CheckContext) -> list[str]:
     """With Eagle/MTP the SWA peek block above the replay boundary is cached,
-    so the 0% hit-rate class (vLLM #42784, #44082, #51771) cannot occur."""
-    if not ctx.config.eagle or not _applies(ctx):
+    so the 0% hit-rate class (vLLM #42784, #44082, #51771) cannot occur. Under lookahead
+    hashes nothing is dropped and no peek block is kept (`Config.eagle_drop`)."""
+    if not ctx.config.eagle_drop or not _applies(ctx):
         return []
     _, keys = promised_replay(ctx)
     return [

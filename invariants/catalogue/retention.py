@@ -6,32 +6,37 @@ from collections.abc import Iterator, Mapping
 from itertools import chain
 
 from invariants.catalogue.context import CheckContext, RequestHistory
+from model.contract.config import Config
 from model.contract.fine_mamba import fine_hits_enabled, is_fine_lookup
 from model.contract.masks import cdiv, mamba_kept_blocks, replay_boundaries, swa_kept_blocks
 from model.contract.observation import BlockKey, ProbeResult, ScheduleResult, StepResult, Tokens, block_key
 from model.contract.ops import Probe, Schedule, Step
-from model.contract.prefix import prefix
+from model.contract.prefix import block_name
 from model.policy.scheduling import mamba_checkpoint_position
 
 
 def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> bool:
     cfg = ctx.config
     spec = cfg.groups[key.group]
-    bs, n = spec.block_size, len(key.tokens)
+    bs, n, lookahead = spec.block_size, len(key.tokens), cfg.hash_lookahead
     tokens = req.tokens
-    if len(tokens) < n or tokens[n - 1] != key.tokens.last or prefix(tokens, n) is not key.tokens:
+    if (
+        len(tokens) < n + lookahead
+        or tokens[n - 1] != key.tokens.last
+        or block_name(tokens, n, lookahead) is not key.tokens
+    ):
         return False
     if spec.kind == "mamba" and n == mamba_checkpoint_position(
-        len(req.prompt), cfg.hash_block_size, cfg.eagle
+        len(req.prompt), cfg.hash_block_size, cfg.eagle_drop
     ):
         return True  # the prompt's checkpoint state (vLLM `_cache_partial_tail_block`)
     if n % bs:
         return False
     j = n // bs - 1
-    boundaries = list(replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle))
+    boundaries = list(replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle_drop))
     for spb in req.boundaries:
         boundaries.append(spb)
-        if cfg.eagle:
+        if cfg.eagle_drop:
             boundaries.append(spb - bs)
     align = cfg.scheduler_block_size if len(cfg.groups) > 1 else bs
     if fine_hits_enabled(cfg):
@@ -44,7 +49,7 @@ def _kept_by_request(ctx: CheckContext, key: BlockKey, req: RequestHistory) -> b
             block_size=bs,
             window=spec.sliding_window,
             alignment=align,
-            eagle=cfg.eagle,
+            eagle=cfg.eagle_drop,
             retention=cfg.retention_interval,
             boundaries=boundaries,
         )
@@ -163,7 +168,7 @@ def _backed(
     for g, spec in enumerate(cfg.groups):
         bs = spec.block_size
         if is_fine_lookup(cfg, spec.kind, bs):
-            out += _backed_fine(cfg.hash_block_size, g, spec.kind, bs, tokens, hit, cached)
+            out += _backed_fine(cfg, g, spec.kind, bs, tokens, hit, cached)
             continue
         if hit % bs:
             out.append(f"hit {hit} is not a multiple of group {g}'s block size {bs}")
@@ -175,7 +180,7 @@ def _backed(
             need = range(max(0, hit - spec.sliding_window + 1) // bs, hit // bs)
         else:
             need = range(hit // bs - 1, hit // bs)
-        missing = [j for j in need if block_key(g, tokens, (j + 1) * bs) not in cached]
+        missing = [j for j in need if _key(cfg, g, tokens, (j + 1) * bs) not in cached]
         if missing:
             out.append(f"hit {hit} but group {g} ({spec.kind}) blocks {missing} are not cached")
     return out
@@ -195,19 +200,33 @@ def _tail_keys(hbs: int, kind: str, bs: int, tokens: Tokens, hit: int, j: int) -
     return list(range(max(hit, j * bs + hbs), min(end, len(tokens)) + 1, hbs))
 
 
+def _key(cfg: Config, g: int, tokens: Tokens, n: int) -> BlockKey | None:
+    """The key of `tokens`' first n in group g as the configuration hashes it (under lookahead
+    hashes with the tokens past it: `Config.hash_lookahead`); None where those are not known."""
+    lookahead = cfg.hash_lookahead
+    return block_key(g, tokens, n, lookahead) if n + lookahead <= len(tokens) else None
+
+
 def _backed_fine(
-    hbs: int, g: int, kind: str, bs: int, tokens: Tokens, hit: int, cached: Mapping[BlockKey, tuple[int, ...]]
+    cfg: Config,
+    g: int,
+    kind: str,
+    bs: int,
+    tokens: Tokens,
+    hit: int,
+    cached: Mapping[BlockKey, tuple[int, ...]],
 ) -> list[str]:
     """`hit_backed_by_cache` for a group whose hits may end inside a block
     (fine-grained hits): every block read up to the hit is keyed by a prefix it
     holds (`_tail_keys`); Mamba reads only the state at the hit."""
+    hbs = cfg.hash_block_size
     if hit % hbs:
         return [f"hit {hit} is not a multiple of the hash block size {hbs} (group {g})"]
     read = range(cdiv(hit, bs) - 1, cdiv(hit, bs)) if kind == "mamba" else range(cdiv(hit, bs))
     missing = [
         j
         for j in read
-        if not any(block_key(g, tokens, n) in cached for n in _tail_keys(hbs, kind, bs, tokens, hit, j))
+        if not any(_key(cfg, g, tokens, n) in cached for n in _tail_keys(hbs, kind, bs, tokens, hit, j))
     ]
     return [f"hit {hit} but group {g} ({kind}) blocks {missing} are not cached"] if missing else []
 
@@ -242,7 +261,7 @@ def _holds(
             lengths = (
                 _tail_keys(cfg.hash_block_size, spec.kind, bs, tokens, hit, j) if fine else [(j + 1) * bs]
             )
-            if b and not any(b in cached.get(block_key(g, tokens, n), ()) for n in lengths):
+            if b and not any(b in cached.get(_key(cfg, g, tokens, n), ()) for n in lengths):  # type: ignore[arg-type]
                 out.append(f"group {g}: hit block {b} at index {j} does not hold that prefix")
     return out
 

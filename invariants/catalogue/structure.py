@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from invariants.catalogue.context import CheckContext
+from model.contract.prefix import names_head
 
 
 def block_in_exactly_one_place(ctx: CheckContext) -> list[str]:
@@ -69,7 +70,7 @@ def hash_map_points_at_holders(ctx: CheckContext) -> list[str]:
             elif primary != key and not (
                 primary.group == key.group
                 and len(primary.tokens) - sizes[key.group] < len(key.tokens) < len(primary.tokens)
-                and primary.tokens[: len(key.tokens)] == key.tokens
+                and names_head(key.tokens, primary.tokens)
             ):
                 out.append(f"{key.short()} -> block {b}, whose hash is {primary.short()}")
     for b, key in block_hash.items():

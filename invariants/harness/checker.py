@@ -683,13 +683,10 @@ def unpredicted(cfg: Config) -> tuple[str, ...]:
     against the model (`kvretain conformance` lists them as excluded; the fuzz summary counts the
     examples). vLLM 0.33.0: the priority policy (`Scheduler.schedule`: the waiting queue a heap by
     (priority, arrival), the lowest-priority running request preempted, even one already scheduled
-    this step); Eagle's lookahead block hashes (`num_hash_lookahead_tokens`: each key covers the
-    drafter's next token, nothing dropped; `model.contract.eagle.hash_lookahead_tokens`)."""
+    this step). Eagle's lookahead block hashes are predicted (`model.contract.eagle`, `Config.hash_lookahead`)."""
     out = []
     if cfg.scheduling_policy == "priority":
         out.append("the priority scheduling policy")
-    if cfg.lookahead_hashes_in_force:
-        out.append("Eagle's lookahead block hashes")
     return tuple(out)
 
 

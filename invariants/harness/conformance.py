@@ -25,6 +25,7 @@ from invariants.harness.strategies import configs
 from invariants.report import table, wrap
 from invariants.targets import target_factory
 from model.contract.config import Config, ConfigError, GroupSpec, validate
+from model.contract.eagle import LOOKAHEAD_HIT
 
 SWA_SHAPES = (("full", "swa"), ("full", "swa", "swa"), ("swa",))
 FINE_MAMBA_ROW = "fine-grained Mamba hits, CoW copies, move_block_hashes, partial tails"
@@ -63,6 +64,9 @@ FEATURES: dict[str, st.SearchStrategy[Config]] = {
 # `invariants.targets.vllm_scheduler_target`), speculative decoding included (`model.policy.spec_decode`).
 SCHEDULER_FINE_ROW = "real Scheduler: fine-grained Mamba hits, CoW copies"
 SCHEDULER_EAGLE_ROW = "real Scheduler: Eagle/MTP drafts, lookahead, rejection rollback (Full/SWA)"
+SCHEDULER_LOOKAHEAD_ROW = (
+    "real Scheduler: Eagle lookahead block hashes (vLLM's default), no trailing drop (all shapes)"
+)
 SCHEDULER_DRAFT_ROW = "real Scheduler: draft-model drafts, one-token admission padding (Full/SWA)"
 SCHEDULER_MAMBA_SPEC_ROW = "real Scheduler: drafts with a Mamba group (its draft state blocks, align)"
 SCHEDULER_LONG_PREFILL_ROW = (
@@ -109,6 +113,9 @@ SCHEDULER_FEATURES: dict[str, st.SearchStrategy[Config]] = {
     "real Scheduler: preemption, finish/abort, reset, caching off (all shapes)": _no_spec(),
     SCHEDULER_EAGLE_ROW: configs(
         allow_pinning=False, shapes=SWA_SHAPES + (("full",),), eagle=True, caching=True, eagle_drafts=True
+    ),
+    SCHEDULER_LOOKAHEAD_ROW: configs(
+        allow_pinning=False, eagle=True, caching=True, eagle_drafts=True, lookahead_hashes=True
     ),
     SCHEDULER_DRAFT_ROW: configs(
         allow_pinning=False, shapes=SWA_SHAPES + (("full",),), eagle=False, lookahead=True, eagle_drafts=True
@@ -236,6 +243,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     ),
     SCHEDULER_FINE_ROW: ("fine-grained hit (inside a scheduler block)", "CoW copy of a hit read in part"),
     SCHEDULER_EAGLE_ROW: ("draft tokens accepted", "drafts cut by the step's budget"),
+    SCHEDULER_LOOKAHEAD_ROW: ("draft tokens accepted", LOOKAHEAD_HIT),
     SCHEDULER_DRAFT_ROW: ("draft tokens accepted", "one-token admission padded with draft slots"),
     SCHEDULER_MAMBA_SPEC_ROW: ("draft tokens accepted", "Mamba draft block moved past by its state"),
     SCHEDULER_LONG_PREFILL_ROW: ("chunk capped by the long-prefill threshold",),
@@ -478,17 +486,10 @@ EXCLUDED = [
         "none, so the field is compared as None",
     ),
     (
-        "lookahead block hashes (num_hash_lookahead_tokens) and num_prefill_lookahead",
-        "vLLM 0.33.0 hashes each block with the tokens an Eagle-family drafter reads past it "
-        "(VllmConfig.num_hash_lookahead_tokens: 1, num_speculative_tokens for multi-module MTP) "
-        "unless disable_lookahead_block_hashes is set (and with them drops no trailing block); the "
-        "model's allocator runs the legacy hashes (Config.lookahead_block_hashes False: the trailing-"
-        "block drop), so there the KV events' lookahead_token_ids are compared as None; with the "
-        "hashes on (Config.lookahead_block_hashes; not generated: the catalogue's retention and "
-        "promise invariants state the legacy-hash Eagle) model.contract.eagle states the allocation rules "
-        "(hash_lookahead_tokens, drops_last_block, hashed_tokens, mamba_proof_limit) but the run is "
-        "judged by the engine contract alone (checker.unpredicted); num_prefill_lookahead above 1 "
-        "(re-prefill) comes from multi-module MTP only, and kvretain's Eagle flag models one draft module",
+        "multi-module MTP lookahead (num_hash_lookahead_tokens and num_prefill_lookahead above 1)",
+        "kvretain's Eagle flag models one draft module: Eagle-family lookahead block hashes (one "
+        "token, vLLM's default) are generated, predicted and judged (the lookahead row above); "
+        "num_speculative_tokens of hash lookahead and re-prefill come from multi-module MTP only",
     ),
     (
         "DCP/PCP, HiSparse",

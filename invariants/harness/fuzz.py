@@ -204,6 +204,7 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
             long_prefill=None,
             gates=None,
             unpredicted=True,
+            lookahead_hashes=None,
         )
     return configs(
         allow_pinning=target in PINNING_TARGETS,
@@ -217,6 +218,8 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
         gates=None if target in GATED_TARGETS else False,
         # vLLM settings the model does not predict, judged by the contract: the real schedulers.
         unpredicted=target in REAL_SCHEDULER_TARGETS,
+        # Eagle's lookahead block hashes (vLLM's default): the real schedulers hash with them.
+        lookahead_hashes=None if target in REAL_SCHEDULER_TARGETS else False,
     )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from model.contract.extra_keys import Identity
+from model.contract.extra_keys import Identity, identity_of
 
 SALTS = ("tenant-a", "tenant-b")
 ADAPTERS = (("adapter-x", 1, "/lora/x"), ("adapter-x", 2, "/lora/x"), ("adapter-y", 3, "/lora/y"))
@@ -31,7 +31,14 @@ ADAPTER = "identity: adapter request"
 MULTIMODAL = "identity: multimodal request"
 LOOKAHEAD = "identity: lookahead-hashed request"
 REUSED = "identity: a prompt seen before, another identity"
-FEATURES = (SALTED, ADAPTER, MULTIMODAL, LOOKAHEAD, REUSED)
+OTHER_LOOKAHEAD = "identity: an earlier prompt's blocks, another token past them (lookahead hashes)"
+FEATURES = (SALTED, ADAPTER, MULTIMODAL, LOOKAHEAD, REUSED, OTHER_LOOKAHEAD)
+
+
+def _other_lookahead(prompt: tuple[int, ...], earlier: tuple[int, ...]) -> bool:
+    """`prompt` shares a proper prefix with `earlier` and goes on with another token."""
+    n = next((i for i, (a, b) in enumerate(zip(prompt, earlier)) if a != b), None)
+    return n is not None and n > 0
 
 
 def draw_prompt(
@@ -44,6 +51,41 @@ def draw_prompt(
     if not again:
         return prompt
     return tuple(data.draw(st.sampled_from(list(earlier)), label="earlier prompt"))
+
+
+def draw_sibling(
+    data: st.DataObject, earlier: Sequence[tuple[int, ...]], block: int
+) -> tuple[tuple[int, ...], dict[str, Any]] | None:
+    """Under Eagle's lookahead hashes (`block`: the hash block), about a third of the time an
+    earlier request's first whole blocks, under its identity, going on with another token:
+    the same blocks under another lookahead, where a lookahead-hashing defect shows (most
+    often cut at the earlier prompt's last hashed block, whose lookahead is its newest
+    token). None: no such prompt drawn. Returns the prompt and its `AddRequest` fields."""
+    longer = [p for p in earlier if len(p) > block]
+    if not longer or not data.draw(st.sampled_from([False, False, True]), label="another lookahead?"):
+        return None
+    base = data.draw(st.sampled_from(longer), label="earlier prompt to go on from")
+    last = (len(base) - 1) // block
+    kept = last if data.draw(st.booleans(), label="cut at its last block?") else None
+    cut = block * (kept or data.draw(st.integers(1, last), label="blocks kept"))
+    other = base[cut] % 3 + 1  # another of the fuzzer's tokens (1..3)
+    prompt = (
+        tuple(base[:cut]) + (other,) + tuple(data.draw(st.lists(st.integers(1, 3), max_size=2), label="more"))
+    )
+    return prompt, fields(identity_of(base), len(prompt))
+
+
+def fields(identity: Identity, prompt_len: int) -> dict[str, Any]:
+    """`identity` as an `AddRequest`'s fields, its items that fit a `prompt_len`-token prompt."""
+    out: dict[str, Any] = {}
+    if identity.salt:
+        out["salt"] = identity.salt
+    if identity.lora is not None:
+        out["lora"] = identity.lora
+    items = tuple((m.identifier, m.offset, m.length) for m in identity.mm if m.end <= prompt_len)
+    if items:
+        out["mm"] = items
+    return out
 
 
 def draw_identity(data: st.DataObject, prompt: tuple[int, ...], supported: frozenset[str]) -> dict[str, Any]:
@@ -66,10 +108,19 @@ def draw_identity(data: st.DataObject, prompt: tuple[int, ...], supported: froze
 
 
 def count(
-    features: Any, identity: Identity, prompt: tuple[int, ...], seen: Mapping[tuple[int, ...], set[Identity]]
+    features: Any,
+    identity: Identity,
+    prompt: tuple[int, ...],
+    seen: Mapping[tuple[int, ...], set[Identity]],
+    lookahead_hashed: bool = False,
 ) -> None:
     """Count one added request's identity in `features` (a Counter); `seen`: the
-    identities each earlier prompt of the example was added with."""
+    identities each earlier prompt of the example was added with; `lookahead_hashed`: the
+    configuration hashes Eagle's lookahead tokens (`Config.hash_lookahead`)."""
+    if lookahead_hashed:
+        features[LOOKAHEAD] += 1
+        if any(_other_lookahead(prompt, p) for p in seen):
+            features[OTHER_LOOKAHEAD] += 1
     if identity.salt:
         features[SALTED] += 1
     if identity.lora is not None:

@@ -65,6 +65,12 @@ def config_features(cfg: Config) -> list[str]:
     )
     if cfg.eagle:
         out.append("eagle")
+        if cfg.enable_caching and not cfg.kv_connector:
+            out.append(
+                "vLLM default: Eagle lookahead block hashes"
+                if cfg.hash_lookahead
+                else "Eagle legacy hashes (disable_lookahead_block_hashes)"
+            )
     if any(g.kind == "mamba" and g.mamba_cache_mode == "none" for g in cfg.groups):
         out.append("mamba mode none")
     if cfg.num_lookahead_tokens:
@@ -340,12 +346,23 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not supported:
             return AddRequest(rid, prompt)
         earlier = list(self.checker.history.all_requests())
-        prompt = identities.draw_prompt(data, prompt, [tuple(r.prompt) for r in earlier])
-        op = AddRequest(rid, prompt, **identities.draw_identity(data, prompt, supported))
+        sibling = (
+            identities.draw_sibling(data, [r.prompt for r in earlier], self.cfg.hash_block_size)
+            if self.cfg.hash_lookahead
+            else None
+        )
+        if sibling is not None:
+            prompt = sibling[0]
+            op = AddRequest(rid, prompt, **{k: v for k, v in sibling[1].items() if k in supported})
+        else:
+            prompt = identities.draw_prompt(data, prompt, [tuple(r.prompt) for r in earlier])
+            op = AddRequest(rid, prompt, **identities.draw_identity(data, prompt, supported))
         seen: dict[tuple[int, ...], set[Identity]] = {}
         for r in earlier:
             seen.setdefault(tuple(r.prompt), set()).add(identity_of(r.prompt))
-        identities.count(self.run_stats.features, op.identity(), prompt, seen)
+        identities.count(
+            self.run_stats.features, op.identity(), prompt, seen, self.checker.config.hash_lookahead > 0
+        )
         return op
 
     def _schedulable(self) -> list[str]:

@@ -47,6 +47,7 @@ def configs(
     long_prefill: bool | None = False,
     gates: bool | None = False,
     unpredicted: bool = False,
+    lookahead_hashes: bool | None = False,
 ) -> Config:
     """A valid configuration; keyword arguments narrow it to one feature.
 
@@ -72,8 +73,10 @@ def configs(
     gates on (a watermark of 0.1 to 0.3), False = neither (the field defaults).
     `unpredicted`: also the vLLM settings the model does not predict (judged by the engine
     contract alone: `invariants.harness.checker.unpredicted`): the priority policy (1 in 6).
-    Eagle's lookahead block hashes (vLLM's default) are not drawn: the catalogue's retention
-    and promise invariants state the legacy-hash Eagle (its drop), which they do not have.
+    `lookahead_hashes`: an Eagle configuration's lookahead block hashes
+    (`Config.lookahead_block_hashes`, vLLM's default; in force with caching on and no connector:
+    `Config.hash_lookahead`): None = vLLM's default most often (3 in 4), True = always, False =
+    never (the legacy hashes and their trailing-block drop: targets that hash without lookahead).
     """
     allowed = [s for s in (shapes or SHAPES) if allow_mamba or "mamba" not in s]
     shape = draw(st.sampled_from(allowed))
@@ -98,6 +101,9 @@ def configs(
         hash_block_size=base if wide_mamba else 0,
     )
     cfg = _scheduler_options(draw, cfg, connector, load_failure, long_prefill, gates, unpredicted)
+    if use_eagle and lookahead_hashes is not False:
+        asked = lookahead_hashes or draw(st.sampled_from([True, True, True, False]))
+        cfg = cfg.with_(lookahead_block_hashes=asked)
     if not cfg.enable_caching and cfg.has_mamba and draw(st.booleans()):
         cfg = cfg.with_(
             groups=tuple(replace(g, mamba_cache_mode="none") if g.kind == "mamba" else g for g in cfg.groups)

@@ -21,6 +21,13 @@ Contract judged (any scheduler policy that keeps it is correct):
   hold (finished, preempted under the V2 runner, never added), or a sample
   after a step that stopped short of the request's last token (the worker
   samples at the last computed position) breaks it.
+- **The drafter's lookahead is the reader's own** (Eagle's lookahead block hashes,
+  `lookahead` L > 0): the drafter's KV at position `p` is computed from the L tokens
+  past it, so a slot also holds the provenance of `t[0..p+L]` once those are known
+  (`ahead`), and a read of it by a request that knows its own `t[p+L]` must find that
+  provenance: a hit on a block whose hash covered other lookahead tokens reads another
+  prefix's drafter KV. Judged under synchronous scheduling (one step ahead a slot's
+  lookahead may be a token not returned yet).
 - **Fresh blocks are zeroed before they are read** where the KV cache needs
   it (`KVCacheConfig.needs_kv_cache_zeroing`: Mamba layers share the pages,
   #35219): a block newly placed in a table past the computed tokens holds
@@ -142,6 +149,8 @@ class ShadowWorker:
     groups: tuple[WorkerGroup, ...]
     runner: Runner = "v2"
     zeroing: bool = False
+    # Eagle's lookahead block hashes: tokens past a position its drafter KV depends on (0: unjudged).
+    lookahead: int = 0
     # Synchronous scheduling: a step runs when it is told. One step ahead (async
     # scheduling) a step may read a token its predecessor samples, which the worker
     # has once that output is returned: steps then wait, in order, for their tokens.
@@ -153,6 +162,9 @@ class ShadowWorker:
     # as the block size of the group that last wrote it (a block reused by a group of
     # another size is laid out anew).
     kv: dict[int, list[int | None]] = field(default_factory=dict)
+    # block -> per slot, the provenance of its prefix and the `lookahead` tokens past it (None:
+    # not known when written); kept only while the slot's `kv` entry is the one it was made with.
+    ahead: dict[int, list[int | None]] = field(default_factory=dict)
     problems: list[tuple[str, str]] = field(default_factory=list)
     # The blocks the last step placed in a table past the computed tokens (allocated, not hit).
     fresh: list[int] = field(default_factory=list)
@@ -229,6 +241,17 @@ class ShadowWorker:
         if row is None or len(row) != bs:
             row = self.kv[block] = [None] * bs
         row[offset : offset + len(ids)] = list(ids)
+        self._clear_ahead(block, bs, offset, offset + len(ids))
+
+    def _clear_ahead(self, block: int, bs: int, lo: int, hi: int) -> None:
+        """Slots [lo, hi) of `block` were written anew: their lookahead provenance is unknown."""
+        slots = self.ahead.get(block)
+        if slots is None:
+            return
+        if len(slots) != bs:
+            del self.ahead[block]
+        else:
+            slots[lo:hi] = [None] * (hi - lo)
 
     def fail_blocks(self, invalid: Iterable[int]) -> None:
         """A load failed on `invalid`: their slots hold no KV (`FAILED`), nor does any slot
@@ -317,9 +340,13 @@ class ShadowWorker:
                 self.kv[b] = [STALE] * self.groups[g].block_size
         for b in out.new_block_ids_to_zero or ():
             self.kv[b] = []
+            self.ahead.pop(b, None)
             self.figures.zeroed += 1
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
             self.kv[copy.dst_block_id] = list(self.kv.get(copy.src_block_id, []))
+            self.ahead.pop(copy.dst_block_id, None)
+            if copy.src_block_id in self.ahead:
+                self.ahead[copy.dst_block_id] = list(self.ahead[copy.src_block_id])
             self.figures.copies += 1
         if self.hook is not None:
             self.hook.before_forward(out)
@@ -349,6 +376,8 @@ class ShadowWorker:
             view.computed = chunk.end - (chunk.drafts - (len(tokens) - 1))
         self._append(view, tokens)
         chunk.taken = len(tokens)
+        if self.lookahead and latest:
+            self._write_ahead(view, max(chunk.start, view.computed - self.lookahead), view.computed)
 
     # ------------------------------------------------------------------ bookkeeping
     def _forget(self, out: Any) -> None:
@@ -482,7 +511,24 @@ class ShadowWorker:
                     row = self.kv[block] = [None] * bs
                 lo, hi = max(start, i * bs), min(end, (i + 1) * bs)
                 row[lo - i * bs : hi - i * bs] = ids[lo:hi]
+                self._clear_ahead(block, bs, lo - i * bs, hi - i * bs)
             self.figures.writes += end - start
+        if self.lookahead:
+            self._write_ahead(view, start, end)
+
+    def _write_ahead(self, view: RequestView, start: int, end: int) -> None:
+        """The lookahead provenance of `view`'s positions [start, end) whose L tokens past
+        them the worker knows (a sampled token, never a draft) and whose slot holds its prefix."""
+        L = self.lookahead
+        for g, spec in self._attention():
+            bs, table = spec.block_size, view.tables[g]
+            for p in range(start, min(end, len(view.tokens) - L)):
+                block = table[p // bs] if p // bs < len(table) else NULL_BLOCK
+                row = self.kv.get(block)
+                if block == NULL_BLOCK or row is None or len(row) != bs or row[p % bs] != view.ids[p]:
+                    continue
+                slots = self.ahead.setdefault(block, [None] * bs)
+                slots[p % bs] = view.ids[p + L]
 
     def _read(self, rid: str, view: RequestView, start: int, end: int, ids: list[int]) -> None:
         for g, spec in self._attention():
@@ -512,6 +558,8 @@ class ShadowWorker:
                 kind = "past" if i >= len(table) else "null" if block == NULL_BLOCK else None
                 kinds |= {kind or got[p - lo] == FAILED for p in bad}
             self.figures.reads += end - first
+            if self.lookahead and self.synchronous and not wrong:
+                self._read_ahead(rid, view, g, first, end)
             if wrong:
                 # Every wrong slot of one kind the message names (a known finding's view of it).
                 each = {True: ", each one a failed load left unwritten", "null": ", each one in a null block"}
@@ -531,6 +579,23 @@ class ShadowWorker:
                         f"{rid}'s step [{start}, {end}) reads block {block} of group {g}, whose slots past "
                         "its last token were never zeroed (a fresh block missing from new_block_ids_to_zero)",
                     )
+
+    def _read_ahead(self, rid: str, view: RequestView, g: int, first: int, end: int) -> None:
+        """Each slot read whose lookahead provenance is known, where the reader knows its own
+        tokens that far, holds the reader's (the drafter's KV at it read the same tokens)."""
+        L, bs, table = self.lookahead, self.groups[g].block_size, view.tables[g]
+        for p in range(first, min(end, len(view.tokens) - L)):
+            block = table[p // bs] if p // bs < len(table) else NULL_BLOCK
+            slots = self.ahead.get(block)
+            got = None if slots is None or len(slots) != bs else slots[p % bs]
+            if got is not None and got != view.ids[p + L]:
+                self._problem(
+                    READS,
+                    f"{rid}'s step reads position {p} of group {g} from block {block}, whose drafter KV "
+                    "was computed past it with "
+                    "other tokens (lookahead hashes: another prefix's lookahead, not its own)",
+                )
+                return
 
     @staticmethod
     def _what(block: int, index: int, length: int, got: int | None) -> str:

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from model.contract.prefix import Prefix, Tokens, prefix
+from model.contract.prefix import Prefix, Tokens, block_name
 
 _LOW_64 = 8  # KV events carry a hash as the low 64 bits of its bytes
 
 
 class HashNames:
     def __init__(self, rehash: Callable[[Prefix], bytes | None] | None = None, slack: int = 4096) -> None:
-        self._source: dict[bytes, tuple[Tokens, int] | Prefix] = {}
+        self._source: dict[bytes, tuple[Tokens, int, int] | Prefix] = {}
         self._by_int: dict[int, bytes] = {}
         self._named: dict[bytes, Prefix] = {}
         self._hash_of: dict[Prefix, bytes] = {}
@@ -51,12 +51,14 @@ class HashNames:
         start: int,
         hash_block_size: int,
         stop: int | None = None,
+        lookahead: int = 0,
     ) -> None:
-        """Hash i of `hashes` (from `start` to `stop`) stands for `tokens[:(i+1)*hash_block_size]`."""
+        """Hash i of `hashes` (from `start` to `stop`) stands for `tokens[:(i+1)*hash_block_size]`
+        (with `lookahead` L, and the L tokens after it: `model.contract.prefix.block_name`)."""
         for i in range(start, len(hashes) if stop is None else min(stop, len(hashes))):
             h = bytes(hashes[i])
             if h not in self._source:
-                self._source[h] = (tokens, (i + 1) * hash_block_size)
+                self._source[h] = (tokens, (i + 1) * hash_block_size, lookahead)
                 self._by_int[int.from_bytes(h[-_LOW_64:], "big")] = h
 
     def adopt(self, h: bytes, named: Prefix) -> None:
@@ -76,7 +78,7 @@ class HashNames:
             src = self._source.get(h)
             if src is None:
                 return None
-            named = self._named[h] = src if isinstance(src, Prefix) else prefix(*src)
+            named = self._named[h] = src if isinstance(src, Prefix) else block_name(*src)
             self._hash_of[named] = h
         return named
 

@@ -174,7 +174,7 @@ class OpDriver:
         if (
             self.s.config.enable_caching
         ):  # EngineCore hashes requests only when prefix caching is on (core.py)
-            hasher = v["get_request_block_hasher"](self.s.hbs, v["sha256"])
+            hasher = self.s.block_hasher()
             if known:
                 hasher = continuing(hasher, known)
         identity = identity_of(tokens)
@@ -197,7 +197,7 @@ class OpDriver:
         block hashes).
 
         vLLM's block hash is a function of the prefix's tokens and identity
-        (`model.contract.extra_keys`; no hash lookahead here), so the full blocks `tokens`
+        (`model.contract.extra_keys`; under lookahead hashes, of the tokens past it too), so the full blocks `tokens`
         shares with a request of its identity vLLM already hashed take that
         request's hashes (a donor of another identity gives none), and
         vLLM's hasher hashes only the blocks after them: a probe of a 1M-token
@@ -221,7 +221,11 @@ class OpDriver:
             if self.identities.get(r.request_id) == identity
         ]
         want = list(tokens)
-        known = shared_hashes(want, donors, self.s.hbs) if self.s.config.enable_caching else []
+        known = (
+            shared_hashes(want, donors, self.s.hbs, self.s.hash_lookahead)
+            if self.s.config.enable_caching
+            else []
+        )
         return self.new_request(f"__probe{self.probe_seq}", tokens, known)
 
 

@@ -118,11 +118,14 @@ def continuing(hasher: Any, known: list[Any]) -> Any:
     return hash_new_full_blocks
 
 
-def shared_hashes(tokens: list[int], donors: Iterable[Any], hash_block_size: int) -> list[Any]:
+def shared_hashes(
+    tokens: list[int], donors: Iterable[Any], hash_block_size: int, lookahead: int = 0
+) -> list[Any]:
     """The hashes of the longest run of full blocks `tokens` shares with one of the
-    `donors` (requests vLLM hashed), from their start."""
+    `donors` (requests vLLM hashed), from their start; under `lookahead` L a block's hash
+    also covers the L tokens after it, so those must agree too (`get_request_block_hasher`)."""
     best: list[Any] = []
-    full = len(tokens) // hash_block_size
+    full = max(0, len(tokens) - lookahead) // hash_block_size
     for req in donors:
         n = min(full, len(req.block_hashes))
         if n <= len(best):
@@ -139,6 +142,9 @@ def shared_hashes(tokens: list[int], donors: Iterable[Any], hash_block_size: int
                 lo = mid
             else:
                 hi = mid
+        end = lo * hash_block_size
+        if lookahead and ids[end : end + lookahead] != tokens[end : end + lookahead]:
+            lo -= 1  # the last agreeing block's lookahead differs (L <= a block: the rest agree)
         if lo > len(best):
             best = list(req.block_hashes[:lo])
     return best

@@ -32,7 +32,7 @@ from typing import Any
 
 from model.contract.extra_keys import NO_IDENTITY, Identity, identity_of, keyed
 from model.contract.observation import BlockKey, Tokens
-from model.contract.prefix import Prefix, extend, prefix
+from model.contract.prefix import Prefix, extend, looked, prefix
 
 from .base import TargetCrash
 from .hash_names import HashNames
@@ -90,9 +90,9 @@ class HashLearner:
         if upto <= done:
             return
         hbs = self.s.hbs
-        if tokens is None or upto * hbs > len(tokens):
+        if tokens is None or upto * hbs + self.s.hash_lookahead > len(tokens):
             tokens = self.tokens_of(req)
-        self.table.learn(tokens, req.block_hashes, done, hbs, stop=upto)
+        self.table.learn(tokens, req.block_hashes, done, hbs, stop=upto, lookahead=self.s.hash_lookahead)
         self.pending[req.request_id] = (tokens, upto)
 
     def before_sample(self, req: Any) -> int:
@@ -120,16 +120,23 @@ class HashLearner:
             if tokens is not None or not start or items
             else self.table.name(bytes(req.block_hashes[start - 1]))
         )
+        lookahead = self.s.hash_lookahead
         if before is not None:
             # A sampled token's new blocks: the request's last named prefix, extended by
-            # their tokens (O(new tokens); no copy of a 1M-token request kept per hash).
+            # their tokens (O(new tokens); no copy of a 1M-token request kept per hash),
+            # under lookahead hashes named with the tokens past each (`model.contract.prefix.looked`).
+            before = before.plain
             for i in range(start, len(req.block_hashes)):
                 before = extend(before, req.all_token_ids[i * hbs : (i + 1) * hbs])
-                self.table.adopt(bytes(req.block_hashes[i]), before)
+                end = (i + 1) * hbs
+                name = (
+                    looked(before, tuple(req.all_token_ids[end : end + lookahead])) if lookahead else before
+                )
+                self.table.adopt(bytes(req.block_hashes[i]), name)
             return
         # The operation's own tuple where it is the request's tokens: prefixes named along it are shared.
         toks = tokens if tokens is not None else self.tokens_of(req)
-        self.table.learn(toks, req.block_hashes, start, hbs)
+        self.table.learn(toks, req.block_hashes, start, hbs, lookahead=lookahead)
 
     def rehash(self, p: Prefix) -> bytes | None:
         """vLLM's hash of a prefix the table does not hold (a throw-away request hashes it)."""
@@ -138,12 +145,16 @@ class HashLearner:
             return None
         v = self.s.v
         kwargs: dict[str, Any] = {"mm_features": None, **request_identity(identity_of_prefix(p))}
+        # A lookahead hash's name carries the tokens past its block (`model.contract.prefix.looked`).
+        ahead = list(p.ahead[0]) if p.ahead is not None else []
+        if len(ahead) != self.s.hash_lookahead:
+            return None  # a name of another hashing: vLLM holds no such hash
         req = v["Request"](
             request_id="__rehash",
-            prompt_token_ids=list(p.tokens()),
+            prompt_token_ids=list(p.tokens()) + ahead,
             sampling_params=v["SamplingParams"](max_tokens=1),
             pooling_params=None,
-            block_hasher=v["get_request_block_hasher"](hbs, v["sha256"]),
+            block_hasher=self.s.block_hasher(),
             **kwargs,
         )
         return bytes(req.block_hashes[-1])

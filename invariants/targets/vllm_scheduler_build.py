@@ -36,9 +36,10 @@ needed:
   `num_speculative_tokens = num_lookahead_tokens`, so `vllm_config.num_lookahead_tokens`
   is kvretain's. Eagle's block hashes as `Config.lookahead_block_hashes` says:
   off (`disable_lookahead_block_hashes=True`), the manager's trailing-block drop
-  (`use_eagle`), which the model predicts; on (vLLM's default), each hash covers
-  the drafter's next token and nothing is dropped (`model.contract.eagle`; judged by the
-  engine contract alone: `checker.unpredicted`).
+  (`use_eagle`); on (vLLM's default), each hash covers the drafter's next token
+  and nothing is dropped; the model predicts both (`model.contract.eagle`), and requests
+  are hashed as `EngineCore` hashes them, with the pool's `num_hash_lookahead_tokens`
+  (`VllmSession.block_hasher`).
   vLLM's Eagle always drafts at least one token: an Eagle configuration without
   lookahead slots cannot be built (`SchedulerUnsupported`).
 

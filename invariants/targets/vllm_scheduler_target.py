@@ -318,6 +318,7 @@ class VllmSchedulerTarget(VllmManagerTarget):
             groups,
             runner="v2" if getattr(sched, "use_v2_model_runner", False) else "v1",
             zeroing=bool(getattr(sched, "needs_kv_cache_zeroing", False)),
+            lookahead=int(getattr(sched, "num_hash_lookahead_tokens", 0)),
         )
         self.shadow_connector = None
         if sched.connector is not None:

@@ -36,3 +36,17 @@ class VllmSession:
     def hbs(self) -> int:
         """The hash block size (vLLM hashes a request in blocks of this many tokens)."""
         return self.config.hash_block_size
+
+    @property
+    def hash_lookahead(self) -> int:
+        """Tokens past each block its hash covers, as vLLM built the block pool
+        (`BlockPool.num_hash_lookahead_tokens`, 0.33.0; 0 for a release without it)."""
+        return int(getattr(self.pool, "num_hash_lookahead_tokens", 0))
+
+    def block_hasher(self) -> Any:
+        """vLLM's request hasher as `EngineCore` builds it (`get_request_block_hasher` with the
+        pool's `num_hash_lookahead_tokens`; sha256, the hash kvretain builds vLLM with)."""
+        v, lookahead = self.v, self.hash_lookahead
+        if lookahead:
+            return v["get_request_block_hasher"](self.hbs, v["sha256"], lookahead)
+        return v["get_request_block_hasher"](self.hbs, v["sha256"])

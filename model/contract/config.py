@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from functools import reduce
 from typing import Literal
 
+from model.contract.eagle import drops_last_block, hash_lookahead_tokens
+
 GroupKind = Literal["full", "swa", "mamba"]
 
 
@@ -126,7 +128,20 @@ class Config:
         """Eagle's block hashes cover the lookahead token (no trailing-block drop): asked for,
         Eagle, prefix caching on and no KV connector (vLLM 0.33.0
         `VllmConfig.num_hash_lookahead_tokens`: connectors keep the legacy hashes)."""
-        return self.lookahead_block_hashes and self.eagle and self.enable_caching and not self.kv_connector
+        return self.hash_lookahead > 0
+
+    @property
+    def hash_lookahead(self) -> int:
+        """Tokens past each block its hash covers (`model.contract.eagle.hash_lookahead_tokens`)."""
+        return hash_lookahead_tokens(
+            self.eagle, self.lookahead_block_hashes, self.enable_caching, self.kv_connector
+        )
+
+    @property
+    def eagle_drop(self) -> bool:
+        """An Eagle hit gives back its last block, with the margin, replay boundaries and
+        junction peek that go with it (`model.contract.eagle.drops_last_block`): the allocator's Eagle."""
+        return drops_last_block(self.eagle, self.hash_lookahead)
 
     def with_(self, **changes: object) -> Config:
         return replace(self, **changes)  # type: ignore[arg-type]

@@ -101,9 +101,12 @@ LOOKS_PAST: dict[bool, LooksPast] = {True: all_but_mamba, False: every_kind}
 # vLLM 0.33.0's default for Eagle (`SpeculativeConfig.disable_lookahead_block_hashes=False`):
 # each block's hash also covers the drafter's next token(s), so a hit proves the KV the
 # drafter read at the block's last position and nothing is dropped. Which tokens enter each
-# key is `model.contract.extra_keys.lookahead_hash_keys`; what the allocator does is stated here. The
-# model's allocator runs the legacy variant only: under lookahead hashes a run is judged by
-# the engine contract alone (`invariants.harness.checker.unpredicted`).
+# key is `model.contract.extra_keys.lookahead_hash_keys` (named by `model.contract.prefix.block_name`); what the
+# allocator does is stated here, and `model.contract.config.Config` (`hash_lookahead`, `eagle_drop`)
+# hands both variants to the allocator, its caching and lookups.
+
+# The model rule an admission fires when it hits under lookahead hashes (`kvretain conformance`).
+LOOKAHEAD_HIT = "a hit under Eagle's lookahead hashes (no trailing block dropped)"
 
 
 def hash_lookahead_tokens(eagle: bool, asked: bool, caching: bool, connector: bool) -> int:

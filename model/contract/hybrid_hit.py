@@ -109,7 +109,7 @@ def reconcile(
                 # Downward closed: a shorter candidate only trims the layout found first.
                 candidate = rules.full_bound(candidate, group_hit[gids[0]], spec.block_size)
                 continue
-            drop_eagle = rules.cfg.eagle and idx not in eagle_dropped
+            drop_eagle = rules.cfg.eagle_drop and idx not in eagle_dropped
             limit = candidate
             if drop_eagle and rules.looks_past(spec.kind):
                 # Look one drop unit past the candidate so the Eagle drop lands back on it.

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple, Union
 
-from model.contract.prefix import Prefix, Tokens, prefix
+from model.contract.prefix import Prefix, Tokens, block_name, prefix
 
 BlockIds = tuple[int, ...]
 
@@ -45,10 +45,12 @@ class BlockKey(_GroupPrefix):
         return f"g{self.group}:{len(self.tokens)}t"
 
 
-def block_key(group: int, tokens: Tokens, num_tokens: int) -> BlockKey:
+def block_key(group: int, tokens: Tokens, num_tokens: int, lookahead: int = 0) -> BlockKey:
     """The key of the first `num_tokens` of `tokens` in `group`: the one way
-    model, adapters and invariants name a prefix's hash."""
-    return tuple.__new__(BlockKey, (group, prefix(tokens, num_tokens)))  # already interned: no check
+    model, adapters and invariants name a prefix's hash (with `lookahead` L > 0, a
+    lookahead hash also covering the L tokens after it: `model.contract.prefix.block_name`)."""
+    name = block_name(tokens, num_tokens, lookahead) if lookahead else prefix(tokens, num_tokens)
+    return tuple.__new__(BlockKey, (group, name))  # already interned: no check
 
 
 def _interned(p: Prefix | Tokens) -> Prefix:

@@ -43,7 +43,7 @@ _MEMO_NODES = 1 << 19
 class Prefix:
     """The interned name of a token prefix (see the module docstring)."""
 
-    __slots__ = ("parent", "chunk", "length", "_hash", "marks", "ns", "__weakref__")
+    __slots__ = ("parent", "chunk", "length", "_hash", "marks", "ns", "ahead", "__weakref__")
 
     parent: Prefix | None
     chunk: Tokens
@@ -53,6 +53,9 @@ class Prefix:
     marks: Marks | None
     # A root's namespace (salt, LoRA name, path: `Identity.namespace`); None elsewhere.
     ns: tuple[str | None, ...] | None
+    # A block hash's lookahead (`looked`): (the tokens past the prefix, their marks, the
+    # plain prefix); None on every chain node.
+    ahead: tuple[Tokens, Marks | None, Prefix] | None
 
     def __len__(self) -> int:
         return self.length
@@ -83,6 +86,8 @@ class Prefix:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self.ahead is not None:
+            return (_relooked, (self.ahead[2], self.ahead[0], self.ahead[1]))
         nodes = self._path()
         if nodes[0].ns is None and all(n.marks is None for n in nodes):
             return (prefix, (self.tokens(),))
@@ -143,8 +148,13 @@ class Prefix:
             return self.head(self.length if index.stop is None else min(self.length, index.stop))
         return self.tokens()[index]
 
+    @property
+    def plain(self) -> Prefix:
+        """This prefix without a lookahead (itself on a chain node)."""
+        return self if self.ahead is None else self.ahead[2]
+
     def head(self, n: int) -> Prefix:
-        """The prefix of the first n tokens (0 <= n <= length)."""
+        """The prefix of the first n tokens (0 <= n <= length; n == length keeps a lookahead)."""
         if n >= self.length:
             return self
         base = n - n % CHAIN
@@ -161,7 +171,7 @@ def _root(ns: tuple[str | None, ...] | None = None) -> Prefix:
     root = Prefix.__new__(Prefix)
     root.parent, root.chunk, root.length = None, (), 0
     root._hash = hash(()) if ns is None else hash(("ns", stable_hash(ns)))
-    root.marks, root.ns = None, ns
+    root.marks, root.ns, root.ahead = None, ns, None
     return root
 
 
@@ -216,7 +226,7 @@ def _node(parent: Prefix | None, chunk: Tokens, marks: Marks | None = None) -> P
     if node is None:
         node = Prefix.__new__(Prefix)
         node.parent, node.chunk, node.length = base, chunk, base.length + len(chunk)
-        node.marks, node.ns = marks, None
+        node.marks, node.ns, node.ahead = marks, None, None
         node._hash = (
             hash((base._hash, chunk)) if marks is None else hash((base._hash, chunk, stable_hash(marks)))
         )
@@ -224,9 +234,66 @@ def _node(parent: Prefix | None, chunk: Tokens, marks: Marks | None = None) -> P
     return node
 
 
+def looked(p: Prefix, ahead: Tokens, marks: Marks | None = None) -> Prefix:
+    """The name of a block hash over the prefix `p` that also covers the `ahead` tokens past it
+    (and the items over them, `marks` relative to `len(p)`): vLLM's lookahead block hashes
+    (`get_request_block_hasher` with `num_hash_lookahead_tokens`). A leaf beside `p`: its
+    length and tokens are p's; it equals another name iff both the prefix and the lookahead
+    agree, as vLLM's chained hash does; no chain goes on from it (`extend` from its `plain`)."""
+    plain = p.plain
+    if not ahead:
+        return plain
+    key: tuple[Any, ...] = (plain, "ahead", tuple(ahead), marks)
+    ref = _NODES.get(key)
+    node = None if ref is None else ref()
+    if node is None:
+        node = Prefix.__new__(Prefix)
+        node.parent, node.chunk, node.length = plain.parent, plain.chunk, plain.length
+        node.marks, node.ns = plain.marks, plain.ns
+        node.ahead = (tuple(ahead), marks, plain)
+        node._hash = hash((plain._hash, "ahead", tuple(ahead), stable_hash(marks)))
+        _NODES[key] = weakref.KeyedRef(node, _collected, key)
+    return node
+
+
+def _relooked(plain: Prefix, ahead: Tokens, marks: Marks | None) -> Prefix:
+    return looked(plain, ahead, marks)
+
+
+def block_name(tokens: Sequence[int], n: int, lookahead: int = 0) -> Prefix:
+    """The name of the hash of the block ending at token `n` of `tokens`: the prefix
+    `tokens[:n]`, with `lookahead` L > 0 also the L tokens after it (`looked`; they must exist)."""
+    p = prefix(tokens, n)
+    if not lookahead:
+        return p
+    assert len(tokens) >= n + lookahead, "a lookahead block hash needs its lookahead tokens"
+    identity = tokens.identity if isinstance(tokens, Keyed) else None
+    marks = None if identity is None else chunk_marks(identity, n, n + lookahead)
+    return looked(p, tuple(tokens[n : n + lookahead]), marks)
+
+
+def lookahead_of(p: Prefix) -> int:
+    """How many tokens past its prefix a name covers (0 but for a `looked` name)."""
+    return 0 if p.ahead is None else len(p.ahead[0])
+
+
+def names_head(q: Prefix, p: Prefix) -> bool:
+    """`q` names the first len(q) tokens of `p` (a shorter hash of the same block's content):
+    their tokens agree and q's lookahead, if any, is the tokens after them in p (p's own
+    lookahead included)."""
+    n = len(q)
+    if n > len(p) or p.plain.head(n) is not q.plain:
+        return False
+    if q.ahead is None:
+        return p.ahead is None or n < len(p)
+    want = q.ahead[0]
+    after = (p.plain.tokens() + (p.ahead[0] if p.ahead is not None else ()))[n : n + len(want)]
+    return after == want
+
+
 def extend(p: Prefix | None, tokens: Sequence[int]) -> Prefix:
     """The prefix `p + tokens`, in O(len(tokens) + CHAIN)."""
-    base = EMPTY if p is None else p
+    base = EMPTY if p is None else p.plain
     if not tokens:
         return base
     toks = tuple(tokens)

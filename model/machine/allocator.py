@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from model.contract.config import Config, GroupSpec, validate
+from model.contract.eagle import LOOKAHEAD_HIT, hashed_tokens
 from model.contract.fine_mamba import (
     Copy,
     KeyLayout,
@@ -133,6 +134,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             events,
             caching_off_to_head=self.rules.caching_off.to_head,
             groups=config.groups,  # the spec kind and window of each group's events
+            lookahead=config.hash_lookahead,
         )
         self.groups = [GroupState(i, g) for i, g in enumerate(config.groups)]
         self.requests: dict[str, RequestState] = {}
@@ -344,6 +346,8 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         req.shared_prefix_boundary = spb
         if hit % self.cfg.scheduler_block_size:
             self.observer.fired("fine-grained hit (inside a scheduler block)")
+        if hit and self.cfg.hash_lookahead:
+            self.observer.fired(LOOKAHEAD_HIT)
         ext = external_tokens(req.offer[0], req.num_tokens, hit) if req.offer else 0
         load_async = ext > 0 and req.offer is not None and req.offer[1]
         computed = hit + ext
@@ -454,10 +458,11 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     # --------------------------------------------------------------- lookup
     def _cached_fn(self, tokens: Tokens, gids: list[int], bs: int):  # type: ignore[no-untyped-def]
         seen: dict[int, bool] = {}  # the finders ask about a block many times: name it once
+        L = self.cfg.hash_lookahead
 
         def cached(j: int) -> bool:
             if j not in seen:
-                seen[j] = all(block_key(g, tokens, (j + 1) * bs) in self.pool.cached for g in gids)
+                seen[j] = all(block_key(g, tokens, (j + 1) * bs, L) in self.pool.cached for g in gids)
             return seen[j]
 
         return cached
@@ -468,12 +473,12 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         """One spec group's hit: the key read at each table position, and its length in tokens."""
         bs = spec.block_size
         if is_fine_lookup(self.cfg, spec.kind, bs):
-            hbs = self.cfg.hash_block_size
+            hbs, L = self.cfg.hash_block_size, self.cfg.hash_lookahead
 
             def keyed(n: int) -> bool:
-                return all(block_key(g, tokens, n) in self.pool.cached for g in gids)
+                return all(block_key(g, tokens, n, L) in self.pool.cached for g in gids)
 
-            num_hashed = len(tokens) // hbs * hbs
+            num_hashed = hashed_tokens(len(tokens), L) // hbs * hbs
             if spec.kind == "full":
                 return fine_full_hit(keyed, max_len, bs, hbs, num_hashed, drop)
             return fine_mamba_hit(keyed, max_len, bs, hbs, num_hashed)
@@ -499,7 +504,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if not self.hybrid:
             # One group: its own block size is the alignment and nothing can disagree with it.
             g = self.groups[0]
-            layout, hit = self._finder(tokens, g.spec, [0], max_len, self.cfg.eagle, g.bs)
+            layout, hit = self._finder(tokens, g.spec, [0], max_len, self.cfg.eagle_drop, g.bs)
             return {0: layout}, hit, 0
         return self._reconcile_hybrid_hit(tokens, max_len)
 
@@ -509,7 +514,8 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         def find(spec: GroupSpec, gids: list[int], limit: int, drop: bool) -> tuple[KeyLayout, int]:
             return self._finder(tokens, spec, gids, limit, drop, self.alignment)
 
-        hashed_len = len(tokens) // self.cfg.hash_block_size * self.cfg.hash_block_size
+        hbs = self.cfg.hash_block_size
+        hashed_len = hashed_tokens(len(tokens), self.cfg.hash_lookahead) // hbs * hbs
         return reconcile([g.spec for g in self.groups], find, max_len, hashed_len, self.hit_rules)
 
     def _hit_blocks(self, tokens: Tokens, layouts: dict[int, KeyLayout]) -> tuple[tuple[int, ...], ...]:
@@ -517,7 +523,11 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         for g in self.groups:
             blocks = []
             for n in layouts[g.gid]:
-                b = None if n is None else self.pool.lookup(block_key(g.gid, tokens, n))
+                b = (
+                    None
+                    if n is None
+                    else self.pool.lookup(block_key(g.gid, tokens, n, self.cfg.hash_lookahead))
+                )
                 blocks.append(b or 0)
             out.append(tuple(blocks))
         return tuple(out)
@@ -671,7 +681,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             return
         if g.spec.kind == "swa" and self.cfg.pin_swa_on_drop and len(freed) >= self.cfg.pin_min_drop_blocks:
             assert g.spec.sliding_window is not None
-            self.pool.pin(freed[: swa_tail_blocks(g.spec.sliding_window, g.bs, self.cfg.eagle)])
+            self.pool.pin(freed[: swa_tail_blocks(g.spec.sliding_window, g.bs, self.cfg.eagle_drop)])
         self.pool.free(freed, append_all=self.rules.free_order.skipped_to_tail)
 
     def _blocks_to_allocate(

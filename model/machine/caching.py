@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from model.contract.config import Config
+from model.contract.eagle import hashed_tokens
 from model.contract.masks import cdiv
 from model.contract.observation import BlockKey
 from model.contract.profile import Rules
@@ -49,7 +50,7 @@ class BlockCaching:
             # Fine-grained hits may end at any hash boundary: nothing to floor.
             return n
         return self.rules.cacheable(
-            n, self.cfg.scheduler_block_size, g.bs, self.cfg.eagle
+            n, self.cfg.scheduler_block_size, g.bs, self.cfg.eagle_drop
         )  # model.contract.masks
 
     def _token_arrives(self, req: RequestState, scheduled_since: int) -> None:
@@ -63,9 +64,13 @@ class BlockCaching:
 
     def cache_blocks(self, req: RequestState, num_tokens: int) -> None:
         cfg = self.cfg
-        boundaries = list(self.rules.replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle))
+        boundaries = list(
+            self.rules.replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle_drop)
+        )
         tokens = req.tokens
-        hashed = req.num_tokens // cfg.hash_block_size * cfg.hash_block_size
+        hashed = (
+            hashed_tokens(req.num_tokens, cfg.hash_lookahead) // cfg.hash_block_size * cfg.hash_block_size
+        )
         for g in self.groups:
             n = self._cacheable_tokens(g, num_tokens)
             before = g.num_cached.get(req.rid, 0)
@@ -73,7 +78,7 @@ class BlockCaching:
             if before < num_full:
                 reach = list(boundaries)
                 if req.shared_prefix_boundary:
-                    reach += self.rules.junction_reach(req.shared_prefix_boundary, g.bs, cfg.eagle)
+                    reach += self.rules.junction_reach(req.shared_prefix_boundary, g.bs, cfg.eagle_drop)
                 kept = self._kept(g, before, num_full, reach)
                 self.pool.cache_full_blocks(tokens, g.table(req.rid), before, num_full, g.bs, g.gid, kept)
                 g.num_cached[req.rid] = num_full
@@ -100,7 +105,7 @@ class BlockCaching:
                 block_size=g.bs,
                 window=g.spec.sliding_window,
                 alignment=alignment,
-                eagle=self.cfg.eagle,
+                eagle=self.cfg.eagle_drop,
                 retention=r,
                 boundaries=boundaries,
             )
@@ -114,7 +119,7 @@ class BlockCaching:
         """Full attention with bs != hbs keys the prompt's last hash boundary inside its block
         (`model.contract.partial_tails`)."""
         boundary = self.rules.full_tail(
-            len(req.prompt), req.num_tokens, self.cfg.hash_block_size, self.cfg.eagle
+            len(req.prompt), req.num_tokens, self.cfg.hash_block_size, self.cfg.eagle_drop
         )
         if boundary == 0 or boundary > num_tokens or boundary % g.bs == 0:
             return
@@ -127,7 +132,7 @@ class BlockCaching:
         hbs = self.cfg.hash_block_size
         if num_tokens <= 0 or num_tokens % hbs:
             return None
-        checkpoint = self.rules.checkpoint(num_tokens, len(req.prompt), hbs, g.bs, self.cfg.eagle)
+        checkpoint = self.rules.checkpoint(num_tokens, len(req.prompt), hbs, g.bs, self.cfg.eagle_drop)
         if num_tokens != checkpoint:  # model.contract.partial_tails
             return None
         idx = cdiv(num_tokens, g.bs) - 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from model.contract.config import GroupSpec
-from model.contract.extra_keys import Identity, event_keys, event_lora, identity_of
+from model.contract.extra_keys import Identity, event_keys, event_lora, identity_of, lookahead_token_ids
 from model.contract.free_queue import LinkedFreeQueue, demote_n
 from model.contract.observation import (
     AllBlocksCleared,
@@ -37,7 +37,7 @@ from model.contract.observation import (
     Tokens,
     block_key,
 )
-from model.contract.prefix import Prefix, prefix
+from model.contract.prefix import Prefix, block_name
 
 EVENT_PROFILES = ("seed", "vllm-0.33.0")
 
@@ -67,8 +67,12 @@ class Pool:
         events: str = "seed",
         caching_off_to_head: bool = True,
         groups: Sequence[GroupSpec] = (),
+        lookahead: int = 0,
     ) -> None:
         assert events in EVENT_PROFILES
+        # Tokens past each block its hash covers (`Config.hash_lookahead`): keys, parents and
+        # events name them (`model.contract.prefix.block_name`, `lookahead_token_ids`).
+        self.lookahead = lookahead
         # Per group, the spec kind and window its BlockStored events carry.
         self.spec_meta = spec_metadata(groups)
         # Caching off: freed blocks to the head (#51482) or, before it, the tail (model.contract.profile).
@@ -198,18 +202,20 @@ class Pool:
             if b in self.primary:
                 assert self.primary_tokens[b] < n_tok, "re-caching a block with a longer key"
                 self.drop_keys(b)
-            self._insert(block_key(group, tokens, n_tok), b)
+            self._insert(block_key(group, tokens, n_tok, self.lookahead), b)
             stored.append(i)
+        L = self.lookahead
         if self.event_profile == "vllm-0.33.0":
             self.events.append(
                 self._stored(
                     group,
-                    tuple(prefix(tokens, (i + 1) * block_size) for i in stored),
-                    prefix(tokens, num_cached * block_size) if num_cached else None,
+                    tuple(block_name(tokens, (i + 1) * block_size, L) for i in stored),
+                    block_name(tokens, num_cached * block_size, L) if num_cached else None,
                     tokens[num_cached * block_size : num_full * block_size],
                     block_size,
-                    _keys(tokens, [i * block_size for i in stored], block_size),
+                    _keys(tokens, [i * block_size for i in stored], block_size, L),
                     identity_of(tokens),
+                    _ahead(tokens, [(i + 1) * block_size for i in stored], L),
                 )
             )
             return
@@ -218,12 +224,13 @@ class Pool:
             self.events.append(
                 self._stored(
                     group,
-                    tuple(prefix(tokens, (i + 1) * block_size) for i in run),
-                    prefix(tokens, lo * block_size) if lo else None,
+                    tuple(block_name(tokens, (i + 1) * block_size, L) for i in run),
+                    block_name(tokens, lo * block_size, L) if lo else None,
                     tokens[lo * block_size : hi * block_size],
                     block_size,
-                    _keys(tokens, [i * block_size for i in run], block_size),
+                    _keys(tokens, [i * block_size for i in run], block_size, L),
                     identity_of(tokens),
+                    _ahead(tokens, [(i + 1) * block_size for i in run], L),
                 )
             )
 
@@ -236,6 +243,7 @@ class Pool:
         block_size: int,
         keys: tuple[tuple[object, ...] | None, ...] | None,
         identity: Identity,
+        ahead: tuple[Tokens, ...] | None = None,
     ) -> BlockStored:
         """A BlockStored with vLLM's other fields: `KVCacheManager.take_events` names the
         group's spec (None for a group it does not know), `to_event_extra_keys` the
@@ -254,13 +262,14 @@ class Pool:
             extra,
             lora_id=lora_id,
             lora_name=lora_name,
+            lookahead_token_ids=ahead,
         )
 
     def cache_partial_block(self, tokens: Tokens, block: int, num_tokens: int, group: int) -> BlockKey | None:
         """Key `block` also by the prefix of `num_tokens` (a multiple of hbs)."""
         if block == 0:
             return None
-        key = block_key(group, tokens, num_tokens)
+        key = block_key(group, tokens, num_tokens, self.lookahead)
         already = self.primary.get(block) == key or block in self.cached.get(key, [])
         if not already and block in self.primary and self.primary_tokens[block] < num_tokens:
             self.drop_keys(block)
@@ -271,11 +280,12 @@ class Pool:
                 self._stored(
                     group,
                     (key.tokens,),
-                    prefix(tokens, lo) if lo else None,
+                    block_name(tokens, lo, self.lookahead) if lo else None,
                     tokens[lo:num_tokens],
                     self.hbs,
-                    _keys(tokens, [lo], self.hbs),
+                    _keys(tokens, [lo], self.hbs, self.lookahead),
                     identity_of(tokens),
+                    _ahead(tokens, [num_tokens], self.lookahead),
                 )
             )
         return key
@@ -319,14 +329,23 @@ class Pool:
 
 
 def _keys(
-    tokens: Tokens, starts: Sequence[int], block_size: int
+    tokens: Tokens, starts: Sequence[int], block_size: int, lookahead: int = 0
 ) -> tuple[tuple[object, ...] | None, ...] | None:
     """Per stored block (its first token in `starts`), its event's extra keys
-    (`model.contract.extra_keys.event_keys`); None for a request without an identity."""
+    (`model.contract.extra_keys.event_keys`, over the hash's window); None for a request without
+    an identity."""
     identity = identity_of(tokens)
     if not identity:
         return None
-    return tuple(event_keys(identity, s, s + block_size) for s in starts)
+    return tuple(event_keys(identity, s, s + block_size, lookahead) for s in starts)
+
+
+def _ahead(tokens: Tokens, ends: Sequence[int], lookahead: int) -> tuple[Tokens, ...] | None:
+    """Per stored block (its end in `ends`), the tokens past it its hash covers: the event's
+    `lookahead_token_ids` (`BlockPool._lookahead_token_ids`); None without lookahead hashes."""
+    if not lookahead:
+        return None
+    return tuple(lookahead_token_ids(tokens, e, lookahead) for e in ends)
 
 
 def _runs(indices: list[int]) -> list[list[int]]:

@@ -149,6 +149,6 @@ class StepChunks:
             num_tokens=req.num_tokens,
             shared_prefix_boundary=req.shared_prefix_boundary,
             block_size=self.cfg.scheduler_block_size,
-            eagle=self.cfg.eagle,
+            eagle=self.cfg.eagle_drop,
             fine_hash_block_size=self.cfg.hash_block_size if self.fine else 0,
         )
