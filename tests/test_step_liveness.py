@@ -125,14 +125,18 @@ def hang() -> KnownFinding:
 
 
 def test_the_hang_as_steps_is_reported_on_the_model() -> None:
-    """The trace converted to steps (its last `Schedule` as a one-request `Step`): the
-    model reports the hang there too, as the finding; control: not without its entry."""
+    """The finding's trace is the engine's own steps (a stated budget, every step naming
+    what the engine holds): the model reports the hang at its last step, as the finding;
+    control: not without its entry."""
     f = hang()
+    assert f.trace.config.max_num_batched_tokens and all(
+        not isinstance(op, Schedule) for op in f.trace.ops
+    )
     last = f.trace.ops[-1]
-    assert isinstance(last, Schedule)
+    assert isinstance(last, Step) and last.budget == f.trace.config.max_num_batched_tokens
     checker = Checker(ModelTarget(f.trace.config))
     found: list[Violation] = []
-    for op in [*f.trace.ops[:-1], Step((last.rid,), last.budget)]:
+    for op in f.trace.ops:
         found += checker.step(op)
     assert [v.check for v in found] == ["fitting_request_admitted"]
     assert found[0].message.endswith("after its failed load was rolled back")
