@@ -167,7 +167,7 @@ def fix_mamba_external_state_counted(mp: pytest.MonkeyPatch) -> None:
 FIXES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
     "async-load-cut-keeps-placeholders": (fix_placeholders_reset, "keeps 1 output placeholder"),
     "save-during-load-freed-at-first-report": (fix_one_free_per_deferral, "freed at its load's report"),
-    "sync-load-failed-block-hash-kept": (fix_failed_blocks_recomputed, "r0 resumes at 12, reading block 2"),
+    "sync-load-failed-block-hash-kept": (fix_failed_blocks_recomputed, "r1 resumes at 12, reading block 2"),
     "sync-load-failed-block-read-before-recompute": (
         fix_failed_blocks_recomputed,
         "r1 resumes at 12, reading block 2",
@@ -264,5 +264,5 @@ def test_engine_setup_divergence_raises_setup_diverged(
         return orig(self)
 
     monkeypatch.setattr(Scheduler, "schedule", schedule)
-    with pytest.raises(diverged, match=r"op 3: tokens scheduled: vLLM gives \{'r0': 1, 'r1': 3\}"):
+    with pytest.raises(diverged, match=r"op 3: tokens scheduled: vLLM gives \{'r0': 1, 'r1': 6\}"):
         test()

@@ -435,8 +435,8 @@ def test_a_padded_admission_puts_the_next_state_in_the_null_block(target: str) -
     draft, draft]; the sample rejects the placeholders and the next one-token step
     ends at token 4, whose state column (1) is that null entry in the worker's
     table too. vLLM 0.33.0 writes r2's running state into the null block; with a
-    second request in the same case (r3) the two share it, and r2 then reads the
-    state r3 wrote there. Without a hit: a one-token prompt (r1) padded beside a
+    second request in the same case (r3) the two write it in one step and each then
+    reads the state the other wrote there (the traces are engine steps: a stated budget). Without a hit: a one-token prompt (r1) padded beside a
     running request ships [null, state, draft, draft] and its next step writes
     column 0. Registered as the known finding `vllm-mamba-padded-admission-null-state`:
     every such violation is explained by it, and nothing else is found."""
@@ -448,15 +448,24 @@ def test_a_padded_admission_puts_the_next_state_in_the_null_block(target: str) -
         "mamba_state_in_null_block": [(6, "r2 writes its state into column 1")],
         "mamba_state_in_null_block_two_requests": [
             (8, "r2 writes its state into column 1"),
-            (9, "r3 writes its state into column 1"),
-            (12, "r2 reads its previous state from column 1"),
+            (8, "r3 writes its state into column 1"),
+            (11, "r2 reads its previous state from column 1"),
+            (11, "r3 reads its previous state from column 1"),
         ],
         "mamba_state_in_null_block_no_hit": [(8, "r1 writes its state into column 0")],
     }
+    if target == "vllm-async-scheduler":
+        # The AsyncScheduler's own steps schedule the placeholder drafts again after the
+        # sample (no one-token step follows it), so these engine-step traces do not reach
+        # the null column there; a directed one-token budget did. Judged clean there.
+        cases = {name: [] for name in cases if name != "mamba_state_in_null_block_no_hit"}
     for name, expected in cases.items():
         result = replay(read_trace(DATA / f"{name}.json"), target)
         assert result.violations == [], name
         null_state = [(i, v) for i, v in result.known if v.check == "mamba_state_in_worker_table"]
+        if not expected:
+            assert null_state == [], name
+            continue
         assert [(i, v.message) for i, v in null_state] == [
             (i, f"{what} {NULL_STATE}") for i, what in expected
         ], name

@@ -34,8 +34,8 @@ scheduled tokens are checked against the values recorded then: a difference rais
 SetupDiverged (the trace no longer reaches the finding's state: re-derive it). Only
 the final check is the property.
 
-Recorded violation: crash: TargetCrash: vLLM 0.33.0 kept r0's 1 output placeholder(s) after a sync load's
-failed blocks cut it (its step output is skipped: nothing consumes them, its next steps
+Recorded violation: crash: TargetCrash: vLLM 0.33.0 kept r0's 1 output placeholder(s) after a load's failed
+blocks cut it (its step output is skipped: nothing consumes them, its next steps
 schedule them as tokens)
 """
 

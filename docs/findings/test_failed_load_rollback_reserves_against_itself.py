@@ -16,9 +16,9 @@ offers it an async load again: it never runs. Here: one full, two SWA groups (bl
 (16 blocks), its load fails and is rolled back (its fresh admission in the same turn
 does not fit either), then offered 46 tokens async: on an idle pool its admission needs
 about 16 blocks (its first one took 16) but vLLM reserves 30 for r0 itself, and refuses
-it. vLLM's Scheduler agrees step for step on this trace, and `kvretain replay --target
-vllm` reports it: there the last Schedule runs as a one-request Step, whose first
-admission on an idle pool fitting_request_admitted judges as a Schedule's; with the real
+it. vLLM's Scheduler agrees step for step on this trace (engine steps, budget 64:
+nothing steered), and `kvretain replay --target vllm` reports it:
+fitting_request_admitted judges the last step's admission on an idle pool; with the real
 scheduler's draft (num_spec_tokens 1) the async admission also leaves one decode step's
 slots free (3 blocks), so it counts 19 blocks there, 16 on the model. The model
 (model.machine.connector: in_flight_reserve counts every request whose prefill is in
@@ -384,8 +384,8 @@ def test_failed_load_rollback_reserves_against_itself() -> None:
     expect("op 4: tokens scheduled", dict(out1.num_scheduled_tokens), {})
     # op 5: op=offer, rid=r0, num_tokens=46, load=async
     driver.s.connector.offer('r0', 46, async_load=True)
-    # op 6: op=schedule, rid=r0, budget=1
+    # op 6: op=step, rids=['r0'], budget=64
     # The property:
-    out2 = driver.step([], ['r0'], [], budget=1)
+    out2 = driver.step([], ['r0'], [], budget=64)
     held = [len(ids) for ids in driver.s.kv_cache_manager.get_block_ids('r0')]
     assert any(held), "r0 needs 19 blocks and is refused by an idle pool of 27"

@@ -342,10 +342,10 @@ def test_save_during_load_freed_at_first_report() -> None:
     driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
     # op 0: op=add, rid=r0, prompt=13 tokens
     driver.add('r0', list(range(1, 14)))
-    # op 1: op=save, rid=r0
-    driver.s.connector.save('r0')
-    # op 2: op=offer, rid=r0, num_tokens=13, load=async
+    # op 1: op=offer, rid=r0, num_tokens=13, load=async
     driver.s.connector.offer('r0', 13, async_load=True)
+    # op 2: op=save, rid=r0
+    driver.s.connector.save('r0')
     # op 3: op=step, rids=['r0'], budget=64
     out0 = driver.step([], [], ['r0'], budget=64)
     expect("op 3: tokens scheduled", dict(out0.num_scheduled_tokens), {})

@@ -343,20 +343,20 @@ def test_sync_load_failed_block_read_before_recompute() -> None:
     driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
     # op 0: op=add, rid=r0, prompt=13 tokens
     driver.add('r0', list(range(1, 14)))
-    # op 1: op=add, rid=r1, prompt=20 tokens
-    driver.add('r1', [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 50, 51, 52, 53, 54, 55, 56, 57])
-    # op 2: op=offer, rid=r0, num_tokens=12, load=sync
+    # op 1: op=offer, rid=r0, num_tokens=12, load=sync
     driver.s.connector.offer('r0', 12, async_load=False)
-    # op 3: op=step, rids=['r0', 'r1'], budget=5
-    out0 = driver.step([], [], ['r0', 'r1'], budget=5)
-    expect("op 3: tokens scheduled", dict(out0.num_scheduled_tokens), {'r0': 1, 'r1': 4})
+    # op 2: op=add, rid=r1, prompt=20 tokens
+    driver.add('r1', [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 50, 51, 52, 53, 54, 55, 56, 57])
+    # op 3: op=step, rids=['r0', 'r1'], budget=8
+    out0 = driver.step([], [], ['r0', 'r1'], budget=8)
+    expect("op 3: tokens scheduled", dict(out0.num_scheduled_tokens), {'r0': 1, 'r1': 7})
     # op 4: op=loaded, rid=r0, ok=True, invalid=[2]
-    driver.update(out0, {'r0': 1, 'r1': 4}, total=5, sampled={'r0': [], 'r1': []}, connector=KVConnectorOutput(invalid_block_ids={2}))
+    driver.update(out0, {'r0': 1, 'r1': 7}, total=8, sampled={'r0': [], 'r1': []}, connector=KVConnectorOutput(invalid_block_ids={2}))
     # op 5: op=finish, rid=r0
     driver.finish('r0')
-    # op 6: op=step, rids=['r1'], budget=64
+    # op 6: op=step, rids=['r1'], budget=8
     # The property:
-    out1 = driver.step(['r1'], [], [], budget=64)
+    out1 = driver.step(['r1'], [], [], budget=8)
     start = driver.requests['r1'].num_computed_tokens - out1.num_scheduled_tokens['r1']
     assert start <= 4, (
         f"r1 resumes at {start}, reading block 2 (tokens [4, 8) of group 0): "

@@ -290,9 +290,9 @@ def test_vllm_mamba_padded_admission_null_state() -> None:
     # op 5: op=sample, rid=r2, token=1
     driver.update(out1, {'r2': 3}, total=3, sampled={'r2': [1]})
     driver.s.update_draft_token_ids(DraftTokenIds(['r2'], [[]]))
-    # op 6: op=step, rids=['r2'], budget=1
+    # op 6: op=step, rids=['r2'], budget=3
     # The property:
-    out2 = driver.step(['r2'], [], [], budget=1)
+    out2 = driver.step(['r2'], [], [], budget=3)
     table = driver.tables['r2'][1]
     null = driver.s.kv_cache_manager.block_pool.null_block.block_id
     assert table[1] != null, (
