@@ -129,9 +129,7 @@ def test_the_hang_as_steps_is_reported_on_the_model() -> None:
     what the engine holds): the model reports the hang at its last step, as the finding;
     control: not without its entry."""
     f = hang()
-    assert f.trace.config.max_num_batched_tokens and all(
-        not isinstance(op, Schedule) for op in f.trace.ops
-    )
+    assert f.trace.config.max_num_batched_tokens and all(not isinstance(op, Schedule) for op in f.trace.ops)
     last = f.trace.ops[-1]
     assert isinstance(last, Step) and last.budget == f.trace.config.max_num_batched_tokens
     checker = Checker(ModelTarget(f.trace.config))
