@@ -13,10 +13,10 @@ token now reaches into those null blocks: the worker attends over KV that was ne
 loaded nor computed. Here: SWA4 (window 4), r0 caches a 13-token prompt; r1 (8 tokens)
 hits block 0, its connector loads tokens 4..6 asynchronously into block 4 (block 0 left
 null, out of the window of token 6), the report names block 4 as failed, the cut resumes
-r1 at token 4, whose window (tokens 1..4) reads block index 0, the null block. A fix
-would cut further back, to where every block the window of the resumed token reads is
-held (or to 0). The model states vLLM's cut (model.machine.connector), so it reproduces
-the finding.
+r1 at token 4 (engine steps, budget 8: r0 still decoding beside it), whose window
+(tokens 1..4) reads block index 0, the null block. A fix would cut further back, to
+where every block the window of the resumed token reads is held (or to 0). The model
+states vLLM's cut (model.machine.connector), so it reproduces the finding.
 
 How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 1), as straight-line code.
@@ -350,14 +350,18 @@ def test_swa_load_cut_reads_skipped_window() -> None:
     driver.add('r1', [2, 3, 3, 1, 1, 1, 3, 3])
     # op 4: op=offer, rid=r1, num_tokens=7, load=async
     driver.s.connector.offer('r1', 7, async_load=True)
-    # op 5: op=step, rids=['r1'], budget=64
-    out2 = driver.step([], [], ['r1'], budget=64)
-    expect("op 5: tokens scheduled", dict(out2.num_scheduled_tokens), {})
-    # op 6: op=loaded, rid=r1, ok=True, invalid=[4]
+    # op 5: op=sample, rid=r0, token=1
+    # op 6: op=step, rids=['r0', 'r1'], budget=8
+    driver.update(out1, {'r0': 5}, total=5, sampled={'r0': [1]})
+    out2 = driver.step(['r0'], [], ['r1'], budget=8)
+    expect("op 6: tokens scheduled", dict(out2.num_scheduled_tokens), {'r0': 1})
+    # op 7: op=loaded, rid=r1, ok=True, invalid=[4]
     driver.update(out2, {}, total=0, sampled={}, connector=KVConnectorOutput(finished_recving={'r1'}, invalid_block_ids={4}))
-    # op 7: op=step, rids=['r1'], budget=64
+    # op 8: op=sample, rid=r0, token=1
+    driver.update(out2, {'r0': 1}, total=1, sampled={'r0': [1]})
+    # op 9: op=step, rids=['r0', 'r1'], budget=8
     # The property:
-    out3 = driver.step([], ['r1'], [], budget=64)
+    out3 = driver.step(['r0'], ['r1'], [], budget=8)
     table = driver.s.kv_cache_manager.get_block_ids('r1')[0]
     null = driver.s.kv_cache_manager.block_pool.null_block.block_id
     assert table[0] != null, (

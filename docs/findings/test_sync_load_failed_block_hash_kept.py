@@ -14,14 +14,15 @@ prefix (another request, or the same one re-admitted) is a prefix-cache hit on K
 was never loaded nor computed: a corrupted output, with no error. Here: FULL4 (one
 full-attention group, block 4), 8 blocks; r0 (13 tokens) is offered its first 12 tokens
 sync (blocks 1-3, cached at the admission), the step's output names block 2 failed, r0
-is cut to 4 and preempted; re-admitted, it hits 12 tokens on blocks 1-3, block 2
-included (tests/data/kv_failed_block_hit_after_finish.json: aborted, and a new request
-with the same prompt hits it). A probe between the report and the recompute sees the
-same hit. The model (model.machine.connector) states vLLM's behaviour, so it reproduces
-the finding; hit_serves_written_kv flags it on both. Under 'fail' vLLM evicts the hashes
-from the first failed block on (KVCacheManager.evict_blocks) and ends the request: not
-this finding. An async load is not affected: its blocks are cached only at promotion,
-the valid prefix only. A fix would evict the failed blocks' hashes when the cut request
+is cut to 4 and aborted; r1, with the same prompt, hits 12 tokens on blocks 1-3, block 2
+included (engine steps, budget 64). A preempted r0 re-admitted hits it the same way
+(tests/data/kv_failed_block_hit_after_preempt.json, a trace with a directed Preempt). A
+probe between the report and the recompute sees the same hit. The model
+(model.machine.connector) states vLLM's behaviour, so it reproduces the finding;
+hit_serves_written_kv flags it on both. Under 'fail' vLLM evicts the hashes from the
+first failed block on (KVCacheManager.evict_blocks) and ends the request: not this
+finding. An async load is not affected: its blocks are cached only at promotion, the
+valid prefix only. A fix would evict the failed blocks' hashes when the cut request
 leaves before recomputing them (or at the report, keeping the same-step share another
 way). Found by kvretain on vLLM 0.33.0's real Scheduler with its scripted connector
 (CPU, no worker); not confirmed on a GPU with a real connector, and not filed upstream.
@@ -354,13 +355,15 @@ def test_sync_load_failed_block_hash_kept() -> None:
     expect("op 2: tokens scheduled", dict(out0.num_scheduled_tokens), {'r0': 1})
     # op 3: op=loaded, rid=r0, ok=True, invalid=[2]
     driver.update(out0, {'r0': 1}, total=1, sampled={'r0': []}, connector=KVConnectorOutput(invalid_block_ids={2}))
-    # op 4: op=preempt, rid=r0
-    driver.preempt('r0')
-    # op 5: op=step, rids=['r0'], budget=64
+    # op 4: op=finish, rid=r0
+    driver.finish('r0')
+    # op 5: op=add, rid=r1, prompt=13 tokens
+    driver.add('r1', list(range(1, 14)))
+    # op 6: op=step, rids=['r1'], budget=64
     # The property:
-    out1 = driver.step([], [], ['r0'], budget=64)
-    start = driver.requests['r0'].num_computed_tokens - out1.num_scheduled_tokens['r0']
+    out1 = driver.step([], [], ['r1'], budget=64)
+    start = driver.requests['r1'].num_computed_tokens - out1.num_scheduled_tokens['r1']
     assert start <= 4, (
-        f"r0 resumes at {start}, reading block 2 (tokens [4, 8) of group 0): "
+        f"r1 resumes at {start}, reading block 2 (tokens [4, 8) of group 0): "
         "a load failed on it and no step has written it since"
     )
