@@ -47,13 +47,17 @@ from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_modules
 from model.contract.config import Config, GroupSpec
 from model.contract.observation import StepResult
-from model.contract.ops import AddRequest, Finish, Op, Schedule
+from model.contract.ops import AddRequest, Finish, Op, Schedule, Step
 
 BENCH_CONFIG = Config(
     groups=(GroupSpec("full", 16), GroupSpec("swa", 16, sliding_window=32)),
     num_blocks=256,
     retention_interval=0,
 )
+# A real scheduler decides every step itself (nothing steered): it is built with vLLM's
+# default batch caps, and each cycle's step is the engine's own (its one live request).
+ENGINE_BUDGET, ENGINE_SEQS = 2048, 256
+ENGINE_CONFIG = BENCH_CONFIG.with_(max_num_batched_tokens=ENGINE_BUDGET, max_num_seqs=ENGINE_SEQS)
 PROMPT_LEN, PREFIX_LEN = 105, 64
 ROUNDS = 3
 CLOCK = time.process_time
@@ -90,9 +94,12 @@ def raw_vllm_cycles(prompts: list[tuple[int, ...]]) -> float:
     return len(prompts) / (CLOCK() - start)
 
 
-def cycle_ops(i: int, prompt: tuple[int, ...]) -> tuple[Op, ...]:
-    """One request cycle as kvretain operations: admitted in one chunk, then finished."""
-    return AddRequest(f"b{i}", prompt), Schedule(f"b{i}", 4096), Finish(f"b{i}")
+def cycle_ops(i: int, prompt: tuple[int, ...], engine: bool = False) -> tuple[Op, ...]:
+    """One request cycle as kvretain operations: admitted in one chunk, then finished;
+    `engine`: the chunk is the engine's own step (a real scheduler's, `ENGINE_CONFIG`)."""
+    rid = f"b{i}"
+    run: Op = Step((rid,), ENGINE_BUDGET) if engine else Schedule(rid, 4096)
+    return AddRequest(rid, prompt), run, Finish(rid)
 
 
 def lockstep_cycles(prompts: list[tuple[int, ...]]) -> float:
@@ -154,9 +161,10 @@ def checked_cycles(
         checker.model = _Timed(checker.model, phase, "model")  # type: ignore[assignment]
         checker.model_target = _Timed(checker.model_target, phase, "model")  # type: ignore[assignment]
     known = checker.target.name  # the variant without the engine contract is "vllm"
+    engine = known in REAL_SCHEDULER_TARGETS
     start = CLOCK()
     for i, prompt in enumerate(prompts):
-        for op in cycle_ops(i, prompt):
+        for op in cycle_ops(i, prompt, engine):
             new = [v for v in checker.step(op) if not is_known_violation(known, v)]
             assert not new, (op, new)
     final = [v for v in checker.audit() if not is_known_violation(known, v)]
@@ -175,8 +183,8 @@ def _build(target: str) -> Any:
     if target == NO_ENGINE_CONTRACT:
         from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 
-        return VllmSchedulerTarget(BENCH_CONFIG, engine_contract=False)
-    return target_factory(target)(BENCH_CONFIG)
+        return VllmSchedulerTarget(ENGINE_CONFIG, engine_contract=False)
+    return target_factory(target)(ENGINE_CONFIG if target in REAL_SCHEDULER_TARGETS else BENCH_CONFIG)
 
 
 def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = print) -> int:
@@ -215,7 +223,7 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
             )
         )
     breakdowns = {}
-    # vllm: the same allocator with vLLM's real Scheduler running each Schedule as a step.
+    # vllm: the same allocator with vLLM's real Scheduler deciding each cycle's step (ENGINE_CONFIG).
     for name in ("vllm-manager", "vllm", NO_ENGINE_CONTRACT, "reference"):
         try:
             cyc, ops, phase = best[name] if name in best else checked_cycles(name, prompts)
