@@ -4,12 +4,16 @@ whose every write is named in `vllm_scheduler_drive.STEERING`, with its reason.
 The engine's contract asks that kvretain act only as the engine core and a client do:
 "vllm" and "vllm-async-scheduler" write nothing of their scheduler (the KV-event
 capture is handed to it at construction, `vllm_scheduler_build.capturing_events`).
-The directed targets ("vllm-directed", "vllm-async-scheduler-directed") steer, and
-every write sits in the `Steered` mixin (`STEERING_CLASSES`). This test holds the
-adapters' source to that: a write (an attribute of a scheduler assigned, its queues
-mutated, a private method of it called) outside `Steered` fails, a new write inside it
-fails until it is named, and a named write that is gone fails until the entry is
-dropped. The controls plant writes in a copy of the source.
+This test reads every adapter's source in invariants/targets/ (AST) and finds each write
+to a `Scheduler` after construction: an attribute assigned, augmented or deleted, an
+item of one assigned, one changed in place by a mutating call (`.append`, `.remove`,
+`.extend`, `.add_request`, `.pop`, ...), `setattr`, or a private method of the scheduler
+called (`_preempt_request`), directly or through a local bound to the scheduler or to one
+of its attributes. The directed targets ("vllm-directed", "vllm-async-scheduler-directed")
+still steer: every write sits in the `Steered` mixin (`STEERING_CLASSES`), named in
+`STEERING`. A write outside `Steered` fails, a new write inside it fails until it is
+named, and a named write that is gone fails until the entry is dropped. The controls
+plant writes (and non-writes) in source of their own.
 """
 
 from __future__ import annotations
@@ -20,18 +24,30 @@ from pathlib import Path
 from invariants.targets.vllm_scheduler_drive import STEERING, STEERING_CLASSES
 
 TARGETS = Path(__file__).resolve().parents[1] / "invariants" / "targets"
+# How the adapters name a vLLM `Scheduler` (an attribute or a local); a local bound to one
+# (`sched = self.sched`) or to one of its attributes (`queue = sched.waiting`) is followed.
 SCHEDULER_NAMES = {"sched", "scheduler", "vllm_scheduler"}
-QUEUES = {"running", "waiting", "kv_holding_waiting"}
+# Calls that change the object they are called on (a queue, a dict, a set, a list).
 MUTATORS = {
     "remove",
     "append",
+    "appendleft",
     "extend",
+    "add",
     "add_request",
     "prepend_request",
+    "prepend_requests",
     "pop",
+    "popleft",
+    "popitem",
     "clear",
     "insert",
+    "update",
+    "discard",
+    "setdefault",
     "remove_requests",
+    "sort",
+    "reverse",
 }
 
 
@@ -46,50 +62,113 @@ def _chain(node: ast.expr) -> list[str]:
     return names[::-1]
 
 
-def _on_scheduler(chain: list[str]) -> int | None:
-    """The index just past the scheduler in `chain`, or None when it names none."""
-    hits = [i for i, name in enumerate(chain[:-1]) if name in SCHEDULER_NAMES]
-    return hits[-1] + 1 if hits else None
+class _Scope:
+    """The locals of one function that stand for the scheduler or one of its attributes."""
+
+    def __init__(self) -> None:
+        self.schedulers: set[str] = set()
+        self.attributes: dict[str, str] = {}
+
+    def resolve(self, chain: list[str]) -> tuple[str, ...] | None:
+        """The scheduler attributes `chain` names past the scheduler (() for the scheduler
+        itself), or None when it names no scheduler."""
+        hits = [
+            i
+            for i, name in enumerate(chain)
+            if name in SCHEDULER_NAMES or (i == 0 and name in self.schedulers)
+        ]
+        if hits:
+            return tuple(chain[hits[-1] + 1 :])
+        if chain and chain[0] in self.attributes:
+            return (self.attributes[chain[0]], *chain[1:])
+        return None
+
+    def bind(self, node: ast.Assign) -> None:
+        """`name = <scheduler>` or `name = <scheduler>.attr`: followed from here on."""
+        value = node.value
+        chain = _chain(value) if isinstance(value, (ast.Attribute, ast.Name)) else []
+        rest = self.resolve(chain) if chain else None
+        for t in node.targets:
+            if not isinstance(t, ast.Name):
+                continue
+            self.schedulers.discard(t.id)
+            self.attributes.pop(t.id, None)
+            if rest == ():
+                self.schedulers.add(t.id)
+            elif rest:
+                self.attributes[t.id] = rest[0]
+
+
+def _written(target: ast.expr, scope: _Scope) -> str | None:
+    """The scheduler attribute an assignment (or `del`) to `target` writes: the attribute
+    itself (`sched.x = ...`), or an item of it (`sched.requests[rid] = ...`)."""
+    if isinstance(target, ast.Subscript):
+        node = target.value
+        rest = scope.resolve(_chain(node)) if isinstance(node, (ast.Attribute, ast.Name)) else None
+        return rest[0] if rest else None
+    if isinstance(target, ast.Attribute):
+        rest = scope.resolve(_chain(target))
+        return rest[0] if rest and len(rest) == 1 else None
+    return None
+
+
+def _called(call: ast.Call, scope: _Scope) -> str | None:
+    """The scheduler attribute a call writes: a mutating method of one of its attributes
+    (`sched.waiting.add_request(r)`), one of its private methods (`sched._preempt_request`),
+    or `setattr` / `delattr` on it."""
+    func = call.func
+    if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and call.args:
+        first = call.args[0]
+        on = scope.resolve(_chain(first)) if isinstance(first, (ast.Attribute, ast.Name)) else None
+        if on == ():
+            name = call.args[1] if len(call.args) > 1 else None
+            return name.value if isinstance(name, ast.Constant) and isinstance(name.value, str) else "?"
+        return None
+    if not isinstance(func, ast.Attribute):
+        return None
+    rest = scope.resolve(_chain(func))
+    if not rest:
+        return None
+    if len(rest) == 1 and rest[0].startswith("_") and not rest[0].startswith("__"):
+        return rest[0]  # a private method of the scheduler
+    if len(rest) == 2 and rest[1] in MUTATORS:
+        return rest[0]  # one of its attributes changed in place
+    return None
 
 
 def scheduler_writes(source: str) -> dict[str, set[str]]:
-    """function (Class.method) -> the scheduler attributes it writes, in `source`."""
+    """function (Class.method) -> the scheduler attributes it writes after construction, in
+    `source`: assigned, augmented, deleted, an item of one assigned, changed in place by a
+    mutating call, set by `setattr`, or a private method of the scheduler called."""
     found: dict[str, set[str]] = {}
 
-    def visit(node: ast.AST, where: str) -> None:
+    def visit(node: ast.AST, where: str, scope: _Scope) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.ClassDef):
-                visit(child, child.name)
+                visit(child, child.name, _Scope())
                 continue
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                visit(child, f"{where}.{child.name}" if where else child.name)
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                name = getattr(child, "name", "<lambda>")
+                visit(child, f"{where}.{name}" if where else name, _Scope())
                 continue
-            written: list[str] = []
-            if isinstance(child, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
-                for t in targets:
-                    chain = _chain(t) if isinstance(t, ast.Attribute) else []
-                    at = _on_scheduler(chain)
-                    if at is not None and at == len(chain) - 1:
-                        written.append(chain[at])
-            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
-                chain = _chain(child.func)
-                at = _on_scheduler(chain)
-                if at is not None:
-                    rest = chain[at:]
-                    if (
-                        len(rest) == 2
-                        and rest[0] in QUEUES
-                        and rest[1] in MUTATORS
-                        or len(rest) == 1
-                        and rest[0].startswith("_")
-                    ):
-                        written.append(rest[0])
+            targets: list[ast.expr] = []
+            if isinstance(child, ast.Assign):
+                targets = list(child.targets)
+            elif isinstance(child, (ast.AugAssign, ast.AnnAssign)):
+                targets = [child.target]
+            elif isinstance(child, ast.Delete):
+                targets = list(child.targets)
+            written = [w for w in (_written(t, scope) for t in targets) if w]
+            if isinstance(child, ast.Call):
+                called = _called(child, scope)
+                written += [called] if called else []
             if written:
                 found.setdefault(where, set()).update(written)
-            visit(child, where)
+            visit(child, where, scope)
+            if isinstance(child, ast.Assign):
+                scope.bind(child)
 
-    visit(ast.parse(source), "")
+    visit(ast.parse(source), "", _Scope())
     return found
 
 
@@ -167,3 +246,54 @@ def test_a_planted_write_to_the_scheduler_is_found() -> None:
         "Driver.step": {"waiting", "max_num_scheduled_tokens"},
         "Driver.nudge": {"running", "_free_request"},
     }
+
+
+def test_a_planted_running_queue_reset_is_found() -> None:
+    """The done-when control: `sched.running = []` in any adapter is a write."""
+    assert scheduler_writes("def step(sched):\n    sched.running = []\n") == {"step": {"running"}}
+
+
+def test_writes_through_a_local_an_item_setattr_and_del_are_found() -> None:
+    """Controls for the forms a write can take: through a local bound to the scheduler or
+    to one of its attributes, an item of an attribute, `setattr`, `del`, an augmented
+    assignment, a mutating call on any attribute (not only the queues)."""
+    planted = (
+        "class Driver:\n"
+        "    def alias(self):\n"
+        "        s = self.vllm_scheduler\n"
+        "        s.policy = None\n"
+        "        queue = s.waiting\n"
+        "        queue.prepend_request(1)\n"
+        "    def item(self, rid):\n"
+        "        self.sched.requests[rid] = None\n"
+        "        del self.sched.kv_holding_waiting\n"
+        "    def other(self):\n"
+        "        setattr(self.scheduler, 'max_num_running_reqs', 1)\n"
+        "        self.sched.finished_req_ids.add('r0')\n"
+        "        self.sched.num_waiting -= 1\n"
+    )
+    assert scheduler_writes(planted) == {
+        "Driver.alias": {"policy", "waiting"},
+        "Driver.item": {"requests", "kv_holding_waiting"},
+        "Driver.other": {"max_num_running_reqs", "finished_req_ids", "num_waiting"},
+    }
+
+
+def test_what_an_engine_core_and_a_client_do_is_no_write() -> None:
+    """Control the other way: the scheduler's public calls, reads of its queues, a local
+    rebound to something else, and writes to another object are not writes."""
+    clean = (
+        "class Driver:\n"
+        "    def step(self, req):\n"
+        "        self.sched.add_request(req)\n"
+        "        out = self.sched.schedule()\n"
+        "        self.sched.update_from_output(out, None)\n"
+        "        self.sched.finish_requests('r0', None)\n"
+        "        ids = [r.request_id for r in self.sched.running]\n"
+        "        queue = self.sched.waiting\n"
+        "        queue = list(queue)\n"
+        "        queue.append(1)\n"
+        "        self.sched.connector.watch = None\n"
+        "        self.recorder.calls.append(ids)\n"
+    )
+    assert scheduler_writes(clean) == {}
