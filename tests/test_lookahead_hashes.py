@@ -28,7 +28,7 @@ from invariants.catalogue.events import stored_tokens_match_hashes  # noqa: E402
 from invariants.targets.vllm_env import vllm_available  # noqa: E402
 from model.contract.config import Config, GroupSpec  # noqa: E402
 from model.contract.observation import BlockStored, block_key  # noqa: E402
-from model.contract.ops import AddRequest, Finish, Op, Schedule, Step  # noqa: E402
+from model.contract.ops import AddRequest, Finish, Op, Sample, Schedule, Step  # noqa: E402
 from model.contract.prefix import block_name, lookahead_of, looked, names_head, prefix  # noqa: E402
 from model.machine.allocator import AllocatorModel  # noqa: E402
 
@@ -239,3 +239,38 @@ def test_planted_lookahead_omission_is_found_by_fuzzing(tmp_path: Path) -> None:
     checker = Checker(VllmSchedulerTarget(failure.config))
     clean = [v for op in failure.ops for v in checker.step(op) if v.check == "hit_written_by_same_identity"]
     assert clean == [], clean
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("scheduler_known", [True, False])
+def test_async_allocation_hashes_only_the_tokens_the_scheduler_holds(scheduler_known: bool) -> None:
+    """vLLM's `AsyncScheduler` under lookahead hashes: a step scheduled before a sample's
+    accepted drafts arrive caches only the blocks hashed over the tokens the scheduler holds
+    (found by a 60 s fuzz of vllm-async-scheduler, seed 1): clean. Control: the model caching
+    over every token it knows (the in-flight ones too) disagrees on the events."""
+    from drive import async_violations, patched
+
+    import model.machine.caching as caching
+
+    c = cfg(groups=(GroupSpec("swa", 2, sliding_window=4),), num_blocks=9, num_lookahead_tokens=3)
+    c = replace(c, max_num_batched_tokens=4, reserve_full_isl=True, watermark=0.3)
+    ops: list[Op] = [
+        AddRequest("r1", (1, 1, 2, 1, 3, 1, 3, 1)),
+        Step(("r1",), 4),
+        Step(("r1",), 4),
+        Sample("r1", 1),
+        Step(("r1",), 4),
+        Sample("r1", 1, drafts=(2, 1, 1)),
+        Step(("r1",), 4),
+        Sample("r1", 1, accepted=3, drafts=(3,)),
+        Step(("r1",), 4),
+    ]
+    real = caching.BlockCaching.cache_blocks
+
+    def every_token(self: Any, req: Any, num_tokens: int, known: int | None = None) -> None:
+        real(self, req, num_tokens)
+
+    with patched(caching.BlockCaching, "cache_blocks", real if scheduler_known else every_token):
+        found = async_violations(c, ops)
+    assert bool(found) != scheduler_known, found

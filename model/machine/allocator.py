@@ -607,7 +607,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if unrolled:
             self.observer.fired("async: a step allocated past drafts still to be rolled back")
         if self.cfg.enable_caching and not delay_cache:
-            self.cache_blocks(req, caching_limit(total, n, req.num_tokens, unknown))
+            self.cache_blocks(req, caching_limit(total, n, req.num_tokens, unknown), req.num_tokens - unknown)
         return new
 
     def _any_running(self) -> bool:

@@ -62,14 +62,19 @@ class BlockCaching:
             if sum(g.num_cached.get(req.rid, 0) for g in self.groups) > before:
                 self.observer.fired("async: a sampled token's arrival cached blocks")
 
-    def cache_blocks(self, req: RequestState, num_tokens: int) -> None:
+    def cache_blocks(self, req: RequestState, num_tokens: int, known: int | None = None) -> None:
+        """Key `req`'s blocks up to `num_tokens`, and only those it has hashed: a block once its
+        tokens (and under lookahead hashes the lookahead past it) are among the `known` ones
+        (the tokens the scheduler holds; all of them unless some are in flight)."""
         cfg = self.cfg
         boundaries = list(
             self.rules.replay_boundaries(len(req.prompt), cfg.scheduler_block_size, cfg.eagle_drop)
         )
         tokens = req.tokens
         hashed = (
-            hashed_tokens(req.num_tokens, cfg.hash_lookahead) // cfg.hash_block_size * cfg.hash_block_size
+            hashed_tokens(req.num_tokens if known is None else known, cfg.hash_lookahead)
+            // cfg.hash_block_size
+            * cfg.hash_block_size
         )
         for g in self.groups:
             n = self._cacheable_tokens(g, num_tokens)
