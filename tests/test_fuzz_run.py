@@ -265,3 +265,29 @@ def test_an_unknown_preset_is_one_line_and_nothing_else(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and "no-such-preset" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_shrinking_a_prompt_keeps_its_multimodal_items_within_it():
+    """A shortened prompt drops the items past its new end and clips the one across it,
+    so the shrunk trace loads (`model.ops.from_json` validates item bounds)."""
+    from dataclasses import replace
+
+    import pytest
+
+    from model.ops import op_from_json, op_to_json
+
+    add = AddRequest("a", tuple(range(1, 13)), mm=(("img0", 2, 3), ("img1", 6, 4), ("img2", 10, 2)))
+    ops: list[Op] = [add, Schedule("a", 16)]
+
+    def fails(candidate: list[Op]) -> int | None:  # fails while "a" has at least 7 tokens
+        first = candidate[0] if candidate else None
+        return 1 if isinstance(first, AddRequest) and len(first.prompt) >= 7 and len(candidate) > 1 else None
+
+    best, _ = shrink(ops, fails, time.monotonic() + 10)
+    shrunk = best[0]
+    assert isinstance(shrunk, AddRequest) and len(shrunk.prompt) == 7
+    assert shrunk.mm == (("img0", 2, 3), ("img1", 6, 1))  # img1 clipped at 7, img2 dropped
+    assert op_from_json(op_to_json(shrunk)) == shrunk  # the shrunk trace loads
+    # control: the prompt cut alone, items untouched, is what failed to load
+    with pytest.raises(ValueError, match="past the prompt"):
+        op_from_json(op_to_json(replace(add, prompt=add.prompt[:7])))

@@ -228,3 +228,67 @@ def test_a_planted_key_defect_is_found_by_explore(name: str | None) -> None:
     with plant(name) if name else contextlib.nullcontext():
         cert = explore(inst, VllmManagerTarget, "vllm-manager", Limits(2))
     assert (cert.violation is not None) == (name is not None), (name, cert.violation, cert.states)
+
+
+# -- export: identity traces become standalone vLLM tests ------------------------------
+
+
+def _identity_trace(name: str) -> Any:
+    """The planted defect's trace, cut at the first isolation violation vLLM (planted) shows
+    on it (the differential snapshot check, on the events' keys, reports earlier)."""
+    from invariants.harness.replay import replay
+    from invariants.harness.trace import Trace
+    from invariants.layouts.presets import PRESETS
+
+    cfg = replace(PRESETS["gemma-tiny"], groups=PRESETS["gemma-tiny"].groups[:1], num_blocks=24)
+    trace = Trace(cfg, _trace(name), seed=0, target="vllm-manager")
+    with plant(name):
+        result = replay(trace, "vllm-manager", stop_at_first=False)
+    found = [(i, v) for i, v in result.violations if str(v).startswith("hit_written_by_same_identity")]
+    assert found, f"{name}: the trace does not show the defect"
+    i, v = found[0]
+    trace.ops = trace.ops[: i + 1]
+    trace.violation = str(v)
+    return trace
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["salt_ignored_with_mm", "mm_key_on_next_block"])
+def test_an_identity_finding_exports_and_fails_on_its_defect(name: str, tmp_path: Path) -> None:
+    """The exported file passes the trace's cache_salt / LoRARequest / multimodal features
+    to vLLM: it compiles, passes on vLLM as it is (control) and fails on the planted defect
+    (a hit across identities the specification does not give)."""
+    from test_export import load_exported
+
+    from invariants.export.plan import plan_export
+    from invariants.export.pytest_file import render_test
+
+    trace = _identity_trace(name)
+    assert trace.violation.startswith("hit_written_by_same_identity"), trace.violation
+    source = render_test(plan_export(trace))
+    compile(source, "exported.py", "exec")
+    assert "identity(" in source and "MultiModalFeatureSpec" in source
+    test = load_exported(source, tmp_path)
+    test()  # vLLM as it is keeps the requests apart
+    with plant(name), pytest.raises(AssertionError):
+        test()
+
+
+@pytest.mark.vllm
+def test_a_salted_scheduler_trace_exports_with_its_identity(tmp_path: Path) -> None:
+    """A vllm (real scheduler) trace with a salt and an adapter exports with them; one with
+    multimodal items is refused in one line (the file cannot state an encoder budget)."""
+    from invariants.export.plan import ExportError, plan_export
+    from invariants.export.pytest_file import render_test
+    from invariants.harness.trace import Trace
+    from model.config import Config, GroupSpec
+    from model.ops import Step
+
+    cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=8)
+    ops: list[Op] = [AddRequest("r0", tuple(range(1, 10)), salt="t", lora=("x", 1, "/x")), Step(("r0",), 16)]
+    source = render_test(plan_export(Trace(cfg, ops, 0, "vllm", "snapshot: (a planted violation)")))
+    compile(source, "exported.py", "exec")
+    assert "driver.add('r0', list(range(1, 10)), **identity(cache_salt='t', lora=('x', 1, '/x')))" in source
+    mm: list[Op] = [AddRequest("r0", tuple(range(1, 10)), mm=(("img", 0, 2),)), Step(("r0",), 16)]
+    with pytest.raises(ExportError, match=r"trace.ops\[0\]: multimodal items"):
+        render_test(plan_export(Trace(cfg, mm, 0, "vllm", "snapshot: (a planted violation)")))

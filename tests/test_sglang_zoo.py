@@ -32,6 +32,7 @@ EXPECTED = {
     "mamba_hit_refreshes_path": ("radix_mamba_eviction_lru",),
     "swa_finish_frees_window": ("radix_finished_prefix_promise",),
     "mamba_finish_drops_own_state": ("radix_finished_prefix_promise",),
+    "namespace_dropped_on_chunk_insert": ("radix_hit_same_identity",),
     # hunted on the Rust core alone: killed by judging it against the model, not the Python core
     "rust_full_eviction_in_swa_scope": ("radix_eviction_scope", "radix_full_eviction_matches_model"),
 }
@@ -53,6 +54,7 @@ def test_mutant_killed_and_restored(name: str) -> None:
         return (
             UnifiedRadixCache.lock,
             UnifiedRadixCache.on_release,
+            UnifiedRadixCache.checkpoint_into_tree,
             LRUStrategy.get_priority,
             SWAComponent.prepare_for_caching_req,
             MambaComponent.prepare_for_caching_req,

@@ -17,8 +17,8 @@ from typing import Protocol
 
 from model.radix.config import RadixLayout
 from model.radix.evict import evict_full
-from model.radix.match import expected_hit
-from model.radix.tree import TreeView
+from model.radix.match import child_on_page, expected_hit
+from model.radix.tree import DEFAULT_NAMESPACE, Namespace, TreeView
 
 
 class Account(Protocol):
@@ -94,15 +94,40 @@ def radix_free_list_unique(free_lists: Mapping[str, list[int]]) -> list[str]:
 
 
 def radix_hit_matches_model(
-    before: TreeView, tokens: tuple[int, ...], layout: RadixLayout, max_len: int, hit: int
+    before: TreeView,
+    tokens: tuple[int, ...],
+    layout: RadixLayout,
+    max_len: int,
+    hit: int,
+    namespace: Namespace = DEFAULT_NAMESPACE,
 ) -> list[str]:
-    """A lookup reports exactly the hit the match rule allows on the tree it saw
-    (full pages only; SWA: a window of live SWA since the last tombstone; Mamba: a
-    state at the node). Guards #17061 (tombstone reset), #29351 (lost full hit), #22935."""
-    want = expected_hit(before, tokens, layout, max_len)
+    """A lookup reports exactly the hit the match rule allows on the tree it saw, in the
+    request's namespace (full pages only; SWA: a window of live SWA since the last
+    tombstone; Mamba: a state at the node). Guards #17061 (tombstone reset), #29351 (lost
+    full hit), #22935."""
+    want = expected_hit(before, tokens, layout, max_len, namespace)
     if want != hit:
         return [f"lookup of {len(tokens)} tokens hit {hit}, the match rule allows {want}"]
     return []
+
+
+def radix_hit_same_identity(
+    hit_slots: Iterable[int], writers: Mapping[int, Namespace], namespace: Namespace
+) -> list[str]:
+    """Isolation: every full-attention slot a lookup hands a request as its prefix was
+    written by a request of the same identity (LoRA adapter and cache salt), whatever the
+    tree says about it. `writers` maps each slot to the identity of the request that was
+    allocated it last (the target's own provenance, not the model). A hit across
+    identities lets one tenant read KV another tenant's prompt wrote (a timing side channel,
+    why `cache_salt` exists) or run an adapter over another adapter's KV."""
+    crossed = sorted({(s, writers.get(s)) for s in hit_slots if writers.get(s) != namespace}, key=str)
+    if not crossed:
+        return []
+    slot, other = crossed[0]
+    return [
+        f"a request of identity {namespace} hit {len(crossed)} slot(s) written by another identity "
+        f"(slot {slot}: {other})"
+    ]
 
 
 def radix_locked_paths_kept(view: TreeView, locked: Mapping[int, int]) -> list[str]:
@@ -121,12 +146,14 @@ def radix_locked_paths_kept(view: TreeView, locked: Mapping[int, int]) -> list[s
     return out
 
 
-def radix_full_promise_kept(view: TreeView, tokens: tuple[int, ...], layout: RadixLayout) -> list[str]:
+def radix_full_promise_kept(
+    view: TreeView, tokens: tuple[int, ...], layout: RadixLayout, namespace: Namespace = DEFAULT_NAMESPACE
+) -> list[str]:
     """Right after a request finished (full attention only), replaying its tokens hits every
     whole page of them (up to length - 1): finishing caches what it promised."""
     page = layout.page_size
     want = (len(tokens) - 1) // page * page
-    got = expected_hit(view, tokens, layout, len(tokens) - 1)
+    got = expected_hit(view, tokens, layout, len(tokens) - 1, namespace)
     if got < want:
         return [f"after finish, replaying its {len(tokens)} tokens hits {got} < {want}"]
     return []
@@ -232,8 +259,9 @@ def radix_finished_prefix_promise(
     own_from: int,
     swa_freed: int,
     layout: RadixLayout,
+    namespace: Namespace = DEFAULT_NAMESPACE,
 ) -> list[str]:
-    """Right after a request finished, a next turn that extends its sequence hits the whole
+    """Right after a request finished (in its namespace), a next turn that extends its sequence hits the whole
     prefix the finish caches (page-floored), on every layout, as the tree's retention rules
     promise:
 
@@ -259,10 +287,10 @@ def radix_finished_prefix_promise(
     if not promised:
         return []
     key = seq[:cached] + (-1,)  # a next turn: one more token after the cached prefix
-    got = expected_hit(view, key, layout, cached)
+    got = expected_hit(view, key, layout, cached, namespace)
     if got >= promised:
         return []
-    why = _promise_gap(view, key, layout, got, promised)
+    why = _promise_gap(view, key, layout, got, promised, namespace)
     return [f"after finish (caching {cached} tokens), a next turn hits {got} < promised {promised}: {why}"]
 
 
@@ -279,19 +307,14 @@ def finished_prefix_promised(cached: int, own_from: int, swa_freed: int, layout:
     return end
 
 
-def _promise_gap(view: TreeView, key: tuple[int, ...], layout: RadixLayout, got: int, promised: int) -> str:
+def _promise_gap(
+    view: TreeView, key: tuple[int, ...], layout: RadixLayout, got: int, promised: int, namespace: Namespace
+) -> str:
     """Which retained part is missing on the path of `key` up to `promised` (one phrase)."""
     page = layout.page_size
     node_id, offset = view.root, 0
     while offset < promised:
-        child_id = next(
-            (
-                c
-                for c in view.children.get(node_id, [])
-                if view.nodes[c].tokens[:page] == key[offset : offset + page]
-            ),
-            None,
-        )
+        child_id = child_on_page(view, node_id, key[offset : offset + page], namespace)
         if child_id is None or not view.nodes[child_id].full:
             return f"no full-attention page at token {offset}"
         child = view.nodes[child_id]

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from invariants.export.engine_record import Call, Recording, record_calls
 from invariants.export.plan import ExportError, ExportPlan
-from invariants.export.pytest_file import _SPECS, _wrap, exported_test_name, tokens_literal
+from invariants.export.pytest_file import _SPECS, _wrap, exported_test_name, has_identity, tokens_literal
 from model.contract.config import Config
 
 DOC = '''"""Regression test exported by kvretain from a trace on vLLM's real {cls}.
@@ -363,6 +363,11 @@ def needs_engine_file(plan: ExportPlan) -> bool:
 def render_engine_test(plan: ExportPlan, rec: Recording | None = None) -> str:
     """The pytest file's source (see the module docstring); `rec`: the recorded calls
     (recorded here when None)."""
+    if has_identity(plan.trace.ops):
+        raise ExportError(
+            "trace.ops: a request identity (cache salt, LoRA, multimodal items) is exported for the KV cache "
+            "manager and the plain scheduler file, not yet with drafts, a KV connector or async scheduling"
+        )
     rec = rec if rec is not None else record_calls(plan.trace)
     body, _ = _body(rec, plan)
     cls = "AsyncScheduler" if rec.async_scheduler else "Scheduler"

@@ -155,18 +155,6 @@ def matching_finding(trace: Trace) -> KnownFinding | None:
 def plan_export(trace: Trace) -> ExportPlan:
     if not trace.ops:
         raise ExportError("trace.ops: empty; nothing to replay")
-    named = next(
-        (
-            i
-            for i, op in enumerate(trace.ops)
-            if isinstance(op, AddRequest) and (op.salt is not None or op.lora is not None or op.mm)
-        ),
-        None,
-    )
-    if named is not None:
-        raise ExportError(
-            f"trace.ops[{named}]: a request identity (cache salt, LoRA, multimodal items) is not exported yet"
-        )
     name, message = violated_property(trace)
     if name == "copies_sound" and "source was allocated in the same step" not in message:
         raise ExportError(

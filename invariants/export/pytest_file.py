@@ -33,6 +33,7 @@ import json
 import keyword
 import re
 import textwrap
+from collections.abc import Sequence
 
 from invariants.export.plan import Expectation, ExportPlan, StepAction
 from model.contract.config import Config
@@ -178,7 +179,11 @@ def _op_lines(plan: ExportPlan, i: int, names: dict[str, str], setup: bool = Tru
         # vLLM splits Mamba chunks only in 'align' mode (Scheduler.need_mamba_block_aligned_split).
         return _step_lines(op, plan.steps.get(i, ()), names, plan.trace.config.has_mamba_align, setup)
     if isinstance(op, AddRequest):
-        return [f"{_var(op.rid, names)} = make_request({json.dumps(op.rid)}, {tokens_literal(op.prompt)})"]
+        ident = identity_call(op)
+        extra = f", **{ident}" if ident else ""
+        return [
+            f"{_var(op.rid, names)} = make_request({json.dumps(op.rid)}, {tokens_literal(op.prompt)}{extra})"
+        ]
     if isinstance(op, Schedule):
         call = f"schedule_step(manager, {_var(op.rid, names)}, token_budget={op.budget})"
         res = plan.schedules.get(i)
@@ -556,6 +561,53 @@ STORED = '''def stored_token_ids(events) -> dict[int, list[int]]:
     return out
 '''
 
+IDENTITY = '''def identity(cache_salt=None, lora=None, mm=()) -> dict:
+    """A request's identity as vLLM's Request arguments: the tenant's cache salt, the
+    adapter as LoRARequest(name, int id, path), and one MultiModalFeatureSpec per item
+    (identifier and placeholder range; no data: the block hasher reads only these)."""
+    out: dict = {}
+    if cache_salt is not None:
+        out["cache_salt"] = cache_salt
+    if lora is not None:
+        out["lora_request"] = LoRARequest(lora_name=lora[0], lora_int_id=lora[1], lora_path=lora[2])
+    if mm:
+        out["mm_features"] = [
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=ident,
+                mm_position=PlaceholderRange(offset=offset, length=length),
+            )
+            for ident, offset, length in mm
+        ]
+    return out
+'''
+
+IDENTITY_IMPORTS = (
+    "from vllm.lora.request import LoRARequest",
+    "from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange",
+)
+
+
+def has_identity(ops: Sequence[Op]) -> bool:
+    """Whether a request of the trace carries a salt, an adapter or multimodal items."""
+    return any(
+        isinstance(op, AddRequest) and (op.salt is not None or op.lora is not None or op.mm) for op in ops
+    )
+
+
+def identity_call(op: AddRequest) -> str:
+    """`identity(...)` for `op`'s identity, as a literal call ("" without one)."""
+    args = []
+    if op.salt is not None:
+        args.append(f"cache_salt={op.salt!r}")
+    if op.lora is not None:
+        args.append(f"lora={tuple(op.lora)!r}")
+    if op.mm:
+        args.append(f"mm={[tuple(m) for m in op.mm]!r}")
+    return f"identity({', '.join(args)})" if args else ""
+
+
 TEST_DEF = """def {name}():
     manager = make_manager()
 """
@@ -580,6 +632,25 @@ def _imports(cfg: Config, exp: Expectation) -> str:
         "from vllm.v1.request import Request, RequestStatus",
     ]
     return "\n".join(lines) + "\n"
+
+
+_PLAIN_MAKE = """def make_request(request_id: str, prompt_token_ids: list[int]) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=SamplingParams(max_tokens=1 << 30),
+        pooling_params=None,
+        mm_features=None,
+"""
+_IDENTITY_MAKE = """def make_request(request_id: str, prompt_token_ids: list[int], **identity) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=SamplingParams(max_tokens=1 << 30),
+        pooling_params=None,
+        mm_features=identity.pop("mm_features", None),
+        **identity,
+"""
 
 
 def _has_mamba(cfg: Config) -> bool:
@@ -657,5 +728,18 @@ def render_test(plan: ExportPlan) -> str:
     ]
     if plan.steps:
         body.insert(0, "step_new: list[int] = []")
+    if has_identity(trace.ops):
+        # Requests with identities: their Request arguments (the plain file is unchanged).
+        sections[1] = _with_identity_imports(sections[1])
+        core = next(i for i, text in enumerate(sections) if _PLAIN_MAKE in text)
+        sections[core] = sections[core].replace(_PLAIN_MAKE, _IDENTITY_MAKE)
+        sections.insert(core + 1, IDENTITY)
     head = sections[0] + "\n" + sections[1] + "\n" + "\n\n".join(sections[2:]).rstrip("\n")
     return head + "\n" + "\n".join(f"    {line}" for line in body) + "\n"
+
+
+def _with_identity_imports(imports: str) -> str:
+    """The import block with LoRARequest and the multimodal feature classes, in order."""
+    lines = imports.rstrip("\n").split("\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith("from vllm.sampling_params"))
+    return "\n".join(lines[:at] + list(IDENTITY_IMPORTS) + lines[at:]) + "\n"

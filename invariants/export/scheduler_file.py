@@ -26,7 +26,17 @@ from __future__ import annotations
 import json
 
 from invariants.export.plan import ExportError, ExportPlan
-from invariants.export.pytest_file import _SPECS, _group_spec, _wrap, exported_test_name, tokens_literal
+from invariants.export.pytest_file import (
+    _SPECS,
+    IDENTITY,
+    IDENTITY_IMPORTS,
+    _group_spec,
+    _wrap,
+    exported_test_name,
+    has_identity,
+    identity_call,
+    tokens_literal,
+)
 from model.contract.config import Config
 from model.contract.observation import StepResult
 from model.contract.ops import (
@@ -319,6 +329,12 @@ def render_scheduler_test(plan: ExportPlan) -> str:
             "trace.ops: a vllm trace is exported when it ends with a step "
             f"(its scheduled tokens and shipped tables are the property); it ends with {type(ops[-1]).__name__}"
         )
+    mm = next((i for i, op in enumerate(ops) if isinstance(op, AddRequest) and op.mm), None)
+    if mm is not None:
+        raise ExportError(
+            f"trace.ops[{mm}]: multimodal items are exported for the KV cache manager only (vLLM's real "
+            "scheduler needs an encoder budget this file cannot state)"
+        )
     model = AllocatorModel(cfg)
     body: list[str] = []
     for i, op in enumerate(ops):
@@ -353,12 +369,51 @@ def render_scheduler_test(plan: ExportPlan) -> str:
         long_prefill=cfg.long_prefill_token_threshold,
         name=exported_test_name(plan),
     )
+    if has_identity(ops):
+        # Requests with identities (salt, adapter): their Request arguments; a plain file is unchanged.
+        at = head.index("from vllm.sampling_params")
+        head = head[:at] + "\n".join(IDENTITY_IMPORTS) + "\n" + head[at:]
+        core = core.replace(_PLAIN_MAKE, _IDENTITY_MAKE).replace(_PLAIN_ADD, _IDENTITY_ADD)
+        core = core.replace("\n\ndef make_scheduler", "\n\n" + IDENTITY + "\n\ndef make_scheduler", 1)
     return head + core + "\n".join(f"    {line}" for line in body) + "\n"
+
+
+_PLAIN_MAKE = """    def make_request(self, rid: str, tokens: list[int]) -> Request:
+        hasher = get_request_block_hasher(HASH_BLOCK_SIZE, sha256) if ENABLE_CACHING else None
+        return Request(
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            sampling_params=SamplingParams(max_tokens=1 << 30),
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=hasher,
+        )
+"""
+_IDENTITY_MAKE = """    def make_request(self, rid: str, tokens: list[int], **identity) -> Request:
+        hasher = get_request_block_hasher(HASH_BLOCK_SIZE, sha256) if ENABLE_CACHING else None
+        return Request(
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            sampling_params=SamplingParams(max_tokens=1 << 30),
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=hasher,
+            **identity,
+        )
+"""
+_PLAIN_ADD = """    def add(self, rid: str, tokens: list[int]) -> None:
+        self.requests[rid] = self.make_request(rid, tokens)
+"""
+_IDENTITY_ADD = """    def add(self, rid: str, tokens: list[int], **identity) -> None:
+        self.requests[rid] = self.make_request(rid, tokens, **identity)
+"""
 
 
 def _op_lines(op: Op) -> list[str]:
     if isinstance(op, AddRequest):
-        return [f"driver.add({op.rid!r}, {tokens_literal(op.prompt)})"]
+        ident = identity_call(op)
+        extra = f", **{ident}" if ident else ""
+        return [f"driver.add({op.rid!r}, {tokens_literal(op.prompt)}{extra})"]
     if isinstance(op, Step):
         return [f"out = driver.step({op.rids!r}, {op.budget})"]
     if isinstance(op, Sample):

@@ -12,7 +12,8 @@ same scheduler-side driving as kvretain's SGLang target
 - `build(layout, core)`: SGLang's real request pool, KV allocator and
   `UnifiedRadixCache` for a layout given as a dict;
 - `Replay`: applies ops (dicts such as `{"op": "Admit", "rid": 0, ...}`) the
-  way SGLang's scheduler does, and reads back pool accounts, slot sets, free
+  way SGLang's scheduler does (an Admit's `lora` / `salt` go in as the Req's `lora_id`
+  and `cache_salt`, the adapter's name in the cache's KV-event LoRA table), and reads back pool accounts, slot sets, free
   lists, the Python core's tree and the KV events;
 - `CHECKS`: the invariants an exported finding asserts, by name.
 
@@ -30,6 +31,7 @@ import io
 import os
 import sys
 import types
+import uuid
 from array import array
 from typing import Any
 
@@ -174,11 +176,13 @@ def _allocator(layout: dict[str, Any], req_pool: Any) -> Any:
     return PagedTokenToKVPoolAllocator(size=size, page_size=page, kvcache=kv, **alloc_args)
 
 
-def build(layout: dict[str, Any], core: str) -> tuple[Any, Any, Any]:
-    """(cache, allocator, request pool): SGLang's own classes for `layout` on tree core `core`."""
+def build(layout: dict[str, Any], core: str, lora_names: Any = None) -> tuple[Any, Any, Any]:
+    """(cache, allocator, request pool): SGLang's own classes for `layout` on tree core `core`
+    (`lora_names`: the KV-event LoRA name table the cache reads, SGLang's `KvEventLoraNames`)."""
     install_standins()
     from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.events import KvEventLoraNames
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -200,9 +204,15 @@ def build(layout: dict[str, Any], core: str) -> tuple[Any, Any, Any]:
             enable_kv_cache_events=True,
             eviction_policy="lru",
             tree_core_backend=core,
+            kv_event_lora_names=KvEventLoraNames() if lora_names is None else lora_names,
         )
     )
     return cache, allocator, req_pool
+
+
+def lora_id_of(name: str) -> str:
+    """The adapter id (a uuid hex, as SGLang's LoRA registry gives) for adapter `name`."""
+    return uuid.uuid5(uuid.NAMESPACE_OID, f"kvretain-lora:{name}").hex
 
 
 @contextlib.contextmanager
@@ -229,7 +239,11 @@ class Replay:
         self.layout, self.core = layout, core
         self.page = layout["page_size"]
         self.swa, self.mamba = "swa" in layout["components"], "mamba" in layout["components"]
-        self.cache, self.allocator, self.req_pool = build(layout, core)
+        install_standins()
+        from sglang.srt.mem_cache.events import KvEventLoraNames
+
+        self.lora_names = KvEventLoraNames()
+        self.cache, self.allocator, self.req_pool = build(layout, core, self.lora_names)
         self.running: dict[int, dict[str, Any]] = {}
         self.events: list[Any] = []
         self.refusal: dict[str, tuple[int, int, int]] | None = None
@@ -240,7 +254,7 @@ class Replay:
         self.refusal = None
         kind = op["op"]
         if kind == "Admit":
-            out = self._admit(op["rid"], tuple(op["tokens"]), op["chunk"])
+            out = self._admit(op["rid"], tuple(op["tokens"]), op["chunk"], op.get("lora"), op.get("salt"))
         elif kind == "Evict":
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -259,7 +273,9 @@ class Replay:
         self.events += list(self.cache.take_events())
         return out
 
-    def _admit(self, rid: int, tokens: tuple[int, ...], chunk: int) -> dict[str, Any]:
+    def _admit(
+        self, rid: int, tokens: tuple[int, ...], chunk: int, lora: str | None = None, salt: str | None = None
+    ) -> dict[str, Any]:
         import torch
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.mem_cache import allocation
@@ -274,7 +290,11 @@ class Replay:
             origin_input_text="",
             origin_input_ids=array("q", tokens),
             sampling_params=SamplingParams(temperature=0, max_new_tokens=1 << 20),
+            lora_id=None if lora is None else lora_id_of(lora),
+            cache_salt=salt,
         )
+        if lora is not None:
+            self.lora_names.register(req, lora)  # Scheduler._record_kv_event_lora_name
         req.init_next_round_input(self.cache)
         hit = req.prefix_len
         req.lock = self.cache.lock(req.last_node)

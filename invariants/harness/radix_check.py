@@ -10,8 +10,11 @@ on the Rust tree core (SGLang's default) in lockstep. After each op it:
    (`invariants/catalogue/radix.py`);
 3. differential: an admission's hit must equal the model's match rule
    (`model/radix/match.py`) on the tree as it stood before the lookup; a
-   full-only eviction must respect LRU; a finished request's pages must hit;
-4. differential between cores: the op's result (hit, eviction counts,
+   full-only eviction must respect LRU; a finished request's pages must hit (each in the
+   request's namespace: its adapter and cache salt);
+4. isolation, on every core and independent of the model: every slot a hit hands a
+   request was written by a request of the same identity (the driver's slot provenance);
+5. differential between cores: the op's result (hit, eviction counts,
    rejection) and every pool account must agree.
 
 Violations are returned as `(invariant name, message)` pairs.
@@ -40,7 +43,7 @@ from invariants.targets.sglang_snapshot import (
 from model.radix.config import RadixLayout
 from model.radix.ops import Admit, Evict, Extend, Finish, RadixOp
 from model.radix.recency import Recency, advance, as_time
-from model.radix.tree import TreeView
+from model.radix.tree import DEFAULT_NAMESPACE, Namespace, TreeView
 
 Violation = tuple[str, str]
 
@@ -123,6 +126,8 @@ class RadixChecker:
         results = {core: d.apply(op) for core, d in self.drivers.items()}
         self.checked_ops += 1
         out: list[Violation] = []
+        if isinstance(op, Admit):
+            out += self._isolation(op, results)
         if per_core:
             for core in self.cores:
                 out += self._core_checks(core, op, results[core], befores[core], promises[core])
@@ -139,6 +144,26 @@ class RadixChecker:
         self._count(results[self.cores[0]])
         out += self._primary_checks(op, results[self.cores[0]], before)
         out += self.cores_agree(op, results, accounts)
+        return out
+
+    def _namespace(self, op: Admit) -> Namespace:
+        """The namespace `op`'s lookup runs in: its identity, where the driver passes it."""
+        return op.namespace if self.primary.passes_identity else DEFAULT_NAMESPACE
+
+    def _isolation(self, op: Admit, results: dict[str, OpResult]) -> list[Violation]:
+        """Every core: the slots of an admission's hit were written by its own identity."""
+        if op.namespace != DEFAULT_NAMESPACE:
+            self.coverage["identity_admits"] += 1
+            self.coverage["identity_hits"] += bool(results[self.cores[0]].hit)
+        if not self.primary.passes_identity:
+            self.coverage["identity_unjudged"] += op.namespace != DEFAULT_NAMESPACE
+            return []
+        out: list[Violation] = []
+        for core, d in self.drivers.items():
+            res = results[core]
+            if res.hit:
+                msgs = inv.radix_hit_same_identity(res.prefix_slots, d.slot_writer, op.namespace)
+                out += [("radix_hit_same_identity", f"[{core}] {m}") for m in msgs]
         return out
 
     def _primary_checks(self, op: RadixOp, res: OpResult, before: TreeView | None) -> list[Violation]:
@@ -178,7 +203,9 @@ class RadixChecker:
             for m in inv.radix_events_replay(self.replay.pages(), after, d.layout.page_size)
         ]
         if isinstance(op, Admit) and res.hit is not None and res.max_len is not None:
-            msgs = inv.radix_hit_matches_model(before, op.tokens, self.layout, res.max_len, res.hit)
+            msgs = inv.radix_hit_matches_model(
+                before, op.tokens, self.layout, res.max_len, res.hit, self._namespace(op)
+            )
             out += [("radix_hit_matches_model", m) for m in msgs]
         if isinstance(op, Evict) and op.swa == 0 and op.mamba == 0 and not self.layout.has_mamba:
             out += [("radix_eviction_lru", m) for m in inv.radix_eviction_lru(before, after)]
@@ -192,24 +219,29 @@ class RadixChecker:
         if isinstance(op, Finish) and self._last_finished is not None and self.layout.components == ("full",):
             out += [
                 ("radix_full_promise_kept", m)
-                for m in inv.radix_full_promise_kept(after, self._last_finished, self.layout)
+                for m in inv.radix_full_promise_kept(
+                    after, self._last_finished, self.layout, self._finished_namespace
+                )
             ]
         return out
 
     _last_finished: tuple[int, ...] | None = None
-    _insert_key: tuple[int, ...] | None = None
+    _finished_namespace: Namespace = DEFAULT_NAMESPACE
+    _insert_key: tuple[Namespace, tuple[int, ...]] | None = None
     _clock: int = 0
 
-    def _key_inserted_by(self, op: RadixOp) -> tuple[int, ...] | None:
-        """The key an op's insert ends on (a chunk checkpoint or a finish), read before the op."""
+    def _key_inserted_by(self, op: RadixOp) -> tuple[Namespace, tuple[int, ...]] | None:
+        """The (namespace, key) an op's insert ends on (a chunk checkpoint or a finish), read
+        before the op."""
         run = self.primary.running.get(getattr(op, "rid", -1))
         if run is None or isinstance(op, Admit):
             return None
         seq = tuple(run.tokens) + tuple(run.decoded)
+        ns = run.namespace if self.primary.passes_identity else DEFAULT_NAMESPACE
         if isinstance(op, Extend) and run.prefilled < len(run.tokens):
-            return seq[: run.prefilled]
+            return ns, seq[: run.prefilled]
         if isinstance(op, Finish) and run.prefilled >= len(run.tokens):
-            return seq[: run.req.kv.kv_committed_len]
+            return ns, seq[: run.req.kv.kv_committed_len]
         return None
 
     def _mamba_order(self, op: RadixOp, res: OpResult, before: TreeView, after: TreeView) -> list[Violation]:
@@ -220,15 +252,15 @@ class RadixChecker:
         out: list[Violation] = []
         if isinstance(op, Evict) and op.full == 0 and op.swa == 0 and op.mamba > 0:
             out = [("radix_mamba_eviction_lru", m) for m in inv.radix_mamba_eviction_lru(before, after, use)]
-        ends = set()
+        ends: set[tuple[Namespace, tuple[int, ...]]] = set()  # (namespace, prefix) used by this op
         if isinstance(op, Admit) and res.hit:
-            ends.add(op.tokens[: res.hit])
+            ends.add((self._namespace(op), op.tokens[: res.hit]))
         if self._insert_key:
             ends.add(self._insert_key)
         for nid, node in after.nodes.items():
             if not node.mamba:
                 use.pop(nid, None)
-            elif nid not in use or (ends and after.prefix(nid) in ends):
+            elif nid not in use or (ends and (node.namespace, after.prefix(nid)) in ends):
                 use[nid] = self._clock
         return out
 
@@ -241,9 +273,11 @@ class RadixChecker:
             self._core_views[core] = self.reader.core_view(self.drivers[core])
         return self._core_views[core]
 
-    def _promise_inputs(self, op: RadixOp, d: SglangDriver) -> tuple[tuple[int, ...], int, int, int] | None:
+    def _promise_inputs(
+        self, op: RadixOp, d: SglangDriver
+    ) -> tuple[tuple[int, ...], int, int, int, Namespace] | None:
         """For a Finish of a request whose prompt ran, read from the request before the finish:
-        (sequence, tokens the finish caches, protected length, SWA freed below). The finish
+        (sequence, tokens the finish caches, protected length, SWA freed below, namespace). The finish
         caches the committed tokens, or only up to the SWA branch point its lookup set (SWA
         without Mamba: `SWAComponent.prepare_for_caching_req`)."""
         if not isinstance(op, Finish):
@@ -261,7 +295,7 @@ class RadixChecker:
             if not self.layout.has_mamba and branch is not None and protected < branch <= cached:
                 cached = int(branch)
         seq = tuple(run.tokens) + tuple(run.decoded)
-        return seq, cached, protected, swa_freed
+        return seq, cached, protected, swa_freed, run.namespace if d.passes_identity else DEFAULT_NAMESPACE
 
     def _effective_request(self, op: Evict) -> tuple[int, int, int]:
         """What an eviction asks of the components this layout has (others are ignored by SGLang)."""
@@ -273,7 +307,7 @@ class RadixChecker:
         op: RadixOp,
         res: OpResult,
         before: TreeView,
-        promise: tuple[tuple[int, ...], int, int, int] | None,
+        promise: tuple[tuple[int, ...], int, int, int, Namespace] | None,
     ) -> list[Violation]:
         """Judge one core on its own tree: eviction scope and (full attention) the LRU order
         predicted from the model's recency (`model/radix/recency.py`, `model/radix/evict.py`),
@@ -297,10 +331,12 @@ class RadixChecker:
             elif any(request):
                 self.coverage["evict_unjudged"] += first  # several components at once: not predicted
         if promise is not None:
-            seq, cached, own_from, swa_freed = promise
+            seq, cached, own_from, swa_freed, namespace = promise
             claimed = inv.finished_prefix_promised(cached, own_from, swa_freed, self.layout)
             self.coverage["promise_checked" if claimed else "promise_unclaimed"] += first
-            msgs = inv.radix_finished_prefix_promise(after, seq, cached, own_from, swa_freed, self.layout)
+            msgs = inv.radix_finished_prefix_promise(
+                after, seq, cached, own_from, swa_freed, self.layout, namespace
+            )
             out += [("radix_finished_prefix_promise", f"[{core}] {m}") for m in msgs]
         calls = [(c.kind, c.path, c.walked) for c in d.tree_calls]
         self._recency[core] = advance(
@@ -321,6 +357,9 @@ class RadixChecker:
             run = self.primary.running.get(op.rid)
             if run is not None and run.prefilled >= len(run.tokens):
                 self._last_finished = tuple(run.tokens) + tuple(run.decoded)
+                self._finished_namespace = (
+                    run.namespace if self.primary.passes_identity else DEFAULT_NAMESPACE
+                )
 
     def cores_agree(
         self, op: RadixOp, results: dict[str, OpResult], accounts: dict[str, list[PoolAccount]]

@@ -6,6 +6,10 @@ nodes and meet tombstones) or repeat a finished request's prompt (a next turn:
 its insert runs over the whole cached path, SWA tombstones included), chunked prefill, decode with SWA window eviction,
 finish, abort and explicit eviction (SWA evictions of up to 32 tokens,
 which tombstone interior nodes) under a small pool (so allocation evicts).
+A share of the requests (`identities`) carries an identity, two tenants' cache salts
+and an adapter (`IDENTITIES`), drawn from a stream of its own (the token histories stay
+those of the same seed without identities): identical prompts under different
+identities are common, which is where a namespace defect shows.
 `fuzz_layout` runs histories on one layout for a time budget through a
 `RadixChecker` (both tree cores in lockstep) and stops at the first violation,
 returning it with the seed and the ops that led there (a replayable trace).
@@ -25,10 +29,20 @@ from invariants.harness.radix_check import RadixChecker, Violation
 from model.radix.config import RadixLayout
 from model.radix.ops import Abort, Admit, Decode, Evict, Extend, Finish, RadixOp, from_json, to_json
 
+# (adapter, salt) of a request with an identity: two tenants, an adapter, both.
+IDENTITIES: tuple[tuple[str | None, str | None], ...] = (
+    (None, "tenant-a"),
+    (None, "tenant-b"),
+    ("adapter-x", None),
+    ("adapter-x", "tenant-a"),
+)
 
-def generate_ops(seed: int, layout: RadixLayout, n: int) -> list[RadixOp]:
-    """A seeded history of `n` ops over at most `layout.max_reqs - 1` running requests."""
+
+def generate_ops(seed: int, layout: RadixLayout, n: int, identities: float = 0.3) -> list[RadixOp]:
+    """A seeded history of `n` ops over at most `layout.max_reqs - 1` running requests;
+    about `identities` of the admissions carry an adapter and/or a cache salt."""
     rng = random.Random(seed)
+    who = random.Random(f"identity-{seed}")
     page = layout.page_size
     bank = [tuple(rng.randrange(1, 6) for _ in range(48)) for _ in range(3)]
     live: list[int] = []
@@ -45,7 +59,9 @@ def generate_ops(seed: int, layout: RadixLayout, n: int) -> list[RadixOp]:
             cut = rng.randrange(1, len(base) + 1)
             tail = tuple(rng.randrange(1, 6) for _ in range(rng.randrange(0, 3 * page + 2)))
             tokens = base[:cut] + tail
-            ops.append(Admit(next_rid, tokens, rng.choice([len(tokens), page * 2, page * 3 + 1])))
+            lora, salt = who.choice(IDENTITIES) if who.random() < identities else (None, None)
+            chunk = rng.choice([len(tokens), page * 2, page * 3 + 1])
+            ops.append(Admit(next_rid, tokens, chunk, lora=lora, salt=salt))
             prompts[next_rid] = tokens
             live.append(next_rid)
             next_rid += 1
@@ -144,14 +160,16 @@ def fuzz_layout(
     cores: tuple[str, ...] = ("python", "rust"),
     ops_per_seed: int = 60,
     shrink_s: float = 0.0,
+    identities: float = 0.3,
 ) -> LayoutRun:
-    """Histories on `layout` for `budget_s` seconds (at least one), seeds seed, seed+1, ..."""
+    """Histories on `layout` for `budget_s` seconds (at least one), seeds seed, seed+1, ...;
+    `identities`: the share of admissions with an adapter / salt (`generate_ops`)."""
     run = LayoutRun(layout=name)
     start = time.perf_counter()
     s = seed
     while run.seeds == 0 or time.perf_counter() - start < budget_s:
         checker = RadixChecker(layout, cores)
-        ops = generate_ops(s, layout, ops_per_seed)
+        ops = generate_ops(s, layout, ops_per_seed, identities)
         violation, trace = run_history(checker, ops)
         run.seeds += 1
         run.ops += checker.checked_ops

@@ -14,7 +14,10 @@ coarsest to the finest so that the early passes do most of the work:
 1. drop whole requests (every operation naming them, and their places in the
    batch steps they shared), half of them, then quarters, ... one at a time;
 2. drop runs of operations (halves, quarters, ... single operations);
-3. shorten prompts and probes, lower budgets, set sampled tokens to 1.
+3. shorten prompts and probes, lower budgets, set sampled tokens to 1. A shortened
+   prompt keeps its multimodal items within it: an item past the new end is dropped,
+   one across it is clipped to end there (a trace whose item ends past its prompt does
+   not load: `model.extra_keys.validate`).
 """
 
 from __future__ import annotations
@@ -116,11 +119,17 @@ def _without(ops: list[Op], rids: set[str]) -> list[Op]:
     return out
 
 
+def _cut_prompt(op: AddRequest, k: int) -> AddRequest:
+    """`op` with its first `k` prompt tokens, its multimodal items kept within them."""
+    mm = tuple((ident, off, min(length, k - off)) for ident, off, length in op.mm if off < k)
+    return replace(op, prompt=op.prompt[:k], mm=mm)
+
+
 def _simpler(op: Op) -> list[Op]:
     """Smaller variants of one operation, most aggressive first (same length list never grows)."""
     if isinstance(op, AddRequest) and len(op.prompt) > 1:
         n = len(op.prompt)
-        return [replace(op, prompt=op.prompt[:k]) for k in sorted({1, n // 2, n - 1}) if 0 < k < n]
+        return [_cut_prompt(op, k) for k in sorted({1, n // 2, n - 1}) if 0 < k < n]
     if isinstance(op, Probe) and len(op.tokens) > 1:
         return [replace(op, tokens=op.tokens[: len(op.tokens) // 2])]
     if isinstance(op, Schedule) and op.budget > 1:

@@ -36,6 +36,9 @@ class SglangParts:
     allocator: Any
     req_to_token_pool: Any
     core: str
+    # SGLang's KV-event LoRA name table (the scheduler registers each adapter request's
+    # namespace in it, `Scheduler._record_kv_event_lora_name`); None on legacy releases.
+    lora_names: Any = None
 
 
 def _server_args(layout: RadixLayout) -> None:
@@ -143,6 +146,7 @@ def _allocator(layout: RadixLayout, req_pool: Any) -> Any:
 def build_cache(layout: RadixLayout, core: str = "python") -> SglangParts:
     """SGLang's real cache, allocator and request pool for `layout`, on tree core `core`."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.events import KvEventLoraNames
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -153,6 +157,7 @@ def build_cache(layout: RadixLayout, core: str = "python") -> SglangParts:
     req_pool = _req_pool(layout)
     allocator = _allocator(layout, req_pool)
     kinds = {"full": ComponentType.FULL, "swa": ComponentType.SWA, "mamba": ComponentType.MAMBA}
+    lora_names = KvEventLoraNames()
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=req_pool,
@@ -164,8 +169,11 @@ def build_cache(layout: RadixLayout, core: str = "python") -> SglangParts:
         enable_kv_cache_events=True,
         eviction_policy="lru",
         tree_core_backend=core,
+        kv_event_lora_names=lora_names,
     )
     cache = UnifiedRadixCache(params=params)
     if cache._tree_core_backend != core:
         raise RuntimeError(f"SGLang chose tree core {cache._tree_core_backend!r}, not {core!r}")
-    return SglangParts(cache=cache, allocator=allocator, req_to_token_pool=req_pool, core=core)
+    return SglangParts(
+        cache=cache, allocator=allocator, req_to_token_pool=req_pool, core=core, lora_names=lora_names
+    )

@@ -12,7 +12,13 @@ and `evict`.
 
 The only glue written here is what a `ScheduleBatch` does around those calls
 for a batch of one: writing the prefix and the new slots into the request's
-row and advancing its lengths. An op the pools cannot serve (SGLang raises
+row and advancing its lengths. A request's identity goes in as SGLang's scheduler passes it: `Req(lora_id=...,
+cache_salt=...)` (the Req appends the adapter id to its `extra_key`; both namespace every
+`RadixKey` SGLang builds for it, on match and on every insert), and the adapter's name in
+the cache's KV-event LoRA table. The driver records which identity was allocated each
+full-attention slot (`slot_writer`), the provenance the isolation check reads.
+
+An op the pools cannot serve (SGLang raises
 "out of memory") is *rejected*: the request is rolled back the way the
 scheduler drops it, and the result says so.
 """
@@ -23,6 +29,7 @@ import contextlib
 import io
 import os
 import sys
+import uuid
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,6 +41,7 @@ from invariants.targets.sglang_build import SglangParts, build_cache
 from invariants.targets.sglang_env import MODELED_VERSION, sglang_version
 from model.radix.config import RadixLayout
 from model.radix.ops import Abort, Admit, Decode, Evict, Extend, Finish, RadixOp
+from model.radix.tree import DEFAULT_NAMESPACE, Namespace
 
 
 @contextlib.contextmanager
@@ -62,6 +70,7 @@ class OpResult:
     rejected: str | None = None  # the pools could not serve it (SGLang's out-of-memory)
     skipped: bool = False  # the op named no live request (nothing done)
     locked_node: Any = None  # Admit: the node the request locked
+    prefix_slots: tuple[int, ...] = ()  # Admit: the full-attention slots of the hit
 
 
 @dataclass(frozen=True)
@@ -82,10 +91,20 @@ class RunningReq:
     tokens: tuple[int, ...]
     prefilled: int = 0
     decoded: list[int] = field(default_factory=list)
+    namespace: Namespace = DEFAULT_NAMESPACE
+
+
+def lora_id_of(name: str) -> str:
+    """The adapter id SGLang's LoRA registry would give adapter `name` (a uuid hex, 32
+    characters: `LoRARef.lora_id`), deterministic here so runs replay."""
+    return uuid.uuid5(uuid.NAMESPACE_OID, f"kvretain-lora:{name}").hex
 
 
 class SglangDriver:
     """One real cache instance plus the requests running on it."""
+
+    # Whether requests' identities reach the cache (a legacy release's driver may not).
+    passes_identity = True
 
     def __init__(self, layout: RadixLayout, core: str = "python", swa_eviction_interval: int = 1) -> None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
@@ -109,6 +128,9 @@ class SglangDriver:
         self.tree_calls: list[TreeCall] = []
         # The token each full-attention slot a request wrote holds (slot -> token id).
         self.slot_tokens: dict[int, int] = {}
+        # The identity of the request each full-attention slot was last allocated to.
+        self.slot_writer: dict[int, Namespace] = {}
+        self.lora_by_id: dict[str, str] = {}  # adapter id (SGLang's extra_key) -> adapter name
         # The tree-core calls are observed on the release the model describes (0.5.23's
         # tree-core interface); another release's run is judged without them (the checker
         # counts the ops it could not judge per core).
@@ -205,23 +227,36 @@ class SglangDriver:
             origin_input_text="",
             origin_input_ids=array("q", op.tokens),
             sampling_params=self._sampling(temperature=0, max_new_tokens=1 << 20),
+            lora_id=None if op.lora is None else lora_id_of(op.lora),
+            cache_salt=op.salt,
         )
+        if op.lora is not None:
+            self.lora_by_id[lora_id_of(op.lora)] = op.lora
+        if op.lora is not None and self.parts.lora_names is not None:
+            self.parts.lora_names.register(req, op.lora)  # Scheduler._record_kv_event_lora_name
         req.init_next_round_input(self.cache)
         hit = req.prefix_len
         req.lock = self.cache.lock(req.last_node)
-        run = RunningReq(req=req, tokens=op.tokens, prefilled=hit)
+        run = RunningReq(req=req, tokens=op.tokens, prefilled=hit, namespace=op.namespace)
         prefix = self.cache.prefix_device_indices(req) if hit else torch.empty(0, dtype=torch.int64)
+        prefix_slots = tuple(int(x) for x in prefix.tolist())
         try:
             self._alloc.alloc_req_slots(self.parts.req_to_token_pool, [req], self.cache)
         except RuntimeError as exc:
             self._drop_unbound(req)
-            return OpResult(hit=hit, max_len=len(op.tokens) - 1, rejected=str(exc).splitlines()[0])
+            return OpResult(
+                hit=hit,
+                max_len=len(op.tokens) - 1,
+                rejected=str(exc).splitlines()[0],
+                prefix_slots=prefix_slots,
+            )
         if hit:
             self.parts.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, hit)), prefix.to(torch.int32))
         req.kv.cache_protected_len = hit
         self.running[op.rid] = run
         result = self._extend(run, max(1, op.chunk), first=True)
         result.hit, result.max_len, result.locked_node = hit, len(op.tokens) - 1, req.last_node
+        result.prefix_slots = prefix_slots
         return result
 
     def _drop_unbound(self, req: Any) -> None:
@@ -289,6 +324,8 @@ class SglangDriver:
         self.parts.req_to_token_pool.write(
             (req.kv.req_pool_idx, slice(start, start + count)), slots.to(torch.int32)
         )
+        for slot in slots.tolist():
+            self.slot_writer[int(slot)] = run.namespace
         req.kv.kv_allocated_len = start + count
         req.kv.kv_committed_len = start + count
         return True
@@ -349,6 +386,8 @@ class SglangDriver:
         except RuntimeError:
             self.last_refusal = self._refusal(start, 1)
             return False
+        slot = self.parts.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start]
+        self.slot_writer[int(slot)] = run.namespace
         req.decode_batch_idx += 1  # ScheduleBatch.prepare_for_decode, after the allocation
         return True
 

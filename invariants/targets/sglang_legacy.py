@@ -110,6 +110,8 @@ def build_v20(layout: RadixLayout, core: str) -> SglangParts:
 class LegacyDriver(SglangDriver):
     """`SglangDriver` over 0.5.20's and 0.5.21's scheduler API (see the module table)."""
 
+    passes_identity = False  # requests run without their adapter / salt on these releases
+
     def __init__(self, layout: RadixLayout, core: str = "python") -> None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
         from sglang.srt.mem_cache import allocation, common
@@ -132,6 +134,8 @@ class LegacyDriver(SglangDriver):
         # Per-core views and the model's recency are 0.5.23's (LegacyReader.per_core_views).
         self.tree_calls = []
         self.slot_tokens = {}
+        self.slot_writer = {}
+        self.lora_by_id = {}
         self.observes_tree = False
 
     def _note_slot_tokens(self) -> None:

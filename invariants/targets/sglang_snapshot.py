@@ -7,7 +7,9 @@ by running requests) plus its size; `slot_sets` reads the *sets* of slots
 even when the counts happen to balance. `tree_view` walks the Python tree
 core's nodes; `rust_tree_view` reads the Rust core's own nodes from its binding (structure, lengths, full locks, which
 components hold a value) so each core can be judged on its own.
-`replay_pages` turns KV events into the set of cached pages.
+`replay_pages` turns KV events into the set of cached pages. A node's namespace (adapter,
+cache salt) is read from its key on the Python core, and on the Rust core (whose binding
+exposes no key) from the identity that wrote its first slot.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from invariants.targets.sglang_drive import SglangDriver
-from model.radix.tree import NodeView, TreeView
+from model.radix.tree import DEFAULT_NAMESPACE, Namespace, NodeView, TreeView
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,14 @@ def mamba_slot_sets(driver: SglangDriver) -> dict[str, set[int]]:
     }
 
 
+def _namespace(driver: SglangDriver, key: Any) -> Namespace:
+    """A node key's (adapter name, cache salt): its `extra_key` (the adapter id the Req
+    appended) read back as the adapter's name."""
+    extra = getattr(key, "extra_key", None)
+    lora = None if extra is None else driver.lora_by_id.get(extra, extra)
+    return (lora, getattr(key, "cache_salt", None))
+
+
 def tree_view(driver: SglangDriver) -> TreeView | None:
     """The Python tree core's nodes as a `TreeView`; None on the Rust core."""
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -191,6 +201,7 @@ def tree_view(driver: SglangDriver) -> TreeView | None:
             swa_lock=data[ComponentType.SWA].lock_ref if swa else 0,
             mamba_lock=data[ComponentType.MAMBA].lock_ref if mamba else 0,
             last_access=float(node.last_access_time),
+            namespace=_namespace(driver, node.key) if node is not root else DEFAULT_NAMESPACE,
         )
         stack.extend(reversed(list(node.children.values())))
     return TreeView(root=root.id, nodes=nodes)
@@ -276,11 +287,14 @@ def rust_tree_view(driver: SglangDriver) -> TreeView:
             root = nid
         stack.append((indent, nid))
         tokens: tuple[int, ...] = ()
+        namespace = DEFAULT_NAMESPACE
         full = flags.get("Full") == "yes"
         if parent is not None and full:
             value = binding.get_component_device_value(nid, int(ComponentType.FULL))
             slots = [] if value is None else value.tolist()
             tokens = tuple(driver.slot_tokens.get(int(s), -1) for s in slots)
+            if slots:  # the binding exposes no key: the identity its first slot was written by
+                namespace = driver.slot_writer.get(int(slots[0]), DEFAULT_NAMESPACE)
         if parent is not None and len(tokens) != length:
             tokens = tokens + (-1,) * (length - len(tokens))
         nodes[nid] = NodeView(
@@ -291,6 +305,7 @@ def rust_tree_view(driver: SglangDriver) -> TreeView:
             swa=(flags.get("Swa") == "yes") if swa else None,
             mamba=(flags.get("Mamba") == "yes") if mamba else None,
             full_lock=lock,
+            namespace=namespace,
         )
     if root is None:
         raise RuntimeError("Rust tree core dump: no root")

@@ -22,6 +22,7 @@ the other core.
 | `mamba_hit_refreshes_path` | #31643/#31648: a hit moves every Mamba state on the matched path to most recent, not only the state it copies |
 | `swa_finish_frees_window` | #29860/#34729 class: a finish frees the request's own SWA down to its last page before caching (a window of 0), so the finished prefix is cached with tombstones where its window should be live; pools balance, the tree is valid, the next turn's SWA hit is lost |
 | `mamba_finish_drops_own_state` | #22935 class: a finish's insert evicts the Mamba state it has just committed at the finished prefix (freed properly: pools balance, the tree is valid), so the next turn's Mamba hit is lost |
+| `namespace_dropped_on_chunk_insert` | issue #40 (isolation): one insert path, a chunked prefill's checkpoint (`cache_unfinished_req`), builds its `RadixKey` without the request's adapter / cache salt, so another tenant's (or the base model's) lookup hits KV this request wrote |
 | `rust_full_eviction_in_swa_scope` | eviction scope, one core only: on the Rust tree core, a full-attention eviction walks the SWA component's LRU list; the Python core is untouched |
 
 The stale entry of #27586 alone (`clear_full_to_swa_mapping` a no-op, no other
@@ -61,6 +62,9 @@ class SglangMutant:
     # The tree cores the hunt drives: the mutated one alone, so a kill comes from judging
     # that core against the model, never from disagreeing with the other core.
     cores: tuple[str, ...] = ("python",)
+    # The share of admissions with an identity (adapter / salt) in its hunt's histories: 0 for
+    # the mutants whose kills were pinned on anonymous histories, >0 where namespaces matter.
+    identities: float = 0.0
 
 
 def _patch(stack: contextlib.ExitStack, owner: Any, attr: str, new: Any) -> None:
@@ -275,6 +279,27 @@ def _mamba_finish_drops_own_state(stack: contextlib.ExitStack) -> None:
     _patch(stack, MambaComponent, "commit_insert_component_data", mutant)
 
 
+def _namespace_dropped_on_chunk_insert(stack: contextlib.ExitStack) -> None:
+    """The checkpoint of an unfinished request (a chunked prefill's insert) keys its
+    `RadixKey` without the request's `extra_key` (adapter) and `cache_salt`: the chunk lands
+    in the default namespace. The finish's insert (the other path) keeps both."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    orig = UnifiedRadixCache.checkpoint_into_tree
+
+    def mutant(self: Any, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        if req.finished():
+            return orig(self, req, up_to=up_to, **kwargs)
+        saved = req.extra_key, req.cache_salt
+        req.extra_key, req.cache_salt = None, None  # the defect: this path forgets the namespace
+        try:
+            return orig(self, req, up_to=up_to, **kwargs)
+        finally:
+            req.extra_key, req.cache_salt = saved
+
+    _patch(stack, UnifiedRadixCache, "checkpoint_into_tree", mutant)
+
+
 def _rust_full_eviction_in_swa_scope(stack: contextlib.ExitStack) -> None:
     """The Rust tree core only: a full-attention eviction walks the SWA component's LRU list
     (another component's scope), tombstoning interior SWA and deleting leaves in SWA order,
@@ -308,6 +333,13 @@ def _rust_full_eviction_in_swa_scope(stack: contextlib.ExitStack) -> None:
 SGLANG_MUTANTS: dict[str, SglangMutant] = {
     m.name: m
     for m in (
+        SglangMutant(
+            "namespace_dropped_on_chunk_insert",
+            "#40 a chunk's insert drops the adapter / salt namespace",
+            "full-p1",
+            _namespace_dropped_on_chunk_insert,
+            identities=0.3,
+        ),
         SglangMutant(
             "swa_evicted_seqlen_dropped",
             "#30845 chunk insert forgets swa_evicted_seqlen",
@@ -418,6 +450,13 @@ def hunt(name: str, budget_s: float, seed: int = 0, cores: tuple[str, ...] | Non
     mutant = SGLANG_MUTANTS[name]
     start = time.perf_counter()
     with activate(name):
-        run = fuzz_layout(mutant.layout, LAYOUTS[mutant.layout], budget_s, seed, cores=cores or mutant.cores)
+        run = fuzz_layout(
+            mutant.layout,
+            LAYOUTS[mutant.layout],
+            budget_s,
+            seed,
+            cores=cores or mutant.cores,
+            identities=mutant.identities,
+        )
     killed = None if run.violation is None else run.violation[0]
     return KillRow(name, mutant.layout, killed, time.perf_counter() - start, run.seed, run.ops)

@@ -5,7 +5,9 @@ validators of `components/{full,swa,mamba}.py`):
 
 1. The key is the request's tokens cut to `max_len` (the scheduler passes
    input length - 1) and floored to whole pages; the root's empty key always hits.
-2. Walk from the root along children whose key agrees page by page. A node
+2. Walk from the root along children of the request's namespace (its LoRA adapter and
+   cache salt: `RadixKey.child_key` keys every child by them, so a match never crosses
+   namespaces) whose key agrees page by page. A node
    matched only in part counts as its matched part (SGLang splits it there);
    that part keeps the node's SWA state but not its Mamba state (a state sits
    at a node's end).
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 
 from model.radix.config import RadixLayout
-from model.radix.tree import TreeView
+from model.radix.tree import DEFAULT_NAMESPACE, Namespace, TreeView
 
 
 def _agree(a: tuple[int, ...], b: tuple[int, ...], page_size: int) -> int:
@@ -36,22 +38,35 @@ def _agree(a: tuple[int, ...], b: tuple[int, ...], page_size: int) -> int:
     return n
 
 
-def expected_hit(view: TreeView, tokens: tuple[int, ...], layout: RadixLayout, max_len: int) -> int:
-    """The device prefix length SGLang must report for `tokens` (see module docstring)."""
+def child_on_page(view: TreeView, node_id: int, page: tuple[int, ...], namespace: Namespace) -> int | None:
+    """The child of `node_id` in `namespace` whose key starts with `page`, or None."""
+    n = len(page)
+    return next(
+        (
+            c
+            for c in view.children.get(node_id, [])
+            if view.nodes[c].namespace == namespace and view.nodes[c].tokens[:n] == page
+        ),
+        None,
+    )
+
+
+def expected_hit(
+    view: TreeView,
+    tokens: tuple[int, ...],
+    layout: RadixLayout,
+    max_len: int,
+    namespace: Namespace = DEFAULT_NAMESPACE,
+) -> int:
+    """The device prefix length SGLang must report for `tokens` looked up in `namespace`
+    (see module docstring)."""
     page = layout.page_size
     key = tokens[: max(0, max_len)]
     key = key[: len(key) // page * page]
     node_id, offset, best = view.root, 0, 0
     swa_run = math.inf
     while offset < len(key):
-        child_id = next(
-            (
-                c
-                for c in view.children.get(node_id, [])
-                if view.nodes[c].tokens[:page] == key[offset : offset + page]
-            ),
-            None,
-        )
+        child_id = child_on_page(view, node_id, key[offset : offset + page], namespace)
         if child_id is None or not view.nodes[child_id].full:
             break
         child = view.nodes[child_id]

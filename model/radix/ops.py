@@ -26,9 +26,18 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Admit:
+    """`lora` (an adapter name) and `salt` (a tenant's cache salt) are the request's
+    identity: SGLang's `Req(lora_id=..., cache_salt=...)`, its radix namespace."""
+
     rid: int
     tokens: tuple[int, ...]
     chunk: int
+    lora: str | None = None
+    salt: str | None = None
+
+    @property
+    def namespace(self) -> tuple[str | None, str | None]:
+        return (self.lora, self.salt)
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,9 @@ OP_TYPES: dict[str, type] = {cls.__name__: cls for cls in (Admit, Extend, Decode
 def to_json(op: RadixOp) -> dict[str, Any]:
     """One op as a JSON object: {"op": name, fields...}."""
     fields = asdict(op)
+    for key in ("lora", "salt"):  # identity fields appear only when set (older traces lack them)
+        if fields.get(key, 0) is None:
+            del fields[key]
     for key, value in fields.items():
         if isinstance(value, tuple):
             fields[key] = list(value)

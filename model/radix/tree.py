@@ -9,7 +9,10 @@ root has an empty key. Every other node carries:
 - `swa`: SWA KV present (False = a *tombstone*: full KV kept, SWA freed),
   None when the layout has no SWA;
 - `mamba`: a Mamba state at the node's end, None when the layout has no Mamba;
-- lock refs per component and `last_access` (a logical clock: larger = more recent).
+- lock refs per component and `last_access` (a logical clock: larger = more recent);
+- `namespace`: the (LoRA adapter, cache salt) pair its key belongs to (SGLang's
+  `RadixKey.extra_key` / `cache_salt`); `DEFAULT_NAMESPACE` for requests with neither.
+  A node's children share its namespace: a lookup walks its own namespace only.
 
 Structural facts that any radix cache keeps (checked in `invariants/catalogue/radix.py`):
 a child's first page differs from its siblings'; an auxiliary value needs full KV;
@@ -19,6 +22,9 @@ a leaf is never an SWA tombstone (tombstoned leaves are deleted).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+Namespace = tuple[str | None, str | None]  # (LoRA adapter name, cache salt)
+DEFAULT_NAMESPACE: Namespace = (None, None)
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,7 @@ class NodeView:
     swa_lock: int = 0
     mamba_lock: int = 0
     last_access: float = 0.0
+    namespace: Namespace = DEFAULT_NAMESPACE
 
 
 @dataclass
