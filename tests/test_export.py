@@ -780,27 +780,3 @@ def test_a_stored_tokens_finding_after_a_batched_step_asserts_the_events(
         test()
     fix_blockstored_token_range(monkeypatch)
     test()
-
-
-def test_a_request_identity_is_exported_with_it() -> None:
-    """A trace whose request carries an identity (cache salt, LoRA, multimodal) plans and
-    renders with the identity passed to vLLM's Request (it used to be refused: the file
-    would replay it plain and hit where the specification misses). Control: the same
-    trace without the salt renders the plain file, without the identity helper."""
-    cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=8)
-    ops: list[Op] = [
-        AddRequest("r0", tuple(range(1, 10)), salt="tenant-a", lora=("x", 1, "/x"), mm=(("img", 2, 3),)),
-        Schedule("r0", 16),
-    ]
-    trace = Trace(cfg, ops, 0, "vllm-manager", "snapshot: (a planted violation)")
-    source = render_test(plan_export(trace))
-    compile(source, "exported.py", "exec")
-    assert (
-        "make_request(\"r0\", list(range(1, 10)), **identity(cache_salt='tenant-a', lora=('x', 1, '/x'), "
-        "mm=[('img', 2, 3)]))" in source
-    )
-    plain = Trace(
-        cfg, [AddRequest("r0", tuple(range(1, 10))), Schedule("r0", 16)], 0, "vllm-manager", trace.violation
-    )
-    plain_source = render_test(plan_export(plain))
-    assert "def identity(" not in plain_source and "LoRARequest" not in plain_source

@@ -269,12 +269,12 @@ def test_an_unknown_preset_is_one_line_and_nothing_else(capsys, tmp_path):
 
 def test_shrinking_a_prompt_keeps_its_multimodal_items_within_it():
     """A shortened prompt drops the items past its new end and clips the one across it,
-    so the shrunk trace loads (`model.ops.from_json` validates item bounds)."""
+    so the shrunk trace loads (`model.contract.ops.op_from_json` validates item bounds)."""
     from dataclasses import replace
 
     import pytest
 
-    from model.ops import op_from_json, op_to_json
+    from model.contract.ops import op_from_json, op_to_json
 
     add = AddRequest("a", tuple(range(1, 13)), mm=(("img0", 2, 3), ("img1", 6, 4), ("img2", 10, 2)))
     ops: list[Op] = [add, Schedule("a", 16)]

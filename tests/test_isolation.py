@@ -281,8 +281,8 @@ def test_a_salted_scheduler_trace_exports_with_its_identity(tmp_path: Path) -> N
     from invariants.export.plan import ExportError, plan_export
     from invariants.export.pytest_file import render_test
     from invariants.harness.trace import Trace
-    from model.config import Config, GroupSpec
-    from model.ops import Step
+    from model.contract.config import Config, GroupSpec
+    from model.contract.ops import Step
 
     cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=8)
     ops: list[Op] = [AddRequest("r0", tuple(range(1, 10)), salt="t", lora=("x", 1, "/x")), Step(("r0",), 16)]
@@ -292,3 +292,32 @@ def test_a_salted_scheduler_trace_exports_with_its_identity(tmp_path: Path) -> N
     mm: list[Op] = [AddRequest("r0", tuple(range(1, 10)), mm=(("img", 0, 2),)), Step(("r0",), 16)]
     with pytest.raises(ExportError, match=r"trace.ops\[0\]: multimodal items"):
         render_test(plan_export(Trace(cfg, mm, 0, "vllm", "snapshot: (a planted violation)")))
+
+
+def test_a_request_identity_is_exported_with_it() -> None:
+    """A trace whose request carries an identity (cache salt, LoRA, multimodal) plans and
+    renders with the identity passed to vLLM's Request (it used to be refused: the file
+    would replay it plain and hit where the specification misses). Control: the same
+    trace without the salt renders the plain file, without the identity helper."""
+    from invariants.export.plan import plan_export
+    from invariants.export.pytest_file import render_test
+    from invariants.harness.trace import Trace
+    from model.contract.config import Config, GroupSpec
+
+    cfg = Config(groups=(GroupSpec("full", 4),), num_blocks=8)
+    ops: list[Op] = [
+        AddRequest("r0", tuple(range(1, 10)), salt="tenant-a", lora=("x", 1, "/x"), mm=(("img", 2, 3),)),
+        Schedule("r0", 16),
+    ]
+    trace = Trace(cfg, ops, 0, "vllm-manager", "snapshot: (a planted violation)")
+    source = render_test(plan_export(trace))
+    compile(source, "exported.py", "exec")
+    assert (
+        "make_request(\"r0\", list(range(1, 10)), **identity(cache_salt='tenant-a', lora=('x', 1, '/x'), "
+        "mm=[('img', 2, 3)]))" in source
+    )
+    plain = Trace(
+        cfg, [AddRequest("r0", tuple(range(1, 10))), Schedule("r0", 16)], 0, "vllm-manager", trace.violation
+    )
+    plain_source = render_test(plan_export(plain))
+    assert "def identity(" not in plain_source and "LoRARequest" not in plain_source

@@ -17,7 +17,7 @@ coarsest to the finest so that the early passes do most of the work:
 3. shorten prompts and probes, lower budgets, set sampled tokens to 1. A shortened
    prompt keeps its multimodal items within it: an item past the new end is dropped,
    one across it is clipped to end there (a trace whose item ends past its prompt does
-   not load: `model.extra_keys.validate`).
+   not load: `model.contract.extra_keys.validate`).
 """
 
 from __future__ import annotations
