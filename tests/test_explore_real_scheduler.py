@@ -44,7 +44,19 @@ from invariants.targets import target_factory
 from invariants.targets.base import TargetFeatures
 from invariants.targets.model_target import ModelTarget
 from model.contract.config import Config, ConfigError, GroupSpec, validate
-from model.contract.ops import AddRequest, Finish, Loaded, Offer, Op, Sample, Save, Saved, Schedule, Step
+from model.contract.ops import (
+    AddRequest,
+    Finish,
+    Loaded,
+    Offer,
+    Op,
+    Preempt,
+    Sample,
+    Save,
+    Saved,
+    Schedule,
+    Step,
+)
 
 REAL = TargetFeatures(real_scheduler=True, connector=True)
 TINY = grid_by_name(["full-p3-r1"])[0]
@@ -71,8 +83,10 @@ def _checker(factory: Any, config: Config, ops: list[Op]) -> Checker:
     return checker
 
 
-def _ops(inst: Instance, checker: Checker, next_rid: int, real: bool = False) -> list[Op]:
-    return alphabet(inst, checker.model, next_rid, _is_valid(checker), real)
+def _ops(
+    inst: Instance, checker: Checker, next_rid: int, real: bool = False, engine: bool = False
+) -> list[Op]:
+    return alphabet(inst, checker.model, next_rid, _is_valid(checker), real, engine)
 
 
 # ---------------------------------------------------------------------------- the grid
@@ -149,8 +163,8 @@ def test_alphabet_offers_and_reports_where_a_connector_is_attached() -> None:
 def test_alphabet_samples_carry_drafts_where_the_model_speculates() -> None:
     factory = _vllm()
     inst = grid_by_name([EAGLE_LOOKAHEAD], features_of(factory))[0]
-    ran = _checker(factory, inst.config, [AddRequest("r00", (1, 2)), Step(("r00",), 64)])
-    drafted = [op for op in _ops(inst, ran, 1, True) if isinstance(op, Sample) and op.drafts]
+    ran = _checker(factory, inst.config, [AddRequest("r00", (1, 2)), Step(("r00",), inst.budgets[0])])
+    drafted = [op for op in _ops(inst, ran, 1, True, True) if isinstance(op, Sample) and op.drafts]
     assert drafted and all(len(op.drafts) == ran.model.num_spec_tokens == 1 for op in drafted)
     # Control: the model target does not speculate, so its samples carry none.
     model = _checker(ModelTarget, inst.config, [AddRequest("r00", (1, 2)), Schedule("r00", 64)])
@@ -165,6 +179,44 @@ def test_real_scheduler_alphabet_sends_one_step_per_budget_for_a_lone_request() 
     assert [op for op in real if isinstance(op, Step)] == [Step(("r00",), 64)]
     # Control: elsewhere the single-request Schedule is its own operation.
     assert Schedule("r00", 64) in _ops(TWO, added, 1)
+
+
+ENGINE = TargetFeatures(real_scheduler=True, connector=True, engine_steps=True)
+
+
+def test_an_engine_grid_builds_each_instance_with_the_budget_that_binds() -> None:
+    """Where the engine decides every step, each instance states its token budget (the
+    smallest of its budgets above its lookahead slots) and offers it alone; control: the
+    same grid for a directed real scheduler, and the model's, state none."""
+    engine = {i.name: i for i in default_grid(ENGINE)}
+    directed = {i.name: i for i in default_grid(REAL)}
+    assert engine.keys() == directed.keys()
+    for name, inst in engine.items():
+        wanted = min(b for b in directed[name].budgets if b > inst.config.num_lookahead_tokens)
+        assert inst.config.max_num_batched_tokens == wanted and inst.budgets == (wanted,), name
+        assert not directed[name].config.max_num_batched_tokens, name
+    assert engine["full-p3-r1"].budgets == (1,) and engine[EAGLE_LOOKAHEAD].budgets == (2,)
+    assert not [i for i in default_grid() if i.config.max_num_batched_tokens]
+    assert grid_by_name(["full-p6-tenants"], ENGINE)[0].config.max_num_batched_tokens == 64
+
+
+def test_engine_alphabet_offers_the_engines_step_and_nothing_steered() -> None:
+    """One `Step` over every live request in the model's queue order with the built budget,
+    none while a request awaits its sample (its samples instead), no `Preempt`, no step
+    per request; control: the directed real-scheduler alphabet offers both."""
+    inst = grid_by_name(["full-p5-r2"], ENGINE)[0]
+    budget = inst.config.max_num_batched_tokens
+    two = _checker(ModelTarget, inst.config, [AddRequest("r00", (1, 2)), AddRequest("r01", (1, 2, 1, 1, 2))])
+    ops = _ops(inst, two, 2, True, True)
+    assert [op for op in ops if isinstance(op, Step)] == [Step(("r00", "r01"), budget)]
+    assert not [op for op in ops if isinstance(op, (Preempt, Schedule))]
+    assert Finish("r00") in ops and Finish("r01") in ops
+    ran = _checker(ModelTarget, inst.config, [AddRequest("r00", (1, 2)), Step(("r00",), budget)])
+    ops = _ops(inst, ran, 1, True, True)
+    assert not [op for op in ops if isinstance(op, Step)]
+    assert Sample("r00", 1) in ops and Sample("r00", 2) in ops and Preempt("r00") not in ops
+    directed = _ops(inst, two, 2, True)
+    assert Step(("r00",), budget) in directed and Preempt("r00") in _ops(inst, ran, 1, True)
 
 
 # ---------------------------------------------------------------------------- the fingerprint

@@ -248,6 +248,7 @@ class Shard:
             node.next_rid,
             _valid(checker),
             checker.target.features.real_scheduler,
+            checker.target.features.engine_steps,
         )
         for j, op in enumerate(ops):
             if deadline is not None and time.monotonic() > deadline:

@@ -296,6 +296,10 @@ def certificate_text(report: GridReport) -> str:
         if not c.skipped:
             kinds = ", ".join(f"{k} {n}" for k, n in sorted(c.op_kinds.items()))
             lines.append(f"  {c.instance}: {kinds}")
+    steps = [(c.instance, c.steps) for c in report.certificates if c.steps and not c.skipped]
+    if steps:
+        lines.append("\nsteps chosen by:")
+        lines += [f"  {name}: {text}" for name, text in steps]
     for text in dict.fromkeys(c.merging for c in report.certificates if c.merging):
         lines.append(f"\nstates merged: {text}")
     for c in report.certificates:

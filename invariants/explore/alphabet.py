@@ -57,6 +57,7 @@ from model.contract.ops import (
 )
 from model.machine.allocator import AllocatorModel
 from model.machine.failed_blocks import failable_blocks
+from model.policy.scheduling import build_budget
 from model.policy.spec_decode import acceptable
 
 TOKENS = (1, 2)
@@ -97,10 +98,14 @@ def alphabet(
     next_rid: int,
     valid: Callable[[Op], bool],
     real_scheduler: bool = False,
+    engine: bool = False,
 ) -> list[Op]:
-    """Every operation to try from this state, in the module docstring's order."""
+    """Every operation to try from this state, in the module docstring's order (`engine`:
+    the target's engine decides every step, `engine_alphabet`)."""
     if instance.vocabulary:
         return [op for op in instance.vocabulary if valid(op)]
+    if engine:
+        return engine_alphabet(instance, model, next_rid, valid)
     reqs = model.requests
     connector = instance.config.kv_connector
     ops: list[Op] = []
@@ -123,6 +128,47 @@ def alphabet(
             ops.append(Save(rid))
     if ready:  # one request too: a step's failure path (preempt and retry) is its own
         ops += [Step(ready, b) for b in instance.budgets]
+    if connector:
+        ops += _reports(model)
+    ops += [Probe(p) for p in sorted(prompts(instance), key=len)[-2:]]
+    ops.append(ResetPrefixCache())
+    ops += [EvictBlocks((b,)) for b in sorted(model.pool.primary)]
+    return [op for op in ops if valid(op)]
+
+
+def engine_alphabet(
+    instance: Instance, model: AllocatorModel, next_rid: int, valid: Callable[[Op], bool]
+) -> list[Op]:
+    """What an engine core and its clients may do next, where the engine decides every
+    step (`TargetFeatures.engine_steps`: kvretain writes nothing of the scheduler): an
+    arrival (each prompt, as `alphabet`'s adds); per live request its samples once it
+    computed all its tokens (with drafts where the model speculates), its abort, and with
+    a KV connector an offer (sync, async) and a save; the engine's one step, over every
+    live request in the queue order the model predicts (`AllocatorModel.engine_queues`)
+    with the budget it was built with (`build_budget`), offered only while no request
+    awaits its sample (the engine delivers a step's output before its next step); the
+    connector's reports; a probe of the two longest prompts, `reset` and `evict`, as
+    `alphabet` (read-outs and cache resets a client may ask). No per-request step, no
+    budget per step, no `Preempt` (vLLM preempts under pool pressure only)."""
+    reqs = model.requests
+    connector = instance.config.kv_connector
+    ops: list[Op] = []
+    if len(reqs) < instance.max_requests:
+        kinds = ({}, *IDENTITIES) if instance.tenants else ({},)
+        ops += [AddRequest(rid_name(next_rid), p, **kw) for p in prompts(instance) for kw in kinds]
+    awaiting = False
+    for rid, r in reqs.items():
+        if r.running and r.num_computed >= r.num_tokens:
+            awaiting = True
+            ops += _samples(model, rid)
+        ops.append(Finish(rid))
+        if connector:
+            ops += [Offer(rid, r.num_tokens, mode) for mode in LOAD_MODES]
+            ops.append(Save(rid))
+    q = model.engine_queues()
+    rids = (*q.running, *q.holding, *q.waiting)
+    if rids and not awaiting:
+        ops.append(Step(rids, build_budget(instance.config)))
     if connector:
         ops += _reports(model)
     ops += [Probe(p) for p in sorted(prompts(instance), key=len)[-2:]]

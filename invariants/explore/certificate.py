@@ -58,6 +58,8 @@ class Certificate:
     merging: str = ""
     # How states were returned to between operations (`search.RESTORES`; why not `live`).
     restore: str = "live"
+    # Who chose the steps: the engine (its own step, its built budget) or kvretain (`search.steps_text`).
+    steps: str = ""
 
     @property
     def verdict(self) -> str:
@@ -126,6 +128,7 @@ class Certificate:
             "transitions_by_kind": dict(sorted(self.op_kinds.items())),
             "merging": self.merging,
             "restore": self.restore,
+            "steps": self.steps,
         }
 
 

@@ -15,7 +15,11 @@ The grid depends on what the target can run (`grid_for`): a real scheduler
 lookahead variant (`...-eagle-la1`, one slot: samples carry drafts); a target
 that can attach a KV connector (`TargetFeatures.connector`) gets one more,
 small instance with a connector (`full-p6-connector`: offers, load and save
-reports). Every target's grid names the same instances otherwise.
+reports). Every target's grid names the same instances otherwise. Where the target's
+engine decides every step (`TargetFeatures.engine_steps`: kvretain names what the engine
+holds and writes nothing of its scheduler), each instance is built with a token budget
+(`Config.max_num_batched_tokens`: the smallest of the instance's budgets above its
+lookahead slots, the one that binds) and offers that budget alone (`engine_budget`).
 """
 
 from __future__ import annotations
@@ -97,7 +101,18 @@ def default_grid(features: TargetFeatures | None = None) -> list[Instance]:
                 note="KV connector: offers (sync and async), load ok/failed, save reports",
             )
         )
-    return grid
+    return [engine_budget(i) for i in grid] if features.engine_steps else grid
+
+
+def engine_budget(inst: Instance) -> Instance:
+    """`inst` for an engine that decides every step: built with a token budget, the smallest
+    of its budgets above the lookahead slots (vLLM's budget must exceed them), its steps'
+    only budget. An instance that states one already is left as it is."""
+    cfg = inst.config
+    if cfg.max_num_batched_tokens:
+        return inst
+    budget = min((b for b in inst.budgets if b > cfg.num_lookahead_tokens), default=64)
+    return replace(inst, config=validate(cfg.with_(max_num_batched_tokens=budget)), budgets=(budget,))
 
 
 def features_of(factory: Callable[[Config], Target]) -> TargetFeatures:
@@ -158,7 +173,10 @@ def grid_by_name(names: list[str] | None = None, features: TargetFeatures | None
     grid = default_grid(features)
     if not names:
         return grid
-    by_name = {i.name: i for i in (*grid, *named_only())}
+    extra = named_only()
+    if features is not None and features.engine_steps:
+        extra = [engine_budget(i) for i in extra]
+    by_name = {i.name: i for i in (*grid, *extra)}
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise KeyError(f"unknown instance(s) {unknown} (known: {', '.join(by_name)})")

@@ -51,6 +51,7 @@ from invariants.targets.base import Target
 from invariants.targets.vllm_hidden_state import HiddenState
 from model.contract.config import Config, ConfigError
 from model.contract.ops import AddRequest, Op
+from model.policy.scheduling import build_budget
 
 Tolerate = Callable[[Violation], object]
 """A violation -> the known finding explaining it (its `id` is counted), or None."""
@@ -148,6 +149,7 @@ class _Search:
     def run(self) -> list[_Node]:
         """Search layer by layer; returns the deepest layer whose states were kept frozen."""
         root = new_checker(self.factory, self.instance.config)
+        self.cert.steps = steps_text(root.target.features.engine_steps, self.instance.config)
         state = _state_of(root, False, self.rename, self.image)
         self.seen.add(state)
         frontier = [_Node((), self.freezer.freeze(root), 0, False, state)]
@@ -191,6 +193,7 @@ class _Search:
             node.next_rid,
             _is_valid(base),
             base.target.features.real_scheduler,
+            base.target.features.engine_steps,
         )
         checkpoint = self._checkpoint(base) if len(ops) > 1 else None
         checker: Checker | None = base
@@ -278,6 +281,16 @@ def _fork_differs(search: _Search, node: _Node) -> str | None:
     if _state_of(thawed, node.diverged, rename, image) != _state_of(fresh, node.diverged, rename, image):
         return f"the fingerprint after {len(node.path)} operations differs from re-execution"
     return None
+
+
+def steps_text(engine: bool, config: Config) -> str:
+    """How the instance's steps were chosen, for the certificate (`alphabet.engine_alphabet`)."""
+    if engine:
+        return (
+            f"the engine's own: one step over every request it holds, budget {build_budget(config)} "
+            "(Config.max_num_batched_tokens), no preempt, nothing written to the scheduler"
+        )
+    return "kvretain's: a step per budget over one request or every ready one, preempts"
 
 
 def explore(
