@@ -77,8 +77,8 @@ class Handover:
         else:
             head = f"nothing shorter than {self.original} operations found"
         return (
-            f"{head}; every sequence of <= {self.depth_completed} of its {self.vocabulary} operations "
-            f"checked ({self.states} states, {self.seconds:.1f} s, {self.stopped})"
+            f"{head}; every sequence of <= {self.depth_completed} operations drawn from its "
+            f"{self.vocabulary} distinct ones checked ({self.states} states, {self.seconds:.1f} s, {self.stopped})"
         )
 
     def to_json(self) -> dict[str, object]:
