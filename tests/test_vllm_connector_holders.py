@@ -563,7 +563,7 @@ def test_a_rolled_back_load_reserves_against_its_own_admission_finding() -> None
     """The finding's trace: flagged on the model with the rollback named, tolerated as
     the finding; control: the same refusal without a rollback is not the finding."""
     from invariants.harness.known_findings import is_known_violation
-    from model.contract.ops import Schedule
+    from model.contract.ops import Step
 
     f = rollback_finding()
     checker = Checker(ModelTarget(f.trace.config))
@@ -581,7 +581,9 @@ def test_a_rolled_back_load_reserves_against_its_own_admission_finding() -> None
     for op in f.trace.ops[:-1]:
         m.apply(op)
     assert m.requests["r0"].prefilling and not m.requests["r0"].num_computed
-    assert isinstance(f.trace.ops[-1], Schedule)
+    # The engine's own step (the trace's stated budget) is the admission refused.
+    last = f.trace.ops[-1]
+    assert isinstance(last, Step) and last.budget == f.trace.config.max_num_batched_tokens
 
 
 @needs_vllm
@@ -595,7 +597,7 @@ def test_vllm_refuses_a_rolled_back_load_as_the_model_does() -> None:
     checker = Checker(target, audit_every=1)
     for op in f.trace.ops[:-1]:
         assert checker.step(op) == []
-    # The last Schedule runs as a one-request Step: its refused admission is judged there too.
+    # The last step is the engine's own (nothing steered): its refused admission is judged there.
     found = checker.step(f.trace.ops[-1])
     assert [v.check for v in found] == ["fitting_request_admitted"]
     assert is_known_violation("vllm", found[0]), found[0]
