@@ -67,9 +67,11 @@ gpu-check: setup
 	$(BIN)/kvretain gpu-check --device $$($(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 
 # Every vLLM release from 0.21.0 to the newest on the index, each in a cached
-# environment under ~/.cache/kvretain (about 0.6-0.9 GB and 1-2 min to install per release).
+# environment under ~/.cache/kvretain (about 0.6-0.9 GB and 1-2 min to install per release);
+# then the identity-field table (docs/identity-matrix.md), probed on every installed release.
 matrix: setup
 	$(BIN)/kvretain matrix --json matrix-report.json --markdown matrix-report.md
+	$(BIN)/kvretain matrix --identity-table --identity-probe
 
 clean:
 	rm -rf $(VENV) kvretain-traces .hypothesis build *.egg-info

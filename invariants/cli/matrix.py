@@ -26,6 +26,16 @@ def add_parser(sub: Any) -> None:
     m.add_argument("--json", help="write the results as JSON here")
     m.add_argument("--markdown", help="write the report as Markdown here")
     m.add_argument("--out", default="kvretain-traces/matrix", help="where failing traces are written")
+    m.add_argument(
+        "--identity-table",
+        action="store_true",
+        help="print how each release from 0.20.0 hashed each identity field (docs/identity-matrix.md) and exit",
+    )
+    m.add_argument(
+        "--identity-probe",
+        action="store_true",
+        help="with --identity-table: also hash real requests on every installed release and compare",
+    )
     m.set_defaults(func=cmd_matrix)
 
 
@@ -38,6 +48,26 @@ def _write(path: str, text: str) -> None:
 
 
 ENGINES = ("vllm", "sglang")
+
+
+def _cmd_identity(probe: bool) -> int:
+    """The identity-field table; with `probe`, each installed release's source and probes
+    checked against it (exit 1 on a disagreement)."""
+    from invariants.matrix import identity_keys as ik
+
+    print(ik.render_table(), end="")
+    if not probe:
+        return 0
+    bad: list[str] = []
+    for version, path in sorted(ik.installed_sources().items(), key=lambda kv: ik.version_key(kv[0])):
+        found = ik.disagreements(version, Path(path).read_text()) + ik.probe_disagreements(
+            version, ik.run_probes(version)
+        )
+        print(
+            f"identity probe: vLLM {version}: " + ("agrees with the table" if not found else "; ".join(found))
+        )
+        bad += found
+    return 1 if bad else 0
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -56,6 +86,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     from invariants.matrix.runner import format_table, index_releases, parse_releases, run_matrix
 
     _check_args(args)
+    if args.identity_table:
+        return _cmd_identity(args.identity_probe)
     if args.engine == "sglang":
         return _cmd_sglang(args)
     releases = parse_releases(args.releases) if args.releases else index_releases()
