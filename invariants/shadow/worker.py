@@ -41,11 +41,12 @@ model_runner.py`: `finish_requests` drops finished and preempted requests,
 zeroes, then copies) and the V1 runner (`gpu_model_runner._update_states`:
 preempted requests keep their state, a `resumed_req_ids` entry replaces the
 table, `all_token_ids` restores tokens). Left out (docs/shadow-worker.md):
-Mamba state provenance (the catalogue's `steps` invariants judge it), the
-drafter's own KV, and speculative decoding one step ahead (the runner corrects
-the shipped positions by the drafts the step before rejected). One step ahead
-(async scheduling) a step runs once the tokens it reads are returned, in order
-(`synchronous` off). A KV connector's loads and saves are `connector`'s: it
+Mamba state provenance (the catalogue's `steps` invariants judge it) and the
+drafter's own KV. One step ahead (async scheduling) a step runs once the tokens
+it reads are returned, in order (`synchronous` off); with drafts the shipped
+count of a request includes the drafts of its share the scheduler had not seen
+the output of, which the runner takes off once rejected (`_unrolled`), and the
+drafts are the runner's own, shipped as placeholders (`_rewrite`). A KV connector's loads and saves are `connector`'s: it
 writes a load's provenance through `hook` before a step's forward pass and
 runs its other events in the worker's order (`after`); a block a failed load
 left unwritten holds `FAILED`, and so does every slot a step computed over it.
@@ -122,6 +123,12 @@ class Chunk:
     ran: bool = False
     tokens: list[int] | None = None
     taken: int = 0  # how many returned tokens the worker appended for it
+    # One step ahead: the request's share whose output the scheduler had not processed when it
+    # scheduled this one (its count assumed every draft of it accepted), and, once that share's
+    # tokens are taken, how many of its drafts were rejected (None: not known yet).
+    after: Chunk | None = None
+    rejected: int | None = None
+    placeholders: bool = False  # its drafts were shipped as placeholders (async: the runner's own)
 
 
 @dataclass
@@ -190,7 +197,9 @@ class ShadowWorker:
         for data in out.scheduled_new_reqs:
             self.shares[data.req_id] = deque()  # a new request: an earlier one's shares are void
         for rid, chunk in chunks.items():
-            self.shares.setdefault(rid, deque()).append(chunk)
+            pending = self.shares.setdefault(rid, deque())
+            chunk.after = pending[-1] if pending else None
+            pending.append(chunk)
         self.queue.append((out, chunks))
         self._drain()
 
@@ -317,6 +326,10 @@ class ShadowWorker:
         cached, spec = out.scheduled_cached_reqs, out.scheduled_spec_decode_tokens
         for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
             view = self.requests.get(rid)
+            chunk = chunks.get(rid)
+            if chunk is not None and chunk.after is not None and chunk.after.rejected is None:
+                return False  # the drafts the scheduler counted as accepted are not known yet
+            computed -= _unrolled(chunk)
             need = computed + out.num_scheduled_tokens.get(rid, 0) - len(spec.get(rid, ()))
             if view is None or need <= len(view.tokens):
                 continue
@@ -333,7 +346,7 @@ class ShadowWorker:
         fresh: list[tuple[int, int]] = []  # (group, block) newly placed past the computed tokens
         for data in out.scheduled_new_reqs:
             self._install(data, fresh)
-        self._update_cached(out.scheduled_cached_reqs, fresh)
+        self._update_cached(out.scheduled_cached_reqs, fresh, chunks)
         self.fresh = [b for _, b in fresh]
         if self.zeroing:
             for g, b in fresh:
@@ -360,6 +373,7 @@ class ShadowWorker:
         view = self.requests.get(rid)
         if view is None or not chunk.ran:
             return
+        chunk.rejected = chunk.drafts - (len(tokens) - 1) if tokens else chunk.drafts
         latest = view.last is chunk
         if not tokens:
             if latest:
@@ -376,6 +390,11 @@ class ShadowWorker:
             view.computed = chunk.end - (chunk.drafts - (len(tokens) - 1))
         self._append(view, tokens)
         chunk.taken = len(tokens)
+        if chunk.placeholders and len(tokens) > 1:
+            # The runner computed its own drafts, shipped as placeholders: the accepted ones'
+            # slots hold the KV of the tokens now returned.
+            first = chunk.end - chunk.drafts
+            self._rewrite(view, first, first + len(tokens) - 1)
         if self.lookahead and latest:
             self._write_ahead(view, max(chunk.start, view.computed - self.lookahead), view.computed)
 
@@ -404,7 +423,7 @@ class ShadowWorker:
         self.may_cut.discard(data.req_id)
         self._fresh_past(view, fresh)
 
-    def _update_cached(self, cached: Any, fresh: list[tuple[int, int]]) -> None:
+    def _update_cached(self, cached: Any, fresh: list[tuple[int, int]], chunks: dict[str, Chunk]) -> None:
         resumed = set(cached.resumed_req_ids) if self.runner == "v1" else set()
         for i, rid in enumerate(cached.req_ids):
             view = self.requests.get(rid)
@@ -418,7 +437,9 @@ class ShadowWorker:
             if self.runner == "v1" and rid in cached.all_token_ids:
                 view.tokens, view.ids = [], []
                 self._append(view, cached.all_token_ids[rid])
-            shipped = cached.num_computed_tokens[i]
+            # One step ahead the scheduler counted the drafts of the share it had not seen the
+            # output of as accepted; the V2 runner takes its rejected ones off (`_unrolled`).
+            shipped = cached.num_computed_tokens[i] - _unrolled(chunks.get(rid))
             # A failed load's cut (the worker reported the blocks) may only lower the count.
             cut = rid in self.may_cut and shipped <= view.computed
             self.may_cut.discard(rid)
@@ -478,6 +499,7 @@ class ShadowWorker:
             )
             chunks.append((rid, view, start, end, ids))
             share = shares[rid]
+            share.placeholders = any(t < 0 for t in spec)
             share.start, share.end, share.drafts, share.complete, share.ran = (
                 start,
                 end,
@@ -515,6 +537,16 @@ class ShadowWorker:
             self.figures.writes += end - start
         if self.lookahead:
             self._write_ahead(view, start, end)
+
+    def _rewrite(self, view: RequestView, start: int, end: int) -> None:
+        """Positions [start, end) of `view` hold its own prefix where its table still has them."""
+        for g, spec in self._attention():
+            bs, table = spec.block_size, view.tables[g]
+            for p in range(start, min(end, len(view.ids))):
+                block = table[p // bs] if p // bs < len(table) else NULL_BLOCK
+                row = self.kv.get(block)
+                if block != NULL_BLOCK and row is not None and len(row) == bs:
+                    row[p % bs] = view.ids[p]
 
     def _write_ahead(self, view: RequestView, start: int, end: int) -> None:
         """The lookahead provenance of `view`'s positions [start, end) whose L tokens past
@@ -614,6 +646,14 @@ class ShadowWorker:
     def _problem(self, check: str, message: str) -> None:
         self.figures.problems += 1
         self.problems.append((check, message))
+
+
+def _unrolled(chunk: Chunk | None) -> int:
+    """The drafts a step's shipped count includes that the runner knows were rejected: those
+    of the share before it whose output the scheduler had not processed (0: none)."""
+    if chunk is None or chunk.after is None:
+        return 0
+    return chunk.after.rejected or 0
 
 
 def _window_start(spec: WorkerGroup, start: int) -> int:

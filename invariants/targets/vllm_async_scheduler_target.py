@@ -110,12 +110,8 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
 
     def shadow_worker(self) -> ShadowWorker | None:
         """The shadow worker one step ahead: a step runs once the tokens it reads are
-        returned (`ShadowWorker.synchronous` off), a KV connector's side with it. None
-        with speculative decoding (the worker corrects the shipped positions by the
-        drafts the previous step rejected, which it does not follow yet;
-        docs/shadow-worker.md)."""
-        if self.config.num_lookahead_tokens:
-            return None
+        returned (`ShadowWorker.synchronous` off), a KV connector's side with it, drafts
+        included (the runner's correction of the shipped positions: docs/shadow-worker.md)."""
         worker = super().shadow_worker()
         if worker is not None:
             worker.synchronous = False
