@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +26,7 @@ from invariants.cli import explore as cli_explore
 from invariants.cli import verify
 from invariants.explore.alphabet import alphabet
 from invariants.explore.certificate import Certificate
-from invariants.explore.configs import ConfigReport
+from invariants.explore.configs import ENGINE_BUDGET, ConfigReport, check_configurations
 from invariants.explore.fingerprint import HIDDEN_STATE
 from invariants.explore.fork import Freezer
 from invariants.explore.grid import GridReport
@@ -217,6 +218,25 @@ def test_engine_alphabet_offers_the_engines_step_and_nothing_steered() -> None:
     assert Sample("r00", 1) in ops and Sample("r00", 2) in ops and Preempt("r00") not in ops
     directed = _ops(inst, two, 2, True)
     assert Step(("r00",), budget) in directed and Preempt("r00") in _ops(inst, ran, 1, True)
+
+
+def test_configurations_reach_an_engine_target_with_a_budget() -> None:
+    """Operation zero builds each configuration as the engine's grid is built: with a token
+    budget where the target's engine decides every step; control: none for the model."""
+    seen: list[int] = []
+
+    class Engine(ModelTarget):
+        features = replace(ModelTarget.features, engine_steps=True)
+
+        def __init__(self, config: Config) -> None:
+            seen.append(config.max_num_batched_tokens)
+            super().__init__(config)
+
+    engine = check_configurations(Engine)
+    assert engine.ok and set(seen) == {ENGINE_BUDGET} and len(seen) == engine.checked
+    seen.clear()
+    plain = check_configurations(type("Plain", (Engine,), {"features": ModelTarget.features}))
+    assert plain.ok and set(seen) == {0} and plain.checked == engine.checked
 
 
 # ---------------------------------------------------------------------------- the fingerprint

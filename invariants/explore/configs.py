@@ -15,7 +15,9 @@ and the search reports such an instance as skipped.
 The domain: one group of each kind, full attention with an SWA or a Mamba
 group, and three groups; block sizes 2 and 4 (equal and unequal); SWA windows
 1, 3 and 5; Mamba 'align' and 'none'; retention None, -2, 0, 1, 2, 4 and 6;
-Eagle off and on; caching on and off; a pool of 6 blocks.
+Eagle off and on; caching on and off; a pool of 6 blocks. A target whose engine
+decides every step (`TargetFeatures.engine_steps`) gets each with a token budget
+(`ENGINE_BUDGET`), as its explore instances are built (`instances.engine_budget`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 from invariants.harness.checker import Violation
 from invariants.targets.base import Target
@@ -46,8 +49,13 @@ def _layouts() -> Iterator[tuple[GroupSpec, ...]]:
     yield from ((full[0], s, m) for s in swa[:3] for m in mamba)
 
 
-def configurations() -> Iterator[Config]:
-    """The domain of the module docstring, in a fixed order."""
+# The token budget an engine that decides every step is built with here (at max_model_len).
+ENGINE_BUDGET = 64
+
+
+def configurations(budget: int = 0) -> Iterator[Config]:
+    """The domain of the module docstring, in a fixed order (`budget`: each one's
+    `max_num_batched_tokens`, 0: none stated)."""
     for groups, retention, eagle, caching, pool in itertools.product(
         _layouts(), RETENTIONS, (False, True), (True, False), POOLS
     ):
@@ -58,6 +66,7 @@ def configurations() -> Iterator[Config]:
             eagle=eagle,
             enable_caching=caching,
             max_model_len=64,
+            max_num_batched_tokens=budget,
         )
 
 
@@ -103,7 +112,8 @@ class ConfigReport:
 def check_configurations(factory: Callable[[Config], Target], keep: int = 5) -> ConfigReport:
     """Judge every configuration of the domain (see the module docstring)."""
     report = ConfigReport()
-    for cfg in configurations():
+    engine = isinstance(factory, type) and cast("type[Target]", factory).features.engine_steps
+    for cfg in configurations(ENGINE_BUDGET if engine else 0):
         report.checked += 1
         try:
             validate(cfg)
