@@ -76,11 +76,12 @@ def test_abbreviation_is_refused(capsys):
 
 def _fake_python(tmp_path: Path, import_rc: int) -> Path:
     """An "interpreter" that fails `-c` (the dependency check) with `import_rc`
-    and records any other argv, exiting 0."""
+    and records any other argv (and the judged interpreter it is told), exiting 0."""
     script = tmp_path / "python"
     log = tmp_path / "argv"
     script.write_text(
-        f'#!/bin/sh\nif [ "$1" = "-c" ]; then exit {import_rc}; fi\necho "$@" > {log}\nexit 0\n'
+        f'#!/bin/sh\nif [ "$1" = "-c" ]; then exit {import_rc}; fi\necho "$@" > {log}\n'
+        f'echo "${vllm_env.JUDGED_PYTHON_ENV}" > {tmp_path / "judged"}\nexit 0\n'
     )
     script.chmod(0o755)
     return script
@@ -107,6 +108,22 @@ def test_control_with_dependencies_the_command_reruns_there(tmp_path, monkeypatc
     assert main(["fuzz", "--target", "vllm", "--vllm-python", str(python), "--seed", "3"]) == 0
     argv = (tmp_path / "argv").read_text().split()
     assert argv == ["-m", "invariants.cli.main", "fuzz", "--target", "vllm", "--seed", "3"]
+
+
+def test_replay_hints_name_the_judged_interpreter(tmp_path, monkeypatch):
+    """Under `--vllm-python PATH` the re-run command is told PATH, so the replay line a
+    violation prints judges the same vLLM (bare, it would replay on kvretain's own vLLM
+    and could call the branch's violation clean). Control: a run not re-run elsewhere
+    prints the bare command."""
+    _probe_ok(monkeypatch)
+    python = _fake_python(tmp_path, import_rc=0)
+    assert main(["fuzz", "--target", "vllm", "--vllm-python", str(python)]) == 0
+    judged = (tmp_path / "judged").read_text().strip()
+    assert judged == str(python)
+    monkeypatch.setenv(vllm_env.JUDGED_PYTHON_ENV, judged)
+    assert vllm_env.replay_command("t.json") == f"kvretain replay t.json --vllm-python {judged}"
+    monkeypatch.delenv(vllm_env.JUDGED_PYTHON_ENV)
+    assert vllm_env.replay_command("t.json") == "kvretain replay t.json"
 
 
 def test_runtime_requirements_are_pinned_as_dev_txt_pins_them():

@@ -238,6 +238,7 @@ def _hand_over(report: FuzzReport, budget_s: float | None) -> None:
     from invariants.harness.fuzz import _tolerance
     from invariants.harness.trace import Trace, write_trace
     from invariants.targets import target_factory
+    from invariants.targets.vllm_env import replay_command
 
     failure = report.failure
     assert failure is not None
@@ -259,7 +260,7 @@ def _hand_over(report: FuzzReport, budget_s: float | None) -> None:
     if h.shorter and report.trace_path is not None:
         path = report.trace_path.with_name(report.trace_path.stem + "-shortest.json")
         write_trace(Trace(failure.config, list(h.ops), report.seed, report.target, str(h.violation)), path)
-        print(wrap(f"shortest trace ({len(h.ops)} operations) written to {path}; kvretain replay {path}"))
+        print(wrap(f"shortest trace ({len(h.ops)} operations) written to {path}; {replay_command(path)}"))
 
 
 # ---------------------------------------------------------------- replay

@@ -287,7 +287,7 @@ def _run_under(python: str, argv: list[str]) -> int:
     import os
     import subprocess
 
-    from invariants.targets.vllm_env import probe_python
+    from invariants.targets.vllm_env import JUDGED_PYTHON_ENV, probe_python
 
     ok, line, _ = probe_python(python)
     if not ok:
@@ -300,7 +300,8 @@ def _run_under(python: str, argv: list[str]) -> int:
         )
     print(f"kvretain: running under {line}", file=sys.stderr, flush=True)
     root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, **{JUDGED_PYTHON_ENV: python})
     return subprocess.call([python, "-m", "invariants.cli.main", *argv], env=env)
 
 

@@ -68,6 +68,7 @@ from invariants.targets import (
     Target,
     target_factory,
 )
+from invariants.targets.vllm_env import replay_command
 from model.contract.config import Config
 from model.contract.ops import Op, op_to_json
 
@@ -528,7 +529,7 @@ def format_failure(report: FuzzReport) -> str:
     lines.append(f"config: {f.config}")
     lines.append(f"shrunk trace ({len(f.ops)} operations, from {report.unshrunk_ops}):")
     lines += [f"  {i:3d}  {op_to_json(op)}" for i, op in enumerate(f.ops)]
-    lines.append(f"written to {report.trace_path}; re-run with: kvretain replay {report.trace_path}")
+    lines.append(f"written to {report.trace_path}; re-run with: {replay_command(report.trace_path)}")
     return wrap("\n".join(lines))
 
 

@@ -114,6 +114,20 @@ print(json.dumps(out))
 """
 
 
+JUDGED_PYTHON_ENV = "KVRETAIN_VLLM_PYTHON"
+"""Set by `--vllm-python PATH` for the command it re-runs: the interpreter whose vLLM is judged."""
+
+
+def replay_command(trace: Path | str | None) -> str:
+    """The command that replays `trace` on the vLLM this run judged: with `--vllm-python
+    PATH` when the run was re-run under another interpreter (without it, replay would
+    judge kvretain's own vLLM and could call the branch's violation clean)."""
+    import shlex
+
+    python = os.environ.get(JUDGED_PYTHON_ENV)
+    return f"kvretain replay {trace}" + (f" --vllm-python {shlex.quote(python)}" if python else "")
+
+
 def probe_python(
     python: str, timeout: float = 120.0, modules: tuple[str, ...] = REQUIRED_MODULES
 ) -> tuple[bool, str, str | None]:
