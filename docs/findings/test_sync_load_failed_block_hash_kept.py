@@ -16,16 +16,17 @@ full-attention group, block 4), 8 blocks; r0 (13 tokens) is offered its first 12
 sync (blocks 1-3, cached at the admission), the step's output names block 2 failed, r0
 is cut to 4 and aborted; r1, with the same prompt, hits 12 tokens on blocks 1-3, block 2
 included (engine steps, budget 64). A preempted r0 re-admitted hits it the same way
-(tests/data/kv_failed_block_hit_after_preempt.json, a trace with a directed Preempt). A
-probe between the report and the recompute sees the same hit. The model
-(model.machine.connector) states vLLM's behaviour, so it reproduces the finding;
-hit_serves_written_kv flags it on both. Under 'fail' vLLM evicts the hashes from the
-first failed block on (KVCacheManager.evict_blocks) and ends the request: not this
-finding. An async load is not affected: its blocks are cached only at promotion, the
-valid prefix only. A fix would evict the failed blocks' hashes when the cut request
-leaves before recomputing them (or at the report, keeping the same-step share another
-way). Found by kvretain on vLLM 0.33.0's real Scheduler with its scripted connector
-(CPU, no worker); not confirmed on a GPU with a real connector, and not filed upstream.
+(tests/data/kv_failed_block_hit_after_preempt.json: vLLM preempts it under pool
+pressure, another running request growing). A probe between the report and the recompute
+sees the same hit. The model (model.machine.connector) states vLLM's behaviour, so it
+reproduces the finding; hit_serves_written_kv flags it on both. Under 'fail' vLLM evicts
+the hashes from the first failed block on (KVCacheManager.evict_blocks) and ends the
+request: not this finding. An async load is not affected: its blocks are cached only at
+promotion, the valid prefix only. A fix would evict the failed blocks' hashes when the
+cut request leaves before recomputing them (or at the report, keeping the same-step
+share another way). Found by kvretain on vLLM 0.33.0's real Scheduler with its scripted
+connector (CPU, no worker); not confirmed on a GPU with a real connector, and not filed
+upstream.
 
 How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 0), as straight-line code.
