@@ -27,7 +27,9 @@ from invariants.explore.instances import default_grid
 from invariants.explore.search import new_checker, replay
 from invariants.explore.sentence import describe_op, first_field_difference
 from invariants.harness.checker import Checker, Violation
+from invariants.harness.fuzz import replayer
 from invariants.harness.trace import read_trace
+from invariants.targets.base import TargetCrash, TargetRefusal
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.reference import ReferenceTarget
 from invariants.zoo.explore_hunt import format_kills, hunt
@@ -267,3 +269,59 @@ def test_a_laxer_configuration_rule_dies_at_depth_0() -> None:
 
     bad = check_configurations(crashes, keep=1)
     assert not bad.ok and "raised RuntimeError: boom, not ConfigError" in bad.violations[0][1].message
+
+
+class CrashesOnResumedFinish(ModelTarget):
+    """Planted crash: finishing a request that was preempted and re-admitted raises
+    (shortest: add, admit, preempt, re-admit, finish). `steered` refuses a step that
+    names fewer requests than are live, as an engine target does (`TargetRefusal`);
+    its control raises a plain `TargetCrash` there instead."""
+
+    refusal: type[Exception] = TargetRefusal
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.preempted: set[str] = set()
+
+    def apply(self, op: Op) -> Observation:
+        if isinstance(op, Step) and set(op.rids) != set(self.model.requests):
+            raise self.refusal(f"step over {list(op.rids)}: held {sorted(self.model.requests)}")
+        if isinstance(op, Preempt):
+            self.preempted.add(op.rid)
+        if isinstance(op, Finish) and op.rid in self.preempted:
+            raise TargetCrash(f"finish {op.rid}: planted crash")
+        return super().apply(op)
+
+
+class CrashesOnSteeredStep(CrashesOnResumedFinish):
+    refusal = TargetCrash
+
+
+STEERED: list[Op] = [
+    AddRequest("a", (1, 2, 1)),
+    AddRequest("b", (2, 2)),
+    Step(("a", "b"), 64),
+    Finish("b"),
+    Preempt("a"),
+    Step(("a",), 64),
+    Finish("a"),
+]
+
+
+def test_a_refused_step_is_no_trace_of_the_crash_hunted() -> None:
+    """The hand-over and the shrink predicate skip a candidate the target refuses (a step
+    over a subset of the live requests): the crash they return is the planted one.
+    Control: where the same refusal is a plain crash, both take it for the crash hunted."""
+    found = {}
+    for target in (CrashesOnResumedFinish, CrashesOnSteeredStep):
+        _, violations = replay(target, CFG, tuple(STEERED), lambda v: None)
+        assert [v.check for v in violations] == ["crash"] and "planted crash" in violations[0].message
+        h = shortest_trace(
+            CFG, STEERED, violations[0], target, "model", tolerate=lambda v: None, deadline=_deadline()
+        )
+        fails = replayer(target, CFG, "crash", lambda v: None)
+        found[target] = (h, fails([AddRequest("a", (1, 2, 1)), AddRequest("b", (2, 2)), Step(("a",), 64)]))
+    h, refused = found[CrashesOnResumedFinish]
+    assert "planted crash" in h.violation.message and isinstance(h.ops[-1], Finish) and refused is None
+    h, crashed = found[CrashesOnSteeredStep]
+    assert "step over" in h.violation.message and len(h.ops) < len(STEERED) and crashed == 2

@@ -8,11 +8,12 @@ order). Request ids are the trace's own, so states are not merged under
 renaming. Every sequence of at most d operations over that vocabulary is
 checked before any of d + 1, so the first one that raises a violation of the
 same check (not explained by a known finding) is a shortest one; a violation
-of another check prunes its path and is counted. The search goes to the
-trace's length minus one (the trace itself is a witness at its own length) or
-until the deadline, and the result says how deep it completed: when nothing
-shorter exists within the vocabulary, the fuzz trace is returned and said to
-be shortest there.
+of another check prunes its path and is counted, as does an operation the
+target refuses (`REFUSED`: a step an engine target cannot run is no trace of
+its crash). The search goes to the trace's length minus one (the trace itself
+is a witness at its own length) or until the deadline, and the result says how
+deep it completed: when nothing shorter exists within the vocabulary, the fuzz
+trace is returned and said to be shortest there.
 
 With budget left, a second search runs on the same configuration over the
 explore alphabet (`invariants.explore.alphabet`: prompts over a 2-token
@@ -36,7 +37,7 @@ from invariants.explore.certificate import Certificate
 from invariants.explore.instances import Instance
 from invariants.explore.search import Limits, Tolerate, explore
 from invariants.explore.sentence import first_difference
-from invariants.harness.checker import Violation
+from invariants.harness.checker import REFUSED, Violation
 from invariants.targets.base import Target
 from model.contract.config import Config
 from model.contract.ops import AddRequest, Op, Step
@@ -123,7 +124,7 @@ def _search(
         target,
         Limits(depth, max_states=200_000, deadline=deadline),
         tolerate=tolerate,
-        wanted=lambda v: v.check == violation.check,
+        wanted=lambda v: v.check == violation.check and v.check != REFUSED,
     )
 
 

@@ -46,7 +46,7 @@ from invariants.catalogue import (
 )
 from invariants.harness.crash_site import ADAPTER, CrashSite, crash_site
 from invariants.harness.observer import ModelObserver
-from invariants.targets.base import PartialState, Tables, Target, table_changes
+from invariants.targets.base import PartialState, Tables, Target, TargetRefusal, table_changes
 from invariants.targets.model_target import ModelTarget
 from model.contract.config import Config
 from model.contract.observation import (
@@ -84,6 +84,8 @@ from model.policy.spec_decode import acceptable
 DEFAULT_AUDIT_EVERY = 32
 NOT_FREE = -1
 POLICY_DRIFT = "policy_drift"
+# The check of a `TargetRefusal`: the target refused the operation (kvretain's refusal, not a crash).
+REFUSED = "refused"
 DECLARED_POLICIES_ENV = "KVRETAIN_DECLARED_POLICIES"
 
 
@@ -159,7 +161,10 @@ class Violation:
 
 
 def crashed(exc: BaseException) -> Violation:
-    """The `crash` violation of a target that raised `exc`, with its site (`crash_site`)."""
+    """The `crash` violation of a target that raised `exc`, with its site (`crash_site`);
+    `refused` where the target refused the operation (`TargetRefusal`: not a crash)."""
+    if isinstance(exc, TargetRefusal):
+        return Violation(REFUSED, f"{type(exc).__name__}: {exc}")
     return Violation("crash", f"{type(exc).__name__}: {exc}", crash=crash_site(exc))
 
 
@@ -740,6 +745,7 @@ __all__ = [
     "DEFAULT_AUDIT_EVERY",
     "POLICIES",
     "POLICY_DRIFT",
+    "REFUSED",
     "Checker",
     "InvalidOp",
     "ScheduleResult",

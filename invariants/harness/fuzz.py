@@ -43,7 +43,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from invariants.harness import identities as id_rows
-from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker, InvalidOp, Violation
+from invariants.harness.checker import DEFAULT_AUDIT_EVERY, REFUSED, Checker, InvalidOp, Violation
 from invariants.harness.known_findings import (
     clean_verdict,
     crash_counts,
@@ -248,7 +248,8 @@ def _tolerance(target: str) -> Tolerance:
 def replayer(
     factory: Callable[[Config], Target], config: Config, check: str, tolerated: Tolerance
 ) -> Callable[[list[Op]], int | None]:
-    """A shrink predicate: the index of the first step with a new violation, if it is `check`."""
+    """A shrink predicate: the index of the first step with a new violation, if it is `check`
+    (a candidate the target refuses, `REFUSED`, is no trace of it: never a failure)."""
 
     def fails(ops: list[Op]) -> int | None:
         try:
@@ -262,7 +263,8 @@ def replayer(
                 return None
             found = [v for v in violations if not tolerated(v)]
             if found:
-                return i if any(v.check == check for v in found) else None
+                hit = any(v.check == check for v in found) and all(v.check != REFUSED for v in found)
+                return i if hit else None
             if any(v.check == "crash" for v in violations):
                 return None  # a tolerated crash leaves the target's state undefined (the fuzz halts)
         found = [v for v in checker.audit() if not tolerated(v)] if ops else []

@@ -49,6 +49,13 @@ class TargetCrash(RuntimeError):
     """The allocator raised while applying a well-formed operation."""
 
 
+class TargetRefusal(TargetCrash):
+    """kvretain's own refusal of an operation the target cannot run as its engine would
+    (a steered step on an engine target): a fault of the trace, never the allocator's.
+    The checker judges it `refused`, apart from `crash`, so that shrinking and the
+    explore hand-over never take a refused candidate for the crash they hunt."""
+
+
 @dataclass(frozen=True)
 class TargetFeatures:
     """What a target can do beyond the required members, stated by its class as

@@ -71,7 +71,7 @@ from invariants.shadow import ShadowWorker
 from model.contract.observation import Queues, ScheduleResult, StepResult
 from model.contract.ops import Sample
 
-from .base import TargetCrash
+from .base import TargetCrash, TargetRefusal
 from .vllm_names import HashLearner
 from .vllm_scheduler_build import EventCapture
 from .vllm_session import VllmSession
@@ -111,7 +111,7 @@ STEERING: tuple[Steering, ...] = (
 STEERING_CLASSES = frozenset({"Steered"})
 
 
-class SteeredStep(TargetCrash):
+class SteeredStep(TargetRefusal):
     """A step the engine cannot run: it names other requests than the scheduler holds, or
     another budget than it was built with (an engine core schedules every request it
     holds, with its configured budget). kvretain's own refusal, never vLLM's defect; a
