@@ -8,6 +8,8 @@ budget or a `Preempt` (refused on the engine target, run on the directed one).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import model.machine.connector as connector_mod
@@ -190,3 +192,27 @@ def test_a_finished_request_left_in_running_is_read_from_vllms_own_queue(planted
     assert "scheduler_queues_consistent" in [v.check for v in found]
     assert any("a is in running though it finished" in v.message for v in found)
     assert nxt  # the engine's next step holds a request the client finished
+
+
+@vllm_only
+@pytest.mark.vllm
+def test_replay_says_when_a_trace_without_a_budget_ran_directed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace stating no budget runs directed on "vllm" (kvretain writes the queues and
+    budget): replay says so in one line, with the steps rewritten. Control: the same
+    requests as the engine's own steps under a stated budget say nothing of it."""
+    from invariants.cli.main import main
+    from invariants.harness.replay import replay
+    from invariants.harness.trace import Trace, write_trace
+
+    adds = [AddRequest(rid, (i + 1,) * 5) for i, rid in enumerate(("a", "b"))]
+    directed = Trace(FULL, [*adds, Step(("b",), 8)], 0, "vllm")
+    result = replay(directed, "vllm")
+    assert result.clean and result.steered.startswith("steps directed, not vLLM's own")
+    assert "(1 step(s) rewritten)" in result.steered
+    engine = Trace(CAPPED, [*adds, Step(("a", "b"), 8)], 0, "vllm")
+    assert replay(engine, "vllm").steered == ""
+    path = write_trace(directed, tmp_path / "directed.json")
+    assert main(["replay", str(path), "--target", "vllm"]) == 0
+    assert "steps directed, not vLLM's own" in capsys.readouterr().out
