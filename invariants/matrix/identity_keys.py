@@ -41,7 +41,7 @@ class Change:
     probe: str | None = None  # the probe of vllm_identity_probe that shows it (None: none)
 
 
-# 0.33.0's key per field (`model/extra_keys.py` states it), for the table's first column.
+# 0.33.0's key per field (`model/contract/extra_keys.py` states it), for the table's first column.
 CURRENT: dict[str, str] = {
     "cache_salt": '("cache_salt", salt) on the first block only; the hash chain carries it',
     "lora": '("lora", name, path) on every block (the int id is not hashed)',
