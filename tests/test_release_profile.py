@@ -529,17 +529,58 @@ from invariants.harness.checker import Checker
 from invariants.harness.trace import read_trace
 from invariants.targets.vllm_target import VllmManagerTarget
 from model.contract.profile import MODELED
-trace = read_trace(sys.argv[1])
-out = {}
-for label in ("detected", "modeled"):
-    target = VllmManagerTarget(trace.config)
-    if label == "modeled":
-        target.profile = MODELED
-    checker = Checker(target, check_invariants=False)
-    out[label] = [str(v)[:200] for op in trace.ops for v in checker.step(op)
-                  if v.check in ("observation", "snapshot")]
-print(json.dumps(out))
+def check(path):
+    trace = read_trace(path)
+    out = {}
+    for label in ("detected", "modeled"):
+        target = VllmManagerTarget(trace.config)
+        if label == "modeled":
+            target.profile = MODELED
+        checker = Checker(target, check_invariants=False)
+        out[label] = [str(v)[:200] for op in trace.ops for v in checker.step(op)
+                      if v.check in ("observation", "snapshot")]
+    return out
+print(json.dumps([check(path) for path in json.loads(sys.argv[1])]))
 """
+
+
+def _run_release(python: Path, script: str, traces: list[Path], *extra: str) -> list[dict[str, Any]]:
+    """`script`'s findings on each trace, in one process of the release's interpreter
+    (vLLM imported once per release, not once per case: the costly part)."""
+    proc = subprocess.run(
+        [str(python), "-c", script, json.dumps([str(t) for t in traces]), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found: list[dict[str, Any]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(found) == len(traces)
+    return found
+
+
+@pytest.fixture(scope="module")
+def on_release(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The `_CHECK` findings of every case run on one release, computed once per release:
+    `on_release(python, release)[name]`."""
+    done: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def run(python: Path, release: str) -> dict[str, dict[str, Any]]:
+        if release not in done:
+            names = sorted(n for n, c in CASES.items() if c.release == release)
+            d = tmp_path_factory.mktemp(f"release-{release}")
+            traces = [
+                write_trace(
+                    Trace(CASES[n].config, list(CASES[n].ops), 0, "vllm-manager", ""), d / f"{n}.json"
+                )
+                for n in names
+            ]
+            done[release] = dict(zip(names, _run_release(python, _CHECK, traces), strict=True))
+        return done[release]
+
+    return run
 
 
 def test_make_test_installs_a_release_the_cases_run_on(release_envs: Any) -> None:
@@ -557,21 +598,11 @@ def test_make_test_installs_a_release_the_cases_run_on(release_envs: Any) -> Non
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_release_before_the_mechanism_agrees_with_its_profile_only(
-    name: str, tmp_path: Path, release_envs: Any
+    name: str, release_envs: Any, on_release: Any
 ) -> None:
     case = CASES[name]
     python = release_envs.python(case.release)
-    trace = write_trace(Trace(case.config, list(case.ops), 0, "vllm-manager", ""), tmp_path / "t.json")
-    proc = subprocess.run(
-        [str(python), "-c", _CHECK, str(trace)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = on_release(python, case.release)[name]
     assert found["detected"] == []
     assert found["modeled"], "control: the 0.33.0 profile should disagree with this release"
 
@@ -579,8 +610,8 @@ def test_the_release_before_the_mechanism_agrees_with_its_profile_only(
 _CHECK_OLDER = (
     _CHECK.replace('for label in ("detected", "modeled"):', 'for label in ("detected", "older"):')
     .replace(
-        'if label == "modeled":\n        target.profile = MODELED',
-        'if label == "older":\n        target.profile = replace(target.profile, **json.loads(sys.argv[2]))',
+        'if label == "modeled":\n            target.profile = MODELED',
+        'if label == "older":\n            target.profile = replace(target.profile, **json.loads(sys.argv[2]))',
     )
     .replace("from model.contract.profile import MODELED", "from dataclasses import replace")
 )
@@ -596,15 +627,6 @@ def test_the_release_with_the_mechanism_disagrees_with_the_older_rule(
     assert "older" in _CHECK_OLDER and "MODELED" not in _CHECK_OLDER  # the script was rewritten
     python = release_envs.python(release)
     trace = write_trace(Trace(case.config, list(case.ops), 0, "vllm-manager", ""), tmp_path / "t.json")
-    proc = subprocess.run(
-        [str(python), "-c", _CHECK_OLDER, str(trace), json.dumps({case.switch: case.old})],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    [found] = _run_release(python, _CHECK_OLDER, [trace], json.dumps({case.switch: case.old}))
     assert found["detected"] == []
     assert found["older"], f"control: the older rule of {case.switch} should disagree with {release}"
