@@ -15,6 +15,7 @@ through the `kvretain.commands` entry point declared in pyproject.toml.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import re
 import tomllib
@@ -44,6 +45,13 @@ MODULE_NAME = re.compile(r"(?:model|reference_impl|invariants|gpu_check)(?:\.\w+
 IMPORTERS = frozenset({"import_module", "__import__"})
 
 
+@functools.cache
+def nodes(source: str) -> tuple[ast.AST, ...]:
+    """Every node of `source`'s tree, parsed and walked once per run: the checks below
+    read the whole project several times over and never change a tree."""
+    return tuple(ast.walk(ast.parse(source)))
+
+
 def package_of(path: Path) -> list[str]:
     """The package a project file belongs to (its own for an `__init__.py`), for relative imports."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -66,7 +74,7 @@ def imported_modules(path: Path, source: str) -> list[tuple[str, int]]:
     that loads it, so a name hidden in data is still seen."""
     package = package_of(path)
     names: list[tuple[str, int]] = []
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes(source):
         if isinstance(node, ast.Import):
             names.extend((a.name, node.lineno) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -278,7 +286,7 @@ MAX_FUNCTION_LINES = 80
 def long_functions(path: Path, source: str) -> list[str]:
     return [
         f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
-        for node in ast.walk(ast.parse(source))
+        for node in nodes(source)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         and node.end_lineno is not None
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
@@ -338,7 +346,7 @@ def private_definitions(sources: dict[Path, str]) -> dict[str, set[str]]:
     defined: dict[str, set[str]] = {}
     for path, source in sources.items():
         room = project_room(path)
-        for node in ast.walk(ast.parse(source)):
+        for node in nodes(source):
             names: list[str] = []
             if isinstance(node, ast.ClassDef):
                 for item in node.body:
@@ -382,7 +390,7 @@ def private_reaches(
     allowed = PRIVATE_REACH_ALLOWED if allowed is None else allowed
     room = project_room(path)
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes(source):
         name = _reached(node)
         owners = defined.get(name, set()) if name else set()
         if not owners or room in owners:
@@ -446,9 +454,8 @@ def ray_imports(path: Path, source: str) -> list[str]:
     """Each import of Ray in `source` (project file `path`) outside the campaign room."""
     if path.is_relative_to(RAY_ROOM):
         return []
-    tree = ast.parse(source)
-    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+    names = [a.name for n in nodes(source) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in nodes(source) if isinstance(n, ast.ImportFrom) and not n.level]
     return [
         f"{path.relative_to(ROOT)} imports {m}: only invariants/campaign/ imports Ray"
         for m in names
