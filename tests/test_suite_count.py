@@ -7,7 +7,10 @@ docs/findings come and go with vLLM's fixes and are not counted). A run that
 collects fewer fails here with both figures; a collection error fails too,
 since a module that no longer imports drops its tests without a word. The count
 is taken in a subprocess with the project's own pytest options (so the `slow`
-deselection is the one `make test` applies). Raising the floor when tests are
+deselection is the one `make test` applies), or, when this session is itself such
+a run (`make test`: the testpaths, the project's `-m`, nothing else deselected),
+from this session's own collection: the same count without a second collection
+(which imports vLLM and every test module again). Raising the floor when tests are
 added is a deliberate edit of the data file; a higher count passes.
 """
 
@@ -16,7 +19,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -70,8 +76,36 @@ def collect(paths: list[str], cwd: Path, ignore: tuple[Path, ...] = ()) -> int:
     return selected_count(done.stdout + done.stderr, done.returncode)
 
 
-def test_no_test_dropped() -> None:
-    count = collect(["tests"], ROOT, ignore=(THIS,))
+# The `-m` of pyproject's addopts: the deselection `make test` applies.
+DEFAULT_MARKS = "not slow"
+
+
+def is_default_run(args_source: pytest.Config.ArgsSource, option: Any) -> bool:
+    """Whether a session collected what `make test` collects: the testpaths, the project's
+    `-m`, and no `-k`, `--deselect`, `--ignore`, last-failed or kept collection errors of its own."""
+    return (
+        args_source is pytest.Config.ArgsSource.TESTPATHS
+        and option.markexpr == DEFAULT_MARKS
+        and not option.keyword
+        and not (option.deselect or option.ignore or option.ignore_glob)
+        and not getattr(option, "lf", False)
+        and not option.continue_on_collection_errors
+    )
+
+
+def counted(nodeids: Iterable[str]) -> int:
+    """How many of a collection's node ids the floor counts: those under tests/, this file's excluded."""
+    this = THIS.relative_to(ROOT).as_posix()
+    return sum(1 for n in nodeids if n.startswith("tests/") and n.split("::")[0] != this)
+
+
+def test_no_test_dropped(request: pytest.FixtureRequest) -> None:
+    config = request.config
+    if config.rootpath == ROOT and is_default_run(config.args_source, config.option):
+        # Under xdist each worker collects the whole run (deselection applied) and runs its share.
+        count = counted(item.nodeid for item in request.session.items)
+    else:
+        count = collect(["tests"], ROOT, ignore=(THIS,))
     assert floor_violation(count, read_floor(FLOOR_FILE)) is None, (
         f"{count} collected; floor {read_floor(FLOOR_FILE)}"
     )
@@ -98,6 +132,28 @@ def test_control_a_collection_error_is_no_count(tmp_path: Path) -> None:
     (tmp_path / "test_broken.py").write_text("import no_such_module_kvretain\n\n\ndef test_b():\n    pass\n")
     with pytest.raises(CountError, match="did not finish cleanly"):
         collect(["."], tmp_path)
+
+
+def test_control_only_a_default_run_counts_its_own_collection() -> None:
+    testpaths, args = pytest.Config.ArgsSource.TESTPATHS, pytest.Config.ArgsSource.ARGS
+    plain = dict(markexpr="not slow", keyword="", deselect=None, ignore=None, ignore_glob=None)
+    plain |= dict(continue_on_collection_errors=False)
+    assert is_default_run(testpaths, SimpleNamespace(**plain))
+    assert not is_default_run(args, SimpleNamespace(**plain))  # paths named: a part of the suite
+    for narrowed in (
+        dict(markexpr=""),
+        dict(markexpr="vllm"),
+        dict(keyword="layers"),
+        dict(deselect=["tests/test_cli.py"]),
+        dict(ignore=["tests/test_cli.py"]),
+        dict(ignore_glob=["*cli*"]),
+        dict(continue_on_collection_errors=True),
+        dict(lf=True),
+    ):
+        assert not is_default_run(testpaths, SimpleNamespace(**(plain | narrowed))), narrowed
+    this = THIS.relative_to(ROOT).as_posix()
+    ids = ["tests/test_a.py::test_x", "tests/test_a.py::test_y[1]", f"{this}::test_no_test_dropped"]
+    assert counted([*ids, "docs/findings/test_f.py::test_z"]) == 2
 
 
 def test_control_summary_lines() -> None:
