@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -202,9 +203,25 @@ def test_verdicts_from_rows() -> None:
     assert all(v.line().startswith("#43447: ") for v in found)
 
 
-def test_verify_row_quick_and_all_report(tmp_path: Path) -> None:
+def test_verify_row_quick_and_all_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quick verify row and `simulate all --scale small --seed 0` ask for the same
+    simulations (every scenario on reference, small scale, seed 0): each is computed once
+    and handed to both (a scenario's rows are a function of these arguments), so the
+    second path costs its own work only (validation, tables, verdicts, the report)."""
+    from invariants.cli import simulate as cli
     from invariants.cli.simulate import main, verify_row
 
+    runs: dict[tuple[object, ...], list[Row]] = {}
+    asked: list[tuple[object, ...]] = []
+
+    def once(name: str, base: Any, params: Any, ctx: Ctx, *rest: Any) -> list[Row]:
+        key = (name, repr(base), repr(params), ctx.target, ctx.seed, ctx.jobs, rest)
+        asked.append(key)
+        if key not in runs:
+            runs[key] = run_scenario(name, base, params, ctx, *rest)
+        return list(runs[key])
+
+    monkeypatch.setattr(cli, "run_scenario", once)
     check, target, verdict, figure, seconds, ok = verify_row(quick=True)
     assert (check, target, ok) == ("simulate", "reference", True)
     # No time bound: a timed assertion fails on a loaded machine and measures nothing (the bench does).
@@ -216,6 +233,8 @@ def test_verify_row_quick_and_all_report(tmp_path: Path) -> None:
         assert (tmp_path / f"{name}.md").exists()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "concurrent_fraction.png").exists() and "![hit rate vs working set]" in report
+    # Both paths asked for the same simulations, one call each per scenario.
+    assert len(asked) == 2 * len(SCENARIOS) and len(runs) == len(SCENARIOS)
 
 
 def test_verdicts_negative_control_on_swapped_rows() -> None:
