@@ -274,3 +274,23 @@ def test_async_allocation_hashes_only_the_tokens_the_scheduler_holds(scheduler_k
     with patched(caching.BlockCaching, "cache_blocks", real if scheduler_known else every_token):
         found = async_violations(c, ops)
     assert bool(found) != scheduler_known, found
+
+
+def test_a_router_keys_blocks_by_their_lookahead_tokens() -> None:
+    """`RouterIndex` (the router `router_sees_target_hits` rebuilds from events) keys a block
+    by the lookahead tokens its event lists: the same block under two lookaheads is two
+    router keys, as it is two hashes. Control: the same events without lookahead_token_ids
+    collide."""
+    from invariants.catalogue.isolation import RouterIndex
+
+    def last_key(router: RouterIndex, prompt: tuple[int, ...], strip: bool) -> int:
+        m, _ = _run(cfg(), [AddRequest("a", prompt), Schedule("a", 64)])
+        events = [e for e in m.pool.events if isinstance(e, BlockStored)]
+        if strip:
+            events = [replace(e, lookahead_token_ids=None) for e in events]
+        return router.stored_keys(events[0])[-1][1]
+
+    router = RouterIndex()
+    assert last_key(router, X + (5,), strip=False) != last_key(router, X + (7,), strip=False)
+    router = RouterIndex()
+    assert last_key(router, X + (5,), strip=True) == last_key(router, X + (7,), strip=True)

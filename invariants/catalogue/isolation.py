@@ -123,8 +123,12 @@ class RouterIndex:
         bs, extra = ev.block_size, ev.extra_keys
         if len(ev.token_ids) != len(ev.block_hashes) * bs:
             return out  # a range with masked blocks: their parents are not named (not routable)
+        ahead = ev.lookahead_token_ids
         for i, h in enumerate(ev.block_hashes):
-            k = self._intern(parent, tuple(ev.token_ids[i * bs : (i + 1) * bs]), extra[i] if extra else None)
+            keys = extra[i] if extra else None
+            if ahead is not None:  # lookahead hashes: the tokens past the block key it too
+                keys = (keys, tuple(ahead[i]))
+            k = self._intern(parent, tuple(ev.token_ids[i * bs : (i + 1) * bs]), keys)
             self.key_of[(ev.group, h)] = k
             out.append((ev.group, k))
             parent = k
@@ -333,7 +337,8 @@ def events_carry_block_keys(ctx: CheckContext) -> list[str]:
 
 def router_sees_target_hits(ctx: CheckContext) -> list[str]:
     """A router rebuilding the cache from the KV events alone (each block keyed by
-    its parent, its token ids and its extra keys) holds every full-attention block
+    its parent, its token ids and its extra keys, and its lookahead tokens under lookahead
+    hashes) holds every full-attention block
     the target's hits hand out, keyed by the reader's own identity; with one
     full-attention group (and no lookahead, drafts' block drop or connector) it
     routes exactly the target's hit. Events that mislabel a block's keys send a
@@ -371,7 +376,7 @@ def router_sees_target_hits(ctx: CheckContext) -> list[str]:
                 continue
             bs = spec.block_size
             held, new = router.held.get(g, Counter()), fresh.get(g, Counter())
-            keys = [event_keys(identity, j * bs, (j + 1) * bs) for j in range(len(tokens) // bs)]
+            keys = _router_keys(tokens, identity, bs, cfg.hash_lookahead)
             seen = _routed(router, tokens, keys, bs, (held, new))
             want = len(hit_blocks[g]) * bs if g < len(hit_blocks) else 0
             if seen < min(want, hit // bs * bs):
@@ -386,6 +391,20 @@ def router_sees_target_hits(ctx: CheckContext) -> list[str]:
                         + (f" (up to {reach} with the operation's stores)" if reach != routed else "")
                     )
     return out
+
+
+def _router_keys(tokens: tuple[int, ...], identity: Identity, bs: int, lookahead: int) -> list[Any]:
+    """Per full block of `tokens` that its request hashes, the extra keys a router reads from
+    its event (under lookahead hashes L: over the hash's window, with the L tokens past it)."""
+    if not lookahead:
+        return [event_keys(identity, j * bs, (j + 1) * bs) for j in range(len(tokens) // bs)]
+    return [
+        (
+            event_keys(identity, j * bs, (j + 1) * bs, lookahead),
+            tuple(tokens[(j + 1) * bs : (j + 1) * bs + lookahead]),
+        )
+        for j in range((len(tokens) - lookahead) // bs)
+    ]
 
 
 def _routed(

@@ -172,6 +172,9 @@ class ShadowWorker:
     # block -> per slot, the provenance of its prefix and the `lookahead` tokens past it (None:
     # not known when written); kept only while the slot's `kv` entry is the one it was made with.
     ahead: dict[int, list[int | None]] = field(default_factory=dict)
+    # block -> the block it is a copy of, made before anything was written to that one (until
+    # it is zeroed or placed anew): a read of its unwritten slots names the copy (a finding's view).
+    early_copies: dict[int, int] = field(default_factory=dict)
     problems: list[tuple[str, str]] = field(default_factory=list)
     # The blocks the last step placed in a table past the computed tokens (allocated, not hit).
     fresh: list[int] = field(default_factory=list)
@@ -348,15 +351,22 @@ class ShadowWorker:
             self._install(data, fresh)
         self._update_cached(out.scheduled_cached_reqs, fresh, chunks)
         self.fresh = [b for _, b in fresh]
+        for b in self.fresh:  # placed anew: whatever it was a copy of is gone
+            self.early_copies.pop(b, None)
         if self.zeroing:
             for g, b in fresh:
                 self.kv[b] = [STALE] * self.groups[g].block_size
         for b in out.new_block_ids_to_zero or ():
             self.kv[b] = []
             self.ahead.pop(b, None)
+            self.early_copies.pop(b, None)
             self.figures.zeroed += 1
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
             self.kv[copy.dst_block_id] = list(self.kv.get(copy.src_block_id, []))
+            if not any(v is not None and v != STALE for v in self.kv[copy.dst_block_id]):
+                self.early_copies[copy.dst_block_id] = copy.src_block_id  # nothing written to copy
+            else:
+                self.early_copies.pop(copy.dst_block_id, None)
             self.ahead.pop(copy.dst_block_id, None)
             if copy.src_block_id in self.ahead:
                 self.ahead[copy.dst_block_id] = list(self.ahead[copy.src_block_id])
@@ -629,12 +639,13 @@ class ShadowWorker:
                 )
                 return
 
-    @staticmethod
-    def _what(block: int, index: int, length: int, got: int | None) -> str:
+    def _what(self, block: int, index: int, length: int, got: int | None) -> str:
         if index >= length:
             return f"past its table ({length} blocks)"
         if block == NULL_BLOCK:
             return f"the null block (index {index})"
+        if got in (None, STALE) and block in self.early_copies:
+            return f"block {block}, a copy of block {self.early_copies[block]} made before that block was written"
         if got is None:
             return f"block {block}, a slot no step wrote since it was zeroed or allocated"
         if got == STALE:

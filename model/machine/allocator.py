@@ -607,8 +607,16 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         if unrolled:
             self.observer.fired("async: a step allocated past drafts still to be rolled back")
         if self.cfg.enable_caching and not delay_cache:
-            self.cache_blocks(req, caching_limit(total, n, req.num_tokens, unknown), req.num_tokens - unknown)
+            self.cache_blocks(
+                req, caching_limit(total, n, req.num_tokens, unknown), self._hashed_known(req, unknown)
+            )
         return new
+
+    def _hashed_known(self, req: RequestState, unknown: int) -> int | None:
+        """The tokens the scheduler's request has hashed over at an allocation: under lookahead
+        hashes its known ones (the lookahead past a block must be known too); else None, all
+        (`caching_limit` already stops at the known tokens, a block's own)."""
+        return req.num_tokens - unknown if self.cfg.hash_lookahead else None
 
     def _any_running(self) -> bool:
         """A request of the step being scheduled is running (its admissions so far included)."""
