@@ -38,7 +38,15 @@ def _export(name: str, tmp_path: Path) -> Path:
     """Hunt mutant `name`, write its (shrunk) trace and export it; the exported file's path."""
     mutant = SGLANG_MUTANTS[name]
     with activate(name):
-        run = fuzz_layout(mutant.layout, LAYOUTS[mutant.layout], 20.0, 0, cores=("python",), shrink_s=8.0)
+        run = fuzz_layout(
+            mutant.layout,
+            LAYOUTS[mutant.layout],
+            20.0,
+            0,
+            cores=("python",),
+            shrink_s=8.0,
+            identities=mutant.identities,
+        )
         assert run.violation is not None, name
         trace = tmp_path / f"{name}.json"
         write_trace(run, LAYOUTS[mutant.layout], trace)
@@ -74,10 +82,16 @@ def _imported_roots(source: str) -> set[str]:
     return roots
 
 
-# A state invariant (checked after every op), a literal of the specification (hit), and
-# the event replay: the three shapes of exported test.
+# A state invariant (checked after every op), a literal of the specification (hit), the
+# event replay, and isolation (requests with adapters / salts): the shapes of exported test.
 @pytest.mark.parametrize(
-    "name", ["mamba_slot_leaked_on_abort", "swa_window_off_by_one", "block_removed_not_emitted"]
+    "name",
+    [
+        "mamba_slot_leaked_on_abort",
+        "swa_window_off_by_one",
+        "block_removed_not_emitted",
+        "namespace_dropped_on_chunk_insert",
+    ],
 )
 def test_export_fails_with_the_mutant_and_passes_without(name: str, tmp_path: Path) -> None:
     path = _export(name, tmp_path)

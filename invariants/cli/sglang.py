@@ -56,12 +56,29 @@ def fuzz_sglang(
             verdict += f" (trace {path}): {run.violation[1]}"
         cov = run.coverage
         reached = f"{cov['hit']}/{cov['rejected']}/{cov['evicted']}/{cov['tombstone']}/{cov['recovered']}"
+        identities = f"{cov['identity_admits']}/{cov['identity_hits']}"
         rows.append(
-            [name, str(run.seeds), str(run.ops), f"{run.ops / max(run.seconds, 1e-9):.0f}", reached, verdict]
+            [
+                name,
+                str(run.seeds),
+                str(run.ops),
+                f"{run.ops / max(run.seconds, 1e-9):.0f}",
+                reached,
+                identities,
+                verdict,
+            ]
         )
     print(
         table(
-            ["layout", "seeds", "ops", "ops/s", "hits/rejected/evictions/tombstoned/recovered", "verdict"],
+            [
+                "layout",
+                "seeds",
+                "ops",
+                "ops/s",
+                "hits/rejected/evictions/tombstoned/recovered",
+                "identity admits/hits",
+                "verdict",
+            ],
             rows,
         )
     )

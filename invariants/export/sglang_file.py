@@ -40,6 +40,7 @@ PREAMBLE_MARK = "# ---- SGLang replay kit (kvretain's invariants/export/sglang_p
 # Checked after every op by the file (state invariants).
 STATE_CHECKS = (
     "sglang_sanity_check",
+    "radix_hit_same_identity",
     "radix_pool_conservation",
     "radix_slots_disjoint",
     "radix_free_list_unique",

@@ -247,11 +247,17 @@ class Replay:
         self.running: dict[int, dict[str, Any]] = {}
         self.events: list[Any] = []
         self.refusal: dict[str, tuple[int, int, int]] | None = None
+        # Isolation: the identity (adapter, salt) each request has and each full-attention slot
+        # was last allocated to, and the last admission's (identity, hit slots).
+        self.identity_of: dict[str, tuple[Any, Any]] = {}
+        self.slot_writer: dict[int, tuple[Any, Any]] = {}
+        self.last_hit: tuple[tuple[Any, Any], list[int]] | None = None
         logging.getLogger("sglang").setLevel(logging.CRITICAL)
 
     def apply(self, op: dict[str, Any]) -> dict[str, Any]:
         """Apply one op; its result: hit, evicted, rejected (a reason) or skipped."""
         self.refusal = None
+        self.last_hit = None
         kind = op["op"]
         if kind == "Admit":
             out = self._admit(op["rid"], tuple(op["tokens"]), op["chunk"], op.get("lora"), op.get("salt"))
@@ -299,6 +305,9 @@ class Replay:
         hit = req.prefix_len
         req.lock = self.cache.lock(req.last_node)
         prefix = self.cache.prefix_device_indices(req) if hit else None
+        self.identity_of[str(rid)] = (lora, salt)
+        if prefix is not None:
+            self.last_hit = ((lora, salt), [int(x) for x in prefix.tolist()])
         try:
             allocation.alloc_req_slots(self.req_pool, [req], self.cache)
         except RuntimeError as exc:
@@ -365,6 +374,8 @@ class Replay:
         if slots is None:
             return False
         self.req_pool.write((req.kv.req_pool_idx, slice(start, start + count)), slots.to(torch.int32))
+        for slot in slots.tolist():
+            self.slot_writer[int(slot)] = self.identity_of.get(str(req.rid), (None, None))
         req.kv.kv_allocated_len = req.kv.kv_committed_len = start + count
         return True
 
@@ -446,6 +457,8 @@ class Replay:
         except RuntimeError:
             self._note_refusal(start, 1)
             return False
+        slot = int(self.req_pool.req_to_token[req.kv.req_pool_idx, start])
+        self.slot_writer[slot] = self.identity_of.get(str(req.rid), (None, None))
         req.decode_batch_idx += 1
         return True
 
@@ -696,8 +709,21 @@ def check_eviction_lru(r: Replay, before: dict[Any, Any] | None = None, **_: Any
     assert not older, f"eviction removed a node used at {newest} but kept older unlocked leaves {older}"
 
 
+def check_same_identity(r: Replay, **_: Any) -> None:
+    """Isolation: every slot an admission's hit hands it was written by its own identity."""
+    if r.last_hit is None:
+        return
+    identity, slots = r.last_hit
+    other = [s for s in slots if r.slot_writer.get(s) != identity]
+    assert not other, (
+        f"a request of identity {identity} hit {len(other)} slot(s) written by another identity "
+        f"(slot {other[0]}: {r.slot_writer.get(other[0])})"
+    )
+
+
 CHECKS = {
     "sglang_sanity_check": check_sanity,
+    "radix_hit_same_identity": check_same_identity,
     "radix_pool_conservation": check_conservation,
     "radix_slots_disjoint": check_disjoint,
     "radix_free_list_unique": check_free_list_unique,

@@ -48,6 +48,10 @@ def generate_ops(seed: int, layout: RadixLayout, n: int, identities: float = 0.3
     live: list[int] = []
     prompts: dict[int, tuple[int, ...]] = {}
     done: list[tuple[int, ...]] = []
+    # The identity each prompt was admitted under: a next turn keeps it half the time (so
+    # identity requests hit in their own namespace), otherwise draws again.
+    who_of: dict[tuple[int, ...], tuple[str | None, str | None]] = {}
+    recent: tuple[str | None, str | None] = (None, None)  # the last identity drawn: often drawn again
     next_rid = 0
     ops: list[RadixOp] = []
     for _ in range(n):
@@ -55,11 +59,21 @@ def generate_ops(seed: int, layout: RadixLayout, n: int, identities: float = 0.3
         if (roll < 0.3 or not live) and len(live) < layout.max_reqs - 1:
             # A prompt that repeats a finished one (a conversation's next turn) overlaps its
             # whole cached path, tombstones included; otherwise a shared-prefix prompt.
-            base = rng.choice(done) if done and rng.random() < 0.3 else rng.choice(bank)
+            turn = bool(done) and rng.random() < 0.3
+            base = rng.choice(done) if turn else rng.choice(bank)
             cut = rng.randrange(1, len(base) + 1)
             tail = tuple(rng.randrange(1, 6) for _ in range(rng.randrange(0, 3 * page + 2)))
             tokens = base[:cut] + tail
-            lora, salt = who.choice(IDENTITIES) if who.random() < identities else (None, None)
+            if identities and turn and who.random() < 0.5:
+                lora, salt = who_of.get(base, (None, None))
+            elif who.random() < identities:
+                lora, salt = (
+                    recent if recent != (None, None) and who.random() < 0.6 else who.choice(IDENTITIES)
+                )
+                recent = (lora, salt)
+            else:
+                lora, salt = None, None
+            who_of[tokens] = (lora, salt)
             chunk = rng.choice([len(tokens), page * 2, page * 3 + 1])
             ops.append(Admit(next_rid, tokens, chunk, lora=lora, salt=salt))
             prompts[next_rid] = tokens
