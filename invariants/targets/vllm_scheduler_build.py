@@ -264,7 +264,8 @@ def vllm_config(
     if cfg.num_lookahead_tokens:
         # Eagle's lookahead block hashes as the configuration says (`Config.lookahead_block_hashes`).
         # Releases before 0.33.0 have no lookahead hashes, nor the field that turns them off.
-        off = {"disable_lookahead_block_hashes": not cfg.lookahead_block_hashes}
+        # A draft model hashes no lookahead whatever the flag: it keeps vLLM's default there.
+        off = {"disable_lookahead_block_hashes": cfg.eagle and not cfg.lookahead_block_hashes}
         spec = m["SpeculativeConfig"](
             method="eagle" if cfg.eagle else "draft_model",
             model=model.model,
