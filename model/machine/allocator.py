@@ -612,12 +612,6 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             )
         return new
 
-    def _hashed_known(self, req: RequestState, unknown: int) -> int | None:
-        """The tokens the scheduler's request has hashed over at an allocation: under lookahead
-        hashes its known ones (the lookahead past a block must be known too); else None, all
-        (`caching_limit` already stops at the known tokens, a block's own)."""
-        return req.num_tokens - unknown if self.cfg.hash_lookahead else None
-
     def _any_running(self) -> bool:
         """A request of the step being scheduled is running (its admissions so far included)."""
         return any(self.requests[r].running for r in self.step_rids if r in self.requests)

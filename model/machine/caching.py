@@ -53,6 +53,12 @@ class BlockCaching:
             n, self.cfg.scheduler_block_size, g.bs, self.cfg.eagle_drop
         )  # model.contract.masks
 
+    def _hashed_known(self, req: RequestState, unknown: int) -> int | None:
+        """The tokens the scheduler's request has hashed over at an allocation: under lookahead
+        hashes its known ones (the lookahead past a block must be known too); else None, all
+        (`caching_limit` already stops at the known tokens, a block's own)."""
+        return req.num_tokens - unknown if self.cfg.hash_lookahead else None
+
     def _token_arrives(self, req: RequestState, scheduled_since: int) -> None:
         """Async scheduling: a running request's sampled token reaches the scheduler, and the
         blocks the processed steps computed are cached (`update_from_output`'s `cache_blocks`)."""
