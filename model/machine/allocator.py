@@ -35,7 +35,6 @@ from model.contract.hybrid_hit import HitRules, reconcile
 from model.contract.kinds import rules_for
 from model.contract.load_states import LOADING
 from model.contract.lookup import full_hit, mamba_hit, swa_hit
-from model.contract.mamba import cap_of
 from model.contract.masks import cdiv, swa_tail_blocks
 from model.contract.observation import (
     Done,
@@ -77,6 +76,7 @@ from model.machine.async_scheduling import (
     processed_limit,
     scheduler_position,
 )
+from model.machine.block_counts import BlockCounts, one_state
 from model.machine.caching import BlockCaching
 from model.machine.connector import NO_LOAD, Load, external_tokens
 from model.machine.mamba_states import MambaStates
@@ -92,7 +92,7 @@ Ids = tuple[int, ...]
 Blocks = tuple[Ids, ...]  # block ids per group
 
 
-class AllocatorModel(BlockCaching, MambaStates, StepChunks):
+class AllocatorModel(BlockCaching, BlockCounts, MambaStates, StepChunks):
     """The specification as a state machine: `apply` an operation, read its observation.
 
     Public, for the harness, the explorer and the exporter (documented seams; the rest is its own):
@@ -653,7 +653,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
     def remove_skipped(self, g: GroupState, rid: str, computed: int) -> None:
         """Free blocks no future token of `rid` reads (out of window / stale state)."""
         skipped = self.skipped_tokens(g, computed)
-        if _align(g):
+        if one_state(g):
             table = g.table(rid)
             if skipped > 0:
                 last = min(skipped // g.bs, len(table))
@@ -686,96 +686,6 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
             self.pool.pin(freed[: swa_tail_blocks(g.spec.sliding_window, g.bs, self.cfg.eagle_drop)])
         self.pool.free(freed, append_all=self.rules.free_order.skipped_to_tail)
 
-    def _blocks_to_allocate(
-        self,
-        g: GroupState,
-        rid: str,
-        num_tokens: int,
-        hits: Ids,
-        local: int,
-        main: int,
-        computed: int,
-        cap: int | None = None,
-        whole: bool = False,
-        taken: bool = False,
-    ) -> int:
-        """Free blocks group `g` takes for this step: its new blocks plus the hit
-        blocks it adopts from the free queue (touching one removes it from there).
-        `computed`: `local` plus a connector's external tokens; `cap`: the admission
-        cap on the blocks the tokens require (`model.policy.admission`), None: none; `whole`: the
-        full-sequence gate's count (a Mamba group's is vLLM's own, `by_vllm`); `taken`:
-        what the allocation takes where it differs from the gates' count (a Mamba group's).
-
-        vLLM `single_type_kv_cache_manager.py` `get_num_blocks_to_allocate`.
-        """
-        held = len(g.tables.get(rid, ()))
-        if _align(g):
-            return self._mamba_blocks_to_allocate(g, held, hits, main, local, rid, computed, whole, taken)
-        required = cdiv(num_tokens + g.bs * self.draft_blocks(g), g.bs)
-        required = required if cap is None else min(required, cap)
-        if rid in g.num_cached:
-            # Running: no new hit, and a table already longer than needed is fine.
-            return max(required - held, 0)
-        # Blocks wholly before the window stay null: neither allocated nor, as hit blocks, adopted.
-        out_of_window = self.skipped_tokens(g, computed) // g.bs
-        new = max(required - max(out_of_window, len(hits) + held), 0)
-        adopted_hits = hits[max(0, out_of_window - held) :]
-        # A hit ending inside a block takes one more block: the reader's private copy.
-        return new + ends_inside_block(len(hits), local, g.bs) + self._num_evictable(adopted_hits)
-
-    def _mamba_blocks_to_allocate(
-        self,
-        g: GroupState,
-        held: int,
-        hits: tuple[int, ...],
-        main: int,
-        local: int,
-        rid: str,
-        computed: int,
-        whole: bool = False,
-        physical: bool = False,
-    ) -> int:
-        """MambaManager in align mode (same function). With external tokens the admission
-        takes `taken`: their state block, the chunk's where it ends in a later block, and
-        the hit blocks past the external tokens (the contract, `model.machine.connector`). vLLM
-        0.33.0 counts its one-state cap and every free hit block: fewer where the chunk's
-        state is a second block (where the pool holds fewer than it takes it raises: finding
-        vllm-mamba-external-state-uncounted; else it takes a watermark's headroom: finding
-        vllm-mamba-external-state-uncounted-watermark, flagged by `admission_keeps_watermark`),
-        more where a free hit block is superseded and one state block serves (it refuses
-        though fewer would do: finding vllm-mamba-external-state-overcounted, flagged by
-        `fitting_request_admitted`). The gates decide on vLLM's count; `physical`: return
-        what the admission takes (`_allocate` refuses where the pool holds less: vLLM raises)."""
-        if hits and self.pool.primary.get(hits[-1]) in g.cached_this_step:
-            # The hit state was keyed by another request this step, not computed yet: ask for
-            # more than the pool holds so the request waits for the next step.
-            self.observer.fired("Mamba same-step guard")
-            return self.cfg.num_blocks + 1
-        s = self.draft_blocks(g)
-        # A state to copy (a hit ending inside a block, or this request's own
-        # mid-block key) takes one more block: the copy's destination.
-        copy = ends_inside_block(len(hits), local, g.bs) or rid in g.partial
-        cap = cap_of(copy, s, rid in g.allocated)
-
-        def counted(new: int) -> int:
-            # Only the chunk's last state is kept: one new block at most, whatever the chunk
-            # length (vLLM caps only a positive count, and min() leaves the rest alone).
-            return self.rules.count(max(new, 0) + 1 if copy else new, cap)  # model.contract.mamba
-
-        by_vllm = counted(cdiv(main, g.bs) + s - len(hits) - held) + self._num_evictable(hits)
-        external = conn.external_state_blocks(local, computed, held)
-        if not external or whole:  # the full-sequence gate too decides on vLLM's count
-            return by_vllm
-        # After external tokens the chunk's state counts from the table they leave; the hit
-        # blocks their state supersedes are never touched, so they stay free.
-        kept = hits[self.skipped_tokens(g, computed) // g.bs :]
-        taken = external + counted(cdiv(main, g.bs) + s - cdiv(computed, g.bs)) + self._num_evictable(kept)
-        return taken if physical else by_vllm
-
-    def _num_evictable(self, blocks: tuple[int, ...]) -> int:
-        """Hit blocks still in a free queue (ref 0); the null block is not one."""
-        return sum(1 for b in blocks if b and self.pool.ref[b] == 0)
-
     def _add_hit_blocks(
         self, g: GroupState, rid: str, hits: tuple[int, ...], local: int, computed: int | None = None
     ) -> None:
@@ -795,7 +705,7 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
 
     def _allocate_new(self, g: GroupState, rid: str, num_tokens: int, main: int) -> list[int]:
         table = g.table(rid)
-        if not _align(g):
+        if not one_state(g):
             copied = []
             if rid in g.partial:
                 copied = self.pool.get_new_blocks(1)
@@ -820,8 +730,3 @@ class AllocatorModel(BlockCaching, MambaStates, StepChunks):
         for g, table in zip(self.groups, tables):  # the pool skips null blocks
             append_all = g.spec.kind in self.rules.free_order.finished_to_tail  # model.contract.routing
             self.pool.free(reversed(table), append_all=append_all)
-
-
-def _align(g: GroupState) -> bool:
-    """One state block per chunk (Mamba in 'align' mode, `model.contract.kinds`)."""
-    return rules_for(g.spec).one_state(g.spec)
