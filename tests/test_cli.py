@@ -151,20 +151,22 @@ def test_conformance_rows_agree(capsys, tmp_path, monkeypatch):
         pytest.skip(f"vllm target unavailable: {available_targets()['vllm-manager']}")
     from invariants.harness.conformance import run_conformance
 
-    # The steps decide, not the clock: a row's required rules are reached (or not) the
-    # same way on any machine (seed 0; a budget that binds would make it timing-dependent).
+    # The steps decide, not the clock (no time budget): a row's required rules are reached (or
+    # not) the same way on any machine, however loaded (seed 0); a time budget would make a
+    # row's reach depend on the machine's load.
     monkeypatch.chdir(tmp_path)  # a failing row's trace lands here, not in the checkout
     rows: list = []
-    rc = run_conformance(steps=1500, budget_s=60.0, sink=rows)
+    rc = run_conformance(steps=1500, budget_s=None, sink=rows)
     out = capsys.readouterr().out
     assert "validation (retention rules and texts)" in out and "excluded from generation" in out
     # No row disagrees. Since vLLM decides every step on vllm and vllm-async-scheduler
-    # (no steering), these rows' required rules are no longer reached in 1,500 steps: an
-    # open reachability gap, listed here by name so that it shows and cannot grow.
+    # (no steering), the declared rows' required rules are not all reached in 1,500 steps: an
+    # open reachability gap, listed by name (conformance.UNREACHED_UNDER_ENGINE_STEPS, each with
+    # its reason) so that it shows and cannot grow.
     from invariants.harness.conformance import UNREACHED_UNDER_ENGINE_STEPS
 
     assert not [r.feature for r in rows if r.verdict.startswith("FINDING")]
-    unreached = {r.feature.removesuffix(" [directed]") for r in rows if r.verdict.startswith("NOT EXERCISED")}
+    unreached = {r.feature for r in rows if r.verdict.startswith("NOT EXERCISED")}
     assert unreached <= UNREACHED_UNDER_ENGINE_STEPS, unreached - UNREACHED_UNDER_ENGINE_STEPS
     assert rc == 0 and all(r.ok for r in rows)
 

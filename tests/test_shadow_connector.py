@@ -94,6 +94,26 @@ def test_the_connector_is_told_what_the_request_is_admitted_with() -> None:
     assert checks(w) == [TOLD, TOLD]
 
 
+def test_a_new_match_after_a_failed_async_load_supersedes_what_that_load_left() -> None:
+    """A failed async load's request goes back to waiting; the connector may match it afresh
+    (a sync load of more tokens): its admission is judged by that load, not the failed one."""
+
+    def after_failed_load() -> tuple[ShadowWorker, ShadowConnector]:
+        w, c = shadow({"a": ((1,),)})
+        c.told_load("a", 0, 4, 4, ((1,),), True, PROMPT8)
+        c.reported(("a",), ("a",), (), ())
+        return w, c
+
+    w, c = after_failed_load()
+    sync_step(c, "a", 8, 8, [1, 2, 3])
+    assert checks(w) == []
+    # Control: admitted with as many tokens and no new match: more than the failed load left it.
+    w, c = after_failed_load()
+    out = output((new_req("a", PROMPT8, [1, 2, 3], 8),), {"a": 1})
+    c.built_meta(out)
+    assert checks(w) == [TOLD]
+
+
 def test_a_failed_load_leaves_its_blocks_without_provenance_for_the_next_reader() -> None:
     def run(invalid: tuple[int, ...]) -> list[tuple[str, str]]:
         w, c = shadow()

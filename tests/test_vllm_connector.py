@@ -680,6 +680,16 @@ def test_a_cut_swa_load_reads_its_skipped_window_finding() -> None:
     read += "not its own prefix (3 of 7 positions read wrong, each one in a null block)"
     assert finding.claims("worker_reads_own_prefix", read.format(0), cfg, step)
     assert not finding.claims("worker_reads_own_prefix", read.format(1), cfg, step)
+    # A running holder the cut reaches: the worker's table still names the block its window
+    # freed, since reused (the read names the position, not the index).
+    stale = "r0's step [4, 8) reads position {} of group 0 from block 7, which holds another prefix's KV, "
+    stale += "not its own prefix (2 of 7 positions read wrong)"
+    assert finding.claims("worker_reads_own_prefix", stale.format(1), cfg, step)
+    assert not finding.claims("worker_reads_own_prefix", stale.format(5), cfg, step)  # inside the range
+    unwritten = stale.format(1).replace(
+        "which holds another prefix's KV", "a slot no step wrote since it was zeroed or allocated"
+    )
+    assert not finding.claims("worker_reads_own_prefix", unwritten, cfg, step)
     message = "r1 computes tokens [4, 8) but group 0 block index {} is the null block after the step"
     assert finding.claims("step_blocks_stay_held", message.format(0), cfg, step)
     assert not finding.claims("step_blocks_stay_held", message.format(1), cfg, step)

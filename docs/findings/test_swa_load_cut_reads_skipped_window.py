@@ -15,8 +15,12 @@ hits block 0, its connector loads tokens 4..6 asynchronously into block 4 (block
 null, out of the window of token 6), the report names block 4 as failed, the cut resumes
 r1 at token 4 (engine steps, budget 8: r0 still decoding beside it), whose window
 (tokens 1..4) reads block index 0, the null block. A fix would cut further back, to
-where every block the window of the resumed token reads is held (or to 0). The model
-states vLLM's cut (model.machine.connector), so it reproduces the finding.
+where every block the window of the resumed token reads is held (or to 0). A running
+request the cut reaches (it holds a failed block: a load shares its blocks) is resumed
+the same way, its window reaching blocks the SWA manager freed as it went past them: the
+worker's table still names them (vLLM tells the worker of no such free), and they may
+hold another request's KV since (found under vLLM's own engine steps, issue #38). The
+model states vLLM's cut (model.machine.connector), so it reproduces the finding.
 
 How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 1), as straight-line code.

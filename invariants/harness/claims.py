@@ -154,12 +154,15 @@ def _full_group_short_of_hit(g: Mapping[str, str], cfg: Config) -> bool:
 
 def _window_reaches_null_before_cut(g: Mapping[str, str], cfg: Config) -> bool:
     """A computation resumed at `start` (a load cut at a failed block) in an SWA
-    group whose window reaches back into a null block: one wholly before the
-    computed range and inside the window of its first token."""
-    group, start, index = _int(g, "group"), _int(g, "start"), _int(g, "index")
+    group whose window reaches back into a block it skipped or freed: one wholly
+    before the computed range and inside the window of its first token. The block
+    is at `index`, or (where the read names no index: a running holder's table still
+    names the freed block) the one holding `position`."""
+    group, start = _int(g, "group"), _int(g, "start")
     if not 0 <= group < len(cfg.groups) or cfg.groups[group].kind != "swa":
         return False
     spec = cfg.groups[group]
+    index = _int(g, "index") if g.get("index") is not None else _int(g, "position") // spec.block_size
     end_of_block = (index + 1) * spec.block_size
     return start - (spec.sliding_window or 0) + 1 < end_of_block <= start
 

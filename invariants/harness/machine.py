@@ -627,7 +627,7 @@ class ConnectorMachine(AllocatorMachine):
             extra = data.draw(st.lists(TOKENS, min_size=4 * sbs + 1, max_size=5 * sbs), label="extension")
             others.append(f"r{self.next_rid}")
             self.next_rid += 1
-            self._do(AddRequest(others[-1], model.requests[rid].prompt + tuple(extra)))
+            self._do(extending(others[-1], model.requests[rid].prompt, tuple(extra)))
         if extend:
             self._step_with(data, (rid, others[-1]), 4 * sbs)
         elif others and data.draw(st.booleans(), label="others in its step?") is True:
@@ -724,6 +724,7 @@ class ConnectorMachine(AllocatorMachine):
         extra = data.draw(
             st.lists(TOKENS, min_size=1, max_size=2 * self.cfg.scheduler_block_size), label="extension"
         )
+        # Without `base`'s identity (`extending` would share its blocks: conformance's open gap).
         self._do(AddRequest(rid, base.prompt + tuple(extra)))
         self._do(Offer(rid, len(base.prompt) + len(extra), "async"))
         self._step_with(data, (rid,), 64)
@@ -758,6 +759,14 @@ class ConnectorMachine(AllocatorMachine):
         self._do(Save(rid))
         if data.draw(st.booleans(), label="finish it now?"):
             self._do(Finish(rid))
+
+
+def extending(rid: str, prompt: tuple[int, ...], extra: tuple[int, ...]) -> AddRequest:
+    """The add of a request extending `prompt` by `extra` under `prompt`'s identity (its
+    salt, adapter and items), so that it shares the blocks that prompt's request holds."""
+    ident = identity_of(prompt)
+    mm = tuple((m.identifier, m.offset, m.length) for m in ident.mm)
+    return AddRequest(rid, tuple(prompt) + extra, salt=ident.salt, lora=ident.lora, mm=mm)
 
 
 def engine_caps(config: Config, data: st.DataObject) -> Config:

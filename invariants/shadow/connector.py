@@ -154,6 +154,9 @@ class ShadowConnector:
                 )
                 break
         self.gone.discard(load.rid)
+        # A new match supersedes what an earlier async load left the request at (a failed
+        # load's request goes back to waiting, and the connector may match it afresh).
+        self.admitting.pop(load.rid, None)
         if not load.async_load:
             self.told.append(load)
             return
