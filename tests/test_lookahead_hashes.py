@@ -6,8 +6,8 @@ agree; the model's allocator under lookahead hashes drops no trailing block, has
 only once its lookahead token exists and names it with that token (keys, parents, events);
 on vLLM's real scheduler a directed trace agrees with the model, and the planted defect
 "lookahead tokens omitted from the last block's hash" is reported by
-`hit_written_by_same_identity` (control: vLLM as it is is clean) and found by
-`run_fuzz("vllm")` within its budget; an event whose `lookahead_token_ids` differ from what
+`hit_written_by_same_identity` (control: vLLM as it is is clean), found by
+`run_fuzz("vllm")` within its budget and by `explore` of full-p8-eagle-la-hashes; an event whose `lookahead_token_ids` differ from what
 its hashes cover is reported by `stored_tokens_match_hashes` (control: unchanged event).
 """
 
@@ -239,6 +239,31 @@ def test_planted_lookahead_omission_is_found_by_fuzzing(tmp_path: Path) -> None:
     checker = Checker(VllmSchedulerTarget(failure.config))
     clean = [v for op in failure.ops for v in checker.step(op) if v.check == "hit_written_by_same_identity"]
     assert clean == [], clean
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("plant", [True, False])
+def test_planted_lookahead_omission_is_found_by_explore(plant: bool) -> None:
+    """`explore` of the instance full-p8-eagle-la-hashes on vLLM's real scheduler (Eagle, one
+    lookahead slot, lookahead hashes; the two 9-token prompts share two blocks and differ in
+    the token past them) finds the planted defect at depth 3 (both prompts, one step: the
+    second hits the first's last block) by `hit_written_by_same_identity` and by the shadow
+    worker; control: vLLM as it is, clean to depth 5 (about 4 s on the 2-core machine)."""
+    from invariants.explore.instances import LOOKAHEAD_HASHES, features_of, grid_by_name
+    from invariants.explore.search import Limits, explore
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    inst = grid_by_name([LOOKAHEAD_HASHES], features_of(VllmSchedulerTarget))[0]
+    assert inst.config.hash_lookahead == 1 and inst.config.num_lookahead_tokens == 1
+    with planted() if plant else contextlib.nullcontext():
+        cert = explore(inst, VllmSchedulerTarget, "vllm", Limits(5))
+    if not plant:
+        assert cert.violation is None and cert.depth_completed == 5, (cert.violation, cert.stopped)
+        return
+    checks = {v.check for v in cert.found}
+    assert "hit_written_by_same_identity" in checks and "worker_reads_own_prefix" in checks, checks
+    assert len(cert.path) == 3 and cert.reproduced, cert.path
 
 
 @needs_vllm

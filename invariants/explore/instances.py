@@ -184,12 +184,16 @@ def grid_by_name(names: list[str] | None = None, features: TargetFeatures | None
 
 
 TENANTS = "full-p6-tenants"
+LOOKAHEAD_HASHES = "full-p8-eagle-la-hashes"
 
 
 def named_only() -> list[Instance]:
     """Instances outside the default grid, run when named (`--instance`): isolation
     (each prompt under two tenants, an adapter pair and an image: `alphabet.IDENTITIES`;
-    a target that takes no identity refuses those adds, `Target.identities`)."""
+    a target that takes no identity refuses those adds, `Target.identities`), and Eagle's
+    lookahead block hashes (two prompts that share two blocks and differ in the token past
+    them: a hash that omits it lets one hit the other's drafter KV; a target without
+    lookahead slots refuses the configuration)."""
     return [
         Instance(
             TENANTS,
@@ -199,5 +203,13 @@ def named_only() -> list[Instance]:
             budgets=(64,),
             tenants=True,
             note="isolation: the same tokens under other tenants, adapters and images",
-        )
+        ),
+        Instance(
+            LOOKAHEAD_HASHES,
+            _cfg((FULL4,), 8, eagle=True, num_lookahead_tokens=1, lookahead_block_hashes=True),
+            max_requests=2,
+            prompt_lengths=(9,),
+            budgets=(64,),
+            note="Eagle's lookahead block hashes: two prompts share two blocks, then differ in the token past them",
+        ),
     ]
