@@ -1,8 +1,8 @@
 """`kvretain explore` on vLLM's real scheduler ("vllm"), and its verify row.
 
 - the grid a real scheduler runs: the Eagle instance with a lookahead slot (the
-  plain one is refused there: the control), a connector instance for a target
-  with a connector; the model's grid is unchanged;
+  plain one is refused there: the control), the lookahead-hashes instance, a
+  connector instance for a target with a connector; the model's grid is unchanged;
 - the alphabet: samples with drafts where the model speculates (none where it
   does not), offers, load and save reports where a connector is attached (none
   without), one `Step` per budget for a lone request on a real scheduler;
@@ -34,6 +34,7 @@ from invariants.explore.instances import (
     CONNECTOR,
     EAGLE,
     EAGLE_LOOKAHEAD,
+    LOOKAHEAD_HASHES,
     Instance,
     default_grid,
     features_of,
@@ -102,7 +103,9 @@ def test_real_scheduler_grid_runs_eagle_with_lookahead_and_a_connector_instance(
     # The model's grid: as before, no connector instance, the plain Eagle instance.
     plain = [i.name for i in default_grid()]
     assert EAGLE in plain and CONNECTOR not in plain and EAGLE_LOOKAHEAD not in plain
-    assert [n for n in grid if n not in (EAGLE_LOOKAHEAD, CONNECTOR)] == [n for n in plain if n != EAGLE]
+    assert grid[LOOKAHEAD_HASHES].config.hash_lookahead == 1 and LOOKAHEAD_HASHES not in plain
+    extra = (EAGLE_LOOKAHEAD, CONNECTOR, LOOKAHEAD_HASHES)
+    assert [n for n in grid if n not in extra] == [n for n in plain if n != EAGLE]
     with_connector = [i.name for i in default_grid(TargetFeatures(connector=True))]
     assert CONNECTOR in with_connector and EAGLE in with_connector
 

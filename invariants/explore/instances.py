@@ -12,7 +12,9 @@ null block included) and 1 to 3 live requests. Every configuration passes
 The grid depends on what the target can run (`grid_for`): a real scheduler
 (`TargetFeatures.real_scheduler`) cannot run Eagle without lookahead slots
 (vLLM's Eagle drafts at least one token), so there the Eagle instance is its
-lookahead variant (`...-eagle-la1`, one slot: samples carry drafts); a target
+lookahead variant (`...-eagle-la1`, one slot: samples carry drafts), and it runs
+`full-p8-eagle-la-hashes` too (Eagle's lookahead block hashes, vLLM's default; an
+allocator without lookahead slots refuses it, so elsewhere it runs when named); a target
 that can attach a KV connector (`TargetFeatures.connector`) gets one more,
 small instance with a connector (`full-p6-connector`: offers, load and save
 reports). Every target's grid names the same instances otherwise. Where the target's
@@ -90,6 +92,7 @@ def default_grid(features: TargetFeatures | None = None) -> list[Instance]:
         return grid
     if features.real_scheduler:
         grid = [_eagle_lookahead(i) if i.name == EAGLE else i for i in grid]
+        grid.append(_lookahead_hashes())
     if features.connector:
         grid.append(
             Instance(
@@ -173,7 +176,7 @@ def grid_by_name(names: list[str] | None = None, features: TargetFeatures | None
     grid = default_grid(features)
     if not names:
         return grid
-    extra = named_only()
+    extra = [i for i in named_only() if i.name not in {g.name for g in grid}]
     if features is not None and features.engine_steps:
         extra = [engine_budget(i) for i in extra]
     by_name = {i.name: i for i in (*grid, *extra)}
@@ -204,12 +207,19 @@ def named_only() -> list[Instance]:
             tenants=True,
             note="isolation: the same tokens under other tenants, adapters and images",
         ),
-        Instance(
-            LOOKAHEAD_HASHES,
-            _cfg((FULL4,), 8, eagle=True, num_lookahead_tokens=1, lookahead_block_hashes=True),
-            max_requests=2,
-            prompt_lengths=(9,),
-            budgets=(64,),
-            note="Eagle's lookahead block hashes: two prompts share two blocks, then differ in the token past them",
-        ),
+        _lookahead_hashes(),
     ]
+
+
+def _lookahead_hashes() -> Instance:
+    """Eagle's lookahead block hashes (vLLM's default) on two 9-token prompts that share two
+    4-token blocks and differ in the token past them: a hash that omits it lets one prompt
+    hit KV the drafter computed past the block with the other's token."""
+    return Instance(
+        LOOKAHEAD_HASHES,
+        _cfg((FULL4,), 8, eagle=True, num_lookahead_tokens=1, lookahead_block_hashes=True),
+        max_requests=2,
+        prompt_lengths=(9,),
+        budgets=(64,),
+        note="Eagle's lookahead block hashes: two prompts share two blocks, then differ in the token past them",
+    )
