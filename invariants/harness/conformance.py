@@ -461,8 +461,9 @@ STEP_DIFFERENCES = [
 SCHEDULER_SETTINGS = [
     "scheduler_reserve_full_isl and watermark as the configuration says (generated: vLLM's "
     "defaults most often); model.policy.admission states both gates",
-    "each step's queues hold exactly the step's requests, in the step's order (the order "
-    "schedule() leaves them in is judged: model.policy.queues); its budget is max_num_scheduled_tokens",
+    "every step is vLLM's own schedule() over its own queues, with the batch caps the engine was built "
+    "with (Config.max_num_batched_tokens, max_num_seqs; each row draws those its rules need); the order "
+    "schedule() leaves the queues in is judged (model.policy.queues)",
     "long_prefill_token_threshold as the configuration says (0 but on the long-prefill rows), "
     "its adaptive floor off: the cap binds in a step naming two or more requests",
 ]
