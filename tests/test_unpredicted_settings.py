@@ -98,6 +98,26 @@ def test_generation_draws_each_value() -> None:
     control()
 
 
+@pytest.mark.parametrize(
+    "target, priority", [("vllm", True), ("vllm-async-scheduler", True), ("vllm-directed", False)]
+)
+def test_only_engine_step_targets_draw_the_priority_policy(target: str, priority: bool) -> None:
+    """A directed step states the queue order, which the priority policy overrides (vLLM then
+    decides otherwise and a later report names a load it never started): the directed twins
+    are never sent it; the targets that run vLLM's own steps are (the control)."""
+    from invariants.harness.fuzz import _generated
+
+    seen: Counter[bool] = Counter()
+
+    @settings(max_examples=120, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_generated(target))
+    def draw(c: Config) -> None:
+        seen[c.scheduling_policy == "priority"] += 1
+
+    draw()
+    assert bool(seen[True]) == priority, seen
+
+
 def trace(d: Drive) -> Drive:
     """B's first chunk fits beside A, its whole sequence does not (`test_admission_gates`)."""
     budget = d.checker.config.max_model_len

@@ -60,6 +60,7 @@ from invariants.report import Progress, fitted_table, table, wrap
 from invariants.targets import (
     ASYNC_SCHEDULER_TARGETS,
     CONNECTOR_TARGETS,
+    ENGINE_STEP_TARGETS,
     FINE_MAMBA_TARGETS,
     GATED_TARGETS,
     PINNING_TARGETS,
@@ -204,7 +205,7 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
             connector=None,
             long_prefill=None,
             gates=None,
-            unpredicted=True,
+            unpredicted=target in ENGINE_STEP_TARGETS,
             lookahead_hashes=None,
         )
     return configs(
@@ -217,8 +218,10 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
         long_prefill=None if target in REAL_SCHEDULER_TARGETS else False,
         # The admission gates (`model.policy.admission`): every target with a scheduler's admissions.
         gates=None if target in GATED_TARGETS else False,
-        # vLLM settings the model does not predict, judged by the contract: the real schedulers.
-        unpredicted=target in REAL_SCHEDULER_TARGETS,
+        # vLLM settings the model does not predict, judged by the contract: the real schedulers
+        # that decide every step. A directed step states the queue order, which the priority
+        # policy overrides: the run would then feed vLLM reports for decisions it never made.
+        unpredicted=target in ENGINE_STEP_TARGETS,
         # Eagle's lookahead block hashes (vLLM's default): the real schedulers hash with them.
         lookahead_hashes=None if target in REAL_SCHEDULER_TARGETS else False,
     )
