@@ -260,5 +260,7 @@ def test_the_initial_state_has_one_owner() -> None:
     for i in range(3):
         shard = Shard(i, 3)
         shard.reset(FULL, "model", ModelTarget)
-        owners.append(shard.root())
+        owned, engine = shard.root()
+        owners.append(owned)
+        assert not engine  # the model's steps are kvretain's
     assert sum(owners) == 1

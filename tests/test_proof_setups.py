@@ -77,9 +77,9 @@ def _record(seed: int, requests: int = 12) -> Recorded:
 
     cache_blocks, kept_fn, find_hit, finder = alloc.cache_blocks, alloc._kept, alloc._find_hit, alloc._finder
 
-    def on_cache(req: Any, num_tokens: int) -> None:
+    def on_cache(req: Any, num_tokens: int, known: int | None = None) -> None:
         current["req"] = req
-        cache_blocks(req, num_tokens)
+        cache_blocks(req, num_tokens, known)
 
     def on_kept(g: Any, start: int, end: int, boundaries: list[int]) -> set[int] | None:
         kept = kept_fn(g, start, end, boundaries)

@@ -49,7 +49,7 @@ from invariants.explore.fingerprint import HIDDEN_STATE, fingerprint, merging
 from invariants.explore.fork import Freezer
 from invariants.explore.grid import MIN_SHARE_S, GridReport
 from invariants.explore.instances import Instance
-from invariants.explore.search import Limits, new_checker, replay
+from invariants.explore.search import Limits, new_checker, replay, steps_text
 from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.harness.known_findings import explain
 from invariants.harness.trace import Trace, write_trace
@@ -210,15 +210,17 @@ class Shard:
         part = state[1] if type(state) is tuple and len(state) > 1 else state
         return route(part, self.memo) % self.n
 
-    def root(self) -> bool:
-        """Build the empty allocator; keep it when this shard owns its fingerprint."""
+    def root(self) -> tuple[bool, bool]:
+        """Build the empty allocator; keep it when this shard owns its fingerprint. Returns
+        (owned, whether the target's engine decides every step: the certificate's `steps`)."""
         checker = new_checker(self.factory, self.instance.config)
+        engine = checker.target.features.engine_steps
         state = _state_of(checker, False, self.rename, self.image)
         if self.owner(state) != self.index:
-            return False
+            return False, engine
         self.seen.add(state)
         self.frontier = [_Node((), (), self.freezer.freeze(checker), 0, False, state)]
-        return True
+        return True, engine
 
     # ------------------------------------------------------------ one depth
     def expand(self, leaves: bool, left_s: float | None) -> tuple[Any, ...]:
@@ -582,8 +584,10 @@ def _explore(
     start = time.monotonic()
     driver.start(instance, target, limits, factory)
     try:
-        if not any(_get([s.root.remote() for s in driver.shards])):
+        roots = _get([s.root.remote() for s in driver.shards])
+        if not any(owned for owned, _ in roots):
             raise CampaignError("no worker owns the initial state")
+        cert.steps = steps_text(roots[0][1], instance.config)
         _search(driver, cert, target, factory, out_dir, progress, start)
         driver.cpu_mark()
     except ConfigError as exc:  # raised building the target: it refuses this configuration
