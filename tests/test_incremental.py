@@ -18,7 +18,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from invariants.harness.checker import Checker, InvalidOp
 from invariants.harness.known_findings import explain
-from invariants.harness.machine import FuzzStats, build_machine
+from invariants.harness.machine import build_machine
+from invariants.harness.run_stats import FuzzStats
 from invariants.harness.strategies import configs
 from invariants.targets import available_targets, target_factory
 from invariants.targets.base import partial_from_snapshot, table_changes

@@ -7,7 +7,8 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from invariants.harness.known_findings import is_known_violation
-from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
+from invariants.harness.machine import build_machine
+from invariants.harness.run_stats import FuzzStats, ViolationFound
 from invariants.harness.strategies import configs
 from invariants.targets import target_factory
 from invariants.targets.model_target import ModelTarget

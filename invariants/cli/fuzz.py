@@ -90,8 +90,8 @@ def fuzz_production(
 
     from invariants.harness.fuzz import _tolerance, shrink_failure
     from invariants.harness.known_findings import clean_verdict
-    from invariants.harness.machine import ViolationFound
     from invariants.harness.production import format_production, run_production
+    from invariants.harness.run_stats import ViolationFound
     from invariants.harness.trace import Trace, write_trace
     from invariants.targets import target_factory
 

@@ -51,7 +51,8 @@ from invariants.harness.known_findings import (
     format_crash_counts,
     is_adapter_crash,
 )
-from invariants.harness.machine import BudgetSpent, FuzzStats, Tolerance, ViolationFound, build_machine
+from invariants.harness.machine import build_machine
+from invariants.harness.run_stats import BudgetSpent, FuzzStats, Tolerance, ViolationFound
 from invariants.harness.shrink import shrink
 from invariants.harness.strategies import configs
 from invariants.harness.trace import Trace, write_trace

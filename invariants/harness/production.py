@@ -53,7 +53,7 @@ from operator import itemgetter
 
 from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.harness.known_findings import KnownLedger, format_known
-from invariants.harness.machine import Tolerance
+from invariants.harness.run_stats import Tolerance
 from invariants.harness.spool import OpSpool
 from invariants.layouts.presets import MAX_CONTEXT, pool_blocks, preset
 from invariants.targets.base import Target

@@ -51,8 +51,9 @@ from invariants.harness.checker import Violation
 from invariants.harness.conformance import FEATURES, FINE_MAMBA_ROW
 from invariants.harness.fuzz import EXAMPLES_PER_BATCH, STEPS_PER_EXAMPLE
 from invariants.harness.known_findings import KnownFinding, explain, load_known_findings
-from invariants.harness.machine import FuzzStats, ViolationFound, build_machine
+from invariants.harness.machine import build_machine
 from invariants.harness.replay import replay
+from invariants.harness.run_stats import FuzzStats, ViolationFound
 from invariants.harness.strategies import configs, engine_runnable
 from invariants.harness.trace import Trace, TraceError, write_trace
 from invariants.matrix.classify import KNOWN_DESIGN, Verdict, classify
