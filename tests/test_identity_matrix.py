@@ -24,7 +24,9 @@ def test_the_doc_is_the_commands_output(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["matrix", "--identity-table"]) == 0
     printed = capsys.readouterr().out
     assert printed == ik.render_table()
-    assert DOC.read_text() == printed, "regenerate: kvretain matrix --identity-table > docs/identity-matrix.md"
+    assert DOC.read_text() == printed, (
+        "regenerate: kvretain matrix --identity-table > docs/identity-matrix.md"
+    )
 
 
 def test_every_field_and_release_is_covered() -> None:
@@ -35,7 +37,10 @@ def test_every_field_and_release_is_covered() -> None:
         assert c.first in ik.RELEASES and c.last in ik.RELEASES and "#" in c.refs, c
         assert (c.field, c.first) in ik.ROW_FEATURE, c
     table = ik.render_table()
-    assert "| 0.30.0 | cache_salt, lora, multimodal, prompt_embeds, lookahead | cache_salt, lora, multimodal |" in table
+    assert (
+        "| 0.30.0 | cache_salt, lora, multimodal, prompt_embeds, lookahead | cache_salt, lora, multimodal |"
+        in table
+    )
     assert "| 0.31.0 | lookahead | none |" in table
 
 
