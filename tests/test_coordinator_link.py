@@ -167,7 +167,7 @@ def test_untrimmed_layout_is_caught(vllm: dict[str, Any], monkeypatch: pytest.Mo
     ("old", "new"),
     [
         ("eagle_dropped.clear()", "pass"),  # a lower candidate no longer voids the drops made
-        ("rules.cfg.eagle and idx not in eagle_dropped", "rules.cfg.eagle"),  # a drop every round
+        ("rules.cfg.eagle_drop and idx not in eagle_dropped", "rules.cfg.eagle_drop"),  # a drop every round
     ],
 )
 def test_eagle_drop_bookkeeping_is_caught(
