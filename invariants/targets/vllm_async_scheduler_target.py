@@ -102,10 +102,7 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
         self.steps.shadow = self.shadow_worker()
 
     def stepper(self, config: Config) -> type[AsyncStepScheduler]:  # type: ignore[override]
-        """Directed where the configuration states no budget (`VllmSchedulerTarget.stepper`)."""
-        if not config.max_num_batched_tokens:
-            self.directed()
-            return DirectedAsyncStepScheduler
+        """The async step driver, whatever the configuration (`VllmSchedulerTarget.stepper`)."""
         return AsyncStepScheduler
 
     def shadow_worker(self) -> ShadowWorker | None:

@@ -301,6 +301,7 @@ class RealStepScheduler:
         finally:
             self.put_back(aside)
         self.pending = self.last_out = out
+        self.budget_unbound(budget, int(out.total_num_scheduled_tokens))
         for rid in out.num_scheduled_tokens:
             self.names.learn_computed(self.s.requests[rid])
         computed = {rid: self.s.requests[rid].num_computed_tokens for rid in rids}
@@ -316,23 +317,17 @@ class RealStepScheduler:
 
     def arrange(self, rids: tuple[str, ...], budget: int) -> Any:
         """An engine's step: `rids` must name exactly the requests vLLM's queues hold, in
-        their order under FCFS, and `budget` be the one it was built with (else
-        `SteeredStep`); under another policy (priority), whose order the model does not
+        their order under FCFS (else `SteeredStep`; `budget_unbound` judges the budget once
+        the step ran); under another policy (priority), whose order the model does not
         predict, another order is run in vLLM's and counted (`reordered_steps`). Nothing is
         set aside (None)."""
         own = [r.request_id for queue in self.own_queues() for r in queue]
-        built = self.sched.max_num_scheduled_tokens
         if set(own) != set(rids) or len(own) != len(rids):
             missing, extra = sorted(set(rids) - set(own)), sorted(set(own) - set(rids))
             raise SteeredStep(
                 f"step over {list(rids)}: vLLM's queues hold {own} (named but not held: {missing}; "
                 f"held but not named: {extra}); an engine's step schedules every request it holds "
                 "(a directed target, vllm-directed, runs a step over some of them)"
-            )
-        if budget != built:
-            raise SteeredStep(
-                f"step with budget {budget}: the scheduler was built with {built} tokens a step "
-                "(Config.max_num_batched_tokens); a directed target (vllm-directed) sets one per step"
             )
         if own != list(rids):
             if self.sched.policy.value == "fcfs":  # FCFS order is the model's (`model.policy.queues`)
@@ -344,6 +339,20 @@ class RealStepScheduler:
                 )
             self.reordered_steps += 1  # another policy's order: vLLM's (the model predicts FCFS only)
         return None
+
+    def budget_unbound(self, budget: int, scheduled: int) -> None:
+        """A step's `budget` is the engine's own where it did not bind: the engine, built with
+        its budget, scheduled `scheduled` tokens, which is the step the trace states iff
+        neither budget cut it (`scheduled <= budget`, and below the built budget where the
+        trace's is larger). Else `SteeredStep`: the trace asks a budget the engine does not have."""
+        built = self.sched.max_num_scheduled_tokens
+        if budget == built or scheduled < min(budget, built) or (budget < built and scheduled == budget):
+            return
+        raise SteeredStep(
+            f"step with budget {budget}: the scheduler, built with {built} tokens a step "
+            f"(Config.max_num_batched_tokens), scheduled {scheduled}, so the two budgets give "
+            "different steps; a trace's step states the built budget, or one that does not bind"
+        )
 
     def put_back(self, aside: Any) -> None:
         """The requests `arrange` set aside, back in their queues (an engine's step: none)."""

@@ -293,11 +293,8 @@ class VllmSchedulerTarget(VllmManagerTarget):
 
     def stepper(self, config: Config) -> type[RealStepScheduler]:
         """The step driver: with lookahead slots the scheduler speculates (`vllm_scheduler_spec`).
-        A configuration that states no budget (`Config.max_num_batched_tokens` 0: a trace
-        written before the engine decided every step) is driven directed (`directed`)."""
-        if not config.max_num_batched_tokens:
-            self.directed()
-            return DirectedSpecStepScheduler if config.num_lookahead_tokens else DirectedStepScheduler
+        The engine decides every step whatever the configuration: one that states no budget
+        (`Config.max_num_batched_tokens` 0) is built with `build_budget`'s."""
         return SpecStepScheduler if config.num_lookahead_tokens else RealStepScheduler
 
     def directed(self) -> None:
