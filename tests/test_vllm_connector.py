@@ -50,6 +50,11 @@ FULL_SWA = Config(
 )
 FULL = Config(groups=(GroupSpec("full", 4),), num_blocks=16, max_model_len=4096, kv_connector=True)
 PROMPT = tuple(range(1, 14))  # 13 tokens
+# An engine's chunks (a build-time input): with another request queued, one request computes
+# at most 4 (`SYNC_CUT`: r1's chunk in `sync_invalid_ops`) or 8 tokens a step (`SHARED_CUT`:
+# r0's first chunk in `shared_invalid_ops`).
+SYNC_CUT = FULL.with_(long_prefill_token_threshold=4)
+SHARED_CUT = FULL.with_(long_prefill_token_threshold=8)
 
 _OK, _REASON = vllm_available()
 needs_vllm = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
@@ -183,7 +188,8 @@ def test_a_save_defers_the_free_until_it_reports() -> None:
 def invalid_ops() -> list[Op]:
     """Two async loads failing on some blocks (Full4, one group): r1 (hit 12 on blocks
     1-3, 3 external tokens in block 4) fails on block 3, cut to 8 with a valid prefix;
-    r2 (12 external tokens in blocks 5-7) on block 5, cut to 0; both then promoted."""
+    r2 (12 external tokens in blocks 5-7, admitted while r1 loads) on block 5, cut to 0;
+    both then promoted."""
     return [
         AddRequest("r0", PROMPT),
         Step(("r0",), 64),
@@ -194,7 +200,7 @@ def invalid_ops() -> list[Op]:
         Step(("r1",), 64),
         AddRequest("r2", tuple(range(30, 45))),
         Offer("r2", 12, "async"),
-        Step(("r2",), 64),
+        Step(("r1", "r2"), 64),
         Loaded("r1", True, (3,)),
         Loaded("r2", True, (5,)),
         Step(("r1", "r2"), 64),
@@ -231,10 +237,12 @@ def test_a_load_failed_on_some_blocks_is_cut_at_the_first() -> None:
 
 def sync_invalid_ops(policy: str = "recompute") -> list[Op]:
     """A sync load failed on some blocks (Full4, one group): r0's 12 external tokens in
-    blocks 1-3 and its last token in block 4, in one step. "recompute": r1, after it in
-    the step, hits blocks 1-3 and computes 4 tokens of its own; the output reports block 2:
-    r0 is cut to 4 (it recomputes blocks 2-4), r1 back to its hit (12: r0 recomputes
-    block 2 for it). "fail": r0 alone (saved), block 2 failed: ended, blocks 2-4 evicted."""
+    blocks 1-3 and its last token in block 4, in one step. "recompute" (on `SYNC_CUT`):
+    r1, after it in the step, hits blocks 1-3 and computes 4 tokens of its own (the
+    engine's long-prefill chunk); the output reports block 2: r0 is cut to 4 (it
+    recomputes blocks 2-4), r1 back to its hit (12: r0 recomputes block 2 for it); both
+    then run to their samples in 4-token chunks. "fail": r0 alone (saved), block 2
+    failed: ended, blocks 2-4 evicted."""
     if policy == "fail":
         return [
             AddRequest("r0", PROMPT),
@@ -252,11 +260,14 @@ def sync_invalid_ops(policy: str = "recompute") -> list[Op]:
         AddRequest("r0", PROMPT),
         AddRequest("r1", PROMPT[:12] + tuple(range(50, 58))),
         Offer("r0", 12, "sync"),
-        Step(("r0", "r1"), 5),
+        Step(("r0", "r1"), 64),
         Loaded("r0", True, (2,)),
         Step(("r0", "r1"), 64),
-        Sample("r0", 3),
+        Step(("r0", "r1"), 64),
         Sample("r1", 3),
+        Step(("r0", "r1"), 64),
+        Sample("r0", 3),
+        Sample("r1", 4),
         Finish("r0"),
         Finish("r1"),
         Probe(PROMPT),
@@ -264,15 +275,16 @@ def sync_invalid_ops(policy: str = "recompute") -> list[Op]:
 
 
 def test_a_sync_load_failed_on_some_blocks_cuts_every_request_holding_one() -> None:
-    m = AllocatorModel(FULL, observer=(m_seen := ModelObserver()))
+    m = AllocatorModel(SYNC_CUT, observer=(m_seen := ModelObserver()))
     ops = sync_invalid_ops()
     step = [m.apply(op) for op in ops[:4]][-1]
     assert (own(step, "r1").hit, own(step, "r1").scheduled) == (12, 4)
     # The blocks the connector loaded; r1's own load has none (it is no sync load).
     assert failable_blocks(m, m.requests["r0"]) == [1, 2, 3] and failable_blocks(m, m.requests["r1"]) == []
     assert m.apply(ops[4]) == LoadCut(4, (("r1", 12),))
-    step = m.apply(ops[5])
-    assert (own(step, "r0").scheduled, own(step, "r1").scheduled) == (9, 8)
+    step = m.apply(ops[5])  # each resumes at its cut (r0 at 4, r1 at 12), in 4-token chunks
+    assert (own(step, "r0").scheduled, own(step, "r1").scheduled) == (4, 4)
+    assert (m.requests["r0"].num_computed, m.requests["r1"].num_computed) == (8, 16)
     assert m_seen.coverage["connector: a request sharing a failed block cut"] == 1
     # "recompute" evicts nothing: block 2 keeps its hash and is recomputed in place.
     assert [m.apply(op) for op in ops[6:]][-1].hit == 12  # type: ignore[union-attr]
@@ -295,16 +307,18 @@ def test_a_sync_load_failed_under_fail_evicts_its_dependent_blocks() -> None:
 
 
 def shared_invalid_ops() -> list[Op]:
-    """An async load sharing a running request's blocks (Full4, one group): r0 computed
-    8 of its 13 tokens (blocks 1-2, cached); r1 extends its prompt, hits blocks 1-2 and
-    loads 6 external tokens (blocks 3-4); its load fails on block 2, which r0 holds too."""
+    """An async load sharing a running request's blocks (Full4, one group, on `SHARED_CUT`):
+    r0 computes 8 of its 13 tokens (the engine's long-prefill chunk; blocks 1-2, cached
+    in the step); r1, after it in the step, extends its prompt, hits blocks 1-2 and
+    loads 6 external tokens (blocks 3-4); its load fails on block 2, which r0 holds too.
+    Both then run to their samples in 8-token chunks."""
     return [
         AddRequest("r0", PROMPT),
-        Step(("r0",), 8),
         AddRequest("r1", PROMPT + (7, 7)),
         Offer("r1", 15, "async"),
-        Step(("r1",), 64),
+        Step(("r0", "r1"), 64),
         Loaded("r1", True, (2,)),
+        Step(("r0", "r1"), 64),
         Step(("r0", "r1"), 64),
         Sample("r0", 3),
         Sample("r1", 3),
@@ -315,30 +329,31 @@ def shared_invalid_ops() -> list[Op]:
 
 
 def test_an_async_load_failed_on_a_block_a_running_request_holds_cuts_both() -> None:
-    m = AllocatorModel(FULL, observer=(m_seen := ModelObserver()))
+    m = AllocatorModel(SHARED_CUT, observer=(m_seen := ModelObserver()))
     ops = shared_invalid_ops()
-    for op in ops[:5]:
+    for op in ops[:4]:
         m.apply(op)
     assert failable_blocks(m, m.requests["r1"]) == [1, 2, 3, 4]
-    assert m.apply(ops[5]) == LoadCut(4, (("r0", 4),))
-    step = m.apply(ops[6])
-    # r0 recomputes from block 2 on (9 tokens); r1, promoted, from its cut too.
-    assert (own(step, "r0").scheduled, own(step, "r1").scheduled) == (9, 11)
+    assert m.apply(ops[4]) == LoadCut(4, (("r0", 4),))
+    step = m.apply(ops[5])
+    # r0 recomputes from block 2 on (9 tokens); r1, promoted, from its cut too (11): 8-token chunks.
+    assert (own(step, "r0").scheduled, own(step, "r1").scheduled, own(step, "r1").admitted) == (8, 8, True)
+    assert (m.requests["r0"].num_computed, m.requests["r1"].num_computed) == (12, 12)
     assert m_seen.coverage["connector: a running request holding a failed block cut"] == 1
     # "fail": blocks another live request holds are named too (both end at once);
     # not those of a running request awaiting its sample.
-    f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
-    for op in ops[:5]:
+    f = AllocatorModel(SHARED_CUT.with_(kv_load_failure_policy="fail"))
+    for op in ops[:4]:
         f.apply(op)
     assert failable_blocks(f, f.requests["r1"]) == [1, 2, 3, 4]
     w = AllocatorModel(FULL)
-    for op in [ops[0], Step(("r0",), 64), *ops[2:5]]:  # r0 computed all 13 tokens
+    for op in [ops[0], Step(("r0",), 64), *ops[1:3], Step(("r0", "r1"), 64)]:  # r0 computed all 13 tokens
         w.apply(op)
     assert w.requests["r0"].awaits_sample and failable_blocks(w, w.requests["r1"]) == [5]  # r0 holds 1-3
 
 
 def test_a_sync_load_reports_only_right_after_its_step() -> None:
-    c = Checker(ModelTarget(FULL))
+    c = Checker(ModelTarget(SYNC_CUT))
     for op in sync_invalid_ops()[:4]:
         c.step(op)
     with pytest.raises(InvalidOp, match="only the blocks it failed on"):
@@ -348,13 +363,13 @@ def test_a_sync_load_reports_only_right_after_its_step() -> None:
     c.step(Probe(PROMPT))
     with pytest.raises(InvalidOp, match="no connector load in flight"):
         c.step(Loaded("r0", True, (2,)))
-    # Another request of the step awaits its sample: the output cannot come whole.
+    # Another request of the step awaits its sample (no chunk: r1 computed all): the output cannot come whole.
     c = Checker(ModelTarget(FULL))
     for op in sync_invalid_ops()[:3] + [Step(("r0", "r1"), 64)]:
         c.step(op)
     assert c.model.requests["r1"].awaits_sample and failable_blocks(c.model, c.model.requests["r0"]) == []
     # "fail": a block another request holds is named too (both end at once).
-    f = AllocatorModel(FULL.with_(kv_load_failure_policy="fail"))
+    f = AllocatorModel(SYNC_CUT.with_(kv_load_failure_policy="fail"))
     for op in sync_invalid_ops()[:4]:
         f.apply(op)
     assert failable_blocks(f, f.requests["r0"]) == [1, 2, 3]
@@ -507,18 +522,20 @@ def test_targets_without_a_connector_refuse_one() -> None:
 
 # ------------------------------------------------------------------ vLLM's scheduler
 def trace_ops() -> list[Op]:
-    """Every connector path: sync hit, async load promoted, failed load, finish during a load."""
+    """Every connector path: sync hit, async load started (r0 decoding beside it), passed
+    over while in flight and promoted, failed load, finish during a load."""
     return [
         AddRequest("r0", PROMPT),
         Offer("r0", 9, "sync"),
         Step(("r0",), 64),
         AddRequest("r1", PROMPT + (50, 51)),
         Offer("r1", 14, "async"),
-        Step(("r1",), 64),
         Sample("r0", 7),
         Step(("r0", "r1"), 64),
-        Loaded("r1", True),
         Sample("r0", 8),
+        Step(("r0", "r1"), 64),
+        Loaded("r1", True),
+        Sample("r0", 9),
         Step(("r0", "r1"), 64),
         *failed_and_finished_loads(),
         Finish("r0"),
@@ -529,16 +546,24 @@ def trace_ops() -> list[Op]:
 
 
 def failed_and_finished_loads() -> list[Op]:
-    """r2's async load fails and it is re-admitted; r3 finishes while its load is in flight."""
+    """r2's async load fails and it is re-admitted; r3 finishes while its load is in flight.
+    r0 and r1 decode beside them (each sampled before a step, as an engine samples)."""
     return [
         AddRequest("r2", tuple(range(30, 45))),
         Offer("r2", 12, "async"),
-        Step(("r2",), 64),
+        Sample("r0", 1),
+        Sample("r1", 1),
+        Step(("r0", "r1", "r2"), 64),
         Loaded("r2", False),
-        Step(("r2",), 64),
+        Sample("r0", 2),
+        Sample("r1", 2),
+        Step(("r0", "r1", "r2"), 64),
         AddRequest("r3", tuple(range(60, 75))),
         Offer("r3", 12, "async"),
-        Step(("r3",), 64),
+        Sample("r0", 3),
+        Sample("r1", 3),
+        Sample("r2", 3),
+        Step(("r0", "r1", "r2", "r3"), 64),
         Finish("r3"),
         Loaded("r3", True),
     ]
@@ -590,7 +615,7 @@ def test_connector_is_registered_and_records_what_it_was_asked() -> None:
     assert KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME) is KvretainConnector
     connector = target.vllm_scheduler.connector
     assert isinstance(connector, KvretainConnector)
-    for op in trace_ops()[:6]:
+    for op in trace_ops()[:7]:
         target.apply(op)
     assert [(ld.rid, ld.num_external_tokens) for ld in connector.loads] == [("r0", 9), ("r1", 2)]
     assert {"r0": 4} in connector.saves  # r0's chunk after its 9 external tokens
@@ -622,12 +647,13 @@ def test_real_scheduler_agrees_on_loads_failed_on_some_blocks(policy: str, cachi
     cfg = FULL.with_(kv_load_failure_policy=policy, enable_caching=caching)  # type: ignore[arg-type]
     d = Drive(cfg)
     checker = d.checker
-    for op in invalid_ops():
+    ops = invalid_ops()
+    for op in ops:
         if isinstance(op, Loaded):  # the same cuts whatever the ids (caching off: no hit)
             blocks = failable_blocks(checker.model, checker.model.requests[op.rid])
             op = Loaded(op.rid, True, (blocks[2 if op.rid == "r1" else 0],))
-        if isinstance(op, Step) and op.rids == ("r1", "r2") and policy == "fail":
-            continue  # both ended
+        if op is ops[12] and policy == "fail":
+            continue  # the promotions' step: both ended
         d.do(op)
     assert d.found == [] and checker.audit() == []
     cuts = [o for o in checker.observer.coverage if "some blocks" in o]
@@ -638,7 +664,8 @@ def test_real_scheduler_agrees_on_loads_failed_on_some_blocks(policy: str, cachi
 @pytest.mark.vllm
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_real_scheduler_agrees_on_sync_loads_failed_on_some_blocks(policy: str) -> None:
-    d = Drive(FULL.with_(kv_load_failure_policy=policy)).do(*sync_invalid_ops(policy))  # type: ignore[arg-type]
+    cfg = (SYNC_CUT if policy == "recompute" else FULL).with_(kv_load_failure_policy=policy)  # type: ignore[arg-type]
+    d = Drive(cfg).do(*sync_invalid_ops(policy))
     assert d.found == [] and d.checker.audit() == []
     assert d.seen[4] == (LoadCut(4, (("r1", 12),)) if policy == "recompute" else LoadCut(4, ended=("r0",)))
     assert "r0" not in d.checker.target.vllm_scheduler.requests
@@ -649,12 +676,12 @@ def test_real_scheduler_agrees_on_sync_loads_failed_on_some_blocks(policy: str) 
 def test_real_scheduler_agrees_on_a_failed_block_a_running_request_holds() -> None:
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 
-    checker = Checker(VllmSchedulerTarget(FULL), audit_every=1)
+    checker = Checker(VllmSchedulerTarget(SHARED_CUT), audit_every=1)
     seen = []
     for op in shared_invalid_ops():
         assert checker.step(op) == []
         seen.append(checker.last_obs)
-    assert checker.audit() == [] and seen[5] == LoadCut(4, (("r0", 4),))
+    assert checker.audit() == [] and seen[4] == LoadCut(4, (("r0", 4),))
 
 
 @needs_vllm
