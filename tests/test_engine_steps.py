@@ -3,8 +3,9 @@ own steps (every request vLLM holds, in the model's predicted queue order, with 
 the engine was built with), and the model states the queue order and the `max_num_seqs`
 cap those steps run under (`model.policy.queues.QueueOrder.engine_order`, `model.policy.scheduling`).
 
-Each check has its control: the model without the cap, a step naming a subset, another
-budget or a `Preempt` (refused on the engine target, run on the directed one)."""
+Each check has its control: the model without the cap; against a step naming a subset,
+another budget or order, or a `Preempt` (refused on the engine target, naming it), the
+engine's own step from the same state."""
 
 from __future__ import annotations
 
@@ -125,24 +126,30 @@ def test_the_engines_steps_agree_with_the_model_under_binding_caps(name: str) ->
 @vllm_only
 @pytest.mark.vllm
 @pytest.mark.parametrize(
-    "op",
-    [Step(("a",), 8), Step(("a", "b", "c"), 4), Step(("c", "b", "a"), 8), Preempt("a")],
+    ("op", "named"),
+    [
+        (Step(("a",), 8), "held but not named: ['b', 'c']"),
+        (Step(("a", "b", "c"), 4), "step with budget 4"),
+        (Step(("c", "b", "a"), 8), "step over ['c', 'b', 'a']"),
+        (Preempt("a"), "preempt a"),
+    ],
     ids=["a subset", "another budget", "another order", "a preemption"],
 )
-def test_a_steered_operation_is_refused_by_the_engine_and_run_by_the_directed_target(op: object) -> None:
-    """The engine target refuses a step it cannot run (one line: kvretain's refusal, not
-    vLLM's defect); the control: the directed target runs it."""
+def test_a_steered_operation_is_refused_by_the_engine_naming_it(op: object, named: str) -> None:
+    """The engine target refuses a step it cannot run (one line: kvretain's refusal, naming
+    the step, not vLLM's defect), and vLLM is left as it was: the control, the engine's own
+    step from the same state, runs clean."""
     checker = drive("vllm", CAPPED)
     if isinstance(op, Preempt):
         assert checker.step(engine_step(checker.model, 8)) == []
     found = checker.step(op)  # type: ignore[arg-type]
     assert [v.check for v in found] == [REFUSED]  # kvretain's refusal, not a crash of vLLM's
-    assert "SteeredStep" in found[0].message and "vllm-directed" in found[0].message
-    directed = drive("vllm-directed", CAPPED)
-    assert "steps: directed (kvretain writes the queues and budget)" in directed.target.engine_settings()
-    if isinstance(op, Preempt):
-        assert directed.step(engine_step(directed.model, 8)) == []
-    assert directed.step(op) == []  # type: ignore[arg-type]
+    assert "SteeredStep" in found[0].message and named in found[0].message
+    control = drive("vllm", CAPPED)
+    if isinstance(op, Preempt):  # a computed its prompt: it runs on with a sampled token
+        assert control.step(engine_step(control.model, 8)) == [] and control.step(Sample("a", 1)) == []
+    assert control.step(engine_step(control.model, 8)) == []
+    assert "steps: vLLM's own, nothing written to the scheduler" in control.target.engine_settings()
 
 
 @vllm_only
@@ -196,23 +203,26 @@ def test_a_finished_request_left_in_running_is_read_from_vllms_own_queue(planted
 
 @vllm_only
 @pytest.mark.vllm
-def test_replay_says_when_a_trace_without_a_budget_ran_directed(
+def test_replay_runs_a_trace_without_a_budget_on_the_engines_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A trace stating no budget runs directed on "vllm" (kvretain writes the queues and
-    budget): replay says so in one line, with the steps rewritten. Control: the same
-    requests as the engine's own steps under a stated budget say nothing of it."""
+    """A trace stating no budget runs on "vllm" as the engine's own steps, built with
+    `build_budget`: a step over every held request, with the built budget or one that does
+    not bind, replays clean. Control: a step over a subset (what a directed driver ran) is
+    refused as `SteeredStep`, naming the request left out, and `kvretain replay` prints it
+    in one line and exits 1."""
     from invariants.cli.main import main
     from invariants.harness.replay import replay
     from invariants.harness.trace import Trace, write_trace
 
     adds = [AddRequest(rid, (i + 1,) * 5) for i, rid in enumerate(("a", "b"))]
-    directed = Trace(FULL, [*adds, Step(("b",), 8)], 0, "vllm")
-    result = replay(directed, "vllm")
-    assert result.clean and result.steered.startswith("steps directed, not vLLM's own")
-    assert "(1 step(s) rewritten)" in result.steered
-    engine = Trace(CAPPED, [*adds, Step(("a", "b"), 8)], 0, "vllm")
-    assert replay(engine, "vllm").steered == ""
-    path = write_trace(directed, tmp_path / "directed.json")
-    assert main(["replay", str(path), "--target", "vllm"]) == 0
-    assert "steps directed, not vLLM's own" in capsys.readouterr().out
+    for budget in (build_budget(FULL), 16):  # 10 tokens scheduled: 16 does not bind
+        assert replay(Trace(FULL, [*adds, Step(("a", "b"), budget)], 0, "vllm"), "vllm").clean
+    subset = Trace(FULL, [*adds, Step(("b",), 8)], 0, "vllm")
+    result = replay(subset, "vllm")
+    assert [(i, v.check) for i, v in result.violations] == [(2, REFUSED)]
+    assert "SteeredStep" in result.violations[0][1].message
+    assert "held but not named: ['a']" in result.violations[0][1].message
+    path = write_trace(subset, tmp_path / "subset.json")
+    assert main(["replay", str(path), "--target", "vllm"]) == 1
+    assert "op 2: refused: SteeredStep: step over ['b']" in capsys.readouterr().out
