@@ -194,15 +194,23 @@ def test_vllm_lets_a_request_read_a_marked_block_its_marker_never_recomputed() -
 @pytest.mark.vllm
 def test_vllm_recomputing_in_place_is_clean_and_fail_evicts() -> None:
     """The legitimate path through vLLM: r1 shares the block in the step r0 recomputes
-    it (audited and fast path); under "fail" the failed blocks' hashes go (r1 hits 4)."""
+    it (audited and fast path); under "fail" the failed blocks' hashes go (r1 hits 4).
+    The shared block on the engine's own steps: built with a 10-token budget, the step
+    running r0's sync load leaves r1 (24 tokens, 12 hit) short of its prompt, so the
+    output names block 2 failed (`shared_ops`' scenario); the next step, r0 recomputes
+    from its cut (9 tokens) and r1 goes on from its hit (1 token, reading block 2)."""
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 
     ops = cut_ops() + [AddRequest("r1", P13), Step(("r0", "r1"), 64), Probe(P13)]
-    shared = shared_ops() + [Loaded("r0", True, (2,)), Step(("r0", "r1"), 64)]
+    r1 = P13[:12] + tuple(range(50, 62))
+    shared = [AddRequest("r0", P13), AddRequest("r1", r1), Offer("r0", 12, "sync"), Step(("r0", "r1"), 10)]
+    shared += [Loaded("r0", True, (2,)), Step(("r0", "r1"), 10)]
     for audit_every in (1, 50):
-        for trace in (ops, shared):
-            c = Checker(VllmSchedulerTarget(FULL), audit_every=audit_every)
+        for cfg, trace in ((FULL, ops), (FULL.with_(max_num_batched_tokens=10), shared)):
+            c = Checker(VllmSchedulerTarget(cfg), audit_every=audit_every)
             assert flagged(c, trace) == [] and c.audit() == []
+            if trace is shared:  # r1 read block 2 in the step r0 recomputed it
+                assert [(rid, r.scheduled) for rid, r in c.last_obs.results] == [("r0", 9), ("r1", 1)]  # type: ignore[attr-defined]
     c = Checker(VllmSchedulerTarget(FULL.with_(kv_load_failure_policy="fail")), audit_every=1)
     assert flagged(c, cut_ops() + [AddRequest("r1", P13), Step(("r1",), 64)]) == []
     assert c.last_obs.results[0][1].hit == 4  # type: ignore[attr-defined]
