@@ -111,16 +111,20 @@ def test_targets_without_a_scheduler_refuse_a_threshold() -> None:
 
 # ---------------------------------------------------------------- through vLLM's real schedulers
 def two_prompts(factory: object) -> Drive:
-    """Full/SWA: two prompts capped at 3 beside each other, then the first alone."""
+    """Full/SWA: two prompts capped at 3 beside each other; the second aborted, the first
+    alone (uncapped: nobody to starve); a third arrives, capped at 3 beside the first's
+    decodes. Every step the engine's own (a step names every request vLLM holds)."""
     d = Drive(FULL_SWA, factory).do(AddRequest("r0", PROMPT), AddRequest("r1", PROMPT[::-1]))
-    d.do(Step(("r0", "r1"), 64), Step(("r0",), 64), Sample("r0", 1), Step(("r0", "r1"), 64))
-    return d.do(Sample("r0", 2), Step(("r0", "r1"), 64), Finish("r0"), Finish("r1"))
+    d.do(Step(("r0", "r1"), 64), Finish("r1"), Step(("r0",), 64), Sample("r0", 1))
+    d.do(AddRequest("r2", PROMPT[::-1]), Step(("r0", "r2"), 64))
+    return d.do(Sample("r0", 2), Step(("r0", "r2"), 64), Finish("r0"), Finish("r2"))
 
 
 def mamba_prompts(factory: object) -> Drive:
-    """Full+Mamba: sub-block chunks under a threshold below the Mamba block."""
+    """Full+Mamba: sub-block chunks under a threshold below the Mamba block; the second
+    prompt aborted, the first goes on alone."""
     d = Drive(MAMBA, factory).do(AddRequest("r0", PROMPT * 2), AddRequest("r1", PROMPT))
-    return d.do(Step(("r0", "r1"), 64), Step(("r0", "r1"), 64), Step(("r0",), 64))
+    return d.do(Step(("r0", "r1"), 64), Step(("r0", "r1"), 64), Finish("r1"), Step(("r0",), 64))
 
 
 def drafting(factory: object) -> Drive:
