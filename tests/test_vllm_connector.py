@@ -545,9 +545,11 @@ def trace_ops() -> list[Op]:
     ]
 
 
-def failed_and_finished_loads() -> list[Op]:
+def failed_and_finished_loads(split: bool = False) -> list[Op]:
     """r2's async load fails and it is re-admitted; r3 finishes while its load is in flight.
-    r0 and r1 decode beside them (each sampled before a step, as an engine samples)."""
+    r0 and r1 decode beside them (each sampled before a step, as an engine samples).
+    `split`: the scheduler splits r2's prefill at a Mamba block (align): one more step."""
+    beside = [Sample("r0", 4), Sample("r1", 4), Step(("r0", "r1", "r2"), 64)] * split
     return [
         AddRequest("r2", tuple(range(30, 45))),
         Offer("r2", 12, "async"),
@@ -558,6 +560,7 @@ def failed_and_finished_loads() -> list[Op]:
         Sample("r0", 2),
         Sample("r1", 2),
         Step(("r0", "r1", "r2"), 64),
+        *beside,
         AddRequest("r3", tuple(range(60, 75))),
         Offer("r3", 12, "async"),
         Sample("r0", 3),

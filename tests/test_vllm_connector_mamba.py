@@ -30,7 +30,6 @@ from model.contract.ops import (
     Loaded,
     Offer,
     Op,
-    Preempt,
     Probe,
     Sample,
     Save,
@@ -124,17 +123,20 @@ def test_an_in_flight_prefill_reserves_one_mamba_state_block() -> None:
     assert remaining_blocks(13, [4, 4], [1, 4], [False, True]) == 3 + 0
     # r6 prefills (4 of 13 tokens, 1 block per group): it reserves Full 3 + Mamba 1, so r7's
     # async load (Full 3 + Mamba 1 of the 9 free) fits; counting Mamba's 3 it would not.
-    m = AllocatorModel(FULL_MAMBA.with_(num_blocks=12, retention_interval=12))
+    m = AllocatorModel(RESERVE)
     obs = [m.apply(op) for op in reserve_ops()]
     assert own(obs[-1], "r7").external == 9 and m.requests["r7"].load == "loading"
 
 
+# 12 blocks; with another request queued one request computes at most 4 tokens a step.
+RESERVE = FULL_MAMBA.with_(num_blocks=12, retention_interval=12, long_prefill_token_threshold=4)
+
+
 def reserve_ops() -> list[Op]:
+    """On `RESERVE`: r6's first chunk (4 of 13 tokens, the long-prefill threshold) and, in
+    the same step, r7's async load of 9 external tokens."""
     return [
         AddRequest("r6", (3, 2, 3, 1, 3, 3, 3, 2, 1, 3, 3, 3, 2)),
-        Step(("r6",), 3),
-        Step(("r6",), 3),
-        Preempt("r6"),
         AddRequest("r7", (3, 3, 3, 1, 3, 3, 3, 2, 1, 2)),
         Offer("r7", 16, "async"),
         Step(("r6", "r7"), 16),
@@ -182,8 +184,9 @@ def trace_ops(split: bool = True) -> list[Op]:
     """Every connector path with a Mamba group: a sync hit whose chunk leaves the
     external state block, an async load promoted (its state block the local hit's
     successor), a failed load re-admitted and a finish during a load (those of the
-    trace without Mamba: `failed_and_finished_loads`), a save. `split`:
-    the scheduler splits prefill chunks at Mamba blocks (align), so r0 takes two steps."""
+    trace without Mamba: `failed_and_finished_loads`), a save; every step an engine's
+    (over every request held, each sampled first). `split`: the scheduler splits prefill
+    chunks at Mamba blocks (align), so r0 (and the re-admitted r2) take two steps."""
     return [
         AddRequest("r0", PROMPT),
         Offer("r0", 8, "sync"),
@@ -192,12 +195,13 @@ def trace_ops(split: bool = True) -> list[Op]:
         Sample("r0", 7),
         AddRequest("r1", PROMPT + (50, 51)),
         Offer("r1", 14, "async"),
-        Step(("r1",), 64),
         Step(("r0", "r1"), 64),
-        Loaded("r1", True),
         Sample("r0", 8),
         Step(("r0", "r1"), 64),
-        *failed_and_finished_loads(),
+        Loaded("r1", True),
+        Sample("r0", 9),
+        Step(("r0", "r1"), 64),
+        *failed_and_finished_loads(split),
         Save("r0"),
         Finish("r0"),
         Finish("r1"),
@@ -248,9 +252,7 @@ def test_real_scheduler_agrees_with_a_mamba_group(cfg: Config) -> None:
 def test_real_scheduler_agrees_on_the_in_flight_mamba_reserve() -> None:
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 
-    assert (
-        run(VllmSchedulerTarget, FULL_MAMBA.with_(num_blocks=12, retention_interval=12), reserve_ops()) == []
-    )
+    assert run(VllmSchedulerTarget, RESERVE, reserve_ops()) == []
 
 
 @needs_vllm
@@ -365,8 +367,10 @@ def test_fine_promise_spares_only_a_state_the_connector_loaded() -> None:
 def test_equal_remote_mutant_is_caught() -> None:
     """Negative control for the fine-grained hit a connector's tokens supersede: the zoo's
     mutant (an offer exactly as long as the hit's sub-block tail supersedes it) is caught
-    on a trace the unmutated scheduler passes: a preempted request re-admitted on its own
-    44-token hit (inside its third Full16 block) with an async offer of 47 tokens."""
+    on a trace the unmutated scheduler passes: r0 computes 44 tokens in two steps (32, the
+    engine's budget, then 12 to the last Mamba hash block) and is aborted; r1, the same
+    prompt, is admitted on r0's 44-token hit (inside its third Full16 block) with an
+    async offer of 47 tokens."""
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
     from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, activate
 
@@ -377,12 +381,13 @@ def test_equal_remote_mutant_is_caught() -> None:
         num_blocks=13,
         hash_block_size=4,
         max_model_len=4096,
+        max_num_batched_tokens=32,
         kv_connector=True,
     )
     prompt = (1, 1, 2, 3, 1, 1, 1, 1, 3, 3, 3, 2, 2, 3, 2, 2, 2, 3, 1, 1, 1, 1, 2)
     prompt += (3, 3, 1, 1, 1, 3, 2, 1, 3, 1, 1, 1, 2, 1, 3, 1, 1, 1, 1, 3, 1, 3)
-    ops: list[Op] = [AddRequest("r0", prompt), Step(("r0",), 32), Step(("r0",), 32), Preempt("r0")]
-    ops += [Offer("r0", 47, "async"), Step(("r0",), 64)]
+    ops: list[Op] = [AddRequest("r0", prompt), Step(("r0",), 32), Step(("r0",), 32), Finish("r0")]
+    ops += [AddRequest("r1", prompt), Offer("r1", 47, "async"), Step(("r1",), 32)]
     assert run(VllmSchedulerTarget, cfg, ops) == []
     with activate(name) as factory:
         assert run(factory, cfg, ops) != []
