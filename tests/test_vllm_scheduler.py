@@ -1,10 +1,10 @@
 """vLLM's real `Scheduler` driving its allocator ("vllm") against the model.
 
-Scripted traces (admission with a hit, chunked prefill, samples delivered by
-`update_from_output`, preemption inside a step, a manual preemption, finish,
-reset) must give, after every operation, the model's observation and
-snapshot; the fuzzer sends real-scheduler targets whole steps; a short fuzz
-run is clean. Negative controls: every zoo mutant of vLLM's scheduler
+Scripted traces of engine steps (every request vLLM holds, in its order, with the budget
+it was built with: `engine_drive_steps`): admission with a hit, chunked prefill, samples
+delivered by `update_from_output`, preemption under pool pressure, finish, reset; each
+must give, after every operation, the model's observation and snapshot; the fuzzer sends
+real-scheduler targets whole steps; a short fuzz run is clean. Negative controls: every zoo mutant of vLLM's scheduler
 (`invariants.zoo.mutants_scheduler`) is caught on a trace the unmutated
 scheduler passes. Skipped, with the reason,
 when vLLM cannot be imported.
@@ -23,6 +23,7 @@ if not _OK:
     pytest.skip(f"vllm target: {_REASON}", allow_module_level=True)
 
 from drive import Drive  # noqa: E402
+from engine_drive_steps import engine_step, engine_steps  # noqa: E402
 
 from invariants.harness.fuzz import format_features, run_fuzz  # noqa: E402
 from invariants.targets import target_factory  # noqa: E402
@@ -36,7 +37,6 @@ from model.contract.ops import (  # noqa: E402
     Loaded,
     Offer,
     Op,
-    Preempt,
     Probe,
     ResetPrefixCache,
     Sample,
@@ -59,20 +59,23 @@ FULL_MAMBA = Config(
     max_model_len=4096,
 )
 PROMPT = (1, 2, 3) * 6
+# Built with 8 tokens a step (chunked prefill) and a pool two growing requests outgrow.
+LIFECYCLE = FULL_SWA.with_(num_blocks=12, max_num_batched_tokens=8)
 
 
 def lifecycle(cfg: Config, factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
+    """Engine steps of 8 tokens: r0 chunked, r1 admitted on r0's cached blocks beside it and
+    preempted by r0's growth; r0 finishes, r2 arrives with a hit, r1 resumes, then r2 is
+    preempted by the pool; all finish and the prefix cache is reset."""
     d = Drive(cfg, factory).do(AddRequest("r0", PROMPT), AddRequest("r1", (*PROMPT, 1)))
-    d.steps(("r0", "r1"), 8, 3).steps(("r0", "r1"), 64, 3)
-    d.do(Finish("r0"), Probe(PROMPT), AddRequest("r2", PROMPT))
-    d.steps(("r1", "r2"), 64, 2).do(Preempt("r1"))
-    d.steps(("r1", "r2"), 64, 2).do(Finish("r1"), Finish("r2"), ResetPrefixCache())
-    return d
+    engine_steps(d, 6).do(Finish("r0"), Probe(PROMPT), AddRequest("r2", PROMPT))
+    return engine_steps(d, 4).do(Finish("r1"), Finish("r2"), ResetPrefixCache())
 
 
 def test_lifecycle_agrees_with_the_model() -> None:
-    d = lifecycle(FULL_SWA)
+    d = lifecycle(LIFECYCLE)
     assert d.found == []
+    assert d.preempted == ["r1", "r2"], "the pool no longer preempts: the trace checks no preemption"
     assert d.checker.target.vllm_scheduler.requests == {}  # type: ignore[attr-defined]
 
 
@@ -88,17 +91,21 @@ def test_samples_ride_on_update_from_output() -> None:
 
 
 def test_a_late_sample_rides_on_its_own_steps_output() -> None:
-    """Another step runs between a request's last chunk and its sample: the request's
-    share of its step's output waits (still in flight) and its sample delivers it."""
-    d = Drive(FULL_SWA).do(AddRequest("r0", (1, 2, 3)), AddRequest("r1", PROMPT))
-    d.do(Step(("r0",), 8), Step(("r1",), 8))
+    """The worker's report of r1's async load is processed between r0's last chunk and
+    r0's sample (the engine then owes no step first): r0's share of its step's output
+    waits (still in flight) and its sample delivers it. Then engine steps in a pool too
+    small for both preempt r0, and r1 finishes."""
+    cfg = FULL_SWA.with_(num_blocks=9, max_num_batched_tokens=8, kv_connector=True)
+    d = Drive(cfg).do(AddRequest("r0", (1, 2, 3)), AddRequest("r1", PROMPT), Offer("r1", 16, "async"))
+    engine_step(d).do(Loaded("r1", True))
     target = d.checker.target
     assert target.requests["r0"].num_in_flight_tokens == 3
     d.do(Sample("r0", 7))
     assert list(target.requests["r0"].all_token_ids) == [1, 2, 3, 7]
     assert target.requests["r0"].num_in_flight_tokens == 0
-    d.do(Step(("r0", "r1"), 8), Preempt("r0"), Step(("r0", "r1"), 8), Finish("r1"))
+    engine_steps(d, 4).do(Finish("r1"))
     assert d.found == []
+    assert d.preempted == ["r0"]
 
 
 def test_a_reused_id_gets_none_of_the_finished_requests_output(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,13 +163,22 @@ def test_unbuildable_speculative_configurations_are_refused_with_the_reason() ->
         VllmSchedulerTarget(FULL_SWA.with_(eagle=True))
 
 
+# Built with 6 tokens a step: a prefill chunk the Mamba split cuts to a block boundary (4).
+FULL_MAMBA6 = FULL_MAMBA.with_(max_num_batched_tokens=6)
+
+
 def test_schedule_is_a_step_of_one() -> None:
-    d = Drive(FULL_MAMBA).do(AddRequest("r0", PROMPT), Schedule("r0", 6), Schedule("r0", 64))
+    """A `Schedule` of the one request vLLM holds is that engine's step (with the built budget,
+    or one that does not bind: 64 over a one-token decode)."""
+    d = Drive(FULL_MAMBA6).do(AddRequest("r0", PROMPT), *[Schedule("r0", 6)] * 5)
+    d.do(Sample("r0", 1), Schedule("r0", 64))
     assert d.found == []
+    assert d.checker.ops[1:] == [*[Step(("r0",), 6)] * 5, Sample("r0", 1), Step(("r0",), 64)]
 
 
 def mamba_trace(factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) -> Drive:
-    d = Drive(FULL_MAMBA, factory).do(AddRequest("r0", PROMPT)).steps(("r0",), 6, 2).steps(("r0",), 64, 2)
+    """A Mamba prompt chunked under a budget of 6 (each chunk cut to a block boundary), decodes."""
+    d = engine_steps(Drive(FULL_MAMBA6, factory).do(AddRequest("r0", PROMPT)), 7)
     return d.do(Finish("r0"), Probe(PROMPT))
 
 
@@ -181,9 +197,9 @@ def mamba_hit_trace(factory: type[VllmSchedulerTarget] = VllmSchedulerTarget) ->
 TRACE_FOR_MUTANT = {
     "mamba_split_ignores_hit": lambda f: mamba_hit_trace(f),
     "mamba_split_skipped": lambda f: mamba_trace(f),
-    "preempt_keeps_computed_tokens": lambda f: lifecycle(FULL_SWA, f),
+    "preempt_keeps_computed_tokens": lambda f: lifecycle(LIFECYCLE, f),
     "preempt_oldest": lambda f: preemption_trace(f),
-    "in_flight_tokens_not_settled": lambda f: lifecycle(FULL_SWA, f),
+    "in_flight_tokens_not_settled": lambda f: lifecycle(LIFECYCLE, f),
 }
 
 
