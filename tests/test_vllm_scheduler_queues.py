@@ -71,7 +71,9 @@ def test_skipped_requests_come_back_in_skip_order_to_the_queue_they_hold_blocks_
 
 
 def model_ops() -> list[Op]:
-    """Two async loads and a plain request in one step, then one load reports."""
+    """Two async loads and a plain request in one step, then one load reports; each step an
+    engine's (every request held, running then holding then waiting, a budget that does not
+    bind)."""
     return [
         AddRequest("r0", PROMPT13),
         AddRequest("r1", PROMPT13[::-1]),
@@ -81,7 +83,7 @@ def model_ops() -> list[Op]:
         Step(("r0", "r1", "r2"), 64),
         Loaded("r1", True),
         Sample("r2", 1),
-        Step(("r0", "r1", "r2"), 64),
+        Step(("r2", "r0", "r1"), 64),
     ]
 
 
