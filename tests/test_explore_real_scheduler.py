@@ -244,18 +244,19 @@ def test_configurations_reach_an_engine_target_with_a_budget() -> None:
 
 # ---------------------------------------------------------------------------- the fingerprint
 
-# Two orders of the same operations: the model's state is the same, but after the second
-# path vLLM's scheduler still holds r00's finish to report with its next step.
+# Two orders of the same operations, each the engine's own steps: the model's state is the
+# same (one request running with two tokens computed, one finished), but after the second
+# path vLLM's scheduler still holds r01's finish to report with its next step.
 _FINISHED_BEFORE: list[Op] = [
     AddRequest("r00", (1, 2)),
-    AddRequest("r01", (1, 2)),
     Finish("r00"),
+    AddRequest("r01", (1, 2)),
     Step(("r01",), 2),
 ]
 _FINISHED_AFTER: list[Op] = [
     AddRequest("r00", (1, 2)),
-    AddRequest("r01", (1, 2)),
     Step(("r00",), 2),
+    AddRequest("r01", (1, 2)),
     Finish("r01"),
 ]
 

@@ -207,27 +207,26 @@ def test_a_contract_break_is_a_defect() -> None:
 @needs_vllm
 @pytest.mark.vllm
 def test_fuzz_and_replay_report_drift_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A short directed fuzz run under `preempt_oldest`: POLICY DRIFT (exit 4), no violation,
-    the drift's trace written; the JSON row's `policy_drift` field; declared: exit 0; the
-    trace replays as drift under the mutant and clean on vLLM. Directed ("vllm-directed"):
-    the engine's own steps reach the mutant preempting a request its step already
-    scheduled, a broken contract (a defect, not a drift)."""
+    """A short fuzz run of the engine's own steps under `preempted_to_back` (a preempted
+    request queued behind the waiting ones, every contract kept): POLICY DRIFT (exit 4), no
+    violation, the drift's trace written; the JSON row's `policy_drift` field; declared:
+    exit 0; the trace replays as drift under the mutant and clean on vLLM."""
     from invariants.harness.fuzz import format_summary, run_fuzz
     from invariants.harness.replay import replay
     from invariants.harness.trace import read_trace
     from invariants.results import fuzz_case, results_json
-    from invariants.targets.vllm_scheduler_target import VllmDirectedTarget
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
     from invariants.zoo.mutants_scheduler import activate
     from invariants.zoo.runner import config_strategy
 
-    class Anonymous(VllmDirectedTarget):
+    class Anonymous(VllmSchedulerTarget):
         # Identities only change the example stream; the drift is in requests without them.
         identities: frozenset[str] = frozenset()
 
     strategy = config_strategy("scheduler", allow_pinning=False, allow_fine=True, real_scheduler=True)
-    with activate("preempt_oldest") as factory:
+    with activate("preempted_to_back") as factory:
         report = run_fuzz(
-            "vllm-directed",
+            "vllm",
             factory=Anonymous,
             strategy=strategy,
             steps=2000,
@@ -244,13 +243,13 @@ def test_fuzz_and_replay_report_drift_apart(tmp_path: Path, monkeypatch: pytest.
         case = fuzz_case(report)
         payload = json.loads(results_json("fuzz", [case], report.exit_code))
         assert payload["policy_drift"] == 1 and case.outcome == "failed"
-        assert payload["cases"][0]["policy_drift"]["policy"] == "preemption"
+        assert payload["cases"][0]["policy_drift"]["policy"] == "queue-order"
         assert report.drift_trace_path is not None and report.drift_trace_path.exists()
         trace = read_trace(str(report.drift_trace_path))
         monkeypatch.setattr("invariants.harness.replay.target_factory", lambda name: factory)
         mutated = replay(trace, "vllm")
         assert mutated.clean and mutated.drift and mutated.verdict == "POLICY DRIFT"
-        monkeypatch.setenv(DECLARED_POLICIES_ENV, "preemption")
+        monkeypatch.setenv(DECLARED_POLICIES_ENV, "queue-order")
         assert report.exit_code == 0 and report.verdict == "POLICY DRIFT (declared)"
     monkeypatch.undo()
     unmutated = replay(trace, "vllm")

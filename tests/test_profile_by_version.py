@@ -294,8 +294,9 @@ def test_a_recompiled_schedule_runs_under_the_vllm_target(edited_scheduler: Any,
 
     assert fresh.detect().scheduler_missing == ()
     factory = target_factory("vllm")  # not refused
-    ops = (AddRequest("a", (1, 2, 3, 4, 5, 6, 7, 8, 9)), Schedule("a", 4), Schedule("a", 64), Finish("a"))
-    assert _disagreements(factory(Config((GroupSpec("full", 4),), 16)), ops) == []
+    # The engine's own steps: built with 4 tokens a step, which the edited `schedule` reads.
+    ops = (AddRequest("a", (1, 2, 3, 4, 5, 6, 7, 8, 9)), *[Schedule("a", 4)] * 3, Finish("a"))
+    assert _disagreements(factory(Config((GroupSpec("full", 4),), 16, max_num_batched_tokens=4)), ops) == []
     # the rule whose source is unreadable is counted as unchecked, not reported as drift
     check = fresh.profile_check()
     assert check.drift == () and check.unchecked == ("sample_caching",)

@@ -258,14 +258,39 @@ def test_the_production_bench_clock_counts_nested_vllm_calls_once() -> None:
     assert clock.seconds >= 0.06
 
 
-def test_the_production_bench_sends_a_real_scheduler_steps() -> None:
-    from invariants.harness.bench import scheduled_tokens
-    from invariants.harness.production import as_step
-    from model.contract.observation import ScheduleResult, StepResult
-    from model.contract.ops import Schedule
+def test_the_production_workload_sends_an_engine_its_own_steps() -> None:
+    """With `engine`, every step is the engine's: over every request the model says it holds,
+    in the predicted queue order, with the built budget; no single-request chunk, no directed
+    preemption. Control: without it, the allocator's caller sends chunks of one request."""
+    import random
 
-    assert as_step(Schedule("r0", 64)) == Step(("r0",), 64)
-    assert as_step(AddRequest("r0", (1,))) == AddRequest("r0", (1,))
+    from invariants.harness.bench import scheduled_tokens
+    from invariants.harness.checker import Checker
+    from invariants.harness.production import CHUNK, engine_config, workload
+    from invariants.targets.model_target import ModelTarget
+    from model.contract.config import Config, GroupSpec
+    from model.contract.observation import ScheduleResult, StepResult
+    from model.contract.ops import Preempt, Schedule
+
+    def ops_of(engine: bool) -> list[Any]:
+        cfg = Config((GroupSpec("full", 16),), 512, max_model_len=4096)
+        checker = Checker(ModelTarget(engine_config(cfg) if engine else cfg))
+        gen, seen = workload(cfg, random.Random(0), checker, 300, engine=engine), []
+        while len(seen) < 300:
+            op = next(gen)
+            if isinstance(op, Step):
+                q = checker.model.engine_queues()
+                seen.append((op, (*q.running, *q.holding, *q.waiting)))
+            else:
+                seen.append((op, None))
+            checker.step(op)
+        return seen
+
+    engine = ops_of(True)
+    steps = [(op, held) for op, held in engine if isinstance(op, Step)]
+    assert steps and all(op.rids == held and op.budget == CHUNK for op, held in steps)
+    assert not [op for op, _ in engine if isinstance(op, (Schedule, Preempt))]
+    assert any(isinstance(op, Schedule) for op, _ in ops_of(False))
     step = StepResult((("a", ScheduleResult(3, True)), ("b", ScheduleResult(0, False))))
     assert scheduled_tokens(step) == 3 and scheduled_tokens(ScheduleResult(5, False)) == 5
 

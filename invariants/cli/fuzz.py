@@ -93,13 +93,20 @@ def fuzz_production(
     from invariants.harness.production import format_production, run_production
     from invariants.harness.run_stats import ViolationFound
     from invariants.harness.trace import Trace, write_trace
-    from invariants.targets import target_factory
+    from invariants.targets import REAL_SCHEDULER_TARGETS, target_factory
 
     factory, tolerated = target_factory(target), _tolerance(target)
     start = time.monotonic()
     kw = {"audit_every": audit_every} if audit_every else {}
     stats, failures, seconds = run_production(
-        factory, seed=seed, steps=steps, budget_s=budget_s, tolerated=tolerated, log=say, **kw
+        factory,
+        seed=seed,
+        steps=steps,
+        budget_s=budget_s,
+        tolerated=tolerated,
+        log=say,
+        engine=target in REAL_SCHEDULER_TARGETS,
+        **kw,
     )
     verdict = clean_verdict(stats.known)
     path = violation = None

@@ -310,8 +310,7 @@ def run_production_bench(ops: int = 3000, seed: int = 0, log: Callable[[str], No
     the block pool, request construction and, on "vllm", the scheduler's
     methods, each timed once however they nest). The ratio is against vLLM's own time:
     the adapter is part of the checking, and counting it as raw would flatter the
-    checker. A real scheduler is sent each `Schedule` as the one-request `Step` it runs
-    (`TargetFeatures.real_scheduler`). Both sides run under the production run's
+    checker. A real scheduler runs the engine's own steps (`production.workload`'s `engine`). Both sides run under the production run's
     collector (`episode_collector`, the pools frozen once built). Then where the
     checked time goes (CPU time per phase, audits on their own)."""
     from invariants.harness.production import YOUNG_GENERATION, settings_for
@@ -364,10 +363,16 @@ class _ProductionRun:
 
 def _production_run(target: str, cfg: Config, longest: int, ops: int, seed: int) -> _ProductionRun:
     """The checked run of `ops` workload operations on `target`, then their raw replay."""
-    from invariants.harness.production import PRODUCTION_AUDIT_EVERY, as_step, episode_collector, workload
+    from invariants.harness.production import (
+        PRODUCTION_AUDIT_EVERY,
+        engine_config,
+        episode_collector,
+        workload,
+    )
 
     factory = target_factory(target)
     real_scheduler = target in REAL_SCHEDULER_TARGETS
+    cfg = engine_config(cfg) if real_scheduler else cfg
     with episode_collector():
         checker = Checker(factory(cfg), audit_every=PRODUCTION_AUDIT_EVERY)
         # Phase clocks in the same run: an operation here costs milliseconds, the clocks microseconds.
@@ -378,10 +383,10 @@ def _production_run(target: str, cfg: Config, longest: int, ops: int, seed: int)
         audit_step, audit_all = checker.audited_step, checker.audit
         checker.audited_step = _audit_clock(audit_step, phase)  # type: ignore[method-assign]
         gc.freeze()
-        gen = workload(cfg, random.Random(seed), checker, longest)
+        gen = workload(cfg, random.Random(seed), checker, longest, engine=real_scheduler)
         checked_s, checked_cpu, tokens = 0.0, 0.0, 0
         while len(checker.ops) < ops:
-            op = as_step(next(gen)) if real_scheduler else next(gen)
+            op = next(gen)
             t, c = time.perf_counter(), CLOCK()
             found = [v for v in checker.step(op) if not is_known_violation(target, v)]
             checked_s += time.perf_counter() - t

@@ -224,12 +224,21 @@ def random_tokens(rng: random.Random, n: int) -> tuple[int, ...]:
 
 
 def workload(
-    cfg: Config, rng: random.Random, checker: Checker, longest: int, live_prompts: float = LIVE_PROMPTS
+    cfg: Config,
+    rng: random.Random,
+    checker: Checker,
+    longest: int,
+    live_prompts: float = LIVE_PROMPTS,
+    engine: bool = False,
 ) -> Iterator[Op]:
     """A serving workload on `checker`'s model state; yields the next operation (never ends).
 
     The requests in flight hold at most `live_prompts * longest` tokens together, counting
-    each at its final length (prompt and decode)."""
+    each at its final length (prompt and decode). `engine`: the target is an engine that
+    decides every step (`TargetFeatures.engine_steps`): each step is its own, over every
+    request it holds with the budget it was built with (`engine_config`), and it preempts
+    only under pool pressure; else steps over some requests, single-request chunks and
+    directed preemptions as the allocator's caller chooses them."""
     systems = [random_tokens(rng, rng.randint(longest // 4, longest * 3 // 4)) for _ in range(3)]
     inflight = rng.randint(16, 32)
     wants: dict[str, int] = {}
@@ -263,7 +272,9 @@ def workload(
                 burst.append(rid)
                 yield AddRequest(rid, prompt)
             if len(burst) > 1:
-                yield Step(tuple(burst), CHUNK * len(burst))
+                yield from (
+                    engine_step(checker, wants, rng) if engine else [Step(tuple(burst), CHUNK * len(burst))]
+                )
             continue
         if rng.random() < 0.02:
             yield Probe(rng.choice(systems)[: rng.randint(1, longest)])
@@ -272,6 +283,8 @@ def workload(
         r = reqs[rid]
         if r.awaits_sample:  # every known token computed (and any padded drafts)
             yield Finish(rid) if r.num_tokens >= wants[rid] else Sample(rid, rng.randrange(1, VOCAB))
+        elif engine:
+            yield from engine_step(checker, wants, rng)
         elif r.running and rng.random() < 0.01:
             yield Preempt(rid)
         elif rng.random() < 0.2:
@@ -288,10 +301,26 @@ def workload(
                     yield Preempt(running[-1])
 
 
-def as_step(op: Op) -> Op:
-    """A real scheduler runs a `Schedule` as the one-request step it is: vLLM may preempt
-    the request to make room, which the model states for a `Step`, not for a `Schedule`."""
-    return Step((op.rid,), op.budget) if isinstance(op, Schedule) else op
+def engine_step(checker: Checker, wants: dict[str, int], rng: random.Random) -> Iterator[Op]:
+    """The engine's next step: each request awaiting its sample sampled first (finished at its
+    length), then one `Step` over every request the model says the engine holds, in its
+    predicted queue order (`AllocatorModel.engine_queues`), with the built budget `CHUNK`.
+    No step while a running request has computed its tokens and awaits no sample yet."""
+    reqs = checker.model.requests
+    for rid in sorted(reqs):
+        r = reqs.get(rid)
+        if r is not None and r.awaits_sample:
+            yield Finish(rid) if r.num_tokens >= wants[rid] else Sample(rid, rng.randrange(1, VOCAB))
+    q = checker.model.engine_queues()
+    rids = (*q.running, *q.holding, *q.waiting)
+    if rids and not any(reqs[r].running and reqs[r].num_computed >= reqs[r].num_tokens for r in rids):
+        yield Step(rids, CHUNK)
+
+
+def engine_config(cfg: Config) -> Config:
+    """`cfg` as an engine is built for it: vLLM's serving budget, `CHUNK` tokens a step (the
+    default the pools are sized for, `invariants.layouts.presets`)."""
+    return replace(cfg, max_num_batched_tokens=CHUNK)
 
 
 def run_production(
@@ -303,8 +332,10 @@ def run_production(
     tolerated: Tolerance,
     audit_every: int = PRODUCTION_AUDIT_EVERY,
     log: Callable[[str], None] = print,
+    engine: bool = False,
 ) -> tuple[ProductionStats, list[tuple[Setting, Checker, list[Violation]]], float]:
-    """Episodes over `settings_for(seed)` until `steps` or `budget_s`; stops at the first violation."""
+    """Episodes over `settings_for(seed)` until `steps` or `budget_s`; stops at the first violation.
+    `engine`: the factory's targets decide every step (`workload`, `engine_config`)."""
     stats = ProductionStats()
     start = last_log = time.monotonic()
     rng = random.Random(seed)
@@ -324,19 +355,18 @@ def run_production(
             spool.clear()
             setting = plan[stats.episodes % len(plan)]
             stats.episodes += 1
-            cfg = setting.config
+            cfg = engine_config(setting.config) if engine else setting.config
             checker = Checker(factory(cfg), audit_every=audit_every)
             # The pools just built (156k blocks on each side) live all episode: keep
             # the cyclic collector from walking them again and again.
             gc.freeze()
             log(_episode_banner(stats.episodes, setting))
-            ops = workload(cfg, rng, checker, setting.longest)
-            real_scheduler = checker.target.features.real_scheduler
+            ops = workload(cfg, rng, checker, setting.longest, engine=engine)
             episode_end = None if budget_s is None else time.monotonic() + budget_s / len(PRODUCTION_PRESETS)
             for _ in range(EPISODE_OPS):
                 if done() or (episode_end is not None and time.monotonic() >= episode_end):
                     break
-                op = as_step(next(ops)) if real_scheduler else next(ops)
+                op = next(ops)
                 try:
                     found = checker.step(op)
                 except InvalidOp:
@@ -354,7 +384,7 @@ def run_production(
                 new = [v for v in found if not _known(v, tolerated, stats)]
                 if new:
                     checker.ops[:0] = spool.ops()
-                    failures.append((setting, checker, new))
+                    failures.append((replace(setting, config=cfg), checker, new))
                     break
                 if time.monotonic() - last_log >= 5:
                     last_log = time.monotonic()
@@ -367,7 +397,7 @@ def run_production(
                 end = [v for v in checker.audit() if not _known(v, tolerated, stats)]
                 if end:
                     checker.ops[:0] = spool.ops()
-                    failures.append((setting, checker, end))
+                    failures.append((replace(setting, config=cfg), checker, end))
             _measure_setting(stats, setting)
             del checker, ops
     gc.unfreeze()

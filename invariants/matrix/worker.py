@@ -275,6 +275,9 @@ def _reproduces(f: KnownFinding, trace: Trace, target: str) -> tuple[bool | None
         result = replay(trace, target)
     except (ConfigError, TargetUnavailable, TraceError) as exc:
         return None, str(exc).splitlines()[0][:120]
+    refused = [v for _, v in result.violations if v.check == "refused"]
+    if refused:  # e.g. a step the engine does not run as the trace states it (SteeredStep)
+        return None, refused[0].message.splitlines()[0][:120]
     seen = [*result.known, *result.violations]
     return any(f.claims(v.check, v.message, v.config, v.op, v.crash) for _, v in seen), ""
 
