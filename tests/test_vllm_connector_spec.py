@@ -70,31 +70,39 @@ def sync_pad_ops() -> list[Op]:
     return [AddRequest("r0", (3, 3)), Offer("r0", 14, "sync"), Step(("r0",), 8)]
 
 
+UNSEEN = FULL.with_(max_num_batched_tokens=3)  # an engine built with 3 tokens a step
+
+
 def unseen_ops() -> list[Op]:
-    """The promoted r4 needs 1 + K tokens padded; the step has 2, then 3."""
+    """On `UNSEEN`: r4's async load starts, then r5 (one token) is admitted beside it; the
+    promoted r4 needs 1 + K tokens padded: the step has 2 left after r5's decode, then 3
+    once r5 is finished."""
     return [
         AddRequest("r4", (2, 2)),
         Offer("r4", 5, "async"),
-        Step(("r4",), 4),
+        Step(("r4",), 3),
+        AddRequest("r5", (7,)),
+        Step(("r4", "r5"), 3),
         Loaded("r4", True),
-        Step(("r4",), 2),
+        Sample("r5", 8),
+        Step(("r5", "r4"), 3),
+        Finish("r5"),
         Step(("r4",), 3),
     ]
 
 
 def cut_flag_ops() -> list[Op]:
-    """r0 decodes (8 prompt tokens computed, sampled); r1 hits r0's two blocks and loads
-    one more async; its load fails on the first shared block, which cuts r0 to 0 while
-    its prefill flag stays as its last step set it (False); r2's one-token admission
-    after r0's recompute chunk is then padded."""
+    """r0 computes its 8 prompt tokens and, after it in the step, r1 hits r0's two blocks
+    and loads one more async; r0 is sampled. r1's load fails on the first shared block,
+    which cuts r0 to 0 while its prefill flag stays as its last step set it (False);
+    r2's one-token admission after r0's recompute chunk is then padded."""
     r1 = tuple(range(1, 9)) + (20, 21, 22, 23, 24)
     return [
         AddRequest("r0", tuple(range(1, 9))),
-        Step(("r0",), 64),
-        Sample("r0", 9),
         AddRequest("r1", r1),
         Offer("r1", 12, "async"),
-        Step(("r1",), 64),
+        Step(("r0", "r1"), 64),
+        Sample("r0", 9),
     ]
 
 
@@ -107,6 +115,7 @@ SWA_FINISH = Config(
     num_blocks=26,
     enable_caching=False,
     max_model_len=4096,
+    max_num_batched_tokens=8,
     num_lookahead_tokens=1,
     kv_connector=True,
 )
@@ -180,12 +189,14 @@ def test_a_sync_loads_external_tokens_count_as_a_hit_for_the_padding() -> None:
 
 
 def test_a_padded_chunk_past_the_budget_ends_the_step_unseen() -> None:
-    m = model(FULL)
-    obs = [m.apply(op) for op in unseen_ops()[:5]]
-    # No lookup, no allocation: nothing to observe but the queues, r4 staying where it was.
-    assert obs[4] == StepResult((), (), queues=Queues((), ("r4",), ()))
+    m = model(UNSEEN)
+    obs = [m.apply(op) for op in unseen_ops()[:8]]
+    # No lookup, no allocation for r4: nothing of it to observe but the queues, r4 staying where it was.
+    assert obs[7] == StepResult(
+        (("r5", ScheduleResult(1, False, new_blocks=((),))),), (), queues=Queues(("r5",), ("r4",), ())
+    )
     assert not m.requests["r4"].running and m.requests["r4"].holding
-    assert own(m.apply(unseen_ops()[5]), "r4").scheduled == 1 + K
+    assert own([m.apply(op) for op in unseen_ops()[8:]][-1], "r4").scheduled == 1 + K
 
 
 def test_a_sample_delivers_its_output() -> None:
@@ -202,14 +213,16 @@ def test_a_sample_delivers_its_output() -> None:
     assert m2.undelivered == {"r2": 2}
 
 
-def riding_samples_ops(drafts: bool = True, accepted: int = 1) -> list[Op]:
+def riding_samples_ops(drafts: bool = True, accepted: int = 1, policy: str = "fail") -> list[Op]:
     """r2 decodes (verifying two drafts with `drafts`); a step runs it with r0's sync load
     (12 external tokens) and r1 hitting r0's blocks; r2 and r1 are sampled (r2 accepting
     `accepted` drafts of two), their tokens riding on the step's output, which reports
     r0's second block failed: r0 is cut to 4, r1 back to its hit (12), both end under
-    "fail"; r2 goes on, its rejected drafts rolled back as the output is processed."""
+    "fail"; r2 goes on, its rejected drafts rolled back as the output is processed. The
+    engine's steps after the report run every request left: under `policy` "recompute"
+    r0 and r1 too (the operations up to the report are the same under both policies)."""
     second = 6 if drafts else 5  # r0's blocks follow r2's (4 with drafts, 3 without)
-    return [
+    ops: list[Op] = [
         AddRequest("r2", tuple(range(60, 69))),
         Step(("r2",), 64),
         Sample("r2", 70, 0, (71, 72)) if drafts else Sample("r2", 70),
@@ -220,11 +233,17 @@ def riding_samples_ops(drafts: bool = True, accepted: int = 1) -> list[Op]:
         Sample("r2", 73, accepted, (74,)) if drafts else Sample("r2", 73),
         Sample("r1", 5),
         Loaded("r0", True, (second,)),
-        Step(("r2",), 64),
-        Sample("r2", 75),
-        AddRequest("r3", tuple(range(100, 140))),
-        Step(("r3",), 64),
     ]
+    if policy == "fail":
+        return [
+            *ops,
+            Step(("r2",), 64),
+            Sample("r2", 75),
+            AddRequest("r3", tuple(range(100, 140))),
+            Step(("r2", "r3"), 64),
+        ]
+    ops += [Step(("r2", "r0", "r1"), 64), Sample("r2", 75), Sample("r0", 76), Sample("r1", 77)]
+    return [*ops, AddRequest("r3", tuple(range(100, 140))), Step(("r2", "r0", "r1", "r3"), 64)]
 
 
 def test_a_sample_riding_on_a_sync_loads_report_waits_for_it() -> None:
@@ -258,7 +277,7 @@ def test_a_cut_request_keeps_its_prefill_flag() -> None:
     m.apply(Loaded("r1", True, (first,)))
     assert m.requests["r0"].num_computed == 0 and not m.requests["r0"].prefill_chunk
     m.apply(AddRequest("r2", (5,)))
-    obs = m.apply(Step(("r0", "r2"), 64))
+    obs = m.apply(Step(("r0", "r1", "r2"), 64))  # r1, cut too, re-admitted between them
     assert own(obs, "r0").scheduled == 9 and own(obs, "r2").scheduled == 1 + K
 
 
@@ -275,7 +294,12 @@ def with_cut(cfg: Config) -> list[Op]:
     for op in cut_flag_ops():
         m.apply(op)
     first = m.snapshot().tables["r0"][0][0]
-    return [*cut_flag_ops(), Loaded("r1", True, (first,)), AddRequest("r2", (5,)), Step(("r0", "r2"), 64)]
+    return [
+        *cut_flag_ops(),
+        Loaded("r1", True, (first,)),
+        AddRequest("r2", (5,)),
+        Step(("r0", "r1", "r2"), 64),
+    ]
 
 
 @needs_vllm
@@ -300,7 +324,7 @@ def test_vllm_agrees(case: str) -> None:
         "reserve-refused": (FULL.with_(num_blocks=5), reserve_ops()),
         "reserve-admitted": (FULL.with_(num_blocks=6), reserve_ops()),
         "sync-pad": (FULL, sync_pad_ops()),
-        "unseen": (FULL, unseen_ops()),
+        "unseen": (UNSEEN, unseen_ops()),
         "finish": (SWA_FINISH, SWA_FINISH_OPS),
         "cut": (FULL, with_cut(FULL)),
     }[case]
@@ -313,7 +337,7 @@ def test_vllm_agrees(case: str) -> None:
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_vllm_agrees_on_samples_with_drafts_riding_on_a_sync_loads_report(policy: str, accepted: int) -> None:
     cfg = FULL.with_(num_blocks=40, kv_load_failure_policy=policy)  # type: ignore[arg-type]
-    d = Drive(cfg).do(*riding_samples_ops(accepted=accepted))
+    d = Drive(cfg).do(*riding_samples_ops(accepted=accepted, policy=policy))
     assert d.audited() == []
     cut = d.seen[9]
     assert isinstance(cut, LoadCut) and cut.num_computed == 4
