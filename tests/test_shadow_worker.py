@@ -162,29 +162,49 @@ vllm_only = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from drive import Drive, async_drive  # noqa: E402
+from held_steps import held_steps  # noqa: E402
 
 from model.contract.config import Config, GroupSpec  # noqa: E402
-from model.contract.ops import AddRequest, Finish, Preempt, Probe, ResetPrefixCache  # noqa: E402
+from model.contract.observation import StepResult  # noqa: E402
+from model.contract.ops import AddRequest, Finish, Probe, ResetPrefixCache  # noqa: E402
 
+# Built with an 8-token budget (the prompts run in chunks) and a pool small enough that
+# two decoding requests run it dry (vLLM preempts one).
 FULL_SWA = Config(
     groups=(GroupSpec("full", 4), GroupSpec("swa", 4, sliding_window=5)),
-    num_blocks=20,
+    num_blocks=14,
     retention_interval=0,
     max_model_len=4096,
+    max_num_batched_tokens=8,
 )
-FULL_MAMBA = FULL_SWA.with_(groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)), num_blocks=24)
+FULL_MAMBA = FULL_SWA.with_(groups=(GroupSpec("full", 4), GroupSpec("mamba", 4)))
 PROMPT = (1, 2, 3) * 6
 
 
 def lifecycle(cfg: Config, one_step_ahead: bool = False) -> Drive:
-    """Two requests chunked, sampled, a finish with a hit after it, a preemption and a
-    resume; `one_step_ahead`: on vLLM's `AsyncScheduler` (async scheduling, vLLM's default)."""
+    """Two requests chunked, sampled, a finish with a hit after it, a preemption under
+    pool pressure and, once the other request finishes, the resume; every step the
+    engine's own (`held_steps`); `one_step_ahead`: on vLLM's `AsyncScheduler` (async
+    scheduling, vLLM's default)."""
     d = async_drive(cfg) if one_step_ahead else Drive(cfg)
     d.do(AddRequest("r0", PROMPT), AddRequest("r1", (*PROMPT, 1)))
-    d.steps(("r0", "r1"), 8, 3).steps(("r0", "r1"), 64, 3)
-    d.do(Finish("r0"), Probe(PROMPT), AddRequest("r2", PROMPT))
-    d.steps(("r1", "r2"), 64, 2).do(Preempt("r1"))
-    return d.steps(("r1", "r2"), 64, 2).do(Finish("r1"), Finish("r2"), ResetPrefixCache())
+    held_steps(d, 8, 6).do(Finish("r0"), Probe(PROMPT), AddRequest("r2", PROMPT))
+    for _ in range(12):  # decodes until the pool runs dry
+        if held_steps(d, 8).preempted:
+            break
+    held_steps(d.do(Finish("r1")), 8, 2)
+    return d.do(Finish("r2"), ResetPrefixCache())
+
+
+def preempted_and_resumed(d: Drive) -> list[str]:
+    """The requests a step preempted and a later step scheduled again."""
+    steps = [obs for obs in d.seen if isinstance(obs, StepResult)]
+    return [
+        rid
+        for i, obs in enumerate(steps)
+        for rid in obs.preempted
+        if any(r == rid and res.scheduled for later in steps[i + 1 :] for r, res in later.results)
+    ]
 
 
 @contextlib.contextmanager
@@ -218,6 +238,7 @@ def found(d: Drive) -> set[str]:
 def test_vllm_as_released_keeps_the_engine_contract(cfg: Config) -> None:
     d = lifecycle(cfg)
     assert found(d) == set()
+    assert preempted_and_resumed(d) == ["r2"]
     figures = d.checker.target.engine_figures()
     assert figures is not None and figures["slots read"] > 300 and figures["worker steps"] >= 10
 
