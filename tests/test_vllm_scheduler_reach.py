@@ -24,12 +24,13 @@ if not vllm_available():  # pragma: no cover - depends on the environment
     pytest.skip("vLLM is not importable", allow_module_level=True)
 
 from drive import Drive  # noqa: E402
+from engine_drive_steps import engine_step, engine_steps  # noqa: E402
 
 from invariants.targets.vllm_scheduler_drive import shipped_admission  # noqa: E402
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
 from invariants.zoo.mutants_scheduler import SCHEDULER_MUTANTS, StaleMutant, _rewrite, activate  # noqa: E402
 from model.contract.config import Config, GroupSpec  # noqa: E402
-from model.contract.ops import AddRequest, Preempt, Step  # noqa: E402
+from model.contract.ops import AddRequest, Finish, Sample, Step  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -49,37 +50,41 @@ PROMPT8 = (1, 2, 2, 3, 1, 1, 1, 3)
 
 
 def budget_trace(f: Factory) -> Drive:
-    """Chunking under the budget: a step of 64 tokens over three Mamba prompts; the last
-    one is left less than a Mamba block of it, so it must wait for an aligned chunk."""
+    """Chunking under the budget: an engine built with 64 tokens a step, over three Mamba
+    prompts; the last one is left less than a Mamba block of it, so it must wait for an
+    aligned chunk."""
     cfg = Config(
         groups=(GroupSpec("full", 16), GroupSpec("mamba", 8)),
         num_blocks=20,
         retention_interval=48,
         max_model_len=4096,
+        max_num_batched_tokens=64,
     )
     long = (*PROMPT8, *(i % 3 + 1 for i in range(41)))
     d = Drive(cfg, f).do(AddRequest("r3", PROMPT8), AddRequest("r5", long), AddRequest("r6", (*PROMPT8, 1)))
-    return d.do(Step(("r3", "r5", "r6"), 64))
+    return engine_step(d)
 
 
 def hit_trace(f: Factory) -> Drive:
-    """Admission with a hit: one request caches 8 tokens, the next is admitted on them
-    and computes its last token; then a second step."""
-    d = Drive(FULL_SWA_SWA, f).do(AddRequest("r1", PROMPT8), AddRequest("r3", (*PROMPT8, 2)))
-    return d.do(Step(("r1",), 32), Step(("r3",), 16)).steps(("r3",), 16)
+    """Admission with a hit: one request caches 8 tokens, the next arrives and is admitted
+    on them (beside the first's decode) and computes its last token; then a second step."""
+    d = engine_step(Drive(FULL_SWA_SWA, f).do(AddRequest("r1", PROMPT8)))
+    return engine_steps(d.do(Sample("r1", 1), AddRequest("r3", (*PROMPT8, 2))), 2)
 
 
 def replay_trace(f: Factory) -> Drive:
-    """Preemption and replay: a request that generated two tokens is preempted and
-    re-admitted (caching off: no hit), so its replay chunk spans prompt and outputs."""
-    d = Drive(FULL2, f).do(AddRequest("r0", (1, 2, 3, 1, 2, 3)))
-    d.steps(("r0",), 64, 3)
-    return d.do(Preempt("r0")).steps(("r0",), 64, 2)
+    """Preemption and replay: two requests outgrow a 6-block pool, so the later one (r1),
+    having generated two tokens, is preempted; once r0 finishes it is re-admitted (caching
+    off: no hit), so its replay chunk spans prompt and outputs."""
+    d = Drive(FULL2.with_(num_blocks=7), f).do(
+        AddRequest("r0", (1, 2, 3, 1, 2)), AddRequest("r1", (3, 2, 1, 3, 2))
+    )
+    return engine_steps(engine_steps(d, 3).do(Finish("r0")), 2)
 
 
 def table_trace(f: Factory) -> Drive:
     """The tables a step ships: an admission on a hit (its whole table), then decodes."""
-    return hit_trace(f).steps(("r3",), 16, 2)
+    return engine_steps(hit_trace(f), 2)
 
 
 def mamba_config(*, caching: bool) -> Config:
@@ -96,10 +101,12 @@ PROMPT12 = (*PROMPT8, 2, 1, 3, 3)
 
 
 def mamba_replay_trace(f: Factory) -> Drive:
-    """Chunking a replay: a Mamba request that generated 6 tokens is preempted and replays
-    18 tokens under a budget of 14, so its first chunk must end on the block boundary 8."""
-    d = Drive(mamba_config(caching=False), f).do(AddRequest("r0", PROMPT12)).steps(("r0",), 64, 7)
-    return d.do(Preempt("r0"), Step(("r0",), 14), Step(("r0",), 14))
+    """Chunking a replay: in an engine built with 14 tokens a step, two Mamba requests
+    outgrow a 12-block pool; the later one (r1), having generated 5 tokens, is preempted and,
+    once r0 finishes, replays 17 tokens, so its first chunk must end on the block boundary 8."""
+    cfg = mamba_config(caching=False).with_(num_blocks=13, max_num_batched_tokens=14)
+    d = Drive(cfg, f).do(AddRequest("r0", PROMPT12), AddRequest("r1", PROMPT12[::-1]))
+    return engine_steps(engine_steps(d, 8).do(Finish("r0")), 2)
 
 
 def mamba_chunk_trace(f: Factory) -> Drive:
@@ -109,10 +116,11 @@ def mamba_chunk_trace(f: Factory) -> Drive:
 
 
 def preempted_hit_trace(f: Factory) -> Drive:
-    """Replay after preemption: a preempted request's re-admission looks up the blocks its
-    own prefill cached."""
-    d = Drive(Config(groups=(GroupSpec("full", 2),), num_blocks=12, max_model_len=4096), f)
-    return d.do(AddRequest("r0", (1, 2, 3, 1, 2)), Step(("r0",), 64), Preempt("r0"), Step(("r0",), 64))
+    """Replay after preemption: two requests outgrow a 6-block pool, the later one (r1) is
+    preempted; once r0 finishes, r1's re-admission looks up the blocks its own prefill cached."""
+    d = Drive(Config(groups=(GroupSpec("full", 2),), num_blocks=7, max_model_len=4096), f)
+    d.do(AddRequest("r0", (1, 2, 3, 1, 2)), AddRequest("r1", (3, 1, 2, 2, 1)))
+    return engine_steps(engine_steps(d, 3).do(Finish("r0")), 2)
 
 
 def self_preemption_trace(f: Factory) -> Drive:
@@ -197,7 +205,8 @@ EXPORTED_IMPORTS = {"json", "os", "tempfile", "time", "dataclasses", "torch", "v
 
 
 def test_a_planted_scheduler_finding_exports_as_a_standalone_real_scheduler_test(tmp_path: Any) -> None:
-    """A finding on vllm (planted: the shipped-table mutant) exports as a pytest
+    """A finding on vllm (planted: the shipped-table mutant; engine steps: r3 arrives once
+    r1's step cached its prompt and is admitted beside r1's decode) exports as a pytest
     file that imports only vLLM and torch, builds vLLM's `Scheduler`, passes on vLLM and
     fails with an assertion (not a setup divergence) under the mutant."""
     import ast
@@ -208,7 +217,13 @@ def test_a_planted_scheduler_finding_exports_as_a_standalone_real_scheduler_test
     from invariants.harness.trace import Trace
 
     name = "admission_ships_new_blocks_only"
-    ops = [AddRequest("r1", PROMPT8), AddRequest("r3", (*PROMPT8, 2)), Step(("r1",), 32), Step(("r3",), 16)]
+    ops = [
+        AddRequest("r1", PROMPT8),
+        Step(("r1",), 32),
+        Sample("r1", 1),
+        AddRequest("r3", (*PROMPT8, 2)),
+        Step(("r1", "r3"), 16),
+    ]
     with activate(name) as factory:
         found = Drive(FULL_SWA_SWA, factory).do(*ops).found
     assert found and found[0].check == "observation" and found[0].op == ops[-1]
@@ -221,7 +236,7 @@ def test_a_planted_scheduler_finding_exports_as_a_standalone_real_scheduler_test
         for a in n.names
     }
     assert roots <= EXPORTED_IMPORTS and "vllm" in roots, roots
-    assert "Scheduler(" in source and "driver.step(('r3',), 16)" in source
+    assert "Scheduler(" in source and "driver.step(('r1', 'r3'), 16)" in source
     path = tmp_path / "test_exported_scheduler_finding.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("exported_scheduler_finding", path)
