@@ -192,7 +192,7 @@ vllm_only = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from drive import Drive, async_drive  # noqa: E402
-from held_steps import held_steps  # noqa: E402
+from engine_drive_steps import engine_steps  # noqa: E402
 
 from model.contract.config import Config, GroupSpec  # noqa: E402
 from model.contract.ops import AddRequest, Finish, Loaded, Offer, Save, Saved  # noqa: E402
@@ -204,14 +204,14 @@ PROMPT = tuple(range(1, 14))
 def lifecycle(one_step_ahead: bool = False) -> Drive:
     """A sync load, an async load beside the first request's decodes, a save, and an
     async load whose request finishes while it is in flight; every step the engine's own
-    (`held_steps`: each names every request vLLM holds); `one_step_ahead`: on vLLM's
+    (`engine_steps`: each names every request vLLM holds); `one_step_ahead`: on vLLM's
     `AsyncScheduler`."""
     d = async_drive(ONE_FULL) if one_step_ahead else Drive(ONE_FULL)
-    held_steps(d.do(AddRequest("r0", PROMPT), Offer("r0", 12, "sync")), 64, 2)
-    held_steps(d.do(AddRequest("r1", tuple(range(20, 30))), Offer("r1", 8, "async")), 64)
-    held_steps(d.do(Loaded("r1", True)), 64, 2)
-    held_steps(d.do(Save("r0"), Finish("r0")), 64).do(Saved("r0"))
-    held_steps(d.do(AddRequest("r2", (9, 9, 9, 9, 9, 9, 9)), Offer("r2", 6, "async")), 64)
+    engine_steps(d.do(AddRequest("r0", PROMPT), Offer("r0", 12, "sync")), 2)
+    engine_steps(d.do(AddRequest("r1", tuple(range(20, 30))), Offer("r1", 8, "async")))
+    engine_steps(d.do(Loaded("r1", True)), 2)
+    engine_steps(d.do(Save("r0"), Finish("r0"))).do(Saved("r0"))
+    engine_steps(d.do(AddRequest("r2", (9, 9, 9, 9, 9, 9, 9)), Offer("r2", 6, "async")))
     return d.do(Finish("r2"), Loaded("r2", True), Finish("r1"))
 
 

@@ -162,7 +162,7 @@ vllm_only = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from drive import Drive, async_drive  # noqa: E402
-from held_steps import held_steps  # noqa: E402
+from engine_drive_steps import engine_steps  # noqa: E402
 
 from model.contract.config import Config, GroupSpec  # noqa: E402
 from model.contract.observation import StepResult  # noqa: E402
@@ -184,15 +184,15 @@ PROMPT = (1, 2, 3) * 6
 def lifecycle(cfg: Config, one_step_ahead: bool = False) -> Drive:
     """Two requests chunked, sampled, a finish with a hit after it, a preemption under
     pool pressure and, once the other request finishes, the resume; every step the
-    engine's own (`held_steps`); `one_step_ahead`: on vLLM's `AsyncScheduler` (async
+    engine's own (`engine_steps`); `one_step_ahead`: on vLLM's `AsyncScheduler` (async
     scheduling, vLLM's default)."""
     d = async_drive(cfg) if one_step_ahead else Drive(cfg)
     d.do(AddRequest("r0", PROMPT), AddRequest("r1", (*PROMPT, 1)))
-    held_steps(d, 8, 6).do(Finish("r0"), Probe(PROMPT), AddRequest("r2", PROMPT))
+    engine_steps(d, 6).do(Finish("r0"), Probe(PROMPT), AddRequest("r2", PROMPT))
     for _ in range(12):  # decodes until the pool runs dry
-        if held_steps(d, 8).preempted:
+        if engine_steps(d).preempted:
             break
-    held_steps(d.do(Finish("r1")), 8, 2)
+    engine_steps(d.do(Finish("r1")), 2)
     return d.do(Finish("r2"), ResetPrefixCache())
 
 
