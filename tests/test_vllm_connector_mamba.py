@@ -13,8 +13,10 @@ connector mutant as the negative control.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from drive import Drive, Factory, check_contexts, own
+from drive import Drive, Factory, check_contexts, own, patched
 from test_vllm_connector import failed_and_finished_loads
 
 from invariants.catalogue import CheckContext
@@ -403,15 +405,36 @@ def test_a_local_hit_the_external_state_supersedes_is_not_counted() -> None:
     blocks only, which vLLM's count (one state block and the free hit block) matches; the
     model had counted the hit block too and refused where vLLM admits. And the converse
     (6 operations): external and chunk state in one block, where vLLM counts two and
-    refuses though one would do; the model asks for the larger count, as vLLM admits."""
+    refuses though one would do; the model asks for the larger count, as vLLM admits.
+    Both traces are engine steps (the first re-derived on them: a search of engine traces
+    for an admission the old count refuses, shrunk; its last step admits r10, a 16-token
+    local hit and a sync load, beside six held requests). Negative control: the old
+    count (superseded free hit blocks taken too) disagrees with vLLM on the first."""
     from pathlib import Path
 
+    import model.machine.block_counts as bc
     from invariants.harness.replay import replay
     from invariants.harness.trace import read_trace
+    from model.machine import connector as conn
+
+    def trace(name: str) -> Any:
+        return read_trace(Path(__file__).parent / "data" / f"{name}.json")
 
     for name in ("mamba_connector_superseded_hit_count", "mamba_connector_overcounted_hit"):
-        result = replay(read_trace(Path(__file__).parent / "data" / f"{name}.json"), "vllm")
-        assert result.violations == [], name
+        assert replay(trace(name), "vllm").violations == [], name
+    real = bc.BlockCounts._mamba_blocks_to_allocate
+
+    def superseded_taken(self: Any, g: Any, held: int, hits: Any, main: int, local: int, *rest: Any) -> int:
+        n = real(self, g, held, hits, main, local, *rest)
+        rid, computed, whole, physical = (*rest, False, False)[:4]
+        if physical and not whole and conn.external_state_blocks(local, computed, held):
+            kept = hits[self.skipped_tokens(g, computed) // g.bs :]
+            n += self._num_evictable(hits) - self._num_evictable(kept)
+        return n
+
+    with patched(bc.BlockCounts, "_mamba_blocks_to_allocate", superseded_taken):
+        found = replay(trace("mamba_connector_superseded_hit_count"), "vllm").violations
+    assert any(v.check == "observation" for _, v in found)
 
 
 def test_the_worker_table_of_a_connector_admission_is_judged() -> None:
