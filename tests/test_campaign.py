@@ -13,7 +13,10 @@
 - the commands: the same figures through `kvretain`, bad input exits 2.
 
 The module starts one local Ray instance (2 CPUs; 10-30 s on a loaded 2-core
-machine) and shuts it down at the end. The fuzz comparison runs 8 fuzz runs
+machine) and shuts it down at the end. The searches with the plain shards share
+one driver (its two worker processes kept from search to search, as a grid run
+keeps them); a test that needs the instance's CPUs for its own workers or tasks
+takes `free_cpus`, which closes it first. The fuzz comparison runs 8 fuzz runs
 here and 8 on Ray (the done-when of issue 42): about 40 s.
 """
 
@@ -57,6 +60,40 @@ def session() -> Iterator[Session]:
         ray_module.shutdown()
 
 
+class SharedDriver:
+    """One `Driver` of the plain shards for the searches that use them, started at the first
+    and closed before a test that needs the instance's CPUs (each of its 2 workers holds one)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.driver: Driver | None = None
+
+    def get(self) -> Driver:
+        if self.driver is None:
+            self.driver = Driver(self.session)
+        return self.driver
+
+    def close(self) -> None:
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
+
+
+@pytest.fixture(scope="module")
+def shards(session: Session) -> Iterator[SharedDriver]:
+    shared = SharedDriver(session)
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+@pytest.fixture
+def free_cpus(shards: SharedDriver) -> None:
+    """The instance's CPUs, free for a test's own workers or Ray tasks."""
+    shards.close()
+
+
 def _same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """The certificate fields that differ (time aside)."""
     return [k for k in a if k != "seconds" and a[k] != b[k]]
@@ -89,10 +126,10 @@ class RoutesByHash(Shard):
 
 @pytest.mark.parametrize(("instance", "depth"), [(FULL, 4), (SWA, 3)])
 def test_explore_on_ray_writes_the_one_process_certificate(
-    session: Session, instance: Instance, depth: int
+    session: Session, shards: SharedDriver, instance: Instance, depth: int
 ) -> None:
     one = explore(instance, ModelTarget, "model", Limits(depth))
-    two = explore_on_ray(session, instance, "model", Limits(depth), factory=ModelTarget)
+    two = explore_on_ray(session, instance, "model", Limits(depth), factory=ModelTarget, driver=shards.get())
     assert session.workers == 2
     assert two.new_states == one.new_states and len(one.new_states) == depth + 1
     assert not _same(one.to_json(), two.to_json()), _same(one.to_json(), two.to_json())
@@ -101,7 +138,7 @@ def test_explore_on_ray_writes_the_one_process_certificate(
 
 @pytest.mark.vllm
 @pytest.mark.slow  # 85 s on the loaded 2-core machine: vLLM imported here and in both workers
-def test_explore_on_ray_against_vllms_real_scheduler(session: Session) -> None:
+def test_explore_on_ray_against_vllms_real_scheduler(session: Session, free_cpus: None) -> None:
     """vLLM's frozen checkers cannot be pickled plainly: they travel by cloudpickle, and the
     scheduler's hidden state is in every fingerprint; the certificate is still the same."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
@@ -113,17 +150,25 @@ def test_explore_on_ray_against_vllms_real_scheduler(session: Session) -> None:
     assert not _same(one.to_json(), two.to_json()), _same(one.to_json(), two.to_json())
 
 
-def test_a_stop_inside_a_layer_is_where_one_process_stops(session: Session, tmp_path: Path) -> None:
+def test_a_stop_inside_a_layer_is_where_one_process_stops(
+    session: Session, shards: SharedDriver, tmp_path: Path
+) -> None:
     bound = Limits(4, max_states=100)
     one, two = (
         explore(FULL, ModelTarget, "model", bound),
-        explore_on_ray(session, FULL, "model", bound, factory=ModelTarget),
+        explore_on_ray(session, FULL, "model", bound, factory=ModelTarget, driver=shards.get()),
     )
     assert "max states (100)" in two.stopped and two.states == 100
     assert not _same(one.to_json(), two.to_json()), _same(one.to_json(), two.to_json())
     one = explore(TINY, LeaksAfterResume, "model", Limits(6), out_dir=tmp_path / "one")
     two = explore_on_ray(
-        session, TINY, "model", Limits(6), factory=LeaksAfterResume, out_dir=tmp_path / "two"
+        session,
+        TINY,
+        "model",
+        Limits(6),
+        factory=LeaksAfterResume,
+        out_dir=tmp_path / "two",
+        driver=shards.get(),
     )
     assert two.trace_length == 5 and two.reproduced and two.path == one.path
     a, b = one.to_json(), two.to_json()
@@ -131,11 +176,12 @@ def test_a_stop_inside_a_layer_is_where_one_process_stops(session: Session, tmp_
     assert json.loads(Path(b["trace"]).read_text())["ops"] == json.loads(Path(a["trace"]).read_text())["ops"]
 
 
-def test_control_owners_by_hash_expand_states_twice(session: Session) -> None:
-    one = explore(FULL, ModelTarget, "model", Limits(4))
+def test_control_owners_by_hash_expand_states_twice(session: Session, free_cpus: None) -> None:
+    """Depth 3 (175 states) shows it as depth 4 did (1,051), at a sixth of the search."""
+    one = explore(FULL, ModelTarget, "model", Limits(3))
     driver = Driver(session, RoutesByHash)
     try:
-        two = explore_on_ray(session, FULL, "model", Limits(4), factory=ModelTarget, driver=driver)
+        two = explore_on_ray(session, FULL, "model", Limits(3), factory=ModelTarget, driver=driver)
     except CampaignError:  # no worker thought it owned the initial state
         return
     finally:
@@ -156,7 +202,7 @@ def _states(depth: int) -> list[Any]:
     return list(shard.seen)
 
 
-def test_a_states_owner_is_the_same_in_every_process(session: Session) -> None:
+def test_a_states_owner_is_the_same_in_every_process(session: Session, free_cpus: None) -> None:
     states = _states(2)
     here = [route(s) for s in states]
     there = ray.get(ray.remote(lambda xs: [route(s) for s in xs]).remote(states))
@@ -169,7 +215,7 @@ def test_a_states_owner_is_the_same_in_every_process(session: Session) -> None:
 
 
 def test_fuzz_campaign_over_8_seeds_sums_the_8_runs(
-    session: Session, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    session: Session, free_cpus: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import subprocess
     from types import SimpleNamespace
@@ -221,7 +267,9 @@ def test_fuzz_campaign_over_8_seeds_sums_the_8_runs(
     assert len({r.counts["steps"] for r in alone}) > 1
 
 
-def test_explore_command_on_ray(session: Session, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_explore_command_on_ray(
+    session: Session, free_cpus: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "explore.json"
     argv = ["explore", "--ray", "local:2", "--instance", "full-p5-r2", "--depth", "3", "--quiet"]
     assert main([*argv, "--json", str(out)]) == 0
