@@ -2,6 +2,12 @@
 scheduler mutant inside the session, the verdicts follow the sessions, bad input is one line.
 
 No network and no vLLM source tree: the upstream "tests" here are a tiny fake directory.
+Each session is a fresh pytest process, and one that imports vLLM's scheduler costs about
+10 s of CPU: the plugin test's fake test imports it in every session (the clean session
+included, on the real unmutated vLLM); the recheck and hunt tests, which judge the
+runner's logic across many sessions, use fake tests that read vLLM's scheduler only where
+the session loaded it, which a mutant session always has (the plugin installs the mutant
+on it before collection), so their sessions without a mutant start without vLLM.
 """
 
 from __future__ import annotations
@@ -24,6 +30,19 @@ from vllm.v1.core.sched.scheduler import Scheduler
 def test_schedule_is_vllms_own():
     code = Scheduler.schedule.__code__
     assert code.co_filename == sys.modules[Scheduler.__module__].__file__, code.co_filename
+"""
+
+# The same verdict, for a session that may not have loaded vLLM: without the module nothing
+# can have replaced Scheduler.schedule (a mutant session always loads it, in the plugin).
+LAZY_FAKE_TEST = """
+import sys
+
+
+def test_schedule_is_vllms_own():
+    module = sys.modules.get("vllm.v1.core.sched.scheduler")
+    if module is not None:
+        code = module.Scheduler.schedule.__code__
+        assert code.co_filename == module.__file__, code.co_filename
 """
 
 
@@ -70,7 +89,7 @@ def test_recheck_keeps_only_catches_that_reproduce_alone(tmp_path: Path) -> None
     (tmp_path / "tests/test_pair.py").write_text(
         "def test_good():\n    pass\n\n\ndef test_bad():\n    assert 0\n"
     )
-    (tmp_path / "tests/test_fake_schedule.py").write_text(FAKE_TEST)
+    (tmp_path / "tests/test_fake_schedule.py").write_text(LAZY_FAKE_TEST)
     mutant = "admission_drops_hit_tokens"
     rows = [
         upstream.MutantRow(
@@ -139,15 +158,15 @@ def test_a_runs_first():
     builtins._kvretain_ran_a = True
 """
 # Fails under a mutant only after test_a ran in the same session: an order dependence.
+# (vLLM's scheduler read only where the session loaded it, as in LAZY_FAKE_TEST.)
 ORDER_B = """
 import builtins
 import sys
 
-from vllm.v1.core.sched.scheduler import Scheduler
-
 
 def test_b_depends_on_order():
-    mutated = Scheduler.schedule.__code__.co_filename != sys.modules[Scheduler.__module__].__file__
+    module = sys.modules.get("vllm.v1.core.sched.scheduler")
+    mutated = module is not None and module.Scheduler.schedule.__code__.co_filename != module.__file__
     assert not (mutated and getattr(builtins, "_kvretain_ran_a", False))
 """
 
@@ -161,7 +180,7 @@ def test_a_flaky_first_failure_is_hunted_again_without_it(tmp_path: Path) -> Non
     (root / "tests/v1/core/utils.py").write_text("")  # what marks a vLLM tree
     (root / "tests/test_a_order.py").write_text(ORDER_A)
     (root / "tests/test_b_order.py").write_text(ORDER_B)
-    (root / "tests/test_fake_schedule.py").write_text(FAKE_TEST)
+    (root / "tests/test_fake_schedule.py").write_text(LAZY_FAKE_TEST)
     report = upstream.run_upstream(root, files=["tests"], only=["admission_drops_hit_tokens"], timeout_s=600)
     [row] = report.rows
     assert (row.verdict, row.caught_by) == (
