@@ -117,7 +117,7 @@ def test_the_engines_steps_agree_with_the_model_under_binding_caps(name: str) ->
         assert checker.step(engine_step(checker.model, 8)) == []
     assert checker.model.engine_queues().waiting == ("c",)
     figures = checker.target.engine_figures() or {}
-    assert figures["steps whose queues kvretain rewrote"] == 0
+    assert figures["steps whose queue order vLLM held otherwise"] == 0 and figures["queue checks"] > 0
     settings = " ".join(checker.target.engine_settings())
     assert "max_num_batched_tokens=8 max_num_seqs=2" in settings
     assert "steps: vLLM's own, nothing written to the scheduler" in settings

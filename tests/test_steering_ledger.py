@@ -1,5 +1,4 @@
-"""No adapter writes vLLM's scheduler state after construction, but the directed driver,
-whose every write is named in `vllm_scheduler_drive.STEERING`, with its reason.
+"""No adapter writes vLLM's scheduler state after construction.
 
 The engine's contract asks that kvretain act only as the engine core and a client do:
 "vllm" and "vllm-async-scheduler" write nothing of their scheduler (the KV-event
@@ -9,11 +8,9 @@ to a `Scheduler` after construction: an attribute assigned, augmented or deleted
 item of one assigned, one changed in place by a mutating call (`.append`, `.remove`,
 `.extend`, `.add_request`, `.pop`, ...), `setattr`, or a private method of the scheduler
 called (`_preempt_request`), directly or through a local bound to the scheduler or to one
-of its attributes. The directed targets ("vllm-directed", "vllm-async-scheduler-directed")
-still steer: every write sits in the `Steered` mixin (`STEERING_CLASSES`), named in
-`STEERING`. A write outside `Steered` fails, a new write inside it fails until it is
-named, and a named write that is gone fails until the entry is dropped. The controls
-plant writes (and non-writes) in source of their own.
+of its attributes. Any write found fails (the directed targets that steered vLLM's queues
+and budget are gone). The controls plant writes (and non-writes) in source of their own,
+and in a copy of a real adapter's source.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from invariants.targets.vllm_scheduler_drive import STEERING, STEERING_CLASSES
+import pytest
 
 TARGETS = Path(__file__).resolve().parents[1] / "invariants" / "targets"
 # How the adapters name a vLLM `Scheduler` (an attribute or a local); a local bound to one
@@ -180,52 +177,31 @@ def adapters_writes() -> dict[str, set[str]]:
     return out
 
 
-def outside_steering(writes: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The writes of `writes` made outside the steering classes (`STEERING_CLASSES`)."""
-    return {where: attrs for where, attrs in writes.items() if where.split(".")[0] not in STEERING_CLASSES}
+def test_no_adapter_writes_the_scheduler() -> None:
+    """The done-when: no line of invariants/targets/ writes a `Scheduler` after construction."""
+    assert adapters_writes() == {}
 
 
-def test_every_write_to_the_scheduler_is_in_the_ledger_and_the_ledger_is_current() -> None:
-    ledger = {s.function: set(s.writes) for s in STEERING}
-    assert adapters_writes() == ledger
-    assert all(s.why for s in STEERING)
+def test_no_directed_target_is_left() -> None:
+    """The targets that steered vLLM are gone, and a command naming one is told what replaced it."""
+    from invariants.targets import RENAMED, TARGET_NAMES, TargetUnavailable, target_factory
+
+    assert not [name for name in TARGET_NAMES if name.endswith("-directed")]
+    for name in ("vllm-directed", "vllm-async-scheduler-directed"):
+        assert "no longer steers" in RENAMED[name]
+        with pytest.raises(TargetUnavailable, match="is now called"):
+            target_factory(name)
 
 
-def test_no_adapter_but_the_directed_driver_writes_the_scheduler() -> None:
-    """The engine's own targets write nothing of vLLM's scheduler after construction."""
-    assert outside_steering(adapters_writes()) == {}
-    assert {s.function.split(".")[0] for s in STEERING} <= STEERING_CLASSES
-
-
-def test_the_engine_targets_do_not_steer() -> None:
-    """The unsteered drivers are not `Steered`; the directed ones are."""
-    from invariants.targets.vllm_async_scheduler_drive import AsyncStepScheduler, DirectedAsyncStepScheduler
-    from invariants.targets.vllm_scheduler_drive import DirectedStepScheduler, RealStepScheduler, Steered
-    from invariants.targets.vllm_scheduler_spec import DirectedSpecStepScheduler, SpecStepScheduler
-
-    for cls in (RealStepScheduler, SpecStepScheduler, AsyncStepScheduler):
-        assert not issubclass(cls, Steered)
-    for cls in (DirectedStepScheduler, DirectedSpecStepScheduler, DirectedAsyncStepScheduler):
-        assert issubclass(cls, Steered)
-
-
-def test_a_planted_write_outside_the_directed_driver_is_found() -> None:
-    """The control: a write in an engine driver (its event publisher assigned, a queue
-    rebuilt) is outside the steering classes; the directed driver's are not."""
-    planted = (
-        "class RealStepScheduler:\n"
-        "    def __init__(self, scheduler):\n"
-        "        scheduler.kv_event_publisher = object()\n"
-        "    def step(self):\n"
-        "        self.sched.running = []\n"
-        "class Steered:\n"
-        "    def arrange(self):\n"
-        "        self.sched.waiting = []\n"
-    )
-    assert outside_steering(scheduler_writes(planted)) == {
-        "RealStepScheduler.__init__": {"kv_event_publisher"},
-        "RealStepScheduler.step": {"running"},
-    }
+def test_a_write_planted_in_a_real_adapter_is_found() -> None:
+    """The control on the adapters' own source: one line that rebuilds vLLM's running
+    queue, added to the real step driver, is found there (and only there)."""
+    source = (TARGETS / "vllm_scheduler_drive.py").read_text()
+    anchor = "        self.flush()\n        sched, named = self.sched, set(rids)\n"
+    assert anchor in source
+    planted = source.replace(anchor, anchor + "        sched.running = list(sched.running)\n", 1)
+    assert scheduler_writes(source) == {}
+    assert scheduler_writes(planted) == {"RealStepScheduler.step": {"running"}}
 
 
 def test_a_planted_write_to_the_scheduler_is_found() -> None:
@@ -297,3 +273,30 @@ def test_what_an_engine_core_and_a_client_do_is_no_write() -> None:
         "        self.recorder.calls.append(ids)\n"
     )
     assert scheduler_writes(clean) == {}
+
+
+@pytest.mark.vllm
+def test_a_step_the_engine_would_not_take_is_refused_not_steered() -> None:
+    """Without steering, a trace's step must be the engine's own: over every request it
+    holds, with a budget that gives the same step (`RealStepScheduler.budget_unbound`).
+    A step over fewer requests, or whose budget would have cut it otherwise, is refused
+    (`refused`, kvretain's refusal of the trace); the controls, the built budget and a
+    budget that does not bind, run."""
+    from invariants.harness.checker import Checker
+    from invariants.targets.vllm_env import vllm_available
+    from model.contract.config import Config, GroupSpec
+    from model.contract.ops import AddRequest, Step
+
+    if not vllm_available()[0]:
+        pytest.skip(f"vllm target: {vllm_available()[1]}")
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    def checks(*ops: object) -> list[str]:
+        checker = Checker(VllmSchedulerTarget(Config((GroupSpec("full", 4),), 16, max_num_batched_tokens=4)))
+        return [v.check for op in ops for v in checker.step(op)]  # type: ignore[arg-type]
+
+    add = AddRequest("a", tuple(range(1, 10)))
+    assert checks(add, Step(("a",), 4), Step(("a",), 4), Step(("a",), 3)) == []  # 4, 4, then 1 of 3
+    assert checks(add, Step(("a",), 64)) == ["refused"]  # 64 would have scheduled all 9
+    assert checks(add, Step(("a",), 2)) == ["refused"]  # 2 would have cut the chunk of 4
+    assert checks(add, AddRequest("b", (1, 2)), Step(("a",), 4)) == ["refused"]  # b held, not named

@@ -13,8 +13,8 @@ from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker
 from invariants.targets.base import Target, TargetFeatures, adopt
 from invariants.targets.model_target import ModelTarget
 from invariants.targets.reference import ReferenceTarget
-from invariants.targets.vllm_async_scheduler_target import VllmAsyncDirectedTarget, VllmAsyncSchedulerTarget
-from invariants.targets.vllm_scheduler_target import VllmDirectedTarget, VllmSchedulerTarget
+from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTarget
+from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 from invariants.targets.vllm_target import VllmManagerTarget
 from model.contract.config import Config, GroupSpec
 from model.contract.observation import Done, Observation, Snapshot
@@ -31,8 +31,6 @@ def test_the_registry_sets_are_what_the_builtin_classes_state() -> None:
         "vllm-manager": VllmManagerTarget,
         "vllm": VllmSchedulerTarget,
         "vllm-async-scheduler": VllmAsyncSchedulerTarget,
-        "vllm-directed": VllmDirectedTarget,
-        "vllm-async-scheduler-directed": VllmAsyncDirectedTarget,
     }
     assert set(builtins) == set(registry.BUILTIN_TARGETS)
     assert {n for n, cls in builtins.items() if cls.features.pinning} <= registry.PINNING_TARGETS

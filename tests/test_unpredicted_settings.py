@@ -99,12 +99,12 @@ def test_generation_draws_each_value() -> None:
 
 
 @pytest.mark.parametrize(
-    "target, priority", [("vllm", True), ("vllm-async-scheduler", True), ("vllm-directed", False)]
+    "target, priority", [("vllm", True), ("vllm-async-scheduler", True), ("vllm-manager", False)]
 )
 def test_only_engine_step_targets_draw_the_priority_policy(target: str, priority: bool) -> None:
-    """A directed step states the queue order, which the priority policy overrides (vLLM then
-    decides otherwise and a later report names a load it never started): the directed twins
-    are never sent it; the targets that run vLLM's own steps are (the control)."""
+    """The priority policy orders vLLM's own queues: the targets that run vLLM's own steps
+    are sent it; one whose steps kvretain decides (vllm-manager: its caller is kvretain,
+    which states the order) is not (the control)."""
     from invariants.harness.fuzz import _generated
 
     seen: Counter[bool] = Counter()

@@ -24,9 +24,9 @@ not filed upstream.
 
 How the steps are driven: this file makes exactly the calls kvretain's "vllm"
 target made on vLLM 0.33.0 when it found this (seed 0), as straight-line code.
-Before each schedule() the scheduler's queues hold only the step's requests (the
-others are set aside and put back after it) and max_num_scheduled_tokens is the
-step's budget; the model runner is a synthetic ModelRunnerOutput handed to
+Each schedule() is the engine's own: nothing of the scheduler is written, and the
+queues it starts from and its built budget are checked against the recorded ones;
+the model runner is a synthetic ModelRunnerOutput handed to
 update_from_output (the sampled tokens; the worker's KVConnectorOutput: finished and failed loads, failed blocks, finished saves). Each step's
 scheduled tokens are checked against the values recorded then: a difference raises
 SetupDiverged (the trace no longer reaches the finding's state: re-derive it). Only
@@ -41,7 +41,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 import types
 
 import torch
@@ -60,7 +59,6 @@ from vllm.model_executor.models.registry import ModelRegistry
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -201,8 +199,8 @@ def make_scheduler(model_dir: str) -> Scheduler:
     config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=min(256, MAX_MODEL_LEN),
-            max_num_batched_tokens=MAX_MODEL_LEN,
+            max_num_seqs=4,
+            max_num_batched_tokens=8,
             max_model_len=MAX_MODEL_LEN,
             enable_chunked_prefill=True,
             long_prefill_token_threshold=0,
@@ -266,26 +264,12 @@ class Driver:
         self.s.add_request(self.requests[rid])
 
     def step(self, running: list, holding: list, waiting: list, budget: int):
-        """schedule() with the queues holding exactly these requests, in this order."""
+        """The engine's schedule(), from the queues and with the budget recorded (checked)."""
         s = self.s
-        named = set(running) | set(holding) | set(waiting)
-        aside = [
-            [r for r in s.running if r.request_id not in named],
-            [r for r in s.kv_holding_waiting if r.request_id not in named],
-            [r for r in s.waiting if r.request_id not in named],
-        ]
-        s.running = [self.requests[r] for r in running]
-        s.kv_holding_waiting = self.queue(holding)
-        s.waiting = self.queue(waiting)
-        s.max_num_scheduled_tokens = budget
-        try:
-            out = s.schedule()
-        finally:
-            s.running.extend(aside[0])
-            for r in aside[1]:
-                s.kv_holding_waiting.add_request(r)
-            for r in aside[2]:
-                s.waiting.add_request(r)
+        queues = [[r.request_id for r in q] for q in (s.running, s.kv_holding_waiting, s.waiting)]
+        expect("the queues schedule() starts from", queues, [running, holding, waiting])
+        expect("the token budget", s.max_num_scheduled_tokens, budget)
+        out = s.schedule()
         for new in out.scheduled_new_reqs:
             self.tables[new.req_id] = [list(g) for g in new.block_ids]
         cached = out.scheduled_cached_reqs
@@ -296,12 +280,6 @@ class Driver:
                 for table, new_ids in zip(self.tables[rid], ids):
                     table.extend(new_ids)
         return out
-
-    def queue(self, rids: list):
-        q = create_request_queue(self.s.policy)
-        for r in rids:
-            q.add_request(self.requests[r])
-        return q
 
     def update(self, out, scheduled: dict, total: int, sampled: dict, connector=None) -> None:
         """update_from_output with the share of step output `out` that belongs to `scheduled`."""
@@ -326,11 +304,6 @@ class Driver:
 
     def finish(self, rid: str) -> None:
         self.s.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-
-    def preempt(self, rid: str) -> None:
-        """As reset_prefix_cache(reset_running_requests=True) preempts a running request."""
-        self.s.running.remove(self.requests[rid])
-        self.s._preempt_request(self.requests[rid], time.monotonic())
 
 
 def expect(what: str, got: object, expected: object) -> None:

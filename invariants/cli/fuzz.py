@@ -304,8 +304,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         crashes = format_crash_counts(result.crashes)
         if crashes:
             print(f"  {name}: {crashes}")
-        if result.steered:
-            print(wrap(f"  {name}: {result.steered}"))
         rows.append(
             (
                 name,

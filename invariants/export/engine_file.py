@@ -7,12 +7,12 @@ stand-in model, the trace's `KVCacheConfig`, a `SpeculativeConfig` with the trac
 draft tokens, and a minimal scheduler-side KV connector written into the file), and
 drives it with exactly the calls the target made on the trace (`engine_record`), as
 straight-line code: `add_request`; the connector's script (what it offers a request
-at its lookup, whether it defers a finished request's free for a save); each step with
-the scheduler's queues set to the step's requests (the others set aside and put back
-after it) and its token budget; `update_from_output` with the step output's share and
-a synthetic `ModelRunnerOutput` (sampled tokens; the worker's `KVConnectorOutput`:
-finished and failed loads, failed blocks, finished saves); `update_draft_token_ids`;
-`finish_requests`; `_preempt_request`.
+at its lookup, whether it defers a finished request's free for a save); each step, the
+engine's own `schedule()` (the queues it starts from and the budget it was built with
+checked against the recorded ones, never written); `update_from_output` with the step
+output's share and a synthetic `ModelRunnerOutput` (sampled tokens; the worker's
+`KVConnectorOutput`: finished and failed loads, failed blocks, finished saves);
+`update_draft_token_ids`; `finish_requests`.
 
 Setup and property are told apart as in `pytest_file`: every step before the property
 checks the tokens it scheduled against the values recorded on the vLLM the finding was
@@ -28,7 +28,9 @@ from collections.abc import Callable
 from invariants.export.engine_record import Call, Recording, record_calls
 from invariants.export.plan import ExportError, ExportPlan
 from invariants.export.pytest_file import _SPECS, _wrap, exported_test_name, has_identity, tokens_literal
+from invariants.targets.vllm_scheduler_build import MAX_NUM_SEQS
 from model.contract.config import Config
+from model.policy.scheduling import build_budget, seq_cap
 
 DOC = '''"""Regression test exported by kvretain from a trace on vLLM's real {cls}.
 
@@ -36,9 +38,9 @@ DOC = '''"""Regression test exported by kvretain from a trace on vLLM's real {cl
 
 How the steps are driven: this file makes exactly the calls kvretain's "{target}"
 target made on vLLM {version} when it found this (seed {seed}), as straight-line code.
-Before each schedule() the scheduler's queues hold only the step's requests (the
-others are set aside and put back after it) and max_num_scheduled_tokens is the
-step's budget; the model runner is a synthetic ModelRunnerOutput handed to
+Each schedule() is the engine's own: nothing of the scheduler is written, and the
+queues it starts from and its built budget are checked against the recorded ones;
+the model runner is a synthetic ModelRunnerOutput handed to
 update_from_output (the sampled tokens{connector_words}).{drafts_words} Each step's
 scheduled tokens are checked against the values recorded then: a difference raises
 SetupDiverged (the trace no longer reaches the finding's state: re-derive it). Only
@@ -52,7 +54,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 import types
 
 import torch
@@ -64,7 +65,6 @@ from vllm.model_executor.models.registry import ModelRegistry
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.{sched_module} import {cls}
 from vllm.v1.kv_cache_interface import (
 {kinds}
@@ -202,9 +202,7 @@ def make_scheduler(model_dir: str) -> {cls}:
     config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=min(256, MAX_MODEL_LEN),
-            max_num_batched_tokens=MAX_MODEL_LEN,
-            max_model_len=MAX_MODEL_LEN,
+{batch_caps}            max_model_len=MAX_MODEL_LEN,
             enable_chunked_prefill=True,
             long_prefill_token_threshold={long_prefill},
             is_encoder_decoder=False,
@@ -256,26 +254,12 @@ class Driver:
         self.s.add_request(self.requests[rid])
 
     def step(self, running: list, holding: list, waiting: list, budget: int):
-        """schedule() with the queues holding exactly these requests, in this order."""
+        """The engine's schedule(), from the queues and with the budget recorded (checked)."""
         s = self.s
-        named = set(running) | set(holding) | set(waiting)
-        aside = [
-            [r for r in s.running if r.request_id not in named],
-            [r for r in s.kv_holding_waiting if r.request_id not in named],
-            [r for r in s.waiting if r.request_id not in named],
-        ]
-        s.running = [self.requests[r] for r in running]
-        s.kv_holding_waiting = self.queue(holding)
-        s.waiting = self.queue(waiting)
-        s.max_num_scheduled_tokens = budget
-        try:
-            out = s.schedule()
-        finally:
-            s.running.extend(aside[0])
-            for r in aside[1]:
-                s.kv_holding_waiting.add_request(r)
-            for r in aside[2]:
-                s.waiting.add_request(r)
+        queues = [[r.request_id for r in q] for q in (s.running, s.kv_holding_waiting, s.waiting)]
+        expect("the queues schedule() starts from", queues, [running, holding, waiting])
+        expect("the token budget", s.max_num_scheduled_tokens, budget)
+        out = s.schedule()
         for new in out.scheduled_new_reqs:
             self.tables[new.req_id] = [list(g) for g in new.block_ids]
         cached = out.scheduled_cached_reqs
@@ -286,12 +270,6 @@ class Driver:
                 for table, new_ids in zip(self.tables[rid], ids):
                     table.extend(new_ids)
         return out
-
-    def queue(self, rids: list):
-        q = create_request_queue(self.s.policy)
-        for r in rids:
-            q.add_request(self.requests[r])
-        return q
 
     def update(self, out, scheduled: dict, total: int, sampled: dict, connector=None) -> None:
         """update_from_output with the share of step output `out` that belongs to `scheduled`."""
@@ -316,11 +294,6 @@ class Driver:
 
     def finish(self, rid: str) -> None:
         self.s.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-
-    def preempt(self, rid: str) -> None:
-        """As reset_prefix_cache(reset_running_requests=True) preempts a running request."""
-        self.s.running.remove(self.requests[rid])
-        self.s._preempt_request(self.requests[rid], time.monotonic())
 
 
 def expect(what: str, got: object, expected: object) -> None:
@@ -430,6 +403,20 @@ def _head(plan: ExportPlan, rec: Recording, cls: str) -> str:
     )
 
 
+def _batch_caps(cfg: Config) -> str:
+    """The scheduler's batch caps as the target built them (`vllm_scheduler_build`): the
+    engine's budget binds in the exported steps as it did in the recorded ones."""
+    tokens, seqs = build_budget(cfg), min(MAX_NUM_SEQS, seq_cap(cfg))
+    lines = [f"max_num_seqs={seqs}", f"max_num_batched_tokens={tokens}"]
+    if cfg.num_lookahead_tokens and not cfg.eagle:  # a draft model's drafting slot per request
+        lines = [
+            f"max_num_seqs={seqs}",
+            f"max_num_batched_tokens={tokens + seqs}",
+            f"max_num_scheduled_tokens={tokens}",
+        ]
+    return "".join(f"            {line},\n" for line in lines)
+
+
 def _core(plan: ExportPlan, rec: Recording, cls: str) -> str:
     """The fixed part of the file, set to the trace's configuration: the settings, the
     fake connector, the scheduler built as the target built it, the driver, and the
@@ -447,6 +434,7 @@ def _core(plan: ExportPlan, rec: Recording, cls: str) -> str:
         cls=cls,
         mamba_mode=f', mamba_cache_mode="{mamba_modes.pop()}"' if mamba_modes else "",
         long_prefill=cfg.long_prefill_token_threshold,
+        batch_caps=_batch_caps(cfg),
         async_scheduling=rec.async_scheduler,
         spec=(
             _SPEC.format(
@@ -508,8 +496,6 @@ def _call_lines(c: Call, outs: dict[int, str]) -> list[str]:
         return [f"driver.update({args}, connector=KVConnectorOutput({fields}))"]
     if c.kind == "finish":
         return [f"driver.finish({c.rid!r})"]
-    if c.kind == "preempt":
-        return [f"driver.preempt({c.rid!r})"]
     if c.kind == "drafts":
         rids = [r for r, _ in c.sampled]
         drafts = [list(t) for _, t in c.sampled]

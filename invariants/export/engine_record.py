@@ -1,10 +1,10 @@
 """What kvretain's real-scheduler targets asked of vLLM's `Scheduler` on a trace, call by call.
 
-`record_calls(trace)` replays the trace on its target ("vllm", "vllm-async-scheduler",
-or a directed variant) and records every call the target made on the scheduler from
+`record_calls(trace)` replays the trace on its target ("vllm" or "vllm-async-scheduler":
+the engine's own steps) and records every call the target made on the scheduler from
 outside (`add_request`, `schedule` with the queues and token budget it was called
 with, `update_from_output` with the share of which step's output and the synthetic
-`ModelRunnerOutput`, `finish_requests`, `_preempt_request`, `update_draft_token_ids`,
+`ModelRunnerOutput`, `finish_requests`, `update_draft_token_ids`,
 `reset_prefix_cache`) and on kvretain's scripted KV connector (`offer`, `save`).
 Calls vLLM makes on itself (a preemption inside `schedule()`) are not recorded: only
 the outermost call is the driver's. `engine_file` writes them out as straight-line
@@ -29,7 +29,7 @@ from model.contract.ops import Op
 @dataclass(frozen=True)
 class Call:
     """One driver call. `kind`: "op" (a trace operation starts: `op`), "add", "offer",
-    "save", "step", "update", "finish", "preempt", "drafts", "reset"."""
+    "save", "step", "update", "finish", "drafts", "reset"."""
 
     kind: str
     rid: str = ""
@@ -137,15 +137,11 @@ def _with(call: Call, **changes: Any) -> Call:
 
 def record_calls(trace: Trace) -> Recording:
     """Replay `trace` on its target, recording the driver's calls (see the module docstring)."""
-    from invariants.targets import ASYNC_SCHEDULER_TARGETS, TARGET_NAMES, target_factory
+    from invariants.targets import ASYNC_SCHEDULER_TARGETS, target_factory
     from invariants.targets.base import TargetUnavailable
     from invariants.targets.vllm_env import vllm_version
 
     name = trace.target or "vllm"
-    # A trace's steps name their requests and budget: where the plain target leaves the
-    # queues to vLLM, its directed twin steers them as the trace was recorded.
-    if not name.endswith("-directed") and f"{name}-directed" in TARGET_NAMES:
-        name = f"{name}-directed"
     try:
         target = target_factory(name)(trace.config)
     except TargetUnavailable as exc:
@@ -161,7 +157,6 @@ def record_calls(trace: Trace) -> Recording:
     r.wrap(sched, "schedule", r.step)
     r.wrap(sched, "update_from_output", r.update)
     r.wrap(sched, "finish_requests", lambda rid, *a, **k: Call("finish", str(rid)))
-    r.wrap(sched, "_preempt_request", lambda req, *a, **k: Call("preempt", req.request_id))
     r.wrap(
         sched,
         "update_draft_token_ids",

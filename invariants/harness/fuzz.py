@@ -220,8 +220,7 @@ def _generated(target: str) -> st.SearchStrategy[Config]:
         # The admission gates (`model.policy.admission`): every target with a scheduler's admissions.
         gates=None if target in GATED_TARGETS else False,
         # vLLM settings the model does not predict, judged by the contract: the real schedulers
-        # that decide every step. A directed step states the queue order, which the priority
-        # policy overrides: the run would then feed vLLM reports for decisions it never made.
+        # that decide every step (the priority policy's order is vLLM's, run as it comes).
         unpredicted=target in ENGINE_STEP_TARGETS,
         # Eagle's lookahead block hashes (vLLM's default): the real schedulers hash with them.
         lookahead_hashes=None if target in REAL_SCHEDULER_TARGETS else False,

@@ -26,9 +26,6 @@ class ReplayResult:
     drift: list[tuple[int, Violation]] = field(default_factory=list)
     after_drift: int = 0
     unjudged: int = 0
-    # Set where a real scheduler ran the trace directed (it states no budget): kvretain
-    # wrote the scheduler's queues and budget, which the engine's own steps never do.
-    steered: str = ""
 
     @property
     def clean(self) -> bool:
@@ -76,20 +73,4 @@ def replay(trace: Trace, target: str, stop_at_first: bool = False) -> ReplayResu
         if stop_at_first and result.violations:
             break
     result.after_drift, result.unjudged = checker.after_drift, checker.unjudged
-    result.steered = steered(checker.target)
     return result
-
-
-def steered(target: object) -> str:
-    """One line where `target` is a real scheduler that ran the trace directed (a
-    configuration without `max_num_batched_tokens`), with the steps whose queues kvretain
-    rewrote; empty where the engine decided every step (or no real scheduler ran)."""
-    features = getattr(target, "features", None)
-    if features is None or not features.real_scheduler or features.engine_steps:
-        return ""
-    figures = target.engine_figures() or {}  # type: ignore[attr-defined]
-    rewritten = figures.get("steps whose queues kvretain rewrote", 0)
-    return (
-        "steps directed, not vLLM's own: the trace states no budget (max_num_batched_tokens), so "
-        f"kvretain wrote the scheduler's queues and budget ({rewritten} step(s) rewritten)"
-    )

@@ -32,17 +32,17 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "reference": ("invariants.targets.reference", "ReferenceTarget"),
     "vllm": ("invariants.targets.vllm_scheduler_target", "VllmSchedulerTarget"),
     "vllm-async-scheduler": ("invariants.targets.vllm_async_scheduler_target", "VllmAsyncSchedulerTarget"),
-    # The same engines steered by directed steps (any requests, any budget, `Preempt`): the
-    # traces and tests written before the engine decided every step.
-    "vllm-directed": ("invariants.targets.vllm_scheduler_target", "VllmDirectedTarget"),
-    "vllm-async-scheduler-directed": (
-        "invariants.targets.vllm_async_scheduler_target",
-        "VllmAsyncDirectedTarget",
-    ),
     "vllm-manager": ("invariants.targets.vllm_target", "VllmManagerTarget"),
 }
 # Names earlier releases of kvretain used: a trace or command naming one is told the new name.
-RENAMED = {"vllm-scheduler": "vllm (the real Scheduler; the KVCacheManager emulation is vllm-manager)"}
+RENAMED = {
+    "vllm-scheduler": "vllm (the real Scheduler; the KVCacheManager emulation is vllm-manager)",
+    # The directed targets steered vLLM's queues and budget; kvretain no longer writes them.
+    "vllm-directed": "vllm (the engine decides every step; kvretain no longer steers the scheduler)",
+    "vllm-async-scheduler-directed": (
+        "vllm-async-scheduler (the engine decides every step; kvretain no longer steers the scheduler)"
+    ),
+}
 BUILTIN_TARGETS = tuple(_BUILTIN)
 
 
@@ -68,14 +68,12 @@ FINE_MAMBA_TARGETS = {
     "vllm-manager",
     "vllm",
     "vllm-async-scheduler",
-    "vllm-directed",
-    "vllm-async-scheduler-directed",
 }
 # Targets whose steps a real engine scheduler decides (`TargetFeatures(real_scheduler=True)`):
 # the fuzzer sends them whole steps and only configurations an engine can run.
-REAL_SCHEDULER_TARGETS = {"vllm", "vllm-async-scheduler", "vllm-directed", "vllm-async-scheduler-directed"}
+REAL_SCHEDULER_TARGETS = {"vllm", "vllm-async-scheduler"}
 # Real schedulers driven one step ahead (`TargetFeatures(async_scheduling=True)`), drafts included.
-ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler", "vllm-async-scheduler-directed"}
+ASYNC_SCHEDULER_TARGETS = {"vllm-async-scheduler"}
 # Real schedulers that decide every step themselves (`TargetFeatures(engine_steps=True)`):
 # kvretain writes nothing of their state; the fuzzer sends them the engine's own steps.
 ENGINE_STEP_TARGETS = {"vllm", "vllm-async-scheduler"}
@@ -85,8 +83,6 @@ CONNECTOR_TARGETS = {
     "model",
     "vllm",
     "vllm-async-scheduler",
-    "vllm-directed",
-    "vllm-async-scheduler-directed",
 }
 # Targets whose steps state the queue order they leave (`TargetFeatures(queues=True)`,
 # `model.policy.queues`): judged there; the others' runs say it is unjudged.
@@ -95,8 +91,6 @@ QUEUE_TARGETS = {
     "reference",
     "vllm",
     "vllm-async-scheduler",
-    "vllm-directed",
-    "vllm-async-scheduler-directed",
 }
 # Targets that gate admissions as vLLM's scheduler does (`Config.reserve_full_isl`, `watermark`;
 # `model.policy.admission`): generated configurations include the gates; the others refuse them.
@@ -105,15 +99,11 @@ GATED_TARGETS = {
     "vllm-manager",
     "vllm",
     "vllm-async-scheduler",
-    "vllm-directed",
-    "vllm-async-scheduler-directed",
 }
 # Targets that drive another target's allocator code: its known findings are theirs too.
 SAME_ALLOCATOR = {
     "vllm": "vllm-manager",
     "vllm-async-scheduler": "vllm-manager",
-    "vllm-directed": "vllm-manager",
-    "vllm-async-scheduler-directed": "vllm-manager",
 }
 
 

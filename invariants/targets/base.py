@@ -51,7 +51,7 @@ class TargetCrash(RuntimeError):
 
 class TargetRefusal(TargetCrash):
     """kvretain's own refusal of an operation the target cannot run as its engine would
-    (a steered step on an engine target): a fault of the trace, never the allocator's.
+    (a step over other requests, or with a budget that binds otherwise, than the engine's own): a fault of the trace, never the allocator's.
     The checker judges it `refused`, apart from `crash`, so that shrinking and the
     explore hand-over never take a refused candidate for the crash they hunt."""
 
@@ -80,7 +80,8 @@ class TargetFeatures:
     # request the engine holds, in the model's predicted queue order
     # (`AllocatorModel.engine_queues`), with the budget the engine was built with
     # (`model.policy.scheduling.build_budget`); a `Preempt` is never sent (no client can ask for one).
-    # Without it, a real scheduler's steps are directed: any requests, any budget.
+    # Every real scheduler states it (kvretain no longer steers one); the allocator-level
+    # targets, whose caller kvretain is, do not: any requests, any budget.
     engine_steps: bool = False
     # The engine schedules one step ahead of the model runner (vLLM's `AsyncScheduler`, as
     # `EngineCore.step_with_batch_queue` drives it): the Checker builds its model with

@@ -59,7 +59,7 @@ from model.contract.observation import StepResult
 from model.contract.ops import Sample
 
 from .base import TargetCrash
-from .vllm_scheduler_drive import RealStepScheduler, Steered
+from .vllm_scheduler_drive import RealStepScheduler
 
 
 class AsyncStepScheduler(RealStepScheduler):
@@ -207,21 +207,6 @@ class AsyncStepScheduler(RealStepScheduler):
             return
         super().sample(req, token)
 
-    def after_preempt(self, rid: str) -> None:
-        """A directed `Preempt`'s share of the unprocessed output, delivered at once; its drafts dropped."""
-        self._deliver_now(rid)
-        self.proposed.pop(rid, None)  # the worker drops a preempted request's drafts
-
     def finish(self, req: Any) -> None:
         self.proposed.pop(req.request_id, None)
         super().finish(req)
-
-    def _deliver_now(self, rid: str) -> None:
-        """`rid`'s share of the unprocessed output, delivered at once."""
-        if rid in self.undelivered:
-            self.undelivered.remove(rid)
-            self._deliver(self.pending, [rid])
-
-
-class DirectedAsyncStepScheduler(Steered, AsyncStepScheduler):
-    """`AsyncStepScheduler` steered (`Steered`): the "vllm-async-scheduler-directed" target's driver."""

@@ -45,7 +45,7 @@ from model.contract.config import Config
 from model.machine.async_scheduling import FENCED
 
 from .base import TargetFeatures
-from .vllm_async_scheduler_drive import AsyncStepScheduler, DirectedAsyncStepScheduler
+from .vllm_async_scheduler_drive import AsyncStepScheduler
 from .vllm_capabilities import Capabilities
 from .vllm_scheduler_build import build_scheduler, scheduler_modules
 from .vllm_scheduler_target import SchedulerEventTranslator, SchedulerOpDriver, VllmSchedulerTarget
@@ -120,16 +120,3 @@ class VllmAsyncSchedulerTarget(VllmSchedulerTarget):
             config, v, caps, self.version, async_scheduling=True, speculative_blocks=self.speculative_blocks
         )
         return self.vllm_scheduler.kv_cache_manager
-
-
-class VllmAsyncDirectedTarget(VllmAsyncSchedulerTarget):
-    """ "vllm-async-scheduler" steered by kvretain's directed steps
-    ("vllm-async-scheduler-directed"; `vllm_scheduler_target.VllmDirectedTarget`)."""
-
-    name = "vllm-async-scheduler-directed"
-    features = TargetFeatures(
-        partial=True, fine_mamba=True, real_scheduler=True, async_scheduling=True, connector=True, queues=True
-    )
-
-    def stepper(self, config: Config) -> type[AsyncStepScheduler]:  # type: ignore[override]
-        return DirectedAsyncStepScheduler

@@ -3,28 +3,20 @@
 A `Step(rids, budget)` is one `Scheduler.schedule()` call over vLLM's own
 queues, with the token budget the scheduler was built with
 (`RealStepScheduler`): kvretain writes nothing of the scheduler's state, as an
-engine core writes nothing (`STEERING` names what the directed driver writes,
-and a test holds the source to it). `rids` names the requests the model says
+engine core writes nothing (tests/test_steering_ledger.py holds the adapters'
+source to it). `rids` names the requests the model says
 the engine holds, in the order it predicts for them (running, holding, then
-waiting: `model.policy.queues`); a step that names another set of requests, another
-budget, or (under FCFS) another order is a step the engine cannot run, refused
+waiting: `model.policy.queues`); a step that names another set of requests, a
+budget that would have cut it otherwise (`budget_unbound`), or (under FCFS)
+another order is a step the engine cannot run, refused
 as such (`SteeredStep`: the queues each step leaves are compared with the
 model's, so the order a step starts from is the one the last step left, plus
 arrivals at `waiting`'s back); under the priority policy, whose order the model
 does not predict, a step is run in vLLM's order and counted.
 Which requests run, in what order, with which chunk, is vLLM's own code: the
 running pass, preemption, the waiting pass and its `max_num_seqs` cap, the
-Mamba split, spec-decode padding, CoW copies.
-
-The directed driver (`Steered`, "vllm-directed"; tests and traces written
-before the engine decided every step) steers instead: the scheduler's queues
-hold exactly the requests `rids` names, in that order (the requests the step
-leaves out wait aside and come back after it), its per-step budget
-(`max_num_scheduled_tokens`) is `budget`, and `Preempt(rid)` preempts one
-running request. `Schedule(rid, budget)` is `Step((rid,), budget)` on both: a
-real scheduler preempts a running request whose allocation fails, where the
-model's single-request `Schedule` leaves it unscheduled (the fuzzer sends
-real-scheduler targets `Step`s only: `TargetFeatures.real_scheduler`).
+Mamba split, spec-decode padding, CoW copies. `Schedule(rid, budget)` is
+`Step((rid,), budget)`; `Preempt(rid)` is refused (no client of an engine can ask it).
 
 The step's decisions are read, never re-derived: a `StepRecorder` wraps the
 `KVCacheManager`'s `get_computed_blocks`, `allocate_slots` and `free` for the
@@ -36,7 +28,7 @@ compute is reached but calls nothing, exactly as in `Scheduler.schedule`),
 then the waiting requests in lookup order; the preempted requests in the order
 their blocks were freed; the queues `schedule()` left (`running`,
 `kv_holding_waiting`, `waiting`, front to back: `model.policy.queues`), restricted to
-the step's requests (a directed step reads them before the requests aside come back).
+the step's requests.
 
 The block ids of a scheduled request are the ones the step ships to the worker
 (`SchedulerOutput`), not the allocator's return value, so a scheduler that
@@ -61,7 +53,6 @@ scheduled; a `Preempt` or `Finish` first delivers it without a token.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -77,45 +68,11 @@ from .vllm_scheduler_build import EventCapture
 from .vllm_session import VllmSession
 
 
-@dataclass(frozen=True)
-class Steering:
-    """One place where kvretain writes vLLM's scheduler state after construction, and why.
-
-    The engine's contract forbids it (kvretain should act only as the engine core and a
-    client do); each entry is what is left, named, so that it shows and cannot grow
-    unnoticed (tests/test_steering_ledger.py reads the adapters' source against it)."""
-
-    function: str
-    writes: frozenset[str]
-    why: str
-
-
-STEERING: tuple[Steering, ...] = (
-    Steering(
-        "Steered.arrange",
-        frozenset({"running", "waiting", "kv_holding_waiting", "max_num_scheduled_tokens"}),
-        "a directed Step names its requests and budget: the queues hold exactly those, the others aside",
-    ),
-    Steering(
-        "Steered.put_back",
-        frozenset({"running", "waiting", "kv_holding_waiting"}),
-        "the requests a directed Step left aside come back behind its own",
-    ),
-    Steering(
-        "Steered.preempt",
-        frozenset({"running", "_preempt_request"}),
-        "Preempt(rid) preempts one running request; vLLM preempts only under pressure or all at once",
-    ),
-)
-# The classes in which every write above sits: the only steering classes of the adapters.
-STEERING_CLASSES = frozenset({"Steered"})
-
-
 class SteeredStep(TargetRefusal):
     """A step the engine cannot run: it names other requests than the scheduler holds, or
-    another budget than it was built with (an engine core schedules every request it
-    holds, with its configured budget). kvretain's own refusal, never vLLM's defect; a
-    directed target ("vllm-directed") runs such steps."""
+    a budget that would have cut it otherwise than the one it was built with (an engine
+    core schedules every request it holds, with its configured budget). kvretain's own
+    refusal of the trace, never vLLM's defect."""
 
 
 @dataclass
@@ -203,9 +160,6 @@ class RealStepScheduler:
         self.dropped: list[str] = []
         # The shadow worker fed every step's output and every sampled token (None: not followed).
         self.shadow: ShadowWorker | None = None
-        # Steps whose queues kvretain rewrote (membership or order differed from vLLM's own):
-        # only a directed driver's (`Steered`).
-        self.steered_steps = 0
         # Steps whose requests vLLM held in another order than the step named them (run in vLLM's).
         self.reordered_steps = 0
 
@@ -258,14 +212,11 @@ class RealStepScheduler:
 
     def preempt(self, req: Any) -> None:
         """`Preempt(rid)`: no client of an engine preempts one request (vLLM preempts under
-        pool pressure, or every running request at a reset): refused (a directed target runs it)."""
+        pool pressure, or every running request at a reset): refused."""
         raise SteeredStep(
             f"preempt {req.request_id}: vLLM's engine has no call that preempts one running request "
-            "(it preempts under pool pressure); a directed target (vllm-directed) runs it"
+            "(it preempts under pool pressure)"
         )
-
-    def after_preempt(self, rid: str) -> None:
-        """What a driver does after a directed `Preempt` of `rid` (`Steered.preempt`): nothing here."""
 
     def finish(self, req: Any) -> None:
         self.settle(req.request_id)
@@ -286,20 +237,18 @@ class RealStepScheduler:
         )
 
     def step(self, rids: tuple[str, ...], budget: int) -> StepResult:
-        """One `Scheduler.schedule()` over the requests `rids` with `budget` tokens, as
-        `arrange` admits them (see the module docstring)."""
+        """One `Scheduler.schedule()`, the step the engine takes over the requests it holds,
+        which `rids` must name (`arrange`), with a `budget` that gives the same step
+        (`budget_unbound`; see the module docstring)."""
         self.flush()
         sched, named = self.sched, set(rids)
-        aside = self.arrange(rids, budget)
+        self.arrange(rids)
         running = [r.request_id for r in sched.running]  # the running pass's order
-        try:
-            with self.recorder.recording() as calls:
-                out = sched.schedule()
-            queues = self.queues_left(named)  # before any request aside comes back
-            if self.shadow is not None:
-                self.shadow.execute(out)
-        finally:
-            self.put_back(aside)
+        with self.recorder.recording() as calls:
+            out = sched.schedule()
+        queues = self.queues_left(named)
+        if self.shadow is not None:
+            self.shadow.execute(out)
         self.pending = self.last_out = out
         self.budget_unbound(budget, int(out.total_num_scheduled_tokens))
         for rid in out.num_scheduled_tokens:
@@ -315,30 +264,26 @@ class RealStepScheduler:
         holding = list(sched.kv_holding_waiting) if hasattr(sched, "kv_holding_waiting") else []
         return list(sched.running), holding, list(sched.waiting)
 
-    def arrange(self, rids: tuple[str, ...], budget: int) -> Any:
+    def arrange(self, rids: tuple[str, ...]) -> None:
         """An engine's step: `rids` must name exactly the requests vLLM's queues hold, in
-        their order under FCFS (else `SteeredStep`; `budget_unbound` judges the budget once
-        the step ran); under another policy (priority), whose order the model does not
-        predict, another order is run in vLLM's and counted (`reordered_steps`). Nothing is
-        set aside (None)."""
+        their order under FCFS (else `SteeredStep`); under another policy (priority), whose
+        order the model does not predict, another order is run in vLLM's and counted
+        (`reordered_steps`). Nothing is written: the check only reads the queues."""
         own = [r.request_id for queue in self.own_queues() for r in queue]
         if set(own) != set(rids) or len(own) != len(rids):
             missing, extra = sorted(set(rids) - set(own)), sorted(set(own) - set(rids))
             raise SteeredStep(
                 f"step over {list(rids)}: vLLM's queues hold {own} (named but not held: {missing}; "
-                f"held but not named: {extra}); an engine's step schedules every request it holds "
-                "(a directed target, vllm-directed, runs a step over some of them)"
+                f"held but not named: {extra}); an engine's step schedules every request it holds"
             )
         if own != list(rids):
             if self.sched.policy.value == "fcfs":  # FCFS order is the model's (`model.policy.queues`)
                 raise SteeredStep(
                     f"step over {list(rids)}: vLLM's queues hold them as {own} (running, holding, "
                     "waiting); an engine's step takes its own order (after a step, the queues it left "
-                    "are judged against the model's: model.policy.queues); a directed target (vllm-directed) "
-                    "runs a step in any order"
+                    "are judged against the model's: model.policy.queues)"
                 )
             self.reordered_steps += 1  # another policy's order: vLLM's (the model predicts FCFS only)
-        return None
 
     def budget_unbound(self, budget: int, scheduled: int) -> None:
         """A step's `budget` is the engine's own where it did not bind: the engine, built with
@@ -353,9 +298,6 @@ class RealStepScheduler:
             f"(Config.max_num_batched_tokens), scheduled {scheduled}, so the two budgets give "
             "different steps; a trace's step states the built budget, or one that does not bind"
         )
-
-    def put_back(self, aside: Any) -> None:
-        """The requests `arrange` set aside, back in their queues (an engine's step: none)."""
 
     def queues_left(self, named: set[str]) -> Queues:
         """The queues `schedule()` left, front to back, restricted to the step's requests
@@ -511,73 +453,6 @@ class RealStepScheduler:
     def take_events(self) -> list[Any]:
         """The KV events `update_from_output` published, then those still in the manager."""
         return [*self.capture.take(), *self.s.manager.take_events()]
-
-
-class Steered:
-    """The directed driver's steering, mixed in before a step scheduler (`RealStepScheduler`
-    or a subclass): a step's queues hold exactly the requests it names, in its order, with
-    its budget, and `Preempt` preempts one running request. Every write it makes to vLLM's
-    scheduler is named in `STEERING` (see the module docstring)."""
-
-    sched: Any
-    m: dict[str, Any]
-    s: VllmSession
-    steered_steps: int
-    settle: Callable[[str], None]
-    after_preempt: Callable[[str], None]
-    own_queues: Callable[[], tuple[list[Any], list[Any], list[Any]]]
-
-    def arrange(self, rids: tuple[str, ...], budget: int) -> Any:
-        """The scheduler's queues hold exactly `rids` (running ones in `running`, those
-        holding blocks in `kv_holding_waiting`, the others in `waiting`, each in `rids`
-        order) and its budget is `budget`; returns the requests set aside, per queue."""
-        sched, running_status = self.sched, self.s.v["RequestStatus"].RUNNING
-        named = set(rids)
-        reqs = [self.s.requests[r] for r in rids]
-        own_running, own_holding, own_waiting = self.own_queues()
-        has_holding = hasattr(sched, "kv_holding_waiting")
-        running = [r for r in reqs if r.status == running_status]
-        holding = [r for r in reqs if r in own_holding]
-        waiting = [r for r in reqs if r.status != running_status and r not in own_holding]
-        aside = tuple(
-            [r for r in q if r.request_id not in named] for q in (own_running, own_holding, own_waiting)
-        )
-        if [own_running, own_holding, own_waiting] != [running, holding, waiting]:
-            self.steered_steps += 1
-        sched.running = list(running)
-        sched.waiting = self._queue(waiting)
-        if has_holding:
-            sched.kv_holding_waiting = self._queue(holding)
-        sched.max_num_scheduled_tokens = budget
-        return aside
-
-    def put_back(self, aside: Any) -> None:
-        """The requests `arrange` set aside, behind the step's own in their queues."""
-        sched = self.sched
-        aside_running, aside_holding, aside_waiting = aside
-        sched.running.extend(aside_running)
-        for r in aside_waiting:
-            sched.waiting.add_request(r)
-        for r in aside_holding:
-            sched.kv_holding_waiting.add_request(r)
-
-    def preempt(self, req: Any) -> None:
-        """Preempt a running request as `Scheduler.reset_prefix_cache(reset_running_requests=True)`
-        does: out of `running`, then `Scheduler._preempt_request`."""
-        self.settle(req.request_id)
-        self.sched.running.remove(req)
-        self.sched._preempt_request(req, time.monotonic())
-        self.after_preempt(req.request_id)
-
-    def _queue(self, requests: Iterable[Any]) -> Any:
-        queue = self.m["create_request_queue"](self.sched.policy)
-        for r in requests:
-            queue.add_request(r)
-        return queue
-
-
-class DirectedStepScheduler(Steered, RealStepScheduler):
-    """`RealStepScheduler` steered (`Steered`): the "vllm-directed" target's driver."""
 
 
 def observe(

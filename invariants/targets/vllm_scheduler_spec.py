@@ -44,7 +44,7 @@ from model.contract.observation import StepResult
 from model.contract.ops import Sample
 
 from .base import TargetCrash
-from .vllm_scheduler_drive import RealStepScheduler, Steered
+from .vllm_scheduler_drive import RealStepScheduler
 
 
 class SpecStepScheduler(RealStepScheduler):
@@ -139,7 +139,3 @@ class SpecStepScheduler(RealStepScheduler):
             return []
         verified = out.scheduled_spec_decode_tokens.get(rid, ())
         return [*verified[: self.accepted.pop(rid, 0)], self.samples.pop(rid)]
-
-
-class DirectedSpecStepScheduler(Steered, SpecStepScheduler):
-    """`SpecStepScheduler` steered (`Steered`): the directed target's driver with lookahead slots."""

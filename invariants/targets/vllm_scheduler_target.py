@@ -13,7 +13,7 @@ read by the same snapshot, partial-state and hash-naming parts as "vllm-manager"
 | `Step`, `Schedule` | `update_from_output` of the previous step, then `Scheduler.schedule` over vLLM's own queues with the built budget (`RealStepScheduler.step`; another set of requests or budget is refused) |
 | `Sample` | the token (and accepted drafts) of the step's synthetic `ModelRunnerOutput`; its drafts go to `update_draft_token_ids` |
 | `Finish` | `Scheduler.finish_requests(rid, FINISHED_ABORTED)` |
-| `Preempt` | refused (no client can ask it); on "vllm-directed", `Scheduler._preempt_request`, as `reset_prefix_cache(reset_running_requests=True)` preempts |
+| `Preempt` | refused (no client can ask it: vLLM preempts under pool pressure) |
 | `ResetPrefixCache` | `Scheduler.reset_prefix_cache()` |
 | `Offer`, `Save` | kvretain's connector's script (`vllm_connector`) |
 | `Loaded`, `Saved` | `update_from_output` with no request's share and the worker's `KVConnectorOutput`; a sync load's failed blocks, with the output of the step that ran it (`RealStepScheduler.report_step`) |
@@ -24,16 +24,12 @@ them) and then the manager (`RealStepScheduler.take_events`).
 
 "vllm" acts only as an engine core and a client do: every `Step` is the
 engine's own (`TargetFeatures.engine_steps`: it names every request vLLM holds,
-with the budget built from `Config.max_num_batched_tokens`), and nothing of the
-scheduler is written after construction. `VllmDirectedTarget`
-("vllm-directed") is the same engine steered as kvretain's traces were written
-before: a step over any requests with any budget, a `Preempt` of one request
-(`vllm_scheduler_drive.Steered`, every write named in `STEERING`); its summary
-counts the steps whose queues it rewrote. A configuration stating no budget
-(`max_num_batched_tokens` 0: the traces and tests written before the engine
-decided every step) is driven directed on "vllm" too, and says so
-(`engine_settings`, the rewritten steps counted); the fuzzer draws a budget for
-every example (`invariants.harness.machine.engine_caps`).
+with the budget built from `Config.max_num_batched_tokens`, or a budget that
+does not bind), and nothing of the scheduler is written after construction
+(tests/test_steering_ledger.py reads the adapters' source for a write). A
+configuration stating no budget is built with `max_model_len` tokens a step,
+which no step reaches; the fuzzer draws a budget for every example
+(`invariants.harness.machine.engine_caps`).
 
 Speculative decoding: a configuration with lookahead slots builds the scheduler
 with a `SpeculativeConfig` (Eagle/MTP, or a draft model) and is driven by
@@ -51,7 +47,6 @@ placeholders), which the model states as async scheduling's semantics
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from invariants.shadow import QUEUES, ShadowConnector, ShadowWorker, WorkerGroup, queue_problems
@@ -74,8 +69,8 @@ from .base import TargetCrash, TargetFeatures
 from .vllm_capabilities import Capabilities
 from .vllm_drive import OpDriver
 from .vllm_scheduler_build import build_scheduler, scheduler_modules
-from .vllm_scheduler_drive import DirectedStepScheduler, RealStepScheduler
-from .vllm_scheduler_spec import DirectedSpecStepScheduler, SpecStepScheduler
+from .vllm_scheduler_drive import RealStepScheduler
+from .vllm_scheduler_spec import SpecStepScheduler
 from .vllm_snapshot import EventTranslator, SnapshotReader
 from .vllm_target import VLLM_EVENT_PROFILE, VllmManagerTarget
 
@@ -297,11 +292,6 @@ class VllmSchedulerTarget(VllmManagerTarget):
         (`Config.max_num_batched_tokens` 0) is built with `build_budget`'s."""
         return SpecStepScheduler if config.num_lookahead_tokens else RealStepScheduler
 
-    def directed(self) -> None:
-        """This target's steps are directed (`TargetFeatures.engine_steps` off for it)."""
-        # This instance's features: the class states what a configuration with a budget gets.
-        self.features = replace(type(self).features, engine_steps=False)  # type: ignore[misc]
-
     def shadow_worker(self) -> ShadowWorker | None:
         """The shadow worker that follows this scheduler's outputs, as the model runner
         vLLM pairs with it (`use_v2_model_runner`), with a KV connector's side
@@ -367,9 +357,7 @@ class VllmSchedulerTarget(VllmManagerTarget):
             _setting("watermark", getattr(sc, "watermark", None), 0.0),
             _setting("policy", sc.policy, "fcfs"),
             self.batch_caps_setting(),
-            "steps: vLLM's own, nothing written to the scheduler"
-            if self.features.engine_steps
-            else "steps: directed (kvretain writes the queues and budget)",
+            "steps: vLLM's own, nothing written to the scheduler",
         ]
         if spec is not None and hasattr(spec, "disable_lookahead_block_hashes"):
             lines.append(
@@ -383,8 +371,6 @@ class VllmSchedulerTarget(VllmManagerTarget):
 
     def batch_caps_setting(self) -> str:
         """The batch caps as built: the engine's steps run under them."""
-        if not self.features.engine_steps:
-            return "directed: each step's budget is kvretain's (written to the scheduler)"
         sc = self.vllm_scheduler.scheduler_config
         budget = self.vllm_scheduler.max_num_scheduled_tokens
         if budget >= self.config.max_model_len:
@@ -395,7 +381,6 @@ class VllmSchedulerTarget(VllmManagerTarget):
         shadow = self.steps.shadow
         figures = {
             "queue checks": self.queue_checks,
-            "steps whose queues kvretain rewrote": self.steps.steered_steps,
             "steps whose queue order vLLM held otherwise": self.steps.reordered_steps,
         }
         if shadow is not None:
@@ -455,17 +440,3 @@ def _setting(name: str, value: object, default: object) -> str:
     if value is None:
         return ""
     return f"{name}={value}" + ("" if value == default else f" (not vLLM's default, {default})")
-
-
-class VllmDirectedTarget(VllmSchedulerTarget):
-    """vLLM's real `Scheduler` steered by kvretain's directed steps ("vllm-directed"): a
-    `Step` over any of its requests with any budget, a `Preempt` of one running request
-    (`vllm_scheduler_drive.Steered`; every write named in `STEERING`). The traces and
-    tests written before the engine decided every step run here; the summary counts the
-    steps whose queues it rewrote."""
-
-    name = "vllm-directed"
-    features = TargetFeatures(partial=True, fine_mamba=True, real_scheduler=True, connector=True, queues=True)
-
-    def stepper(self, config: Config) -> type[RealStepScheduler]:
-        return DirectedSpecStepScheduler if config.num_lookahead_tokens else DirectedStepScheduler
