@@ -751,23 +751,23 @@ def test_plain_vllm_target_refuses_a_connector() -> None:
 
 
 def reserve_trace() -> list[Op]:
-    """An async load while a prefill is in flight (8 of 24 tokens in 2 blocks of 8
-    usable): the load's 3 blocks fit the 6 free ones, not the 2 left once the 4
-    the prefill still needs are reserved, so it is not admitted."""
+    """An async load while a prefill is in flight (on `SHARED_CUT` with 9 blocks: r0's
+    first chunk, 8 of 24 tokens in 2 blocks of 8 usable, then r1 in the same step): the
+    load's 3 blocks fit the 6 free ones, not the 2 left once the 4 the prefill still
+    needs are reserved, so it is not admitted."""
     return [
         AddRequest("r0", tuple(range(100, 124))),
-        Step(("r0",), 8),
         AddRequest("r1", PROMPT),
         Offer("r1", 13, "async"),
-        Step(("r1",), 64),
+        Step(("r0", "r1"), 64),
     ]
 
 
 def test_async_load_leaves_in_flight_prefills_their_blocks() -> None:
-    m = AllocatorModel(FULL.with_(num_blocks=9))
+    m = AllocatorModel(SHARED_CUT.with_(num_blocks=9))
     obs = [m.apply(op) for op in reserve_trace()]
     r = own(obs[-1], "r1")
     assert (r.admitted, r.external, m.requests["r1"].load) == (False, 0, "")
-    m2 = AllocatorModel(FULL.with_(num_blocks=10))
+    m2 = AllocatorModel(SHARED_CUT.with_(num_blocks=10))
     obs = [m2.apply(op) for op in reserve_trace()]
     assert own(obs[-1], "r1").external == 12
