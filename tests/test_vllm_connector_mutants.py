@@ -1,6 +1,7 @@
 """Negative controls of the connector checks: each connector mutant of vLLM's scheduler
 (`invariants.zoo.mutants_scheduler`) is caught on a trace the unmutated scheduler passes,
-and every one of them is in the zoo."""
+on engine steps (each names every request vLLM holds; chunks come from the configuration
+built), and every one of them is in the zoo."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from drive import Drive
 from test_vllm_connector import (
     FULL,
     FULL_SWA,
+    SHARED_CUT,
+    SYNC_CUT,
     invalid_ops,
     needs_vllm,
     reserve_trace,
@@ -59,16 +62,18 @@ def test_connector_mutant_is_caught(name: str) -> None:
     trace the unmutated scheduler passes."""
     from invariants.zoo.mutants_scheduler import activate
 
-    cfg, ops = (FULL.with_(num_blocks=9), reserve_trace()) if "reserve" in name else (FULL_SWA, trace_ops())
+    reserve = SHARED_CUT.with_(num_blocks=9)  # r0's first chunk in flight beside r1's load
+    cfg, ops = (reserve, reserve_trace()) if "reserve" in name else (FULL_SWA, trace_ops())
     if "save" in name:
         ops = save_ops()
     if "invalid" in name:
         cfg, ops = FULL, invalid_ops()
     if name.startswith("shared_"):
-        cfg, ops = FULL, shared_invalid_ops()
+        cfg, ops = SHARED_CUT, shared_invalid_ops()
     if name.startswith("sync_"):
         policy = "fail" if "fail" in name else "recompute"
-        cfg, ops = FULL.with_(kv_load_failure_policy=policy), sync_invalid_ops(policy)  # type: ignore[arg-type]
+        built = SYNC_CUT if policy == "recompute" else FULL  # the configurations vLLM passes them on
+        cfg, ops = built.with_(kv_load_failure_policy=policy), sync_invalid_ops(policy)  # type: ignore[arg-type]
 
     # `attempt`: the mutant may change a request's state under the trace (invalid).
     assert Drive(cfg).attempt(*ops).found == []
