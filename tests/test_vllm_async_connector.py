@@ -51,15 +51,18 @@ FINISH_IN_FLIGHT: list[Op] = [
     AddRequest("r2", (9, 8)),
     Step(("r2",), 8),
 ]
-# r1's decode does not fit; the request it would preempt (itself) ran in the step in flight:
-# vLLM preempts nobody and r1 waits its turn.
+# r2 decodes and r1 is admitted into the last blocks; r2's next decode does not fit, and the
+# request vLLM would preempt (r1, the last running) ran in the step in flight: vLLM preempts
+# nobody and both wait their turn.
 FENCED_VICTIM: list[Op] = [
-    AddRequest("r2", (7, 8, 9, 10)),
+    AddRequest("r2", (7, 8, 9)),
     Step(("r2",), 8),
+    Sample("r2", 11),
     AddRequest("r1", (1, 2, 3, 4, 5, 6)),
-    Step(("r1",), 8),
-    Sample("r1", 11),
-    Step(("r1",), 8),
+    Step(("r2", "r1"), 8),
+    Sample("r2", 12),
+    Sample("r1", 13),
+    Step(("r2", "r1"), 8),
 ]
 # A save's report processes the latest step's output first: r2's fenced free comes back then.
 REPORT_PROCESSES: list[Op] = [

@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 from drive import async_drive, async_violations, patched
-from test_async_scheduling_model import HELD
 
 from invariants.targets.vllm_env import vllm_available
 
@@ -39,7 +38,7 @@ from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTar
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
 from invariants.zoo.mutants_scheduler import ASYNC_SCHEDULER_MUTANTS, activate_async  # noqa: E402
 from model.contract.config import Config, GroupSpec  # noqa: E402
-from model.contract.ops import AddRequest, Finish, Op, Preempt, Sample, Step  # noqa: E402
+from model.contract.ops import AddRequest, Finish, Op, Preempt, Sample, Save, Saved, Step  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -52,9 +51,27 @@ FULL_SWA = Config(
 )
 
 R1 = ("r1",)
-# HELD (the model's own test): r1 decodes its placeholder position (step 2), then sits out
-# r2's step, so its step-2 output is held until its Sample: the token's arrival caches block [2, 4).
-# The same, with r1's token sampled before r2's step: it arrives when that step is scheduled.
+R01 = ("r0", "r1")
+# A connector's report processes the latest step's output with no step after it (the only
+# point, on engine steps, where a decoding request's token arrives and no allocation of
+# that request follows: a decoding request is scheduled in every step).
+FULL_CONN = FULL.with_(kv_connector=True)
+FULL_SWA_CONN = FULL_SWA.with_(kv_connector=True)
+# r1 decodes its placeholder position (step 2); its step-2 output is processed by r0's
+# save report, before any step: the token's arrival caches block [2, 4) (the model's own
+# test, `test_async_scheduling_model.HELD`, holds it while r1 sits out a directed step).
+HELD: list[Op] = [
+    AddRequest("r0", (9, 9, 9)),
+    AddRequest("r1", (1, 2, 3)),
+    Step(R01, 8),
+    Save("r0"),
+    Finish("r0"),
+    Sample("r1", 4),
+    Step(R1, 8),
+    Sample("r1", 5),
+    Saved("r0"),
+]
+# r1 decodes ahead; r2 joins, and r1's token 5 arrives once the step with r2 is scheduled.
 ASIDE: list[Op] = [
     AddRequest("r1", (1, 2, 3)),
     Step(R1, 8),
@@ -62,17 +79,35 @@ ASIDE: list[Op] = [
     Step(R1, 8),
     Sample("r1", 5),
     AddRequest("r2", (7,)),
-    Step(("r2",), 8),
+    Step(("r1", "r2"), 8),
 ]
-# A manual preemption with a token in flight (6), then the request resumes at once: its
-# admission caches block [4, 6), which holds that token (known again: stale output delivered).
-PREEMPT: list[Op] = [
-    AddRequest("r1", (1, 2, 3, 4)),
+# A preemption with a token in flight (6): r0's decode finds the pool short (PREEMPT_FULL: 5
+# usable blocks; PREEMPT_FULL_SWA: 10) and vLLM preempts r1, the last running request; r0
+# is aborted and r1 resumes: its admission caches block [4, 6), which holds that token.
+PREEMPT_FULL = FULL.with_(num_blocks=6)
+# r1 aborted with its token 5 in flight; r2's step processes that output (r1's share ignored).
+ABORT_IN_FLIGHT: list[Op] = [
+    AddRequest("r1", (1, 2, 3)),
+    Step(R1, 8),
+    Sample("r1", 4),
     Step(R1, 8),
     Sample("r1", 5),
-    Step(R1, 8),
+    Finish("r1"),
+    AddRequest("r2", (7,)),
+    Step(("r2",), 8),
+]
+PREEMPT_FULL_SWA = FULL_SWA.with_(num_blocks=11)
+PREEMPT: list[Op] = [
+    AddRequest("r0", (9, 8, 7)),
+    AddRequest("r1", (1, 2, 3, 4)),
+    Step(R01, 8),
+    Sample("r0", 10),
+    Sample("r1", 5),
+    Step(R01, 8),
+    Sample("r0", 11),
     Sample("r1", 6),
-    Preempt("r1"),
+    Step(R01, 8),
+    Finish("r0"),
     Step(R1, 8),
     Sample("r1", 7),
     Step(R1, 8),
@@ -143,6 +178,7 @@ SYNCHRONOUS_FORM: dict[str, tuple[str, Any]] = {
 }
 # The configuration each rule's trace runs on.
 CONFIG_FOR_RULE = {
+    "a token's arrival caches": FULL_SWA_CONN,
     "drafts fill k slots": SPEC_FULL,
     "a rejection counts until it arrives": SPEC_FULL,
     "accepted drafts are in flight": SPEC_FULL,
@@ -235,11 +271,11 @@ def test_steps_run_in_the_engine_cores_async_order() -> None:
 @pytest.mark.parametrize(
     "cfg, ops",
     [
-        (FULL, HELD),
+        (FULL_CONN, HELD),
         (FULL, ASIDE),
-        (FULL_SWA, HELD),
+        (FULL_SWA_CONN, HELD),
         (FULL_SWA, ASIDE),
-        (FULL_SWA, PREEMPT),
+        (PREEMPT_FULL_SWA, PREEMPT),
         (SPEC_FULL, DRAFTS),
         (SPEC_FULL_SWA, DRAFTS),
         (SPEC_EAGLE_SWA, DRAFTS),
@@ -261,18 +297,27 @@ def test_each_async_rule_of_the_model_is_needed(rule: str) -> None:
 
 
 def test_a_preempted_requests_in_flight_token_is_no_longer_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: a model that kept a preempted request's token in flight (no
-    `InFlight.forget`) would cap the resumed admission's caching below that token."""
-    assert async_violations(FULL, PREEMPT) == []
+    """Under pool pressure vLLM preempts r1 with its token in flight (`PREEMPT`); the token
+    is processed as stale and r1's resumed admission caches the block holding it: the model
+    agrees. On engine steps a preemption happens inside a step, whose output brings the stale
+    token at once, so no later step sees it in flight; an abort (`ABORT_IN_FLIGHT`) is the
+    input that leaves one behind. Negative control: a model that kept a preempted or
+    finished request's token in flight (no `InFlight.forget`) delivers it, at the next step,
+    to a request it no longer holds."""
+    d = async_drive(PREEMPT_FULL).do(*PREEMPT)
+    assert d.found == [] and d.preempted == ["r1"]
     monkeypatch.setattr(allocator.InFlight, "forget", lambda self, rid: None)
-    assert async_violations(FULL, PREEMPT) != []
+    assert async_violations(PREEMPT_FULL, PREEMPT) == []  # the preempting step's output took the token
+    with pytest.raises(KeyError, match="r1"):
+        async_violations(FULL, ABORT_IN_FLIGHT)
 
 
 def test_the_synchronous_model_disagrees_with_the_async_scheduler() -> None:
     class JudgedSynchronously(VllmAsyncSchedulerTarget):
         features = VllmSchedulerTarget.features
 
-    assert async_violations(FULL, HELD, JudgedSynchronously) != []
+    found = async_violations(FULL_CONN, HELD, JudgedSynchronously)
+    assert found and not any(v.check == "refused" for v in found), found
 
 
 # The trace (and configuration) on which each async mutant is caught.
@@ -281,12 +326,13 @@ MUTANT_TRACE: dict[str, tuple[Config, list[Op]]] = {
     "async_rejection_keeps_placeholders": (SPEC_FULL, DRAFTS),
     # Fenced frees (`model.machine.async_scheduling`, 6; `invariants.zoo.mutants_async_connector`).
     "fence_on_scheduled_step": (
-        FULL_SWA.with_(kv_connector=True),
+        FULL_SWA_CONN,
         [AddRequest("r1", (1, 2, 3, 4, 5)), Step(R1, 8), Finish("r1")],
     ),
+    # r1 aborted with its step in flight: its fenced blocks are due once r2's step is scheduled.
     "fenced_frees_one_step_late": (
-        FULL_SWA.with_(kv_connector=True),
-        [AddRequest("r1", (1, 2, 3, 4)), Step(R1, 8), Preempt("r1"), Step(R1, 8)],
+        FULL_SWA_CONN,
+        [AddRequest("r1", (1, 2, 3, 4)), Step(R1, 8), Finish("r1"), AddRequest("r2", (9, 8)), Step(("r2",), 8)],
     ),
 }
 
