@@ -127,15 +127,20 @@ DENSE = Config(
     max_model_len=4096,
     kv_connector=True,
 )
-# r1 sampled after its prompt, its next step, its second token (riding on that step's output).
-R1_DECODES: list[Op] = [Sample("r1", 8), Step(("r1",), 32), Sample("r1", 9)]
+# r1 sampled after its prompt, its next step (an engine's: every request held, `rids`), its
+# second token (riding on that step's output).
+def r1_decodes(rids: tuple[str, ...]) -> list[Op]:
+    return [Sample("r1", 8), Step(rids, 32), Sample("r1", 9)]
+
+
+
 REPORTS: dict[str, list[Op]] = {
     "loaded": [
         AddRequest("r1", (1, 2, 3, 4, 5, 6, 7)),
         AddRequest("r2", tuple(range(10, 20))),
         Offer("r2", 8, "async"),
         Step(("r1", "r2"), 32),
-        *R1_DECODES,
+        *r1_decodes(("r1", "r2")),  # r2 waits for its load
         Loaded("r2", True),
     ],
     "saved": [
@@ -144,7 +149,7 @@ REPORTS: dict[str, list[Op]] = {
         Step(("r0", "r1"), 32),
         Save("r0"),
         Finish("r0"),
-        *R1_DECODES,
+        *r1_decodes(("r1",)),
         Saved("r0"),
     ],
 }
