@@ -38,7 +38,7 @@ from invariants.targets.vllm_async_scheduler_target import VllmAsyncSchedulerTar
 from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget  # noqa: E402
 from invariants.zoo.mutants_scheduler import ASYNC_SCHEDULER_MUTANTS, activate_async  # noqa: E402
 from model.contract.config import Config, GroupSpec  # noqa: E402
-from model.contract.ops import AddRequest, Finish, Op, Preempt, Sample, Save, Saved, Step  # noqa: E402
+from model.contract.ops import AddRequest, Finish, Op, Sample, Save, Saved, Step  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -114,35 +114,46 @@ PREEMPT: list[Op] = [
     Finish("r1"),
 ]
 
-# Speculative decoding one step ahead (k = 2): drafts accepted and rejected, a proposal shorter
-# than k (its slot is a placeholder), a budget that cuts the drafts, a request sitting out a step
-# with its sample in flight, a manual preemption with drafts in flight, then a resumed decode.
+# Speculative decoding one step ahead (k = 2) on engine steps with a 6-token budget: drafts
+# accepted and rejected, a proposal shorter than k (its slot is a placeholder); r2 joins with a
+# 5-token prompt, chunked, and the budget cuts the drafts of its last chunk (step 12); the pool
+# runs short at step 18 and vLLM preempts r2 with its drafts in flight; r1 is aborted and r2
+# resumes and decodes. Each configuration's pool is the one that runs short there.
 SPEC_FULL = FULL.with_(num_lookahead_tokens=2, num_blocks=40)
 SPEC_FULL_SWA = FULL_SWA.with_(num_lookahead_tokens=2, num_blocks=48)
-SPEC_EAGLE_SWA = SPEC_FULL_SWA.with_(eagle=True)
+DRAFT_BUDGET = 6
+DRAFTS_FULL = SPEC_FULL.with_(max_num_batched_tokens=DRAFT_BUDGET, max_num_seqs=2, num_blocks=16)
+DRAFTS_FULL_SWA = SPEC_FULL_SWA.with_(max_num_batched_tokens=DRAFT_BUDGET, max_num_seqs=2, num_blocks=24)
+DRAFTS_EAGLE_SWA = DRAFTS_FULL_SWA.with_(eagle=True, num_blocks=26)
+R12 = ("r1", "r2")
 DRAFTS: list[Op] = [
     AddRequest("r1", (1, 2, 3)),
-    Step(R1, 8),
+    Step(R1, DRAFT_BUDGET),
     Sample("r1", 4, 0, (10, 11)),
-    Step(R1, 8),
+    Step(R1, DRAFT_BUDGET),
     Sample("r1", 5, 1, (12, 13)),
-    Step(R1, 8),
+    Step(R1, DRAFT_BUDGET),
     Sample("r1", 6, 0, (14,)),
-    Step(R1, 8),
+    Step(R1, DRAFT_BUDGET),
     Sample("r1", 7, 1, (15, 16)),
-    AddRequest("r2", (9,)),
-    Step(("r2",), 8),
-    Step(R1, 2),
+    AddRequest("r2", (9, 8, 7, 6, 5)),
+    Step(R12, DRAFT_BUDGET),
     Sample("r1", 8, 1, ()),
-    Step(R1, 8),
+    Step(R12, DRAFT_BUDGET),
     Sample("r1", 9, 0, (1, 2)),
-    Preempt("r1"),
-    Step(R1, 64),
-    Sample("r1", 3, 0, (1, 1)),
-    Step(R1, 8),
+    Sample("r2", 3, 0, (1, 1)),
+    Step(R12, DRAFT_BUDGET),
     Sample("r1", 4, 2, (5, 6)),
-    Step(R1, 8),
+    Sample("r2", 2, 1, (2, 3)),
+    Step(R12, DRAFT_BUDGET),
+    Sample("r1", 5, 1, (7, 8)),
     Finish("r1"),
+    Step(("r2",), DRAFT_BUDGET),
+    Sample("r2", 6, 0, (4,)),
+    Step(("r2",), DRAFT_BUDGET),
+    Sample("r2", 7, 1, (1, 2)),
+    Step(("r2",), DRAFT_BUDGET),
+    Finish("r2"),
 ]
 # r1's sample accepts both drafts (tokens 10, 11 ride in flight with 5); r2, admitted in the
 # step that decodes r1 ahead, must not hit the block [10, 11]: it is cached only on arrival.
@@ -179,8 +190,8 @@ SYNCHRONOUS_FORM: dict[str, tuple[str, Any]] = {
 # The configuration each rule's trace runs on.
 CONFIG_FOR_RULE = {
     "a token's arrival caches": FULL_SWA_CONN,
-    "drafts fill k slots": SPEC_FULL,
-    "a rejection counts until it arrives": SPEC_FULL,
+    "drafts fill k slots": DRAFTS_FULL,
+    "a rejection counts until it arrives": DRAFTS_FULL,
     "accepted drafts are in flight": SPEC_FULL,
 }
 # A trace on which each rule decides the verdict (FULL_SWA: a window of 2 tokens).
@@ -276,9 +287,9 @@ def test_steps_run_in_the_engine_cores_async_order() -> None:
         (FULL_SWA_CONN, HELD),
         (FULL_SWA, ASIDE),
         (PREEMPT_FULL_SWA, PREEMPT),
-        (SPEC_FULL, DRAFTS),
-        (SPEC_FULL_SWA, DRAFTS),
-        (SPEC_EAGLE_SWA, DRAFTS),
+        (DRAFTS_FULL, DRAFTS),
+        (DRAFTS_FULL_SWA, DRAFTS),
+        (DRAFTS_EAGLE_SWA, DRAFTS),
         (SPEC_FULL, ACCEPTED_AHEAD),
         (SPEC_FULL_SWA, ACCEPTED_AHEAD),
     ],
@@ -323,7 +334,7 @@ def test_the_synchronous_model_disagrees_with_the_async_scheduler() -> None:
 # The trace (and configuration) on which each async mutant is caught.
 MUTANT_TRACE: dict[str, tuple[Config, list[Op]]] = {
     "arrival_caches_in_flight_tokens": (FULL, ASIDE),
-    "async_rejection_keeps_placeholders": (SPEC_FULL, DRAFTS),
+    "async_rejection_keeps_placeholders": (DRAFTS_FULL, DRAFTS),
     # Fenced frees (`model.machine.async_scheduling`, 6; `invariants.zoo.mutants_async_connector`).
     "fence_on_scheduled_step": (
         FULL_SWA_CONN,
@@ -360,7 +371,7 @@ def test_the_history_follows_draft_slots_one_step_ahead() -> None:
     positions from what it scheduled: k slots under async scheduling, however many drafts
     were proposed, so its computed tokens stay the model's (a shorter count once made
     step_blocks_stay_held report blocks past the request's real position)."""
-    d = async_drive(SPEC_FULL)
+    d = async_drive(DRAFTS_FULL)
     checker = d.checker
     for op in DRAFTS[:-1]:
         assert d.do(op).found == []
