@@ -127,11 +127,12 @@ DENSE = Config(
     max_model_len=4096,
     kv_connector=True,
 )
+
+
 # r1 sampled after its prompt, its next step (an engine's: every request held, `rids`), its
 # second token (riding on that step's output).
 def r1_decodes(rids: tuple[str, ...]) -> list[Op]:
     return [Sample("r1", 8), Step(rids, 32), Sample("r1", 9)]
-
 
 
 REPORTS: dict[str, list[Op]] = {

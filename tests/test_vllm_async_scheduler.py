@@ -343,7 +343,13 @@ MUTANT_TRACE: dict[str, tuple[Config, list[Op]]] = {
     # r1 aborted with its step in flight: its fenced blocks are due once r2's step is scheduled.
     "fenced_frees_one_step_late": (
         FULL_SWA_CONN,
-        [AddRequest("r1", (1, 2, 3, 4)), Step(R1, 8), Finish("r1"), AddRequest("r2", (9, 8)), Step(("r2",), 8)],
+        [
+            AddRequest("r1", (1, 2, 3, 4)),
+            Step(R1, 8),
+            Finish("r1"),
+            AddRequest("r2", (9, 8)),
+            Step(("r2",), 8),
+        ],
     ),
 }
 
@@ -380,6 +386,22 @@ def test_the_history_follows_draft_slots_one_step_ahead() -> None:
 
 
 PADDED = "vllm-mamba-padded-admission-null-state"
+COW = "vllm-cow-copy-of-same-step-block"
+
+
+def cow_on_engine_steps(trace: Any) -> Any:
+    """`COW`'s recorded trace on the engine's own steps: it computes r1's prompt in two
+    directed 3-token chunks and leaves r1 out of r7 and r8's step; an engine computes r1's
+    prompt in one step, r1 is aborted, and one step admits r7 and r8 (the same copy of a
+    block its step allocated, `copies_sound`)."""
+    from dataclasses import replace
+
+    from model.policy.scheduling import build_budget
+
+    add_r1, _, _, add_r7, add_r8, _ = trace.ops
+    budget = build_budget(trace.config)
+    ops = [add_r1, Step(R1, budget), Finish("r1"), add_r7, add_r8, Step(("r7", "r8"), budget)]
+    return replace(trace, ops=ops)
 
 
 def test_known_findings_reproduce_through_the_async_scheduler() -> None:
@@ -393,7 +415,8 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
     admission's null Mamba column (`PADDED`) is recorded as the synchronous engine's own
     steps: one step ahead, the AsyncScheduler schedules the placeholder drafts again after
     the sample (no one-token step follows it), so that trace runs clean there (a directed
-    one-token budget reached it)."""
+    one-token budget reached it). The same-step CoW copy (`COW`) is recorded with directed
+    steps: it is replayed on the engine's own (`cow_on_engine_steps`)."""
     from dataclasses import replace
 
     from invariants.harness.known_findings import explain, load_known_findings, target_version
@@ -409,6 +432,8 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
         trace = f.trace
         if trace.config.eagle and not trace.config.num_lookahead_tokens:
             trace = replace(trace, config=trace.config.with_(num_lookahead_tokens=1))
+        if f.id == COW:
+            trace = cow_on_engine_steps(trace)
         if f.id == "swa-load-cut-reads-skipped-window":
             with pytest.raises(TraceError, match="awaiting its sample|no other request holds"):
                 replay(trace, "vllm-async-scheduler")
@@ -427,7 +452,7 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
         assert any(explain("vllm-async-scheduler", v) is f for _, v in result.known), f.id
         assert result.clean, (f.id, result.violations[:1])
         (connector if f.trace.config.kv_connector else ran).append(f.id)
-    assert {"vllm-blockstored-token-range", "eagle-swa-short-run-double-pop"} <= set(ran)
+    assert {"vllm-blockstored-token-range", "eagle-swa-short-run-double-pop", COW} <= set(ran)
     assert set(connector) == {
         "swa-load-cut-reads-skipped-window",
         "vllm-mamba-external-state-uncounted",
