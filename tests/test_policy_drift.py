@@ -207,7 +207,7 @@ def test_a_contract_break_is_a_defect() -> None:
 @needs_vllm
 @pytest.mark.vllm
 def test_fuzz_and_replay_report_drift_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A short fuzz run of the engine's own steps under `preempted_to_back` (a preempted
+    """A short fuzz run of the engine's own steps under `preempted_to_queue_back` (a preempted
     request queued behind the waiting ones, every contract kept): POLICY DRIFT (exit 4), no
     violation, the drift's trace written; the JSON row's `policy_drift` field; declared:
     exit 0; the trace replays as drift under the mutant and clean on vLLM."""
@@ -224,7 +224,7 @@ def test_fuzz_and_replay_report_drift_apart(tmp_path: Path, monkeypatch: pytest.
         identities: frozenset[str] = frozenset()
 
     strategy = config_strategy("scheduler", allow_pinning=False, allow_fine=True, real_scheduler=True)
-    with activate("preempted_to_back") as factory:
+    with activate("preempted_to_queue_back") as factory:
         report = run_fuzz(
             "vllm",
             factory=Anonymous,

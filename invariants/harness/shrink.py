@@ -120,8 +120,11 @@ def _without(ops: list[Op], rids: set[str]) -> list[Op]:
 
 
 def _cut_prompt(op: AddRequest, k: int) -> AddRequest:
-    """`op` with its first `k` prompt tokens, its multimodal items kept within them."""
-    mm = tuple((ident, off, min(length, k - off)) for ident, off, length in op.mm if off < k)
+    """`op` with its first `k` prompt tokens and the multimodal items wholly within them: an
+    item is never cut short (its identifier, a content hash, fixes its length; a shorter
+    item under the same identifier is an input no engine gets, which vLLM's encoder cache
+    treats as the same content)."""
+    mm = tuple((ident, off, length) for ident, off, length in op.mm if off + length <= k)
     return replace(op, prompt=op.prompt[:k], mm=mm)
 
 

@@ -111,19 +111,6 @@ def preempt_oldest(stack: contextlib.ExitStack, sched: Any) -> None:
     _set(stack, sched, "schedule", schedule)
 
 
-@mutant("preempted_to_back")
-def preempted_to_back(stack: contextlib.ExitStack, sched: Any) -> None:
-    """A preempted request goes to the back of the waiting queue (`add_request`) instead of
-    its front (`prepend_request`): a queue-order policy of its own, every contract kept."""
-    _rewrite(
-        stack,
-        sched,
-        "_preempt_request",
-        "self.waiting.prepend_request(request)",
-        "self.waiting.add_request(request)",
-    )
-
-
 @mutant("in_flight_tokens_not_settled")
 def in_flight_tokens_not_settled(stack: contextlib.ExitStack, sched: Any) -> None:
     """`update_from_output` forgets `request.num_in_flight_tokens -= num_tokens_scheduled`:
