@@ -300,3 +300,27 @@ def test_a_step_the_engine_would_not_take_is_refused_not_steered() -> None:
     assert checks(add, Step(("a",), 64)) == ["refused"]  # 64 would have scheduled all 9
     assert checks(add, Step(("a",), 2)) == ["refused"]  # 2 would have cut the chunk of 4
     assert checks(add, AddRequest("b", (1, 2)), Step(("a",), 4)) == ["refused"]  # b held, not named
+
+
+@pytest.mark.vllm
+def test_a_budget_on_the_other_side_of_a_mamba_block_is_refused() -> None:
+    """vLLM's Mamba split compares the aligned block with the step budget itself: a budget
+    narrower than the block where the built one is wider gives another split even when it
+    does not bind, so it is refused. Control: a budget as wide as the block runs."""
+    from invariants.harness.checker import Checker
+    from invariants.targets.vllm_env import vllm_available
+    from model.contract.config import Config, GroupSpec
+    from model.contract.ops import AddRequest, Step
+
+    if not vllm_available()[0]:
+        pytest.skip(f"vllm target: {vllm_available()[1]}")
+    from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
+
+    cfg = Config((GroupSpec("full", 8), GroupSpec("mamba", 8)), 16, max_num_batched_tokens=64)
+
+    def checks(budget: int) -> list[str]:
+        checker = Checker(VllmSchedulerTarget(cfg))
+        return [v.check for op in (AddRequest("a", (1, 2, 3)), Step(("a",), budget)) for v in checker.step(op)]
+
+    assert checks(4) == ["refused"]  # 3 tokens fit 4, but the 8-token block is wider than 4, not 64
+    assert checks(8) == []

@@ -289,9 +289,19 @@ class RealStepScheduler:
         """A step's `budget` is the engine's own where it did not bind: the engine, built with
         its budget, scheduled `scheduled` tokens, which is the step the trace states iff
         neither budget cut it (`scheduled <= budget`, and below the built budget where the
-        trace's is larger). Else `SteeredStep`: the trace asks a budget the engine does not have."""
+        trace's is larger), and where each aligned Mamba block is no wider than both budgets or
+        wider than both (`_mamba_block_aligned_split` compares the block with the step budget).
+        Else `SteeredStep`: the trace asks a budget the engine does not have."""
         built = self.sched.max_num_scheduled_tokens
-        if budget == built or scheduled < min(budget, built) or (budget < built and scheduled == budget):
+        # The Mamba split also reads the step budget itself: a block no wider than it aligns
+        # the chunk, a wider one runs sub-block. The two budgets must agree on each block.
+        split = all(
+            (g.block_size <= budget) == (g.block_size <= built)
+            for g in self.s.config.groups
+            if g.kind == "mamba" and g.mamba_cache_mode == "align"
+        )
+        unbound = scheduled < min(budget, built) or (budget < built and scheduled == budget)
+        if budget == built or (unbound and split):
             return
         raise SteeredStep(
             f"step with budget {budget}: the scheduler, built with {built} tokens a step "
