@@ -320,7 +320,9 @@ def test_a_budget_on_the_other_side_of_a_mamba_block_is_refused() -> None:
 
     def checks(budget: int) -> list[str]:
         checker = Checker(VllmSchedulerTarget(cfg))
-        return [v.check for op in (AddRequest("a", (1, 2, 3)), Step(("a",), budget)) for v in checker.step(op)]
+        return [
+            v.check for op in (AddRequest("a", (1, 2, 3)), Step(("a",), budget)) for v in checker.step(op)
+        ]
 
     assert checks(4) == ["refused"]  # 3 tokens fit 4, but the 8-token block is wider than 4, not 64
     assert checks(8) == []
