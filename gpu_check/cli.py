@@ -7,21 +7,24 @@ reported in one line.
 
 `kvretain` finds this module through the `kvretain.commands` entry point
 (pyproject.toml): `add_parser` gives it the subcommand and `verify_row` the row
-of `kvretain verify`, and invariants/ never imports gpu_check/.
+of `kvretain verify`, and invariants/ never imports gpu_check/. Registering
+the subcommand imports no torch (every `kvretain` command builds the parser):
+the model and its runner are imported when `gpu-check` runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpu_check.forward_pass import GPU_CHECK_LOOP
-from gpu_check.runner import CheckReport, default_config, default_modes, run_check
 from gpu_check.targets import TARGET_NAMES, target_factory
 from gpu_check.workload import make_workload
 from invariants.targets.base import TargetUnavailable
 from model.contract.config import Config, ConfigError, GroupSpec
+
+if TYPE_CHECKING:
+    from gpu_check.runner import CheckReport
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -81,6 +84,9 @@ def _blocks_for(base: Config, tokens: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpu_check.forward_pass import GPU_CHECK_LOOP
+    from gpu_check.runner import default_config, default_modes, run_check
+
     quick = bool(args.quick)
     sessions = args.sessions if args.sessions is not None else (4 if quick else 12)
     if sessions < 1:

@@ -317,6 +317,24 @@ def test_gpu_check_imports_do_not_import_triton() -> None:
     assert proc.stdout.strip() == "False"
 
 
+def test_the_command_line_imports_torch_only_when_gpu_check_runs() -> None:
+    """Every `kvretain` command builds the parser, gpu-check's subcommand included: that
+    imports no torch (2-3 s of CPU in each command that never needs it). Control: what
+    gpu-check runs does import it, so the probe would see it."""
+    proc = _run_py(
+        """
+        import sys
+        from invariants.cli.main import build_parser
+        build_parser().parse_args(["gpu-check", "--quick"])
+        print("torch" in sys.modules)
+        import gpu_check.runner  # noqa
+        print("torch" in sys.modules)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]
+
+
 def test_triton_kernel_under_interpreter_matches_torch_and_is_invariant() -> None:
     pytest.importorskip("triton")
     proc = _run_py(
