@@ -398,9 +398,9 @@ def ended_with(order: tuple[str, ...]) -> tuple[LoadCut, tuple[int, ...]]:
     ops = fail_holders_ops()
     apply_all(m, ops[: loaded_at(ops)])
     seen.choose_end_order(order)
-    seen = m.apply(ops[loaded_at(ops)])
-    assert isinstance(seen, LoadCut)
-    return seen, m.snapshot().free_queue
+    cut = m.apply(ops[loaded_at(ops)])
+    assert isinstance(cut, LoadCut)
+    return cut, m.snapshot().free_queue
 
 
 def test_fail_ends_every_holder_in_the_order_chosen() -> None:
@@ -483,7 +483,7 @@ def test_the_order_vllm_ends_them_in_follows_string_hashing() -> None:
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[1])
-    orders = set()
+    orders: set[str] = set()
     for seed in ("0", "1", "2", "3"):
         if len(orders) > 1:
             break  # two orders seen (seeds 0 and 1 differ on vLLM 0.33.0): each costs a vLLM import
