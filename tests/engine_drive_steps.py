@@ -12,6 +12,8 @@ pool preempts instead of a `Preempt`.
 - `engine_step`: that step, with the built budget.
 - `engine_steps`: `n` of them, each after a sample for every request awaiting one (the
   tokens 1, 2, 3 in turn, as `Drive.steps` samples).
+- `draft_steps`: the same on a speculating engine, each sample accepting and proposing
+  drafts as a plan states.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from drive import Drive
 
 from model.contract.ops import Sample, Step
 from model.policy.scheduling import build_budget
+from model.policy.spec_decode import acceptable
 
 
 def engine_rids(d: Drive) -> tuple[str, ...]:
@@ -41,5 +44,21 @@ def engine_steps(d: Drive, n: int = 1) -> Drive:
             if model.requests[rid].awaits_sample:
                 d.token = d.token % 3 + 1
                 d.do(Sample(rid, d.token))
+        engine_step(d)
+    return d
+
+
+def draft_steps(d: Drive, n: int, plan: list[tuple[int, tuple[int, ...]]]) -> Drive:
+    """`n` engine steps of a speculating engine; before each, every request that awaits a
+    sample takes the next `(accepted, drafts)` of `plan` (consumed from the front; none left:
+    no drafts), accepting at most the acceptable drafts its step verified."""
+    for _ in range(n):
+        model = d.checker.model
+        for rid in engine_rids(d):
+            r = model.requests[rid]
+            if r.awaits_sample:
+                accepted, drafts = plan.pop(0) if plan else (0, ())
+                d.token = d.token % 3 + 1
+                d.do(Sample(rid, d.token, min(accepted, acceptable(r.verifying)), drafts))
         engine_step(d)
     return d

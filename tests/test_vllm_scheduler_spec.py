@@ -2,10 +2,11 @@
 
 The model's contract (`model.policy.spec_decode`): drafts scheduled and verified,
 one-token admissions padded with placeholder drafts, rejected drafts rolled
-back, blocks cached at the sample; the operation's JSON form. Scripted traces
-(Eagle and draft model, drafts accepted in full, in part and not at all, cut
-by the budget, padding, preemption) must give the model's observation and
-snapshot after every operation; a short generated run is clean. A Mamba group
+back, blocks cached at the sample; the operation's JSON form. Scripted traces of
+engine steps (Eagle and draft model, drafts accepted in full, in part and not at all,
+cut by the budget the engine was built with, padding, preemption under pool pressure)
+must give the model's observation and snapshot after every operation; a short
+generated run is clean. A Mamba group
 keeps its draft state blocks (`model.contract.mamba`). Negative controls: the zoo's
 speculative-decoding mutants of vLLM's scheduler are each
 caught on a trace the unmutated scheduler passes; drafts the target cannot
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from drive import Drive, check_contexts
+from engine_drive_steps import draft_steps, engine_step
 
 from invariants.catalogue import CheckContext
 from invariants.harness.checker import Checker, InvalidOp, Violation
@@ -29,7 +31,7 @@ from invariants.targets.model_target import ModelTarget
 from invariants.targets.vllm_env import vllm_available
 from model.contract.config import Config, GroupSpec
 from model.contract.observation import StepResult
-from model.contract.ops import AddRequest, Finish, Op, Preempt, Probe, Sample, Step, op_from_json, op_to_json
+from model.contract.ops import AddRequest, Finish, Op, Probe, Sample, Step, op_from_json, op_to_json
 from model.machine.allocator import AllocatorModel
 from model.policy.spec_decode import PLACEHOLDER, acceptable, padded_admission, verified_drafts
 
@@ -140,26 +142,41 @@ def test_drafts_are_refused_where_nothing_speculates() -> None:
 
 
 # ---------------------------------------------------------------- through vLLM's real scheduler
+# (accepted, drafts) of the samples in turn: none, all, part of the verified drafts accepted.
+DRAFT_PLAN = ((0, (2, 3)), (2, (3, 3)), (1, (1, 2)), (0, (1, 2)), (1, (2, 2)), (1, (3, 1)), (0, (1, 1)))
+
+
 def eagle_trace(factory: object = None) -> Drive:
-    """Drafts accepted in full, in part, not at all, cut by the budget; a second request
-    admitted behind a decoding one; a preemption drops drafts."""
-    d = Drive(FULL_SWA_EAGLE, factory).do(AddRequest("r0", PROMPT), Step(("r0",), 64))
-    d.do(Sample("r0", 1, 0, (2, 3)), Step(("r0",), 64), Sample("r0", 1, 2, (3, 3)))
-    d.do(Step(("r0",), 64), Sample("r0", 2, 1, (1, 2)), Step(("r0",), 64), Sample("r0", 3, 0, (1, 2)))
-    d.do(Step(("r0",), 2), Sample("r0", 1, 1, (2, 2)), AddRequest("r1", PROMPT + (1,)))
-    d.do(Step(("r0", "r1"), 64), Sample("r0", 1, 1, (3, 1)), Sample("r1", 2, 0, (1, 1)))
-    d.do(Preempt("r0"), Step(("r0", "r1"), 64), Finish("r0"), Finish("r1"), Probe(PROMPT))
+    """Engine steps of 5 tokens (a decode is 1 + 2 drafts): r0 chunks its prompt, then its
+    drafts are accepted in full, in part, not at all; r1 arrives and is admitted on r0's
+    blocks behind r0's decode, and once it decodes, its drafts are cut by what r0 left of
+    the budget; the 20-block pool then preempts r1, dropping its drafts."""
+    cfg = FULL_SWA_EAGLE.with_(num_blocks=21, max_num_batched_tokens=5)
+    plan = list(DRAFT_PLAN * 5)
+    d = draft_steps(Drive(cfg, factory).do(AddRequest("r0", PROMPT)), 7, plan)
+    draft_steps(d.do(AddRequest("r1", PROMPT + (1,))), 12, plan)
+    return d.do(Finish("r0"), Finish("r1"), Probe(PROMPT))
+
+
+def prefill(d: Drive, rid: str) -> Drive:
+    """Engine steps until `rid`, alone, has computed its prompt."""
+    r = d.checker.model.requests[rid]
+    while r.num_computed < r.num_tokens:
+        engine_step(d)
     return d
 
 
 def padding_trace(factory: object = None) -> Drive:
-    """Draft model: one-token admissions padded (a full hit alone, and behind a decode),
-    a budget too small for the padding, drafts then accepted."""
-    d = Drive(FULL_DRAFT_MODEL, factory).do(AddRequest("r0", PROMPT), Step(("r0",), 64), Finish("r0"))
-    d.do(AddRequest("r1", PROMPT[:17]), Step(("r1",), 3), Step(("r1",), 64), Sample("r1", 1, 0, (1, 2, 3)))
-    d.do(AddRequest("r2", PROMPT[:13]), Step(("r1", "r2"), 64), Sample("r1", 1, 3, (2,)), Sample("r2", 3))
-    d.do(Step(("r1", "r2"), 64), Sample("r1", 1, 0, ()), Sample("r2", 1, 0, (1, 1)))
-    return d.do(Step(("r1", "r2"), 64), Finish("r1"), Finish("r2"), Probe(PROMPT + (1, 2)))
+    """Draft model, engine steps of 7 tokens: one-token admissions padded (a full hit alone,
+    and behind a decode), the 3 tokens a decode of 1 + 3 drafts leaves too small for the
+    padding (r2 waits), drafts then accepted."""
+    cfg = FULL_DRAFT_MODEL.with_(max_num_batched_tokens=7)
+    d = prefill(Drive(cfg, factory).do(AddRequest("r0", PROMPT)), "r0")
+    engine_step(d.do(Finish("r0"), AddRequest("r1", PROMPT[:17])))
+    engine_step(d.do(Sample("r1", 1, 0, (1, 2, 3)), AddRequest("r2", PROMPT[:13])))
+    engine_step(d.do(Sample("r1", 1, 3, (2,))))
+    engine_step(d.do(Sample("r1", 1, 0, ()), Sample("r2", 1, 0, (1, 1))))
+    return d.do(Finish("r1"), Finish("r2"), Probe(PROMPT + (1, 2)))
 
 
 @needs_vllm
@@ -170,15 +187,24 @@ def test_spec_traces_agree_with_the_model(trace) -> None:  # type: ignore[no-unt
     assert d.found == []
     if trace is padding_trace:
         assert d.checker.observer.coverage["one-token admission padded with draft slots"] >= 2
+        waited = [
+            o
+            for o in d.seen
+            if isinstance(o, StepResult) and ("r2", False) in ((r, x.admitted) for r, x in o.results)
+        ]
+        assert waited, "r2 never waited for a budget that fits its padding"
     else:
         assert d.checker.observer.coverage["drafts cut by the step's budget"] > 0
+        assert d.preempted == ["r1"], "the pool no longer preempts: the trace checks no preemption"
 
 
 def behind_prefill_trace(factory: object = None) -> Drive:
-    """A full hit admitted behind a running prefill chunk: one token, no padding."""
-    d = Drive(FULL_DRAFT_MODEL, factory).do(AddRequest("r0", PROMPT), Step(("r0",), 64), Finish("r0"))
-    d.do(AddRequest("r2", PROMPT * 2), Step(("r2",), 8), AddRequest("r1", PROMPT[:17]))
-    return d.do(Step(("r2", "r1"), 64))
+    """A full hit admitted behind a running prefill chunk: one token, no padding (engine
+    steps of 12 tokens: r2's last chunk of 8 leaves room for the padding's 4)."""
+    cfg = FULL_DRAFT_MODEL.with_(max_num_batched_tokens=12)
+    d = prefill(Drive(cfg, factory).do(AddRequest("r0", PROMPT)), "r0")
+    engine_step(d.do(Finish("r0"), AddRequest("r2", PROMPT * 2)))
+    return engine_step(d.do(AddRequest("r1", PROMPT[:17])))
 
 
 SPEC_TRACE_FOR_MUTANT = {
@@ -304,23 +330,15 @@ def test_model_keeps_mamba_draft_blocks_and_moves_them_past() -> None:
 
 
 def mamba_drafts_trace(factory: object = None) -> Drive:
-    """Full + Mamba (align) with 2 drafts a step: prefill chunks move the state past a
-    draft block; drafts accepted in full, in part, not at all roll the state back; a second request hits the
-    first's cached states; a preemption; then both finish."""
-    d = Drive(FULL_MAMBA_DRAFTS, factory).do(AddRequest("r0", PROMPT), Step(("r0",), 4), Step(("r0",), 8))
-    d.do(
-        Step(("r0",), 64),
-        Step(("r0",), 64),
-        Sample("r0", 1, 0, (2, 3)),
-        Step(("r0",), 64),
-        Sample("r0", 1, 2, (3, 3)),
-    )
-    d.do(Step(("r0",), 64), Sample("r0", 2, 1, (1, 2)), Step(("r0",), 64), Sample("r0", 3, 0, (1, 2)))
-    d.do(Step(("r0",), 64), Sample("r0", 1, 2, (2, 2)), AddRequest("r1", PROMPT + (1, 5)))
-    d.do(Step(("r0", "r1"), 64), Sample("r0", 1, 1, (3, 1)), Sample("r1", 2, 0, (1, 1)))
-    d.do(Step(("r0", "r1"), 64), Sample("r0", 2, 2, (1, 1)), Sample("r1", 1, 1, (2, 2)))
-    d.do(Preempt("r1"), Step(("r0", "r1"), 64), Finish("r0"), Finish("r1"), Probe(PROMPT))
-    return d
+    """Full + Mamba (align) with 2 drafts a step, engine steps of 8 tokens: prefill chunks
+    move the state past a draft block; drafts accepted in full, in part, not at all roll
+    the state back; a second request hits the first's cached states; the 20-block pool
+    preempts it; then both finish."""
+    cfg = FULL_MAMBA_DRAFTS.with_(num_blocks=21, max_num_batched_tokens=8)
+    plan = list(DRAFT_PLAN * 5)
+    d = draft_steps(Drive(cfg, factory).do(AddRequest("r0", PROMPT)), 7, plan)
+    draft_steps(d.do(AddRequest("r1", PROMPT + (1, 5))), 4, plan)
+    return d.do(Finish("r0"), Finish("r1"), Probe(PROMPT))
 
 
 @needs_vllm
@@ -329,6 +347,7 @@ def test_mamba_drafts_trace_agrees_with_the_model() -> None:
     d = mamba_drafts_trace()
     assert d.found == []
     assert d.checker.observer.coverage["Mamba draft block moved past by its state"] > 0
+    assert d.preempted == ["r1"], "the pool no longer preempts: the trace checks no preemption"
     manager = d.checker.target.vllm_scheduler.kv_cache_manager.coordinator.single_type_managers[1]
     assert manager.num_speculative_blocks == 2  # what a real Mamba layer declares
 
