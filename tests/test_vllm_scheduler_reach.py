@@ -312,7 +312,7 @@ def test_the_production_workload_sends_an_engine_its_own_steps() -> None:
 
 # ------------------------------------------------------------------ the release matrix's scheduler API
 def _fake_schedule(self: Any) -> int:
-    return int(self.max_num_scheduled_tokens)  # the per-step budget the driver sets
+    return int(self.max_num_scheduled_tokens)  # the budget the scheduler was built with
 
 
 def _fake_scheduler_namespace(drop: str = "") -> dict[str, Any]:
