@@ -225,12 +225,13 @@ class ShadowConnector:
         for save in sent:
             self._check_holds(save.rid, save.handed, SAVES, "its save reports")
         self.figures.failed_blocks += len(bad)
+        output = self.worker.outputs  # the output processing that carries this report
 
         def act() -> None:
             for load in done:
                 self._write(load, bad, failed=load.rid in failed)
             if bad:
-                self.worker.fail_blocks(bad)
+                self.worker.fail_blocks(bad, output)
             for save in sent:
                 self._read_save(save, at_sent=True)
 

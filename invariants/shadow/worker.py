@@ -123,6 +123,7 @@ class Chunk:
     ran: bool = False
     tokens: list[int] | None = None
     taken: int = 0  # how many returned tokens the worker appended for it
+    output: int = -1  # the scheduler's output processing that returned its tokens (`processed`)
     # One step ahead: the request's share whose output the scheduler had not processed when it
     # scheduled this one (its count assumed every draft of it accepted), and, once that share's
     # tokens are taken, how many of its drafts were rejected (None: not known yet).
@@ -191,6 +192,9 @@ class ShadowWorker:
     may_cut: set[str] = field(default_factory=set)
     # The last step run: each request's (view, start, end, ids) (a failed load's report reads it).
     ran: list[tuple[str, RequestView, int, int, list[int]]] = field(default_factory=list)
+    # How many times the scheduler processed a step's output (`processed`): a failed load's report
+    # skips only the samples returned with it, in the same processing.
+    outputs: int = 0
 
     # ------------------------------------------------------------------ what the runner is told
     def execute(self, out: Any) -> None:
@@ -213,11 +217,17 @@ class ShadowWorker:
         if not pending:
             return
         chunk = pending.popleft()
+        chunk.output = self.outputs
         if chunk.ran:
             self._take(rid, chunk, list(tokens))
         else:
             chunk.tokens = list(tokens)
         self._drain()
+
+    def processed(self) -> None:
+        """The scheduler processed the output whose tokens were `returned` since the last call
+        (and any connector report with it): a later report cuts no sample of it."""
+        self.outputs += 1
 
     def after(self, action: Callable[[], None]) -> None:
         """Run `action` once every step told before it has run (at once when none waits)."""
@@ -265,10 +275,13 @@ class ShadowWorker:
         else:
             slots[lo:hi] = [None] * (hi - lo)
 
-    def fail_blocks(self, invalid: Iterable[int]) -> None:
+    def fail_blocks(self, invalid: Iterable[int], output: int | None = None) -> None:
         """A load failed on `invalid`: their slots hold no KV (`FAILED`), nor does any slot
         the last step computed over one of them (attention read it first); each request
-        holding one may be cut (its next shipped count may be lower)."""
+        holding one may be cut (its next shipped count may be lower), and a cut request's
+        sample returned with the report (`output`: the processing that carried it, default
+        the current one) is skipped."""
+        output = self.outputs if output is None else output
         bad = {b for b in invalid if b != NULL_BLOCK}
         for b in bad:
             row = self.kv.get(b)
@@ -284,9 +297,11 @@ class ShadowWorker:
                 table[_window_start(spec, start) // spec.block_size : -(-start // spec.block_size)]
                 for table, spec in zip(view.tables, self.groups)
             ]
-            if chunk is not None and chunk.taken and any(b in bad for t in before for b in t):
-                # vLLM skips the output of a request it cuts (its blocks before the step hold a
-                # failed one): the runner's sample is overwritten by the next (`_take`'s tokens).
+            riding = chunk is not None and chunk.taken and chunk.output == output
+            if riding and any(b in bad for t in before for b in t):
+                # vLLM skips the output it processes with the report of a request it cuts (its
+                # blocks before the step hold a failed one): the runner's sample is overwritten
+                # by the next (`_take`'s tokens). A sample processed before the report stands.
                 del view.tokens[-chunk.taken :], view.ids[-chunk.taken :]
                 chunk.taken = 0
             for g, spec in self._attention():

@@ -420,6 +420,8 @@ class RealStepScheduler:
         load under "fail") in the order of its outputs, which is the order
         `finish_requests` ended them in (`errored`)."""
         outputs = self.sched.update_from_output(out, runner_out)
+        if self.shadow is not None:
+            self.shadow.processed()
         for batch in (outputs or {}).values():  # older releases may return nothing
             self.errored += [
                 o.request_id for o in batch.outputs if getattr(o.finish_reason, "name", "") == "ERROR"
