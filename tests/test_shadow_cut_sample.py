@@ -34,7 +34,11 @@ def recompute(rid: str, scheduled: int) -> SimpleNamespace:
     return SimpleNamespace(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[rid], resumed_req_ids=set(), all_token_ids={}, num_computed_tokens=[0], new_block_ids=[None]
+            req_ids=[rid],
+            resumed_req_ids=set(),
+            all_token_ids={},
+            num_computed_tokens=[0],
+            new_block_ids=[None],
         ),
         num_scheduled_tokens={rid: scheduled},
         scheduled_spec_decode_tokens={},

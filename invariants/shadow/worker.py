@@ -297,8 +297,8 @@ class ShadowWorker:
                 table[_window_start(spec, start) // spec.block_size : -(-start // spec.block_size)]
                 for table, spec in zip(view.tables, self.groups)
             ]
-            riding = chunk is not None and chunk.taken and chunk.output == output
-            if riding and any(b in bad for t in before for b in t):
+            riding = chunk is not None and chunk.taken and chunk.output == output  # its sample
+            if chunk is not None and riding and any(b in bad for t in before for b in t):
                 # vLLM skips the output it processes with the report of a request it cuts (its
                 # blocks before the step hold a failed one): the runner's sample is overwritten
                 # by the next (`_take`'s tokens). A sample processed before the report stands.
