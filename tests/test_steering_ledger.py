@@ -326,3 +326,36 @@ def test_a_budget_on_the_other_side_of_a_mamba_block_is_refused() -> None:
 
     assert checks(4) == ["refused"]  # 3 tokens fit 4, but the 8-token block is wider than 4, not 64
     assert checks(8) == []
+
+
+def _exported_writes(source: str) -> dict[str, set[str]]:
+    """`scheduler_writes` of an exported test, whose driver names vLLM's scheduler `self.s`."""
+    return scheduler_writes(source.replace("self.s.", "self.sched.").replace("= self.s\n", "= self.sched\n"))
+
+
+@pytest.mark.vllm
+def test_an_exported_scheduler_test_never_writes_the_scheduler() -> None:
+    """The tests kvretain hands upstream drive vLLM as its engine targets do: an exported
+    scheduler test checks the queues each step starts from and writes nothing; a trace
+    with a `Preempt` (no engine's client can ask one) is not exported. Control: a write
+    planted in the exported source is found."""
+    from invariants.export.plan import ExportError, plan_export
+    from invariants.export.pytest_file import render_test
+    from invariants.harness.trace import Trace
+    from model.contract.config import Config, GroupSpec
+    from model.contract.ops import AddRequest, Preempt, Step
+
+    cfg = Config((GroupSpec("full", 4),), 16, max_num_batched_tokens=8)
+    ops = [AddRequest("a", tuple(range(1, 11))), Step(("a",), 8), Step(("a",), 8)]
+    source = render_test(
+        plan_export(Trace(cfg, ops, 0, "vllm", "observation: results[a].scheduled: planted"))
+    )
+    assert "the requests schedule() starts from" in source and _exported_writes(source) == {}
+    planted = source.replace(
+        "        out = s.schedule()\n", "        s.running = []\n        out = s.schedule()\n", 1
+    )
+    assert planted != source and _exported_writes(planted) == {"Driver.step": {"running"}}
+    with pytest.raises(ExportError, match="Preempt"):
+        render_test(
+            plan_export(Trace(cfg, [*ops[:2], Preempt("a"), ops[2]], 0, "vllm", "observation: planted"))
+        )

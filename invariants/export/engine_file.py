@@ -403,7 +403,7 @@ def _head(plan: ExportPlan, rec: Recording, cls: str) -> str:
     )
 
 
-def _batch_caps(cfg: Config) -> str:
+def batch_caps_lines(cfg: Config) -> str:
     """The scheduler's batch caps as the target built them (`vllm_scheduler_build`): the
     engine's budget binds in the exported steps as it did in the recorded ones."""
     tokens, seqs = build_budget(cfg), min(MAX_NUM_SEQS, seq_cap(cfg))
@@ -434,7 +434,7 @@ def _core(plan: ExportPlan, rec: Recording, cls: str) -> str:
         cls=cls,
         mamba_mode=f', mamba_cache_mode="{mamba_modes.pop()}"' if mamba_modes else "",
         long_prefill=cfg.long_prefill_token_threshold,
-        batch_caps=_batch_caps(cfg),
+        batch_caps=batch_caps_lines(cfg),
         async_scheduling=rec.async_scheduler,
         spec=(
             _SPEC.format(

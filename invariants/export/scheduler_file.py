@@ -6,10 +6,12 @@ The file imports only vLLM, torch and pytest. It builds the `Scheduler` the
 temporary directory, a stand-in architecture registered with vLLM's
 `ModelRegistry`, the trace's `KVCacheConfig`) and drives it as the target does
 (`vllm_scheduler_drive`): `add_request`; a step is `update_from_output` of the
-previous step's output (with the sampled tokens), then `schedule()` with the
-scheduler's queues holding exactly the step's requests and its token budget as
-`max_num_scheduled_tokens`; `finish_requests` for a finish; `_preempt_request`
-for a preemption. A `Schedule` is the one-request step a real scheduler runs.
+previous step's output (with the sampled tokens), then the engine's own
+`schedule()`, whose queues are checked (never set) to hold the step's requests in
+its order, under the batch caps the target built (a trace's budget that does not
+bind gives the same step: what each step scheduled is checked); `finish_requests`
+for a finish. A `Schedule` is the one-request step a real scheduler runs; a
+`Preempt`, which no engine's client can ask, is not exported.
 
 What each step scheduled and the block ids it ships to the worker
 (`NewRequestData.block_ids`, `CachedRequestData.new_block_ids`) are compared
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 
+from invariants.export.engine_file import batch_caps_lines
 from invariants.export.plan import ExportError, ExportPlan
 from invariants.export.pytest_file import (
     _SPECS,
@@ -69,7 +72,6 @@ Recorded violation: {violation}
 import json
 import os
 import tempfile
-import time
 from dataclasses import replace
 
 import torch
@@ -87,7 +89,6 @@ from vllm.model_executor.models.registry import ModelRegistry
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
 {kinds}
@@ -154,9 +155,7 @@ def make_scheduler(model_dir: str) -> Scheduler:
     config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=256,
-            max_num_batched_tokens=MAX_MODEL_LEN,
-            max_model_len=MAX_MODEL_LEN,
+{batch_caps}            max_model_len=MAX_MODEL_LEN,
             enable_chunked_prefill=True,
             long_prefill_token_threshold={long_prefill},
             is_encoder_decoder=False,
@@ -213,24 +212,14 @@ class Driver:
         self.s.add_request(self.requests[rid])
 
     def step(self, rids: tuple, budget: int):
+        """The engine's schedule(): its queues must hold `rids`, in that order (checked, never
+        set). `budget`, the trace's, gives the same step as the built one (what each step
+        scheduled is checked)."""
         self.flush()
         s = self.s
-        reqs = [self.requests[r] for r in rids]
-        running = [r for r in reqs if r.status == RequestStatus.RUNNING]
-        aside_running = [r for r in s.running if r.request_id not in rids]
-        aside_waiting = [r for r in s.waiting if r.request_id not in rids]
-        s.running = list(running)
-        s.waiting = create_request_queue(s.policy)
-        for r in reqs:
-            if r.status != RequestStatus.RUNNING:
-                s.waiting.add_request(r)
-        s.max_num_scheduled_tokens = budget
-        try:
-            out = s.schedule()
-        finally:
-            s.running.extend(aside_running)
-            for r in aside_waiting:
-                s.waiting.add_request(r)
+        held = [r.request_id for q in (s.running, s.kv_holding_waiting, s.waiting) for r in q]
+        expect("the requests schedule() starts from", held, list(rids))
+        out = s.schedule()
         self.pending = out
         return out
 
@@ -285,12 +274,6 @@ class Driver:
         self.s.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
         del self.requests[rid]
 
-    def preempt(self, rid: str) -> None:
-        self.settle(rid)
-        request = self.requests[rid]
-        self.s.running.remove(request)
-        self.s._preempt_request(request, time.monotonic())
-
     def probe(self, tokens: list[int]) -> None:
         self.s.kv_cache_manager.get_computed_blocks(self.make_request("probe", tokens))
 
@@ -328,6 +311,12 @@ def render_scheduler_test(plan: ExportPlan) -> str:
         raise ExportError(
             "trace.ops: a vllm trace is exported when it ends with a step "
             f"(its scheduled tokens and shipped tables are the property); it ends with {type(ops[-1]).__name__}"
+        )
+    preempt = next((i for i, op in enumerate(ops) if isinstance(op, Preempt)), None)
+    if preempt is not None:
+        raise ExportError(
+            f"trace.ops[{preempt}]: a Preempt, which no client of vLLM's engine can ask (it preempts "
+            "under pool pressure); vLLM's real scheduler refuses it"
         )
     mm = next((i for i, op in enumerate(ops) if isinstance(op, AddRequest) and op.mm), None)
     if mm is not None:
@@ -367,6 +356,7 @@ def render_scheduler_test(plan: ExportPlan) -> str:
         groups="\n".join(_group_spec(cfg, i) for i in range(len(cfg.groups))),
         retention=cfg.retention_interval,
         long_prefill=cfg.long_prefill_token_threshold,
+        batch_caps=batch_caps_lines(cfg),
         name=exported_test_name(plan),
     )
     if has_identity(ops):
@@ -420,8 +410,6 @@ def _op_lines(op: Op) -> list[str]:
         return [f"driver.sample({op.rid!r}, {op.token})"]
     if isinstance(op, Finish):
         return [f"driver.finish({op.rid!r})"]
-    if isinstance(op, Preempt):
-        return [f"driver.preempt({op.rid!r})"]
     if isinstance(op, Probe):
         return [f"driver.probe({tokens_literal(op.tokens)})"]
     if isinstance(op, ResetPrefixCache):
