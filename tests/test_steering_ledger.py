@@ -304,9 +304,12 @@ def test_a_step_the_engine_would_not_take_is_refused_not_steered() -> None:
 
 @pytest.mark.vllm
 def test_a_budget_on_the_other_side_of_a_mamba_block_is_refused() -> None:
-    """vLLM's Mamba split compares the aligned block with the step budget itself: a budget
-    narrower than the block where the built one is wider gives another split even when it
-    does not bind, so it is refused. Control: a budget as wide as the block runs."""
+    """vLLM's Mamba split compares the aligned block with the step budget itself when a
+    prefill chunk stops short of its prompt: built with 4096 tokens it aligns r0's 3-token
+    prompt to its 2-token checkpoint, where a 3-token budget (narrower than the 4-token
+    block) would not, so a trace's budget of 3 is refused though 2 tokens fit it. Controls:
+    a budget as wide as the block runs, and so does the narrow one for a chunk that reaches
+    its prompt's end (the split is not consulted)."""
     from invariants.harness.checker import Checker
     from invariants.targets.vllm_env import vllm_available
     from model.contract.config import Config, GroupSpec
@@ -316,16 +319,18 @@ def test_a_budget_on_the_other_side_of_a_mamba_block_is_refused() -> None:
         pytest.skip(f"vllm target: {vllm_available()[1]}")
     from invariants.targets.vllm_scheduler_target import VllmSchedulerTarget
 
-    cfg = Config((GroupSpec("full", 8), GroupSpec("mamba", 8)), 16, max_num_batched_tokens=64)
+    groups = (GroupSpec("full", 4), GroupSpec("mamba", 4, mamba_cache_mode="align"))
+    cfg = Config(
+        groups, 14, retention_interval=0, hash_block_size=2, scheduler_block_size=4, max_model_len=4096
+    )
 
-    def checks(budget: int) -> list[str]:
+    def checks(prompt: tuple[int, ...], budget: int) -> list[str]:
         checker = Checker(VllmSchedulerTarget(cfg))
-        return [
-            v.check for op in (AddRequest("a", (1, 2, 3)), Step(("a",), budget)) for v in checker.step(op)
-        ]
+        return [v.check for op in (AddRequest("a", prompt), Step(("a",), budget)) for v in checker.step(op)]
 
-    assert checks(4) == ["refused"]  # 3 tokens fit 4, but the 8-token block is wider than 4, not 64
-    assert checks(8) == []
+    assert checks((2, 3, 1), 3) == ["refused"]
+    assert checks((2, 3, 1), 4) == []
+    assert checks((2, 3), 3) == []
 
 
 def _exported_writes(source: str) -> dict[str, set[str]]:

@@ -99,6 +99,8 @@ FINE = Config(
     kv_connector=True,
 )
 COPY_IN_FLIGHT: list[Op] = [AddRequest("r3", (2, 3, 1)), Step(("r3",), 3), Step(("r3",), 8)]
+# Built with 3 tokens a step: the Mamba split reads the step budget (3, narrower than the block).
+FINE_3 = FINE.with_(max_num_batched_tokens=3)
 # The finding: a sync load's failed block cuts r0, whose step reached its end (1 placeholder).
 PLACEHOLDER_CONFIG = Config(
     groups=(GroupSpec("full", 4),), num_blocks=8, max_model_len=4096, kv_connector=True
@@ -272,7 +274,7 @@ def test_a_sync_loads_report_after_samples_under_recompute_is_the_placeholder_fi
 
 
 def test_a_copys_retained_endpoints_wait_for_its_steps_output() -> None:
-    d = async_drive(FINE).do(*COPY_IN_FLIGHT)
+    d = async_drive(FINE_3).do(*COPY_IN_FLIGHT)
     assert d.found == []
     copies = sum(len(getattr(obs, "copies", ())) for obs in d.seen)
     assert copies and FENCED in d.checker.model.snapshot().tables
@@ -280,7 +282,7 @@ def test_a_copys_retained_endpoints_wait_for_its_steps_output() -> None:
 
 def test_control_releasing_a_copys_endpoints_at_once_disagrees_with_vllm() -> None:
     with patched(InFlight, "holds_copies", lambda self, retained: False):
-        assert async_violations(FINE, COPY_IN_FLIGHT) != []
+        assert async_violations(FINE_3, COPY_IN_FLIGHT) != []
 
 
 @pytest.mark.parametrize(

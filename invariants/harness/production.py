@@ -336,11 +336,9 @@ def run_production(
 ) -> tuple[ProductionStats, list[tuple[Setting, Checker, list[Violation]]], float]:
     """Episodes over `settings_for(seed)` until `steps` or `budget_s`; stops at the first violation.
     `engine`: the factory's targets decide every step (`workload`, `engine_config`)."""
-    stats = ProductionStats()
+    stats, rng, plan = ProductionStats(), random.Random(seed), settings_for(seed)
     start = last_log = time.monotonic()
-    rng = random.Random(seed)
     failures: list[tuple[Setting, Checker, list[Violation]]] = []
-    plan = settings_for(seed)
 
     def done() -> bool:
         over_steps = steps is not None and stats.ops >= steps

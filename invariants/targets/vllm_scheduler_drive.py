@@ -250,7 +250,7 @@ class RealStepScheduler:
         if self.shadow is not None:
             self.shadow.execute(out)
         self.pending = self.last_out = out
-        self.budget_unbound(budget, int(out.total_num_scheduled_tokens))
+        self.budget_unbound(budget, out)
         for rid in out.num_scheduled_tokens:
             self.names.learn_computed(self.s.requests[rid])
         computed = {rid: self.s.requests[rid].num_computed_tokens for rid in rids}
@@ -285,17 +285,22 @@ class RealStepScheduler:
                 )
             self.reordered_steps += 1  # another policy's order: vLLM's (the model predicts FCFS only)
 
-    def budget_unbound(self, budget: int, scheduled: int) -> None:
+    def budget_unbound(self, budget: int, out: Any) -> None:
         """A step's `budget` is the engine's own where it did not bind: the engine, built with
-        its budget, scheduled `scheduled` tokens, which is the step the trace states iff
-        neither budget cut it (`scheduled <= budget`, and below the built budget where the
-        trace's is larger), and where each aligned Mamba block is no wider than both budgets or
-        wider than both (`_mamba_block_aligned_split` compares the block with the step budget).
+        its budget, scheduled what step output `out` says, which is the step the trace states
+        iff neither budget cut it (no more than `budget`, and less than the built budget where
+        the trace's is larger), and, where a prefill chunk stopped short of its prompt in an
+        aligned-Mamba layout, each Mamba block is no wider than both budgets or wider than both
+        (`_mamba_block_aligned_split` compares the block with the step budget itself there).
         Else `SteeredStep`: the trace asks a budget the engine does not have."""
         built = self.sched.max_num_scheduled_tokens
-        # The Mamba split also reads the step budget itself: a block no wider than it aligns
-        # the chunk, a wider one runs sub-block. The two budgets must agree on each block.
-        split = all(
+        scheduled = int(out.total_num_scheduled_tokens)
+        requests = self.s.requests
+        short = any(
+            r in requests and requests[r].num_computed_tokens < requests[r].num_prompt_tokens
+            for r in out.num_scheduled_tokens
+        )
+        split = not short or all(
             (g.block_size <= budget) == (g.block_size <= built)
             for g in self.s.config.groups
             if g.kind == "mamba" and g.mamba_cache_mode == "align"
