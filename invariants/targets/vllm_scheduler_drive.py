@@ -43,12 +43,12 @@ The model runner's half of a step is `update_from_output` with a synthetic
 `ModelRunnerOutput`: it runs just before the next `schedule()` (never sooner,
 as a model runner returns a step's output before the next step is scheduled)
 and carries, for every request the step scheduled, the token a `Sample`
-operation gave it (an empty list for a prefill chunk). kvretain lets other
-steps run between a request's last chunk and its sample (an engine samples in
-the same step): such a request's share of the output (the output restricted
-to it) waits, and is delivered with its token by the `Sample`, as an
+operation gave it (an empty list for a prefill chunk). Where another output
+is processed between a request's last chunk and its sample (a connector's
+report, which rides on no step), the request's share of the output (the output
+restricted to it) waits, and is delivered with its token by the `Sample`, as an
 asynchronous engine delivers a step's output after later steps were
-scheduled; a `Preempt` or `Finish` first delivers it without a token.
+scheduled; a `Finish` first delivers it without a token.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ class Config:
     `num_lookahead_tokens`: slots every allocation reserves past the scheduled
     tokens for speculative tokens (vLLM's scheduler passes its spec-token count).
     `max_num_batched_tokens`: the scheduler's token budget per step, fixed when the engine
-    is built (vLLM `SchedulerConfig.max_num_batched_tokens`); 0: none stated, each step's
-    budget is the operation's (`Step.budget`), as kvretain's directed steps choose it.
+    is built (vLLM `SchedulerConfig.max_num_batched_tokens`); 0: none stated (an engine is
+    built with `max_model_len`; the allocator-level targets take each `Step.budget` as given).
     `max_num_seqs`: at most this many running requests; the waiting pass admits none past
     it (vLLM `max_num_seqs`; 0: none; `model.policy.scheduling.seq_cap_reached`).
     `kv_connector`: a KV connector is attached (`model.machine.connector`): offers and
