@@ -71,13 +71,17 @@ HELD: list[Op] = [
     Sample("r1", 5),
     Saved("r0"),
 ]
-# r1 decodes ahead; r2 joins, and r1's token 5 arrives once the step with r2 is scheduled.
-ASIDE: list[Op] = [
+# r1's prompt, then two decodes: its token 5 is in flight after them.
+R1_DECODING: list[Op] = [
     AddRequest("r1", (1, 2, 3)),
     Step(R1, 8),
     Sample("r1", 4),
     Step(R1, 8),
     Sample("r1", 5),
+]
+# r1 decodes ahead; r2 joins, and r1's token 5 arrives once the step with r2 is scheduled.
+ASIDE: list[Op] = [
+    *R1_DECODING,
     AddRequest("r2", (7,)),
     Step(("r1", "r2"), 8),
 ]
@@ -87,11 +91,7 @@ ASIDE: list[Op] = [
 PREEMPT_FULL = FULL.with_(num_blocks=6)
 # r1 aborted with its token 5 in flight; r2's step processes that output (r1's share ignored).
 ABORT_IN_FLIGHT: list[Op] = [
-    AddRequest("r1", (1, 2, 3)),
-    Step(R1, 8),
-    Sample("r1", 4),
-    Step(R1, 8),
-    Sample("r1", 5),
+    *R1_DECODING,
     Finish("r1"),
     AddRequest("r2", (7,)),
     Step(("r2",), 8),
