@@ -11,6 +11,11 @@ with the reason, when vLLM cannot be imported.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +37,7 @@ from invariants.targets.vllm_scheduler_build import (  # noqa: E402
 from model.contract.config import Config, ConfigError, GroupSpec  # noqa: E402
 
 pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parent.parent
 
 SHAPES: dict[str, Config] = {
     **PRESETS,
@@ -148,7 +154,8 @@ def test_async_scheduler_builds_with_the_same_manager() -> None:
 
 
 def test_a_removed_model_directory_is_made_again() -> None:
-    """A temp cleaner (or a test) removing the stand-in's directory does not break later builds."""
+    """A temp cleaner (or a test) removing the stand-in's directory does not break later builds:
+    the same content-addressed directory is written again."""
     import shutil
 
     from invariants.targets.vllm_scheduler_build import model_dir
@@ -156,5 +163,60 @@ def test_a_removed_model_directory_is_made_again() -> None:
     first = model_dir(4096)
     shutil.rmtree(first)
     second = model_dir(4096)
-    assert second != first
+    assert second == first and os.path.isfile(os.path.join(second, "config.json"))
     _build(SHAPES["eagle"])
+
+
+def test_the_model_directory_is_named_by_its_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One directory per stand-in configuration under the cache, shared by every build and
+    rewritten where its file holds anything else (control: another length, another directory)."""
+    from invariants.targets.vllm_scheduler_build import model_dir, stand_in_hf_config
+
+    monkeypatch.setenv("KVRETAIN_CACHE", str(tmp_path))
+    first = Path(model_dir(4096))
+    assert first.parent.parent == tmp_path and model_dir(4096) == str(first)
+    assert json.loads((first / "config.json").read_text()) == stand_in_hf_config(4096)
+    assert model_dir(2048) != str(first)
+    (first / "config.json").write_text("{}")
+    assert model_dir(4096) == str(first)
+    assert json.loads((first / "config.json").read_text()) == stand_in_hf_config(4096)
+    assert sorted(p.name for p in first.iterdir()) == ["config.json"]  # no temporary file left
+
+
+# Builds the "vllm" target, then leaves as pytest-xdist, pool and Ray workers do.
+_BUILD_THEN_EXIT = """
+import os
+from invariants.targets import target_factory
+from invariants.layouts.presets import PRESETS
+target_factory("vllm")(PRESETS["{preset}"])
+os._exit(0)
+"""
+# The scheme the stand-in's directory had: one per process, removed by `atexit`.
+_OLD_SCHEME_THEN_EXIT = """
+import atexit, os, shutil, tempfile
+path = tempfile.mkdtemp(prefix="kvretain-model-")
+atexit.register(shutil.rmtree, path, ignore_errors=True)
+os._exit(0)
+"""
+
+
+def _model_dirs_left(script: str, tmp_path: Path) -> list[str]:
+    """The `kvretain-model-*` directories a subprocess running `script` leaves in its temporary
+    directory."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(parents=True)
+    env = {**os.environ, "TMPDIR": str(tmp), "KVRETAIN_CACHE": str(tmp_path / "cache")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    return sorted(p.name for p in tmp.glob("kvretain-model-*"))
+
+
+def test_a_scheduler_target_leaves_no_model_directory_behind(tmp_path: Path) -> None:
+    """A process that builds the "vllm" target and exits through `os._exit` leaves no
+    `kvretain-model-*` directory (its stand-in's is in the cache); control: the old
+    `mkdtemp` + `atexit` scheme leaves one. About 20 s under load: a fresh interpreter imports
+    vLLM, which only a subprocess can exit through `os._exit`."""
+    preset = next(iter(PRESETS))
+    assert _model_dirs_left(_BUILD_THEN_EXIT.format(preset=preset), tmp_path / "new") == []
+    assert len(list((tmp_path / "new" / "cache" / "models").glob("stand-in-*/config.json"))) == 1
+    assert len(_model_dirs_left(_OLD_SCHEME_THEN_EXIT, tmp_path / "old")) == 1

@@ -343,7 +343,8 @@ def expect(what: str, got: object, expected: object) -> None:
 
 def test_failed_load_rollback_reserves_against_itself() -> None:
     init_none_hash(sha256)
-    driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
+    with tempfile.TemporaryDirectory(prefix="kvretain-model-") as model_dir:
+        driver = Driver(make_scheduler(model_dir))
     # op 0: op=add, rid=r0, prompt=48 tokens
     driver.add('r0', [3, 2, 1, 1, 3, 3, 1, 2, 3, 2, 2, 3, 1, 3, 3, 1, 2, 1, 3, 3, 3, 3, 1, 2, 1, 3, 3, 2, 3, 3, 1, 2, 3, 1, 2, 3, 3, 1, 1, 1, 1, 3, 3, 2, 2, 3, 2, 1])
     # op 1: op=offer, rid=r0, num_tokens=47, load=async

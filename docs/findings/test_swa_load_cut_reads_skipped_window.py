@@ -313,7 +313,8 @@ def expect(what: str, got: object, expected: object) -> None:
 
 def test_swa_load_cut_reads_skipped_window() -> None:
     init_none_hash(sha256)
-    driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
+    with tempfile.TemporaryDirectory(prefix="kvretain-model-") as model_dir:
+        driver = Driver(make_scheduler(model_dir))
     # op 0: op=add, rid=r0, prompt=13 tokens
     driver.add('r0', [2, 3, 3, 1, 1, 1, 2, 1, 1, 2, 1, 2, 1])
     # op 1: op=step, rids=['r0'], budget=8

@@ -319,7 +319,8 @@ def expect(what: str, got: object, expected: object) -> None:
 
 def test_sync_load_failed_block_hash_kept() -> None:
     init_none_hash(sha256)
-    driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
+    with tempfile.TemporaryDirectory(prefix="kvretain-model-") as model_dir:
+        driver = Driver(make_scheduler(model_dir))
     # op 0: op=add, rid=r0, prompt=13 tokens
     driver.add('r0', list(range(1, 14)))
     # op 1: op=offer, rid=r0, num_tokens=12, load=sync

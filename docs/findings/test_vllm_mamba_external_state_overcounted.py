@@ -329,7 +329,8 @@ def expect(what: str, got: object, expected: object) -> None:
 
 def test_vllm_mamba_external_state_overcounted() -> None:
     init_none_hash(sha256)
-    driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
+    with tempfile.TemporaryDirectory(prefix="kvretain-model-") as model_dir:
+        driver = Driver(make_scheduler(model_dir))
     # op 0: op=add, rid=ra, prompt=8 tokens
     driver.add('ra', list(range(1, 9)))
     # op 1: op=step, rids=['ra'], budget=64

@@ -316,7 +316,8 @@ def expect(what: str, got: object, expected: object) -> None:
 
 def test_vllm_mamba_external_state_uncounted() -> None:
     init_none_hash(sha256)
-    driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
+    with tempfile.TemporaryDirectory(prefix="kvretain-model-") as model_dir:
+        driver = Driver(make_scheduler(model_dir))
     # op 0: op=add, rid=r0, prompt=9 tokens
     driver.add('r0', list(range(1, 10)))
     # op 1: op=offer, rid=r0, num_tokens=8, load=sync

@@ -318,7 +318,8 @@ def expect(what: str, got: object, expected: object) -> None:
 
 def test_vllm_mamba_external_state_uncounted_watermark() -> None:
     init_none_hash(sha256)
-    driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
+    with tempfile.TemporaryDirectory(prefix="kvretain-model-") as model_dir:
+        driver = Driver(make_scheduler(model_dir))
     # op 0: op=add, rid=ra, prompt=3 tokens
     driver.add('ra', [7] * 3)
     # op 1: op=step, rids=['ra'], budget=64

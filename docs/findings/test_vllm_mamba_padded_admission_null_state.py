@@ -247,7 +247,8 @@ def expect(what: str, got: object, expected: object) -> None:
 
 def test_vllm_mamba_padded_admission_null_state() -> None:
     init_none_hash(sha256)
-    driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
+    with tempfile.TemporaryDirectory(prefix="kvretain-model-") as model_dir:
+        driver = Driver(make_scheduler(model_dir))
     # op 0: op=add, rid=r1, prompt=3 tokens
     driver.add('r1', [1, 3, 3])
     # op 1: op=step, rids=['r1'], budget=3

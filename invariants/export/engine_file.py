@@ -303,7 +303,8 @@ def expect(what: str, got: object, expected: object) -> None:
 
 def {name}() -> None:
     init_none_hash(sha256)
-    driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
+    with tempfile.TemporaryDirectory(prefix="kvretain-model-") as model_dir:
+        driver = Driver(make_scheduler(model_dir))
 '''
 
 _SPEC = """

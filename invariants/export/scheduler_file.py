@@ -3,7 +3,7 @@
 The file imports only vLLM, torch and pytest. It builds the `Scheduler` the
 "vllm" target builds (`invariants.targets.vllm_scheduler_build`: a
 `VllmConfig` whose `ModelConfig` reads a small `config.json` written to a
-temporary directory, a stand-in architecture registered with vLLM's
+temporary directory the test removes once the scheduler is built, a stand-in architecture registered with vLLM's
 `ModelRegistry`, the trace's `KVCacheConfig`) and drives it as the target does
 (`vllm_scheduler_drive`): `add_request`; a step is `update_from_output` of the
 previous step's output (with the sampled tokens), then the engine's own
@@ -294,7 +294,8 @@ def expect(what: str, got: object, expected: object) -> None:
 
 def {name}() -> None:
     init_none_hash(sha256)
-    driver = Driver(make_scheduler(tempfile.mkdtemp(prefix="kvretain-model-")))
+    with tempfile.TemporaryDirectory(prefix="kvretain-model-") as model_dir:
+        driver = Driver(make_scheduler(model_dir))
 '''
 
 

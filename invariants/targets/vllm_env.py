@@ -176,8 +176,13 @@ STAMP_PROBE = "allocator+scheduler"
 
 
 def cache_root() -> Path:
-    """Where release environments live: $KVRETAIN_CACHE or ~/.cache/kvretain."""
-    return Path(os.environ.get("KVRETAIN_CACHE") or Path.home() / ".cache" / "kvretain")
+    """kvretain's cache (release environments, the stand-in model's configuration):
+    $KVRETAIN_CACHE, else `kvretain` under $XDG_CACHE_HOME (an absolute path, as the XDG
+    specification asks) or under ~/.cache."""
+    if os.environ.get("KVRETAIN_CACHE"):
+        return Path(os.environ["KVRETAIN_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(xdg if os.path.isabs(xdg) else Path.home() / ".cache") / "kvretain"
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ a `Scheduler` from configuration objects alone; `build_scheduler` does the same
 with kvretain's configuration, so no weights, tokenizer or hub access are
 needed:
 
-- `ModelConfig` reads a small `config.json` in a private temporary directory
-  (`skip_tokenizer_init=True`, `HF_HUB_OFFLINE=1`). Its architecture is a
-  stand-in registered with vLLM's `ModelRegistry` (`register_model`, the
-  out-of-tree model API): the scheduler never runs a model, and inspecting an
+- `ModelConfig` reads a small `config.json` in a directory of the user's cache
+  named by its content (`model_dir`; `skip_tokenizer_init=True`,
+  `HF_HUB_OFFLINE=1`). Its architecture is a stand-in registered with vLLM's
+  `ModelRegistry` (`register_model`, the out-of-tree model API): the scheduler never runs a model, and inspecting an
   in-tree architecture would import vLLM's attention layers (and their extra
   dependencies) for nothing.
 - `KVCacheConfig` holds the groups `vllm_build.group_specs` makes (the same
@@ -56,15 +56,16 @@ What vLLM rejects is re-raised as `ConfigError` carrying vLLM's message.
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
+from pathlib import Path
 from typing import Any, Literal
 from unittest.mock import patch
 
@@ -73,6 +74,7 @@ from model.policy.scheduling import build_budget, seq_cap
 
 from .vllm_build import group_specs
 from .vllm_capabilities import Capabilities, scheduler_unsupported
+from .vllm_env import cache_root
 from .vllm_identity import encoder_cache_config
 
 STAND_IN_ARCH = "KvretainStandInForCausalLM"
@@ -185,18 +187,9 @@ def _stand_in_class() -> type:
     return KvretainStandIn
 
 
-_MODEL_DIRS: dict[int, str] = {}
-
-
-def model_dir(max_positions: int) -> str:
-    """A private directory holding the stand-in's `config.json` (one per process and
-    length, made again if something removed it, and removed when the process exits)."""
-    path = _MODEL_DIRS.get(max_positions)
-    if path is not None and os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    path = tempfile.mkdtemp(prefix="kvretain-model-")
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    hf_config = {
+def stand_in_hf_config(max_positions: int) -> dict[str, Any]:
+    """The stand-in's Hugging Face `config.json` (`max_positions`: its context length)."""
+    return {
         "architectures": [STAND_IN_ARCH],
         "model_type": "opt",
         "hidden_size": 16,
@@ -207,10 +200,49 @@ def model_dir(max_positions: int) -> str:
         "word_embed_proj_dim": 16,
         "max_position_embeddings": max_positions,
     }
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config, f)
-    _MODEL_DIRS[max_positions] = path
-    return path
+
+
+def model_dir(max_positions: int) -> str:
+    """The directory holding the stand-in's `config.json`, named by the hash of that file's
+    content: under the user's cache (`vllm_env.cache_root()`; the system's temporary directory
+    where that cannot be written), shared by every process asking for the same file and removed
+    by none, so no process leaves a directory behind however it exits (pytest-xdist, pool and Ray
+    workers leave through `os._exit`, which runs no `atexit`). The file is written atomically (a
+    temporary name in the same directory, then `os.replace`), and again where it is missing or
+    holds anything else."""
+    text = json.dumps(stand_in_hf_config(max_positions), sort_keys=True)
+    name = "stand-in-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    roots = (cache_root() / "models", Path(tempfile.gettempdir()) / f"kvretain-models-{os.getuid()}")
+    failure: OSError | None = None
+    for root in roots:
+        path = root / name
+        try:
+            _write_once(path / "config.json", text)
+        except OSError as exc:
+            failure = exc
+            continue
+        return str(path)
+    assert failure is not None
+    raise failure
+
+
+def _write_once(path: Path, text: str) -> None:
+    """`path` holds `text` (written atomically unless it already does)."""
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def check_scheduler_supported(cfg: Config) -> None:
