@@ -220,3 +220,17 @@ def test_a_scheduler_target_leaves_no_model_directory_behind(tmp_path: Path) -> 
     assert _model_dirs_left(_BUILD_THEN_EXIT.format(preset=preset), tmp_path / "new") == []
     assert len(list((tmp_path / "new" / "cache" / "models").glob("stand-in-*/config.json"))) == 1
     assert len(_model_dirs_left(_OLD_SCHEME_THEN_EXIT, tmp_path / "old")) == 1
+
+
+def test_the_cache_honours_kvretain_cache_then_xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$KVRETAIN_CACHE first, then an absolute $XDG_CACHE_HOME, then ~/.cache (control: a
+    relative $XDG_CACHE_HOME is ignored, as the XDG specification asks)."""
+    from invariants.targets.vllm_env import cache_root
+
+    monkeypatch.delenv("KVRETAIN_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "kvretain"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")
+    assert cache_root() == Path.home() / ".cache" / "kvretain"
+    monkeypatch.setenv("KVRETAIN_CACHE", str(tmp_path / "own"))
+    assert cache_root() == tmp_path / "own"
