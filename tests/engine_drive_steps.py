@@ -20,15 +20,16 @@ from __future__ import annotations
 
 from drive import Drive
 
+import invariants.harness.engine_step as shared
 from model.contract.ops import Sample, Step
 from model.policy.scheduling import build_budget
 from model.policy.spec_decode import acceptable
 
 
 def engine_rids(d: Drive) -> tuple[str, ...]:
-    """Every request the model holds, in the order an engine's next step names them."""
-    q = d.checker.model.engine_queues()
-    return (*q.running, *q.holding, *q.waiting)
+    """Every request the model holds, in the order an engine's next step names them
+    (`invariants.harness.engine_step.engine_rids`)."""
+    return shared.engine_rids(d.checker.model)
 
 
 def engine_step(d: Drive) -> Drive:

@@ -15,6 +15,7 @@ import pytest
 
 import model.machine.connector as connector_mod
 from invariants.harness.checker import REFUSED, Checker
+from invariants.harness.engine_step import engine_rids
 from invariants.targets.vllm_env import vllm_available
 from model.contract.config import Config, ConfigError, GroupSpec, validate
 from model.contract.observation import StepResult
@@ -30,8 +31,8 @@ vllm_only = pytest.mark.skipif(not _OK, reason=f"vllm target: {_REASON}")
 
 
 def engine_step(m: AllocatorModel, budget: int) -> Step:
-    q = m.engine_queues()
-    return Step((*q.running, *q.holding, *q.waiting), budget)
+    """Every held request in the engine's order (`engine_rids`), whether or not one awaits a sample."""
+    return Step(engine_rids(m), budget)
 
 
 # ---------------------------------------------------------------------- the model

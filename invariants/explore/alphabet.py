@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from invariants.explore.instances import Instance
+from invariants.harness.engine_step import engine_step
 from model.contract.ops import (
     LOAD_MODES,
     AddRequest,
@@ -156,19 +157,16 @@ def engine_alphabet(
     if len(reqs) < instance.max_requests:
         kinds = ({}, *IDENTITIES) if instance.tenants else ({},)
         ops += [AddRequest(rid_name(next_rid), p, **kw) for p in prompts(instance) for kw in kinds]
-    awaiting = False
     for rid, r in reqs.items():
         if r.running and r.num_computed >= r.num_tokens:
-            awaiting = True
             ops += _samples(model, rid)
         ops.append(Finish(rid))
         if connector:
             ops += [Offer(rid, r.num_tokens, mode) for mode in LOAD_MODES]
             ops.append(Save(rid))
-    q = model.engine_queues()
-    rids = (*q.running, *q.holding, *q.waiting)
-    if rids and not awaiting:
-        ops.append(Step(rids, build_budget(instance.config)))
+    step = engine_step(model, build_budget(instance.config))
+    if step is not None:
+        ops.append(step)
     if connector:
         ops += _reports(model)
     ops += [Probe(p) for p in sorted(prompts(instance), key=len)[-2:]]

@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from invariants.harness import identities
 from invariants.harness.checker import Checker, Violation
+from invariants.harness.engine_step import engine_step
 from invariants.harness.run_stats import (
     FuzzStats,
     Tolerance,
@@ -257,24 +258,20 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _engine_step(self, data: st.DataObject) -> StepResult | None:
         """The engine's own step: first every request awaiting its sample is sampled (one at
         the size cap finishes instead, as an engine ends a request at its `max_tokens`), then
-        one `Step` over every live request in the queue order the model predicts
-        (`AllocatorModel.engine_queues`) with the budget the engine was built with
-        (`model.policy.scheduling.build_budget`). None where no request is live, or one computed its
-        tokens and awaits no sample yet (its verified drafts: the step waits for it)."""
+        the engine's next step (`invariants.harness.engine_step`) with the budget the engine was
+        built with (`model.policy.scheduling.build_budget`). None where it runs none: no request is
+        live, or one computed its tokens and awaits no sample yet (its verified drafts: the step
+        waits for it)."""
         assert self.checker is not None
         model = self.checker.model
         for rid in self._arrival_order(list(model.requests)):
             r = model.requests.get(rid)
             if r is not None and r.awaits_sample:
                 self._do(self._sample(rid, data) if r.num_tokens < MAX_REQUEST_TOKENS else Finish(rid))
-        q = model.engine_queues()
-        rids = (*q.running, *q.holding, *q.waiting)
-        if not rids or any(
-            model.requests[r].running and model.requests[r].num_computed >= model.requests[r].num_tokens
-            for r in rids
-        ):
+        step = engine_step(model, build_budget(self.cfg))
+        if step is None:
             return None
-        self._do(Step(rids, build_budget(self.cfg)))
+        self._do(step)
         obs = self.checker.last_obs
         if isinstance(obs, StepResult):
             for rid, result in obs.results:

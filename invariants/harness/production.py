@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
 from invariants.harness.checker import Checker, InvalidOp, Violation
+from invariants.harness.engine_step import engine_step as next_step
 from invariants.harness.known_findings import KnownLedger, format_known
 from invariants.harness.run_stats import Tolerance
 from invariants.harness.spool import OpSpool
@@ -303,18 +304,16 @@ def workload(
 
 def engine_step(checker: Checker, wants: dict[str, int], rng: random.Random) -> Iterator[Op]:
     """The engine's next step: each request awaiting its sample sampled first (finished at its
-    length), then one `Step` over every request the model says the engine holds, in its
-    predicted queue order (`AllocatorModel.engine_queues`), with the built budget `CHUNK`.
-    No step while a running request has computed its tokens and awaits no sample yet."""
+    length), then the engine's next step (`invariants.harness.engine_step`) with the built
+    budget `CHUNK`: none while a running request has computed its tokens and awaits no sample yet."""
     reqs = checker.model.requests
     for rid in sorted(reqs):
         r = reqs.get(rid)
         if r is not None and r.awaits_sample:
             yield Finish(rid) if r.num_tokens >= wants[rid] else Sample(rid, rng.randrange(1, VOCAB))
-    q = checker.model.engine_queues()
-    rids = (*q.running, *q.holding, *q.waiting)
-    if rids and not any(reqs[r].running and reqs[r].num_computed >= reqs[r].num_tokens for r in rids):
-        yield Step(rids, CHUNK)
+    step = next_step(checker.model, CHUNK)
+    if step is not None:
+        yield step
 
 
 def engine_config(cfg: Config) -> Config:
