@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvretain-installed
+# --no-compile: pip would byte-compile every file of torch, vLLM and Ray (most of set-up's
+# time); Python compiles, and caches, only the modules a run imports.
+PIP    := $(BIN)/python -m pip install -q --no-compile
 HYPOTHESIS_PROFILE ?= ci
 export HYPOTHESIS_PROFILE
 
@@ -11,18 +14,17 @@ export HYPOTHESIS_PROFILE
 $(STAMP): pyproject.toml requirements/dev.txt requirements/ray.txt $(wildcard requirements/vllm*.txt) $(wildcard requirements/sglang*.txt)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements/dev.txt
-	$(BIN)/python -m pip install -q -r requirements/ray.txt
+	$(PIP) -r requirements/dev.txt -r requirements/ray.txt
 	@if [ -f requirements/vllm.txt ]; then \
-	  $(BIN)/python -m pip install -q -r requirements/vllm.txt && \
-	  $(BIN)/python -m pip install -q --no-deps -r requirements/vllm-nodeps.txt || \
+	  $(PIP) -r requirements/vllm.txt && \
+	  $(PIP) --no-deps -r requirements/vllm-nodeps.txt || \
 	  echo "note: vLLM could not be installed; the vllm target will be reported as skipped"; \
 	fi
 	@if [ -f requirements/sglang-nodeps.txt ]; then \
-	  $(BIN)/python -m pip install -q --no-deps -r requirements/sglang-nodeps.txt || \
+	  $(PIP) --no-deps -r requirements/sglang-nodeps.txt || \
 	  echo "note: SGLang could not be installed; the sglang target will be reported as skipped"; \
 	fi
-	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(PIP) --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 setup: $(STAMP)
