@@ -321,3 +321,24 @@ def test_a_request_identity_is_exported_with_it() -> None:
     )
     plain_source = render_test(plan_export(plain))
     assert "def identity(" not in plain_source and "LoRARequest" not in plain_source
+
+
+def test_a_router_look_ahead_leaves_the_index_as_it_was() -> None:
+    """`stored_keys` with an overlay (what `router_sees_target_hits` reads of an
+    operation's pending stores) gives the keys applying the events would, reads its own
+    earlier names first (a chain split over two events), and leaves the index's names
+    and orphan count as they were; control: without the overlay the index learns them."""
+    from model.contract.prefix import prefix
+
+    toks = tuple(range(8))
+    first = BlockStored(0, (prefix(toks, 4),), None, toks[:4], 4)
+    second = BlockStored(0, (prefix(toks, 8),), prefix(toks, 4), toks[4:], 4)
+    orphan = BlockStored(0, (prefix((9, 9, 9, 9, 9, 9, 9, 9), 8),), prefix((9, 9, 9, 9), 4), (9,) * 4, 4)
+    router, applied = RouterIndex(), RouterIndex()
+    overlay: dict[Any, int] = {}
+    ahead = [k for ev in (first, second, orphan) for k in router.stored_keys(ev, overlay)]
+    assert router.key_of == {} and router.orphans == 0 and len(overlay) == 2
+    applied.apply([first, second, orphan])
+    assert ahead == [(0, k) for k in applied.key_of.values()] and applied.orphans == 1
+    assert [k for ev in (first, second) for k in router.stored_keys(ev)] == ahead  # control
+    assert len(router.key_of) == 2

@@ -113,12 +113,21 @@ class RouterIndex:
                     if not held[k]:
                         del held[k]
 
-    def stored_keys(self, ev: BlockStored) -> list[tuple[int, int]]:
-        """(group, router key) of each hash of `ev`, interning them."""
+    def stored_keys(
+        self, ev: BlockStored, overlay: dict[tuple[int, Prefix], int] | None = None
+    ) -> list[tuple[int, int]]:
+        """(group, router key) of each hash of `ev`, interning them. With `overlay`, a
+        look-ahead that leaves the index as it was (but for interning): the hashes'
+        router keys go into `overlay`, which is read before `key_of`, and no orphan is counted."""
         out: list[tuple[int, int]] = []
-        parent = None if ev.parent is None else self.key_of.get((ev.group, ev.parent))
+        names = self.key_of if overlay is None else overlay
+        parent = None
+        if ev.parent is not None:
+            pk = (ev.group, ev.parent)
+            parent = self.key_of.get(pk) if overlay is None else overlay.get(pk, self.key_of.get(pk))
         if ev.parent is not None and parent is None:
-            self.orphans += 1
+            if overlay is None:
+                self.orphans += 1
             return out
         bs, extra = ev.block_size, ev.extra_keys
         if len(ev.token_ids) != len(ev.block_hashes) * bs:
@@ -129,7 +138,7 @@ class RouterIndex:
             if ahead is not None:  # lookahead hashes: the tokens past the block key it too
                 keys = (keys, tuple(ahead[i]))
             k = self._intern(parent, tuple(ev.token_ids[i * bs : (i + 1) * bs]), keys)
-            self.key_of[(ev.group, h)] = k
+            names[(ev.group, h)] = k
             out.append((ev.group, k))
             parent = k
         return out
@@ -349,11 +358,10 @@ def router_sees_target_hits(ctx: CheckContext) -> list[str]:
     ledger = ctx.history.isolation
     router = ledger.router
     fresh: dict[int, Counter[int]] = {}
-    scratch = RouterIndex()
-    scratch._ids, scratch.key_of = router._ids, dict(router.key_of)
+    learnt: dict[tuple[int, Prefix], int] = {}  # the pending stores' hash names: the index stays as it is
     for ev in ledger.pending:  # this operation's stores may serve a later admission of its step
         if isinstance(ev, BlockStored):
-            for g, stored in scratch.stored_keys(ev):
+            for g, stored in router.stored_keys(ev, learnt):
                 fresh.setdefault(g, Counter())[stored] += 1
     cfg = ctx.config
     # Exactly the target's hit: one full-attention group, nothing that trims or extends a

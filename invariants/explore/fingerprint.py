@@ -119,14 +119,17 @@ def canonical(obj: Any, names: Names) -> Hashable:
     if kind is Keyed:  # a prompt and its identity (`model.contract.extra_keys`): two tenants, two states
         return ("Keyed", obj.identity, tuple(obj))
     if isinstance(obj, tuple):  # a named tuple or another tuple subclass
-        return (kind.__name__, tuple([canonical(x, names) for x in obj]))
+        return (kind.__name__, tuple([x if type(x) in _ATOMS else canonical(x, names) for x in obj]))
     attrs = getattr(obj, "__dict__", None)
     if attrs is None:
         raise UnknownStateType(f"fingerprint: cannot canonicalise a {kind.__qualname__}")
     return (
         kind.__name__,
         # In the order the attributes were set (a constructor's order): sound, and no sort.
-        tuple([(k, canonical(v, names)) for k, v in attrs.items() if k not in _SKIP]),
+        # Most attributes are atoms (counts, flags): no call for them.
+        tuple(
+            [(k, v if type(v) in _ATOMS else canonical(v, names)) for k, v in attrs.items() if k not in _SKIP]
+        ),
     )
 
 

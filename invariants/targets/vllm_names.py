@@ -175,6 +175,11 @@ class KeyTranslator:
         self.s = session
         self.names = names
         self._keys: dict[bytes, BlockKey] = {}
+        # `map_key`'s answers other than None, until the next prune or a change of the
+        # session's capabilities: a prefix's hash is a function of its tokens and identity
+        # (vLLM's hasher), so a found one never changes.
+        self._raw: dict[BlockKey, bytes] = {}
+        self._raw_caps: object = None
 
     def key(self, key: bytes) -> BlockKey:
         """BlockHashWithGroupId (hash bytes + 4-byte big-endian group) -> BlockKey, memoised."""
@@ -188,6 +193,16 @@ class KeyTranslator:
         when the prefix has no hash. A "concat" release keys a block wider than the
         hash block by the fine hashes it spans, joined in order; those hashes are
         the release's own (the learnt table, else a throw-away request's)."""
+        if self._raw_caps is not self.s.caps:
+            self._raw, self._raw_caps = {}, self.s.caps
+        raw = self._raw.get(k)
+        if raw is None:
+            raw = self._map_key(k)
+            if raw is not None:
+                self._raw[k] = raw
+        return raw
+
+    def _map_key(self, k: BlockKey) -> bytes | None:
         group = k.group.to_bytes(4, "big")
         if not self.names.track_prefixes:
             return bytes(k.tokens.tokens()) + group  # the stand-in is the key's bytes
@@ -250,6 +265,7 @@ class KeyTranslator:
             keep.update(map(bytes, map(itemgetter(slice(-4 - width, -4)), cache)))
         if not table.prune(keep):
             return
+        self._raw = {}
         self._keys = {
             k: v for k, v in self._keys.items() if bytes(k[:-4]) in keep or bytes(k[:-4][-width:]) in keep
         }
