@@ -94,7 +94,8 @@ class StepScheduler:
     def schedule(self, req: Any, budget: int) -> ScheduleResult:
         """One step scheduling `req` alone, with `budget` tokens; the step's copies drained."""
         self.s.manager.new_step_starts()
-        return replace(self._schedule(req, budget), copies=self.take_copies())
+        result, copies = self._schedule(req, budget), self.take_copies()
+        return replace(result, copies=copies) if copies else result  # (no copies: the default)
 
     def _schedule(self, req: Any, budget: int) -> ScheduleResult:
         if req.status != self.s.v["RequestStatus"].RUNNING:
