@@ -195,8 +195,9 @@ FIXES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
 def _cow_control(trace: Trace) -> Trace:
     """The same requests, r8 admitted one step after r7: the copy's source was
     written by r7's step, so the copy reads cached state."""
-    assert isinstance(trace.ops[-1], Step) and trace.ops[-1].rids == ("r7", "r8")
-    ops = [*trace.ops[:-1], Step(("r7",), 64), Step(("r8",), 64)]
+    last = trace.ops[-1]
+    assert isinstance(last, Step) and last.rids == ("r7", "r8")
+    ops = [*trace.ops[:-1], Step(("r7",), last.budget), Step(("r8",), last.budget)]
     return Trace(trace.config, ops, trace.seed, trace.target, trace.violation)
 
 
@@ -206,7 +207,7 @@ def _cow_control(trace: Trace) -> Trace:
 CONTROLS: dict[str, tuple[Callable[[Trace], Trace], str]] = {
     "vllm-cow-copy-of-same-step-block": (
         _cow_control,
-        r"copies \(source, destination\) \[\(3, 6\)\]: source was allocated in the same step",
+        r"copies \(source, destination\) \[\(1, 5\)\]: source was allocated in the same step",
     ),
 }
 
@@ -282,7 +283,7 @@ def test_step_chunks_are_checked_against_the_scheduler_split(
     # A setup step: the file's own SetupDiverged, not the property's AssertionError.
     diverged = test.__globals__["SetupDiverged"]
     assert not issubclass(diverged, AssertionError)
-    with pytest.raises(diverged, match=r"r1: Scheduler's Mamba split \(tokens\): got 2, expected 3"):
+    with pytest.raises(diverged, match=r"r1: Scheduler's Mamba split \(tokens\): got 3, expected 4"):
         test()
 
 
@@ -297,11 +298,11 @@ def test_batched_step_is_exported_call_by_call() -> None:
     ]
     source = render_test(plan)
     assert "NUM_LOOKAHEAD_TOKENS = 1" in source and "num_lookahead_tokens=NUM_LOOKAHEAD_TOKENS" in source
-    assert "admit(manager, req_r8, expected_hit=4, num_new_tokens=8, left=48, step_budget=64)" in source
+    assert "admit(manager, req_r8, expected_hit=4, num_new_tokens=8, left=4080, step_budget=4096)" in source
     # The copy is the property; the step's decisions are setup: checked with expect.
     assert 'expect("r8: admitted (room for its first 8 token(s))", blocks is not None, True)' in source
     assert "final" not in source
-    assert source.count("manager.new_step_starts()") == 3 + source.count("def schedule_step")
+    assert source.count("manager.new_step_starts()") == 2 + source.count("def schedule_step")
 
 
 def test_step_with_preemption_is_exported_in_scheduler_order(tmp_path: Path) -> None:
@@ -406,7 +407,7 @@ def test_cli_exports_a_batched_step_finding(tmp_path: Path) -> None:
     report = issue.read_text()
     assert "no copy-on-write copy of the last step reads a block that step allocated" in report
     if vllm_available()[0]:
-        assert "fails on vLLM 0.33.0: copies (source, destination) [(3, 6)]: source was allocated" in report
+        assert "fails on vLLM 0.33.0: copies (source, destination) [(1, 5)]: source was allocated" in report
 
 
 @pytest.mark.parametrize(

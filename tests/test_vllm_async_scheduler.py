@@ -389,21 +389,6 @@ PADDED = "vllm-mamba-padded-admission-null-state"
 COW = "vllm-cow-copy-of-same-step-block"
 
 
-def cow_on_engine_steps(trace: Any) -> Any:
-    """`COW`'s recorded trace on the engine's own steps: it computes r1's prompt in two
-    directed 3-token chunks and leaves r1 out of r7 and r8's step; an engine computes r1's
-    prompt in one step, r1 is aborted, and one step admits r7 and r8 (the same copy of a
-    block its step allocated, `copies_sound`)."""
-    from dataclasses import replace
-
-    from model.policy.scheduling import build_budget
-
-    add_r1, _, _, add_r7, add_r8, _ = trace.ops
-    budget = build_budget(trace.config)
-    ops = [add_r1, Step(R1, budget), Finish("r1"), add_r7, add_r8, Step(("r7", "r8"), budget)]
-    return replace(trace, ops=ops)
-
-
 def test_known_findings_reproduce_through_the_async_scheduler() -> None:
     """Every known vLLM finding of the installed release reproduces on vllm-async-scheduler
     too; an Eagle trace without lookahead slots runs with the one slot vLLM's Eagle needs
@@ -415,8 +400,8 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
     admission's null Mamba column (`PADDED`) is recorded as the synchronous engine's own
     steps: one step ahead, the AsyncScheduler schedules the placeholder drafts again after
     the sample (no one-token step follows it), so that trace runs clean there (a directed
-    one-token budget reached it). The same-step CoW copy (`COW`) is recorded with directed
-    steps: it is replayed on the engine's own (`cow_on_engine_steps`)."""
+    one-token budget reached it). The same-step CoW copy (`COW`) is recorded as the engine's
+    own steps, so it replays here as recorded."""
     from dataclasses import replace
 
     from invariants.harness.known_findings import explain, load_known_findings, target_version
@@ -432,8 +417,6 @@ def test_known_findings_reproduce_through_the_async_scheduler() -> None:
         trace = f.trace
         if trace.config.eagle and not trace.config.num_lookahead_tokens:
             trace = replace(trace, config=trace.config.with_(num_lookahead_tokens=1))
-        if f.id == COW:
-            trace = cow_on_engine_steps(trace)
         if f.id == "swa-load-cut-reads-skipped-window":
             with pytest.raises(TraceError, match="awaiting its sample|no other request holds"):
                 replay(trace, "vllm-async-scheduler")

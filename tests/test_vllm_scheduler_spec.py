@@ -273,6 +273,36 @@ def test_eagle_finding_reconfirmed_through_the_real_scheduler() -> None:
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.parametrize("recorded", [True, False], ids=["as recorded", "directed steps"])
+def test_cow_finding_replays_through_the_real_scheduler_as_recorded(recorded: bool) -> None:
+    """`vllm-cow-copy-of-same-step-block` is recorded as the engine's own steps, so the real
+    scheduler runs it as recorded and shows the finding (the matrix's scheduler replay). The
+    control: the directed form it had (r1's prompt in two 3-token chunks, r1 left out of r7
+    and r8's 64-token step) is refused by the engine, naming the step."""
+    from dataclasses import replace
+
+    from invariants.harness.checker import REFUSED
+    from invariants.harness.known_findings import explain, load_known_findings
+    from invariants.harness.replay import replay
+
+    f = next(f for f in load_known_findings() if f.id == "vllm-cow-copy-of-same-step-block")
+    trace = f.trace
+    if not recorded:
+        add_r1, _, _, add_r7, add_r8, _ = trace.ops
+        r1 = Step(("r1",), 3)
+        trace = replace(trace, ops=[add_r1, r1, r1, add_r7, add_r8, Step(("r7", "r8"), 64)])
+    result = replay(trace, "vllm")
+    if recorded:
+        assert result.clean, result.violations[:1]
+        assert any(explain("vllm", v) is f for _, v in result.known)
+        return
+    first = result.violations[0][1]
+    assert first.check == REFUSED and "SteeredStep: step with budget 3" in first.message
+    assert not any(explain("vllm", v) is f for _, v in result.known)
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_a_speculating_scheduler_forks_for_the_search() -> None:
     """The explore search (and the fuzz -> explore hand-over) freezes checkers by pickle.
     A real scheduler holds what pickle refuses (the control: vLLM's request block hasher,

@@ -1,16 +1,21 @@
 """Regression test for vLLM's prefix-cache allocator (vllm/v1/core).
 
 Known finding vllm-cow-copy-of-same-step-block: With fine-grained Mamba hits (Full16 +
-Mamba8, hash block 4, Eagle) one scheduler step admits r7 (20 tokens, new) and then r8
-(16 tokens, same first 16). r7's first full-attention block (3) is allocated and keyed
-in this step, before r7's forward pass has written it; attention allows a same-step hit
-on it (only Mamba has the same-step guard). r8's reconciled hit is 4 tokens, which ends
-inside block 3, so r8 gets a private copy 3 -> 6. The worker runs copies in
-_update_states, before the step's forward pass (after zeroing newly allocated blocks),
-so block 6 receives block 3's zeroed content and r8 reads wrong KV for tokens 0..3: a
-silent output corruption. The model predicts the same copy (it follows vLLM), so both
-targets show it; the invariant copies_sound names it. A fix: refuse (defer to the next
-step) a partial hit whose source was cached in the current step, as
+Mamba8, hash block 4, Eagle) the engine's first step computes 4 tokens of r1's 8-token
+prompt (the Mamba state at 4 is kept, a fine-grained checkpoint) and r1 is aborted; its
+next step admits r7 (20 tokens, new) and then r8 (16 tokens, r7's first 16). r7's first
+full-attention block (1; 3 through the Scheduler, whose first step also reserves r1's
+Eagle lookahead slot) is allocated and keyed in this step, before r7's forward pass has
+written it; attention allows a same-step hit on it (only Mamba has the same-step guard).
+r8's reconciled hit is 4 tokens (that block and r1's Mamba state), which ends inside the
+block, so r8 gets a private copy 1 -> 5 (3 -> 6 through the Scheduler). The worker runs
+copies in _update_states, before the step's forward pass (after zeroing newly allocated
+blocks), so the copy receives the source's zeroed content and r8 reads wrong KV for
+tokens 0..3: a silent output corruption. The model predicts the same copy (it follows
+vLLM), so both targets show it; the invariant copies_sound names it. The trace is the
+engine's own steps (every request held, the built budget), so it replays on
+KVCacheManager, vLLM's Scheduler and its AsyncScheduler alike. A fix: refuse (defer to
+the next step) a partial hit whose source was cached in the current step, as
 MambaManager.get_num_blocks_to_allocate does for Mamba states.
 
 Property copies_sound: Every copy a step queued (fine-grained Mamba hits, vLLM 0.33.0
@@ -34,7 +39,7 @@ hits behind the writing step's commit fence; the same class, a hit on content it
 has not written yet).
 
 Exported by kvretain from a 6-operation trace (target vllm-manager, seed 29); kvretain
-reported: copies_sound: copy 3 -> 6: source was allocated in the same step (the copy runs before
+reported: copies_sound: copy 1 -> 5: source was allocated in the same step (the copy runs before
 its content is written)
 It fails on the vLLM it was found on and passes once the allocator keeps the property.
 Only the property is an `assert`: a setup step that no longer gives the value the trace
@@ -253,35 +258,27 @@ def test_vllm_cow_copy_of_same_step_block():
     manager = make_manager()
     step_new: list[int] = []
     req_r1 = make_request("r1", [3, 3, 1, 2, 2, 2, 3, 1])
-    # One scheduler step over ['r1'], token budget 3 (Scheduler.schedule:
+    # One scheduler step over ['r1'], token budget 4096 (Scheduler.schedule:
     # running requests first, the newest preempted when an allocation fails, then
     # waiting requests admitted in order, only if nobody was preempted).
     manager.new_step_starts()
     step_new.clear()  # the blocks this step hands out
-    blocks = admit(manager, req_r1, expected_hit=0, num_new_tokens=3, left=3, step_budget=3)  # waiting, in order
-    expect("r1: admitted (room for its first 3 token(s))", blocks is not None, True)
+    blocks = admit(manager, req_r1, expected_hit=0, num_new_tokens=4, left=4096, step_budget=4096)  # waiting, in order
+    expect("r1: admitted (room for its first 4 token(s))", blocks is not None, True)
     step_new += blocks
     copies = take_copies(manager)  # once per step, as Scheduler.schedule does
-    # One scheduler step over ['r1'], token budget 3 (Scheduler.schedule:
-    # running requests first, the newest preempted when an allocation fails, then
-    # waiting requests admitted in order, only if nobody was preempted).
-    manager.new_step_starts()
-    step_new.clear()  # the blocks this step hands out
-    blocks = run_chunk(manager, req_r1, 1, left=3, step_budget=3)  # running queue first: the next chunk
-    expect("r1: room for its next 1 token(s)", blocks is not None, True)
-    step_new += blocks
-    copies = take_copies(manager)  # once per step, as Scheduler.schedule does
+    finish(manager, req_r1)
     req_r7 = make_request("r7", [3, 3, 1, 2, 2, 2, 3, 1, 3, 2, 2, 1, 2, 2, 3, 3, 2, 3, 3, 1])
     req_r8 = make_request("r8", [3, 3, 1, 2, 2, 2, 3, 1, 3, 2, 2, 1, 2, 2, 3, 3])
-    # One scheduler step over ['r7', 'r8'], token budget 64 (Scheduler.schedule:
+    # One scheduler step over ['r7', 'r8'], token budget 4096 (Scheduler.schedule:
     # running requests first, the newest preempted when an allocation fails, then
     # waiting requests admitted in order, only if nobody was preempted).
     manager.new_step_starts()
     step_new.clear()  # the blocks this step hands out
-    blocks = admit(manager, req_r7, expected_hit=0, num_new_tokens=16, left=64, step_budget=64)  # waiting, in order
+    blocks = admit(manager, req_r7, expected_hit=0, num_new_tokens=16, left=4096, step_budget=4096)  # waiting, in order
     expect("r7: admitted (room for its first 16 token(s))", blocks is not None, True)
     step_new += blocks
-    blocks = admit(manager, req_r8, expected_hit=4, num_new_tokens=8, left=48, step_budget=64)  # waiting, in order
+    blocks = admit(manager, req_r8, expected_hit=4, num_new_tokens=8, left=4080, step_budget=4096)  # waiting, in order
     expect("r8: admitted (room for its first 8 token(s))", blocks is not None, True)
     step_new += blocks
     copies = take_copies(manager)  # once per step, as Scheduler.schedule does
