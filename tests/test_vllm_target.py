@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -463,7 +462,7 @@ def test_06_fine_grained_mamba_resend(retention: int | None) -> None:
     agree(lock)
 
 
-def test_fine_grained_mamba_fuzz_agrees() -> None:
+def test_fine_grained_mamba_fuzz_agrees(tmp_path: Path) -> None:
     """A few hundred generated operations on fine-grained configurations: no
     difference from the model and no invariant broken on vLLM."""
     from invariants.harness.fuzz import run_fuzz
@@ -477,7 +476,7 @@ def test_fine_grained_mamba_fuzz_agrees() -> None:
         strategy=configs(allow_pinning=False, fine=True, shapes=shapes),
         progress=False,
         database=None,
-        out_dir=Path(tempfile.mkdtemp()),
+        out_dir=tmp_path,
     )
     assert report.failure is None, report.failure
     assert report.stats.steps >= 400
