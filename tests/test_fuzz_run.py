@@ -305,3 +305,36 @@ def test_shrinking_a_prompt_keeps_its_multimodal_items_within_it():
     # control: the prompt cut alone, items untouched, is what failed to load
     with pytest.raises(ValueError, match="past the prompt"):
         op_from_json(op_to_json(replace(add, prompt=add.prompt[:7])))
+
+
+def test_a_run_builds_its_test_once_and_seeds_each_batch(tmp_path, monkeypatch):
+    """The Hypothesis test is built once per run (building digests the machine's source) and
+    batch i runs on seed + i, as when each batch built its own; control: one seed for every
+    batch runs other examples."""
+    from invariants.harness import fuzz
+
+    built, seeds = [], []
+    real_build, real_seed = fuzz.get_state_machine_test, fuzz.hypothesis_seed
+
+    def build(*a, **kw):
+        built.append(1)
+        return real_build(*a, **kw)
+
+    def seed(value):
+        seeds.append(value)
+        return real_seed(value)
+
+    monkeypatch.setattr(fuzz, "get_state_machine_test", build)
+    monkeypatch.setattr(fuzz, "hypothesis_seed", seed)
+    kw = dict(strategy=st.just(CFG), out_dir=tmp_path, progress=False)
+    run = run_fuzz("model", steps=900, seed=7, **kw)
+    assert run.stats.batches >= 2 and built == [1]
+    assert seeds == [7 + i for i in range(run.stats.batches)]
+
+    def figures(report: object) -> tuple[int, int, int]:
+        s = report.stats  # type: ignore[attr-defined]
+        return (s.steps, s.examples, s.hit_tokens)
+
+    assert figures(run_fuzz("model", steps=900, seed=7, **kw)) == figures(run)
+    monkeypatch.setattr(fuzz, "hypothesis_seed", lambda value: real_seed(7))
+    assert figures(run_fuzz("model", steps=900, seed=7, **kw)) != figures(run)

@@ -450,11 +450,14 @@ def _batches(
         suppress_health_check=list(HealthCheck),
     )
     batch = 0
+    # One test for every batch: building it digests the machine class's source (about 60 ms);
+    # each batch sets the test's seed and settings afresh (@seed and settings only set attributes).
+    test = get_state_machine_test(machine, settings=s)
+    test._hypothesis_internal_database_key = db_key  # type: ignore[attr-defined]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         while (steps is None or stats.steps < steps) and not stats.out_of_time():
-            test = get_state_machine_test(machine, settings=s)
-            test._hypothesis_internal_database_key = db_key  # type: ignore[attr-defined]
+            test._hypothesis_internal_use_settings = s  # type: ignore[attr-defined]
             test = hypothesis_seed(seed + batch)(test)
             # @seed switches the database off (it assumes a one-off reproduction);
             # here every batch is seeded, and failures must still be remembered.
