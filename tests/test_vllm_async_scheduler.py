@@ -118,7 +118,8 @@ PREEMPT: list[Op] = [
 # accepted and rejected, a proposal shorter than k (its slot is a placeholder); r2 joins with a
 # 5-token prompt, chunked, and the budget cuts the drafts of its last chunk (step 12); the pool
 # runs short at step 18 and vLLM preempts r2 with its drafts in flight; r1 is aborted and r2
-# resumes and decodes. Each configuration's pool is the one that runs short there.
+# resumes and decodes. Each configuration's pool is the one that runs short there. A request
+# sitting out a step with its drafts' sample in flight: tests/test_engine_reach_async_sit_out.py.
 SPEC_FULL = FULL.with_(num_lookahead_tokens=2, num_blocks=40)
 SPEC_FULL_SWA = FULL_SWA.with_(num_lookahead_tokens=2, num_blocks=48)
 DRAFT_BUDGET = 6
@@ -314,7 +315,9 @@ def test_a_preempted_requests_in_flight_token_is_no_longer_in_flight(monkeypatch
     token at once, so no later step sees it in flight; an abort (`ABORT_IN_FLIGHT`) is the
     input that leaves one behind. Negative control: a model that kept a preempted or
     finished request's token in flight (no `InFlight.forget`) delivers it, at the next step,
-    to a request it no longer holds."""
+    to a request it no longer holds. `forget`'s preemption path is unreachable on vLLM 0.33.0
+    with engine steps (which vLLM code rules it out, and its model-level test with a control:
+    tests/test_engine_reach_async_sit_out.py::test_forget_on_preemption_decides_the_model_alone)."""
     d = async_drive(PREEMPT_FULL).do(*PREEMPT)
     assert d.found == [] and d.preempted == ["r1"]
     monkeypatch.setattr(allocator.InFlight, "forget", lambda self, rid: None)
