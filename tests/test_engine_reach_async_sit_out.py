@@ -257,6 +257,8 @@ def test_forget_on_preemption_decides_the_model_alone(monkeypatch: pytest.Monkey
     (`not output_is_stale and status_before_stop == RUNNING`). The model's arrival caches
     only for a running request (`_token_arrives`), so on engine steps `forget` on preemption
     changes nothing (tests/test_vllm_async_scheduler.py shows vLLM agreeing with it off).
+    With kvretain's connector (a cache: `requires_kv_delivery` False, nothing dropped) a
+    victim whose step is in flight is not preempted at all (`_request_blocks_can_be_freed`).
     vLLM 0.33.0 also refuses what this trace does next: its waiting pass skips a request
     whose deliverable stale output is still in flight ("resuming now could resample a
     position"). Control: with `forget` a no-op the model's prediction changes."""
