@@ -92,6 +92,8 @@ DRIFT_EXIT = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `kvretain` parser: the commands defined here, then every command group's module
+    (built-in, then plug-ins by entry point), each accepting `--vllm-python`."""
     parser = _Parser(
         prog="kvretain",
         description="Verify prefix-cache retention in hybrid KV-cache allocators.",
@@ -102,7 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-python PATH/TO/ITS/bin/python to any command (README, 'Judge your branch').",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_fuzz(sub)
+    _add_replay(sub)
+    _add_prove(sub)
+    _add_verify(sub)
+    _add_conformance(sub)
+    _add_bench(sub)
+    for module in (*_BUILTIN_COMMANDS, *(ep.module for ep in command_plugins().values())):
+        _command_module(module).add_parser(sub)  # type: ignore[attr-defined]
+    for command_parser in (parser, *sub.choices.values()):
+        add_vllm_python_flag(command_parser)
+    return parser
 
+
+def _add_fuzz(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """`kvretain fuzz`: one target against the model, on generated or preset configurations,
+    at small or production scale, or as a Ray campaign over seeds."""
     f = sub.add_parser("fuzz", help="stateful fuzzing of one target against the model", epilog=DRIFT_EXIT)
     f.add_argument(
         "--target",
@@ -154,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_output_flags(f)
     f.set_defaults(func=cmd_fuzz)
 
+
+def _add_replay(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """`kvretain replay`: a trace file re-run against one or more targets."""
     r = sub.add_parser("replay", help="re-run a trace file against targets", epilog=DRIFT_EXIT)
     r.add_argument("trace")
     r.add_argument(
@@ -161,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(func=cmd_replay)
 
+
+def _add_prove(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """`kvretain prove`: the theorem catalogue, optionally with the production link and CrossHair."""
     p = sub.add_parser("prove", help="Z3 theorems about masks, hits and free-queue order")
     p.add_argument(
         "--production-link",
@@ -176,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_prove)
 
+
+def _add_verify(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """`kvretain verify`: proofs and fuzzing of every installed target; the targets named by
+    `--require` fail the run when their rows are skipped."""
     v = sub.add_parser(
         "verify",
         help="the main job: proofs, fuzzing of every installed target (vLLM also at production scale), summary table",
@@ -201,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_output_flags(v)
     v.set_defaults(func=cmd_verify)
 
+
+def _add_conformance(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """`kvretain conformance`: vLLM against the model, feature by feature, each with its budget."""
     c = sub.add_parser("conformance", help="vLLM vs the model, feature by feature")
     c.add_argument("--steps", type=positive_int, default=1500, help="fuzz steps per feature")
     c.add_argument("--budget-s", type=positive_float, default=30.0, help="time budget per feature")
@@ -209,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_output_flags(c)
     c.set_defaults(func=cmd_conformance)
 
+
+def _add_bench(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """`kvretain bench`: the raw allocator against the checked harness on one fixed workload."""
     b = sub.add_parser("bench", help="raw allocator cycles/s vs the checked harness on one fixed workload")
     b.add_argument(
         "--target", choices=("default", "sglang"), default="default", help="sglang: its radix cache"
@@ -222,12 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="production: dsv4-flash, 156k blocks",
     )
     b.set_defaults(func=cmd_bench)
-
-    for module in (*_BUILTIN_COMMANDS, *(ep.module for ep in command_plugins().values())):
-        _command_module(module).add_parser(sub)  # type: ignore[attr-defined]
-    for command_parser in (parser, *sub.choices.values()):
-        add_vllm_python_flag(command_parser)
-    return parser
 
 
 VLLM_PYTHON = "--vllm-python"

@@ -49,7 +49,7 @@ from invariants.harness.observer import ModelObserver
 from invariants.harness.trace import Trace, trace_to_json
 from invariants.targets.model_target import ModelTarget
 from model.contract.observation import Observation, ProbeResult, ScheduleResult, Snapshot, StepResult
-from model.contract.ops import AddRequest, Finish, Probe, Sample, Schedule, Step
+from model.contract.ops import AddRequest, Finish, Op, Probe, Sample, Schedule, Step
 from model.machine.allocator import AllocatorModel
 
 Kind = Literal["replay_hit", "stored_tokens", "state", "crash", "copies"]
@@ -153,6 +153,13 @@ def matching_finding(trace: Trace) -> KnownFinding | None:
 
 
 def plan_export(trace: Trace) -> ExportPlan:
+    """What exporting `trace` produces: its violated property, the known finding it is, the
+    model's decisions in every Schedule and batched Step, and the expectation the test asserts.
+
+    ExportError when the trace cannot be exported: no operations, an unknown check, a
+    copies_sound violation that is not a same-step copy, an operation the harness's
+    well-formedness rules refuse, or a last operation that does not match the property.
+    """
     if not trace.ops:
         raise ExportError("trace.ops: empty; nothing to replay")
     name, message = violated_property(trace)
@@ -165,6 +172,29 @@ def plan_export(trace: Trace) -> ExportPlan:
     guards, asked_by = _doc(name)
     if finding is not None and finding.upstream:
         asked_by = "; ".join(finding.upstream)
+    replay = _replay_on_model(trace)
+    base: dict[str, Any] = {"property": name, "guards": guards, "asked_by": asked_by}
+    exp = _expectation(trace, name, base, replay)
+    return ExportPlan(trace, exp, finding, message, replay.steps, replay.schedules)
+
+
+@dataclass
+class _ModelReplay:
+    """The model's replay of a whole trace: the state around its last operation, that
+    operation's observation, every request's history, and the model's decisions in every
+    batched Step and Schedule (by operation index)."""
+
+    before: Snapshot
+    after: Snapshot
+    obs: Observation | None
+    history: dict[str, RequestHistory]
+    steps: dict[int, tuple[StepAction, ...]]
+    schedules: dict[int, ScheduleResult]
+
+
+def _replay_on_model(trace: Trace) -> _ModelReplay:
+    """Replay every operation on a model of the trace's config, each first judged by the
+    harness's own well-formedness rules (ExportError naming the first it refuses)."""
     seen = ModelObserver()
     model = AllocatorModel(trace.config, observer=seen)
     # The harness's own well-formedness rules, run on a model of the same config.
@@ -187,57 +217,64 @@ def plan_export(trace: Trace) -> ExportPlan:
             raise ExportError(f"trace.ops[{i}]: not well formed ({exc})") from None
         if isinstance(op, Schedule) and isinstance(obs, ScheduleResult):
             schedules[i] = obs
-        if isinstance(op, AddRequest):
-            history[op.rid] = RequestHistory(op.tokens())
-        elif isinstance(op, Sample):
-            history[op.rid].outputs.append(op.token)
-        elif (
-            isinstance(op, Schedule)
-            and isinstance(obs, ScheduleResult)
-            and obs.admitted
-            and obs.hit is not None
-        ):
-            history[op.rid].hit = obs.hit  # the promise's keys start at the admission hit
-    after = model.snapshot()
+        _record_history(history, op, obs)
+    return _ModelReplay(before, model.snapshot(), obs, history, steps, schedules)
+
+
+def _record_history(history: dict[str, RequestHistory], op: Op, obs: Observation | None) -> None:
+    """A request's history: its prompt from its arrival, its sampled outputs, and the hit of
+    its admission (where the promise's keys start)."""
+    if isinstance(op, AddRequest):
+        history[op.rid] = RequestHistory(op.tokens())
+    elif isinstance(op, Sample):
+        history[op.rid].outputs.append(op.token)
+    elif (
+        isinstance(op, Schedule) and isinstance(obs, ScheduleResult) and obs.admitted and obs.hit is not None
+    ):
+        history[op.rid].hit = obs.hit  # the promise's keys start at the admission hit
+
+
+def _expectation(trace: Trace, name: str, base: dict[str, Any], replay: _ModelReplay) -> Expectation:
+    """What the exported test asserts for property `name` after the trace's last operation,
+    the specification's values written in (ExportError when the last operation is not the one
+    the property is checked at)."""
     last = trace.ops[-1]
-    base: dict[str, Any] = {"property": name, "guards": guards, "asked_by": asked_by}
+    before, after, obs = replay.before, replay.after, replay.obs
     if name == "crash":
-        exp = Expectation(kind="crash", **base)
-    elif name == "copies_sound":
+        return Expectation(kind="crash", **base)
+    if name == "copies_sound":
         if not isinstance(last, Step):
             raise ExportError(
                 "trace.ops: copies_sound is exported after a batched Step; the last op is not one"
             )
-        exp = Expectation(kind="copies", **base)
-    elif name in _REPLAY_PROPERTIES:
+        return Expectation(kind="copies", **base)
+    if name in _REPLAY_PROPERTIES:
         if not isinstance(last, Finish):
             raise ExportError(f"trace.ops: {name} is checked when a request finishes; the last op is not one")
-        req = history[last.rid]
+        req = replay.history[last.rid]
         ctx = CheckContext(trace.config, last, obs, before, after, History(), None, req)  # type: ignore[arg-type]
         e, keys = promised_replay(ctx)
         needed = tuple(sorted((k.group, len(k.tokens), role) for k, role in keys.items()))
-        exp = Expectation(
+        return Expectation(
             kind="replay_hit", request=last.rid, prompt=req.prompt, hit=e, needed=needed, **base
         )
-    elif name == "stored_tokens_match_hashes":
-        exp = Expectation(kind="stored_tokens", stored=_stored_tokens(trace, before, after), **base)
-    else:
-        new_blocks = None
-        hit = None
-        if isinstance(obs, ScheduleResult):
-            new_blocks, hit = obs.new_blocks, obs.hit
-        elif isinstance(obs, ProbeResult) and isinstance(last, Probe):
-            hit = obs.hit
-        exp = Expectation(
-            kind="state",
-            hit=hit,
-            new_blocks=new_blocks,
-            free_queue=after.free_queue,
-            ref_cnt=after.ref_cnt[1:],
-            cached=tuple(sorted((k.group, b) for b, k in after.block_hash.items())),
-            **base,
-        )
-    return ExportPlan(trace, exp, finding, message, steps, schedules)
+    if name == "stored_tokens_match_hashes":
+        return Expectation(kind="stored_tokens", stored=_stored_tokens(trace, before, after), **base)
+    new_blocks = None
+    hit = None
+    if isinstance(obs, ScheduleResult):
+        new_blocks, hit = obs.new_blocks, obs.hit
+    elif isinstance(obs, ProbeResult) and isinstance(last, Probe):
+        hit = obs.hit
+    return Expectation(
+        kind="state",
+        hit=hit,
+        new_blocks=new_blocks,
+        free_queue=after.free_queue,
+        ref_cnt=after.ref_cnt[1:],
+        cached=tuple(sorted((k.group, b) for b, k in after.block_hash.items())),
+        **base,
+    )
 
 
 def _replay_step(

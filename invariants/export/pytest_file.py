@@ -210,69 +210,92 @@ def _assertion(
     cfg: Config, exp: Expectation, last: Op, last_lines: list[str], names: dict[str, str]
 ) -> list[str]:
     """The last step and the assertion of the broken property."""
-    last_line = last_lines[0]
     if exp.kind == "crash":
         return ["# The allocator raises on this well-formed step:", *last_lines]
     if exp.kind == "copies":
-        return [
-            *last_lines,
-            "# A copy runs before the step's forward pass: its source must hold cached",
-            "# state, never a block this step handed out (nothing has written it yet).",
-            "same_step = [(src, dst) for src, dst in copies if src in step_new]",
-            "assert not same_step, (",
-            '    f"copies (source, destination) {same_step}: source was allocated in the same step "',
-            '    "(the copy runs before its content is written)"',
-            ")",
-        ]
+        return _copies_assertion(last_lines)
     if exp.kind == "replay_hit":
-        assert exp.request is not None and exp.hit is not None
-        var = names[exp.request]
-        needed = [list(n) for n in exp.needed]
-        return [
-            last_line,
-            f"# The replay boundary retention promises for this prompt: {exp.hit} tokens. Each",
-            "# [group, tokens before the block's end, role] below must be in the hash map.",
-            "needed = [",
-            *(f"    {json.dumps(n)}," for n in needed),
-            "]",
-            "pool = manager.block_pool",
-            "missing = [",
-            "    (group, num_tokens, role)",
-            "    for group, num_tokens, role in needed",
-            "    if pool.get_cached_block(",
-            f"        {var}.block_hashes[num_tokens // HASH_BLOCK_SIZE - 1], [group]",
-            "    )",
-            "    is None",
-            "]",
-            "assert not missing, (",
-            f'    f"right after request {exp.request!r} finished, blocks its replay needs for "',
-            f'    f"the promised {exp.hit}-token hit are not in the prefix cache: {{missing}}"',
-            ")",
-            f'replay = make_request("{exp.request}-replay", {var}.prompt_token_ids)',
-            "_, num_hit_tokens, _ = manager.get_computed_blocks(replay)",
-            f"assert num_hit_tokens >= {exp.hit}, (",
-            f'    f"replaying the {len(exp.prompt)}-token prompt of request {exp.request!r} right "',
-            f'    f"after it finished hits {{num_hit_tokens}} tokens; retention promised {exp.hit} "',
-            '    "(every block the replay needs is cached and nothing was reused since)"',
+        return _replay_hit_assertion(exp, last_lines[0], names)
+    if exp.kind == "stored_tokens":
+        return _stored_tokens_assertion(cfg, exp, last_lines)
+    return _state_assertion(exp, last, last_lines)
+
+
+def _copies_assertion(last_lines: list[str]) -> list[str]:
+    """No copy the last step queued reads a block that step handed out."""
+    return [
+        *last_lines,
+        "# A copy runs before the step's forward pass: its source must hold cached",
+        "# state, never a block this step handed out (nothing has written it yet).",
+        "same_step = [(src, dst) for src, dst in copies if src in step_new]",
+        "assert not same_step, (",
+        '    f"copies (source, destination) {same_step}: source was allocated in the same step "',
+        '    "(the copy runs before its content is written)"',
+        ")",
+    ]
+
+
+def _replay_hit_assertion(exp: Expectation, last_line: str, names: dict[str, str]) -> list[str]:
+    """Right after the request finishes, every block its promised replay needs is cached and a
+    resend of its prompt hits at least the promised boundary."""
+    assert exp.request is not None and exp.hit is not None
+    var = names[exp.request]
+    needed = [list(n) for n in exp.needed]
+    return [
+        last_line,
+        f"# The replay boundary retention promises for this prompt: {exp.hit} tokens. Each",
+        "# [group, tokens before the block's end, role] below must be in the hash map.",
+        "needed = [",
+        *(f"    {json.dumps(n)}," for n in needed),
+        "]",
+        "pool = manager.block_pool",
+        "missing = [",
+        "    (group, num_tokens, role)",
+        "    for group, num_tokens, role in needed",
+        "    if pool.get_cached_block(",
+        f"        {var}.block_hashes[num_tokens // HASH_BLOCK_SIZE - 1], [group]",
+        "    )",
+        "    is None",
+        "]",
+        "assert not missing, (",
+        f'    f"right after request {exp.request!r} finished, blocks its replay needs for "',
+        f'    f"the promised {exp.hit}-token hit are not in the prefix cache: {{missing}}"',
+        ")",
+        f'replay = make_request("{exp.request}-replay", {var}.prompt_token_ids)',
+        "_, num_hit_tokens, _ = manager.get_computed_blocks(replay)",
+        f"assert num_hit_tokens >= {exp.hit}, (",
+        f'    f"replaying the {len(exp.prompt)}-token prompt of request {exp.request!r} right "',
+        f'    f"after it finished hits {{num_hit_tokens}} tokens; retention promised {exp.hit} "',
+        '    "(every block the replay needs is cached and nothing was reused since)"',
+        ")",
+    ]
+
+
+def _stored_tokens_assertion(cfg: Config, exp: Expectation, last_lines: list[str]) -> list[str]:
+    """The BlockStored events of the last step carry, per group, exactly the token ids of the
+    blocks that step put in the hash map."""
+    lines = ["manager.take_events()  # only this step's events count", *last_lines]
+    lines.append("stored = stored_token_ids(manager.take_events())")
+    for g, toks in sorted(exp.stored.items()):
+        nblocks = len(toks) // cfg.groups[g].block_size
+        lines += [
+            f"# group {g}: the tokens of the {nblocks} block(s) this step put in the hash map",
+            f"expected_{g} = {tokens_literal(toks)}",
+            f"assert stored.get({g}, []) == expected_{g}, (",
+            f'    f"BlockStored events of group {g} carry {{len(stored.get({g}, []))}} token ids; "',
+            f'    f"the blocks stored in group {g} hold {{len(expected_{g})}}: a consumer cannot tell "',
+            '    "which tokens a block hash stands for"',
             ")",
         ]
-    if exp.kind == "stored_tokens":
-        lines = ["manager.take_events()  # only this step's events count", *last_lines]
-        lines.append("stored = stored_token_ids(manager.take_events())")
-        for g, toks in sorted(exp.stored.items()):
-            nblocks = len(toks) // cfg.groups[g].block_size
-            lines += [
-                f"# group {g}: the tokens of the {nblocks} block(s) this step put in the hash map",
-                f"expected_{g} = {tokens_literal(toks)}",
-                f"assert stored.get({g}, []) == expected_{g}, (",
-                f'    f"BlockStored events of group {g} carry {{len(stored.get({g}, []))}} token ids; "',
-                f'    f"the blocks stored in group {g} hold {{len(expected_{g})}}: a consumer cannot tell "',
-                '    "which tokens a block hash stands for"',
-                ")",
-            ]
-        return lines
+    return lines
+
+
+def _state_assertion(exp: Expectation, last: Op, last_lines: list[str]) -> list[str]:
+    """After the last operation, its hit and new block ids (a Schedule or Probe), then the
+    free queue, the ref counts and the cached blocks, equal the specification's."""
     if isinstance(last, Step):  # the state after a batched step (its calls are `last_lines`)
         return [*last_lines, *_state_lines(exp)]
+    last_line = last_lines[0]
     lines = [f"result = {last_line}" if isinstance(last, (Schedule, Probe)) else last_line]
     if isinstance(last, Probe) and exp.hit is not None:
         lines += [

@@ -271,23 +271,8 @@ def dsv4_layer_specs(
     layer exists only with speculative decoding and is not included.
     """
     v = _vllm()
-    torch = v["torch"]
-    mla, swa_mla = v["MLAAttentionSpec"], v["SlidingWindowMLASpec"]
     fp8 = v["get_kv_quant_mode"]("fp8_ds_mla")
     specs: dict[str, Any] = {}
-
-    def compressor_state(ratio: int, dim: int) -> Any:
-        coff = 1 + (ratio == 4)
-        return swa_mla(
-            block_size=4 if ratio == 4 else 8,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=2 * coff * dim,
-            dtype=torch.float32,
-            sliding_window=coff * ratio,
-            alignment=576,
-        )
-
     for i, r in enumerate(compress_ratios):
         if r not in (0, 1, 4, 128):
             raise ValueError(
@@ -295,45 +280,75 @@ def dsv4_layer_specs(
             )
         p = f"model.layers.{i}.attn"
         if r == 4:
-            specs[f"{p}.indexer.k_cache"] = mla(
-                block_size=block_size,
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=index_head_dim + index_head_dim // 128 * 4,
-                dtype=torch.uint8,
-                tokens_per_state=4,
-                alignment=576,
-            )
-            specs[f"{p}.indexer.compressor.state_cache"] = compressor_state(4, index_head_dim)
-        specs[f"{p}.swa_cache"] = swa_mla(
-            block_size=swa_block_size,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=head_dim,
-            dtype=torch.uint8,
-            sliding_window=window,
-            cache_dtype_str="fp8_ds_mla",
-            state_content_bytes=584,
-            alignment=576,
-            model_version="deepseek_v4",
-            kv_quant_mode=fp8,
-        )
+            specs[f"{p}.indexer.k_cache"] = _dsv4_indexer_cache(v, block_size, index_head_dim)
+            specs[f"{p}.indexer.compressor.state_cache"] = _dsv4_compressor_state(v, 4, index_head_dim)
+        specs[f"{p}.swa_cache"] = _dsv4_swa_cache(v, fp8, swa_block_size, head_dim, window)
         if r > 1:
-            specs[p] = mla(
-                block_size=block_size,
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=head_dim,
-                dtype=torch.uint8,
-                tokens_per_state=r,
-                cache_dtype_str="fp8_ds_mla",
-                alignment=576,
-                model_version="deepseek_v4",
-                kv_quant_mode=fp8,
-                state_content_bytes=584,
-            )
-            specs[f"{p}.compressor.state_cache"] = compressor_state(r, head_dim)
+            specs[p] = _dsv4_compressed_cache(v, fp8, r, block_size, head_dim)
+            specs[f"{p}.compressor.state_cache"] = _dsv4_compressor_state(v, r, head_dim)
     return specs
+
+
+def _dsv4_compressor_state(v: dict[str, Any], ratio: int, dim: int) -> Any:
+    """A compressor's state cache: float32 sliding-window state, block 4 window 8 for ratio 4
+    (two overlapping windows), block 8 window 128 for ratio 128."""
+    coff = 1 + (ratio == 4)
+    return v["SlidingWindowMLASpec"](
+        block_size=4 if ratio == 4 else 8,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=2 * coff * dim,
+        dtype=v["torch"].float32,
+        sliding_window=coff * ratio,
+        alignment=576,
+    )
+
+
+def _dsv4_indexer_cache(v: dict[str, Any], block_size: int, index_head_dim: int) -> Any:
+    """The Lightning Indexer's K cache: one fp8 state (plus a 4 B scale) per 4 tokens."""
+    return v["MLAAttentionSpec"](
+        block_size=block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=index_head_dim + index_head_dim // 128 * 4,
+        dtype=v["torch"].uint8,
+        tokens_per_state=4,
+        alignment=576,
+    )
+
+
+def _dsv4_swa_cache(v: dict[str, Any], fp8: Any, swa_block_size: int, head_dim: int, window: int) -> Any:
+    """Every layer's sliding-window cache: one packed 584 B fp8_ds_mla entry per token."""
+    return v["SlidingWindowMLASpec"](
+        block_size=swa_block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=head_dim,
+        dtype=v["torch"].uint8,
+        sliding_window=window,
+        cache_dtype_str="fp8_ds_mla",
+        state_content_bytes=584,
+        alignment=576,
+        model_version="deepseek_v4",
+        kv_quant_mode=fp8,
+    )
+
+
+def _dsv4_compressed_cache(v: dict[str, Any], fp8: Any, ratio: int, block_size: int, head_dim: int) -> Any:
+    """A compressing layer's main cache: full attention over one 584 B state per `ratio` tokens."""
+    return v["MLAAttentionSpec"](
+        block_size=block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=head_dim,
+        dtype=v["torch"].uint8,
+        tokens_per_state=ratio,
+        cache_dtype_str="fp8_ds_mla",
+        alignment=576,
+        model_version="deepseek_v4",
+        kv_quant_mode=fp8,
+        state_content_bytes=584,
+    )
 
 
 def gemma3_layer_specs(

@@ -165,6 +165,67 @@ def check_on_seeds(
     return z3.unknown, f"undecided on seeds {', '.join(map(str, seeds))} (last: {reason})"
 
 
+def _refute_first(
+    steps: Sequence[Step],
+    base: Sequence[z3.BoolRef],
+    describe: Describe,
+    grid: Sequence[Sequence[z3.BoolRef]],
+    refute_at: str,
+    refutes: Refutes | None,
+) -> Outcome | None:
+    """A control's counterexample at the step its breakage hits, that step alone (no earlier lemma).
+
+    With `refutes`, only a counterexample violating the stated claim counts and
+    none found is `unknown`; without it, none found (or no grid) is None: the
+    chain of steps decides.
+    """
+    target = [st for st in steps if st.label == refute_at]
+    assert target, f"no step {refute_at!r}"
+    s = z3.Solver()
+    s.add(*base, *target[0].hyps, z3.Not(target[0].claim))
+    if refutes is not None:
+        violations: list[tuple[Values, str]] = []
+
+        def accept(m: z3.ModelRef) -> bool:
+            values = refutes.values(m)
+            how = refutes.claim(values)
+            if how is not None:
+                violations.append((values, how))
+            return how is not None
+
+        found = _search_small(s, grid, accept)
+        if found is None:
+            return Outcome("unknown", None, f"no counterexample at {refute_at!r} violates the stated claim")
+        values, how = violations[-1]
+        return Outcome("refuted", f"{refute_at}: {describe(found)}; claim violated: {how}", witness=values)
+    found = _search_small(s, grid) if grid else None
+    if found is not None:
+        return Outcome("refuted", f"{refute_at}: {describe(found)}")
+    return None
+
+
+def _counterexample(step: Step, s: z3.Solver, describe: Describe, refutes: Refutes | None) -> Outcome:
+    """The verdict on a step whose negation `s` has a model: refuted, unless a control's
+    counterexample holds the stated claim (then unknown)."""
+    if refutes is None:
+        return Outcome("refuted", f"{step.label}: {describe(s.model())}")
+    at = refutes.values(s.model())
+    violated = refutes.claim(at)
+    if violated is None:
+        return Outcome("unknown", None, f"the counterexample at {step.label!r} holds the stated claim")
+    return Outcome("refuted", f"{step.label}: {describe(s.model())}; claim violated: {violated}", witness=at)
+
+
+def _lemmas_of(step: Step) -> list[tuple[str, z3.BoolRef]]:
+    """What a proved step lets later steps assume: its implication at each recorded instance,
+    then in general (each closed over `generalize`)."""
+    fact = z3.Implies(z3.And(list(step.hyps) + [z3.BoolVal(True)]), step.claim)
+    lemmas: list[tuple[str, z3.BoolRef]] = []
+    for inst in [*(z3.substitute(fact, *subs) for subs in step.also_at), fact]:
+        lemmas.append((step.label, z3.ForAll(list(step.generalize), inst) if step.generalize else inst))
+    return lemmas
+
+
 def run_steps(
     steps: Sequence[Step],
     base: Sequence[z3.BoolRef],
@@ -185,40 +246,17 @@ def run_steps(
     values violate the theorem's stated claim; none found is `unknown`.
     """
     if refute_at is not None:
-        target = [st for st in steps if st.label == refute_at]
-        assert target, f"no step {refute_at!r}"
-        s = z3.Solver()
-        s.add(*base, *target[0].hyps, z3.Not(target[0].claim))
-        if refutes is not None:
-            violations: list[tuple[Values, str]] = []
-
-            def accept(m: z3.ModelRef) -> bool:
-                values = refutes.values(m)
-                how = refutes.claim(values)
-                if how is not None:
-                    violations.append((values, how))
-                return how is not None
-
-            found = _search_small(s, grid, accept)
-            if found is None:
-                return Outcome(
-                    "unknown", None, f"no counterexample at {refute_at!r} violates the stated claim"
-                )
-            values, how = violations[-1]
-            return Outcome(
-                "refuted", f"{refute_at}: {describe(found)}; claim violated: {how}", witness=values
-            )
-        found = _search_small(s, grid) if grid else None
-        if found is not None:
-            return Outcome("refuted", f"{refute_at}: {describe(found)}")
+        early = _refute_first(steps, base, describe, grid, refute_at, refutes)
+        if early is not None:
+            return early
     lemmas: list[tuple[str, z3.BoolRef]] = []
     witnesses: list[str] = []
+    timeout = timeout_ms or (CONTROL_TIMEOUT_MS if grid else STEP_TIMEOUT_MS)
+    # a control with a grid falls back to its small-size search: one seed is enough there
+    seeds = STEP_SEEDS[:1] if grid else STEP_SEEDS
     for step in steps:
         t0 = time.monotonic()
         s = z3.Solver()
-        timeout = timeout_ms or (CONTROL_TIMEOUT_MS if grid else STEP_TIMEOUT_MS)
-        # a control with a grid falls back to its small-size search: one seed is enough there
-        seeds = STEP_SEEDS[:1] if grid else STEP_SEEDS
         if not step.standalone:
             s.add(*base, *[f for label, f in lemmas if step.uses is None or label in step.uses])
         s.add(*step.hyps)
@@ -234,27 +272,13 @@ def run_steps(
         if _STEP_TIMES:
             print(f"    {step.label}: {r} {time.monotonic() - t0:.2f}s", flush=True)
         if r == z3.sat:
-            if refutes is not None:
-                at = refutes.values(s.model())
-                violated = refutes.claim(at)
-                if violated is None:
-                    return Outcome(
-                        "unknown", None, f"the counterexample at {step.label!r} holds the stated claim"
-                    )
-                return Outcome(
-                    "refuted", f"{step.label}: {describe(s.model())}; claim violated: {violated}", witness=at
-                )
-            return Outcome("refuted", f"{step.label}: {describe(s.model())}")
+            return _counterexample(step, s, describe, refutes)
         if r != z3.unsat:
             found = _search_small(s, grid) if grid else None
             if found is not None:
                 return Outcome("refuted", f"{step.label}: {describe(found)}")
             return Outcome("unknown", None, f"step '{step.label}': {reason}")
-        fact = z3.Implies(z3.And(list(step.hyps) + [z3.BoolVal(True)]), step.claim)
-        for subs in step.also_at:
-            inst = z3.substitute(fact, *subs)
-            lemmas.append((step.label, z3.ForAll(list(step.generalize), inst) if step.generalize else inst))
-        lemmas.append((step.label, z3.ForAll(list(step.generalize), fact) if step.generalize else fact))
+        lemmas.extend(_lemmas_of(step))
     return Outcome("proved", None, "; ".join(witnesses) or None)
 
 

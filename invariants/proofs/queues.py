@@ -134,6 +134,18 @@ def transitions(s: Queues, n: Queues, *, broken: str = "") -> dict[str, z3.BoolR
     x, theta, thp = BLOCK, HEAD_CUT, PINNED_CUT
     b = z3.Int("b")
     active = z3.And(z3.Not(s.inq[x]), z3.Not(s.inp[x]))
+    return {
+        **_queue_routing(s, n, x, theta, b, active, broken),
+        **_hash_changes(s, n, x, b, active),
+        **_pinned_tier(s, n, x, thp, b, active, broken),
+    }
+
+
+def _queue_routing(
+    s: Queues, n: Queues, x: z3.ArithRef, theta: z3.ArithRef, b: z3.ArithRef, active: z3.BoolRef, broken: str
+) -> dict[str, z3.BoolRef]:
+    """Blocks leaving the free queue's head, and freed blocks joining it: uncached ones at the
+    head, cached ones at the tail (where they join the cached region)."""
     ops: dict[str, z3.BoolRef] = {}
     # popleft_n: the blocks before position theta leave (get_new_blocks; their hashes are dropped);
     # the drift (tests' control of the link to model/machine/pool.py) takes them from the tail instead
@@ -170,6 +182,15 @@ def transitions(s: Queues, n: Queues, *, broken: str = "") -> dict[str, z3.BoolR
         n.hi == (s.hi if broken == "append_to_head" else s.hi + 1),
         n.same(s, but=["inq", "pos", "cls", "joined", "t", "lo", "hi"]),
     )
+    return ops
+
+
+def _hash_changes(
+    s: Queues, n: Queues, x: z3.ArithRef, b: z3.ArithRef, active: z3.BoolRef
+) -> dict[str, z3.BoolRef]:
+    """A hit taking a free block out of its queue, and blocks gaining or losing their hash
+    with the queue order unchanged."""
+    ops: dict[str, z3.BoolRef] = {}
     # remove / touch: a hit on a free block takes it out of its queue (regular or pinned)
     ops["remove_touch"] = z3.And(
         n.inq == z3.Store(s.inq, x, False), n.inp == z3.Store(s.inp, x, False), n.same(s, but=["inq", "inp"])
@@ -189,6 +210,15 @@ def transitions(s: Queues, n: Queues, *, broken: str = "") -> dict[str, z3.BoolR
     ops["hash_eviction"] = z3.And(
         z3.Not(s.inp[x]), n.hashed == z3.Store(s.hashed, x, False), n.same(s, but=["hashed"])
     )
+    return ops
+
+
+def _pinned_tier(
+    s: Queues, n: Queues, x: z3.ArithRef, thp: z3.ArithRef, b: z3.ArithRef, active: z3.BoolRef, broken: str
+) -> dict[str, z3.BoolRef]:
+    """The pinned tier: a freed pinned block joins it (oldest first), and demotion moves its
+    oldest blocks to the regular tail."""
+    ops: dict[str, z3.BoolRef] = {}
     # free of a pinned block: appended to the pinned tier (oldest first); the control leaves it in both tiers
     in_reg = broken == "pinned_also_regular"
     ops["free_pinned"] = z3.And(

@@ -191,6 +191,18 @@ def _within_one_interval_steps(c: Swa, sparse: smt.Mask) -> list[Step]:
         hs.instance(hd.blocks),
     ]
     tail = [
+        *_dense_hit_bounds(c, hd, D, last),
+        *_floored_boundary_steps(c, hd, qd, k, hd_tokens),
+        *_sparse_within_interval_steps(c, hd, hs, qd, k, hd_tokens, e_qd),
+    ]
+    for st in tail:  # identical antecedents, so each lemma's premises are discharged syntactically
+        st.hyps = [*premises, *st.hyps]
+    return promise + [lemma_mul_mod((qd, k, k / c.A * (c.A / c.bs), c.bs))] + tail
+
+
+def _dense_hit_bounds(c: Swa, hd: smt.Hit, D: z3.FuncDeclRef, last: z3.ArithRef) -> list[Step]:
+    """The dense hit reads only cached blocks and stays within the max length."""
+    return [
         Step(
             "dense hit reads cached blocks", z3.Implies(z3.And(hd.blocks >= 1, c.need >= 1), D(last)), uses=[]
         ),
@@ -199,6 +211,15 @@ def _within_one_interval_steps(c: Swa, sparse: smt.Mask) -> list[Step]:
             z3.Implies(hd.blocks >= 1, (hd.blocks + c.shift) * c.bs <= c.L),
             uses=[],
         ),
+    ]
+
+
+def _floored_boundary_steps(
+    c: Swa, hd: smt.Hit, qd: z3.ArithRef, k: z3.ArithRef, hd_tokens: z3.ArithRef
+) -> list[Step]:
+    """The dense hit floored to the interval is a segment boundary: within one interval
+    below it, on whole blocks, at or below the dense hit's blocks."""
+    return [
         Step("floor to the interval", z3.And(qd * k <= hd_tokens, hd_tokens < qd * k + k), uses=[]),
         Step(
             "floored boundary whole blocks",
@@ -211,6 +232,21 @@ def _within_one_interval_steps(c: Swa, sparse: smt.Mask) -> list[Step]:
             (qd * k) / c.bs <= hd.blocks,
             uses=["floor to the interval", "floored boundary whole blocks"],
         ),
+    ]
+
+
+def _sparse_within_interval_steps(
+    c: Swa,
+    hd: smt.Hit,
+    hs: smt.Hit,
+    qd: z3.ArithRef,
+    k: z3.ArithRef,
+    hd_tokens: z3.ArithRef,
+    e_qd: z3.ArithRef,
+) -> list[Step]:
+    """The sparse hit reaches the floored boundary (computed, within the max length, so served),
+    hence exceeds the dense hit minus one interval."""
+    return [
         Step("a one-token window reads nothing", z3.Implies(c.need == 0, hs.blocks >= hd.blocks), uses=[]),
         generic_lemma(
             "scale", 3, lambda x, y, b_: ([x >= y, b_ >= 1], x * b_ >= y * b_), (hs.blocks, hd.blocks, c.bs)
@@ -243,9 +279,6 @@ def _within_one_interval_steps(c: Swa, sparse: smt.Mask) -> list[Step]:
             ],
         ),
     ]
-    for st in tail:  # identical antecedents, so each lemma's premises are discharged syntactically
-        st.hyps = [*premises, *st.hyps]
-    return promise + [lemma_mul_mod((qd, k, k / c.A * (c.A / c.bs), c.bs))] + tail
 
 
 @theorem()

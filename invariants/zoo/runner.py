@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from invariants.explore.handover import Handover, shortest_trace
 from invariants.harness.checker import Violation
-from invariants.harness.fuzz import run_fuzz
+from invariants.harness.fuzz import FuzzReport, run_fuzz
 from invariants.harness.trace import Trace, write_trace
 from invariants.report import Progress, table
 from invariants.targets import REAL_SCHEDULER_TARGETS
@@ -125,68 +125,9 @@ def run_entry(
         _direct_checks(entry, factory, result, start, out_dir)
         if not result.killed:
             prog.tick(f"fuzz: strategy {entry.strategy}, seeds from {seed}", force=progress)
-            hunt_start = time.monotonic()
-            report = run_fuzz(
-                entry.target,
-                factory=factory,
-                strategy=config_strategy(
-                    entry.strategy,
-                    allow_pinning=entry.target == "reference",
-                    allow_fine=entry.target != "reference",
-                    real_scheduler=entry.target in REAL_SCHEDULER_TARGETS,
-                ),
-                tolerated=entry.tolerated or (lambda v: False),
-                steps=None if max_batches is None else max_batches * EXAMPLES_PER_BATCH * STEPS_PER_EXAMPLE,
-                seed=seed,
-                budget_s=max(start + budget_s - hunt_start, 0.1),
-                shrink_s=shrink_s,
-                out_dir=out_dir or Path(tempfile.mkdtemp(prefix="kvretain-zoo-")),
-                trace_name=f"zoo-{entry.target}-{entry.name}.json",
-                progress=False,
-                log=(lambda line: prog.tick(line, force=True)) if progress else None,
-                stop_at_drift=True,
+            killing = _fuzz_hunt(
+                entry, factory, result, prog, start, seed, budget_s, shrink_s, out_dir, progress, max_batches
             )
-            result.steps = report.stats.steps
-            result.seeds = f"{seed}..{seed + report.batches - 1}" if report.batches else "-"
-            if report.failure is not None and report.first_seen_s is not None:
-                best = report.failure
-                found = [v.check for v in best.violations]
-                result.killed, result.check = True, f"fuzz: {found[0]}"
-                result.also = tuple(dict.fromkeys(c for c in found[1:] if c != found[0]))
-                result.seconds_to_kill = hunt_start - start + report.first_seen_s
-                result.seconds_to_trace = hunt_start - start + report.seconds
-                result.detail = str(best.violations[0])
-                result.seeds = str(seed + report.batches - 1)
-                result.fuzz_ops = len(best.ops)
-                ops, v = _hand_over(
-                    entry,
-                    factory,
-                    best.config,
-                    tuple(best.ops),
-                    best.violations[0],
-                    result,
-                    deadline=start + budget_s,
-                )
-                killing = (best.config, ops)
-                if out_dir is not None:
-                    trace = Trace(
-                        best.config,
-                        list(ops),
-                        seed + report.batches - 1,
-                        entry.target,
-                        f"mutant {entry.name}: {v}",
-                    )
-                    result.trace_path = write_trace(trace, out_dir / f"zoo-{entry.target}-{entry.name}.json")
-            elif report.drift is not None:  # no defect, but a predicted policy decided otherwise
-                d = report.drift
-                result.killed, result.drift, result.check = True, True, "fuzz: policy_drift"
-                result.seconds_to_kill = result.seconds_to_trace = hunt_start - start + report.seconds
-                result.detail = d.violations[0].message
-                result.seeds = str(seed + report.batches - 1)
-                result.fuzz_ops = len(d.ops)
-                result.note = "killed as policy drift: explore's hand-over takes defects only"
-                result.trace_path = report.drift_trace_path
-                killing = (d.config, tuple(d.ops))
     if killing is not None and not entry.control:
         _judge_unmutated(entry, *killing, result)
     result.seconds = time.monotonic() - start
@@ -199,6 +140,106 @@ def run_entry(
     else:
         prog.tick(f"SURVIVED {result.seconds:.1f}s ({result.steps} steps)", force=progress)
     return result
+
+
+def _fuzz_hunt(
+    entry: ZooEntry,
+    factory: Factory,
+    result: MutantResult,
+    prog: Progress,
+    start: float,
+    seed: int,
+    budget_s: float,
+    shrink_s: float,
+    out_dir: Path | None,
+    progress: bool,
+    max_batches: int | None,
+) -> tuple[Config, tuple[Op, ...]] | None:
+    """The fuzzer on the mutant for what is left of its budget, exactly as `kvretain fuzz` runs
+    it; a kill (a defect, else policy drift) is recorded in `result` and its killing
+    (config, operations) returned."""
+    hunt_start = time.monotonic()
+    report = run_fuzz(
+        entry.target,
+        factory=factory,
+        strategy=config_strategy(
+            entry.strategy,
+            allow_pinning=entry.target == "reference",
+            allow_fine=entry.target != "reference",
+            real_scheduler=entry.target in REAL_SCHEDULER_TARGETS,
+        ),
+        tolerated=entry.tolerated or (lambda v: False),
+        steps=None if max_batches is None else max_batches * EXAMPLES_PER_BATCH * STEPS_PER_EXAMPLE,
+        seed=seed,
+        budget_s=max(start + budget_s - hunt_start, 0.1),
+        shrink_s=shrink_s,
+        out_dir=out_dir or Path(tempfile.mkdtemp(prefix="kvretain-zoo-")),
+        trace_name=f"zoo-{entry.target}-{entry.name}.json",
+        progress=False,
+        log=(lambda line: prog.tick(line, force=True)) if progress else None,
+        stop_at_drift=True,
+    )
+    result.steps = report.stats.steps
+    result.seeds = f"{seed}..{seed + report.batches - 1}" if report.batches else "-"
+    if report.failure is not None and report.first_seen_s is not None:
+        return _defect_kill(
+            entry, factory, result, report, hunt_start - start, start, seed, budget_s, out_dir
+        )
+    if report.drift is not None:  # no defect, but a predicted policy decided otherwise
+        d = report.drift
+        result.killed, result.drift, result.check = True, True, "fuzz: policy_drift"
+        result.seconds_to_kill = result.seconds_to_trace = hunt_start - start + report.seconds
+        result.detail = d.violations[0].message
+        result.seeds = str(seed + report.batches - 1)
+        result.fuzz_ops = len(d.ops)
+        result.note = "killed as policy drift: explore's hand-over takes defects only"
+        result.trace_path = report.drift_trace_path
+        return (d.config, tuple(d.ops))
+    return None
+
+
+def _defect_kill(
+    entry: ZooEntry,
+    factory: Factory,
+    result: MutantResult,
+    report: FuzzReport,
+    hunt_offset: float,
+    start: float,
+    seed: int,
+    budget_s: float,
+    out_dir: Path | None,
+) -> tuple[Config, tuple[Op, ...]]:
+    """A fuzz kill by a broken contract: its checks and times recorded, its shrunk trace handed
+    to explore for the shortest one (written, naming the mutant, when `out_dir` is given)."""
+    assert report.failure is not None and report.first_seen_s is not None
+    best = report.failure
+    found = [v.check for v in best.violations]
+    result.killed, result.check = True, f"fuzz: {found[0]}"
+    result.also = tuple(dict.fromkeys(c for c in found[1:] if c != found[0]))
+    result.seconds_to_kill = hunt_offset + report.first_seen_s
+    result.seconds_to_trace = hunt_offset + report.seconds
+    result.detail = str(best.violations[0])
+    result.seeds = str(seed + report.batches - 1)
+    result.fuzz_ops = len(best.ops)
+    ops, v = _hand_over(
+        entry,
+        factory,
+        best.config,
+        tuple(best.ops),
+        best.violations[0],
+        result,
+        deadline=start + budget_s,
+    )
+    if out_dir is not None:
+        trace = Trace(
+            best.config,
+            list(ops),
+            seed + report.batches - 1,
+            entry.target,
+            f"mutant {entry.name}: {v}",
+        )
+        result.trace_path = write_trace(trace, out_dir / f"zoo-{entry.target}-{entry.name}.json")
+    return (best.config, ops)
 
 
 def _direct_checks(
