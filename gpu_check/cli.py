@@ -84,6 +84,8 @@ def _blocks_for(base: Config, tokens: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`kvretain gpu-check`: exit 0 when every cache mode holds against the baseline (retention
+    off) and at least one mode ran, 1 otherwise, 2 for bad usage."""
     from gpu_check.forward_pass import GPU_CHECK_LOOP
     from gpu_check.runner import default_config, default_modes, run_check
 
@@ -125,9 +127,7 @@ def run(args: argparse.Namespace) -> int:
         return _usage(f"--intervals must be comma-separated integers, got {args.intervals!r}")
     modes = default_modes(base, intervals)
     if quick:
-        modes = [m for m in modes if m.name in ("off", "dense", "r0", "pinned")] + [
-            m for m in modes if m.name.startswith("r") and m.name != "r0"
-        ][:1]
+        modes = _quick_modes(modes)
     factory = target_factory(args.target)
     try:
         factory(modes[0].config(base))
@@ -156,23 +156,42 @@ def run(args: argparse.Namespace) -> int:
     global LAST_REPORT
     LAST_REPORT = report
     if args.bench:
-        from gpu_check.bench import bench_attention
-
-        for line in bench_attention(device, seed=args.seed):
-            print(line)
-        minutes = report.seconds / 60.0
-        print(f"equivalence check: {report.tokens_checked / minutes:,.0f} checked tokens/minute")
+        _bench(report, device, args.seed)
     if args.trace_out and not report.ok:
-        from invariants.harness.trace import Trace, config_from_json, write_trace
-
-        bad = next(r for r in report.results if not r.ok)
-        cfg = config_from_json(_config_json(base, bad.mode, modes))
-        write_trace(
-            Trace(cfg, list(bad.ops), args.seed, args.target, f"gpu-check {bad.mode}: {bad.verdict}"),
-            args.trace_out,
-        )
-        print(f"gpu-check: op trace of mode {bad.mode} written to {args.trace_out}")
+        _write_failing_trace(args, report, base, modes)
     return 0 if report.ok else 1
+
+
+def _quick_modes(modes: list[Any]) -> list[Any]:
+    """`--quick`: retention off, dense, r0 and pinned, and the first interval mode."""
+    return [m for m in modes if m.name in ("off", "dense", "r0", "pinned")] + [
+        m for m in modes if m.name.startswith("r") and m.name != "r0"
+    ][:1]
+
+
+def _bench(report: CheckReport, device: str, seed: int) -> None:
+    """`--bench`: the attention kernels' timings, then the check's checked tokens per minute."""
+    from gpu_check.bench import bench_attention
+
+    for line in bench_attention(device, seed=seed):
+        print(line)
+    minutes = report.seconds / 60.0
+    print(f"equivalence check: {report.tokens_checked / minutes:,.0f} checked tokens/minute")
+
+
+def _write_failing_trace(
+    args: argparse.Namespace, report: CheckReport, base: Config, modes: list[Any]
+) -> None:
+    """`--trace-out`: the operations of the first mode that failed, as a trace `kvretain replay` runs."""
+    from invariants.harness.trace import Trace, config_from_json, write_trace
+
+    bad = next(r for r in report.results if not r.ok)
+    cfg = config_from_json(_config_json(base, bad.mode, modes))
+    write_trace(
+        Trace(cfg, list(bad.ops), args.seed, args.target, f"gpu-check {bad.mode}: {bad.verdict}"),
+        args.trace_out,
+    )
+    print(f"gpu-check: op trace of mode {bad.mode} written to {args.trace_out}")
 
 
 LAST_REPORT: CheckReport | None = None

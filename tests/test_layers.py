@@ -278,28 +278,57 @@ def test_size_limits() -> None:
     assert not flat and not big, f"too long: {[str(p.relative_to(ROOT)) for p in flat + big]}"
 
 
-# Rooms whose functions stay readable in one screen (issue 25).
-SHORT_FUNCTION_ROOMS = ("model", "invariants/harness", "invariants/targets")
+# Every project function stays readable in one screen (issue 25; issue 42's review extended it
+# from model/, invariants/harness and invariants/targets to the whole project): at most
+# MAX_FUNCTION_LINES lines from its `def` to its last line, docstring included. A function that
+# cannot reasonably be split (a table, one match statement) is allowed by name with its reason;
+# the limit is never raised.
 MAX_FUNCTION_LINES = 80
+LONG_FUNCTIONS_ALLOWED: dict[str, str] = {
+    # "path/to/module.py::function": "why it cannot be split",
+}
 
 
-def long_functions(path: Path, source: str) -> list[str]:
+def long_functions(path: Path, source: str, allowed: Mapping[str, str] = LONG_FUNCTIONS_ALLOWED) -> list[str]:
+    """`path:line name: N lines` for each function (nested ones too) over MAX_FUNCTION_LINES
+    lines that `allowed` does not name (`relative/path.py::name`)."""
+    rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
     return [
-        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        f"{rel}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
         for node in nodes(source)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         and node.end_lineno is not None
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+        and f"{rel}::{node.name}" not in allowed
     ]
 
 
 def test_no_function_over_80_lines() -> None:
-    paths = [p for room in SHORT_FUNCTION_ROOMS for p in sorted((ROOT / room).rglob("*.py"))]
-    found = [f for p in paths for f in long_functions(p, p.read_text())]
-    assert not found, "\n".join(found)
-    # Control: an 81-line function is reported.
-    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
-    assert long_functions(ROOT / "model" / "machine" / "pool.py", f"def f():\n{body}")
+    found = [f for p in project_files() for f in long_functions(p, p.read_text())]
+    assert not found, "split along its ideas (or allow it by name, with why):\n" + "\n".join(found)
+    assert {p.relative_to(ROOT).parts[0] for p in project_files()} == set(PROJECT)
+    # Every allowance still names a long function (a stale one would hide the next long one).
+    for key in LONG_FUNCTIONS_ALLOWED:
+        path, name = key.split("::")
+        unallowed = long_functions(ROOT / path, (ROOT / path).read_text(), {})
+        assert any(f" {name}: " in f for f in unallowed), f"stale allowance {key}"
+
+
+def test_long_function_control(tmp_path: Path) -> None:
+    """Control: a synthetic 81-line function (nested in a class) in a temp module is flagged;
+    80 lines pass; an allowance by name silences exactly that function."""
+
+    def module(lines: int) -> str:
+        body = "".join(f"        x{i} = {i}\n" for i in range(lines - 1))
+        return f"class C:\n    def long(self):\n{body}"
+
+    path = tmp_path / "synthetic.py"
+    path.write_text(module(MAX_FUNCTION_LINES + 1))
+    found = long_functions(path, path.read_text())
+    assert found == [f"{path.as_posix()}:2 long: {MAX_FUNCTION_LINES + 1} lines"]
+    assert long_functions(path, module(MAX_FUNCTION_LINES)) == []
+    assert long_functions(path, path.read_text(), {f"{path.as_posix()}::long": "a table"}) == []
+    assert long_functions(path, path.read_text(), {f"{path.as_posix()}::other": "a table"}) == found
 
 
 # ----------------------------------------------------------------------------- private reach

@@ -181,18 +181,23 @@ def control(
     return results
 
 
+def _run_sglang(args: argparse.Namespace) -> int:
+    """`zoo --target sglang`: SGLang's own mutants and hunt (invariants/cli/sglang.py); no explore grid."""
+    from invariants.cli.sglang import cmd_zoo_sglang
+
+    if args.explore:
+        return _err("--explore: the explore grid drives vLLM-shaped allocators; SGLang has no instances yet")
+
+    if args.only:
+        args.only = [n for item in args.only for n in item.split(",") if n]
+    return cmd_zoo_sglang(args)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.target == "sglang":  # its own mutants and hunt (invariants/cli/sglang.py)
-        from invariants.cli.sglang import cmd_zoo_sglang
-
-        if args.explore:
-            return _err(
-                "--explore: the explore grid drives vLLM-shaped allocators; SGLang has no instances yet"
-            )
-
-        if args.only:
-            args.only = [n for item in args.only for n in item.split(",") if n]
-        return cmd_zoo_sglang(args)
+    """`kvretain zoo`: every selected mutant hunted within its budget, then the unmutated target
+    run as a control; exit 0 only when every mutant is killed soundly and the control is clean."""
+    if args.target == "sglang":
+        return _run_sglang(args)
     from invariants.targets import TargetUnavailable, available_targets
 
     t_start = time.monotonic()
@@ -248,24 +253,7 @@ def run(args: argparse.Namespace) -> int:
         not_applicable=na,
         on_result=_progress_line,
     )
-    control_ok = True
-    if not args.no_control:
-        strategies = list(dict.fromkeys(e.strategy for e in entries))
-        checks = tuple(dict.fromkeys(c for e in entries for c in e.checks))
-        print(
-            f"[zoo] control: unmutated {args.target} over {', '.join(strategies)}",
-            file=sys.stderr,
-            flush=True,
-        )
-        ctl = control(
-            args.target, strategies, seed=args.seed, budget_s=min(budget, 10.0), out=out, checks=checks
-        )
-        control_ok = not any(r.killed for r in ctl)
-        flagged = [f"{r.strategy}: {r.check}: {r.detail[:100]}" for r in ctl if r.killed]
-        print(
-            f"control (unmutated {args.target}, {sum(r.steps for r in ctl)} steps over {len(ctl)} strategies): "
-            + ("clean" if control_ok else "FLAGGED: " + "; ".join(flagged))
-        )
+    control_ok = True if args.no_control else _unmutated_control(args, entries, budget, out)
     print(report.table())
     print(report.summary() + f"; wall {time.monotonic() - t0:.0f} s")
     for r in report.results:
@@ -276,6 +264,26 @@ def run(args: argparse.Namespace) -> int:
     rc = 0 if report.ok and control_ok else 1
     write_results(args, "zoo", zoo_cases(report, None if args.no_control else control_ok), rc)
     return rc
+
+
+def _unmutated_control(args: argparse.Namespace, entries: list[ZooEntry], budget: float, out: Path) -> bool:
+    """The unmutated target over every strategy the mutants used (at most 10 s each): clean, or
+    FLAGGED with what fired (a kill there means a check flags correct behaviour)."""
+    strategies = list(dict.fromkeys(e.strategy for e in entries))
+    checks = tuple(dict.fromkeys(c for e in entries for c in e.checks))
+    print(
+        f"[zoo] control: unmutated {args.target} over {', '.join(strategies)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    ctl = control(args.target, strategies, seed=args.seed, budget_s=min(budget, 10.0), out=out, checks=checks)
+    control_ok = not any(r.killed for r in ctl)
+    flagged = [f"{r.strategy}: {r.check}: {r.detail[:100]}" for r in ctl if r.killed]
+    print(
+        f"control (unmutated {args.target}, {sum(r.steps for r in ctl)} steps over {len(ctl)} strategies): "
+        + ("clean" if control_ok else "FLAGGED: " + "; ".join(flagged))
+    )
+    return control_ok
 
 
 def _explore(args: argparse.Namespace, entries: list[ZooEntry], budget: float, out: Path) -> int:

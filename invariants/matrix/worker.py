@@ -51,7 +51,7 @@ from invariants.harness.checker import Violation
 from invariants.harness.conformance import FEATURES, FINE_MAMBA_ROW
 from invariants.harness.fuzz import EXAMPLES_PER_BATCH, STEPS_PER_EXAMPLE
 from invariants.harness.known_findings import KnownFinding, explain, load_known_findings
-from invariants.harness.machine import build_machine
+from invariants.harness.machine import AllocatorMachine, build_machine
 from invariants.harness.replay import replay
 from invariants.harness.run_stats import FuzzStats, ViolationFound
 from invariants.harness.strategies import configs, engine_runnable
@@ -108,6 +108,39 @@ def _judge(version: str, caps: Capabilities, tolerate: frozenset[str]) -> Judge:
     return judge
 
 
+def _fuzz_batches(
+    machine: type[AllocatorMachine], stats: FuzzStats, prog: Progress, seed: int, shrink_at: float
+) -> tuple[int, ViolationFound | None, str | None]:
+    """Hypothesis batches of the stateful machine (batch i seeded `seed + i`, no shrinking)
+    until `shrink_at`, the first untolerated violation, or an error outside the checks (a
+    release rejecting a generated configuration): (batches run, the violation, the error)."""
+    batch, failure, error = 0, None, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        while time.monotonic() < shrink_at:
+            s = settings(
+                max_examples=EXAMPLES_PER_BATCH,
+                stateful_step_count=STEPS_PER_EXAMPLE,
+                deadline=None,
+                database=None,
+                print_blob=False,
+                phases=[Phase.generate],  # shrinking is ours, within the budget
+                suppress_health_check=list(HealthCheck),
+            )
+            test = hypothesis_seed(seed + batch)(get_state_machine_test(machine, settings=s))
+            batch += 1
+            try:
+                test()
+            except ViolationFound:
+                failure = stats.last_failure
+                break
+            except Exception as exc:  # e.g. the release rejects a generated configuration
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+                break
+            prog.tick(f"batch {batch}: {stats.steps} steps")
+    return batch, failure, error
+
+
 def run_check(
     name: str,
     strategy: st.SearchStrategy[Config],
@@ -138,31 +171,7 @@ def run_check(
     machine = build_machine(factory, strategy, stats, tolerated=tolerated)
     prog = Progress(f"matrix {version} {name}")
     start = time.monotonic()
-    shrink_at = start + budget_s * (1 - SHRINK_SHARE)
-    batch, failure, error = 0, None, None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        while time.monotonic() < shrink_at:
-            s = settings(
-                max_examples=EXAMPLES_PER_BATCH,
-                stateful_step_count=STEPS_PER_EXAMPLE,
-                deadline=None,
-                database=None,
-                print_blob=False,
-                phases=[Phase.generate],  # shrinking is ours, within the budget
-                suppress_health_check=list(HealthCheck),
-            )
-            test = hypothesis_seed(seed + batch)(get_state_machine_test(machine, settings=s))
-            batch += 1
-            try:
-                test()
-            except ViolationFound:
-                failure = stats.last_failure
-                break
-            except Exception as exc:  # e.g. the release rejects a generated configuration
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-                break
-            prog.tick(f"batch {batch}: {stats.steps} steps")
+    batch, failure, error = _fuzz_batches(machine, stats, prog, seed, start + budget_s * (1 - SHRINK_SHARE))
     result: dict[str, Any] = {
         "check": name,
         "target": target,
