@@ -79,3 +79,11 @@ matrix: setup
 
 clean:
 	rm -rf $(VENV) kvretain-traces .hypothesis build *.egg-info
+
+# Opt-in: the hot pure modules (invariants.compiled.COMPILED) compiled with mypyc into build/mypyc
+# (git-ignored; never beside the sources), about 1-2 min. kvretain uses the build while every
+# compiled source matches it (a stale one is ignored with a warning); KVRETAIN_PURE_PYTHON=1 opts out,
+# and the test suite runs pure Python. `kvretain bench --compare-compiled` says whether it pays.
+.PHONY: compiled
+compiled: setup
+	KVRETAIN_PURE_PYTHON=1 $(BIN)/python -m invariants.native.build

@@ -1,4 +1,5 @@
-"""Hypothesis profiles: `dev` (default, quick), `ci` (make test), `nightly` (deep).
+"""Hypothesis profiles: `dev` (default, quick), `ci` (make test), `nightly` (deep). The suite runs
+pure Python (KVRETAIN_PURE_PYTHON=1 unless set: `invariants.compiled`).
 
 The `release_envs` fixture: the cached older vLLM releases a test runs on.
 """
@@ -10,6 +11,10 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
+
+# Pure Python unless told otherwise, before anything of the project is imported: monkeypatches
+# and mutants edit Python functions that a compiled build (`make compiled`) would not call.
+os.environ.setdefault("KVRETAIN_PURE_PYTHON", "1")
 
 from invariants.targets.vllm_env import cache_root
 

@@ -350,6 +350,9 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from invariants.harness.bench import run_bench
 
+    if args.compare_compiled:
+        return _compare_compiled(args)
+
     if args.target == "sglang":
         from invariants.cli.sglang import cmd_bench_sglang
 
@@ -359,3 +362,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return run_production_bench(ops=args.requests * 10, seed=args.seed)
     return run_bench(requests=args.requests, seed=args.seed)
+
+
+def _compare_compiled(args: argparse.Namespace) -> int:
+    """`bench --compare-compiled`: checked/raw and explore's states per CPU second, pure Python
+    against the compiled build (`make compiled`), in one run; exit 1 if their certificates differ."""
+    from invariants.compiled import choose
+    from invariants.explore.bench import BENCH_INSTANCE
+    from invariants.explore.compiled_bench import compare as compare_explore
+    from invariants.harness.compiled_bench import compare as compare_checked
+
+    state, _ = choose(honour_env=False)
+    if not state.modules:
+        raise UsageError(f"--compare-compiled needs a usable compiled build: {state.why}")
+    print(
+        f"kvretain bench --compare-compiled: {args.requests} request cycles, seed {args.seed}; "
+        f"explore depth {args.explore_depth}; one child process per variant and round, CPU time"
+    )
+    compare_checked(args.requests, args.seed, args.rounds)
+    _, same = compare_explore("vllm-manager", BENCH_INSTANCE, args.explore_depth, args.rounds)
+    return 0 if same else 1

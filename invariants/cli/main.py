@@ -254,6 +254,17 @@ def _add_bench(sub: argparse._SubParsersAction[_Parser]) -> None:
         default="small",
         help="production: dsv4-flash, 156k blocks",
     )
+    b.add_argument(
+        "--compare-compiled",
+        action="store_true",
+        help="pure Python against the compiled build (make compiled): checked/raw and explore states/CPU s",
+    )
+    b.add_argument(
+        "--rounds", type=positive_int, default=2, help="with --compare-compiled: rounds per variant"
+    )
+    b.add_argument(
+        "--explore-depth", type=positive_int, default=4, help="with --compare-compiled: the search's depth"
+    )
     b.set_defaults(func=cmd_bench)
 
 
@@ -344,6 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"kvretain: error: {exc}", file=sys.stderr)
         return 2
+    from invariants.compiled import state
+
+    if state().modules:  # the opt-in mypyc build is in use (`make compiled`): say so first
+        print(f"kvretain: {state().line()}", file=sys.stderr)
     try:
         args = build_parser().parse_args(args_list)
         if args.vllm_python is not None:  # an abbreviation argparse expanded: split_vllm_python missed it

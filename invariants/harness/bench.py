@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from invariants.compiled import state as compiled_state
 from invariants.harness.checker import DEFAULT_AUDIT_EVERY, Checker
 from invariants.harness.known_findings import is_known_violation
 from invariants.report import table
@@ -210,6 +211,7 @@ def run_bench(requests: int = 300, seed: int = 0, log: Callable[[str], None] = p
         f"clock: CPU time of this process; raw and checked on vllm and vllm: best of {ROUNDS} alternating rounds "
         "(phase clocks off; the breakdown comes from one more run with them on)"
     )
+    log(f"code: {compiled_state().line()}")
     rows: list[tuple[object, ...]] = []
     raw = floor = 0.0
     best: dict[str, tuple[float, float, dict[str, float]]] = {}
