@@ -179,7 +179,8 @@ def state() -> State:
 def run_variant(module: str, args: Sequence[str], pure: bool, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run `python -m module *args` in a child process, pure Python (`pure`) or with the
     compiled build, and return the JSON object its last stdout line holds (what a bench child
-    measured). A child that fails raises RuntimeError with the end of its stderr."""
+    measured, with `state`: the `State.line()` it ran). A child that fails, or that ran the
+    other variant (a stale build falls back to pure Python), raises RuntimeError."""
     import subprocess
 
     env = dict(os.environ, **{PURE_ENV: "1" if pure else "0"})
@@ -193,4 +194,12 @@ def run_variant(module: str, args: Sequence[str], pure: bool, timeout_s: float =
     data = json.loads(lines[-1])
     if not isinstance(data, dict):
         raise RuntimeError(f"{module}: no JSON object on its last line")
+    ran = str(data.get("state", ""))
+    if ran.startswith("pure Python") != pure:  # a figure of the other variant would be no figure at all
+        raise RuntimeError(f"{module}: asked for {'pure Python' if pure else 'compiled'}, it ran {ran}")
     return data
+
+
+if __name__ == "__main__":  # what a child process runs, as JSON (`run_variant`'s own check)
+    install()
+    print(json.dumps({"state": state().line(), "modules": list(state().modules)}))

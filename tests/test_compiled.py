@@ -163,3 +163,17 @@ def test_compare_compiled_without_a_build_is_bad_usage(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     lines = [x for x in done.stderr.splitlines() if "error" in x]
     assert len(lines) == 1 and "--compare-compiled needs a usable compiled build" in lines[0], done.stderr
+
+
+def test_control_a_child_that_ran_the_other_variant_is_refused(tmp_path: Path) -> None:
+    """A stale build makes a "compiled" child run pure Python: its figure must not count."""
+    from invariants.compiled import DIR_ENV, run_variant
+
+    os.environ[DIR_ENV] = str(tmp_path)  # no build there: the child runs pure Python
+    try:
+        got = run_variant("invariants.compiled", [], pure=True)
+        assert got["state"].startswith("pure Python")
+        with pytest.raises(RuntimeError, match="asked for compiled, it ran pure Python"):
+            run_variant("invariants.compiled", [], pure=False)
+    finally:
+        os.environ.pop(DIR_ENV)
