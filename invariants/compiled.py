@@ -48,7 +48,8 @@ class State:
 
     def line(self) -> str:
         if self.modules:
-            return f"compiled (mypyc, {BUILD_DIR.relative_to(ROOT)}): {len(self.modules)} modules: {self.why}"
+            where = BUILD_DIR.relative_to(ROOT) if BUILD_DIR.is_relative_to(ROOT) else BUILD_DIR
+            return f"compiled (mypyc, {where}): {len(self.modules)} modules: {self.why}"
         return f"pure Python ({self.why})"
 
 

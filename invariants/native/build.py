@@ -25,7 +25,9 @@ from pathlib import Path
 from invariants.compiled import BUILD_DIR, MANIFEST_NAME, PURE_ENV, ROOT, source_hash
 
 # What `make compiled` compiles: the pure modules where the checked path and the search spend
-# their time (profiles of `kvretain bench` and `kvretain explore` on vllm-manager).
+# their time (profiles of `kvretain bench` and `kvretain explore` on vllm-manager) that mypyc
+# compiles and the search can still fingerprint. Measured (`kvretain bench --compare-compiled`,
+# docs/measurements.md): within the machine's noise of pure Python (+5% at best), so opt-in.
 COMPILED: tuple[str, ...] = (
     "model.contract.eagle",
     "model.contract.fine_mamba",
