@@ -40,7 +40,9 @@ def fake_build(tmp_path: Path, modules: tuple[str, ...] = ("model.contract.eagle
 
 
 def test_the_suite_runs_pure_python() -> None:
-    assert os.environ.get(PURE_ENV) not in (None, "", "0")
+    if os.environ.get(PURE_ENV) == "0":
+        pytest.skip(f"{PURE_ENV}=0: the suite was asked to run the compiled build")
+    assert os.environ.get(PURE_ENV) not in (None, "")
     assert compiled.state().modules == ()
     assert "is set" in compiled.state().line()
     assert model.contract.eagle.__file__ is not None and model.contract.eagle.__file__.endswith(".py")
