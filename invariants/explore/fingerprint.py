@@ -38,10 +38,12 @@ reached only by a merged-away path is outside what the search covers.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from invariants.catalogue import History
+from invariants.catalogue.isolation import IsolationLedger
 from invariants.targets import vllm_hidden_state
 from model.contract.config import Config, GroupSpec
 from model.contract.extra_keys import Keyed
@@ -118,6 +120,12 @@ def canonical(obj: Any, names: Names) -> Hashable:
         return ("queue", tuple(obj.blocks))
     if kind is Keyed:  # a prompt and its identity (`model.contract.extra_keys`): two tenants, two states
         return ("Keyed", obj.identity, tuple(obj))
+    if isinstance(obj, dict):  # a Counter or another dict subclass: its items, never its (empty) __dict__
+        return (kind.__name__, canonical(dict(obj), names))
+    if isinstance(obj, list):
+        return (kind.__name__, canonical(list(obj), names))
+    if isinstance(obj, (set, frozenset)):
+        return (kind.__name__, canonical(set(obj), names))
     if isinstance(obj, tuple):  # a named tuple or another tuple subclass
         return (kind.__name__, tuple([x if type(x) in _ATOMS else canonical(x, names) for x in obj]))
     attrs = getattr(obj, "__dict__", None)
@@ -141,24 +149,98 @@ def request_names(model: AllocatorModel, history: History) -> dict[str, str]:
     return names
 
 
-def history_image(history: History, free_blocks: tuple[int, ...], names: Names) -> Hashable:
-    """What of the history a later check can read, with ticks as ranks.
-
-    `free_tick` is written whenever a block enters the regular free queue and
-    read only for blocks in it, so only those entries count; ranks keep every
-    comparison between them (a missing entry reads as 0, the lowest)."""
+def _free_ranks(history: History, free: tuple[int, ...], names: Names) -> Hashable:
+    """`free_tick` as ranks over the free queue: written whenever a block enters the
+    regular free queue and read only for blocks in it, so only those entries count;
+    ranks keep every comparison between them (a missing entry reads as 0, the lowest)."""
     ticks = history.free_tick
-    values = sorted({0, *(ticks.get(b, 0) for b in free_blocks)})
+    values = sorted({0, *(ticks.get(b, 0) for b in free)})
     rank = {v: i for i, v in enumerate(values)}
-    return (
-        tuple([rank[ticks.get(b, 0)] for b in free_blocks]),
-        frozenset(history.evicted_in_place),
-        frozenset(history.ever_cached),
-        frozenset(history.shadow.items()),
-        canonical(history.requests, names),
-        canonical(history.finished, names),
-        history.forget_at,
-    )
+    return tuple([rank[ticks.get(b, 0)] for b in free])
+
+
+def _unwritten_image(history: History, free: tuple[int, ...], names: Names) -> Hashable:
+    """Blocks holding no valid KV, each with the tokens written into it since (`why`: report text)."""
+    return frozenset([(b, u.written) for b, u in history.unwritten.items()]) if history.unwritten else ()
+
+
+def _isolation_image(history: History, free: tuple[int, ...], names: Names) -> Hashable:
+    """The isolation ledger, field by field (`_LEDGER`); refuses a field it does not know."""
+    ledger = history.isolation
+    owner = {id(r): names.get(rid, rid) for rid, r in (*history.requests.items(), *history.finished.items())}
+    out: list[Hashable] = []
+    for k in vars(ledger):
+        how = _LEDGER.get(k)
+        if how is None:
+            raise UnknownStateType(f"fingerprint: IsolationLedger.{k} is neither imaged nor excluded")
+        if type(how) is not str:
+            out.append(how(ledger, names, owner))  # type: ignore[operator]
+    return tuple(out)
+
+
+def _wrote_image(ledger: IsolationLedger, names: Names, owner: Mapping[int, str]) -> Hashable:
+    """Each block's writer history: a live or finished request's by its name (its tokens are
+    in its own image and grow with it), any other (ended, forgotten) by its tokens."""
+    return frozenset([(b, owner.get(id(r)) or tuple(r.tokens)) for b, r in ledger.wrote.items()])
+
+
+def _router_image(ledger: IsolationLedger, names: Names, owner: Mapping[int, str]) -> Hashable:
+    """The router as the next operation finds it: `pending` (the last operation's events,
+    already judged) is applied to it before any check reads either. Walked generically:
+    its interned numbers follow the order keys were first seen, so states differing only
+    there are split, never merged."""
+    router = ledger.router
+    if ledger.pending:
+        router = copy.deepcopy(router)
+        router.apply(ledger.pending)
+    return canonical(router, names)
+
+
+_Ledger = Callable[[IsolationLedger, Names, Mapping[int, str]], Hashable]
+# Every field of `IsolationLedger`: how it is imaged, or why it is not.
+_LEDGER: dict[str, _Ledger | str] = {
+    "writer": lambda led, names, owner: frozenset(led.writer.items()),  # block -> Identity (no request id)
+    "wrote": _wrote_image,
+    "read": lambda led, names, owner: frozenset(
+        [(names.get(rid, rid), frozenset(blocks.items())) for rid, blocks in led.read.items()]
+    ),
+    "router": _router_image,
+    "pending": "imaged in `router`: the next operation applies it there before any check reads it",
+    "unjudged": "a tally of what the isolation checks could not judge: reported, read by no check",
+}
+
+_Imager = Callable[[History, tuple[int, ...], Names], Hashable]
+# Every field of `History`: how it is imaged (renamed, ticks as ranks), or why it is not.
+# `history_image` refuses a field in neither, as `canonical` refuses a type it does not know.
+_HISTORY: dict[str, _Imager | str] = {
+    "tick": "the clock: read only through `free_tick`, whose entries are imaged as ranks",
+    "free_tick": _free_ranks,
+    "evicted_in_place": lambda h, free, names: frozenset(h.evicted_in_place),
+    "ever_cached": lambda h, free, names: frozenset(h.ever_cached),
+    "shadow": lambda h, free, names: frozenset(h.shadow.items()),
+    "requests": lambda h, free, names: canonical(h.requests, names),
+    "finished": lambda h, free, names: canonical(h.finished, names),
+    "finished_tokens": "derived: the prompt and output tokens of `finished` (imaged), summed",
+    "forget_at": lambda h, free, names: h.forget_at,
+    "failed_load_ends": lambda h, free, names: h.failed_load_ends,
+    "unwritten": _unwritten_image,
+    "block_sizes": lambda h, free, names: h.block_sizes,
+    "isolation": _isolation_image,
+}
+
+
+def history_image(history: History, free_blocks: tuple[int, ...], names: Names) -> Hashable:
+    """What of the history a later check can read: every field of `History` imaged or
+    excluded by name with its reason (`_HISTORY`); a field in neither is refused
+    (`UnknownStateType`), so a field added later cannot be merged away unseen."""
+    out: list[Hashable] = []
+    for k in vars(history):
+        how = _HISTORY.get(k)
+        if how is None:
+            raise UnknownStateType(f"fingerprint: History.{k} is neither imaged nor excluded")
+        if type(how) is not str:
+            out.append(how(history, free_blocks, names))  # type: ignore[operator]
+    return tuple(out)
 
 
 def fingerprint(
