@@ -12,9 +12,11 @@ continuation does and what any check says about it:
   depend on a set's iteration order, which hash randomisation already varies);
   a free queue is its order head to tail, never its link dicts.
 - the checker's history (`invariants.catalogue.History`), which the invariants
-  read: request facts, the hash map as events rebuilt it, every key ever
-  cached, blocks evicted in place, and the free ticks as ranks (the checks
-  only compare ticks with each other, and every later tick is larger).
+  read, field by field (`_HISTORY`, `_LEDGER`): each imaged (request facts, the
+  hash map as events rebuilt it, every key ever cached, blocks evicted in place,
+  blocks a failed load left unwritten, the isolation ledger, the free ticks as
+  ranks: the checks only compare ticks with each other) or excluded by name with
+  its reason; a field in neither is refused, as the model walk refuses a type.
 - once the target has diverged from the model (a tolerated known finding on
   the path), the target's own snapshot.
 
