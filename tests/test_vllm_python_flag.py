@@ -1,7 +1,9 @@
 """`--vllm-python PATH`: shown where users look (`kvretain --help` and every
 command's help), taken out before argparse in either spelling, refused in one
 line when abbreviated, given twice or without a path, and refused with the pip
-line to run when the other environment lacks kvretain's runtime dependencies."""
+line to run when the other environment lacks kvretain's runtime dependencies; vLLM
+imported there once, by the re-run command (which refuses in one line where it does not
+import), not also by a probe."""
 
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def _fake_python(tmp_path: Path, import_rc: int) -> Path:
 
 
 def _probe_ok(monkeypatch):
-    monkeypatch.setattr(vllm_env, "probe_python", lambda python: (True, f"vLLM 9.9 at {python}", "9.9"))
+    monkeypatch.setattr(vllm_env, "probe_python", lambda python, **_: (True, f"vLLM 9.9 at {python}", "9.9"))
 
 
 def test_missing_runtime_dependencies_are_named(tmp_path, monkeypatch, capsys):
@@ -131,3 +133,49 @@ def test_runtime_requirements_are_pinned_as_dev_txt_pins_them():
     dev = (Path(__file__).resolve().parents[1] / "requirements" / "dev.txt").read_text().splitlines()
     assert all(req in dev for req in runtime_requirements())
     assert [r.split("==")[0] for r in runtime_requirements()] == ["hypothesis", "z3-solver"]
+
+
+def test_vllm_is_imported_once_by_the_rerun_command_not_by_the_probe(tmp_path, monkeypatch):
+    """The parent asks the other interpreter for vLLM's version only (no module imported)
+    and tells the re-run command to check the imports itself, which it needs anyway."""
+    asked: list[tuple[str, ...]] = []
+
+    def probe(python: str, modules: tuple[str, ...] = vllm_env.REQUIRED_MODULES) -> tuple[bool, str, str]:
+        asked.append(modules)
+        return True, f"vLLM 9.9 at {python}", "9.9"
+
+    monkeypatch.setattr(vllm_env, "probe_python", probe)
+    python = _fake_python(tmp_path, import_rc=0)
+    (tmp_path / "python").write_text(
+        (tmp_path / "python")
+        .read_text()
+        .replace("exit 0\n", f'echo "${vllm_env.IMPORT_CHECK_ENV}" > {tmp_path / "check"}\nexit 0\n')
+    )
+    assert main(["fuzz", "--target", "vllm", "--vllm-python", str(python)]) == 0
+    assert asked == [()]
+    assert (tmp_path / "check").read_text().strip() == str(python)
+
+
+def test_the_rerun_command_refuses_in_one_line_where_vllm_does_not_import(monkeypatch, capsys):
+    monkeypatch.setenv(vllm_env.IMPORT_CHECK_ENV, "/envs/branch/bin/python")
+    original = vllm_env.import_check_here
+    monkeypatch.setattr(
+        vllm_env, "import_check_here", lambda: original(modules=("json", "kvretain_no_such_module"))
+    )
+    assert main(["fuzz", "--target", "model", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "--vllm-python /envs/branch/bin/python: vllm" in err[0] and "cannot be imported" in err[0]
+    assert "kvretain_no_such_module: ModuleNotFoundError" in err[0]
+
+
+def test_control_the_import_check_passes_where_the_modules_import_and_runs_once(monkeypatch):
+    """Passes where they import; checks only in a re-run command, once (the variable is
+    cleared, so the commands it starts do not check again)."""
+    missing = ("kvretain_no_such_module",)
+    monkeypatch.delenv(vllm_env.IMPORT_CHECK_ENV, raising=False)
+    assert vllm_env.import_check_here(modules=missing) is None  # not a re-run command
+    monkeypatch.setenv(vllm_env.IMPORT_CHECK_ENV, "/envs/branch/bin/python")
+    assert vllm_env.import_check_here(modules=("json",)) is None
+    assert vllm_env.IMPORT_CHECK_ENV not in __import__("os").environ
+    assert vllm_env.import_check_here(modules=missing) is None

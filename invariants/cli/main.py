@@ -325,9 +325,11 @@ def _run_under(python: str, argv: list[str]) -> int:
     import os
     import subprocess
 
-    from invariants.targets.vllm_env import JUDGED_PYTHON_ENV, probe_python
+    from invariants.targets.vllm_env import IMPORT_CHECK_ENV, JUDGED_PYTHON_ENV, probe_python
 
-    ok, line, _ = probe_python(python)
+    # Its version only: whether vLLM imports there is checked by the re-run command itself,
+    # which imports it anyway (a probe importing it too cost a second vLLM import per command).
+    ok, line, _ = probe_python(python, modules=())
     if not ok:
         raise UsageError(line)
     imports = "; ".join(f"import {name}" for name in RUNTIME_DEPENDENCIES)
@@ -339,7 +341,7 @@ def _run_under(python: str, argv: list[str]) -> int:
     print(f"kvretain: running under {line}", file=sys.stderr, flush=True)
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, **{JUDGED_PYTHON_ENV: python})
+    env = dict(os.environ, PYTHONPATH=path, **{JUDGED_PYTHON_ENV: python, IMPORT_CHECK_ENV: python})
     return subprocess.call([python, "-m", "invariants.cli.main", *argv], env=env)
 
 
@@ -352,6 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         python, rest = split_vllm_python(args_list)
         if python is not None:
             return _run_under(python, rest)
+        from invariants.targets.vllm_env import import_check_here
+
+        failed = import_check_here()  # a command re-run by `--vllm-python`: does vLLM import here?
+        if failed:
+            raise UsageError(failed)
     except UsageError as exc:
         print(f"kvretain: error: {exc}", file=sys.stderr)
         return 2

@@ -157,8 +157,35 @@ def probe_python(
     if version is None:
         return False, f"--vllm-python {python}: vllm is not installed there; {INSTALL_HINT}", None
     if info.get("error"):
-        return False, f"--vllm-python {python}: vllm {version} cannot be imported: {info['error']}", version
+        return False, _import_failed(python, version, info["error"]), version
     return True, f"vLLM {version} (python {info.get('python')} at {python})", version
+
+
+def _import_failed(python: str, version: str, error: str) -> str:
+    return f"--vllm-python {python}: vllm {version} cannot be imported: {error}"
+
+
+IMPORT_CHECK_ENV = "KVRETAIN_IMPORT_CHECK"
+"""Set by `--vllm-python PATH` for the command it re-runs: check there, once, that vLLM
+imports (the parent probed only its version, so vLLM is imported once per command, not twice)."""
+
+
+def import_check_here(modules: tuple[str, ...] = REQUIRED_MODULES) -> str | None:
+    """In the re-run command (`IMPORT_CHECK_ENV` set, then cleared so that the commands it
+    starts do not check again): None when `modules` import in this interpreter, else the
+    one line `probe_python` would have printed for them."""
+    python = os.environ.pop(IMPORT_CHECK_ENV, None)
+    if python is None:
+        return None
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            version = importlib.metadata.version("vllm")
+            return _import_failed(python, version, f"{name}: {type(exc).__name__}: {first}")
+    return None
 
 
 # ----------------------------------------------------------------------------- release environments
