@@ -170,13 +170,21 @@ def _isolation_image(history: History, free: tuple[int, ...], names: Names) -> H
     """The isolation ledger, field by field (`_LEDGER`); refuses a field it does not know."""
     ledger = history.isolation
     owner = {id(r): names.get(rid, rid) for rid, r in (*history.requests.items(), *history.finished.items())}
+    return _by_table(ledger, _LEDGER, "IsolationLedger", names, owner)
+
+
+def _by_table(
+    obj: object, table: Mapping[str, Callable[..., Hashable] | str], label: str, *args: Any
+) -> Hashable:
+    """`obj`'s fields, each imaged as `table` says (a string: why it is left out); a field
+    the table does not name is refused, so a field added later cannot be merged away unseen."""
     out: list[Hashable] = []
-    for k in vars(ledger):
-        how = _LEDGER.get(k)
+    for k in vars(obj):
+        how = table.get(k)
         if how is None:
-            raise UnknownStateType(f"fingerprint: IsolationLedger.{k} is neither imaged nor excluded")
-        if type(how) is not str:
-            out.append(how(ledger, names, owner))  # type: ignore[operator]
+            raise UnknownStateType(f"fingerprint: {label}.{k} is neither imaged nor excluded")
+        if not isinstance(how, str):
+            out.append(how(obj, *args))
     return tuple(out)
 
 
@@ -235,14 +243,7 @@ def history_image(history: History, free_blocks: tuple[int, ...], names: Names) 
     """What of the history a later check can read: every field of `History` imaged or
     excluded by name with its reason (`_HISTORY`); a field in neither is refused
     (`UnknownStateType`), so a field added later cannot be merged away unseen."""
-    out: list[Hashable] = []
-    for k in vars(history):
-        how = _HISTORY.get(k)
-        if how is None:
-            raise UnknownStateType(f"fingerprint: History.{k} is neither imaged nor excluded")
-        if type(how) is not str:
-            out.append(how(history, free_blocks, names))  # type: ignore[operator]
-    return tuple(out)
+    return _by_table(history, _HISTORY, "History", free_blocks, names)
 
 
 def fingerprint(
