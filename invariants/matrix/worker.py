@@ -115,19 +115,20 @@ def _fuzz_batches(
     until `shrink_at`, the first untolerated violation, or an error outside the checks (a
     release rejecting a generated configuration): (batches run, the violation, the error)."""
     batch, failure, error = 0, None, None
+    s = settings(
+        max_examples=EXAMPLES_PER_BATCH,
+        stateful_step_count=STEPS_PER_EXAMPLE,
+        deadline=None,
+        database=None,
+        print_blob=False,
+        phases=[Phase.generate],  # shrinking is ours, within the budget
+        suppress_health_check=list(HealthCheck),
+    )
+    machine_test = get_state_machine_test(machine, settings=s)  # built once: it digests the machine's source
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         while time.monotonic() < shrink_at:
-            s = settings(
-                max_examples=EXAMPLES_PER_BATCH,
-                stateful_step_count=STEPS_PER_EXAMPLE,
-                deadline=None,
-                database=None,
-                print_blob=False,
-                phases=[Phase.generate],  # shrinking is ours, within the budget
-                suppress_health_check=list(HealthCheck),
-            )
-            test = hypothesis_seed(seed + batch)(get_state_machine_test(machine, settings=s))
+            test = hypothesis_seed(seed + batch)(machine_test)
             batch += 1
             try:
                 test()
