@@ -43,13 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from invariants.campaign import Session
+from invariants.campaign.wire import Receiver, Sender
 from invariants.explore.alphabet import alphabet, op_kind
 from invariants.explore.certificate import Certificate
 from invariants.explore.fingerprint import HIDDEN_STATE, fingerprint, merging
 from invariants.explore.fork import Freezer
 from invariants.explore.grid import MIN_SHARE_S, GridReport
 from invariants.explore.instances import Instance
-from invariants.explore.search import Limits, new_checker, replay, steps_text
+from invariants.explore.search import RESTORES, Limits, new_checker, replay, steps_text, unavailable
+from invariants.explore.undo import Revisit
 from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.harness.known_findings import explain
 from invariants.harness.trace import Trace, write_trace
@@ -91,6 +93,8 @@ class LayerSummary:
     expanded: int = 0
     frontier: int = 0
     cut: bool = False  # the deadline passed mid-layer
+    # the first expanded state whose checker live restore could not record: its key, why
+    unrestorable: tuple[Key, str] | None = None
 
 
 class _Cut(Exception):
@@ -147,6 +151,28 @@ def route(obj: Any, memo: dict[Any, int] | None = None) -> int:
     raise TypeError(f"route: cannot route a {kind.__qualname__} (add it with a process-independent hash)")
 
 
+def route_kept(obj: Any, memo: dict[Any, int], levels: int = 3) -> int:
+    """`route(obj)`, keeping in `memo` (by value) the routes of its tuples and frozensets
+    down to `levels` below it: states share most of their parts with states routed
+    before (a request's history, the isolation ledger), and a lookup hashes at C speed."""
+    kind = type(obj)
+    if not levels or (kind is not tuple and kind is not frozenset):
+        return route(obj, memo)
+    got = memo.get(obj)
+    if got is None:
+        if _PLAIN.issuperset(map(type, obj)):
+            got = hash(obj) & _MASK
+        elif kind is tuple:
+            got = 0x345678
+            for x in obj:
+                got = ((got ^ route_kept(x, memo, levels - 1)) * 1000003) & _MASK
+            got ^= len(obj)
+        else:
+            got = (sum(route_kept(x, memo, levels - 1) for x in obj) ^ 0xF5E7) & _MASK
+        memo[obj] = got
+    return got
+
+
 def _state_of(checker: Checker, diverged: bool, rename: bool, image: Any) -> Hashable:
     """The fingerprint the one-process search takes (`invariants.explore.search`)."""
     target = checker.target
@@ -179,27 +205,39 @@ class Shard:
         self.index, self.n = index, n
 
     def reset(
-        self, instance: Instance, target: str, factory: Factory | None = None, hidden_state: bool = True
+        self,
+        instance: Instance,
+        target: str,
+        factory: Factory | None = None,
+        hidden_state: bool = True,
+        restore: str = "live",
     ) -> None:
-        """Start a new search (the worker process, and what it imported, stay)."""
-        self.instance, self.target = instance, target
+        """Start a new search (the worker process, and what it imported, stay); `restore`
+        as the one-process search's (`invariants.explore.search.RESTORES`)."""
+        self.instance, self.target, self.restore = instance, target, restore
         self.factory = factory or target_factory(target)
         self.image = HIDDEN_STATE.get(target) if hidden_state else None
         self.rename = not instance.vocabulary
         self.freezer = Freezer()
         self.memo: dict[Any, int] = {}
         self.seen: set[Hashable] = set()
+        # Every successor this shard offered its owner, at any depth: the owner has it now
+        # (kept, or seen before), so reaching it again is never offered nor frozen again.
+        self.offered: set[Hashable] = set()
         self.frontier: list[_Node] = []
         self.kept: list[_Node] = []  # won by this shard's own successors: the next frontier's part
+        # The fingerprints offered to each other shard, and received from each (`wire`).
+        self.senders = [Sender() for _ in range(self.n)]
+        self.receivers = [Receiver() for _ in range(self.n)]
         self._reset_layer()
 
     def _reset_layer(self) -> None:
         self.pending: dict[Key, tuple[tuple[Op, ...], bytes, int, bool, Hashable]] = {}
-        self.produced: set[Hashable] = set()
         self.outbox: list[list[tuple[Key, Hashable]]] = [[] for _ in range(self.n)]
         self.log: list[tuple[Key, str, tuple[str, ...]]] = []
         self.summary = LayerSummary()
         self.winners: list[Key] = []
+        self.won: dict[Key, Hashable] = {}  # as owner: the new states this depth, by key
 
     def owner(self, state: Hashable) -> int:
         """The shard that owns `state`. Routed on the fingerprint's second part where it
@@ -208,7 +246,7 @@ class Shard:
         if self.n == 1:
             return 0
         part = state[1] if type(state) is tuple and len(state) > 1 else state
-        return route(part, self.memo) % self.n
+        return route_kept(part, self.memo) % self.n
 
     def root(self) -> tuple[bool, bool]:
         """Build the empty allocator; keep it when this shard owns its fingerprint. Returns
@@ -239,27 +277,33 @@ class Shard:
         except _Found:
             pass
         # Its own candidates stay here for `dedup` (no copy through Ray's object store).
-        return (s, *[[] if i == self.index else box for i, box in enumerate(self.outbox)])
+        boxes = [[] if i == self.index else self.senders[i].encode(box) for i, box in enumerate(self.outbox)]
+        return (s, *boxes)
 
     def _children(self, node: _Node, leaves: bool, deadline: float | None) -> None:
-        checker: Checker | None = self.freezer.thaw(node.frozen)
-        assert checker is not None
+        """As the one-process search's (`search._Search._children`): thawed once, restored
+        in place between operations where `restore` is live and the checker recordable."""
+        parent = Revisit(self.freezer, node.frozen)
+        base = parent.base
         ops = alphabet(
             self.instance,
-            checker.model,
+            base.model,
             node.next_rid,
-            _valid(checker),
-            checker.target.features.real_scheduler,
-            checker.target.features.engine_steps,
+            _valid(base),
+            base.target.features.real_scheduler,
+            base.target.features.engine_steps,
         )
+        if len(ops) > 1 and self.restore == "live":
+            why = parent.arm()
+            if why is not None:
+                self.restore = unavailable(why)
+                self.summary.unrestorable = (node.key, why)
         for j, op in enumerate(ops):
             if deadline is not None and time.monotonic() > deadline:
                 raise _Cut
-            if checker is None:
-                checker = self.freezer.thaw(node.frozen)
-            state = self._step(node, checker, op, (*node.key, j), leaves)
+            state = self._step(node, parent.checker(), op, (*node.key, j), leaves)
             if state != node.state:
-                checker = None  # moved on; a self-loop leaves a reusable copy (as the one-process search)
+                parent.moved()
 
     def _step(self, node: _Node, checker: Checker, op: Op, key: Key, leaves: bool) -> Hashable:
         path = (*node.path, op)
@@ -290,9 +334,9 @@ class Shard:
         if any(v.check == "crash" for v in found):
             return object()  # a tolerated crash leaves the target's state undefined
         state = _state_of(checker, diverged, self.rename, self.image)
-        if state in self.produced or state in self.seen:
-            return state  # a larger key than the one already offered, or seen here before
-        self.produced.add(state)
+        if state in self.offered or state in self.seen:
+            return state  # offered before (this depth with a smaller key, or earlier), or seen here
+        self.offered.add(state)
         owner = self.owner(state)
         data = b"" if leaves else self._frozen(checker, local=owner == self.index)
         self.pending[key] = (path, data, node.next_rid + isinstance(op, AddRequest), diverged, state)
@@ -313,7 +357,10 @@ class Shard:
         key; (how many, then per producer the keys it must ship here)."""
         best: dict[Hashable, tuple[Key, int]] = {}
         for producer, offered in enumerate(offers):
-            candidates = self.outbox[self.index] if producer == self.index else offered
+            if producer == self.index:
+                candidates = self.outbox[self.index]
+            else:
+                candidates = self.receivers[producer].decode(offered)
             for key, state in candidates:
                 if state in self.seen:
                     continue
@@ -322,9 +369,11 @@ class Shard:
                     best[state] = (key, producer)
         self.seen.update(best)
         wanted: list[list[Key]] = [[] for _ in range(self.n)]
-        for key, producer in best.values():
+        self.won = {}
+        for state, (key, producer) in best.items():
             wanted[producer].append(key)
-        self.winners = sorted(k for k, _ in best.values())
+            self.won[key] = state
+        self.winners = sorted(self.won)
         return (len(best), *wanted)
 
     def ship(self, *wanted: list[Key]) -> Any:
@@ -336,8 +385,8 @@ class Shard:
                 path, data, rid, diverged, state = self.pending[key]
                 if owner == self.index:
                     self.kept.append(_Node(key, path, data, rid, diverged, state))
-                else:
-                    out[owner].append((key, path, data, rid, diverged, state))
+                else:  # the owner has its fingerprint (`dedup`)
+                    out[owner].append((key, path, data, rid, diverged))
         self.pending = {}
         return tuple(out) if self.n > 1 else out[0]  # one return value: the list itself
 
@@ -345,12 +394,12 @@ class Shard:
         """As owner: the next frontier, in key order (a shipped checker re-frozen here)."""
         nodes = list(self.kept)
         for batch in shipped:
-            for key, path, data, rid, diverged, state in batch:
+            for key, path, data, rid, diverged in batch:
                 # A plain pickle thaws as it is; a cloudpickle is re-frozen by this shard's freezer.
                 frozen = data if self.freezer.plain else self.freezer.freeze(pickle.loads(data))
-                nodes.append(_Node(key, path, frozen, rid, diverged, state))
+                nodes.append(_Node(key, path, frozen, rid, diverged, self.won[key]))
         nodes.sort(key=lambda node: node.key)
-        self.frontier, self.kept = nodes, []
+        self.frontier, self.kept, self.won = nodes, [], {}
         return len(nodes)
 
     # ------------------------------------------------------------ a stop inside a layer
@@ -376,6 +425,8 @@ class Shard:
                 s.known[fid] = (count + 1, first, first_v)
         parent = stop[:-1]
         s.expanded = sum(node.key < parent for node in self.frontier)
+        gave_up = self.summary.unrestorable
+        s.unrestorable = gave_up if gave_up is not None and gave_up[0] <= parent else None
         return s, sum(k < stop for k in self.winners)
 
     # ------------------------------------------------------------ the fork check
@@ -411,11 +462,16 @@ def _merge(into: LayerSummary, s: LayerSummary) -> None:
             into.known[fid] = (mine[0] + count, *min((mine[1], mine[2]), (first, v), key=lambda x: x[0]))
     if s.found is not None and (into.found is None or s.found[0] < into.found[0]):
         into.found = s.found
+    if s.unrestorable is not None and (into.unrestorable is None or s.unrestorable < into.unrestorable):
+        into.unrestorable = s.unrestorable
 
 
 def _record(cert: Certificate, layer: LayerSummary) -> None:
-    """Add a layer's figures to the certificate (a finding's first message: the earliest)."""
+    """Add a layer's figures to the certificate (a finding's first message: the earliest;
+    live restore given up at the layer's first state it could not record)."""
     cert.transitions += layer.transitions
+    if cert.restore == "live" and layer.unrestorable is not None:
+        cert.restore = unavailable(layer.unrestorable[1])
     cert.op_kinds.update(layer.op_kinds)
     for fid in sorted(layer.known, key=lambda f: layer.known[f][1]):
         count, _, v = layer.known[fid]
@@ -464,9 +520,11 @@ class Driver:
             self.total_cpu_s += sum(spent)
         self._cpu = now
 
-    def start(self, instance: Instance, target: str, limits: Limits, factory: Factory | None) -> None:
+    def start(
+        self, instance: Instance, target: str, limits: Limits, factory: Factory | None, restore: str = "live"
+    ) -> None:
         self.instance, self.limits = instance, limits
-        _get([s.reset.remote(instance, target, factory) for s in self.shards])
+        _get([s.reset.remote(instance, target, factory, True, restore) for s in self.shards])
 
     def _placed(self, ray: Any) -> None:
         """Wait for every worker to start: a worker Ray cannot place (its CPUs taken) would
@@ -557,14 +615,17 @@ def explore_on_ray(
     out_dir: Path | None = None,
     progress: Progress | None = None,
     driver: Driver | None = None,
+    restore: str = "live",
 ) -> Certificate:
     """Search `instance` on `session`'s workers; the certificate (see the module docstring).
     `factory` replaces the target's constructor (Ray pickles it to the workers). `driver`:
-    shards already started (their start-up is then not in the certificate's time)."""
+    shards already started (their start-up is then not in the certificate's time).
+    `restore`: as the one-process search's (`invariants.explore.search.RESTORES`)."""
+    _known(restore)
     own = driver is None
     shards = driver or Driver(session)
     try:
-        return _explore(shards, instance, target, limits, factory, out_dir, progress)
+        return _explore(shards, instance, target, limits, factory, out_dir, progress, restore)
     finally:
         if own:
             shards.close()
@@ -578,11 +639,13 @@ def _explore(
     factory: Factory | None,
     out_dir: Path | None,
     progress: Progress | None,
+    restore: str,
 ) -> Certificate:
     cert = Certificate(instance.name, target, limits.depth)
     cert.merging = merging(target if target in HIDDEN_STATE else "")
+    cert.restore = restore
     start = time.monotonic()
-    driver.start(instance, target, limits, factory)
+    driver.start(instance, target, limits, factory, restore)
     try:
         roots = _get([s.root.remote() for s in driver.shards])
         if not any(owned for owned, _ in roots):
@@ -656,6 +719,11 @@ def _search(
     driver.fork_checks(cert)
 
 
+def _known(restore: str) -> None:
+    if restore not in RESTORES:
+        raise ValueError(f"restore must be one of {RESTORES}, got {restore!r}")
+
+
 def _counterexample(
     cert: Certificate,
     instance: Instance,
@@ -690,15 +758,19 @@ def explore_grid_on_ray(
     out_dir: Path | None = None,
     progress: Progress | None = None,
     factory: Factory | None = None,
+    restore: str = "live",
 ) -> GridReport:
     """Each instance in turn on every worker, the budget shared as `explore_grid` shares it
     (an equal share of what is left; an instance no time is left for is listed as skipped)."""
+    _known(restore)
     report = GridReport(target)
     start = time.monotonic()
     end = start + budget_s if budget_s is not None else None
     driver = Driver(session)
     try:
-        _grid(driver, report, instances, target, depth, max_states, end, out_dir, progress, factory)
+        _grid(
+            driver, report, instances, target, (depth, max_states, end, restore), out_dir, progress, factory
+        )
     finally:
         driver.close()
     report.seconds = time.monotonic() - start
@@ -710,13 +782,12 @@ def _grid(
     report: GridReport,
     instances: list[Instance],
     target: str,
-    depth: int,
-    max_states: int,
-    end: float | None,
+    bounds: tuple[int, int, float | None, str],
     out_dir: Path | None,
     progress: Progress | None,
     factory: Factory | None,
 ) -> None:
+    depth, max_states, end, restore = bounds
     for i, instance in enumerate(instances):
         deadline = None
         if end is not None:
@@ -728,5 +799,5 @@ def _grid(
                 continue
             deadline = time.monotonic() + share
         limits = Limits(depth, max_states, deadline)
-        cert = _explore(driver, instance, target, limits, factory, out_dir, progress)
+        cert = _explore(driver, instance, target, limits, factory, out_dir, progress, restore)
         report.certificates.append(cert)

@@ -247,6 +247,7 @@ def _on_ray(args: argparse.Namespace, instances: list[Instance], started: float)
             budget_s=max(args.budget_s - (time.monotonic() - started), 1.0),
             out_dir=Path(args.out),
             progress=Progress("explore", enabled=not args.quiet),
+            restore=args.restore,
         )
     finally:
         session.close()

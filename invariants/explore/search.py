@@ -42,7 +42,7 @@ from invariants.explore.certificate import Certificate
 from invariants.explore.fingerprint import HIDDEN_STATE, fingerprint, merging
 from invariants.explore.fork import Freezer
 from invariants.explore.instances import Instance
-from invariants.explore.undo import Checkpoint, Unrestorable
+from invariants.explore.undo import Revisit
 from invariants.harness.checker import Checker, InvalidOp, Violation
 from invariants.harness.known_findings import explain
 from invariants.harness.trace import Trace, write_trace
@@ -64,6 +64,12 @@ state once and restores that copy in place between its operations
 (`invariants.explore.undo.Checkpoint`); `pickle` thaws a fresh copy for each (the
 definition, kept for comparison: `kvretain explore --restore pickle`, `--bench`). Both
 search the same states in the same order: the certificate is the same."""
+
+
+def unavailable(why: str) -> str:
+    """The certificate's `restore` once live restore fell back to thawing (`why`: the
+    object `undo.Checkpoint` could not record)."""
+    return f"pickle (live restore unavailable: {why})"
 
 
 @dataclass(frozen=True)
@@ -186,7 +192,8 @@ class _Search:
 
     def _children(self, node: _Node) -> list[_Node]:
         """Try every operation from `node`; the new states it reaches."""
-        base = self.freezer.thaw(node.frozen)
+        parent = Revisit(self.freezer, node.frozen)
+        base = parent.base
         ops = alphabet(
             self.instance,
             base.model,
@@ -195,35 +202,20 @@ class _Search:
             base.target.features.real_scheduler,
             base.target.features.engine_steps,
         )
-        checkpoint = self._checkpoint(base) if len(ops) > 1 else None
-        checker: Checker | None = base
+        if len(ops) > 1 and self.cert.restore == "live":
+            why = parent.arm()
+            if why is not None:
+                self.cert.restore = unavailable(why)
         out = []
         for op in ops:
             if self.limits.deadline is not None and time.monotonic() > self.limits.deadline:
                 raise _Stop("budget spent")
-            if checker is None:
-                if checkpoint is not None:
-                    checkpoint.restore()
-                    checker = base
-                else:
-                    checker = self.freezer.thaw(node.frozen)
-            child, state = self._step(node, checker, op)
+            child, state = self._step(node, parent.checker(), op)
             if child is not None:
                 out.append(child)
             if state != node.state:
-                checker = None  # moved on; a self-loop (a probe, a no-op) leaves a reusable copy
+                parent.moved()
         return out
-
-    def _checkpoint(self, checker: Checker) -> Checkpoint | None:
-        """A checkpoint of the thawed parent to restore between its operations (`live`),
-        or None: thaw a copy per operation (`pickle`, or a graph `undo` cannot record)."""
-        if self.cert.restore != "live":
-            return None
-        try:
-            return Checkpoint.take(checker)
-        except Unrestorable as exc:
-            self.cert.restore = f"pickle (live restore unavailable: {exc})"
-            return None
 
     def _step(self, node: _Node, checker: Checker, op: Op) -> tuple[_Node | None, Hashable]:
         """Apply `op`; the child when its state is new, and its fingerprint."""

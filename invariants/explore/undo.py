@@ -22,6 +22,8 @@ restore never guesses.
 The contract a search relies on: after `restore()`, the root is observably the
 state it was at `take` (snapshot and fingerprint, hidden state included);
 `tests/test_explore_restore.py` compares whole searches against thawing.
+`Revisit` is how both searches (one process, and each shard of a campaign)
+return to a state between the operations they try from it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import functools
 import types
 from typing import Any
 
-from invariants.explore.fork import SHARED_TYPES
+from invariants.explore.fork import SHARED_TYPES, Freezer
+from invariants.harness.checker import Checker
 
 # Immutable values with no mutable parts: neither recorded nor walked.
 _ATOMS = frozenset({int, float, complex, str, bytes, bool, type(None), range, slice, type(Ellipsis)})
@@ -265,3 +268,41 @@ class Checkpoint:
                 tensor.detach().copy_(data)
             else:
                 tensor.detach().set_(data.clone())
+
+
+class Revisit:
+    """One expanded state, handed out once per operation tried from it: thawed once from
+    its frozen fork, then, after an operation moved it on, restored in place from a
+    checkpoint taken before the first (`arm`), or thawed afresh where no checkpoint was
+    taken (`restore="pickle"`, or `Unrestorable`). Either way each operation starts from
+    the state the fork holds; a search says which way it went (`explore.search.RESTORES`)."""
+
+    __slots__ = ("freezer", "frozen", "base", "checkpoint", "current")
+
+    def __init__(self, freezer: Freezer, frozen: bytes) -> None:
+        self.freezer, self.frozen = freezer, frozen
+        self.base: Checker = freezer.thaw(frozen)
+        self.checkpoint: Checkpoint | None = None
+        self.current: Checker | None = self.base
+
+    def arm(self) -> str | None:
+        """Checkpoint the thawed state; why it cannot be (the search thaws instead), or None."""
+        try:
+            self.checkpoint = Checkpoint.take(self.base)
+        except Unrestorable as exc:
+            return str(exc)
+        return None
+
+    def checker(self) -> Checker:
+        """The state as frozen: the live copy, restored or thawed if an operation moved it."""
+        if self.current is None:
+            if self.checkpoint is not None:
+                self.checkpoint.restore()
+                self.current = self.base
+            else:
+                self.current = self.freezer.thaw(self.frozen)
+        return self.current
+
+    def moved(self) -> None:
+        """The last operation changed the copy (a self-loop, a probe, leaves it reusable)."""
+        self.current = None
