@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import pickle
 import time
 import zlib
 from collections import Counter
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from invariants.campaign import Session
+from invariants.campaign.portable import Portable
 from invariants.campaign.wire import Receiver, Sender
 from invariants.explore.alphabet import alphabet, op_kind
 from invariants.explore.certificate import Certificate
@@ -218,7 +218,7 @@ class Shard:
         self.factory = factory or target_factory(target)
         self.image = HIDDEN_STATE.get(target) if hidden_state else None
         self.rename = not instance.vocabulary
-        self.freezer = Freezer()
+        self.freezer, self.portable = Freezer(), Portable()
         self.memo: dict[Any, int] = {}
         self.seen: set[Hashable] = set()
         # Every successor this shard offered its owner, at any depth: the owner has it now
@@ -344,13 +344,11 @@ class Shard:
         return state
 
     def _frozen(self, checker: Checker, local: bool) -> bytes:
-        """This shard's own freeze, or bytes any worker can load (cloudpickle carries the
-        closures and classes the local freezer shares by reference)."""
+        """This shard's own freeze, or bytes any worker can load (`portable`: what the
+        local freezer shares by reference, by name or by value)."""
         if local or self.freezer.plain:
             return self.freezer.freeze(checker)
-        import ray.cloudpickle
-
-        return bytes(ray.cloudpickle.dumps(checker, protocol=pickle.HIGHEST_PROTOCOL))
+        return self.portable.freeze(checker)
 
     def dedup(self, *offers: list[tuple[Key, Hashable]]) -> tuple[Any, ...]:
         """As owner: of every producer's candidates, the new states, each with its least
@@ -391,13 +389,12 @@ class Shard:
         return tuple(out) if self.n > 1 else out[0]  # one return value: the list itself
 
     def adopt(self, *shipped: list[tuple[Any, ...]]) -> int:
-        """As owner: the next frontier, in key order (a shipped checker re-frozen here)."""
+        """As owner: the next frontier, in key order (a shipped checker kept as it came:
+        `Freezer.thaw` loads plain and `portable` bytes alike)."""
         nodes = list(self.kept)
         for batch in shipped:
             for key, path, data, rid, diverged in batch:
-                # A plain pickle thaws as it is; a cloudpickle is re-frozen by this shard's freezer.
-                frozen = data if self.freezer.plain else self.freezer.freeze(pickle.loads(data))
-                nodes.append(_Node(key, path, frozen, rid, diverged, self.won[key]))
+                nodes.append(_Node(key, path, data, rid, diverged, self.won[key]))
         nodes.sort(key=lambda node: node.key)
         self.frontier, self.kept, self.won = nodes, [], {}
         return len(nodes)
