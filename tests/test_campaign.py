@@ -4,7 +4,9 @@
   one-process run writes (per-depth distinct counts, transitions, known
   findings, why it stopped, fork checks), also where the one-process search
   stops inside a layer (the state bound, a planted defect's shortest trace);
-  control: shards that forget the states of earlier depths change it;
+  control: shards that forget the states of earlier depths change it; so do
+  live restore where it cannot record (thawed instead, said so), a target plain
+  pickle refuses (frozen portably for its owner), and `restore="pickle"`;
 - a state's owner is the same in every process (`route`); control: `hash()`
   is not, so routing by it would expand a state on two workers;
 - a fuzz campaign over 8 seeds merges into one report whose counts are the
@@ -32,6 +34,9 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the optional Ray extra (requirements/ray.txt) is not installed")
 
+import test_campaign_shards  # noqa: E402
+from test_campaign_shards import HoldsModuleAndClosure, Ticking  # noqa: E402
+
 from invariants.campaign import Session, connect, parse_address  # noqa: E402
 from invariants.campaign.explore import CampaignError, Driver, Shard, explore_on_ray, route  # noqa: E402
 from invariants.cli.main import main  # noqa: E402
@@ -45,6 +50,7 @@ from model.contract.ops import Finish, Op, Preempt  # noqa: E402
 
 # Classes defined here travel to the Ray workers by value (the workers cannot import tests/).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(test_campaign_shards)
 
 FULL, SWA, TINY = grid_by_name(["full-p5-r2", "swa-p5-r2", "full-p3-r1"])
 
@@ -134,6 +140,25 @@ def test_explore_on_ray_writes_the_one_process_certificate(
     assert two.new_states == one.new_states and len(one.new_states) == depth + 1
     assert not _same(one.to_json(), two.to_json()), _same(one.to_json(), two.to_json())
     assert two.fork_checks == 2 and two.error is None
+
+
+@pytest.mark.parametrize(
+    ("factory", "restore"),
+    [(Ticking, "live"), (HoldsModuleAndClosure, "live"), (ModelTarget, "pickle")],
+    ids=["live-restore-unavailable", "portable-freeze", "restore-pickle"],
+)
+def test_restores_and_portable_freezes_write_the_one_process_certificate(
+    session: Session, shards: SharedDriver, factory: Any, restore: str
+) -> None:
+    """A checker live restore cannot record (thawed instead, and said so), one plain pickle
+    cannot freeze (sent to its owner as `campaign.portable` freezes it), and thawing per
+    operation: the certificate is the one-process search's, `restore` included."""
+    one = explore(FULL, factory, "model", Limits(3), restore=restore)
+    two = explore_on_ray(
+        session, FULL, "model", Limits(3), factory=factory, driver=shards.get(), restore=restore
+    )
+    assert not _same(one.to_json(), two.to_json()), _same(one.to_json(), two.to_json())
+    assert two.restore == ("live" if factory is HoldsModuleAndClosure else one.restore) and two.states > 100
 
 
 @pytest.mark.vllm
