@@ -12,11 +12,15 @@ fingerprint routes to i (`route(state) % n`, a hash that is the same in every
 process, unlike `hash()`). The search is level-synchronous:
 at each depth every shard expands the frontier states it owns exactly as the
 one-process search expands one (the same alphabet, checker, tolerance and
-fingerprint), and sends each successor's fingerprint to its owner; the owner
-drops those it has seen and keeps, for each new one, the candidate with the
-least *key* (the operation indices along its path); the producer then ships
-the kept states (a frozen checker) to their owners, which expand them at the
-next depth.
+fingerprint; thawed once and restored in place between operations, or thawed
+per operation, as `restore` says: `invariants.explore.undo.Revisit`), and
+sends each successor's fingerprint to its owner (each part once per pair of
+shards: `invariants.campaign.wire`); the owner drops those it has seen and
+keeps, for each new one, the candidate with the least *key* (the operation
+indices along its path); the producer then ships the kept states (a frozen
+checker, `invariants.campaign.portable` where the state changes worker) to
+their owners, which expand them at the next depth. A producer offers (and
+freezes) a fingerprint at most once per search: its owner holds it after.
 
 Why that is the one-process run: the one-process search appends a layer in
 the order of its parents and then of the alphabet, so by induction a layer is
