@@ -38,7 +38,8 @@ import test_campaign_shards  # noqa: E402
 from test_campaign_shards import HoldsModuleAndClosure, Ticking  # noqa: E402
 
 from invariants.campaign import Session, connect, parse_address  # noqa: E402
-from invariants.campaign.explore import CampaignError, Driver, Shard, explore_on_ray, route  # noqa: E402
+from invariants.campaign.explore import CampaignError, Driver, Shard, explore_on_ray  # noqa: E402
+from invariants.campaign.route import route  # noqa: E402
 from invariants.cli.main import main  # noqa: E402
 from invariants.errors import UsageError  # noqa: E402
 from invariants.explore.instances import Instance, grid_by_name  # noqa: E402

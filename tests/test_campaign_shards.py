@@ -29,8 +29,9 @@ import pytest
 pytest.importorskip("ray", reason="the optional Ray extra (requirements/ray.txt) is not installed")
 
 from invariants.campaign import portable  # noqa: E402
-from invariants.campaign.explore import Shard, route, route_kept  # noqa: E402
+from invariants.campaign.explore import Shard  # noqa: E402
 from invariants.campaign.portable import Portable  # noqa: E402
+from invariants.campaign.route import route, route_kept  # noqa: E402
 from invariants.campaign.wire import Receiver, Sender  # noqa: E402
 from invariants.explore.fork import Freezer  # noqa: E402
 from invariants.explore.instances import Instance, grid_by_name  # noqa: E402
