@@ -302,6 +302,10 @@ def test_explore_command_on_ray(
     assert "on Ray (local:2, 2 worker(s))" in capsys.readouterr().out
     cert = json.loads(out.read_text())["cases"][0]["figures"]
     assert cert["new_states_by_depth"] == explore(FULL, ModelTarget, "model", Limits(3)).new_states
+    assert cert["restore"] == "live"
+    assert main([*argv, "--restore", "pickle", "--json", str(out)]) == 0  # the workers thaw per operation
+    again = json.loads(out.read_text())["cases"][0]["figures"]
+    assert again["restore"] == "pickle" and again["new_states_by_depth"] == cert["new_states_by_depth"]
 
 
 @pytest.mark.parametrize(
