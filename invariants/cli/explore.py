@@ -92,7 +92,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--budget-s",
         type=positive_float,
         default=DEFAULT_BUDGET_S,
-        help="wall-clock bound for the whole grid (shared: each instance gets an equal share of what is left)",
+        help="wall-clock bound for the whole grid (shared: time an instance leaves passes to those not finished)",
     )
     p.add_argument(
         "--instance", action="append", metavar="NAME", help="search only this instance (repeatable, or a,b)"

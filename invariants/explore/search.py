@@ -74,11 +74,20 @@ def unavailable(why: str) -> str:
 
 @dataclass(frozen=True)
 class Limits:
-    """How far one instance's search may go; `deadline` is a `time.monotonic()` value."""
+    """How far one instance's search may go; `deadline` is a `time.monotonic()` value,
+    which `moved` (when given) may only put later while the search runs: a grid's shared
+    budget (`invariants.explore.grid.Shares`), read once `deadline` has passed."""
 
     depth: int
     max_states: int = 50_000
     deadline: float | None = None
+    moved: Callable[[], float] | None = None
+
+    def spent(self, now: float) -> bool:
+        """Whether the time is up at `now` (`time.monotonic()`)."""
+        if self.deadline is None or now <= self.deadline:
+            return False
+        return self.moved is None or now > self.moved()
 
 
 @dataclass
@@ -208,7 +217,7 @@ class _Search:
                 self.cert.restore = unavailable(why)
         out = []
         for op in ops:
-            if self.limits.deadline is not None and time.monotonic() > self.limits.deadline:
+            if self.limits.spent(time.monotonic()):
                 raise _Stop("budget spent")
             child, state = self._step(node, parent.checker(), op)
             if child is not None:
