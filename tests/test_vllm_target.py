@@ -562,6 +562,26 @@ def test_version_detection() -> None:
     )
 
 
+def test_the_installed_version_is_read_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every vLLM target asks for the installed version: its metadata is parsed once per
+    process (parsing it was about a sixth of building a target). Control: the reader
+    without its cache parses it on every call."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    reads: list[str] = []
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: reads.append(name) or real(name))
+    vllm_version.cache_clear()
+    try:
+        assert vllm_version() == vllm_version() == real("vllm")
+        assert reads == ["vllm"]
+        reads.clear()
+        assert vllm_version.__wrapped__() == vllm_version.__wrapped__()
+        assert reads == ["vllm", "vllm"]
+    finally:
+        vllm_version.cache_clear()
+
+
 def test_probe_python_reports_a_missing_interpreter() -> None:
     ok, line, version = probe_python("/nonexistent/python")
     assert not ok and "no such interpreter" in line and version is None

@@ -74,8 +74,10 @@ def vllm_available() -> tuple[bool, str]:
     return True, f"vLLM {version}"
 
 
+@functools.cache
 def vllm_version() -> str | None:
-    """The installed vLLM version (package metadata, no import), or None."""
+    """The installed vLLM version (package metadata, no import), or None. Read once per
+    process (every vLLM target asks; parsing the metadata was a quarter of building one)."""
     try:
         return importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
